@@ -1,0 +1,108 @@
+// The chunked head engine: loss, per-token outputs, dX and dW of f(X·Wᵀ + b) computed a block
+// of rows at a time, so the [N, V] logits are never materialised.
+//
+// Per chunk: z = X_c·Wᵀ (+ b) in the head's dtype, upcast to fp32, y_c = f(z, …) (a registered
+// TransformFunction), then autograd gives dz; dX_c = dz·W and dW += dzᵀ·X_c (db += Σ dz),
+// accumulated in the head's gradient dtype (fp32 by default).
+//
+// Reductions over the valid tokens (targets != ignore_index; all tokens when no targets):
+//   none          per-token y_i (0 at ignored positions)             two-phase only
+//   sum           Σ y_i / normalizer            (normalizer default 1)
+//   mean          Σ y_i / normalizer            (normalizer default: valid tokens in this call)
+//   weighted_sum  Σ w_i·y_i / normalizer        (normalizer default 1)
+// The denominator is fixed before the first chunk, so results do not depend on the chunk size,
+// and a caller-supplied normalizer (e.g. the tokens of a whole accumulated batch across
+// micro-batches and ranks) makes gradient accumulation exact. A mean over zero valid tokens
+// is 0 with zero gradients (not NaN).
+//
+// Every entry point validates all of its inputs before touching any state: an error leaves the
+// gradient buffers bit-identical.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <torch/torch.h>
+
+#include "absl/status/statusor.h"
+#include "remotehead/core/functions.h"
+#include "remotehead/core/head.h"
+
+namespace remotehead::core {
+
+enum class Reduction { kNone, kSum, kMean, kWeightedSum };
+absl::StatusOr<Reduction> ParseReduction(std::string_view name);
+std::string_view ReductionName(Reduction reduction);
+
+// Used when neither chunk_rows nor memory_budget_bytes is given.
+inline constexpr int64_t kDefaultMemoryBudgetBytes = int64_t{64} << 20;
+
+struct TokenBatch {
+  torch::Tensor hidden;   // X [N, D], the head's dtype and device
+  torch::Tensor targets;  // [N] int64 or int32 in [0, V) or ignore_index; optional for
+                          // functions that need none (then every token is valid)
+  torch::Tensor weights;  // [N] floating; required by (and only allowed with) weighted_sum
+  AuxTensors aux;         // [N] floating per-token inputs the function names (e.g. advantages)
+};
+
+struct StepOptions {
+  std::string function = "cross_entropy";
+  FunctionParams params;  // function options, plus the common temperature / softcap
+  Reduction reduction = Reduction::kMean;
+  std::optional<double> normalizer;  // > 0; see the reduction table above
+  int64_t ignore_index = -100;
+  int64_t chunk_rows = 0;           // rows per chunk; 0 = derive from memory_budget_bytes
+  int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = kDefaultMemoryBudgetBytes
+  double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
+};
+
+struct StepStats {
+  int64_t valid_tokens = 0;
+  double denominator = 1.0;  // what Σ was divided by
+  int64_t chunk_rows = 0;    // the chunk size actually used
+  int64_t num_chunks = 0;
+  // Σ over valid tokens of each per-token diagnostic the function reports (e.g. "nll",
+  // "z_loss", "kl"); sums, so they add exactly across micro-batches.
+  std::map<std::string, double> extras;
+};
+
+struct FusedResult {
+  double loss = 0.0;           // the reduced loss (not multiplied by upstream_scale)
+  torch::Tensor grad_hidden;   // dX [N, D] in the head's dtype
+  StepStats stats;
+};
+
+struct ForwardResult {
+  // reduction none: per-token outputs [N] fp32 (0 at ignored positions); otherwise a 0-d fp32.
+  torch::Tensor output;
+  StepStats stats;
+};
+
+// Fused mode: the scalar loss, dX and (if `grads` is not null) dW/db += in one pass, three
+// GEMMs per chunk, no recompute. `grad_hidden_out`, if defined, receives dX in place
+// ([N, D], the head's dtype, contiguous) instead of a newly allocated tensor.
+absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBatch& batch,
+                                                 const StepOptions& options,
+                                                 GradientBuffers* grads,
+                                                 torch::Tensor grad_hidden_out = {});
+
+// Two-phase mode, phase 1: outputs only, no gradients, no state touched.
+absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
+                                      const StepOptions& options);
+
+// Two-phase mode, phase 2: given dL/d(output) — [N] for reduction none, a scalar otherwise —
+// recomputes each chunk's logits, returns dX and (if `grads` is not null) adds dW/db.
+absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch,
+                                       const StepOptions& options,
+                                       const torch::Tensor& grad_output, GradientBuffers* grads,
+                                       torch::Tensor grad_hidden_out = {});
+
+// The rows per chunk a call with these options would use (after validation of the budget).
+absl::StatusOr<int64_t> ResolveChunkRows(const Head& head, const TransformFunction& fn,
+                                         const FunctionParams& params,
+                                         const StepOptions& options);
+
+}  // namespace remotehead::core

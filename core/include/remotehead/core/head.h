@@ -1,0 +1,87 @@
+// A served LM head: the vocabulary projection W [V, D] (and optional bias [V]) on one device,
+// with the gradient accumulators that every gradient-producing call adds into.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include <torch/torch.h>
+
+#include "absl/status/statusor.h"
+
+namespace remotehead::core {
+
+// "float32" / "fp32", "bfloat16" / "bf16", "float16" / "fp16" — the dtypes a head may hold —
+// and "float64", accepted for verification (finite-difference checks), not for serving.
+absl::StatusOr<torch::ScalarType> ParseHeadDtype(std::string_view name);
+std::string DtypeName(torch::ScalarType dtype);
+
+// Where dW / db accumulate. Kept apart from the head so a caller (e.g. the server) can
+// accumulate one request into scratch buffers and commit them only when the request succeeds.
+struct GradientBuffers {
+  torch::Tensor weight;  // [V, D]
+  torch::Tensor bias;    // [V], undefined when the head has no bias
+};
+
+struct HeadInit {
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  torch::ScalarType dtype = torch::kFloat;
+  bool bias = false;
+  uint64_t seed = 0;
+  double init_std = 0.02;  // W ~ N(0, init_std²), bias = 0 (the usual LM-head initialisation)
+};
+
+struct HeadOptions {
+  torch::Device device = torch::kCPU;
+  // dtype of the dW / db accumulators: float32 (default, exact accumulation over many
+  // micro-batches) or the head's own dtype (halves the gradient memory of a bf16 head).
+  torch::ScalarType grad_dtype = torch::kFloat;
+};
+
+class Head {
+ public:
+  // Takes W [V, D] and optional bias [V] (undefined tensor for none); copies them to
+  // options.device in W's dtype. W must be float32, bfloat16, float16 (or float64) and finite.
+  static absl::StatusOr<std::unique_ptr<Head>> FromTensors(const torch::Tensor& weight,
+                                                           const torch::Tensor& bias,
+                                                           const HeadOptions& options);
+  // Deterministic initialisation: the same seed gives bit-identical weights on any device.
+  static absl::StatusOr<std::unique_ptr<Head>> Initialize(const HeadInit& init,
+                                                          const HeadOptions& options);
+
+  int64_t vocab_size() const { return weight_.size(0); }
+  int64_t hidden_size() const { return weight_.size(1); }
+  torch::ScalarType dtype() const { return weight_.scalar_type(); }
+  torch::Device device() const { return weight_.device(); }
+  bool has_bias() const { return bias_.defined(); }
+
+  const torch::Tensor& weight() const { return weight_; }
+  const torch::Tensor& bias() const { return bias_; }
+  // For optimizers, which update the parameters in place and then call BumpVersion().
+  torch::Tensor& mutable_weight() { return weight_; }
+  torch::Tensor& mutable_bias() { return bias_; }
+
+  GradientBuffers& grads() { return grads_; }
+  const GradientBuffers& grads() const { return grads_; }
+  // Fresh zero buffers shaped like this head's accumulators (for per-request scratch).
+  GradientBuffers NewGradientBuffers() const;
+  void ZeroGrad();
+
+  // Incremented whenever the weights change, so callers can detect stale work.
+  int64_t version() const { return version_; }
+  void BumpVersion() { ++version_; }
+
+ private:
+  Head(torch::Tensor weight, torch::Tensor bias, torch::ScalarType grad_dtype);
+
+  torch::Tensor weight_;
+  torch::Tensor bias_;
+  torch::ScalarType grad_dtype_;
+  GradientBuffers grads_;
+  int64_t version_ = 0;
+};
+
+}  // namespace remotehead::core

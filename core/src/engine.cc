@@ -1,0 +1,510 @@
+#include "remotehead/core/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::core {
+namespace {
+
+// Everything a call needs, decided and validated before the first chunk is computed.
+struct Plan {
+  const TransformFunction* fn = nullptr;
+  FunctionParams params;
+  Reduction reduction = Reduction::kMean;
+  int64_t rows = 0;        // N
+  int64_t chunk_rows = 0;  // never above max(N, 1)
+  int64_t valid_tokens = 0;
+  double denominator = 1.0;
+  int64_t ignore_index = -100;
+};
+
+bool IsFloating(torch::ScalarType t) {
+  return t == torch::kFloat || t == torch::kDouble || t == torch::kBFloat16 || t == torch::kHalf;
+}
+
+std::string ShapeOf(const torch::Tensor& t) {
+  return t.defined() ? c10::str(t.sizes()) : std::string("no tensor");
+}
+
+// First row of `t` ([N] or [N, D]) holding NaN or Inf, or -1 if all values are finite.
+int64_t FirstNonFiniteRow(const torch::Tensor& t) {
+  const torch::Tensor bad = torch::isfinite(t).logical_not();
+  const torch::Tensor rows = t.dim() == 1 ? bad : bad.any(1);
+  if (!rows.any().item<bool>()) return -1;
+  return rows.nonzero()[0][0].item<int64_t>();
+}
+
+// Checks a per-token input: [N], on `device`, floating (or integral when `integral`).
+absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int64_t n,
+                           const torch::Device& device, bool integral) {
+  if (t.dim() != 1 || t.size(0) != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected shape [", n, "] (one per row of hidden); got ",
+                     ShapeOf(t)));
+  }
+  if (t.device() != device) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected device ", device.str(),
+                                                   "; got ", t.device().str()));
+  }
+  const torch::ScalarType dt = t.scalar_type();
+  if (integral ? (dt != torch::kLong && dt != torch::kInt) : !IsFloating(dt)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": expected dtype ", integral ? "int64 or int32" : "a floating dtype", "; got ",
+        DtypeName(dt)));
+  }
+  if (!integral) {
+    const int64_t bad = FirstNonFiniteRow(t);
+    if (bad >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", bad,
+                                                     "]: expected a finite value; got ",
+                                                     t[bad].item<double>()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan& plan) {
+  RETURN_IF_ERROR(CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true));
+  const torch::Tensor t = batch.targets;
+  const torch::Tensor bad =
+      (t != plan.ignore_index).logical_and((t < 0).logical_or(t >= head.vocab_size()));
+  if (bad.any().item<bool>()) {
+    const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+    return absl::InvalidArgumentError(
+        absl::StrCat("targets[", i, "]: expected a token id in [0, ", head.vocab_size(),
+                     ") or ignore_index (", plan.ignore_index, "); got ",
+                     t[i].item<int64_t>()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& plan) {
+  const TransformFunction& fn = *plan.fn;
+  for (const auto& [name, tensor] : batch.aux) {
+    const bool known =
+        std::count(fn.required_aux.begin(), fn.required_aux.end(), name) +
+            std::count(fn.optional_aux.begin(), fn.optional_aux.end(), name) > 0;
+    if (!known) {
+      std::vector<std::string> accepted = fn.required_aux;
+      accepted.insert(accepted.end(), fn.optional_aux.begin(), fn.optional_aux.end());
+      return absl::InvalidArgumentError(absl::StrCat(
+          "aux[\"", name, "\"]: function ", fn.name, " accepts ",
+          accepted.empty() ? std::string("no per-token inputs")
+                           : absl::StrCat("only ", absl::StrJoin(accepted, ", "))));
+    }
+    RETURN_IF_ERROR(CheckPerToken(tensor, absl::StrCat("aux[\"", name, "\"]"), plan.rows,
+                                  head.device(), false));
+  }
+  for (const std::string& name : fn.required_aux) {
+    if (!batch.aux.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("aux[\"", name, "\"]: function ", fn.name,
+                                                     " needs this per-token input; got none"));
+    }
+  }
+  if (fn.validate) RETURN_IF_ERROR(fn.validate(plan.params, batch.aux));
+  return absl::OkStatus();
+}
+
+absl::Status CheckHidden(const Head& head, const TokenBatch& batch) {
+  const torch::Tensor& x = batch.hidden;
+  if (!x.defined() || x.dim() != 2 || x.size(1) != head.hidden_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden: expected shape [N, ",
+                                                   head.hidden_size(), "]; got ", ShapeOf(x)));
+  }
+  if (x.scalar_type() != head.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden.dtype: expected ",
+                                                   DtypeName(head.dtype()), " (the head's); got ",
+                                                   DtypeName(x.scalar_type())));
+  }
+  if (x.device() != head.device()) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden: expected device ",
+                                                   head.device().str(), "; got ",
+                                                   x.device().str()));
+  }
+  return absl::OkStatus();
+}
+
+// Row-chunked so that the check's own memory stays within one chunk.
+absl::Status CheckHiddenFinite(const torch::Tensor& x, int64_t chunk_rows) {
+  torch::NoGradGuard no_grad;
+  for (int64_t start = 0; start < x.size(0); start += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, x.size(0) - start);
+    const int64_t bad = FirstNonFiniteRow(x.narrow(0, start, rows));
+    if (bad >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "hidden[", start + bad, "]: expected finite values; got NaN or Inf"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckGradientBuffers(const Head& head, const GradientBuffers* grads) {
+  if (grads == nullptr) return absl::OkStatus();
+  const torch::Tensor& w = grads->weight;
+  if (!w.defined() || w.sizes() != head.weight().sizes() || w.device() != head.device() ||
+      (w.scalar_type() != torch::kFloat && w.scalar_type() != head.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grads.weight: expected ", c10::str(head.weight().sizes()), " float32 or ",
+        DtypeName(head.dtype()), " on ", head.device().str(), "; got ", ShapeOf(w),
+        w.defined() ? absl::StrCat(" ", DtypeName(w.scalar_type()), " on ", w.device().str())
+                    : ""));
+  }
+  if (head.has_bias() != grads->bias.defined() ||
+      (head.has_bias() && (grads->bias.sizes() != head.bias().sizes() ||
+                           grads->bias.device() != head.device()))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grads.bias: expected ", head.has_bias() ? c10::str(head.bias().sizes()) : "none",
+        "; got ", ShapeOf(grads->bias)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckGradHiddenOut(const Head& head, const Plan& plan, const torch::Tensor& out) {
+  if (!out.defined()) return absl::OkStatus();
+  if (out.dim() != 2 || out.size(0) != plan.rows || out.size(1) != head.hidden_size() ||
+      out.scalar_type() != head.dtype() || out.device() != head.device() ||
+      !out.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grad_hidden_out: expected a contiguous [", plan.rows, ", ", head.hidden_size(), "] ",
+        DtypeName(head.dtype()), " tensor on ", head.device().str(), "; got ", ShapeOf(out)));
+  }
+  return absl::OkStatus();
+}
+
+// Validates every input and fixes the chunk size and the reduction's denominator.
+absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
+                              const StepOptions& options) {
+  Plan plan;
+  ASSIGN_OR_RETURN(plan.fn, FunctionRegistry::Builtin().Find(options.function));
+  ASSIGN_OR_RETURN(plan.params, FunctionRegistry::Builtin().ResolveParams(*plan.fn,
+                                                                          options.params));
+  plan.reduction = options.reduction;
+  plan.ignore_index = options.ignore_index;
+  RETURN_IF_ERROR(CheckHidden(head, batch));
+  plan.rows = batch.hidden.size(0);
+
+  torch::NoGradGuard no_grad;
+  if (batch.targets.defined()) {
+    RETURN_IF_ERROR(CheckTargets(head, batch, plan));
+  } else if (plan.fn->needs_targets) {
+    return absl::InvalidArgumentError(absl::StrCat("targets: function ", plan.fn->name,
+                                                   " needs per-token targets [", plan.rows,
+                                                   "]; got none"));
+  }
+  if (options.reduction == Reduction::kWeightedSum) {
+    if (!batch.weights.defined()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weights: reduction weighted_sum needs per-token weights [", plan.rows,
+          "]; got none"));
+    }
+    RETURN_IF_ERROR(CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false));
+  } else if (batch.weights.defined()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weights: only used by reduction weighted_sum; got weights with reduction ",
+        std::string(ReductionName(options.reduction))));
+  }
+  RETURN_IF_ERROR(CheckAux(head, batch, plan));
+  if (options.normalizer.has_value() &&
+      (!std::isfinite(*options.normalizer) || *options.normalizer <= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "normalizer: expected a finite value > 0; got ", *options.normalizer));
+  }
+  if (!std::isfinite(options.upstream_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("upstream_scale: expected a finite value; got ", options.upstream_scale));
+  }
+  ASSIGN_OR_RETURN(int64_t chunk_rows,
+                   ResolveChunkRows(head, *plan.fn, plan.params, options));
+  plan.chunk_rows = std::min(chunk_rows, std::max<int64_t>(plan.rows, 1));
+  RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, plan.chunk_rows));
+
+  plan.valid_tokens = batch.targets.defined()
+                          ? (batch.targets != options.ignore_index).sum().item<int64_t>()
+                          : plan.rows;
+  if (options.normalizer.has_value()) {
+    plan.denominator = *options.normalizer;
+  } else if (options.reduction == Reduction::kMean) {
+    plan.denominator = std::max<int64_t>(plan.valid_tokens, 1);  // Σ over 0 tokens is 0
+  }
+  return plan;
+}
+
+// The dtype the function sees: fp32, or fp64 for a float64 (verification) head.
+torch::ScalarType LogitsDtype(const Head& head) {
+  return head.dtype() == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
+
+// z = X_c·Wᵀ (+ b) in the head's dtype, upcast to fp32: the upcast keeps softmax and its
+// gradient numerically sound; chunking is what keeps the fp32 copy affordable.
+torch::Tensor ChunkLogits(const Head& head, const torch::Tensor& x_chunk) {
+  torch::Tensor z = head.has_bias() ? torch::addmm(head.bias(), x_chunk, head.weight().t())
+                                    : torch::mm(x_chunk, head.weight().t());
+  return z.to(LogitsDtype(head));
+}
+
+torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params) {
+  const double cap = params.at(kSoftcapParam);
+  if (cap > 0) z = torch::tanh(z / cap) * cap;
+  const double temperature = params.at(kTemperatureParam);
+  if (temperature != 1.0) z = z / temperature;
+  return z;
+}
+
+// dW += dzᵀ·X_c into the accumulator's dtype.
+void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
+                          const torch::Tensor& dz_head, const torch::Tensor& x_chunk) {
+  if (dw.scalar_type() == x_chunk.scalar_type()) {
+    dw.addmm_(dz_head.t(), x_chunk);
+  } else {
+    // fp32 accumulators of a half-precision head: the GEMM runs in fp32 on the unrounded
+    // logits gradient, so each micro-batch adds its exact (to fp32) contribution.
+    dw.addmm_(dz_logits.to(dw.scalar_type()).t(), x_chunk.to(dw.scalar_type()));
+  }
+}
+
+// dL/dy for the rows of one chunk, given w_c (valid mask × per-token weights, fp32).
+using UpstreamFn = std::function<torch::Tensor(int64_t start, int64_t rows,
+                                               const torch::Tensor& token_weights)>;
+
+struct ChunkOutputs {
+  torch::Tensor loss_sum;  // 0-d fp64: Σ w_i·y_i (before division by the denominator)
+  std::map<std::string, torch::Tensor> extras;  // 0-d fp64 sums over valid tokens
+  torch::Tensor per_token;                      // [N] fp32 when requested
+};
+
+// The one chunk loop behind every mode. With `upstream` set it differentiates each chunk and
+// writes dX into `grad_hidden` (if defined) and adds into `grads` (if not null).
+ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
+                       const UpstreamFn* upstream, GradientBuffers* grads,
+                       const torch::Tensor& grad_hidden, bool keep_per_token,
+                       int64_t* num_chunks) {
+  torch::NoGradGuard no_grad;
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(head.device());
+  const auto logits_opts = f64.dtype(LogitsDtype(head));
+  ChunkOutputs out;
+  out.loss_sum = torch::zeros({}, f64);
+  if (keep_per_token) out.per_token = torch::zeros({plan.rows}, logits_opts);
+  const bool weighted = plan.reduction == Reduction::kWeightedSum;
+  *num_chunks = 0;
+  for (int64_t start = 0; start < plan.rows; start += plan.chunk_rows) {
+    const int64_t rows = std::min(plan.chunk_rows, plan.rows - start);
+    ++*num_chunks;
+    const torch::Tensor x_chunk = batch.hidden.narrow(0, start, rows);
+
+    ChunkInputs in;
+    in.params = &plan.params;
+    torch::Tensor valid;  // [rows] bool, undefined when every token is valid
+    if (batch.targets.defined()) {
+      const torch::Tensor t = batch.targets.narrow(0, start, rows).to(torch::kLong);
+      valid = t != plan.ignore_index;
+      in.targets = t.masked_fill(valid.logical_not(), 0);
+    }
+    for (const auto& [name, tensor] : batch.aux) {
+      in.aux[name] = tensor.narrow(0, start, rows).to(logits_opts.dtype());
+    }
+    torch::Tensor token_weights =
+        valid.defined() ? valid.to(logits_opts.dtype()) : torch::ones({rows}, logits_opts);
+    if (weighted) {
+      token_weights =
+          token_weights * batch.weights.narrow(0, start, rows).to(logits_opts.dtype());
+    }
+
+    torch::Tensor z = ChunkLogits(head, x_chunk);
+    if (upstream != nullptr) z.requires_grad_(true);
+    torch::Tensor y;
+    {
+      torch::AutoGradMode grad_mode(upstream != nullptr);
+      in.logits = TransformLogits(z, plan.params);
+      FunctionOutput fo = plan.fn->forward(in);
+      y = std::move(fo.per_token);
+      for (auto& [name, extra] : fo.extras) {
+        torch::Tensor e = valid.defined() ? torch::where(valid, extra, 0.0) : extra;
+        auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));
+        it->second += e.to(torch::kDouble).sum();
+      }
+    }
+    in.logits.reset();  // only autograd's saved tensors keep chunk buffers alive now
+    // Masked with where (not a multiply) so a non-finite value at an ignored position stays out.
+    const torch::Tensor y_valid = valid.defined() ? torch::where(valid, y.detach(), 0.0)
+                                                  : y.detach();
+    torch::Tensor y_weighted = y_valid.to(torch::kDouble);
+    if (weighted) y_weighted = y_weighted * batch.weights.narrow(0, start, rows);
+    out.loss_sum += y_weighted.sum();
+    if (keep_per_token) out.per_token.narrow(0, start, rows).copy_(y_valid);
+    if (upstream == nullptr) continue;
+
+    const torch::Tensor dy = (*upstream)(start, rows, token_weights);
+    torch::Tensor dz = torch::autograd::grad({y}, {z}, {dy})[0];  // fp32 [rows, V]
+    y.reset();
+    z.reset();
+    const torch::Tensor dz_head = dz.to(head.dtype());
+    if (grad_hidden.defined()) {
+      torch::Tensor dx_chunk = grad_hidden.narrow(0, start, rows);
+      torch::mm_out(dx_chunk, dz_head, head.weight());
+    }
+    if (grads != nullptr) {
+      AccumulateWeightGrad(grads->weight, dz, dz_head, x_chunk);
+      if (grads->bias.defined()) grads->bias.add_(dz.sum(0));
+    }
+  }
+  return out;
+}
+
+StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs, int64_t num_chunks) {
+  StepStats stats;
+  stats.valid_tokens = plan.valid_tokens;
+  stats.denominator = plan.denominator;
+  stats.chunk_rows = plan.chunk_rows;
+  stats.num_chunks = num_chunks;
+  for (const auto& [name, sum] : outputs.extras) stats.extras[name] = sum.item<double>();
+  return stats;
+}
+
+absl::StatusOr<torch::Tensor> PrepareGradHidden(const Head& head, const Plan& plan,
+                                                torch::Tensor grad_hidden_out) {
+  RETURN_IF_ERROR(CheckGradHiddenOut(head, plan, grad_hidden_out));
+  if (grad_hidden_out.defined()) return grad_hidden_out;
+  return torch::empty({plan.rows, head.hidden_size()}, head.weight().options());
+}
+
+}  // namespace
+
+absl::StatusOr<Reduction> ParseReduction(std::string_view name) {
+  if (name == "none") return Reduction::kNone;
+  if (name == "sum") return Reduction::kSum;
+  if (name == "mean") return Reduction::kMean;
+  if (name == "weighted_sum") return Reduction::kWeightedSum;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "reduction: expected one of none, sum, mean, weighted_sum; got \"", std::string(name), "\""));
+}
+
+std::string_view ReductionName(Reduction reduction) {
+  switch (reduction) {
+    case Reduction::kNone: return "none";
+    case Reduction::kSum: return "sum";
+    case Reduction::kMean: return "mean";
+    case Reduction::kWeightedSum: return "weighted_sum";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<int64_t> ResolveChunkRows(const Head& head, const TransformFunction& fn,
+                                         const FunctionParams& params,
+                                         const StepOptions& options) {
+  if (options.chunk_rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got ",
+        options.chunk_rows));
+  }
+  if (options.memory_budget_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory_budget_bytes: expected >= 1 (or 0 for the default ", kDefaultMemoryBudgetBytes,
+        "); got ", options.memory_budget_bytes));
+  }
+  if (options.chunk_rows > 0) return options.chunk_rows;
+
+  // fp32 [rows, V] buffers alive at a chunk's peak: the logits, their gradient, what the
+  // logit transforms save for autograd, and the function's own workspace; plus the head-dtype
+  // logits and gradient when the head is not fp32, and the X / dX rows.
+  double fp32_buffers = 2.0 + fn.workspace_logit_buffers;
+  if (params.at(kSoftcapParam) > 0) fp32_buffers += 2;
+  if (params.at(kTemperatureParam) != 1.0) fp32_buffers += 1;
+  const int64_t elem = c10::elementSize(head.dtype());
+  const double head_dtype_buffers = head.dtype() == torch::kFloat ? 0.0 : 2.0;
+  const double bytes_per_row = static_cast<double>(head.vocab_size()) *
+                                   (4.0 * fp32_buffers + elem * head_dtype_buffers) +
+                               2.0 * static_cast<double>(head.hidden_size() * elem);
+  const int64_t budget =
+      options.memory_budget_bytes > 0 ? options.memory_budget_bytes : kDefaultMemoryBudgetBytes;
+  const auto rows = static_cast<int64_t>(static_cast<double>(budget) / bytes_per_row);
+  if (rows < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(bytes_per_row)),
+        " (one row of ", fn.name, " at V=", head.vocab_size(), "); got ", budget));
+  }
+  return rows;
+}
+
+absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBatch& batch,
+                                                 const StepOptions& options,
+                                                 GradientBuffers* grads,
+                                                 torch::Tensor grad_hidden_out) {
+  if (options.reduction == Reduction::kNone) {
+    return absl::InvalidArgumentError(
+        "reduction: fused mode needs a scalar loss (sum, mean or weighted_sum); got none — "
+        "use Forward then Backward for per-token outputs");
+  }
+  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
+  RETURN_IF_ERROR(CheckGradientBuffers(head, grads));
+  ASSIGN_OR_RETURN(torch::Tensor grad_hidden, PrepareGradHidden(head, plan, grad_hidden_out));
+
+  const double factor = options.upstream_scale / plan.denominator;
+  const UpstreamFn upstream = [factor](int64_t, int64_t, const torch::Tensor& w) {
+    return w * factor;
+  };
+  int64_t num_chunks = 0;
+  ChunkOutputs outputs =
+      RunChunks(head, batch, plan, &upstream, grads, grad_hidden, false, &num_chunks);
+  FusedResult result;
+  result.loss = outputs.loss_sum.item<double>() / plan.denominator;
+  result.grad_hidden = std::move(grad_hidden);
+  result.stats = MakeStats(plan, outputs, num_chunks);
+  return result;
+}
+
+absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
+                                      const StepOptions& options) {
+  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
+  const bool per_token = options.reduction == Reduction::kNone;
+  int64_t num_chunks = 0;
+  ChunkOutputs outputs =
+      RunChunks(head, batch, plan, nullptr, nullptr, {}, per_token, &num_chunks);
+  ForwardResult result;
+  result.output = per_token ? outputs.per_token
+                            : (outputs.loss_sum / plan.denominator).to(LogitsDtype(head));
+  result.stats = MakeStats(plan, outputs, num_chunks);
+  return result;
+}
+
+absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch,
+                                       const StepOptions& options,
+                                       const torch::Tensor& grad_output, GradientBuffers* grads,
+                                       torch::Tensor grad_hidden_out) {
+  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
+  RETURN_IF_ERROR(CheckGradientBuffers(head, grads));
+  UpstreamFn upstream;
+  if (options.reduction == Reduction::kNone) {
+    RETURN_IF_ERROR(CheckPerToken(grad_output, "grad_output", plan.rows, head.device(), false));
+    upstream = [&grad_output](int64_t start, int64_t rows, const torch::Tensor& w) {
+      return w * grad_output.narrow(0, start, rows).to(w.scalar_type());
+    };
+  } else {
+    if (!grad_output.defined() || grad_output.numel() != 1 ||
+        !IsFloating(grad_output.scalar_type())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "grad_output: expected one floating value (the gradient of the ",
+          std::string(ReductionName(options.reduction)), " loss); got ", ShapeOf(grad_output)));
+    }
+    const double g = grad_output.item<double>();
+    if (!std::isfinite(g)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grad_output: expected a finite value; got ", g));
+    }
+    const double factor = g / plan.denominator;
+    upstream = [factor](int64_t, int64_t, const torch::Tensor& w) { return w * factor; };
+  }
+  ASSIGN_OR_RETURN(torch::Tensor grad_hidden, PrepareGradHidden(head, plan, grad_hidden_out));
+  int64_t num_chunks = 0;
+  RunChunks(head, batch, plan, &upstream, grads, grad_hidden, false, &num_chunks);
+  return grad_hidden;
+}
+
+}  // namespace remotehead::core

@@ -1,0 +1,210 @@
+// The built-in transformation functions. Each is forward-only LibTorch code on an fp32
+// logits chunk; autograd provides every derivative. To add a function, append one entry to
+// BuiltinFunctions() below.
+#include "remotehead/core/functions.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace remotehead::core {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+torch::Tensor Gather(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return logits.gather(1, targets.unsqueeze(1)).squeeze(1);
+}
+
+// Cross-entropy with label smoothing and z-loss, as torch.nn.functional.cross_entropy defines
+// smoothing: (1-ε)·(lse − z_t) + ε·(lse − mean_j z_j), plus z_loss·lse² (PaLM's auxiliary loss).
+FunctionOutput CrossEntropy(const ChunkInputs& in) {
+  const double eps = in.param("label_smoothing");
+  const double z_coef = in.param("z_loss");
+  const torch::Tensor lse = torch::logsumexp(in.logits, 1);
+  const torch::Tensor nll = lse - Gather(in.logits, in.targets);
+  torch::Tensor loss = nll;
+  if (eps > 0) loss = (1.0 - eps) * nll + eps * (lse - in.logits.mean(1));
+  FunctionOutput out;
+  if (z_coef > 0) {
+    const torch::Tensor z_loss = z_coef * lse.square();
+    loss = loss + z_loss;
+    out.extras["z_loss"] = z_loss.detach();
+  }
+  out.extras["nll"] = nll.detach();
+  out.per_token = loss;
+  return out;
+}
+
+// log p(target): the selected-token log-probabilities of RL trainers.
+FunctionOutput TokenLogprobs(const ChunkInputs& in) {
+  return {Gather(in.logits, in.targets) - torch::logsumexp(in.logits, 1), {}};
+}
+
+// Entropy of the predicted distribution: H = lse − Σ_j p_j z_j.
+FunctionOutput Entropy(const ChunkInputs& in) {
+  const torch::Tensor lse = torch::logsumexp(in.logits, 1);
+  const torch::Tensor p = torch::softmax(in.logits, 1);
+  return {lse - (p * in.logits).sum(1), {}};
+}
+
+// GRPO per-token policy loss (DeepSeekMath / TRL's GRPOTrainer):
+//   r = exp(logp − old_logp), loss = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) + β·KL,
+//   KL = exp(ref − logp) − (ref − logp) − 1  (the k3 estimator).
+// old_logprobs defaults to logp.detach() (on-policy, one update per generation).
+// grpo / bnpo / dr_grpo / dapo normalisations are per-token weights and the normaliser.
+FunctionOutput Grpo(const ChunkInputs& in) {
+  const torch::Tensor logp = Gather(in.logits, in.targets) - torch::logsumexp(in.logits, 1);
+  const torch::Tensor& adv = in.aux.at("advantages");
+  const auto old_it = in.aux.find("old_logprobs");
+  const torch::Tensor old_logp = old_it != in.aux.end() ? old_it->second : logp.detach();
+  const torch::Tensor ratio = torch::exp(logp - old_logp);
+  const torch::Tensor clipped =
+      torch::clamp(ratio, 1.0 - in.param("epsilon_low"), 1.0 + in.param("epsilon_high"));
+  torch::Tensor loss = -torch::min(ratio * adv, clipped * adv);
+  FunctionOutput out;
+  const double beta = in.param("beta");
+  const auto ref_it = in.aux.find("ref_logprobs");
+  if (ref_it != in.aux.end()) {
+    const torch::Tensor d = ref_it->second - logp;
+    const torch::Tensor kl = torch::exp(d) - d - 1.0;
+    if (beta != 0) loss = loss + beta * kl;
+    out.extras["kl"] = kl.detach();
+  }
+  out.extras["clipped"] = (ratio != clipped).to(torch::kFloat).detach();
+  out.per_token = loss;
+  return out;
+}
+
+absl::Status ValidateGrpo(const FunctionParams& params, const AuxTensors& aux) {
+  if (params.at("beta") > 0 && !aux.contains("ref_logprobs")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "aux[\"ref_logprobs\"]: expected per-token reference log-probs because beta = ",
+        params.at("beta"), " > 0; got none"));
+  }
+  return absl::OkStatus();
+}
+
+// Mean squared error between the logits and the one-hot target, averaged over the vocabulary
+// (so a mean over tokens equals torch.nn.MSELoss()(logits, one_hot)). Expanded as
+// (Σ_j z_j² − 2·z_t + 1) / V to avoid materialising the one-hot matrix.
+FunctionOutput MseOnehot(const ChunkInputs& in) {
+  const double v = static_cast<double>(in.logits.size(1));
+  return {(in.logits.square().sum(1) - 2.0 * Gather(in.logits, in.targets) + 1.0) / v, {}};
+}
+
+// Σ_j sigmoid(z_j): the seed's "other function" (reduction=sum gives sum(sigmoid(X Wᵀ))).
+FunctionOutput SigmoidSum(const ChunkInputs& in) {
+  return {torch::sigmoid(in.logits).sum(1), {}};
+}
+
+std::vector<TransformFunction> BuiltinFunctions() {
+  return {
+      {.name = "cross_entropy",
+       .help = "next-token cross-entropy with label smoothing and z-loss",
+       .params = {{"label_smoothing", 0.0, 0.0, 1.0, "ε of torch's label smoothing"},
+                  {"z_loss", 0.0, 0.0, kInf, "coefficient of lse² (PaLM z-loss)"}},
+       .workspace_logit_buffers = 3,
+       .forward = CrossEntropy},
+      {.name = "token_logprobs",
+       .help = "log-probability of the target token",
+       .workspace_logit_buffers = 2,
+       .forward = TokenLogprobs},
+      {.name = "entropy",
+       .help = "entropy of the predicted distribution",
+       .needs_targets = false,
+       .workspace_logit_buffers = 4,
+       .forward = Entropy},
+      {.name = "grpo",
+       .help = "GRPO clipped policy loss with optional k3 KL to a reference policy",
+       .required_aux = {"advantages"},
+       .optional_aux = {"old_logprobs", "ref_logprobs"},
+       .params = {{"epsilon_low", 0.2, 0.0, 1.0, "lower clip: ratio >= 1 - epsilon_low"},
+                  {"epsilon_high", 0.2, 0.0, kInf, "upper clip: ratio <= 1 + epsilon_high"},
+                  {"beta", 0.0, 0.0, kInf, "KL coefficient (needs ref_logprobs when > 0)"}},
+       .workspace_logit_buffers = 2,
+       .forward = Grpo,
+       .validate = ValidateGrpo},
+      {.name = "mse_onehot",
+       .help = "mean squared error of the logits to the one-hot target",
+       .workspace_logit_buffers = 2,
+       .forward = MseOnehot},
+      {.name = "sigmoid_sum",
+       .help = "sum over the vocabulary of sigmoid(logits)",
+       .needs_targets = false,
+       .workspace_logit_buffers = 2,
+       .forward = SigmoidSum},
+  };
+}
+
+const std::vector<ParamSpec>& CommonParams() {
+  static const auto* specs = new std::vector<ParamSpec>{
+      {kTemperatureParam, 1.0, 1e-6, kInf, "logits are divided by this"},
+      {kSoftcapParam, 0.0, 0.0, kInf, "if > 0: logits <- softcap * tanh(logits / softcap)"},
+  };
+  return *specs;
+}
+
+}  // namespace
+
+const FunctionRegistry& FunctionRegistry::Builtin() {
+  static const FunctionRegistry* registry = [] {
+    auto* r = new FunctionRegistry();
+    for (TransformFunction& fn : BuiltinFunctions()) {
+      std::string name = fn.name;
+      r->functions_.emplace(std::move(name), std::move(fn));
+    }
+    return r;
+  }();
+  return *registry;
+}
+
+absl::StatusOr<const TransformFunction*> FunctionRegistry::Find(const std::string& name) const {
+  const auto it = functions_.find(name);
+  if (it == functions_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("function: expected one of ",
+                                                   absl::StrJoin(Names(), ", "), "; got \"",
+                                                   name, "\""));
+  }
+  return &it->second;
+}
+
+std::vector<std::string> FunctionRegistry::Names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, fn] : functions_) names.push_back(name);
+  return names;
+}
+
+absl::StatusOr<FunctionParams> FunctionRegistry::ResolveParams(const TransformFunction& fn,
+                                                               const FunctionParams& given) const {
+  std::vector<const ParamSpec*> specs;
+  for (const ParamSpec& p : fn.params) specs.push_back(&p);
+  for (const ParamSpec& p : CommonParams()) specs.push_back(&p);
+
+  FunctionParams resolved;
+  for (const ParamSpec* spec : specs) resolved[spec->name] = spec->default_value;
+  for (const auto& [name, value] : given) {
+    const ParamSpec* spec = nullptr;
+    for (const ParamSpec* s : specs) {
+      if (s->name == name) spec = s;
+    }
+    if (spec == nullptr) {
+      std::vector<std::string> known;
+      for (const ParamSpec* s : specs) known.push_back(s->name);
+      return absl::InvalidArgumentError(absl::StrCat("params[\"", name, "\"]: function ",
+                                                     fn.name, " expects only ",
+                                                     absl::StrJoin(known, ", ")));
+    }
+    if (!std::isfinite(value) || value < spec->min_value || value > spec->max_value) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("params[\"", name, "\"]: expected a finite value in [", spec->min_value,
+                       ", ", spec->max_value, "]; got ", value));
+    }
+    resolved[name] = value;
+  }
+  return resolved;
+}
+
+}  // namespace remotehead::core

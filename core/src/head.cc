@@ -1,0 +1,127 @@
+#include "remotehead/core/head.h"
+
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+
+namespace remotehead::core {
+namespace {
+
+// float64 is accepted for verification (finite-difference checks); serving uses the others.
+bool IsHeadDtype(torch::ScalarType t) {
+  return t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf || t == torch::kDouble;
+}
+
+}  // namespace
+
+absl::StatusOr<torch::ScalarType> ParseHeadDtype(std::string_view name) {
+  const std::string n = absl::AsciiStrToLower(std::string(name));
+  if (n == "float32" || n == "fp32" || n == "float") return torch::kFloat;
+  if (n == "bfloat16" || n == "bf16") return torch::kBFloat16;
+  if (n == "float16" || n == "fp16" || n == "half") return torch::kHalf;
+  if (n == "float64" || n == "fp64" || n == "double") return torch::kDouble;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "dtype: expected one of float32, bfloat16, float16, float64; got \"", std::string(name), "\""));
+}
+
+std::string DtypeName(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kFloat: return "float32";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kHalf: return "float16";
+    case torch::kDouble: return "float64";
+    case torch::kLong: return "int64";
+    case torch::kInt: return "int32";
+    case torch::kBool: return "bool";
+    default: return c10::toString(dtype);
+  }
+}
+
+Head::Head(torch::Tensor weight, torch::Tensor bias, torch::ScalarType grad_dtype)
+    : weight_(std::move(weight)), bias_(std::move(bias)), grad_dtype_(grad_dtype) {
+  grads_ = NewGradientBuffers();
+}
+
+GradientBuffers Head::NewGradientBuffers() const {
+  const auto opts = torch::TensorOptions().dtype(grad_dtype_).device(weight_.device());
+  GradientBuffers g;
+  g.weight = torch::zeros(weight_.sizes(), opts);
+  if (bias_.defined()) g.bias = torch::zeros(bias_.sizes(), opts);
+  return g;
+}
+
+void Head::ZeroGrad() {
+  grads_.weight.zero_();
+  if (grads_.bias.defined()) grads_.bias.zero_();
+}
+
+absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& weight,
+                                                        const torch::Tensor& bias,
+                                                        const HeadOptions& options) {
+  torch::NoGradGuard no_grad;
+  if (!weight.defined() || weight.dim() != 2 || weight.size(0) < 1 || weight.size(1) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight: expected a 2-D tensor [vocab_size, hidden_size] with both sizes >= 1; got ",
+        weight.defined() ? c10::str(weight.sizes()) : std::string("no tensor")));
+  }
+  if (!IsHeadDtype(weight.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight.dtype: expected float32, bfloat16, float16 or float64; got ",
+        DtypeName(weight.scalar_type())));
+  }
+  if (options.grad_dtype != torch::kFloat && options.grad_dtype != weight.scalar_type()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grad_dtype: expected float32 or the head's dtype (", DtypeName(weight.scalar_type()),
+        "); got ", DtypeName(options.grad_dtype)));
+  }
+  if (bias.defined()) {
+    if (bias.dim() != 1 || bias.size(0) != weight.size(0)) {
+      return absl::InvalidArgumentError(absl::StrCat("bias: expected shape [", weight.size(0),
+                                                     "]; got ", c10::str(bias.sizes())));
+    }
+  }
+  if (!torch::isfinite(weight).all().item<bool>()) {
+    return absl::InvalidArgumentError("weight: expected finite values; got NaN or Inf");
+  }
+  if (bias.defined() && !torch::isfinite(bias).all().item<bool>()) {
+    return absl::InvalidArgumentError("bias: expected finite values; got NaN or Inf");
+  }
+  if (options.device.is_cuda() && !torch::cuda::is_available()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device: expected an available device; got ", options.device.str(),
+        " but CUDA is not available on this machine"));
+  }
+  const auto opts = torch::TensorOptions().dtype(weight.scalar_type()).device(options.device);
+  torch::Tensor w = weight.detach().to(opts, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  torch::Tensor b;
+  if (bias.defined()) b = bias.detach().to(opts, false, true).contiguous();
+  return std::unique_ptr<Head>(new Head(std::move(w), std::move(b), options.grad_dtype));
+}
+
+absl::StatusOr<std::unique_ptr<Head>> Head::Initialize(const HeadInit& init,
+                                                       const HeadOptions& options) {
+  if (init.vocab_size < 1 || init.hidden_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "vocab_size, hidden_size: expected >= 1; got ", init.vocab_size, ", ",
+        init.hidden_size));
+  }
+  if (!(init.init_std > 0) || !std::isfinite(init.init_std)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("init_std: expected a finite value > 0; got ", init.init_std));
+  }
+  if (!IsHeadDtype(init.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dtype: expected float32, bfloat16, float16 or float64; got ", DtypeName(init.dtype)));
+  }
+  torch::NoGradGuard no_grad;
+  // Generated on the CPU in float32 so the values do not depend on the target device.
+  auto gen = at::detail::createCPUGenerator(init.seed);
+  torch::Tensor w = at::normal(0.0, init.init_std, {init.vocab_size, init.hidden_size}, gen)
+                        .to(init.dtype);
+  torch::Tensor b;
+  if (init.bias) b = torch::zeros({init.vocab_size}, torch::TensorOptions().dtype(init.dtype));
+  return FromTensors(w, b, options);
+}
+
+}  // namespace remotehead::core

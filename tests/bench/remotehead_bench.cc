@@ -1,0 +1,538 @@
+// remotehead-bench: one LM-head training step (loss, dX, dW) measured four ways at each N:
+//
+//   naive      full [N, V] logits through LibTorch autograd (what a framework does by default)
+//   fused      remotehead::core::FusedForwardBackward (one chunked pass, three GEMMs per chunk)
+//   two_phase  Forward, then Backward with dL/dloss = 1 (recomputes the logits: four GEMMs)
+//   gemm       just the three GEMMs of the step at full size (X·Wᵀ, dZ·W, dZᵀ·X): the floor
+//
+// step_seconds is the median over --repeats after --warmup untimed steps. peak_bytes is the
+// transient memory of a warm step: the peak allocated during it minus what was allocated just
+// before it, with weights, inputs and gradient buffers already in place (CPU memory is measured
+// by the engine's counting allocator, CUDA by the caching allocator's statistics). Accuracy is
+// the max |difference| of the loss, dX and dW from naive, from the last timed repetition (each
+// repetition starts from zeroed gradients, so that is one step's result).
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/core/functions.h"
+#include "remotehead/core/head.h"
+#include "remotehead/core/memory_stats.h"
+#include "remotehead/core/status_macros.h"
+
+// Flag names are snake_case for Abseil; main() also accepts the kebab-case spelling
+// (--chunk-rows), which is how the documentation writes them.
+ABSL_FLAG(std::vector<std::string>, n, std::vector<std::string>({"2048"}),
+          "rows (tokens) per step; a comma list runs each, e.g. 2048,8192,16384");
+ABSL_FLAG(int64_t, d, 1024, "hidden size D");
+ABSL_FLAG(int64_t, v, 32000, "vocabulary size V");
+ABSL_FLAG(std::string, dtype, "float32", "head dtype: float32, bfloat16 or float16");
+ABSL_FLAG(std::string, device, "auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:i");
+ABSL_FLAG(std::string, function, "cross_entropy",
+          "cross_entropy, token_logprobs, mse_onehot, entropy or sigmoid_sum");
+ABSL_FLAG(std::string, reduction, "mean", "mean or sum");
+ABSL_FLAG(int64_t, chunk_rows, 0, "rows per chunk; 0 = derived from --memory_budget_bytes");
+ABSL_FLAG(int64_t, memory_budget_bytes, 0, "engine transient budget per chunk; 0 = default");
+ABSL_FLAG(int32_t, repeats, 3, "timed repetitions (the median is reported)");
+ABSL_FLAG(int32_t, warmup, 1, "untimed repetitions before the timed ones");
+ABSL_FLAG(bool, bias, false, "give the head a bias");
+ABSL_FLAG(bool, json, false, "print one JSON object on stdout instead of the table");
+ABSL_FLAG(int64_t, skip_naive_above_bytes, int64_t{8} << 30,
+          "skip naive (and gemm) when its estimated logits memory N*V*4*3 exceeds this");
+ABSL_FLAG(int32_t, threads, 0, "torch::set_num_threads when > 0");
+ABSL_FLAG(uint64_t, seed, 0, "seed of the head's weights and of the inputs");
+
+namespace {
+
+namespace rh = remotehead::core;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kIgnoreIndex = -100;
+constexpr double kIgnoredFraction = 0.05;
+// Functions whose only per-token input is the targets; the others (grpo) need aux inputs
+// whose choice would change what is being measured.
+const std::vector<std::string> kSupportedFunctions = {"cross_entropy", "token_logprobs",
+                                                      "mse_onehot", "entropy", "sigmoid_sum"};
+
+struct Config {
+  std::vector<int64_t> ns;
+  int64_t d = 0, v = 0;
+  torch::ScalarType dtype = torch::kFloat;
+  torch::Device device = torch::kCPU;
+  std::string function;
+  rh::Reduction reduction = rh::Reduction::kMean;
+  int64_t chunk_rows = 0, memory_budget_bytes = 0, skip_naive_above_bytes = 0;
+  int repeats = 0, warmup = 0, threads = 0;
+  bool bias = false, json = false;
+  uint64_t seed = 0;
+};
+
+struct Variant {
+  bool skipped = true;
+  double seconds = 0;
+  int64_t peak_bytes = 0;
+  double loss = 0;
+  std::optional<double> d_loss, d_hidden, d_weight;  // max |Δ| vs naive; empty without naive
+};
+
+struct NResult {
+  int64_t n = 0;
+  rh::StepStats stats;  // from the fused step: chunk_rows, num_chunks, valid_tokens
+  Variant naive, fused, two_phase, gemm;
+};
+
+absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
+  if (name == "auto") {
+    return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  }
+  if (name != "cpu" && name != "cuda" && !name.starts_with("cuda:")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device: expected auto, cpu, cuda or cuda:i; got \"", name, "\""));
+  }
+  std::optional<torch::Device> device;
+  try {
+    device = torch::Device(name);
+  } catch (const c10::Error&) {
+    return absl::InvalidArgumentError(absl::StrCat("--device: cannot parse \"", name, "\""));
+  }
+  if (device->is_cpu()) return *device;
+  const int64_t index = device->has_index() ? device->index() : 0;
+  if (!torch::cuda::is_available() ||
+      index >= static_cast<int64_t>(torch::cuda::device_count())) {
+    return absl::InvalidArgumentError(absl::StrCat("--device: ", name, " requested but ",
+                                                   torch::cuda::device_count(),
+                                                   " CUDA device(s) are available"));
+  }
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+absl::StatusOr<Config> ConfigFromFlags() {
+  Config c;
+  for (const std::string& item : absl::GetFlag(FLAGS_n)) {
+    for (absl::string_view part : absl::StrSplit(item, ',', absl::SkipEmpty())) {
+      int64_t n = 0;
+      if (!absl::SimpleAtoi(part, &n) || n < 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--n: expected positive integers; got \"", std::string(part), "\""));
+      }
+      c.ns.push_back(n);
+    }
+  }
+  if (c.ns.empty()) return absl::InvalidArgumentError("--n: expected at least one value");
+  c.d = absl::GetFlag(FLAGS_d);
+  c.v = absl::GetFlag(FLAGS_v);
+  if (c.d < 1 || c.v < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--d, --v: expected >= 1; got ", c.d, ", ", c.v));
+  }
+  ASSIGN_OR_RETURN(c.dtype, rh::ParseHeadDtype(absl::GetFlag(FLAGS_dtype)));
+  ASSIGN_OR_RETURN(c.device, ParseDevice(absl::GetFlag(FLAGS_device)));
+  c.function = absl::GetFlag(FLAGS_function);
+  RETURN_IF_ERROR(rh::FunctionRegistry::Builtin().Find(c.function).status());
+  if (std::find(kSupportedFunctions.begin(), kSupportedFunctions.end(), c.function) ==
+      kSupportedFunctions.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--function: the bench supplies only targets, so it supports ",
+        absl::StrJoin(kSupportedFunctions, ", "), "; got ", c.function,
+        " (which needs other per-token inputs)"));
+  }
+  ASSIGN_OR_RETURN(c.reduction, rh::ParseReduction(absl::GetFlag(FLAGS_reduction)));
+  if (c.reduction != rh::Reduction::kMean && c.reduction != rh::Reduction::kSum) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--reduction: the bench times a scalar loss without weights: mean or sum; got ",
+        absl::GetFlag(FLAGS_reduction)));
+  }
+  c.chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
+  c.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  c.skip_naive_above_bytes = absl::GetFlag(FLAGS_skip_naive_above_bytes);
+  c.repeats = absl::GetFlag(FLAGS_repeats);
+  c.warmup = absl::GetFlag(FLAGS_warmup);
+  c.threads = absl::GetFlag(FLAGS_threads);
+  if (c.repeats < 1 || c.warmup < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--repeats >= 1 and --warmup >= 0 expected; got ", c.repeats, ", ", c.warmup));
+  }
+  c.bias = absl::GetFlag(FLAGS_bias);
+  c.json = absl::GetFlag(FLAGS_json);
+  c.seed = absl::GetFlag(FLAGS_seed);
+  return c;
+}
+
+void Synchronize(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+// Runs `prepare` (untimed: zeroing gradients, …) then `step` (timed) warmup + repeats times.
+// The peak is taken from the last repetition, which is warm whenever warmup + repeats > 1.
+absl::Status Measure(const Config& cfg, const std::function<void()>& prepare,
+                     const std::function<absl::Status()>& step, Variant* out) {
+  std::vector<double> times;
+  for (int i = 0; i < cfg.warmup + cfg.repeats; ++i) {
+    prepare();
+    Synchronize(cfg.device);
+    ASSIGN_OR_RETURN(const rh::MemoryStats before, rh::GetMemoryStats(cfg.device));
+    RETURN_IF_ERROR(rh::ResetPeakMemory(cfg.device));
+    const Clock::time_point start = Clock::now();
+    RETURN_IF_ERROR(step());
+    Synchronize(cfg.device);
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    ASSIGN_OR_RETURN(const rh::MemoryStats after, rh::GetMemoryStats(cfg.device));
+    if (i < cfg.warmup) continue;
+    times.push_back(seconds);
+    out->peak_bytes = after.peak_allocated_bytes - before.allocated_bytes;
+  }
+  out->seconds = Median(times);
+  out->skipped = false;
+  return absl::OkStatus();
+}
+
+double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
+  torch::NoGradGuard no_grad;
+  return (a.to(torch::kFloat) - b.to(torch::kFloat)).abs().max().item<double>();
+}
+
+// The textbook full-logits formula of each function on z [N, V] fp32, reduced over the valid
+// tokens as the engine does (mean divides by their count, at least 1).
+torch::Tensor NaiveLoss(const torch::Tensor& z, const torch::Tensor& targets,
+                        const Config& cfg, int64_t valid_count) {
+  namespace F = torch::nn::functional;
+  if (cfg.function == "cross_entropy") {
+    auto options = F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex);
+    if (cfg.reduction == rh::Reduction::kSum) {
+      options.reduction(torch::kSum);
+    } else {
+      options.reduction(torch::kMean);
+    }
+    return F::cross_entropy(z, targets, options);
+  }
+  const torch::Tensor valid = targets != kIgnoreIndex;
+  const torch::Tensor safe = targets.masked_fill(valid.logical_not(), 0).unsqueeze(1);
+  torch::Tensor per_token;
+  if (cfg.function == "token_logprobs") {
+    per_token = torch::log_softmax(z, 1).gather(1, safe).squeeze(1);
+  } else if (cfg.function == "mse_onehot") {
+    per_token = (z - torch::zeros_like(z).scatter_(1, safe, 1.0)).square().mean(1);
+  } else if (cfg.function == "entropy") {
+    per_token = -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
+  } else {  // sigmoid_sum
+    per_token = torch::sigmoid(z).sum(1);
+  }
+  torch::Tensor total = torch::where(valid, per_token, 0.0).sum();
+  if (cfg.reduction == rh::Reduction::kMean) {
+    total = total / static_cast<double>(std::max<int64_t>(valid_count, 1));
+  }
+  return total;
+}
+
+absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
+                               const rh::StepOptions& options, int64_t n) {
+  NResult r;
+  r.n = n;
+  const int64_t d = cfg.d, v = cfg.v;
+  const auto head_opts = head.weight().options();
+
+  // Inputs are drawn on the CPU so that every device sees the same values.
+  rh::TokenBatch batch;
+  torch::Tensor targets = torch::randint(0, v, {n}, torch::kLong);
+  targets.masked_fill_(torch::rand({n}) < kIgnoredFraction, kIgnoreIndex);
+  batch.hidden = torch::randn({n, d}).to(head_opts);
+  batch.targets = targets.to(cfg.device);
+  const int64_t valid_count = (targets != kIgnoreIndex).sum().item<int64_t>();
+
+  // 1. naive. Its X.grad / W.grad are reset to undefined before each step, so autograd
+  // allocates dX and dW inside the step and naive's peak includes them: that is what a plain
+  // loss.backward() costs. (The engine's dW accumulator and dX output are preallocated.)
+  torch::Tensor naive_dx, naive_dw;
+  const int64_t naive_estimate = n * v * 4 * 3;
+  if (naive_estimate <= cfg.skip_naive_above_bytes) {
+    torch::Tensor x = batch.hidden.detach().requires_grad_(true);  // shares X's storage
+    torch::Tensor w = head.weight().detach().clone().requires_grad_(true);
+    torch::Tensor b = cfg.bias ? head.bias().detach().clone().requires_grad_(true)
+                               : torch::Tensor();
+    RETURN_IF_ERROR(Measure(
+        cfg,
+        [&] {
+          x.mutable_grad().reset();
+          w.mutable_grad().reset();
+          if (b.defined()) b.mutable_grad().reset();
+        },
+        [&]() -> absl::Status {
+          torch::Tensor z = b.defined() ? torch::addmm(b, x, w.t()) : torch::mm(x, w.t());
+          // Upcast as the engine does, but here the whole [N, V] at once.
+          torch::Tensor loss = NaiveLoss(z.to(torch::kFloat), batch.targets, cfg, valid_count);
+          loss.backward();
+          r.naive.loss = loss.item<double>();
+          return absl::OkStatus();
+        },
+        &r.naive));
+    naive_dx = x.grad();
+    naive_dw = w.grad();
+  }
+
+  // 2./3. engine. Gradient buffers and the dX output are allocated once, outside the clock,
+  // and zeroed before every repetition so each leaves exactly one step's dW.
+  rh::GradientBuffers grads = head.NewGradientBuffers();
+  torch::Tensor grad_hidden = torch::empty({n, d}, head_opts);
+  const auto zero_grads = [&] {
+    grads.weight.zero_();
+    if (grads.bias.defined()) grads.bias.zero_();
+  };
+  const auto compare = [&](Variant& variant) {
+    if (!naive_dx.defined()) return;
+    variant.d_loss = std::abs(variant.loss - r.naive.loss);
+    variant.d_hidden = MaxAbsDiff(grad_hidden, naive_dx);
+    variant.d_weight = MaxAbsDiff(grads.weight, naive_dw);
+  };
+
+  RETURN_IF_ERROR(Measure(cfg, zero_grads, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(rh::FusedResult fused,
+                     rh::FusedForwardBackward(head, batch, options, &grads, grad_hidden));
+    r.fused.loss = fused.loss;
+    r.stats = std::move(fused.stats);
+    return absl::OkStatus();
+  }, &r.fused));
+  compare(r.fused);
+
+  const torch::Tensor one = torch::ones({}, torch::TensorOptions().device(cfg.device));
+  RETURN_IF_ERROR(Measure(cfg, zero_grads, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(rh::ForwardResult fwd, rh::Forward(head, batch, options));
+    RETURN_IF_ERROR(rh::Backward(head, batch, options, one, &grads, grad_hidden).status());
+    r.two_phase.loss = fwd.output.item<double>();
+    return absl::OkStatus();
+  }, &r.two_phase));
+  compare(r.two_phase);
+  naive_dx = naive_dw = torch::Tensor();
+
+  // 4. gemm: the step's three GEMMs at full size into preallocated buffers. The dW GEMM runs
+  // in the accumulator's dtype, as the engine's does (fp32 for a half-precision head), with
+  // its operands converted outside the clock.
+  const bool fp32_dw = grads.weight.scalar_type() != head.dtype();
+  const int64_t gemm_bytes = n * v * (c10::elementSize(head.dtype()) + (fp32_dw ? 4 : 0));
+  if (gemm_bytes <= cfg.skip_naive_above_bytes) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor z = torch::empty({n, v}, head_opts);
+    torch::Tensor dx = torch::empty({n, d}, head_opts);
+    torch::Tensor dz_dw = fp32_dw ? torch::randn({n, v}, grads.weight.options()) : z;
+    torch::Tensor x_dw = fp32_dw ? batch.hidden.to(torch::kFloat) : batch.hidden;
+    RETURN_IF_ERROR(Measure(cfg, zero_grads, [&]() -> absl::Status {
+      torch::mm_out(z, batch.hidden, head.weight().t());
+      torch::mm_out(dx, z, head.weight());
+      grads.weight.addmm_(dz_dw.t(), x_dw);
+      return absl::OkStatus();
+    }, &r.gemm));
+  }
+  return r;
+}
+
+std::optional<double> Ratio(const Variant& num, const Variant& den) {
+  if (num.skipped || den.skipped || den.seconds <= 0) return std::nullopt;
+  return num.seconds / den.seconds;
+}
+
+std::optional<double> PeakRatio(const Variant& num, const Variant& den) {
+  if (num.skipped || den.skipped || den.peak_bytes <= 0) return std::nullopt;
+  return static_cast<double>(num.peak_bytes) / static_cast<double>(den.peak_bytes);
+}
+
+nlohmann::json OrNull(const std::optional<double>& x) {
+  return x.has_value() ? nlohmann::json(*x) : nlohmann::json(nullptr);
+}
+
+nlohmann::json VariantJson(const Variant& v, const NResult& r, bool engine) {
+  nlohmann::json j = {{"skipped", v.skipped}};
+  j["step_seconds"] = v.skipped ? nlohmann::json(nullptr) : nlohmann::json(v.seconds);
+  j["peak_bytes"] = v.skipped ? nlohmann::json(nullptr) : nlohmann::json(v.peak_bytes);
+  if (!engine) return j;
+  j["loss"] = v.loss;
+  j["max_abs_diff"] = {{"loss", OrNull(v.d_loss)},
+                       {"grad_hidden", OrNull(v.d_hidden)},
+                       {"grad_weight", OrNull(v.d_weight)}};
+  j["gemm_ratio"] = OrNull(Ratio(r.gemm, v));
+  j["ratio_to_naive"] = OrNull(Ratio(v, r.naive));
+  j["peak_ratio_to_naive"] = OrNull(PeakRatio(v, r.naive));
+  return j;
+}
+
+nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<NResult>& rs) {
+  nlohmann::json results = nlohmann::json::array();
+  for (const NResult& r : rs) {
+    nlohmann::json naive = VariantJson(r.naive, r, false);
+    if (!r.naive.skipped) naive["loss"] = r.naive.loss;
+    results.push_back({
+        {"n", r.n},
+        {"valid_tokens", r.stats.valid_tokens},
+        {"chunk_rows", r.stats.chunk_rows},
+        {"num_chunks", r.stats.num_chunks},
+        {"gemm_seconds", r.gemm.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.gemm.seconds)},
+        {"fused_over_naive", OrNull(Ratio(r.fused, r.naive))},
+        {"fused_gemm_ratio", OrNull(Ratio(r.gemm, r.fused))},
+        {"variants",
+         {{"naive", naive},
+          {"fused", VariantJson(r.fused, r, true)},
+          {"two_phase", VariantJson(r.two_phase, r, true)},
+          {"gemm", VariantJson(r.gemm, r, false)}}},
+    });
+  }
+  return {
+      {"config",
+       {{"n", cfg.ns}, {"d", cfg.d}, {"v", cfg.v}, {"dtype", rh::DtypeName(cfg.dtype)},
+        {"device", cfg.device.str()}, {"function", cfg.function},
+        {"reduction", std::string(rh::ReductionName(cfg.reduction))}, {"bias", cfg.bias},
+        {"threads", torch::get_num_threads()}, {"chunk_rows", chunk_rows},
+        {"memory_budget_bytes",
+         cfg.memory_budget_bytes > 0 ? cfg.memory_budget_bytes : rh::kDefaultMemoryBudgetBytes},
+        {"repeats", cfg.repeats}, {"warmup", cfg.warmup}, {"seed", cfg.seed},
+        {"ignored_fraction", kIgnoredFraction},
+        {"skip_naive_above_bytes", cfg.skip_naive_above_bytes}}},
+      {"results", results},
+  };
+}
+
+// "-" for a missing value, else fixed (%.Nf) or scientific (%.Ne) notation.
+std::string Fmt(const std::optional<double>& x, int precision, bool scientific = false) {
+  if (!x.has_value()) return "-";
+  return scientific ? absl::StrFormat("%.*e", precision, *x)
+                    : absl::StrFormat("%.*f", precision, *x);
+}
+
+void PrintTable(const Config& cfg, int64_t chunk_rows, const std::vector<NResult>& rs) {
+  absl::PrintF("remotehead-bench  d=%d v=%d dtype=%s device=%s function=%s reduction=%s "
+               "bias=%s threads=%d chunk_rows=%d repeats=%d warmup=%d\n",
+               cfg.d, cfg.v, rh::DtypeName(cfg.dtype), cfg.device.str(), cfg.function,
+               std::string(rh::ReductionName(cfg.reduction)), cfg.bias ? "true" : "false",
+               torch::get_num_threads(), chunk_rows, cfg.repeats, cfg.warmup);
+  absl::PrintF("x_naive = step time / naive's; gemm/step = bare-GEMM time / step time; "
+               "peak = transient bytes of a warm step\n\n");
+  absl::PrintF("%7s  %-9s  %9s  %7s  %9s  %10s  %10s  %9s  %9s  %9s\n", "N", "variant",
+               "step_s", "x_naive", "gemm/step", "peak_MiB", "peak/naive", "|dloss|",
+               "|dX|", "|dW|");
+  for (const NResult& r : rs) {
+    absl::PrintF("# N=%d: valid_tokens=%d chunk_rows=%d num_chunks=%d\n", r.n,
+                 r.stats.valid_tokens, r.stats.chunk_rows, r.stats.num_chunks);
+    const std::pair<const char*, const Variant*> rows[] = {
+        {"naive", &r.naive}, {"fused", &r.fused}, {"two_phase", &r.two_phase},
+        {"gemm", &r.gemm}};
+    for (const auto& [name, v] : rows) {
+      if (v->skipped) {
+        absl::PrintF("%7d  %-9s  %9s\n", r.n, name, "skipped");
+        continue;
+      }
+      const bool engine = v == &r.fused || v == &r.two_phase;
+      absl::PrintF("%7d  %-9s  %9.4f  %7s  %9s  %10.1f  %10s  %9s  %9s  %9s\n", r.n, name,
+                   v->seconds, Fmt(Ratio(*v, r.naive), 3),
+                   engine ? Fmt(Ratio(r.gemm, *v), 3) : "-",
+                   static_cast<double>(v->peak_bytes) / (1 << 20),
+                   Fmt(PeakRatio(*v, r.naive), 4),
+                   engine ? Fmt(v->d_loss, 2, true) : "-", engine ? Fmt(v->d_hidden, 2, true) : "-",
+                   engine ? Fmt(v->d_weight, 2, true) : "-");
+    }
+  }
+}
+
+absl::Status Run() {
+  ASSIGN_OR_RETURN(const Config cfg, ConfigFromFlags());
+  if (cfg.threads > 0) torch::set_num_threads(cfg.threads);
+  torch::manual_seed(cfg.seed);
+
+  ASSIGN_OR_RETURN(std::unique_ptr<rh::Head> head,
+                   rh::Head::Initialize({.vocab_size = cfg.v, .hidden_size = cfg.d,
+                                         .dtype = cfg.dtype, .bias = cfg.bias, .seed = cfg.seed},
+                                        {.device = cfg.device}));
+  const rh::StepOptions options{.function = cfg.function,
+                                .reduction = cfg.reduction,
+                                .ignore_index = kIgnoreIndex,
+                                .chunk_rows = cfg.chunk_rows,
+                                .memory_budget_bytes = cfg.memory_budget_bytes};
+  ASSIGN_OR_RETURN(const rh::TransformFunction* fn,
+                   rh::FunctionRegistry::Builtin().Find(cfg.function));
+  ASSIGN_OR_RETURN(const rh::FunctionParams params,
+                   rh::FunctionRegistry::Builtin().ResolveParams(*fn, options.params));
+  ASSIGN_OR_RETURN(const int64_t chunk_rows, rh::ResolveChunkRows(*head, *fn, params, options));
+
+  std::vector<NResult> results;
+  for (const int64_t n : cfg.ns) {
+    ASSIGN_OR_RETURN(NResult r, RunOne(cfg, *head, options, n));
+    results.push_back(std::move(r));
+  }
+  if (cfg.json) {
+    std::cout << ToJson(cfg, chunk_rows, results).dump(2) << std::endl;
+  } else {
+    PrintTable(cfg, chunk_rows, results);
+  }
+  return absl::OkStatus();
+}
+
+// Abseil flag names are identifiers; accept --chunk-rows as --chunk_rows.
+std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    const size_t dashes = a.starts_with("--") ? 2 : a.starts_with("-") ? 1 : 0;
+    if (dashes == 0 || a.size() <= dashes || !std::isalpha(static_cast<unsigned char>(a[dashes])))
+      continue;
+    const size_t end = std::min(a.find('='), a.size());
+    std::replace(a.begin() + static_cast<std::ptrdiff_t>(dashes),
+                 a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
+  }
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Before any tensor exists, so that every CPU allocation is counted.
+  remotehead::core::InstallCpuMemoryTracker();
+  absl::SetProgramUsageMessage(
+      "times naive full-logits autograd, the fused and two-phase chunked engine, and bare "
+      "GEMMs for one LM-head step; e.g. remotehead-bench --n 2048,8192 --d 1024 --v 32000");
+  std::vector<std::string> args = NormalizeFlagNames(argc, argv);
+  std::vector<char*> arg_ptrs;
+  for (std::string& a : args) arg_ptrs.push_back(a.data());
+  const std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(arg_ptrs.size()), arg_ptrs.data());
+  if (positional.size() > 1) {
+    std::cerr << "remotehead-bench: unexpected argument \"" << positional[1] << "\"\n";
+    return 2;
+  }
+  try {
+    const absl::Status status = Run();
+    if (!status.ok()) {
+      std::cerr << "remotehead-bench: " << status.ToString() << "\n";
+      return 1;
+    }
+  } catch (const c10::Error& e) {
+    std::cerr << "remotehead-bench: torch error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "remotehead-bench: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,192 @@
+// Engine vs the naive full-logits reference (float64 autograd), for every function ×
+// reduction × mode × bias × dtype, each at chunk sizes {1, 7, 64, N, N+5} with N = 67 (not a
+// multiple of any of them) and ~20% of the targets set to ignore_index.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/reference.h"
+#include "remotehead/core/engine.h"
+
+namespace remotehead {
+namespace {
+
+using core::Reduction;
+
+struct FunctionCase {
+  std::string label;
+  std::string function;
+  core::FunctionParams params;
+};
+
+const std::vector<FunctionCase>& Cases() {
+  static const auto* cases = new std::vector<FunctionCase>{
+      {"ce", "cross_entropy", {}},
+      {"ce_smooth_zloss_softcap_temp",
+       "cross_entropy",
+       {{"label_smoothing", 0.1}, {"z_loss", 1e-3}, {"softcap", 2.5}, {"temperature", 0.7}}},
+      {"logprobs", "token_logprobs", {{"temperature", 0.9}}},
+      {"entropy", "entropy", {}},
+      {"grpo", "grpo", {{"epsilon_low", 0.2}, {"epsilon_high", 0.28}, {"beta", 0.04}}},
+      {"mse_onehot", "mse_onehot", {}},
+      {"sigmoid_sum", "sigmoid_sum", {}},
+  };
+  return *cases;
+}
+
+void PrintTo(const FunctionCase& c, std::ostream* os) { *os << c.label; }
+
+enum class Mode { kFused, kTwoPhase };
+
+using Param = std::tuple<FunctionCase, Reduction, Mode, bool /*bias*/, torch::ScalarType>;
+
+class EngineParity : public ::testing::TestWithParam<Param> {};
+
+constexpr int64_t kVocab = 97;
+constexpr int64_t kHidden = 24;
+constexpr int64_t kRows = 67;
+
+// Max abs error allowed, relative to the reference's magnitude: fp32 is near-exact; bf16 logits
+// and dX are rounded to 8 mantissa bits, so its budget is a few bf16 ulps.
+double Tolerance(torch::ScalarType dtype, const torch::Tensor& reference) {
+  const double rel = dtype == torch::kFloat ? 2e-5 : 3e-2;
+  return rel * std::max(testing::MaxAbs(reference), 1e-3);
+}
+
+TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
+  const auto& [fcase, reduction, mode, bias, dtype] = GetParam();
+  torch::manual_seed(0);
+  auto head = testing::MakeTestHead(kVocab, kHidden, dtype, bias);
+  const core::TokenBatch batch = testing::MakeTestBatch(*head, kRows, fcase.function, reduction);
+
+  core::StepOptions options;
+  options.function = fcase.function;
+  options.params = fcase.params;
+  options.reduction = reduction;
+  options.upstream_scale = 0.5;  // the fused mode's known upstream gradient (e.g. a loss scale)
+  // Two-phase: the trainer's upstream gradient, per token for none, else a scalar.
+  torch::Tensor grad_output;
+  if (mode == Mode::kTwoPhase) {
+    grad_output = reduction == Reduction::kNone ? torch::randn({kRows})
+                                                : torch::full({}, 0.5, torch::kFloat);
+  }
+  const testing::ReferenceResult ref =
+      testing::NaiveReference(*head, batch, options, grad_output);
+  ASSERT_GT(testing::MaxAbs(ref.grad_weight), 0.0) << "reference gradient is trivially zero";
+
+  for (const int64_t chunk : {int64_t{1}, int64_t{7}, int64_t{64}, kRows, kRows + 5}) {
+    SCOPED_TRACE("chunk_rows=" + std::to_string(chunk));
+    options.chunk_rows = chunk;
+    core::GradientBuffers grads = head->NewGradientBuffers();
+    torch::Tensor grad_hidden;
+    if (mode == Mode::kFused) {
+      auto result = core::FusedForwardBackward(*head, batch, options, &grads);
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_LE(std::abs(result->loss - ref.output.item<double>()),
+                Tolerance(dtype, ref.output));
+      EXPECT_EQ(result->stats.chunk_rows, std::min(chunk, kRows));
+      EXPECT_EQ(result->stats.num_chunks, (kRows + chunk - 1) / chunk);
+      grad_hidden = result->grad_hidden;
+    } else {
+      auto forward = core::Forward(*head, batch, options);
+      ASSERT_TRUE(forward.ok()) << forward.status();
+      EXPECT_EQ(forward->output.sizes(), ref.output.sizes());
+      EXPECT_LE(testing::MaxAbsDiff(forward->output, ref.output), Tolerance(dtype, ref.output));
+      auto backward = core::Backward(*head, batch, options, grad_output, &grads);
+      ASSERT_TRUE(backward.ok()) << backward.status();
+      grad_hidden = *backward;
+    }
+    EXPECT_EQ(grad_hidden.scalar_type(), dtype);
+    EXPECT_LE(testing::MaxAbsDiff(grad_hidden, ref.grad_hidden),
+              Tolerance(dtype, ref.grad_hidden));
+    EXPECT_EQ(grads.weight.scalar_type(), torch::kFloat);
+    EXPECT_LE(testing::MaxAbsDiff(grads.weight, ref.grad_weight),
+              Tolerance(dtype, ref.grad_weight));
+    if (bias) {
+      EXPECT_LE(testing::MaxAbsDiff(grads.bias, ref.grad_bias), Tolerance(dtype, ref.grad_bias));
+    }
+  }
+}
+
+std::vector<Param> AllParams() {
+  std::vector<Param> params;
+  for (const FunctionCase& c : Cases()) {
+    for (Reduction r : {Reduction::kNone, Reduction::kSum, Reduction::kMean,
+                        Reduction::kWeightedSum}) {
+      for (Mode m : {Mode::kFused, Mode::kTwoPhase}) {
+        if (m == Mode::kFused && r == Reduction::kNone) continue;  // fused needs a scalar loss
+        for (bool bias : {false, true}) {
+          for (torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16}) {
+            params.emplace_back(c, r, m, bias, dtype);
+          }
+        }
+      }
+    }
+  }
+  return params;
+}
+
+std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  const auto& [fcase, reduction, mode, bias, dtype] = info.param;
+  return fcase.label + "_" + std::string(core::ReductionName(reduction)) + "_" +
+         (mode == Mode::kFused ? "fused" : "twophase") + (bias ? "_bias" : "_nobias") + "_" +
+         (dtype == torch::kFloat ? "fp32" : "bf16");
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFunctions, EngineParity, ::testing::ValuesIn(AllParams()), ParamName);
+
+// The seed solutions divided a chunk's mean by the chunk count; a mean must be over the valid
+// tokens of the whole call. Put every ignored token in the first chunks to make that visible.
+TEST(EngineChunking, MeanIsOverAllValidTokensWhateverTheChunking) {
+  auto head = testing::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
+  core::TokenBatch batch = testing::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
+  batch.targets.narrow(0, 0, 40).fill_(-100);
+  batch.targets.narrow(0, 40, kRows - 40).clamp_min_(0);
+  core::StepOptions options;
+  const testing::ReferenceResult ref = testing::NaiveReference(*head, batch, options);
+  for (const int64_t chunk : {int64_t{8}, int64_t{33}, kRows}) {
+    options.chunk_rows = chunk;
+    auto result = core::FusedForwardBackward(*head, batch, options, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->stats.valid_tokens, kRows - 40);
+    EXPECT_NEAR(result->loss, ref.output.item<double>(), 1e-5) << "chunk_rows=" << chunk;
+    EXPECT_LE(testing::MaxAbsDiff(result->grad_hidden, ref.grad_hidden), 1e-6);
+  }
+}
+
+// A preallocated dX buffer is written in place, and `grads == nullptr` (a frozen head) leaves
+// no trace on the head's accumulators.
+TEST(EngineOutputs, WritesIntoGivenGradHiddenAndSkipsFrozenWeights) {
+  auto head = testing::MakeTestHead(kVocab, kHidden, torch::kFloat, true);
+  const core::TokenBatch batch =
+      testing::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
+  torch::Tensor out = torch::full({kRows, kHidden}, 7.0);
+  const void* storage = out.data_ptr();
+  auto result = core::FusedForwardBackward(*head, batch, {}, nullptr, out);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->grad_hidden.data_ptr(), storage);
+  const testing::ReferenceResult ref = testing::NaiveReference(*head, batch, {});
+  EXPECT_LE(testing::MaxAbsDiff(out, ref.grad_hidden), 1e-6);
+  EXPECT_EQ(testing::MaxAbs(head->grads().weight), 0.0);
+  EXPECT_EQ(testing::MaxAbs(head->grads().bias), 0.0);
+}
+
+// Extras are sums over valid tokens: nll's sum / valid tokens equals the unsmoothed mean CE.
+TEST(EngineOutputs, ExtrasAreSumsOverValidTokens) {
+  auto head = testing::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
+  const core::TokenBatch batch =
+      testing::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
+  core::StepOptions smoothed;
+  smoothed.params = {{"label_smoothing", 0.2}, {"z_loss", 1e-2}};
+  auto result = core::FusedForwardBackward(*head, batch, smoothed, nullptr);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const testing::ReferenceResult plain = testing::NaiveReference(*head, batch, {});
+  EXPECT_NEAR(result->stats.extras.at("nll") / result->stats.valid_tokens,
+              plain.output.item<double>(), 1e-5);
+  EXPECT_GT(result->stats.extras.at("z_loss"), 0.0);
+}
+
+}  // namespace
+}  // namespace remotehead

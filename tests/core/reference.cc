@@ -1,0 +1,182 @@
+#include "core/reference.h"
+
+namespace remotehead::testing {
+namespace F = torch::nn::functional;
+
+namespace {
+
+double Param(const core::FunctionParams& params, const std::string& name, double fallback) {
+  const auto it = params.find(name);
+  return it == params.end() ? fallback : it->second;
+}
+
+torch::Tensor Aux(const core::TokenBatch& batch, const std::string& name) {
+  const auto it = batch.aux.find(name);
+  return it == batch.aux.end() ? torch::Tensor() : it->second.to(torch::kDouble);
+}
+
+}  // namespace
+
+torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& z,
+                                const core::TokenBatch& batch, const torch::Tensor& t,
+                                const core::FunctionParams& params) {
+  if (function == "cross_entropy") {
+    const double eps = Param(params, "label_smoothing", 0.0);
+    torch::Tensor y = F::cross_entropy(
+        z, t, F::CrossEntropyFuncOptions().reduction(torch::kNone).label_smoothing(eps));
+    const double zc = Param(params, "z_loss", 0.0);
+    if (zc > 0) y = y + zc * torch::logsumexp(z, 1).pow(2);
+    return y;
+  }
+  if (function == "token_logprobs") {
+    return torch::log_softmax(z, 1).gather(1, t.unsqueeze(1)).squeeze(1);
+  }
+  if (function == "entropy") {
+    return -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
+  }
+  if (function == "grpo") {
+    // As TRL's GRPOTrainer._compute_loss writes it.
+    const torch::Tensor logp = torch::log_softmax(z, 1).gather(1, t.unsqueeze(1)).squeeze(1);
+    torch::Tensor old = Aux(batch, "old_logprobs");
+    if (!old.defined()) old = logp.detach();
+    const torch::Tensor adv = Aux(batch, "advantages");
+    const torch::Tensor coef_1 = torch::exp(logp - old);
+    const torch::Tensor coef_2 = torch::clamp(coef_1, 1 - Param(params, "epsilon_low", 0.2),
+                                              1 + Param(params, "epsilon_high", 0.2));
+    torch::Tensor loss = -torch::min(coef_1 * adv, coef_2 * adv);
+    const double beta = Param(params, "beta", 0.0);
+    if (beta != 0) {
+      const torch::Tensor ref = Aux(batch, "ref_logprobs");
+      loss = loss + beta * (torch::exp(ref - logp) - (ref - logp) - 1);
+    }
+    return loss;
+  }
+  if (function == "mse_onehot") {
+    const torch::Tensor one_hot = F::one_hot(t, z.size(1)).to(torch::kDouble);
+    return (z - one_hot).pow(2).mean(1);
+  }
+  if (function == "sigmoid_sum") {
+    return torch::sigmoid(z).sum(1);
+  }
+  throw std::runtime_error("reference: unknown function " + function);
+}
+
+ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& batch,
+                               const core::StepOptions& options,
+                               const torch::Tensor& grad_output) {
+  torch::AutoGradMode grad_mode(true);
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
+  torch::Tensor x = batch.hidden.to(f64).detach().requires_grad_(true);
+  torch::Tensor w = head.weight().to(f64).detach().requires_grad_(true);
+  torch::Tensor b;
+  torch::Tensor z = torch::mm(x, w.t());
+  if (head.has_bias()) {
+    b = head.bias().to(f64).detach().requires_grad_(true);
+    z = z + b;
+  }
+  const double cap = Param(options.params, "softcap", 0.0);
+  if (cap > 0) z = cap * torch::tanh(z / cap);
+  z = z / Param(options.params, "temperature", 1.0);
+
+  const int64_t n = x.size(0);
+  torch::Tensor valid = torch::ones({n}, f64.dtype(torch::kBool));
+  torch::Tensor safe_targets = torch::zeros({n}, f64.dtype(torch::kLong));
+  if (batch.targets.defined()) {
+    const torch::Tensor t = batch.targets.to(torch::kCPU).to(torch::kLong);
+    valid = t != options.ignore_index;
+    safe_targets = torch::where(valid, t, torch::zeros_like(t));
+  }
+  core::TokenBatch cpu_batch = batch;
+  for (auto& [name, tensor] : cpu_batch.aux) tensor = tensor.to(torch::kCPU);
+  const torch::Tensor y = torch::where(
+      valid, ReferencePerToken(options.function, z, cpu_batch, safe_targets, options.params),
+      torch::zeros({n}, f64));
+
+  ReferenceResult r;
+  torch::Tensor upstream;
+  if (options.reduction == core::Reduction::kNone) {
+    r.output = y;
+    upstream = grad_output.defined() ? grad_output.to(f64) : torch::ones({n}, f64);
+  } else {
+    torch::Tensor weighted = y;
+    if (options.reduction == core::Reduction::kWeightedSum) weighted = y * batch.weights.to(f64);
+    double denom = 1.0;
+    if (options.normalizer) {
+      denom = *options.normalizer;
+    } else if (options.reduction == core::Reduction::kMean) {
+      denom = std::max<double>(1.0, valid.sum().item<double>());
+    }
+    r.output = weighted.sum() / denom;
+    upstream = grad_output.defined() ? grad_output.to(f64).reshape({})
+                                     : torch::full({}, options.upstream_scale, f64);
+  }
+  r.output.backward(upstream);
+  r.output = r.output.detach();
+  r.grad_hidden = x.grad();
+  r.grad_weight = w.grad();
+  if (b.defined()) r.grad_bias = b.grad();
+  return r;
+}
+
+double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.detach().to(torch::kCPU).to(torch::kDouble) -
+          b.detach().to(torch::kCPU).to(torch::kDouble))
+      .abs()
+      .max()
+      .item<double>();
+}
+
+double MaxAbs(const torch::Tensor& a) {
+  return a.detach().to(torch::kCPU).to(torch::kDouble).abs().max().item<double>();
+}
+
+}  // namespace remotehead::testing
+
+namespace remotehead::testing {
+
+std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::ScalarType dtype,
+                                         bool bias, uint64_t seed, torch::ScalarType grad_dtype) {
+  core::HeadInit init{.vocab_size = vocab,
+                      .hidden_size = hidden,
+                      .dtype = dtype,
+                      .bias = bias,
+                      .seed = seed,
+                      .init_std = 1.0 / std::sqrt(static_cast<double>(hidden))};
+  auto head = core::Head::Initialize(init, {.device = torch::kCPU, .grad_dtype = grad_dtype});
+  if (!head.ok()) throw std::runtime_error(std::string(head.status().message()));
+  if (bias) {
+    torch::NoGradGuard no_grad;
+    auto gen = at::detail::createCPUGenerator(seed + 1000);
+    (*head)->mutable_bias().copy_(at::normal(0.0, 0.5, {vocab}, gen));
+  }
+  return std::move(head).value();
+}
+
+core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::string& function,
+                               core::Reduction reduction, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(seed);
+  core::TokenBatch batch;
+  batch.hidden = at::normal(0.0, 1.0, {rows, head.hidden_size()}, gen).to(head.dtype());
+  torch::Tensor targets = at::randint(head.vocab_size(), {rows}, gen, torch::kLong);
+  const torch::Tensor ignored = at::rand({rows}, gen) < 0.2;
+  batch.targets = targets.masked_fill(ignored, -100);
+  if (reduction == core::Reduction::kWeightedSum) {
+    batch.weights = at::rand({rows}, gen) + 0.5;
+  }
+  if (function == "grpo") {
+    batch.aux["advantages"] = at::normal(0.0, 1.0, {rows}, gen);
+    torch::Tensor z = torch::mm(batch.hidden.to(torch::kDouble),
+                                head.weight().to(torch::kDouble).t());
+    if (head.has_bias()) z = z + head.bias().to(torch::kDouble);
+    const torch::Tensor logp = torch::log_softmax(z, 1)
+                                   .gather(1, targets.unsqueeze(1))
+                                   .squeeze(1)
+                                   .to(torch::kFloat);
+    batch.aux["old_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
+    batch.aux["ref_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
+  }
+  return batch;
+}
+
+}  // namespace remotehead::testing
