@@ -46,7 +46,7 @@ ABSL_FLAG(std::vector<std::string>, n, std::vector<std::string>({"2048"}),
           "rows (tokens) per step; a comma list runs each, e.g. 2048,8192,16384");
 ABSL_FLAG(int64_t, d, 1024, "hidden size D");
 ABSL_FLAG(int64_t, v, 32000, "vocabulary size V");
-ABSL_FLAG(std::string, dtype, "float32", "head dtype: float32, bfloat16 or float16");
+ABSL_FLAG(std::string, dtype, "float32", "head dtype: float32, bfloat16, float16 (or float64)");
 ABSL_FLAG(std::string, device, "auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:i");
 ABSL_FLAG(std::string, function, "cross_entropy",
           "cross_entropy, token_logprobs, mse_onehot, entropy or sigmoid_sum");
@@ -103,7 +103,8 @@ struct NResult {
 
 absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
   if (name == "auto") {
-    return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+    return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0)
+                                       : torch::Device(torch::kCPU);
   }
   if (name != "cpu" && name != "cuda" && !name.starts_with("cuda:")) {
     return absl::InvalidArgumentError(
@@ -212,9 +213,10 @@ absl::Status Measure(const Config& cfg, const std::function<void()>& prepare,
   return absl::OkStatus();
 }
 
+// In fp64, so that comparing an fp32 (or fp64) result adds no rounding of its own.
 double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
   torch::NoGradGuard no_grad;
-  return (a.to(torch::kFloat) - b.to(torch::kFloat)).abs().max().item<double>();
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
 }
 
 // The textbook full-logits formula of each function on z [N, V] fp32, reduced over the valid
@@ -257,7 +259,9 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
   const int64_t d = cfg.d, v = cfg.v;
   const auto head_opts = head.weight().options();
 
-  // Inputs are drawn on the CPU so that every device sees the same values.
+  // Inputs are drawn on the CPU so that every device sees the same values. Targets are passed
+  // to every function, also to entropy / sigmoid_sum, which need none: their ignored tokens
+  // are then left out on both sides, like padding.
   rh::TokenBatch batch;
   torch::Tensor targets = torch::randint(0, v, {n}, torch::kLong);
   targets.masked_fill_(torch::rand({n}) < kIgnoredFraction, kIgnoreIndex);
@@ -284,8 +288,9 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
         },
         [&]() -> absl::Status {
           torch::Tensor z = b.defined() ? torch::addmm(b, x, w.t()) : torch::mm(x, w.t());
-          // Upcast as the engine does, but here the whole [N, V] at once.
-          torch::Tensor loss = NaiveLoss(z.to(torch::kFloat), batch.targets, cfg, valid_count);
+          // Upcast as the engine does (fp32; a float64 head stays fp64), but the whole [N, V].
+          if (z.scalar_type() != torch::kDouble) z = z.to(torch::kFloat);
+          torch::Tensor loss = NaiveLoss(z, batch.targets, cfg, valid_count);
           loss.backward();
           r.naive.loss = loss.item<double>();
           return absl::OkStatus();
@@ -389,7 +394,8 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
         {"valid_tokens", r.stats.valid_tokens},
         {"chunk_rows", r.stats.chunk_rows},
         {"num_chunks", r.stats.num_chunks},
-        {"gemm_seconds", r.gemm.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.gemm.seconds)},
+        {"gemm_seconds",
+         r.gemm.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.gemm.seconds)},
         {"fused_over_naive", OrNull(Ratio(r.fused, r.naive))},
         {"fused_gemm_ratio", OrNull(Ratio(r.gemm, r.fused))},
         {"variants",
@@ -449,7 +455,8 @@ void PrintTable(const Config& cfg, int64_t chunk_rows, const std::vector<NResult
                    engine ? Fmt(Ratio(r.gemm, *v), 3) : "-",
                    static_cast<double>(v->peak_bytes) / (1 << 20),
                    Fmt(PeakRatio(*v, r.naive), 4),
-                   engine ? Fmt(v->d_loss, 2, true) : "-", engine ? Fmt(v->d_hidden, 2, true) : "-",
+                   engine ? Fmt(v->d_loss, 2, true) : "-",
+                   engine ? Fmt(v->d_hidden, 2, true) : "-",
                    engine ? Fmt(v->d_weight, 2, true) : "-");
     }
   }
@@ -495,8 +502,10 @@ std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
     std::string& a = args[i];
     if (a == "--") break;
     const size_t dashes = a.starts_with("--") ? 2 : a.starts_with("-") ? 1 : 0;
-    if (dashes == 0 || a.size() <= dashes || !std::isalpha(static_cast<unsigned char>(a[dashes])))
-      continue;
+    if (dashes == 0 || a.size() <= dashes ||
+        !std::isalpha(static_cast<unsigned char>(a[dashes]))) {
+      continue;  // a positional argument or a negative number
+    }
     const size_t end = std::min(a.find('='), a.size());
     std::replace(a.begin() + static_cast<std::ptrdiff_t>(dashes),
                  a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');

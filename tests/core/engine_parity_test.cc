@@ -52,14 +52,14 @@ constexpr int64_t kRows = 67;
 // and dX are rounded to 8 mantissa bits, so its budget is a few bf16 ulps.
 double Tolerance(torch::ScalarType dtype, const torch::Tensor& reference) {
   const double rel = dtype == torch::kFloat ? 2e-5 : 3e-2;
-  return rel * std::max(testing::MaxAbs(reference), 1e-3);
+  return rel * std::max(reference::MaxAbs(reference), 1e-3);
 }
 
 TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
   const auto& [fcase, reduction, mode, bias, dtype] = GetParam();
   torch::manual_seed(0);
-  auto head = testing::MakeTestHead(kVocab, kHidden, dtype, bias);
-  const core::TokenBatch batch = testing::MakeTestBatch(*head, kRows, fcase.function, reduction);
+  auto head = reference::MakeTestHead(kVocab, kHidden, dtype, bias);
+  const core::TokenBatch batch = reference::MakeTestBatch(*head, kRows, fcase.function, reduction);
 
   core::StepOptions options;
   options.function = fcase.function;
@@ -72,9 +72,9 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
     grad_output = reduction == Reduction::kNone ? torch::randn({kRows})
                                                 : torch::full({}, 0.5, torch::kFloat);
   }
-  const testing::ReferenceResult ref =
-      testing::NaiveReference(*head, batch, options, grad_output);
-  ASSERT_GT(testing::MaxAbs(ref.grad_weight), 0.0) << "reference gradient is trivially zero";
+  const reference::ReferenceResult ref =
+      reference::NaiveReference(*head, batch, options, grad_output);
+  ASSERT_GT(reference::MaxAbs(ref.grad_weight), 0.0) << "reference gradient is trivially zero";
 
   for (const int64_t chunk : {int64_t{1}, int64_t{7}, int64_t{64}, kRows, kRows + 5}) {
     SCOPED_TRACE("chunk_rows=" + std::to_string(chunk));
@@ -93,19 +93,19 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
       auto forward = core::Forward(*head, batch, options);
       ASSERT_TRUE(forward.ok()) << forward.status();
       EXPECT_EQ(forward->output.sizes(), ref.output.sizes());
-      EXPECT_LE(testing::MaxAbsDiff(forward->output, ref.output), Tolerance(dtype, ref.output));
+      EXPECT_LE(reference::MaxAbsDiff(forward->output, ref.output), Tolerance(dtype, ref.output));
       auto backward = core::Backward(*head, batch, options, grad_output, &grads);
       ASSERT_TRUE(backward.ok()) << backward.status();
       grad_hidden = *backward;
     }
     EXPECT_EQ(grad_hidden.scalar_type(), dtype);
-    EXPECT_LE(testing::MaxAbsDiff(grad_hidden, ref.grad_hidden),
+    EXPECT_LE(reference::MaxAbsDiff(grad_hidden, ref.grad_hidden),
               Tolerance(dtype, ref.grad_hidden));
     EXPECT_EQ(grads.weight.scalar_type(), torch::kFloat);
-    EXPECT_LE(testing::MaxAbsDiff(grads.weight, ref.grad_weight),
+    EXPECT_LE(reference::MaxAbsDiff(grads.weight, ref.grad_weight),
               Tolerance(dtype, ref.grad_weight));
     if (bias) {
-      EXPECT_LE(testing::MaxAbsDiff(grads.bias, ref.grad_bias), Tolerance(dtype, ref.grad_bias));
+      EXPECT_LE(reference::MaxAbsDiff(grads.bias, ref.grad_bias), Tolerance(dtype, ref.grad_bias));
     }
   }
 }
@@ -140,49 +140,49 @@ INSTANTIATE_TEST_SUITE_P(AllFunctions, EngineParity, ::testing::ValuesIn(AllPara
 // The seed solutions divided a chunk's mean by the chunk count; a mean must be over the valid
 // tokens of the whole call. Put every ignored token in the first chunks to make that visible.
 TEST(EngineChunking, MeanIsOverAllValidTokensWhateverTheChunking) {
-  auto head = testing::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
-  core::TokenBatch batch = testing::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
+  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
+  core::TokenBatch batch = reference::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
   batch.targets.narrow(0, 0, 40).fill_(-100);
   batch.targets.narrow(0, 40, kRows - 40).clamp_min_(0);
   core::StepOptions options;
-  const testing::ReferenceResult ref = testing::NaiveReference(*head, batch, options);
+  const reference::ReferenceResult ref = reference::NaiveReference(*head, batch, options);
   for (const int64_t chunk : {int64_t{8}, int64_t{33}, kRows}) {
     options.chunk_rows = chunk;
     auto result = core::FusedForwardBackward(*head, batch, options, nullptr);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->stats.valid_tokens, kRows - 40);
     EXPECT_NEAR(result->loss, ref.output.item<double>(), 1e-5) << "chunk_rows=" << chunk;
-    EXPECT_LE(testing::MaxAbsDiff(result->grad_hidden, ref.grad_hidden), 1e-6);
+    EXPECT_LE(reference::MaxAbsDiff(result->grad_hidden, ref.grad_hidden), 1e-6);
   }
 }
 
 // A preallocated dX buffer is written in place, and `grads == nullptr` (a frozen head) leaves
 // no trace on the head's accumulators.
 TEST(EngineOutputs, WritesIntoGivenGradHiddenAndSkipsFrozenWeights) {
-  auto head = testing::MakeTestHead(kVocab, kHidden, torch::kFloat, true);
+  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, true);
   const core::TokenBatch batch =
-      testing::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
+      reference::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
   torch::Tensor out = torch::full({kRows, kHidden}, 7.0);
   const void* storage = out.data_ptr();
   auto result = core::FusedForwardBackward(*head, batch, {}, nullptr, out);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->grad_hidden.data_ptr(), storage);
-  const testing::ReferenceResult ref = testing::NaiveReference(*head, batch, {});
-  EXPECT_LE(testing::MaxAbsDiff(out, ref.grad_hidden), 1e-6);
-  EXPECT_EQ(testing::MaxAbs(head->grads().weight), 0.0);
-  EXPECT_EQ(testing::MaxAbs(head->grads().bias), 0.0);
+  const reference::ReferenceResult ref = reference::NaiveReference(*head, batch, {});
+  EXPECT_LE(reference::MaxAbsDiff(out, ref.grad_hidden), 1e-6);
+  EXPECT_EQ(reference::MaxAbs(head->grads().weight), 0.0);
+  EXPECT_EQ(reference::MaxAbs(head->grads().bias), 0.0);
 }
 
 // Extras are sums over valid tokens: nll's sum / valid tokens equals the unsmoothed mean CE.
 TEST(EngineOutputs, ExtrasAreSumsOverValidTokens) {
-  auto head = testing::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
+  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
   const core::TokenBatch batch =
-      testing::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
+      reference::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
   core::StepOptions smoothed;
   smoothed.params = {{"label_smoothing", 0.2}, {"z_loss", 1e-2}};
   auto result = core::FusedForwardBackward(*head, batch, smoothed, nullptr);
   ASSERT_TRUE(result.ok()) << result.status();
-  const testing::ReferenceResult plain = testing::NaiveReference(*head, batch, {});
+  const reference::ReferenceResult plain = reference::NaiveReference(*head, batch, {});
   EXPECT_NEAR(result->stats.extras.at("nll") / result->stats.valid_tokens,
               plain.output.item<double>(), 1e-5);
   EXPECT_GT(result->stats.extras.at("z_loss"), 0.0);

@@ -1,1 +1,112 @@
+// Memory: a call's transient peak (measured by the counting CPU allocator, not computed from
+// shapes) stays within memory_budget_bytes for every function and mode, and does not grow
+// with the number of rows N.
 #include <gtest/gtest.h>
+
+#include "core/reference.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/core/memory_stats.h"
+
+namespace remotehead {
+namespace {
+
+using core::Reduction;
+
+constexpr int64_t kVocab = 2000;
+constexpr int64_t kHidden = 64;
+constexpr int64_t kBudget = int64_t{2} << 20;
+
+struct Measured {
+  int64_t peak_bytes;  // peak during the call minus what was allocated just before it
+  int64_t chunk_rows;
+};
+
+enum class Mode { kFused, kForward, kBackward };
+
+// Inputs, gradient buffers and the dX output are allocated before measuring, as in a trainer.
+Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& function,
+                     const core::FunctionParams& params, Mode mode) {
+  core::InstallCpuMemoryTracker();
+  const core::TokenBatch batch = reference::MakeTestBatch(head, rows, function, Reduction::kMean);
+  core::GradientBuffers grads = head.NewGradientBuffers();
+  torch::Tensor grad_hidden = torch::empty({rows, kHidden});
+  const torch::Tensor grad_output = torch::ones({});
+  core::StepOptions options{.function = function, .params = params,
+                            .memory_budget_bytes = kBudget};
+  auto rows_used = core::ResolveChunkRows(head, **core::FunctionRegistry::Builtin().Find(function),
+                                          *core::FunctionRegistry::Builtin().ResolveParams(
+                                              **core::FunctionRegistry::Builtin().Find(function),
+                                              params),
+                                          options);
+  EXPECT_TRUE(rows_used.ok()) << rows_used.status();
+
+  EXPECT_TRUE(core::ResetPeakMemory(torch::kCPU).ok());
+  const int64_t before = core::GetMemoryStats(torch::kCPU)->allocated_bytes;
+  bool ok = false;
+  switch (mode) {
+    case Mode::kFused:
+      ok = core::FusedForwardBackward(head, batch, options, &grads, grad_hidden).ok();
+      break;
+    case Mode::kForward:
+      ok = core::Forward(head, batch, options).ok();
+      break;
+    case Mode::kBackward:
+      ok = core::Backward(head, batch, options, grad_output, &grads, grad_hidden).ok();
+      break;
+  }
+  EXPECT_TRUE(ok);
+  return {core::GetMemoryStats(torch::kCPU)->peak_allocated_bytes - before, *rows_used};
+}
+
+struct BudgetCase {
+  std::string function;
+  core::FunctionParams params;
+};
+
+class MemoryBudget : public ::testing::TestWithParam<BudgetCase> {};
+
+TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
+  const BudgetCase& c = GetParam();
+  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/true);
+  for (Mode mode : {Mode::kFused, Mode::kForward, Mode::kBackward}) {
+    SCOPED_TRACE(static_cast<int>(mode));
+    const Measured small = MeasureCall(*head, 600, c.function, c.params, mode);
+    const Measured large = MeasureCall(*head, 2400, c.function, c.params, mode);
+    ASSERT_LT(small.chunk_rows, 600) << "the budget must force chunking";
+    EXPECT_GT(small.peak_bytes, kBudget / 8) << "measurement sees the chunk buffers";
+    EXPECT_LE(small.peak_bytes, kBudget);
+    EXPECT_LE(large.peak_bytes, kBudget);
+    // 4× the rows: only O(N) bookkeeping (masks, per-token sums) may grow, a few bytes a row.
+    EXPECT_LE(large.peak_bytes, small.peak_bytes + 64 * (2400 - 600))
+        << "small=" << small.peak_bytes << " large=" << large.peak_bytes;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllFunctions, MemoryBudget,
+    ::testing::Values(BudgetCase{"cross_entropy", {}},
+                      BudgetCase{"cross_entropy",
+                                 {{"label_smoothing", 0.1}, {"z_loss", 1e-4}, {"softcap", 30},
+                                  {"temperature", 0.7}}},
+                      BudgetCase{"token_logprobs", {}}, BudgetCase{"entropy", {}},
+                      BudgetCase{"grpo", {{"beta", 0.04}}}, BudgetCase{"mse_onehot", {}},
+                      BudgetCase{"sigmoid_sum", {}}),
+    [](const ::testing::TestParamInfo<BudgetCase>& info) {
+      return info.param.function + (info.param.params.empty() ? "" : "_with_options");
+    });
+
+TEST(MemoryStats, CpuTrackerCountsLiveAndPeakBytes) {
+  core::InstallCpuMemoryTracker();
+  ASSERT_TRUE(core::ResetPeakMemory(torch::kCPU).ok());
+  const int64_t before = core::GetMemoryStats(torch::kCPU)->allocated_bytes;
+  {
+    torch::Tensor t = torch::empty({1000, 250});  // 1,000,000 bytes
+    EXPECT_GE(core::GetMemoryStats(torch::kCPU)->allocated_bytes - before, 1000000);
+  }
+  const auto after = *core::GetMemoryStats(torch::kCPU);
+  EXPECT_EQ(after.allocated_bytes, before);
+  EXPECT_GE(after.peak_allocated_bytes - before, 1000000);
+}
+
+}  // namespace
+}  // namespace remotehead

@@ -1,6 +1,6 @@
 #include "core/reference.h"
 
-namespace remotehead::testing {
+namespace remotehead::reference {
 namespace F = torch::nn::functional;
 
 namespace {
@@ -130,9 +130,9 @@ double MaxAbs(const torch::Tensor& a) {
   return a.detach().to(torch::kCPU).to(torch::kDouble).abs().max().item<double>();
 }
 
-}  // namespace remotehead::testing
+}  // namespace remotehead::reference
 
-namespace remotehead::testing {
+namespace remotehead::reference {
 
 std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::ScalarType dtype,
                                          bool bias, uint64_t seed, torch::ScalarType grad_dtype) {
@@ -179,4 +179,4 @@ core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::
   return batch;
 }
 
-}  // namespace remotehead::testing
+}  // namespace remotehead::reference

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include <torch/torch.h>
@@ -12,7 +13,14 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
 
-namespace remotehead::testing {
+// gtest would print Debian's absl::string_view (not std::string_view) as a list of chars.
+namespace absl {
+ABSL_NAMESPACE_BEGIN
+inline void PrintTo(string_view s, std::ostream* os) { *os << '"' << std::string(s) << '"'; }
+ABSL_NAMESPACE_END
+}  // namespace absl
+
+namespace remotehead::reference {
 
 struct ReferenceResult {
   torch::Tensor output;       // per-token [N] (reduction none) or the 0-d loss
@@ -37,9 +45,9 @@ double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b);
 // max |a|.
 double MaxAbs(const torch::Tensor& a);
 
-}  // namespace remotehead::testing
+}  // namespace remotehead::reference
 
-namespace remotehead::testing {
+namespace remotehead::reference {
 
 // A head with W ~ N(0, 0.02²)·scale chosen so that logits are O(1) for unit-variance hidden.
 std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::ScalarType dtype,
@@ -52,4 +60,4 @@ std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::S
 core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::string& function,
                                core::Reduction reduction, uint64_t seed = 2);
 
-}  // namespace remotehead::testing
+}  // namespace remotehead::reference

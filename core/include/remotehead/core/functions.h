@@ -57,6 +57,7 @@ struct TransformFunction {
   std::vector<ParamSpec> params;
   // How many fp32 [n, V] buffers the forward plus its autograd backward keep alive at the peak
   // (logits and their gradient not included); used to derive chunk rows from a memory budget.
+  // Measured, not guessed: tests/core/memory_budget_test.cc fails if the real peak exceeds it.
   double workspace_logit_buffers = 2.0;
   std::function<FunctionOutput(const ChunkInputs&)> forward;
   // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs).
