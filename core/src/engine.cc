@@ -20,7 +20,8 @@ struct Plan {
   FunctionParams params;
   Reduction reduction = Reduction::kMean;
   int64_t rows = 0;        // N
-  int64_t chunk_rows = 0;  // never above max(N, 1)
+  int64_t chunk_rows = 0;  // rows per GEMM chunk, never above max(N, 1)
+  int64_t block_rows = 0;  // rows per function block, never above chunk_rows
   int64_t valid_tokens = 0;
   double denominator = 1.0;
   int64_t ignore_index = -100;
@@ -221,9 +222,10 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
     return absl::InvalidArgumentError(
         absl::StrCat("upstream_scale: expected a finite value; got ", options.upstream_scale));
   }
-  ASSIGN_OR_RETURN(int64_t chunk_rows,
-                   ResolveChunkRows(head, *plan.fn, plan.params, options));
-  plan.chunk_rows = std::min(chunk_rows, std::max<int64_t>(plan.rows, 1));
+  ASSIGN_OR_RETURN(const ChunkSizes sizes,
+                   ResolveChunkSizes(head, *plan.fn, plan.params, options));
+  plan.chunk_rows = std::min(sizes.chunk_rows, std::max<int64_t>(plan.rows, 1));
+  plan.block_rows = std::min(sizes.block_rows, plan.chunk_rows);
   RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, plan.chunk_rows));
 
   plan.valid_tokens = batch.targets.defined()
@@ -242,12 +244,15 @@ torch::ScalarType LogitsDtype(const Head& head) {
   return head.dtype() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
 
-// z = X_c·Wᵀ (+ b) in the head's dtype, upcast to fp32: the upcast keeps softmax and its
-// gradient numerically sound; chunking is what keeps the fp32 copy affordable.
-torch::Tensor ChunkLogits(const Head& head, const torch::Tensor& x_chunk) {
-  torch::Tensor z = head.has_bias() ? torch::addmm(head.bias(), x_chunk, head.weight().t())
-                                    : torch::mm(x_chunk, head.weight().t());
-  return z.to(LogitsDtype(head));
+// z = X_c·Wᵀ (+ b) in the head's dtype, written into `out` ([rows, V]). RunFunctionBlock
+// upcasts it to fp32 block by block: the upcast keeps softmax and its gradient numerically
+// sound; blocking keeps it affordable.
+void ChunkLogits(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& out) {
+  if (head.has_bias()) {
+    torch::addmm_out(out, head.bias(), x_chunk, head.weight().t());
+  } else {
+    torch::mm_out(out, x_chunk, head.weight().t());
+  }
 }
 
 torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params) {
@@ -270,82 +275,171 @@ void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
   }
 }
 
-// dL/dy for the rows of one chunk, given w_c (valid mask × per-token weights, fp32).
+// dL/dy for the `rows` tokens from `start`, given their token weights (valid × weights).
 using UpstreamFn = std::function<torch::Tensor(int64_t start, int64_t rows,
                                                const torch::Tensor& token_weights)>;
 
 struct ChunkOutputs {
   torch::Tensor loss_sum;  // 0-d fp64: Σ w_i·y_i (before division by the denominator)
   std::map<std::string, torch::Tensor> extras;  // 0-d fp64 sums over valid tokens
-  torch::Tensor per_token;                      // [N] fp32 when requested
+  torch::Tensor per_token;                      // [N] when requested
 };
 
-// The one chunk loop behind every mode. With `upstream` set it differentiates each chunk and
-// writes dX into `grad_hidden` (if defined) and adds into `grads` (if not null).
+// The per-token inputs of one chunk, prepared once per chunk and sliced per block.
+struct ChunkTokens {
+  torch::Tensor targets;        // [rows] int64, ignored positions replaced by 0; or undefined
+  torch::Tensor valid;          // [rows] bool; undefined when every token is valid
+  torch::Tensor token_weights;  // [rows] valid × weights, in the logits dtype
+  AuxTensors aux;               // [rows] each, in the logits dtype
+
+  ChunkTokens Slice(int64_t start, int64_t rows) const {
+    ChunkTokens s;
+    if (targets.defined()) s.targets = targets.narrow(0, start, rows);
+    if (valid.defined()) s.valid = valid.narrow(0, start, rows);
+    s.token_weights = token_weights.narrow(0, start, rows);
+    for (const auto& [name, t] : aux) s.aux[name] = t.narrow(0, start, rows);
+    return s;
+  }
+};
+
+ChunkTokens PrepareChunkTokens(const TokenBatch& batch, const Plan& plan, int64_t start,
+                               int64_t rows, const torch::TensorOptions& logits_opts) {
+  ChunkTokens tokens;
+  if (batch.targets.defined()) {
+    const torch::Tensor t = batch.targets.narrow(0, start, rows).to(torch::kLong);
+    tokens.valid = t != plan.ignore_index;
+    tokens.targets = t.masked_fill(tokens.valid.logical_not(), 0);
+    tokens.token_weights = tokens.valid.to(logits_opts.dtype());
+  } else {
+    tokens.token_weights = torch::ones({rows}, logits_opts);
+  }
+  if (plan.reduction == Reduction::kWeightedSum) {
+    tokens.token_weights.mul_(batch.weights.narrow(0, start, rows));
+  }
+  for (const auto& [name, tensor] : batch.aux) {
+    tokens.aux[name] = tensor.narrow(0, start, rows).to(logits_opts.dtype());
+  }
+  return tokens;
+}
+
+struct BlockResult {
+  torch::Tensor y;                              // [rows] per-token outputs (detached)
+  std::map<std::string, torch::Tensor> extras;  // [rows] each (detached)
+  torch::Tensor dz;                             // [rows, V] dL/dz when `dy` is given
+};
+
+// Runs the function on one block of logits rows (`z_head`, the head's dtype) and, when `dy`
+// (dL/dy of the block's tokens) is defined, differentiates it with autograd.
+BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
+                             const torch::Tensor& z_head, const torch::Tensor& dy,
+                             torch::ScalarType logits_dtype) {
+  const bool want_grad = dy.defined();
+  ChunkInputs in;
+  in.params = &plan.params;
+  in.targets = tokens.targets;
+  in.aux = tokens.aux;
+  // A leaf of its own (for an fp32 head, a view of the chunk buffer: no copy).
+  torch::Tensor z = z_head.to(logits_dtype).detach();
+  if (want_grad) z.requires_grad_(true);
+  BlockResult result;
+  torch::Tensor y;
+  {
+    torch::AutoGradMode grad_mode(want_grad);
+    in.logits = TransformLogits(z, plan.params);
+    FunctionOutput fo = plan.fn->forward(in);
+    y = std::move(fo.per_token);
+    result.extras = std::move(fo.extras);
+  }
+  in.logits.reset();  // only autograd's saved tensors keep block buffers alive now
+  result.y = y.detach();
+  if (want_grad) result.dz = torch::autograd::grad({y}, {z}, {dy})[0];
+  return result;
+}
+
+// Adds Σ over valid tokens of `values` ([rows]) into the 0-d fp64 `sum`. Masked with where
+// (not a multiply) so a non-finite value at an ignored position stays out.
+void AddMaskedSum(const torch::Tensor& values, const ChunkTokens& tokens,
+                  const torch::Tensor& weights, torch::Tensor& sum) {
+  torch::Tensor v = tokens.valid.defined() ? torch::where(tokens.valid, values, 0.0) : values;
+  v = v.to(torch::kDouble);
+  if (weights.defined()) v = v * weights;
+  sum += v.sum();
+}
+
+// The one chunk loop behind every mode. Two levels:
+//  - a chunk of `chunk_rows` rows is what the three GEMMs see (large, so W and dW stream
+//    through memory few times per step); its logits live in one [rows, V] buffer of the
+//    head's dtype, allocated once per call, which each block's gradient overwrites;
+//  - a block of `block_rows` rows is what the function and autograd see (small, so the fp32
+//    upcast and the function's temporaries stay in cache).
+// With `upstream` set it writes dX into `grad_hidden` (if defined) and adds into `grads` (if
+// not null).
 ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
                        const UpstreamFn* upstream, GradientBuffers* grads,
                        const torch::Tensor& grad_hidden, bool keep_per_token,
                        int64_t* num_chunks) {
   torch::NoGradGuard no_grad;
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(head.device());
-  const auto logits_opts = f64.dtype(LogitsDtype(head));
+  const torch::ScalarType logits_dtype = LogitsDtype(head);
+  const auto logits_opts = f64.dtype(logits_dtype);
+  const bool weighted = plan.reduction == Reduction::kWeightedSum;
   ChunkOutputs out;
   out.loss_sum = torch::zeros({}, f64);
   if (keep_per_token) out.per_token = torch::zeros({plan.rows}, logits_opts);
-  const bool weighted = plan.reduction == Reduction::kWeightedSum;
   *num_chunks = 0;
+  if (plan.rows == 0) return out;
+
+  // Allocated once per call: a fresh [rows, V] buffer per chunk would cost page faults.
+  const torch::Tensor logits_buffer =
+      torch::empty({plan.chunk_rows, head.vocab_size()}, head.weight().options());
+  // dL/dz: for an fp32 head the logits buffer itself (each block's logits are dead once its
+  // gradient exists); otherwise a separate fp32 buffer, so dW accumulates the unrounded
+  // gradient.
+  torch::Tensor grad_buffer;
+  if (upstream != nullptr) {
+    grad_buffer = head.dtype() == logits_dtype ? logits_buffer
+                                               : torch::empty(logits_buffer.sizes(), logits_opts);
+  }
   for (int64_t start = 0; start < plan.rows; start += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, plan.rows - start);
     ++*num_chunks;
     const torch::Tensor x_chunk = batch.hidden.narrow(0, start, rows);
+    torch::Tensor z = logits_buffer.narrow(0, 0, rows);
+    ChunkLogits(head, x_chunk, z);
+    const ChunkTokens tokens = PrepareChunkTokens(batch, plan, start, rows, logits_opts);
+    torch::Tensor dy;  // [rows] dL/dy
+    if (upstream != nullptr) dy = (*upstream)(start, rows, tokens.token_weights);
 
-    ChunkInputs in;
-    in.params = &plan.params;
-    torch::Tensor valid;  // [rows] bool, undefined when every token is valid
-    if (batch.targets.defined()) {
-      const torch::Tensor t = batch.targets.narrow(0, start, rows).to(torch::kLong);
-      valid = t != plan.ignore_index;
-      in.targets = t.masked_fill(valid.logical_not(), 0);
-    }
-    for (const auto& [name, tensor] : batch.aux) {
-      in.aux[name] = tensor.narrow(0, start, rows).to(logits_opts.dtype());
-    }
-    torch::Tensor token_weights =
-        valid.defined() ? valid.to(logits_opts.dtype()) : torch::ones({rows}, logits_opts);
-    if (weighted) {
-      token_weights =
-          token_weights * batch.weights.narrow(0, start, rows).to(logits_opts.dtype());
-    }
-
-    torch::Tensor z = ChunkLogits(head, x_chunk);
-    if (upstream != nullptr) z.requires_grad_(true);
-    torch::Tensor y;
-    {
-      torch::AutoGradMode grad_mode(upstream != nullptr);
-      in.logits = TransformLogits(z, plan.params);
-      FunctionOutput fo = plan.fn->forward(in);
-      y = std::move(fo.per_token);
-      for (auto& [name, extra] : fo.extras) {
-        torch::Tensor e = valid.defined() ? torch::where(valid, extra, 0.0) : extra;
-        auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));
-        it->second += e.to(torch::kDouble).sum();
+    torch::Tensor y = torch::empty({rows}, logits_opts);
+    std::map<std::string, torch::Tensor> extras;
+    torch::Tensor dz = upstream != nullptr ? grad_buffer.narrow(0, 0, rows) : torch::Tensor();
+    for (int64_t b = 0; b < rows; b += plan.block_rows) {
+      const int64_t block = std::min(plan.block_rows, rows - b);
+      BlockResult r =
+          RunFunctionBlock(plan, tokens.Slice(b, block), z.narrow(0, b, block),
+                           dy.defined() ? dy.narrow(0, b, block) : torch::Tensor(), logits_dtype);
+      y.narrow(0, b, block).copy_(r.y);
+      for (auto& [name, values] : r.extras) {
+        auto [it, inserted] = extras.try_emplace(name, torch::Tensor());
+        if (inserted) it->second = torch::empty({rows}, logits_opts);
+        it->second.narrow(0, b, block).copy_(values);
       }
+      if (r.dz.defined()) dz.narrow(0, b, block).copy_(r.dz);
     }
-    in.logits.reset();  // only autograd's saved tensors keep chunk buffers alive now
-    // Masked with where (not a multiply) so a non-finite value at an ignored position stays out.
-    const torch::Tensor y_valid = valid.defined() ? torch::where(valid, y.detach(), 0.0)
-                                                  : y.detach();
-    torch::Tensor y_weighted = y_valid.to(torch::kDouble);
-    if (weighted) y_weighted = y_weighted * batch.weights.narrow(0, start, rows);
-    out.loss_sum += y_weighted.sum();
-    if (keep_per_token) out.per_token.narrow(0, start, rows).copy_(y_valid);
+    AddMaskedSum(y, tokens, weighted ? batch.weights.narrow(0, start, rows) : torch::Tensor(),
+                 out.loss_sum);
+    for (const auto& [name, values] : extras) {
+      auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));
+      AddMaskedSum(values, tokens, {}, it->second);
+    }
+    if (keep_per_token) {
+      out.per_token.narrow(0, start, rows)
+          .copy_(tokens.valid.defined() ? torch::where(tokens.valid, y, 0.0) : y);
+    }
     if (upstream == nullptr) continue;
 
-    const torch::Tensor dy = (*upstream)(start, rows, token_weights);
-    torch::Tensor dz = torch::autograd::grad({y}, {z}, {dy})[0];  // fp32 [rows, V]
-    y.reset();
-    z.reset();
-    const torch::Tensor dz_head = dz.to(head.dtype());
+    torch::Tensor dz_head = dz;
+    if (head.dtype() != logits_dtype) dz_head = z.copy_(dz);  // reuse the logits buffer
     if (grad_hidden.defined()) {
       torch::Tensor dx_chunk = grad_hidden.narrow(0, start, rows);
       torch::mm_out(dx_chunk, dz_head, head.weight());
@@ -363,6 +457,7 @@ StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs, int64_t num_c
   stats.valid_tokens = plan.valid_tokens;
   stats.denominator = plan.denominator;
   stats.chunk_rows = plan.chunk_rows;
+  stats.block_rows = plan.block_rows;
   stats.num_chunks = num_chunks;
   for (const auto& [name, sum] : outputs.extras) stats.extras[name] = sum.item<double>();
   return stats;
@@ -396,9 +491,9 @@ std::string_view ReductionName(Reduction reduction) {
   return "unknown";
 }
 
-absl::StatusOr<int64_t> ResolveChunkRows(const Head& head, const TransformFunction& fn,
-                                         const FunctionParams& params,
-                                         const StepOptions& options) {
+absl::StatusOr<ChunkSizes> ResolveChunkSizes(const Head& head, const TransformFunction& fn,
+                                             const FunctionParams& params,
+                                             const StepOptions& options) {
   if (options.chunk_rows < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got ",
@@ -409,28 +504,52 @@ absl::StatusOr<int64_t> ResolveChunkRows(const Head& head, const TransformFuncti
         "memory_budget_bytes: expected >= 1 (or 0 for the default ", kDefaultMemoryBudgetBytes,
         "); got ", options.memory_budget_bytes));
   }
-  if (options.chunk_rows > 0) return options.chunk_rows;
+  if (options.block_rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_rows: expected >= 1 (or 0 for cache-sized blocks); got ", options.block_rows));
+  }
+  const double vocab = static_cast<double>(head.vocab_size());
+  const double elem = static_cast<double>(c10::elementSize(head.dtype()));
+  const double logits_elem = static_cast<double>(c10::elementSize(LogitsDtype(head)));
+  // Per block row: the upcast logits (when the head is not fp32), their gradient, what the
+  // logit transforms save for autograd, and the function's own workspace — all in fp32.
+  double block_buffers = 1.0 + fn.workspace_logit_buffers;
+  if (head.dtype() != LogitsDtype(head)) block_buffers += 1;
+  if (params.at(kSoftcapParam) > 0) block_buffers += 2;
+  if (params.at(kTemperatureParam) != 1.0) block_buffers += 1;
+  const double block_bytes_per_row = vocab * logits_elem * block_buffers;
+  // Per chunk row: the logits buffer in the head's dtype (which the gradient overwrites) plus
+  // a separate fp32 gradient when the head is not fp32, and the X / dX rows.
+  double chunk_bytes_per_row = vocab * elem + 2.0 * static_cast<double>(head.hidden_size()) * elem;
+  if (head.dtype() != LogitsDtype(head)) chunk_bytes_per_row += vocab * logits_elem;
 
-  // fp32 [rows, V] buffers alive at a chunk's peak: the logits, their gradient, what the
-  // logit transforms save for autograd, and the function's own workspace; plus the head-dtype
-  // logits and gradient when the head is not fp32, and the X / dX rows.
-  double fp32_buffers = 2.0 + fn.workspace_logit_buffers;
-  if (params.at(kSoftcapParam) > 0) fp32_buffers += 2;
-  if (params.at(kTemperatureParam) != 1.0) fp32_buffers += 1;
-  const int64_t elem = c10::elementSize(head.dtype());
-  const double head_dtype_buffers = head.dtype() == torch::kFloat ? 0.0 : 2.0;
-  const double bytes_per_row = static_cast<double>(head.vocab_size()) *
-                                   (4.0 * fp32_buffers + elem * head_dtype_buffers) +
-                               2.0 * static_cast<double>(head.hidden_size() * elem);
+  const auto cache_block_rows =
+      options.block_rows > 0
+          ? options.block_rows
+          : std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(kFunctionBlockBytes) /
+                                                      (vocab * logits_elem)));
+  ChunkSizes sizes;
+  if (options.chunk_rows > 0) {
+    sizes.chunk_rows = options.chunk_rows;
+    sizes.block_rows = std::min(cache_block_rows, options.chunk_rows);
+    return sizes;
+  }
   const int64_t budget =
       options.memory_budget_bytes > 0 ? options.memory_budget_bytes : kDefaultMemoryBudgetBytes;
-  const auto rows = static_cast<int64_t>(static_cast<double>(budget) / bytes_per_row);
-  if (rows < 1) {
+  // Blocks take at most a quarter of the budget; chunks get the rest.
+  sizes.block_rows = std::min<int64_t>(
+      cache_block_rows, static_cast<int64_t>(0.25 * static_cast<double>(budget) / block_bytes_per_row));
+  const double rest = static_cast<double>(budget) -
+                      static_cast<double>(std::max<int64_t>(sizes.block_rows, 1)) * block_bytes_per_row;
+  sizes.chunk_rows = static_cast<int64_t>(rest / chunk_bytes_per_row);
+  if (sizes.block_rows < 1 || sizes.chunk_rows < 1) {
+    const double one_row = 4.0 * block_bytes_per_row + chunk_bytes_per_row;
     return absl::InvalidArgumentError(absl::StrCat(
-        "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(bytes_per_row)),
+        "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
         " (one row of ", fn.name, " at V=", head.vocab_size(), "); got ", budget));
   }
-  return rows;
+  sizes.block_rows = std::min(sizes.block_rows, sizes.chunk_rows);
+  return sizes;
 }
 
 absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBatch& batch,

@@ -19,17 +19,18 @@ torch::Tensor Gather(const torch::Tensor& logits, const torch::Tensor& targets) 
 }
 
 // Cross-entropy with label smoothing and z-loss, as torch.nn.functional.cross_entropy defines
-// smoothing: (1-ε)·(lse − z_t) + ε·(lse − mean_j z_j), plus z_loss·lse² (PaLM's auxiliary loss).
+// smoothing: −(1−ε)·log p_t − ε·mean_j log p_j, plus z_loss·lse² (PaLM's auxiliary loss).
+// Written on log_softmax, whose fused backward is one pass over the block.
 FunctionOutput CrossEntropy(const ChunkInputs& in) {
   const double eps = in.param("label_smoothing");
   const double z_coef = in.param("z_loss");
-  const torch::Tensor lse = torch::logsumexp(in.logits, 1);
-  const torch::Tensor nll = lse - Gather(in.logits, in.targets);
+  const torch::Tensor logp = torch::log_softmax(in.logits, 1);
+  const torch::Tensor nll = -Gather(logp, in.targets);
   torch::Tensor loss = nll;
-  if (eps > 0) loss = (1.0 - eps) * nll + eps * (lse - in.logits.mean(1));
+  if (eps > 0) loss = (1.0 - eps) * nll - eps * logp.mean(1);
   FunctionOutput out;
   if (z_coef > 0) {
-    const torch::Tensor z_loss = z_coef * lse.square();
+    const torch::Tensor z_loss = z_coef * torch::logsumexp(in.logits, 1).square();
     loss = loss + z_loss;
     out.extras["z_loss"] = z_loss.detach();
   }
@@ -40,14 +41,13 @@ FunctionOutput CrossEntropy(const ChunkInputs& in) {
 
 // log p(target): the selected-token log-probabilities of RL trainers.
 FunctionOutput TokenLogprobs(const ChunkInputs& in) {
-  return {Gather(in.logits, in.targets) - torch::logsumexp(in.logits, 1), {}};
+  return {Gather(torch::log_softmax(in.logits, 1), in.targets), {}};
 }
 
-// Entropy of the predicted distribution: H = lse − Σ_j p_j z_j.
+// Entropy of the predicted distribution: H = −Σ_j p_j log p_j.
 FunctionOutput Entropy(const ChunkInputs& in) {
-  const torch::Tensor lse = torch::logsumexp(in.logits, 1);
-  const torch::Tensor p = torch::softmax(in.logits, 1);
-  return {lse - (p * in.logits).sum(1), {}};
+  const torch::Tensor logp = torch::log_softmax(in.logits, 1);
+  return {-(logp.exp() * logp).sum(1), {}};
 }
 
 // GRPO per-token policy loss (DeepSeekMath / TRL's GRPOTrainer):
@@ -56,7 +56,7 @@ FunctionOutput Entropy(const ChunkInputs& in) {
 // old_logprobs defaults to logp.detach() (on-policy, one update per generation).
 // grpo / bnpo / dr_grpo / dapo normalisations are per-token weights and the normaliser.
 FunctionOutput Grpo(const ChunkInputs& in) {
-  const torch::Tensor logp = Gather(in.logits, in.targets) - torch::logsumexp(in.logits, 1);
+  const torch::Tensor logp = Gather(torch::log_softmax(in.logits, 1), in.targets);
   const torch::Tensor& adv = in.aux.at("advantages");
   const auto old_it = in.aux.find("old_logprobs");
   const torch::Tensor old_logp = old_it != in.aux.end() ? old_it->second : logp.detach();
@@ -115,7 +115,7 @@ std::vector<TransformFunction> BuiltinFunctions() {
       {.name = "entropy",
        .help = "entropy of the predicted distribution",
        .needs_targets = false,
-       .workspace_logit_buffers = 3,
+       .workspace_logit_buffers = 4,
        .forward = Entropy},
       {.name = "grpo",
        .help = "GRPO clipped policy loss with optional k3 KL to a reference policy",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -15,7 +16,9 @@
 namespace remotehead::core {
 namespace {
 
-// Delegates to the allocator it replaces and keeps live / peak byte counts.
+// Delegates to the allocator it replaces and keeps live / peak byte counts. Each allocation's
+// context is its data pointer (what c10's raw_allocate / raw_deallocate require, e.g. for
+// oneDNN's bf16 matmuls), so the wrapped allocation is kept in a map keyed by that pointer.
 class CountingCpuAllocator final : public c10::Allocator {
  public:
   explicit CountingCpuAllocator(c10::Allocator* base) : base_(base) {}
@@ -23,13 +26,17 @@ class CountingCpuAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
+    if (data == nullptr) return inner;  // zero-byte allocations hold no memory
     const c10::Device device = inner.device();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_allocations_.emplace(data, Allocation{std::move(inner), n});
+    }
     Add(static_cast<int64_t>(n));
-    auto* ctx = new Allocation{std::move(inner), n, this};
-    return {data, ctx, &Release, device};
+    return {data, data, &Release, device};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &Release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -43,13 +50,21 @@ class CountingCpuAllocator final : public c10::Allocator {
   struct Allocation {
     c10::DataPtr inner;
     size_t bytes;
-    CountingCpuAllocator* owner;
   };
 
-  static void Release(void* ctx) {
-    auto* a = static_cast<Allocation*>(ctx);
-    a->owner->Add(-static_cast<int64_t>(a->bytes));
-    delete a;  // frees the memory through the wrapped allocator's deleter
+  static void Release(void* data);
+
+  void Free(void* data) {
+    Allocation allocation;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = live_allocations_.find(data);
+      if (it == live_allocations_.end()) return;
+      allocation = std::move(it->second);
+      live_allocations_.erase(it);
+    }
+    Add(-static_cast<int64_t>(allocation.bytes));
+    // `allocation.inner` frees the memory through the wrapped allocator's deleter here.
   }
 
   void Add(int64_t delta) {
@@ -60,11 +75,15 @@ class CountingCpuAllocator final : public c10::Allocator {
   }
 
   c10::Allocator* base_;
+  std::mutex mu_;
+  std::unordered_map<void*, Allocation> live_allocations_;
   std::atomic<int64_t> live_{0};
   std::atomic<int64_t> peak_{0};
 };
 
 std::atomic<CountingCpuAllocator*> g_cpu_tracker{nullptr};
+
+void CountingCpuAllocator::Release(void* data) { g_cpu_tracker.load()->Free(data); }
 
 }  // namespace
 

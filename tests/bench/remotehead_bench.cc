@@ -480,7 +480,8 @@ absl::Status Run() {
                    rh::FunctionRegistry::Builtin().Find(cfg.function));
   ASSIGN_OR_RETURN(const rh::FunctionParams params,
                    rh::FunctionRegistry::Builtin().ResolveParams(*fn, options.params));
-  ASSIGN_OR_RETURN(const int64_t chunk_rows, rh::ResolveChunkRows(*head, *fn, params, options));
+  ASSIGN_OR_RETURN(const rh::ChunkSizes sizes, rh::ResolveChunkSizes(*head, *fn, params, options));
+  const int64_t chunk_rows = sizes.chunk_rows;
 
   std::vector<NResult> results;
   for (const int64_t n : cfg.ns) {

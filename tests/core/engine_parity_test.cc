@@ -1,6 +1,7 @@
 // Engine vs the naive full-logits reference (float64 autograd), for every function ×
 // reduction × mode × bias × dtype, each at chunk sizes {1, 7, 64, N, N+5} with N = 67 (not a
-// multiple of any of them) and ~20% of the targets set to ignore_index.
+// multiple of any of them), function blocks smaller than, equal to and larger than the chunk,
+// and ~20% of the targets set to ignore_index.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -76,9 +77,12 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
       reference::NaiveReference(*head, batch, options, grad_output);
   ASSERT_GT(reference::MaxAbs(ref.grad_weight), 0.0) << "reference gradient is trivially zero";
 
-  for (const int64_t chunk : {int64_t{1}, int64_t{7}, int64_t{64}, kRows, kRows + 5}) {
-    SCOPED_TRACE("chunk_rows=" + std::to_string(chunk));
+  const std::vector<std::pair<int64_t, int64_t>> chunk_and_block = {
+      {1, 0}, {7, 3}, {64, 5}, {kRows, 0}, {kRows + 5, 16}};
+  for (const auto& [chunk, block] : chunk_and_block) {
+    SCOPED_TRACE("chunk_rows=" + std::to_string(chunk) + " block_rows=" + std::to_string(block));
     options.chunk_rows = chunk;
+    options.block_rows = block;
     core::GradientBuffers grads = head->NewGradientBuffers();
     torch::Tensor grad_hidden;
     if (mode == Mode::kFused) {
@@ -88,6 +92,7 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
                 Tolerance(dtype, ref.output));
       EXPECT_EQ(result->stats.chunk_rows, std::min(chunk, kRows));
       EXPECT_EQ(result->stats.num_chunks, (kRows + chunk - 1) / chunk);
+      EXPECT_EQ(result->stats.block_rows, block > 0 ? block : std::min(chunk, kRows));
       grad_hidden = result->grad_hidden;
     } else {
       auto forward = core::Forward(*head, batch, options);

@@ -14,6 +14,8 @@ struct FdCase {
   core::FunctionParams params;
 };
 
+void PrintTo(const FdCase& c, std::ostream* os) { *os << c.function; }
+
 class FiniteDifference : public ::testing::TestWithParam<FdCase> {};
 
 TEST_P(FiniteDifference, GradientsMatchCentralDifferences) {

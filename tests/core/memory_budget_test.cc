@@ -33,12 +33,10 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
   const torch::Tensor grad_output = torch::ones({});
   core::StepOptions options{.function = function, .params = params,
                             .memory_budget_bytes = kBudget};
-  auto rows_used = core::ResolveChunkRows(head, **core::FunctionRegistry::Builtin().Find(function),
-                                          *core::FunctionRegistry::Builtin().ResolveParams(
-                                              **core::FunctionRegistry::Builtin().Find(function),
-                                              params),
-                                          options);
-  EXPECT_TRUE(rows_used.ok()) << rows_used.status();
+  const auto& registry = core::FunctionRegistry::Builtin();
+  const core::TransformFunction* fn = *registry.Find(function);
+  auto sizes = core::ResolveChunkSizes(head, *fn, *registry.ResolveParams(*fn, params), options);
+  EXPECT_TRUE(sizes.ok()) << sizes.status();
 
   EXPECT_TRUE(core::ResetPeakMemory(torch::kCPU).ok());
   const int64_t before = core::GetMemoryStats(torch::kCPU)->allocated_bytes;
@@ -55,13 +53,15 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
       break;
   }
   EXPECT_TRUE(ok);
-  return {core::GetMemoryStats(torch::kCPU)->peak_allocated_bytes - before, *rows_used};
+  return {core::GetMemoryStats(torch::kCPU)->peak_allocated_bytes - before, sizes->chunk_rows};
 }
 
 struct BudgetCase {
   std::string function;
   core::FunctionParams params;
 };
+
+void PrintTo(const BudgetCase& c, std::ostream* os) { *os << c.function; }
 
 class MemoryBudget : public ::testing::TestWithParam<BudgetCase> {};
 

@@ -129,10 +129,12 @@ TEST_F(Validation, BadInputsAreRejectedWithPreciseMessagesAndNoStateChange) {
        "upstream_scale: expected a finite value; got nan"},
       {"negative chunk_rows", [](B&, O& o) { o.chunk_rows = -3; },
        "chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got -3"},
+      {"negative block_rows", [](B&, O& o) { o.block_rows = -1; },
+       "block_rows: expected >= 1 (or 0 for cache-sized blocks); got -1"},
       {"budget below one row", [](B&, O& o) { o.memory_budget_bytes = 100; },
-       "memory_budget_bytes: expected at least 864 (one row of cross_entropy at V=40); got 100"},
+       "memory_budget_bytes: expected at least 2784 (one row of cross_entropy at V=40); got 100"},
       {"negative budget", [](B&, O& o) { o.memory_budget_bytes = -1; },
-       "memory_budget_bytes: expected >= 1 (or 0 for the default 67108864); got -1"},
+       "memory_budget_bytes: expected >= 1 (or 0 for the default 100663296); got -1"},
   };
   for (const BadCase& c : cases) ExpectRejectedEverywhere(c);
 }

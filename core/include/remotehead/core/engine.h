@@ -1,9 +1,11 @@
 // The chunked head engine: loss, per-token outputs, dX and dW of f(X·Wᵀ + b) computed a block
 // of rows at a time, so the [N, V] logits are never materialised.
 //
-// Per chunk: z = X_c·Wᵀ (+ b) in the head's dtype, upcast to fp32, y_c = f(z, …) (a registered
-// TransformFunction), then autograd gives dz; dX_c = dz·W and dW += dzᵀ·X_c (db += Σ dz),
-// accumulated in the head's gradient dtype (fp32 by default).
+// Per chunk: z = X_c·Wᵀ (+ b) in the head's dtype; then, one cache-sized block of rows at a
+// time, upcast to fp32, y = f(z, …) (a registered TransformFunction) and autograd gives dz;
+// then dX_c = dz·W and dW += dzᵀ·X_c (db += Σ dz), accumulated in the head's gradient dtype
+// (fp32 by default). Three GEMMs per chunk in fused mode; peak memory is about one [rows, V]
+// buffer per chunk plus one block's function workspace.
 //
 // Reductions over the valid tokens (targets != ignore_index; all tokens when no targets):
 //   none          per-token y_i (0 at ignored positions)             two-phase only
@@ -38,7 +40,10 @@ absl::StatusOr<Reduction> ParseReduction(std::string_view name);
 std::string_view ReductionName(Reduction reduction);
 
 // Used when neither chunk_rows nor memory_budget_bytes is given.
-inline constexpr int64_t kDefaultMemoryBudgetBytes = int64_t{64} << 20;
+inline constexpr int64_t kDefaultMemoryBudgetBytes = int64_t{96} << 20;
+// fp32 logits per function block: small enough that the upcast copy, the function's
+// temporaries and their gradients stay in the CPU's caches (or a GPU's L2).
+inline constexpr int64_t kFunctionBlockBytes = int64_t{2} << 20;
 
 struct TokenBatch {
   torch::Tensor hidden;   // X [N, D], the head's dtype and device
@@ -55,6 +60,7 @@ struct StepOptions {
   std::optional<double> normalizer;  // > 0; see the reduction table above
   int64_t ignore_index = -100;
   int64_t chunk_rows = 0;           // rows per chunk; 0 = derive from memory_budget_bytes
+  int64_t block_rows = 0;           // rows per function block; 0 = cache-sized (see below)
   int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = kDefaultMemoryBudgetBytes
   double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
 };
@@ -62,7 +68,8 @@ struct StepOptions {
 struct StepStats {
   int64_t valid_tokens = 0;
   double denominator = 1.0;  // what Σ was divided by
-  int64_t chunk_rows = 0;    // the chunk size actually used
+  int64_t chunk_rows = 0;    // the chunk size actually used (rows per GEMM)
+  int64_t block_rows = 0;    // rows per function block (what autograd differentiates at once)
   int64_t num_chunks = 0;
   // Σ over valid tokens of each per-token diagnostic the function reports (e.g. "nll",
   // "z_loss", "kl"); sums, so they add exactly across micro-batches.
@@ -100,9 +107,15 @@ absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch
                                        const torch::Tensor& grad_output, GradientBuffers* grads,
                                        torch::Tensor grad_hidden_out = {});
 
-// The rows per chunk a call with these options would use (after validation of the budget).
-absl::StatusOr<int64_t> ResolveChunkRows(const Head& head, const TransformFunction& fn,
-                                         const FunctionParams& params,
-                                         const StepOptions& options);
+struct ChunkSizes {
+  int64_t chunk_rows = 0;  // rows per GEMM chunk
+  int64_t block_rows = 0;  // rows the function and autograd see at once
+};
+
+// The chunk sizes a call with these options would use, before clamping to N: chunk_rows as
+// given, or the largest that fits memory_budget_bytes together with one function block.
+absl::StatusOr<ChunkSizes> ResolveChunkSizes(const Head& head, const TransformFunction& fn,
+                                             const FunctionParams& params,
+                                             const StepOptions& options);
 
 }  // namespace remotehead::core
