@@ -47,26 +47,24 @@ int64_t FirstNonFiniteRow(const torch::Tensor& t) {
 absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int64_t n,
                            const torch::Device& device, bool integral) {
   if (t.dim() != 1 || t.size(0) != n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected shape [", n, "] (one per row of hidden); got ",
-                     ShapeOf(t)));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected shape [", n,
+                                                   "] (one per row of hidden); got ", ShapeOf(t)));
   }
   if (t.device() != device) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": expected device ", device.str(),
-                                                   "; got ", t.device().str()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected device ", device.str(), "; got ", t.device().str()));
   }
   const torch::ScalarType dt = t.scalar_type();
   if (integral ? (dt != torch::kLong && dt != torch::kInt) : !IsFloating(dt)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": expected dtype ", integral ? "int64 or int32" : "a floating dtype", "; got ",
-        DtypeName(dt)));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected dtype ",
+                                                   integral ? "int64 or int32" : "a floating dtype",
+                                                   "; got ", DtypeName(dt)));
   }
   if (!integral) {
     const int64_t bad = FirstNonFiniteRow(t);
     if (bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", bad,
-                                                     "]: expected a finite value; got ",
-                                                     t[bad].item<double>()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", bad, "]: expected a finite value; got ", t[bad].item<double>()));
     }
   }
   return absl::OkStatus();
@@ -81,8 +79,7 @@ absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan&
     const int64_t i = bad.nonzero()[0][0].item<int64_t>();
     return absl::InvalidArgumentError(
         absl::StrCat("targets[", i, "]: expected a token id in [0, ", head.vocab_size(),
-                     ") or ignore_index (", plan.ignore_index, "); got ",
-                     t[i].item<int64_t>()));
+                     ") or ignore_index (", plan.ignore_index, "); got ", t[i].item<int64_t>()));
   }
   return absl::OkStatus();
 }
@@ -90,16 +87,16 @@ absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan&
 absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& plan) {
   const TransformFunction& fn = *plan.fn;
   for (const auto& [name, tensor] : batch.aux) {
-    const bool known =
-        std::count(fn.required_aux.begin(), fn.required_aux.end(), name) +
-            std::count(fn.optional_aux.begin(), fn.optional_aux.end(), name) > 0;
+    const bool known = std::count(fn.required_aux.begin(), fn.required_aux.end(), name) +
+                           std::count(fn.optional_aux.begin(), fn.optional_aux.end(), name) >
+                       0;
     if (!known) {
       std::vector<std::string> accepted = fn.required_aux;
       accepted.insert(accepted.end(), fn.optional_aux.begin(), fn.optional_aux.end());
-      return absl::InvalidArgumentError(absl::StrCat(
-          "aux[\"", name, "\"]: function ", fn.name, " accepts ",
-          accepted.empty() ? std::string("no per-token inputs")
-                           : absl::StrCat("only ", absl::StrJoin(accepted, ", "))));
+      return absl::InvalidArgumentError(
+          absl::StrCat("aux[\"", name, "\"]: function ", fn.name, " accepts ",
+                       accepted.empty() ? std::string("no per-token inputs")
+                                        : absl::StrCat("only ", absl::StrJoin(accepted, ", "))));
     }
     RETURN_IF_ERROR(CheckPerToken(tensor, absl::StrCat("aux[\"", name, "\"]"), plan.rows,
                                   head.device(), false));
@@ -117,8 +114,8 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
 absl::Status CheckHidden(const Head& head, const TokenBatch& batch) {
   const torch::Tensor& x = batch.hidden;
   if (!x.defined() || x.dim() != 2 || x.size(1) != head.hidden_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden: expected shape [N, ",
-                                                   head.hidden_size(), "]; got ", ShapeOf(x)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden: expected shape [N, ", head.hidden_size(), "]; got ", ShapeOf(x)));
   }
   if (x.scalar_type() != head.dtype()) {
     return absl::InvalidArgumentError(absl::StrCat("hidden.dtype: expected ",
@@ -126,9 +123,8 @@ absl::Status CheckHidden(const Head& head, const TokenBatch& batch) {
                                                    DtypeName(x.scalar_type())));
   }
   if (x.device() != head.device()) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden: expected device ",
-                                                   head.device().str(), "; got ",
-                                                   x.device().str()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden: expected device ", head.device().str(), "; got ", x.device().str()));
   }
   return absl::OkStatus();
 }
@@ -140,8 +136,8 @@ absl::Status CheckHiddenFinite(const torch::Tensor& x, int64_t chunk_rows) {
     const int64_t rows = std::min(chunk_rows, x.size(0) - start);
     const int64_t bad = FirstNonFiniteRow(x.narrow(0, start, rows));
     if (bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "hidden[", start + bad, "]: expected finite values; got NaN or Inf"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden[", start + bad, "]: expected finite values; got NaN or Inf"));
     }
   }
   return absl::OkStatus();
@@ -159,11 +155,11 @@ absl::Status CheckGradientBuffers(const Head& head, const GradientBuffers* grads
                     : ""));
   }
   if (head.has_bias() != grads->bias.defined() ||
-      (head.has_bias() && (grads->bias.sizes() != head.bias().sizes() ||
-                           grads->bias.device() != head.device()))) {
+      (head.has_bias() &&
+       (grads->bias.sizes() != head.bias().sizes() || grads->bias.device() != head.device()))) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "grads.bias: expected ", head.has_bias() ? c10::str(head.bias().sizes()) : "none",
-        "; got ", ShapeOf(grads->bias)));
+        "grads.bias: expected ", head.has_bias() ? c10::str(head.bias().sizes()) : "none", "; got ",
+        ShapeOf(grads->bias)));
   }
   return absl::OkStatus();
 }
@@ -171,8 +167,7 @@ absl::Status CheckGradientBuffers(const Head& head, const GradientBuffers* grads
 absl::Status CheckGradHiddenOut(const Head& head, const Plan& plan, const torch::Tensor& out) {
   if (!out.defined()) return absl::OkStatus();
   if (out.dim() != 2 || out.size(0) != plan.rows || out.size(1) != head.hidden_size() ||
-      out.scalar_type() != head.dtype() || out.device() != head.device() ||
-      !out.is_contiguous()) {
+      out.scalar_type() != head.dtype() || out.device() != head.device() || !out.is_contiguous()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "grad_hidden_out: expected a contiguous [", plan.rows, ", ", head.hidden_size(), "] ",
         DtypeName(head.dtype()), " tensor on ", head.device().str(), "; got ", ShapeOf(out)));
@@ -185,8 +180,8 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
                               const StepOptions& options) {
   Plan plan;
   ASSIGN_OR_RETURN(plan.fn, FunctionRegistry::Builtin().Find(options.function));
-  ASSIGN_OR_RETURN(plan.params, FunctionRegistry::Builtin().ResolveParams(*plan.fn,
-                                                                          options.params));
+  ASSIGN_OR_RETURN(plan.params,
+                   FunctionRegistry::Builtin().ResolveParams(*plan.fn, options.params));
   plan.reduction = options.reduction;
   plan.ignore_index = options.ignore_index;
   RETURN_IF_ERROR(CheckHidden(head, batch));
@@ -203,27 +198,25 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
   if (options.reduction == Reduction::kWeightedSum) {
     if (!batch.weights.defined()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "weights: reduction weighted_sum needs per-token weights [", plan.rows,
-          "]; got none"));
+          "weights: reduction weighted_sum needs per-token weights [", plan.rows, "]; got none"));
     }
     RETURN_IF_ERROR(CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false));
   } else if (batch.weights.defined()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "weights: only used by reduction weighted_sum; got weights with reduction ",
-        std::string(ReductionName(options.reduction))));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights: only used by reduction weighted_sum; got weights with reduction ",
+                     std::string(ReductionName(options.reduction))));
   }
   RETURN_IF_ERROR(CheckAux(head, batch, plan));
   if (options.normalizer.has_value() &&
       (!std::isfinite(*options.normalizer) || *options.normalizer <= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "normalizer: expected a finite value > 0; got ", *options.normalizer));
+    return absl::InvalidArgumentError(
+        absl::StrCat("normalizer: expected a finite value > 0; got ", *options.normalizer));
   }
   if (!std::isfinite(options.upstream_scale)) {
     return absl::InvalidArgumentError(
         absl::StrCat("upstream_scale: expected a finite value; got ", options.upstream_scale));
   }
-  ASSIGN_OR_RETURN(const ChunkSizes sizes,
-                   ResolveChunkSizes(head, *plan.fn, plan.params, options));
+  ASSIGN_OR_RETURN(const ChunkSizes sizes, ResolveChunkSizes(head, *plan.fn, plan.params, options));
   plan.chunk_rows = std::min(sizes.chunk_rows, std::max<int64_t>(plan.rows, 1));
   plan.block_rows = std::min(sizes.block_rows, plan.chunk_rows);
   RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, plan.chunk_rows));
@@ -276,8 +269,8 @@ void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
 }
 
 // dL/dy for the `rows` tokens from `start`, given their token weights (valid × weights).
-using UpstreamFn = std::function<torch::Tensor(int64_t start, int64_t rows,
-                                               const torch::Tensor& token_weights)>;
+using UpstreamFn =
+    std::function<torch::Tensor(int64_t start, int64_t rows, const torch::Tensor& token_weights)>;
 
 struct ChunkOutputs {
   torch::Tensor loss_sum;  // 0-d fp64: Σ w_i·y_i (before division by the denominator)
@@ -376,8 +369,7 @@ void AddMaskedSum(const torch::Tensor& values, const ChunkTokens& tokens,
 // not null).
 ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
                        const UpstreamFn* upstream, GradientBuffers* grads,
-                       const torch::Tensor& grad_hidden, bool keep_per_token,
-                       int64_t* num_chunks) {
+                       const torch::Tensor& grad_hidden, bool keep_per_token, int64_t* num_chunks) {
   torch::NoGradGuard no_grad;
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(head.device());
   const torch::ScalarType logits_dtype = LogitsDtype(head);
@@ -483,10 +475,14 @@ absl::StatusOr<Reduction> ParseReduction(std::string_view name) {
 
 std::string_view ReductionName(Reduction reduction) {
   switch (reduction) {
-    case Reduction::kNone: return "none";
-    case Reduction::kSum: return "sum";
-    case Reduction::kMean: return "mean";
-    case Reduction::kWeightedSum: return "weighted_sum";
+    case Reduction::kNone:
+      return "none";
+    case Reduction::kSum:
+      return "sum";
+    case Reduction::kMean:
+      return "mean";
+    case Reduction::kWeightedSum:
+      return "weighted_sum";
   }
   return "unknown";
 }
@@ -495,14 +491,14 @@ absl::StatusOr<ChunkSizes> ResolveChunkSizes(const Head& head, const TransformFu
                                              const FunctionParams& params,
                                              const StepOptions& options) {
   if (options.chunk_rows < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got ",
-        options.chunk_rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got ",
+                     options.chunk_rows));
   }
   if (options.memory_budget_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "memory_budget_bytes: expected >= 1 (or 0 for the default ", kDefaultMemoryBudgetBytes,
-        "); got ", options.memory_budget_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory_budget_bytes: expected >= 1 (or 0 for the default ",
+                     kDefaultMemoryBudgetBytes, "); got ", options.memory_budget_bytes));
   }
   if (options.block_rows < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -538,9 +534,11 @@ absl::StatusOr<ChunkSizes> ResolveChunkSizes(const Head& head, const TransformFu
       options.memory_budget_bytes > 0 ? options.memory_budget_bytes : kDefaultMemoryBudgetBytes;
   // Blocks take at most a quarter of the budget; chunks get the rest.
   sizes.block_rows = std::min<int64_t>(
-      cache_block_rows, static_cast<int64_t>(0.25 * static_cast<double>(budget) / block_bytes_per_row));
-  const double rest = static_cast<double>(budget) -
-                      static_cast<double>(std::max<int64_t>(sizes.block_rows, 1)) * block_bytes_per_row;
+      cache_block_rows,
+      static_cast<int64_t>(0.25 * static_cast<double>(budget) / block_bytes_per_row));
+  const double rest =
+      static_cast<double>(budget) -
+      static_cast<double>(std::max<int64_t>(sizes.block_rows, 1)) * block_bytes_per_row;
   sizes.chunk_rows = static_cast<int64_t>(rest / chunk_bytes_per_row);
   if (sizes.block_rows < 1 || sizes.chunk_rows < 1) {
     const double one_row = 4.0 * block_bytes_per_row + chunk_bytes_per_row;
@@ -552,10 +550,28 @@ absl::StatusOr<ChunkSizes> ResolveChunkSizes(const Head& head, const TransformFu
   return sizes;
 }
 
-absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBatch& batch,
-                                                 const StepOptions& options,
-                                                 GradientBuffers* grads,
-                                                 torch::Tensor grad_hidden_out) {
+namespace {
+
+// LibTorch reports failures during compute (allocation failures above all) as exceptions; the
+// engine's callers get a status instead. Out-of-memory maps to RESOURCE_EXHAUSTED.
+template <typename Fn>
+auto StatusFromExceptions(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const c10::OutOfMemoryError& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of memory: ", e.what_without_backtrace()));
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("LibTorch error: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
+}
+
+absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const TokenBatch& batch,
+                                                     const StepOptions& options,
+                                                     GradientBuffers* grads,
+                                                     torch::Tensor grad_hidden_out) {
   if (options.reduction == Reduction::kNone) {
     return absl::InvalidArgumentError(
         "reduction: fused mode needs a scalar loss (sum, mean or weighted_sum); got none — "
@@ -579,24 +595,23 @@ absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBa
   return result;
 }
 
-absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
-                                      const StepOptions& options) {
+absl::StatusOr<ForwardResult> ForwardImpl(const Head& head, const TokenBatch& batch,
+                                          const StepOptions& options) {
   ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
   const bool per_token = options.reduction == Reduction::kNone;
   int64_t num_chunks = 0;
-  ChunkOutputs outputs =
-      RunChunks(head, batch, plan, nullptr, nullptr, {}, per_token, &num_chunks);
+  ChunkOutputs outputs = RunChunks(head, batch, plan, nullptr, nullptr, {}, per_token, &num_chunks);
   ForwardResult result;
-  result.output = per_token ? outputs.per_token
-                            : (outputs.loss_sum / plan.denominator).to(LogitsDtype(head));
+  result.output =
+      per_token ? outputs.per_token : (outputs.loss_sum / plan.denominator).to(LogitsDtype(head));
   result.stats = MakeStats(plan, outputs, num_chunks);
   return result;
 }
 
-absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch,
-                                       const StepOptions& options,
-                                       const torch::Tensor& grad_output, GradientBuffers* grads,
-                                       torch::Tensor grad_hidden_out) {
+absl::StatusOr<torch::Tensor> BackwardImpl(const Head& head, const TokenBatch& batch,
+                                           const StepOptions& options,
+                                           const torch::Tensor& grad_output, GradientBuffers* grads,
+                                           torch::Tensor grad_hidden_out) {
   ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
   RETURN_IF_ERROR(CheckGradientBuffers(head, grads));
   UpstreamFn upstream;
@@ -624,6 +639,27 @@ absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch
   int64_t num_chunks = 0;
   RunChunks(head, batch, plan, &upstream, grads, grad_hidden, false, &num_chunks);
   return grad_hidden;
+}
+
+}  // namespace
+
+absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBatch& batch,
+                                                 const StepOptions& options, GradientBuffers* grads,
+                                                 torch::Tensor grad_hidden_out) {
+  return StatusFromExceptions(
+      [&] { return FusedForwardBackwardImpl(head, batch, options, grads, grad_hidden_out); });
+}
+
+absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
+                                      const StepOptions& options) {
+  return StatusFromExceptions([&] { return ForwardImpl(head, batch, options); });
+}
+
+absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch,
+                                       const StepOptions& options, const torch::Tensor& grad_output,
+                                       GradientBuffers* grads, torch::Tensor grad_hidden_out) {
+  return StatusFromExceptions(
+      [&] { return BackwardImpl(head, batch, options, grad_output, grads, grad_hidden_out); });
 }
 
 }  // namespace remotehead::core

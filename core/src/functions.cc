@@ -96,9 +96,7 @@ FunctionOutput MseOnehot(const ChunkInputs& in) {
 }
 
 // Σ_j sigmoid(z_j): the seed's "other function" (reduction=sum gives sum(sigmoid(X Wᵀ))).
-FunctionOutput SigmoidSum(const ChunkInputs& in) {
-  return {torch::sigmoid(in.logits).sum(1), {}};
-}
+FunctionOutput SigmoidSum(const ChunkInputs& in) { return {torch::sigmoid(in.logits).sum(1), {}}; }
 
 std::vector<TransformFunction> BuiltinFunctions() {
   return {
@@ -164,9 +162,8 @@ const FunctionRegistry& FunctionRegistry::Builtin() {
 absl::StatusOr<const TransformFunction*> FunctionRegistry::Find(const std::string& name) const {
   const auto it = functions_.find(name);
   if (it == functions_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("function: expected one of ",
-                                                   absl::StrJoin(Names(), ", "), "; got \"",
-                                                   name, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "function: expected one of ", absl::StrJoin(Names(), ", "), "; got \"", name, "\""));
   }
   return &it->second;
 }
@@ -193,9 +190,8 @@ absl::StatusOr<FunctionParams> FunctionRegistry::ResolveParams(const TransformFu
     if (spec == nullptr) {
       std::vector<std::string> known;
       for (const ParamSpec* s : specs) known.push_back(s->name);
-      return absl::InvalidArgumentError(absl::StrCat("params[\"", name, "\"]: function ",
-                                                     fn.name, " expects only ",
-                                                     absl::StrJoin(known, ", ")));
+      return absl::InvalidArgumentError(absl::StrCat("params[\"", name, "\"]: function ", fn.name,
+                                                     " expects only ", absl::StrJoin(known, ", ")));
     }
     if (!std::isfinite(value) || value < spec->min_value || value > spec->max_value) {
       return absl::InvalidArgumentError(

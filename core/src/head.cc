@@ -21,20 +21,29 @@ absl::StatusOr<torch::ScalarType> ParseHeadDtype(std::string_view name) {
   if (n == "bfloat16" || n == "bf16") return torch::kBFloat16;
   if (n == "float16" || n == "fp16" || n == "half") return torch::kHalf;
   if (n == "float64" || n == "fp64" || n == "double") return torch::kDouble;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "dtype: expected one of float32, bfloat16, float16, float64; got \"", std::string(name), "\""));
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype: expected one of float32, bfloat16, float16, float64; got \"",
+                   std::string(name), "\""));
 }
 
 std::string DtypeName(torch::ScalarType dtype) {
   switch (dtype) {
-    case torch::kFloat: return "float32";
-    case torch::kBFloat16: return "bfloat16";
-    case torch::kHalf: return "float16";
-    case torch::kDouble: return "float64";
-    case torch::kLong: return "int64";
-    case torch::kInt: return "int32";
-    case torch::kBool: return "bool";
-    default: return c10::toString(dtype);
+    case torch::kFloat:
+      return "float32";
+    case torch::kBFloat16:
+      return "bfloat16";
+    case torch::kHalf:
+      return "float16";
+    case torch::kDouble:
+      return "float64";
+    case torch::kLong:
+      return "int64";
+    case torch::kInt:
+      return "int32";
+    case torch::kBool:
+      return "bool";
+    default:
+      return c10::toString(dtype);
   }
 }
 
@@ -66,14 +75,14 @@ absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& wei
         weight.defined() ? c10::str(weight.sizes()) : std::string("no tensor")));
   }
   if (!IsHeadDtype(weight.scalar_type())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "weight.dtype: expected float32, bfloat16, float16 or float64; got ",
-        DtypeName(weight.scalar_type())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight.dtype: expected float32, bfloat16, float16 or float64; got ",
+                     DtypeName(weight.scalar_type())));
   }
   if (options.grad_dtype != torch::kFloat && options.grad_dtype != weight.scalar_type()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "grad_dtype: expected float32 or the head's dtype (", DtypeName(weight.scalar_type()),
-        "); got ", DtypeName(options.grad_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad_dtype: expected float32 or the head's dtype (",
+                     DtypeName(weight.scalar_type()), "); got ", DtypeName(options.grad_dtype)));
   }
   if (bias.defined()) {
     if (bias.dim() != 1 || bias.size(0) != weight.size(0)) {
@@ -88,9 +97,9 @@ absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& wei
     return absl::InvalidArgumentError("bias: expected finite values; got NaN or Inf");
   }
   if (options.device.is_cuda() && !torch::cuda::is_available()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "device: expected an available device; got ", options.device.str(),
-        " but CUDA is not available on this machine"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("device: expected an available device; got ", options.device.str(),
+                     " but CUDA is not available on this machine"));
   }
   const auto opts = torch::TensorOptions().dtype(weight.scalar_type()).device(options.device);
   torch::Tensor w = weight.detach().to(opts, /*non_blocking=*/false, /*copy=*/true).contiguous();
@@ -102,9 +111,8 @@ absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& wei
 absl::StatusOr<std::unique_ptr<Head>> Head::Initialize(const HeadInit& init,
                                                        const HeadOptions& options) {
   if (init.vocab_size < 1 || init.hidden_size < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "vocab_size, hidden_size: expected >= 1; got ", init.vocab_size, ", ",
-        init.hidden_size));
+    return absl::InvalidArgumentError(absl::StrCat("vocab_size, hidden_size: expected >= 1; got ",
+                                                   init.vocab_size, ", ", init.hidden_size));
   }
   if (!(init.init_std > 0) || !std::isfinite(init.init_std)) {
     return absl::InvalidArgumentError(
@@ -117,8 +125,8 @@ absl::StatusOr<std::unique_ptr<Head>> Head::Initialize(const HeadInit& init,
   torch::NoGradGuard no_grad;
   // Generated on the CPU in float32 so the values do not depend on the target device.
   auto gen = at::detail::createCPUGenerator(init.seed);
-  torch::Tensor w = at::normal(0.0, init.init_std, {init.vocab_size, init.hidden_size}, gen)
-                        .to(init.dtype);
+  torch::Tensor w =
+      at::normal(0.0, init.init_std, {init.vocab_size, init.hidden_size}, gen).to(init.dtype);
   torch::Tensor b;
   if (init.bias) b = torch::zeros({init.vocab_size}, torch::TensorOptions().dtype(init.dtype));
   return FromTensors(w, b, options);

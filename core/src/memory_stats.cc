@@ -1,11 +1,11 @@
 #include "remotehead/core/memory_stats.h"
 
+#include <c10/core/CPUAllocator.h>
+
 #include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
-
-#include <c10/core/CPUAllocator.h>
 
 #ifdef REMOTEHEAD_TORCH_HAS_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -112,7 +112,8 @@ absl::StatusOr<MemoryStats> GetMemoryStats(const torch::Device& device) {
   }
 #ifdef REMOTEHEAD_TORCH_HAS_CUDA
   if (device.is_cuda() && torch::cuda::is_available()) {
-    const auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    const auto s =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
     constexpr size_t kAggregate = 0;  // StatType::AGGREGATE
     stats.allocated_bytes = s.allocated_bytes[kAggregate].current;
     stats.reserved_bytes = s.reserved_bytes[kAggregate].current;

@@ -11,18 +11,18 @@
 // by the engine's counting allocator, CUDA by the caching allocator's statistics). Accuracy is
 // the max |difference| of the loss, dX and dW from naive, from the last timed repetition (each
 // repetition starts from zeroed gradients, so that is one step's result).
+#include <torch/torch.h>
+
 #include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
-#include <torch/torch.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -118,8 +118,7 @@ absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
   }
   if (device->is_cpu()) return *device;
   const int64_t index = device->has_index() ? device->index() : 0;
-  if (!torch::cuda::is_available() ||
-      index >= static_cast<int64_t>(torch::cuda::device_count())) {
+  if (!torch::cuda::is_available() || index >= static_cast<int64_t>(torch::cuda::device_count())) {
     return absl::InvalidArgumentError(absl::StrCat("--device: ", name, " requested but ",
                                                    torch::cuda::device_count(),
                                                    " CUDA device(s) are available"));
@@ -152,10 +151,10 @@ absl::StatusOr<Config> ConfigFromFlags() {
   RETURN_IF_ERROR(rh::FunctionRegistry::Builtin().Find(c.function).status());
   if (std::find(kSupportedFunctions.begin(), kSupportedFunctions.end(), c.function) ==
       kSupportedFunctions.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--function: the bench supplies only targets, so it supports ",
-        absl::StrJoin(kSupportedFunctions, ", "), "; got ", c.function,
-        " (which needs other per-token inputs)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--function: the bench supplies only targets, so it supports ",
+                     absl::StrJoin(kSupportedFunctions, ", "), "; got ", c.function,
+                     " (which needs other per-token inputs)"));
   }
   ASSIGN_OR_RETURN(c.reduction, rh::ParseReduction(absl::GetFlag(FLAGS_reduction)));
   if (c.reduction != rh::Reduction::kMean && c.reduction != rh::Reduction::kSum) {
@@ -170,8 +169,8 @@ absl::StatusOr<Config> ConfigFromFlags() {
   c.warmup = absl::GetFlag(FLAGS_warmup);
   c.threads = absl::GetFlag(FLAGS_threads);
   if (c.repeats < 1 || c.warmup < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--repeats >= 1 and --warmup >= 0 expected; got ", c.repeats, ", ", c.warmup));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--repeats >= 1 and --warmup >= 0 expected; got ", c.repeats, ", ", c.warmup));
   }
   c.bias = absl::GetFlag(FLAGS_bias);
   c.json = absl::GetFlag(FLAGS_json);
@@ -221,8 +220,8 @@ double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
 
 // The textbook full-logits formula of each function on z [N, V] fp32, reduced over the valid
 // tokens as the engine does (mean divides by their count, at least 1).
-torch::Tensor NaiveLoss(const torch::Tensor& z, const torch::Tensor& targets,
-                        const Config& cfg, int64_t valid_count) {
+torch::Tensor NaiveLoss(const torch::Tensor& z, const torch::Tensor& targets, const Config& cfg,
+                        int64_t valid_count) {
   namespace F = torch::nn::functional;
   if (cfg.function == "cross_entropy") {
     auto options = F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex);
@@ -277,8 +276,8 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
   if (naive_estimate <= cfg.skip_naive_above_bytes) {
     torch::Tensor x = batch.hidden.detach().requires_grad_(true);  // shares X's storage
     torch::Tensor w = head.weight().detach().clone().requires_grad_(true);
-    torch::Tensor b = cfg.bias ? head.bias().detach().clone().requires_grad_(true)
-                               : torch::Tensor();
+    torch::Tensor b =
+        cfg.bias ? head.bias().detach().clone().requires_grad_(true) : torch::Tensor();
     RETURN_IF_ERROR(Measure(
         cfg,
         [&] {
@@ -315,22 +314,28 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
     variant.d_weight = MaxAbsDiff(grads.weight, naive_dw);
   };
 
-  RETURN_IF_ERROR(Measure(cfg, zero_grads, [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(rh::FusedResult fused,
-                     rh::FusedForwardBackward(head, batch, options, &grads, grad_hidden));
-    r.fused.loss = fused.loss;
-    r.stats = std::move(fused.stats);
-    return absl::OkStatus();
-  }, &r.fused));
+  RETURN_IF_ERROR(Measure(
+      cfg, zero_grads,
+      [&]() -> absl::Status {
+        ASSIGN_OR_RETURN(rh::FusedResult fused,
+                         rh::FusedForwardBackward(head, batch, options, &grads, grad_hidden));
+        r.fused.loss = fused.loss;
+        r.stats = std::move(fused.stats);
+        return absl::OkStatus();
+      },
+      &r.fused));
   compare(r.fused);
 
   const torch::Tensor one = torch::ones({}, torch::TensorOptions().device(cfg.device));
-  RETURN_IF_ERROR(Measure(cfg, zero_grads, [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(rh::ForwardResult fwd, rh::Forward(head, batch, options));
-    RETURN_IF_ERROR(rh::Backward(head, batch, options, one, &grads, grad_hidden).status());
-    r.two_phase.loss = fwd.output.item<double>();
-    return absl::OkStatus();
-  }, &r.two_phase));
+  RETURN_IF_ERROR(Measure(
+      cfg, zero_grads,
+      [&]() -> absl::Status {
+        ASSIGN_OR_RETURN(rh::ForwardResult fwd, rh::Forward(head, batch, options));
+        RETURN_IF_ERROR(rh::Backward(head, batch, options, one, &grads, grad_hidden).status());
+        r.two_phase.loss = fwd.output.item<double>();
+        return absl::OkStatus();
+      },
+      &r.two_phase));
   compare(r.two_phase);
   naive_dx = naive_dw = torch::Tensor();
 
@@ -345,12 +350,15 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
     torch::Tensor dx = torch::empty({n, d}, head_opts);
     torch::Tensor dz_dw = fp32_dw ? torch::randn({n, v}, grads.weight.options()) : z;
     torch::Tensor x_dw = fp32_dw ? batch.hidden.to(torch::kFloat) : batch.hidden;
-    RETURN_IF_ERROR(Measure(cfg, zero_grads, [&]() -> absl::Status {
-      torch::mm_out(z, batch.hidden, head.weight().t());
-      torch::mm_out(dx, z, head.weight());
-      grads.weight.addmm_(dz_dw.t(), x_dw);
-      return absl::OkStatus();
-    }, &r.gemm));
+    RETURN_IF_ERROR(Measure(
+        cfg, zero_grads,
+        [&]() -> absl::Status {
+          torch::mm_out(z, batch.hidden, head.weight().t());
+          torch::mm_out(dx, z, head.weight());
+          grads.weight.addmm_(dz_dw.t(), x_dw);
+          return absl::OkStatus();
+        },
+        &r.gemm));
   }
   return r;
 }
@@ -394,8 +402,7 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
         {"valid_tokens", r.stats.valid_tokens},
         {"chunk_rows", r.stats.chunk_rows},
         {"num_chunks", r.stats.num_chunks},
-        {"gemm_seconds",
-         r.gemm.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.gemm.seconds)},
+        {"gemm_seconds", r.gemm.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.gemm.seconds)},
         {"fused_over_naive", OrNull(Ratio(r.fused, r.naive))},
         {"fused_gemm_ratio", OrNull(Ratio(r.gemm, r.fused))},
         {"variants",
@@ -407,13 +414,21 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
   }
   return {
       {"config",
-       {{"n", cfg.ns}, {"d", cfg.d}, {"v", cfg.v}, {"dtype", rh::DtypeName(cfg.dtype)},
-        {"device", cfg.device.str()}, {"function", cfg.function},
-        {"reduction", std::string(rh::ReductionName(cfg.reduction))}, {"bias", cfg.bias},
-        {"threads", torch::get_num_threads()}, {"chunk_rows", chunk_rows},
+       {{"n", cfg.ns},
+        {"d", cfg.d},
+        {"v", cfg.v},
+        {"dtype", rh::DtypeName(cfg.dtype)},
+        {"device", cfg.device.str()},
+        {"function", cfg.function},
+        {"reduction", std::string(rh::ReductionName(cfg.reduction))},
+        {"bias", cfg.bias},
+        {"threads", torch::get_num_threads()},
+        {"chunk_rows", chunk_rows},
         {"memory_budget_bytes",
          cfg.memory_budget_bytes > 0 ? cfg.memory_budget_bytes : rh::kDefaultMemoryBudgetBytes},
-        {"repeats", cfg.repeats}, {"warmup", cfg.warmup}, {"seed", cfg.seed},
+        {"repeats", cfg.repeats},
+        {"warmup", cfg.warmup},
+        {"seed", cfg.seed},
         {"ignored_fraction", kIgnoredFraction},
         {"skip_naive_above_bytes", cfg.skip_naive_above_bytes}}},
       {"results", results},
@@ -428,22 +443,22 @@ std::string Fmt(const std::optional<double>& x, int precision, bool scientific =
 }
 
 void PrintTable(const Config& cfg, int64_t chunk_rows, const std::vector<NResult>& rs) {
-  absl::PrintF("remotehead-bench  d=%d v=%d dtype=%s device=%s function=%s reduction=%s "
-               "bias=%s threads=%d chunk_rows=%d repeats=%d warmup=%d\n",
-               cfg.d, cfg.v, rh::DtypeName(cfg.dtype), cfg.device.str(), cfg.function,
-               std::string(rh::ReductionName(cfg.reduction)), cfg.bias ? "true" : "false",
-               torch::get_num_threads(), chunk_rows, cfg.repeats, cfg.warmup);
-  absl::PrintF("x_naive = step time / naive's; gemm/step = bare-GEMM time / step time; "
-               "peak = transient bytes of a warm step\n\n");
-  absl::PrintF("%7s  %-9s  %9s  %7s  %9s  %10s  %10s  %9s  %9s  %9s\n", "N", "variant",
-               "step_s", "x_naive", "gemm/step", "peak_MiB", "peak/naive", "|dloss|",
-               "|dX|", "|dW|");
+  absl::PrintF(
+      "remotehead-bench  d=%d v=%d dtype=%s device=%s function=%s reduction=%s "
+      "bias=%s threads=%d chunk_rows=%d repeats=%d warmup=%d\n",
+      cfg.d, cfg.v, rh::DtypeName(cfg.dtype), cfg.device.str(), cfg.function,
+      std::string(rh::ReductionName(cfg.reduction)), cfg.bias ? "true" : "false",
+      torch::get_num_threads(), chunk_rows, cfg.repeats, cfg.warmup);
+  absl::PrintF(
+      "x_naive = step time / naive's; gemm/step = bare-GEMM time / step time; "
+      "peak = transient bytes of a warm step\n\n");
+  absl::PrintF("%7s  %-9s  %9s  %7s  %9s  %10s  %10s  %9s  %9s  %9s\n", "N", "variant", "step_s",
+               "x_naive", "gemm/step", "peak_MiB", "peak/naive", "|dloss|", "|dX|", "|dW|");
   for (const NResult& r : rs) {
-    absl::PrintF("# N=%d: valid_tokens=%d chunk_rows=%d num_chunks=%d\n", r.n,
-                 r.stats.valid_tokens, r.stats.chunk_rows, r.stats.num_chunks);
+    absl::PrintF("# N=%d: valid_tokens=%d chunk_rows=%d num_chunks=%d\n", r.n, r.stats.valid_tokens,
+                 r.stats.chunk_rows, r.stats.num_chunks);
     const std::pair<const char*, const Variant*> rows[] = {
-        {"naive", &r.naive}, {"fused", &r.fused}, {"two_phase", &r.two_phase},
-        {"gemm", &r.gemm}};
+        {"naive", &r.naive}, {"fused", &r.fused}, {"two_phase", &r.two_phase}, {"gemm", &r.gemm}};
     for (const auto& [name, v] : rows) {
       if (v->skipped) {
         absl::PrintF("%7d  %-9s  %9s\n", r.n, name, "skipped");
@@ -451,12 +466,9 @@ void PrintTable(const Config& cfg, int64_t chunk_rows, const std::vector<NResult
       }
       const bool engine = v == &r.fused || v == &r.two_phase;
       absl::PrintF("%7d  %-9s  %9.4f  %7s  %9s  %10.1f  %10s  %9s  %9s  %9s\n", r.n, name,
-                   v->seconds, Fmt(Ratio(*v, r.naive), 3),
-                   engine ? Fmt(Ratio(r.gemm, *v), 3) : "-",
-                   static_cast<double>(v->peak_bytes) / (1 << 20),
-                   Fmt(PeakRatio(*v, r.naive), 4),
-                   engine ? Fmt(v->d_loss, 2, true) : "-",
-                   engine ? Fmt(v->d_hidden, 2, true) : "-",
+                   v->seconds, Fmt(Ratio(*v, r.naive), 3), engine ? Fmt(Ratio(r.gemm, *v), 3) : "-",
+                   static_cast<double>(v->peak_bytes) / (1 << 20), Fmt(PeakRatio(*v, r.naive), 4),
+                   engine ? Fmt(v->d_loss, 2, true) : "-", engine ? Fmt(v->d_hidden, 2, true) : "-",
                    engine ? Fmt(v->d_weight, 2, true) : "-");
     }
   }
@@ -467,10 +479,12 @@ absl::Status Run() {
   if (cfg.threads > 0) torch::set_num_threads(cfg.threads);
   torch::manual_seed(cfg.seed);
 
-  ASSIGN_OR_RETURN(std::unique_ptr<rh::Head> head,
-                   rh::Head::Initialize({.vocab_size = cfg.v, .hidden_size = cfg.d,
-                                         .dtype = cfg.dtype, .bias = cfg.bias, .seed = cfg.seed},
-                                        {.device = cfg.device}));
+  ASSIGN_OR_RETURN(std::unique_ptr<rh::Head> head, rh::Head::Initialize({.vocab_size = cfg.v,
+                                                                         .hidden_size = cfg.d,
+                                                                         .dtype = cfg.dtype,
+                                                                         .bias = cfg.bias,
+                                                                         .seed = cfg.seed},
+                                                                        {.device = cfg.device}));
   const rh::StepOptions options{.function = cfg.function,
                                 .reduction = cfg.reduction,
                                 .ignore_index = kIgnoreIndex,
@@ -503,8 +517,7 @@ std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
     std::string& a = args[i];
     if (a == "--") break;
     const size_t dashes = a.starts_with("--") ? 2 : a.starts_with("-") ? 1 : 0;
-    if (dashes == 0 || a.size() <= dashes ||
-        !std::isalpha(static_cast<unsigned char>(a[dashes]))) {
+    if (dashes == 0 || a.size() <= dashes || !std::isalpha(static_cast<unsigned char>(a[dashes]))) {
       continue;  // a positional argument or a negative number
     }
     const size_t end = std::min(a.find('='), a.size());

@@ -37,13 +37,13 @@ TEST_P(Accumulation, MicroBatchesWithGlobalNormalizerEqualOneBigCall) {
   double loss_sum = 0;
   int64_t start = 0;
   for (const int64_t rows : {int64_t{25}, int64_t{41}, int64_t{24}}) {  // uneven micro-batches
-    auto micro = core::FusedForwardBackward(*head, Slice(whole, start, rows), options,
-                                            &accumulated);
+    auto micro =
+        core::FusedForwardBackward(*head, Slice(whole, start, rows), options, &accumulated);
     ASSERT_TRUE(micro.ok()) << micro.status();
     loss_sum += micro->loss;
-    EXPECT_LE(reference::MaxAbsDiff(micro->grad_hidden,
-                                    one_call->grad_hidden.narrow(0, start, rows)),
-              1e-7);
+    EXPECT_LE(
+        reference::MaxAbsDiff(micro->grad_hidden, one_call->grad_hidden.narrow(0, start, rows)),
+        1e-7);
     start += rows;
   }
   EXPECT_NEAR(loss_sum, one_call->loss, 1e-6 * std::abs(one_call->loss));
@@ -55,22 +55,24 @@ TEST_P(Accumulation, MicroBatchesWithGlobalNormalizerEqualOneBigCall) {
 INSTANTIATE_TEST_SUITE_P(ScalarReductions, Accumulation,
                          ::testing::Values(Reduction::kMean, Reduction::kSum,
                                            Reduction::kWeightedSum),
-                         [](const auto& info) { return std::string(core::ReductionName(info.param)); });
+                         [](const auto& info) {
+                           return std::string(core::ReductionName(info.param));
+                         });
 
 // Two-phase accumulation: per-token outputs now, upstream gradients later, into one buffer.
 TEST(Accumulation, TwoPhaseBackwardAccumulatesLikeOneCall) {
   auto head = reference::MakeTestHead(150, 16, torch::kFloat, false);
   const core::TokenBatch whole =
       reference::MakeTestBatch(*head, 60, "token_logprobs", Reduction::kNone);
-  const core::StepOptions options{.function = "token_logprobs", .reduction = Reduction::kNone,
-                                  .chunk_rows = 7};
+  const core::StepOptions options{
+      .function = "token_logprobs", .reduction = Reduction::kNone, .chunk_rows = 7};
   const torch::Tensor upstream = torch::randn({60});
   core::GradientBuffers big = head->NewGradientBuffers();
   ASSERT_TRUE(core::Backward(*head, whole, options, upstream, &big).ok());
   core::GradientBuffers accumulated = head->NewGradientBuffers();
   for (int64_t start : {0, 30}) {
-    auto dx = core::Backward(*head, Slice(whole, start, 30), options,
-                             upstream.narrow(0, start, 30), &accumulated);
+    auto dx = core::Backward(*head, Slice(whole, start, 30), options, upstream.narrow(0, start, 30),
+                             &accumulated);
     ASSERT_TRUE(dx.ok()) << dx.status();
   }
   EXPECT_LE(reference::MaxAbsDiff(accumulated.weight, big.weight),

@@ -70,8 +70,8 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
   // Two-phase: the trainer's upstream gradient, per token for none, else a scalar.
   torch::Tensor grad_output;
   if (mode == Mode::kTwoPhase) {
-    grad_output = reduction == Reduction::kNone ? torch::randn({kRows})
-                                                : torch::full({}, 0.5, torch::kFloat);
+    grad_output =
+        reduction == Reduction::kNone ? torch::randn({kRows}) : torch::full({}, 0.5, torch::kFloat);
   }
   const reference::ReferenceResult ref =
       reference::NaiveReference(*head, batch, options, grad_output);
@@ -88,8 +88,7 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
     if (mode == Mode::kFused) {
       auto result = core::FusedForwardBackward(*head, batch, options, &grads);
       ASSERT_TRUE(result.ok()) << result.status();
-      EXPECT_LE(std::abs(result->loss - ref.output.item<double>()),
-                Tolerance(dtype, ref.output));
+      EXPECT_LE(std::abs(result->loss - ref.output.item<double>()), Tolerance(dtype, ref.output));
       EXPECT_EQ(result->stats.chunk_rows, std::min(chunk, kRows));
       EXPECT_EQ(result->stats.num_chunks, (kRows + chunk - 1) / chunk);
       EXPECT_EQ(result->stats.block_rows, block > 0 ? block : std::min(chunk, kRows));
@@ -118,8 +117,8 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
 std::vector<Param> AllParams() {
   std::vector<Param> params;
   for (const FunctionCase& c : Cases()) {
-    for (Reduction r : {Reduction::kNone, Reduction::kSum, Reduction::kMean,
-                        Reduction::kWeightedSum}) {
+    for (Reduction r :
+         {Reduction::kNone, Reduction::kSum, Reduction::kMean, Reduction::kWeightedSum}) {
       for (Mode m : {Mode::kFused, Mode::kTwoPhase}) {
         if (m == Mode::kFused && r == Reduction::kNone) continue;  // fused needs a scalar loss
         for (bool bias : {false, true}) {
@@ -146,7 +145,8 @@ INSTANTIATE_TEST_SUITE_P(AllFunctions, EngineParity, ::testing::ValuesIn(AllPara
 // tokens of the whole call. Put every ignored token in the first chunks to make that visible.
 TEST(EngineChunking, MeanIsOverAllValidTokensWhateverTheChunking) {
   auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
-  core::TokenBatch batch = reference::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
+  core::TokenBatch batch =
+      reference::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
   batch.targets.narrow(0, 0, 40).fill_(-100);
   batch.targets.narrow(0, 40, kRows - 40).clamp_min_(0);
   core::StepOptions options;

@@ -25,8 +25,10 @@ TEST_P(FiniteDifference, GradientsMatchCentralDifferences) {
   core::TokenBatch batch =
       reference::MakeTestBatch(*head, 5, c.function, core::Reduction::kWeightedSum, 4);
   batch.hidden = batch.hidden.to(torch::kDouble);
-  core::StepOptions options{.function = c.function, .params = c.params,
-                            .reduction = core::Reduction::kWeightedSum, .chunk_rows = 2};
+  core::StepOptions options{.function = c.function,
+                            .params = c.params,
+                            .reduction = core::Reduction::kWeightedSum,
+                            .chunk_rows = 2};
 
   auto fused = core::FusedForwardBackward(*head, batch, options, &head->grads());
   ASSERT_TRUE(fused.ok()) << fused.status();
@@ -51,8 +53,8 @@ TEST_P(FiniteDifference, GradientsMatchCentralDifferences) {
       flat[i] = saved - kStep;
       const double down = loss_at(batch);
       flat[i] = saved;
-      EXPECT_NEAR(grad[i].item<double>(), (up - down) / (2 * kStep), kTol) << what << "[" << i
-                                                                            << "]";
+      EXPECT_NEAR(grad[i].item<double>(), (up - down) / (2 * kStep), kTol)
+          << what << "[" << i << "]";
     }
   };
   check(batch.hidden, fused->grad_hidden, "dX");
@@ -63,8 +65,9 @@ TEST_P(FiniteDifference, GradientsMatchCentralDifferences) {
 INSTANTIATE_TEST_SUITE_P(
     AllFunctions, FiniteDifference,
     ::testing::Values(
-        FdCase{"cross_entropy",
-               {{"label_smoothing", 0.1}, {"z_loss", 0.01}, {"softcap", 1.5}, {"temperature", 0.8}}},
+        FdCase{
+            "cross_entropy",
+            {{"label_smoothing", 0.1}, {"z_loss", 0.01}, {"softcap", 1.5}, {"temperature", 0.8}}},
         FdCase{"token_logprobs", {}}, FdCase{"entropy", {}},
         FdCase{"grpo", {{"beta", 0.1}, {"epsilon_low", 0.2}, {"epsilon_high", 0.3}}},
         FdCase{"mse_onehot", {}}, FdCase{"sigmoid_sum", {}}),

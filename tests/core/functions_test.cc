@@ -1,10 +1,11 @@
 // The function registry: names, parameter resolution and range checks, and the seed's "other
 // functions" (sigmoid-sum, MSE to one-hot) checked against their literal PyTorch definitions.
+#include "remotehead/core/functions.h"
+
 #include <gtest/gtest.h>
 
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/core/functions.h"
 
 namespace remotehead {
 namespace {
@@ -52,8 +53,8 @@ TEST(FunctionRegistry, UnknownOrOutOfRangeParamsAreRejected) {
 TEST(SeedFunctions, SigmoidSumEqualsTorchDefinition) {
   auto head = reference::MakeTestHead(300, 16, torch::kFloat, false);
   torch::Tensor x = torch::randn({40, 16});
-  core::StepOptions options{.function = "sigmoid_sum", .reduction = core::Reduction::kSum,
-                            .chunk_rows = 9};
+  core::StepOptions options{
+      .function = "sigmoid_sum", .reduction = core::Reduction::kSum, .chunk_rows = 9};
   auto result = core::FusedForwardBackward(*head, {.hidden = x}, options, &head->grads());
   ASSERT_TRUE(result.ok()) << result.status();
 
@@ -75,15 +76,15 @@ TEST(SeedFunctions, MseOnehotMeanEqualsTorchMseLoss) {
   torch::Tensor x = torch::randn({33, 16});
   torch::Tensor labels = torch::randint(120, {33}, torch::kLong);
   core::StepOptions options{.function = "mse_onehot", .chunk_rows = 5};
-  auto result = core::FusedForwardBackward(*head, {.hidden = x, .targets = labels}, options,
-                                           &head->grads());
+  auto result =
+      core::FusedForwardBackward(*head, {.hidden = x, .targets = labels}, options, &head->grads());
   ASSERT_TRUE(result.ok()) << result.status();
 
   torch::Tensor xr = x.clone().requires_grad_(true);
   torch::Tensor wr = head->weight().clone().requires_grad_(true);
   torch::Tensor logits = torch::mm(xr, wr.t());
-  torch::Tensor loss = torch::mse_loss(
-      logits, torch::nn::functional::one_hot(labels, 120).to(torch::kFloat));
+  torch::Tensor loss =
+      torch::mse_loss(logits, torch::nn::functional::one_hot(labels, 120).to(torch::kFloat));
   loss.backward();
   EXPECT_NEAR(result->loss, loss.item<double>(), 1e-6);
   EXPECT_LE(reference::MaxAbsDiff(result->grad_hidden, xr.grad()),

@@ -1,8 +1,9 @@
 // Head construction, deterministic initialisation, gradient buffers and their errors.
+#include "remotehead/core/head.h"
+
 #include <gtest/gtest.h>
 
 #include "core/reference.h"
-#include "remotehead/core/head.h"
 
 namespace remotehead {
 namespace {
@@ -69,16 +70,34 @@ struct BadHeadCase {
 
 TEST(Head, BadInputsAreRejectedWithPreciseMessages) {
   const std::vector<BadHeadCase> cases = {
-      {"1-D weight", torch::randn({5}), {}, {}, absl::StatusCode::kInvalidArgument,
+      {"1-D weight",
+       torch::randn({5}),
+       {},
+       {},
+       absl::StatusCode::kInvalidArgument,
        "weight: expected a 2-D tensor [vocab_size, hidden_size] with both sizes >= 1; got [5]"},
-      {"int weight", torch::ones({3, 2}, torch::kInt), {}, {},
+      {"int weight",
+       torch::ones({3, 2}, torch::kInt),
+       {},
+       {},
        absl::StatusCode::kInvalidArgument,
        "weight.dtype: expected float32, bfloat16, float16 or float64; got int32"},
-      {"bias size", torch::randn({3, 2}), torch::randn({4}), {},
-       absl::StatusCode::kInvalidArgument, "bias: expected shape [3]; got [4]"},
-      {"nan weight", torch::full({3, 2}, NAN), {}, {}, absl::StatusCode::kInvalidArgument,
+      {"bias size",
+       torch::randn({3, 2}),
+       torch::randn({4}),
+       {},
+       absl::StatusCode::kInvalidArgument,
+       "bias: expected shape [3]; got [4]"},
+      {"nan weight",
+       torch::full({3, 2}, NAN),
+       {},
+       {},
+       absl::StatusCode::kInvalidArgument,
        "weight: expected finite values; got NaN or Inf"},
-      {"grad dtype", torch::randn({3, 2}), {}, {.grad_dtype = torch::kHalf},
+      {"grad dtype",
+       torch::randn({3, 2}),
+       {},
+       {.grad_dtype = torch::kHalf},
        absl::StatusCode::kInvalidArgument,
        "grad_dtype: expected float32 or the head's dtype (float32); got float16"},
   };

@@ -31,8 +31,7 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
   core::GradientBuffers grads = head.NewGradientBuffers();
   torch::Tensor grad_hidden = torch::empty({rows, kHidden});
   const torch::Tensor grad_output = torch::ones({});
-  core::StepOptions options{.function = function, .params = params,
-                            .memory_budget_bytes = kBudget};
+  core::StepOptions options{.function = function, .params = params, .memory_budget_bytes = kBudget};
   const auto& registry = core::FunctionRegistry::Builtin();
   const core::TransformFunction* fn = *registry.Find(function);
   auto sizes = core::ResolveChunkSizes(head, *fn, *registry.ResolveParams(*fn, params), options);
@@ -84,13 +83,14 @@ TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllFunctions, MemoryBudget,
-    ::testing::Values(BudgetCase{"cross_entropy", {}},
-                      BudgetCase{"cross_entropy",
-                                 {{"label_smoothing", 0.1}, {"z_loss", 1e-4}, {"softcap", 30},
-                                  {"temperature", 0.7}}},
-                      BudgetCase{"token_logprobs", {}}, BudgetCase{"entropy", {}},
-                      BudgetCase{"grpo", {{"beta", 0.04}}}, BudgetCase{"mse_onehot", {}},
-                      BudgetCase{"sigmoid_sum", {}}),
+    ::testing::Values(
+        BudgetCase{"cross_entropy", {}},
+        BudgetCase{
+            "cross_entropy",
+            {{"label_smoothing", 0.1}, {"z_loss", 1e-4}, {"softcap", 30}, {"temperature", 0.7}}},
+        BudgetCase{"token_logprobs", {}}, BudgetCase{"entropy", {}},
+        BudgetCase{"grpo", {{"beta", 0.04}}}, BudgetCase{"mse_onehot", {}},
+        BudgetCase{"sigmoid_sum", {}}),
     [](const ::testing::TestParamInfo<BudgetCase>& info) {
       return info.param.function + (info.param.params.empty() ? "" : "_with_options");
     });

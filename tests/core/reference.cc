@@ -62,8 +62,7 @@ torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor
 }
 
 ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& batch,
-                               const core::StepOptions& options,
-                               const torch::Tensor& grad_output) {
+                               const core::StepOptions& options, const torch::Tensor& grad_output) {
   torch::AutoGradMode grad_mode(true);
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
   torch::Tensor x = batch.hidden.to(f64).detach().requires_grad_(true);
@@ -166,13 +165,11 @@ core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::
   }
   if (function == "grpo") {
     batch.aux["advantages"] = at::normal(0.0, 1.0, {rows}, gen);
-    torch::Tensor z = torch::mm(batch.hidden.to(torch::kDouble),
-                                head.weight().to(torch::kDouble).t());
+    torch::Tensor z =
+        torch::mm(batch.hidden.to(torch::kDouble), head.weight().to(torch::kDouble).t());
     if (head.has_bias()) z = z + head.bias().to(torch::kDouble);
-    const torch::Tensor logp = torch::log_softmax(z, 1)
-                                   .gather(1, targets.unsqueeze(1))
-                                   .squeeze(1)
-                                   .to(torch::kFloat);
+    const torch::Tensor logp =
+        torch::log_softmax(z, 1).gather(1, targets.unsqueeze(1)).squeeze(1).to(torch::kFloat);
     batch.aux["old_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
     batch.aux["ref_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
   }

@@ -3,12 +3,12 @@
 // log_softmax, an explicit one-hot, …) and differentiated by LibTorch autograd in one piece.
 #pragma once
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <memory>
 #include <ostream>
 #include <string>
-
-#include <torch/torch.h>
 
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"

@@ -53,8 +53,7 @@ class Validation : public ::testing::Test {
     EXPECT_EQ(fused.status().message(), c.message);
     auto forward = core::Forward(*head_, batch, options);
     EXPECT_EQ(forward.status().message(), c.message);
-    auto backward =
-        core::Backward(*head_, batch, options, torch::ones({}), &head_->grads());
+    auto backward = core::Backward(*head_, batch, options, torch::ones({}), &head_->grads());
     EXPECT_EQ(backward.status().message(), c.message);
     ExpectStateUnchanged();
   }
@@ -82,9 +81,15 @@ TEST_F(Validation, BadInputsAreRejectedWithPreciseMessagesAndNoStateChange) {
        "temperature, softcap"},
       {"param out of range", [](B&, O& o) { o.params["label_smoothing"] = -0.5; },
        "params[\"label_smoothing\"]: expected a finite value in [0, 1]; got -0.5"},
-      {"wrong hidden size", [](B& b, O&) { b.hidden = torch::randn({kRows, kHidden + 1}); },
+      {"wrong hidden size",
+       [](B& b, O&) {
+         b.hidden = torch::randn({kRows, kHidden + 1});
+       },
        "hidden: expected shape [N, 8]; got [10, 9]"},
-      {"hidden 3-D", [](B& b, O&) { b.hidden = torch::randn({2, 5, kHidden}); },
+      {"hidden 3-D",
+       [](B& b, O&) {
+         b.hidden = torch::randn({2, 5, kHidden});
+       },
        "hidden: expected shape [N, 8]; got [2, 5, 8]"},
       {"missing hidden", [](B& b, O&) { b.hidden = torch::Tensor(); },
        "hidden: expected shape [N, 8]; got no tensor"},
@@ -92,13 +97,18 @@ TEST_F(Validation, BadInputsAreRejectedWithPreciseMessagesAndNoStateChange) {
        "hidden.dtype: expected float32 (the head's); got bfloat16"},
       {"NaN in hidden", [](B& b, O&) { b.hidden[6][3] = NAN; },
        "hidden[6]: expected finite values; got NaN or Inf"},
-      {"Inf in hidden, chunked", [](B& b, O& o) { b.hidden[9][0] = INFINITY; o.chunk_rows = 4; },
+      {"Inf in hidden, chunked",
+       [](B& b, O& o) {
+         b.hidden[9][0] = INFINITY;
+         o.chunk_rows = 4;
+       },
        "hidden[9]: expected finite values; got NaN or Inf"},
       {"target too large", [](B& b, O&) { b.targets[3] = kVocab; },
        "targets[3]: expected a token id in [0, 40) or ignore_index (-100); got 40"},
       {"negative target", [](B& b, O&) { b.targets[0] = -1; },
        "targets[0]: expected a token id in [0, 40) or ignore_index (-100); got -1"},
-      {"custom ignore_index", [](B& b, O& o) {
+      {"custom ignore_index",
+       [](B& b, O& o) {
          b.targets.clamp_min_(0);
          b.targets[2] = -100;
          o.ignore_index = -1;
@@ -167,16 +177,14 @@ TEST_F(Validation, ModeSpecificErrors) {
   EXPECT_EQ(core::FusedForwardBackward(*head_, batch, none, &head_->grads()).status().message(),
             "reduction: fused mode needs a scalar loss (sum, mean or weighted_sum); got none — "
             "use Forward then Backward for per-token outputs");
-  EXPECT_EQ(core::Backward(*head_, batch, none, torch::ones({3}), &head_->grads())
-                .status()
-                .message(),
-            "grad_output: expected shape [10] (one per row of hidden); got [3]");
+  EXPECT_EQ(
+      core::Backward(*head_, batch, none, torch::ones({3}), &head_->grads()).status().message(),
+      "grad_output: expected shape [10] (one per row of hidden); got [3]");
   EXPECT_EQ(core::Backward(*head_, batch, {}, torch::ones({2}), &head_->grads()).status().message(),
             "grad_output: expected one floating value (the gradient of the mean loss); got [2]");
-  EXPECT_EQ(core::Backward(*head_, batch, {}, torch::full({}, NAN), &head_->grads())
-                .status()
-                .message(),
-            "grad_output: expected a finite value; got nan");
+  EXPECT_EQ(
+      core::Backward(*head_, batch, {}, torch::full({}, NAN), &head_->grads()).status().message(),
+      "grad_output: expected a finite value; got nan");
   core::GradientBuffers wrong{.weight = torch::zeros({kVocab, kHidden + 1})};
   EXPECT_EQ(core::FusedForwardBackward(*head_, batch, {}, &wrong).status().message(),
             "grads.weight: expected [40, 8] float32 or float32 on cpu; got [40, 9] float32 on cpu");

@@ -17,17 +17,21 @@
 // micro-batches and ranks) makes gradient accumulation exact. A mean over zero valid tokens
 // is 0 with zero gradients (not NaN).
 //
-// Every entry point validates all of its inputs before touching any state: an error leaves the
-// gradient buffers bit-identical.
+// Every entry point validates all of its inputs before touching any state: an invalid input
+// (INVALID_ARGUMENT, message naming the field, expected and actual) leaves the gradient buffers
+// bit-identical. A failure during compute (LibTorch out of memory → RESOURCE_EXHAUSTED, other
+// LibTorch errors → INTERNAL; no exception escapes) may leave a partial addition in `grads`:
+// callers that need all-or-nothing accumulate into scratch buffers (Head::NewGradientBuffers)
+// and add them to the head's only on success.
 #pragma once
+
+#include <torch/torch.h>
 
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
 #include <string_view>
-
-#include <torch/torch.h>
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/functions.h"
@@ -77,8 +81,8 @@ struct StepStats {
 };
 
 struct FusedResult {
-  double loss = 0.0;           // the reduced loss (not multiplied by upstream_scale)
-  torch::Tensor grad_hidden;   // dX [N, D] in the head's dtype
+  double loss = 0.0;          // the reduced loss (not multiplied by upstream_scale)
+  torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype
   StepStats stats;
 };
 
@@ -92,8 +96,7 @@ struct ForwardResult {
 // GEMMs per chunk, no recompute. `grad_hidden_out`, if defined, receives dX in place
 // ([N, D], the head's dtype, contiguous) instead of a newly allocated tensor.
 absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBatch& batch,
-                                                 const StepOptions& options,
-                                                 GradientBuffers* grads,
+                                                 const StepOptions& options, GradientBuffers* grads,
                                                  torch::Tensor grad_hidden_out = {});
 
 // Two-phase mode, phase 1: outputs only, no gradients, no state touched.
@@ -103,9 +106,8 @@ absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
 // Two-phase mode, phase 2: given dL/d(output) — [N] for reduction none, a scalar otherwise —
 // recomputes each chunk's logits, returns dX and (if `grads` is not null) adds dW/db.
 absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch,
-                                       const StepOptions& options,
-                                       const torch::Tensor& grad_output, GradientBuffers* grads,
-                                       torch::Tensor grad_hidden_out = {});
+                                       const StepOptions& options, const torch::Tensor& grad_output,
+                                       GradientBuffers* grads, torch::Tensor grad_hidden_out = {});
 
 struct ChunkSizes {
   int64_t chunk_rows = 0;  // rows per GEMM chunk

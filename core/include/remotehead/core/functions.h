@@ -6,12 +6,12 @@
 // chunk by chunk. Adding a function is one entry in BuiltinFunctions() in functions.cc.
 #pragma once
 
+#include <torch/torch.h>
+
 #include <functional>
 #include <map>
 #include <string>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"

@@ -2,12 +2,12 @@
 // with the gradient accumulators that every gradient-producing call adds into.
 #pragma once
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
-
-#include <torch/torch.h>
 
 #include "absl/status/statusor.h"
 

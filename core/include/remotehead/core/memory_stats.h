@@ -2,9 +2,9 @@
 // reserved from the system, and the peak of the former since the last ResetPeak.
 #pragma once
 
-#include <cstdint>
-
 #include <torch/torch.h>
+
+#include <cstdint>
 
 #include "absl/status/statusor.h"
 

@@ -9,9 +9,9 @@
 #define REMOTEHEAD_CONCAT(a, b) REMOTEHEAD_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define RETURN_IF_ERROR(expr)                       \
-  do {                                              \
-    ::absl::Status remotehead_status_ = (expr);     \
+#define RETURN_IF_ERROR(expr)                                \
+  do {                                                       \
+    ::absl::Status remotehead_status_ = (expr);              \
     if (!remotehead_status_.ok()) return remotehead_status_; \
   } while (0)
 
