@@ -517,7 +517,12 @@ absl::StatusOr<ChunkSizes> ResolveChunkSizes(const Head& head, const TransformFu
   // Per chunk row: the logits buffer in the head's dtype (which the gradient overwrites) plus
   // a separate fp32 gradient when the head is not fp32, and the X / dX rows.
   double chunk_bytes_per_row = vocab * elem + 2.0 * static_cast<double>(head.hidden_size()) * elem;
-  if (head.dtype() != LogitsDtype(head)) chunk_bytes_per_row += vocab * logits_elem;
+  if (head.dtype() != LogitsDtype(head)) {
+    // …plus, for a half-precision head, the fp32 copy of X_c for the dW GEMM and the
+    // half-precision GEMMs' fp32 scratch for dX.
+    chunk_bytes_per_row +=
+        vocab * logits_elem + 2.0 * static_cast<double>(head.hidden_size()) * logits_elem;
+  }
 
   const auto cache_block_rows =
       options.block_rows > 0

@@ -13,7 +13,7 @@ namespace {
 using core::Reduction;
 
 constexpr int64_t kVocab = 2000;
-constexpr int64_t kHidden = 64;
+constexpr int64_t kHidden = 256;
 constexpr int64_t kBudget = int64_t{2} << 20;
 
 struct Measured {
@@ -29,7 +29,7 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
   core::InstallCpuMemoryTracker();
   const core::TokenBatch batch = reference::MakeTestBatch(head, rows, function, Reduction::kMean);
   core::GradientBuffers grads = head.NewGradientBuffers();
-  torch::Tensor grad_hidden = torch::empty({rows, kHidden});
+  torch::Tensor grad_hidden = torch::empty({rows, kHidden}, head.weight().options());
   const torch::Tensor grad_output = torch::ones({});
   core::StepOptions options{.function = function, .params = params, .memory_budget_bytes = kBudget};
   const auto& registry = core::FunctionRegistry::Builtin();
@@ -66,19 +66,25 @@ class MemoryBudget : public ::testing::TestWithParam<BudgetCase> {};
 
 TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
   const BudgetCase& c = GetParam();
-  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/true);
-  for (Mode mode : {Mode::kFused, Mode::kForward, Mode::kBackward}) {
-    SCOPED_TRACE(static_cast<int>(mode));
-    const Measured small = MeasureCall(*head, 600, c.function, c.params, mode);
-    const Measured large = MeasureCall(*head, 2400, c.function, c.params, mode);
-    ASSERT_LT(small.chunk_rows, 600) << "the budget must force chunking";
-    EXPECT_GT(small.peak_bytes, kBudget / 8) << "measurement sees the chunk buffers";
-    EXPECT_LE(small.peak_bytes, kBudget);
-    EXPECT_LE(large.peak_bytes, kBudget);
-    // 4× the rows: only O(N) bookkeeping (masks, per-token sums) may grow, a few bytes a row.
-    EXPECT_LE(large.peak_bytes, small.peak_bytes + 64 * (2400 - 600))
-        << "small=" << small.peak_bytes << " large=" << large.peak_bytes;
-  }
+  for (torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16})
+    for (Mode mode : {Mode::kFused, Mode::kForward, Mode::kBackward}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " mode " +
+                   std::to_string(static_cast<int>(mode)));
+      auto head = reference::MakeTestHead(kVocab, kHidden, dtype, /*bias=*/true);
+      const Measured small = MeasureCall(*head, 600, c.function, c.params, mode);
+      const Measured large = MeasureCall(*head, 2400, c.function, c.params, mode);
+      ASSERT_LT(small.chunk_rows, 600) << "the budget must force chunking";
+      EXPECT_GT(small.peak_bytes, kBudget / 8) << "measurement sees the chunk buffers";
+      // fp32: everything the call allocates is within the budget. bf16 on the CPU: oneDNN's
+      // half-precision GEMMs also allocate scratch of their own that the budget does not model
+      // (flat in N, ~0.3 of the budget at this tiny shape), hence the allowance.
+      const double allowed = dtype == torch::kFloat ? kBudget : 1.5 * kBudget;
+      EXPECT_LE(small.peak_bytes, allowed);
+      EXPECT_LE(large.peak_bytes, allowed);
+      // 4× the rows: only O(N) bookkeeping (masks, per-token sums) may grow, a few bytes a row.
+      EXPECT_LE(large.peak_bytes, small.peak_bytes + 64 * (2400 - 600))
+          << "small=" << small.peak_bytes << " large=" << large.peak_bytes;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(
