@@ -1,0 +1,105 @@
+#include "remotehead/server/tensor_codec.h"
+
+#include <bit>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace remotehead::server {
+
+// Wire tensors are little-endian; on a little-endian host the bytes are copied as they are.
+static_assert(std::endian::native == std::endian::little,
+              "remotehead's tensor codec assumes a little-endian host");
+
+absl::StatusOr<torch::ScalarType> FromWireDtype(v1::DType dtype, const std::string& field) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return torch::kFloat;
+    case v1::DTYPE_BFLOAT16:
+      return torch::kBFloat16;
+    case v1::DTYPE_FLOAT16:
+      return torch::kHalf;
+    case v1::DTYPE_FLOAT64:
+      return torch::kDouble;
+    case v1::DTYPE_INT64:
+      return torch::kLong;
+    case v1::DTYPE_INT32:
+      return torch::kInt;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".dtype: expected one of FLOAT32, BFLOAT16, FLOAT16, FLOAT64, INT64, INT32; got ",
+          v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : std::to_string(dtype)));
+  }
+}
+
+absl::StatusOr<v1::DType> ToWireDtype(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kFloat:
+      return v1::DTYPE_FLOAT32;
+    case torch::kBFloat16:
+      return v1::DTYPE_BFLOAT16;
+    case torch::kHalf:
+      return v1::DTYPE_FLOAT16;
+    case torch::kDouble:
+      return v1::DTYPE_FLOAT64;
+    case torch::kLong:
+      return v1::DTYPE_INT64;
+    case torch::kInt:
+      return v1::DTYPE_INT32;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype: ", c10::toString(dtype), " has no wire representation"));
+  }
+}
+
+absl::StatusOr<torch::Tensor> DecodeTensor(const v1::Tensor& wire, const std::string& field) {
+  auto dtype = FromWireDtype(wire.dtype(), field);
+  if (!dtype.ok()) return dtype.status();
+  std::vector<int64_t> shape(wire.shape().begin(), wire.shape().end());
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(*dtype));
+  int64_t numel = 1;
+  for (const int64_t dim : shape) {
+    // Bounded so that numel · elem cannot overflow before it is compared with the byte count.
+    if (dim < 0 || (dim > 0 && numel > std::numeric_limits<int32_t>::max() / dim)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape: expected non-negative sizes with fewer than 2^31 elements; got [",
+          absl::StrJoin(shape, ", "), "]"));
+    }
+    numel *= dim;
+  }
+  const int64_t expected_bytes = numel * elem;
+  if (static_cast<int64_t>(wire.data().size()) != expected_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected ", expected_bytes, " bytes for ", c10::toString(*dtype),
+                     " [", absl::StrJoin(shape, ", "), "]; got ", wire.data().size()));
+  }
+  torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(*dtype));
+  if (expected_bytes > 0) std::memcpy(t.data_ptr(), wire.data().data(), expected_bytes);
+  return t;
+}
+
+absl::Status EncodeTensor(const torch::Tensor& tensor, v1::Tensor* wire) {
+  auto dtype = ToWireDtype(tensor.scalar_type());
+  if (!dtype.ok()) return dtype.status();
+  const torch::Tensor cpu = tensor.detach().to(torch::kCPU).contiguous();
+  wire->set_dtype(*dtype);
+  wire->clear_shape();
+  for (const int64_t dim : cpu.sizes()) wire->add_shape(dim);
+  wire->set_data(cpu.data_ptr(), cpu.numel() * cpu.element_size());
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<int64_t, int64_t>> PlanRowChunks(int64_t rows, int64_t bytes_per_row,
+                                                       int64_t max_chunk_bytes) {
+  const int64_t per_chunk =
+      std::max<int64_t>(1, max_chunk_bytes / std::max<int64_t>(bytes_per_row, 1));
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  for (int64_t offset = 0; offset < rows; offset += per_chunk) {
+    chunks.emplace_back(offset, std::min(per_chunk, rows - offset));
+  }
+  return chunks;
+}
+
+}  // namespace remotehead::server
