@@ -1,0 +1,54 @@
+// The heads a server holds, by id, and what each needs beyond core::Head to serve many
+// trainers: a lock, and the ledger of gradient contributions already applied (exactly-once).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "remotehead/core/head.h"
+
+namespace remotehead::server {
+
+// Identity of one gradient contribution (remotehead.v1.GradientId).
+struct GradientKey {
+  std::string trainer;
+  int64_t step = 0;
+  int64_t micro_batch = 0;
+  auto operator<=>(const GradientKey&) const = default;
+};
+
+// What a replay of an applied contribution returns.
+struct AppliedContribution {
+  double loss = 0;
+  int64_t valid_tokens = 0;
+  int64_t weight_version = 0;
+};
+
+struct HeadEntry {
+  const std::string id;
+  std::mutex mu;  // guards everything below
+  std::unique_ptr<core::Head> head;
+  std::map<GradientKey, AppliedContribution> applied;  // since the last ZeroGradients
+};
+
+class HeadRegistry {
+ public:
+  // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for an empty id.
+  absl::StatusOr<std::shared_ptr<HeadEntry>> Add(const std::string& id,
+                                                 std::unique_ptr<core::Head> head);
+  // NOT_FOUND naming the id and the heads that exist.
+  absl::StatusOr<std::shared_ptr<HeadEntry>> Get(const std::string& id) const;
+  absl::Status Drop(const std::string& id);
+  std::vector<std::shared_ptr<HeadEntry>> List() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<HeadEntry>> heads_;
+};
+
+}  // namespace remotehead::server

@@ -1,0 +1,43 @@
+// The gRPC HeadService (callback API): one reactor per streaming call, protocol handling only;
+// every number is computed by core/ and every error mapped in status_mapping.
+#pragma once
+
+#include "remotehead/server/head_registry.h"
+#include "remotehead/v1/head_service.grpc.pb.h"
+
+namespace remotehead::server {
+
+struct ServiceOptions {
+  torch::Device device = torch::kCPU;               // where new heads live
+  int64_t response_chunk_bytes = int64_t{1} << 20;  // size of each streamed tensor chunk
+};
+
+class HeadServiceImpl final : public v1::HeadService::CallbackService {
+ public:
+  HeadServiceImpl(HeadRegistry* registry, ServiceOptions options)
+      : registry_(registry), options_(options) {}
+
+  grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
+                                       const v1::CreateHeadRequest* request,
+                                       v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* DescribeHead(grpc::CallbackServerContext* context,
+                                         const v1::HeadRef* request,
+                                         v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
+                                      const v1::ListHeadsRequest* request,
+                                      v1::ListHeadsResponse* response) override;
+  grpc::ServerUnaryReactor* DropHead(grpc::CallbackServerContext* context,
+                                     const v1::HeadRef* request,
+                                     v1::DropHeadResponse* response) override;
+  grpc::ServerUnaryReactor* ZeroGradients(grpc::CallbackServerContext* context,
+                                          const v1::HeadRef* request,
+                                          v1::ZeroGradientsResponse* response) override;
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* ForwardBackward(
+      grpc::CallbackServerContext* context) override;
+
+ private:
+  HeadRegistry* registry_;
+  ServiceOptions options_;
+};
+
+}  // namespace remotehead::server

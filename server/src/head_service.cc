@@ -1,0 +1,183 @@
+#include "remotehead/server/head_service.h"
+
+#include <deque>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/server/status_mapping.h"
+#include "remotehead/server/tensor_codec.h"
+#include "step_session.h"
+
+namespace remotehead::server {
+namespace {
+
+absl::Status DescribeInto(HeadEntry& entry, v1::HeadInfo* info) {
+  std::lock_guard<std::mutex> lock(entry.mu);
+  const core::Head& head = *entry.head;
+  info->set_head_id(entry.id);
+  info->set_vocab_size(head.vocab_size());
+  info->set_hidden_size(head.hidden_size());
+  ASSIGN_OR_RETURN(const v1::DType dtype, ToWireDtype(head.dtype()));
+  info->set_dtype(dtype);
+  info->set_has_bias(head.has_bias());
+  info->set_device(head.device().str());
+  info->set_weight_version(head.version());
+  info->set_accumulated_micro_batches(static_cast<int64_t>(entry.applied.size()));
+  return absl::OkStatus();
+}
+
+// Runs `fn` (returning absl::Status) and finishes a unary call with its status. No exception
+// escapes a handler: anything thrown becomes INTERNAL with its message.
+template <typename Fn>
+grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, Fn&& fn) {
+  absl::Status status;
+  try {
+    status = fn();
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+// One ForwardBackward call. Messages are handled in order: read one, compute, write what it
+// produced (one write in flight at a time: back-pressure through OnWriteDone), then read the
+// next. A failed request finishes with its status and commits nothing (StepSession).
+class ForwardBackwardReactor final
+    : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+ public:
+  ForwardBackwardReactor(grpc::CallbackServerContext* context, HeadRegistry* registry,
+                         const ServiceOptions& options)
+      : context_(context), session_(registry, options.response_chunk_bytes) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    std::vector<v1::StepResponse> produced;
+    absl::Status status;
+    try {
+      if (!ok) {
+        if (context_->IsCancelled()) {
+          Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+          return;
+        }
+        status = session_.OnClientDone(&produced);
+        finishing_ = true;
+      } else {
+        status = session_.OnRequest(request_, &produced);
+      }
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+    }
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    for (auto& r : produced) pending_.push_back(std::move(r));
+    WriteNextOrContinue();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+      return;
+    }
+    pending_.pop_front();
+    WriteNextOrContinue();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNextOrContinue() {
+    if (!pending_.empty()) {
+      StartWrite(&pending_.front());
+    } else if (finishing_) {
+      Finish(grpc::Status::OK);
+    } else {
+      StartRead(&request_);
+    }
+  }
+
+  grpc::CallbackServerContext* context_;
+  StepSession session_;
+  v1::StepRequest request_;
+  std::deque<v1::StepResponse> pending_;
+  bool finishing_ = false;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* HeadServiceImpl::CreateHead(grpc::CallbackServerContext* context,
+                                                      const v1::CreateHeadRequest* request,
+                                                      v1::HeadInfo* response) {
+  return Unary(context, [&]() -> absl::Status {
+    if (request->source_case() != v1::CreateHeadRequest::kInit) {
+      return absl::UnimplementedError(
+          "source: only init is implemented so far; safetensors and upload come next");
+    }
+    const auto& init = request->init();
+    torch::ScalarType dtype = torch::kFloat;
+    if (request->dtype() != v1::DTYPE_UNSPECIFIED) {
+      ASSIGN_OR_RETURN(dtype, FromWireDtype(request->dtype(), "dtype"));
+    }
+    core::HeadInit head_init{.vocab_size = init.vocab_size(),
+                             .hidden_size = init.hidden_size(),
+                             .dtype = dtype,
+                             .bias = init.bias(),
+                             .seed = init.seed()};
+    if (init.init_std() != 0) head_init.init_std = init.init_std();
+    ASSIGN_OR_RETURN(auto head, core::Head::Initialize(head_init, {.device = options_.device}));
+    ASSIGN_OR_RETURN(auto entry, registry_->Add(request->head_id(), std::move(head)));
+    return DescribeInto(*entry, response);
+  });
+}
+
+grpc::ServerUnaryReactor* HeadServiceImpl::DescribeHead(grpc::CallbackServerContext* context,
+                                                        const v1::HeadRef* request,
+                                                        v1::HeadInfo* response) {
+  return Unary(context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto entry, registry_->Get(request->head_id()));
+    return DescribeInto(*entry, response);
+  });
+}
+
+grpc::ServerUnaryReactor* HeadServiceImpl::ListHeads(grpc::CallbackServerContext* context,
+                                                     const v1::ListHeadsRequest*,
+                                                     v1::ListHeadsResponse* response) {
+  return Unary(context, [&]() -> absl::Status {
+    for (const auto& entry : registry_->List()) {
+      RETURN_IF_ERROR(DescribeInto(*entry, response->add_heads()));
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* HeadServiceImpl::DropHead(grpc::CallbackServerContext* context,
+                                                    const v1::HeadRef* request,
+                                                    v1::DropHeadResponse*) {
+  return Unary(context, [&] { return registry_->Drop(request->head_id()); });
+}
+
+grpc::ServerUnaryReactor* HeadServiceImpl::ZeroGradients(grpc::CallbackServerContext* context,
+                                                         const v1::HeadRef* request,
+                                                         v1::ZeroGradientsResponse* response) {
+  return Unary(context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto entry, registry_->Get(request->head_id()));
+    {
+      std::lock_guard<std::mutex> lock(entry->mu);
+      entry->head->ZeroGrad();
+      entry->applied.clear();  // a new accumulation window: ids may be reused
+    }
+    return DescribeInto(*entry, response->mutable_info());
+  });
+}
+
+grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::ForwardBackward(
+    grpc::CallbackServerContext* context) {
+  return new ForwardBackwardReactor(context, registry_, options_);
+}
+
+}  // namespace remotehead::server

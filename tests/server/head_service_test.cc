@@ -1,0 +1,290 @@
+// The HeadService over a real gRPC channel (in-process server on a loopback port): head
+// lifecycle, ForwardBackward parity with the direct engine call, exactly-once accumulation on
+// replay, and bad input / cancellation leaving the head's gradients bit-identical.
+#include "remotehead/server/head_service.h"
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "core/reference.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/server/tensor_codec.h"
+
+namespace remotehead {
+namespace {
+
+using server::DecodeTensor;
+using server::EncodeTensor;
+
+constexpr int64_t kVocab = 300;
+constexpr int64_t kHidden = 32;
+constexpr int64_t kRows = 50;
+
+class HeadServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    service_ = std::make_unique<server::HeadServiceImpl>(&registry_, server::ServiceOptions{});
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    stub_ = v1::HeadService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    v1::CreateHeadRequest create;
+    create.set_head_id("lm");
+    create.mutable_init()->set_vocab_size(kVocab);
+    create.mutable_init()->set_hidden_size(kHidden);
+    create.mutable_init()->set_bias(true);
+    create.mutable_init()->set_seed(5);
+    create.mutable_init()->set_init_std(1.0 / std::sqrt(double(kHidden)));
+    grpc::ClientContext context;
+    v1::HeadInfo info;
+    ASSERT_TRUE(stub_->CreateHead(&context, create, &info).ok());
+    entry_ = *registry_.Get("lm");
+    batch_ =
+        reference::MakeTestBatch(*entry_->head, kRows, "cross_entropy", core::Reduction::kMean);
+  }
+
+  void TearDown() override { server_->Shutdown(); }
+
+  struct StepOutcome {
+    grpc::Status status;
+    torch::Tensor grad_hidden;  // assembled from the streamed chunks
+    v1::StepSummary summary;
+  };
+
+  // Sends the header then the rows in pieces of `piece` rows; `corrupt` may alter messages.
+  StepOutcome Step(const std::string& trainer, int64_t micro_batch, int64_t piece = 17,
+                   std::function<void(v1::StepRequest&)> corrupt = nullptr) {
+    grpc::ClientContext context;
+    auto stream = stub_->ForwardBackward(&context);
+    v1::StepRequest header;
+    v1::StepHeader* h = header.mutable_header();
+    h->set_head_id("lm");
+    h->mutable_function()->set_name("cross_entropy");
+    h->mutable_function()->set_reduction(v1::REDUCTION_MEAN);
+    h->set_rows(kRows);
+    h->set_valid_tokens((batch_.targets != -100).sum().item<int64_t>());
+    h->set_accumulate_weight_grad(true);
+    h->mutable_gradient_id()->set_trainer(trainer);
+    h->mutable_gradient_id()->set_micro_batch(micro_batch);
+    h->mutable_chunking()->set_chunk_rows(8);
+    std::vector<v1::StepRequest> messages = {header};
+    for (int64_t offset = 0; offset < kRows; offset += piece) {
+      const int64_t n = std::min(piece, kRows - offset);
+      v1::StepRequest rows;
+      rows.mutable_rows()->set_row_offset(offset);
+      EXPECT_TRUE(
+          EncodeTensor(batch_.hidden.narrow(0, offset, n), rows.mutable_rows()->mutable_hidden())
+              .ok());
+      EXPECT_TRUE(
+          EncodeTensor(batch_.targets.narrow(0, offset, n), rows.mutable_rows()->mutable_targets())
+              .ok());
+      messages.push_back(std::move(rows));
+    }
+    StepOutcome outcome;
+    outcome.grad_hidden = torch::full({kRows, kHidden}, NAN);
+    std::thread reader([&] {
+      v1::StepResponse response;
+      while (stream->Read(&response)) {
+        if (response.has_grad_hidden()) {
+          const auto& chunk = response.grad_hidden();
+          torch::Tensor values = *DecodeTensor(chunk.values(), "grad_hidden");
+          outcome.grad_hidden.narrow(0, chunk.row_offset(), values.size(0)).copy_(values);
+        } else if (response.has_summary()) {
+          outcome.summary = response.summary();
+        }
+      }
+    });
+    for (auto& m : messages) {
+      if (corrupt) corrupt(m);
+      if (!stream->Write(m)) break;
+    }
+    stream->WritesDone();
+    reader.join();
+    outcome.status = stream->Finish();
+    return outcome;
+  }
+
+  torch::Tensor HeadWeightGrad() {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    return entry_->head->grads().weight.clone();
+  }
+
+  server::HeadRegistry registry_;
+  std::unique_ptr<server::HeadServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::HeadService::Stub> stub_;
+  std::shared_ptr<server::HeadEntry> entry_;
+  core::TokenBatch batch_;
+};
+
+TEST_F(HeadServiceTest, LifecycleDescribeListDrop) {
+  grpc::ClientContext c1;
+  v1::HeadRef ref;
+  ref.set_head_id("lm");
+  v1::HeadInfo info;
+  ASSERT_TRUE(stub_->DescribeHead(&c1, ref, &info).ok());
+  EXPECT_EQ(info.vocab_size(), kVocab);
+  EXPECT_EQ(info.hidden_size(), kHidden);
+  EXPECT_EQ(info.dtype(), v1::DTYPE_FLOAT32);
+  EXPECT_TRUE(info.has_bias());
+  EXPECT_EQ(info.device(), "cpu");
+
+  grpc::ClientContext c2;
+  v1::CreateHeadRequest again;
+  again.set_head_id("lm");
+  again.mutable_init()->set_vocab_size(10);
+  again.mutable_init()->set_hidden_size(4);
+  const grpc::Status dup = stub_->CreateHead(&c2, again, &info);
+  EXPECT_EQ(dup.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(dup.error_message(), "head_id: expected a new id; got \"lm\", which already exists");
+
+  grpc::ClientContext c3;
+  v1::ListHeadsResponse list;
+  ASSERT_TRUE(stub_->ListHeads(&c3, {}, &list).ok());
+  ASSERT_EQ(list.heads_size(), 1);
+
+  grpc::ClientContext c4;
+  v1::DropHeadResponse dropped;
+  ASSERT_TRUE(stub_->DropHead(&c4, ref, &dropped).ok());
+  grpc::ClientContext c5;
+  const grpc::Status missing = stub_->DescribeHead(&c5, ref, &info);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(missing.error_message(), "head_id: expected one of []; got \"lm\"");
+}
+
+TEST_F(HeadServiceTest, ForwardBackwardMatchesTheEngineAndReplayAddsOnce) {
+  core::GradientBuffers expected = entry_->head->NewGradientBuffers();
+  auto direct = core::FusedForwardBackward(*entry_->head, batch_, {}, &expected);
+  ASSERT_TRUE(direct.ok());
+
+  const StepOutcome first = Step("run/rank-0", 0);
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_NEAR(first.summary.loss(), direct->loss, 1e-6);
+  EXPECT_FALSE(first.summary.replayed());
+  EXPECT_LE(reference::MaxAbsDiff(first.grad_hidden, direct->grad_hidden), 1e-6);
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), expected.weight), 1e-6);
+
+  // A retry with the same gradient id: same answer, nothing added.
+  const torch::Tensor after_first = HeadWeightGrad();
+  const StepOutcome replay = Step("run/rank-0", 0, /*piece=*/50);
+  ASSERT_TRUE(replay.status.ok()) << replay.status.error_message();
+  EXPECT_TRUE(replay.summary.replayed());
+  EXPECT_NEAR(replay.summary.loss(), first.summary.loss(), 1e-6);
+  EXPECT_TRUE(torch::equal(HeadWeightGrad(), after_first));
+
+  // Another micro-batch id is a new contribution.
+  ASSERT_TRUE(Step("run/rank-0", 1).status.ok());
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), 2 * expected.weight), 1e-6);
+}
+
+TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
+  const torch::Tensor before = HeadWeightGrad();
+  struct Case {
+    std::string label;
+    std::function<void(v1::StepRequest&)> corrupt;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"unknown head",
+       [](v1::StepRequest& m) {
+         if (m.has_header()) m.mutable_header()->set_head_id("nope");
+       },
+       grpc::StatusCode::NOT_FOUND, "head_id: expected one of [lm]; got \"nope\""},
+      {"wrong hidden size",
+       [](v1::StepRequest& m) {
+         if (m.has_rows() && m.rows().row_offset() == 17) {
+           EXPECT_TRUE(
+               EncodeTensor(torch::zeros({17, kHidden + 1}), m.mutable_rows()->mutable_hidden())
+                   .ok());
+         }
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "hidden: expected shape [N, 32]; got [17, 33]"},
+      {"byte count",
+       [](v1::StepRequest& m) {
+         if (m.has_rows()) m.mutable_rows()->mutable_hidden()->mutable_data()->resize(12);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "rows.hidden: expected 2176 bytes for Float [17, 32]; got 12"},
+      {"label out of range",
+       [](v1::StepRequest& m) {
+         if (m.has_rows() && m.rows().row_offset() == 34) {
+           EXPECT_TRUE(EncodeTensor(torch::full({16}, kVocab, torch::kLong),
+                                    m.mutable_rows()->mutable_targets())
+                           .ok());
+         }
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "targets[0]: expected a token id in [0, 300) or ignore_index (-100); got 300"},
+      {"rows out of order",
+       [](v1::StepRequest& m) {
+         if (m.has_rows() && m.rows().row_offset() == 17) m.mutable_rows()->set_row_offset(20);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "rows.row_offset: expected 17 (rows arrive in order); got 20"},
+      {"missing header",
+       [](v1::StepRequest& m) {
+         if (m.has_header()) {
+           m.clear_header();
+           m.mutable_rows()->set_row_offset(0);
+         }
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "header: expected the first message to be the header; got rows"},
+      {"wrong valid_tokens",
+       [](v1::StepRequest& m) {
+         if (m.has_header()) m.mutable_header()->set_valid_tokens(3);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.label);
+    const StepOutcome outcome = Step("run/rank-1", 0, 17, c.corrupt);
+    EXPECT_EQ(outcome.status.error_code(), c.code) << outcome.status.error_message();
+    if (!c.message.empty()) {
+      EXPECT_EQ(outcome.status.error_message(), c.message);
+    }
+    EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+  }
+  // The server keeps serving, and the failed id was never recorded: it can still be applied.
+  const StepOutcome ok = Step("run/rank-1", 0);
+  ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_FALSE(ok.summary.replayed());
+}
+
+TEST_F(HeadServiceTest, ClientCancellingMidStreamLeavesGradientsUntouched) {
+  const torch::Tensor before = HeadWeightGrad();
+  grpc::ClientContext context;
+  auto stream = stub_->ForwardBackward(&context);
+  v1::StepRequest header;
+  header.mutable_header()->set_head_id("lm");
+  header.mutable_header()->set_rows(kRows);
+  header.mutable_header()->set_valid_tokens(1);
+  header.mutable_header()->set_accumulate_weight_grad(true);
+  header.mutable_header()->mutable_gradient_id()->set_trainer("run/rank-2");
+  ASSERT_TRUE(stream->Write(header));
+  v1::StepRequest rows;
+  rows.mutable_rows()->set_row_offset(0);
+  ASSERT_TRUE(
+      EncodeTensor(batch_.hidden.narrow(0, 0, 10), rows.mutable_rows()->mutable_hidden()).ok());
+  ASSERT_TRUE(
+      EncodeTensor(batch_.targets.narrow(0, 0, 10), rows.mutable_rows()->mutable_targets()).ok());
+  ASSERT_TRUE(stream->Write(rows));
+  v1::StepResponse response;
+  ASSERT_TRUE(stream->Read(&response));  // dX of the first rows came back
+  context.TryCancel();
+  while (stream->Read(&response)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+  // The cancelled id was not recorded.
+  EXPECT_TRUE(entry_->applied.empty());
+}
+
+}  // namespace
+}  // namespace remotehead
