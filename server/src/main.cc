@@ -1,0 +1,130 @@
+// remotehead-server: serves LM heads over gRPC.
+//
+//   remotehead-server --listen 127.0.0.1:50051 --device auto --head lm:32000:1024:float32:0
+//
+// Logs one line per lifecycle event; SIGTERM / SIGINT drain in-flight calls (up to
+// --shutdown_grace_seconds) and exit 0.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "remotehead/core/head.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/server/head_service.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
+ABSL_FLAG(std::string, device, "auto", "auto (cuda:0 if available, else cpu), cpu or cuda:N");
+ABSL_FLAG(std::vector<std::string>, head, {},
+          "heads to create at start, id:vocab:hidden[:dtype[:seed]] (repeatable, comma list)");
+ABSL_FLAG(int32_t, max_message_bytes, 16 << 20, "largest gRPC message accepted or sent");
+ABSL_FLAG(int32_t, shutdown_grace_seconds, 30, "how long SIGTERM waits for in-flight calls");
+
+namespace {
+
+namespace rh = remotehead;
+
+absl::StatusOr<torch::Device> ResolveDevice(const std::string& name) {
+  if (name == "auto") {
+    return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0)
+                                       : torch::Device(torch::kCPU);
+  }
+  try {
+    const torch::Device device(name);
+    if (device.is_cuda() && !torch::cuda::is_available()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--device: expected an available device; got ", name, " but CUDA is not available"));
+    }
+    return device;
+  } catch (const c10::Error&) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device: expected auto, cpu or cuda:N; got \"", name, "\""));
+  }
+}
+
+// id:vocab:hidden[:dtype[:seed]]
+absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
+                         rh::server::HeadRegistry* registry) {
+  const std::vector<std::string> parts = absl::StrSplit(spec, ':');
+  rh::core::HeadInit init;
+  if (parts.size() < 3 || parts.size() > 5 || !absl::SimpleAtoi(parts[1], &init.vocab_size) ||
+      !absl::SimpleAtoi(parts[2], &init.hidden_size) ||
+      (parts.size() == 5 && !absl::SimpleAtoi(parts[4], &init.seed))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--head: expected id:vocab:hidden[:dtype[:seed]]; got \"", spec, "\""));
+  }
+  if (parts.size() >= 4) {
+    ASSIGN_OR_RETURN(init.dtype, rh::core::ParseHeadDtype(parts[3]));
+  }
+  ASSIGN_OR_RETURN(auto head, rh::core::Head::Initialize(init, {.device = device}));
+  return registry->Add(parts[0], std::move(head)).status();
+}
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop.store(true); }
+
+int Run() {
+  auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) {
+    std::cerr << "remotehead-server: " << device.status().message() << std::endl;
+    return 2;
+  }
+  rh::server::HeadRegistry registry;
+  for (const std::string& spec : absl::GetFlag(FLAGS_head)) {
+    if (const absl::Status s = PreloadHead(spec, *device, &registry); !s.ok()) {
+      std::cerr << "remotehead-server: " << s.message() << std::endl;
+      return 2;
+    }
+    std::cout << "remotehead-server: head loaded: " << spec << " on " << device->str() << std::endl;
+  }
+  rh::server::HeadServiceImpl service(&registry, {.device = *device});
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
+    return 1;
+  }
+  // SERVING only once the configured heads are loaded (they are, by now).
+  server->GetHealthCheckService()->SetServingStatus(true);
+  std::cout << "remotehead-server: listening on port " << port << " (device " << device->str()
+            << ")" << std::endl;
+
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::cout << "remotehead-server: draining (up to " << absl::GetFlag(FLAGS_shutdown_grace_seconds)
+            << " s)" << std::endl;
+  server->GetHealthCheckService()->SetServingStatus(false);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  std::cout << "remotehead-server: stopped" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("serves LM heads over gRPC; see README.md");
+  absl::ParseCommandLine(argc, argv);
+  return Run();
+}
