@@ -13,45 +13,32 @@ namespace remotehead::server {
 static_assert(std::endian::native == std::endian::little,
               "remotehead's tensor codec assumes a little-endian host");
 
+namespace {
+
+// The one table of wire dtypes and their LibTorch counterparts.
+constexpr std::pair<v1::DType, torch::ScalarType> kDtypes[] = {
+    {v1::DTYPE_FLOAT32, torch::kFloat}, {v1::DTYPE_BFLOAT16, torch::kBFloat16},
+    {v1::DTYPE_FLOAT16, torch::kHalf},  {v1::DTYPE_FLOAT64, torch::kDouble},
+    {v1::DTYPE_INT64, torch::kLong},    {v1::DTYPE_INT32, torch::kInt},
+};
+
+}  // namespace
+
 absl::StatusOr<torch::ScalarType> FromWireDtype(v1::DType dtype, const std::string& field) {
-  switch (dtype) {
-    case v1::DTYPE_FLOAT32:
-      return torch::kFloat;
-    case v1::DTYPE_BFLOAT16:
-      return torch::kBFloat16;
-    case v1::DTYPE_FLOAT16:
-      return torch::kHalf;
-    case v1::DTYPE_FLOAT64:
-      return torch::kDouble;
-    case v1::DTYPE_INT64:
-      return torch::kLong;
-    case v1::DTYPE_INT32:
-      return torch::kInt;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".dtype: expected one of FLOAT32, BFLOAT16, FLOAT16, FLOAT64, INT64, INT32; got ",
-          v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : std::to_string(dtype)));
+  for (const auto& [wire, torch_dtype] : kDtypes) {
+    if (wire == dtype) return torch_dtype;
   }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ".dtype: expected one of FLOAT32, BFLOAT16, FLOAT16, FLOAT64, INT64, INT32; got ",
+      v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : std::to_string(dtype)));
 }
 
 absl::StatusOr<v1::DType> ToWireDtype(torch::ScalarType dtype) {
-  switch (dtype) {
-    case torch::kFloat:
-      return v1::DTYPE_FLOAT32;
-    case torch::kBFloat16:
-      return v1::DTYPE_BFLOAT16;
-    case torch::kHalf:
-      return v1::DTYPE_FLOAT16;
-    case torch::kDouble:
-      return v1::DTYPE_FLOAT64;
-    case torch::kLong:
-      return v1::DTYPE_INT64;
-    case torch::kInt:
-      return v1::DTYPE_INT32;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("dtype: ", c10::toString(dtype), " has no wire representation"));
+  for (const auto& [wire, torch_dtype] : kDtypes) {
+    if (torch_dtype == dtype) return wire;
   }
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype: ", c10::toString(dtype), " has no wire representation"));
 }
 
 absl::StatusOr<torch::Tensor> DecodeTensor(const v1::Tensor& wire, const std::string& field) {
