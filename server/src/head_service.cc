@@ -1,6 +1,7 @@
 #include "remotehead/server/head_service.h"
 
 #include <deque>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -108,6 +109,95 @@ class ForwardBackwardReactor final
   bool finishing_ = false;
 };
 
+// Streams a snapshot of a head's accumulated dW (then db) as row chunks, then the HeadInfo the
+// snapshot belongs to. One message is built per OnWriteDone, so only the snapshot is held.
+class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGradientsResponse> {
+ public:
+  FetchGradientsReactor(HeadRegistry* registry, const v1::FetchGradientsRequest& request,
+                        int64_t chunk_bytes) {
+    const absl::Status status = Start(registry, request, chunk_bytes);
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Piece {
+    bool bias;
+    int64_t offset;
+    int64_t rows;
+  };
+
+  absl::Status Start(HeadRegistry* registry, const v1::FetchGradientsRequest& request,
+                     int64_t chunk_bytes) {
+    ASSIGN_OR_RETURN(auto entry, registry->Get(request.head_id()));
+    std::optional<torch::ScalarType> dtype;
+    if (request.dtype() != v1::DTYPE_UNSPECIFIED) {
+      ASSIGN_OR_RETURN(dtype, FromWireDtype(request.dtype(), "dtype"));
+    }
+    {
+      std::lock_guard<std::mutex> lock(entry->mu);
+      const core::GradientBuffers& g = entry->head->grads();
+      const torch::ScalarType out = dtype.value_or(g.weight.scalar_type());
+      weight_ = g.weight.to(torch::kCPU, out, /*non_blocking=*/false, /*copy=*/true);
+      if (g.bias.defined()) bias_ = g.bias.to(torch::kCPU, out, false, true);
+    }
+    RETURN_IF_ERROR(DescribeInto(*entry, &info_));
+    for (const auto& [offset, rows] :
+         PlanRowChunks(weight_.size(0), weight_.size(1) * weight_.element_size(), chunk_bytes)) {
+      pieces_.push_back({false, offset, rows});
+    }
+    if (bias_.defined()) {
+      for (const auto& [offset, rows] :
+           PlanRowChunks(bias_.size(0), bias_.element_size(), chunk_bytes)) {
+        pieces_.push_back({true, offset, rows});
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  void WriteNext() {
+    response_.Clear();
+    if (next_ < pieces_.size()) {
+      const Piece& p = pieces_[next_++];
+      v1::TensorChunk* chunk =
+          p.bias ? response_.mutable_bias_grad_rows() : response_.mutable_weight_grad_rows();
+      chunk->set_row_offset(p.offset);
+      const absl::Status s = EncodeTensor((p.bias ? bias_ : weight_).narrow(0, p.offset, p.rows),
+                                          chunk->mutable_values());
+      if (!s.ok()) {
+        Finish(ToGrpcStatus(s));
+        return;
+      }
+      StartWrite(&response_);
+    } else if (!info_sent_) {
+      info_sent_ = true;
+      *response_.mutable_info() = info_;
+      StartWriteAndFinish(&response_, {}, grpc::Status::OK);
+    }
+  }
+
+  torch::Tensor weight_;
+  torch::Tensor bias_;
+  v1::HeadInfo info_;
+  std::vector<Piece> pieces_;
+  size_t next_ = 0;
+  bool info_sent_ = false;
+  v1::FetchGradientsResponse response_;
+};
+
 }  // namespace
 
 grpc::ServerUnaryReactor* HeadServiceImpl::CreateHead(grpc::CallbackServerContext* context,
@@ -178,6 +268,11 @@ grpc::ServerUnaryReactor* HeadServiceImpl::ZeroGradients(grpc::CallbackServerCon
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::ForwardBackward(
     grpc::CallbackServerContext* context) {
   return new ForwardBackwardReactor(context, registry_, options_);
+}
+
+grpc::ServerWriteReactor<v1::FetchGradientsResponse>* HeadServiceImpl::FetchGradients(
+    grpc::CallbackServerContext*, const v1::FetchGradientsRequest* request) {
+  return new FetchGradientsReactor(registry_, *request, options_.response_chunk_bytes);
 }
 
 }  // namespace remotehead::server

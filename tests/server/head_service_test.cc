@@ -23,7 +23,9 @@ constexpr int64_t kRows = 50;
 class HeadServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    service_ = std::make_unique<server::HeadServiceImpl>(&registry_, server::ServiceOptions{});
+    // Small streamed chunks, so every tensor that comes back travels in several messages.
+    service_ = std::make_unique<server::HeadServiceImpl>(
+        &registry_, server::ServiceOptions{.response_chunk_bytes = 1024});
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -180,6 +182,51 @@ TEST_F(HeadServiceTest, ForwardBackwardMatchesTheEngineAndReplayAddsOnce) {
   // Another micro-batch id is a new contribution.
   ASSERT_TRUE(Step("run/rank-0", 1).status.ok());
   EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), 2 * expected.weight), 1e-6);
+}
+
+TEST_F(HeadServiceTest, FetchGradientsStreamsTheAccumulatedDwInTheRequestedDtype) {
+  ASSERT_TRUE(Step("run/rank-0", 0).status.ok());
+  const torch::Tensor expected = HeadWeightGrad();
+  for (const v1::DType dtype : {v1::DTYPE_UNSPECIFIED, v1::DTYPE_BFLOAT16}) {
+    grpc::ClientContext context;
+    v1::FetchGradientsRequest request;
+    request.set_head_id("lm");
+    request.set_dtype(dtype);
+    auto reader = stub_->FetchGradients(&context, request);
+    torch::Tensor dw = torch::full({kVocab, kHidden}, NAN);
+    v1::FetchGradientsResponse response;
+    int messages = 0;
+    bool saw_bias = false, saw_info = false;
+    while (reader->Read(&response)) {
+      ++messages;
+      if (response.has_weight_grad_rows()) {
+        torch::Tensor rows = *DecodeTensor(response.weight_grad_rows().values(), "dw");
+        EXPECT_EQ(rows.scalar_type(),
+                  dtype == v1::DTYPE_BFLOAT16 ? torch::kBFloat16 : torch::kFloat);
+        dw.narrow(0, response.weight_grad_rows().row_offset(), rows.size(0)).copy_(rows);
+      }
+      saw_bias |= response.has_bias_grad_rows();
+      if (response.has_info()) {
+        saw_info = true;
+        EXPECT_EQ(response.info().accumulated_micro_batches(), 1);
+      }
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_TRUE(saw_bias && saw_info);
+    EXPECT_GT(messages, 10) << "1 KiB chunks of a 300 x 32 gradient";
+    if (dtype == v1::DTYPE_UNSPECIFIED) {
+      EXPECT_TRUE(torch::equal(dw, expected));
+    } else {
+      EXPECT_LE(reference::MaxAbsDiff(dw, expected), 1e-2 * reference::MaxAbs(expected));
+    }
+  }
+  grpc::ClientContext context;
+  v1::FetchGradientsRequest missing;
+  missing.set_head_id("nope");
+  auto reader = stub_->FetchGradients(&context, missing);
+  v1::FetchGradientsResponse response;
+  EXPECT_FALSE(reader->Read(&response));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
