@@ -15,7 +15,7 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& 
     return absl::AlreadyExistsError(
         absl::StrCat("head_id: expected a new id; got \"", id, "\", which already exists"));
   }
-  auto entry = std::shared_ptr<HeadEntry>(new HeadEntry{id, {}, std::move(head), {}});
+  auto entry = std::shared_ptr<HeadEntry>(new HeadEntry{id, {}, std::move(head), {}, {}});
   heads_.emplace(id, entry);
   return entry;
 }

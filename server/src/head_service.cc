@@ -265,6 +265,46 @@ grpc::ServerUnaryReactor* HeadServiceImpl::ZeroGradients(grpc::CallbackServerCon
   });
 }
 
+grpc::ServerUnaryReactor* HeadServiceImpl::OptimizerStep(grpc::CallbackServerContext* context,
+                                                         const v1::OptimizerStepRequest* request,
+                                                         v1::OptimizerStepResponse* response) {
+  return Unary(context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto entry, registry_->Get(request->head_id()));
+    const double grad_scale = request->has_grad_scale() ? request->grad_scale() : 1.0;
+    {
+      std::lock_guard<std::mutex> lock(entry->mu);
+      core::Head& head = *entry->head;
+      switch (request->optimizer_case()) {
+        case v1::OptimizerStepRequest::kSgd: {
+          const auto& o = request->sgd();
+          RETURN_IF_ERROR(core::SgdStep(
+              head, {.lr = o.lr(), .momentum = o.momentum(), .weight_decay = o.weight_decay()},
+              grad_scale, &entry->optimizer));
+          break;
+        }
+        case v1::OptimizerStepRequest::kAdamw: {
+          const auto& o = request->adamw();
+          core::AdamWOptions options{.lr = o.lr()};
+          // Unset (0) hyper-parameters take torch.optim.AdamW's defaults.
+          if (o.beta1() != 0) options.beta1 = o.beta1();
+          if (o.beta2() != 0) options.beta2 = o.beta2();
+          if (o.eps() != 0) options.eps = o.eps();
+          options.weight_decay = o.weight_decay();
+          RETURN_IF_ERROR(core::AdamWStep(head, options, grad_scale, &entry->optimizer));
+          break;
+        }
+        default:
+          return absl::InvalidArgumentError("optimizer: expected sgd or adamw; got none");
+      }
+      if (request->zero_gradients()) {
+        head.ZeroGrad();
+        entry->applied.clear();
+      }
+    }
+    return DescribeInto(*entry, response->mutable_info());
+  });
+}
+
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::ForwardBackward(
     grpc::CallbackServerContext* context) {
   return new ForwardBackwardReactor(context, registry_, options_);

@@ -229,6 +229,43 @@ TEST_F(HeadServiceTest, FetchGradientsStreamsTheAccumulatedDwInTheRequestedDtype
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+TEST_F(HeadServiceTest, OptimizerStepUpdatesWeightsBumpsVersionAndRefusesStaleWork) {
+  ASSERT_TRUE(Step("run/rank-0", 0).status.ok());
+  torch::Tensor w0, dw;
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    w0 = entry_->head->weight().clone();
+    dw = entry_->head->grads().weight.clone();
+  }
+  grpc::ClientContext context;
+  v1::OptimizerStepRequest request;
+  request.set_head_id("lm");
+  request.mutable_sgd()->set_lr(0.5);
+  request.set_grad_scale(2.0);
+  request.set_zero_gradients(true);
+  v1::OptimizerStepResponse response;
+  ASSERT_TRUE(stub_->OptimizerStep(&context, request, &response).ok());
+  EXPECT_EQ(response.info().weight_version(), 1);
+  EXPECT_EQ(response.info().accumulated_micro_batches(), 0);
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    EXPECT_LE(reference::MaxAbsDiff(entry_->head->weight(), w0 - 0.5 * 2.0 * dw), 1e-6);
+    EXPECT_EQ(reference::MaxAbs(entry_->head->grads().weight), 0.0);
+  }
+  // Work computed against version 0 is refused once the weights moved on.
+  const StepOutcome stale = Step("run/rank-0", 1, 17, [](v1::StepRequest& m) {
+    if (m.has_header()) m.mutable_header()->set_expected_weight_version(0);
+  });
+  EXPECT_EQ(stale.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(stale.status.error_message(),
+            "header.expected_weight_version: expected the head's current version 1; got 0");
+  grpc::ClientContext bad_context;
+  request.mutable_sgd()->set_lr(-1);
+  const grpc::Status bad = stub_->OptimizerStep(&bad_context, request, &response);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(bad.error_message(), "sgd.lr: expected a finite value in (0, inf); got -1");
+}
+
 TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
   const torch::Tensor before = HeadWeightGrad();
   struct Case {

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/optimizer.h"
 
 namespace remotehead::server {
 
@@ -34,6 +35,7 @@ struct HeadEntry {
   std::mutex mu;  // guards everything below
   std::unique_ptr<core::Head> head;
   std::map<GradientKey, AppliedContribution> applied;  // since the last ZeroGradients
+  core::OptimizerState optimizer;                      // created by the first OptimizerStep
 };
 
 class HeadRegistry {

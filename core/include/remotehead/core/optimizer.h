@@ -1,0 +1,45 @@
+// Server-side optimizer steps on a head, from its accumulated gradients: SGD (momentum, weight
+// decay) and AdamW, with fp32 state, following torch.optim's update rules exactly.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "remotehead/core/head.h"
+
+namespace remotehead::core {
+
+struct SgdOptions {
+  double lr = 0;
+  double momentum = 0;      // [0, 1)
+  double weight_decay = 0;  // L2, added to the gradient (torch.optim.SGD)
+};
+
+struct AdamWOptions {
+  double lr = 0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;  // decoupled (torch.optim.AdamW)
+};
+
+// Per-head optimizer state (fp32), created by the first step.
+struct OptimizerState {
+  std::string kind;  // "", "sgd" or "adamw"
+  int64_t steps = 0;
+  torch::Tensor weight_buf1, weight_buf2;  // SGD: momentum; AdamW: exp_avg, exp_avg_sq
+  torch::Tensor bias_buf1, bias_buf2;
+};
+
+// p ← update(p, grad · grad_scale); bumps the head's version. INVALID_ARGUMENT for bad
+// hyper-parameters, FAILED_PRECONDITION when the state belongs to the other optimizer.
+// Parameters of a half-precision head are updated in fp32 and rounded back.
+absl::Status SgdStep(Head& head, const SgdOptions& options, double grad_scale,
+                     OptimizerState* state);
+absl::Status AdamWStep(Head& head, const AdamWOptions& options, double grad_scale,
+                       OptimizerState* state);
+
+}  // namespace remotehead::core

@@ -1,0 +1,101 @@
+#include "remotehead/core/optimizer.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::core {
+namespace {
+
+absl::Status CheckRange(const char* field, double value, double lo, double hi, bool lo_open) {
+  const bool ok = std::isfinite(value) && (lo_open ? value > lo : value >= lo) && value < hi;
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": expected a finite value in ", lo_open ? "(" : "[", lo, ", ", hi, "); got ", value));
+}
+
+absl::Status PrepareState(const char* kind, double grad_scale, OptimizerState* state) {
+  if (!std::isfinite(grad_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad_scale: expected a finite value; got ", grad_scale));
+  }
+  if (!state->kind.empty() && state->kind != kind) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "optimizer: expected ", state->kind, " (this head's optimizer state); got ", kind));
+  }
+  state->kind = kind;
+  return absl::OkStatus();
+}
+
+// Applies `update(p32, g32, buf1, buf2)` to the weight and (if any) the bias in fp32.
+template <typename Update>
+void ForEachParam(Head& head, double grad_scale, OptimizerState* state, Update&& update) {
+  torch::NoGradGuard no_grad;
+  auto apply = [&](torch::Tensor& param, const torch::Tensor& grad, torch::Tensor& buf1,
+                   torch::Tensor& buf2) {
+    torch::Tensor p32 = param.to(torch::kFloat);
+    const torch::Tensor g32 = grad.to(torch::kFloat) * grad_scale;
+    update(p32, g32, buf1, buf2);
+    if (p32.data_ptr() != param.data_ptr()) param.copy_(p32);
+  };
+  apply(head.mutable_weight(), head.grads().weight, state->weight_buf1, state->weight_buf2);
+  if (head.has_bias()) {
+    apply(head.mutable_bias(), head.grads().bias, state->bias_buf1, state->bias_buf2);
+  }
+}
+
+}  // namespace
+
+absl::Status SgdStep(Head& head, const SgdOptions& o, double grad_scale, OptimizerState* state) {
+  RETURN_IF_ERROR(CheckRange("sgd.lr", o.lr, 0, INFINITY, true));
+  RETURN_IF_ERROR(CheckRange("sgd.momentum", o.momentum, 0, 1, false));
+  RETURN_IF_ERROR(CheckRange("sgd.weight_decay", o.weight_decay, 0, INFINITY, false));
+  RETURN_IF_ERROR(PrepareState("sgd", grad_scale, state));
+  ForEachParam(head, grad_scale, state,
+               [&](torch::Tensor& p, const torch::Tensor& g, torch::Tensor& buf, torch::Tensor&) {
+                 torch::Tensor d = o.weight_decay != 0 ? g + o.weight_decay * p : g;
+                 if (o.momentum != 0) {
+                   if (!buf.defined()) {
+                     buf = d.clone();
+                   } else {
+                     buf.mul_(o.momentum).add_(d);
+                   }
+                   d = buf;
+                 }
+                 p.add_(d, -o.lr);
+               });
+  ++state->steps;
+  head.BumpVersion();
+  return absl::OkStatus();
+}
+
+absl::Status AdamWStep(Head& head, const AdamWOptions& o, double grad_scale,
+                       OptimizerState* state) {
+  RETURN_IF_ERROR(CheckRange("adamw.lr", o.lr, 0, INFINITY, true));
+  RETURN_IF_ERROR(CheckRange("adamw.beta1", o.beta1, 0, 1, false));
+  RETURN_IF_ERROR(CheckRange("adamw.beta2", o.beta2, 0, 1, false));
+  RETURN_IF_ERROR(CheckRange("adamw.eps", o.eps, 0, INFINITY, true));
+  RETURN_IF_ERROR(CheckRange("adamw.weight_decay", o.weight_decay, 0, INFINITY, false));
+  RETURN_IF_ERROR(PrepareState("adamw", grad_scale, state));
+  const int64_t t = state->steps + 1;
+  const double bias_correction1 = 1 - std::pow(o.beta1, t);
+  const double bias_correction2 = 1 - std::pow(o.beta2, t);
+  ForEachParam(head, grad_scale, state,
+               [&](torch::Tensor& p, const torch::Tensor& g, torch::Tensor& m, torch::Tensor& v) {
+                 if (!m.defined()) {
+                   m = torch::zeros_like(p);
+                   v = torch::zeros_like(p);
+                 }
+                 p.mul_(1 - o.lr * o.weight_decay);
+                 m.lerp_(g, 1 - o.beta1);
+                 v.mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
+                 const torch::Tensor denom = (v.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
+                 p.addcdiv_(m, denom, -o.lr / bias_correction1);
+               });
+  state->steps = t;
+  head.BumpVersion();
+  return absl::OkStatus();
+}
+
+}  // namespace remotehead::core
