@@ -43,15 +43,14 @@ grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, Fn&& fn) {
   return reactor;
 }
 
-// One ForwardBackward call. Messages are handled in order: read one, compute, write what it
-// produced (one write in flight at a time: back-pressure through OnWriteDone), then read the
-// next. A failed request finishes with its status and commits nothing (StepSession).
-class ForwardBackwardReactor final
-    : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+// One ForwardBackward / Forward / Backward call. Messages are handled in order: read one, compute,
+// write what it produced (one write in flight at a time: back-pressure through OnWriteDone), then
+// read the next. A failed request finishes with its status and commits nothing (StepSession).
+class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
  public:
-  ForwardBackwardReactor(grpc::CallbackServerContext* context, HeadRegistry* registry,
-                         const ServiceOptions& options)
-      : context_(context), session_(registry, options.response_chunk_bytes) {
+  StepReactor(grpc::CallbackServerContext* context, HeadRegistry* registry, StepSession::Mode mode,
+              const ServiceOptions& options)
+      : context_(context), session_(registry, mode, options.response_chunk_bytes) {
     StartRead(&request_);
   }
 
@@ -307,7 +306,17 @@ grpc::ServerUnaryReactor* HeadServiceImpl::OptimizerStep(grpc::CallbackServerCon
 
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::ForwardBackward(
     grpc::CallbackServerContext* context) {
-  return new ForwardBackwardReactor(context, registry_, options_);
+  return new StepReactor(context, registry_, StepSession::Mode::kFused, options_);
+}
+
+grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::Forward(
+    grpc::CallbackServerContext* context) {
+  return new StepReactor(context, registry_, StepSession::Mode::kForward, options_);
+}
+
+grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::Backward(
+    grpc::CallbackServerContext* context) {
+  return new StepReactor(context, registry_, StepSession::Mode::kBackward, options_);
 }
 
 grpc::ServerWriteReactor<v1::FetchGradientsResponse>* HeadServiceImpl::FetchGradients(

@@ -32,6 +32,23 @@ absl::Status DecodeOptional(bool present, const v1::Tensor& wire, const std::str
   return absl::OkStatus();
 }
 
+// Appends the rows of `t` (if defined) as TensorChunk responses of at most `chunk_bytes`,
+// numbered from `first_row`, into the response field `field` (grad_hidden or outputs).
+absl::Status AppendRowChunks(const torch::Tensor& t, int64_t first_row, int64_t chunk_bytes,
+                             v1::TensorChunk* (v1::StepResponse::*field)(),
+                             std::vector<v1::StepResponse>* responses) {
+  if (!t.defined()) return absl::OkStatus();
+  const int64_t bytes_per_row = t.numel() == 0 ? 1 : t.nbytes() / t.size(0);
+  for (const auto& [offset, count] : PlanRowChunks(t.size(0), bytes_per_row, chunk_bytes)) {
+    v1::StepResponse response;
+    v1::TensorChunk* chunk = (response.*field)();
+    chunk->set_row_offset(first_row + offset);
+    RETURN_IF_ERROR(EncodeTensor(t.narrow(0, offset, count), chunk->mutable_values()));
+    responses->push_back(std::move(response));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status StepSession::OnRequest(const v1::StepRequest& request,
@@ -65,10 +82,14 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
   options_.function = fn.name().empty() ? "cross_entropy" : fn.name();
   options_.params = core::FunctionParams(fn.params().begin(), fn.params().end());
   ASSIGN_OR_RETURN(options_.reduction, FromWireReduction(fn.reduction()));
-  if (options_.reduction == core::Reduction::kNone) {
+  if (options_.reduction == core::Reduction::kNone && mode_ == Mode::kFused) {
     return absl::InvalidArgumentError(
         "header.function.reduction: ForwardBackward needs a scalar loss (SUM, MEAN or "
         "WEIGHTED_SUM); got NONE — use Forward and Backward for per-token outputs");
+  }
+  if (mode_ == Mode::kForward && header.accumulate_weight_grad()) {
+    return absl::InvalidArgumentError(
+        "header.accumulate_weight_grad: Forward computes no gradients; got true");
   }
   if (fn.has_ignore_index()) options_.ignore_index = fn.ignore_index();
   if (fn.has_normalizer()) {
@@ -136,29 +157,64 @@ absl::Status StepSession::OnRows(const v1::StepRows& rows,
     if (batch.weights.defined()) batch.weights = batch.weights.to(head.device());
     for (auto& [name, t] : batch.aux) t = t.to(head.device());
   }
-  absl::StatusOr<core::FusedResult> result;
-  {
-    // The head's weights must not change under a running computation (optimizer steps).
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    result = core::FusedForwardBackward(head, batch, options_, key_ ? &scratch_ : nullptr);
+  torch::Tensor grad_output;
+  if (mode_ == Mode::kBackward) {
+    if (options_.reduction == core::Reduction::kNone) {
+      if (!rows.has_grad_output()) {
+        return absl::InvalidArgumentError(
+            "rows.grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
+      }
+      ASSIGN_OR_RETURN(grad_output, DecodeTensor(rows.grad_output(), "rows.grad_output"));
+      grad_output = grad_output.to(head.device());
+    } else {
+      grad_output = torch::full({}, options_.upstream_scale, torch::kDouble);
+    }
   }
-  if (!result.ok()) return result.status();
-  loss_ += result->loss;
-  valid_tokens_ += result->stats.valid_tokens;
-  chunk_rows_ = std::max(chunk_rows_, result->stats.chunk_rows);
-  num_chunks_ += result->stats.num_chunks;
-  for (const auto& [name, value] : result->stats.extras) extras_[name] += value;
-
-  const torch::Tensor& dx = result->grad_hidden;
-  const int64_t bytes_per_row = dx.size(1) * dx.element_size();
-  for (const auto& [offset, count] : PlanRowChunks(n, bytes_per_row, response_chunk_bytes_)) {
-    v1::StepResponse response;
-    v1::TensorChunk* chunk = response.mutable_grad_hidden();
-    chunk->set_row_offset(next_row_ + offset);
-    RETURN_IF_ERROR(EncodeTensor(dx.narrow(0, offset, count), chunk->mutable_values()));
-    responses->push_back(std::move(response));
-  }
+  torch::Tensor dx, outputs;
+  RETURN_IF_ERROR(Compute(batch, grad_output, &dx, &outputs));
+  RETURN_IF_ERROR(AppendRowChunks(dx, next_row_, response_chunk_bytes_,
+                                  &v1::StepResponse::mutable_grad_hidden, responses));
+  RETURN_IF_ERROR(AppendRowChunks(outputs, next_row_, response_chunk_bytes_,
+                                  &v1::StepResponse::mutable_outputs, responses));
   next_row_ += n;
+  return absl::OkStatus();
+}
+
+absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
+                                  torch::Tensor* grad_hidden, torch::Tensor* outputs) {
+  // The head's weights must not change under a running computation (optimizer steps).
+  std::lock_guard<std::mutex> lock(entry_->mu);
+  const core::Head& head = *entry_->head;
+  core::GradientBuffers* grads = key_ ? &scratch_ : nullptr;
+  core::StepStats stats;
+  switch (mode_) {
+    case Mode::kFused: {
+      ASSIGN_OR_RETURN(core::FusedResult r,
+                       core::FusedForwardBackward(head, batch, options_, grads));
+      loss_ += r.loss;
+      *grad_hidden = std::move(r.grad_hidden);
+      stats = std::move(r.stats);
+      break;
+    }
+    case Mode::kForward: {
+      ASSIGN_OR_RETURN(core::ForwardResult r, core::Forward(head, batch, options_));
+      if (options_.reduction == core::Reduction::kNone) {
+        *outputs = std::move(r.output);
+      } else {
+        loss_ += r.output.item<double>();
+      }
+      stats = std::move(r.stats);
+      break;
+    }
+    case Mode::kBackward: {
+      ASSIGN_OR_RETURN(*grad_hidden, core::Backward(head, batch, options_, grad_output, grads));
+      return absl::OkStatus();  // Backward reports no statistics
+    }
+  }
+  valid_tokens_ += stats.valid_tokens;
+  chunk_rows_ = std::max(chunk_rows_, stats.chunk_rows);
+  num_chunks_ += stats.num_chunks;
+  for (const auto& [name, value] : stats.extras) extras_[name] += value;
   return absl::OkStatus();
 }
 
@@ -170,7 +226,8 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
     return absl::InvalidArgumentError(
         absl::StrCat("rows: expected ", header_->rows(), " rows (header.rows); got ", next_row_));
   }
-  if (header_->has_valid_tokens() && header_->valid_tokens() != valid_tokens_) {
+  if (mode_ != Mode::kBackward && header_->has_valid_tokens() &&
+      header_->valid_tokens() != valid_tokens_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.valid_tokens: expected the number of targets != ignore_index in the rows, ",
         valid_tokens_, "; got ", header_->valid_tokens()));

@@ -20,8 +20,13 @@ namespace remotehead::server {
 
 class StepSession {
  public:
-  StepSession(HeadRegistry* registry, int64_t response_chunk_bytes)
-      : registry_(registry), response_chunk_bytes_(response_chunk_bytes) {}
+  // kFused: ForwardBackward; kForward: outputs only, nothing accumulated; kBackward: the
+  // two-phase backward (rows re-sent with dL/dy for reduction NONE; for a scalar reduction
+  // dL/dloss is header.upstream_scale).
+  enum class Mode { kFused, kForward, kBackward };
+
+  StepSession(HeadRegistry* registry, Mode mode, int64_t response_chunk_bytes)
+      : registry_(registry), mode_(mode), response_chunk_bytes_(response_chunk_bytes) {}
 
   // Handles one client message; appends what goes back to the client to `responses`.
   absl::Status OnRequest(const v1::StepRequest& request, std::vector<v1::StepResponse>* responses);
@@ -32,7 +37,12 @@ class StepSession {
   absl::Status OnHeader(const v1::StepHeader& header);
   absl::Status OnRows(const v1::StepRows& rows, std::vector<v1::StepResponse>* responses);
 
+  // Runs the engine for one rows message in this session's mode; fills dX / outputs.
+  absl::Status Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
+                       torch::Tensor* grad_hidden, torch::Tensor* outputs);
+
   HeadRegistry* registry_;
+  Mode mode_;
   int64_t response_chunk_bytes_;
   std::shared_ptr<HeadEntry> entry_;
   std::optional<v1::StepHeader> header_;

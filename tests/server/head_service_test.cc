@@ -55,14 +55,21 @@ class HeadServiceTest : public ::testing::Test {
   struct StepOutcome {
     grpc::Status status;
     torch::Tensor grad_hidden;  // assembled from the streamed chunks
+    torch::Tensor outputs;      // per-token outputs (Forward, reduction NONE)
     v1::StepSummary summary;
   };
 
-  // Sends the header then the rows in pieces of `piece` rows; `corrupt` may alter messages.
+  enum class Rpc { kForwardBackward, kForward, kBackward };
+
+  // Sends the header then the rows in pieces of `piece` rows; `corrupt` may alter messages;
+  // `grad_output` ([N]) is sent with the rows (Backward with reduction NONE).
   StepOutcome Step(const std::string& trainer, int64_t micro_batch, int64_t piece = 17,
-                   std::function<void(v1::StepRequest&)> corrupt = nullptr) {
+                   std::function<void(v1::StepRequest&)> corrupt = nullptr,
+                   Rpc rpc = Rpc::kForwardBackward, const torch::Tensor& grad_output = {}) {
     grpc::ClientContext context;
-    auto stream = stub_->ForwardBackward(&context);
+    auto stream = rpc == Rpc::kForward    ? stub_->Forward(&context)
+                  : rpc == Rpc::kBackward ? stub_->Backward(&context)
+                                          : stub_->ForwardBackward(&context);
     v1::StepRequest header;
     v1::StepHeader* h = header.mutable_header();
     h->set_head_id("lm");
@@ -70,7 +77,7 @@ class HeadServiceTest : public ::testing::Test {
     h->mutable_function()->set_reduction(v1::REDUCTION_MEAN);
     h->set_rows(kRows);
     h->set_valid_tokens((batch_.targets != -100).sum().item<int64_t>());
-    h->set_accumulate_weight_grad(true);
+    h->set_accumulate_weight_grad(rpc != Rpc::kForward);
     h->mutable_gradient_id()->set_trainer(trainer);
     h->mutable_gradient_id()->set_micro_batch(micro_batch);
     h->mutable_chunking()->set_chunk_rows(8);
@@ -85,10 +92,16 @@ class HeadServiceTest : public ::testing::Test {
       EXPECT_TRUE(
           EncodeTensor(batch_.targets.narrow(0, offset, n), rows.mutable_rows()->mutable_targets())
               .ok());
+      if (grad_output.defined()) {
+        EXPECT_TRUE(EncodeTensor(grad_output.narrow(0, offset, n),
+                                 rows.mutable_rows()->mutable_grad_output())
+                        .ok());
+      }
       messages.push_back(std::move(rows));
     }
     StepOutcome outcome;
     outcome.grad_hidden = torch::full({kRows, kHidden}, NAN);
+    outcome.outputs = torch::full({kRows}, NAN);
     std::thread reader([&] {
       v1::StepResponse response;
       while (stream->Read(&response)) {
@@ -96,6 +109,10 @@ class HeadServiceTest : public ::testing::Test {
           const auto& chunk = response.grad_hidden();
           torch::Tensor values = *DecodeTensor(chunk.values(), "grad_hidden");
           outcome.grad_hidden.narrow(0, chunk.row_offset(), values.size(0)).copy_(values);
+        } else if (response.has_outputs()) {
+          const auto& chunk = response.outputs();
+          torch::Tensor values = *DecodeTensor(chunk.values(), "outputs");
+          outcome.outputs.narrow(0, chunk.row_offset(), values.size(0)).copy_(values);
         } else if (response.has_summary()) {
           outcome.summary = response.summary();
         }
@@ -264,6 +281,40 @@ TEST_F(HeadServiceTest, OptimizerStepUpdatesWeightsBumpsVersionAndRefusesStaleWo
   const grpc::Status bad = stub_->OptimizerStep(&bad_context, request, &response);
   EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(bad.error_message(), "sgd.lr: expected a finite value in (0, inf); got -1");
+}
+
+TEST_F(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
+  const auto per_token = [](v1::StepRequest& m) {
+    if (!m.has_header()) return;
+    m.mutable_header()->mutable_function()->set_name("token_logprobs");
+    m.mutable_header()->mutable_function()->set_reduction(v1::REDUCTION_NONE);
+  };
+  const core::StepOptions options{.function = "token_logprobs",
+                                  .reduction = core::Reduction::kNone};
+  auto expected = core::Forward(*entry_->head, batch_, options);
+  ASSERT_TRUE(expected.ok());
+  const StepOutcome forward = Step("", 0, 17, per_token, Rpc::kForward);
+  ASSERT_TRUE(forward.status.ok()) << forward.status.error_message();
+  EXPECT_LE(reference::MaxAbsDiff(forward.outputs, expected->output), 1e-6);
+  EXPECT_EQ(reference::MaxAbs(HeadWeightGrad()), 0.0) << "Forward accumulates nothing";
+
+  const torch::Tensor upstream = torch::randn({kRows});
+  core::GradientBuffers grads = entry_->head->NewGradientBuffers();
+  auto dx = core::Backward(*entry_->head, batch_, options, upstream, &grads);
+  ASSERT_TRUE(dx.ok());
+  const StepOutcome backward = Step("run/rank-3", 0, 17, per_token, Rpc::kBackward, upstream);
+  ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
+  // Summed over differently split rows: fp32 rounding, relative to the gradient's size.
+  const double tolerance = 1e-5 * reference::MaxAbs(grads.weight);
+  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6);
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight), tolerance);
+  const StepOutcome replay = Step("run/rank-3", 0, 50, per_token, Rpc::kBackward, upstream);
+  EXPECT_TRUE(replay.summary.replayed());
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight), tolerance);
+
+  const StepOutcome missing = Step("run/rank-3", 1, 17, per_token, Rpc::kBackward);
+  EXPECT_EQ(missing.status.error_message(),
+            "rows.grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
 }
 
 TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {

@@ -34,6 +34,10 @@ class HeadServiceImpl final : public v1::HeadService::CallbackService {
                                           v1::ZeroGradientsResponse* response) override;
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* ForwardBackward(
       grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Forward(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Backward(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* OptimizerStep(grpc::CallbackServerContext* context,
                                           const v1::OptimizerStepRequest* request,
                                           v1::OptimizerStepResponse* response) override;
