@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/status_mapping.h"
 #include "remotehead/server/tensor_codec.h"
@@ -203,15 +204,33 @@ grpc::ServerUnaryReactor* HeadServiceImpl::CreateHead(grpc::CallbackServerContex
                                                       const v1::CreateHeadRequest* request,
                                                       v1::HeadInfo* response) {
   return Unary(context, [&]() -> absl::Status {
+    std::optional<torch::ScalarType> requested_dtype;
+    if (request->dtype() != v1::DTYPE_UNSPECIFIED) {
+      ASSIGN_OR_RETURN(requested_dtype, FromWireDtype(request->dtype(), "dtype"));
+    }
+    if (request->source_case() == v1::CreateHeadRequest::kSafetensors) {
+      const auto& src = request->safetensors();
+      const std::string weight_name =
+          src.weight_name().empty() ? "lm_head.weight" : src.weight_name();
+      ASSIGN_OR_RETURN(torch::Tensor weight, core::ReadSafetensor(src.path(), weight_name));
+      torch::Tensor bias;
+      if (!src.bias_name().empty()) {
+        ASSIGN_OR_RETURN(bias, core::ReadSafetensor(src.path(), src.bias_name()));
+      }
+      if (requested_dtype) {
+        weight = weight.to(*requested_dtype);
+        if (bias.defined()) bias = bias.to(*requested_dtype);
+      }
+      ASSIGN_OR_RETURN(auto head,
+                       core::Head::FromTensors(weight, bias, {.device = options_.device}));
+      ASSIGN_OR_RETURN(auto entry, registry_->Add(request->head_id(), std::move(head)));
+      return DescribeInto(*entry, response);
+    }
     if (request->source_case() != v1::CreateHeadRequest::kInit) {
-      return absl::UnimplementedError(
-          "source: only init is implemented so far; safetensors and upload come next");
+      return absl::InvalidArgumentError("source: expected safetensors or init; got none");
     }
     const auto& init = request->init();
-    torch::ScalarType dtype = torch::kFloat;
-    if (request->dtype() != v1::DTYPE_UNSPECIFIED) {
-      ASSIGN_OR_RETURN(dtype, FromWireDtype(request->dtype(), "dtype"));
-    }
+    const torch::ScalarType dtype = requested_dtype.value_or(torch::kFloat);
     core::HeadInit head_init{.vocab_size = init.vocab_size(),
                              .hidden_size = init.hidden_size(),
                              .dtype = dtype,
@@ -221,6 +240,27 @@ grpc::ServerUnaryReactor* HeadServiceImpl::CreateHead(grpc::CallbackServerContex
     ASSIGN_OR_RETURN(auto head, core::Head::Initialize(head_init, {.device = options_.device}));
     ASSIGN_OR_RETURN(auto entry, registry_->Add(request->head_id(), std::move(head)));
     return DescribeInto(*entry, response);
+  });
+}
+
+grpc::ServerUnaryReactor* HeadServiceImpl::SaveWeights(grpc::CallbackServerContext* context,
+                                                       const v1::SaveWeightsRequest* request,
+                                                       v1::SaveWeightsResponse* response) {
+  return Unary(context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto entry, registry_->Get(request->head_id()));
+    std::map<std::string, torch::Tensor> tensors;
+    {
+      std::lock_guard<std::mutex> lock(entry->mu);
+      tensors[request->weight_name().empty() ? "lm_head.weight" : request->weight_name()] =
+          entry->head->weight().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+      if (entry->head->has_bias()) {
+        tensors[request->bias_name().empty() ? "lm_head.bias" : request->bias_name()] =
+            entry->head->bias().to(torch::kCPU, false, true);
+      }
+    }
+    ASSIGN_OR_RETURN(const int64_t bytes, core::WriteSafetensors(request->path(), tensors));
+    response->set_bytes_written(bytes);
+    return absl::OkStatus();
   });
 }
 

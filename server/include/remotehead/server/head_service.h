@@ -20,6 +20,9 @@ class HeadServiceImpl final : public v1::HeadService::CallbackService {
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
                                        const v1::CreateHeadRequest* request,
                                        v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* SaveWeights(grpc::CallbackServerContext* context,
+                                        const v1::SaveWeightsRequest* request,
+                                        v1::SaveWeightsResponse* response) override;
   grpc::ServerUnaryReactor* DescribeHead(grpc::CallbackServerContext* context,
                                          const v1::HeadRef* request,
                                          v1::HeadInfo* response) override;
