@@ -109,23 +109,68 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
   bool finishing_ = false;
 };
 
-// Streams a snapshot of a head's accumulated dW (then db) as row chunks, then the HeadInfo the
-// snapshot belongs to. One message is built per OnWriteDone, so only the snapshot is held.
-class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGradientsResponse> {
+// A snapshot of a head's [V, D] matrix and optional [V] vector (weights or gradients), taken
+// under the head's lock, copied to the CPU in the requested dtype (default: as stored).
+struct Snapshot {
+  torch::Tensor matrix;
+  torch::Tensor vector;
+  v1::HeadInfo info;
+};
+
+absl::StatusOr<Snapshot> TakeSnapshot(HeadRegistry* registry, const std::string& head_id,
+                                      v1::DType wire_dtype, bool gradients) {
+  ASSIGN_OR_RETURN(auto entry, registry->Get(head_id));
+  std::optional<torch::ScalarType> dtype;
+  if (wire_dtype != v1::DTYPE_UNSPECIFIED) {
+    ASSIGN_OR_RETURN(dtype, FromWireDtype(wire_dtype, "dtype"));
+  }
+  Snapshot snapshot;
+  {
+    std::lock_guard<std::mutex> lock(entry->mu);
+    const core::Head& head = *entry->head;
+    const torch::Tensor& m = gradients ? head.grads().weight : head.weight();
+    const torch::Tensor& v = gradients ? head.grads().bias : head.bias();
+    const torch::ScalarType out = dtype.value_or(m.scalar_type());
+    snapshot.matrix = m.to(torch::kCPU, out, /*non_blocking=*/false, /*copy=*/true);
+    if (v.defined()) snapshot.vector = v.to(torch::kCPU, out, false, true);
+  }
+  RETURN_IF_ERROR(DescribeInto(*entry, &snapshot.info));
+  return snapshot;
+}
+
+// Streams a Snapshot as row chunks — the matrix, then the vector — and, when `info_field` is
+// given, the HeadInfo last. One message is built per OnWriteDone, so only the snapshot is held.
+template <typename Response>
+class SnapshotStreamReactor final : public grpc::ServerWriteReactor<Response> {
  public:
-  FetchGradientsReactor(HeadRegistry* registry, const v1::FetchGradientsRequest& request,
-                        int64_t chunk_bytes) {
-    const absl::Status status = Start(registry, request, chunk_bytes);
-    if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
+  using ChunkField = v1::TensorChunk* (Response::*)();
+  using InfoField = v1::HeadInfo* (Response::*)();
+
+  SnapshotStreamReactor(absl::StatusOr<Snapshot> snapshot, int64_t chunk_bytes,
+                        ChunkField matrix_field, ChunkField vector_field, InfoField info_field)
+      : matrix_field_(matrix_field), vector_field_(vector_field), info_field_(info_field) {
+    if (!snapshot.ok()) {
+      this->Finish(ToGrpcStatus(snapshot.status()));
       return;
+    }
+    snapshot_ = *std::move(snapshot);
+    const torch::Tensor& m = snapshot_.matrix;
+    for (const auto& [offset, rows] :
+         PlanRowChunks(m.size(0), m.size(1) * m.element_size(), chunk_bytes)) {
+      pieces_.push_back({false, offset, rows});
+    }
+    if (snapshot_.vector.defined()) {
+      const torch::Tensor& v = snapshot_.vector;
+      for (const auto& [offset, rows] : PlanRowChunks(v.size(0), v.element_size(), chunk_bytes)) {
+        pieces_.push_back({true, offset, rows});
+      }
     }
     WriteNext();
   }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+      this->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
       return;
     }
     WriteNext();
@@ -135,70 +180,168 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
 
  private:
   struct Piece {
-    bool bias;
+    bool vector;
     int64_t offset;
     int64_t rows;
   };
-
-  absl::Status Start(HeadRegistry* registry, const v1::FetchGradientsRequest& request,
-                     int64_t chunk_bytes) {
-    ASSIGN_OR_RETURN(auto entry, registry->Get(request.head_id()));
-    std::optional<torch::ScalarType> dtype;
-    if (request.dtype() != v1::DTYPE_UNSPECIFIED) {
-      ASSIGN_OR_RETURN(dtype, FromWireDtype(request.dtype(), "dtype"));
-    }
-    {
-      std::lock_guard<std::mutex> lock(entry->mu);
-      const core::GradientBuffers& g = entry->head->grads();
-      const torch::ScalarType out = dtype.value_or(g.weight.scalar_type());
-      weight_ = g.weight.to(torch::kCPU, out, /*non_blocking=*/false, /*copy=*/true);
-      if (g.bias.defined()) bias_ = g.bias.to(torch::kCPU, out, false, true);
-    }
-    RETURN_IF_ERROR(DescribeInto(*entry, &info_));
-    for (const auto& [offset, rows] :
-         PlanRowChunks(weight_.size(0), weight_.size(1) * weight_.element_size(), chunk_bytes)) {
-      pieces_.push_back({false, offset, rows});
-    }
-    if (bias_.defined()) {
-      for (const auto& [offset, rows] :
-           PlanRowChunks(bias_.size(0), bias_.element_size(), chunk_bytes)) {
-        pieces_.push_back({true, offset, rows});
-      }
-    }
-    return absl::OkStatus();
-  }
 
   void WriteNext() {
     response_.Clear();
     if (next_ < pieces_.size()) {
       const Piece& p = pieces_[next_++];
-      v1::TensorChunk* chunk =
-          p.bias ? response_.mutable_bias_grad_rows() : response_.mutable_weight_grad_rows();
+      v1::TensorChunk* chunk = (response_.*(p.vector ? vector_field_ : matrix_field_))();
       chunk->set_row_offset(p.offset);
-      const absl::Status s = EncodeTensor((p.bias ? bias_ : weight_).narrow(0, p.offset, p.rows),
-                                          chunk->mutable_values());
+      const torch::Tensor& source = p.vector ? snapshot_.vector : snapshot_.matrix;
+      const absl::Status s =
+          EncodeTensor(source.narrow(0, p.offset, p.rows), chunk->mutable_values());
       if (!s.ok()) {
-        Finish(ToGrpcStatus(s));
+        this->Finish(ToGrpcStatus(s));
         return;
       }
-      StartWrite(&response_);
-    } else if (!info_sent_) {
+      this->StartWrite(&response_);
+    } else if (info_field_ != nullptr && !info_sent_) {
       info_sent_ = true;
-      *response_.mutable_info() = info_;
-      StartWriteAndFinish(&response_, {}, grpc::Status::OK);
+      *(response_.*info_field_)() = snapshot_.info;
+      this->StartWriteAndFinish(&response_, {}, grpc::Status::OK);
+    } else {
+      this->Finish(grpc::Status::OK);
     }
   }
 
-  torch::Tensor weight_;
-  torch::Tensor bias_;
-  v1::HeadInfo info_;
+  ChunkField matrix_field_;
+  ChunkField vector_field_;
+  InfoField info_field_;
+  Snapshot snapshot_;
   std::vector<Piece> pieces_;
   size_t next_ = 0;
   bool info_sent_ = false;
-  v1::FetchGradientsResponse response_;
+  Response response_;
+};
+
+// UploadHead: a header, then the weight rows (and bias rows) in order, assembled on the CPU;
+// the head is created only when every row arrived. A failed or cancelled upload creates
+// nothing.
+class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest> {
+ public:
+  UploadReactor(grpc::CallbackServerContext* context, HeadRegistry* registry,
+                const ServiceOptions& options, v1::HeadInfo* response)
+      : context_(context), registry_(registry), options_(options), response_(response) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok && context_->IsCancelled()) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+      return;
+    }
+    absl::Status status;
+    try {
+      status = ok ? OnMessage() : Complete();
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+    }
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+    } else if (ok) {
+      StartRead(&request_);
+    } else {
+      Finish(grpc::Status::OK);
+    }
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status OnMessage() {
+    switch (request_.part_case()) {
+      case v1::UploadHeadRequest::kHeader: {
+        if (header_) {
+          return absl::InvalidArgumentError("header: expected exactly one header; got a second");
+        }
+        const auto& h = request_.header();
+        if (h.vocab_size() < 1 || h.hidden_size() < 1) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("header.vocab_size, header.hidden_size: expected >= 1; got ",
+                           h.vocab_size(), ", ", h.hidden_size()));
+        }
+        ASSIGN_OR_RETURN(const torch::ScalarType dtype, FromWireDtype(h.dtype(), "header.dtype"));
+        header_ = h;
+        weight_ = torch::empty({h.vocab_size(), h.hidden_size()}, torch::TensorOptions(dtype));
+        if (h.has_bias()) bias_ = torch::empty({h.vocab_size()}, torch::TensorOptions(dtype));
+        return absl::OkStatus();
+      }
+      case v1::UploadHeadRequest::kWeightRows:
+        return AddRows(request_.weight_rows(), "weight_rows", weight_, &next_weight_row_);
+      case v1::UploadHeadRequest::kBiasRows:
+        if (header_ && !header_->has_bias()) {
+          return absl::InvalidArgumentError(
+              "bias_rows: expected none (header.has_bias is false); got bias rows");
+        }
+        return AddRows(request_.bias_rows(), "bias_rows", bias_, &next_bias_row_);
+      default:
+        return absl::InvalidArgumentError("part: expected header, weight_rows or bias_rows");
+    }
+  }
+
+  absl::Status AddRows(const v1::TensorChunk& chunk, const std::string& field,
+                       torch::Tensor& target, int64_t* next_row) {
+    if (!header_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header: expected the first message to be the header; got ", field));
+    }
+    if (chunk.row_offset() != *next_row) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".row_offset: expected ", *next_row,
+                                                     " (rows arrive in order); got ",
+                                                     chunk.row_offset()));
+    }
+    ASSIGN_OR_RETURN(torch::Tensor values, DecodeTensor(chunk.values(), field + ".values"));
+    const int64_t rows = values.dim() >= 1 ? values.size(0) : 0;
+    std::vector<int64_t> expected = target.sizes().vec();
+    expected[0] = rows;
+    if (values.scalar_type() != target.scalar_type() || values.sizes().vec() != expected ||
+        *next_row + rows > target.size(0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".values: expected ", c10::toString(target.scalar_type()), " ",
+                       c10::str(c10::IntArrayRef(expected)), " within ", target.size(0),
+                       " rows; got ", c10::toString(values.scalar_type()), " ",
+                       c10::str(values.sizes()), " at row ", *next_row));
+    }
+    target.narrow(0, *next_row, rows).copy_(values);
+    *next_row += rows;
+    return absl::OkStatus();
+  }
+
+  absl::Status Complete() {
+    if (!header_) return absl::InvalidArgumentError("header: the upload ended without one");
+    if (next_weight_row_ != weight_.size(0) ||
+        (bias_.defined() && next_bias_row_ != bias_.size(0))) {
+      return absl::InvalidArgumentError(absl::StrCat("weight_rows, bias_rows: expected ",
+                                                     weight_.size(0), " rows each; got ",
+                                                     next_weight_row_, " and ", next_bias_row_));
+    }
+    ASSIGN_OR_RETURN(auto head,
+                     core::Head::FromTensors(weight_, bias_, {.device = options_.device}));
+    ASSIGN_OR_RETURN(auto entry, registry_->Add(header_->head_id(), std::move(head)));
+    return DescribeInto(*entry, response_);
+  }
+
+  grpc::CallbackServerContext* context_;
+  HeadRegistry* registry_;
+  ServiceOptions options_;
+  v1::HeadInfo* response_;
+  v1::UploadHeadRequest request_;
+  std::optional<v1::UploadHeadRequest::UploadHeader> header_;
+  torch::Tensor weight_, bias_;
+  int64_t next_weight_row_ = 0;
+  int64_t next_bias_row_ = 0;
 };
 
 }  // namespace
+
+grpc::ServerReadReactor<v1::UploadHeadRequest>* HeadServiceImpl::UploadHead(
+    grpc::CallbackServerContext* context, v1::HeadInfo* response) {
+  return new UploadReactor(context, registry_, options_, response);
+}
 
 grpc::ServerUnaryReactor* HeadServiceImpl::CreateHead(grpc::CallbackServerContext* context,
                                                       const v1::CreateHeadRequest* request,
@@ -361,7 +504,19 @@ grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::Bac
 
 grpc::ServerWriteReactor<v1::FetchGradientsResponse>* HeadServiceImpl::FetchGradients(
     grpc::CallbackServerContext*, const v1::FetchGradientsRequest* request) {
-  return new FetchGradientsReactor(registry_, *request, options_.response_chunk_bytes);
+  using R = v1::FetchGradientsResponse;
+  return new SnapshotStreamReactor<R>(
+      TakeSnapshot(registry_, request->head_id(), request->dtype(), /*gradients=*/true),
+      options_.response_chunk_bytes, &R::mutable_weight_grad_rows, &R::mutable_bias_grad_rows,
+      &R::mutable_info);
+}
+
+grpc::ServerWriteReactor<v1::ExportWeightsResponse>* HeadServiceImpl::ExportWeights(
+    grpc::CallbackServerContext*, const v1::ExportWeightsRequest* request) {
+  using R = v1::ExportWeightsResponse;
+  return new SnapshotStreamReactor<R>(
+      TakeSnapshot(registry_, request->head_id(), request->dtype(), /*gradients=*/false),
+      options_.response_chunk_bytes, &R::mutable_weight_rows, &R::mutable_bias_rows, nullptr);
 }
 
 }  // namespace remotehead::server

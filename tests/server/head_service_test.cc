@@ -359,6 +359,72 @@ TEST_F(HeadServiceTest, SaveWeightsThenCreateHeadFromTheSafetensorsFile) {
   std::filesystem::remove(path);
 }
 
+TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
+  const torch::Tensor w = torch::randn({kVocab, kHidden}).to(torch::kBFloat16);
+  const torch::Tensor b = torch::randn({kVocab}).to(torch::kBFloat16);
+  auto upload = [&](const std::string& id, std::function<void(v1::UploadHeadRequest&)> corrupt) {
+    grpc::ClientContext context;
+    v1::HeadInfo info;
+    auto writer = stub_->UploadHead(&context, &info);
+    std::vector<v1::UploadHeadRequest> messages(1);
+    auto* h = messages[0].mutable_header();
+    h->set_head_id(id);
+    h->set_vocab_size(kVocab);
+    h->set_hidden_size(kHidden);
+    h->set_dtype(v1::DTYPE_BFLOAT16);
+    h->set_has_bias(true);
+    for (int64_t offset = 0; offset < kVocab; offset += 64) {
+      const int64_t n = std::min<int64_t>(64, kVocab - offset);
+      v1::UploadHeadRequest m;
+      m.mutable_weight_rows()->set_row_offset(offset);
+      EXPECT_TRUE(
+          EncodeTensor(w.narrow(0, offset, n), m.mutable_weight_rows()->mutable_values()).ok());
+      messages.push_back(std::move(m));
+    }
+    v1::UploadHeadRequest bias;
+    EXPECT_TRUE(EncodeTensor(b, bias.mutable_bias_rows()->mutable_values()).ok());
+    messages.push_back(std::move(bias));
+    for (auto& m : messages) {
+      if (corrupt) corrupt(m);
+      if (!writer->Write(m)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  ASSERT_TRUE(upload("up", nullptr).ok());
+
+  grpc::ClientContext context;
+  v1::ExportWeightsRequest request;
+  request.set_head_id("up");
+  auto reader = stub_->ExportWeights(&context, request);
+  torch::Tensor w_back = torch::zeros_like(w), b_back = torch::zeros_like(b);
+  v1::ExportWeightsResponse response;
+  while (reader->Read(&response)) {
+    const bool is_bias = response.has_bias_rows();
+    const auto& chunk = is_bias ? response.bias_rows() : response.weight_rows();
+    torch::Tensor values = *DecodeTensor(chunk.values(), "export");
+    (is_bias ? b_back : w_back).narrow(0, chunk.row_offset(), values.size(0)).copy_(values);
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_TRUE(torch::equal(w_back, w));
+  EXPECT_TRUE(torch::equal(b_back, b));
+
+  const grpc::Status gap = upload("gap", [](v1::UploadHeadRequest& m) {
+    if (m.has_weight_rows() && m.weight_rows().row_offset() == 64) {
+      m.mutable_weight_rows()->set_row_offset(70);
+    }
+  });
+  EXPECT_EQ(gap.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(gap.error_message(),
+            "weight_rows.row_offset: expected 64 (rows arrive in order); got 70");
+  const grpc::Status short_upload = upload("short", [](v1::UploadHeadRequest& m) {
+    if (m.has_bias_rows()) m.clear_bias_rows();
+  });
+  EXPECT_EQ(short_upload.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_FALSE(registry_.Get("gap").ok());
+  EXPECT_FALSE(registry_.Get("short").ok());
+}
+
 TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
   const torch::Tensor before = HeadWeightGrad();
   struct Case {

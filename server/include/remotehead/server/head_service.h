@@ -20,6 +20,8 @@ class HeadServiceImpl final : public v1::HeadService::CallbackService {
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
                                        const v1::CreateHeadRequest* request,
                                        v1::HeadInfo* response) override;
+  grpc::ServerReadReactor<v1::UploadHeadRequest>* UploadHead(grpc::CallbackServerContext* context,
+                                                             v1::HeadInfo* response) override;
   grpc::ServerUnaryReactor* SaveWeights(grpc::CallbackServerContext* context,
                                         const v1::SaveWeightsRequest* request,
                                         v1::SaveWeightsResponse* response) override;
@@ -44,6 +46,8 @@ class HeadServiceImpl final : public v1::HeadService::CallbackService {
   grpc::ServerUnaryReactor* OptimizerStep(grpc::CallbackServerContext* context,
                                           const v1::OptimizerStepRequest* request,
                                           v1::OptimizerStepResponse* response) override;
+  grpc::ServerWriteReactor<v1::ExportWeightsResponse>* ExportWeights(
+      grpc::CallbackServerContext* context, const v1::ExportWeightsRequest* request) override;
   grpc::ServerWriteReactor<v1::FetchGradientsResponse>* FetchGradients(
       grpc::CallbackServerContext* context, const v1::FetchGradientsRequest* request) override;
 
