@@ -425,6 +425,26 @@ TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
   EXPECT_FALSE(registry_.Get("short").ok());
 }
 
+// Many trainers on one head: concurrent contributions sum to what serial ones give.
+TEST_F(HeadServiceTest, ConcurrentClientsAccumulateLikeSerialOnes) {
+  constexpr int kClients = 4;
+  core::GradientBuffers serial = entry_->head->NewGradientBuffers();
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_TRUE(core::FusedForwardBackward(*entry_->head, batch_, {}, &serial).ok());
+  }
+  std::vector<std::thread> clients;
+  std::vector<StepOutcome> outcomes(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&, i] { outcomes[i] = Step("run/rank-" + std::to_string(i), 0); });
+  }
+  for (auto& t : clients) t.join();
+  for (const auto& o : outcomes) ASSERT_TRUE(o.status.ok()) << o.status.error_message();
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), serial.weight),
+            1e-5 * reference::MaxAbs(serial.weight));
+  std::lock_guard<std::mutex> lock(entry_->mu);
+  EXPECT_EQ(entry_->applied.size(), static_cast<size_t>(kClients));
+}
+
 TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
   const torch::Tensor before = HeadWeightGrad();
   struct Case {
