@@ -445,6 +445,21 @@ TEST_F(HeadServiceTest, ConcurrentClientsAccumulateLikeSerialOnes) {
   EXPECT_EQ(entry_->applied.size(), static_cast<size_t>(kClients));
 }
 
+// A message over the server's limit (gRPC's default 4 MiB here) is refused by gRPC with
+// RESOURCE_EXHAUSTED; nothing is accumulated and the server keeps serving.
+TEST_F(HeadServiceTest, OversizedMessageIsRefusedAndTheServerKeepsServing) {
+  const torch::Tensor before = HeadWeightGrad();
+  const StepOutcome big = Step("run/rank-9", 0, 17, [](v1::StepRequest& m) {
+    if (m.has_rows() && m.rows().row_offset() == 0) {
+      m.mutable_rows()->mutable_hidden()->mutable_data()->resize(5 << 20);
+    }
+  });
+  EXPECT_EQ(big.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << big.status.error_message();
+  EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+  EXPECT_TRUE(Step("run/rank-9", 0).status.ok());
+}
+
 TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
   const torch::Tensor before = HeadWeightGrad();
   struct Case {
