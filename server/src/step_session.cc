@@ -238,12 +238,10 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
     std::lock_guard<std::mutex> lock(entry_->mu);
     core::Head& head = *entry_->head;
     if (key_.has_value()) {
-      auto [it, inserted] = entry_->applied.try_emplace(*key_);
-      if (inserted) {
+      if (entry_->applied.insert(*key_).second) {
         // Commit: the only place a request's gradient reaches the head.
         head.grads().weight.add_(scratch_.weight);
         if (scratch_.bias.defined()) head.grads().bias.add_(scratch_.bias);
-        it->second = {loss_, valid_tokens_, head.version()};
       } else {
         summary->set_replayed(true);
       }

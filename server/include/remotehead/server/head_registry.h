@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -23,19 +24,14 @@ struct GradientKey {
   auto operator<=>(const GradientKey&) const = default;
 };
 
-// What a replay of an applied contribution returns.
-struct AppliedContribution {
-  double loss = 0;
-  int64_t valid_tokens = 0;
-  int64_t weight_version = 0;
-};
-
 struct HeadEntry {
   const std::string id;
   std::mutex mu;  // guards everything below
   std::unique_ptr<core::Head> head;
-  std::map<GradientKey, AppliedContribution> applied;  // since the last ZeroGradients
-  core::OptimizerState optimizer;                      // created by the first OptimizerStep
+  // Contributions already added since the last ZeroGradients. A replay recomputes its answer
+  // (the trainer needs dX again) and adds nothing, so only the identity is kept.
+  std::set<GradientKey> applied;
+  core::OptimizerState optimizer;  // created by the first OptimizerStep
 };
 
 class HeadRegistry {
