@@ -25,6 +25,12 @@ struct Plan {
   int64_t valid_tokens = 0;
   double denominator = 1.0;
   int64_t ignore_index = -100;
+  std::function<bool()> should_stop;  // StepOptions::should_stop
+};
+
+// Thrown between chunks when Plan::should_stop says so; StatusFromExceptions makes it CANCELLED.
+struct StopRequested : std::exception {
+  const char* what() const noexcept override { return "stop requested"; }
 };
 
 bool IsFloating(torch::ScalarType t) {
@@ -183,6 +189,7 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
   ASSIGN_OR_RETURN(plan.params,
                    FunctionRegistry::Builtin().ResolveParams(*plan.fn, options.params));
   plan.reduction = options.reduction;
+  plan.should_stop = options.should_stop;
   plan.ignore_index = options.ignore_index;
   RETURN_IF_ERROR(CheckHidden(head, batch));
   plan.rows = batch.hidden.size(0);
@@ -394,6 +401,7 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
   }
   for (int64_t start = 0; start < plan.rows; start += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, plan.rows - start);
+    if (plan.should_stop && plan.should_stop()) throw StopRequested();
     ++*num_chunks;
     const torch::Tensor x_chunk = batch.hidden.narrow(0, start, rows);
     torch::Tensor z = logits_buffer.narrow(0, 0, rows);
@@ -563,6 +571,9 @@ template <typename Fn>
 auto StatusFromExceptions(Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
+  } catch (const StopRequested&) {
+    return absl::CancelledError(
+        "cancelled: the request was cancelled or its deadline expired; stopped between chunks");
   } catch (const c10::OutOfMemoryError& e) {
     return absl::ResourceExhaustedError(
         absl::StrCat("out of memory: ", e.what_without_backtrace()));

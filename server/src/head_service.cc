@@ -1,5 +1,7 @@
 #include "remotehead/server/head_service.h"
 
+#include <atomic>
+#include <chrono>
 #include <deque>
 #include <optional>
 #include <vector>
@@ -9,9 +11,21 @@
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/status_mapping.h"
 #include "remotehead/server/tensor_codec.h"
+#include "compute_pool.h"
+#include "retained_inputs.h"
 #include "step_session.h"
 
 namespace remotehead::server {
+
+// Everything a streaming step call shares with the others.
+struct StepEnvironment {
+  HeadRegistry* registry;
+  RetainedInputStore* retained;
+  ComputePool* compute;
+  AdmissionController* admission;
+  const ServiceOptions* options;
+};
+
 namespace {
 
 absl::Status DescribeInto(HeadEntry& entry, v1::HeadInfo* info) {
@@ -44,69 +58,282 @@ grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, Fn&& fn) {
   return reactor;
 }
 
-// One ForwardBackward / Forward / Backward call. Messages are handled in order: read one, compute,
-// write what it produced (one write in flight at a time: back-pressure through OnWriteDone), then
-// read the next. A failed request finishes with its status and commits nothing (StepSession).
+// One ForwardBackward / Forward / Backward call, pipelined: gRPC's callback threads only move
+// messages — reading up to `read_ahead_messages` ahead and writing results as they are produced
+// (one write in flight; back-pressure through OnWriteDone) — while a ComputePool thread runs the
+// engine on one rows message at a time, in order. So rows k+1 arrive and the results of k−1 go
+// out while k is computed.
+//
+// Lifecycle: the header is read and validated first, then the request waits for admission
+// (memory budget, request limits; RESOURCE_EXHAUSTED when the queue is full) before any rows
+// are read. Any error, cancellation or expired deadline finishes the call at once; the session
+// then commits nothing. The reactor is deleted by whichever of OnDone and a running compute
+// task comes last.
 class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
  public:
-  StepReactor(grpc::CallbackServerContext* context, HeadRegistry* registry, StepSession::Mode mode,
-              const ServiceOptions& options)
-      : context_(context), session_(registry, mode, options.response_chunk_bytes) {
-    StartRead(&request_);
+  StepReactor(grpc::CallbackServerContext* context, StepSession::Mode mode,
+              const StepEnvironment& env)
+      : context_(context),
+        env_(env),
+        session_(env.registry, env.retained, mode, env.options->response_chunk_bytes),
+        ticket_(env.admission->NewTicket()),
+        deadline_(context->deadline()),
+        started_(Clock::now()) {
+    session_.set_should_stop([this] {
+      return stop_.load(std::memory_order_relaxed) || std::chrono::system_clock::now() > deadline_;
+    });
+    std::lock_guard<std::mutex> lock(mu_);
+    StartReadLocked();
+  }
+
+  ~StepReactor() override {
+    // Frees this call's admitted bytes, or withdraws it from the queue. Waits for an admission
+    // callback running on another thread, which then sees finished_ and does nothing.
+    env_.admission->Release(ticket_);
   }
 
   void OnReadDone(bool ok) override {
-    std::vector<v1::StepResponse> produced;
-    absl::Status status;
-    try {
-      if (!ok) {
-        if (context_->IsCancelled()) {
-          Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
-          return;
-        }
-        status = session_.OnClientDone(&produced);
-        finishing_ = true;
-      } else {
-        status = session_.OnRequest(request_, &produced);
+    std::lock_guard<std::mutex> lock(mu_);
+    reading_ = false;
+    if (finished_) return;
+    if (!ok) {
+      if (context_->IsCancelled()) {
+        FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+        return;
       }
-    } catch (const std::exception& e) {
-      status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+      client_done_ = true;
+    } else {
+      inbox_.push_back(std::move(incoming_));
+      incoming_.Clear();
+      ++messages_read_;
     }
-    if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
-      return;
+    if (starved_) {
+      receive_wait_ += Clock::now() - starved_since_;
+      starved_ = false;
     }
-    for (auto& r : produced) pending_.push_back(std::move(r));
-    WriteNextOrContinue();
+    StartReadLocked();
+    ScheduleComputeLocked();
   }
 
   void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    if (finished_) return;
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
       return;
     }
-    pending_.pop_front();
-    WriteNextOrContinue();
+    pending_bytes_ -= static_cast<int64_t>(outbox_.front().ByteSizeLong());
+    outbox_.pop_front();
+    if (summary_produced_ && outbox_.empty()) {
+      FinishLocked(grpc::Status::OK);
+      return;
+    }
+    StartWriteLocked();
+    ScheduleComputeLocked();
   }
 
-  void OnDone() override { delete this; }
+  void OnCancel() override {
+    stop_.store(true);
+    std::lock_guard<std::mutex> lock(mu_);
+    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED,
+                              "cancelled by the client, or its deadline expired"));
+  }
+
+  void OnDone() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_ = true;
+    if (computing_) return;  // the compute task deletes this when it returns
+    lock.unlock();
+    delete this;
+  }
 
  private:
-  void WriteNextOrContinue() {
-    if (!pending_.empty()) {
-      StartWrite(&pending_.front());
-    } else if (finishing_) {
-      Finish(grpc::Status::OK);
-    } else {
-      StartRead(&request_);
-    }
+  using Clock = std::chrono::steady_clock;
+  enum class Phase { kHeader, kAdmitting, kRunning };
+
+  // Reads the next message if the pipeline has room: only the header before admission, then up
+  // to read_ahead_messages not yet computed.
+  void StartReadLocked() {
+    if (reading_ || finished_ || client_done_) return;
+    if (phase_ != Phase::kRunning && messages_read_ > 0) return;
+    if (static_cast<int>(inbox_.size()) >= env_.options->read_ahead_messages) return;
+    reading_ = true;
+    StartRead(&incoming_);
   }
 
-  grpc::CallbackServerContext* context_;
-  StepSession session_;
-  v1::StepRequest request_;
-  std::deque<v1::StepResponse> pending_;
-  bool finishing_ = false;
+  void StartWriteLocked() {
+    if (writing_ || finished_ || outbox_.empty()) return;
+    writing_ = true;
+    StartWrite(&outbox_.front());
+  }
+
+  bool HasWorkLocked() const {
+    switch (phase_) {
+      case Phase::kHeader:
+        return !inbox_.empty() || client_done_;
+      case Phase::kAdmitting:
+        return false;
+      case Phase::kRunning:
+        return !inbox_.empty() || (client_done_ && !summary_produced_);
+    }
+    return false;
+  }
+
+  void ScheduleComputeLocked() {
+    if (computing_ || finished_ || !HasWorkLocked()) return;
+    if (pending_bytes_ >= env_.options->max_pending_response_bytes) {
+      if (!send_blocked_) send_blocked_since_ = Clock::now();
+      send_blocked_ = true;
+      return;  // OnWriteDone schedules again once the client has taken some results
+    }
+    if (send_blocked_) {
+      send_wait_ += Clock::now() - send_blocked_since_;
+      send_blocked_ = false;
+    }
+    computing_ = true;
+    env_.compute->Submit([this] { ComputeNext(); });
+  }
+
+  // On a ComputePool thread: one message (or the end of the stream), then reschedules itself,
+  // so calls sharing the pool take turns message by message.
+  void ComputeNext() {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::optional<v1::StepRequest> request;
+    bool end = false;
+    if (!finished_ && HasWorkLocked()) {
+      if (!inbox_.empty()) {
+        request = std::move(inbox_.front());
+        inbox_.pop_front();
+        StartReadLocked();
+      } else if (context_->IsCancelled()) {
+        FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+      } else {
+        end = true;
+      }
+    }
+    if (!request.has_value() && !end) {
+      ReturnFromComputeLocked(std::move(lock));
+      return;
+    }
+    const Phase phase = phase_;
+    if (end) session_.set_timings(TimingsLocked());
+    lock.unlock();
+
+    std::vector<v1::StepResponse> produced;
+    absl::Status status;
+    const Clock::time_point t0 = Clock::now();
+    try {
+      status = end ? session_.OnClientDone(&produced) : session_.OnRequest(*request, &produced);
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+    }
+    const Clock::duration spent = Clock::now() - t0;
+    bool admitting = false;
+    if (status.ok() && phase == Phase::kHeader && session_.has_header()) {
+      {
+        std::lock_guard<std::mutex> relock(mu_);
+        phase_ = Phase::kAdmitting;
+        queued_since_ = Clock::now();
+      }
+      admitting = true;
+      const MemoryEstimate need = session_.EstimateMemory(PipelineBytes());
+      // on_admitted may run right here, or later on the thread that frees capacity.
+      status = env_.admission->Admit(ticket_, need.bytes, need.breakdown, [this] { OnAdmitted(); });
+    }
+
+    lock.lock();
+    compute_ += spent;
+    if (!status.ok()) {
+      FinishLocked(ToGrpcStatus(status));
+    } else if (!admitting) {
+      for (auto& r : produced) {
+        pending_bytes_ += static_cast<int64_t>(r.ByteSizeLong());
+        outbox_.push_back(std::move(r));
+      }
+      if (end) summary_produced_ = true;
+      StartWriteLocked();
+    }
+    ReturnFromComputeLocked(std::move(lock));
+  }
+
+  void ReturnFromComputeLocked(std::unique_lock<std::mutex> lock) {
+    computing_ = false;
+    if (done_) {
+      lock.unlock();
+      delete this;
+      return;
+    }
+    if (phase_ == Phase::kRunning && !finished_ && inbox_.empty() && !client_done_ &&
+        !starved_) {
+      starved_ = true;  // waiting for the client's next rows
+      starved_since_ = Clock::now();
+    }
+    ScheduleComputeLocked();
+  }
+
+  // Called by the AdmissionController, under its lock.
+  void OnAdmitted() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    phase_ = Phase::kRunning;
+    queue_ += Clock::now() - queued_since_;
+    StartReadLocked();
+    ScheduleComputeLocked();
+  }
+
+  // What this call may buffer: the rows read ahead (messages of up to 4 MiB assumed) and the
+  // results waiting to be sent.
+  int64_t PipelineBytes() const {
+    return (env_.options->read_ahead_messages + 1) * (int64_t{4} << 20) +
+           env_.options->max_pending_response_bytes;
+  }
+
+  v1::StepTimings TimingsLocked() const {
+    auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+    v1::StepTimings t;
+    t.set_queue_seconds(seconds(queue_));
+    t.set_receive_wait_seconds(seconds(receive_wait_));
+    t.set_compute_seconds(seconds(compute_));
+    t.set_send_wait_seconds(seconds(send_wait_));
+    t.set_total_seconds(seconds(Clock::now() - started_));
+    return t;
+  }
+
+  void FinishLocked(grpc::Status status) {
+    if (finished_) return;
+    finished_ = true;
+    stop_.store(true);
+    Finish(std::move(status));
+  }
+
+  grpc::CallbackServerContext* context_;  // valid until OnDone
+  const StepEnvironment env_;
+  StepSession session_;  // used by one compute task at a time
+  const uint64_t ticket_;
+  const std::chrono::system_clock::time_point deadline_;
+  const Clock::time_point started_;
+  std::atomic<bool> stop_{false};
+
+  std::mutex mu_;  // guards everything below
+  Phase phase_ = Phase::kHeader;
+  v1::StepRequest incoming_;            // target of the read in flight
+  std::deque<v1::StepRequest> inbox_;   // read, not yet computed
+  std::deque<v1::StepResponse> outbox_;  // produced, not yet written (front: in flight)
+  int64_t pending_bytes_ = 0;            // bytes in outbox_
+  int64_t messages_read_ = 0;
+  bool reading_ = false;
+  bool writing_ = false;
+  bool computing_ = false;
+  bool client_done_ = false;
+  bool summary_produced_ = false;
+  bool finished_ = false;
+  bool done_ = false;
+  // Timings reported in the summary.
+  Clock::time_point queued_since_, starved_since_, send_blocked_since_;
+  bool starved_ = false;
+  bool send_blocked_ = false;
+  Clock::duration queue_{}, receive_wait_{}, compute_{}, send_wait_{};
 };
 
 // A snapshot of a head's [V, D] matrix and optional [V] vector (weights or gradients), taken
@@ -338,6 +565,20 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
 
 }  // namespace
 
+HeadServiceImpl::HeadServiceImpl(HeadRegistry* registry, ServiceOptions options)
+    : registry_(registry),
+      options_(options),
+      admission_(std::make_unique<AdmissionController>(options.admission)),
+      retained_(std::make_unique<RetainedInputStore>(admission_.get(), options.max_retain_seconds)),
+      compute_(std::make_unique<ComputePool>(options.compute_threads)) {}
+
+StepEnvironment HeadServiceImpl::StepEnv() {
+  return {registry_, retained_.get(), compute_.get(), admission_.get(), &options_};
+}
+
+// The pool goes first: its threads finish their tasks while the rest is still alive.
+HeadServiceImpl::~HeadServiceImpl() { compute_.reset(); }
+
 grpc::ServerReadReactor<v1::UploadHeadRequest>* HeadServiceImpl::UploadHead(
     grpc::CallbackServerContext* context, v1::HeadInfo* response) {
   return new UploadReactor(context, registry_, options_, response);
@@ -489,17 +730,17 @@ grpc::ServerUnaryReactor* HeadServiceImpl::OptimizerStep(grpc::CallbackServerCon
 
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::ForwardBackward(
     grpc::CallbackServerContext* context) {
-  return new StepReactor(context, registry_, StepSession::Mode::kFused, options_);
+  return new StepReactor(context, StepSession::Mode::kFused, StepEnv());
 }
 
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::Forward(
     grpc::CallbackServerContext* context) {
-  return new StepReactor(context, registry_, StepSession::Mode::kForward, options_);
+  return new StepReactor(context, StepSession::Mode::kForward, StepEnv());
 }
 
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* HeadServiceImpl::Backward(
     grpc::CallbackServerContext* context) {
-  return new StepReactor(context, registry_, StepSession::Mode::kBackward, options_);
+  return new StepReactor(context, StepSession::Mode::kBackward, StepEnv());
 }
 
 grpc::ServerWriteReactor<v1::FetchGradientsResponse>* HeadServiceImpl::FetchGradients(

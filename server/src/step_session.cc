@@ -49,6 +49,35 @@ absl::Status AppendRowChunks(const torch::Tensor& t, int64_t first_row, int64_t 
   return absl::OkStatus();
 }
 
+// Rows [start, start + n) of every per-token tensor of `b` (views, no copy).
+core::TokenBatch SliceBatch(const core::TokenBatch& b, int64_t start, int64_t n) {
+  core::TokenBatch s;
+  s.hidden = b.hidden.narrow(0, start, n);
+  if (b.targets.defined()) s.targets = b.targets.narrow(0, start, n);
+  if (b.weights.defined()) s.weights = b.weights.narrow(0, start, n);
+  for (const auto& [name, t] : b.aux) s.aux[name] = t.narrow(0, start, n);
+  return s;
+}
+
+// The rows of consecutive batches as one batch (a Forward's inputs, kept for its Backward).
+core::TokenBatch ConcatBatches(const std::vector<core::TokenBatch>& parts) {
+  auto cat = [&](auto get) {
+    std::vector<torch::Tensor> ts;
+    for (const auto& p : parts) ts.push_back(get(p));
+    return ts.empty() || !ts.front().defined() ? torch::Tensor() : torch::cat(ts);
+  };
+  core::TokenBatch b;
+  b.hidden = cat([](const core::TokenBatch& p) { return p.hidden; });
+  b.targets = cat([](const core::TokenBatch& p) { return p.targets; });
+  b.weights = cat([](const core::TokenBatch& p) { return p.weights; });
+  if (!parts.empty()) {
+    for (const auto& [name, t] : parts.front().aux) {
+      b.aux[name] = cat([&name](const core::TokenBatch& p) { return p.aux.at(name); });
+    }
+  }
+  return b;
+}
+
 }  // namespace
 
 absl::Status StepSession::OnRequest(const v1::StepRequest& request,
@@ -91,6 +120,26 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
     return absl::InvalidArgumentError(
         "header.accumulate_weight_grad: Forward computes no gradients; got true");
   }
+  if (header.retain_inputs_seconds() != 0 &&
+      (mode_ != Mode::kForward || !(header.retain_inputs_seconds() > 0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.retain_inputs_seconds: expected 0, or > 0 on a Forward; got ",
+        header.retain_inputs_seconds(), mode_ == Mode::kForward ? "" : " on a gradient call"));
+  }
+  if (!header.inputs_handle().empty() && mode_ != Mode::kBackward) {
+    return absl::InvalidArgumentError(
+        "header.inputs_handle: expected none (only Backward takes retained inputs); got one");
+  }
+  if (header.grad_hidden_dtype() != v1::DTYPE_UNSPECIFIED) {
+    ASSIGN_OR_RETURN(const torch::ScalarType dtype,
+                     FromWireDtype(header.grad_hidden_dtype(), "header.grad_hidden_dtype"));
+    if (!torch::isFloatingType(dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.grad_hidden_dtype: expected a floating dtype; got ",
+                       c10::toString(dtype)));
+    }
+    grad_hidden_dtype_ = dtype;
+  }
   if (fn.has_ignore_index()) options_.ignore_index = fn.ignore_index();
   if (fn.has_normalizer()) {
     options_.normalizer = fn.normalizer();
@@ -106,6 +155,7 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
   options_.chunk_rows = header.chunking().chunk_rows();
   options_.memory_budget_bytes = header.chunking().memory_budget_bytes();
   if (header.has_upstream_scale()) options_.upstream_scale = header.upstream_scale();
+  if (!header.inputs_handle().empty()) RETURN_IF_ERROR(CheckRetainedInputs(header));
 
   std::lock_guard<std::mutex> lock(entry_->mu);
   if (header.has_expected_weight_version() &&
@@ -113,6 +163,12 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
     return absl::FailedPreconditionError(
         absl::StrCat("header.expected_weight_version: expected the head's current version ",
                      entry_->head->version(), "; got ", header.expected_weight_version()));
+  }
+  if (inputs_ != nullptr && inputs_->weight_version != entry_->head->version()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.inputs_handle: expected the head to be at the version its Forward ran "
+        "against, ", inputs_->weight_version, "; got version ", entry_->head->version(),
+        " (an optimizer step happened in between)"));
   }
   if (header.accumulate_weight_grad()) {
     if (!header.has_gradient_id() || header.gradient_id().trainer().empty()) {
@@ -128,6 +184,54 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
   return absl::OkStatus();
 }
 
+absl::Status StepSession::CheckRetainedInputs(const v1::StepHeader& header) {
+  ASSIGN_OR_RETURN(inputs_, retained_->Get(header.inputs_handle()));
+  if (inputs_->head_id != header.head_id()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.inputs_handle: expected a handle from a Forward on head \"",
+                     header.head_id(), "\"; got one from head \"", inputs_->head_id, "\""));
+  }
+  const int64_t retained_rows = inputs_->batch.hidden.size(0);
+  if (header.rows() != retained_rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.rows: expected the ", retained_rows,
+                     " rows retained under header.inputs_handle; got ", header.rows()));
+  }
+  return absl::OkStatus();
+}
+
+MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
+  const core::Head& head = *entry_->head;
+  const int64_t rows = header_->rows();
+  const int64_t vocab = head.vocab_size();
+  // One row of logits in the head's dtype, plus an fp32 gradient buffer for other dtypes.
+  const int64_t logit_row_bytes =
+      vocab * (c10::elementSize(head.dtype()) + (head.dtype() == torch::kFloat ? 0 : 4));
+  // Function blocks: fp32 logits, their gradient and the function's temporaries.
+  const int64_t block_bytes = 4 * core::kFunctionBlockBytes;
+  int64_t engine = options_.chunk_rows > 0 ? options_.chunk_rows * logit_row_bytes + block_bytes
+                   : options_.memory_budget_bytes > 0 ? options_.memory_budget_bytes
+                                                      : core::kDefaultMemoryBudgetBytes;
+  engine = std::min(engine, rows * logit_row_bytes + block_bytes);
+  int64_t scratch = 0;
+  if (key_.has_value()) {
+    scratch = head.grads().weight.nbytes() +
+              (head.grads().bias.defined() ? head.grads().bias.nbytes() : 0);
+  }
+  const int64_t x_bytes = rows * head.hidden_size() * c10::elementSize(head.dtype());
+  // In flight: rows received but not computed and results not yet sent (X-sized each), plus
+  // the whole X when a Forward keeps its inputs for the Backward.
+  const int64_t pipeline = std::min(2 * x_bytes, pipeline_bytes);
+  const int64_t kept = header_->retain_inputs_seconds() > 0 ? x_bytes : 0;
+  MemoryEstimate e;
+  e.bytes = engine + scratch + pipeline + kept;
+  auto mib = [](int64_t b) { return absl::StrCat(static_cast<double>(b) / (1 << 20), " MiB"); };
+  e.breakdown = absl::StrCat("engine workspace ", mib(engine), " + scratch dW ", mib(scratch),
+                             " + rows in flight ", mib(pipeline));
+  if (kept > 0) absl::StrAppend(&e.breakdown, " + retained inputs ", mib(kept));
+  return e;
+}
+
 absl::Status StepSession::OnRows(const v1::StepRows& rows,
                                  std::vector<v1::StepResponse>* responses) {
   if (rows.row_offset() != next_row_) {
@@ -135,7 +239,36 @@ absl::Status StepSession::OnRows(const v1::StepRows& rows,
                                                    " (rows arrive in order); got ",
                                                    rows.row_offset()));
   }
+  const core::Head& head = *entry_->head;
   core::TokenBatch batch;
+  torch::Tensor grad_output;
+  if (mode_ == Mode::kBackward && options_.reduction == core::Reduction::kNone) {
+    if (!rows.has_grad_output()) {
+      return absl::InvalidArgumentError(
+          "rows.grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
+    }
+    ASSIGN_OR_RETURN(grad_output, DecodeTensor(rows.grad_output(), "rows.grad_output"));
+    grad_output = grad_output.to(head.device());
+  }
+  if (inputs_ != nullptr) {
+    if (rows.has_hidden() || rows.has_targets() || rows.has_weights() || rows.aux_size() > 0) {
+      return absl::InvalidArgumentError(
+          "rows: expected only grad_output (header.inputs_handle supplies hidden, targets, "
+          "weights and aux); got input tensors");
+    }
+    if (!grad_output.defined()) {
+      return absl::InvalidArgumentError(
+          "rows: expected no rows (a scalar reduction with header.inputs_handle needs none); "
+          "got rows");
+    }
+    const int64_t n = grad_output.dim() >= 1 ? grad_output.size(0) : 1;
+    if (next_row_ + n > header_->rows()) {
+      return absl::InvalidArgumentError(absl::StrCat("rows.grad_output: expected ",
+                                                     header_->rows(), " rows in all; got at least ",
+                                                     next_row_ + n));
+    }
+    return ComputeRows(SliceBatch(inputs_->batch, next_row_, n), grad_output, responses);
+  }
   ASSIGN_OR_RETURN(batch.hidden, DecodeTensor(rows.hidden(), "rows.hidden"));
   RETURN_IF_ERROR(
       DecodeOptional(rows.has_targets(), rows.targets(), "rows.targets", &batch.targets));
@@ -150,32 +283,31 @@ absl::Status StepSession::OnRows(const v1::StepRows& rows,
                                                    " rows in all (header.rows); got at least ",
                                                    next_row_ + n));
   }
-  const auto& head = *entry_->head;
   if (batch.hidden.defined() && batch.hidden.device() != head.device()) {
     batch.hidden = batch.hidden.to(head.device());
     if (batch.targets.defined()) batch.targets = batch.targets.to(head.device());
     if (batch.weights.defined()) batch.weights = batch.weights.to(head.device());
     for (auto& [name, t] : batch.aux) t = t.to(head.device());
   }
-  torch::Tensor grad_output;
-  if (mode_ == Mode::kBackward) {
-    if (options_.reduction == core::Reduction::kNone) {
-      if (!rows.has_grad_output()) {
-        return absl::InvalidArgumentError(
-            "rows.grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
-      }
-      ASSIGN_OR_RETURN(grad_output, DecodeTensor(rows.grad_output(), "rows.grad_output"));
-      grad_output = grad_output.to(head.device());
-    } else {
-      grad_output = torch::full({}, options_.upstream_scale, torch::kDouble);
-    }
+  if (mode_ == Mode::kBackward && !grad_output.defined()) {
+    grad_output = torch::full({}, options_.upstream_scale, torch::kDouble);
   }
+  return ComputeRows(std::move(batch), grad_output, responses);
+}
+
+absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
+                                      std::vector<v1::StepResponse>* responses) {
+  const int64_t n = batch.hidden.dim() >= 1 ? batch.hidden.size(0) : 0;
   torch::Tensor dx, outputs;
   RETURN_IF_ERROR(Compute(batch, grad_output, &dx, &outputs));
+  if (dx.defined() && grad_hidden_dtype_ && dx.scalar_type() != *grad_hidden_dtype_) {
+    dx = dx.to(*grad_hidden_dtype_);
+  }
   RETURN_IF_ERROR(AppendRowChunks(dx, next_row_, response_chunk_bytes_,
                                   &v1::StepResponse::mutable_grad_hidden, responses));
   RETURN_IF_ERROR(AppendRowChunks(outputs, next_row_, response_chunk_bytes_,
                                   &v1::StepResponse::mutable_outputs, responses));
+  if (header_->retain_inputs_seconds() > 0) kept_rows_.push_back(std::move(batch));
   next_row_ += n;
   return absl::OkStatus();
 }
@@ -222,6 +354,14 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
   if (!header_.has_value()) {
     return absl::InvalidArgumentError("header: expected a header; the stream ended without one");
   }
+  if (inputs_ != nullptr && options_.reduction != core::Reduction::kNone &&
+      next_row_ < header_->rows()) {
+    // A scalar Backward by handle: the retained rows are the whole input.
+    const int64_t n = header_->rows() - next_row_;
+    RETURN_IF_ERROR(ComputeRows(SliceBatch(inputs_->batch, next_row_, n),
+                                torch::full({}, options_.upstream_scale, torch::kDouble),
+                                responses));
+  }
   if (next_row_ != header_->rows()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rows: expected ", header_->rows(), " rows (header.rows); got ", next_row_));
@@ -234,6 +374,21 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
   }
   v1::StepResponse response;
   v1::StepSummary* summary = response.mutable_summary();
+  if (header_->retain_inputs_seconds() > 0) {
+    RetainedInputs kept{.head_id = header_->head_id(), .batch = ConcatBatches(kept_rows_)};
+    {
+      std::lock_guard<std::mutex> lock(entry_->mu);
+      kept.weight_version = entry_->head->version();
+      if (!kept.batch.hidden.defined()) {  // zero rows
+        kept.batch.hidden = torch::empty({0, entry_->head->hidden_size()},
+                                         entry_->head->weight().options());
+      }
+    }
+    kept_rows_.clear();
+    ASSIGN_OR_RETURN(std::string handle,
+                     retained_->Put(std::move(kept), header_->retain_inputs_seconds()));
+    summary->set_inputs_handle(std::move(handle));
+  }
   {
     std::lock_guard<std::mutex> lock(entry_->mu);
     core::Head& head = *entry_->head;
@@ -248,12 +403,14 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
     }
     summary->set_weight_version(head.version());
   }
+  if (inputs_ != nullptr) retained_->Release(header_->inputs_handle());
   summary->set_loss(loss_);
   summary->set_valid_tokens(valid_tokens_);
   summary->set_denominator(options_.normalizer.value_or(1.0));
   summary->set_chunk_rows(chunk_rows_);
   summary->set_num_chunks(num_chunks_);
   for (const auto& [name, value] : extras_) (*summary->mutable_extras())[name] = value;
+  *summary->mutable_timings() = timings_;
   responses->push_back(std::move(response));
   return absl::OkStatus();
 }

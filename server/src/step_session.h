@@ -1,10 +1,13 @@
-// One ForwardBackward call, independent of gRPC: validates the header, turns each StepRows
-// message into an engine call whose dX goes back to the trainer, accumulates dW into scratch
-// buffers, and commits them to the head only when the whole request succeeded — so a failed,
-// cancelled or disconnected request leaves the head's gradients bit-identical, and a replayed
-// gradient id is recognised and not added twice.
+// One ForwardBackward / Forward / Backward call, independent of gRPC: validates the header,
+// turns each StepRows message into an engine call whose dX (or per-token outputs) goes back to
+// the trainer, accumulates dW into scratch buffers, and commits them to the head only when the
+// whole request succeeded — so a failed, cancelled or disconnected request leaves the head's
+// gradients bit-identical, and a replayed gradient id is recognised and not added twice.
+//
+// Not thread-safe: the reactor hands it one message at a time, in order.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -15,46 +18,76 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
+#include "retained_inputs.h"
 
 namespace remotehead::server {
+
+// What a request will hold in memory while it runs, for admission control.
+struct MemoryEstimate {
+  int64_t bytes = 0;
+  std::string breakdown;  // e.g. "scratch dW 122 MiB + engine workspace 96 MiB + ..."
+};
 
 class StepSession {
  public:
   // kFused: ForwardBackward; kForward: outputs only, nothing accumulated; kBackward: the
-  // two-phase backward (rows re-sent with dL/dy for reduction NONE; for a scalar reduction
-  // dL/dloss is header.upstream_scale).
+  // two-phase backward (dL/dy per row for reduction NONE; for a scalar reduction dL/dloss is
+  // header.upstream_scale), with X re-sent or taken from a Forward's retained inputs.
   enum class Mode { kFused, kForward, kBackward };
 
-  StepSession(HeadRegistry* registry, Mode mode, int64_t response_chunk_bytes)
-      : registry_(registry), mode_(mode), response_chunk_bytes_(response_chunk_bytes) {}
+  StepSession(HeadRegistry* registry, RetainedInputStore* retained, Mode mode,
+              int64_t response_chunk_bytes)
+      : registry_(registry),
+        retained_(retained),
+        mode_(mode),
+        response_chunk_bytes_(response_chunk_bytes) {}
 
   // Handles one client message; appends what goes back to the client to `responses`.
   absl::Status OnRequest(const v1::StepRequest& request, std::vector<v1::StepResponse>* responses);
   // The client has sent everything: checks completeness, commits, appends the summary.
   absl::Status OnClientDone(std::vector<v1::StepResponse>* responses);
 
+  bool has_header() const { return header_.has_value(); }
+  // After the header: the bytes this request will hold while it runs, given the bytes of rows
+  // and results the transport may buffer for it (`pipeline_bytes`).
+  MemoryEstimate EstimateMemory(int64_t pipeline_bytes) const;
+  // Asked between chunks of every engine call (cancellation, deadline).
+  void set_should_stop(std::function<bool()> should_stop) {
+    options_.should_stop = std::move(should_stop);
+  }
+  // Reported in the summary.
+  void set_timings(const v1::StepTimings& timings) { timings_ = timings; }
+
  private:
   absl::Status OnHeader(const v1::StepHeader& header);
+  absl::Status CheckRetainedInputs(const v1::StepHeader& header);
   absl::Status OnRows(const v1::StepRows& rows, std::vector<v1::StepResponse>* responses);
-
-  // Runs the engine for one rows message in this session's mode; fills dX / outputs.
+  // Computes rows [next_row_, next_row_ + rows of batch) and appends their results.
+  absl::Status ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
+                           std::vector<v1::StepResponse>* responses);
+  // Runs the engine for one batch in this session's mode; fills dX / outputs.
   absl::Status Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
                        torch::Tensor* grad_hidden, torch::Tensor* outputs);
 
   HeadRegistry* registry_;
+  RetainedInputStore* retained_;
   Mode mode_;
   int64_t response_chunk_bytes_;
   std::shared_ptr<HeadEntry> entry_;
   std::optional<v1::StepHeader> header_;
   core::StepOptions options_;
+  std::optional<torch::ScalarType> grad_hidden_dtype_;
   std::optional<GradientKey> key_;
   core::GradientBuffers scratch_;
+  std::shared_ptr<const RetainedInputs> inputs_;  // Backward by handle
+  std::vector<core::TokenBatch> kept_rows_;        // Forward that retains its inputs
   int64_t next_row_ = 0;
   int64_t valid_tokens_ = 0;
   double loss_ = 0;
   int64_t chunk_rows_ = 0;
   int64_t num_chunks_ = 0;
   std::map<std::string, double> extras_;
+  v1::StepTimings timings_;
 };
 
 }  // namespace remotehead::server

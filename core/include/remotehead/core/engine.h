@@ -28,6 +28,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -67,6 +68,10 @@ struct StepOptions {
   int64_t block_rows = 0;           // rows per function block; 0 = cache-sized (see below)
   int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = kDefaultMemoryBudgetBytes
   double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
+  // Asked before every chunk; returning true abandons the call with CANCELLED (a server's
+  // cancelled or expired request stops within one chunk). `grads` may then hold a partial
+  // addition, like any failure during compute.
+  std::function<bool()> should_stop;
 };
 
 struct StepStats {

@@ -2,20 +2,37 @@
 // every number is computed by core/ and every error mapped in status_mapping.
 #pragma once
 
+#include <memory>
+
+#include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
 
 namespace remotehead::server {
 
+class ComputePool;
+class RetainedInputStore;
+struct StepEnvironment;  // what streaming step calls share (head_service.cc)
+
 struct ServiceOptions {
   torch::Device device = torch::kCPU;               // where new heads live
   int64_t response_chunk_bytes = int64_t{1} << 20;  // size of each streamed tensor chunk
+  int compute_threads = 1;  // threads running the engine for streaming calls
+  // Streaming calls: messages read ahead of the one being computed, and results buffered
+  // before compute pauses for a slow reader. Together they bound a call's in-flight bytes.
+  int read_ahead_messages = 4;
+  int64_t max_pending_response_bytes = int64_t{16} << 20;
+  AdmissionOptions admission;     // memory budget and request limits
+  double max_retain_seconds = 600;  // cap on StepHeader.retain_inputs_seconds
 };
 
 class HeadServiceImpl final : public v1::HeadService::CallbackService {
  public:
-  HeadServiceImpl(HeadRegistry* registry, ServiceOptions options)
-      : registry_(registry), options_(options) {}
+  HeadServiceImpl(HeadRegistry* registry, ServiceOptions options);
+  // Call after the grpc::Server has shut down (no call may still be running).
+  ~HeadServiceImpl() override;
+
+  AdmissionController& admission() { return *admission_; }
 
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
                                        const v1::CreateHeadRequest* request,
@@ -52,8 +69,13 @@ class HeadServiceImpl final : public v1::HeadService::CallbackService {
       grpc::CallbackServerContext* context, const v1::FetchGradientsRequest* request) override;
 
  private:
+  StepEnvironment StepEnv();
+
   HeadRegistry* registry_;
   ServiceOptions options_;
+  std::unique_ptr<AdmissionController> admission_;
+  std::unique_ptr<RetainedInputStore> retained_;
+  std::unique_ptr<ComputePool> compute_;
 };
 
 }  // namespace remotehead::server

@@ -1,0 +1,100 @@
+#include "remotehead/server/admission.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace remotehead::server {
+namespace {
+
+std::string Mib(int64_t bytes) {
+  return absl::StrCat(static_cast<double>(bytes) / (1 << 20), " MiB");
+}
+
+}  // namespace
+
+uint64_t AdmissionController::NewTicket() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_ticket_++;
+}
+
+bool AdmissionController::FitsLocked(int64_t bytes, bool counts_as_active) const {
+  if (counts_as_active && options_.max_active > 0 && active_ >= options_.max_active) return false;
+  return options_.memory_budget_bytes <= 0 ||
+         bytes_in_use_ + bytes <= options_.memory_budget_bytes;
+}
+
+absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
+                                        const std::string& breakdown,
+                                        std::function<void()> on_admitted) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (options_.memory_budget_bytes > 0 && bytes > options_.memory_budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "admission: expected a request within the server's memory budget of ",
+        Mib(options_.memory_budget_bytes), " (--memory_budget_bytes); got one needing ",
+        Mib(bytes), " (", breakdown, "). Send fewer rows per request, a smaller "
+        "chunking.memory_budget_bytes, or no weight gradient"));
+  }
+  // FIFO: a request never overtakes one already waiting.
+  if (waiting_.empty() && FitsLocked(bytes, /*counts_as_active=*/true)) {
+    held_[ticket] = {bytes, true};
+    bytes_in_use_ += bytes;
+    ++active_;
+    on_admitted();
+    return absl::OkStatus();
+  }
+  if (static_cast<int>(waiting_.size()) >= options_.max_queued) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "admission: expected at most ", options_.max_queued,
+        " queued requests (--max_queued_requests); got one more while ", active_,
+        " run and ", Mib(bytes_in_use_), " of ", Mib(options_.memory_budget_bytes),
+        " are in use. Retry later"));
+  }
+  waiting_.push_back({ticket, bytes, std::move(on_admitted)});
+  return absl::OkStatus();
+}
+
+absl::Status AdmissionController::Reserve(uint64_t ticket, int64_t bytes,
+                                          const std::string& breakdown) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "admission: expected ", Mib(bytes), " (", breakdown, ") to fit the memory budget of ",
+        Mib(options_.memory_budget_bytes), " (--memory_budget_bytes); got ",
+        Mib(bytes_in_use_), " already in use"));
+  }
+  held_[ticket] = {bytes, false};
+  bytes_in_use_ += bytes;
+  return absl::OkStatus();
+}
+
+void AdmissionController::Release(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = held_.find(ticket); it != held_.end()) {
+    bytes_in_use_ -= it->second.bytes;
+    if (it->second.active) --active_;
+    held_.erase(it);
+    AdmitWaitingLocked();
+    return;
+  }
+  std::erase_if(waiting_, [ticket](const Waiting& w) { return w.ticket == ticket; });
+  AdmitWaitingLocked();  // the withdrawn request may have been the one blocking the queue
+}
+
+void AdmissionController::AdmitWaitingLocked() {
+  while (!waiting_.empty() && FitsLocked(waiting_.front().bytes, /*counts_as_active=*/true)) {
+    Waiting w = std::move(waiting_.front());
+    waiting_.pop_front();
+    held_[w.ticket] = {w.bytes, true};
+    bytes_in_use_ += w.bytes;
+    ++active_;
+    w.on_admitted();
+  }
+}
+
+AdmissionStats AdmissionController::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {bytes_in_use_, active_, static_cast<int>(waiting_.size())};
+}
+
+}  // namespace remotehead::server

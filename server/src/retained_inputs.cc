@@ -1,0 +1,84 @@
+#include "retained_inputs.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace remotehead::server {
+namespace {
+
+int64_t BatchBytes(const core::TokenBatch& b) {
+  int64_t bytes = 0;
+  for (const torch::Tensor* t : {&b.hidden, &b.targets, &b.weights}) {
+    if (t->defined()) bytes += t->nbytes();
+  }
+  for (const auto& [name, t] : b.aux) bytes += t.nbytes();
+  return bytes;
+}
+
+// 128 random bits: a handle cannot be guessed by another trainer.
+std::string NewHandle() {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  return absl::StrFormat("%016x%016x", rng(), rng());
+}
+
+}  // namespace
+
+RetainedInputStore::~RetainedInputStore() {
+  for (const auto& [handle, entry] : entries_) admission_->Release(entry.ticket);
+}
+
+absl::StatusOr<std::string> RetainedInputStore::Put(RetainedInputs inputs, double seconds) {
+  const int64_t bytes = BatchBytes(inputs.batch);
+  const uint64_t ticket = admission_->NewTicket();
+  absl::Status reserved = admission_->Reserve(
+      ticket, bytes, absl::StrCat("inputs retained for a Backward, ", inputs.batch.hidden.size(0),
+                                  " rows"));
+  if (!reserved.ok()) return reserved;
+  const auto lifetime = std::chrono::duration<double>(std::min(seconds, max_seconds_));
+  std::lock_guard<std::mutex> lock(mu_);
+  DropExpiredLocked();
+  std::string handle = NewHandle();
+  entries_[handle] = {std::make_shared<const RetainedInputs>(std::move(inputs)),
+                      std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(lifetime),
+                      ticket};
+  return handle;
+}
+
+absl::StatusOr<std::shared_ptr<const RetainedInputs>> RetainedInputStore::Get(
+    const std::string& handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DropExpiredLocked();
+  auto it = entries_.find(handle);
+  if (it == entries_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "header.inputs_handle: expected a live handle from a Forward with "
+        "retain_inputs_seconds > 0; got \"", handle,
+        "\", which is unknown, expired or already released by a successful Backward"));
+  }
+  return it->second.inputs;
+}
+
+void RetainedInputStore::Release(const std::string& handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = entries_.find(handle); it != entries_.end()) {
+    admission_->Release(it->second.ticket);
+    entries_.erase(it);
+  }
+}
+
+void RetainedInputStore::DropExpiredLocked() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.expires <= now) {
+      admission_->Release(it->second.ticket);
+      it = entries_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace remotehead::server

@@ -1,0 +1,53 @@
+// Inputs a Forward kept on the server so that the two-phase Backward can reference them by
+// handle instead of re-sending X. Each entry has a bounded lifetime and its bytes are reserved
+// in the admission budget for as long as it lives.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/server/admission.h"
+
+namespace remotehead::server {
+
+struct RetainedInputs {
+  std::string head_id;
+  int64_t weight_version = 0;  // the head's version when the Forward ran
+  core::TokenBatch batch;      // all rows, on the head's device
+};
+
+class RetainedInputStore {
+ public:
+  RetainedInputStore(AdmissionController* admission, double max_seconds)
+      : admission_(admission), max_seconds_(max_seconds) {}
+  ~RetainedInputStore();
+
+  // Keeps `inputs` for min(seconds, max_seconds) and returns their handle. RESOURCE_EXHAUSTED
+  // if their bytes do not fit the memory budget.
+  absl::StatusOr<std::string> Put(RetainedInputs inputs, double seconds);
+  // NOT_FOUND for an unknown, released or expired handle.
+  absl::StatusOr<std::shared_ptr<const RetainedInputs>> Get(const std::string& handle);
+  void Release(const std::string& handle);
+  double max_seconds() const { return max_seconds_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<const RetainedInputs> inputs;
+    std::chrono::steady_clock::time_point expires;
+    uint64_t ticket;
+  };
+  void DropExpiredLocked();
+
+  AdmissionController* admission_;
+  const double max_seconds_;
+  std::mutex mu_;
+  std::map<std::string, Entry> entries_;
+};
+
+}  // namespace remotehead::server
