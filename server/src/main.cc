@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/server/credentials.h"
 #include "remotehead/server/head_service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
@@ -32,6 +33,13 @@ ABSL_FLAG(std::vector<std::string>, head, {},
           "heads to create at start, id:vocab:hidden[:dtype[:seed]] (repeatable, comma list)");
 ABSL_FLAG(int32_t, max_message_bytes, 16 << 20, "largest gRPC message accepted or sent");
 ABSL_FLAG(int32_t, shutdown_grace_seconds, 30, "how long SIGTERM waits for in-flight calls");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server (turns TLS on)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA(s) for client certificates (turns mTLS on)");
+ABSL_FLAG(bool, tls_require_client_cert, true,
+          "with --tls_client_ca: refuse clients without a certificate (false: verify if given)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding one bearer token that every call must carry (needs TLS)");
 
 namespace {
 
@@ -77,6 +85,19 @@ std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
 int Run() {
+  const rh::server::TlsOptions tls{
+      .cert_file = absl::GetFlag(FLAGS_tls_cert),
+      .key_file = absl::GetFlag(FLAGS_tls_key),
+      .client_ca_file = absl::GetFlag(FLAGS_tls_client_ca),
+      .require_client_cert = absl::GetFlag(FLAGS_tls_require_client_cert),
+      .token_file = absl::GetFlag(FLAGS_auth_token_file)};
+  auto credentials = rh::server::BuildServerCredentials(tls);
+  if (!credentials.ok()) {
+    std::cerr << "remotehead-server: " << credentials.status().message() << std::endl;
+    return 2;
+  }
+  std::cout << "remotehead-server: security: " << rh::server::DescribeSecurityMode(tls)
+            << std::endl;
   auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
   if (!device.ok()) {
     std::cerr << "remotehead-server: " << device.status().message() << std::endl;
@@ -95,7 +116,7 @@ int Run() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.RegisterService(&service);
