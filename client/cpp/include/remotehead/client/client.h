@@ -1,0 +1,294 @@
+// The C++ client of a remotehead server: one typed call per RPC of
+// remotehead/v1/head_service.proto, taking and returning torch::Tensor.
+//
+// - Every fallible call returns absl::Status / absl::StatusOr; a server error comes back with
+//   its gRPC code mapped 1:1 (absl and gRPC share google.rpc.Code) and the server's message.
+// - A call that fails with UNAVAILABLE (no server yet, a restart, a dropped connection) is
+//   retried as a whole with exponential backoff; no other code is ever retried. Step calls keep
+//   their gradient identity across attempts, so the server's exactly-once ledger turns a replay
+//   of work that did reach it into a no-op (StepSummary::replayed).
+// - Step calls stream: a writer thread sends the header and then the rows of X (with the same
+//   rows of targets, weights and aux inputs) while the calling thread receives dX / per-token
+//   outputs as the server produces them, so upload, compute and download overlap.
+//
+// A Client is thread-safe: many threads may issue calls at once (each call has its own gRPC
+// context and stream on a shared channel).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace remotehead::client {
+
+// TLS towards the server. An empty root_certs_pem uses gRPC's default roots; client_cert_pem
+// with client_key_pem presents a client certificate (mutual TLS).
+struct TlsOptions {
+  std::string root_certs_pem;
+  std::string client_cert_pem;
+  std::string client_key_pem;
+  // Host name the server's certificate is checked against, when it differs from the target's
+  // (e.g. connecting to 127.0.0.1 with a certificate issued for "localhost").
+  std::string server_name_override;
+};
+
+// Exponential backoff between attempts of a call that failed with UNAVAILABLE.
+struct RetryPolicy {
+  int max_attempts = 5;  // attempts in all, the first included; 1 = never retry
+  std::chrono::milliseconds initial_backoff{50};
+  double backoff_multiplier = 2.0;
+  std::chrono::milliseconds max_backoff{2000};
+  // Each wait is scaled by a random factor in [1 − jitter, 1 + jitter], so that many trainers
+  // cut off by one server restart do not all reconnect in the same millisecond.
+  double jitter = 0.1;
+};
+
+// Reported to ClientOptions::on_retry before each backoff wait.
+struct RetryEvent {
+  std::string rpc;       // e.g. "ForwardBackward"
+  int failed_attempt;    // 1-based number of the attempt that just failed
+  absl::Status status;   // its status (always UNAVAILABLE)
+  std::chrono::milliseconds backoff;  // the wait before the next attempt
+};
+
+struct ClientOptions {
+  std::string target = "127.0.0.1:50051";  // anything grpc::CreateChannel accepts
+  std::optional<TlsOptions> tls;           // unset: an insecure (plaintext) channel
+  // Sent as `authorization: Bearer <token>` on every call. Only over TLS: Client::Create
+  // refuses a token on an insecure channel rather than send it in clear text.
+  std::string bearer_token;
+  RetryPolicy retry;
+  // Wall-clock limit of one call, all of its attempts and backoff waits included. Unset: none.
+  std::optional<std::chrono::milliseconds> deadline;
+  // Largest request message: rows of X (with their targets, weights, aux, grad_output) and
+  // uploaded weight rows are split so that no message exceeds it. Far below gRPC's 4 MiB
+  // default receive limit of a server.
+  int64_t chunk_bytes = int64_t{1} << 20;
+  // Largest response message accepted (the server's streamed chunks are 1 MiB by default).
+  int max_receive_message_bytes = 16 << 20;
+  // Called before each retry wait (logging, metrics, tests). May be called from any thread
+  // that issues calls.
+  std::function<void(const RetryEvent&)> on_retry;
+};
+
+// What one Client has done so far (all calls, all threads).
+struct ClientStats {
+  int64_t calls = 0;     // typed calls started
+  int64_t attempts = 0;  // RPC attempts, retries included
+  int64_t retries = 0;   // attempts after an UNAVAILABLE
+};
+
+// ----- heads -----
+
+struct HeadInfo {
+  std::string head_id;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  torch::ScalarType dtype = torch::kFloat;
+  bool has_bias = false;
+  std::string device;                     // "cpu", "cuda:0"
+  int64_t weight_version = 0;             // bumped by every optimizer step
+  int64_t accumulated_micro_batches = 0;  // gradient contributions since the last zeroing
+};
+
+// A head initialised on the server: W ~ N(0, init_std²), bias 0.
+struct InitSpec {
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  bool bias = false;
+  uint64_t seed = 0;
+  double init_std = 0.02;
+  torch::ScalarType dtype = torch::kFloat;
+};
+
+// A head read from a safetensors file on the server (single file or a sharded checkpoint's
+// *.safetensors.index.json).
+struct SafetensorsSource {
+  std::string path;
+  std::string weight_name = "lm_head.weight";  // "model.embed_tokens.weight" for tied models
+  std::string bias_name;                       // empty: no bias
+  std::optional<torch::ScalarType> dtype;      // unset: the file's dtype
+};
+
+struct HeadWeights {
+  torch::Tensor weight;  // [V, D]
+  torch::Tensor bias;    // [V], undefined when the head has none
+};
+
+struct HeadGradients {
+  torch::Tensor weight_grad;  // [V, D]
+  torch::Tensor bias_grad;    // [V], undefined when the head has no bias
+  HeadInfo info;              // the head state these gradients belong to
+};
+
+// ----- optimizer -----
+
+struct Sgd {
+  double lr = 0;
+  double momentum = 0;
+  double weight_decay = 0;
+};
+
+struct AdamW {
+  double lr = 0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
+struct OptimizerStepOptions {
+  std::variant<Sgd, AdamW> optimizer;
+  std::optional<double> grad_scale;  // multiplies the accumulated gradient (e.g. 1 / ranks)
+  bool zero_gradients = false;       // zero the accumulators (and the ledger) after the step
+};
+
+// ----- steps -----
+
+enum class Reduction { kNone, kSum, kMean, kWeightedSum };
+
+// Identity of one gradient contribution: the server adds a given identity's dW at most once
+// between two zeroings of the head's gradients.
+struct GradientId {
+  std::string trainer;  // e.g. "run-7/rank-3"
+  int64_t step = 0;
+  int64_t micro_batch = 0;
+};
+
+// What a step computes (the StepHeader of the wire contract).
+struct StepSpec {
+  std::string head_id;
+  std::string function = "cross_entropy";  // cross_entropy, token_logprobs, entropy, grpo, …
+  std::map<std::string, double> params;    // e.g. {{"label_smoothing", 0.1}}
+  Reduction reduction = Reduction::kMean;
+  int64_t ignore_index = -100;
+  // Divides the reduced sum, e.g. the valid tokens of a whole accumulated batch.
+  std::optional<double> normalizer;
+  // For a MEAN without normalizer the server needs the count of targets != ignore_index over
+  // all rows up front; unset, the client counts it from the targets.
+  std::optional<int64_t> valid_tokens;
+  int64_t chunk_rows = 0;           // server-side chunking; both 0: the server's default budget
+  int64_t memory_budget_bytes = 0;
+  double upstream_scale = 1.0;      // fused: dL/d(loss), e.g. a loss scale
+  bool accumulate_weight_grad = true;  // false: dX only (frozen head)
+  std::optional<GradientId> gradient_id;  // required when accumulating dW
+  // Fails with FAILED_PRECONDITION unless the head is at this version.
+  std::optional<int64_t> expected_weight_version;
+  // hidden is converted to this dtype before it is sent (the head's dtype: the server computes
+  // in it). Unset: sent as it is.
+  std::optional<torch::ScalarType> wire_dtype;
+};
+
+// The per-token inputs of a step. hidden is [N, D]; every other tensor is [N]. Tensors may
+// live on any device: they are copied to the CPU for the wire.
+struct StepInputs {
+  torch::Tensor hidden;
+  torch::Tensor targets;  // int64 / int32 token ids or ignore_index; optional for some functions
+  torch::Tensor weights;  // weighted_sum only
+  // Extra per-token inputs by name, e.g. GRPO's "advantages", "old_logprobs", "ref_logprobs".
+  std::map<std::string, torch::Tensor> aux;
+};
+
+struct StepSummary {
+  double loss = 0;  // the reduced loss (fused, scalar Forward); not multiplied by upstream_scale
+  int64_t valid_tokens = 0;
+  double denominator = 1;
+  std::map<std::string, double> extras;  // sums over valid tokens, e.g. "nll", "kl"
+  int64_t weight_version = 0;  // the head version the result was computed against
+  bool replayed = false;       // the gradient id had already been applied: nothing was added
+  int64_t chunk_rows = 0;
+  int64_t num_chunks = 0;
+};
+
+struct ForwardBackwardResult {
+  double loss = 0;
+  torch::Tensor grad_hidden;  // dX [N, D] in hidden's dtype, on the CPU; × upstream_scale
+  StepSummary summary;
+};
+
+struct ForwardResult {
+  // reduction NONE: per-token outputs [N] (float32, 0 at ignored positions); otherwise the
+  // 0-d reduced loss (float64).
+  torch::Tensor outputs;
+  StepSummary summary;
+};
+
+struct BackwardResult {
+  torch::Tensor grad_hidden;  // dX [N, D] in hidden's dtype, on the CPU
+  StepSummary summary;
+};
+
+class Client {
+ public:
+  // Validates the options (INVALID_ARGUMENT naming the field) and opens the channel; does not
+  // wait for a connection (the first call does, retrying while the server is UNAVAILABLE).
+  static absl::StatusOr<std::shared_ptr<Client>> Create(ClientOptions options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Head lifecycle. CreateHead / UploadHead / DropHead are retried on UNAVAILABLE like every
+  // call: if an attempt took effect but its answer was lost, the retry reports ALREADY_EXISTS
+  // (create, upload) or NOT_FOUND (drop).
+  absl::StatusOr<HeadInfo> CreateHead(const std::string& head_id, const InitSpec& init);
+  absl::StatusOr<HeadInfo> CreateHead(const std::string& head_id, const SafetensorsSource& source);
+  // Streams weight [V, D] (then bias [V]) rows; the head takes weight's dtype.
+  absl::StatusOr<HeadInfo> UploadHead(const std::string& head_id, const torch::Tensor& weight,
+                                      const torch::Tensor& bias = {});
+  absl::StatusOr<HeadInfo> DescribeHead(const std::string& head_id);
+  absl::StatusOr<std::vector<HeadInfo>> ListHeads();
+  absl::Status DropHead(const std::string& head_id);
+  // dtype unset: the head's own.
+  absl::StatusOr<HeadWeights> ExportWeights(const std::string& head_id,
+                                            std::optional<torch::ScalarType> dtype = {});
+  // Writes a safetensors file on the server; returns the bytes written. Empty names: the
+  // server's defaults (lm_head.weight, lm_head.bias).
+  absl::StatusOr<int64_t> SaveWeights(const std::string& head_id, const std::string& path,
+                                      const std::string& weight_name = "",
+                                      const std::string& bias_name = "");
+
+  // Gradients and the server-side optimizer. dtype unset: the accumulator's (float32).
+  absl::StatusOr<HeadGradients> FetchGradients(const std::string& head_id,
+                                               std::optional<torch::ScalarType> dtype = {});
+  absl::StatusOr<HeadInfo> ZeroGradients(const std::string& head_id);
+  // An optimizer step is not idempotent, so before retrying one the client asks the server
+  // whether the failed attempt took effect (the head's weight_version moved past the version
+  // read before the first attempt) and, if it did, returns that state instead of stepping
+  // twice. This costs one DescribeHead round trip per call.
+  absl::StatusOr<HeadInfo> OptimizerStep(const std::string& head_id,
+                                         const OptimizerStepOptions& options);
+
+  // Fused: loss, dX and (spec.accumulate_weight_grad) dW on the server in one pass.
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const StepSpec& spec,
+                                                        const StepInputs& inputs);
+  // Outputs only, nothing accumulated (spec.accumulate_weight_grad is ignored).
+  absl::StatusOr<ForwardResult> Forward(const StepSpec& spec, const StepInputs& inputs);
+  // Two-phase backward: the rows again with dL/d(output) — grad_output [N] for reduction NONE,
+  // a single value (dL/d(loss), sent as the header's upstream scale) otherwise. The server
+  // recomputes the logits, returns dX and adds dW (exactly once per gradient id).
+  absl::StatusOr<BackwardResult> Backward(const StepSpec& spec, const StepInputs& inputs,
+                                          const torch::Tensor& grad_output);
+
+  const ClientOptions& options() const { return options_; }
+  ClientStats stats() const;
+
+ private:
+  struct Impl;
+  Client(ClientOptions options, std::unique_ptr<Impl> impl);
+
+  ClientOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace remotehead::client

@@ -1,0 +1,110 @@
+// A remote LM head as a LibTorch autograd node: the trainer's graph ends in the hidden states,
+// the server computes the head, and hidden.grad comes back through loss.backward().
+//
+//   auto client = *remotehead::client::Client::Create({.target = "head-server:50051"});
+//   auto head = *remotehead::client::RemoteHead::Attach(client, {.head_id = "lm"});
+//   auto loss = head.loss(hidden, labels);   // one ForwardBackward round trip
+//   loss.backward();                         // hidden.grad = dX; dW accumulated on the server
+//
+// Two paths:
+// - loss() (fused): the forward makes one ForwardBackward call — the loss, dX, and dW added on
+//   the server — and keeps dX; the backward returns it. The server's dW is computed for an
+//   upstream gradient equal to the spec's upstream_scale (default 1), so the loss must reach
+//   backward() unscaled or scaled by exactly that factor: declare a loss scale (or 1/k for k
+//   accumulated micro-batches — better, pass the whole batch's token count as the normalizer)
+//   in the spec up front. When dW is accumulated, a backward whose grad_output differs from
+//   upstream_scale (relative 1e-6) throws StatusError(FAILED_PRECONDITION) instead of leaving
+//   dW silently inconsistent with dX; with accumulate_weight_grad off (frozen head) any
+//   grad_output is exact, dX being linear in it. Without gradients (torch::NoGradGuard, or
+//   hidden not requiring grad) loss() makes a Forward call instead: nothing is accumulated.
+// - token_outputs() (two-phase): the forward makes a Forward call with reduction NONE and
+//   returns per-token outputs (e.g. token_logprobs); the trainer combines them freely; the
+//   backward makes a Backward call with the per-token dL/dy: the server recomputes the logits,
+//   returns dX and adds dW.
+//
+// Gradient identity: every call that adds dW carries (trainer, step, micro_batch). The trainer
+// is the spec's gradient_id.trainer (or a random one per RemoteHead); step is the current step
+// (BeginStep, or advanced by OptimizerStep); micro_batch counts the calls within the step. A
+// retried call keeps its identity, so the server adds each contribution at most once.
+//
+// Errors: loss() / token_outputs() and their backward throw StatusError (a std::runtime_error
+// carrying the absl::Status: the server's code and message) — autograd has no other channel.
+// hidden may be [..., D] with targets [...]: both are flattened to rows and dX is reshaped back.
+// One RemoteHead is meant for one training loop (its counters are guarded, but concurrent
+// calls would interleave micro-batch numbers).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "remotehead/client/client.h"
+
+namespace remotehead::client {
+
+// An absl::Status thrown through LibTorch's autograd.
+class StatusError : public std::runtime_error {
+ public:
+  explicit StatusError(absl::Status status);
+  const absl::Status& status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+// Per-call additions to the RemoteHead's spec.
+struct HeadCall {
+  torch::Tensor weights;                     // [...] per-token weights (weighted_sum)
+  std::map<std::string, torch::Tensor> aux;  // [...] each, e.g. GRPO's "advantages"
+  std::optional<double> normalizer;          // e.g. the accumulated batch's valid tokens
+  std::optional<std::string> function;       // overrides the spec's (loss) or token_logprobs
+  std::map<std::string, double> params;      // merged over the spec's params
+  std::optional<GradientId> gradient_id;     // default: (trainer, step, next micro-batch)
+};
+
+class RemoteHead {
+ public:
+  // `spec` holds the defaults of every call (head_id required). Describes the head once: hidden
+  // states are sent in the head's dtype, and dX comes back in the caller's.
+  static absl::StatusOr<RemoteHead> Attach(std::shared_ptr<Client> client, StepSpec spec);
+
+  // Fused scalar loss (the spec's function and reduction; NONE is refused). Differentiable
+  // w.r.t. hidden. A 0-d float32 tensor (float64 for float64 hidden) on hidden's device.
+  torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& labels,
+                     const HeadCall& call = {});
+
+  // Two-phase per-token outputs, shaped like targets (float32; float64 for float64 hidden), on
+  // hidden's device; the function defaults to token_logprobs. Differentiable w.r.t. hidden.
+  torch::Tensor token_outputs(const torch::Tensor& hidden, const torch::Tensor& targets,
+                              const HeadCall& call = {});
+
+  // Starts optimizer step `step`: later calls are micro-batches 0, 1, … of it.
+  void BeginStep(int64_t step);
+  // The server-side optimizer step on this head, then BeginStep(step + 1).
+  absl::StatusOr<HeadInfo> OptimizerStep(const OptimizerStepOptions& options);
+
+  // The summary of the last completed call (loss, valid_tokens, extras, replayed, …).
+  StepSummary last_summary() const;
+  const HeadInfo& info() const;
+  const StepSpec& spec() const;
+  Client& client() const;
+  int64_t step() const;
+
+  // Autograd nodes share this state, so a RemoteHead may be moved or copied (copies share
+  // their counters) while graphs built with it are alive.
+  struct State;
+
+ private:
+  explicit RemoteHead(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace remotehead::client

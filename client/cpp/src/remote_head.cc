@@ -1,0 +1,255 @@
+#include "remotehead/client/remote_head.h"
+
+#include <cmath>
+#include <mutex>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::client {
+
+StatusError::StatusError(absl::Status status)
+    : std::runtime_error(status.ToString()), status_(std::move(status)) {}
+
+struct RemoteHead::State {
+  std::shared_ptr<Client> client;
+  StepSpec spec;
+  HeadInfo info;
+  std::string trainer;
+  std::mutex mu;  // guards the counters and the last summary
+  int64_t step = 0;
+  int64_t micro_batch = 0;
+  StepSummary last_summary;
+
+  GradientId NextGradientId(const HeadCall& call) {
+    if (call.gradient_id.has_value()) return *call.gradient_id;
+    std::lock_guard<std::mutex> lock(mu);
+    return GradientId{.trainer = trainer, .step = step, .micro_batch = micro_batch++};
+  }
+
+  void Record(const StepSummary& summary) {
+    std::lock_guard<std::mutex> lock(mu);
+    last_summary = summary;
+  }
+};
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using State = RemoteHead::State;
+
+template <typename T>
+T ValueOrThrow(absl::StatusOr<T> result) {
+  if (!result.ok()) throw StatusError(result.status());
+  return *std::move(result);
+}
+
+torch::ScalarType ResultDtype(const torch::Tensor& hidden) {
+  return hidden.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
+
+// Everything one call needs besides hidden: the resolved spec (function, params, normalizer,
+// gradient identity) and the per-token inputs flattened to rows. Shared with its autograd node.
+struct Call {
+  std::shared_ptr<State> state;
+  StepSpec spec;
+  StepInputs inputs;  // hidden filled in by each phase
+  std::vector<int64_t> token_shape;  // hidden.shape[:-1]: the shape of per-token outputs
+};
+
+std::shared_ptr<Call> MakeCall(const std::shared_ptr<State>& state, const torch::Tensor& hidden,
+                               const torch::Tensor& targets, const HeadCall& extra,
+                               const std::string& default_function, bool gradients) {
+  const int64_t d = state->info.hidden_size;
+  if (!hidden.defined() || hidden.dim() < 1 || hidden.size(-1) != d) {
+    throw StatusError(absl::InvalidArgumentError(absl::StrCat(
+        "hidden: expected shape [..., ", d, "] (the head's hidden size); got ",
+        hidden.defined() ? c10::str(hidden.sizes()) : "none")));
+  }
+  auto call = std::make_shared<Call>();
+  call->state = state;
+  call->spec = state->spec;
+  call->spec.function = extra.function.value_or(default_function);
+  for (const auto& [name, value] : extra.params) call->spec.params[name] = value;
+  if (extra.normalizer.has_value()) call->spec.normalizer = extra.normalizer;
+  call->spec.valid_tokens.reset();  // counted per call by the client
+  call->spec.accumulate_weight_grad = state->spec.accumulate_weight_grad && gradients;
+  if (call->spec.accumulate_weight_grad) call->spec.gradient_id = state->NextGradientId(extra);
+  call->token_shape = hidden.sizes().slice(0, hidden.dim() - 1).vec();
+  int64_t rows = 1;
+  for (const int64_t s : call->token_shape) rows *= s;
+  const auto flat = [&](const torch::Tensor& t, const std::string& field) {
+    if (!t.defined()) return t;
+    if (t.numel() != rows) {
+      throw StatusError(absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected ", c10::str(c10::IntArrayRef(call->token_shape)),
+                       " (hidden's leading dimensions); got ", c10::str(t.sizes()))));
+    }
+    return t.reshape({rows});
+  };
+  call->inputs.targets = flat(targets, "targets");
+  call->inputs.weights = flat(extra.weights, "weights");
+  for (const auto& [name, t] : extra.aux) {
+    call->inputs.aux[name] = flat(t, absl::StrCat("aux[\"", name, "\"]"));
+  }
+  return call;
+}
+
+// How a Call rides in an autograd node's saved_data (an IValue capsule).
+struct CallHolder : torch::CustomClassHolder {
+  explicit CallHolder(std::shared_ptr<Call> c) : call(std::move(c)) {}
+  std::shared_ptr<Call> call;
+};
+
+torch::Tensor Rows(const torch::Tensor& hidden) { return hidden.reshape({-1, hidden.size(-1)}); }
+
+// Fused: forward = one ForwardBackward (loss, dX, dW on the server); backward hands back dX.
+struct FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const std::shared_ptr<Call>& call) {
+    call->inputs.hidden = Rows(hidden);
+    ForwardBackwardResult r =
+        ValueOrThrow(call->state->client->ForwardBackward(call->spec, call->inputs));
+    call->inputs = {};  // nothing of the batch is kept past the round trip but dX
+    call->state->Record(r.summary);
+    ctx->saved_data["grad_hidden"] = r.grad_hidden.reshape(hidden.sizes()).to(hidden.device());
+    ctx->saved_data["upstream_scale"] = call->spec.upstream_scale;
+    ctx->saved_data["accumulates"] = call->spec.accumulate_weight_grad;
+    return torch::tensor(r.loss, torch::TensorOptions(ResultDtype(hidden)).device(hidden.device()));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const torch::Tensor& g = grad_outputs[0];
+    if (!g.defined()) return {torch::Tensor(), torch::Tensor()};
+    const torch::Tensor dx = ctx->saved_data["grad_hidden"].toTensor();
+    const double scale = ctx->saved_data["upstream_scale"].toDouble();
+    const double upstream = g.item<double>();
+    if (upstream == scale) return {dx, torch::Tensor()};  // the usual case: dX as the server sent it
+    if (ctx->saved_data["accumulates"].toBool() &&
+        std::abs(upstream - scale) > 1e-6 * std::abs(scale)) {
+      throw StatusError(absl::FailedPreconditionError(absl::StrCat(
+          "RemoteHead::loss: backward got dL/dloss = ", upstream,
+          ", but the server accumulated dW for upstream_scale = ", scale,
+          " in the forward; declare the factor up front (StepSpec::upstream_scale, or the "
+          "normalizer for gradient accumulation), or turn accumulate_weight_grad off")));
+    }
+    return {dx * (upstream / scale), torch::Tensor()};
+  }
+};
+
+// Two-phase: forward = Forward with reduction NONE; backward = Backward with dL/dy per token.
+struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const std::shared_ptr<Call>& call) {
+    call->inputs.hidden = Rows(hidden);
+    ForwardResult r = ValueOrThrow(call->state->client->Forward(call->spec, call->inputs));
+    call->inputs.hidden = torch::Tensor();  // the saved input below is sent again by backward
+    call->state->Record(r.summary);
+    ctx->save_for_backward({hidden});
+    ctx->saved_data["call"] = c10::IValue::make_capsule(c10::make_intrusive<CallHolder>(call));
+    return r.outputs.reshape(call->token_shape).to(hidden.device());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const torch::Tensor& g = grad_outputs[0];
+    if (!g.defined()) return {torch::Tensor(), torch::Tensor()};
+    const torch::Tensor hidden = ctx->get_saved_variables()[0];
+    const std::shared_ptr<Call> call =
+        static_cast<CallHolder*>(ctx->saved_data["call"].toCapsule().get())->call;
+    StepInputs inputs = call->inputs;
+    inputs.hidden = Rows(hidden);
+    BackwardResult r =
+        ValueOrThrow(call->state->client->Backward(call->spec, inputs, g.reshape({-1})));
+    call->state->Record(r.summary);
+    return {r.grad_hidden.reshape(hidden.sizes()).to(hidden.device()), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, StepSpec spec) {
+  if (client == nullptr) return absl::InvalidArgumentError("client: expected a Client; got null");
+  if (spec.head_id.empty()) return absl::InvalidArgumentError("spec.head_id: expected an id; got \"\"");
+  if (!(std::isfinite(spec.upstream_scale) && spec.upstream_scale != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.upstream_scale: expected a finite non-zero value; got ", spec.upstream_scale));
+  }
+  ASSIGN_OR_RETURN(HeadInfo info, client->DescribeHead(spec.head_id));
+  auto state = std::make_shared<State>();
+  if (!spec.wire_dtype.has_value()) spec.wire_dtype = info.dtype;  // the server computes in it
+  state->trainer = spec.gradient_id.has_value() && !spec.gradient_id->trainer.empty()
+                       ? spec.gradient_id->trainer
+                       : absl::StrCat("cpp-", std::random_device{}(), "-", std::random_device{}());
+  if (spec.gradient_id.has_value()) {
+    state->step = spec.gradient_id->step;
+    state->micro_batch = spec.gradient_id->micro_batch;
+  }
+  spec.gradient_id.reset();  // identities are handed out per call
+  state->client = std::move(client);
+  state->spec = std::move(spec);
+  state->info = std::move(info);
+  return RemoteHead(std::move(state));
+}
+
+torch::Tensor RemoteHead::loss(const torch::Tensor& hidden, const torch::Tensor& labels,
+                               const HeadCall& call) {
+  if (state_->spec.reduction == Reduction::kNone) {
+    throw StatusError(absl::InvalidArgumentError(
+        "spec.reduction: loss() needs a scalar reduction (SUM, MEAN or WEIGHTED_SUM); got NONE — "
+        "use token_outputs() for per-token outputs"));
+  }
+  const bool gradients = torch::GradMode::is_enabled() && hidden.requires_grad();
+  auto c = MakeCall(state_, hidden, labels, call, state_->spec.function, gradients);
+  if (!gradients) {
+    // Evaluation: outputs only, nothing accumulated on the server.
+    c->inputs.hidden = Rows(hidden);
+    ForwardResult r = ValueOrThrow(state_->client->Forward(c->spec, c->inputs));
+    state_->Record(r.summary);
+    return r.outputs.to(torch::TensorOptions(ResultDtype(hidden)).device(hidden.device()));
+  }
+  return FusedLossFunction::apply(hidden, c);
+}
+
+torch::Tensor RemoteHead::token_outputs(const torch::Tensor& hidden, const torch::Tensor& targets,
+                                        const HeadCall& call) {
+  const bool gradients = torch::GradMode::is_enabled() && hidden.requires_grad();
+  auto c = MakeCall(state_, hidden, targets, call, "token_logprobs", gradients);
+  c->spec.reduction = Reduction::kNone;
+  if (!gradients) {
+    c->inputs.hidden = Rows(hidden);
+    ForwardResult r = ValueOrThrow(state_->client->Forward(c->spec, c->inputs));
+    state_->Record(r.summary);
+    return r.outputs.reshape(c->token_shape).to(hidden.device());
+  }
+  return TokenOutputsFunction::apply(hidden, c);
+}
+
+void RemoteHead::BeginStep(int64_t step) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->step = step;
+  state_->micro_batch = 0;
+}
+
+absl::StatusOr<HeadInfo> RemoteHead::OptimizerStep(const OptimizerStepOptions& options) {
+  ASSIGN_OR_RETURN(HeadInfo info, state_->client->OptimizerStep(state_->spec.head_id, options));
+  BeginStep(step() + 1);
+  return info;
+}
+
+StepSummary RemoteHead::last_summary() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->last_summary;
+}
+
+int64_t RemoteHead::step() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->step;
+}
+
+const HeadInfo& RemoteHead::info() const { return state_->info; }
+const StepSpec& RemoteHead::spec() const { return state_->spec; }
+Client& RemoteHead::client() const { return *state_->client; }
+
+}  // namespace remotehead::client
