@@ -47,8 +47,7 @@ absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
     return absl::ResourceExhaustedError(absl::StrCat(
         "admission: expected at most ", options_.max_queued,
         " queued requests (--max_queued_requests); got one more while ", active_,
-        " run and ", Mib(bytes_in_use_), " of ", Mib(options_.memory_budget_bytes),
-        " are in use. Retry later"));
+        " run and ", Mib(bytes_in_use_), " are in use. Retry later"));
   }
   waiting_.push_back({ticket, bytes, std::move(on_admitted)});
   return absl::OkStatus();

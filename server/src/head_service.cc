@@ -229,6 +229,9 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
       status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
     }
     const Clock::duration spent = Clock::now() - t0;
+    // Done computing: give the memory back before the summary reaches the client, so a trainer
+    // that sends its next request on seeing it is not refused for its own previous one.
+    if (end && status.ok()) env_.admission->Release(ticket_);
     bool admitting = false;
     if (status.ok() && phase == Phase::kHeader && session_.has_header()) {
       {

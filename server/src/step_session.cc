@@ -208,7 +208,7 @@ MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
   const int64_t logit_row_bytes =
       vocab * (c10::elementSize(head.dtype()) + (head.dtype() == torch::kFloat ? 0 : 4));
   // Function blocks: fp32 logits, their gradient and the function's temporaries.
-  const int64_t block_bytes = 4 * core::kFunctionBlockBytes;
+  const int64_t block_bytes = 4 * std::min(core::kFunctionBlockBytes, rows * vocab * 4);
   int64_t engine = options_.chunk_rows > 0 ? options_.chunk_rows * logit_row_bytes + block_bytes
                    : options_.memory_budget_bytes > 0 ? options_.memory_budget_bytes
                                                       : core::kDefaultMemoryBudgetBytes;

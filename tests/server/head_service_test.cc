@@ -1,147 +1,19 @@
 // The HeadService over a real gRPC channel (in-process server on a loopback port): head
 // lifecycle, ForwardBackward parity with the direct engine call, exactly-once accumulation on
 // replay, and bad input / cancellation leaving the head's gradients bit-identical.
-#include "remotehead/server/head_service.h"
-
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 
-#include "core/reference.h"
-#include "remotehead/core/engine.h"
-#include "remotehead/server/tensor_codec.h"
+#include "server/service_fixture.h"
 
 namespace remotehead {
 namespace {
 
-using server::DecodeTensor;
-using server::EncodeTensor;
-
-constexpr int64_t kVocab = 300;
-constexpr int64_t kHidden = 32;
-constexpr int64_t kRows = 50;
-
-class HeadServiceTest : public ::testing::Test {
+class HeadServiceTest : public ServiceFixture {
  protected:
-  void SetUp() override {
-    // Small streamed chunks, so every tensor that comes back travels in several messages.
-    service_ = std::make_unique<server::HeadServiceImpl>(
-        &registry_, server::ServiceOptions{.response_chunk_bytes = 1024});
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    ASSERT_GT(port, 0);
-    stub_ = v1::HeadService::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
-    v1::CreateHeadRequest create;
-    create.set_head_id("lm");
-    create.mutable_init()->set_vocab_size(kVocab);
-    create.mutable_init()->set_hidden_size(kHidden);
-    create.mutable_init()->set_bias(true);
-    create.mutable_init()->set_seed(5);
-    create.mutable_init()->set_init_std(1.0 / std::sqrt(double(kHidden)));
-    grpc::ClientContext context;
-    v1::HeadInfo info;
-    ASSERT_TRUE(stub_->CreateHead(&context, create, &info).ok());
-    entry_ = *registry_.Get("lm");
-    batch_ =
-        reference::MakeTestBatch(*entry_->head, kRows, "cross_entropy", core::Reduction::kMean);
-  }
-
-  void TearDown() override { server_->Shutdown(); }
-
-  struct StepOutcome {
-    grpc::Status status;
-    torch::Tensor grad_hidden;  // assembled from the streamed chunks
-    torch::Tensor outputs;      // per-token outputs (Forward, reduction NONE)
-    v1::StepSummary summary;
-  };
-
-  enum class Rpc { kForwardBackward, kForward, kBackward };
-
-  // Sends the header then the rows in pieces of `piece` rows; `corrupt` may alter messages;
-  // `grad_output` ([N]) is sent with the rows (Backward with reduction NONE).
-  StepOutcome Step(const std::string& trainer, int64_t micro_batch, int64_t piece = 17,
-                   std::function<void(v1::StepRequest&)> corrupt = nullptr,
-                   Rpc rpc = Rpc::kForwardBackward, const torch::Tensor& grad_output = {}) {
-    grpc::ClientContext context;
-    auto stream = rpc == Rpc::kForward    ? stub_->Forward(&context)
-                  : rpc == Rpc::kBackward ? stub_->Backward(&context)
-                                          : stub_->ForwardBackward(&context);
-    v1::StepRequest header;
-    v1::StepHeader* h = header.mutable_header();
-    h->set_head_id("lm");
-    h->mutable_function()->set_name("cross_entropy");
-    h->mutable_function()->set_reduction(v1::REDUCTION_MEAN);
-    h->set_rows(kRows);
-    h->set_valid_tokens((batch_.targets != -100).sum().item<int64_t>());
-    h->set_accumulate_weight_grad(rpc != Rpc::kForward);
-    h->mutable_gradient_id()->set_trainer(trainer);
-    h->mutable_gradient_id()->set_micro_batch(micro_batch);
-    h->mutable_chunking()->set_chunk_rows(8);
-    std::vector<v1::StepRequest> messages = {header};
-    for (int64_t offset = 0; offset < kRows; offset += piece) {
-      const int64_t n = std::min(piece, kRows - offset);
-      v1::StepRequest rows;
-      rows.mutable_rows()->set_row_offset(offset);
-      EXPECT_TRUE(
-          EncodeTensor(batch_.hidden.narrow(0, offset, n), rows.mutable_rows()->mutable_hidden())
-              .ok());
-      EXPECT_TRUE(
-          EncodeTensor(batch_.targets.narrow(0, offset, n), rows.mutable_rows()->mutable_targets())
-              .ok());
-      if (grad_output.defined()) {
-        EXPECT_TRUE(EncodeTensor(grad_output.narrow(0, offset, n),
-                                 rows.mutable_rows()->mutable_grad_output())
-                        .ok());
-      }
-      messages.push_back(std::move(rows));
-    }
-    StepOutcome outcome;
-    outcome.grad_hidden = torch::full({kRows, kHidden}, NAN);
-    outcome.outputs = torch::full({kRows}, NAN);
-    std::thread reader([&] {
-      v1::StepResponse response;
-      while (stream->Read(&response)) {
-        if (response.has_grad_hidden()) {
-          const auto& chunk = response.grad_hidden();
-          torch::Tensor values = *DecodeTensor(chunk.values(), "grad_hidden");
-          outcome.grad_hidden.narrow(0, chunk.row_offset(), values.size(0)).copy_(values);
-        } else if (response.has_outputs()) {
-          const auto& chunk = response.outputs();
-          torch::Tensor values = *DecodeTensor(chunk.values(), "outputs");
-          outcome.outputs.narrow(0, chunk.row_offset(), values.size(0)).copy_(values);
-        } else if (response.has_summary()) {
-          outcome.summary = response.summary();
-        }
-      }
-    });
-    for (auto& m : messages) {
-      if (corrupt) corrupt(m);
-      if (!stream->Write(m)) break;
-    }
-    stream->WritesDone();
-    reader.join();
-    outcome.status = stream->Finish();
-    return outcome;
-  }
-
-  torch::Tensor HeadWeightGrad() {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    return entry_->head->grads().weight.clone();
-  }
-
-  server::HeadRegistry registry_;
-  std::unique_ptr<server::HeadServiceImpl> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<v1::HeadService::Stub> stub_;
-  std::shared_ptr<server::HeadEntry> entry_;
-  core::TokenBatch batch_;
+  // Small streamed chunks, so every tensor that comes back travels in several messages.
+  void SetUp() override { StartService({.response_chunk_bytes = 1024}); }
 };
 
 TEST_F(HeadServiceTest, LifecycleDescribeListDrop) {
