@@ -7,8 +7,12 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <unistd.h>
+
 #ifdef REMOTEHEAD_TORCH_HAS_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 #endif
 
 #include "absl/strings/str_cat.h"
@@ -139,6 +143,24 @@ absl::Status ResetPeakMemory(const torch::Device& device) {
   if (device.is_cuda() && torch::cuda::is_available()) {
     c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
     return absl::OkStatus();
+  }
+#endif
+  return absl::InvalidArgumentError(
+      absl::StrCat("device: expected cpu or an available cuda device; got ", device.str()));
+}
+
+absl::StatusOr<int64_t> AvailableMemoryBytes(const torch::Device& device) {
+  if (device.is_cpu()) {
+    return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  }
+#ifdef REMOTEHEAD_TORCH_HAS_CUDA
+  if (device.is_cuda() && torch::cuda::is_available()) {
+    c10::cuda::CUDAGuard guard(device.index() < 0 ? 0 : device.index());
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaMemGetInfo failed on ", device.str()));
+    }
+    return static_cast<int64_t>(free_bytes);
   }
 #endif
   return absl::InvalidArgumentError(

@@ -28,6 +28,19 @@ struct StepEnvironment {
 
 namespace {
 
+void LogEvent(const ServiceOptions& options, const std::string& line) {
+  if (options.event_log == nullptr) return;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  *options.event_log << "remotehead-server: " << line << std::endl;
+}
+
+std::string HeadSummary(const v1::HeadInfo& info) {
+  return absl::StrCat("\"", info.head_id(), "\" [", info.vocab_size(), ", ", info.hidden_size(),
+                      "] ", v1::DType_Name(info.dtype()), info.has_bias() ? " with bias" : "",
+                      " on ", info.device(), ", version ", info.weight_version());
+}
+
 absl::Status DescribeInto(HeadEntry& entry, v1::HeadInfo* info) {
   std::lock_guard<std::mutex> lock(entry.mu);
   const core::Head& head = *entry.head;
@@ -552,7 +565,9 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
     ASSIGN_OR_RETURN(auto head,
                      core::Head::FromTensors(weight_, bias_, {.device = options_.device}));
     ASSIGN_OR_RETURN(auto entry, registry_->Add(header_->head_id(), std::move(head)));
-    return DescribeInto(*entry, response_);
+    RETURN_IF_ERROR(DescribeInto(*entry, response_));
+    LogEvent(options_, absl::StrCat("head uploaded: ", HeadSummary(*response_)));
+    return absl::OkStatus();
   }
 
   grpc::CallbackServerContext* context_;
@@ -611,7 +626,10 @@ grpc::ServerUnaryReactor* HeadServiceImpl::CreateHead(grpc::CallbackServerContex
       ASSIGN_OR_RETURN(auto head,
                        core::Head::FromTensors(weight, bias, {.device = options_.device}));
       ASSIGN_OR_RETURN(auto entry, registry_->Add(request->head_id(), std::move(head)));
-      return DescribeInto(*entry, response);
+      RETURN_IF_ERROR(DescribeInto(*entry, response));
+      LogEvent(options_, absl::StrCat("head created from ", src.path(), " (", weight_name,
+                                      "): ", HeadSummary(*response)));
+      return absl::OkStatus();
     }
     if (request->source_case() != v1::CreateHeadRequest::kInit) {
       return absl::InvalidArgumentError("source: expected safetensors or init; got none");
@@ -626,7 +644,10 @@ grpc::ServerUnaryReactor* HeadServiceImpl::CreateHead(grpc::CallbackServerContex
     if (init.init_std() != 0) head_init.init_std = init.init_std();
     ASSIGN_OR_RETURN(auto head, core::Head::Initialize(head_init, {.device = options_.device}));
     ASSIGN_OR_RETURN(auto entry, registry_->Add(request->head_id(), std::move(head)));
-    return DescribeInto(*entry, response);
+    RETURN_IF_ERROR(DescribeInto(*entry, response));
+    LogEvent(options_,
+             absl::StrCat("head created from seed ", init.seed(), ": ", HeadSummary(*response)));
+    return absl::OkStatus();
   });
 }
 
@@ -647,6 +668,8 @@ grpc::ServerUnaryReactor* HeadServiceImpl::SaveWeights(grpc::CallbackServerConte
     }
     ASSIGN_OR_RETURN(const int64_t bytes, core::WriteSafetensors(request->path(), tensors));
     response->set_bytes_written(bytes);
+    LogEvent(options_, absl::StrCat("head \"", request->head_id(), "\" saved to ",
+                                    request->path(), " (", bytes, " bytes)"));
     return absl::OkStatus();
   });
 }
@@ -674,7 +697,11 @@ grpc::ServerUnaryReactor* HeadServiceImpl::ListHeads(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* HeadServiceImpl::DropHead(grpc::CallbackServerContext* context,
                                                     const v1::HeadRef* request,
                                                     v1::DropHeadResponse*) {
-  return Unary(context, [&] { return registry_->Drop(request->head_id()); });
+  return Unary(context, [&]() -> absl::Status {
+    RETURN_IF_ERROR(registry_->Drop(request->head_id()));
+    LogEvent(options_, absl::StrCat("head dropped: \"", request->head_id(), "\""));
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* HeadServiceImpl::ZeroGradients(grpc::CallbackServerContext* context,
@@ -687,7 +714,9 @@ grpc::ServerUnaryReactor* HeadServiceImpl::ZeroGradients(grpc::CallbackServerCon
       entry->head->ZeroGrad();
       entry->applied.clear();  // a new accumulation window: ids may be reused
     }
-    return DescribeInto(*entry, response->mutable_info());
+    RETURN_IF_ERROR(DescribeInto(*entry, response->mutable_info()));
+    LogEvent(options_, absl::StrCat("gradients zeroed: \"", request->head_id(), "\""));
+    return absl::OkStatus();
   });
 }
 
@@ -727,7 +756,10 @@ grpc::ServerUnaryReactor* HeadServiceImpl::OptimizerStep(grpc::CallbackServerCon
         entry->applied.clear();
       }
     }
-    return DescribeInto(*entry, response->mutable_info());
+    RETURN_IF_ERROR(DescribeInto(*entry, response->mutable_info()));
+    LogEvent(options_, absl::StrCat("optimizer step (", request->has_sgd() ? "sgd" : "adamw",
+                                    "): ", HeadSummary(response->info())));
+    return absl::OkStatus();
   });
 }
 

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/credentials.h"
 #include "remotehead/server/head_service.h"
@@ -33,6 +34,19 @@ ABSL_FLAG(std::vector<std::string>, head, {},
           "heads to create at start, id:vocab:hidden[:dtype[:seed]] (repeatable, comma list)");
 ABSL_FLAG(int32_t, max_message_bytes, 16 << 20, "largest gRPC message accepted or sent");
 ABSL_FLAG(int32_t, shutdown_grace_seconds, 30, "how long SIGTERM waits for in-flight calls");
+ABSL_FLAG(int64_t, memory_budget_bytes, -1,
+          "bytes that running requests may hold (estimated at admission); -1 = auto (90% of the "
+          "device's free memory after the heads are loaded; on CPU half the RAM), 0 = unlimited");
+ABSL_FLAG(int32_t, max_active_requests, 0, "requests computing at once (0 = no limit)");
+ABSL_FLAG(int32_t, max_queued_requests, 64,
+          "requests waiting for admission; beyond this, RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, compute_threads, 1, "threads running the engine for streaming calls");
+ABSL_FLAG(int32_t, torch_threads, 0,
+          "LibTorch intra-op threads per engine call (0 = LibTorch's default: all cores)");
+ABSL_FLAG(int32_t, read_ahead_messages, 4,
+          "rows messages a streaming call reads ahead of the one being computed");
+ABSL_FLAG(double, max_retain_seconds, 600,
+          "longest a Forward's inputs are kept for a Backward (StepHeader.retain_inputs_seconds)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server (turns TLS on)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA(s) for client certificates (turns mTLS on)");
@@ -111,7 +125,33 @@ int Run() {
     }
     std::cout << "remotehead-server: head loaded: " << spec << " on " << device->str() << std::endl;
   }
-  rh::server::HeadServiceImpl service(&registry, {.device = *device});
+  if (absl::GetFlag(FLAGS_torch_threads) > 0) at::set_num_threads(absl::GetFlag(FLAGS_torch_threads));
+  int64_t budget = absl::GetFlag(FLAGS_memory_budget_bytes);
+  if (budget < 0) {
+    auto available = rh::core::AvailableMemoryBytes(*device);
+    if (!available.ok()) {
+      std::cerr << "remotehead-server: --memory_budget_bytes=-1: " << available.status().message()
+                << std::endl;
+      return 2;
+    }
+    budget = device->is_cuda() ? *available / 10 * 9 : *available / 2;
+  }
+  const rh::server::ServiceOptions options{
+      .device = *device,
+      .compute_threads = absl::GetFlag(FLAGS_compute_threads),
+      .read_ahead_messages = std::max(1, absl::GetFlag(FLAGS_read_ahead_messages)),
+      .admission = {.memory_budget_bytes = budget,
+                    .max_active = absl::GetFlag(FLAGS_max_active_requests),
+                    .max_queued = absl::GetFlag(FLAGS_max_queued_requests)},
+      .max_retain_seconds = absl::GetFlag(FLAGS_max_retain_seconds),
+      .event_log = &std::cout};
+  std::cout << "remotehead-server: admission: memory budget "
+            << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
+            << ", max active " << options.admission.max_active << " (0 = no limit), max queued "
+            << options.admission.max_queued << "; " << options.compute_threads
+            << " compute thread(s), " << at::get_num_threads() << " LibTorch thread(s)"
+            << std::endl;
+  rh::server::HeadServiceImpl service(&registry, options);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -25,4 +25,8 @@ void InstallCpuMemoryTracker();
 absl::StatusOr<MemoryStats> GetMemoryStats(const torch::Device& device);
 absl::Status ResetPeakMemory(const torch::Device& device);
 
+// Memory a server may plan with on `device`: CUDA, the device's free memory now; CPU, the
+// machine's physical memory.
+absl::StatusOr<int64_t> AvailableMemoryBytes(const torch::Device& device);
+
 }  // namespace remotehead::core

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <ostream>
 
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
@@ -24,6 +25,9 @@ struct ServiceOptions {
   int64_t max_pending_response_bytes = int64_t{16} << 20;
   AdmissionOptions admission;     // memory budget and request limits
   double max_retain_seconds = 600;  // cap on StepHeader.retain_inputs_seconds
+  // One line per head lifecycle event (created, uploaded, dropped, saved, gradients zeroed,
+  // optimizer step); nullptr = silent.
+  std::ostream* event_log = nullptr;
 };
 
 class HeadServiceImpl final : public v1::HeadService::CallbackService {
