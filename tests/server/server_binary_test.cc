@@ -3,73 +3,20 @@
 // SIGTERM drains and exits 0.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cstdio>
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/server/tensor_codec.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
-
-extern char** environ;
+#include "support/child_process.h"
 
 namespace remotehead {
 namespace {
 
-// Starts the binary with its stdout on a pipe; reads lines until it says which port it chose.
-class ServerProcess {
- public:
-  explicit ServerProcess(const std::vector<std::string>& args) {
-    int fds[2];
-    EXPECT_EQ(pipe(fds), 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    EXPECT_EQ(posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ), 0);
-    posix_spawn_file_actions_destroy(&actions);
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-    char line[512];
-    while (fgets(line, sizeof(line), out_) != nullptr) {
-      log_ += line;
-      if (sscanf(line, "remotehead-server: listening on port %d", &port_) == 1) break;
-    }
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  // SIGTERM, then the exit status and the rest of the log.
-  int Terminate() {
-    kill(pid_, SIGTERM);
-    char line[512];
-    while (fgets(line, sizeof(line), out_) != nullptr) log_ += line;
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-  int port() const { return port_; }
-  const std::string& log() const { return log_; }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  int port_ = 0;
-  std::string log_;
-};
+using testing::ServerProcess;
 
 TEST(ServerBinary, ServesForwardBackwardAndDrainsOnSigterm) {
   ServerProcess server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu",
@@ -131,6 +78,83 @@ TEST(ServerBinary, ServesForwardBackwardAndDrainsOnSigterm) {
 
   EXPECT_EQ(server.Terminate(), 0);
   EXPECT_NE(server.log().find("remotehead-server: stopped"), std::string::npos) << server.log();
+}
+
+// A trainer killed (SIGKILL) in the middle of a step: the server notices the broken stream, adds
+// nothing to dW, frees the request's admission (here the only slot: --max_active_requests=1,
+// no queue), and the same gradient id then runs as a fresh contribution.
+TEST(ServerBinary, ClientKilledMidStreamLeavesGradientsUntouched) {
+  ServerProcess server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu",
+                        "--head=lm:257:16:float32:3", "--max_active_requests=1",
+                        "--max_queued_requests=0"});
+  ASSERT_GT(server.port(), 0) << server.log();
+  testing::ChildProcess client({REMOTEHEAD_ABANDONED_CLIENT, server.target()},
+                               [](const std::string& line) {
+                                 return line.find("abandoned-step-client: streaming") !=
+                                        std::string::npos;
+                               });
+  ASSERT_NE(client.ready_line(), "") << client.log();
+  EXPECT_EQ(client.Wait(SIGKILL), -SIGKILL);
+
+  auto stub = v1::HeadService::NewStub(
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  auto local = core::Head::Initialize({.vocab_size = 257, .hidden_size = 16, .seed = 3}, {});
+  ASSERT_TRUE(local.ok());
+  const core::TokenBatch batch =
+      reference::MakeTestBatch(**local, 64, "cross_entropy", core::Reduction::kSum);
+  core::GradientBuffers expected = (*local)->NewGradientBuffers();
+  ASSERT_TRUE(core::FusedForwardBackward(**local, batch, {.reduction = core::Reduction::kSum},
+                                         &expected)
+                  .ok());
+
+  // The server may take a moment to see the connection drop; until then the slot is taken.
+  grpc::Status status;
+  v1::StepSummary summary;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    grpc::ClientContext context;
+    auto stream = stub->ForwardBackward(&context);
+    v1::StepRequest header;
+    header.mutable_header()->set_head_id("lm");
+    header.mutable_header()->mutable_function()->set_reduction(v1::REDUCTION_SUM);
+    header.mutable_header()->set_rows(64);
+    header.mutable_header()->set_accumulate_weight_grad(true);
+    header.mutable_header()->mutable_gradient_id()->set_trainer("killed/rank-0");
+    v1::StepRequest rows;
+    ASSERT_TRUE(server::EncodeTensor(batch.hidden, rows.mutable_rows()->mutable_hidden()).ok());
+    ASSERT_TRUE(server::EncodeTensor(batch.targets, rows.mutable_rows()->mutable_targets()).ok());
+    stream->Write(header);
+    stream->Write(rows);
+    stream->WritesDone();
+    v1::StepResponse response;
+    while (stream->Read(&response)) {
+      if (response.has_summary()) summary = response.summary();
+    }
+    status = stream->Finish();
+    if (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_FALSE(summary.replayed()) << "the killed request must not have been recorded";
+
+  // dW on the server is exactly this one contribution.
+  grpc::ClientContext fetch_context;
+  v1::FetchGradientsRequest fetch;
+  fetch.set_head_id("lm");
+  auto reader = stub->FetchGradients(&fetch_context, fetch);
+  torch::Tensor dw = torch::full({257, 16}, NAN);
+  v1::FetchGradientsResponse part;
+  while (reader->Read(&part)) {
+    if (part.has_weight_grad_rows()) {
+      torch::Tensor values = *server::DecodeTensor(part.weight_grad_rows().values(), "dw");
+      dw.narrow(0, part.weight_grad_rows().row_offset(), values.size(0)).copy_(values);
+    }
+    if (part.has_info()) {
+      EXPECT_EQ(part.info().accumulated_micro_batches(), 1);
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_LE(reference::MaxAbsDiff(dw, expected.weight), 1e-5 * reference::MaxAbs(expected.weight));
+  EXPECT_EQ(server.Terminate(), 0);
 }
 
 }  // namespace

@@ -24,8 +24,7 @@
 #include "remotehead/server/credentials.h"
 #include "remotehead/server/tensor_codec.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
-
-extern char** environ;
+#include "support/child_process.h"
 
 namespace remotehead {
 namespace {
@@ -37,58 +36,18 @@ constexpr char kExpectedBearer[] =
     "authorization: expected a bearer token (call metadata \"authorization: Bearer <token>\" "
     "matching the server's --auth_token_file); got ";
 
-// The binary with stdout and stderr on one pipe; reads lines until it says which port it chose,
-// or until it exits.
-class ServerProcess {
+// The binary with the preloaded test head and `args`.
+class ServerProcess : public testing::ServerProcess {
  public:
-  explicit ServerProcess(std::vector<std::string> args) {
-    args.insert(args.begin(), {REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu",
-                               "--head=lm:257:16:float32:3"});
-    int fds[2];
-    EXPECT_EQ(pipe(fds), 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    EXPECT_EQ(posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ), 0);
-    posix_spawn_file_actions_destroy(&actions);
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-    char line[1024];
-    while (fgets(line, sizeof(line), out_) != nullptr) {
-      log_ += line;
-      if (sscanf(line, "remotehead-server: listening on port %d", &port_) == 1) break;
-    }
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  // For a server that refused to start: the rest of its output and its exit status.
-  int ExitCode() {
-    char line[1024];
-    while (fgets(line, sizeof(line), out_) != nullptr) log_ += line;
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
-  int port() const { return port_; }
-  const std::string& log() const { return log_; }
+  explicit ServerProcess(std::vector<std::string> args)
+      : testing::ServerProcess(WithDefaults(std::move(args))) {}
 
  private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  int port_ = 0;
-  std::string log_;
+  static std::vector<std::string> WithDefaults(std::vector<std::string> args) {
+    args.insert(args.begin(), {REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu",
+                               "--head=lm:257:16:float32:3"});
+    return args;
+  }
 };
 
 std::string ReadText(const fs::path& path) {

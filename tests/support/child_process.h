@@ -1,0 +1,100 @@
+// Child processes for tests against real binaries: spawned with stdout and stderr on one pipe,
+// their output read line by line until they say they are ready, and killed when the test ends.
+#pragma once
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace remotehead::testing {
+
+class ChildProcess {
+ public:
+  // Starts argv[0] and reads its output until `ready` returns true for a line (or it exits).
+  ChildProcess(const std::vector<std::string>& argv,
+               const std::function<bool(const std::string&)>& ready) {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+    posix_spawn_file_actions_addclose(&actions, fds[0]);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&actions);
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    char line[1024];
+    while (pid_ > 0 && fgets(line, sizeof(line), out_) != nullptr) {
+      log_ += line;
+      if (ready(line)) {
+        ready_line_ = line;
+        break;
+      }
+    }
+  }
+  ~ChildProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ != nullptr) fclose(out_);
+  }
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  // Sends `signal` (unless it is 0), reads the rest of the output and returns the exit code,
+  // or -N if the process died of signal N.
+  int Wait(int signal = 0) {
+    if (pid_ <= 0) return -1;
+    if (signal != 0) kill(pid_, signal);
+    char line[1024];
+    while (fgets(line, sizeof(line), out_) != nullptr) log_ += line;
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+  }
+  bool started() const { return pid_ > 0; }
+  const std::string& log() const { return log_; }
+  // The line that made the process ready (empty if it never did).
+  const std::string& ready_line() const { return ready_line_; }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  std::string log_;
+  std::string ready_line_;
+};
+
+// remotehead-server on a loopback port of its choosing (it logs "listening on port N").
+class ServerProcess : public ChildProcess {
+ public:
+  explicit ServerProcess(const std::vector<std::string>& argv)
+      : ChildProcess(argv, [](const std::string& line) { return ParsePort(line) > 0; }) {}
+  // SIGTERM: drain and exit.
+  int Terminate() { return Wait(SIGTERM); }
+  // For a server that refused to start: its exit code.
+  int ExitCode() { return Wait(); }
+  int port() const { return ParsePort(ready_line()); }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port()); }
+
+ private:
+  static int ParsePort(const std::string& line) {
+    int port = 0;
+    return sscanf(line.c_str(), "remotehead-server: listening on port %d", &port) == 1 ? port : 0;
+  }
+};
+
+}  // namespace remotehead::testing
