@@ -1,0 +1,506 @@
+// The C++ client against an in-process server on a loopback port: every typed call gives what
+// the engine (core/) gives when called directly on the same head, uploads and exports round-trip
+// bit-exactly, FetchGradients returns the registry's accumulators, and server errors come back
+// with the server's code and message.
+//
+// The server accepts no message larger than the client's chunk_bytes (4 KiB here), so every
+// test also checks that the client splits its requests as promised; the server streams its
+// results in 1 KiB chunks, so every result is assembled from many messages.
+#include "remotehead/client/client.h"
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "core/reference.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/core/optimizer.h"
+#include "remotehead/server/head_service.h"
+
+namespace remotehead {
+namespace {
+
+namespace rc = client;
+
+constexpr int64_t kVocab = 300;
+constexpr int64_t kHidden = 32;
+constexpr int64_t kRows = 50;
+constexpr int64_t kChunkBytes = 4096;
+
+class ClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    service_ = std::make_unique<server::HeadServiceImpl>(
+        &registry_, server::ServiceOptions{.response_chunk_bytes = 1024});
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    builder.SetMaxReceiveMessageSize(kChunkBytes);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    target_ = absl::StrCat("127.0.0.1:", port);
+    client_ = *rc::Client::Create({.target = target_, .chunk_bytes = kChunkBytes});
+
+    auto info = client_->CreateHead("lm", rc::InitSpec{.vocab_size = kVocab,
+                                                       .hidden_size = kHidden,
+                                                       .bias = true,
+                                                       .seed = 5,
+                                                       .init_std = 1.0 / std::sqrt(kHidden)});
+    ASSERT_TRUE(info.ok()) << info.status();
+    entry_ = *registry_.Get("lm");
+    batch_ = reference::MakeTestBatch(Head(), kRows, "cross_entropy", core::Reduction::kMean);
+  }
+
+  void TearDown() override {
+    server_->Shutdown();
+    service_.reset();
+  }
+
+  const core::Head& Head() { return *entry_->head; }
+
+  torch::Tensor HeadWeightGrad() {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    return entry_->head->grads().weight.clone();
+  }
+
+  // The spec matching core::StepOptions `options` on head "lm".
+  static rc::StepSpec SpecFor(const core::StepOptions& options) {
+    rc::StepSpec spec{.head_id = "lm",
+                      .function = options.function,
+                      .params = options.params,
+                      .normalizer = options.normalizer,
+                      .chunk_rows = options.chunk_rows,
+                      .upstream_scale = options.upstream_scale};
+    switch (options.reduction) {
+      case core::Reduction::kNone:
+        spec.reduction = rc::Reduction::kNone;
+        break;
+      case core::Reduction::kSum:
+        spec.reduction = rc::Reduction::kSum;
+        break;
+      case core::Reduction::kMean:
+        spec.reduction = rc::Reduction::kMean;
+        break;
+      case core::Reduction::kWeightedSum:
+        spec.reduction = rc::Reduction::kWeightedSum;
+        break;
+    }
+    return spec;
+  }
+
+  static rc::StepInputs InputsFor(const core::TokenBatch& batch) {
+    return {.hidden = batch.hidden, .targets = batch.targets, .weights = batch.weights,
+            .aux = batch.aux};
+  }
+
+  server::HeadRegistry registry_;
+  std::unique_ptr<server::HeadServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string target_;
+  std::shared_ptr<rc::Client> client_;
+  std::shared_ptr<server::HeadEntry> entry_;
+  core::TokenBatch batch_;
+};
+
+TEST_F(ClientTest, LifecycleCallsDescribeTheRegistryAndKeepTheServersErrors) {
+  auto described = client_->DescribeHead("lm");
+  ASSERT_TRUE(described.ok()) << described.status();
+  EXPECT_EQ(described->head_id, "lm");
+  EXPECT_EQ(described->vocab_size, kVocab);
+  EXPECT_EQ(described->hidden_size, kHidden);
+  EXPECT_EQ(described->dtype, torch::kFloat);
+  EXPECT_TRUE(described->has_bias);
+  EXPECT_EQ(described->device, "cpu");
+  EXPECT_EQ(described->weight_version, 0);
+
+  const auto duplicate =
+      client_->CreateHead("lm", rc::InitSpec{.vocab_size = 10, .hidden_size = 4});
+  EXPECT_EQ(duplicate.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(duplicate.status().message(),
+            "head_id: expected a new id; got \"lm\", which already exists");
+
+  ASSERT_TRUE(client_->CreateHead("small", rc::InitSpec{.vocab_size = 10,
+                                                        .hidden_size = 4,
+                                                        .dtype = torch::kBFloat16})
+                  .ok());
+  auto heads = client_->ListHeads();
+  ASSERT_TRUE(heads.ok()) << heads.status();
+  ASSERT_EQ(heads->size(), 2u);
+  EXPECT_EQ((*heads)[0].head_id, "lm");
+  EXPECT_EQ((*heads)[1].head_id, "small");
+  EXPECT_EQ((*heads)[1].dtype, torch::kBFloat16);
+  EXPECT_FALSE((*heads)[1].has_bias);
+
+  ASSERT_TRUE(client_->DropHead("small").ok());
+  const absl::Status missing = client_->DropHead("small");
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(missing.message(), "head_id: expected one of [lm]; got \"small\"");
+  EXPECT_EQ(client_->DescribeHead("small").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Every function and reduction the fused path serves, with the per-token inputs each needs
+// (weights for weighted_sum; GRPO's advantages and old / ref log-probs as aux tensors).
+TEST_F(ClientTest, ForwardBackwardEqualsTheEngineForEveryFunctionAndReduction) {
+  struct Case {
+    std::string function;
+    core::Reduction reduction;
+    core::FunctionParams params;
+    std::optional<double> normalizer;
+  };
+  const std::vector<Case> cases = {
+      {"cross_entropy", core::Reduction::kMean, {{"label_smoothing", 0.1}, {"z_loss", 1e-3}}},
+      {"cross_entropy", core::Reduction::kSum, {}, 123.0},
+      {"token_logprobs", core::Reduction::kWeightedSum, {}},
+      {"grpo", core::Reduction::kMean, {{"beta", 0.05}, {"epsilon_high", 0.28}}},
+      {"entropy", core::Reduction::kMean, {{"temperature", 0.7}}, 80.0},
+  };
+  int micro_batch = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.function);
+    const core::TokenBatch batch = reference::MakeTestBatch(Head(), kRows, c.function, c.reduction);
+    const core::StepOptions options{.function = c.function,
+                                    .params = c.params,
+                                    .reduction = c.reduction,
+                                    .normalizer = c.normalizer,
+                                    .chunk_rows = 8};
+    core::GradientBuffers expected = Head().NewGradientBuffers();
+    auto direct = core::FusedForwardBackward(Head(), batch, options, &expected);
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    // The naive float64 reference, independent of the engine.
+    const auto naive = reference::NaiveReference(Head(), batch, options);
+
+    ASSERT_TRUE(client_->ZeroGradients("lm").ok());
+    rc::StepSpec spec = SpecFor(options);
+    spec.gradient_id = rc::GradientId{.trainer = "client-test", .micro_batch = micro_batch++};
+    auto r = client_->ForwardBackward(spec, InputsFor(batch));
+    ASSERT_TRUE(r.ok()) << r.status();
+
+    // Engine vs server: the same fp32 arithmetic, rows split differently (client chunks).
+    EXPECT_NEAR(r->loss, direct->loss, 1e-6 * std::max(1.0, std::abs(direct->loss)));
+    EXPECT_EQ(r->grad_hidden.scalar_type(), torch::kFloat);
+    EXPECT_LE(reference::MaxAbsDiff(r->grad_hidden, direct->grad_hidden),
+              1e-6 * reference::MaxAbs(direct->grad_hidden));
+    EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), expected.weight),
+              1e-5 * reference::MaxAbs(expected.weight));
+    // Both vs the float64 reference (the engine parity suite's fp32 tolerance).
+    EXPECT_NEAR(r->loss, naive.output.item<double>(),
+                2e-5 * std::max(1.0, std::abs(naive.output.item<double>())));
+    EXPECT_LE(reference::MaxAbsDiff(r->grad_hidden, naive.grad_hidden),
+              2e-5 * reference::MaxAbs(naive.grad_hidden));
+    EXPECT_EQ(r->summary.valid_tokens, direct->stats.valid_tokens);
+    EXPECT_EQ(r->summary.extras.size(), direct->stats.extras.size());
+    for (const auto& [name, value] : direct->stats.extras) {
+      EXPECT_NEAR(r->summary.extras.at(name), value, 1e-4 * std::max(1.0, std::abs(value)))
+          << name;
+    }
+    EXPECT_FALSE(r->summary.replayed);
+  }
+}
+
+// A bfloat16 head: the client sends hidden in the head's dtype and returns dX in the caller's.
+TEST_F(ClientTest, HalfPrecisionHeadTakesHiddenInItsDtypeAndReturnsDxInTheCallers) {
+  ASSERT_TRUE(client_->CreateHead("bf", rc::InitSpec{.vocab_size = kVocab,
+                                                     .hidden_size = kHidden,
+                                                     .seed = 9,
+                                                     .init_std = 0.2,
+                                                     .dtype = torch::kBFloat16})
+                  .ok());
+  const core::Head& bf = *(*registry_.Get("bf"))->head;
+  const torch::Tensor hidden = torch::randn({kRows, kHidden});
+  core::TokenBatch batch{.hidden = hidden.to(torch::kBFloat16), .targets = batch_.targets};
+  auto direct = core::FusedForwardBackward(bf, batch, {.chunk_rows = 8}, nullptr);
+  ASSERT_TRUE(direct.ok()) << direct.status();
+
+  auto r = client_->ForwardBackward(
+      {.head_id = "bf", .chunk_rows = 8, .accumulate_weight_grad = false,
+       .wire_dtype = torch::kBFloat16},
+      {.hidden = hidden, .targets = batch_.targets});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->grad_hidden.scalar_type(), torch::kFloat);
+  EXPECT_NEAR(r->loss, direct->loss, 1e-5 * std::abs(direct->loss));
+  // bf16 results of differently split GEMMs: one bf16 rounding step of the largest value.
+  EXPECT_LE(reference::MaxAbsDiff(r->grad_hidden, direct->grad_hidden),
+            1e-2 * reference::MaxAbs(direct->grad_hidden));
+}
+
+TEST_F(ClientTest, TwoPhaseForwardAndBackwardEqualTheEngine) {
+  const core::StepOptions per_token{.function = "token_logprobs",
+                                    .reduction = core::Reduction::kNone,
+                                    .chunk_rows = 8};
+  auto expected = core::Forward(Head(), batch_, per_token);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  auto forward = client_->Forward(SpecFor(per_token), InputsFor(batch_));
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  ASSERT_EQ(forward->outputs.sizes(), (std::vector<int64_t>{kRows}));
+  EXPECT_LE(reference::MaxAbsDiff(forward->outputs, expected->output), 1e-6);
+  EXPECT_EQ(reference::MaxAbs(HeadWeightGrad()), 0.0) << "Forward accumulates nothing";
+
+  // Scalar Forward: the loss alone.
+  const core::StepOptions mean{.chunk_rows = 8};
+  auto expected_loss = core::Forward(Head(), batch_, mean);
+  ASSERT_TRUE(expected_loss.ok());
+  auto loss = client_->Forward(SpecFor(mean), InputsFor(batch_));
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  EXPECT_EQ(loss->outputs.dim(), 0);
+  EXPECT_NEAR(loss->outputs.item<double>(), expected_loss->output.item<double>(), 1e-6);
+  EXPECT_NEAR(loss->summary.loss, expected_loss->output.item<double>(), 1e-6);
+
+  // Backward with per-token dL/dy.
+  const torch::Tensor upstream = torch::randn({kRows});
+  core::GradientBuffers grads = Head().NewGradientBuffers();
+  auto dx = core::Backward(Head(), batch_, per_token, upstream, &grads);
+  ASSERT_TRUE(dx.ok()) << dx.status();
+  rc::StepSpec spec = SpecFor(per_token);
+  spec.gradient_id = rc::GradientId{.trainer = "client-test", .step = 1};
+  auto backward = client_->Backward(spec, InputsFor(batch_), upstream);
+  ASSERT_TRUE(backward.ok()) << backward.status();
+  EXPECT_LE(reference::MaxAbsDiff(backward->grad_hidden, *dx), 1e-6 * reference::MaxAbs(*dx));
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight),
+            1e-5 * reference::MaxAbs(grads.weight));
+
+  // Backward of a scalar reduction: dL/d(loss) = 0.5.
+  ASSERT_TRUE(client_->ZeroGradients("lm").ok());
+  const torch::Tensor half = torch::tensor(0.5);
+  core::GradientBuffers scalar_grads = Head().NewGradientBuffers();
+  auto scalar_dx = core::Backward(Head(), batch_, mean, half, &scalar_grads);
+  ASSERT_TRUE(scalar_dx.ok()) << scalar_dx.status();
+  rc::StepSpec mean_spec = SpecFor(mean);
+  mean_spec.gradient_id = rc::GradientId{.trainer = "client-test", .step = 2};
+  auto scalar = client_->Backward(mean_spec, InputsFor(batch_), half);
+  ASSERT_TRUE(scalar.ok()) << scalar.status();
+  EXPECT_LE(reference::MaxAbsDiff(scalar->grad_hidden, *scalar_dx),
+            1e-6 * reference::MaxAbs(*scalar_dx));
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), scalar_grads.weight),
+            1e-5 * reference::MaxAbs(scalar_grads.weight));
+}
+
+TEST_F(ClientTest, UploadThenExportRoundTripsBitExactly) {
+  for (const torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const std::string id = absl::StrCat("up-", c10::toString(dtype));
+    const torch::Tensor w = torch::randn({kVocab, kHidden}).to(dtype);
+    const torch::Tensor b = torch::randn({kVocab}).to(dtype);
+    auto info = client_->UploadHead(id, w, b);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->dtype, dtype);
+    EXPECT_TRUE(info->has_bias);
+    EXPECT_TRUE(torch::equal((*registry_.Get(id))->head->weight(), w));
+
+    auto exported = client_->ExportWeights(id);
+    ASSERT_TRUE(exported.ok()) << exported.status();
+    EXPECT_TRUE(torch::equal(exported->weight, w));
+    EXPECT_TRUE(torch::equal(exported->bias, b));
+    auto as_double = client_->ExportWeights(id, torch::kDouble);
+    ASSERT_TRUE(as_double.ok()) << as_double.status();
+    EXPECT_TRUE(torch::equal(as_double->weight, w.to(torch::kDouble)));
+  }
+  // No bias; a non-contiguous source is sent by value.
+  const torch::Tensor wt = torch::randn({kHidden, kVocab}).t();
+  ASSERT_TRUE(client_->UploadHead("nobias", wt).ok());
+  auto exported = client_->ExportWeights("nobias");
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_TRUE(torch::equal(exported->weight, wt));
+  EXPECT_FALSE(exported->bias.defined());
+}
+
+TEST_F(ClientTest, FetchGradientsReturnsTheRegistrysAccumulators) {
+  rc::StepSpec spec{.head_id = "lm", .gradient_id = rc::GradientId{.trainer = "t"}};
+  ASSERT_TRUE(client_->ForwardBackward(spec, InputsFor(batch_)).ok());
+  spec.gradient_id->micro_batch = 1;
+  ASSERT_TRUE(client_->ForwardBackward(spec, InputsFor(batch_)).ok());
+  torch::Tensor dw, db;
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    dw = entry_->head->grads().weight.clone();
+    db = entry_->head->grads().bias.clone();
+  }
+  auto grads = client_->FetchGradients("lm");
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  EXPECT_EQ(grads->weight_grad.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::equal(grads->weight_grad, dw));
+  EXPECT_TRUE(torch::equal(grads->bias_grad, db));
+  EXPECT_EQ(grads->info.accumulated_micro_batches, 2);
+  auto bf16 = client_->FetchGradients("lm", torch::kBFloat16);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_TRUE(torch::equal(bf16->weight_grad, dw.to(torch::kBFloat16)));
+
+  auto zeroed = client_->ZeroGradients("lm");
+  ASSERT_TRUE(zeroed.ok()) << zeroed.status();
+  EXPECT_EQ(zeroed->accumulated_micro_batches, 0);
+  auto after = client_->FetchGradients("lm");
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(reference::MaxAbs(after->weight_grad), 0.0);
+  EXPECT_EQ(reference::MaxAbs(after->bias_grad), 0.0);
+}
+
+TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
+  const rc::StepSpec spec{.head_id = "lm", .gradient_id = rc::GradientId{.trainer = "t"}};
+  ASSERT_TRUE(client_->ForwardBackward(spec, InputsFor(batch_)).ok());
+  // The same step on a local copy of the head, by core/ directly.
+  std::unique_ptr<core::Head> local;
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    local = *core::Head::FromTensors(Head().weight(), Head().bias(), {});
+    local->grads().weight.copy_(Head().grads().weight);
+    local->grads().bias.copy_(Head().grads().bias);
+  }
+  core::OptimizerState state;
+  ASSERT_TRUE(core::AdamWStep(*local, {.lr = 0.01, .weight_decay = 0.1}, 0.5, &state).ok());
+  auto info = client_->OptimizerStep(
+      "lm", {.optimizer = rc::AdamW{.lr = 0.01, .weight_decay = 0.1}, .grad_scale = 0.5});
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->weight_version, 1);
+  EXPECT_EQ(info->accumulated_micro_batches, 1) << "zero_gradients was not asked for";
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    EXPECT_TRUE(torch::equal(Head().weight(), local->weight()));
+    EXPECT_TRUE(torch::equal(Head().bias(), local->bias()));
+  }
+
+  // SGD on another head: w ← w − lr·dW, then the accumulators zeroed.
+  ASSERT_TRUE(client_->CreateHead("sgd", rc::InitSpec{.vocab_size = kVocab, .hidden_size = kHidden})
+                  .ok());
+  auto sgd_entry = *registry_.Get("sgd");
+  const torch::Tensor w0 = sgd_entry->head->weight().clone();
+  ASSERT_TRUE(client_
+                  ->ForwardBackward({.head_id = "sgd", .gradient_id = rc::GradientId{.trainer = "t"}},
+                                    InputsFor(batch_))
+                  .ok());
+  const torch::Tensor dw = sgd_entry->head->grads().weight.clone();
+  auto sgd = client_->OptimizerStep("sgd", {.optimizer = rc::Sgd{.lr = 0.5}, .zero_gradients = true});
+  ASSERT_TRUE(sgd.ok()) << sgd.status();
+  EXPECT_EQ(sgd->weight_version, 1);
+  EXPECT_EQ(sgd->accumulated_micro_batches, 0);
+  EXPECT_LE(reference::MaxAbsDiff(sgd_entry->head->weight(), w0 - 0.5 * dw), 1e-7);
+  EXPECT_EQ(reference::MaxAbs(sgd_entry->head->grads().weight), 0.0);
+
+  // Work pinned to the old version is refused, with the server's code and message.
+  const auto stale = client_->ForwardBackward(
+      {.head_id = "sgd", .gradient_id = rc::GradientId{.trainer = "t"},
+       .expected_weight_version = 0},
+      InputsFor(batch_));
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(stale.status().message(),
+            "header.expected_weight_version: expected the head's current version 1; got 0");
+  const auto bad_lr = client_->OptimizerStep("sgd", {.optimizer = rc::Sgd{.lr = -1}});
+  EXPECT_EQ(bad_lr.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad_lr.status().message(), "sgd.lr: expected a finite value in (0, inf); got -1");
+}
+
+TEST_F(ClientTest, SaveWeightsThenCreateHeadFromTheFile) {
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("remotehead_client_" + std::to_string(getpid()) + ".safetensors"))
+                               .string();
+  auto bytes = client_->SaveWeights("lm", path, "model.embed_tokens.weight");
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_GT(*bytes, kVocab * kHidden * 4);
+  auto info = client_->CreateHead("copy", rc::SafetensorsSource{.path = path,
+                                                               .weight_name =
+                                                                   "model.embed_tokens.weight",
+                                                               .bias_name = "lm_head.bias",
+                                                               .dtype = torch::kBFloat16});
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->dtype, torch::kBFloat16);
+  auto copy = client_->ExportWeights("copy");
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_TRUE(torch::equal(copy->weight, Head().weight().to(torch::kBFloat16)));
+  EXPECT_TRUE(torch::equal(copy->bias, Head().bias().to(torch::kBFloat16)));
+
+  const auto missing = client_->CreateHead("other", rc::SafetensorsSource{.path = path});
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(missing.status().message(),
+            "tensor \"lm_head.weight\": expected one of [lm_head.bias, "
+            "model.embed_tokens.weight] in " +
+                path);
+  std::filesystem::remove(path);
+}
+
+TEST_F(ClientTest, StepErrorsComeBackWithTheServersCodeAndMessageAndChangeNothing) {
+  const torch::Tensor before = HeadWeightGrad();
+  const rc::StepSpec spec{.head_id = "lm", .gradient_id = rc::GradientId{.trainer = "t"}};
+
+  rc::StepSpec unknown = spec;
+  unknown.head_id = "nope";
+  const auto not_found = client_->ForwardBackward(unknown, InputsFor(batch_));
+  EXPECT_EQ(not_found.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(not_found.status().message(), "head_id: expected one of [lm]; got \"nope\"");
+
+  rc::StepInputs bad_label = InputsFor(batch_);
+  bad_label.targets = batch_.targets.clone();
+  bad_label.targets[0] = kVocab;
+  const auto out_of_range = client_->ForwardBackward(spec, bad_label);
+  EXPECT_EQ(out_of_range.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(out_of_range.status().message(),
+            "targets[0]: expected a token id in [0, 300) or ignore_index (-100); got 300");
+
+  rc::StepSpec no_id = spec;
+  no_id.gradient_id.reset();
+  const auto anonymous = client_->ForwardBackward(no_id, InputsFor(batch_));
+  EXPECT_EQ(anonymous.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(anonymous.status().message(),
+            "header.gradient_id: expected a trainer / step / micro_batch identity when "
+            "accumulate_weight_grad is set; got none");
+  EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+
+  // Caught by the client before anything is sent.
+  const int64_t attempts = client_->stats().attempts;
+  const auto flat_hidden =
+      client_->ForwardBackward(spec, {.hidden = batch_.hidden.flatten(), .targets = batch_.targets});
+  EXPECT_EQ(flat_hidden.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(flat_hidden.status().message(),
+            "inputs.hidden: expected a floating [N, D] tensor; got Float [1600]");
+  const auto short_targets = client_->ForwardBackward(
+      spec, {.hidden = batch_.hidden, .targets = batch_.targets.narrow(0, 0, kRows - 1)});
+  EXPECT_EQ(short_targets.status().message(), "inputs.targets: expected shape [50]; got [49]");
+  EXPECT_EQ(client_->stats().attempts, attempts);
+}
+
+// The server here refuses any message over 4 KiB: requests of many rows succeed only because
+// the client splits them, and a client told to send larger messages is refused.
+TEST_F(ClientTest, ChunkBytesBoundsEveryRequestMessage) {
+  const core::TokenBatch big = reference::MakeTestBatch(Head(), 700, "cross_entropy",
+                                                        core::Reduction::kMean);  // 87.5 KiB of X
+  auto direct = core::FusedForwardBackward(Head(), big, {}, nullptr);
+  ASSERT_TRUE(direct.ok());
+  auto r = client_->ForwardBackward({.head_id = "lm", .accumulate_weight_grad = false},
+                                    InputsFor(big));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_LE(reference::MaxAbsDiff(r->grad_hidden, direct->grad_hidden),
+            1e-6 * reference::MaxAbs(direct->grad_hidden));
+
+  auto greedy = *rc::Client::Create({.target = target_, .chunk_bytes = 64 << 10});
+  const auto refused =
+      greedy->ForwardBackward({.head_id = "lm", .accumulate_weight_grad = false}, InputsFor(big));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+
+  auto tiny = *rc::Client::Create({.target = target_, .chunk_bytes = 1024});
+  const auto no_room = tiny->UploadHead("wide", torch::zeros({4, 512}));
+  EXPECT_EQ(no_room.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(no_room.status().message(),
+            "chunk_bytes: expected room for at least one row (2048 bytes + 128 bytes of framing); "
+            "got 1024");
+}
+
+TEST(ClientOptionsTest, InvalidOptionsAreRefusedNamingTheField) {
+  const auto token = rc::Client::Create({.bearer_token = "secret"});
+  EXPECT_EQ(token.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(token.status().message(),
+            "bearer_token: expected a TLS channel (options.tls) to send a token over; got an "
+            "insecure channel");
+  const auto half_mtls =
+      rc::Client::Create({.tls = rc::TlsOptions{.client_cert_pem = "-----BEGIN CERTIFICATE-----"}});
+  EXPECT_EQ(half_mtls.status().message(),
+            "tls.client_cert_pem, tls.client_key_pem: expected both (mutual TLS) or neither; got "
+            "only one");
+  const auto attempts = rc::Client::Create({.retry = {.max_attempts = 0}});
+  EXPECT_EQ(attempts.status().message(), "retry.max_attempts: expected >= 1; got 0");
+  const auto chunk = rc::Client::Create({.chunk_bytes = 10});
+  EXPECT_EQ(chunk.status().message(), "chunk_bytes: expected >= 1024; got 10");
+  EXPECT_TRUE(rc::Client::Create({.tls = rc::TlsOptions{}, .bearer_token = "secret"}).ok());
+}
+
+}  // namespace
+}  // namespace remotehead
