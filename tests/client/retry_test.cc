@@ -1,0 +1,301 @@
+// The client's retries: a call that meets UNAVAILABLE (no server yet, a connection lost in the
+// middle of a stream, a lost answer) is retried as a whole with the same gradient identity, and
+// the server's exactly-once ledger makes the accumulated dW come out as if it had been sent once.
+// Any other code is returned at the first attempt.
+#include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "core/reference.h"
+#include "remotehead/client/client.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/core/optimizer.h"
+#include "remotehead/server/head_service.h"
+
+namespace remotehead {
+namespace {
+
+namespace rc = client;
+using std::chrono::milliseconds;
+
+constexpr int64_t kVocab = 200;
+constexpr int64_t kHidden = 16;
+constexpr int64_t kRows = 40;
+
+// A port nothing listens on (yet): bound once by the kernel's choice, then released.
+int UnusedPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A ForwardBackward that reads the header and the first rows, sends a garbage dX chunk and
+// then fails with UNAVAILABLE, as a connection lost mid-stream looks to the client.
+class BrokenStepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+ public:
+  BrokenStepReactor() { StartRead(&request_); }
+  void OnReadDone(bool ok) override {
+    if (ok && ++messages_ < 2) {
+      StartRead(&request_);
+      return;
+    }
+    v1::TensorChunk* chunk = response_.mutable_grad_hidden();
+    const std::vector<float> garbage(kHidden, 1e9f);
+    chunk->mutable_values()->set_dtype(v1::DTYPE_FLOAT32);
+    chunk->mutable_values()->add_shape(1);
+    chunk->mutable_values()->add_shape(kHidden);
+    chunk->mutable_values()->set_data(garbage.data(), garbage.size() * sizeof(float));
+    StartWriteAndFinish(&response_, {},
+                        grpc::Status(grpc::StatusCode::UNAVAILABLE, "injected: connection lost"));
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  v1::StepRequest request_;
+  v1::StepResponse response_;
+  int messages_ = 0;
+};
+
+// The real service, with faults injected into the first calls of some RPCs.
+class FlakyService final : public v1::HeadService::CallbackService {
+ public:
+  FlakyService(server::HeadServiceImpl* real, server::HeadRegistry* registry)
+      : real_(real), registry_(registry) {}
+
+  std::atomic<int> broken_steps{0};          // ForwardBackward calls that break mid-stream
+  std::atomic<int> lost_optimizer_steps{0};  // OptimizerSteps applied whose answer is lost
+
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* ForwardBackward(
+      grpc::CallbackServerContext* context) override {
+    if (broken_steps.fetch_sub(1) > 0) return new BrokenStepReactor();
+    return real_->ForwardBackward(context);
+  }
+  grpc::ServerUnaryReactor* OptimizerStep(grpc::CallbackServerContext* context,
+                                          const v1::OptimizerStepRequest* request,
+                                          v1::OptimizerStepResponse* response) override {
+    if (lost_optimizer_steps.fetch_sub(1) <= 0) {
+      return real_->OptimizerStep(context, request, response);
+    }
+    // Applied on the server, then the connection drops before the answer reaches the client.
+    auto entry = *registry_->Get(request->head_id());
+    {
+      std::lock_guard<std::mutex> lock(entry->mu);
+      EXPECT_TRUE(core::SgdStep(*entry->head, {.lr = request->sgd().lr()}, 1.0, &entry->optimizer)
+                      .ok());
+    }
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "injected: answer lost"));
+    return reactor;
+  }
+  grpc::ServerUnaryReactor* DescribeHead(grpc::CallbackServerContext* context,
+                                         const v1::HeadRef* request,
+                                         v1::HeadInfo* response) override {
+    return real_->DescribeHead(context, request, response);
+  }
+
+ private:
+  server::HeadServiceImpl* real_;
+  server::HeadRegistry* registry_;
+};
+
+class RetryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto head = core::Head::Initialize(
+        {.vocab_size = kVocab, .hidden_size = kHidden, .bias = true, .seed = 3, .init_std = 0.25},
+        {});
+    ASSERT_TRUE(head.ok());
+    entry_ = *registry_.Add("lm", *std::move(head));
+    batch_ = reference::MakeTestBatch(*entry_->head, kRows, "cross_entropy",
+                                      core::Reduction::kMean);
+    service_ = std::make_unique<server::HeadServiceImpl>(
+        &registry_, server::ServiceOptions{.response_chunk_bytes = 512});
+    flaky_ = std::make_unique<FlakyService>(service_.get(), &registry_);
+    port_ = UnusedPort();
+  }
+
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+    flaky_.reset();
+    service_.reset();
+  }
+
+  void StartServer() {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(absl::StrCat("127.0.0.1:", port_), grpc::InsecureServerCredentials());
+    builder.RegisterService(flaky_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+  }
+
+  // A client whose retries are counted; small backoffs keep the test fast.
+  std::shared_ptr<rc::Client> MakeClient(int max_attempts,
+                                         std::optional<milliseconds> deadline = {}) {
+    return *rc::Client::Create(
+        {.target = absl::StrCat("127.0.0.1:", port_),
+         .retry = {.max_attempts = max_attempts, .initial_backoff = milliseconds(50)},
+         .deadline = deadline,
+         .chunk_bytes = 1024,  // several rows messages per call
+         .on_retry = [this](const rc::RetryEvent& e) {
+           EXPECT_EQ(e.status.code(), absl::StatusCode::kUnavailable);
+           retry_events_.push_back(e);
+         }});
+  }
+
+  rc::StepSpec Spec() const {
+    return {.head_id = "lm", .gradient_id = rc::GradientId{.trainer = "run/rank-0", .step = 7}};
+  }
+  rc::StepInputs Inputs() const { return {.hidden = batch_.hidden, .targets = batch_.targets}; }
+
+  torch::Tensor HeadWeightGrad() {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    return entry_->head->grads().weight.clone();
+  }
+
+  server::HeadRegistry registry_;
+  std::shared_ptr<server::HeadEntry> entry_;
+  core::TokenBatch batch_;
+  std::unique_ptr<server::HeadServiceImpl> service_;
+  std::unique_ptr<FlakyService> flaky_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::vector<rc::RetryEvent> retry_events_;
+};
+
+TEST_F(RetryTest, ServerThatStartsLateIsReachedByRetriesAndDwIsAddedOnce) {
+  core::GradientBuffers once = entry_->head->NewGradientBuffers();
+  auto direct = core::FusedForwardBackward(*entry_->head, batch_, {}, &once);
+  ASSERT_TRUE(direct.ok());
+
+  auto client = MakeClient(/*max_attempts=*/10);
+  std::thread starter([this] {
+    std::this_thread::sleep_for(milliseconds(300));
+    StartServer();
+  });
+  auto r = client->ForwardBackward(Spec(), Inputs());
+  starter.join();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GE(client->stats().retries, 1);
+  EXPECT_EQ(client->stats().retries, static_cast<int64_t>(retry_events_.size()));
+  EXPECT_EQ(client->stats().attempts, client->stats().retries + 1);
+  EXPECT_FALSE(r->summary.replayed);
+  EXPECT_NEAR(r->loss, direct->loss, 1e-6);
+  EXPECT_LE(reference::MaxAbsDiff(r->grad_hidden, direct->grad_hidden), 1e-6);
+  const torch::Tensor dw = HeadWeightGrad();
+  EXPECT_LE(reference::MaxAbsDiff(dw, once.weight), 1e-5 * reference::MaxAbs(once.weight));
+  EXPECT_EQ(entry_->applied.size(), 1u);
+
+  // The same identity again (as a retry after a lost answer would send it): the answer is
+  // recomputed, nothing is added.
+  auto replay = client->ForwardBackward(Spec(), Inputs());
+  ASSERT_TRUE(replay.ok()) << replay.status();
+  EXPECT_TRUE(replay->summary.replayed);
+  EXPECT_NEAR(replay->loss, r->loss, 1e-6);
+  EXPECT_TRUE(torch::equal(HeadWeightGrad(), dw));
+}
+
+TEST_F(RetryTest, StreamBrokenMidwayIsRetriedWholeAndItsPartialDxDiscarded) {
+  StartServer();
+  flaky_->broken_steps = 1;
+  core::GradientBuffers once = entry_->head->NewGradientBuffers();
+  auto direct = core::FusedForwardBackward(*entry_->head, batch_, {}, &once);
+  ASSERT_TRUE(direct.ok());
+
+  auto client = MakeClient(5);
+  auto r = client->ForwardBackward(Spec(), Inputs());
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(retry_events_.size(), 1u);
+  EXPECT_EQ(retry_events_[0].rpc, "ForwardBackward");
+  EXPECT_EQ(retry_events_[0].failed_attempt, 1);
+  EXPECT_EQ(retry_events_[0].status.message(), "injected: connection lost");
+  EXPECT_LE(reference::MaxAbsDiff(r->grad_hidden, direct->grad_hidden), 1e-6)
+      << "the broken attempt's garbage row 0 must not survive";
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), once.weight),
+            1e-5 * reference::MaxAbs(once.weight));
+}
+
+TEST_F(RetryTest, OptimizerStepWhoseAnswerWasLostIsNotAppliedTwice) {
+  StartServer();
+  flaky_->lost_optimizer_steps = 1;
+  torch::Tensor w0, dw;
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    entry_->head->grads().weight.normal_();
+    w0 = entry_->head->weight().clone();
+    dw = entry_->head->grads().weight.clone();
+  }
+  auto client = MakeClient(5);
+  auto info = client->OptimizerStep("lm", {.optimizer = rc::Sgd{.lr = 0.1}});
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(retry_events_.size(), 1u);
+  EXPECT_EQ(info->weight_version, 1);
+  std::lock_guard<std::mutex> lock(entry_->mu);
+  EXPECT_EQ(entry_->head->version(), 1);
+  EXPECT_LE(reference::MaxAbsDiff(entry_->head->weight(), w0 - 0.1 * dw), 1e-7);
+}
+
+TEST_F(RetryTest, OtherCodesAreReturnedAtTheFirstAttempt) {
+  StartServer();
+  auto client = MakeClient(5);
+  rc::StepSpec unknown = Spec();
+  unknown.head_id = "nope";
+  const auto not_found = client->ForwardBackward(unknown, Inputs());
+  EXPECT_EQ(not_found.status().code(), absl::StatusCode::kNotFound);
+  rc::StepInputs bad = Inputs();
+  bad.targets = batch_.targets.clone();
+  bad.targets[0] = kVocab;
+  const auto invalid = client->ForwardBackward(Spec(), bad);
+  EXPECT_EQ(invalid.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->stats().calls, 2);
+  EXPECT_EQ(client->stats().attempts, 2);
+  EXPECT_EQ(client->stats().retries, 0);
+  EXPECT_TRUE(retry_events_.empty());
+}
+
+TEST_F(RetryTest, GivesUpAfterMaxAttemptsWithBackoffGrowing) {
+  auto client = MakeClient(4);
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = client->DescribeHead("lm");
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(r.status().message().find("(DescribeHead: gave up after 4 attempts)"),
+            std::string::npos)
+      << r.status();
+  EXPECT_EQ(client->stats().attempts, 4);
+  ASSERT_EQ(retry_events_.size(), 3u);
+  // 50, 100, 200 ms, each within ±10% jitter.
+  const double expected_ms[] = {50, 100, 200};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(retry_events_[i].failed_attempt, i + 1);
+    EXPECT_NEAR(static_cast<double>(retry_events_[i].backoff.count()), expected_ms[i],
+                0.1 * expected_ms[i] + 1);
+  }
+  EXPECT_GE(elapsed, milliseconds(300));
+}
+
+TEST_F(RetryTest, DeadlineBoundsAllAttempts) {
+  auto client = MakeClient(100, milliseconds(400));
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = client->ForwardBackward(Spec(), Inputs());
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  // The client stops before a wait would cross the deadline (slack for a loaded machine).
+  EXPECT_LT(elapsed, milliseconds(500));
+  EXPECT_LT(client->stats().attempts, 10);
+}
+
+}  // namespace
+}  // namespace remotehead
