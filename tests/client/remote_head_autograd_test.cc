@@ -1,0 +1,409 @@
+// RemoteHead inside LibTorch autograd: a small model whose head lives on an in-process server
+// gets the loss, hidden.grad, the body's gradients and the server's dW that the same model with
+// a local head gets (torch's cross_entropy / log_softmax on the full logits); and the example
+// trainer, run against the real remotehead-server binary, learns.
+#include "remotehead/client/remote_head.h"
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "core/reference.h"
+#include "remotehead/server/head_service.h"
+
+extern char** environ;
+
+namespace remotehead {
+namespace {
+
+namespace rc = client;
+namespace F = torch::nn::functional;
+
+constexpr int64_t kVocab = 97;
+constexpr int64_t kHidden = 12;
+constexpr int64_t kInput = 6;
+// dW / db are float32 accumulators on the server: one float32 rounding of the largest value.
+constexpr double kDwTolerance = 1e-6;
+
+// What the local model computes, for comparison.
+struct Local {
+  torch::Tensor loss, hidden_grad, body_grad, weight_grad, bias_grad;
+};
+
+class RemoteHeadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    service_ = std::make_unique<server::HeadServiceImpl>(
+        &registry_, server::ServiceOptions{.response_chunk_bytes = 1024});
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    client_ = *rc::Client::Create({.target = absl::StrCat("127.0.0.1:", port),
+                                   .chunk_bytes = 2048});
+    torch::manual_seed(11);
+  }
+
+  void TearDown() override {
+    server_->Shutdown();
+    service_.reset();
+  }
+
+  // Uploads W [V, D] and b [V] in `dtype` as head `id`; builds a body Linear(kInput → D), inputs
+  // [3, 7, kInput] and labels [3, 7] with some ignored positions.
+  void MakeModel(const std::string& id, torch::ScalarType dtype) {
+    weight_ = (torch::randn({kVocab, kHidden}) * 0.4).to(dtype);
+    bias_ = (torch::randn({kVocab}) * 0.1).to(dtype);
+    ASSERT_TRUE(client_->UploadHead(id, weight_, bias_).ok());
+    body_ = torch::nn::Linear(kInput, kHidden);
+    body_->to(dtype);
+    x_ = torch::randn({3, 7, kInput}, dtype);
+    labels_ = torch::randint(kVocab, {3, 7}, torch::kLong);
+    labels_.index_put_({torch::rand({3, 7}) < 0.2}, -100);
+  }
+
+  rc::RemoteHead Attach(rc::StepSpec spec) {
+    auto head = rc::RemoteHead::Attach(client_, std::move(spec));
+    EXPECT_TRUE(head.ok()) << head.status();
+    return *std::move(head);
+  }
+
+  // The body's forward with hidden kept as a node whose .grad is retained.
+  torch::Tensor Hidden() {
+    body_->zero_grad();
+    torch::Tensor hidden = body_->forward(x_);
+    hidden.retain_grad();
+    return hidden;
+  }
+
+  // The same model with a local head: full logits, torch's own cross_entropy; `objective` maps
+  // (logits [N, V], labels [N]) to the scalar that is differentiated.
+  Local LocalModel(
+      const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& objective) {
+    torch::nn::Linear body(kInput, kHidden);
+    body->to(x_.scalar_type());
+    torch::NoGradGuard copy;
+    body->weight.copy_(body_->weight);
+    body->bias.copy_(body_->bias);
+    torch::Tensor w = weight_.clone().requires_grad_(), b = bias_.clone().requires_grad_();
+    Local local;
+    {
+      torch::AutoGradMode enable(true);
+      torch::Tensor hidden = body->forward(x_);
+      hidden.retain_grad();
+      const torch::Tensor logits = F::linear(hidden, w, b).reshape({-1, kVocab});
+      local.loss = objective(logits, labels_.reshape({-1}));
+      local.loss.backward();
+      local.hidden_grad = hidden.grad();
+    }
+    local.body_grad = body->weight.grad();
+    local.weight_grad = w.grad();
+    local.bias_grad = b.grad();
+    return local;
+  }
+
+  static torch::Tensor MeanCrossEntropy(const torch::Tensor& logits, const torch::Tensor& labels) {
+    return F::cross_entropy(logits, labels, F::CrossEntropyFuncOptions().ignore_index(-100));
+  }
+
+  rc::HeadGradients ServerGradients(const std::string& id) {
+    auto grads = client_->FetchGradients(id, torch::kDouble);
+    EXPECT_TRUE(grads.ok()) << grads.status();
+    return *std::move(grads);
+  }
+
+  server::HeadRegistry registry_;
+  std::unique_ptr<server::HeadServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<rc::Client> client_;
+  torch::Tensor weight_, bias_, x_, labels_;
+  torch::nn::Linear body_{nullptr};
+};
+
+// float64 everywhere: the remote head must agree with the local one to rounding (1e-10 of the
+// largest value); float32: to the engine parity suite's fp32 tolerance (2e-5). The server's dW
+// and db accumulate in float32 whatever the head's dtype (core's default gradient dtype), so
+// they are compared at kDwTolerance at best.
+TEST_F(RemoteHeadTest, FusedLossAndGradientsEqualALocalHead) {
+  for (const auto& [dtype, tolerance] :
+       std::vector<std::pair<torch::ScalarType, double>>{{torch::kDouble, 1e-10},
+                                                        {torch::kFloat, 2e-5}}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const std::string id = absl::StrCat("lm-", c10::toString(dtype));
+    MakeModel(id, dtype);
+    rc::RemoteHead head = Attach({.head_id = id});
+    torch::Tensor hidden = Hidden();
+    torch::Tensor loss = head.loss(hidden, labels_);
+    EXPECT_EQ(loss.dim(), 0);
+    EXPECT_EQ(loss.scalar_type(), dtype);
+    loss.backward();
+    const Local local = LocalModel(MeanCrossEntropy);
+
+    EXPECT_NEAR(loss.item<double>(), local.loss.item<double>(),
+                tolerance * std::abs(local.loss.item<double>()));
+    EXPECT_EQ(hidden.grad().scalar_type(), dtype);
+    EXPECT_LE(reference::MaxAbsDiff(hidden.grad(), local.hidden_grad),
+              tolerance * reference::MaxAbs(local.hidden_grad));
+    EXPECT_LE(reference::MaxAbsDiff(body_->weight.grad(), local.body_grad),
+              tolerance * reference::MaxAbs(local.body_grad));
+    const rc::HeadGradients grads = ServerGradients(id);
+    const double dw_tolerance = std::max(tolerance, kDwTolerance);
+    EXPECT_LE(reference::MaxAbsDiff(grads.weight_grad, local.weight_grad),
+              dw_tolerance * reference::MaxAbs(local.weight_grad));
+    EXPECT_LE(reference::MaxAbsDiff(grads.bias_grad, local.bias_grad),
+              dw_tolerance * reference::MaxAbs(local.bias_grad));
+    EXPECT_EQ(head.last_summary().valid_tokens, (labels_ != -100).sum().item<int64_t>());
+  }
+}
+
+// Two micro-batches with the whole batch's token count as normalizer = one local mean loss; each
+// call gets its own micro-batch number, so the server adds both.
+TEST_F(RemoteHeadTest, MicroBatchesWithAGlobalNormalizerAccumulateExactly) {
+  MakeModel("lm", torch::kDouble);
+  rc::RemoteHead head = Attach({.head_id = "lm", .gradient_id = rc::GradientId{.trainer = "a"}});
+  torch::Tensor hidden = Hidden();
+  const double tokens = (labels_ != -100).sum().item<double>();
+  double total = 0;
+  for (const int64_t part : {0, 1}) {
+    const torch::Tensor rows = part == 0 ? torch::arange(0, 2) : torch::arange(2, 3);
+    torch::Tensor loss = head.loss(hidden.index_select(0, rows), labels_.index_select(0, rows),
+                                   {.normalizer = tokens});
+    loss.backward({}, /*retain_graph=*/true);  // the body's graph is shared by both parts
+    total += loss.item<double>();
+  }
+  const Local local = LocalModel(MeanCrossEntropy);
+  EXPECT_NEAR(total, local.loss.item<double>(), 1e-10);
+  EXPECT_LE(reference::MaxAbsDiff(hidden.grad(), local.hidden_grad),
+            1e-10 * reference::MaxAbs(local.hidden_grad));
+  const rc::HeadGradients grads = ServerGradients("lm");
+  EXPECT_EQ(grads.info.accumulated_micro_batches, 2);
+  EXPECT_LE(reference::MaxAbsDiff(grads.weight_grad, local.weight_grad),
+            kDwTolerance * reference::MaxAbs(local.weight_grad));
+
+  // The optimizer step moves the head to the next step: micro-batch numbers start again.
+  ASSERT_TRUE(head.OptimizerStep({.optimizer = rc::Sgd{.lr = 0.1}, .zero_gradients = true}).ok());
+  EXPECT_EQ(head.step(), 1);
+  head.loss(Hidden(), labels_).backward();
+  EXPECT_EQ(ServerGradients("lm").info.accumulated_micro_batches, 1);
+}
+
+// The server's dW is computed for upstream_scale: a loss scaled by that factor is exact, any
+// other factor is refused when dW is accumulated, and free when it is not (frozen head).
+TEST_F(RemoteHeadTest, UpstreamScaleIsDeclaredUpFront) {
+  MakeModel("lm", torch::kDouble);
+  const Local local = LocalModel(MeanCrossEntropy);
+
+  rc::RemoteHead scaled = Attach({.head_id = "lm", .upstream_scale = 4.0});
+  torch::Tensor hidden = Hidden();
+  (scaled.loss(hidden, labels_) * 4.0).backward();
+  EXPECT_LE(reference::MaxAbsDiff(hidden.grad(), 4.0 * local.hidden_grad),
+            1e-10 * reference::MaxAbs(4.0 * local.hidden_grad));
+  EXPECT_LE(reference::MaxAbsDiff(ServerGradients("lm").weight_grad, 4.0 * local.weight_grad),
+            kDwTolerance * reference::MaxAbs(4.0 * local.weight_grad));
+
+  ASSERT_TRUE(client_->ZeroGradients("lm").ok());
+  rc::RemoteHead unit = Attach({.head_id = "lm"});
+  torch::Tensor doubled = unit.loss(Hidden(), labels_) * 2.0;
+  try {
+    doubled.backward();
+    ADD_FAILURE() << "a backward with dL/dloss 2 on a head accumulating dW for 1 must fail";
+  } catch (const rc::StatusError& e) {
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(e.status().message().find("backward got dL/dloss = 2, but the server accumulated "
+                                        "dW for upstream_scale = 1"),
+              std::string::npos)
+        << e.status();
+  }
+
+  ASSERT_TRUE(client_->ZeroGradients("lm").ok());
+  rc::RemoteHead frozen = Attach({.head_id = "lm", .accumulate_weight_grad = false});
+  hidden = Hidden();
+  (frozen.loss(hidden, labels_) * 3.0).backward();
+  EXPECT_LE(reference::MaxAbsDiff(hidden.grad(), 3.0 * local.hidden_grad),
+            1e-10 * reference::MaxAbs(3.0 * local.hidden_grad));
+  EXPECT_EQ(reference::MaxAbs(ServerGradients("lm").weight_grad), 0.0);
+}
+
+// Two-phase: per-token log-probs come back as a tensor the trainer combines itself (here an
+// advantage-weighted objective); their backward sends dL/dy and gets dX, the server adds dW.
+TEST_F(RemoteHeadTest, TokenOutputsBackwardThroughTheTrainersOwnObjective) {
+  MakeModel("lm", torch::kDouble);
+  const torch::Tensor advantages = torch::randn({3, 7}, torch::kDouble);
+  const torch::Tensor valid = (labels_ != -100).to(torch::kDouble);
+  rc::RemoteHead head = Attach({.head_id = "lm"});
+  torch::Tensor hidden = Hidden();
+  const torch::Tensor logp = head.token_outputs(hidden, labels_);
+  ASSERT_EQ(logp.sizes(), labels_.sizes());
+  const torch::Tensor objective = -(logp * advantages * valid).sum() / valid.sum();
+  objective.backward();
+
+  const Local local = LocalModel([&](const torch::Tensor& logits, const torch::Tensor& labels) {
+    const torch::Tensor token_logp =
+        F::log_softmax(logits, 1).gather(1, labels.clamp_min(0).unsqueeze(1)).squeeze(1);
+    return -(token_logp * advantages.reshape({-1}) * valid.reshape({-1})).sum() / valid.sum();
+  });
+  EXPECT_NEAR(objective.item<double>(), local.loss.item<double>(), 1e-10);
+  const torch::Tensor expected_logp =
+      F::log_softmax(F::linear(body_->forward(x_), weight_, bias_), 2)
+          .gather(2, labels_.clamp_min(0).unsqueeze(2))
+          .squeeze(2) *
+      valid;
+  EXPECT_LE(reference::MaxAbsDiff(logp, expected_logp), 1e-10);
+  EXPECT_LE(reference::MaxAbsDiff(hidden.grad(), local.hidden_grad),
+            1e-10 * reference::MaxAbs(local.hidden_grad));
+  const rc::HeadGradients grads = ServerGradients("lm");
+  EXPECT_LE(reference::MaxAbsDiff(grads.weight_grad, local.weight_grad),
+            kDwTolerance * reference::MaxAbs(local.weight_grad));
+  EXPECT_EQ(grads.info.accumulated_micro_batches, 1);
+}
+
+TEST_F(RemoteHeadTest, WithoutGradientsLossIsAForwardThatAccumulatesNothing) {
+  MakeModel("lm", torch::kDouble);
+  rc::RemoteHead head = Attach({.head_id = "lm"});
+  torch::Tensor loss;
+  {
+    torch::NoGradGuard no_grad;
+    loss = head.loss(body_->forward(x_), labels_);
+  }
+  EXPECT_FALSE(loss.requires_grad());
+  EXPECT_NEAR(loss.item<double>(), LocalModel(MeanCrossEntropy).loss.item<double>(), 1e-10);
+  const rc::HeadGradients grads = ServerGradients("lm");
+  EXPECT_EQ(grads.info.accumulated_micro_batches, 0);
+  EXPECT_EQ(reference::MaxAbs(grads.weight_grad), 0.0);
+}
+
+TEST_F(RemoteHeadTest, ErrorsAreThrownAsStatusErrors) {
+  MakeModel("lm", torch::kDouble);
+  EXPECT_EQ(rc::RemoteHead::Attach(client_, {.head_id = "nope"}).status().code(),
+            absl::StatusCode::kNotFound);
+  rc::RemoteHead head = Attach({.head_id = "lm"});
+  try {
+    head.loss(torch::randn({4, kHidden + 1}, torch::kDouble).requires_grad_(),
+              torch::zeros({4}, torch::kLong));
+    ADD_FAILURE() << "expected a StatusError";
+  } catch (const rc::StatusError& e) {
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(e.status().message(),
+              "hidden: expected shape [..., 12] (the head's hidden size); got [4, 13]");
+  }
+  try {
+    head.loss(Hidden(), torch::full({3, 7}, kVocab, torch::kLong));
+    ADD_FAILURE() << "expected a StatusError";
+  } catch (const rc::StatusError& e) {
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(e.status().message(),
+              "targets[0]: expected a token id in [0, 97) or ignore_index (-100); got 97");
+  }
+}
+
+// A child process with its stdout on a pipe.
+class Process {
+ public:
+  explicit Process(const std::vector<std::string>& args) {
+    int fds[2];
+    EXPECT_EQ(pipe(fds), 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+    posix_spawn_file_actions_addclose(&actions, fds[0]);
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    EXPECT_EQ(posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ), 0);
+    posix_spawn_file_actions_destroy(&actions);
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+  }
+  ~Process() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ != nullptr) fclose(out_);
+  }
+  // The next line of output, or false at the end.
+  bool ReadLine(std::string* line) {
+    char buffer[512];
+    if (fgets(buffer, sizeof(buffer), out_) == nullptr) return false;
+    *line = buffer;
+    log_ += buffer;
+    return true;
+  }
+  // Waits for the exit; returns the exit code (-1 if killed by a signal).
+  int Wait() {
+    std::string line;
+    while (ReadLine(&line)) {
+    }
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  const std::string& log() const { return log_; }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  std::string log_;
+};
+
+// The example trainer against the real server: it creates its head, trains body and head, and
+// the loss falls from about ln(V) (the head starts near uniform) to well below half of it.
+TEST(ExampleTrainer, LearnsAgainstTheRealServerBinary) {
+  Process server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu"});
+  int port = 0;
+  std::string line;
+  while (port == 0 && server.ReadLine(&line)) {
+    sscanf(line.c_str(), "remotehead-server: listening on port %d", &port);
+  }
+  ASSERT_GT(port, 0) << server.log();
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+
+  struct Run {
+    std::vector<std::string> flags;
+    int64_t steps;
+    double max_last_over_first;
+  };
+  const std::vector<Run> runs = {
+      {{"--head_source=seed", "--optimizer=adamw"}, 30, 0.5},
+      // Plain SGD learns slowly at this learning rate: the loss only has to go down.
+      {{"--head_source=upload", "--optimizer=sgd", "--lr=0.5", "--head_lr=1"}, 8, 0.999},
+  };
+  for (const Run& run : runs) {
+    SCOPED_TRACE(run.flags[0]);
+    std::vector<std::string> args = {REMOTEHEAD_EXAMPLE_TRAINER, "--server=" + target,
+                                     absl::StrCat("--steps=", run.steps), "--vocab=512",
+                                     "--hidden=64"};
+    args.insert(args.end(), run.flags.begin(), run.flags.end());
+    Process trainer(args);
+    std::vector<double> losses;
+    while (trainer.ReadLine(&line)) {
+      long long step = 0;
+      double loss = 0;
+      if (sscanf(line.c_str(), "step %lld loss %lf", &step, &loss) == 2) {
+        EXPECT_EQ(step, static_cast<long long>(losses.size()));
+        losses.push_back(loss);
+      }
+    }
+    ASSERT_EQ(trainer.Wait(), 0) << trainer.log();
+    ASSERT_EQ(losses.size(), static_cast<size_t>(run.steps)) << trainer.log();
+    EXPECT_NEAR(losses.front(), std::log(512.0), 0.05) << trainer.log();
+    EXPECT_LT(losses.back(), run.max_last_over_first * losses.front()) << trainer.log();
+  }
+  // Each run dropped its head at the end.
+  auto client = *rc::Client::Create({.target = target});
+  auto heads = client->ListHeads();
+  ASSERT_TRUE(heads.ok()) << heads.status();
+  EXPECT_TRUE(heads->empty());
+}
+
+}  // namespace
+}  // namespace remotehead
