@@ -92,7 +92,9 @@ class ClientTest : public ::testing::Test {
   }
 
   static rc::StepInputs InputsFor(const core::TokenBatch& batch) {
-    return {.hidden = batch.hidden, .targets = batch.targets, .weights = batch.weights,
+    return {.hidden = batch.hidden,
+            .targets = batch.targets,
+            .weights = batch.weights,
             .aux = batch.aux};
   }
 
@@ -122,10 +124,11 @@ TEST_F(ClientTest, LifecycleCallsDescribeTheRegistryAndKeepTheServersErrors) {
   EXPECT_EQ(duplicate.status().message(),
             "head_id: expected a new id; got \"lm\", which already exists");
 
-  ASSERT_TRUE(client_->CreateHead("small", rc::InitSpec{.vocab_size = 10,
-                                                        .hidden_size = 4,
-                                                        .dtype = torch::kBFloat16})
-                  .ok());
+  ASSERT_TRUE(
+      client_
+          ->CreateHead("small",
+                       rc::InitSpec{.vocab_size = 10, .hidden_size = 4, .dtype = torch::kBFloat16})
+          .ok());
   auto heads = client_->ListHeads();
   ASSERT_TRUE(heads.ok()) << heads.status();
   ASSERT_EQ(heads->size(), 2u);
@@ -193,8 +196,7 @@ TEST_F(ClientTest, ForwardBackwardEqualsTheEngineForEveryFunctionAndReduction) {
     EXPECT_EQ(r->summary.valid_tokens, direct->stats.valid_tokens);
     EXPECT_EQ(r->summary.extras.size(), direct->stats.extras.size());
     for (const auto& [name, value] : direct->stats.extras) {
-      EXPECT_NEAR(r->summary.extras.at(name), value, 1e-4 * std::max(1.0, std::abs(value)))
-          << name;
+      EXPECT_NEAR(r->summary.extras.at(name), value, 1e-4 * std::max(1.0, std::abs(value))) << name;
     }
     EXPECT_FALSE(r->summary.replayed);
   }
@@ -202,11 +204,12 @@ TEST_F(ClientTest, ForwardBackwardEqualsTheEngineForEveryFunctionAndReduction) {
 
 // A bfloat16 head: the client sends hidden in the head's dtype and returns dX in the caller's.
 TEST_F(ClientTest, HalfPrecisionHeadTakesHiddenInItsDtypeAndReturnsDxInTheCallers) {
-  ASSERT_TRUE(client_->CreateHead("bf", rc::InitSpec{.vocab_size = kVocab,
-                                                     .hidden_size = kHidden,
-                                                     .seed = 9,
-                                                     .init_std = 0.2,
-                                                     .dtype = torch::kBFloat16})
+  ASSERT_TRUE(client_
+                  ->CreateHead("bf", rc::InitSpec{.vocab_size = kVocab,
+                                                  .hidden_size = kHidden,
+                                                  .seed = 9,
+                                                  .init_std = 0.2,
+                                                  .dtype = torch::kBFloat16})
                   .ok());
   const core::Head& bf = *(*registry_.Get("bf"))->head;
   const torch::Tensor hidden = torch::randn({kRows, kHidden});
@@ -214,10 +217,11 @@ TEST_F(ClientTest, HalfPrecisionHeadTakesHiddenInItsDtypeAndReturnsDxInTheCaller
   auto direct = core::FusedForwardBackward(bf, batch, {.chunk_rows = 8}, nullptr);
   ASSERT_TRUE(direct.ok()) << direct.status();
 
-  auto r = client_->ForwardBackward(
-      {.head_id = "bf", .chunk_rows = 8, .accumulate_weight_grad = false,
-       .wire_dtype = torch::kBFloat16},
-      {.hidden = hidden, .targets = batch_.targets});
+  auto r = client_->ForwardBackward({.head_id = "bf",
+                                     .chunk_rows = 8,
+                                     .accumulate_weight_grad = false,
+                                     .wire_dtype = torch::kBFloat16},
+                                    {.hidden = hidden, .targets = batch_.targets});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->grad_hidden.scalar_type(), torch::kFloat);
   EXPECT_NEAR(r->loss, direct->loss, 1e-5 * std::abs(direct->loss));
@@ -227,9 +231,8 @@ TEST_F(ClientTest, HalfPrecisionHeadTakesHiddenInItsDtypeAndReturnsDxInTheCaller
 }
 
 TEST_F(ClientTest, TwoPhaseForwardAndBackwardEqualTheEngine) {
-  const core::StepOptions per_token{.function = "token_logprobs",
-                                    .reduction = core::Reduction::kNone,
-                                    .chunk_rows = 8};
+  const core::StepOptions per_token{
+      .function = "token_logprobs", .reduction = core::Reduction::kNone, .chunk_rows = 8};
   auto expected = core::Forward(Head(), batch_, per_token);
   ASSERT_TRUE(expected.ok()) << expected.status();
   auto forward = client_->Forward(SpecFor(per_token), InputsFor(batch_));
@@ -275,6 +278,58 @@ TEST_F(ClientTest, TwoPhaseForwardAndBackwardEqualTheEngine) {
             1e-6 * reference::MaxAbs(*scalar_dx));
   EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), scalar_grads.weight),
             1e-5 * reference::MaxAbs(scalar_grads.weight));
+}
+
+// A Forward that retains its inputs lets the Backward send dL/dy alone: the hidden handed to
+// that Backward is zeros here, so only the server's kept rows can give the right dX.
+TEST_F(ClientTest, BackwardByInputsHandleSendsOnlyTheUpstreamGradient) {
+  const core::StepOptions per_token{
+      .function = "token_logprobs", .reduction = core::Reduction::kNone, .chunk_rows = 8};
+  rc::StepSpec spec = SpecFor(per_token);
+  spec.retain_inputs_seconds = 30;
+  auto forward = client_->Forward(spec, InputsFor(batch_));
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  ASSERT_FALSE(forward->summary.inputs_handle.empty());
+
+  const torch::Tensor upstream = torch::randn({kRows});
+  core::GradientBuffers grads = Head().NewGradientBuffers();
+  auto dx = core::Backward(Head(), batch_, per_token, upstream, &grads);
+  ASSERT_TRUE(dx.ok()) << dx.status();
+  rc::StepSpec backward_spec = SpecFor(per_token);
+  backward_spec.inputs_handle = forward->summary.inputs_handle;
+  backward_spec.gradient_id = rc::GradientId{.trainer = "client-test"};
+  const rc::StepInputs shape_only{.hidden = torch::zeros_like(batch_.hidden)};
+  auto backward = client_->Backward(backward_spec, shape_only, upstream);
+  ASSERT_TRUE(backward.ok()) << backward.status();
+  EXPECT_LE(reference::MaxAbsDiff(backward->grad_hidden, *dx), 1e-6 * reference::MaxAbs(*dx));
+  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight),
+            1e-5 * reference::MaxAbs(grads.weight));
+  // A successful Backward releases the handle.
+  const auto again = client_->Backward(backward_spec, shape_only, upstream);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kNotFound) << again.status();
+
+  // A scalar MEAN by handle sends no rows; the client still needs the targets to count tokens.
+  const core::StepOptions mean{.chunk_rows = 8};
+  rc::StepSpec mean_spec = SpecFor(mean);
+  mean_spec.retain_inputs_seconds = 30;
+  auto loss = client_->Forward(mean_spec, InputsFor(batch_));
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  mean_spec.retain_inputs_seconds = 0;
+  mean_spec.inputs_handle = loss->summary.inputs_handle;
+  mean_spec.accumulate_weight_grad = false;
+  const auto uncounted = client_->Backward(mean_spec, shape_only, torch::tensor(0.5));
+  EXPECT_EQ(uncounted.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(uncounted.status().message(),
+            "inputs.targets: a Backward by inputs_handle with reduction MEAN and no normalizer "
+            "needs the targets (or spec.valid_tokens) to count the valid tokens; got neither");
+  auto scalar_dx = core::Backward(Head(), batch_, mean, torch::tensor(0.5), nullptr);
+  ASSERT_TRUE(scalar_dx.ok());
+  auto scalar = client_->Backward(
+      mean_spec, {.hidden = torch::zeros_like(batch_.hidden), .targets = batch_.targets},
+      torch::tensor(0.5));
+  ASSERT_TRUE(scalar.ok()) << scalar.status();
+  EXPECT_LE(reference::MaxAbsDiff(scalar->grad_hidden, *scalar_dx),
+            1e-6 * reference::MaxAbs(*scalar_dx));
 }
 
 TEST_F(ClientTest, UploadThenExportRoundTripsBitExactly) {
@@ -361,16 +416,18 @@ TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
   }
 
   // SGD on another head: w ← w − lr·dW, then the accumulators zeroed.
-  ASSERT_TRUE(client_->CreateHead("sgd", rc::InitSpec{.vocab_size = kVocab, .hidden_size = kHidden})
-                  .ok());
+  ASSERT_TRUE(
+      client_->CreateHead("sgd", rc::InitSpec{.vocab_size = kVocab, .hidden_size = kHidden}).ok());
   auto sgd_entry = *registry_.Get("sgd");
   const torch::Tensor w0 = sgd_entry->head->weight().clone();
-  ASSERT_TRUE(client_
-                  ->ForwardBackward({.head_id = "sgd", .gradient_id = rc::GradientId{.trainer = "t"}},
-                                    InputsFor(batch_))
-                  .ok());
+  ASSERT_TRUE(
+      client_
+          ->ForwardBackward({.head_id = "sgd", .gradient_id = rc::GradientId{.trainer = "t"}},
+                            InputsFor(batch_))
+          .ok());
   const torch::Tensor dw = sgd_entry->head->grads().weight.clone();
-  auto sgd = client_->OptimizerStep("sgd", {.optimizer = rc::Sgd{.lr = 0.5}, .zero_gradients = true});
+  auto sgd =
+      client_->OptimizerStep("sgd", {.optimizer = rc::Sgd{.lr = 0.5}, .zero_gradients = true});
   ASSERT_TRUE(sgd.ok()) << sgd.status();
   EXPECT_EQ(sgd->weight_version, 1);
   EXPECT_EQ(sgd->accumulated_micro_batches, 0);
@@ -378,10 +435,10 @@ TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
   EXPECT_EQ(reference::MaxAbs(sgd_entry->head->grads().weight), 0.0);
 
   // Work pinned to the old version is refused, with the server's code and message.
-  const auto stale = client_->ForwardBackward(
-      {.head_id = "sgd", .gradient_id = rc::GradientId{.trainer = "t"},
-       .expected_weight_version = 0},
-      InputsFor(batch_));
+  const auto stale = client_->ForwardBackward({.head_id = "sgd",
+                                               .gradient_id = rc::GradientId{.trainer = "t"},
+                                               .expected_weight_version = 0},
+                                              InputsFor(batch_));
   EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(stale.status().message(),
             "header.expected_weight_version: expected the head's current version 1; got 0");
@@ -397,11 +454,11 @@ TEST_F(ClientTest, SaveWeightsThenCreateHeadFromTheFile) {
   auto bytes = client_->SaveWeights("lm", path, "model.embed_tokens.weight");
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_GT(*bytes, kVocab * kHidden * 4);
-  auto info = client_->CreateHead("copy", rc::SafetensorsSource{.path = path,
-                                                               .weight_name =
-                                                                   "model.embed_tokens.weight",
-                                                               .bias_name = "lm_head.bias",
-                                                               .dtype = torch::kBFloat16});
+  auto info =
+      client_->CreateHead("copy", rc::SafetensorsSource{.path = path,
+                                                        .weight_name = "model.embed_tokens.weight",
+                                                        .bias_name = "lm_head.bias",
+                                                        .dtype = torch::kBFloat16});
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->dtype, torch::kBFloat16);
   auto copy = client_->ExportWeights("copy");
@@ -447,8 +504,8 @@ TEST_F(ClientTest, StepErrorsComeBackWithTheServersCodeAndMessageAndChangeNothin
 
   // Caught by the client before anything is sent.
   const int64_t attempts = client_->stats().attempts;
-  const auto flat_hidden =
-      client_->ForwardBackward(spec, {.hidden = batch_.hidden.flatten(), .targets = batch_.targets});
+  const auto flat_hidden = client_->ForwardBackward(
+      spec, {.hidden = batch_.hidden.flatten(), .targets = batch_.targets});
   EXPECT_EQ(flat_hidden.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(flat_hidden.status().message(),
             "inputs.hidden: expected a floating [N, D] tensor; got Float [1600]");
@@ -465,8 +522,8 @@ TEST_F(ClientTest, ChunkBytesBoundsEveryRequestMessage) {
                                                         core::Reduction::kMean);  // 87.5 KiB of X
   auto direct = core::FusedForwardBackward(Head(), big, {}, nullptr);
   ASSERT_TRUE(direct.ok());
-  auto r = client_->ForwardBackward({.head_id = "lm", .accumulate_weight_grad = false},
-                                    InputsFor(big));
+  auto r =
+      client_->ForwardBackward({.head_id = "lm", .accumulate_weight_grad = false}, InputsFor(big));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_LE(reference::MaxAbsDiff(r->grad_hidden, direct->grad_hidden),
             1e-6 * reference::MaxAbs(direct->grad_hidden));

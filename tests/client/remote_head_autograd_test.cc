@@ -2,8 +2,6 @@
 // gets the loss, hidden.grad, the body's gradients and the server's dW that the same model with
 // a local head gets (torch's cross_entropy / log_softmax on the full logits); and the example
 // trainer, run against the real remotehead-server binary, learns.
-#include "remotehead/client/remote_head.h"
-
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -15,6 +13,7 @@
 #include <cstdio>
 
 #include "core/reference.h"
+#include "remotehead/client/remote_head.h"
 #include "remotehead/server/head_service.h"
 
 extern char** environ;
@@ -47,8 +46,8 @@ class RemoteHeadTest : public ::testing::Test {
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
-    client_ = *rc::Client::Create({.target = absl::StrCat("127.0.0.1:", port),
-                                   .chunk_bytes = 2048});
+    client_ =
+        *rc::Client::Create({.target = absl::StrCat("127.0.0.1:", port), .chunk_bytes = 2048});
     torch::manual_seed(11);
   }
 
@@ -133,9 +132,8 @@ class RemoteHeadTest : public ::testing::Test {
 // and db accumulate in float32 whatever the head's dtype (core's default gradient dtype), so
 // they are compared at kDwTolerance at best.
 TEST_F(RemoteHeadTest, FusedLossAndGradientsEqualALocalHead) {
-  for (const auto& [dtype, tolerance] :
-       std::vector<std::pair<torch::ScalarType, double>>{{torch::kDouble, 1e-10},
-                                                        {torch::kFloat, 2e-5}}) {
+  for (const auto& [dtype, tolerance] : std::vector<std::pair<torch::ScalarType, double>>{
+           {torch::kDouble, 1e-10}, {torch::kFloat, 2e-5}}) {
     SCOPED_TRACE(c10::toString(dtype));
     const std::string id = absl::StrCat("lm-", c10::toString(dtype));
     MakeModel(id, dtype);
@@ -263,6 +261,45 @@ TEST_F(RemoteHeadTest, TokenOutputsBackwardThroughTheTrainersOwnObjective) {
   EXPECT_LE(reference::MaxAbsDiff(grads.weight_grad, local.weight_grad),
             kDwTolerance * reference::MaxAbs(local.weight_grad));
   EXPECT_EQ(grads.info.accumulated_micro_batches, 1);
+}
+
+// With retained inputs the two-phase backward sends dL/dy alone (the server then forgets the
+// handle); and a backward after an optimizer step is refused rather than mixing two versions.
+TEST_F(RemoteHeadTest, TokenOutputsWithRetainedInputsAndTheForwardsWeightVersion) {
+  MakeModel("lm", torch::kDouble);
+  rc::RemoteHead head = Attach({.head_id = "lm", .retain_inputs_seconds = 60});
+  torch::Tensor hidden = Hidden();
+  const torch::Tensor valid = (labels_ != -100).to(torch::kDouble);
+  const torch::Tensor logp = head.token_outputs(hidden, labels_);
+  const std::string handle = head.last_summary().inputs_handle;
+  ASSERT_FALSE(handle.empty());
+  (-(logp * valid).sum() / valid.sum()).backward();
+  const Local local = LocalModel(MeanCrossEntropy);  // = −mean log p_t over valid tokens
+  EXPECT_LE(reference::MaxAbsDiff(hidden.grad(), local.hidden_grad),
+            1e-10 * reference::MaxAbs(local.hidden_grad));
+  EXPECT_LE(reference::MaxAbsDiff(ServerGradients("lm").weight_grad, local.weight_grad),
+            kDwTolerance * reference::MaxAbs(local.weight_grad));
+  // The backward used the handle: the server released it.
+  const auto reused = client_->Backward({.head_id = "lm",
+                                         .reduction = rc::Reduction::kNone,
+                                         .accumulate_weight_grad = false,
+                                         .inputs_handle = handle},
+                                        {.hidden = torch::zeros({21, kHidden}, torch::kDouble)},
+                                        torch::zeros({21}));
+  EXPECT_EQ(reused.status().code(), absl::StatusCode::kNotFound) << reused.status();
+
+  for (const double retain : {60.0, 0.0}) {
+    SCOPED_TRACE(retain);
+    rc::RemoteHead pinned = Attach({.head_id = "lm", .retain_inputs_seconds = retain});
+    const torch::Tensor outputs = pinned.token_outputs(Hidden(), labels_);
+    ASSERT_TRUE(client_->OptimizerStep("lm", {.optimizer = rc::Sgd{.lr = 0.1}}).ok());
+    try {
+      outputs.sum().backward();
+      ADD_FAILURE() << "a backward against moved weights must fail";
+    } catch (const rc::StatusError& e) {
+      EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+    }
+  }
 }
 
 TEST_F(RemoteHeadTest, WithoutGradientsLossIsAForwardThatAccumulatesNothing) {

@@ -93,8 +93,8 @@ class FlakyService final : public v1::HeadService::CallbackService {
     auto entry = *registry_->Get(request->head_id());
     {
       std::lock_guard<std::mutex> lock(entry->mu);
-      EXPECT_TRUE(core::SgdStep(*entry->head, {.lr = request->sgd().lr()}, 1.0, &entry->optimizer)
-                      .ok());
+      EXPECT_TRUE(
+          core::SgdStep(*entry->head, {.lr = request->sgd().lr()}, 1.0, &entry->optimizer).ok());
     }
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "injected: answer lost"));
@@ -119,8 +119,8 @@ class RetryTest : public ::testing::Test {
         {});
     ASSERT_TRUE(head.ok());
     entry_ = *registry_.Add("lm", *std::move(head));
-    batch_ = reference::MakeTestBatch(*entry_->head, kRows, "cross_entropy",
-                                      core::Reduction::kMean);
+    batch_ =
+        reference::MakeTestBatch(*entry_->head, kRows, "cross_entropy", core::Reduction::kMean);
     service_ = std::make_unique<server::HeadServiceImpl>(
         &registry_, server::ServiceOptions{.response_chunk_bytes = 512});
     flaky_ = std::make_unique<FlakyService>(service_.get(), &registry_);

@@ -147,8 +147,8 @@ int Run() {
     body_optimizer->step();
     auto info = head->OptimizerStep(head_step);
     if (!info.ok()) return Fail("head optimizer step", info.status());
-    std::printf("step %lld loss %.6f tokens %lld head_version %lld\n",
-                static_cast<long long>(step), step_loss, static_cast<long long>(tokens),
+    std::printf("step %lld loss %.6f tokens %lld head_version %lld\n", static_cast<long long>(step),
+                step_loss, static_cast<long long>(tokens),
                 static_cast<long long>(info->weight_version));
     std::fflush(stdout);
   }

@@ -51,6 +51,13 @@ StepSummary FromWire(const v1::StepSummary& wire) {
   summary.replayed = wire.replayed();
   summary.chunk_rows = wire.chunk_rows();
   summary.num_chunks = wire.num_chunks();
+  summary.inputs_handle = wire.inputs_handle();
+  const v1::StepTimings& t = wire.timings();
+  summary.timings = {.queue_seconds = t.queue_seconds(),
+                     .receive_wait_seconds = t.receive_wait_seconds(),
+                     .compute_seconds = t.compute_seconds(),
+                     .send_wait_seconds = t.send_wait_seconds(),
+                     .total_seconds = t.total_seconds()};
   return summary;
 }
 
@@ -88,9 +95,9 @@ absl::Status CheckOptions(const ClientOptions& o) {
         absl::StrCat("retry.max_attempts: expected >= 1; got ", r.max_attempts));
   }
   if (r.initial_backoff.count() < 0 || r.max_backoff < r.initial_backoff) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "retry.initial_backoff, retry.max_backoff: expected 0 <= initial <= max; got ",
-        r.initial_backoff.count(), " ms and ", r.max_backoff.count(), " ms"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("retry.initial_backoff, retry.max_backoff: expected 0 <= initial <= max; got ",
+                     r.initial_backoff.count(), " ms and ", r.max_backoff.count(), " ms"));
   }
   if (!(r.backoff_multiplier >= 1.0) || !std::isfinite(r.backoff_multiplier)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -109,9 +116,9 @@ absl::Status CheckOptions(const ClientOptions& o) {
         absl::StrCat("chunk_bytes: expected >= 1024; got ", o.chunk_bytes));
   }
   if (o.max_receive_message_bytes <= 0 && o.max_receive_message_bytes != -1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_receive_message_bytes: expected > 0 or -1 (no limit); got ",
-        o.max_receive_message_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_receive_message_bytes: expected > 0 or -1 (no limit); got ",
+                     o.max_receive_message_bytes));
   }
   return absl::OkStatus();
 }
@@ -142,6 +149,7 @@ struct PreparedStep {
   int64_t rows = 0;
   int64_t hidden_size = 0;
   torch::ScalarType result_dtype = torch::kFloat;  // the caller's hidden dtype: dX comes back in it
+  // What travels with the rows; all undefined but grad_output for a Backward by inputs handle.
   torch::Tensor hidden, targets, weights, grad_output;
   std::vector<std::pair<std::string, torch::Tensor>> aux;
   std::vector<std::pair<int64_t, int64_t>> chunks;
@@ -150,13 +158,14 @@ struct PreparedStep {
     v1::StepRequest message;
     v1::StepRows* r = message.mutable_rows();
     r->set_row_offset(offset);
-    wire::EncodeRows(hidden, offset, count, r->mutable_hidden());
+    if (hidden.defined()) wire::EncodeRows(hidden, offset, count, r->mutable_hidden());
     if (targets.defined()) wire::EncodeRows(targets, offset, count, r->mutable_targets());
     if (weights.defined()) wire::EncodeRows(weights, offset, count, r->mutable_weights());
     if (grad_output.defined()) {
       wire::EncodeRows(grad_output, offset, count, r->mutable_grad_output());
     }
-    for (const auto& [name, t] : aux) wire::EncodeRows(t, offset, count, &(*r->mutable_aux())[name]);
+    for (const auto& [name, t] : aux)
+      wire::EncodeRows(t, offset, count, &(*r->mutable_aux())[name]);
     return message;
   }
 };
@@ -202,19 +211,20 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
   p.hidden_size = x.size(1);
   p.result_dtype = x.scalar_type();
   const torch::ScalarType send_dtype = spec.wire_dtype.value_or(x.scalar_type());
-  ASSIGN_OR_RETURN(const v1::DType wire_hidden_dtype,
-                   wire::ToWireDtype(send_dtype, "spec.wire_dtype"));
+  RETURN_IF_ERROR(wire::ToWireDtype(send_dtype, "spec.wire_dtype").status());
   ASSIGN_OR_RETURN(const v1::DType wire_result_dtype,
                    wire::ToWireDtype(p.result_dtype, "inputs.hidden"));
-  (void)wire_hidden_dtype;
-  p.hidden = wire::ToWireLayout(x, send_dtype);
   if (inputs.targets.defined()) {
     ASSIGN_OR_RETURN(p.targets, PreparePerToken(inputs.targets, p.rows, "inputs.targets", true));
   }
-  if (inputs.weights.defined()) {
+  // A Backward by inputs handle sends none of the inputs: they are not even copied.
+  const bool by_handle = mode == StepMode::kBackward && !spec.inputs_handle.empty();
+  if (!by_handle) p.hidden = wire::ToWireLayout(x, send_dtype);
+  if (inputs.weights.defined() && !by_handle) {
     ASSIGN_OR_RETURN(p.weights, PreparePerToken(inputs.weights, p.rows, "inputs.weights", false));
   }
   for (const auto& [name, t] : inputs.aux) {
+    if (by_handle) break;
     ASSIGN_OR_RETURN(torch::Tensor prepared,
                      PreparePerToken(t, p.rows, absl::StrCat("inputs.aux[\"", name, "\"]"), false));
     p.aux.emplace_back(name, std::move(prepared));
@@ -235,6 +245,11 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
     h->set_expected_weight_version(*spec.expected_weight_version);
   }
   if (spec.reduction == Reduction::kMean && !spec.normalizer.has_value()) {
+    if (!spec.inputs_handle.empty() && !spec.valid_tokens.has_value() && !p.targets.defined()) {
+      return absl::InvalidArgumentError(
+          "inputs.targets: a Backward by inputs_handle with reduction MEAN and no normalizer "
+          "needs the targets (or spec.valid_tokens) to count the valid tokens; got neither");
+    }
     // The server scales each chunk's dX by 1 / valid_tokens before the later rows arrive, so it
     // needs the count up front.
     h->set_valid_tokens(spec.valid_tokens.has_value() ? *spec.valid_tokens
@@ -271,8 +286,20 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
     }
   }
 
-  int64_t bytes_per_row = p.hidden_size * static_cast<int64_t>(p.hidden.element_size());
-  int64_t tensors = 1, name_bytes = 0;
+  if (mode == StepMode::kForward && spec.retain_inputs_seconds > 0) {
+    h->set_retain_inputs_seconds(spec.retain_inputs_seconds);
+  }
+  if (by_handle) {
+    // The server has the inputs: only dL/dy goes with the rows, and a scalar reduction sends no
+    // rows at all.
+    h->set_inputs_handle(spec.inputs_handle);
+    p.targets = torch::Tensor();  // read above for the valid-token count only
+    if (!p.grad_output.defined()) return p;
+  }
+
+  int64_t bytes_per_row =
+      p.hidden.defined() ? p.hidden_size * static_cast<int64_t>(p.hidden.element_size()) : 0;
+  int64_t tensors = p.hidden.defined() ? 1 : 0, name_bytes = 0;
   for (const torch::Tensor* t : {&p.targets, &p.weights, &p.grad_output}) {
     if (!t->defined()) continue;
     bytes_per_row += t->element_size();
@@ -413,14 +440,14 @@ struct Client::Impl {
       switch (response.part_case()) {
         case v1::StepResponse::kGradHidden:
           received = dx ? dx->Add(response.grad_hidden())
-                        : absl::InternalError(absl::StrCat("grad_hidden: not expected from ",
-                                                           RpcName(p.mode)));
+                        : absl::InternalError(
+                              absl::StrCat("grad_hidden: not expected from ", RpcName(p.mode)));
           break;
         case v1::StepResponse::kOutputs:
-          received = out ? out->Add(response.outputs())
-                         : absl::InternalError(absl::StrCat(
-                               "outputs: not expected from ", RpcName(p.mode),
-                               " with a scalar reduction"));
+          received =
+              out ? out->Add(response.outputs())
+                  : absl::InternalError(absl::StrCat("outputs: not expected from ", RpcName(p.mode),
+                                                     " with a scalar reduction"));
           break;
         case v1::StepResponse::kSummary:
           *summary = response.summary();
@@ -538,13 +565,12 @@ absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id,
   return FromWire(info);
 }
 
-absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id,
-                                            const torch::Tensor& weight,
+absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const torch::Tensor& weight,
                                             const torch::Tensor& bias) {
   if (!weight.defined() || weight.dim() != 2 || !c10::isFloatingType(weight.scalar_type())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "weight: expected a floating [V, D] tensor; got ",
-        weight.defined() ? ShapeOf(weight) : "none"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight: expected a floating [V, D] tensor; got ",
+                     weight.defined() ? ShapeOf(weight) : "none"));
   }
   ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(weight.scalar_type(), "weight"));
   const int64_t vocab = weight.size(0);
@@ -629,38 +655,38 @@ absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
     request.set_dtype(wire_dtype);
   }
   HeadWeights weights;
-  RETURN_IF_ERROR(impl_->WithRetries("ExportWeights", [&](grpc::ClientContext* context)
-                                                          -> absl::Status {
-    ASSIGN_OR_RETURN(const v1::HeadInfo wire_info, impl_->DescribeForStream(*context, head_id));
-    ASSIGN_OR_RETURN(const HeadInfo info, FromWire(wire_info));
-    const torch::ScalarType out = dtype.value_or(info.dtype);
-    weights.weight = torch::empty({info.vocab_size, info.hidden_size}, out);
-    weights.bias = info.has_bias ? torch::empty({info.vocab_size}, out) : torch::Tensor();
-    wire::RowAssembler w(weights.weight, "weight_rows"), b(weights.bias, "bias_rows");
-    auto reader = impl_->stub->ExportWeights(context, request);
-    v1::ExportWeightsResponse response;
-    absl::Status received;
-    while (received.ok() && reader->Read(&response)) {
-      if (response.has_weight_rows()) {
-        received = w.Add(response.weight_rows());
-      } else if (response.has_bias_rows() && info.has_bias) {
-        received = b.Add(response.bias_rows());
-      } else {
-        received = absl::InternalError("response: expected weight_rows or bias_rows");
-      }
-    }
-    if (!received.ok()) {
-      context->TryCancel();
-      while (reader->Read(&response)) {
-      }
-    }
-    const grpc::Status finished = reader->Finish();
-    RETURN_IF_ERROR(received);
-    RETURN_IF_ERROR(FromGrpc(finished));
-    RETURN_IF_ERROR(w.CheckComplete());
-    if (info.has_bias) RETURN_IF_ERROR(b.CheckComplete());
-    return absl::OkStatus();
-  }));
+  RETURN_IF_ERROR(
+      impl_->WithRetries("ExportWeights", [&](grpc::ClientContext* context) -> absl::Status {
+        ASSIGN_OR_RETURN(const v1::HeadInfo wire_info, impl_->DescribeForStream(*context, head_id));
+        ASSIGN_OR_RETURN(const HeadInfo info, FromWire(wire_info));
+        const torch::ScalarType out = dtype.value_or(info.dtype);
+        weights.weight = torch::empty({info.vocab_size, info.hidden_size}, out);
+        weights.bias = info.has_bias ? torch::empty({info.vocab_size}, out) : torch::Tensor();
+        wire::RowAssembler w(weights.weight, "weight_rows"), b(weights.bias, "bias_rows");
+        auto reader = impl_->stub->ExportWeights(context, request);
+        v1::ExportWeightsResponse response;
+        absl::Status received;
+        while (received.ok() && reader->Read(&response)) {
+          if (response.has_weight_rows()) {
+            received = w.Add(response.weight_rows());
+          } else if (response.has_bias_rows() && info.has_bias) {
+            received = b.Add(response.bias_rows());
+          } else {
+            received = absl::InternalError("response: expected weight_rows or bias_rows");
+          }
+        }
+        if (!received.ok()) {
+          context->TryCancel();
+          while (reader->Read(&response)) {
+          }
+        }
+        const grpc::Status finished = reader->Finish();
+        RETURN_IF_ERROR(received);
+        RETURN_IF_ERROR(FromGrpc(finished));
+        RETURN_IF_ERROR(w.CheckComplete());
+        if (info.has_bias) RETURN_IF_ERROR(b.CheckComplete());
+        return absl::OkStatus();
+      }));
   return weights;
 }
 
@@ -686,49 +712,49 @@ absl::StatusOr<HeadGradients> Client::FetchGradients(const std::string& head_id,
     request.set_dtype(wire_dtype);
   }
   HeadGradients grads;
-  RETURN_IF_ERROR(impl_->WithRetries("FetchGradients", [&](grpc::ClientContext* context)
-                                                           -> absl::Status {
-    ASSIGN_OR_RETURN(const v1::HeadInfo wire_info, impl_->DescribeForStream(*context, head_id));
-    ASSIGN_OR_RETURN(const HeadInfo described, FromWire(wire_info));
-    // The server accumulates in float32 unless asked for another dtype.
-    const torch::ScalarType out = dtype.value_or(torch::kFloat);
-    grads.weight_grad = torch::empty({described.vocab_size, described.hidden_size}, out);
-    grads.bias_grad =
-        described.has_bias ? torch::empty({described.vocab_size}, out) : torch::Tensor();
-    wire::RowAssembler w(grads.weight_grad, "weight_grad_rows"),
-        b(grads.bias_grad, "bias_grad_rows");
-    auto reader = impl_->stub->FetchGradients(context, request);
-    v1::FetchGradientsResponse response;
-    absl::Status received;
-    bool have_info = false;
-    while (received.ok() && reader->Read(&response)) {
-      if (response.has_weight_grad_rows()) {
-        received = w.Add(response.weight_grad_rows());
-      } else if (response.has_bias_grad_rows() && described.has_bias) {
-        received = b.Add(response.bias_grad_rows());
-      } else if (response.has_info()) {
-        auto info = FromWire(response.info());
-        received = info.status();
-        if (info.ok()) grads.info = *std::move(info);
-        have_info = info.ok();
-      } else {
-        received = absl::InternalError(
-            "response: expected weight_grad_rows, bias_grad_rows or info");
-      }
-    }
-    if (!received.ok()) {
-      context->TryCancel();
-      while (reader->Read(&response)) {
-      }
-    }
-    const grpc::Status finished = reader->Finish();
-    RETURN_IF_ERROR(received);
-    RETURN_IF_ERROR(FromGrpc(finished));
-    RETURN_IF_ERROR(w.CheckComplete());
-    if (described.has_bias) RETURN_IF_ERROR(b.CheckComplete());
-    if (!have_info) return absl::InternalError("info: the stream ended without one");
-    return absl::OkStatus();
-  }));
+  RETURN_IF_ERROR(
+      impl_->WithRetries("FetchGradients", [&](grpc::ClientContext* context) -> absl::Status {
+        ASSIGN_OR_RETURN(const v1::HeadInfo wire_info, impl_->DescribeForStream(*context, head_id));
+        ASSIGN_OR_RETURN(const HeadInfo described, FromWire(wire_info));
+        // The server accumulates in float32 unless asked for another dtype.
+        const torch::ScalarType out = dtype.value_or(torch::kFloat);
+        grads.weight_grad = torch::empty({described.vocab_size, described.hidden_size}, out);
+        grads.bias_grad =
+            described.has_bias ? torch::empty({described.vocab_size}, out) : torch::Tensor();
+        wire::RowAssembler w(grads.weight_grad, "weight_grad_rows"),
+            b(grads.bias_grad, "bias_grad_rows");
+        auto reader = impl_->stub->FetchGradients(context, request);
+        v1::FetchGradientsResponse response;
+        absl::Status received;
+        bool have_info = false;
+        while (received.ok() && reader->Read(&response)) {
+          if (response.has_weight_grad_rows()) {
+            received = w.Add(response.weight_grad_rows());
+          } else if (response.has_bias_grad_rows() && described.has_bias) {
+            received = b.Add(response.bias_grad_rows());
+          } else if (response.has_info()) {
+            auto info = FromWire(response.info());
+            received = info.status();
+            if (info.ok()) grads.info = *std::move(info);
+            have_info = info.ok();
+          } else {
+            received =
+                absl::InternalError("response: expected weight_grad_rows, bias_grad_rows or info");
+          }
+        }
+        if (!received.ok()) {
+          context->TryCancel();
+          while (reader->Read(&response)) {
+          }
+        }
+        const grpc::Status finished = reader->Finish();
+        RETURN_IF_ERROR(received);
+        RETURN_IF_ERROR(FromGrpc(finished));
+        RETURN_IF_ERROR(w.CheckComplete());
+        if (described.has_bias) RETURN_IF_ERROR(b.CheckComplete());
+        if (!have_info) return absl::InternalError("info: the stream ended without one");
+        return absl::OkStatus();
+      }));
   return grads;
 }
 
@@ -819,8 +845,8 @@ absl::StatusOr<ForwardResult> Client::Forward(const StepSpec& spec, const StepIn
 
 absl::StatusOr<BackwardResult> Client::Backward(const StepSpec& spec, const StepInputs& inputs,
                                                 const torch::Tensor& grad_output) {
-  ASSIGN_OR_RETURN(const PreparedStep p, PrepareStep(spec, inputs, StepMode::kBackward,
-                                                     grad_output, options_.chunk_bytes));
+  ASSIGN_OR_RETURN(const PreparedStep p, PrepareStep(spec, inputs, StepMode::kBackward, grad_output,
+                                                     options_.chunk_bytes));
   BackwardResult result;
   result.grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
   v1::StepSummary summary;

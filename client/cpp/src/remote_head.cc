@@ -55,18 +55,22 @@ torch::ScalarType ResultDtype(const torch::Tensor& hidden) {
 struct Call {
   std::shared_ptr<State> state;
   StepSpec spec;
-  StepInputs inputs;  // hidden filled in by each phase
+  StepInputs inputs;                 // hidden filled in by each phase
   std::vector<int64_t> token_shape;  // hidden.shape[:-1]: the shape of per-token outputs
+  // Two-phase: what the Forward reported, for its Backward.
+  std::string inputs_handle;  // the server kept the rows (spec.retain_inputs_seconds > 0)
+  int64_t forward_version = 0;
 };
 
 std::shared_ptr<Call> MakeCall(const std::shared_ptr<State>& state, const torch::Tensor& hidden,
                                const torch::Tensor& targets, const HeadCall& extra,
-                               const std::string& default_function, bool gradients) {
+                               const std::string& default_function, bool gradients,
+                               bool two_phase) {
   const int64_t d = state->info.hidden_size;
   if (!hidden.defined() || hidden.dim() < 1 || hidden.size(-1) != d) {
-    throw StatusError(absl::InvalidArgumentError(absl::StrCat(
-        "hidden: expected shape [..., ", d, "] (the head's hidden size); got ",
-        hidden.defined() ? c10::str(hidden.sizes()) : "none")));
+    throw StatusError(absl::InvalidArgumentError(
+        absl::StrCat("hidden: expected shape [..., ", d, "] (the head's hidden size); got ",
+                     hidden.defined() ? c10::str(hidden.sizes()) : "none")));
   }
   auto call = std::make_shared<Call>();
   call->state = state;
@@ -77,6 +81,9 @@ std::shared_ptr<Call> MakeCall(const std::shared_ptr<State>& state, const torch:
   call->spec.valid_tokens.reset();  // counted per call by the client
   call->spec.accumulate_weight_grad = state->spec.accumulate_weight_grad && gradients;
   if (call->spec.accumulate_weight_grad) call->spec.gradient_id = state->NextGradientId(extra);
+  // Only a two-phase Forward with a Backward to come keeps its inputs on the server.
+  if (!(two_phase && gradients)) call->spec.retain_inputs_seconds = 0;
+  call->spec.inputs_handle.clear();
   call->token_shape = hidden.sizes().slice(0, hidden.dim() - 1).vec();
   int64_t rows = 1;
   for (const int64_t s : call->token_shape) rows *= s;
@@ -126,7 +133,8 @@ struct FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
     const torch::Tensor dx = ctx->saved_data["grad_hidden"].toTensor();
     const double scale = ctx->saved_data["upstream_scale"].toDouble();
     const double upstream = g.item<double>();
-    if (upstream == scale) return {dx, torch::Tensor()};  // the usual case: dX as the server sent it
+    if (upstream == scale)
+      return {dx, torch::Tensor()};  // the usual case: dX as the server sent it
     if (ctx->saved_data["accumulates"].toBool() &&
         std::abs(upstream - scale) > 1e-6 * std::abs(scale)) {
       throw StatusError(absl::FailedPreconditionError(absl::StrCat(
@@ -146,6 +154,8 @@ struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunct
     call->inputs.hidden = Rows(hidden);
     ForwardResult r = ValueOrThrow(call->state->client->Forward(call->spec, call->inputs));
     call->inputs.hidden = torch::Tensor();  // the saved input below is sent again by backward
+    call->inputs_handle = r.summary.inputs_handle;
+    call->forward_version = r.summary.weight_version;
     call->state->Record(r.summary);
     ctx->save_for_backward({hidden});
     ctx->saved_data["call"] = c10::IValue::make_capsule(c10::make_intrusive<CallHolder>(call));
@@ -160,8 +170,29 @@ struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunct
         static_cast<CallHolder*>(ctx->saved_data["call"].toCapsule().get())->call;
     StepInputs inputs = call->inputs;
     inputs.hidden = Rows(hidden);
-    BackwardResult r =
-        ValueOrThrow(call->state->client->Backward(call->spec, inputs, g.reshape({-1})));
+    StepSpec spec = call->spec;
+    spec.retain_inputs_seconds = 0;
+    // The gradient belongs to the weights the outputs were computed with: a Backward after an
+    // optimizer step fails (FAILED_PRECONDITION) rather than mixing two versions.
+    if (!spec.expected_weight_version.has_value()) {
+      spec.expected_weight_version = call->forward_version;
+    }
+    Client& client = *call->state->client;
+    const torch::Tensor grad_output = g.reshape({-1});
+    absl::StatusOr<BackwardResult> result;
+    if (!call->inputs_handle.empty()) {
+      StepSpec by_handle = spec;
+      by_handle.inputs_handle = call->inputs_handle;
+      result = client.Backward(by_handle, inputs, grad_output);
+      // The server no longer has the rows (they expired, or a Backward whose answer was lost
+      // released them): send them again, under the same gradient identity.
+      if (result.status().code() == absl::StatusCode::kNotFound) {
+        result = client.Backward(spec, inputs, grad_output);
+      }
+    } else {
+      result = client.Backward(spec, inputs, grad_output);
+    }
+    BackwardResult r = ValueOrThrow(std::move(result));
     call->state->Record(r.summary);
     return {r.grad_hidden.reshape(hidden.sizes()).to(hidden.device()), torch::Tensor()};
   }
@@ -171,7 +202,8 @@ struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunct
 
 absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, StepSpec spec) {
   if (client == nullptr) return absl::InvalidArgumentError("client: expected a Client; got null");
-  if (spec.head_id.empty()) return absl::InvalidArgumentError("spec.head_id: expected an id; got \"\"");
+  if (spec.head_id.empty())
+    return absl::InvalidArgumentError("spec.head_id: expected an id; got \"\"");
   if (!(std::isfinite(spec.upstream_scale) && spec.upstream_scale != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "spec.upstream_scale: expected a finite non-zero value; got ", spec.upstream_scale));
@@ -201,7 +233,8 @@ torch::Tensor RemoteHead::loss(const torch::Tensor& hidden, const torch::Tensor&
         "use token_outputs() for per-token outputs"));
   }
   const bool gradients = torch::GradMode::is_enabled() && hidden.requires_grad();
-  auto c = MakeCall(state_, hidden, labels, call, state_->spec.function, gradients);
+  auto c = MakeCall(state_, hidden, labels, call, state_->spec.function, gradients,
+                    /*two_phase=*/false);
   if (!gradients) {
     // Evaluation: outputs only, nothing accumulated on the server.
     c->inputs.hidden = Rows(hidden);
@@ -215,7 +248,8 @@ torch::Tensor RemoteHead::loss(const torch::Tensor& hidden, const torch::Tensor&
 torch::Tensor RemoteHead::token_outputs(const torch::Tensor& hidden, const torch::Tensor& targets,
                                         const HeadCall& call) {
   const bool gradients = torch::GradMode::is_enabled() && hidden.requires_grad();
-  auto c = MakeCall(state_, hidden, targets, call, "token_logprobs", gradients);
+  auto c = MakeCall(state_, hidden, targets, call, "token_logprobs", gradients,
+                    /*two_phase=*/true);
   c->spec.reduction = Reduction::kNone;
   if (!gradients) {
     c->inputs.hidden = Rows(hidden);

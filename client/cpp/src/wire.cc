@@ -30,17 +30,17 @@ absl::StatusOr<v1::DType> ToWireDtype(torch::ScalarType dtype, const std::string
   for (const auto& [wire, torch_dtype] : kDtypes) {
     if (torch_dtype == dtype) return wire;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      field, ": expected float32, bfloat16, float16, float64, int64 or int32; got ",
-      std::string(c10::toString(dtype))));
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected float32, bfloat16, float16, float64, int64 or int32; got ",
+                   std::string(c10::toString(dtype))));
 }
 
 absl::StatusOr<torch::ScalarType> FromWireDtype(v1::DType dtype, const std::string& field) {
   for (const auto& [wire, torch_dtype] : kDtypes) {
     if (wire == dtype) return torch_dtype;
   }
-  return absl::InternalError(absl::StrCat(field, ".dtype: the server sent an unknown dtype ",
-                                          static_cast<int>(dtype)));
+  return absl::InternalError(
+      absl::StrCat(field, ".dtype: the server sent an unknown dtype ", static_cast<int>(dtype)));
 }
 
 torch::Tensor ToWireLayout(const torch::Tensor& t, std::optional<torch::ScalarType> dtype) {
@@ -65,14 +65,14 @@ void EncodeRows(const torch::Tensor& cpu, int64_t offset, int64_t count, v1::Ten
 }
 
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> PlanRowChunks(int64_t rows,
-                                                                      int64_t bytes_per_row,
-                                                                      int64_t overhead_bytes,
-                                                                      int64_t max_message_bytes) {
+                                                                       int64_t bytes_per_row,
+                                                                       int64_t overhead_bytes,
+                                                                       int64_t max_message_bytes) {
   const int64_t room = max_message_bytes - overhead_bytes;
   if (bytes_per_row > room) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk_bytes: expected room for at least one row (", bytes_per_row, " bytes + ",
-        overhead_bytes, " bytes of framing); got ", max_message_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes: expected room for at least one row (", bytes_per_row,
+                     " bytes + ", overhead_bytes, " bytes of framing); got ", max_message_bytes));
   }
   const int64_t per_chunk = std::max<int64_t>(1, room / std::max<int64_t>(bytes_per_row, 1));
   std::vector<std::pair<int64_t, int64_t>> chunks;
@@ -89,9 +89,8 @@ absl::Status RowAssembler::Add(const v1::TensorChunk& chunk) {
   std::vector<int64_t> expected = dst_.sizes().vec();
   const int64_t rows = values.shape_size() > 0 ? values.shape(0) : -1;
   if (!expected.empty()) expected[0] = rows;
-  const bool shape_ok = rows >= 0 &&
-                        std::equal(values.shape().begin(), values.shape().end(), expected.begin(),
-                                   expected.end());
+  const bool shape_ok = rows >= 0 && std::equal(values.shape().begin(), values.shape().end(),
+                                                expected.begin(), expected.end());
   if (chunk.row_offset() != next_row_ || !shape_ok || next_row_ + rows > dst_.size(0)) {
     return absl::InternalError(absl::StrCat(
         field_, ": expected rows from ", next_row_, " shaped [rows",
@@ -124,8 +123,8 @@ absl::Status RowAssembler::Add(const v1::TensorChunk& chunk) {
 
 absl::Status RowAssembler::CheckComplete() const {
   if (next_row_ == dst_.size(0)) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(field_, ": expected ", dst_.size(0),
-                                          " rows; the server sent ", next_row_));
+  return absl::InternalError(
+      absl::StrCat(field_, ": expected ", dst_.size(0), " rows; the server sent ", next_row_));
 }
 
 }  // namespace remotehead::client::wire

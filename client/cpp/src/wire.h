@@ -35,9 +35,9 @@ torch::Tensor ToWireLayout(const torch::Tensor& t, std::optional<torch::ScalarTy
 // within `max_message_bytes` once `overhead_bytes` of framing are added. INVALID_ARGUMENT when
 // one row alone does not fit.
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> PlanRowChunks(int64_t rows,
-                                                                      int64_t bytes_per_row,
-                                                                      int64_t overhead_bytes,
-                                                                      int64_t max_message_bytes);
+                                                                       int64_t bytes_per_row,
+                                                                       int64_t overhead_bytes,
+                                                                       int64_t max_message_bytes);
 
 // Streamed rows of one result tensor, checked and copied into `dst` as they arrive: chunks must
 // come in order, without gaps or overlaps, with dst's trailing shape; values are converted to

@@ -56,9 +56,9 @@ struct RetryPolicy {
 
 // Reported to ClientOptions::on_retry before each backoff wait.
 struct RetryEvent {
-  std::string rpc;       // e.g. "ForwardBackward"
-  int failed_attempt;    // 1-based number of the attempt that just failed
-  absl::Status status;   // its status (always UNAVAILABLE)
+  std::string rpc;                    // e.g. "ForwardBackward"
+  int failed_attempt;                 // 1-based number of the attempt that just failed
+  absl::Status status;                // its status (always UNAVAILABLE)
   std::chrono::milliseconds backoff;  // the wait before the next attempt
 };
 
@@ -178,16 +178,25 @@ struct StepSpec {
   // For a MEAN without normalizer the server needs the count of targets != ignore_index over
   // all rows up front; unset, the client counts it from the targets.
   std::optional<int64_t> valid_tokens;
-  int64_t chunk_rows = 0;           // server-side chunking; both 0: the server's default budget
+  int64_t chunk_rows = 0;  // server-side chunking; both 0: the server's default budget
   int64_t memory_budget_bytes = 0;
-  double upstream_scale = 1.0;      // fused: dL/d(loss), e.g. a loss scale
-  bool accumulate_weight_grad = true;  // false: dX only (frozen head)
+  double upstream_scale = 1.0;            // fused: dL/d(loss), e.g. a loss scale
+  bool accumulate_weight_grad = true;     // false: dX only (frozen head)
   std::optional<GradientId> gradient_id;  // required when accumulating dW
   // Fails with FAILED_PRECONDITION unless the head is at this version.
   std::optional<int64_t> expected_weight_version;
   // hidden is converted to this dtype before it is sent (the head's dtype: the server computes
   // in it). Unset: sent as it is.
   std::optional<torch::ScalarType> wire_dtype;
+  // Forward only: the server keeps the rows (hidden, targets, weights, aux) for at most this
+  // many seconds, so that the two-phase Backward can name them by StepSummary::inputs_handle
+  // instead of sending X again. 0: keep nothing.
+  double retain_inputs_seconds = 0;
+  // Backward only: a Forward's inputs_handle. Then only grad_output travels (nothing at all for
+  // a scalar reduction); inputs.hidden still gives N, D and the dtype of dX, and inputs.targets
+  // (or valid_tokens) the count a MEAN without normalizer needs. The server refuses the handle
+  // once the head's weights moved on, and forgets it after a successful Backward (NOT_FOUND).
+  std::string inputs_handle;
 };
 
 // The per-token inputs of a step. hidden is [N, D]; every other tensor is [N]. Tensors may
@@ -200,15 +209,27 @@ struct StepInputs {
   std::map<std::string, torch::Tensor> aux;
 };
 
+// Where a step's time went on the server (seconds). The phases overlap — rows arrive while
+// earlier rows are computed and their results sent — so they need not add up to total.
+struct StepTimings {
+  double queue_seconds = 0;         // waiting for admission
+  double receive_wait_seconds = 0;  // compute idle, waiting for rows from the client
+  double compute_seconds = 0;       // engine time
+  double send_wait_seconds = 0;     // compute paused: the client had not taken the results
+  double total_seconds = 0;         // first message to summary, on the server
+};
+
 struct StepSummary {
   double loss = 0;  // the reduced loss (fused, scalar Forward); not multiplied by upstream_scale
   int64_t valid_tokens = 0;
   double denominator = 1;
   std::map<std::string, double> extras;  // sums over valid tokens, e.g. "nll", "kl"
-  int64_t weight_version = 0;  // the head version the result was computed against
-  bool replayed = false;       // the gradient id had already been applied: nothing was added
+  int64_t weight_version = 0;            // the head version the result was computed against
+  bool replayed = false;  // the gradient id had already been applied: nothing was added
   int64_t chunk_rows = 0;
   int64_t num_chunks = 0;
+  std::string inputs_handle;  // Forward with retain_inputs_seconds: pass to Backward
+  StepTimings timings;
 };
 
 struct ForwardBackwardResult {

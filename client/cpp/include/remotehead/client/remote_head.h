@@ -20,7 +20,10 @@
 // - token_outputs() (two-phase): the forward makes a Forward call with reduction NONE and
 //   returns per-token outputs (e.g. token_logprobs); the trainer combines them freely; the
 //   backward makes a Backward call with the per-token dL/dy: the server recomputes the logits,
-//   returns dX and adds dW.
+//   returns dX and adds dW. With spec.retain_inputs_seconds > 0 the server keeps the Forward's
+//   rows and the Backward sends only dL/dy (falling back to sending X again if the server no
+//   longer has them). Either way the Backward is pinned to the weight version the Forward saw:
+//   after an optimizer step in between it fails instead of mixing two versions.
 //
 // Gradient identity: every call that adds dW carries (trainer, step, micro_batch). The trainer
 // is the spec's gradient_id.trainer (or a random one per RemoteHead); step is the current step
