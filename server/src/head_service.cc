@@ -214,10 +214,12 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     std::unique_lock<std::mutex> lock(mu_);
     std::optional<v1::StepRequest> request;
     bool end = false;
+    bool more_queued = false;
     if (!finished_ && HasWorkLocked()) {
       if (!inbox_.empty()) {
         request = std::move(inbox_.front());
         inbox_.pop_front();
+        more_queued = !inbox_.empty();
         StartReadLocked();
       } else if (context_->IsCancelled()) {
         FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
@@ -237,7 +239,8 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     absl::Status status;
     const Clock::time_point t0 = Clock::now();
     try {
-      status = end ? session_.OnClientDone(&produced) : session_.OnRequest(*request, &produced);
+      status = end ? session_.OnClientDone(&produced)
+                   : session_.OnRequest(std::move(*request), &produced, more_queued);
     } catch (const std::exception& e) {
       status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
     }

@@ -1,5 +1,6 @@
 #include "step_session.h"
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/tensor_codec.h"
@@ -28,7 +29,7 @@ absl::StatusOr<core::Reduction> FromWireReduction(v1::Reduction r) {
 absl::Status DecodeOptional(bool present, const v1::Tensor& wire, const std::string& field,
                             torch::Tensor* out) {
   if (!present) return absl::OkStatus();
-  ASSIGN_OR_RETURN(*out, DecodeTensor(wire, field));
+  ASSIGN_OR_RETURN(*out, DecodeTensorView(wire, field));
   return absl::OkStatus();
 }
 
@@ -47,6 +48,75 @@ absl::Status AppendRowChunks(const torch::Tensor& t, int64_t first_row, int64_t 
     responses->push_back(std::move(response));
   }
   return absl::OkStatus();
+}
+
+// Rows per engine call: the engine's own chunk size for these options (one GEMM chunk per call,
+// no ragged tail), capped at kMaxBatchBytes of X so that compute starts — and dX streams back —
+// while later rows are still arriving. Options the engine will refuse give 1 (each message is
+// computed as it comes, and the engine reports the error).
+constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
+
+int64_t EngineBatchRows(const core::Head& head, const core::StepOptions& options) {
+  const core::FunctionRegistry& registry = core::FunctionRegistry::Builtin();
+  auto fn = registry.Find(options.function);
+  if (!fn.ok()) return 1;
+  auto params = registry.ResolveParams(**fn, options.params);
+  if (!params.ok()) return 1;
+  auto sizes = core::ResolveChunkSizes(head, **fn, *params, options);
+  if (!sizes.ok()) return 1;
+  const int64_t row_bytes = head.hidden_size() * c10::elementSize(head.dtype());
+  return std::max<int64_t>(1, std::min(sizes->chunk_rows, kMaxBatchBytes / row_bytes));
+}
+
+// [n, D] hidden in the head's dtype with [n] per-token tensors: what can be concatenated.
+bool WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output,
+                const core::Head& head) {
+  if (b.hidden.dim() != 2 || b.hidden.size(1) != head.hidden_size() ||
+      b.hidden.scalar_type() != head.dtype()) {
+    return false;
+  }
+  const int64_t n = b.hidden.size(0);
+  auto per_token = [n](const torch::Tensor& t) {
+    return !t.defined() || (t.dim() == 1 && t.size(0) == n);
+  };
+  if (!per_token(b.targets) || !per_token(b.weights) || !per_token(grad_output)) return false;
+  for (const auto& [name, t] : b.aux) {
+    if (!per_token(t)) return false;
+  }
+  return true;
+}
+
+// The same optional inputs, with the same dtypes.
+bool SameInputs(const core::TokenBatch& a, const core::TokenBatch& b) {
+  auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
+    return x.defined() == y.defined() && (!x.defined() || x.scalar_type() == y.scalar_type());
+  };
+  if (!same(a.targets, b.targets) || !same(a.weights, b.weights) || a.aux.size() != b.aux.size()) {
+    return false;
+  }
+  for (const auto& [name, t] : a.aux) {
+    auto it = b.aux.find(name);
+    if (it == b.aux.end() || !same(t, it->second)) return false;
+  }
+  return true;
+}
+
+// The engine names a bad row by its index within the call, e.g. "targets[2]: ..."; the trainer
+// needs its index within the request: the first "name[i]" of the message gets `first_row`
+// added. Other statuses pass unchanged.
+absl::Status WithRequestRowIndex(absl::Status status, int64_t first_row) {
+  if (status.code() != absl::StatusCode::kInvalidArgument || first_row == 0) return status;
+  const std::string message(status.message());
+  const size_t open = message.find('[');
+  const size_t close = message.find("]:");
+  int64_t index = 0;
+  if (open == std::string::npos || close == std::string::npos || close < open ||
+      message.find(':') < open ||
+      !absl::SimpleAtoi(message.substr(open + 1, close - open - 1), &index)) {
+    return status;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(message.substr(0, open + 1), index + first_row,
+                                                 message.substr(close)));
 }
 
 // Rows [start, start + n) of every per-token tensor of `b` (views, no copy).
@@ -80,8 +150,8 @@ core::TokenBatch ConcatBatches(const std::vector<core::TokenBatch>& parts) {
 
 }  // namespace
 
-absl::Status StepSession::OnRequest(const v1::StepRequest& request,
-                                    std::vector<v1::StepResponse>* responses) {
+absl::Status StepSession::OnRequest(v1::StepRequest request,
+                                    std::vector<v1::StepResponse>* responses, bool more_queued) {
   switch (request.part_case()) {
     case v1::StepRequest::kHeader:
       if (header_.has_value()) {
@@ -93,7 +163,9 @@ absl::Status StepSession::OnRequest(const v1::StepRequest& request,
         return absl::InvalidArgumentError(
             "header: expected the first message to be the header; got rows");
       }
-      return OnRows(request.rows(), responses);
+      RETURN_IF_ERROR(
+          OnRows(std::make_shared<const v1::StepRequest>(std::move(request)), responses));
+      return more_queued ? absl::OkStatus() : FlushPending(pending_rows_, responses);
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("part: ForwardBackward expects a header then rows; got message part ",
@@ -156,6 +228,7 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
   options_.memory_budget_bytes = header.chunking().memory_budget_bytes();
   if (header.has_upstream_scale()) options_.upstream_scale = header.upstream_scale();
   if (!header.inputs_handle().empty()) RETURN_IF_ERROR(CheckRetainedInputs(header));
+  batch_rows_ = EngineBatchRows(*entry_->head, options_);
 
   std::lock_guard<std::mutex> lock(entry_->mu);
   if (header.has_expected_weight_version() &&
@@ -232,65 +305,115 @@ MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
   return e;
 }
 
-absl::Status StepSession::OnRows(const v1::StepRows& rows,
+absl::Status StepSession::OnRows(std::shared_ptr<const v1::StepRequest> message,
                                  std::vector<v1::StepResponse>* responses) {
-  if (rows.row_offset() != next_row_) {
-    return absl::InvalidArgumentError(absl::StrCat("rows.row_offset: expected ", next_row_,
+  const v1::StepRows& rows = message->rows();
+  if (rows.row_offset() != received_rows_) {
+    return absl::InvalidArgumentError(absl::StrCat("rows.row_offset: expected ", received_rows_,
                                                    " (rows arrive in order); got ",
                                                    rows.row_offset()));
   }
   const core::Head& head = *entry_->head;
-  core::TokenBatch batch;
-  torch::Tensor grad_output;
+  PendingRows part{.message = message};
   if (mode_ == Mode::kBackward && options_.reduction == core::Reduction::kNone) {
     if (!rows.has_grad_output()) {
       return absl::InvalidArgumentError(
           "rows.grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
     }
-    ASSIGN_OR_RETURN(grad_output, DecodeTensor(rows.grad_output(), "rows.grad_output"));
-    grad_output = grad_output.to(head.device());
+    ASSIGN_OR_RETURN(part.grad_output, DecodeTensorView(rows.grad_output(), "rows.grad_output"));
+    part.grad_output = part.grad_output.to(head.device());
   }
+  int64_t n = 0;
   if (inputs_ != nullptr) {
     if (rows.has_hidden() || rows.has_targets() || rows.has_weights() || rows.aux_size() > 0) {
       return absl::InvalidArgumentError(
           "rows: expected only grad_output (header.inputs_handle supplies hidden, targets, "
           "weights and aux); got input tensors");
     }
-    if (!grad_output.defined()) {
+    if (!part.grad_output.defined()) {
       return absl::InvalidArgumentError(
           "rows: expected no rows (a scalar reduction with header.inputs_handle needs none); "
           "got rows");
     }
-    const int64_t n = grad_output.dim() >= 1 ? grad_output.size(0) : 1;
-    if (next_row_ + n > header_->rows()) {
+    n = part.grad_output.dim() >= 1 ? part.grad_output.size(0) : 1;
+    if (received_rows_ + n > header_->rows()) {
       return absl::InvalidArgumentError(absl::StrCat("rows.grad_output: expected ",
                                                      header_->rows(), " rows in all; got at least ",
-                                                     next_row_ + n));
+                                                     received_rows_ + n));
     }
-    return ComputeRows(SliceBatch(inputs_->batch, next_row_, n), grad_output, responses);
+    part.batch = SliceBatch(inputs_->batch, received_rows_, n);
+  } else {
+    core::TokenBatch& batch = part.batch;
+    ASSIGN_OR_RETURN(batch.hidden, DecodeTensorView(rows.hidden(), "rows.hidden"));
+    RETURN_IF_ERROR(
+        DecodeOptional(rows.has_targets(), rows.targets(), "rows.targets", &batch.targets));
+    RETURN_IF_ERROR(
+        DecodeOptional(rows.has_weights(), rows.weights(), "rows.weights", &batch.weights));
+    for (const auto& [name, wire] : rows.aux()) {
+      ASSIGN_OR_RETURN(batch.aux[name],
+                       DecodeTensorView(wire, absl::StrCat("rows.aux[\"", name, "\"]")));
+    }
+    n = batch.hidden.dim() >= 1 ? batch.hidden.size(0) : 0;
+    if (received_rows_ + n > header_->rows()) {
+      return absl::InvalidArgumentError(absl::StrCat("rows: expected ", header_->rows(),
+                                                     " rows in all (header.rows); got at least ",
+                                                     received_rows_ + n));
+    }
+    if (batch.hidden.defined() && batch.hidden.device() != head.device()) {
+      batch.hidden = batch.hidden.to(head.device());
+      if (batch.targets.defined()) batch.targets = batch.targets.to(head.device());
+      if (batch.weights.defined()) batch.weights = batch.weights.to(head.device());
+      for (auto& [name, t] : batch.aux) t = t.to(head.device());
+    }
+    // A malformed part (e.g. hidden that is not [n, D]) is not batched with others: the
+    // engine checks it on its own and reports exactly what is wrong.
+    if (!WellFormed(part.batch, part.grad_output, head)) {
+      RETURN_IF_ERROR(FlushPending(pending_rows_, responses));
+      received_rows_ += n;
+      return ComputeRows(std::move(batch), part.grad_output, responses);
+    }
+    // Parts are concatenated only with parts that carry the same inputs.
+    if (!pending_.empty() && !SameInputs(pending_.front().batch, part.batch)) {
+      RETURN_IF_ERROR(FlushPending(pending_rows_, responses));
+    }
   }
-  ASSIGN_OR_RETURN(batch.hidden, DecodeTensor(rows.hidden(), "rows.hidden"));
-  RETURN_IF_ERROR(
-      DecodeOptional(rows.has_targets(), rows.targets(), "rows.targets", &batch.targets));
-  RETURN_IF_ERROR(
-      DecodeOptional(rows.has_weights(), rows.weights(), "rows.weights", &batch.weights));
-  for (const auto& [name, wire] : rows.aux()) {
-    ASSIGN_OR_RETURN(batch.aux[name], DecodeTensor(wire, absl::StrCat("rows.aux[\"", name, "\"]")));
+  received_rows_ += n;
+  pending_rows_ += n;
+  pending_.push_back(std::move(part));
+  while (pending_rows_ >= batch_rows_) RETURN_IF_ERROR(FlushPending(batch_rows_, responses));
+  return absl::OkStatus();
+}
+
+absl::Status StepSession::FlushPending(int64_t rows, std::vector<v1::StepResponse>* responses) {
+  if (rows <= 0) return absl::OkStatus();
+  std::vector<core::TokenBatch> parts;
+  std::vector<torch::Tensor> grads;
+  std::vector<std::shared_ptr<const v1::StepRequest>> owners;  // alive until computed
+  for (int64_t need = rows; need > 0;) {
+    PendingRows& front = pending_.front();
+    const int64_t available = front.batch.hidden.size(0);
+    const int64_t take = std::min(available, need);
+    parts.push_back(SliceBatch(front.batch, 0, take));
+    if (front.grad_output.defined()) grads.push_back(front.grad_output.narrow(0, 0, take));
+    owners.push_back(front.message);
+    if (take == available) {
+      pending_.pop_front();
+    } else {
+      front.batch = SliceBatch(front.batch, take, available - take);
+      if (front.grad_output.defined()) {
+        front.grad_output = front.grad_output.narrow(0, take, available - take);
+      }
+    }
+    need -= take;
   }
-  const int64_t n = batch.hidden.dim() >= 1 ? batch.hidden.size(0) : 0;
-  if (next_row_ + n > header_->rows()) {
-    return absl::InvalidArgumentError(absl::StrCat("rows: expected ", header_->rows(),
-                                                   " rows in all (header.rows); got at least ",
-                                                   next_row_ + n));
-  }
-  if (batch.hidden.defined() && batch.hidden.device() != head.device()) {
-    batch.hidden = batch.hidden.to(head.device());
-    if (batch.targets.defined()) batch.targets = batch.targets.to(head.device());
-    if (batch.weights.defined()) batch.weights = batch.weights.to(head.device());
-    for (auto& [name, t] : batch.aux) t = t.to(head.device());
-  }
-  if (mode_ == Mode::kBackward && !grad_output.defined()) {
-    grad_output = torch::full({}, options_.upstream_scale, torch::kDouble);
+  pending_rows_ -= rows;
+  core::TokenBatch batch = parts.size() == 1 ? std::move(parts.front()) : ConcatBatches(parts);
+  torch::Tensor grad_output;
+  if (mode_ == Mode::kBackward) {
+    grad_output = options_.reduction != core::Reduction::kNone
+                      ? torch::full({}, options_.upstream_scale, torch::kDouble)
+                  : grads.size() == 1 ? grads.front()
+                                      : torch::cat(grads);
   }
   return ComputeRows(std::move(batch), grad_output, responses);
 }
@@ -299,7 +422,7 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
                                       std::vector<v1::StepResponse>* responses) {
   const int64_t n = batch.hidden.dim() >= 1 ? batch.hidden.size(0) : 0;
   torch::Tensor dx, outputs;
-  RETURN_IF_ERROR(Compute(batch, grad_output, &dx, &outputs));
+  RETURN_IF_ERROR(WithRequestRowIndex(Compute(batch, grad_output, &dx, &outputs), next_row_));
   if (dx.defined() && grad_hidden_dtype_ && dx.scalar_type() != *grad_hidden_dtype_) {
     dx = dx.to(*grad_hidden_dtype_);
   }
@@ -307,7 +430,15 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
                                   &v1::StepResponse::mutable_grad_hidden, responses));
   RETURN_IF_ERROR(AppendRowChunks(outputs, next_row_, response_chunk_bytes_,
                                   &v1::StepResponse::mutable_outputs, responses));
-  if (header_->retain_inputs_seconds() > 0) kept_rows_.push_back(std::move(batch));
+  if (header_->retain_inputs_seconds() > 0) {
+    // Owned copies: the batch may alias request messages that are about to be freed.
+    core::TokenBatch kept = SliceBatch(batch, 0, n);
+    kept.hidden = kept.hidden.clone();
+    if (kept.targets.defined()) kept.targets = kept.targets.clone();
+    if (kept.weights.defined()) kept.weights = kept.weights.clone();
+    for (auto& [name, t] : kept.aux) t = t.clone();
+    kept_rows_.push_back(std::move(kept));
+  }
   next_row_ += n;
   return absl::OkStatus();
 }
@@ -355,12 +486,15 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
     return absl::InvalidArgumentError("header: expected a header; the stream ended without one");
   }
   if (inputs_ != nullptr && options_.reduction != core::Reduction::kNone &&
-      next_row_ < header_->rows()) {
+      received_rows_ < header_->rows()) {
     // A scalar Backward by handle: the retained rows are the whole input.
-    const int64_t n = header_->rows() - next_row_;
-    RETURN_IF_ERROR(ComputeRows(SliceBatch(inputs_->batch, next_row_, n),
-                                torch::full({}, options_.upstream_scale, torch::kDouble),
-                                responses));
+    const int64_t n = header_->rows() - received_rows_;
+    pending_.push_back({.batch = SliceBatch(inputs_->batch, received_rows_, n)});
+    pending_rows_ += n;
+    received_rows_ += n;
+  }
+  while (pending_rows_ > 0) {
+    RETURN_IF_ERROR(FlushPending(std::min(batch_rows_, pending_rows_), responses));
   }
   if (next_row_ != header_->rows()) {
     return absl::InvalidArgumentError(

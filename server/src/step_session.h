@@ -7,6 +7,7 @@
 // Not thread-safe: the reactor hands it one message at a time, in order.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -43,7 +44,12 @@ class StepSession {
         response_chunk_bytes_(response_chunk_bytes) {}
 
   // Handles one client message; appends what goes back to the client to `responses`.
-  absl::Status OnRequest(const v1::StepRequest& request, std::vector<v1::StepResponse>* responses);
+  // Takes the message: the rows it carries are computed from its bytes without a copy. Rows
+  // are batched up to the engine's chunk size while `more_queued` (the transport holds further
+  // messages); otherwise everything received is computed now, so a client that waits for dX
+  // before sending more rows is never left waiting.
+  absl::Status OnRequest(v1::StepRequest request, std::vector<v1::StepResponse>* responses,
+                         bool more_queued = false);
   // The client has sent everything: checks completeness, commits, appends the summary.
   absl::Status OnClientDone(std::vector<v1::StepResponse>* responses);
 
@@ -61,7 +67,17 @@ class StepSession {
  private:
   absl::Status OnHeader(const v1::StepHeader& header);
   absl::Status CheckRetainedInputs(const v1::StepHeader& header);
-  absl::Status OnRows(const v1::StepRows& rows, std::vector<v1::StepResponse>* responses);
+  // Rows received and not yet computed: the engine runs on batches of batch_rows_ rows (its
+  // own chunk size, capped), whatever the size of the client's messages.
+  struct PendingRows {
+    std::shared_ptr<const v1::StepRequest> message;  // owns the bytes the tensors alias
+    core::TokenBatch batch;
+    torch::Tensor grad_output;  // Backward with reduction NONE
+  };
+  absl::Status OnRows(std::shared_ptr<const v1::StepRequest> message,
+                      std::vector<v1::StepResponse>* responses);
+  // Computes the first `rows` pending rows.
+  absl::Status FlushPending(int64_t rows, std::vector<v1::StepResponse>* responses);
   // Computes rows [next_row_, next_row_ + rows of batch) and appends their results.
   absl::Status ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
                            std::vector<v1::StepResponse>* responses);
@@ -81,7 +97,11 @@ class StepSession {
   core::GradientBuffers scratch_;
   std::shared_ptr<const RetainedInputs> inputs_;  // Backward by handle
   std::vector<core::TokenBatch> kept_rows_;        // Forward that retains its inputs
-  int64_t next_row_ = 0;
+  std::deque<PendingRows> pending_;
+  int64_t pending_rows_ = 0;
+  int64_t batch_rows_ = 1;
+  int64_t received_rows_ = 0;  // rows taken from the client (or the retained inputs)
+  int64_t next_row_ = 0;       // rows computed, whose results have been produced
   int64_t valid_tokens_ = 0;
   double loss_ = 0;
   int64_t chunk_rows_ = 0;

@@ -41,7 +41,7 @@ absl::StatusOr<v1::DType> ToWireDtype(torch::ScalarType dtype) {
       absl::StrCat("dtype: ", c10::toString(dtype), " has no wire representation"));
 }
 
-absl::StatusOr<torch::Tensor> DecodeTensor(const v1::Tensor& wire, const std::string& field) {
+absl::StatusOr<torch::Tensor> DecodeTensorView(const v1::Tensor& wire, const std::string& field) {
   auto dtype = FromWireDtype(wire.dtype(), field);
   if (!dtype.ok()) return dtype.status();
   std::vector<int64_t> shape(wire.shape().begin(), wire.shape().end());
@@ -62,9 +62,16 @@ absl::StatusOr<torch::Tensor> DecodeTensor(const v1::Tensor& wire, const std::st
         absl::StrCat(field, ": expected ", expected_bytes, " bytes for ", c10::toString(*dtype),
                      " [", absl::StrJoin(shape, ", "), "]; got ", wire.data().size()));
   }
-  torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(*dtype));
-  if (expected_bytes > 0) std::memcpy(t.data_ptr(), wire.data().data(), expected_bytes);
-  return t;
+  if (expected_bytes == 0) return torch::empty(shape, torch::TensorOptions().dtype(*dtype));
+  // Read-only use by the caller; the bytes are little-endian like every host we build for.
+  return torch::from_blob(const_cast<char*>(wire.data().data()), shape,
+                          torch::TensorOptions().dtype(*dtype));
+}
+
+absl::StatusOr<torch::Tensor> DecodeTensor(const v1::Tensor& wire, const std::string& field) {
+  auto view = DecodeTensorView(wire, field);
+  if (!view.ok()) return view.status();
+  return view->clone();
 }
 
 absl::Status EncodeTensor(const torch::Tensor& tensor, v1::Tensor* wire) {

@@ -370,7 +370,7 @@ TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
          }
        },
        grpc::StatusCode::INVALID_ARGUMENT,
-       "targets[0]: expected a token id in [0, 300) or ignore_index (-100); got 300"},
+       "targets[34]: expected a token id in [0, 300) or ignore_index (-100); got 300"},
       {"rows out of order",
        [](v1::StepRequest& m) {
          if (m.has_rows() && m.rows().row_offset() == 17) m.mutable_rows()->set_row_offset(20);

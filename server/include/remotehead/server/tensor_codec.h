@@ -21,6 +21,9 @@ absl::StatusOr<v1::DType> ToWireDtype(torch::ScalarType dtype);
 // Copies the bytes of `wire` into a new CPU tensor. `field` names it in errors, e.g.
 // "rows.hidden: expected 8192 bytes for float32 [8, 256]; got 8000".
 absl::StatusOr<torch::Tensor> DecodeTensor(const v1::Tensor& wire, const std::string& field);
+// The same checks, but the tensor aliases wire.data() (no copy): valid only while `wire` lives
+// unchanged, and only for reading.
+absl::StatusOr<torch::Tensor> DecodeTensorView(const v1::Tensor& wire, const std::string& field);
 
 // Writes `tensor` (any device; copied to a contiguous CPU tensor if needed) into `wire`.
 absl::Status EncodeTensor(const torch::Tensor& tensor, v1::Tensor* wire);
