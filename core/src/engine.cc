@@ -26,6 +26,7 @@ struct Plan {
   double denominator = 1.0;
   int64_t ignore_index = -100;
   std::function<bool()> should_stop;  // StepOptions::should_stop
+  torch::Tensor logits_workspace;     // StepOptions::logits_workspace
 };
 
 // Thrown between chunks when Plan::should_stop says so; StatusFromExceptions makes it CANCELLED.
@@ -190,6 +191,7 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
                    FunctionRegistry::Builtin().ResolveParams(*plan.fn, options.params));
   plan.reduction = options.reduction;
   plan.should_stop = options.should_stop;
+  plan.logits_workspace = options.logits_workspace;
   plan.ignore_index = options.ignore_index;
   RETURN_IF_ERROR(CheckHidden(head, batch));
   plan.rows = batch.hidden.size(0);
@@ -388,9 +390,15 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
   *num_chunks = 0;
   if (plan.rows == 0) return out;
 
-  // Allocated once per call: a fresh [rows, V] buffer per chunk would cost page faults.
+  // Allocated once per call (or reused across calls): a fresh [rows, V] buffer per chunk would
+  // cost page faults.
+  const torch::Tensor& w = plan.logits_workspace;
   const torch::Tensor logits_buffer =
-      torch::empty({plan.chunk_rows, head.vocab_size()}, head.weight().options());
+      w.defined() && w.dim() == 2 && w.size(0) >= plan.chunk_rows &&
+              w.size(1) == head.vocab_size() && w.is_contiguous() &&
+              w.scalar_type() == head.dtype() && w.device() == head.device()
+          ? w.narrow(0, 0, plan.chunk_rows)
+          : torch::empty({plan.chunk_rows, head.vocab_size()}, head.weight().options());
   // dL/dz: for an fp32 head the logits buffer itself (each block's logits are dead once its
   // gradient exists); otherwise a separate fp32 buffer, so dW accumulates the unrounded
   // gradient.

@@ -540,7 +540,8 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
                                                      " (rows arrive in order); got ",
                                                      chunk.row_offset()));
     }
-    ASSIGN_OR_RETURN(torch::Tensor values, DecodeTensor(chunk.values(), field + ".values"));
+    // A view of the message's bytes: copied once, into the head's tensor, below.
+    ASSIGN_OR_RETURN(torch::Tensor values, DecodeTensorView(chunk.values(), field + ".values"));
     const int64_t rows = values.dim() >= 1 ? values.size(0) : 0;
     std::vector<int64_t> expected = target.sizes().vec();
     expected[0] = rows;

@@ -229,6 +229,13 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
   if (header.has_upstream_scale()) options_.upstream_scale = header.upstream_scale();
   if (!header.inputs_handle().empty()) RETURN_IF_ERROR(CheckRetainedInputs(header));
   batch_rows_ = EngineBatchRows(*entry_->head, options_);
+  // One logits buffer for the whole request (a new one per batch would cost page faults);
+  // every engine call on it runs under the head's lock, one at a time.
+  if (header.rows() > 0 && batch_rows_ > 1) {
+    options_.logits_workspace =
+        torch::empty({std::min(batch_rows_, header.rows()), entry_->head->vocab_size()},
+                     entry_->head->weight().options());
+  }
 
   std::lock_guard<std::mutex> lock(entry_->mu);
   if (header.has_expected_weight_version() &&

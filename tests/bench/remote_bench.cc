@@ -6,7 +6,8 @@
 //   remote       client::Client::ForwardBackward to the server binary, which this program starts
 //                (rows streamed up while dX streams down; the server pipelines compute)
 //   up / down    the same bytes as X and dX moved alone, through the same client and server:
-//                UploadHead of an [N, D] tensor (X up), ExportWeights of it (X-sized down)
+//                X up by a Forward on a one-token head (the step's streaming path, next to no
+//                compute, only a summary back); X-sized down by ExportWeights of an [N, D] head
 //   serial       up + in_process + down: the step with transfer and compute not overlapped
 //
 // Reported: remote / in_process (acceptance: ≤ 1.10 at 2048:1024:32000), overlap = remote /
@@ -15,13 +16,18 @@
 // breakdown of the remote step (StepSummary.timings: compute, waiting for rows, waiting for the
 // client to take results). Times are medians over --repeats after --warmup untimed runs; the
 // remote result is checked against the in-process one (loss, dX).
+#include <sys/resource.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <iostream>
+#include <iterator>
+#include <thread>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -48,6 +54,9 @@ ABSL_FLAG(std::vector<std::string>, server_args, {},
 ABSL_FLAG(int64_t, chunk_bytes, int64_t{1} << 20, "client request message size");
 ABSL_FLAG(int32_t, threads, 0, "torch::set_num_threads in this process when > 0");
 ABSL_FLAG(bool, json, false, "print one JSON object on stdout instead of the table");
+ABSL_FLAG(bool, check, false,
+          "exit 1 unless the remote results equal the in-process ones (loss and dX within 1e-5 "
+          "of their magnitude) and the echoed bytes are exact (no timing checks)");
 
 namespace {
 
@@ -57,6 +66,25 @@ using Clock = std::chrono::steady_clock;
 struct Shape {
   int64_t n = 0, d = 0, v = 0;
 };
+
+// CPU seconds (user + system) used so far by process `pid` (0: this process).
+double CpuSeconds(pid_t pid) {
+  if (pid == 0) {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+    return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
+  const std::vector<std::string> fields =
+      absl::StrSplit(text.substr(text.rfind(')') + 2), ' ', absl::SkipEmpty());
+  if (fields.size() < 13) return 0;
+  double utime = 0, stime = 0;
+  if (!absl::SimpleAtod(fields[11], &utime) || !absl::SimpleAtod(fields[12], &stime)) return 0;
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
 
 double Median(std::vector<double> xs) {
   std::sort(xs.begin(), xs.end());
@@ -84,7 +112,7 @@ T OrDie(absl::StatusOr<T> v, const std::string& what) {
   return *std::move(v);
 }
 
-nlohmann::json RunShape(const Shape& s, rh::client::Client& client) {
+nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server_pid) {
   torch::NoGradGuard no_grad;
   // The same head on both sides: Head::Initialize is deterministic in the seed.
   auto head = OrDie(rh::core::Head::Initialize({.vocab_size = s.v, .hidden_size = s.d, .seed = 1},
@@ -109,22 +137,34 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client) {
   int64_t step = 0;
   rh::client::ForwardBackwardResult remote_result;
   const rh::client::StepInputs inputs{.hidden = batch.hidden, .targets = batch.targets};
+  double cpu_before = 0, cpu_after = 0;  // both processes, over the timed remote runs
   const double remote = TimeIt([&] {
+    if (step == absl::GetFlag(FLAGS_warmup)) cpu_before = CpuSeconds(0) + CpuSeconds(server_pid);
     rh::client::StepSpec spec{.head_id = "bench",
                               .gradient_id = rh::client::GradientId{"bench", step++, 0}};
     remote_result = OrDie(client.ForwardBackward(spec, inputs), "ForwardBackward");
   });
+  cpu_after = CpuSeconds(0) + CpuSeconds(server_pid);
+  const double cpu_per_step =
+      (cpu_after - cpu_before) / std::max(1, absl::GetFlag(FLAGS_repeats));
 
-  // The same bytes alone: X up, X-sized down.
+  // The same bytes alone. Up: X through a Forward (sum) on a one-token vocabulary — the same
+  // streaming path with next to no compute and nothing but the summary coming back. Down: an
+  // X-sized tensor streamed back by ExportWeights (X uploaded once as a head, untimed).
+  OrDie(client.CreateHead("probe_up", rh::client::InitSpec{.vocab_size = 1, .hidden_size = s.d}),
+        "CreateHead");
+  const rh::client::StepInputs up_inputs{.hidden = batch.hidden,
+                                         .targets = torch::zeros({s.n}, torch::kLong)};
   const double up = TimeIt([&] {
-    (void)client.DropHead("probe");
-    OrDie(client.UploadHead("probe", batch.hidden), "UploadHead");
+    OrDie(client.Forward({.head_id = "probe_up", .reduction = rh::client::Reduction::kSum},
+                         up_inputs),
+          "Forward");
   });
+  OrDie(client.UploadHead("probe_down", batch.hidden), "UploadHead");
   torch::Tensor echoed;
   const double down =
-      TimeIt([&] { echoed = OrDie(client.ExportWeights("probe"), "ExportWeights").weight; });
-  (void)client.DropHead("probe");
-  (void)client.DropHead("bench");
+      TimeIt([&] { echoed = OrDie(client.ExportWeights("probe_down"), "ExportWeights").weight; });
+  for (const char* id : {"probe_up", "probe_down", "bench"}) (void)client.DropHead(id);
 
   const double bytes = 2.0 * s.n * s.d * 4;  // X up + dX down
   const double serial = up + in_process + down;
@@ -142,6 +182,8 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client) {
       {"overlap_ratio", remote / serial},
       {"wire_goodput_gb_per_s", bytes / (up + down) / 1e9},
       {"remote_goodput_gb_per_s", bytes / remote / 1e9},
+      {"remote_cpu_seconds", cpu_per_step},
+      {"remote_cpu_utilisation", cpu_per_step / (remote * std::thread::hardware_concurrency())},
       {"server_compute_seconds", t.compute_seconds},
       {"server_receive_wait_seconds", t.receive_wait_seconds},
       {"server_send_wait_seconds", t.send_wait_seconds},
@@ -149,6 +191,8 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client) {
       {"loss_abs_diff", std::abs(remote_result.loss - local.loss)},
       {"dx_max_abs_diff",
        (remote_result.grad_hidden - local.grad_hidden).abs().max().item<double>()},
+      {"dx_max_abs", local.grad_hidden.abs().max().item<double>()},
+      {"loss", local.loss},
       {"echo_exact", torch::equal(echoed, batch.hidden)},
   };
 }
@@ -169,10 +213,13 @@ void PrintTable(const nlohmann::json& report) {
         r["overlap_ratio"].get<double>(), r["wire_goodput_gb_per_s"].get<double>(),
         r["server_compute_seconds"].get<double>(), r["server_receive_wait_seconds"].get<double>(),
         r["server_send_wait_seconds"].get<double>());
-    std::cout << absl::StrFormat("%-18s |loss diff| %.2e, max |dX diff| %.2e, echo exact: %s\n",
-                                 "", r["loss_abs_diff"].get<double>(),
-                                 r["dx_max_abs_diff"].get<double>(),
-                                 r["echo_exact"].get<bool>() ? "yes" : "NO");
+    std::cout << absl::StrFormat(
+        "%-18s remote step: %.3f CPU-s in both processes = %.0f%% of %d cores; |loss diff| "
+        "%.2e, max |dX diff| %.2e, echo exact: %s\n",
+        "", r["remote_cpu_seconds"].get<double>(),
+        100 * r["remote_cpu_utilisation"].get<double>(), report["cores"].get<int>(),
+        r["loss_abs_diff"].get<double>(), r["dx_max_abs_diff"].get<double>(),
+        r["echo_exact"].get<bool>() ? "yes" : "NO");
   }
 }
 
@@ -214,11 +261,24 @@ int main(int argc, char** argv) {
     if (line.find("admission:") != std::string::npos) admission_line = line;
   }
   report["server_log"] = admission_line;
-  for (const Shape& s : shapes) report["shapes"].push_back(RunShape(s, *client));
+  report["cores"] = std::thread::hardware_concurrency();
+  for (const Shape& s : shapes) report["shapes"].push_back(RunShape(s, *client, server.pid()));
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << report.dump(2) << std::endl;
   } else {
     PrintTable(report);
   }
-  return server.Terminate() == 0 ? 0 : 1;
+  int failures = 0;
+  if (absl::GetFlag(FLAGS_check)) {
+    for (const auto& r : report["shapes"]) {
+      if (!(r["loss_abs_diff"].get<double>() <= 1e-5 * std::abs(r["loss"].get<double>())) ||
+          !(r["dx_max_abs_diff"].get<double>() <= 1e-5 * r["dx_max_abs"].get<double>()) ||
+          !r["echo_exact"].get<bool>()) {
+        std::cerr << "remotehead-remote-bench: remote and in-process results differ: " << r.dump()
+                  << std::endl;
+        ++failures;
+      }
+    }
+  }
+  return server.Terminate() == 0 && failures == 0 ? 0 : 1;
 }

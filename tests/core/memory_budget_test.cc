@@ -101,6 +101,36 @@ INSTANTIATE_TEST_SUITE_P(
       return info.param.function + (info.param.params.empty() ? "" : "_with_options");
     });
 
+// A caller-owned logits workspace (a server reusing one across a request's batches) replaces
+// the [chunk_rows, V] buffer the call would allocate: the transient peak drops by about that
+// buffer, and the results are the same.
+TEST(MemoryBudgetWorkspace, LogitsWorkspaceReplacesTheCallsOwnBuffer) {
+  core::InstallCpuMemoryTracker();
+  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/false);
+  const core::TokenBatch batch = reference::MakeTestBatch(*head, 600, "cross_entropy",
+                                                          Reduction::kMean);
+  core::StepOptions options{.memory_budget_bytes = kBudget};
+  auto measure = [&](const core::StepOptions& o, core::FusedResult* result) {
+    EXPECT_TRUE(core::ResetPeakMemory(torch::kCPU).ok());
+    const int64_t before = core::GetMemoryStats(torch::kCPU)->allocated_bytes;
+    auto r = core::FusedForwardBackward(*head, batch, o, nullptr);
+    EXPECT_TRUE(r.ok()) << r.status();
+    const int64_t peak = core::GetMemoryStats(torch::kCPU)->peak_allocated_bytes - before;
+    *result = *std::move(r);
+    return peak;
+  };
+  core::FusedResult own, reused;
+  const int64_t own_peak = measure(options, &own);
+  const int64_t chunk_rows = own.stats.chunk_rows;
+  options.logits_workspace = torch::empty({chunk_rows, kVocab}, head->weight().options());
+  const int64_t reused_peak = measure(options, &reused);
+  const int64_t buffer_bytes = chunk_rows * kVocab * 4;
+  EXPECT_LE(reused_peak, own_peak - buffer_bytes * 9 / 10)
+      << "own " << own_peak << " reused " << reused_peak << " buffer " << buffer_bytes;
+  EXPECT_EQ(reused.loss, own.loss);
+  EXPECT_TRUE(torch::equal(reused.grad_hidden, own.grad_hidden));
+}
+
 TEST(MemoryStats, CpuTrackerCountsLiveAndPeakBytes) {
   core::InstallCpuMemoryTracker();
   ASSERT_TRUE(core::ResetPeakMemory(torch::kCPU).ok());

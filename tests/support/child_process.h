@@ -67,6 +67,7 @@ class ChildProcess {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
   }
   bool started() const { return pid_ > 0; }
+  pid_t pid() const { return pid_; }
   const std::string& log() const { return log_; }
   // The line that made the process ready (empty if it never did).
   const std::string& ready_line() const { return ready_line_; }

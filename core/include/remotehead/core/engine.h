@@ -72,6 +72,10 @@ struct StepOptions {
   // cancelled or expired request stops within one chunk). `grads` may then hold a partial
   // addition, like any failure during compute.
   std::function<bool()> should_stop;
+  // Optional [rows ≥ chunk_rows, V] buffer in the head's dtype and device for the chunk logits,
+  // reused across calls (a server computing one request batch by batch); undefined or too
+  // small: the engine allocates its own for the call.
+  torch::Tensor logits_workspace;
 };
 
 struct StepStats {
