@@ -133,6 +133,12 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
     local = OrDie(rh::core::FusedForwardBackward(*head, batch, {}, &grads), "in-process step");
   });
 
+  // The client's own tensor work (copying rows out, assembling dX) runs on one thread: the
+  // server shares this machine's cores, and idle OpenMP workers of this process spinning after
+  // each copy would take CPU from it (a real trainer runs on other machines).
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(1);
+
   // Remote: a fresh gradient id per run, so each one is really accumulated.
   int64_t step = 0;
   rh::client::ForwardBackwardResult remote_result;
@@ -165,6 +171,7 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
   const double down =
       TimeIt([&] { echoed = OrDie(client.ExportWeights("probe_down"), "ExportWeights").weight; });
   for (const char* id : {"probe_up", "probe_down", "bench"}) (void)client.DropHead(id);
+  torch::set_num_threads(threads);
 
   const double bytes = 2.0 * s.n * s.d * 4;  // X up + dX down
   const double serial = up + in_process + down;
