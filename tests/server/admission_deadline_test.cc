@@ -138,13 +138,7 @@ TEST_F(AdmissionDeadlineTest, DeadlineExpiringMidRequestStopsItAndChangesNothing
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
   auto stream = stub_->ForwardBackward(&context);
-  v1::StepRequest header;
-  header.mutable_header()->set_head_id("lm");
-  header.mutable_header()->set_rows(kRows);
-  header.mutable_header()->set_valid_tokens(1);
-  header.mutable_header()->set_accumulate_weight_grad(true);
-  header.mutable_header()->mutable_gradient_id()->set_trainer("run/rank-5");
-  ASSERT_TRUE(stream->Write(header));
+  ASSERT_TRUE(stream->Write(AccumulatingHeader("run/rank-5")));
   // The rest of the rows never come: the deadline passes while the server waits for them.
   v1::StepResponse response;
   while (stream->Read(&response)) {

@@ -411,13 +411,7 @@ TEST_F(HeadServiceTest, ClientCancellingMidStreamLeavesGradientsUntouched) {
   const torch::Tensor before = HeadWeightGrad();
   grpc::ClientContext context;
   auto stream = stub_->ForwardBackward(&context);
-  v1::StepRequest header;
-  header.mutable_header()->set_head_id("lm");
-  header.mutable_header()->set_rows(kRows);
-  header.mutable_header()->set_valid_tokens(1);
-  header.mutable_header()->set_accumulate_weight_grad(true);
-  header.mutable_header()->mutable_gradient_id()->set_trainer("run/rank-2");
-  ASSERT_TRUE(stream->Write(header));
+  ASSERT_TRUE(stream->Write(AccumulatingHeader("run/rank-2")));
   v1::StepRequest rows;
   rows.mutable_rows()->set_row_offset(0);
   ASSERT_TRUE(

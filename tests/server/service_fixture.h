@@ -143,6 +143,17 @@ class ServiceFixture : public ::testing::Test {
     return outcome;
   }
 
+  // The header of a ForwardBackward of kRows rows on "lm" that accumulates dW as `trainer`.
+  static v1::StepRequest AccumulatingHeader(const std::string& trainer) {
+    v1::StepRequest header;
+    header.mutable_header()->set_head_id("lm");
+    header.mutable_header()->set_rows(kRows);
+    header.mutable_header()->set_valid_tokens(1);
+    header.mutable_header()->set_accumulate_weight_grad(true);
+    header.mutable_header()->mutable_gradient_id()->set_trainer(trainer);
+    return header;
+  }
+
   torch::Tensor HeadWeightGrad() {
     std::lock_guard<std::mutex> lock(entry_->mu);
     return entry_->head->grads().weight.clone();

@@ -26,6 +26,24 @@ absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+// Reads a server stream to its end, handing each message to `handle`. The first error — a
+// message `handle` refuses, or the call's status — is returned; after a refused message the
+// call is cancelled and drained, so the stream always ends cleanly.
+template <typename Response, typename Reader, typename Handle>
+absl::Status ReadStream(grpc::ClientContext* context, Reader& reader, Handle&& handle) {
+  Response response;
+  absl::Status received;
+  while (received.ok() && reader.Read(&response)) received = handle(response);
+  if (!received.ok()) {
+    context->TryCancel();
+    while (reader.Read(&response)) {
+    }
+  }
+  const grpc::Status finished = reader.Finish();
+  RETURN_IF_ERROR(received);
+  return FromGrpc(finished);
+}
+
 std::string ShapeOf(const torch::Tensor& t) { return c10::str(t.sizes()); }
 
 absl::StatusOr<HeadInfo> FromWire(const v1::HeadInfo& wire) {
@@ -664,25 +682,12 @@ absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
         weights.bias = info.has_bias ? torch::empty({info.vocab_size}, out) : torch::Tensor();
         wire::RowAssembler w(weights.weight, "weight_rows"), b(weights.bias, "bias_rows");
         auto reader = impl_->stub->ExportWeights(context, request);
-        v1::ExportWeightsResponse response;
-        absl::Status received;
-        while (received.ok() && reader->Read(&response)) {
-          if (response.has_weight_rows()) {
-            received = w.Add(response.weight_rows());
-          } else if (response.has_bias_rows() && info.has_bias) {
-            received = b.Add(response.bias_rows());
-          } else {
-            received = absl::InternalError("response: expected weight_rows or bias_rows");
-          }
-        }
-        if (!received.ok()) {
-          context->TryCancel();
-          while (reader->Read(&response)) {
-          }
-        }
-        const grpc::Status finished = reader->Finish();
-        RETURN_IF_ERROR(received);
-        RETURN_IF_ERROR(FromGrpc(finished));
+        RETURN_IF_ERROR(ReadStream<v1::ExportWeightsResponse>(
+            context, *reader, [&](const v1::ExportWeightsResponse& response) {
+              if (response.has_weight_rows()) return w.Add(response.weight_rows());
+              if (response.has_bias_rows() && info.has_bias) return b.Add(response.bias_rows());
+              return absl::InternalError("response: expected weight_rows or bias_rows");
+            }));
         RETURN_IF_ERROR(w.CheckComplete());
         if (info.has_bias) RETURN_IF_ERROR(b.CheckComplete());
         return absl::OkStatus();
@@ -724,32 +729,21 @@ absl::StatusOr<HeadGradients> Client::FetchGradients(const std::string& head_id,
         wire::RowAssembler w(grads.weight_grad, "weight_grad_rows"),
             b(grads.bias_grad, "bias_grad_rows");
         auto reader = impl_->stub->FetchGradients(context, request);
-        v1::FetchGradientsResponse response;
-        absl::Status received;
         bool have_info = false;
-        while (received.ok() && reader->Read(&response)) {
-          if (response.has_weight_grad_rows()) {
-            received = w.Add(response.weight_grad_rows());
-          } else if (response.has_bias_grad_rows() && described.has_bias) {
-            received = b.Add(response.bias_grad_rows());
-          } else if (response.has_info()) {
-            auto info = FromWire(response.info());
-            received = info.status();
-            if (info.ok()) grads.info = *std::move(info);
-            have_info = info.ok();
-          } else {
-            received =
-                absl::InternalError("response: expected weight_grad_rows, bias_grad_rows or info");
-          }
-        }
-        if (!received.ok()) {
-          context->TryCancel();
-          while (reader->Read(&response)) {
-          }
-        }
-        const grpc::Status finished = reader->Finish();
-        RETURN_IF_ERROR(received);
-        RETURN_IF_ERROR(FromGrpc(finished));
+        RETURN_IF_ERROR(ReadStream<v1::FetchGradientsResponse>(
+            context, *reader, [&](const v1::FetchGradientsResponse& response) -> absl::Status {
+              if (response.has_weight_grad_rows()) return w.Add(response.weight_grad_rows());
+              if (response.has_bias_grad_rows() && described.has_bias) {
+                return b.Add(response.bias_grad_rows());
+              }
+              if (!response.has_info()) {
+                return absl::InternalError(
+                    "response: expected weight_grad_rows, bias_grad_rows or info");
+              }
+              ASSIGN_OR_RETURN(grads.info, FromWire(response.info()));
+              have_info = true;
+              return absl::OkStatus();
+            }));
         RETURN_IF_ERROR(w.CheckComplete());
         if (described.has_bias) RETURN_IF_ERROR(b.CheckComplete());
         if (!have_info) return absl::InternalError("info: the stream ended without one");
