@@ -478,7 +478,11 @@ absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Te
     }
     case Mode::kBackward: {
       ASSIGN_OR_RETURN(*grad_hidden, core::Backward(head, batch, options_, grad_output, grads));
-      return absl::OkStatus();  // Backward reports no statistics
+      // The engine's Backward reports no statistics; the summary still counts the tokens.
+      valid_tokens_ += batch.targets.defined()
+                           ? (batch.targets != options_.ignore_index).sum().item<int64_t>()
+                           : batch.hidden.size(0);
+      return absl::OkStatus();
     }
   }
   valid_tokens_ += stats.valid_tokens;

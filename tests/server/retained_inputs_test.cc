@@ -67,6 +67,7 @@ TEST_F(RetainedInputsTest, PerTokenBackwardByHandleMatchesTheEngineAndReleasesTh
   EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6);
   EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight),
             1e-5 * reference::MaxAbs(grads.weight));
+  EXPECT_EQ(backward.summary.valid_tokens(), (batch_.targets != -100).sum().item<int64_t>());
   EXPECT_EQ(service_->admission().Stats().bytes_in_use, 0);
 
   const StepOutcome again =
