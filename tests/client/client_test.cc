@@ -18,6 +18,7 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/head_service.h"
+#include "support/in_process_server.h"
 
 namespace remotehead {
 namespace {
@@ -32,16 +33,8 @@ constexpr int64_t kChunkBytes = 4096;
 class ClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    service_ = std::make_unique<server::HeadServiceImpl>(
-        &registry_, server::ServiceOptions{.response_chunk_bytes = 1024});
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    builder.SetMaxReceiveMessageSize(kChunkBytes);
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    target_ = absl::StrCat("127.0.0.1:", port);
+    ASSERT_TRUE(server_.started());
+    target_ = server_.target();
     client_ = *rc::Client::Create({.target = target_, .chunk_bytes = kChunkBytes});
 
     auto info = client_->CreateHead("lm", rc::InitSpec{.vocab_size = kVocab,
@@ -50,13 +43,8 @@ class ClientTest : public ::testing::Test {
                                                        .seed = 5,
                                                        .init_std = 1.0 / std::sqrt(kHidden)});
     ASSERT_TRUE(info.ok()) << info.status();
-    entry_ = *registry_.Get("lm");
+    entry_ = *server_.registry().Get("lm");
     batch_ = reference::MakeTestBatch(Head(), kRows, "cross_entropy", core::Reduction::kMean);
-  }
-
-  void TearDown() override {
-    server_->Shutdown();
-    service_.reset();
   }
 
   const core::Head& Head() { return *entry_->head; }
@@ -98,9 +86,8 @@ class ClientTest : public ::testing::Test {
             .aux = batch.aux};
   }
 
-  server::HeadRegistry registry_;
-  std::unique_ptr<server::HeadServiceImpl> service_;
-  std::unique_ptr<grpc::Server> server_;
+  // Accepts no message larger than the client's chunk_bytes.
+  testing::InProcessServer server_{{.response_chunk_bytes = 1024}, kChunkBytes};
   std::string target_;
   std::shared_ptr<rc::Client> client_;
   std::shared_ptr<server::HeadEntry> entry_;
@@ -211,7 +198,7 @@ TEST_F(ClientTest, HalfPrecisionHeadTakesHiddenInItsDtypeAndReturnsDxInTheCaller
                                                   .init_std = 0.2,
                                                   .dtype = torch::kBFloat16})
                   .ok());
-  const core::Head& bf = *(*registry_.Get("bf"))->head;
+  const core::Head& bf = *(*server_.registry().Get("bf"))->head;
   const torch::Tensor hidden = torch::randn({kRows, kHidden});
   core::TokenBatch batch{.hidden = hidden.to(torch::kBFloat16), .targets = batch_.targets};
   auto direct = core::FusedForwardBackward(bf, batch, {.chunk_rows = 8}, nullptr);
@@ -342,7 +329,7 @@ TEST_F(ClientTest, UploadThenExportRoundTripsBitExactly) {
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->dtype, dtype);
     EXPECT_TRUE(info->has_bias);
-    EXPECT_TRUE(torch::equal((*registry_.Get(id))->head->weight(), w));
+    EXPECT_TRUE(torch::equal((*server_.registry().Get(id))->head->weight(), w));
 
     auto exported = client_->ExportWeights(id);
     ASSERT_TRUE(exported.ok()) << exported.status();
@@ -418,7 +405,7 @@ TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
   // SGD on another head: w ← w − lr·dW, then the accumulators zeroed.
   ASSERT_TRUE(
       client_->CreateHead("sgd", rc::InitSpec{.vocab_size = kVocab, .hidden_size = kHidden}).ok());
-  auto sgd_entry = *registry_.Get("sgd");
+  auto sgd_entry = *server_.registry().Get("sgd");
   const torch::Tensor w0 = sgd_entry->head->weight().clone();
   ASSERT_TRUE(
       client_

@@ -4,19 +4,17 @@
 // trainer, run against the real remotehead-server binary, learns.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 
+#include "absl/strings/str_split.h"
 #include "core/reference.h"
 #include "remotehead/client/remote_head.h"
 #include "remotehead/server/head_service.h"
+#include "support/child_process.h"
+#include "support/in_process_server.h"
 
-extern char** environ;
 
 namespace remotehead {
 namespace {
@@ -38,22 +36,9 @@ struct Local {
 class RemoteHeadTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    service_ = std::make_unique<server::HeadServiceImpl>(
-        &registry_, server::ServiceOptions{.response_chunk_bytes = 1024});
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    client_ =
-        *rc::Client::Create({.target = absl::StrCat("127.0.0.1:", port), .chunk_bytes = 2048});
+    ASSERT_TRUE(server_.started());
+    client_ = *rc::Client::Create({.target = server_.target(), .chunk_bytes = 2048});
     torch::manual_seed(11);
-  }
-
-  void TearDown() override {
-    server_->Shutdown();
-    service_.reset();
   }
 
   // Uploads W [V, D] and b [V] in `dtype` as head `id`; builds a body Linear(kInput → D), inputs
@@ -119,9 +104,7 @@ class RemoteHeadTest : public ::testing::Test {
     return *std::move(grads);
   }
 
-  server::HeadRegistry registry_;
-  std::unique_ptr<server::HeadServiceImpl> service_;
-  std::unique_ptr<grpc::Server> server_;
+  testing::InProcessServer server_{{.response_chunk_bytes = 1024}};
   std::shared_ptr<rc::Client> client_;
   torch::Tensor weight_, bias_, x_, labels_;
   torch::nn::Linear body_{nullptr};
@@ -341,68 +324,12 @@ TEST_F(RemoteHeadTest, ErrorsAreThrownAsStatusErrors) {
   }
 }
 
-// A child process with its stdout on a pipe.
-class Process {
- public:
-  explicit Process(const std::vector<std::string>& args) {
-    int fds[2];
-    EXPECT_EQ(pipe(fds), 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    EXPECT_EQ(posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ), 0);
-    posix_spawn_file_actions_destroy(&actions);
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-  }
-  ~Process() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  // The next line of output, or false at the end.
-  bool ReadLine(std::string* line) {
-    char buffer[512];
-    if (fgets(buffer, sizeof(buffer), out_) == nullptr) return false;
-    *line = buffer;
-    log_ += buffer;
-    return true;
-  }
-  // Waits for the exit; returns the exit code (-1 if killed by a signal).
-  int Wait() {
-    std::string line;
-    while (ReadLine(&line)) {
-    }
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-  const std::string& log() const { return log_; }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  std::string log_;
-};
-
 // The example trainer against the real server: it creates its head, trains body and head, and
 // the loss falls from about ln(V) (the head starts near uniform) to well below half of it.
 TEST(ExampleTrainer, LearnsAgainstTheRealServerBinary) {
-  Process server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu"});
-  int port = 0;
-  std::string line;
-  while (port == 0 && server.ReadLine(&line)) {
-    sscanf(line.c_str(), "remotehead-server: listening on port %d", &port);
-  }
-  ASSERT_GT(port, 0) << server.log();
-  const std::string target = absl::StrCat("127.0.0.1:", port);
+  testing::ServerProcess server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu"});
+  ASSERT_GT(server.port(), 0) << server.log();
+  const std::string target = server.target();
 
   struct Run {
     std::vector<std::string> flags;
@@ -420,9 +347,12 @@ TEST(ExampleTrainer, LearnsAgainstTheRealServerBinary) {
                                      absl::StrCat("--steps=", run.steps), "--vocab=512",
                                      "--hidden=64"};
     args.insert(args.end(), run.flags.begin(), run.flags.end());
-    Process trainer(args);
+    // Runs to its end (no line makes it "ready").
+    testing::ChildProcess trainer(args, [](const std::string&) { return false; });
+    ASSERT_EQ(trainer.Wait(), 0) << trainer.log();
     std::vector<double> losses;
-    while (trainer.ReadLine(&line)) {
+    for (const std::string& line :
+         std::vector<std::string>(absl::StrSplit(trainer.log(), '\n', absl::SkipEmpty()))) {
       long long step = 0;
       double loss = 0;
       if (sscanf(line.c_str(), "step %lld loss %lf", &step, &loss) == 2) {
@@ -430,7 +360,6 @@ TEST(ExampleTrainer, LearnsAgainstTheRealServerBinary) {
         losses.push_back(loss);
       }
     }
-    ASSERT_EQ(trainer.Wait(), 0) << trainer.log();
     ASSERT_EQ(losses.size(), static_cast<size_t>(run.steps)) << trainer.log();
     EXPECT_NEAR(losses.front(), std::log(512.0), 0.05) << trainer.log();
     EXPECT_LT(losses.back(), run.max_last_over_first * losses.front()) << trainer.log();

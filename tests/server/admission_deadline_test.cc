@@ -56,11 +56,11 @@ class AdmissionDeadlineTest : public ServiceFixture {
   // Waits (up to 5 s) until no request is admitted or queued any more.
   void ExpectAdmissionDrains() {
     for (int i = 0; i < 500; ++i) {
-      const server::AdmissionStats stats = service_->admission().Stats();
+      const server::AdmissionStats stats = service().admission().Stats();
       if (stats.active == 0 && stats.queued == 0 && stats.bytes_in_use == 0) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    const server::AdmissionStats stats = service_->admission().Stats();
+    const server::AdmissionStats stats = service().admission().Stats();
     ADD_FAILURE() << "admission never drained: " << stats.active << " active, " << stats.queued
                   << " queued, " << stats.bytes_in_use << " bytes";
   }
@@ -118,10 +118,10 @@ TEST_F(AdmissionDeadlineTest, QueuedRequestRunsOnceCapacityFreesAndReportsItsWai
   auto running = std::make_unique<OpenStep>(stub_.get(), batch_, "run/rank-0");
   StepOutcome queued;
   std::thread waiter([&] { queued = Step("run/rank-1", 0); });
-  for (int i = 0; i < 500 && service_->admission().Stats().queued == 0; ++i) {
+  for (int i = 0; i < 500 && service().admission().Stats().queued == 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  EXPECT_EQ(service_->admission().Stats().queued, 1);
+  EXPECT_EQ(service().admission().Stats().queued, 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_TRUE(running->Complete().ok());
   waiter.join();
@@ -161,7 +161,7 @@ TEST_F(AdmissionDeadlineTest, DeadlineStopsALongComputationBetweenChunks) {
   create.mutable_init()->set_hidden_size(256);
   v1::HeadInfo info;
   ASSERT_TRUE(stub_->CreateHead(&create_context, create, &info).ok());
-  auto big = *registry_.Get("big");
+  auto big = *registry().Get("big");
   constexpr int64_t kBigRows = 2048;
   const core::TokenBatch batch =
       reference::MakeTestBatch(*big->head, kBigRows, "cross_entropy", core::Reduction::kSum);

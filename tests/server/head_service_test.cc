@@ -181,7 +181,8 @@ TEST_F(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
   // Summed over differently split rows: fp32 rounding, relative to the gradient's size.
   const double tolerance = 1e-5 * reference::MaxAbs(grads.weight);
-  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6);
+  // fp32 rounding relative to dX's size: the server batches rows differently from one call.
+  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6 * reference::MaxAbs(*dx));
   EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight), tolerance);
   const StepOutcome replay = Step("run/rank-3", 0, 50, per_token, Rpc::kBackward, upstream);
   EXPECT_TRUE(replay.summary.replayed());
@@ -216,7 +217,7 @@ TEST_F(HeadServiceTest, SaveWeightsThenCreateHeadFromTheSafetensorsFile) {
   ASSERT_TRUE(stub_->CreateHead(&create_context, create, &info).ok());
   EXPECT_EQ(info.dtype(), v1::DTYPE_BFLOAT16);
   EXPECT_TRUE(info.has_bias());
-  auto copy = *registry_.Get("copy");
+  auto copy = *registry().Get("copy");
   EXPECT_TRUE(torch::equal(copy->head->weight(), entry_->head->weight().to(torch::kBFloat16)));
 
   grpc::ClientContext missing_context;
@@ -293,8 +294,8 @@ TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
     if (m.has_bias_rows()) m.clear_bias_rows();
   });
   EXPECT_EQ(short_upload.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_FALSE(registry_.Get("gap").ok());
-  EXPECT_FALSE(registry_.Get("short").ok());
+  EXPECT_FALSE(registry().Get("gap").ok());
+  EXPECT_FALSE(registry().Get("short").ok());
 }
 
 // Many trainers on one head: concurrent contributions sum to what serial ones give.

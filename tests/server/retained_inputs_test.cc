@@ -55,7 +55,7 @@ TEST_F(RetainedInputsTest, PerTokenBackwardByHandleMatchesTheEngineAndReleasesTh
   const std::string handle = forward.summary.inputs_handle();
   EXPECT_EQ(handle.size(), 32u);
   // X [50, 32] fp32 and the int64 targets stay reserved in the budget.
-  EXPECT_EQ(service_->admission().Stats().bytes_in_use, kRows * kHidden * 4 + kRows * 8);
+  EXPECT_EQ(service().admission().Stats().bytes_in_use, kRows * kHidden * 4 + kRows * 8);
 
   const torch::Tensor upstream = torch::randn({kRows});
   core::GradientBuffers grads = entry_->head->NewGradientBuffers();
@@ -64,11 +64,12 @@ TEST_F(RetainedInputsTest, PerTokenBackwardByHandleMatchesTheEngineAndReleasesTh
   const StepOutcome backward =
       BackwardByHandle(handle, "token_logprobs", v1::REDUCTION_NONE, upstream, 0);
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
-  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6);
+  // fp32 rounding relative to dX's size: the server batches rows differently from one call.
+  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6 * reference::MaxAbs(*dx));
   EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight),
             1e-5 * reference::MaxAbs(grads.weight));
   EXPECT_EQ(backward.summary.valid_tokens(), (batch_.targets != -100).sum().item<int64_t>());
-  EXPECT_EQ(service_->admission().Stats().bytes_in_use, 0);
+  EXPECT_EQ(service().admission().Stats().bytes_in_use, 0);
 
   const StepOutcome again =
       BackwardByHandle(handle, "token_logprobs", v1::REDUCTION_NONE, upstream, 1);
@@ -91,7 +92,8 @@ TEST_F(RetainedInputsTest, ScalarBackwardByHandleNeedsNoRows) {
   const StepOutcome backward = BackwardByHandle(forward.summary.inputs_handle(), "cross_entropy",
                                                 v1::REDUCTION_MEAN, {}, 0);
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
-  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6);
+  // fp32 rounding relative to dX's size: the server batches rows differently from one call.
+  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6 * reference::MaxAbs(*dx));
   EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight),
             1e-5 * reference::MaxAbs(grads.weight));
 }
@@ -177,7 +179,7 @@ TEST_F(RetainedInputsSmallBudgetTest, RetainingIsRefusedWhenItDoesNotFitTheBudge
   EXPECT_EQ(forward.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(forward.status.error_message().find("+ retained inputs "), std::string::npos)
       << forward.status.error_message();
-  EXPECT_EQ(service_->admission().Stats().bytes_in_use, 0);
+  EXPECT_EQ(service().admission().Stats().bytes_in_use, 0);
 }
 
 TEST_F(RetainedInputsTest, HandleFieldsAreCheckedPerRpc) {

@@ -19,6 +19,7 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/server/head_service.h"
 #include "remotehead/server/tensor_codec.h"
+#include "support/in_process_server.h"
 
 namespace remotehead {
 
@@ -34,16 +35,10 @@ class ServiceFixture : public ::testing::Test {
   // Starts the service on a loopback port with head "lm" [kVocab, kHidden] + bias and a test
   // batch of kRows rows.
   void StartService(server::ServiceOptions options) {
-    service_ = std::make_unique<server::HeadServiceImpl>(&registry_, options);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    ASSERT_GT(port, 0);
+    server_ = std::make_unique<testing::InProcessServer>(options);
+    ASSERT_TRUE(server_->started());
     stub_ = v1::HeadService::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
     v1::CreateHeadRequest create;
     create.set_head_id("lm");
     create.mutable_init()->set_vocab_size(kVocab);
@@ -54,14 +49,13 @@ class ServiceFixture : public ::testing::Test {
     grpc::ClientContext context;
     v1::HeadInfo info;
     ASSERT_TRUE(stub_->CreateHead(&context, create, &info).ok());
-    entry_ = *registry_.Get("lm");
+    entry_ = *registry().Get("lm");
     batch_ =
         reference::MakeTestBatch(*entry_->head, kRows, "cross_entropy", core::Reduction::kMean);
   }
 
-  void TearDown() override {
-    if (server_) server_->Shutdown();
-  }
+  server::HeadRegistry& registry() { return server_->registry(); }
+  server::HeadServiceImpl& service() { return server_->service(); }
 
   struct StepOutcome {
     grpc::Status status;
@@ -161,9 +155,7 @@ class ServiceFixture : public ::testing::Test {
 
   // When set, every Step gets this deadline.
   std::optional<std::chrono::milliseconds> step_deadline_;
-  server::HeadRegistry registry_;
-  std::unique_ptr<server::HeadServiceImpl> service_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<testing::InProcessServer> server_;
   std::unique_ptr<v1::HeadService::Stub> stub_;
   std::shared_ptr<server::HeadEntry> entry_;
   core::TokenBatch batch_;
