@@ -1,0 +1,291 @@
+"""The Python client of a remotehead server: one method per RPC, torch tensors in and out.
+
+Step calls stream: gRPC sends the header and X's row chunks from its own thread while this one
+receives dX chunks as the server produces them. Server errors surface as RemoteheadError with
+the gRPC status code and the server's message (which names the field, expected and actual).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Dict, Iterator, Optional, Tuple
+
+import grpc
+import torch
+
+from remotehead import _wire
+from remotehead.v1 import head_service_pb2 as pb
+from remotehead.v1 import head_service_pb2_grpc as pb_grpc
+
+_REDUCTIONS = {
+    "none": pb.REDUCTION_NONE,
+    "sum": pb.REDUCTION_SUM,
+    "mean": pb.REDUCTION_MEAN,
+    "weighted_sum": pb.REDUCTION_WEIGHTED_SUM,
+}
+
+
+class RemoteheadError(Exception):
+    """A failed call: `code` is the grpc.StatusCode, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclasses.dataclass
+class HeadInfo:
+    head_id: str
+    vocab_size: int
+    hidden_size: int
+    dtype: torch.dtype
+    has_bias: bool
+    device: str
+    weight_version: int
+    accumulated_micro_batches: int
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float  # the reduced loss (fused / scalar Forward)
+    grad_hidden: Optional[torch.Tensor]  # dX [N, D] (ForwardBackward, Backward)
+    outputs: Optional[torch.Tensor]  # per-token outputs [N] (Forward with reduction "none")
+    summary: pb.StepSummary  # valid_tokens, extras, replayed, weight_version, timings, ...
+
+
+def _info(msg: pb.HeadInfo) -> HeadInfo:
+    return HeadInfo(msg.head_id, msg.vocab_size, msg.hidden_size, _wire._FROM_WIRE[msg.dtype],
+                    msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches)
+
+
+class Client:
+    """A connection to one remotehead server. Thread-safe, like the gRPC channel under it.
+
+    TLS: pass `root_certificates` (PEM bytes; plus `private_key` and `certificate_chain` for
+    mTLS). `token` is sent as `authorization: Bearer <token>`, only over TLS.
+    """
+
+    def __init__(self, target: str, *, root_certificates: Optional[bytes] = None,
+                 private_key: Optional[bytes] = None, certificate_chain: Optional[bytes] = None,
+                 token: Optional[str] = None, chunk_bytes: int = 1 << 20,
+                 max_message_bytes: int = 64 << 20, timeout: Optional[float] = None):
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if root_certificates is not None or token is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
+                                                       certificate_chain)
+            if token is not None:
+                credentials = grpc.composite_channel_credentials(
+                    credentials, grpc.access_token_call_credentials(token))
+            self._channel = grpc.secure_channel(target, credentials, options)
+        else:
+            self._channel = grpc.insecure_channel(target, options)
+        self._stub = pb_grpc.HeadServiceStub(self._channel)
+        self._chunk_bytes = chunk_bytes
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _unary(self, method, request):
+        try:
+            return method(request, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise RemoteheadError(e.code(), e.details()) from None
+
+    # ----- heads -----
+
+    def create_head(self, head_id: str, vocab_size: int, hidden_size: int, *,
+                    dtype: torch.dtype = torch.float32, bias: bool = False, seed: int = 0,
+                    init_std: float = 0.02) -> HeadInfo:
+        request = pb.CreateHeadRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype))
+        request.init.vocab_size = vocab_size
+        request.init.hidden_size = hidden_size
+        request.init.bias = bias
+        request.init.seed = seed
+        request.init.init_std = init_std
+        return _info(self._unary(self._stub.CreateHead, request))
+
+    def upload_head(self, head_id: str, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None) -> HeadInfo:
+        """Streams W [V, D] (and b [V]) to the server as head `head_id`, in W's dtype."""
+        weight = weight.detach()
+
+        def requests() -> Iterator[pb.UploadHeadRequest]:
+            header = pb.UploadHeadRequest()
+            header.header.head_id = head_id
+            header.header.vocab_size, header.header.hidden_size = weight.shape
+            header.header.dtype = _wire.wire_dtype(weight.dtype)
+            header.header.has_bias = bias is not None
+            yield header
+            for name, t in (("weight_rows", weight), ("bias_rows", bias)):
+                if t is None:
+                    continue
+                t = t.detach().to(weight.dtype)
+                row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 1
+                for offset, n in _wire.row_chunks(t.shape[0], row_bytes, self._chunk_bytes):
+                    m = pb.UploadHeadRequest()
+                    chunk = getattr(m, name)
+                    chunk.row_offset = offset
+                    _wire.encode(t[offset:offset + n], chunk.values)
+                    yield m
+
+        try:
+            return _info(self._stub.UploadHead(requests(), timeout=self._timeout))
+        except grpc.RpcError as e:
+            raise RemoteheadError(e.code(), e.details()) from None
+
+    def describe_head(self, head_id: str) -> HeadInfo:
+        return _info(self._unary(self._stub.DescribeHead, pb.HeadRef(head_id=head_id)))
+
+    def drop_head(self, head_id: str) -> None:
+        self._unary(self._stub.DropHead, pb.HeadRef(head_id=head_id))
+
+    # ----- gradients and optimizer -----
+
+    def fetch_gradients(self, head_id: str, dtype: torch.dtype = torch.float32
+                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor], HeadInfo]:
+        """The accumulated dW [V, D] and db [V] (None without bias), and the head's state."""
+        parts: Dict[str, list] = {"weight_grad_rows": [], "bias_grad_rows": []}
+        info = None
+        try:
+            request = pb.FetchGradientsRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype))
+            for response in self._stub.FetchGradients(request, timeout=self._timeout):
+                part = response.WhichOneof("part")
+                if part == "info":
+                    info = _info(response.info)
+                else:
+                    chunk = getattr(response, part)
+                    parts[part].append((chunk.row_offset, _wire.decode(chunk.values)))
+        except grpc.RpcError as e:
+            raise RemoteheadError(e.code(), e.details()) from None
+
+        def assemble(pieces):
+            return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]) if pieces else None
+
+        return assemble(parts["weight_grad_rows"]), assemble(parts["bias_grad_rows"]), info
+
+    def zero_gradients(self, head_id: str) -> HeadInfo:
+        return _info(self._unary(self._stub.ZeroGradients, pb.HeadRef(head_id=head_id)).info)
+
+    def optimizer_step(self, head_id: str, *, sgd: Optional[dict] = None,
+                       adamw: Optional[dict] = None, grad_scale: Optional[float] = None,
+                       zero_gradients: bool = False) -> HeadInfo:
+        """One server-side step: sgd=dict(lr=, momentum=, weight_decay=) or
+        adamw=dict(lr=, beta1=, beta2=, eps=, weight_decay=)."""
+        request = pb.OptimizerStepRequest(head_id=head_id, zero_gradients=zero_gradients)
+        if grad_scale is not None:
+            request.grad_scale = grad_scale
+        if (sgd is None) == (adamw is None):
+            raise ValueError("optimizer: expected exactly one of sgd or adamw")
+        if sgd is not None:
+            request.sgd.CopyFrom(pb.OptimizerStepRequest.Sgd(**sgd))
+        else:
+            request.adamw.CopyFrom(pb.OptimizerStepRequest.AdamW(**adamw))
+        return _info(self._unary(self._stub.OptimizerStep, request).info)
+
+    # ----- steps -----
+
+    def forward_backward(self, head_id: str, hidden: torch.Tensor, targets: torch.Tensor,
+                         **spec) -> StepResult:
+        """Fused step: loss, dX and (accumulate=True) dW on the server in one pass.
+
+        Keyword arguments: function ("cross_entropy"), params (dict), reduction ("mean", "sum",
+        "weighted_sum"), ignore_index (-100), normalizer, weights [N], aux (dict of [N]),
+        upstream_scale (1.0), accumulate (True), gradient_id ((trainer, step, micro_batch);
+        required when accumulating), expected_weight_version.
+        """
+        return self._step(self._stub.ForwardBackward, head_id, hidden, targets, **spec)
+
+    def forward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
+                **spec) -> StepResult:
+        """Outputs only (nothing accumulated): per-token outputs for reduction "none"."""
+        spec.setdefault("reduction", "none")
+        spec["accumulate"] = False
+        return self._step(self._stub.Forward, head_id, hidden, targets, **spec)
+
+    def backward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
+                 grad_output: torch.Tensor, **spec) -> StepResult:
+        """Two-phase backward: dL/dy per token [N] (reduction "none") → dX; dW accumulated."""
+        spec.setdefault("reduction", "none")
+        return self._step(self._stub.Backward, head_id, hidden, targets,
+                          grad_output=grad_output, **spec)
+
+    def _step(self, rpc, head_id, hidden, targets, *, function="cross_entropy", params=None,
+              reduction="mean", ignore_index=-100, normalizer=None, weights=None, aux=None,
+              upstream_scale=1.0, accumulate=True, gradient_id=None,
+              expected_weight_version=None, grad_output=None) -> StepResult:
+        hidden = hidden.detach().reshape(-1, hidden.shape[-1])
+        n, d = hidden.shape
+        if targets is not None:
+            targets = targets.detach().reshape(-1)
+        header = pb.StepHeader(head_id=head_id, rows=n, accumulate_weight_grad=accumulate,
+                               upstream_scale=upstream_scale)
+        header.function.name = function
+        header.function.reduction = _REDUCTIONS[reduction]
+        header.function.ignore_index = ignore_index
+        for k, v in (params or {}).items():
+            header.function.params[k] = float(v)
+        if normalizer is not None:
+            header.function.normalizer = float(normalizer)
+        elif reduction == "mean":
+            header.valid_tokens = (int((targets != ignore_index).sum()) if targets is not None
+                                   else n)
+        if accumulate:
+            trainer, step, micro_batch = gradient_id or (f"py-{uuid.uuid4().hex[:12]}", 0, 0)
+            header.gradient_id.trainer = trainer
+            header.gradient_id.step = step
+            header.gradient_id.micro_batch = micro_batch
+        if expected_weight_version is not None:
+            header.expected_weight_version = expected_weight_version
+        row_bytes = d * hidden.element_size()
+
+        def requests() -> Iterator[pb.StepRequest]:
+            yield pb.StepRequest(header=header)
+            for offset, count in _wire.row_chunks(n, row_bytes, self._chunk_bytes):
+                m = pb.StepRequest()
+                rows = m.rows
+                rows.row_offset = offset
+                _wire.encode(hidden[offset:offset + count], rows.hidden)
+                if targets is not None:
+                    _wire.encode(targets[offset:offset + count], rows.targets)
+                if weights is not None:
+                    _wire.encode(weights.detach().reshape(-1)[offset:offset + count], rows.weights)
+                for name, t in (aux or {}).items():
+                    _wire.encode(t.detach().reshape(-1)[offset:offset + count], rows.aux[name])
+                if grad_output is not None:
+                    _wire.encode(grad_output.detach().reshape(-1)[offset:offset + count],
+                                 rows.grad_output)
+                yield m
+
+        grad_hidden = outputs = None
+        summary = None
+        try:
+            for response in rpc(requests(), timeout=self._timeout):
+                part = response.WhichOneof("part")
+                if part == "summary":
+                    summary = response.summary
+                    continue
+                chunk = getattr(response, part)
+                values = _wire.decode(chunk.values)
+                if part == "grad_hidden":
+                    if grad_hidden is None:
+                        grad_hidden = torch.empty((n, d), dtype=values.dtype)
+                    grad_hidden[chunk.row_offset:chunk.row_offset + values.shape[0]] = values
+                else:
+                    if outputs is None:
+                        outputs = torch.empty((n,), dtype=values.dtype)
+                    outputs[chunk.row_offset:chunk.row_offset + values.shape[0]] = values
+        except grpc.RpcError as e:
+            raise RemoteheadError(e.code(), e.details()) from None
+        if summary is None:
+            raise RemoteheadError(grpc.StatusCode.INTERNAL, "summary: the stream ended without one")
+        return StepResult(summary.loss, grad_hidden, outputs, summary)

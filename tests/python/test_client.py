@@ -1,0 +1,147 @@
+"""The Python client against the real server binary: the fused loss, hidden.grad and the
+server's dW equal a local PyTorch head (plain F.linear + the loss, autograd), the seed's other
+functions (MSE to one-hot, sigmoid-sum) equal their PyTorch definitions, and server errors
+surface as RemoteheadError with the gRPC status and the server's message.
+
+Tolerances: fp32 on both sides, relative 1e-5 of each quantity's magnitude (the server sums
+chunk by chunk in another order).
+"""
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remotehead
+
+V, D, N = 300, 32, 57
+
+
+def close(actual, expected, rel=1e-5):
+    scale = max(expected.abs().max().item(), 1e-12)
+    return (actual - expected).abs().max().item() <= rel * scale
+
+
+@pytest.fixture
+def client(server_target):
+    with remotehead.Client(server_target, chunk_bytes=2048) as c:  # many messages per step
+        yield c
+
+
+@pytest.fixture
+def head_weight(client, request):
+    torch.manual_seed(0)
+    weight = torch.randn(V, D) / D**0.5
+    head_id = request.node.name
+    client.upload_head(head_id, weight)
+    yield head_id, weight
+    client.drop_head(head_id)
+
+
+def test_fused_loss_hidden_grad_and_dw_match_a_local_head(client, head_weight):
+    head_id, weight = head_weight
+    torch.manual_seed(1)
+    hidden = torch.randn(3, 19, D, requires_grad=True)
+    labels = torch.randint(0, V, (3, 19))
+    labels[0, :4] = -100  # ignored positions
+
+    w = weight.clone().requires_grad_()
+    local_hidden = hidden.detach().clone().requires_grad_()
+    local = F.cross_entropy(F.linear(local_hidden, w).reshape(-1, V), labels.reshape(-1))
+    local.backward()
+
+    head = remotehead.RemoteHead(client, head_id)
+    loss = head.loss(hidden, labels)
+    loss.backward()
+    assert abs(loss.item() - local.item()) <= 1e-5 * abs(local.item())
+    assert close(hidden.grad, local_hidden.grad)
+    dw, db, info = client.fetch_gradients(head_id)
+    assert db is None and info.accumulated_micro_batches == 1
+    assert close(dw, w.grad)
+
+
+def test_gradient_accumulation_with_a_global_normalizer(client, head_weight):
+    head_id, weight = head_weight
+    torch.manual_seed(2)
+    hidden = torch.randn(2, 20, D)
+    labels = torch.randint(0, V, (2, 20))
+    w = weight.clone().requires_grad_()
+    F.cross_entropy(F.linear(hidden, w).reshape(-1, V), labels.reshape(-1)).backward()
+
+    # Two micro-batches, each normalised by the whole batch's token count (HF's
+    # num_items_in_batch): their gradients add up to the one-batch gradient.
+    head = remotehead.RemoteHead(client, head_id, reduction="sum", normalizer=labels.numel())
+    for i in range(2):
+        head.loss(hidden[i].clone().requires_grad_(), labels[i]).backward()
+    dw, _, info = client.fetch_gradients(head_id)
+    assert info.accumulated_micro_batches == 2
+    assert close(dw, w.grad)
+
+
+@pytest.mark.parametrize("function", ["mse_onehot", "sigmoid_sum"])
+def test_seed_functions_match_their_pytorch_definitions(client, head_weight, function):
+    head_id, weight = head_weight
+    torch.manual_seed(3)
+    hidden = torch.randn(N, D, requires_grad=True)
+    labels = torch.randint(0, V, (N,))
+    local_hidden = hidden.detach().clone().requires_grad_()
+    z = F.linear(local_hidden, weight)
+    if function == "mse_onehot":  # nn.MSELoss() against one-hot targets, per token
+        per_token = ((z - F.one_hot(labels, V).float()) ** 2).mean(dim=1)
+    else:
+        per_token = torch.sigmoid(z).sum(dim=1)
+    local = per_token.sum()
+    local.backward()
+
+    head = remotehead.RemoteHead(client, head_id, function=function, reduction="sum",
+                                 accumulate=False)
+    loss = head.loss(hidden, labels)
+    loss.backward()
+    assert abs(loss.item() - local.item()) <= 1e-5 * abs(local.item())
+    assert close(hidden.grad, local_hidden.grad)
+
+
+def test_per_token_forward_gives_log_probs(client, head_weight):
+    head_id, weight = head_weight
+    hidden = torch.randn(N, D)
+    labels = torch.randint(0, V, (N,))
+    result = client.forward(head_id, hidden, labels, function="token_logprobs")
+    expected = torch.log_softmax(F.linear(hidden, weight), dim=-1).gather(1, labels[:, None])[:, 0]
+    assert close(result.outputs, expected)
+
+
+def test_server_errors_surface_with_status_and_message(client, head_weight):
+    head_id, _ = head_weight
+    with pytest.raises(remotehead.RemoteheadError) as missing:
+        client.forward_backward("no-such-head", torch.randn(4, D), torch.zeros(4, dtype=torch.long),
+                                gradient_id=("t", 0, 0))
+    assert missing.value.code == grpc.StatusCode.NOT_FOUND
+    assert '"no-such-head"' in missing.value.details
+
+    with pytest.raises(remotehead.RemoteheadError) as bad_label:
+        client.forward_backward(head_id, torch.randn(4, D), torch.full((4,), V),
+                                gradient_id=("t", 0, 0))
+    assert bad_label.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_label.value.details == (
+        f"targets[0]: expected a token id in [0, {V}) or ignore_index (-100); got {V}")
+    _, _, info = client.fetch_gradients(head_id)
+    assert info.accumulated_micro_batches == 0  # nothing was added
+
+
+def test_server_side_optimizer_step_updates_the_weights(client, head_weight):
+    head_id, weight = head_weight
+    hidden = torch.randn(N, D, requires_grad=True)
+    labels = torch.randint(0, V, (N,))
+    head = remotehead.RemoteHead(client, head_id)
+    head.loss(hidden, labels).backward()
+    dw, _, _ = client.fetch_gradients(head_id)
+    head.optimizer_step(sgd=dict(lr=0.5))
+    info = client.describe_head(head_id)
+    assert info.weight_version == 1 and info.accumulated_micro_batches == 0
+    # The next loss is computed with W − 0.5·dW.
+    probe = torch.randn(8, D)
+    probe_labels = torch.randint(0, V, (8,))
+    with torch.no_grad():
+        expected = F.cross_entropy(F.linear(probe, weight - 0.5 * dw), probe_labels)
+        got = head.loss(probe, probe_labels)
+    assert abs(got.item() - expected.item()) <= 1e-5 * abs(expected.item())
