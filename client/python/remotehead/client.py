@@ -60,6 +60,11 @@ def _info(msg: pb.HeadInfo) -> HeadInfo:
                     msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches)
 
 
+def _assemble(pieces) -> Optional[torch.Tensor]:
+    """Row chunks (offset, tensor) as one tensor, in row order; None if there were none."""
+    return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]) if pieces else None
+
+
 class Client:
     """A connection to one remotehead server. Thread-safe, like the gRPC channel under it.
 
@@ -149,29 +154,40 @@ class Client:
     def drop_head(self, head_id: str) -> None:
         self._unary(self._stub.DropHead, pb.HeadRef(head_id=head_id))
 
+    def export_weights(self, head_id: str, dtype: Optional[torch.dtype] = None
+                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The head's W [V, D] and b [V] (None without bias), in `dtype` (default: its own)."""
+        request = pb.ExportWeightsRequest(head_id=head_id)
+        if dtype is not None:
+            request.dtype = _wire.wire_dtype(dtype)
+        parts = self._read_row_stream(self._stub.ExportWeights, request)
+        return _assemble(parts.get("weight_rows")), _assemble(parts.get("bias_rows"))
+
+    def _read_row_stream(self, rpc, request) -> Dict[str, list]:
+        """The row chunks of a server stream, by field name (plus "info" if sent)."""
+        parts: Dict[str, list] = {}
+        try:
+            for response in rpc(request, timeout=self._timeout):
+                part = response.WhichOneof("part")
+                if part == "info":
+                    parts["info"] = _info(response.info)
+                else:
+                    chunk = getattr(response, part)
+                    parts.setdefault(part, []).append((chunk.row_offset,
+                                                       _wire.decode(chunk.values)))
+        except grpc.RpcError as e:
+            raise RemoteheadError(e.code(), e.details()) from None
+        return parts
+
     # ----- gradients and optimizer -----
 
     def fetch_gradients(self, head_id: str, dtype: torch.dtype = torch.float32
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor], HeadInfo]:
         """The accumulated dW [V, D] and db [V] (None without bias), and the head's state."""
-        parts: Dict[str, list] = {"weight_grad_rows": [], "bias_grad_rows": []}
-        info = None
-        try:
-            request = pb.FetchGradientsRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype))
-            for response in self._stub.FetchGradients(request, timeout=self._timeout):
-                part = response.WhichOneof("part")
-                if part == "info":
-                    info = _info(response.info)
-                else:
-                    chunk = getattr(response, part)
-                    parts[part].append((chunk.row_offset, _wire.decode(chunk.values)))
-        except grpc.RpcError as e:
-            raise RemoteheadError(e.code(), e.details()) from None
-
-        def assemble(pieces):
-            return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]) if pieces else None
-
-        return assemble(parts["weight_grad_rows"]), assemble(parts["bias_grad_rows"]), info
+        request = pb.FetchGradientsRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype))
+        parts = self._read_row_stream(self._stub.FetchGradients, request)
+        return (_assemble(parts.get("weight_grad_rows")), _assemble(parts.get("bias_grad_rows")),
+                parts.get("info"))
 
     def zero_gradients(self, head_id: str) -> HeadInfo:
         return _info(self._unary(self._stub.ZeroGradients, pb.HeadRef(head_id=head_id)).info)
