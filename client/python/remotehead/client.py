@@ -8,6 +8,8 @@ the gRPC status code and the server's message (which names the field, expected a
 from __future__ import annotations
 
 import dataclasses
+import random
+import time
 import uuid
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -75,9 +77,15 @@ class Client:
     def __init__(self, target: str, *, root_certificates: Optional[bytes] = None,
                  private_key: Optional[bytes] = None, certificate_chain: Optional[bytes] = None,
                  token: Optional[str] = None, chunk_bytes: int = 1 << 20,
-                 max_message_bytes: int = 64 << 20, timeout: Optional[float] = None):
+                 max_message_bytes: int = 64 << 20, timeout: Optional[float] = None,
+                 max_attempts: int = 5, initial_backoff: float = 0.05,
+                 max_backoff: float = 2.0):
+        # Reconnect as fast as calls are retried (gRPC's default first reconnect waits 1 s).
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.initial_reconnect_backoff_ms", int(initial_backoff * 1000)),
+                   ("grpc.min_reconnect_backoff_ms", int(initial_backoff * 1000)),
+                   ("grpc.max_reconnect_backoff_ms", int(max_backoff * 1000))]
         if root_certificates is not None or token is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
                                                        certificate_chain)
@@ -90,6 +98,10 @@ class Client:
         self._stub = pb_grpc.HeadServiceStub(self._channel)
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
+        self._max_attempts = max(1, max_attempts)
+        self._initial_backoff = initial_backoff
+        self._max_backoff = max_backoff
+        self.retries = 0  # attempts repeated after UNAVAILABLE, over this client's life
 
     def close(self) -> None:
         self._channel.close()
@@ -100,11 +112,25 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _unary(self, method, request):
-        try:
-            return method(request, timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise RemoteheadError(e.code(), e.details()) from None
+    def _call(self, attempt, retry: bool = True):
+        """Runs `attempt()` (one whole RPC), again after UNAVAILABLE (no server yet, a restart,
+        a dropped connection) with exponential backoff and jitter; never on another code. Step
+        calls keep their gradient id across attempts, so the server's exactly-once ledger makes
+        a replay of work that did reach it add nothing (summary.replayed)."""
+        backoff = self._initial_backoff
+        for attempt_number in range(1, self._max_attempts + 1):
+            try:
+                return attempt()
+            except grpc.RpcError as e:
+                if (not retry or e.code() != grpc.StatusCode.UNAVAILABLE
+                        or attempt_number == self._max_attempts):
+                    raise RemoteheadError(e.code(), e.details()) from None
+            self.retries += 1
+            time.sleep(backoff * random.uniform(0.9, 1.1))
+            backoff = min(backoff * 2, self._max_backoff)
+
+    def _unary(self, method, request, retry: bool = True):
+        return self._call(lambda: method(request, timeout=self._timeout), retry)
 
     # ----- heads -----
 
@@ -143,10 +169,7 @@ class Client:
                     _wire.encode(t[offset:offset + n], chunk.values)
                     yield m
 
-        try:
-            return _info(self._stub.UploadHead(requests(), timeout=self._timeout))
-        except grpc.RpcError as e:
-            raise RemoteheadError(e.code(), e.details()) from None
+        return _info(self._call(lambda: self._stub.UploadHead(requests(), timeout=self._timeout)))
 
     def describe_head(self, head_id: str) -> HeadInfo:
         return _info(self._unary(self._stub.DescribeHead, pb.HeadRef(head_id=head_id)))
@@ -165,8 +188,8 @@ class Client:
 
     def _read_row_stream(self, rpc, request) -> Dict[str, list]:
         """The row chunks of a server stream, by field name (plus "info" if sent)."""
-        parts: Dict[str, list] = {}
-        try:
+        def attempt() -> Dict[str, list]:
+            parts: Dict[str, list] = {}
             for response in rpc(request, timeout=self._timeout):
                 part = response.WhichOneof("part")
                 if part == "info":
@@ -175,9 +198,9 @@ class Client:
                     chunk = getattr(response, part)
                     parts.setdefault(part, []).append((chunk.row_offset,
                                                        _wire.decode(chunk.values)))
-        except grpc.RpcError as e:
-            raise RemoteheadError(e.code(), e.details()) from None
-        return parts
+            return parts
+
+        return self._call(attempt)
 
     # ----- gradients and optimizer -----
 
@@ -206,7 +229,8 @@ class Client:
             request.sgd.CopyFrom(pb.OptimizerStepRequest.Sgd(**sgd))
         else:
             request.adamw.CopyFrom(pb.OptimizerStepRequest.AdamW(**adamw))
-        return _info(self._unary(self._stub.OptimizerStep, request).info)
+        # Not idempotent: never retried (a lost answer may hide a step that happened).
+        return _info(self._unary(self._stub.OptimizerStep, request, retry=False).info)
 
     # ----- steps -----
 
@@ -282,9 +306,8 @@ class Client:
                                  rows.grad_output)
                 yield m
 
-        grad_hidden = outputs = None
-        summary = None
-        try:
+        def attempt():
+            grad_hidden = outputs = summary = None
             for response in rpc(requests(), timeout=self._timeout):
                 part = response.WhichOneof("part")
                 if part == "summary":
@@ -300,8 +323,9 @@ class Client:
                     if outputs is None:
                         outputs = torch.empty((n,), dtype=values.dtype)
                     outputs[chunk.row_offset:chunk.row_offset + values.shape[0]] = values
-        except grpc.RpcError as e:
-            raise RemoteheadError(e.code(), e.details()) from None
+            return grad_hidden, outputs, summary
+
+        grad_hidden, outputs, summary = self._call(attempt)
         if summary is None:
             raise RemoteheadError(grpc.StatusCode.INTERNAL, "summary: the stream ended without one")
         return StepResult(summary.loss, grad_hidden, outputs, summary)
