@@ -12,9 +12,10 @@ from __future__ import annotations
 import uuid
 from typing import Optional
 
+import grpc
 import torch
 
-from remotehead.client import Client, StepResult
+from remotehead.client import Client, RemoteheadError, StepResult
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -41,6 +42,37 @@ class _FusedHeadLoss(torch.autograd.Function):
         return grad_hidden * (grad_loss / scale), None, None, None
 
 
+class _TwoPhaseOutputs(torch.autograd.Function):
+    """Per-token outputs now (a Forward that keeps its rows on the server), dL/dy later (a
+    Backward by handle: only dL/dy travels; X is re-sent if the handle has expired)."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head, spec):
+        result = head.client.forward(head.head_id, hidden, targets, reduction="none",
+                                     retain_inputs_seconds=head.retain_seconds,
+                                     **{k: v for k, v in spec.items()
+                                        if k not in ("accumulate", "gradient_id")})
+        ctx.head, ctx.spec, ctx.targets = head, spec, targets
+        ctx.handle = result.summary.inputs_handle
+        ctx.save_for_backward(hidden)
+        return result.outputs.to(hidden.device).reshape(hidden.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        (hidden,) = ctx.saved_tensors
+        head, spec = ctx.head, ctx.spec
+        grad = grad_outputs.detach().float().reshape(-1)
+        try:
+            result = head.client.backward(head.head_id, hidden, ctx.targets, grad,
+                                          inputs_handle=ctx.handle, **spec)
+        except RemoteheadError as e:
+            if e.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            result = head.client.backward(head.head_id, hidden, ctx.targets, grad, **spec)
+        return result.grad_hidden.to(hidden.device, hidden.dtype).reshape(hidden.shape), None, \
+            None, None
+
+
 class RemoteHead:
     """The LM head `head_id` on a server, used as `loss = head.loss(hidden, labels)`.
 
@@ -59,6 +91,7 @@ class RemoteHead:
         self.step = 0
         self.micro_batch = 0
         self.last_result: Optional[StepResult] = None
+        self.retain_seconds = 600.0  # how long a two-phase Forward's rows wait for the Backward
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor, **spec) -> torch.Tensor:
         """The reduced loss of the head's function over `hidden` [..., D] and `labels` [...]."""
@@ -75,6 +108,19 @@ class RemoteHead:
             call["gradient_id"] = (self.trainer, self.step, self.micro_batch)
             self.micro_batch += 1
         return _FusedHeadLoss.apply(hidden, labels, self, call)
+
+    def token_outputs(self, hidden: torch.Tensor, targets: torch.Tensor, **spec) -> torch.Tensor:
+        """Per-token outputs of the head's function ([...] like targets), e.g.
+        function="token_logprobs", differentiable on the two-phase path: the trainer combines
+        them as it likes and backward() sends dL/dy to the server (dW accumulated there)."""
+        call = {**self.spec, **spec}
+        accumulate = call.pop("accumulate", self.accumulate)
+        call.pop("reduction", None)
+        call["accumulate"] = accumulate
+        if accumulate:
+            call["gradient_id"] = (self.trainer, self.step, self.micro_batch)
+            self.micro_batch += 1
+        return _TwoPhaseOutputs.apply(hidden, targets, self, call)
 
     def next_step(self) -> None:
         self.step += 1

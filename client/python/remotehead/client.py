@@ -247,14 +247,17 @@ class Client:
 
     def forward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
                 **spec) -> StepResult:
-        """Outputs only (nothing accumulated): per-token outputs for reduction "none"."""
+        """Outputs only (nothing accumulated): per-token outputs for reduction "none".
+        retain_inputs_seconds > 0 keeps the rows on the server for a Backward by
+        summary.inputs_handle."""
         spec.setdefault("reduction", "none")
         spec["accumulate"] = False
         return self._step(self._stub.Forward, head_id, hidden, targets, **spec)
 
     def backward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
                  grad_output: torch.Tensor, **spec) -> StepResult:
-        """Two-phase backward: dL/dy per token [N] (reduction "none") → dX; dW accumulated."""
+        """Two-phase backward: dL/dy per token [N] (reduction "none") → dX; dW accumulated.
+        inputs_handle: a Forward's retained rows (X is then not sent)."""
         spec.setdefault("reduction", "none")
         return self._step(self._stub.Backward, head_id, hidden, targets,
                           grad_output=grad_output, **spec)
@@ -262,7 +265,8 @@ class Client:
     def _step(self, rpc, head_id, hidden, targets, *, function="cross_entropy", params=None,
               reduction="mean", ignore_index=-100, normalizer=None, weights=None, aux=None,
               upstream_scale=1.0, accumulate=True, gradient_id=None,
-              expected_weight_version=None, grad_output=None) -> StepResult:
+              expected_weight_version=None, grad_output=None, retain_inputs_seconds=0.0,
+              inputs_handle=None) -> StepResult:
         hidden = hidden.detach().reshape(-1, hidden.shape[-1])
         n, d = hidden.shape
         if targets is not None:
@@ -286,6 +290,9 @@ class Client:
             header.gradient_id.micro_batch = micro_batch
         if expected_weight_version is not None:
             header.expected_weight_version = expected_weight_version
+        header.retain_inputs_seconds = retain_inputs_seconds
+        if inputs_handle:
+            header.inputs_handle = inputs_handle
         row_bytes = d * hidden.element_size()
 
         def requests() -> Iterator[pb.StepRequest]:
@@ -294,6 +301,14 @@ class Client:
                 m = pb.StepRequest()
                 rows = m.rows
                 rows.row_offset = offset
+                if inputs_handle:
+                    # The server kept the Forward's rows: only dL/dy travels (none for a scalar).
+                    if grad_output is None:
+                        return
+                    _wire.encode(grad_output.detach().reshape(-1)[offset:offset + count],
+                                 rows.grad_output)
+                    yield m
+                    continue
                 _wire.encode(hidden[offset:offset + count], rows.hidden)
                 if targets is not None:
                     _wire.encode(targets[offset:offset + count], rows.targets)
