@@ -106,3 +106,10 @@ def test_frozen_head_trains_the_body_only(client):
     _, _, info = client.fetch_gradients("llama-frozen")
     assert info.accumulated_micro_batches == 0
     client.drop_head("llama-frozen")
+
+
+def test_tied_embeddings_are_refused_with_a_clear_error(client):
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings: expected False"):
+        remotehead.hf.offload_lm_head(model, client, "llama-tied")

@@ -49,6 +49,10 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     """Uploads the model's lm_head to the server as `head_id` and makes the model's training
     loss go through it. trainable=False: a frozen head (e.g. LoRA): dX only, no dW."""
     lm_head = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False):
+        # The server would update the head while the input embeddings (the same tensor) stay.
+        raise ValueError("model.config.tie_word_embeddings: expected False (tied input "
+                         "embeddings are not supported yet); got True")
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("lm_head.bias: expected none (causal LMs have no head bias); got one")
     client.upload_head(head_id, lm_head.weight.detach().float())
