@@ -27,6 +27,7 @@ struct Plan {
   int64_t ignore_index = -100;
   std::function<bool()> should_stop;  // StepOptions::should_stop
   torch::Tensor logits_workspace;     // StepOptions::logits_workspace
+  int64_t first_row = 0;              // StepOptions::first_row
 };
 
 // Thrown between chunks when Plan::should_stop says so; StatusFromExceptions makes it CANCELLED.
@@ -52,7 +53,7 @@ int64_t FirstNonFiniteRow(const torch::Tensor& t) {
 
 // Checks a per-token input: [N], on `device`, floating (or integral when `integral`).
 absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int64_t n,
-                           const torch::Device& device, bool integral) {
+                           const torch::Device& device, bool integral, int64_t first_row) {
   if (t.dim() != 1 || t.size(0) != n) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": expected shape [", n,
                                                    "] (one per row of hidden); got ", ShapeOf(t)));
@@ -71,21 +72,24 @@ absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int
     const int64_t bad = FirstNonFiniteRow(t);
     if (bad >= 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", bad, "]: expected a finite value; got ", t[bad].item<double>()));
+          absl::StrCat(field, "[", first_row + bad, "]: expected a finite value; got ",
+                       t[bad].item<double>()));
     }
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan& plan) {
-  RETURN_IF_ERROR(CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true));
+  RETURN_IF_ERROR(CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true,
+                                plan.first_row));
   const torch::Tensor t = batch.targets;
   const torch::Tensor bad =
       (t != plan.ignore_index).logical_and((t < 0).logical_or(t >= head.vocab_size()));
   if (bad.any().item<bool>()) {
     const int64_t i = bad.nonzero()[0][0].item<int64_t>();
     return absl::InvalidArgumentError(
-        absl::StrCat("targets[", i, "]: expected a token id in [0, ", head.vocab_size(),
+        absl::StrCat("targets[", plan.first_row + i, "]: expected a token id in [0, ",
+                     head.vocab_size(),
                      ") or ignore_index (", plan.ignore_index, "); got ", t[i].item<int64_t>()));
   }
   return absl::OkStatus();
@@ -106,7 +110,8 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
                                         : absl::StrCat("only ", absl::StrJoin(accepted, ", "))));
     }
     RETURN_IF_ERROR(CheckPerToken(tensor, absl::StrCat("aux[\"", name, "\"]"), plan.rows,
-                                  head.device(), false));
+                                  head.device(), false,
+                                  plan.first_row));
   }
   for (const std::string& name : fn.required_aux) {
     if (!batch.aux.contains(name)) {
@@ -137,14 +142,15 @@ absl::Status CheckHidden(const Head& head, const TokenBatch& batch) {
 }
 
 // Row-chunked so that the check's own memory stays within one chunk.
-absl::Status CheckHiddenFinite(const torch::Tensor& x, int64_t chunk_rows) {
+absl::Status CheckHiddenFinite(const torch::Tensor& x, int64_t chunk_rows, int64_t first_row) {
   torch::NoGradGuard no_grad;
   for (int64_t start = 0; start < x.size(0); start += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, x.size(0) - start);
     const int64_t bad = FirstNonFiniteRow(x.narrow(0, start, rows));
     if (bad >= 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("hidden[", start + bad, "]: expected finite values; got NaN or Inf"));
+          absl::StrCat("hidden[", first_row + start + bad,
+                       "]: expected finite values; got NaN or Inf"));
     }
   }
   return absl::OkStatus();
@@ -192,6 +198,7 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
   plan.reduction = options.reduction;
   plan.should_stop = options.should_stop;
   plan.logits_workspace = options.logits_workspace;
+  plan.first_row = options.first_row;
   plan.ignore_index = options.ignore_index;
   RETURN_IF_ERROR(CheckHidden(head, batch));
   plan.rows = batch.hidden.size(0);
@@ -209,7 +216,8 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
       return absl::InvalidArgumentError(absl::StrCat(
           "weights: reduction weighted_sum needs per-token weights [", plan.rows, "]; got none"));
     }
-    RETURN_IF_ERROR(CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false));
+    RETURN_IF_ERROR(CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false,
+                                  plan.first_row));
   } else if (batch.weights.defined()) {
     return absl::InvalidArgumentError(
         absl::StrCat("weights: only used by reduction weighted_sum; got weights with reduction ",
@@ -228,7 +236,7 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
   ASSIGN_OR_RETURN(const ChunkSizes sizes, ResolveChunkSizes(head, *plan.fn, plan.params, options));
   plan.chunk_rows = std::min(sizes.chunk_rows, std::max<int64_t>(plan.rows, 1));
   plan.block_rows = std::min(sizes.block_rows, plan.chunk_rows);
-  RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, plan.chunk_rows));
+  RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, plan.chunk_rows, plan.first_row));
 
   plan.valid_tokens = batch.targets.defined()
                           ? (batch.targets != options.ignore_index).sum().item<int64_t>()
@@ -640,7 +648,8 @@ absl::StatusOr<torch::Tensor> BackwardImpl(const Head& head, const TokenBatch& b
   RETURN_IF_ERROR(CheckGradientBuffers(head, grads));
   UpstreamFn upstream;
   if (options.reduction == Reduction::kNone) {
-    RETURN_IF_ERROR(CheckPerToken(grad_output, "grad_output", plan.rows, head.device(), false));
+    RETURN_IF_ERROR(CheckPerToken(grad_output, "grad_output", plan.rows, head.device(), false,
+                                  plan.first_row));
     upstream = [&grad_output](int64_t start, int64_t rows, const torch::Tensor& w) {
       return w * grad_output.narrow(0, start, rows).to(w.scalar_type());
     };

@@ -34,7 +34,6 @@ class RetainedInputStore {
   // NOT_FOUND for an unknown, released or expired handle.
   absl::StatusOr<std::shared_ptr<const RetainedInputs>> Get(const std::string& handle);
   void Release(const std::string& handle);
-  double max_seconds() const { return max_seconds_; }
 
  private:
   struct Entry {

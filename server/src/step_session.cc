@@ -1,6 +1,5 @@
 #include "step_session.h"
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/tensor_codec.h"
@@ -99,24 +98,6 @@ bool SameInputs(const core::TokenBatch& a, const core::TokenBatch& b) {
     if (it == b.aux.end() || !same(t, it->second)) return false;
   }
   return true;
-}
-
-// The engine names a bad row by its index within the call, e.g. "targets[2]: ..."; the trainer
-// needs its index within the request: the first "name[i]" of the message gets `first_row`
-// added. Other statuses pass unchanged.
-absl::Status WithRequestRowIndex(absl::Status status, int64_t first_row) {
-  if (status.code() != absl::StatusCode::kInvalidArgument || first_row == 0) return status;
-  const std::string message(status.message());
-  const size_t open = message.find('[');
-  const size_t close = message.find("]:");
-  int64_t index = 0;
-  if (open == std::string::npos || close == std::string::npos || close < open ||
-      message.find(':') < open ||
-      !absl::SimpleAtoi(message.substr(open + 1, close - open - 1), &index)) {
-    return status;
-  }
-  return absl::InvalidArgumentError(absl::StrCat(message.substr(0, open + 1), index + first_row,
-                                                 message.substr(close)));
 }
 
 // Rows [start, start + n) of every per-token tensor of `b` (views, no copy).
@@ -429,7 +410,8 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
                                       std::vector<v1::StepResponse>* responses) {
   const int64_t n = batch.hidden.dim() >= 1 ? batch.hidden.size(0) : 0;
   torch::Tensor dx, outputs;
-  RETURN_IF_ERROR(WithRequestRowIndex(Compute(batch, grad_output, &dx, &outputs), next_row_));
+  options_.first_row = next_row_;  // bad rows are named by their index in the request
+  RETURN_IF_ERROR(Compute(batch, grad_output, &dx, &outputs));
   if (dx.defined() && grad_hidden_dtype_ && dx.scalar_type() != *grad_hidden_dtype_) {
     dx = dx.to(*grad_hidden_dtype_);
   }

@@ -76,6 +76,9 @@ struct StepOptions {
   // reused across calls (a server computing one request batch by batch); undefined or too
   // small: the engine allocates its own for the call.
   torch::Tensor logits_workspace;
+  // Index, in the caller's request, of this call's first row: error messages name a bad row by
+  // first_row + its index in the call (a server computing one request batch by batch).
+  int64_t first_row = 0;
 };
 
 struct StepStats {

@@ -51,7 +51,6 @@ class AdmissionController {
   void Release(uint64_t ticket);
 
   AdmissionStats Stats() const;
-  const AdmissionOptions& options() const { return options_; }
 
  private:
   struct Waiting {
