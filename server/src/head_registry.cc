@@ -20,6 +20,41 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& 
   return entry;
 }
 
+absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::AddOrReplace(
+    const std::string& id, std::unique_ptr<core::Head> head) {
+  std::shared_ptr<HeadEntry> entry;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = heads_.find(id);
+    if (it != heads_.end()) entry = it->second;
+  }
+  if (entry == nullptr) return Add(id, std::move(head));
+
+  std::lock_guard<std::mutex> lock(entry->mu);
+  core::Head& current = *entry->head;
+  if (head->vocab_size() != current.vocab_size() || head->hidden_size() != current.hidden_size() ||
+      head->dtype() != current.dtype() || head->has_bias() != current.has_bias()) {
+    const auto describe = [](const core::Head& h) {
+      return absl::StrCat("[", h.vocab_size(), ", ", h.hidden_size(), "] ",
+                          c10::toString(h.dtype()), h.has_bias() ? " with bias" : " without bias");
+    };
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header: expected the shape, dtype and bias of head \"", id, "\" to replace its weights, ",
+        describe(current), "; got ", describe(*head)));
+  }
+  if (!entry->applied.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.replace: expected head \"", id, "\" to have no accumulated gradients (they were "
+        "computed with the weights being replaced); got ", entry->applied.size(),
+        " micro-batches (fetch and zero them first)"));
+  }
+  current.mutable_weight().copy_(head->weight());
+  if (current.has_bias()) current.mutable_bias().copy_(head->bias());
+  current.BumpVersion();
+  entry->optimizer = core::OptimizerState{};  // moments of the old trajectory
+  return entry;
+}
+
 absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Get(const std::string& id) const {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = heads_.find(id);

@@ -568,9 +568,15 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
     }
     ASSIGN_OR_RETURN(auto head,
                      core::Head::FromTensors(weight_, bias_, {.device = options_.device}));
-    ASSIGN_OR_RETURN(auto entry, registry_->Add(header_->head_id(), std::move(head)));
+    ASSIGN_OR_RETURN(auto entry, header_->replace()
+                                     ? registry_->AddOrReplace(header_->head_id(), std::move(head))
+                                     : registry_->Add(header_->head_id(), std::move(head)));
     RETURN_IF_ERROR(DescribeInto(*entry, response_));
-    LogEvent(options_, absl::StrCat("head uploaded: ", HeadSummary(*response_)));
+    // Replacements come once per optimizer step from trainers that own the parameter: not
+    // lifecycle events worth a line each.
+    if (!header_->replace()) {
+      LogEvent(options_, absl::StrCat("head uploaded: ", HeadSummary(*response_)));
+    }
     return absl::OkStatus();
   }
 

@@ -2,10 +2,10 @@
 
 import os
 import pathlib
-import re
-import subprocess
 
 import pytest
+
+from remotehead.local_server import LocalServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -14,17 +14,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def server_target():
     binary = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                             str(ROOT / "build" / "server" / "remotehead-server"))
-    process = subprocess.Popen([binary, "--listen=127.0.0.1:0", "--device=cpu"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    port = None
-    log = []
-    for line in process.stdout:
-        log.append(line)
-        match = re.match(r"remotehead-server: listening on port (\d+)", line)
-        if match:
-            port = int(match.group(1))
-            break
-    assert port, "the server did not start:\n" + "".join(log)
-    yield f"127.0.0.1:{port}"
-    process.terminate()
-    assert process.wait(timeout=60) == 0
+    server = LocalServer(binary).start()
+    yield server.target
+    assert server.stop() == 0, "the server did not drain cleanly:\n" + "".join(server.log)

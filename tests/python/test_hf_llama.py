@@ -1,12 +1,16 @@
 """A tiny Llama (built from a config, fixed seed, no download) fine-tuned for 20 steps with
-gradient accumulation 2, once with its own lm_head and once with the head offloaded to the
-real server (server-side AdamW): per-step losses, the final body weights and the final head
-weights agree (fp32, relative 1e-4 of each tensor's magnitude). A frozen offloaded head (as
-under LoRA) trains the body alone and leaves the server's head untouched.
+gradient accumulation 2 in a plain PyTorch loop, once with its own lm_head and once with the
+head offloaded to the real server: per-step losses and final weights agree (fp32, relative
+1e-4 of each tensor's magnitude).
+
+- full fine-tuning, head trained by server-side AdamW: body and head weights;
+- peft LoRA (r=4 on q/v projections) with the head frozen on the server (dX only): the
+  adapters, and the server's head is left untouched with nothing accumulated.
 """
 
 import copy
 
+import peft
 import pytest
 import torch
 import transformers
@@ -38,8 +42,8 @@ def batches():
 
 
 def train(model, head=None, body_only=False):
-    params = [p for n, p in model.named_parameters()
-              if not (head is not None and n.startswith("lm_head"))]
+    # An offloaded, server-trained lm_head is frozen locally, so it is not in this list.
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     losses = []
     for ids, labels in batches():
@@ -91,25 +95,40 @@ def test_full_fine_tuning_matches_a_local_run(client):
     client.drop_head("llama-full")
 
 
-def test_frozen_head_trains_the_body_only(client):
-    local = tiny_llama()
-    local.lm_head.weight.requires_grad_(False)
-    remote = copy.deepcopy(local)
-    head = remotehead.hf.offload_lm_head(remote, client, "llama-frozen", trainable=False)
-    before, _ = client.export_weights("llama-frozen")
+def lora(model):
+    torch.manual_seed(1)  # the adapters' initialisation
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "v_proj"]))
+
+
+def test_lora_with_a_frozen_head_matches_a_local_run(client):
+    base = tiny_llama()
+    local = lora(copy.deepcopy(base))
+    remote = lora(copy.deepcopy(base))
+    # On the PEFT model, as a user has it: peft froze the head and the base weights.
+    head = remotehead.hf.offload_lm_head(remote, client, "llama-lora", trainable=False)
+    before, _ = client.export_weights("llama-lora")
+    initial = {n: p.detach().clone() for n, p in remote.named_parameters()}
     local_losses = train(local)
     remote_losses = train(remote, head, body_only=True)
-    for a, b in zip(remote_losses, local_losses):
-        assert abs(a - b) <= 1e-4 * abs(b)
-    after, _ = client.export_weights("llama-frozen")
+    for step, (a, b) in enumerate(zip(remote_losses, local_losses)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: remote {a} vs local {b}"
+    local_params = dict(local.named_parameters())
+    adapters = [(n, p) for n, p in remote.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n, _ in adapters)
+    for name, p in adapters:
+        assert close(p.detach(), local_params[name].detach()), name
+        assert not torch.equal(p.detach(), initial[name]), name  # it trained
+    after, _ = client.export_weights("llama-lora")
     assert torch.equal(after, before)
-    _, _, info = client.fetch_gradients("llama-frozen")
+    _, _, info = client.fetch_gradients("llama-lora")
     assert info.accumulated_micro_batches == 0
-    client.drop_head("llama-frozen")
+    client.drop_head("llama-lora")
 
 
-def test_tied_embeddings_are_refused_with_a_clear_error(client):
-    model = tiny_llama()
-    model.config.tie_word_embeddings = True
-    with pytest.raises(ValueError, match="tie_word_embeddings: expected False"):
+def test_tied_embeddings_need_local_gradients(client):
+    config = tiny_llama().config
+    config.tie_word_embeddings = True
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match='gradients: expected "local" for a model with tied'):
         remotehead.hf.offload_lm_head(model, client, "llama-tied")

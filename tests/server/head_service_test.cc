@@ -235,36 +235,7 @@ TEST_F(HeadServiceTest, SaveWeightsThenCreateHeadFromTheSafetensorsFile) {
 TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
   const torch::Tensor w = torch::randn({kVocab, kHidden}).to(torch::kBFloat16);
   const torch::Tensor b = torch::randn({kVocab}).to(torch::kBFloat16);
-  auto upload = [&](const std::string& id, std::function<void(v1::UploadHeadRequest&)> corrupt) {
-    grpc::ClientContext context;
-    v1::HeadInfo info;
-    auto writer = stub_->UploadHead(&context, &info);
-    std::vector<v1::UploadHeadRequest> messages(1);
-    auto* h = messages[0].mutable_header();
-    h->set_head_id(id);
-    h->set_vocab_size(kVocab);
-    h->set_hidden_size(kHidden);
-    h->set_dtype(v1::DTYPE_BFLOAT16);
-    h->set_has_bias(true);
-    for (int64_t offset = 0; offset < kVocab; offset += 64) {
-      const int64_t n = std::min<int64_t>(64, kVocab - offset);
-      v1::UploadHeadRequest m;
-      m.mutable_weight_rows()->set_row_offset(offset);
-      EXPECT_TRUE(
-          EncodeTensor(w.narrow(0, offset, n), m.mutable_weight_rows()->mutable_values()).ok());
-      messages.push_back(std::move(m));
-    }
-    v1::UploadHeadRequest bias;
-    EXPECT_TRUE(EncodeTensor(b, bias.mutable_bias_rows()->mutable_values()).ok());
-    messages.push_back(std::move(bias));
-    for (auto& m : messages) {
-      if (corrupt) corrupt(m);
-      if (!writer->Write(m)) break;
-    }
-    writer->WritesDone();
-    return writer->Finish();
-  };
-  ASSERT_TRUE(upload("up", nullptr).ok());
+  ASSERT_TRUE(Upload("up", w, b).ok());
 
   grpc::ClientContext context;
   v1::ExportWeightsRequest request;
@@ -282,7 +253,7 @@ TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
   EXPECT_TRUE(torch::equal(w_back, w));
   EXPECT_TRUE(torch::equal(b_back, b));
 
-  const grpc::Status gap = upload("gap", [](v1::UploadHeadRequest& m) {
+  const grpc::Status gap = Upload("gap", w, b, false, [](v1::UploadHeadRequest& m) {
     if (m.has_weight_rows() && m.weight_rows().row_offset() == 64) {
       m.mutable_weight_rows()->set_row_offset(70);
     }
@@ -290,12 +261,73 @@ TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
   EXPECT_EQ(gap.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(gap.error_message(),
             "weight_rows.row_offset: expected 64 (rows arrive in order); got 70");
-  const grpc::Status short_upload = upload("short", [](v1::UploadHeadRequest& m) {
+  const grpc::Status short_upload = Upload("short", w, b, false, [](v1::UploadHeadRequest& m) {
     if (m.has_bias_rows()) m.clear_bias_rows();
   });
   EXPECT_EQ(short_upload.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_FALSE(registry().Get("gap").ok());
   EXPECT_FALSE(registry().Get("short").ok());
+}
+
+// A trainer that owns the parameter (tied embeddings, local optimizer) sends new weights
+// after each of its steps: accepted for an idle head of the same shape only.
+TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameShape) {
+  torch::Tensor w_old, b_old;
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    w_old = entry_->head->weight().clone();
+    b_old = entry_->head->bias().clone();
+  }
+  const torch::Tensor w = torch::randn({kVocab, kHidden});
+  const torch::Tensor b = torch::randn({kVocab});
+  const grpc::Status taken = Upload("lm", w, b);
+  EXPECT_EQ(taken.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+
+  // Gradients computed with the old weights must be fetched and zeroed first.
+  ASSERT_TRUE(Step("owner", 0).status.ok());
+  const grpc::Status busy = Upload("lm", w, b, /*replace=*/true);
+  EXPECT_EQ(busy.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(busy.error_message(),
+            "header.replace: expected head \"lm\" to have no accumulated gradients (they were "
+            "computed with the weights being replaced); got 1 micro-batches (fetch and zero them "
+            "first)");
+  const grpc::Status wrong_shape =
+      Upload("lm", torch::randn({kVocab, kHidden + 1}), b, /*replace=*/true);
+  EXPECT_EQ(wrong_shape.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(wrong_shape.error_message(),
+            "header: expected the shape, dtype and bias of head \"lm\" to replace its weights, "
+            "[300, 32] Float with bias; got [300, 33] Float with bias");
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    EXPECT_TRUE(torch::equal(entry_->head->weight(), w_old));
+    EXPECT_EQ(entry_->applied.size(), 1u);
+    EXPECT_EQ(entry_->head->version(), 0);
+  }
+
+  grpc::ClientContext context;
+  v1::HeadRef ref;
+  ref.set_head_id("lm");
+  v1::ZeroGradientsResponse zeroed;
+  ASSERT_TRUE(stub_->ZeroGradients(&context, ref, &zeroed).ok());
+  v1::HeadInfo info;
+  ASSERT_TRUE(Upload("lm", w, b, /*replace=*/true, nullptr, &info).ok());
+  EXPECT_EQ(info.weight_version(), 1);
+  {
+    std::lock_guard<std::mutex> lock(entry_->mu);
+    EXPECT_TRUE(torch::equal(entry_->head->weight(), w));
+    EXPECT_TRUE(torch::equal(entry_->head->bias(), b));
+    EXPECT_EQ(registry().Get("lm")->get(), entry_.get());  // the same head, new weights
+  }
+  // Steps now compute with the new weights.
+  const StepOutcome after = Step("owner", 1);
+  ASSERT_TRUE(after.status.ok());
+  const auto expected = core::FusedForwardBackward(*entry_->head, batch_, {}, nullptr);
+  ASSERT_TRUE(expected.ok());
+  EXPECT_NEAR(after.summary.loss(), expected->loss, 1e-5);
+  // replace on a free id creates the head.
+  ASSERT_TRUE(Upload("fresh", w, torch::Tensor(), /*replace=*/true, nullptr, &info).ok());
+  EXPECT_EQ(info.weight_version(), 0);
+  EXPECT_FALSE(info.has_bias());
 }
 
 // Many trainers on one head: concurrent contributions sum to what serial ones give.

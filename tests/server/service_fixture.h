@@ -54,6 +54,44 @@ class ServiceFixture : public ::testing::Test {
         reference::MakeTestBatch(*entry_->head, kRows, "cross_entropy", core::Reduction::kMean);
   }
 
+  // Streams W (and b, if defined) as UploadHead `id` in 64-row chunks; `corrupt` may edit each
+  // message before it is sent.
+  grpc::Status Upload(const std::string& id, const torch::Tensor& w, const torch::Tensor& b,
+                      bool replace = false,
+                      const std::function<void(v1::UploadHeadRequest&)>& corrupt = nullptr,
+                      v1::HeadInfo* info = nullptr) {
+    grpc::ClientContext context;
+    v1::HeadInfo ignored;
+    auto writer = stub_->UploadHead(&context, info != nullptr ? info : &ignored);
+    std::vector<v1::UploadHeadRequest> messages(1);
+    auto* h = messages[0].mutable_header();
+    h->set_head_id(id);
+    h->set_vocab_size(w.size(0));
+    h->set_hidden_size(w.size(1));
+    h->set_dtype(*server::ToWireDtype(w.scalar_type()));
+    h->set_has_bias(b.defined());
+    h->set_replace(replace);
+    for (int64_t offset = 0; offset < w.size(0); offset += 64) {
+      const int64_t n = std::min<int64_t>(64, w.size(0) - offset);
+      v1::UploadHeadRequest m;
+      m.mutable_weight_rows()->set_row_offset(offset);
+      EXPECT_TRUE(
+          EncodeTensor(w.narrow(0, offset, n), m.mutable_weight_rows()->mutable_values()).ok());
+      messages.push_back(std::move(m));
+    }
+    if (b.defined()) {
+      v1::UploadHeadRequest bias;
+      EXPECT_TRUE(EncodeTensor(b, bias.mutable_bias_rows()->mutable_values()).ok());
+      messages.push_back(std::move(bias));
+    }
+    for (auto& m : messages) {
+      if (corrupt) corrupt(m);
+      if (!writer->Write(m)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
   server::HeadRegistry& registry() { return server_->registry(); }
   server::HeadServiceImpl& service() { return server_->service(); }
 

@@ -146,8 +146,11 @@ class Client:
         return _info(self._unary(self._stub.CreateHead, request))
 
     def upload_head(self, head_id: str, weight: torch.Tensor,
-                    bias: Optional[torch.Tensor] = None) -> HeadInfo:
-        """Streams W [V, D] (and b [V]) to the server as head `head_id`, in W's dtype."""
+                    bias: Optional[torch.Tensor] = None, *, replace: bool = False) -> HeadInfo:
+        """Streams W [V, D] (and b [V]) to the server as head `head_id`, in W's dtype.
+        replace=True: new weights for an existing head of the same shape, dtype and bias (its
+        gradients must be zero; its optimizer state is reset; its version goes up by one), or a
+        new head if there is none."""
         weight = weight.detach()
 
         def requests() -> Iterator[pb.UploadHeadRequest]:
@@ -156,6 +159,7 @@ class Client:
             header.header.vocab_size, header.header.hidden_size = weight.shape
             header.header.dtype = _wire.wire_dtype(weight.dtype)
             header.header.has_bias = bias is not None
+            header.header.replace = replace
             yield header
             for name, t in (("weight_rows", weight), ("bias_rows", bias)):
                 if t is None:

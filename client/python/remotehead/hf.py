@@ -19,6 +19,8 @@ import types
 from typing import Optional
 
 import torch
+from transformers import TrainerCallback
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from remotehead.autograd import RemoteHead
 from remotehead.client import Client
@@ -44,19 +46,49 @@ class OffloadedHead(RemoteHead):
             self.sync_lm_head()
 
 
+def accumulation_window_ends() -> bool:
+    """Whether this micro-batch is the last of its gradient-accumulation window: transformers'
+    Trainer (through accelerate's GradientState) says so before each micro-batch; without a
+    Trainer every micro-batch counts as the last (dW is then pulled after each backward)."""
+    try:
+        from accelerate.state import GradientState
+    except ImportError:
+        return True
+    return GradientState().sync_gradients
+
+
 def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = True,
-                    trainer: Optional[str] = None) -> OffloadedHead:
+                    gradients: str = "server", trainer: Optional[str] = None) -> OffloadedHead:
     """Uploads the model's lm_head to the server as `head_id` and makes the model's training
-    loss go through it. trainable=False: a frozen head (e.g. LoRA): dX only, no dW."""
+    loss go through it.
+
+    trainable=False: a frozen head (e.g. under LoRA): dX only, no dW.
+    gradients="server": dW stays on the server, trained by server-side optimizer steps
+        (`head.optimizer_step(...)`, or RemoteHeadCallback under Trainer); the local lm_head is
+        frozen and only refreshed for generation (`sync_lm_head()`).
+    gradients="local": the lm_head parameter stays the trainer's: its dW is pulled into
+        lm_head.weight.grad at the end of each accumulation window (before gradient clipping)
+        and the local optimizer updates it; the server is sent the new weights before the next
+        step. Tied input embeddings need this mode.
+    """
+    if gradients not in ("server", "local"):
+        raise ValueError(f'gradients: expected "server" or "local"; got {gradients!r}')
     lm_head = model.get_output_embeddings()
-    if getattr(model.config, "tie_word_embeddings", False):
+    tied = lm_head.weight is model.get_input_embeddings().weight
+    if tied and trainable and gradients == "server":
         # The server would update the head while the input embeddings (the same tensor) stay.
-        raise ValueError("model.config.tie_word_embeddings: expected False (tied input "
-                         "embeddings are not supported yet); got True")
+        raise ValueError('gradients: expected "local" for a model with tied input embeddings '
+                         '(the embedding matrix is the head and must stay one parameter); got '
+                         '"server"')
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("lm_head.bias: expected none (causal LMs have no head bias); got one")
     client.upload_head(head_id, lm_head.weight.detach().float())
-    head = OffloadedHead(model, client, head_id, trainer=trainer, accumulate=trainable)
+    local = trainable and gradients == "local"
+    head = OffloadedHead(model, client, head_id, trainer=trainer, accumulate=trainable,
+                         local_weight=lm_head.weight if local else None)
+    if trainable and not local:
+        # Trained on the server: keeps the local copy out of the local optimizer.
+        lm_head.weight.requires_grad_(False)
     original_forward = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None,
@@ -64,20 +96,45 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
         if labels is None or not torch.is_grad_enabled():
             return original_forward(input_ids=input_ids, attention_mask=attention_mask,
                                     labels=labels, **kwargs)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         outputs = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      **kwargs)
         hidden = outputs.last_hidden_state
         # Tokens < n predict n, as ForCausalLMLoss: labels padded with -100 and shifted left.
         shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        pull = accumulation_window_ends()
         if num_items_in_batch is not None:
-            loss = head.loss(hidden, shifted, reduction="sum", normalizer=float(num_items_in_batch))
+            loss = head.loss(hidden, shifted, reduction="sum",
+                             normalizer=float(num_items_in_batch), pull_gradients=pull)
         else:
-            loss = head.loss(hidden, shifted, reduction="mean")
+            loss = head.loss(hidden, shifted, reduction="mean", pull_gradients=pull)
         return CausalLMOutputWithPast(loss=loss, logits=None,
                                       past_key_values=outputs.past_key_values)
 
     model.forward = types.MethodType(forward, model)
     model._remotehead = head
     return head
+
+
+class RemoteHeadCallback(TrainerCallback):
+    """Makes transformers' Trainer step a server-trained head (gradients="server") with the
+    Trainer's own AdamW settings and its current learning rate, after each local optimizer
+    step:  Trainer(..., callbacks=[RemoteHeadCallback(head)]).
+
+    Trainer's gradient clipping (max_grad_norm) sees only the local parameters in this mode;
+    offload with gradients="local" to clip the head's gradient together with the body's."""
+
+    def __init__(self, head: RemoteHead):
+        self.head = head
+
+    def _server_trained(self) -> bool:
+        return self.head.accumulate and self.head.local_weight is None
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if self._server_trained():
+            self.head.optimizer_step(adamw=dict(
+                lr=optimizer.param_groups[0]["lr"], beta1=args.adam_beta1,
+                beta2=args.adam_beta2, eps=args.adam_epsilon, weight_decay=args.weight_decay))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._server_trained():
+            self.head.sync_lm_head()  # generation after training uses the trained head

@@ -39,6 +39,12 @@ class HeadRegistry {
   // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for an empty id.
   absl::StatusOr<std::shared_ptr<HeadEntry>> Add(const std::string& id,
                                                  std::unique_ptr<core::Head> head);
+  // Add, or new weights for the existing head `id` (remotehead.v1.UploadHeader.replace):
+  // INVALID_ARGUMENT unless `head` has its shape, dtype and bias; FAILED_PRECONDITION while it
+  // has accumulated gradients (computed with the old weights). Its optimizer state is reset
+  // and its version goes up by one.
+  absl::StatusOr<std::shared_ptr<HeadEntry>> AddOrReplace(const std::string& id,
+                                                          std::unique_ptr<core::Head> head);
   // NOT_FOUND naming the id and the heads that exist.
   absl::StatusOr<std::shared_ptr<HeadEntry>> Get(const std::string& id) const;
   absl::Status Drop(const std::string& id);

@@ -1,0 +1,353 @@
+"""TRL's GRPOTrainer with the policy's LM head on a remotehead server.
+
+    from remotehead.trl import RemoteHeadGRPOTrainer
+    trainer = RemoteHeadGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
+                                    train_dataset=data, processing_class=tokenizer,
+                                    client=remotehead.Client("head-server:50051"),
+                                    head_id="policy")
+    trainer.train()
+
+GRPOTrainer computes every per-token quantity through one hook, its fused LM head
+(`model(..., labels=labels, fused_lm_head=True)`); this trainer routes that hook to the server:
+
+- log-probs of the policy: a `Forward` ("token_logprobs") under no_grad (old policy), the
+  two-phase path with gradients (dL/dlogp goes back to the server, which returns dX and
+  accumulates dW); entropies: a `Forward` ("entropy"), without gradient;
+- the reference model (beta > 0) is a second, frozen head on the server (`<head_id>-ref`,
+  Forward only); with PEFT the reference is the policy with its adapters off, so the policy's
+  head serves it;
+- the policy loss, where TRL's is the token-level clipped GRPO objective with the plain k3 KL
+  (loss_type grpo, bnpo, dr_grpo or dapo; importance_sampling_level "token"; no two-sided
+  clipping `delta`, off-policy mask or top-entropy mask; with beta > 0, use_bias_correction_kl
+  False, since TRL's default multiplies the KL by the ratio, which the server's function does
+  not): one fused `ForwardBackward` of the server's "grpo" function, TRL's loss-type
+  normalisation being per-token weights and a normalizer (`fused_grpo_loss` is True). Otherwise
+  the two-phase log-probs feed TRL's own loss code.
+
+The head is trained as `remotehead.hf.offload_lm_head` trains it: `gradients="server"` (server
+AdamW at each optimizer step with the trainer's hyper-parameters and current learning rate; the
+local lm_head, which generates and is saved, is refreshed from the server before the next
+generation or save; `max_grad_norm` clips the local parameters only) or `gradients="local"` (dW
+pulled into the lm_head parameter, which the trainer's optimizer and clipping see; needed for
+tied embeddings); a head that PEFT froze gets dX only. Refused: several processes, vLLM
+generation, an entropy bonus (entropies have no gradient here), an MoE router loss,
+sync_ref_model, logit scales other than temperature and softcap, adapters on the head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import types
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import is_peft_model
+from trl import GRPOTrainer
+from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
+
+from remotehead.autograd import RemoteHead
+from remotehead.client import Client
+from remotehead.hf import OffloadedHead, RemoteHeadCallback, accumulation_window_ends, \
+    offload_lm_head
+
+logger = logging.getLogger(__name__)
+
+_FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# Logit scalings of some architectures (as TRL's add_fused_lm_head reads them): the server's
+# functions have temperature and softcap only.
+_LOGIT_SCALE_ATTRIBUTES = ("logit_scale", "output_multiplier", "lm_head_multiplier",
+                           "logits_scaling")
+
+
+def _head_params(model, temperature: float) -> dict:
+    """The server's common params that reproduce TRL's logit transform for `model`."""
+    config = model.config.get_text_config()
+    for name in _LOGIT_SCALE_ATTRIBUTES:
+        value = getattr(config, name, None)
+        if value is not None and value != 1.0:
+            raise ValueError(f"config.{name}: expected none or 1.0 (the server's head applies "
+                             f"temperature and softcap only); got {value}")
+    params = {"temperature": temperature}
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        params["softcap"] = softcap
+    return params
+
+
+class _RemoteFusedLMHead:
+    """Replaces TRL's fused LM head of one model by the server's head. With `fused_lm_head=True`
+    the model runs its body and returns a FusedCausalLMOutput whose per-token fields (those in
+    `outputs`) come from the server; `remotehead_loss` (a step spec whose per-token tensors are
+    aligned to the last positions of the shifted labels) makes the loss one fused server pass.
+    Without it the forward is TRL's, so generation uses the local lm_head."""
+
+    def __init__(self, model, head: RemoteHead, params: dict, trl_forward):
+        self.head = head
+        self.params = params
+        self.outputs: Sequence[str] = ("log_probs", "entropy")
+
+        # TRL's signature is kept: generate() validates its model kwargs against it.
+        @functools.wraps(type(model).forward)
+        def forward(model_self, *args, fused_lm_head=False, labels=None, shift_labels=None,
+                    num_items_in_batch=None, remotehead_loss=None, **kwargs):
+            if not fused_lm_head:
+                return trl_forward(*args, labels=labels, shift_labels=shift_labels,
+                                   num_items_in_batch=num_items_in_batch, **kwargs)
+            return self._fused(model_self, args, kwargs, labels, shift_labels,
+                               num_items_in_batch, remotehead_loss)
+
+        model.forward = types.MethodType(forward, model)
+
+    def _per_token(self, rows, targets, function):
+        return self.head.client.forward(self.head.head_id, rows, targets, function=function,
+                                        params=self.params).outputs.to(rows.device)
+
+    def _fused(self, model, args, kwargs, labels, shift_labels, num_items_in_batch, loss_spec):
+        kwargs["use_cache"] = False
+        hidden = model.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        mask = labels != -100
+        if not mask.any():
+            # Nothing to score: a zero still connected to the body, as TRL's masked_scatter.
+            zeros = hidden.sum(-1) * 0.0
+            return FusedCausalLMOutput(loss=zeros.sum(), log_probs=zeros, entropy=zeros.detach(),
+                                       label_mask=mask)
+        # Only the scored rows travel, in the head's dtype (fp32; autocast may have made bf16).
+        rows, targets = hidden[mask].float(), labels[mask]
+
+        def scatter(values):
+            return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+        def select(per_token):
+            return F.pad(per_token, (mask.shape[1] - per_token.shape[1], 0))[mask]
+
+        pull = accumulation_window_ends()
+        loss = log_probs = entropy = None
+        if loss_spec is not None:
+            spec = dict(loss_spec, params={**self.params, **loss_spec.get("params", {})})
+            if spec.get("weights") is not None:
+                spec["weights"] = select(spec["weights"])
+            spec["aux"] = {k: select(v) for k, v in spec.get("aux", {}).items()}
+            loss = self.head.loss(rows, targets, pull_gradients=pull, **spec)
+        if "log_probs" in self.outputs:
+            if loss is None and torch.is_grad_enabled() and rows.requires_grad:
+                log_probs = self.head.token_outputs(rows, targets, function="token_logprobs",
+                                                    params=self.params, pull_gradients=pull)
+            else:
+                log_probs = self._per_token(rows, targets, "token_logprobs")
+            log_probs = scatter(log_probs)
+        if "entropy" in self.outputs:
+            entropy = scatter(self._per_token(rows, targets, "entropy"))
+        if loss is None and log_probs is not None:
+            # TRL's FusedCausalLMOutput.loss: the NLL, summed over valid tokens and normalised.
+            count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+            loss = -log_probs.sum() / count
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
+                                   label_mask=mask)
+
+
+def _install(model, client: Client, head_id: str, temperature: float,
+             **offload) -> _RemoteFusedLMHead:
+    """Uploads `model`'s lm_head as `head_id` (offload_lm_head: its checks, its head, its
+    freezing of a server-trained local copy) and routes TRL's fused LM head to it."""
+    lm_head = model.get_output_embeddings()
+    if not isinstance(lm_head, torch.nn.Linear):
+        raise ValueError(f"lm_head: expected a torch.nn.Linear (adapters on the head are not "
+                         f"supported); got {type(lm_head).__name__}")
+    params = _head_params(model, temperature)
+    trl_forward = model.forward  # TRL's fused-head forward, which also serves generation
+    head = offload_lm_head(model, client, head_id, **offload)
+    # offload_lm_head's cross-entropy forward is replaced: GRPO needs TRL's per-token hook.
+    return _RemoteFusedLMHead(model, head, params, trl_forward)
+
+
+class RemoteHeadGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose policy LM head is `head_id` on the server behind `client`.
+
+    gradients: "server" (default) or "local", as in `remotehead.hf.offload_lm_head`; a head
+    that PEFT froze is frozen on the server too (dX only). `remote_head` is the policy's
+    OffloadedHead, `remote_ref_head` the reference's (or None), `fused_grpo_loss` whether the
+    policy loss is one fused server pass.
+    """
+
+    def __init__(self, *args, client: Client, head_id: str = "policy",
+                 gradients: str = "server", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._refuse_unsupported()
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        trainable = policy.get_output_embeddings().weight.requires_grad
+        self._policy_route = _install(policy, client, head_id, self.temperature,
+                                      trainable=trainable, gradients=gradients)
+        self.remote_head: OffloadedHead = self._policy_route.head
+        self._routes = [self._policy_route]
+        self.remote_ref_head: Optional[OffloadedHead] = None
+        if self.ref_model is not None:
+            ref = _install(self.accelerator.unwrap_model(self.ref_model), client,
+                           f"{head_id}-ref", self.temperature, trainable=False)
+            self._routes.append(ref)
+            self.remote_ref_head = ref.head
+        self._synced_step = self.remote_head.step
+        fallback = self._fused_loss_blocker()
+        self.fused_grpo_loss = fallback is None
+        logger.info("remotehead: GRPO policy loss %s", "in one fused server pass" if
+                    self.fused_grpo_loss else f"two-phase with TRL's loss code ({fallback})")
+        self.add_callback(RemoteHeadCallback(self.remote_head))
+
+    def _refuse_unsupported(self) -> None:
+        args = self.args
+        if self.accelerator.num_processes != 1:
+            raise ValueError(f"accelerator.num_processes: expected 1 (one trainer process owns "
+                             f"the server's head); got {self.accelerator.num_processes}")
+        if self.use_vllm:
+            raise ValueError("use_vllm: expected False (vLLM generates with weights the server "
+                             "does not update); got True")
+        if self._entropy_bonus_enabled:
+            raise ValueError(f"entropy_coef: expected 0 and use_adaptive_entropy False (entropies "
+                             f"come from the server without gradient); got {self.entropy_coef}")
+        if self.aux_loss_enabled:
+            raise ValueError("router_aux_loss_coef: expected 0 (the MoE load-balancing loss is "
+                             "not computed with the remote head); got "
+                             f"{self.router_aux_loss_coef}")
+        if args.sync_ref_model and self.ref_model is not None:
+            raise ValueError("sync_ref_model: expected False (the reference head on the server "
+                             "is frozen); got True")
+
+    def _fused_loss_blocker(self) -> Optional[str]:
+        """Why TRL's loss is not the server's "grpo" function here (None when it is)."""
+        args = self.args
+        if self.loss_type not in _FUSED_LOSS_TYPES:
+            return f"loss_type {self.loss_type!r}"
+        if self.importance_sampling_level != "token":
+            return f"importance_sampling_level {self.importance_sampling_level!r}"
+        if args.delta is not None:
+            return "two-sided clipping (delta)"
+        if self.off_policy_mask_threshold is not None:
+            return "off_policy_mask_threshold"
+        if self.beta != 0.0 and args.use_bias_correction_kl:
+            return "use_bias_correction_kl"
+        if self.top_entropy_quantile < 1.0:
+            return "top_entropy_quantile < 1"
+        return None
+
+    @contextlib.contextmanager
+    def _requesting(self, outputs: Sequence[str]):
+        """The per-token fields the server computes for the next fused-head calls."""
+        previous = [route.outputs for route in self._routes]
+        for route in self._routes:
+            route.outputs = outputs
+        try:
+            yield
+        finally:
+            for route, before in zip(self._routes, previous):
+                route.outputs = before
+
+    def _get_per_token_logps_and_entropies(self, *args, compute_entropy=False, **kwargs):
+        # Entropies cost a server pass: only when TRL uses them.
+        outputs = ("log_probs", "entropy") if compute_entropy else ("log_probs",)
+        with self._requesting(outputs):
+            return super()._get_per_token_logps_and_entropies(
+                *args, compute_entropy=compute_entropy, **kwargs)
+
+    def _refresh_lm_head(self) -> None:
+        """The local lm_head generates and is saved: after server-side steps, fetch it."""
+        head = self.remote_head
+        if head.accumulate and head.local_weight is None and head.step != self._synced_step:
+            head.sync_lm_head()
+            self._synced_step = head.step
+
+    def _generate(self, prompts):
+        self._refresh_lm_head()
+        return super()._generate(prompts)
+
+    def save_model(self, *args, **kwargs):
+        self._refresh_lm_head()
+        return super().save_model(*args, **kwargs)
+
+    def _loss_weights(self, mask: torch.Tensor, inputs, mode: str):
+        """TRL's loss-type normalisation as per-token weights w and a normalizer:
+        loss = Σ w·ℓ / normalizer (see GRPOTrainer._compute_loss)."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        mask = mask.float()
+        if self.loss_type == "grpo":  # mean over sequences of each sequence's token mean
+            return mask / mask.sum(-1, keepdim=True).clamp(min=1.0), mask.size(0) * accumulation
+        if self.loss_type == "bnpo":
+            return mask, mask.sum().clamp(min=1.0).item() * accumulation
+        if self.loss_type == "dr_grpo":
+            return mask, mask.size(0) * self.max_completion_length * accumulation
+        # dapo: num_items_in_batch spans the generation batch, rescaled to one window.
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = (normalizer * self.current_gradient_accumulation_steps
+                          / self.args.steps_per_generation)
+        return mask, float(normalizer)
+
+    def _compute_loss(self, model, inputs):
+        if not self.fused_grpo_loss:
+            return super()._compute_loss(model, inputs)
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        # Only the tokens TRL's loss counts are scored (the others have weight 0 there).
+        labels = torch.cat([torch.full_like(prompt_ids, -100),
+                            completion_ids.masked_fill(mask == 0, -100)], dim=1)
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        advantages = advantages.expand(mask.shape)
+        old_logps = inputs.get("old_per_token_logps")
+        mode = "train" if self.model.training else "eval"
+        weights, normalizer = self._loss_weights(mask, inputs, mode)
+        aux = {"advantages": advantages}
+        if old_logps is not None:  # else the server's default: logp.detach(), as TRL
+            aux["old_logprobs"] = old_logps
+        if self.beta != 0.0:
+            aux["ref_logprobs"] = inputs["ref_per_token_logps"]
+        spec = dict(function="grpo", reduction="weighted_sum", weights=weights,
+                    normalizer=normalizer, aux=aux,
+                    params={"epsilon_low": self.epsilon_low, "epsilon_high": self.epsilon_high,
+                            "beta": self.beta})
+        # The entropy metric needs a Forward; the clip-ratio metrics need this policy's
+        # log-probs only off-policy (on-policy every ratio is exactly 1).
+        outputs = ("entropy", "log_probs") if old_logps is not None else ("entropy",)
+        with self._requesting(outputs), self.accelerator.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                        fused_lm_head=True, remotehead_loss=spec)
+        logits_to_keep = completion_ids.size(1)
+        self._log_fused_metrics(mode, out, logits_to_keep, mask, advantages, old_logps)
+        return out.loss
+
+    def _log_fused_metrics(self, mode, out, logits_to_keep, mask, advantages, old_logps):
+        """TRL's loss metrics (kl, entropy, clip ratios) for one process, from the server's
+        outputs: the KL sum is a diagnostic of the fused pass itself."""
+        metrics = self._metrics[mode]
+        count = mask.sum().clamp(min=1.0).item()
+
+        def masked_mean(x):
+            return ((x * mask).sum() / count).item()
+
+        def masked_seq_mean(x):
+            return (x * mask).sum(-1) / mask.sum(-1)
+
+        if self.beta != 0.0:  # no tokens: no server call, and TRL's masked mean is 0
+            kl = self.remote_head.last_result.summary.extras["kl"] if mask.any() else 0.0
+            metrics["kl"].append(kl / count)
+        metrics["entropy"].append(masked_mean(out.entropy[:, -logits_to_keep:]))
+        if old_logps is None:
+            coef_1 = torch.ones_like(advantages)
+        else:
+            coef_1 = torch.exp(out.log_probs[:, -logits_to_keep:] - old_logps)
+        is_low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
+        is_high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
+        metrics["clip_ratio/low_mean"].append(masked_mean(is_low))
+        metrics["clip_ratio/high_mean"].append(masked_mean(is_high))
+        metrics["clip_ratio/region_mean"].append(masked_mean(torch.maximum(is_low, is_high)))
+        metrics["clip_ratio/low_min"].append(nanmin(masked_seq_mean(is_low)).item())
+        metrics["clip_ratio/high_max"].append(nanmax(masked_seq_mean(is_high)).item())

@@ -1,0 +1,314 @@
+"""TRL's GRPOTrainer with the policy's LM head on the real server (remotehead.trl), on a tiny
+Llama built from a config (vocab 257, hidden 32, 2 layers, fixed seeds, saved to a temporary
+folder so TRL can load its reference model from it; no download) and a character-level
+tokenizer built in memory.
+
+- Parity for one batch: the inputs GRPOTrainer._compute_loss receives (left-padded prompts,
+  completions of different lengths, advantages, old log-probs off the current policy so ratios
+  clip (or none, on-policy), reference log-probs when beta > 0; temperature 0.7, epsilon 0.2 / 0.28, gradient
+  accumulation 2, train mode) go through TRL's own _compute_loss with the local head and
+  through RemoteHeadGRPOTrainer's. Compared, fp32: the loss (relative 1e-5; measured ≤ 2e-7),
+  also in eval mode under no_grad; the per-token log-probs and entropies of the policy and the
+  reference's log-probs from _get_per_token_logps_and_entropies (1e-5 of the largest
+  magnitude); every parameter's gradient (1e-5 of each tensor's largest magnitude; measured
+  ≤ 1.1e-6), the head's dW fetched from the server (or pulled into the tied parameter with
+  gradients="local"); the global gradient norm (relative 1e-5); the logged kl / entropy /
+  clip-ratio metrics (1e-5 absolute). grpo, bnpo, dr_grpo and dapo with the plain KL are one
+  fused server pass; TRL's default bias-corrected KL and sapo take the two-phase path with
+  TRL's own loss code.
+- A short run (3 optimizer steps of 2 micro-batches, 4 completions of up to 8 tokens per
+  prompt, a reward for early characters, beta > 0) completes: each generation samples from the
+  server's current head, the server's head version advances by exactly 3 and its weights
+  change, the frozen reference head is untouched, and the logged metrics are finite.
+- With LoRA (peft_config) the head stays frozen on the server (no steps, nothing accumulated)
+  and serves the reference (adapters off) too, while the adapters train.
+- An entropy bonus (it would need the entropy's gradient) is refused.
+"""
+
+import math
+
+import datasets
+import peft
+import pytest
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from trl import GRPOConfig, GRPOTrainer
+
+import remotehead
+from remotehead.trl import RemoteHeadGRPOTrainer
+
+VOCAB = 257
+BATCH, PROMPT, COMPLETION = 4, 5, 8
+
+
+def char_tokenizer():
+    """One token per character: 3 special tokens and 254 characters, as many as the model's
+    vocabulary, so every sampled id decodes."""
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    chars += [chr(0x100 + i) for i in range(VOCAB - 3 - len(chars))]
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + chars)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
+                                                eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """The tiny Llama, untied and tied, saved once: TRL builds its reference model from it."""
+    dirs = {}
+    for tied in (False, True):
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp("tied" if tied else "untied")
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+        dirs[tied] = str(path)
+    return dirs
+
+
+def load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def reward_early_characters(completions, **kwargs):
+    # Continuous, so every group of completions has non-zero advantages.
+    return [-sum(map(ord, c)) / max(len(c), 1) / 0x200 for c in completions]
+
+
+def prompts():
+    return datasets.Dataset.from_dict({"prompt": ["abc", "bca", "cab", "aab", "bba", "ccb"]})
+
+
+def config(tmp_path, **overrides):
+    args = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, seed=0,
+                activation_checkpointing=False, report_to="none", save_strategy="no",
+                disable_tqdm=True, per_device_train_batch_size=2, num_generations=4,
+                gradient_accumulation_steps=2, max_completion_length=COMPLETION)
+    args.update(overrides)
+    return GRPOConfig(**args)
+
+
+def trainer(cls, path, args, tokenizer, **kwargs):
+    return cls(model=load(path), reward_funcs=reward_early_characters, args=args,
+               train_dataset=prompts(), processing_class=tokenizer, **kwargs)
+
+
+def close(actual, expected, rel):
+    return (actual - expected).abs().max().item() <= rel * expected.abs().max().item()
+
+
+@pytest.fixture
+def client(server_target):
+    with remotehead.Client(server_target) as c:
+        yield c
+
+
+def batch(local: GRPOTrainer, beta: float, on_policy: bool):
+    """What GRPOTrainer._compute_loss receives for one micro-batch of 4 completions."""
+    g = torch.Generator().manual_seed(3)
+    prompt_ids = torch.randint(3, VOCAB, (BATCH, PROMPT), generator=g)
+    prompt_mask = torch.ones(BATCH, PROMPT, dtype=torch.long)
+    prompt_mask[1, :2] = prompt_mask[3, :1] = 0  # left padding
+    prompt_ids[prompt_mask == 0] = 0
+    completion_ids = torch.randint(3, VOCAB, (BATCH, COMPLETION), generator=g)
+    completion_mask = torch.ones(BATCH, COMPLETION, dtype=torch.long)
+    for row, length in ((0, 3), (2, 6)):  # ended early with EOS, then padding
+        completion_ids[row, length - 1], completion_ids[row, length:] = 1, 0
+        completion_mask[row, length:] = 0
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+              "completion_ids": completion_ids, "completion_mask": completion_mask,
+              "advantages": torch.randn(BATCH, generator=g),
+              "num_items_in_batch": completion_mask.sum()}
+    with torch.no_grad():
+        logps, _, _ = local._get_per_token_logps_and_entropies(
+            local.model, *joined(inputs), COMPLETION)
+    # Off-policy, old log-probs off the current ones: ratios e^{±0.3} reach both clip bounds.
+    # On-policy TRL leaves them out (the ratio is then exactly 1).
+    if not on_policy:
+        inputs["old_per_token_logps"] = logps + 0.3 * torch.randn(logps.shape, generator=g)
+    if beta:
+        inputs["ref_per_token_logps"] = logps + 0.2 * torch.randn(logps.shape, generator=g)
+    return inputs
+
+
+def joined(inputs):
+    return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1))
+
+
+def per_token(trainer_, model, inputs, entropy=True):
+    """The completion tokens' log-probs (and entropies) as GRPOTrainer computes them."""
+    with torch.no_grad():
+        logps, entropies, _ = trainer_._get_per_token_logps_and_entropies(
+            model, *joined(inputs), COMPLETION, compute_entropy=entropy)
+    mask = inputs["completion_mask"].bool()
+    return logps[mask], entropies[mask] if entropy else None
+
+
+# The server's "grpo" function is TRL's token-level objective with the plain k3 KL: TRL's default
+# bias-corrected KL (KL × ratio, use_bias_correction_kl) takes the two-phase path, like sapo.
+CASES = {
+    "dapo-fused": dict(loss_type="dapo", beta=0.0),
+    "dapo-on_policy-fused": dict(loss_type="dapo", beta=0.0),
+    "dapo-beta-fused": dict(loss_type="dapo", beta=0.04, use_bias_correction_kl=False),
+    "grpo-fused": dict(loss_type="grpo", beta=0.0),
+    "grpo-beta-fused": dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=False),
+    "bnpo-beta-fused": dict(loss_type="bnpo", beta=0.04, use_bias_correction_kl=False),
+    "dr_grpo-fused": dict(loss_type="dr_grpo", beta=0.0),
+    "dapo-beta-bias_corrected_kl-two_phase": dict(loss_type="dapo", beta=0.04),
+    "sapo-two_phase": dict(loss_type="sapo", beta=0.0),
+    "dapo-beta-tied-local_gradients-fused": dict(loss_type="dapo", beta=0.04,
+                                                 use_bias_correction_kl=False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_path, case):
+    tokenizer = char_tokenizer()
+    beta, tied = CASES[case]["beta"], "tied" in case
+    args = config(tmp_path, temperature=0.7, epsilon=0.2, epsilon_high=0.28, **CASES[case])
+    head_id = f"grpo-{case}"
+    local = trainer(GRPOTrainer, model_dirs[tied], args, tokenizer)
+    remote = trainer(RemoteHeadGRPOTrainer, model_dirs[tied], args, tokenizer, client=client,
+                     head_id=head_id, gradients="local" if tied else "server")
+    assert remote.fused_grpo_loss == case.endswith("fused")
+    assert (remote.remote_ref_head is not None) == (beta != 0)
+    for t in (local, remote):
+        t.model.train()
+        t.current_gradient_accumulation_steps = 2  # as Trainer sets it during training
+    inputs = batch(local, beta, on_policy="on_policy" in case)
+
+    local_logps, local_entropy = per_token(local, local.model, inputs)
+    remote_logps, remote_entropy = per_token(remote, remote.model, inputs)
+    assert close(remote_logps, local_logps, 1e-5)
+    assert close(remote_entropy, local_entropy, 1e-5)
+    if beta:
+        local_ref, _ = per_token(local, local.ref_model, inputs, entropy=False)
+        remote_ref, _ = per_token(remote, remote.ref_model, inputs, entropy=False)
+        assert close(remote_ref, local_ref, 1e-5)
+    for t in (local, remote):
+        t._metrics["train"].clear()
+
+    local_loss = local._compute_loss(local.model, inputs)
+    local_loss.backward()
+    remote_loss = remote._compute_loss(remote.model, inputs)
+    remote_loss.backward()
+    assert abs(remote_loss.item() - local_loss.item()) <= 1e-5 * abs(local_loss.item())
+    if remote.fused_grpo_loss:  # the loss came from the server's fused pass
+        assert remote.remote_head.last_result.loss == pytest.approx(remote_loss.item(),
+                                                                    rel=1e-6)
+
+    local_grads = {n: p.grad for n, p in local.model.named_parameters()}
+    remote_grads = {n: p.grad for n, p in remote.model.named_parameters() if p.grad is not None}
+    if not tied:  # dW stayed on the server
+        assert "lm_head.weight" not in remote_grads
+        remote_grads["lm_head.weight"], _, info = client.fetch_gradients(head_id)
+        assert info.accumulated_micro_batches == 1
+    assert remote_grads.keys() == local_grads.keys()
+    for name, grad in local_grads.items():
+        assert close(remote_grads[name], grad, 1e-5), name
+    norm = torch.cat([g.flatten() for g in local_grads.values()]).norm().item()
+    remote_norm = torch.cat([g.flatten() for g in remote_grads.values()]).norm().item()
+    assert abs(remote_norm - norm) <= 1e-5 * norm
+
+    # Evaluation (eval mode, no gradients): TRL's unscaled loss; nothing accumulates.
+    for t in (local, remote):
+        t.model.eval()
+    with torch.no_grad():
+        local_eval = local._compute_loss(local.model, inputs).item()
+        remote_eval = remote._compute_loss(remote.model, inputs).item()
+    assert abs(remote_eval - local_eval) <= 1e-5 * abs(local_eval)
+    if not tied:
+        assert client.describe_head(head_id).accumulated_micro_batches == 1
+
+    local_metrics, remote_metrics = local._metrics["train"], remote._metrics["train"]
+    assert remote_metrics.keys() == local_metrics.keys()
+    if "clip_ratio/region_mean" in local_metrics:  # off-policy, the clipped objectives clip
+        assert (local_metrics["clip_ratio/region_mean"][0] > 0) == ("on_policy" not in case)
+    for key, values in local_metrics.items():
+        assert remote_metrics[key] == pytest.approx(values, abs=1e-5), key
+
+    client.drop_head(head_id)
+    if beta:
+        client.drop_head(f"{head_id}-ref")
+
+
+def test_a_short_grpo_run_trains_the_remote_head(client, model_dirs, tmp_path):
+    steps = 3
+    args = config(tmp_path, max_steps=steps, beta=0.04, use_bias_correction_kl=False,
+                  learning_rate=1e-2, logging_steps=1)
+    grpo = trainer(RemoteHeadGRPOTrainer, model_dirs[False], args, char_tokenizer(),
+                   client=client, head_id="grpo-run")
+    assert grpo.fused_grpo_loss
+    before = client.describe_head("grpo-run").weight_version
+    initial, _ = client.export_weights("grpo-run")
+    ref_initial, _ = client.export_weights("grpo-run-ref")
+    # Each generation (one per optimizer step here) samples from the server's current head.
+    generate, heads_at_generation = grpo.model.generate, []
+
+    def generate_and_check(*args, **kwargs):
+        server_weight, _ = client.export_weights("grpo-run")
+        heads_at_generation.append(torch.equal(grpo.model.lm_head.weight.detach(),
+                                               server_weight))
+        return generate(*args, **kwargs)
+
+    grpo.model.generate = generate_and_check
+    grpo.train()
+    assert heads_at_generation == [True] * steps
+
+    info = client.describe_head("grpo-run")
+    assert info.weight_version == before + steps
+    assert info.accumulated_micro_batches == 0
+    weight, _ = client.export_weights("grpo-run")
+    assert not torch.allclose(weight, initial)
+    assert torch.equal(grpo.model.lm_head.weight.detach(), weight)  # synced for generation
+    ref_weight, _ = client.export_weights("grpo-run-ref")
+    assert torch.equal(ref_weight, ref_initial)
+    assert client.describe_head("grpo-run-ref").accumulated_micro_batches == 0
+
+    logs = [log for log in grpo.state.log_history if "loss" in log]
+    assert len(logs) == steps
+    for log in logs:
+        for key in ("loss", "reward", "entropy", "kl", "grad_norm", "clip_ratio/region_mean"):
+            assert math.isfinite(log[key]), (key, log)
+    client.drop_head("grpo-run")
+    client.drop_head("grpo-run-ref")
+
+
+def test_a_lora_grpo_run_keeps_the_frozen_head_on_the_server(client, model_dirs, tmp_path):
+    # The reference is the policy with its adapters off: the same frozen server head serves it.
+    args = config(tmp_path, max_steps=2, beta=0.04, use_bias_correction_kl=False,
+                  learning_rate=1e-2, logging_steps=1)
+    torch.manual_seed(1)  # the adapters' initialisation
+    grpo = trainer(RemoteHeadGRPOTrainer, model_dirs[False], args, char_tokenizer(),
+                   client=client, head_id="grpo-lora",
+                   peft_config=peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                               target_modules=["q_proj", "v_proj"]))
+    assert grpo.remote_ref_head is None and not grpo.remote_head.accumulate
+    initial, _ = client.export_weights("grpo-lora")
+    adapters = {n: p.detach().clone() for n, p in grpo.model.named_parameters()
+                if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    grpo.train()
+
+    info = client.describe_head("grpo-lora")
+    assert info.weight_version == 0 and info.accumulated_micro_batches == 0
+    weight, _ = client.export_weights("grpo-lora")
+    assert torch.equal(weight, initial)
+    trained = dict(grpo.model.named_parameters())
+    assert any(not torch.equal(trained[n].detach(), p) for n, p in adapters.items())
+    logs = [log for log in grpo.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(math.isfinite(log[k]) for log in logs
+                                  for k in ("loss", "kl", "entropy"))
+    client.drop_head("grpo-lora")
+
+
+def test_an_entropy_bonus_is_refused(client, model_dirs, tmp_path):
+    with pytest.raises(ValueError, match="entropy_coef: expected 0"):
+        trainer(RemoteHeadGRPOTrainer, model_dirs[False], config(tmp_path, entropy_coef=0.01),
+                char_tokenizer(), client=client, head_id="grpo-refused")
