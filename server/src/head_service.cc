@@ -88,6 +88,7 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
               const StepEnvironment& env)
       : context_(context),
         env_(env),
+        mode_(mode),
         session_(env.registry, env.retained, mode, env.options->response_chunk_bytes),
         ticket_(env.admission->NewTicket()),
         deadline_(context->deadline()),
@@ -232,7 +233,11 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
       return;
     }
     const Phase phase = phase_;
-    if (end) session_.set_timings(TimingsLocked());
+    v1::StepTimings timings;
+    if (end) {
+      timings = TimingsLocked();
+      session_.set_timings(timings);
+    }
     lock.unlock();
 
     std::vector<v1::StepResponse> produced;
@@ -247,7 +252,14 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     const Clock::duration spent = Clock::now() - t0;
     // Done computing: give the memory back before the summary reaches the client, so a trainer
     // that sends its next request on seeing it is not refused for its own previous one.
-    if (end && status.ok()) env_.admission->Release(ticket_);
+    if (end && status.ok()) {
+      env_.admission->Release(ticket_);
+      if (env_.options->metrics != nullptr) {
+        env_.options->metrics->ObserveStep(RpcName(), session_.head_id(), session_.function(),
+                                           session_.valid_tokens(), timings,
+                                           session_.logits_chunk_bytes());
+      }
+    }
     bool admitting = false;
     if (status.ok() && phase == Phase::kHeader && session_.has_header()) {
       {
@@ -319,6 +331,18 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     return t;
   }
 
+  const char* RpcName() const {
+    switch (mode_) {
+      case StepSession::Mode::kFused:
+        return "ForwardBackward";
+      case StepSession::Mode::kForward:
+        return "Forward";
+      case StepSession::Mode::kBackward:
+        return "Backward";
+    }
+    return "";
+  }
+
   void FinishLocked(grpc::Status status) {
     if (finished_) return;
     finished_ = true;
@@ -328,6 +352,7 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
 
   grpc::CallbackServerContext* context_;  // valid until OnDone
   const StepEnvironment env_;
+  const StepSession::Mode mode_;
   StepSession session_;  // used by one compute task at a time
   const uint64_t ticket_;
   const std::chrono::system_clock::time_point deadline_;
@@ -598,14 +623,19 @@ HeadServiceImpl::HeadServiceImpl(HeadRegistry* registry, ServiceOptions options)
       options_(options),
       admission_(std::make_unique<AdmissionController>(options.admission)),
       retained_(std::make_unique<RetainedInputStore>(admission_.get(), options.max_retain_seconds)),
-      compute_(std::make_unique<ComputePool>(options.compute_threads)) {}
+      compute_(std::make_unique<ComputePool>(options.compute_threads)) {
+  if (options_.metrics != nullptr) options_.metrics->set_admission(admission_.get());
+}
 
 StepEnvironment HeadServiceImpl::StepEnv() {
   return {registry_, retained_.get(), compute_.get(), admission_.get(), &options_};
 }
 
 // The pool goes first: its threads finish their tasks while the rest is still alive.
-HeadServiceImpl::~HeadServiceImpl() { compute_.reset(); }
+HeadServiceImpl::~HeadServiceImpl() {
+  compute_.reset();
+  if (options_.metrics != nullptr) options_.metrics->set_admission(nullptr);
+}
 
 grpc::ServerReadReactor<v1::UploadHeadRequest>* HeadServiceImpl::UploadHead(
     grpc::CallbackServerContext* context, v1::HeadInfo* response) {

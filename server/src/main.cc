@@ -27,6 +27,7 @@
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/credentials.h"
 #include "remotehead/server/head_service.h"
+#include "remotehead/server/metrics.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
 ABSL_FLAG(std::string, device, "auto", "auto (cuda:0 if available, else cpu), cpu or cuda:N");
@@ -52,6 +53,9 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA(s) for client certificates (turns mTLS on)");
 ABSL_FLAG(bool, tls_require_client_cert, true,
           "with --tls_client_ca: refuse clients without a certificate (false: verify if given)");
+ABSL_FLAG(std::string, metrics_address, "",
+          "IPv4 host:port serving Prometheus metrics at GET /metrics (port 0: a free one); "
+          "empty = off");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding one bearer token that every call must carry (needs TLS)");
 
@@ -117,6 +121,9 @@ int Run() {
     std::cerr << "remotehead-server: " << device.status().message() << std::endl;
     return 2;
   }
+  const std::string metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  // CPU memory is measured by a counting allocator, installed before any tensor exists.
+  if (!metrics_address.empty() && device->is_cpu()) rh::core::InstallCpuMemoryTracker();
   rh::server::HeadRegistry registry;
   for (const std::string& spec : absl::GetFlag(FLAGS_head)) {
     if (const absl::Status s = PreloadHead(spec, *device, &registry); !s.ok()) {
@@ -136,6 +143,17 @@ int Run() {
     }
     budget = device->is_cuda() ? *available / 10 * 9 : *available / 2;
   }
+  std::unique_ptr<rh::server::ServerMetrics> metrics;
+  std::unique_ptr<rh::server::MetricsHttpServer> metrics_http;
+  if (!metrics_address.empty()) {
+    metrics = std::make_unique<rh::server::ServerMetrics>(&registry, *device, budget);
+    auto http = rh::server::MetricsHttpServer::Start(metrics_address, metrics->Collectables());
+    if (!http.ok()) {
+      std::cerr << "remotehead-server: " << http.status().message() << std::endl;
+      return 2;
+    }
+    metrics_http = std::move(*http);
+  }
   const rh::server::ServiceOptions options{
       .device = *device,
       .compute_threads = absl::GetFlag(FLAGS_compute_threads),
@@ -144,7 +162,8 @@ int Run() {
                     .max_active = absl::GetFlag(FLAGS_max_active_requests),
                     .max_queued = absl::GetFlag(FLAGS_max_queued_requests)},
       .max_retain_seconds = absl::GetFlag(FLAGS_max_retain_seconds),
-      .event_log = &std::cout};
+      .event_log = &std::cout,
+      .metrics = metrics.get()};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
             << ", max active " << options.admission.max_active << " (0 = no limit), max queued "
@@ -160,10 +179,19 @@ int Run() {
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.RegisterService(&service);
+  if (metrics != nullptr) {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(metrics->InterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
     return 1;
+  }
+  if (metrics_http != nullptr) {
+    std::cout << "remotehead-server: metrics on port " << metrics_http->port()
+              << " (/metrics)" << std::endl;
   }
   // SERVING only once the configured heads are loaded (they are, by now).
   server->GetHealthCheckService()->SetServingStatus(true);
@@ -178,6 +206,7 @@ int Run() {
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  metrics_http.reset();  // no scrape may read the service's state once it is gone
   std::cout << "remotehead-server: stopped" << std::endl;
   return 0;
 }

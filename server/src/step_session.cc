@@ -529,6 +529,9 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
       }
     }
     summary->set_weight_version(head.version());
+    if (mode_ == Mode::kFused) entry_->last_loss = loss_;
+    logits_chunk_bytes_ = chunk_rows_ * head.vocab_size() *
+                          static_cast<int64_t>(c10::elementSize(head.dtype()));
   }
   if (inputs_ != nullptr) retained_->Release(header_->inputs_handle());
   summary->set_loss(loss_);

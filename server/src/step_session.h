@@ -54,6 +54,11 @@ class StepSession {
   absl::Status OnClientDone(std::vector<v1::StepResponse>* responses);
 
   bool has_header() const { return header_.has_value(); }
+  // After OnClientDone succeeded (metrics): what was computed, and the largest logits chunk.
+  const std::string& head_id() const { return header_->head_id(); }
+  const std::string& function() const { return options_.function; }
+  int64_t valid_tokens() const { return valid_tokens_; }
+  int64_t logits_chunk_bytes() const { return logits_chunk_bytes_; }
   // After the header: the bytes this request will hold while it runs, given the bytes of rows
   // and results the transport may buffer for it (`pipeline_bytes`).
   MemoryEstimate EstimateMemory(int64_t pipeline_bytes) const;
@@ -106,6 +111,7 @@ class StepSession {
   double loss_ = 0;
   int64_t chunk_rows_ = 0;
   int64_t num_chunks_ = 0;
+  int64_t logits_chunk_bytes_ = 0;
   std::map<std::string, double> extras_;
   v1::StepTimings timings_;
 };

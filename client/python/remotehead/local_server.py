@@ -21,6 +21,7 @@ class LocalServer:
         self.start_timeout = start_timeout
         self.process: Optional[subprocess.Popen] = None
         self.target = ""
+        self.metrics_port: Optional[int] = None  # with --metrics_address (port 0 works)
         self.log: List[str] = []  # the server's output up to "listening"
 
     def start(self) -> "LocalServer":
@@ -29,6 +30,9 @@ class LocalServer:
                                         text=True)
         for line in self.process.stdout:
             self.log.append(line)
+            metrics = re.match(r"remotehead-server: metrics on port (\d+)", line)
+            if metrics:
+                self.metrics_port = int(metrics.group(1))
             match = re.match(r"remotehead-server: listening on port (\d+)", line)
             if match:
                 self.target = f"127.0.0.1:{match.group(1)}"

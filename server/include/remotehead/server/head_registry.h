@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -32,6 +33,7 @@ struct HeadEntry {
   // (the trainer needs dX again) and adds nothing, so only the identity is kept.
   std::set<GradientKey> applied;
   core::OptimizerState optimizer;  // created by the first OptimizerStep
+  std::optional<double> last_loss;  // of the last successful ForwardBackward (metrics)
 };
 
 class HeadRegistry {

@@ -7,6 +7,7 @@
 
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
+#include "remotehead/server/metrics.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
 
 namespace remotehead::server {
@@ -28,6 +29,7 @@ struct ServiceOptions {
   // One line per head lifecycle event (created, uploaded, dropped, saved, gradients zeroed,
   // optimizer step); nullptr = silent.
   std::ostream* event_log = nullptr;
+  ServerMetrics* metrics = nullptr;  // Prometheus metrics; nullptr = none
 };
 
 class HeadServiceImpl final : public v1::HeadService::CallbackService {
