@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 import urllib.parse
+import urllib.error
 import urllib.request
 
 import pytest
@@ -167,3 +168,19 @@ def test_prometheus_scrapes_what_the_workload_did(server, prometheus):
     assert scalar(prometheus, 'sum(remotehead_inflight_requests)') == 0
     assert scalar(prometheus, 'remotehead_admission_active_requests') == 0
     client.close()
+
+
+def test_metrics_endpoint_serves_only_metrics_and_bad_addresses_are_refused(server):
+    body = http_get(f"http://127.0.0.1:{server.metrics_port}/metrics").decode()
+    # Before any RPC: the scrape-time state (request series appear with their first call).
+    assert 'remotehead_device_memory_allocated_bytes{device="cpu"}' in body
+    assert "\nremotehead_heads 0\n" in body
+    with pytest.raises(urllib.error.HTTPError) as error:
+        http_get(f"http://127.0.0.1:{server.metrics_port}/other")
+    assert error.value.code == 404
+    result = subprocess.run([server.binary, "--listen=127.0.0.1:0", "--device=cpu",
+                             "--metrics_address=localhost"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith(
+        '--metrics_address: expected IPv4 host:port (e.g. 0.0.0.0:9464); got "localhost"')
