@@ -52,7 +52,9 @@ FunctionOutput Entropy(const ChunkInputs& in) {
 
 // GRPO per-token policy loss (DeepSeekMath / TRL's GRPOTrainer):
 //   r = exp(logp − old_logp), loss = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) + β·KL,
-//   KL = exp(ref − logp) − (ref − logp) − 1  (the k3 estimator).
+//   KL = exp(ref − logp) − (ref − logp) − 1  (the k3 estimator), times r with
+//   bias_correction_kl = 1 (TRL's use_bias_correction_kl, its default: importance-sampling
+//   correction of the KL, differentiated through r).
 // old_logprobs defaults to logp.detach() (on-policy, one update per generation).
 // grpo / bnpo / dr_grpo / dapo normalisations are per-token weights and the normaliser.
 FunctionOutput Grpo(const ChunkInputs& in) {
@@ -69,7 +71,8 @@ FunctionOutput Grpo(const ChunkInputs& in) {
   const auto ref_it = in.aux.find("ref_logprobs");
   if (ref_it != in.aux.end()) {
     const torch::Tensor d = ref_it->second - logp;
-    const torch::Tensor kl = torch::exp(d) - d - 1.0;
+    torch::Tensor kl = torch::exp(d) - d - 1.0;
+    if (in.param("bias_correction_kl") != 0) kl = kl * ratio;
     if (beta != 0) loss = loss + beta * kl;
     out.extras["kl"] = kl.detach();
   }
@@ -121,7 +124,9 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .optional_aux = {"old_logprobs", "ref_logprobs"},
        .params = {{"epsilon_low", 0.2, 0.0, 1.0, "lower clip: ratio >= 1 - epsilon_low"},
                   {"epsilon_high", 0.2, 0.0, kInf, "upper clip: ratio <= 1 + epsilon_high"},
-                  {"beta", 0.0, 0.0, kInf, "KL coefficient (needs ref_logprobs when > 0)"}},
+                  {"beta", 0.0, 0.0, kInf, "KL coefficient (needs ref_logprobs when > 0)"},
+                  {"bias_correction_kl", 0.0, 0.0, 1.0,
+                   "1: the KL is multiplied by the ratio (TRL's use_bias_correction_kl)"}},
        .workspace_logit_buffers = 3,
        .forward = Grpo,
        .validate = ValidateGrpo},

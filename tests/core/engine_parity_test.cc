@@ -31,6 +31,9 @@ const std::vector<FunctionCase>& Cases() {
       {"logprobs", "token_logprobs", {{"temperature", 0.9}}},
       {"entropy", "entropy", {}},
       {"grpo", "grpo", {{"epsilon_low", 0.2}, {"epsilon_high", 0.28}, {"beta", 0.04}}},
+      {"grpo_bias_corrected_kl",
+       "grpo",
+       {{"epsilon_low", 0.2}, {"epsilon_high", 0.28}, {"beta", 0.04}, {"bias_correction_kl", 1}}},
       {"mse_onehot", "mse_onehot", {}},
       {"sigmoid_sum", "sigmoid_sum", {}},
   };

@@ -47,7 +47,9 @@ torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor
     const double beta = Param(params, "beta", 0.0);
     if (beta != 0) {
       const torch::Tensor ref = Aux(batch, "ref_logprobs");
-      loss = loss + beta * (torch::exp(ref - logp) - (ref - logp) - 1);
+      torch::Tensor kl = torch::exp(ref - logp) - (ref - logp) - 1;
+      if (Param(params, "bias_correction_kl", 0.0) != 0) kl = kl * coef_1;  // TRL's default
+      loss = loss + beta * kl;
     }
     return loss;
   }

@@ -13,9 +13,9 @@ tokenizer built in memory.
   magnitude); every parameter's gradient (1e-5 of each tensor's largest magnitude; measured
   ≤ 1.1e-6), the head's dW fetched from the server (or pulled into the tied parameter with
   gradients="local"); the global gradient norm (relative 1e-5); the logged kl / entropy /
-  clip-ratio metrics (1e-5 absolute). grpo, bnpo, dr_grpo and dapo with the plain KL are one
-  fused server pass; TRL's default bias-corrected KL and sapo take the two-phase path with
-  TRL's own loss code.
+  clip-ratio metrics (1e-5 absolute). grpo, bnpo, dr_grpo and dapo, with the plain KL or
+  TRL's default bias-corrected one, are one fused server pass; sapo takes the two-phase path
+  with TRL's own loss code.
 - A short run (3 optimizer steps of 2 micro-batches, 4 completions of up to 8 tokens per
   prompt, a reward for early characters, beta > 0) completes: each generation samples from the
   server's current head, the server's head version advances by exactly 3 and its weights
@@ -150,8 +150,8 @@ def per_token(trainer_, model, inputs, entropy=True):
     return logps[mask], entropies[mask] if entropy else None
 
 
-# The server's "grpo" function is TRL's token-level objective with the plain k3 KL: TRL's default
-# bias-corrected KL (KL × ratio, use_bias_correction_kl) takes the two-phase path, like sapo.
+# The server's "grpo" function is TRL's token-level objective with the k3 KL, plain or TRL's
+# default bias-corrected one (KL × ratio, use_bias_correction_kl); sapo takes the two-phase path.
 CASES = {
     "dapo-fused": dict(loss_type="dapo", beta=0.0),
     "dapo-on_policy-fused": dict(loss_type="dapo", beta=0.0),
@@ -160,7 +160,8 @@ CASES = {
     "grpo-beta-fused": dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=False),
     "bnpo-beta-fused": dict(loss_type="bnpo", beta=0.04, use_bias_correction_kl=False),
     "dr_grpo-fused": dict(loss_type="dr_grpo", beta=0.0),
-    "dapo-beta-bias_corrected_kl-two_phase": dict(loss_type="dapo", beta=0.04),
+    "dapo-beta-bias_corrected_kl-fused": dict(loss_type="dapo", beta=0.04),
+    "grpo-beta-bias_corrected_kl-fused": dict(loss_type="grpo", beta=0.04),
     "sapo-two_phase": dict(loss_type="sapo", beta=0.0),
     "dapo-beta-tied-local_gradients-fused": dict(loss_type="dapo", beta=0.04,
                                                  use_bias_correction_kl=False),

@@ -16,11 +16,10 @@ GRPOTrainer computes every per-token quantity through one hook, its fused LM hea
 - the reference model (beta > 0) is a second, frozen head on the server (`<head_id>-ref`,
   Forward only); with PEFT the reference is the policy with its adapters off, so the policy's
   head serves it;
-- the policy loss, where TRL's is the token-level clipped GRPO objective with the plain k3 KL
-  (loss_type grpo, bnpo, dr_grpo or dapo; importance_sampling_level "token"; no two-sided
-  clipping `delta`, off-policy mask or top-entropy mask; with beta > 0, use_bias_correction_kl
-  False, since TRL's default multiplies the KL by the ratio, which the server's function does
-  not): one fused `ForwardBackward` of the server's "grpo" function, TRL's loss-type
+- the policy loss, where TRL's is the token-level clipped GRPO objective with the k3 KL (plain,
+  or times the ratio with use_bias_correction_kl, TRL's default) (loss_type grpo, bnpo, dr_grpo
+  or dapo; importance_sampling_level "token"; no two-sided clipping `delta`, off-policy mask or
+  top-entropy mask): one fused `ForwardBackward` of the server's "grpo" function, TRL's loss-type
   normalisation being per-token weights and a normalizer (`fused_grpo_loss` is True). Otherwise
   the two-phase log-probs feed TRL's own loss code.
 
@@ -229,8 +228,6 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
             return "two-sided clipping (delta)"
         if self.off_policy_mask_threshold is not None:
             return "off_policy_mask_threshold"
-        if self.beta != 0.0 and args.use_bias_correction_kl:
-            return "use_bias_correction_kl"
         if self.top_entropy_quantile < 1.0:
             return "top_entropy_quantile < 1"
         return None
@@ -313,7 +310,8 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
         spec = dict(function="grpo", reduction="weighted_sum", weights=weights,
                     normalizer=normalizer, aux=aux,
                     params={"epsilon_low": self.epsilon_low, "epsilon_high": self.epsilon_high,
-                            "beta": self.beta})
+                            "beta": self.beta,
+                            "bias_correction_kl": float(bool(self.args.use_bias_correction_kl))})
         # The entropy metric needs a Forward; the clip-ratio metrics need this policy's
         # log-probs only off-policy (on-policy every ratio is exactly 1).
         outputs = ("entropy", "log_probs") if old_logps is not None else ("entropy",)
