@@ -257,8 +257,13 @@ namespace {
 // One per RPC: counts it when its status goes out (or, if none does, when it is destroyed).
 class MetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
-  MetricsInterceptor(std::shared_ptr<ServerMetrics::Impl> metrics, const std::string& rpc)
-      : metrics_(std::move(metrics)), rpc_(rpc), m_(metrics_->ForRpc(rpc)), start_(Clock::now()) {
+  MetricsInterceptor(std::shared_ptr<ServerMetrics::Impl> metrics, const std::string& rpc,
+                     bool protobuf_messages)
+      : metrics_(std::move(metrics)),
+        rpc_(rpc),
+        protobuf_messages_(protobuf_messages),
+        m_(metrics_->ForRpc(rpc)),
+        start_(Clock::now()) {
     m_.inflight->Increment();
   }
 
@@ -268,15 +273,18 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
-    // Every message of this service, health and reflection is a protobuf message, whose
-    // MessageLite base sits at offset 0 (single inheritance).
-    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+    // remotehead.v1's messages are protobuf messages, whose MessageLite base sits at offset 0
+    // (single inheritance). Other services may pass raw ByteBuffers (gRPC's default health
+    // service does): their bytes are not counted.
+    if (protobuf_messages_ &&
+        methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
       if (const void* message = methods->GetRecvMessage(); message != nullptr) {
         m_.received_bytes->Increment(
             double(static_cast<const google::protobuf::MessageLite*>(message)->ByteSizeLong()));
       }
     }
-    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
+    if (protobuf_messages_ &&
+        methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
       if (const void* message = methods->GetSendMessage(); message != nullptr) {
         m_.sent_bytes->Increment(
             double(static_cast<const google::protobuf::MessageLite*>(message)->ByteSizeLong()));
@@ -301,6 +309,7 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
 
   std::shared_ptr<ServerMetrics::Impl> metrics_;
   const std::string rpc_;
+  const bool protobuf_messages_;
   ServerMetrics::Impl::RpcMetrics& m_;  // stable: std::map nodes do not move
   const Clock::time_point start_;
   bool done_ = false;
@@ -313,7 +322,9 @@ class MetricsInterceptorFactory final
       : metrics_(std::move(metrics)) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
-    return new MetricsInterceptor(metrics_, RpcName(info->method()));
+    const std::string method = info->method() != nullptr ? info->method() : "";
+    return new MetricsInterceptor(metrics_, RpcName(info->method()),
+                                  absl::StartsWith(method, "/remotehead.v1.HeadService/"));
   }
 
  private:
