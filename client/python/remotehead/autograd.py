@@ -32,7 +32,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                               .reshape(hidden.shape))
         ctx.upstream_scale = spec.get("upstream_scale", 1.0)
         ctx.accumulated = spec.get("accumulate", True)
-        ctx.head, ctx.pull = head, pull and head.local_weight is not None
+        ctx.head, ctx.pull = head, pull
         return hidden.new_tensor(result.loss)
 
     @staticmethod
@@ -44,7 +44,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 f"upstream gradient: expected dL/dloss = upstream_scale ({scale}), which the "
                 f"server's dW was accumulated with; got {float(grad_loss)}. Pass the loss scale "
                 f"as upstream_scale (or accumulate=False for a frozen head)")
-        if ctx.accumulated and ctx.pull:
+        if ctx.pull:
             ctx.head.pull_gradients()
         # dX is linear in the upstream scalar: the server computed it for `scale`.
         return grad_hidden * (grad_loss / scale), None, None, None, None
@@ -60,8 +60,7 @@ class _TwoPhaseOutputs(torch.autograd.Function):
                                      retain_inputs_seconds=head.retain_seconds,
                                      **{k: v for k, v in spec.items()
                                         if k not in ("accumulate", "gradient_id")})
-        ctx.head, ctx.spec, ctx.targets = head, spec, targets
-        ctx.pull = pull and head.local_weight is not None
+        ctx.head, ctx.spec, ctx.targets, ctx.pull = head, spec, targets, pull
         ctx.handle = result.summary.inputs_handle
         ctx.save_for_backward(hidden)
         return result.outputs.to(hidden.device).reshape(hidden.shape[:-1])
@@ -78,7 +77,7 @@ class _TwoPhaseOutputs(torch.autograd.Function):
             if e.code != grpc.StatusCode.NOT_FOUND:
                 raise
             result = head.client.backward(head.head_id, hidden, ctx.targets, grad, **spec)
-        if spec.get("accumulate", True) and ctx.pull:
+        if ctx.pull:
             head.pull_gradients()
         return result.grad_hidden.to(hidden.device, hidden.dtype).reshape(hidden.shape), None, \
             None, None, None
@@ -128,7 +127,8 @@ class RemoteHead:
         if accumulate:
             call["gradient_id"] = (self.trainer, self.step, self.micro_batch)
             self.micro_batch += 1
-        return _FusedHeadLoss.apply(hidden, labels, self, call, pull_gradients)
+        return _FusedHeadLoss.apply(hidden, labels, self, call,
+                                    self._pulls_after_backward(accumulate, pull_gradients))
 
     def token_outputs(self, hidden: torch.Tensor, targets: torch.Tensor, *,
                       pull_gradients: bool = True, **spec) -> torch.Tensor:
@@ -143,7 +143,8 @@ class RemoteHead:
         if accumulate:
             call["gradient_id"] = (self.trainer, self.step, self.micro_batch)
             self.micro_batch += 1
-        return _TwoPhaseOutputs.apply(hidden, targets, self, call, pull_gradients)
+        return _TwoPhaseOutputs.apply(hidden, targets, self, call,
+                                      self._pulls_after_backward(accumulate, pull_gradients))
 
     def next_step(self) -> None:
         self.step += 1
@@ -157,6 +158,10 @@ class RemoteHead:
         self.next_step()
 
     # ----- a head whose parameter lives in the trainer (local_weight) -----
+
+    def _pulls_after_backward(self, accumulate: bool, pull_gradients: bool) -> bool:
+        """Whether this call's backward pulls dW into local_weight.grad."""
+        return accumulate and pull_gradients and self.local_weight is not None
 
     def _local_state(self):
         w = self.local_weight
