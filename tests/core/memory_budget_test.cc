@@ -107,8 +107,8 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(MemoryBudgetWorkspace, LogitsWorkspaceReplacesTheCallsOwnBuffer) {
   core::InstallCpuMemoryTracker();
   auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/false);
-  const core::TokenBatch batch = reference::MakeTestBatch(*head, 600, "cross_entropy",
-                                                          Reduction::kMean);
+  const core::TokenBatch batch =
+      reference::MakeTestBatch(*head, 600, "cross_entropy", Reduction::kMean);
   core::StepOptions options{.memory_budget_bytes = kBudget};
   auto measure = [&](const core::StepOptions& o, core::FusedResult* result) {
     EXPECT_TRUE(core::ResetPeakMemory(torch::kCPU).ok());

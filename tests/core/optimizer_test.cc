@@ -24,8 +24,8 @@ void CompareWithTorch(OurStep our_step, torch::optim::Optimizer& reference_optim
     ref_b.mutable_grad() = gb * grad_scale;
     ASSERT_TRUE(our_step(head, &state).ok());
     reference_optimizer.step();
-    EXPECT_LE(reference::MaxAbsDiff(head.weight(), ref_w), 1e-6) << "step " << step;
-    EXPECT_LE(reference::MaxAbsDiff(head.bias(), ref_b), 1e-6) << "step " << step;
+    EXPECT_LE(reference::RelativeError(head.weight(), ref_w), 1e-5) << "step " << step;
+    EXPECT_LE(reference::RelativeError(head.bias(), ref_b), 1e-5) << "step " << step;
   }
   EXPECT_EQ(head.version(), 4);
   EXPECT_EQ(state.steps, 4);

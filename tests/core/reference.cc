@@ -1,5 +1,9 @@
 #include "core/reference.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
 namespace remotehead::reference {
 namespace F = torch::nn::functional;
 
@@ -129,6 +133,22 @@ double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
 
 double MaxAbs(const torch::Tensor& a) {
   return a.detach().to(torch::kCPU).to(torch::kDouble).abs().max().item<double>();
+}
+
+double RelativeError(double actual, double expected, double floor) {
+  const double diff = std::abs(actual - expected);
+  const double scale = std::max(std::abs(expected), floor);
+  if (diff == 0) return 0.0;
+  return scale > 0 ? diff / scale : std::numeric_limits<double>::infinity();
+}
+
+double RelativeError(const torch::Tensor& actual, const torch::Tensor& expected, double floor) {
+  if (actual.sizes() != expected.sizes()) return std::numeric_limits<double>::infinity();
+  if (actual.numel() == 0) return 0.0;
+  const double diff = MaxAbsDiff(actual, expected);
+  const double scale = std::max(MaxAbs(expected), floor);
+  if (diff == 0) return 0.0;
+  return scale > 0 ? diff / scale : std::numeric_limits<double>::infinity();
 }
 
 }  // namespace remotehead::reference

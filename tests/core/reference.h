@@ -45,6 +45,15 @@ double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b);
 // max |a|.
 double MaxAbs(const torch::Tensor& a);
 
+// The error of `actual` relative to the reference's magnitude: max |actual − expected| /
+// max(max |expected|, floor). Every numerical bound in the tests is stated this way, so that it
+// holds whatever BLAS kernels (and summation orders) a machine has: an absolute bound of 1e-7 on
+// dX failed at 3e-7 on another CPU of the same kind. An all-zero reference (and floor 0) gives
+// 0 for an all-zero `actual` and infinity otherwise.
+double RelativeError(const torch::Tensor& actual, const torch::Tensor& expected,
+                     double floor = 0.0);
+double RelativeError(double actual, double expected, double floor = 0.0);
+
 }  // namespace remotehead::reference
 
 namespace remotehead::reference {

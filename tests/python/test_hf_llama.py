@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+import numerics
 import remotehead
 import remotehead.hf
 
@@ -65,7 +66,7 @@ def train(model, head=None, body_only=False):
 
 
 def close(actual, expected, rel=1e-4):
-    return (actual - expected).abs().max().item() <= rel * expected.abs().max().item()
+    return numerics.close(actual, expected, rel)
 
 
 @pytest.fixture

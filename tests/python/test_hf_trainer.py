@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 
+import numerics
 import remotehead
 import remotehead.hf
 
@@ -59,7 +60,7 @@ def train(model, tmp_path, max_grad_norm, callbacks=()):
 
 
 def close(actual, expected, rel=1e-4):
-    return (actual - expected).abs().max().item() <= rel * expected.abs().max().item()
+    return numerics.close(actual, expected, rel)
 
 
 def assert_same_training(remote_logs, local_logs, remote, local, keys=("loss",)):

@@ -42,8 +42,8 @@ int main(int argc, char** argv) {
   targets->set_data(reinterpret_cast<const char*>(labels), sizeof(labels));
   v1::StepResponse response;
   if (!stream->Write(header) || !stream->Write(rows) || !stream->Read(&response)) {
-    std::cerr << "abandoned-step-client: the stream failed: "
-              << stream->Finish().error_message() << std::endl;
+    std::cerr << "abandoned-step-client: the stream failed: " << stream->Finish().error_message()
+              << std::endl;
     return 1;
   }
   std::cout << "abandoned-step-client: streaming" << std::endl;

@@ -65,9 +65,8 @@ TEST_F(RetainedInputsTest, PerTokenBackwardByHandleMatchesTheEngineAndReleasesTh
       BackwardByHandle(handle, "token_logprobs", v1::REDUCTION_NONE, upstream, 0);
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
   // fp32 rounding relative to dX's size: the server batches rows differently from one call.
-  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6 * reference::MaxAbs(*dx));
-  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight),
-            1e-5 * reference::MaxAbs(grads.weight));
+  EXPECT_LE(reference::RelativeError(backward.grad_hidden, *dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
   EXPECT_EQ(backward.summary.valid_tokens(), (batch_.targets != -100).sum().item<int64_t>());
   EXPECT_EQ(service().admission().Stats().bytes_in_use, 0);
 
@@ -89,13 +88,12 @@ TEST_F(RetainedInputsTest, ScalarBackwardByHandleNeedsNoRows) {
   core::GradientBuffers grads = entry_->head->NewGradientBuffers();
   auto dx = core::Backward(*entry_->head, batch_, options, torch::ones({}), &grads);
   ASSERT_TRUE(dx.ok());
-  const StepOutcome backward = BackwardByHandle(forward.summary.inputs_handle(), "cross_entropy",
-                                                v1::REDUCTION_MEAN, {}, 0);
+  const StepOutcome backward =
+      BackwardByHandle(forward.summary.inputs_handle(), "cross_entropy", v1::REDUCTION_MEAN, {}, 0);
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
   // fp32 rounding relative to dX's size: the server batches rows differently from one call.
-  EXPECT_LE(reference::MaxAbsDiff(backward.grad_hidden, *dx), 1e-6 * reference::MaxAbs(*dx));
-  EXPECT_LE(reference::MaxAbsDiff(HeadWeightGrad(), grads.weight),
-            1e-5 * reference::MaxAbs(grads.weight));
+  EXPECT_LE(reference::RelativeError(backward.grad_hidden, *dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
 }
 
 TEST_F(RetainedInputsTest, HandleIsRefusedAfterAnOptimizerStepForAnotherHeadAndOnceExpired) {
@@ -210,8 +208,8 @@ TEST_F(RetainedInputsTest, GradHiddenDtypeConvertsTheReturnedDx) {
   });
   ASSERT_TRUE(bf16.status.ok()) << bf16.status.error_message();
   EXPECT_EQ(bf16.grad_hidden_wire_dtype, v1::DTYPE_BFLOAT16);
-  EXPECT_TRUE(torch::equal(bf16.grad_hidden,
-                           direct->grad_hidden.to(torch::kBFloat16).to(torch::kFloat)));
+  EXPECT_TRUE(
+      torch::equal(bf16.grad_hidden, direct->grad_hidden.to(torch::kBFloat16).to(torch::kFloat)));
 }
 
 }  // namespace
