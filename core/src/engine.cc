@@ -16,8 +16,7 @@ namespace {
 
 // Everything a call needs, decided and validated before the first chunk is computed.
 struct Plan {
-  const TransformFunction* fn = nullptr;
-  FunctionParams params;
+  CallPlan call;  // function, params, chunk sizes: the memory model's plan (call_plan.h)
   Reduction reduction = Reduction::kMean;
   int64_t rows = 0;        // N
   int64_t chunk_rows = 0;  // rows per GEMM chunk, never above max(N, 1)
@@ -28,6 +27,9 @@ struct Plan {
   std::function<bool()> should_stop;  // StepOptions::should_stop
   torch::Tensor logits_workspace;     // StepOptions::logits_workspace
   int64_t first_row = 0;              // StepOptions::first_row
+
+  const TransformFunction& fn() const { return *call.function; }
+  const FunctionParams& params() const { return call.params; }
 };
 
 // Thrown between chunks when Plan::should_stop says so; StatusFromExceptions makes it CANCELLED.
@@ -71,32 +73,30 @@ absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int
   if (!integral) {
     const int64_t bad = FirstNonFiniteRow(t);
     if (bad >= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", first_row + bad, "]: expected a finite value; got ",
-                       t[bad].item<double>()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", first_row + bad, "]: expected a finite value; got ", t[bad].item<double>()));
     }
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan& plan) {
-  RETURN_IF_ERROR(CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true,
-                                plan.first_row));
+  RETURN_IF_ERROR(
+      CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true, plan.first_row));
   const torch::Tensor t = batch.targets;
   const torch::Tensor bad =
       (t != plan.ignore_index).logical_and((t < 0).logical_or(t >= head.vocab_size()));
   if (bad.any().item<bool>()) {
     const int64_t i = bad.nonzero()[0][0].item<int64_t>();
-    return absl::InvalidArgumentError(
-        absl::StrCat("targets[", plan.first_row + i, "]: expected a token id in [0, ",
-                     head.vocab_size(),
-                     ") or ignore_index (", plan.ignore_index, "); got ", t[i].item<int64_t>()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets[", plan.first_row + i, "]: expected a token id in [0, ", head.vocab_size(),
+        ") or ignore_index (", plan.ignore_index, "); got ", t[i].item<int64_t>()));
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& plan) {
-  const TransformFunction& fn = *plan.fn;
+  const TransformFunction& fn = plan.fn();
   for (const auto& [name, tensor] : batch.aux) {
     const bool known = std::count(fn.required_aux.begin(), fn.required_aux.end(), name) +
                            std::count(fn.optional_aux.begin(), fn.optional_aux.end(), name) >
@@ -110,8 +110,7 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
                                         : absl::StrCat("only ", absl::StrJoin(accepted, ", "))));
     }
     RETURN_IF_ERROR(CheckPerToken(tensor, absl::StrCat("aux[\"", name, "\"]"), plan.rows,
-                                  head.device(), false,
-                                  plan.first_row));
+                                  head.device(), false, plan.first_row));
   }
   for (const std::string& name : fn.required_aux) {
     if (!batch.aux.contains(name)) {
@@ -119,7 +118,7 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
                                                      " needs this per-token input; got none"));
     }
   }
-  if (fn.validate) RETURN_IF_ERROR(fn.validate(plan.params, batch.aux));
+  if (fn.validate) RETURN_IF_ERROR(fn.validate(plan.params(), batch.aux));
   return absl::OkStatus();
 }
 
@@ -148,9 +147,8 @@ absl::Status CheckHiddenFinite(const torch::Tensor& x, int64_t chunk_rows, int64
     const int64_t rows = std::min(chunk_rows, x.size(0) - start);
     const int64_t bad = FirstNonFiniteRow(x.narrow(0, start, rows));
     if (bad >= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("hidden[", first_row + start + bad,
-                       "]: expected finite values; got NaN or Inf"));
+      return absl::InvalidArgumentError(absl::StrCat("hidden[", first_row + start + bad,
+                                                     "]: expected finite values; got NaN or Inf"));
     }
   }
   return absl::OkStatus();
@@ -188,26 +186,13 @@ absl::Status CheckGradHiddenOut(const Head& head, const Plan& plan, const torch:
   return absl::OkStatus();
 }
 
-// Validates every input and fixes the chunk size and the reduction's denominator.
-absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
-                              const StepOptions& options) {
-  Plan plan;
-  ASSIGN_OR_RETURN(plan.fn, FunctionRegistry::Builtin().Find(options.function));
-  ASSIGN_OR_RETURN(plan.params,
-                   FunctionRegistry::Builtin().ResolveParams(*plan.fn, options.params));
-  plan.reduction = options.reduction;
-  plan.should_stop = options.should_stop;
-  plan.logits_workspace = options.logits_workspace;
-  plan.first_row = options.first_row;
-  plan.ignore_index = options.ignore_index;
-  RETURN_IF_ERROR(CheckHidden(head, batch));
-  plan.rows = batch.hidden.size(0);
-
-  torch::NoGradGuard no_grad;
+// Checks the per-token inputs against the head and the function: targets, weights and aux.
+absl::Status CheckTokenInputs(const Head& head, const TokenBatch& batch, const StepOptions& options,
+                              const Plan& plan) {
   if (batch.targets.defined()) {
     RETURN_IF_ERROR(CheckTargets(head, batch, plan));
-  } else if (plan.fn->needs_targets) {
-    return absl::InvalidArgumentError(absl::StrCat("targets: function ", plan.fn->name,
+  } else if (plan.fn().needs_targets) {
+    return absl::InvalidArgumentError(absl::StrCat("targets: function ", plan.fn().name,
                                                    " needs per-token targets [", plan.rows,
                                                    "]; got none"));
   }
@@ -216,14 +201,17 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
       return absl::InvalidArgumentError(absl::StrCat(
           "weights: reduction weighted_sum needs per-token weights [", plan.rows, "]; got none"));
     }
-    RETURN_IF_ERROR(CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false,
-                                  plan.first_row));
+    RETURN_IF_ERROR(
+        CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false, plan.first_row));
   } else if (batch.weights.defined()) {
     return absl::InvalidArgumentError(
         absl::StrCat("weights: only used by reduction weighted_sum; got weights with reduction ",
                      std::string(ReductionName(options.reduction))));
   }
-  RETURN_IF_ERROR(CheckAux(head, batch, plan));
+  return CheckAux(head, batch, plan);
+}
+
+absl::Status CheckScalarOptions(const StepOptions& options) {
   if (options.normalizer.has_value() &&
       (!std::isfinite(*options.normalizer) || *options.normalizer <= 0)) {
     return absl::InvalidArgumentError(
@@ -233,25 +221,36 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
     return absl::InvalidArgumentError(
         absl::StrCat("upstream_scale: expected a finite value; got ", options.upstream_scale));
   }
-  ASSIGN_OR_RETURN(const ChunkSizes sizes, ResolveChunkSizes(head, *plan.fn, plan.params, options));
-  plan.chunk_rows = std::min(sizes.chunk_rows, std::max<int64_t>(plan.rows, 1));
-  plan.block_rows = std::min(sizes.block_rows, plan.chunk_rows);
+  return absl::OkStatus();
+}
+
+// Validates every input and fixes the chunk size and the reduction's denominator.
+absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
+                              const StepOptions& options) {
+  Plan plan;
+  ASSIGN_OR_RETURN(plan.call, PlanCall(head, options));
+  plan.reduction = options.reduction;
+  plan.should_stop = options.should_stop;
+  plan.logits_workspace = options.logits_workspace;
+  plan.first_row = options.first_row;
+  plan.ignore_index = options.ignore_index;
+  RETURN_IF_ERROR(CheckHidden(head, batch));
+  plan.rows = batch.rows();
+
+  torch::NoGradGuard no_grad;
+  RETURN_IF_ERROR(CheckTokenInputs(head, batch, options, plan));
+  RETURN_IF_ERROR(CheckScalarOptions(options));
+  plan.chunk_rows = plan.call.ChunkRowsFor(plan.rows);
+  plan.block_rows = plan.call.BlockRowsFor(plan.rows);
   RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, plan.chunk_rows, plan.first_row));
 
-  plan.valid_tokens = batch.targets.defined()
-                          ? (batch.targets != options.ignore_index).sum().item<int64_t>()
-                          : plan.rows;
+  plan.valid_tokens = CountValidTokens(batch.targets, options.ignore_index, plan.rows);
   if (options.normalizer.has_value()) {
     plan.denominator = *options.normalizer;
   } else if (options.reduction == Reduction::kMean) {
     plan.denominator = std::max<int64_t>(plan.valid_tokens, 1);  // Σ over 0 tokens is 0
   }
   return plan;
-}
-
-// The dtype the function sees: fp32, or fp64 for a float64 (verification) head.
-torch::ScalarType LogitsDtype(const Head& head) {
-  return head.dtype() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
 
 // z = X_c·Wᵀ (+ b) in the head's dtype, written into `out` ([rows, V]). RunFunctionBlock
@@ -293,6 +292,7 @@ struct ChunkOutputs {
   torch::Tensor loss_sum;  // 0-d fp64: Σ w_i·y_i (before division by the denominator)
   std::map<std::string, torch::Tensor> extras;  // 0-d fp64 sums over valid tokens
   torch::Tensor per_token;                      // [N] when requested
+  int64_t num_chunks = 0;
 };
 
 // The per-token inputs of one chunk, prepared once per chunk and sliced per block.
@@ -312,23 +312,20 @@ struct ChunkTokens {
   }
 };
 
-ChunkTokens PrepareChunkTokens(const TokenBatch& batch, const Plan& plan, int64_t start,
-                               int64_t rows, const torch::TensorOptions& logits_opts) {
+// `chunk`: the call's batch sliced to one chunk's rows.
+ChunkTokens PrepareChunkTokens(const TokenBatch& chunk, const Plan& plan,
+                               const torch::TensorOptions& logits_opts) {
   ChunkTokens tokens;
-  if (batch.targets.defined()) {
-    const torch::Tensor t = batch.targets.narrow(0, start, rows).to(torch::kLong);
+  if (chunk.targets.defined()) {
+    const torch::Tensor t = chunk.targets.to(torch::kLong);
     tokens.valid = t != plan.ignore_index;
     tokens.targets = t.masked_fill(tokens.valid.logical_not(), 0);
     tokens.token_weights = tokens.valid.to(logits_opts.dtype());
   } else {
-    tokens.token_weights = torch::ones({rows}, logits_opts);
+    tokens.token_weights = torch::ones({chunk.rows()}, logits_opts);
   }
-  if (plan.reduction == Reduction::kWeightedSum) {
-    tokens.token_weights.mul_(batch.weights.narrow(0, start, rows));
-  }
-  for (const auto& [name, tensor] : batch.aux) {
-    tokens.aux[name] = tensor.narrow(0, start, rows).to(logits_opts.dtype());
-  }
+  if (plan.reduction == Reduction::kWeightedSum) tokens.token_weights.mul_(chunk.weights);
+  for (const auto& [name, tensor] : chunk.aux) tokens.aux[name] = tensor.to(logits_opts.dtype());
   return tokens;
 }
 
@@ -345,7 +342,7 @@ BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
                              torch::ScalarType logits_dtype) {
   const bool want_grad = dy.defined();
   ChunkInputs in;
-  in.params = &plan.params;
+  in.params = &plan.params();
   in.targets = tokens.targets;
   in.aux = tokens.aux;
   // A leaf of its own (for an fp32 head, a view of the chunk buffer: no copy).
@@ -355,8 +352,8 @@ BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
   torch::Tensor y;
   {
     torch::AutoGradMode grad_mode(want_grad);
-    in.logits = TransformLogits(z, plan.params);
-    FunctionOutput fo = plan.fn->forward(in);
+    in.logits = TransformLogits(z, plan.params());
+    FunctionOutput fo = plan.fn().forward(in);
     y = std::move(fo.per_token);
     result.extras = std::move(fo.extras);
   }
@@ -376,105 +373,141 @@ void AddMaskedSum(const torch::Tensor& values, const ChunkTokens& tokens,
   sum += v.sum();
 }
 
+// What a pass over the chunks computes besides the outputs, and where it writes them.
+struct ChunkPass {
+  const UpstreamFn* upstream = nullptr;  // dL/dy of each token; null: outputs only (Forward)
+  GradientBuffers* grads = nullptr;      // dW / db += (with upstream; null: dX only)
+  torch::Tensor grad_hidden;             // dX [N, D] written here (with upstream), if defined
+  bool keep_per_token = false;           // fill ChunkOutputs::per_token
+};
+
+// The [chunk_rows, V] buffers of one pass, allocated once (or taken from the caller's
+// workspace): a fresh buffer per chunk would cost page faults.
+struct ChunkBuffers {
+  torch::Tensor logits;  // z in the head's dtype
+  // dL/dz: for an fp32 head the logits buffer itself (each block's logits are dead once its
+  // gradient exists); otherwise a separate fp32 buffer, so dW accumulates the unrounded
+  // gradient. Undefined without gradients.
+  torch::Tensor grad;
+};
+
+ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradients) {
+  const torch::Tensor& w = plan.logits_workspace;
+  ChunkBuffers buffers;
+  buffers.logits =
+      w.defined() && w.dim() == 2 && w.size(0) >= plan.chunk_rows &&
+              w.size(1) == head.vocab_size() && w.is_contiguous() &&
+              w.scalar_type() == head.dtype() && w.device() == head.device()
+          ? w.narrow(0, 0, plan.chunk_rows)
+          : torch::empty({plan.chunk_rows, head.vocab_size()}, head.weight().options());
+  if (gradients) {
+    buffers.grad = head.dtype() == LogitsDtype(head)
+                       ? buffers.logits
+                       : torch::empty(buffers.logits.sizes(),
+                                      buffers.logits.options().dtype(LogitsDtype(head)));
+  }
+  return buffers;
+}
+
+// The function's per-token values of one chunk.
+struct ChunkValues {
+  torch::Tensor y;                              // [rows]
+  std::map<std::string, torch::Tensor> extras;  // [rows] each
+};
+
+// Runs the function over one chunk's logits `z`, one block at a time; with `dy` defined, writes
+// dL/dz into `dz` ([rows, V], the logits dtype).
+ChunkValues RunFunctionBlocks(const Plan& plan, const ChunkTokens& tokens, const torch::Tensor& z,
+                              const torch::Tensor& dy, torch::Tensor& dz,
+                              const torch::TensorOptions& logits_opts) {
+  const int64_t rows = z.size(0);
+  ChunkValues values;
+  values.y = torch::empty({rows}, logits_opts);
+  for (int64_t b = 0; b < rows; b += plan.block_rows) {
+    const int64_t block = std::min(plan.block_rows, rows - b);
+    BlockResult r = RunFunctionBlock(plan, tokens.Slice(b, block), z.narrow(0, b, block),
+                                     dy.defined() ? dy.narrow(0, b, block) : torch::Tensor(),
+                                     logits_opts.dtype().toScalarType());
+    values.y.narrow(0, b, block).copy_(r.y);
+    for (auto& [name, extra] : r.extras) {
+      auto [it, inserted] = values.extras.try_emplace(name, torch::Tensor());
+      if (inserted) it->second = torch::empty({rows}, logits_opts);
+      it->second.narrow(0, b, block).copy_(extra);
+    }
+    if (r.dz.defined()) dz.narrow(0, b, block).copy_(r.dz);
+  }
+  return values;
+}
+
+// dX_c = dz·W into the pass's dX rows and dW += dzᵀ·X_c (db += Σ dz) for one chunk. `z` (the
+// chunk's logits buffer, dead by now) holds dz rounded to the head's dtype when that is not
+// the logits dtype.
+void BackpropagateChunk(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& z,
+                        const torch::Tensor& dz, int64_t start, const ChunkPass& pass) {
+  torch::Tensor dz_head = dz;
+  if (head.dtype() != LogitsDtype(head)) dz_head = z.copy_(dz);
+  if (pass.grad_hidden.defined()) {
+    torch::Tensor dx_chunk = pass.grad_hidden.narrow(0, start, x_chunk.size(0));
+    torch::mm_out(dx_chunk, dz_head, head.weight());
+  }
+  if (pass.grads != nullptr) {
+    AccumulateWeightGrad(pass.grads->weight, dz, dz_head, x_chunk);
+    if (pass.grads->bias.defined()) pass.grads->bias.add_(dz.sum(0));
+  }
+}
+
 // The one chunk loop behind every mode. Two levels:
 //  - a chunk of `chunk_rows` rows is what the three GEMMs see (large, so W and dW stream
 //    through memory few times per step); its logits live in one [rows, V] buffer of the
 //    head's dtype, allocated once per call, which each block's gradient overwrites;
 //  - a block of `block_rows` rows is what the function and autograd see (small, so the fp32
 //    upcast and the function's temporaries stay in cache).
-// With `upstream` set it writes dX into `grad_hidden` (if defined) and adds into `grads` (if
-// not null).
 ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
-                       const UpstreamFn* upstream, GradientBuffers* grads,
-                       const torch::Tensor& grad_hidden, bool keep_per_token, int64_t* num_chunks) {
+                       const ChunkPass& pass) {
   torch::NoGradGuard no_grad;
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(head.device());
-  const torch::ScalarType logits_dtype = LogitsDtype(head);
-  const auto logits_opts = f64.dtype(logits_dtype);
+  const auto logits_opts = f64.dtype(LogitsDtype(head));
   const bool weighted = plan.reduction == Reduction::kWeightedSum;
   ChunkOutputs out;
   out.loss_sum = torch::zeros({}, f64);
-  if (keep_per_token) out.per_token = torch::zeros({plan.rows}, logits_opts);
-  *num_chunks = 0;
+  if (pass.keep_per_token) out.per_token = torch::zeros({plan.rows}, logits_opts);
   if (plan.rows == 0) return out;
 
-  // Allocated once per call (or reused across calls): a fresh [rows, V] buffer per chunk would
-  // cost page faults.
-  const torch::Tensor& w = plan.logits_workspace;
-  const torch::Tensor logits_buffer =
-      w.defined() && w.dim() == 2 && w.size(0) >= plan.chunk_rows &&
-              w.size(1) == head.vocab_size() && w.is_contiguous() &&
-              w.scalar_type() == head.dtype() && w.device() == head.device()
-          ? w.narrow(0, 0, plan.chunk_rows)
-          : torch::empty({plan.chunk_rows, head.vocab_size()}, head.weight().options());
-  // dL/dz: for an fp32 head the logits buffer itself (each block's logits are dead once its
-  // gradient exists); otherwise a separate fp32 buffer, so dW accumulates the unrounded
-  // gradient.
-  torch::Tensor grad_buffer;
-  if (upstream != nullptr) {
-    grad_buffer = head.dtype() == logits_dtype ? logits_buffer
-                                               : torch::empty(logits_buffer.sizes(), logits_opts);
-  }
+  const ChunkBuffers buffers = AllocateChunkBuffers(head, plan, pass.upstream != nullptr);
   for (int64_t start = 0; start < plan.rows; start += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, plan.rows - start);
     if (plan.should_stop && plan.should_stop()) throw StopRequested();
-    ++*num_chunks;
-    const torch::Tensor x_chunk = batch.hidden.narrow(0, start, rows);
-    torch::Tensor z = logits_buffer.narrow(0, 0, rows);
-    ChunkLogits(head, x_chunk, z);
-    const ChunkTokens tokens = PrepareChunkTokens(batch, plan, start, rows, logits_opts);
+    ++out.num_chunks;
+    const TokenBatch chunk = batch.Slice(start, rows);
+    torch::Tensor z = buffers.logits.narrow(0, 0, rows);
+    ChunkLogits(head, chunk.hidden, z);
+    const ChunkTokens tokens = PrepareChunkTokens(chunk, plan, logits_opts);
     torch::Tensor dy;  // [rows] dL/dy
-    if (upstream != nullptr) dy = (*upstream)(start, rows, tokens.token_weights);
+    if (pass.upstream != nullptr) dy = (*pass.upstream)(start, rows, tokens.token_weights);
+    torch::Tensor dz = dy.defined() ? buffers.grad.narrow(0, 0, rows) : torch::Tensor();
 
-    torch::Tensor y = torch::empty({rows}, logits_opts);
-    std::map<std::string, torch::Tensor> extras;
-    torch::Tensor dz = upstream != nullptr ? grad_buffer.narrow(0, 0, rows) : torch::Tensor();
-    for (int64_t b = 0; b < rows; b += plan.block_rows) {
-      const int64_t block = std::min(plan.block_rows, rows - b);
-      BlockResult r =
-          RunFunctionBlock(plan, tokens.Slice(b, block), z.narrow(0, b, block),
-                           dy.defined() ? dy.narrow(0, b, block) : torch::Tensor(), logits_dtype);
-      y.narrow(0, b, block).copy_(r.y);
-      for (auto& [name, values] : r.extras) {
-        auto [it, inserted] = extras.try_emplace(name, torch::Tensor());
-        if (inserted) it->second = torch::empty({rows}, logits_opts);
-        it->second.narrow(0, b, block).copy_(values);
-      }
-      if (r.dz.defined()) dz.narrow(0, b, block).copy_(r.dz);
-    }
-    AddMaskedSum(y, tokens, weighted ? batch.weights.narrow(0, start, rows) : torch::Tensor(),
-                 out.loss_sum);
-    for (const auto& [name, values] : extras) {
+    const ChunkValues values = RunFunctionBlocks(plan, tokens, z, dy, dz, logits_opts);
+    AddMaskedSum(values.y, tokens, weighted ? chunk.weights : torch::Tensor(), out.loss_sum);
+    for (const auto& [name, extra] : values.extras) {
       auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));
-      AddMaskedSum(values, tokens, {}, it->second);
+      AddMaskedSum(extra, tokens, {}, it->second);
     }
-    if (keep_per_token) {
+    if (pass.keep_per_token) {
       out.per_token.narrow(0, start, rows)
-          .copy_(tokens.valid.defined() ? torch::where(tokens.valid, y, 0.0) : y);
+          .copy_(tokens.valid.defined() ? torch::where(tokens.valid, values.y, 0.0) : values.y);
     }
-    if (upstream == nullptr) continue;
-
-    torch::Tensor dz_head = dz;
-    if (head.dtype() != logits_dtype) dz_head = z.copy_(dz);  // reuse the logits buffer
-    if (grad_hidden.defined()) {
-      torch::Tensor dx_chunk = grad_hidden.narrow(0, start, rows);
-      torch::mm_out(dx_chunk, dz_head, head.weight());
-    }
-    if (grads != nullptr) {
-      AccumulateWeightGrad(grads->weight, dz, dz_head, x_chunk);
-      if (grads->bias.defined()) grads->bias.add_(dz.sum(0));
-    }
+    if (dy.defined()) BackpropagateChunk(head, chunk.hidden, z, dz, start, pass);
   }
   return out;
 }
 
-StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs, int64_t num_chunks) {
+StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs) {
   StepStats stats;
   stats.valid_tokens = plan.valid_tokens;
   stats.denominator = plan.denominator;
   stats.chunk_rows = plan.chunk_rows;
   stats.block_rows = plan.block_rows;
-  stats.num_chunks = num_chunks;
+  stats.num_chunks = outputs.num_chunks;
   for (const auto& [name, sum] : outputs.extras) stats.extras[name] = sum.item<double>();
   return stats;
 }
@@ -509,74 +542,6 @@ std::string_view ReductionName(Reduction reduction) {
       return "weighted_sum";
   }
   return "unknown";
-}
-
-absl::StatusOr<ChunkSizes> ResolveChunkSizes(const Head& head, const TransformFunction& fn,
-                                             const FunctionParams& params,
-                                             const StepOptions& options) {
-  if (options.chunk_rows < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got ",
-                     options.chunk_rows));
-  }
-  if (options.memory_budget_bytes < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("memory_budget_bytes: expected >= 1 (or 0 for the default ",
-                     kDefaultMemoryBudgetBytes, "); got ", options.memory_budget_bytes));
-  }
-  if (options.block_rows < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "block_rows: expected >= 1 (or 0 for cache-sized blocks); got ", options.block_rows));
-  }
-  const double vocab = static_cast<double>(head.vocab_size());
-  const double elem = static_cast<double>(c10::elementSize(head.dtype()));
-  const double logits_elem = static_cast<double>(c10::elementSize(LogitsDtype(head)));
-  // Per block row: the upcast logits (when the head is not fp32), their gradient, what the
-  // logit transforms save for autograd, and the function's own workspace — all in fp32.
-  double block_buffers = 1.0 + fn.workspace_logit_buffers;
-  if (head.dtype() != LogitsDtype(head)) block_buffers += 1;
-  if (params.at(kSoftcapParam) > 0) block_buffers += 2;
-  if (params.at(kTemperatureParam) != 1.0) block_buffers += 1;
-  const double block_bytes_per_row = vocab * logits_elem * block_buffers;
-  // Per chunk row: the logits buffer in the head's dtype (which the gradient overwrites) plus
-  // a separate fp32 gradient when the head is not fp32, and the X / dX rows.
-  double chunk_bytes_per_row = vocab * elem + 2.0 * static_cast<double>(head.hidden_size()) * elem;
-  if (head.dtype() != LogitsDtype(head)) {
-    // …plus, for a half-precision head, the fp32 copy of X_c for the dW GEMM and the
-    // half-precision GEMMs' fp32 scratch for dX.
-    chunk_bytes_per_row +=
-        vocab * logits_elem + 2.0 * static_cast<double>(head.hidden_size()) * logits_elem;
-  }
-
-  const auto cache_block_rows =
-      options.block_rows > 0
-          ? options.block_rows
-          : std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(kFunctionBlockBytes) /
-                                                      (vocab * logits_elem)));
-  ChunkSizes sizes;
-  if (options.chunk_rows > 0) {
-    sizes.chunk_rows = options.chunk_rows;
-    sizes.block_rows = std::min(cache_block_rows, options.chunk_rows);
-    return sizes;
-  }
-  const int64_t budget =
-      options.memory_budget_bytes > 0 ? options.memory_budget_bytes : kDefaultMemoryBudgetBytes;
-  // Blocks take at most a quarter of the budget; chunks get the rest.
-  sizes.block_rows = std::min<int64_t>(
-      cache_block_rows,
-      static_cast<int64_t>(0.25 * static_cast<double>(budget) / block_bytes_per_row));
-  const double rest =
-      static_cast<double>(budget) -
-      static_cast<double>(std::max<int64_t>(sizes.block_rows, 1)) * block_bytes_per_row;
-  sizes.chunk_rows = static_cast<int64_t>(rest / chunk_bytes_per_row);
-  if (sizes.block_rows < 1 || sizes.chunk_rows < 1) {
-    const double one_row = 4.0 * block_bytes_per_row + chunk_bytes_per_row;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
-        " (one row of ", fn.name, " at V=", head.vocab_size(), "); got ", budget));
-  }
-  sizes.block_rows = std::min(sizes.block_rows, sizes.chunk_rows);
-  return sizes;
 }
 
 namespace {
@@ -617,13 +582,12 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
   const UpstreamFn upstream = [factor](int64_t, int64_t, const torch::Tensor& w) {
     return w * factor;
   };
-  int64_t num_chunks = 0;
-  ChunkOutputs outputs =
-      RunChunks(head, batch, plan, &upstream, grads, grad_hidden, false, &num_chunks);
+  const ChunkOutputs outputs = RunChunks(
+      head, batch, plan, {.upstream = &upstream, .grads = grads, .grad_hidden = grad_hidden});
   FusedResult result;
   result.loss = outputs.loss_sum.item<double>() / plan.denominator;
   result.grad_hidden = std::move(grad_hidden);
-  result.stats = MakeStats(plan, outputs, num_chunks);
+  result.stats = MakeStats(plan, outputs);
   return result;
 }
 
@@ -631,25 +595,24 @@ absl::StatusOr<ForwardResult> ForwardImpl(const Head& head, const TokenBatch& ba
                                           const StepOptions& options) {
   ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
   const bool per_token = options.reduction == Reduction::kNone;
-  int64_t num_chunks = 0;
-  ChunkOutputs outputs = RunChunks(head, batch, plan, nullptr, nullptr, {}, per_token, &num_chunks);
+  const ChunkOutputs outputs = RunChunks(head, batch, plan, {.keep_per_token = per_token});
   ForwardResult result;
   result.output =
       per_token ? outputs.per_token : (outputs.loss_sum / plan.denominator).to(LogitsDtype(head));
-  result.stats = MakeStats(plan, outputs, num_chunks);
+  result.stats = MakeStats(plan, outputs);
   return result;
 }
 
-absl::StatusOr<torch::Tensor> BackwardImpl(const Head& head, const TokenBatch& batch,
-                                           const StepOptions& options,
-                                           const torch::Tensor& grad_output, GradientBuffers* grads,
-                                           torch::Tensor grad_hidden_out) {
+absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& batch,
+                                            const StepOptions& options,
+                                            const torch::Tensor& grad_output,
+                                            GradientBuffers* grads, torch::Tensor grad_hidden_out) {
   ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
   RETURN_IF_ERROR(CheckGradientBuffers(head, grads));
   UpstreamFn upstream;
   if (options.reduction == Reduction::kNone) {
-    RETURN_IF_ERROR(CheckPerToken(grad_output, "grad_output", plan.rows, head.device(), false,
-                                  plan.first_row));
+    RETURN_IF_ERROR(
+        CheckPerToken(grad_output, "grad_output", plan.rows, head.device(), false, plan.first_row));
     upstream = [&grad_output](int64_t start, int64_t rows, const torch::Tensor& w) {
       return w * grad_output.narrow(0, start, rows).to(w.scalar_type());
     };
@@ -669,9 +632,12 @@ absl::StatusOr<torch::Tensor> BackwardImpl(const Head& head, const TokenBatch& b
     upstream = [factor](int64_t, int64_t, const torch::Tensor& w) { return w * factor; };
   }
   ASSIGN_OR_RETURN(torch::Tensor grad_hidden, PrepareGradHidden(head, plan, grad_hidden_out));
-  int64_t num_chunks = 0;
-  RunChunks(head, batch, plan, &upstream, grads, grad_hidden, false, &num_chunks);
-  return grad_hidden;
+  const ChunkOutputs outputs = RunChunks(
+      head, batch, plan, {.upstream = &upstream, .grads = grads, .grad_hidden = grad_hidden});
+  BackwardResult result;
+  result.grad_hidden = std::move(grad_hidden);
+  result.stats = MakeStats(plan, outputs);
+  return result;
 }
 
 }  // namespace
@@ -688,9 +654,10 @@ absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
   return StatusFromExceptions([&] { return ForwardImpl(head, batch, options); });
 }
 
-absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch,
-                                       const StepOptions& options, const torch::Tensor& grad_output,
-                                       GradientBuffers* grads, torch::Tensor grad_hidden_out) {
+absl::StatusOr<BackwardResult> Backward(const Head& head, const TokenBatch& batch,
+                                        const StepOptions& options,
+                                        const torch::Tensor& grad_output, GradientBuffers* grads,
+                                        torch::Tensor grad_hidden_out) {
   return StatusFromExceptions(
       [&] { return BackwardImpl(head, batch, options, grad_output, grads, grad_hidden_out); });
 }

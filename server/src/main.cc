@@ -28,6 +28,7 @@
 #include "remotehead/server/credentials.h"
 #include "remotehead/server/head_service.h"
 #include "remotehead/server/metrics.h"
+#include "remotehead/server/metrics_http.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
 ABSL_FLAG(std::string, device, "auto", "auto (cuda:0 if available, else cpu), cpu or cuda:N");
@@ -102,60 +103,60 @@ absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
-int Run() {
+// The server's credentials from the --tls_* and --auth_token_file flags; logs the mode.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Security() {
   const rh::server::TlsOptions tls{
       .cert_file = absl::GetFlag(FLAGS_tls_cert),
       .key_file = absl::GetFlag(FLAGS_tls_key),
       .client_ca_file = absl::GetFlag(FLAGS_tls_client_ca),
       .require_client_cert = absl::GetFlag(FLAGS_tls_require_client_cert),
       .token_file = absl::GetFlag(FLAGS_auth_token_file)};
-  auto credentials = rh::server::BuildServerCredentials(tls);
-  if (!credentials.ok()) {
-    std::cerr << "remotehead-server: " << credentials.status().message() << std::endl;
-    return 2;
-  }
+  ASSIGN_OR_RETURN(auto credentials, rh::server::BuildServerCredentials(tls));
   std::cout << "remotehead-server: security: " << rh::server::DescribeSecurityMode(tls)
             << std::endl;
-  auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
-  if (!device.ok()) {
-    std::cerr << "remotehead-server: " << device.status().message() << std::endl;
-    return 2;
-  }
-  const std::string metrics_address = absl::GetFlag(FLAGS_metrics_address);
-  // CPU memory is measured by a counting allocator, installed before any tensor exists.
-  if (!metrics_address.empty() && device->is_cpu()) rh::core::InstallCpuMemoryTracker();
-  rh::server::HeadRegistry registry;
+  return credentials;
+}
+
+absl::Status LoadHeads(const torch::Device& device, rh::server::HeadRegistry* registry) {
   for (const std::string& spec : absl::GetFlag(FLAGS_head)) {
-    if (const absl::Status s = PreloadHead(spec, *device, &registry); !s.ok()) {
-      std::cerr << "remotehead-server: " << s.message() << std::endl;
-      return 2;
-    }
-    std::cout << "remotehead-server: head loaded: " << spec << " on " << device->str() << std::endl;
+    RETURN_IF_ERROR(PreloadHead(spec, device, registry));
+    std::cout << "remotehead-server: head loaded: " << spec << " on " << device.str() << std::endl;
   }
-  if (absl::GetFlag(FLAGS_torch_threads) > 0) at::set_num_threads(absl::GetFlag(FLAGS_torch_threads));
-  int64_t budget = absl::GetFlag(FLAGS_memory_budget_bytes);
-  if (budget < 0) {
-    auto available = rh::core::AvailableMemoryBytes(*device);
-    if (!available.ok()) {
-      std::cerr << "remotehead-server: --memory_budget_bytes=-1: " << available.status().message()
-                << std::endl;
-      return 2;
-    }
-    budget = device->is_cuda() ? *available / 10 * 9 : *available / 2;
+  return absl::OkStatus();
+}
+
+// --memory_budget_bytes, with -1 resolved once the heads are loaded.
+absl::StatusOr<int64_t> MemoryBudget(const torch::Device& device) {
+  const int64_t budget = absl::GetFlag(FLAGS_memory_budget_bytes);
+  if (budget >= 0) return budget;
+  auto available = rh::core::AvailableMemoryBytes(device);
+  if (!available.ok()) {
+    return absl::Status(available.status().code(),
+                        absl::StrCat("--memory_budget_bytes=-1: ", available.status().message()));
   }
+  return device.is_cuda() ? *available / 10 * 9 : *available / 2;
+}
+
+struct Metrics {
   std::unique_ptr<rh::server::ServerMetrics> metrics;
-  std::unique_ptr<rh::server::MetricsHttpServer> metrics_http;
-  if (!metrics_address.empty()) {
-    metrics = std::make_unique<rh::server::ServerMetrics>(&registry, *device, budget);
-    auto http = rh::server::MetricsHttpServer::Start(metrics_address, metrics->Collectables());
-    if (!http.ok()) {
-      std::cerr << "remotehead-server: " << http.status().message() << std::endl;
-      return 2;
-    }
-    metrics_http = std::move(*http);
-  }
+  std::unique_ptr<rh::server::MetricsHttpServer> http;
+};
+
+// Prometheus metrics served on --metrics_address (none when it is empty).
+absl::StatusOr<Metrics> StartMetrics(const rh::server::HeadRegistry* registry,
+                                     const torch::Device& device, int64_t budget) {
+  Metrics m;
+  const std::string address = absl::GetFlag(FLAGS_metrics_address);
+  if (address.empty()) return m;
+  m.metrics = std::make_unique<rh::server::ServerMetrics>(registry, device, budget);
+  ASSIGN_OR_RETURN(m.http, rh::server::MetricsHttpServer::Start(address, m.metrics->Collectables()));
+  return m;
+}
+
+rh::server::ServiceOptions MakeServiceOptions(const torch::Device& device, int64_t budget,
+                                              rh::server::ServerMetrics* metrics) {
   const rh::server::ServiceOptions options{
-      .device = *device,
+      .device = device,
       .compute_threads = absl::GetFlag(FLAGS_compute_threads),
       .read_ahead_messages = std::max(1, absl::GetFlag(FLAGS_read_ahead_messages)),
       .admission = {.memory_budget_bytes = budget,
@@ -163,50 +164,94 @@ int Run() {
                     .max_queued = absl::GetFlag(FLAGS_max_queued_requests)},
       .max_retain_seconds = absl::GetFlag(FLAGS_max_retain_seconds),
       .event_log = &std::cout,
-      .metrics = metrics.get()};
+      .metrics = metrics};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
             << ", max active " << options.admission.max_active << " (0 = no limit), max queued "
             << options.admission.max_queued << "; " << options.compute_threads
             << " compute thread(s), " << at::get_num_threads() << " LibTorch thread(s)"
             << std::endl;
-  rh::server::HeadServiceImpl service(&registry, options);
+  return options;
+}
+
+// The gRPC server with the HeadService, health checking, reflection and (optionally) the
+// metrics interceptor; nullptr when it cannot listen.
+std::unique_ptr<grpc::Server> StartServer(
+    const std::shared_ptr<grpc::ServerCredentials>& credentials, rh::server::HeadService& service,
+    rh::server::ServerMetrics* metrics, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), credentials, port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  builder.RegisterService(&service);
+  builder.RegisterService(&service.service());
   if (metrics != nullptr) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
     creators.push_back(metrics->InterceptorFactory());
     builder.experimental().SetInterceptorCreators(std::move(creators));
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
-    return 1;
-  }
-  if (metrics_http != nullptr) {
-    std::cout << "remotehead-server: metrics on port " << metrics_http->port()
-              << " (/metrics)" << std::endl;
-  }
-  // SERVING only once the configured heads are loaded (they are, by now).
-  server->GetHealthCheckService()->SetServingStatus(true);
-  std::cout << "remotehead-server: listening on port " << port << " (device " << device->str()
-            << ")" << std::endl;
+  return server != nullptr && *port != 0 ? std::move(server) : nullptr;
+}
 
+// Serves until SIGTERM / SIGINT, then drains: NOT_SERVING, then up to --shutdown_grace_seconds
+// for the calls in flight.
+void ServeUntilSignal(grpc::Server& server) {
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
   while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::cout << "remotehead-server: draining (up to " << absl::GetFlag(FLAGS_shutdown_grace_seconds)
             << " s)" << std::endl;
-  server->GetHealthCheckService()->SetServingStatus(false);
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
-  metrics_http.reset();  // no scrape may read the service's state once it is gone
+  server.GetHealthCheckService()->SetServingStatus(false);
+  server.Shutdown(std::chrono::system_clock::now() +
+                  std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+}
+
+// Exit code 2 for a configuration the server refuses (the message names the flag).
+int Refuse(const absl::Status& status) {
+  std::cerr << "remotehead-server: " << status.message() << std::endl;
+  return 2;
+}
+
+int Run() {
+  auto credentials = Security();
+  if (!credentials.ok()) return Refuse(credentials.status());
+  auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) return Refuse(device.status());
+  // CPU memory is measured by a counting allocator, installed before any tensor exists.
+  if (!absl::GetFlag(FLAGS_metrics_address).empty() && device->is_cpu()) {
+    rh::core::InstallCpuMemoryTracker();
+  }
+  rh::server::HeadRegistry registry;
+  if (const absl::Status s = LoadHeads(*device, &registry); !s.ok()) return Refuse(s);
+  if (absl::GetFlag(FLAGS_torch_threads) > 0) {
+    at::set_num_threads(absl::GetFlag(FLAGS_torch_threads));
+  }
+  const absl::StatusOr<int64_t> budget = MemoryBudget(*device);
+  if (!budget.ok()) return Refuse(budget.status());
+  absl::StatusOr<Metrics> metrics = StartMetrics(&registry, *device, *budget);
+  if (!metrics.ok()) return Refuse(metrics.status());
+
+  const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
+      &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get()));
+  int port = 0;
+  std::unique_ptr<grpc::Server> server =
+      StartServer(*credentials, *service, metrics->metrics.get(), &port);
+  if (server == nullptr) {
+    std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
+    return 1;
+  }
+  if (metrics->http != nullptr) {
+    std::cout << "remotehead-server: metrics on port " << metrics->http->port() << " (/metrics)"
+              << std::endl;
+  }
+  // SERVING only once the configured heads are loaded (they are, by now).
+  server->GetHealthCheckService()->SetServingStatus(true);
+  std::cout << "remotehead-server: listening on port " << port << " (device " << device->str()
+            << ")" << std::endl;
+  ServeUntilSignal(*server);
+  metrics->http.reset();  // no scrape may read the service's state once it is gone
   std::cout << "remotehead-server: stopped" << std::endl;
   return 0;
 }

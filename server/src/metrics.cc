@@ -7,26 +7,16 @@
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
-#include <prometheus/text_serializer.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
 #include <map>
 #include <mutex>
-#include <sstream>
 
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
@@ -52,27 +42,12 @@ std::string RpcName(const char* method) {
   return slash == std::string::npos ? full : full.substr(slash + 1);
 }
 
+// gRPC's canonical code names (INVALID_ARGUMENT, …): absl::StatusCode shares the codes and
+// absl::StatusCodeToString spells them the same way; codes outside the canonical range are
+// reported as UNKNOWN.
 std::string CodeName(grpc::StatusCode code) {
-  static const std::map<grpc::StatusCode, std::string> names = {
-      {grpc::StatusCode::OK, "OK"},
-      {grpc::StatusCode::CANCELLED, "CANCELLED"},
-      {grpc::StatusCode::UNKNOWN, "UNKNOWN"},
-      {grpc::StatusCode::INVALID_ARGUMENT, "INVALID_ARGUMENT"},
-      {grpc::StatusCode::DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"},
-      {grpc::StatusCode::NOT_FOUND, "NOT_FOUND"},
-      {grpc::StatusCode::ALREADY_EXISTS, "ALREADY_EXISTS"},
-      {grpc::StatusCode::PERMISSION_DENIED, "PERMISSION_DENIED"},
-      {grpc::StatusCode::RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"},
-      {grpc::StatusCode::FAILED_PRECONDITION, "FAILED_PRECONDITION"},
-      {grpc::StatusCode::ABORTED, "ABORTED"},
-      {grpc::StatusCode::OUT_OF_RANGE, "OUT_OF_RANGE"},
-      {grpc::StatusCode::UNIMPLEMENTED, "UNIMPLEMENTED"},
-      {grpc::StatusCode::INTERNAL, "INTERNAL"},
-      {grpc::StatusCode::UNAVAILABLE, "UNAVAILABLE"},
-      {grpc::StatusCode::DATA_LOSS, "DATA_LOSS"},
-      {grpc::StatusCode::UNAUTHENTICATED, "UNAUTHENTICATED"}};
-  const auto it = names.find(code);
-  return it == names.end() ? "UNKNOWN" : it->second;
+  const std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? "UNKNOWN" : name;
 }
 
 prometheus::MetricFamily Gauges(const std::string& name, const std::string& help) {
@@ -142,9 +117,9 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     if (it == rpcs_.end()) {
       const prometheus::Labels labels = {{"rpc", rpc}};
       it = rpcs_
-               .emplace(rpc, RpcMetrics{&duration_.Add(labels, LatencyBuckets()),
-                                        &inflight_.Add(labels), &received_.Add(labels),
-                                        &sent_.Add(labels)})
+               .emplace(rpc,
+                        RpcMetrics{&duration_.Add(labels, LatencyBuckets()), &inflight_.Add(labels),
+                                   &received_.Add(labels), &sent_.Add(labels)})
                .first;
     }
     return it->second;
@@ -173,47 +148,57 @@ class ServerMetrics::Impl : public prometheus::Collectable {
   // Scrape time: device memory (peak since the previous scrape), admission, heads.
   std::vector<prometheus::MetricFamily> Collect() const override {
     std::vector<prometheus::MetricFamily> out;
-    const std::vector<prometheus::ClientMetric::Label> device = {{"device", device_.str()}};
-    if (auto stats = core::GetMemoryStats(device_); stats.ok()) {
-      auto allocated = Gauges("remotehead_device_memory_allocated_bytes",
-                              "Bytes held by live tensors on the device (CUDA caching allocator; "
-                              "on CPU the server's counting allocator)");
-      auto reserved = Gauges("remotehead_device_memory_reserved_bytes",
-                             "Bytes the allocator holds from the system (CPU: = allocated)");
-      auto peak = Gauges("remotehead_device_memory_peak_bytes",
-                         "Peak of allocated bytes since the previous scrape");
-      AddGauge(allocated, device, double(stats->allocated_bytes));
-      AddGauge(reserved, device, double(stats->reserved_bytes));
-      AddGauge(peak, device, double(stats->peak_allocated_bytes));
-      // The next scrape sees the peak of its own interval.
-      (void)core::ResetPeakMemory(device_);
-      out.push_back(std::move(allocated));
-      out.push_back(std::move(reserved));
-      out.push_back(std::move(peak));
-    }
+    CollectMemory(out);
     auto chunk = Gauges("remotehead_logits_chunk_max_bytes",
                         "Largest logits chunk a step has held since the server started");
     AddGauge(chunk, {}, double(largest_logits_chunk_.load()));
     out.push_back(std::move(chunk));
+    CollectAdmission(out);
+    CollectHeads(out);
+    return out;
+  }
 
+  void CollectMemory(std::vector<prometheus::MetricFamily>& out) const {
+    auto stats = core::GetMemoryStats(device_);
+    if (!stats.ok()) return;
+    const std::vector<prometheus::ClientMetric::Label> device = {{"device", device_.str()}};
+    auto allocated = Gauges("remotehead_device_memory_allocated_bytes",
+                            "Bytes held by live tensors on the device (CUDA caching allocator; "
+                            "on CPU the server's counting allocator)");
+    auto reserved = Gauges("remotehead_device_memory_reserved_bytes",
+                           "Bytes the allocator holds from the system (CPU: = allocated)");
+    auto peak = Gauges("remotehead_device_memory_peak_bytes",
+                       "Peak of allocated bytes since the previous scrape");
+    AddGauge(allocated, device, double(stats->allocated_bytes));
+    AddGauge(reserved, device, double(stats->reserved_bytes));
+    AddGauge(peak, device, double(stats->peak_allocated_bytes));
+    // The next scrape sees the peak of its own interval.
+    (void)core::ResetPeakMemory(device_);
+    out.push_back(std::move(allocated));
+    out.push_back(std::move(reserved));
+    out.push_back(std::move(peak));
+  }
+
+  void CollectAdmission(std::vector<prometheus::MetricFamily>& out) const {
     const AdmissionController* admission = admission_.load();
-    if (admission != nullptr) {
-      const AdmissionStats a = admission->Stats();
-      const std::pair<const char*, const char*> names[] = {
-          {"remotehead_admission_active_requests", "Step RPCs admitted and running"},
-          {"remotehead_admission_queued_requests", "Step RPCs waiting for admission"},
-          {"remotehead_admission_reserved_bytes",
-           "Bytes reserved by running requests and retained inputs"},
-          {"remotehead_admission_budget_bytes", "The memory budget (0 = unlimited)"}};
-      const double values[] = {double(a.active), double(a.queued), double(a.bytes_in_use),
-                               double(std::max<int64_t>(budget_, 0))};
-      for (size_t i = 0; i < 4; ++i) {
-        auto family = Gauges(names[i].first, names[i].second);
-        AddGauge(family, {}, values[i]);
-        out.push_back(std::move(family));
-      }
+    if (admission == nullptr) return;
+    const AdmissionStats a = admission->Stats();
+    const std::pair<const char*, const char*> names[] = {
+        {"remotehead_admission_active_requests", "Step RPCs admitted and running"},
+        {"remotehead_admission_queued_requests", "Step RPCs waiting for admission"},
+        {"remotehead_admission_reserved_bytes",
+         "Bytes reserved by running requests and retained inputs"},
+        {"remotehead_admission_budget_bytes", "The memory budget (0 = unlimited)"}};
+    const double values[] = {double(a.active), double(a.queued), double(a.bytes_in_use),
+                             double(std::max<int64_t>(budget_, 0))};
+    for (size_t i = 0; i < 4; ++i) {
+      auto family = Gauges(names[i].first, names[i].second);
+      AddGauge(family, {}, values[i]);
+      out.push_back(std::move(family));
     }
+  }
 
+  void CollectHeads(std::vector<prometheus::MetricFamily>& out) const {
     auto count = Gauges("remotehead_heads", "Heads loaded");
     auto version = Gauges("remotehead_head_weight_version",
                           "Weight version of each head (optimizer steps and replacements)");
@@ -225,14 +210,13 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     const auto entries = heads_->List();
     AddGauge(count, {}, double(entries.size()));
     for (const auto& entry : entries) {
-      const std::vector<prometheus::ClientMetric::Label> head = {{"head", entry->id}};
-      std::lock_guard<std::mutex> lock(entry->mu);
-      AddGauge(version, head, double(entry->head->version()));
-      AddGauge(micro_batches, head, double(entry->applied.size()));
-      if (entry->last_loss.has_value()) AddGauge(loss, head, *entry->last_loss);
+      const HeadDescription d = entry->Describe();
+      const std::vector<prometheus::ClientMetric::Label> head = {{"head", d.id}};
+      AddGauge(version, head, double(d.weight_version));
+      AddGauge(micro_batches, head, double(d.accumulated_micro_batches));
+      if (d.last_loss.has_value()) AddGauge(loss, head, *d.last_loss);
     }
     for (auto* family : {&count, &version, &micro_batches, &loss}) out.push_back(*family);
-    return out;
   }
 
   const HeadRegistry* heads_;
@@ -356,98 +340,6 @@ void ServerMetrics::ObserveStep(const std::string& rpc, const std::string& head,
                                 const std::string& function, int64_t valid_tokens,
                                 const v1::StepTimings& timings, int64_t logits_chunk_bytes) {
   impl_->ObserveStep(rpc, head, function, valid_tokens, timings, logits_chunk_bytes);
-}
-
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& address, std::vector<std::weak_ptr<prometheus::Collectable>> collectables) {
-  const size_t colon = address.rfind(':');
-  int port = -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
-      port < 0 || port > 65535 ||
-      ::inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--metrics_address: expected IPv4 host:port (e.g. 0.0.0.0:9464); got \"", address, "\""));
-  }
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const int one = 1;
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
-      ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 16) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const std::string reason = std::strerror(errno);
-    if (fd >= 0) ::close(fd);
-    return absl::UnavailableError(
-        absl::StrCat("--metrics_address: cannot listen on \"", address, "\": ", reason));
-  }
-  return std::unique_ptr<MetricsHttpServer>(
-      new MetricsHttpServer(fd, ntohs(addr.sin_port), std::move(collectables)));
-}
-
-MetricsHttpServer::MetricsHttpServer(int fd, int port,
-                                     std::vector<std::weak_ptr<prometheus::Collectable>> c)
-    : fd_(fd), port_(port), collectables_(std::move(c)) {
-  thread_ = std::thread([this] { Serve(); });
-}
-
-MetricsHttpServer::~MetricsHttpServer() {
-  stop_.store(true);
-  thread_.join();
-  ::close(fd_);
-}
-
-void MetricsHttpServer::Serve() {
-  while (!stop_.load()) {
-    pollfd p{.fd = fd_, .events = POLLIN, .revents = 0};
-    if (::poll(&p, 1, /*timeout_ms=*/200) <= 0) continue;  // re-checks stop_ 5 times a second
-    const int client = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (client < 0) continue;
-    // A client that stalls cannot hold the one serving thread for long.
-    const timeval timeout{.tv_sec = 2, .tv_usec = 0};
-    ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-    ::setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-    Answer(client);
-    ::close(client);
-  }
-}
-
-void MetricsHttpServer::Answer(int client) const {
-  std::string request;
-  char buffer[2048];
-  while (!absl::StrContains(request, "\r\n\r\n") && request.size() < 16384) {
-    const ssize_t n = ::recv(client, buffer, sizeof(buffer), 0);
-    if (n <= 0) return;
-    request.append(buffer, static_cast<size_t>(n));
-  }
-  std::string status = "200 OK";
-  std::string body;
-  if (absl::StartsWith(request, "GET /metrics ") || absl::StartsWith(request, "GET /metrics?")) {
-    std::vector<prometheus::MetricFamily> families;
-    for (const auto& weak : collectables_) {
-      if (auto collectable = weak.lock()) {
-        auto collected = collectable->Collect();
-        families.insert(families.end(), std::make_move_iterator(collected.begin()),
-                        std::make_move_iterator(collected.end()));
-      }
-    }
-    std::ostringstream out;
-    prometheus::TextSerializer().Serialize(out, families);
-    body = out.str();
-  } else {
-    status = "404 Not Found";
-    body = "remotehead-server serves GET /metrics only\n";
-  }
-  const std::string response =
-      absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8",
-                   "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
-  size_t sent = 0;
-  while (sent < response.size()) {
-    const ssize_t n = ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) return;
-    sent += static_cast<size_t>(n);
-  }
 }
 
 }  // namespace remotehead::server

@@ -8,15 +8,6 @@
 namespace remotehead::server {
 namespace {
 
-int64_t BatchBytes(const core::TokenBatch& b) {
-  int64_t bytes = 0;
-  for (const torch::Tensor* t : {&b.hidden, &b.targets, &b.weights}) {
-    if (t->defined()) bytes += t->nbytes();
-  }
-  for (const auto& [name, t] : b.aux) bytes += t.nbytes();
-  return bytes;
-}
-
 // 128 random bits: a handle cannot be guessed by another trainer.
 std::string NewHandle() {
   thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -30,11 +21,11 @@ RetainedInputStore::~RetainedInputStore() {
 }
 
 absl::StatusOr<std::string> RetainedInputStore::Put(RetainedInputs inputs, double seconds) {
-  const int64_t bytes = BatchBytes(inputs.batch);
+  const int64_t bytes = inputs.batch.nbytes();
   const uint64_t ticket = admission_->NewTicket();
   absl::Status reserved = admission_->Reserve(
-      ticket, bytes, absl::StrCat("inputs retained for a Backward, ", inputs.batch.hidden.size(0),
-                                  " rows"));
+      ticket, bytes,
+      absl::StrCat("inputs retained for a Backward, ", inputs.batch.rows(), " rows"));
   if (!reserved.ok()) return reserved;
   const auto lifetime = std::chrono::duration<double>(std::min(seconds, max_seconds_));
   std::lock_guard<std::mutex> lock(mu_);
@@ -55,8 +46,8 @@ absl::StatusOr<std::shared_ptr<const RetainedInputs>> RetainedInputStore::Get(
   if (it == entries_.end()) {
     return absl::NotFoundError(absl::StrCat(
         "header.inputs_handle: expected a live handle from a Forward with "
-        "retain_inputs_seconds > 0; got \"", handle,
-        "\", which is unknown, expired or already released by a successful Backward"));
+        "retain_inputs_seconds > 0; got \"",
+        handle, "\", which is unknown, expired or already released by a successful Backward"));
   }
   return it->second.inputs;
 }

@@ -1,8 +1,14 @@
 // One ForwardBackward / Forward / Backward call, independent of gRPC: validates the header,
-// turns each StepRows message into an engine call whose dX (or per-token outputs) goes back to
-// the trainer, accumulates dW into scratch buffers, and commits them to the head only when the
+// turns the StepRows messages into engine calls whose dX (or per-token outputs) go back to the
+// trainer, accumulates dW into scratch buffers, and commits them to the head only when the
 // whole request succeeded — so a failed, cancelled or disconnected request leaves the head's
 // gradients bit-identical, and a replayed gradient id is recognised and not added twice.
+//
+// The path of one call: StepReactor (step_reactor.cc, gRPC) hands each message to OnRequest:
+// the header → OnHeader (validation, the engine's CallPlan, admission's EstimateMemory); rows →
+// OnRows, batched to the engine's chunk size → ComputeRows → core::FusedForwardBackward /
+// Forward / Backward (core/src/engine.cc); the end of the stream → OnClientDone (commit,
+// summary).
 //
 // Not thread-safe: the reactor hands it one message at a time, in order.
 #pragma once
@@ -26,7 +32,7 @@ namespace remotehead::server {
 // What a request will hold in memory while it runs, for admission control.
 struct MemoryEstimate {
   int64_t bytes = 0;
-  std::string breakdown;  // e.g. "scratch dW 122 MiB + engine workspace 96 MiB + ..."
+  std::string breakdown;  // e.g. "engine (logits 4 MiB + …) + scratch dW 122 MiB + …"
 };
 
 class StepSession {
@@ -34,9 +40,7 @@ class StepSession {
   // kFused: ForwardBackward; kForward: outputs only, nothing accumulated; kBackward: the
   // two-phase backward (dL/dy per row for reduction NONE; for a scalar reduction dL/dloss is
   // header.upstream_scale), with X re-sent or taken from a Forward's retained inputs.
-  enum class Mode { kFused, kForward, kBackward };
-
-  StepSession(HeadRegistry* registry, RetainedInputStore* retained, Mode mode,
+  StepSession(HeadRegistry* registry, RetainedInputStore* retained, core::CallMode mode,
               int64_t response_chunk_bytes)
       : registry_(registry),
         retained_(retained),
@@ -59,8 +63,9 @@ class StepSession {
   const std::string& function() const { return options_.function; }
   int64_t valid_tokens() const { return valid_tokens_; }
   int64_t logits_chunk_bytes() const { return logits_chunk_bytes_; }
-  // After the header: the bytes this request will hold while it runs, given the bytes of rows
-  // and results the transport may buffer for it (`pipeline_bytes`).
+  // After the header: the bytes this request will hold while it runs — one engine call on a
+  // batch (core's memory model, CallPlan::Memory), the scratch dW, the rows and results the
+  // transport may buffer for it (`pipeline_bytes`), the inputs a Forward retains.
   MemoryEstimate EstimateMemory(int64_t pipeline_bytes) const;
   // Asked between chunks of every engine call (cancellation, deadline).
   void set_should_stop(std::function<bool()> should_stop) {
@@ -70,8 +75,6 @@ class StepSession {
   void set_timings(const v1::StepTimings& timings) { timings_ = timings; }
 
  private:
-  absl::Status OnHeader(const v1::StepHeader& header);
-  absl::Status CheckRetainedInputs(const v1::StepHeader& header);
   // Rows received and not yet computed: the engine runs on batches of batch_rows_ rows (its
   // own chunk size, capped), whatever the size of the client's messages.
   struct PendingRows {
@@ -79,8 +82,25 @@ class StepSession {
     core::TokenBatch batch;
     torch::Tensor grad_output;  // Backward with reduction NONE
   };
+
+  // The header, in the order it is validated.
+  absl::Status OnHeader(const v1::StepHeader& header);
+  absl::Status ReadFunction(const v1::StepHeader& header);
+  absl::Status CheckModeFields(const v1::StepHeader& header);
+  absl::Status CheckRetainedInputs(const v1::StepHeader& header);
+  absl::Status CheckVersionAndIdentity(const v1::StepHeader& header);
+
+  // Rows.
   absl::Status OnRows(std::shared_ptr<const v1::StepRequest> message,
                       std::vector<v1::StepResponse>* responses);
+  absl::StatusOr<torch::Tensor> DecodeGradOutput(const v1::StepRows& rows) const;
+  // The rows of a message: its tensors (views of its bytes, on the head's device), or the
+  // retained inputs' rows for a Backward by handle.
+  absl::StatusOr<core::TokenBatch> DecodeInputs(const v1::StepRows& rows,
+                                                const torch::Tensor& grad_output) const;
+  bool WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const;
+  // Queues a part for batching, or computes it now when it cannot be batched.
+  absl::Status Enqueue(PendingRows part, std::vector<v1::StepResponse>* responses);
   // Computes the first `rows` pending rows.
   absl::Status FlushPending(int64_t rows, std::vector<v1::StepResponse>* responses);
   // Computes rows [next_row_, next_row_ + rows of batch) and appends their results.
@@ -89,19 +109,29 @@ class StepSession {
   // Runs the engine for one batch in this session's mode; fills dX / outputs.
   absl::Status Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
                        torch::Tensor* grad_hidden, torch::Tensor* outputs);
+  void AddStats(const core::StepStats& stats);
+
+  // The end.
+  absl::Status ComputeRemaining(std::vector<v1::StepResponse>* responses);
+  absl::Status CheckComplete() const;
+  absl::Status RetainInputs(v1::StepSummary* summary);
+  void FillSummary(const CommitResult& commit, v1::StepSummary* summary);
 
   HeadRegistry* registry_;
   RetainedInputStore* retained_;
-  Mode mode_;
-  int64_t response_chunk_bytes_;
+  const core::CallMode mode_;
+  const int64_t response_chunk_bytes_;
   std::shared_ptr<HeadEntry> entry_;
   std::optional<v1::StepHeader> header_;
   core::StepOptions options_;
+  core::CallPlan plan_;                 // the engine's plan for these options (chunk sizes, memory)
+  torch::Device device_ = torch::kCPU;  // the head's (fixed for its lifetime)
+  torch::ScalarType head_dtype_ = torch::kFloat;
   std::optional<torch::ScalarType> grad_hidden_dtype_;
   std::optional<GradientKey> key_;
   core::GradientBuffers scratch_;
   std::shared_ptr<const RetainedInputs> inputs_;  // Backward by handle
-  std::vector<core::TokenBatch> kept_rows_;        // Forward that retains its inputs
+  std::vector<core::TokenBatch> kept_rows_;       // Forward that retains its inputs
   std::deque<PendingRows> pending_;
   int64_t pending_rows_ = 0;
   int64_t batch_rows_ = 1;

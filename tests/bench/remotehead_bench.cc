@@ -490,12 +490,8 @@ absl::Status Run() {
                                 .ignore_index = kIgnoreIndex,
                                 .chunk_rows = cfg.chunk_rows,
                                 .memory_budget_bytes = cfg.memory_budget_bytes};
-  ASSIGN_OR_RETURN(const rh::TransformFunction* fn,
-                   rh::FunctionRegistry::Builtin().Find(cfg.function));
-  ASSIGN_OR_RETURN(const rh::FunctionParams params,
-                   rh::FunctionRegistry::Builtin().ResolveParams(*fn, options.params));
-  ASSIGN_OR_RETURN(const rh::ChunkSizes sizes, rh::ResolveChunkSizes(*head, *fn, params, options));
-  const int64_t chunk_rows = sizes.chunk_rows;
+  ASSIGN_OR_RETURN(const rh::CallPlan plan, rh::PlanCall(*head, options));
+  const int64_t chunk_rows = plan.chunk_rows;
 
   std::vector<NResult> results;
   for (const int64_t n : cfg.ns) {

@@ -18,6 +18,7 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/head_service.h"
+#include "support/head_access.h"
 #include "support/in_process_server.h"
 
 namespace remotehead {
@@ -47,12 +48,9 @@ class ClientTest : public ::testing::Test {
     batch_ = reference::MakeTestBatch(Head(), kRows, "cross_entropy", core::Reduction::kMean);
   }
 
-  const core::Head& Head() { return *entry_->head; }
+  const core::Head& Head() { return testing::HeadOf(*entry_); }
 
-  torch::Tensor HeadWeightGrad() {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    return entry_->head->grads().weight.clone();
-  }
+  torch::Tensor HeadWeightGrad() { return testing::HeadOf(*entry_).grads().weight.clone(); }
 
   // The spec matching core::StepOptions `options` on head "lm".
   static rc::StepSpec SpecFor(const core::StepOptions& options) {
@@ -195,7 +193,7 @@ TEST_F(ClientTest, HalfPrecisionHeadTakesHiddenInItsDtypeAndReturnsDxInTheCaller
                                                   .init_std = 0.2,
                                                   .dtype = torch::kBFloat16})
                   .ok());
-  const core::Head& bf = *(*server_.registry().Get("bf"))->head;
+  const core::Head& bf = testing::HeadOf(**server_.registry().Get("bf"));
   const torch::Tensor hidden = torch::randn({kRows, kHidden});
   core::TokenBatch batch{.hidden = hidden.to(torch::kBFloat16), .targets = batch_.targets};
   auto direct = core::FusedForwardBackward(bf, batch, {.chunk_rows = 8}, nullptr);
@@ -246,7 +244,7 @@ TEST_F(ClientTest, TwoPhaseForwardAndBackwardEqualTheEngine) {
   spec.gradient_id = rc::GradientId{.trainer = "client-test", .step = 1};
   auto backward = client_->Backward(spec, InputsFor(batch_), upstream);
   ASSERT_TRUE(backward.ok()) << backward.status();
-  EXPECT_LE(reference::RelativeError(backward->grad_hidden, *dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(backward->grad_hidden, dx->grad_hidden), 1e-6);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
 
   // Backward of a scalar reduction: dL/d(loss) = 0.5.
@@ -259,7 +257,7 @@ TEST_F(ClientTest, TwoPhaseForwardAndBackwardEqualTheEngine) {
   mean_spec.gradient_id = rc::GradientId{.trainer = "client-test", .step = 2};
   auto scalar = client_->Backward(mean_spec, InputsFor(batch_), half);
   ASSERT_TRUE(scalar.ok()) << scalar.status();
-  EXPECT_LE(reference::RelativeError(scalar->grad_hidden, *scalar_dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(scalar->grad_hidden, scalar_dx->grad_hidden), 1e-6);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), scalar_grads.weight), 1e-5);
 }
 
@@ -284,7 +282,7 @@ TEST_F(ClientTest, BackwardByInputsHandleSendsOnlyTheUpstreamGradient) {
   const rc::StepInputs shape_only{.hidden = torch::zeros_like(batch_.hidden)};
   auto backward = client_->Backward(backward_spec, shape_only, upstream);
   ASSERT_TRUE(backward.ok()) << backward.status();
-  EXPECT_LE(reference::RelativeError(backward->grad_hidden, *dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(backward->grad_hidden, dx->grad_hidden), 1e-6);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
   // A successful Backward releases the handle.
   const auto again = client_->Backward(backward_spec, shape_only, upstream);
@@ -310,7 +308,7 @@ TEST_F(ClientTest, BackwardByInputsHandleSendsOnlyTheUpstreamGradient) {
       mean_spec, {.hidden = torch::zeros_like(batch_.hidden), .targets = batch_.targets},
       torch::tensor(0.5));
   ASSERT_TRUE(scalar.ok()) << scalar.status();
-  EXPECT_LE(reference::RelativeError(scalar->grad_hidden, *scalar_dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(scalar->grad_hidden, scalar_dx->grad_hidden), 1e-6);
 }
 
 TEST_F(ClientTest, UploadThenExportRoundTripsBitExactly) {
@@ -323,7 +321,7 @@ TEST_F(ClientTest, UploadThenExportRoundTripsBitExactly) {
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->dtype, dtype);
     EXPECT_TRUE(info->has_bias);
-    EXPECT_TRUE(torch::equal((*server_.registry().Get(id))->head->weight(), w));
+    EXPECT_TRUE(torch::equal(testing::HeadOf(**server_.registry().Get(id)).weight(), w));
 
     auto exported = client_->ExportWeights(id);
     ASSERT_TRUE(exported.ok()) << exported.status();
@@ -349,9 +347,8 @@ TEST_F(ClientTest, FetchGradientsReturnsTheRegistrysAccumulators) {
   ASSERT_TRUE(client_->ForwardBackward(spec, InputsFor(batch_)).ok());
   torch::Tensor dw, db;
   {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    dw = entry_->head->grads().weight.clone();
-    db = entry_->head->grads().bias.clone();
+    dw = testing::HeadOf(*entry_).grads().weight.clone();
+    db = testing::HeadOf(*entry_).grads().bias.clone();
   }
   auto grads = client_->FetchGradients("lm");
   ASSERT_TRUE(grads.ok()) << grads.status();
@@ -378,7 +375,6 @@ TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
   // The same step on a local copy of the head, by core/ directly.
   std::unique_ptr<core::Head> local;
   {
-    std::lock_guard<std::mutex> lock(entry_->mu);
     local = *core::Head::FromTensors(Head().weight(), Head().bias(), {});
     local->grads().weight.copy_(Head().grads().weight);
     local->grads().bias.copy_(Head().grads().bias);
@@ -391,7 +387,6 @@ TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
   EXPECT_EQ(info->weight_version, 1);
   EXPECT_EQ(info->accumulated_micro_batches, 1) << "zero_gradients was not asked for";
   {
-    std::lock_guard<std::mutex> lock(entry_->mu);
     EXPECT_TRUE(torch::equal(Head().weight(), local->weight()));
     EXPECT_TRUE(torch::equal(Head().bias(), local->bias()));
   }
@@ -400,20 +395,20 @@ TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
   ASSERT_TRUE(
       client_->CreateHead("sgd", rc::InitSpec{.vocab_size = kVocab, .hidden_size = kHidden}).ok());
   auto sgd_entry = *server_.registry().Get("sgd");
-  const torch::Tensor w0 = sgd_entry->head->weight().clone();
+  const torch::Tensor w0 = testing::HeadOf(*sgd_entry).weight().clone();
   ASSERT_TRUE(
       client_
           ->ForwardBackward({.head_id = "sgd", .gradient_id = rc::GradientId{.trainer = "t"}},
                             InputsFor(batch_))
           .ok());
-  const torch::Tensor dw = sgd_entry->head->grads().weight.clone();
+  const torch::Tensor dw = testing::HeadOf(*sgd_entry).grads().weight.clone();
   auto sgd =
       client_->OptimizerStep("sgd", {.optimizer = rc::Sgd{.lr = 0.5}, .zero_gradients = true});
   ASSERT_TRUE(sgd.ok()) << sgd.status();
   EXPECT_EQ(sgd->weight_version, 1);
   EXPECT_EQ(sgd->accumulated_micro_batches, 0);
-  EXPECT_LE(reference::RelativeError(sgd_entry->head->weight(), w0 - 0.5 * dw), 1e-6);
-  EXPECT_EQ(reference::MaxAbs(sgd_entry->head->grads().weight), 0.0);
+  EXPECT_LE(reference::RelativeError(testing::HeadOf(*sgd_entry).weight(), w0 - 0.5 * dw), 1e-6);
+  EXPECT_EQ(reference::MaxAbs(testing::HeadOf(*sgd_entry).grads().weight), 0.0);
 
   // Work pinned to the old version is refused, with the server's code and message.
   const auto stale = client_->ForwardBackward({.head_id = "sgd",

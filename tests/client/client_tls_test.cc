@@ -65,11 +65,11 @@ class ClientTlsTest : public ::testing::Test {
     auto head = core::Head::Initialize({.vocab_size = 64, .hidden_size = 8, .seed = 1}, {});
     ASSERT_TRUE(head.ok());
     ASSERT_TRUE(registry_.Add("lm", *std::move(head)).ok());
-    service_ = std::make_unique<server::HeadServiceImpl>(&registry_, server::ServiceOptions{});
+    service_ = server::HeadService::Create(&registry_, server::ServiceOptions{});
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", *credentials, &port);
-    builder.RegisterService(service_.get());
+    builder.RegisterService(&service_->service());
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     target_ = absl::StrCat("127.0.0.1:", port);
@@ -105,7 +105,7 @@ class ClientTlsTest : public ::testing::Test {
   static inline fs::path dir_;
   static inline int serial_ = 0;
   server::HeadRegistry registry_;
-  std::unique_ptr<server::HeadServiceImpl> service_;
+  std::unique_ptr<server::HeadService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string target_;
 };

@@ -10,15 +10,6 @@ namespace {
 
 using core::Reduction;
 
-core::TokenBatch Slice(const core::TokenBatch& b, int64_t start, int64_t rows) {
-  core::TokenBatch s;
-  s.hidden = b.hidden.narrow(0, start, rows);
-  s.targets = b.targets.narrow(0, start, rows);
-  if (b.weights.defined()) s.weights = b.weights.narrow(0, start, rows);
-  for (const auto& [name, t] : b.aux) s.aux[name] = t.narrow(0, start, rows);
-  return s;
-}
-
 class Accumulation : public ::testing::TestWithParam<Reduction> {};
 
 TEST_P(Accumulation, MicroBatchesWithGlobalNormalizerEqualOneBigCall) {
@@ -37,8 +28,7 @@ TEST_P(Accumulation, MicroBatchesWithGlobalNormalizerEqualOneBigCall) {
   double loss_sum = 0;
   int64_t start = 0;
   for (const int64_t rows : {int64_t{25}, int64_t{41}, int64_t{24}}) {  // uneven micro-batches
-    auto micro =
-        core::FusedForwardBackward(*head, Slice(whole, start, rows), options, &accumulated);
+    auto micro = core::FusedForwardBackward(*head, whole.Slice(start, rows), options, &accumulated);
     ASSERT_TRUE(micro.ok()) << micro.status();
     loss_sum += micro->loss;
     // Relative to dX's magnitude: another CPU's BLAS kernels sum in another order (an absolute
@@ -72,7 +62,7 @@ TEST(Accumulation, TwoPhaseBackwardAccumulatesLikeOneCall) {
   ASSERT_TRUE(core::Backward(*head, whole, options, upstream, &big).ok());
   core::GradientBuffers accumulated = head->NewGradientBuffers();
   for (int64_t start : {0, 30}) {
-    auto dx = core::Backward(*head, Slice(whole, start, 30), options, upstream.narrow(0, start, 30),
+    auto dx = core::Backward(*head, whole.Slice(start, 30), options, upstream.narrow(0, start, 30),
                              &accumulated);
     ASSERT_TRUE(dx.ok()) << dx.status();
   }

@@ -32,10 +32,8 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
   torch::Tensor grad_hidden = torch::empty({rows, kHidden}, head.weight().options());
   const torch::Tensor grad_output = torch::ones({});
   core::StepOptions options{.function = function, .params = params, .memory_budget_bytes = kBudget};
-  const auto& registry = core::FunctionRegistry::Builtin();
-  const core::TransformFunction* fn = *registry.Find(function);
-  auto sizes = core::ResolveChunkSizes(head, *fn, *registry.ResolveParams(*fn, params), options);
-  EXPECT_TRUE(sizes.ok()) << sizes.status();
+  auto plan = core::PlanCall(head, options);
+  EXPECT_TRUE(plan.ok()) << plan.status();
 
   EXPECT_TRUE(core::ResetPeakMemory(torch::kCPU).ok());
   const int64_t before = core::GetMemoryStats(torch::kCPU)->allocated_bytes;
@@ -52,7 +50,7 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
       break;
   }
   EXPECT_TRUE(ok);
-  return {core::GetMemoryStats(torch::kCPU)->peak_allocated_bytes - before, sizes->chunk_rows};
+  return {core::GetMemoryStats(torch::kCPU)->peak_allocated_bytes - before, plan->chunk_rows};
 }
 
 struct BudgetCase {

@@ -68,16 +68,21 @@ class AdmissionDeadlineTest : public ServiceFixture {
 };
 
 TEST_F(AdmissionDeadlineTest, RequestOverTheMemoryBudgetIsRefusedAndChangesNothing) {
-  // Between what this step needs without a weight gradient (about 256 KiB, mostly engine
-  // workspace) and with one (its scratch dW adds 39 KiB).
-  StartService({.admission = {.memory_budget_bytes = 280000}});
+  // Between what this step needs without a weight gradient (core's estimate of one engine call
+  // plus the rows in flight) and with one (its scratch dW besides).
+  const int64_t without_dw =
+      EngineBytes("cross_entropy", core::Reduction::kMean, core::CallMode::kFused) + kPipelineBytes;
+  const int64_t budget = without_dw + kScratchBytes / 2;
+  StartService({.admission = {.memory_budget_bytes = budget}});
   const torch::Tensor before = HeadWeightGrad();
   const StepOutcome refused = Step("run/rank-0", 0);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(absl::StartsWith(
       refused.status.error_message(),
-      "admission: expected a request within the server's memory budget of 0.267029 MiB "
-      "(--memory_budget_bytes); got one needing "))
+      absl::StrCat("admission: expected a request within the server's memory budget of ",
+                   static_cast<double>(budget) / (1 << 20),
+                   " MiB (--memory_budget_bytes); got one needing ",
+                   static_cast<double>(without_dw + kScratchBytes) / (1 << 20), " MiB")))
       << refused.status.error_message();
   EXPECT_NE(refused.status.error_message().find("scratch dW"), std::string::npos);
   EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
@@ -93,9 +98,9 @@ TEST_F(AdmissionDeadlineTest, RequestOverTheMemoryBudgetIsRefusedAndChangesNothi
 
 TEST_F(AdmissionDeadlineTest, FullQueueIsRefusedWhileARequestRunsThenServingGoesOn) {
   StartService({.admission = {.max_active = 1, .max_queued = 0}});
-  core::GradientBuffers expected = entry_->head->NewGradientBuffers();
-  ASSERT_TRUE(core::FusedForwardBackward(*entry_->head, batch_, {}, &expected).ok());
-  ASSERT_TRUE(core::FusedForwardBackward(*entry_->head, batch_, {}, &expected).ok());
+  core::GradientBuffers expected = testing::HeadOf(*entry_).NewGradientBuffers();
+  ASSERT_TRUE(core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, &expected).ok());
+  ASSERT_TRUE(core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, &expected).ok());
 
   auto running = std::make_unique<OpenStep>(stub_.get(), batch_, "run/rank-0");
   const StepOutcome refused = Step("run/rank-1", 0);
@@ -146,8 +151,7 @@ TEST_F(AdmissionDeadlineTest, DeadlineExpiringMidRequestStopsItAndChangesNothing
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   ExpectAdmissionDrains();
   EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
-  std::lock_guard<std::mutex> lock(entry_->mu);
-  EXPECT_TRUE(entry_->applied.empty());
+  EXPECT_TRUE(entry_->Describe().accumulated_micro_batches == 0);
 }
 
 // A request whose deadline passes while it computes stops between engine chunks: the server
@@ -163,11 +167,11 @@ TEST_F(AdmissionDeadlineTest, DeadlineStopsALongComputationBetweenChunks) {
   ASSERT_TRUE(stub_->CreateHead(&create_context, create, &info).ok());
   auto big = *registry().Get("big");
   constexpr int64_t kBigRows = 2048;
-  const core::TokenBatch batch =
-      reference::MakeTestBatch(*big->head, kBigRows, "cross_entropy", core::Reduction::kSum);
+  const core::TokenBatch batch = reference::MakeTestBatch(testing::HeadOf(*big), kBigRows,
+                                                          "cross_entropy", core::Reduction::kSum);
   // The whole computation, timed in-process in this run.
   const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(core::FusedForwardBackward(*big->head, batch,
+  ASSERT_TRUE(core::FusedForwardBackward(testing::HeadOf(*big), batch,
                                          {.reduction = core::Reduction::kSum, .chunk_rows = 32},
                                          nullptr)
                   .ok());
@@ -198,9 +202,8 @@ TEST_F(AdmissionDeadlineTest, DeadlineStopsALongComputationBetweenChunks) {
   ExpectAdmissionDrains();
   const auto stopped = std::chrono::steady_clock::now() - sent;
   EXPECT_LT(stopped, full * 0.6) << "the computation ran on after the deadline";
-  std::lock_guard<std::mutex> lock(big->mu);
-  EXPECT_EQ(reference::MaxAbs(big->head->grads().weight), 0.0);
-  EXPECT_TRUE(big->applied.empty());
+  EXPECT_EQ(reference::MaxAbs(testing::HeadOf(*big).grads().weight), 0.0);
+  EXPECT_TRUE(big->Describe().accumulated_micro_batches == 0);
 }
 
 }  // namespace

@@ -52,8 +52,8 @@ TEST_F(HeadServiceTest, LifecycleDescribeListDrop) {
 }
 
 TEST_F(HeadServiceTest, ForwardBackwardMatchesTheEngineAndReplayAddsOnce) {
-  core::GradientBuffers expected = entry_->head->NewGradientBuffers();
-  auto direct = core::FusedForwardBackward(*entry_->head, batch_, {}, &expected);
+  core::GradientBuffers expected = testing::HeadOf(*entry_).NewGradientBuffers();
+  auto direct = core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, &expected);
   ASSERT_TRUE(direct.ok());
 
   const StepOutcome first = Step("run/rank-0", 0);
@@ -125,9 +125,8 @@ TEST_F(HeadServiceTest, OptimizerStepUpdatesWeightsBumpsVersionAndRefusesStaleWo
   ASSERT_TRUE(Step("run/rank-0", 0).status.ok());
   torch::Tensor w0, dw;
   {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    w0 = entry_->head->weight().clone();
-    dw = entry_->head->grads().weight.clone();
+    w0 = testing::HeadOf(*entry_).weight().clone();
+    dw = testing::HeadOf(*entry_).grads().weight.clone();
   }
   grpc::ClientContext context;
   v1::OptimizerStepRequest request;
@@ -140,9 +139,9 @@ TEST_F(HeadServiceTest, OptimizerStepUpdatesWeightsBumpsVersionAndRefusesStaleWo
   EXPECT_EQ(response.info().weight_version(), 1);
   EXPECT_EQ(response.info().accumulated_micro_batches(), 0);
   {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    EXPECT_LE(reference::RelativeError(entry_->head->weight(), w0 - 0.5 * 2.0 * dw), 1e-6);
-    EXPECT_EQ(reference::MaxAbs(entry_->head->grads().weight), 0.0);
+    EXPECT_LE(reference::RelativeError(testing::HeadOf(*entry_).weight(), w0 - 0.5 * 2.0 * dw),
+              1e-6);
+    EXPECT_EQ(reference::MaxAbs(testing::HeadOf(*entry_).grads().weight), 0.0);
   }
   // Work computed against version 0 is refused once the weights moved on.
   const StepOutcome stale = Step("run/rank-0", 1, 17, [](v1::StepRequest& m) {
@@ -166,7 +165,7 @@ TEST_F(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
   };
   const core::StepOptions options{.function = "token_logprobs",
                                   .reduction = core::Reduction::kNone};
-  auto expected = core::Forward(*entry_->head, batch_, options);
+  auto expected = core::Forward(testing::HeadOf(*entry_), batch_, options);
   ASSERT_TRUE(expected.ok());
   const StepOutcome forward = Step("", 0, 17, per_token, Rpc::kForward);
   ASSERT_TRUE(forward.status.ok()) << forward.status.error_message();
@@ -174,14 +173,14 @@ TEST_F(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
   EXPECT_EQ(reference::MaxAbs(HeadWeightGrad()), 0.0) << "Forward accumulates nothing";
 
   const torch::Tensor upstream = torch::randn({kRows});
-  core::GradientBuffers grads = entry_->head->NewGradientBuffers();
-  auto dx = core::Backward(*entry_->head, batch_, options, upstream, &grads);
+  core::GradientBuffers grads = testing::HeadOf(*entry_).NewGradientBuffers();
+  auto dx = core::Backward(testing::HeadOf(*entry_), batch_, options, upstream, &grads);
   ASSERT_TRUE(dx.ok());
   const StepOutcome backward = Step("run/rank-3", 0, 17, per_token, Rpc::kBackward, upstream);
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
   // Summed over differently split rows: fp32 rounding, relative to the gradient's size.
   // fp32 rounding relative to dX's size: the server batches rows differently from one call.
-  EXPECT_LE(reference::RelativeError(backward.grad_hidden, *dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(backward.grad_hidden, dx->grad_hidden), 1e-6);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
   const StepOutcome replay = Step("run/rank-3", 0, 50, per_token, Rpc::kBackward, upstream);
   EXPECT_TRUE(replay.summary.replayed());
@@ -217,7 +216,8 @@ TEST_F(HeadServiceTest, SaveWeightsThenCreateHeadFromTheSafetensorsFile) {
   EXPECT_EQ(info.dtype(), v1::DTYPE_BFLOAT16);
   EXPECT_TRUE(info.has_bias());
   auto copy = *registry().Get("copy");
-  EXPECT_TRUE(torch::equal(copy->head->weight(), entry_->head->weight().to(torch::kBFloat16)));
+  EXPECT_TRUE(torch::equal(testing::HeadOf(*copy).weight(),
+                           testing::HeadOf(*entry_).weight().to(torch::kBFloat16)));
 
   grpc::ClientContext missing_context;
   create.set_head_id("other");
@@ -273,9 +273,8 @@ TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
 TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameShape) {
   torch::Tensor w_old, b_old;
   {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    w_old = entry_->head->weight().clone();
-    b_old = entry_->head->bias().clone();
+    w_old = testing::HeadOf(*entry_).weight().clone();
+    b_old = testing::HeadOf(*entry_).bias().clone();
   }
   const torch::Tensor w = torch::randn({kVocab, kHidden});
   const torch::Tensor b = torch::randn({kVocab});
@@ -297,10 +296,9 @@ TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameSha
             "header: expected the shape, dtype and bias of head \"lm\" to replace its weights, "
             "[300, 32] Float with bias; got [300, 33] Float with bias");
   {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    EXPECT_TRUE(torch::equal(entry_->head->weight(), w_old));
-    EXPECT_EQ(entry_->applied.size(), 1u);
-    EXPECT_EQ(entry_->head->version(), 0);
+    EXPECT_TRUE(torch::equal(testing::HeadOf(*entry_).weight(), w_old));
+    EXPECT_EQ(entry_->Describe().accumulated_micro_batches, 1);
+    EXPECT_EQ(testing::HeadOf(*entry_).version(), 0);
   }
 
   grpc::ClientContext context;
@@ -312,15 +310,14 @@ TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameSha
   ASSERT_TRUE(Upload("lm", w, b, /*replace=*/true, nullptr, &info).ok());
   EXPECT_EQ(info.weight_version(), 1);
   {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    EXPECT_TRUE(torch::equal(entry_->head->weight(), w));
-    EXPECT_TRUE(torch::equal(entry_->head->bias(), b));
+    EXPECT_TRUE(torch::equal(testing::HeadOf(*entry_).weight(), w));
+    EXPECT_TRUE(torch::equal(testing::HeadOf(*entry_).bias(), b));
     EXPECT_EQ(registry().Get("lm")->get(), entry_.get());  // the same head, new weights
   }
   // Steps now compute with the new weights.
   const StepOutcome after = Step("owner", 1);
   ASSERT_TRUE(after.status.ok());
-  const auto expected = core::FusedForwardBackward(*entry_->head, batch_, {}, nullptr);
+  const auto expected = core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, nullptr);
   ASSERT_TRUE(expected.ok());
   EXPECT_LE(reference::RelativeError(after.summary.loss(), expected->loss), 1e-5);
   // replace on a free id creates the head.
@@ -332,9 +329,9 @@ TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameSha
 // Many trainers on one head: concurrent contributions sum to what serial ones give.
 TEST_F(HeadServiceTest, ConcurrentClientsAccumulateLikeSerialOnes) {
   constexpr int kClients = 4;
-  core::GradientBuffers serial = entry_->head->NewGradientBuffers();
+  core::GradientBuffers serial = testing::HeadOf(*entry_).NewGradientBuffers();
   for (int i = 0; i < kClients; ++i) {
-    ASSERT_TRUE(core::FusedForwardBackward(*entry_->head, batch_, {}, &serial).ok());
+    ASSERT_TRUE(core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, &serial).ok());
   }
   std::vector<std::thread> clients;
   std::vector<StepOutcome> outcomes(kClients);
@@ -344,8 +341,7 @@ TEST_F(HeadServiceTest, ConcurrentClientsAccumulateLikeSerialOnes) {
   for (auto& t : clients) t.join();
   for (const auto& o : outcomes) ASSERT_TRUE(o.status.ok()) << o.status.error_message();
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), serial.weight), 1e-5);
-  std::lock_guard<std::mutex> lock(entry_->mu);
-  EXPECT_EQ(entry_->applied.size(), static_cast<size_t>(kClients));
+  EXPECT_EQ(entry_->Describe().accumulated_micro_batches, kClients);
 }
 
 // A message over the server's limit (gRPC's default 4 MiB here) is refused by gRPC with
@@ -458,7 +454,7 @@ TEST_F(HeadServiceTest, ClientCancellingMidStreamLeavesGradientsUntouched) {
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
   // The cancelled id was not recorded.
-  EXPECT_TRUE(entry_->applied.empty());
+  EXPECT_TRUE(entry_->Describe().accumulated_micro_batches == 0);
 }
 
 }  // namespace

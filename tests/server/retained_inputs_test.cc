@@ -58,14 +58,14 @@ TEST_F(RetainedInputsTest, PerTokenBackwardByHandleMatchesTheEngineAndReleasesTh
   EXPECT_EQ(service().admission().Stats().bytes_in_use, kRows * kHidden * 4 + kRows * 8);
 
   const torch::Tensor upstream = torch::randn({kRows});
-  core::GradientBuffers grads = entry_->head->NewGradientBuffers();
-  auto dx = core::Backward(*entry_->head, batch_, options, upstream, &grads);
+  core::GradientBuffers grads = testing::HeadOf(*entry_).NewGradientBuffers();
+  auto dx = core::Backward(testing::HeadOf(*entry_), batch_, options, upstream, &grads);
   ASSERT_TRUE(dx.ok());
   const StepOutcome backward =
       BackwardByHandle(handle, "token_logprobs", v1::REDUCTION_NONE, upstream, 0);
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
   // fp32 rounding relative to dX's size: the server batches rows differently from one call.
-  EXPECT_LE(reference::RelativeError(backward.grad_hidden, *dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(backward.grad_hidden, dx->grad_hidden), 1e-6);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
   EXPECT_EQ(backward.summary.valid_tokens(), (batch_.targets != -100).sum().item<int64_t>());
   EXPECT_EQ(service().admission().Stats().bytes_in_use, 0);
@@ -85,14 +85,14 @@ TEST_F(RetainedInputsTest, ScalarBackwardByHandleNeedsNoRows) {
   const StepOutcome forward = RetainingForward("cross_entropy", v1::REDUCTION_MEAN, 60);
   ASSERT_TRUE(forward.status.ok()) << forward.status.error_message();
   const core::StepOptions options{.upstream_scale = 1.0};
-  core::GradientBuffers grads = entry_->head->NewGradientBuffers();
-  auto dx = core::Backward(*entry_->head, batch_, options, torch::ones({}), &grads);
+  core::GradientBuffers grads = testing::HeadOf(*entry_).NewGradientBuffers();
+  auto dx = core::Backward(testing::HeadOf(*entry_), batch_, options, torch::ones({}), &grads);
   ASSERT_TRUE(dx.ok());
   const StepOutcome backward =
       BackwardByHandle(forward.summary.inputs_handle(), "cross_entropy", v1::REDUCTION_MEAN, {}, 0);
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
   // fp32 rounding relative to dX's size: the server batches rows differently from one call.
-  EXPECT_LE(reference::RelativeError(backward.grad_hidden, *dx), 1e-6);
+  EXPECT_LE(reference::RelativeError(backward.grad_hidden, dx->grad_hidden), 1e-6);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
 }
 
@@ -165,9 +165,14 @@ TEST_F(RetainedInputsTest, HandleIsRefusedAfterAnOptimizerStepForAnotherHeadAndO
 
 class RetainedInputsSmallBudgetTest : public RetainedInputsTest {
  protected:
-  // Enough to run this Forward (about 256 KiB with its engine workspace), not to keep its
-  // inputs besides.
-  void SetUp() override { StartService({.admission = {.memory_budget_bytes = 265000}}); }
+  // Enough to run this Forward (core's estimate of one engine call, the rows in flight), not
+  // to keep its inputs (X and the int64 targets) besides.
+  void SetUp() override {
+    const int64_t forward =
+        EngineBytes("token_logprobs", core::Reduction::kNone, core::CallMode::kForward) +
+        kPipelineBytes;
+    StartService({.admission = {.memory_budget_bytes = forward + kRows * kHidden * 4 / 2}});
+  }
 };
 
 TEST_F(RetainedInputsSmallBudgetTest, RetainingIsRefusedWhenItDoesNotFitTheBudget) {
@@ -198,7 +203,7 @@ TEST_F(RetainedInputsTest, HandleFieldsAreCheckedPerRpc) {
 }
 
 TEST_F(RetainedInputsTest, GradHiddenDtypeConvertsTheReturnedDx) {
-  auto direct = core::FusedForwardBackward(*entry_->head, batch_, {}, nullptr);
+  auto direct = core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, nullptr);
   ASSERT_TRUE(direct.ok());
   const StepOutcome bf16 = Step("run/rank-0", 0, 17, [](v1::StepRequest& m) {
     if (m.has_header()) {

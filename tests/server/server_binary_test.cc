@@ -10,8 +10,8 @@
 
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/tensor_codec.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
+#include "remotehead/wire/tensor_codec.h"
 #include "support/child_process.h"
 
 namespace remotehead {
@@ -51,8 +51,8 @@ TEST(ServerBinary, ServesForwardBackwardAndDrainsOnSigterm) {
     header.mutable_header()->set_rows(20);
     ASSERT_TRUE(stream->Write(header));
     v1::StepRequest rows;
-    ASSERT_TRUE(server::EncodeTensor(batch.hidden, rows.mutable_rows()->mutable_hidden()).ok());
-    ASSERT_TRUE(server::EncodeTensor(batch.targets, rows.mutable_rows()->mutable_targets()).ok());
+    ASSERT_TRUE(wire::EncodeTensor(batch.hidden, rows.mutable_rows()->mutable_hidden()).ok());
+    ASSERT_TRUE(wire::EncodeTensor(batch.targets, rows.mutable_rows()->mutable_targets()).ok());
     if (corrupt) rows.mutable_rows()->mutable_hidden()->set_dtype(v1::DTYPE_FLOAT64);
     stream->Write(rows);
     stream->WritesDone();
@@ -62,7 +62,7 @@ TEST(ServerBinary, ServesForwardBackwardAndDrainsOnSigterm) {
     while (stream->Read(&response)) {
       if (response.has_summary()) loss = response.summary().loss();
       if (response.has_grad_hidden()) {
-        dx = *server::DecodeTensor(response.grad_hidden().values(), "dx");
+        dx = *wire::DecodeTensor(response.grad_hidden().values(), "dx");
       }
     }
     const grpc::Status status = stream->Finish();
@@ -120,8 +120,8 @@ TEST(ServerBinary, ClientKilledMidStreamLeavesGradientsUntouched) {
     header.mutable_header()->set_accumulate_weight_grad(true);
     header.mutable_header()->mutable_gradient_id()->set_trainer("killed/rank-0");
     v1::StepRequest rows;
-    ASSERT_TRUE(server::EncodeTensor(batch.hidden, rows.mutable_rows()->mutable_hidden()).ok());
-    ASSERT_TRUE(server::EncodeTensor(batch.targets, rows.mutable_rows()->mutable_targets()).ok());
+    ASSERT_TRUE(wire::EncodeTensor(batch.hidden, rows.mutable_rows()->mutable_hidden()).ok());
+    ASSERT_TRUE(wire::EncodeTensor(batch.targets, rows.mutable_rows()->mutable_targets()).ok());
     stream->Write(header);
     stream->Write(rows);
     stream->WritesDone();
@@ -145,7 +145,7 @@ TEST(ServerBinary, ClientKilledMidStreamLeavesGradientsUntouched) {
   v1::FetchGradientsResponse part;
   while (reader->Read(&part)) {
     if (part.has_weight_grad_rows()) {
-      torch::Tensor values = *server::DecodeTensor(part.weight_grad_rows().values(), "dw");
+      torch::Tensor values = *wire::DecodeTensor(part.weight_grad_rows().values(), "dw");
       dw.narrow(0, part.weight_grad_rows().row_offset(), values.size(0)).copy_(values);
     }
     if (part.has_info()) {

@@ -18,13 +18,14 @@
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/server/head_service.h"
-#include "remotehead/server/tensor_codec.h"
+#include "remotehead/wire/tensor_codec.h"
+#include "support/head_access.h"
 #include "support/in_process_server.h"
 
 namespace remotehead {
 
-using server::DecodeTensor;
-using server::EncodeTensor;
+using wire::DecodeTensor;
+using wire::EncodeTensor;
 
 constexpr int64_t kVocab = 300;
 constexpr int64_t kHidden = 32;
@@ -50,8 +51,8 @@ class ServiceFixture : public ::testing::Test {
     v1::HeadInfo info;
     ASSERT_TRUE(stub_->CreateHead(&context, create, &info).ok());
     entry_ = *registry().Get("lm");
-    batch_ =
-        reference::MakeTestBatch(*entry_->head, kRows, "cross_entropy", core::Reduction::kMean);
+    batch_ = reference::MakeTestBatch(testing::HeadOf(*entry_), kRows, "cross_entropy",
+                                      core::Reduction::kMean);
   }
 
   // Streams W (and b, if defined) as UploadHead `id` in 64-row chunks; `corrupt` may edit each
@@ -68,7 +69,7 @@ class ServiceFixture : public ::testing::Test {
     h->set_head_id(id);
     h->set_vocab_size(w.size(0));
     h->set_hidden_size(w.size(1));
-    h->set_dtype(*server::ToWireDtype(w.scalar_type()));
+    h->set_dtype(*wire::ToWireDtype(w.scalar_type(), "w"));
     h->set_has_bias(b.defined());
     h->set_replace(replace);
     for (int64_t offset = 0; offset < w.size(0); offset += 64) {
@@ -93,7 +94,7 @@ class ServiceFixture : public ::testing::Test {
   }
 
   server::HeadRegistry& registry() { return server_->registry(); }
-  server::HeadServiceImpl& service() { return server_->service(); }
+  server::HeadService& service() { return server_->service(); }
 
   struct StepOutcome {
     grpc::Status status;
@@ -186,10 +187,22 @@ class ServiceFixture : public ::testing::Test {
     return header;
   }
 
-  torch::Tensor HeadWeightGrad() {
-    std::lock_guard<std::mutex> lock(entry_->mu);
-    return entry_->head->grads().weight.clone();
+  // Admission's figures for the Step() requests (chunk_rows 8) on a head shaped like "lm", from
+  // core's memory model: what one engine call holds, the rows and results in flight, and the
+  // scratch dW of a request that accumulates.
+  static int64_t EngineBytes(const std::string& function, core::Reduction reduction,
+                             core::CallMode mode) {
+    auto head =
+        core::Head::Initialize({.vocab_size = kVocab, .hidden_size = kHidden, .bias = true}, {});
+    auto plan =
+        core::PlanCall(**head, {.function = function, .reduction = reduction, .chunk_rows = 8});
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan->Memory(8, mode).total();
   }
+  static constexpr int64_t kPipelineBytes = 2 * kRows * kHidden * 4;  // X in flight, dX waiting
+  static constexpr int64_t kScratchBytes = (kVocab * kHidden + kVocab) * 4;
+
+  torch::Tensor HeadWeightGrad() { return testing::HeadOf(*entry_).grads().weight.clone(); }
 
   // When set, every Step gets this deadline.
   std::optional<std::chrono::milliseconds> step_deadline_;

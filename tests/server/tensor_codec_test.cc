@@ -1,11 +1,19 @@
-// The wire <-> torch seam: round trips for every dtype, precise errors for bad bytes, the
-// row-chunk plan — and, by construction, one process that uses protobuf/gRPC messages and
+// The wire codec (remotehead::wire, shared by the server and the C++ client): round trips for
+// every dtype, the shared test vectors (tests/data/wire_vectors.json, which the Python client's
+// codec is tested against too), precise errors for bad bytes, the row-chunk plans, the assembly
+// of streamed rows — and, by construction, one process that uses protobuf/gRPC messages and
 // LibTorch together (the torch wheel bundles an old protobuf: a header or symbol clash between
 // the two would fail to compile, link or run here first).
-#include "remotehead/server/tensor_codec.h"
+#include "remotehead/wire/tensor_codec.h"
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
@@ -14,8 +22,8 @@
 namespace remotehead {
 namespace {
 
-using server::DecodeTensor;
-using server::EncodeTensor;
+using wire::DecodeTensor;
+using wire::EncodeTensor;
 
 TEST(TensorCodec, RoundTripsEveryWireDtype) {
   for (torch::ScalarType dtype :
@@ -63,17 +71,110 @@ TEST(TensorCodec, BadWireTensorsAreRejectedWithPreciseMessages) {
 }
 
 TEST(TensorCodec, RowChunksCoverEveryRowOnceWithinTheByteLimit) {
-  const auto chunks = server::PlanRowChunks(1000, 4096, server::kDefaultChunkBytes);
+  const auto chunks = wire::PlanRowChunks(1000, 4096, wire::kDefaultChunkBytes);
   int64_t next = 0;
   for (const auto& [offset, rows] : chunks) {
     EXPECT_EQ(offset, next);
-    EXPECT_LE(rows * 4096, server::kDefaultChunkBytes);
+    EXPECT_LE(rows * 4096, wire::kDefaultChunkBytes);
     next += rows;
   }
   EXPECT_EQ(next, 1000);
   // A row larger than the limit still travels, one row per chunk.
-  EXPECT_EQ(server::PlanRowChunks(3, 10 << 20, server::kDefaultChunkBytes).size(), 3u);
-  EXPECT_TRUE(server::PlanRowChunks(0, 16, 1024).empty());
+  EXPECT_EQ(wire::PlanRowChunks(3, 10 << 20, wire::kDefaultChunkBytes).size(), 3u);
+  EXPECT_TRUE(wire::PlanRowChunks(0, 16, 1024).empty());
+}
+
+// A request's messages fit their limit with their framing, or the plan is refused.
+TEST(TensorCodec, RequestChunksLeaveRoomForFraming) {
+  const int64_t framing = wire::FramingBytes(2, 0);
+  auto chunks = wire::PlanRequestChunks(100, 1000, framing, 4096);
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  for (const auto& r : *chunks) EXPECT_LE(r.count * 1000 + framing, 4096);
+  EXPECT_EQ(chunks->back().offset + chunks->back().count, 100);
+  EXPECT_EQ(wire::PlanRequestChunks(1, 4000, framing, 4096).status().message(),
+            "chunk_bytes: expected room for at least one row (4000 bytes + 192 bytes of "
+            "framing); got 4096");
+}
+
+// Streamed rows arrive in order, with the destination's trailing shape, within its rows.
+TEST(TensorCodec, RowAssemblerTakesRowsInOrderAndRefusesTheRest) {
+  const torch::Tensor source = torch::arange(20, torch::kFloat).reshape({5, 4});
+  wire::RowAssembler rows(torch::empty({5, 4}), "weight_rows", /*convert_dtype=*/false);
+  v1::TensorChunk chunk;
+  chunk.set_row_offset(0);
+  ASSERT_TRUE(EncodeTensor(source.narrow(0, 0, 2), chunk.mutable_values()).ok());
+  ASSERT_TRUE(rows.Add(chunk).ok());
+  EXPECT_EQ(rows.CheckComplete().message(), "weight_rows: expected 5 rows; got 2");
+  chunk.set_row_offset(3);
+  EXPECT_EQ(rows.Add(chunk).message(),
+            "weight_rows.row_offset: expected 2 (rows arrive in order); got 3");
+  chunk.set_row_offset(2);
+  ASSERT_TRUE(EncodeTensor(source.narrow(0, 2, 3).to(torch::kDouble), chunk.mutable_values()).ok());
+  EXPECT_EQ(rows.Add(chunk).message(),
+            "weight_rows.values: expected Float [rows, 4] within the 3 rows left of 5; got "
+            "Double [3, 4] at row 2");
+  ASSERT_TRUE(EncodeTensor(torch::zeros({4, 4}), chunk.mutable_values()).ok());
+  EXPECT_EQ(rows.Add(chunk).code(), absl::StatusCode::kInvalidArgument) << "past the last row";
+  ASSERT_TRUE(EncodeTensor(source.narrow(0, 2, 3), chunk.mutable_values()).ok());
+  ASSERT_TRUE(rows.Add(chunk).ok());
+  EXPECT_TRUE(rows.CheckComplete().ok());
+  EXPECT_TRUE(torch::equal(rows.tensor(), source));
+
+  // The client's side converts what the server sends to the caller's dtype.
+  wire::RowAssembler converting(torch::empty({3}, torch::kDouble), "outputs", true);
+  v1::TensorChunk values;
+  ASSERT_TRUE(EncodeTensor(torch::tensor({1.5f, -2.0f, 3.25f}), values.mutable_values()).ok());
+  ASSERT_TRUE(converting.Add(values).ok());
+  EXPECT_TRUE(torch::equal(converting.tensor(), torch::tensor({1.5, -2.0, 3.25}, torch::kDouble)));
+}
+
+std::string FromHex(const std::string& hex) {
+  std::string bytes;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+    bytes.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  }
+  return bytes;
+}
+
+// The vectors the Python client's codec is tested against as well (tests/data/, made by
+// make_wire_vectors.py with struct and the generated message class, not with either codec):
+// encoding the values gives exactly the stored message bytes, and decoding the message gives
+// the values bit for bit.
+TEST(WireVectors, EncodeAndDecodeMatchTheSharedVectors) {
+  std::ifstream file(std::string(REMOTEHEAD_SOURCE_DIR) + "/tests/data/wire_vectors.json");
+  ASSERT_TRUE(file.good()) << "tests/data/wire_vectors.json is missing";
+  const nlohmann::json doc = nlohmann::json::parse(file);
+  std::set<std::string> dtypes;
+  for (const auto& v : doc.at("vectors")) {
+    const std::string name = v.at("name");
+    SCOPED_TRACE(name);
+    v1::DType wire_dtype;
+    ASSERT_TRUE(v1::DType_Parse(v.at("dtype").get<std::string>(), &wire_dtype));
+    const torch::ScalarType dtype = *wire::FromWireDtype(wire_dtype, name);
+    dtypes.insert(v.at("dtype").get<std::string>());
+    const std::vector<int64_t> shape = v.at("shape").get<std::vector<int64_t>>();
+    torch::Tensor expected;
+    if (dtype == torch::kLong || dtype == torch::kInt) {
+      expected = torch::tensor(v.at("values").get<std::vector<int64_t>>(), torch::kLong);
+    } else {
+      expected = torch::tensor(v.at("values").get<std::vector<double>>(), torch::kDouble);
+    }
+    expected = expected.to(dtype).reshape(shape);
+
+    v1::Tensor encoded;
+    ASSERT_TRUE(EncodeTensor(expected, &encoded).ok());
+    EXPECT_EQ(encoded.data(), FromHex(v.at("data_hex")));
+    EXPECT_EQ(encoded.SerializeAsString(), FromHex(v.at("message_hex")));
+
+    v1::Tensor parsed;
+    ASSERT_TRUE(parsed.ParseFromString(FromHex(v.at("message_hex"))));
+    auto decoded = DecodeTensor(parsed, name);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(decoded->scalar_type(), dtype);
+    EXPECT_EQ(decoded->sizes().vec(), shape);
+    EXPECT_TRUE(torch::equal(*decoded, expected));
+  }
+  EXPECT_EQ(dtypes.size(), 6u) << "a vector for every wire dtype";
 }
 
 TEST(StatusMapping, KeepsCodeAndMessage) {

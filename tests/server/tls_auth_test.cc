@@ -22,8 +22,8 @@
 
 #include "core/reference.h"
 #include "remotehead/server/credentials.h"
-#include "remotehead/server/tensor_codec.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
+#include "remotehead/wire/tensor_codec.h"
 #include "support/child_process.h"
 
 namespace remotehead {
@@ -149,8 +149,8 @@ class TlsAuthTest : public ::testing::Test {
     header.mutable_header()->mutable_function()->set_reduction(v1::REDUCTION_SUM);
     header.mutable_header()->set_rows(8);
     v1::StepRequest rows;
-    EXPECT_TRUE(server::EncodeTensor(batch.hidden, rows.mutable_rows()->mutable_hidden()).ok());
-    EXPECT_TRUE(server::EncodeTensor(batch.targets, rows.mutable_rows()->mutable_targets()).ok());
+    EXPECT_TRUE(wire::EncodeTensor(batch.hidden, rows.mutable_rows()->mutable_hidden()).ok());
+    EXPECT_TRUE(wire::EncodeTensor(batch.targets, rows.mutable_rows()->mutable_targets()).ok());
     if (stream->Write(header)) stream->Write(rows);
     stream->WritesDone();
     v1::StepResponse response;
@@ -159,7 +159,7 @@ class TlsAuthTest : public ::testing::Test {
     while (stream->Read(&response)) {
       summary |= response.has_summary();
       if (response.has_grad_hidden()) {
-        dx_rows += server::DecodeTensor(response.grad_hidden().values(), "dx")->size(0);
+        dx_rows += wire::DecodeTensor(response.grad_hidden().values(), "dx")->size(0);
       }
     }
     const grpc::Status status = stream->Finish();

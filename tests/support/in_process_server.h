@@ -16,10 +16,10 @@ class InProcessServer {
   // max_receive_message_bytes: the largest client message the server accepts (0: gRPC's
   // default, 4 MiB).
   explicit InProcessServer(server::ServiceOptions options, int max_receive_message_bytes = 0)
-      : service_(std::make_unique<server::HeadServiceImpl>(&registry_, options)) {
+      : service_(server::HeadService::Create(&registry_, options)) {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterService(service_.get());
+    builder.RegisterService(&service_->service());
     if (max_receive_message_bytes > 0) builder.SetMaxReceiveMessageSize(max_receive_message_bytes);
     server_ = builder.BuildAndStart();
   }
@@ -34,11 +34,11 @@ class InProcessServer {
   bool started() const { return server_ != nullptr && port_ > 0; }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   server::HeadRegistry& registry() { return registry_; }
-  server::HeadServiceImpl& service() { return *service_; }
+  server::HeadService& service() { return *service_; }
 
  private:
   server::HeadRegistry registry_;
-  std::unique_ptr<server::HeadServiceImpl> service_;
+  std::unique_ptr<server::HeadService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 };

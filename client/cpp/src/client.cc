@@ -9,9 +9,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/call_plan.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/core/token_batch.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
-#include "wire.h"
+#include "remotehead/wire/tensor_codec.h"
 
 namespace remotehead::client {
 namespace {
@@ -26,11 +28,24 @@ absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+// The server's bytes failed the wire codec's checks: a broken response (INTERNAL), not a bad
+// input of the caller's.
+absl::Status BrokenResponse(const absl::Status& status) {
+  return status.ok() ? status : absl::InternalError(status.message());
+}
+template <typename T>
+absl::StatusOr<T> BrokenResponse(absl::StatusOr<T> result) {
+  if (result.ok()) return result;
+  return absl::InternalError(result.status().message());
+}
+
 // Reads a server stream to its end, handing each message to `handle`. The first error — a
-// message `handle` refuses, or the call's status — is returned; after a refused message the
-// call is cancelled and drained, so the stream always ends cleanly.
+// message `handle` refuses, or (with `finish`) the call's status — is returned; after a refused
+// message the call is cancelled and drained, so the stream always ends cleanly. Without
+// `finish` the caller calls Finish itself (after joining its writer).
 template <typename Response, typename Reader, typename Handle>
-absl::Status ReadStream(grpc::ClientContext* context, Reader& reader, Handle&& handle) {
+absl::Status ReadStream(grpc::ClientContext* context, Reader& reader, Handle&& handle,
+                        bool finish = true) {
   Response response;
   absl::Status received;
   while (received.ok() && reader.Read(&response)) received = handle(response);
@@ -39,6 +54,7 @@ absl::Status ReadStream(grpc::ClientContext* context, Reader& reader, Handle&& h
     while (reader.Read(&response)) {
     }
   }
+  if (!finish) return received;
   const grpc::Status finished = reader.Finish();
   RETURN_IF_ERROR(received);
   return FromGrpc(finished);
@@ -46,12 +62,25 @@ absl::Status ReadStream(grpc::ClientContext* context, Reader& reader, Handle&& h
 
 std::string ShapeOf(const torch::Tensor& t) { return c10::str(t.sizes()); }
 
+// The rows of a result the server streams, assembled by the wire codec; anything it refuses is
+// a broken response (INTERNAL).
+class ResponseRows {
+ public:
+  ResponseRows(torch::Tensor dst, std::string field)
+      : rows_(std::move(dst), std::move(field), /*convert_dtype=*/true) {}
+  absl::Status Add(const v1::TensorChunk& chunk) { return BrokenResponse(rows_.Add(chunk)); }
+  absl::Status CheckComplete() const { return BrokenResponse(rows_.CheckComplete()); }
+
+ private:
+  wire::RowAssembler rows_;
+};
+
 absl::StatusOr<HeadInfo> FromWire(const v1::HeadInfo& wire) {
   HeadInfo info;
   info.head_id = wire.head_id();
   info.vocab_size = wire.vocab_size();
   info.hidden_size = wire.hidden_size();
-  ASSIGN_OR_RETURN(info.dtype, wire::FromWireDtype(wire.dtype(), "info"));
+  ASSIGN_OR_RETURN(info.dtype, BrokenResponse(wire::FromWireDtype(wire.dtype(), "info")));
   info.has_bias = wire.has_bias();
   info.device = wire.device();
   info.weight_version = wire.weight_version();
@@ -141,28 +170,12 @@ absl::Status CheckOptions(const ClientOptions& o) {
   return absl::OkStatus();
 }
 
-// Protobuf framing of one message beyond the tensor bytes: tags, lengths, dtype and shape
-// fields, map keys. Generous, so that chunk_bytes bounds the whole message.
-int64_t FramingBytes(int64_t tensors, int64_t name_bytes) { return 64 + 64 * tensors + name_bytes; }
-
-enum class StepMode { kFused, kForward, kBackward };
-
-const char* RpcName(StepMode mode) {
-  switch (mode) {
-    case StepMode::kFused:
-      return "ForwardBackward";
-    case StepMode::kForward:
-      return "Forward";
-    case StepMode::kBackward:
-      break;
-  }
-  return "Backward";
-}
-
 // A step's inputs in wire layout (CPU, contiguous, wire dtypes), its header and its row plan:
 // built once, sent by every attempt.
 struct PreparedStep {
-  StepMode mode;
+  core::CallMode mode = core::CallMode::kFused;
+  std::string inputs_handle;  // a Backward by a Forward's retained inputs
+  bool by_handle() const { return !inputs_handle.empty(); }
   v1::StepRequest header;
   int64_t rows = 0;
   int64_t hidden_size = 0;
@@ -170,7 +183,7 @@ struct PreparedStep {
   // What travels with the rows; all undefined but grad_output for a Backward by inputs handle.
   torch::Tensor hidden, targets, weights, grad_output;
   std::vector<std::pair<std::string, torch::Tensor>> aux;
-  std::vector<std::pair<int64_t, int64_t>> chunks;
+  std::vector<wire::RowRange> chunks;
 
   v1::StepRequest RowsMessage(int64_t offset, int64_t count) const {
     v1::StepRequest message;
@@ -213,11 +226,10 @@ absl::StatusOr<torch::Tensor> PreparePerToken(const torch::Tensor& t, int64_t ro
   return wire::ToWireLayout(t);
 }
 
-absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
-                                         StepMode mode, const torch::Tensor& grad_output,
-                                         int64_t chunk_bytes) {
-  PreparedStep p;
-  p.mode = mode;
+// Checks the caller's inputs and lays out what travels with the rows. A Backward by inputs
+// handle sends none of them (they are not even copied), but its targets still count the valid
+// tokens of a MEAN.
+absl::Status PrepareInputs(const StepSpec& spec, const StepInputs& inputs, PreparedStep& p) {
   const torch::Tensor& x = inputs.hidden;
   if (!x.defined() || x.dim() != 2 || !c10::isFloatingType(x.scalar_type())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -230,25 +242,27 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
   p.result_dtype = x.scalar_type();
   const torch::ScalarType send_dtype = spec.wire_dtype.value_or(x.scalar_type());
   RETURN_IF_ERROR(wire::ToWireDtype(send_dtype, "spec.wire_dtype").status());
-  ASSIGN_OR_RETURN(const v1::DType wire_result_dtype,
-                   wire::ToWireDtype(p.result_dtype, "inputs.hidden"));
+  RETURN_IF_ERROR(wire::ToWireDtype(p.result_dtype, "inputs.hidden").status());
   if (inputs.targets.defined()) {
     ASSIGN_OR_RETURN(p.targets, PreparePerToken(inputs.targets, p.rows, "inputs.targets", true));
   }
-  // A Backward by inputs handle sends none of the inputs: they are not even copied.
-  const bool by_handle = mode == StepMode::kBackward && !spec.inputs_handle.empty();
-  if (!by_handle) p.hidden = wire::ToWireLayout(x, send_dtype);
-  if (inputs.weights.defined() && !by_handle) {
+  if (p.by_handle()) return absl::OkStatus();
+  p.hidden = wire::ToWireLayout(x, send_dtype);
+  if (inputs.weights.defined()) {
     ASSIGN_OR_RETURN(p.weights, PreparePerToken(inputs.weights, p.rows, "inputs.weights", false));
   }
   for (const auto& [name, t] : inputs.aux) {
-    if (by_handle) break;
     ASSIGN_OR_RETURN(torch::Tensor prepared,
                      PreparePerToken(t, p.rows, absl::StrCat("inputs.aux[\"", name, "\"]"), false));
     p.aux.emplace_back(name, std::move(prepared));
   }
+  return absl::OkStatus();
+}
 
-  v1::StepHeader* h = p.header.mutable_header();
+// The header fields every step call sends: what to compute, how many rows, and the count of
+// valid tokens a MEAN without normalizer divides by — the server scales each chunk's dX by it
+// before the later rows arrive, so it needs the count up front.
+absl::Status WriteHeader(const StepSpec& spec, const PreparedStep& p, v1::StepHeader* h) {
   h->set_head_id(spec.head_id);
   v1::FunctionSpec* fn = h->mutable_function();
   fn->set_name(spec.function);
@@ -263,58 +277,62 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
     h->set_expected_weight_version(*spec.expected_weight_version);
   }
   if (spec.reduction == Reduction::kMean && !spec.normalizer.has_value()) {
-    if (!spec.inputs_handle.empty() && !spec.valid_tokens.has_value() && !p.targets.defined()) {
+    if (p.by_handle() && !spec.valid_tokens.has_value() && !p.targets.defined()) {
       return absl::InvalidArgumentError(
           "inputs.targets: a Backward by inputs_handle with reduction MEAN and no normalizer "
           "needs the targets (or spec.valid_tokens) to count the valid tokens; got neither");
     }
-    // The server scales each chunk's dX by 1 / valid_tokens before the later rows arrive, so it
-    // needs the count up front.
-    h->set_valid_tokens(spec.valid_tokens.has_value() ? *spec.valid_tokens
-                        : p.targets.defined()
-                            ? (p.targets != spec.ignore_index).sum().item<int64_t>()
-                            : p.rows);
+    h->set_valid_tokens(spec.valid_tokens.has_value()
+                            ? *spec.valid_tokens
+                            : core::CountValidTokens(p.targets, spec.ignore_index, p.rows));
   }
-  if (mode != StepMode::kForward) {
-    h->set_accumulate_weight_grad(spec.accumulate_weight_grad);
-    h->set_grad_hidden_dtype(wire_result_dtype);
-    if (spec.gradient_id.has_value()) {
-      h->mutable_gradient_id()->set_trainer(spec.gradient_id->trainer);
-      h->mutable_gradient_id()->set_step(spec.gradient_id->step);
-      h->mutable_gradient_id()->set_micro_batch(spec.gradient_id->micro_batch);
-    }
-  }
-  if (mode == StepMode::kFused) h->set_upstream_scale(spec.upstream_scale);
-  if (mode == StepMode::kBackward) {
-    if (spec.reduction == Reduction::kNone) {
-      if (!grad_output.defined()) {
-        return absl::InvalidArgumentError(
-            "grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
-      }
-      ASSIGN_OR_RETURN(p.grad_output,
-                       PreparePerToken(grad_output, p.rows, "grad_output", /*integral=*/false));
-    } else {
-      if (!grad_output.defined() || grad_output.numel() != 1 ||
-          !c10::isFloatingType(grad_output.scalar_type())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "grad_output: expected one floating value (dL/d(loss)) for a scalar reduction; got ",
-            grad_output.defined() ? ShapeOf(grad_output) : "none"));
-      }
-      h->set_upstream_scale(grad_output.item<double>());
-    }
-  }
-
-  if (mode == StepMode::kForward && spec.retain_inputs_seconds > 0) {
+  if (p.mode == core::CallMode::kForward && spec.retain_inputs_seconds > 0) {
     h->set_retain_inputs_seconds(spec.retain_inputs_seconds);
   }
-  if (by_handle) {
-    // The server has the inputs: only dL/dy goes with the rows, and a scalar reduction sends no
-    // rows at all.
-    h->set_inputs_handle(spec.inputs_handle);
-    p.targets = torch::Tensor();  // read above for the valid-token count only
-    if (!p.grad_output.defined()) return p;
-  }
+  if (p.by_handle()) h->set_inputs_handle(spec.inputs_handle);
+  return absl::OkStatus();
+}
 
+// What a gradient call adds to the header: whether and under which identity dW accumulates,
+// dX's dtype, and the upstream gradient — up front for ForwardBackward (upstream_scale); for a
+// Backward, dL/dy per row (reduction NONE) or dL/d(loss) as the header's upstream_scale.
+absl::Status PrepareGradient(const StepSpec& spec, const torch::Tensor& grad_output,
+                             PreparedStep& p, v1::StepHeader* h) {
+  if (p.mode == core::CallMode::kForward) return absl::OkStatus();
+  h->set_accumulate_weight_grad(spec.accumulate_weight_grad);
+  ASSIGN_OR_RETURN(const v1::DType dx_dtype, wire::ToWireDtype(p.result_dtype, "inputs.hidden"));
+  h->set_grad_hidden_dtype(dx_dtype);
+  if (spec.gradient_id.has_value()) {
+    h->mutable_gradient_id()->set_trainer(spec.gradient_id->trainer);
+    h->mutable_gradient_id()->set_step(spec.gradient_id->step);
+    h->mutable_gradient_id()->set_micro_batch(spec.gradient_id->micro_batch);
+  }
+  if (p.mode == core::CallMode::kFused) {
+    h->set_upstream_scale(spec.upstream_scale);
+    return absl::OkStatus();
+  }
+  if (spec.reduction == Reduction::kNone) {
+    if (!grad_output.defined()) {
+      return absl::InvalidArgumentError(
+          "grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
+    }
+    ASSIGN_OR_RETURN(p.grad_output,
+                     PreparePerToken(grad_output, p.rows, "grad_output", /*integral=*/false));
+    return absl::OkStatus();
+  }
+  if (!grad_output.defined() || grad_output.numel() != 1 ||
+      !c10::isFloatingType(grad_output.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grad_output: expected one floating value (dL/d(loss)) for a scalar reduction; got ",
+        grad_output.defined() ? ShapeOf(grad_output) : "none"));
+  }
+  h->set_upstream_scale(grad_output.item<double>());
+  return absl::OkStatus();
+}
+
+// Row messages sized on all the bytes of a row — hidden, targets, weights, grad_output, aux —
+// plus their framing, so that no message exceeds chunk_bytes.
+absl::Status PlanRows(int64_t chunk_bytes, PreparedStep& p) {
   int64_t bytes_per_row =
       p.hidden.defined() ? p.hidden_size * static_cast<int64_t>(p.hidden.element_size()) : 0;
   int64_t tensors = p.hidden.defined() ? 1 : 0, name_bytes = 0;
@@ -328,8 +346,29 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
     ++tensors;
     name_bytes += static_cast<int64_t>(name.size());
   }
-  ASSIGN_OR_RETURN(p.chunks, wire::PlanRowChunks(p.rows, bytes_per_row,
-                                                 FramingBytes(tensors, name_bytes), chunk_bytes));
+  ASSIGN_OR_RETURN(p.chunks,
+                   wire::PlanRequestChunks(p.rows, bytes_per_row,
+                                           wire::FramingBytes(tensors, name_bytes), chunk_bytes));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
+                                         core::CallMode mode, const torch::Tensor& grad_output,
+                                         int64_t chunk_bytes) {
+  PreparedStep p;
+  p.mode = mode;
+  p.inputs_handle = mode == core::CallMode::kBackward ? spec.inputs_handle : "";
+  RETURN_IF_ERROR(PrepareInputs(spec, inputs, p));
+  v1::StepHeader* h = p.header.mutable_header();
+  RETURN_IF_ERROR(WriteHeader(spec, p, h));
+  RETURN_IF_ERROR(PrepareGradient(spec, grad_output, p, h));
+  if (p.by_handle()) {
+    // The server has the inputs: only dL/dy goes with the rows, and a scalar reduction sends no
+    // rows at all.
+    p.targets = torch::Tensor();  // read for the valid-token count only
+    if (!p.grad_output.defined()) return p;
+  }
+  RETURN_IF_ERROR(PlanRows(chunk_bytes, p));
   return p;
 }
 
@@ -415,27 +454,64 @@ struct Client::Impl {
     });
   }
 
+  using StepStream = grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>;
+
+  std::unique_ptr<StepStream> OpenStep(grpc::ClientContext* context, core::CallMode mode) {
+    switch (mode) {
+      case core::CallMode::kFused:
+        return stub->ForwardBackward(context);
+      case core::CallMode::kForward:
+        return stub->Forward(context);
+      case core::CallMode::kBackward:
+        break;
+    }
+    return stub->Backward(context);
+  }
+
+  // What a step call streams back, assembled as it arrives.
+  struct StepReceiver {
+    core::CallMode mode;
+    std::optional<ResponseRows> dx, out;
+    v1::StepSummary* summary;
+    bool have_summary = false;
+
+    absl::Status Add(const v1::StepResponse& response) {
+      switch (response.part_case()) {
+        case v1::StepResponse::kGradHidden:
+          if (dx) return dx->Add(response.grad_hidden());
+          return absl::InternalError(
+              absl::StrCat("grad_hidden: not expected from ", core::CallModeName(mode)));
+        case v1::StepResponse::kOutputs:
+          if (out) return out->Add(response.outputs());
+          return absl::InternalError(absl::StrCat(
+              "outputs: not expected from ", core::CallModeName(mode), " with a scalar reduction"));
+        case v1::StepResponse::kSummary:
+          *summary = response.summary();
+          have_summary = true;
+          return absl::OkStatus();
+        default:
+          return absl::InternalError("response: the server sent an empty message");
+      }
+    }
+
+    absl::Status CheckComplete() const {
+      if (!have_summary) return absl::InternalError("summary: the stream ended without one");
+      if (dx) RETURN_IF_ERROR(dx->CheckComplete());
+      if (out) RETURN_IF_ERROR(out->CheckComplete());
+      return absl::OkStatus();
+    }
+  };
+
   // One attempt of a step call: a writer thread sends the header and the row chunks while this
   // thread assembles the streamed dX / outputs; then the summary. `grad_hidden` / `outputs`
   // (preallocated, or undefined when the call returns none) are overwritten by every attempt.
   absl::Status StepAttempt(grpc::ClientContext* context, const PreparedStep& p,
                            const torch::Tensor& grad_hidden, const torch::Tensor& outputs,
                            v1::StepSummary* summary) {
-    std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream;
-    switch (p.mode) {
-      case StepMode::kFused:
-        stream = stub->ForwardBackward(context);
-        break;
-      case StepMode::kForward:
-        stream = stub->Forward(context);
-        break;
-      case StepMode::kBackward:
-        stream = stub->Backward(context);
-        break;
-    }
-    std::optional<wire::RowAssembler> dx, out;
-    if (grad_hidden.defined()) dx.emplace(grad_hidden, "grad_hidden");
-    if (outputs.defined()) out.emplace(outputs, "outputs");
+    const std::unique_ptr<StepStream> stream = OpenStep(context, p.mode);
+    StepReceiver receiver{.mode = p.mode, .summary = summary};
+    if (grad_hidden.defined()) receiver.dx.emplace(grad_hidden, "grad_hidden");
+    if (outputs.defined()) receiver.out.emplace(outputs, "outputs");
 
     // A failed Write means the call is over (the server finished it, or it was cancelled):
     // Finish below reports why.
@@ -450,45 +526,15 @@ struct Client::Impl {
         context->TryCancel();  // e.g. out of memory building a message: the reader sees CANCELLED
       }
     });
-
-    absl::Status received;
-    bool have_summary = false;
-    v1::StepResponse response;
-    while (stream->Read(&response)) {
-      switch (response.part_case()) {
-        case v1::StepResponse::kGradHidden:
-          received = dx ? dx->Add(response.grad_hidden())
-                        : absl::InternalError(
-                              absl::StrCat("grad_hidden: not expected from ", RpcName(p.mode)));
-          break;
-        case v1::StepResponse::kOutputs:
-          received =
-              out ? out->Add(response.outputs())
-                  : absl::InternalError(absl::StrCat("outputs: not expected from ", RpcName(p.mode),
-                                                     " with a scalar reduction"));
-          break;
-        case v1::StepResponse::kSummary:
-          *summary = response.summary();
-          have_summary = true;
-          break;
-        default:
-          received = absl::InternalError("response: the server sent an empty message");
-      }
-      if (!received.ok()) {
-        context->TryCancel();
-        while (stream->Read(&response)) {
-        }
-        break;
-      }
-    }
+    // A response the receiver refuses cancels the call; the stream is then drained.
+    const absl::Status received = ReadStream<v1::StepResponse>(
+        context, *stream, [&](const v1::StepResponse& r) { return receiver.Add(r); },
+        /*finish=*/false);
     writer.join();
     const grpc::Status finished = stream->Finish();
     RETURN_IF_ERROR(received);
     RETURN_IF_ERROR(FromGrpc(finished));
-    if (!have_summary) return absl::InternalError("summary: the stream ended without one");
-    if (dx) RETURN_IF_ERROR(dx->CheckComplete());
-    if (out) RETURN_IF_ERROR(out->CheckComplete());
-    return absl::OkStatus();
+    return receiver.CheckComplete();
   }
 
   // The shape and dtype of a head, read inside an attempt (with that attempt's deadline) before
@@ -600,12 +646,13 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const to
   // The server stores the bias in the head's (weight's) dtype.
   const torch::Tensor b = bias.defined() ? wire::ToWireLayout(bias, w.scalar_type()) : bias;
   ASSIGN_OR_RETURN(const auto weight_chunks,
-                   wire::PlanRowChunks(vocab, w.size(1) * w.element_size(), FramingBytes(1, 0),
-                                       options_.chunk_bytes));
-  std::vector<std::pair<int64_t, int64_t>> bias_chunks;
+                   wire::PlanRequestChunks(vocab, w.size(1) * w.element_size(),
+                                           wire::FramingBytes(1, 0), options_.chunk_bytes));
+  std::vector<wire::RowRange> bias_chunks;
   if (b.defined()) {
-    ASSIGN_OR_RETURN(bias_chunks, wire::PlanRowChunks(vocab, b.element_size(), FramingBytes(1, 0),
-                                                      options_.chunk_bytes));
+    ASSIGN_OR_RETURN(bias_chunks,
+                     wire::PlanRequestChunks(vocab, b.element_size(), wire::FramingBytes(1, 0),
+                                             options_.chunk_bytes));
   }
   v1::UploadHeadRequest header;
   header.mutable_header()->set_head_id(head_id);
@@ -680,7 +727,7 @@ absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
         const torch::ScalarType out = dtype.value_or(info.dtype);
         weights.weight = torch::empty({info.vocab_size, info.hidden_size}, out);
         weights.bias = info.has_bias ? torch::empty({info.vocab_size}, out) : torch::Tensor();
-        wire::RowAssembler w(weights.weight, "weight_rows"), b(weights.bias, "bias_rows");
+        ResponseRows w(weights.weight, "weight_rows"), b(weights.bias, "bias_rows");
         auto reader = impl_->stub->ExportWeights(context, request);
         RETURN_IF_ERROR(ReadStream<v1::ExportWeightsResponse>(
             context, *reader, [&](const v1::ExportWeightsResponse& response) {
@@ -726,8 +773,7 @@ absl::StatusOr<HeadGradients> Client::FetchGradients(const std::string& head_id,
         grads.weight_grad = torch::empty({described.vocab_size, described.hidden_size}, out);
         grads.bias_grad =
             described.has_bias ? torch::empty({described.vocab_size}, out) : torch::Tensor();
-        wire::RowAssembler w(grads.weight_grad, "weight_grad_rows"),
-            b(grads.bias_grad, "bias_grad_rows");
+        ResponseRows w(grads.weight_grad, "weight_grad_rows"), b(grads.bias_grad, "bias_grad_rows");
         auto reader = impl_->stub->FetchGradients(context, request);
         bool have_info = false;
         RETURN_IF_ERROR(ReadStream<v1::FetchGradientsResponse>(
@@ -808,7 +854,7 @@ absl::StatusOr<HeadInfo> Client::OptimizerStep(const std::string& head_id,
 absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& spec,
                                                               const StepInputs& inputs) {
   ASSIGN_OR_RETURN(const PreparedStep p,
-                   PrepareStep(spec, inputs, StepMode::kFused, {}, options_.chunk_bytes));
+                   PrepareStep(spec, inputs, core::CallMode::kFused, {}, options_.chunk_bytes));
   ForwardBackwardResult result;
   result.grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
   v1::StepSummary summary;
@@ -822,7 +868,7 @@ absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& sp
 
 absl::StatusOr<ForwardResult> Client::Forward(const StepSpec& spec, const StepInputs& inputs) {
   ASSIGN_OR_RETURN(const PreparedStep p,
-                   PrepareStep(spec, inputs, StepMode::kForward, {}, options_.chunk_bytes));
+                   PrepareStep(spec, inputs, core::CallMode::kForward, {}, options_.chunk_bytes));
   ForwardResult result;
   const bool per_token = spec.reduction == Reduction::kNone;
   // The server computes per-token outputs in float32 (float64 for a float64 head).
@@ -839,8 +885,8 @@ absl::StatusOr<ForwardResult> Client::Forward(const StepSpec& spec, const StepIn
 
 absl::StatusOr<BackwardResult> Client::Backward(const StepSpec& spec, const StepInputs& inputs,
                                                 const torch::Tensor& grad_output) {
-  ASSIGN_OR_RETURN(const PreparedStep p, PrepareStep(spec, inputs, StepMode::kBackward, grad_output,
-                                                     options_.chunk_bytes));
+  ASSIGN_OR_RETURN(const PreparedStep p, PrepareStep(spec, inputs, core::CallMode::kBackward,
+                                                     grad_output, options_.chunk_bytes));
   BackwardResult result;
   result.grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
   v1::StepSummary summary;

@@ -35,8 +35,10 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/call_plan.h"
 #include "remotehead/core/functions.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/token_batch.h"
 
 namespace remotehead::core {
 
@@ -49,14 +51,6 @@ inline constexpr int64_t kDefaultMemoryBudgetBytes = int64_t{96} << 20;
 // fp32 logits per function block: small enough that the upcast copy, the function's
 // temporaries and their gradients stay in the CPU's caches (or a GPU's L2).
 inline constexpr int64_t kFunctionBlockBytes = int64_t{2} << 20;
-
-struct TokenBatch {
-  torch::Tensor hidden;   // X [N, D], the head's dtype and device
-  torch::Tensor targets;  // [N] int64 or int32 in [0, V) or ignore_index; optional for
-                          // functions that need none (then every token is valid)
-  torch::Tensor weights;  // [N] floating; required by (and only allowed with) weighted_sum
-  AuxTensors aux;         // [N] floating per-token inputs the function names (e.g. advantages)
-};
 
 struct StepOptions {
   std::string function = "cross_entropy";
@@ -98,6 +92,11 @@ struct FusedResult {
   StepStats stats;
 };
 
+struct BackwardResult {
+  torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype
+  StepStats stats;
+};
+
 struct ForwardResult {
   // reduction none: per-token outputs [N] fp32 (0 at ignored positions); otherwise a 0-d fp32.
   torch::Tensor output;
@@ -117,19 +116,9 @@ absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
 
 // Two-phase mode, phase 2: given dL/d(output) — [N] for reduction none, a scalar otherwise —
 // recomputes each chunk's logits, returns dX and (if `grads` is not null) adds dW/db.
-absl::StatusOr<torch::Tensor> Backward(const Head& head, const TokenBatch& batch,
-                                       const StepOptions& options, const torch::Tensor& grad_output,
-                                       GradientBuffers* grads, torch::Tensor grad_hidden_out = {});
-
-struct ChunkSizes {
-  int64_t chunk_rows = 0;  // rows per GEMM chunk
-  int64_t block_rows = 0;  // rows the function and autograd see at once
-};
-
-// The chunk sizes a call with these options would use, before clamping to N: chunk_rows as
-// given, or the largest that fits memory_budget_bytes together with one function block.
-absl::StatusOr<ChunkSizes> ResolveChunkSizes(const Head& head, const TransformFunction& fn,
-                                             const FunctionParams& params,
-                                             const StepOptions& options);
+absl::StatusOr<BackwardResult> Backward(const Head& head, const TokenBatch& batch,
+                                        const StepOptions& options,
+                                        const torch::Tensor& grad_output, GradientBuffers* grads,
+                                        torch::Tensor grad_hidden_out = {});
 
 }  // namespace remotehead::core

@@ -15,14 +15,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/token_batch.h"
 
 namespace remotehead::core {
 
 // Scalar options of a function, by name (e.g. {"label_smoothing", 0.1}). Defaults are filled
 // in and ranges checked by FunctionRegistry::ResolveParams before a function ever runs.
 using FunctionParams = std::map<std::string, double>;
-// Per-token float inputs beyond the targets, by name (e.g. "advantages" for GRPO).
-using AuxTensors = std::map<std::string, torch::Tensor>;
 
 struct ChunkInputs {
   torch::Tensor logits;   // [n, V] fp32, requires grad when gradients are wanted

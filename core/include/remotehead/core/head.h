@@ -23,6 +23,11 @@ std::string DtypeName(torch::ScalarType dtype);
 struct GradientBuffers {
   torch::Tensor weight;  // [V, D]
   torch::Tensor bias;    // [V], undefined when the head has no bias
+
+  int64_t nbytes() const {
+    return (weight.defined() ? static_cast<int64_t>(weight.nbytes()) : 0) +
+           (bias.defined() ? static_cast<int64_t>(bias.nbytes()) : 0);
+  }
 };
 
 struct HeadInit {

@@ -2,21 +2,18 @@
 // and status code, latency, bytes, in-flight calls) come from one gRPC interceptor, so no
 // handler counts its own calls; step metrics (tokens, latency by phase, logits chunk) are
 // reported by the step reactor; state (device memory, admission, per-head version, micro-
-// batches and last loss) is read at scrape time. Every name is listed in the README.
+// batches and last loss) is read at scrape time. Every name is listed in the README. The
+// exposition over HTTP is metrics_http.h's.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <grpcpp/support/server_interceptor.h>
 
-#include <atomic>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
-
-#include <c10/core/Device.h>
-
 #include "remotehead/server/admission.h"
 
 namespace prometheus {
@@ -56,31 +53,6 @@ class ServerMetrics {
 
  private:
   std::shared_ptr<Impl> impl_;
-};
-
-// Serves GET /metrics (Prometheus text format) from `collectables` on one thread, one
-// connection at a time (scrapes are rare and small). prometheus-cpp's civetweb Exposer cannot
-// start its threads in a process that has loaded LibTorch (mg_start: "Cannot create threads"),
-// so the exposition is served here, from the same prometheus-cpp collectables and serializer.
-class MetricsHttpServer {
- public:
-  // `address` is IPv4 host:port (port 0: a free one). INVALID_ARGUMENT naming --metrics_address
-  // for a bad address, UNAVAILABLE when it cannot be bound.
-  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
-      const std::string& address, std::vector<std::weak_ptr<prometheus::Collectable>> collectables);
-  ~MetricsHttpServer();  // stops serving
-  int port() const { return port_; }
-
- private:
-  MetricsHttpServer(int fd, int port, std::vector<std::weak_ptr<prometheus::Collectable>> c);
-  void Serve();
-  void Answer(int client) const;
-
-  const int fd_;
-  const int port_;
-  const std::vector<std::weak_ptr<prometheus::Collectable>> collectables_;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
 };
 
 }  // namespace remotehead::server

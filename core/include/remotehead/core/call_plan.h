@@ -1,0 +1,76 @@
+// What one engine call will do and hold, decided from the head and the options before any data
+// is looked at: the function with its complete parameters, the chunk and block sizes, and the
+// memory the call allocates. This is the engine's memory model, in one place: the engine sizes
+// its buffers from it and a server admits requests by it, so the two cannot disagree.
+// tests/core/memory_model_test.cc checks it against the counting allocator's measured peak for
+// every function, mode and dtype.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "remotehead/core/functions.h"
+#include "remotehead/core/head.h"
+
+namespace remotehead::core {
+
+struct StepOptions;  // engine.h
+
+// The engine's three entry points: FusedForwardBackward, Forward, Backward.
+enum class CallMode { kFused, kForward, kBackward };
+// The mode as the service's RPCs name it: "ForwardBackward", "Forward", "Backward".
+const char* CallModeName(CallMode mode);
+
+// The dtype the functions see: fp32, or fp64 for a float64 (verification) head.
+torch::ScalarType LogitsDtype(const Head& head);
+
+// Bytes one call allocates at its peak, beyond its inputs (X, targets, …) and the gradient
+// accumulators it adds into.
+struct CallMemory {
+  int64_t logits_bytes = 0;  // the [chunk rows, V] logits buffer (+ its fp32 gradient and the
+                             // fp32 GEMM operands of a half-precision head)
+  int64_t block_bytes = 0;   // one function block: fp32 logits, their gradient, what the
+                             // function and the logit transforms keep for autograd
+  int64_t token_bytes = 0;   // O(N) bookkeeping: masks, per-token values, row checks
+  int64_t output_bytes = 0;  // what the call returns: dX [N, D] or per-token outputs [N]
+  int64_t total() const { return logits_bytes + block_bytes + token_bytes + output_bytes; }
+  std::string Breakdown() const;  // "logits 4 MiB + block 2 MiB + tokens 0.1 MiB + output 1 MiB"
+};
+
+struct CallPlan {
+  const TransformFunction* function = nullptr;
+  FunctionParams params;   // complete: defaults filled in, ranges checked
+  int64_t chunk_rows = 0;  // rows per GEMM chunk (a call of fewer rows uses one chunk of them)
+  int64_t block_rows = 0;  // rows the function and autograd see at once, <= chunk_rows
+
+  // The memory of a call on `rows` rows in `mode` that allocates its own dX (the server's case).
+  CallMemory Memory(int64_t rows, CallMode mode) const;
+  // Rows per chunk and per block of a call on `rows` rows.
+  int64_t ChunkRowsFor(int64_t rows) const;
+  int64_t BlockRowsFor(int64_t rows) const;
+
+  // Per-row costs of the head and options (bytes); set by PlanCall.
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t head_elem_bytes = 0;    // the head's dtype
+  int64_t logits_elem_bytes = 0;  // what the function sees: fp32 (fp64 for a float64 head)
+  double chunk_row_bytes = 0;     // logits row (+ gradient row and fp32 operands), gradient calls
+  double chunk_row_bytes_forward = 0;  // the same without gradients
+  double block_row_bytes = 0;          // one function-block row
+};
+
+// Resolves the function and its params and fixes the chunk sizes: options.chunk_rows as given,
+// or the largest that fits options.memory_budget_bytes together with one function block.
+// INVALID_ARGUMENT naming the field for an unknown function, a bad param or chunk option, or a
+// budget too small for one row.
+absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options);
+
+// A logits buffer a caller can keep across calls that use `plan` (StepOptions::logits_workspace):
+// [min(chunk_rows, max_rows), V] in the head's dtype and device.
+torch::Tensor NewLogitsWorkspace(const Head& head, const CallPlan& plan, int64_t max_rows);
+
+}  // namespace remotehead::core

@@ -1,0 +1,164 @@
+#include "remotehead/core/call_plan.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::core {
+namespace {
+
+// Per-token bookkeeping, measured: per chunk row the prepared targets, validity mask, token
+// weights, outputs, upstream gradients and fp64 partial sums (~100 bytes with aux inputs); per
+// row of the whole call the input checks' masks and the valid-token count (a few bytes).
+constexpr int64_t kTokenBytesPerChunkRow = 128;
+constexpr int64_t kTokenBytesPerRow = 16;
+
+std::string Mib(int64_t bytes) {
+  return absl::StrCat(std::round(static_cast<double>(bytes) / (1 << 20) * 100) / 100, " MiB");
+}
+
+absl::Status CheckChunkOptions(const StepOptions& options) {
+  if (options.chunk_rows < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got ",
+                     options.chunk_rows));
+  }
+  if (options.memory_budget_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory_budget_bytes: expected >= 1 (or 0 for the default ",
+                     kDefaultMemoryBudgetBytes, "); got ", options.memory_budget_bytes));
+  }
+  if (options.block_rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_rows: expected >= 1 (or 0 for cache-sized blocks); got ", options.block_rows));
+  }
+  return absl::OkStatus();
+}
+
+// The per-row costs of the head's dtype and the function's options.
+void SetRowCosts(const Head& head, CallPlan& plan) {
+  const double vocab = static_cast<double>(head.vocab_size());
+  const double hidden = static_cast<double>(head.hidden_size());
+  plan.vocab_size = head.vocab_size();
+  plan.hidden_size = head.hidden_size();
+  plan.head_elem_bytes = static_cast<int64_t>(c10::elementSize(head.dtype()));
+  plan.logits_elem_bytes = static_cast<int64_t>(c10::elementSize(LogitsDtype(head)));
+  const double elem = static_cast<double>(plan.head_elem_bytes);
+  const double logits_elem = static_cast<double>(plan.logits_elem_bytes);
+  const bool half = head.dtype() != LogitsDtype(head);
+  // Per block row: the upcast logits (when the head is not fp32), their gradient, what the
+  // logit transforms save for autograd, and the function's own workspace — all in fp32.
+  double block_buffers = 1.0 + plan.function->workspace_logit_buffers;
+  if (half) block_buffers += 1;
+  if (plan.params.at(kSoftcapParam) > 0) block_buffers += 2;
+  if (plan.params.at(kTemperatureParam) != 1.0) block_buffers += 1;
+  plan.block_row_bytes = vocab * logits_elem * block_buffers;
+  // Per chunk row: the logits buffer in the head's dtype (which the gradient overwrites) and the
+  // X / dX rows; for a half-precision head also a separate fp32 gradient, the fp32 copy of X_c
+  // for the dW GEMM and the half-precision GEMMs' fp32 scratch for dX.
+  plan.chunk_row_bytes = vocab * elem + 2.0 * hidden * elem;
+  plan.chunk_row_bytes_forward = vocab * elem;
+  if (half) {
+    plan.chunk_row_bytes += vocab * logits_elem + 2.0 * hidden * logits_elem;
+    plan.chunk_row_bytes_forward += hidden * logits_elem;
+  }
+}
+
+// Chunk and block rows: as given, or the largest that fit the budget (blocks take at most a
+// quarter of it; chunks get the rest).
+absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPlan& plan) {
+  const int64_t cache_block_rows =
+      options.block_rows > 0
+          ? options.block_rows
+          : std::max<int64_t>(1,
+                              kFunctionBlockBytes / (head.vocab_size() * plan.logits_elem_bytes));
+  if (options.chunk_rows > 0) {
+    plan.chunk_rows = options.chunk_rows;
+    plan.block_rows = std::min(cache_block_rows, options.chunk_rows);
+    return absl::OkStatus();
+  }
+  const int64_t budget =
+      options.memory_budget_bytes > 0 ? options.memory_budget_bytes : kDefaultMemoryBudgetBytes;
+  plan.block_rows = std::min<int64_t>(
+      cache_block_rows,
+      static_cast<int64_t>(0.25 * static_cast<double>(budget) / plan.block_row_bytes));
+  const double rest =
+      static_cast<double>(budget) -
+      static_cast<double>(std::max<int64_t>(plan.block_rows, 1)) * plan.block_row_bytes;
+  plan.chunk_rows = static_cast<int64_t>(rest / plan.chunk_row_bytes);
+  if (plan.block_rows < 1 || plan.chunk_rows < 1) {
+    const double one_row = 4.0 * plan.block_row_bytes + plan.chunk_row_bytes;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
+        " (one row of ", plan.function->name, " at V=", head.vocab_size(), "); got ", budget));
+  }
+  plan.block_rows = std::min(plan.block_rows, plan.chunk_rows);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const char* CallModeName(CallMode mode) {
+  switch (mode) {
+    case CallMode::kFused:
+      return "ForwardBackward";
+    case CallMode::kForward:
+      return "Forward";
+    case CallMode::kBackward:
+      break;
+  }
+  return "Backward";
+}
+
+torch::ScalarType LogitsDtype(const Head& head) {
+  return head.dtype() == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
+
+std::string CallMemory::Breakdown() const {
+  return absl::StrCat("logits ", Mib(logits_bytes), " + function block ", Mib(block_bytes),
+                      " + per-token ", Mib(token_bytes), " + output ", Mib(output_bytes));
+}
+
+int64_t CallPlan::ChunkRowsFor(int64_t rows) const {
+  return std::min(chunk_rows, std::max<int64_t>(rows, 1));
+}
+
+int64_t CallPlan::BlockRowsFor(int64_t rows) const {
+  return std::min(block_rows, ChunkRowsFor(rows));
+}
+
+CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
+  CallMemory m;
+  if (rows <= 0) return m;
+  const int64_t chunk = ChunkRowsFor(rows);
+  const double chunk_row = mode == CallMode::kForward ? chunk_row_bytes_forward : chunk_row_bytes;
+  m.logits_bytes = static_cast<int64_t>(std::ceil(static_cast<double>(chunk) * chunk_row));
+  m.block_bytes =
+      static_cast<int64_t>(std::ceil(static_cast<double>(BlockRowsFor(rows)) * block_row_bytes));
+  // …and, with gradients, db's column sums of the chunk's dz ([V]).
+  if (mode != CallMode::kForward) m.block_bytes += vocab_size * logits_elem_bytes;
+  m.token_bytes = kTokenBytesPerChunkRow * chunk + kTokenBytesPerRow * rows;
+  m.output_bytes =
+      mode == CallMode::kForward ? rows * logits_elem_bytes : rows * hidden_size * head_elem_bytes;
+  return m;
+}
+
+absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) {
+  const FunctionRegistry& registry = FunctionRegistry::Builtin();
+  CallPlan plan;
+  ASSIGN_OR_RETURN(plan.function, registry.Find(options.function));
+  ASSIGN_OR_RETURN(plan.params, registry.ResolveParams(*plan.function, options.params));
+  RETURN_IF_ERROR(CheckChunkOptions(options));
+  SetRowCosts(head, plan);
+  RETURN_IF_ERROR(SetChunkSizes(head, options, plan));
+  return plan;
+}
+
+torch::Tensor NewLogitsWorkspace(const Head& head, const CallPlan& plan, int64_t max_rows) {
+  return torch::empty({plan.ChunkRowsFor(max_rows), head.vocab_size()}, head.weight().options());
+}
+
+}  // namespace remotehead::core

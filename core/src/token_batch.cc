@@ -1,0 +1,85 @@
+#include "remotehead/core/token_batch.h"
+
+namespace remotehead::core {
+namespace {
+
+// Applies `fn` to every defined tensor of `b`, building a batch of the results.
+template <typename Fn>
+TokenBatch Map(const TokenBatch& b, Fn&& fn) {
+  auto apply = [&](const torch::Tensor& t) { return t.defined() ? fn(t) : torch::Tensor(); };
+  TokenBatch out;
+  out.hidden = apply(b.hidden);
+  out.targets = apply(b.targets);
+  out.weights = apply(b.weights);
+  for (const auto& [name, t] : b.aux) out.aux[name] = apply(t);
+  return out;
+}
+
+}  // namespace
+
+int64_t TokenBatch::rows() const {
+  return hidden.defined() && hidden.dim() >= 1 ? hidden.size(0) : 0;
+}
+
+int64_t TokenBatch::nbytes() const {
+  int64_t bytes = 0;
+  for (const torch::Tensor* t : {&hidden, &targets, &weights}) {
+    if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+  }
+  for (const auto& [name, t] : aux) bytes += static_cast<int64_t>(t.nbytes());
+  return bytes;
+}
+
+TokenBatch TokenBatch::Slice(int64_t start, int64_t n) const {
+  return Map(*this, [&](const torch::Tensor& t) { return t.narrow(0, start, n); });
+}
+
+TokenBatch TokenBatch::To(const torch::Device& device) const {
+  return Map(*this, [&](const torch::Tensor& t) { return t.to(device); });
+}
+
+TokenBatch TokenBatch::Clone() const {
+  return Map(*this, [](const torch::Tensor& t) { return t.clone(); });
+}
+
+bool TokenBatch::SameInputs(const TokenBatch& other) const {
+  auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
+    return x.defined() == y.defined() && (!x.defined() || x.scalar_type() == y.scalar_type());
+  };
+  if (!same(targets, other.targets) || !same(weights, other.weights) ||
+      aux.size() != other.aux.size()) {
+    return false;
+  }
+  for (const auto& [name, t] : aux) {
+    const auto it = other.aux.find(name);
+    if (it == other.aux.end() || !same(t, it->second)) return false;
+  }
+  return true;
+}
+
+TokenBatch TokenBatch::Concat(const std::vector<TokenBatch>& parts) {
+  if (parts.size() == 1) return parts.front();
+  auto cat = [&](auto get) {
+    std::vector<torch::Tensor> ts;
+    for (const auto& p : parts) ts.push_back(get(p));
+    return ts.empty() || !ts.front().defined() ? torch::Tensor() : torch::cat(ts);
+  };
+  TokenBatch b;
+  b.hidden = cat([](const TokenBatch& p) { return p.hidden; });
+  b.targets = cat([](const TokenBatch& p) { return p.targets; });
+  b.weights = cat([](const TokenBatch& p) { return p.weights; });
+  if (!parts.empty()) {
+    for (const auto& [name, t] : parts.front().aux) {
+      b.aux[name] = cat([&name](const TokenBatch& p) { return p.aux.at(name); });
+    }
+  }
+  return b;
+}
+
+int64_t CountValidTokens(const torch::Tensor& targets, int64_t ignore_index, int64_t rows) {
+  if (!targets.defined()) return rows;
+  torch::NoGradGuard no_grad;
+  return (targets != ignore_index).sum().item<int64_t>();
+}
+
+}  // namespace remotehead::core

@@ -1,0 +1,181 @@
+#include "remotehead/wire/tensor_codec.h"
+
+#include <bit>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace remotehead::wire {
+
+// Wire tensors are little-endian; on a little-endian host the bytes are copied as they are.
+static_assert(std::endian::native == std::endian::little,
+              "remotehead's tensor codec assumes a little-endian host");
+
+namespace {
+
+constexpr std::pair<v1::DType, torch::ScalarType> kDtypes[] = {
+    {v1::DTYPE_FLOAT32, torch::kFloat}, {v1::DTYPE_BFLOAT16, torch::kBFloat16},
+    {v1::DTYPE_FLOAT16, torch::kHalf},  {v1::DTYPE_FLOAT64, torch::kDouble},
+    {v1::DTYPE_INT64, torch::kLong},    {v1::DTYPE_INT32, torch::kInt},
+};
+
+std::string ShapeString(const v1::Tensor& wire) {
+  return absl::StrCat("[", absl::StrJoin(wire.shape(), ", "), "]");
+}
+
+}  // namespace
+
+absl::StatusOr<torch::ScalarType> FromWireDtype(v1::DType dtype, const std::string& field) {
+  for (const auto& [wire, torch_dtype] : kDtypes) {
+    if (wire == dtype) return torch_dtype;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ".dtype: expected one of FLOAT32, BFLOAT16, FLOAT16, FLOAT64, INT64, INT32; got ",
+      v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : std::to_string(dtype)));
+}
+
+absl::StatusOr<v1::DType> ToWireDtype(torch::ScalarType dtype, const std::string& field) {
+  for (const auto& [wire, torch_dtype] : kDtypes) {
+    if (torch_dtype == dtype) return wire;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected float32, bfloat16, float16, float64, int64 or int32; got ",
+                   std::string(c10::toString(dtype))));
+}
+
+absl::StatusOr<torch::Tensor> DecodeTensorView(const v1::Tensor& wire, const std::string& field) {
+  auto dtype = FromWireDtype(wire.dtype(), field);
+  if (!dtype.ok()) return dtype.status();
+  std::vector<int64_t> shape(wire.shape().begin(), wire.shape().end());
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(*dtype));
+  int64_t numel = 1;
+  for (const int64_t dim : shape) {
+    // Bounded so that numel · elem cannot overflow before it is compared with the byte count.
+    if (dim < 0 || (dim > 0 && numel > std::numeric_limits<int32_t>::max() / dim)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape: expected non-negative sizes with fewer than 2^31 elements; got [",
+          absl::StrJoin(shape, ", "), "]"));
+    }
+    numel *= dim;
+  }
+  const int64_t expected_bytes = numel * elem;
+  if (static_cast<int64_t>(wire.data().size()) != expected_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected ", expected_bytes, " bytes for ", c10::toString(*dtype),
+                     " [", absl::StrJoin(shape, ", "), "]; got ", wire.data().size()));
+  }
+  if (expected_bytes == 0) return torch::empty(shape, torch::TensorOptions().dtype(*dtype));
+  // Read-only use by the caller; the bytes are little-endian like every host we build for.
+  return torch::from_blob(const_cast<char*>(wire.data().data()), shape,
+                          torch::TensorOptions().dtype(*dtype));
+}
+
+absl::StatusOr<torch::Tensor> DecodeTensor(const v1::Tensor& wire, const std::string& field) {
+  auto view = DecodeTensorView(wire, field);
+  if (!view.ok()) return view.status();
+  return view->clone();
+}
+
+torch::Tensor ToWireLayout(const torch::Tensor& t, std::optional<torch::ScalarType> dtype) {
+  return t.detach().to(torch::kCPU, dtype.value_or(t.scalar_type())).contiguous();
+}
+
+void EncodeRows(const torch::Tensor& cpu, int64_t offset, int64_t count, v1::Tensor* wire) {
+  // The dtype was checked when the tensor was prepared (ToWireDtype).
+  for (const auto& [wire_dtype, torch_dtype] : kDtypes) {
+    if (torch_dtype == cpu.scalar_type()) wire->set_dtype(wire_dtype);
+  }
+  wire->clear_shape();
+  int64_t row_elements = 1;
+  if (cpu.dim() == 0) {
+    wire->set_data(cpu.data_ptr(), cpu.element_size());
+    return;
+  }
+  wire->add_shape(count);
+  for (int64_t d = 1; d < cpu.dim(); ++d) {
+    wire->add_shape(cpu.size(d));
+    row_elements *= cpu.size(d);
+  }
+  const int64_t row_bytes = row_elements * static_cast<int64_t>(cpu.element_size());
+  if (row_bytes * count == 0) {
+    wire->clear_data();
+    return;
+  }
+  const auto* base = static_cast<const char*>(cpu.data_ptr());
+  wire->set_data(base + offset * row_bytes, count * row_bytes);
+}
+
+absl::Status EncodeTensor(const torch::Tensor& tensor, v1::Tensor* wire) {
+  auto dtype = ToWireDtype(tensor.scalar_type(), "tensor");
+  if (!dtype.ok()) return dtype.status();
+  const torch::Tensor cpu = ToWireLayout(tensor);
+  EncodeRows(cpu, 0, cpu.dim() == 0 ? 1 : cpu.size(0), wire);
+  return absl::OkStatus();
+}
+
+std::vector<RowRange> PlanRowChunks(int64_t rows, int64_t bytes_per_row, int64_t max_chunk_bytes) {
+  const int64_t per_chunk =
+      std::max<int64_t>(1, max_chunk_bytes / std::max<int64_t>(bytes_per_row, 1));
+  std::vector<RowRange> chunks;
+  for (int64_t offset = 0; offset < rows; offset += per_chunk) {
+    chunks.push_back({offset, std::min(per_chunk, rows - offset)});
+  }
+  return chunks;
+}
+
+int64_t FramingBytes(int64_t tensors, int64_t name_bytes) { return 64 + 64 * tensors + name_bytes; }
+
+absl::StatusOr<std::vector<RowRange>> PlanRequestChunks(int64_t rows, int64_t bytes_per_row,
+                                                        int64_t framing_bytes,
+                                                        int64_t max_message_bytes) {
+  const int64_t room = max_message_bytes - framing_bytes;
+  if (bytes_per_row > room) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes: expected room for at least one row (", bytes_per_row,
+                     " bytes + ", framing_bytes, " bytes of framing); got ", max_message_bytes));
+  }
+  return PlanRowChunks(rows, bytes_per_row, room);
+}
+
+absl::Status RowAssembler::Add(const v1::TensorChunk& chunk) {
+  const v1::Tensor& values = chunk.values();
+  if (chunk.row_offset() != next_row_) {
+    return absl::InvalidArgumentError(absl::StrCat(field_, ".row_offset: expected ", next_row_,
+                                                   " (rows arrive in order); got ",
+                                                   chunk.row_offset()));
+  }
+  // The values as a view of the message (checks dtype, shape and byte count), then the trailing
+  // shape and the rows left.
+  auto decoded = DecodeTensorView(values, field_ + ".values");
+  if (!decoded.ok()) return decoded.status();
+  std::vector<int64_t> expected = dst_.sizes().vec();
+  const int64_t rows = decoded->dim() >= 1 ? decoded->size(0) : -1;
+  if (!expected.empty()) expected[0] = rows;
+  const bool dtype_ok = convert_dtype_ || decoded->scalar_type() == dst_.scalar_type();
+  if (!dtype_ok || rows < 0 || decoded->sizes().vec() != expected ||
+      next_row_ + rows > dst_.size(0)) {
+    std::vector<int64_t> wanted = dst_.sizes().vec();
+    return absl::InvalidArgumentError(absl::StrCat(
+        field_, ".values: expected ",
+        convert_dtype_ ? "" : absl::StrCat(std::string(c10::toString(dst_.scalar_type())), " "),
+        "[rows",
+        dst_.dim() > 1 ? absl::StrCat(", ", absl::StrJoin(dst_.sizes().slice(1), ", ")) : "",
+        "] within the ", dst_.size(0) - next_row_, " rows left of ", dst_.size(0), "; got ",
+        std::string(c10::toString(decoded->scalar_type())), " ", ShapeString(values), " at row ",
+        next_row_));
+  }
+  if (rows > 0) dst_.narrow(0, next_row_, rows).copy_(*decoded);
+  next_row_ += rows;
+  return absl::OkStatus();
+}
+
+absl::Status RowAssembler::CheckComplete() const {
+  if (next_row_ == dst_.size(0)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field_, ": expected ", dst_.size(0), " rows; got ", next_row_));
+}
+
+}  // namespace remotehead::wire

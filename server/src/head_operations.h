@@ -1,0 +1,82 @@
+// The head operations of the service, free of gRPC and protobuf: create a head (from a seed, a
+// safetensors file on the server, or uploaded tensors), save it, snapshot its weights or
+// gradients, describe, list, drop, zero its gradients, step its optimizer — each with its one
+// lifecycle log line. The RPC handlers (head_service.cc, stream_reactors.cc) translate
+// protobuf ⇄ these types and statuses, and nothing else.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "remotehead/core/head.h"
+#include "remotehead/core/optimizer.h"
+#include "remotehead/server/head_registry.h"
+
+namespace remotehead::server {
+
+// A head's tensors in a safetensors checkpoint on the server (a file or a sharded checkpoint's
+// *.safetensors.index.json).
+struct SafetensorsSource {
+  std::string path;
+  std::string weight_name = "lm_head.weight";
+  std::string bias_name;                   // empty: no bias
+  std::optional<torch::ScalarType> dtype;  // unset: the file's
+};
+
+// A copy of a head's [V, D] matrix and optional [V] vector (weights or gradients) on the CPU,
+// taken under the head's lock, with the head's state at that moment.
+struct HeadSnapshot {
+  torch::Tensor matrix;
+  torch::Tensor vector;  // undefined without bias
+  HeadDescription description;
+};
+
+struct OptimizerStepSpec {
+  std::variant<core::SgdOptions, core::AdamWOptions> optimizer;
+  double grad_scale = 1.0;      // multiplies the accumulated gradient
+  bool zero_gradients = false;  // zero dW and the ledger after the step
+};
+
+class HeadOperations {
+ public:
+  // New heads live on `device`; `event_log` (nullptr: silent) gets one line per lifecycle event.
+  HeadOperations(HeadRegistry* registry, torch::Device device, std::ostream* event_log)
+      : registry_(registry), device_(device), event_log_(event_log) {}
+
+  absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init);
+  absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
+                                                        const SafetensorsSource& source);
+  // A head made of uploaded W [V, D] (and b [V]); with `replace`, new weights for the existing
+  // head `id` (HeadEntry::ReplaceWeights), or a new head if there is none.
+  absl::StatusOr<HeadDescription> AddUploaded(const std::string& id, const torch::Tensor& weight,
+                                              const torch::Tensor& bias, bool replace);
+  // Writes the weights (and bias) to a safetensors file under the given tensor names (empty:
+  // lm_head.weight / lm_head.bias); returns the bytes written.
+  absl::StatusOr<int64_t> Save(const std::string& id, const std::string& path,
+                               const std::string& weight_name, const std::string& bias_name);
+  // The weights (or, with `gradients`, dW / db) in `dtype` (unset: as stored).
+  absl::StatusOr<HeadSnapshot> Snapshot(const std::string& id,
+                                        std::optional<torch::ScalarType> dtype, bool gradients);
+  absl::StatusOr<HeadDescription> Describe(const std::string& id) const;
+  std::vector<HeadDescription> List() const;
+  absl::Status Drop(const std::string& id);
+  absl::StatusOr<HeadDescription> ZeroGradients(const std::string& id);
+  absl::StatusOr<HeadDescription> OptimizerStep(const std::string& id,
+                                                const OptimizerStepSpec& spec);
+
+ private:
+  void LogEvent(const std::string& line) const;
+
+  HeadRegistry* registry_;
+  const torch::Device device_;
+  std::ostream* event_log_;
+};
+
+}  // namespace remotehead::server

@@ -1,0 +1,22 @@
+// Translations between protobuf messages and the server's own types that more than one handler
+// needs. Wire tensors are remotehead::wire's; statuses are status_mapping's.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "remotehead/server/head_registry.h"
+#include "remotehead/v1/head_service.pb.h"
+
+namespace remotehead::server {
+
+// The HeadInfo every handler that reports a head's state answers with.
+absl::Status ToWire(const HeadDescription& description, v1::HeadInfo* info);
+
+// A request's optional dtype field (DTYPE_UNSPECIFIED: unset), named `field` in errors.
+absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
+                                                               const std::string& field);
+
+}  // namespace remotehead::server

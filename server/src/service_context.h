@@ -1,0 +1,33 @@
+// What every call of one HeadService shares: the heads, the options, admission, the retained
+// inputs of two-phase steps, the head operations and the threads that run the engine. One per
+// service, created by HeadService::Create and passed to every reactor.
+#pragma once
+
+#include "compute_pool.h"
+#include "head_operations.h"
+#include "remotehead/server/admission.h"
+#include "remotehead/server/head_registry.h"
+#include "remotehead/server/head_service.h"
+#include "retained_inputs.h"
+
+namespace remotehead::server {
+
+struct ServiceContext {
+  ServiceContext(HeadRegistry* registry, const ServiceOptions& options)
+      : registry(registry),
+        options(options),
+        admission(options.admission),
+        retained(&admission, options.max_retain_seconds),
+        operations(registry, options.device, options.event_log),
+        compute(options.compute_threads) {}
+
+  HeadRegistry* const registry;
+  const ServiceOptions options;
+  AdmissionController admission;
+  RetainedInputStore retained;
+  HeadOperations operations;
+  // Last, so destroyed first: the pool's threads finish their tasks while the rest is alive.
+  ComputePool compute;
+};
+
+}  // namespace remotehead::server

@@ -1,0 +1,133 @@
+// The engine's memory model (core/call_plan.h): for every function, mode, dtype and chunking,
+// the bytes PlanCall's CallPlan::Memory predicts are at least the transient peak the counting
+// CPU allocator measures during the call, and at most kMaxOverestimate times it. A server
+// admits requests by this estimate, so an underestimate could let a request run the device
+// out of memory, and a gross overestimate would refuse work that fits.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+
+#include "core/reference.h"
+#include "remotehead/core/call_plan.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/core/memory_stats.h"
+
+namespace remotehead {
+namespace {
+
+using core::CallMode;
+using core::Reduction;
+
+constexpr int64_t kVocab = 3000;
+constexpr int64_t kHidden = 128;
+// The estimate may exceed the measured peak by this factor at most. It is conservative on
+// purpose where the engine's peak depends on LibTorch's internals (which temporaries of a
+// function's autograd graph are alive at once).
+constexpr double kMaxOverestimate = 3.0;
+
+struct FunctionCase {
+  std::string label;
+  std::string function;
+  core::FunctionParams params;
+  Reduction reduction = Reduction::kMean;
+};
+
+void PrintTo(const FunctionCase& c, std::ostream* os) { *os << c.label; }
+
+// How the chunk size is chosen: from a memory budget, as given, or larger than the call.
+struct Chunking {
+  std::string label;
+  int64_t chunk_rows = 0;
+  int64_t memory_budget_bytes = 0;
+  int64_t rows = 0;
+};
+
+void PrintTo(const Chunking& c, std::ostream* os) { *os << c.label; }
+
+using Param = std::tuple<FunctionCase, CallMode, torch::ScalarType, Chunking>;
+
+class MemoryModel : public ::testing::TestWithParam<Param> {};
+
+TEST_P(MemoryModel, EstimateBoundsTheMeasuredPeak) {
+  const auto& [fcase, mode, dtype, chunking] = GetParam();
+  core::InstallCpuMemoryTracker();
+  torch::manual_seed(0);
+  auto head = reference::MakeTestHead(kVocab, kHidden, dtype, /*bias=*/true);
+  const Reduction reduction = mode == CallMode::kFused && fcase.reduction == Reduction::kNone
+                                  ? Reduction::kSum
+                                  : fcase.reduction;
+  const core::TokenBatch batch =
+      reference::MakeTestBatch(*head, chunking.rows, fcase.function, reduction);
+  core::StepOptions options{.function = fcase.function,
+                            .params = fcase.params,
+                            .reduction = reduction,
+                            .chunk_rows = chunking.chunk_rows,
+                            .memory_budget_bytes = chunking.memory_budget_bytes};
+  core::GradientBuffers grads = head->NewGradientBuffers();
+  const torch::Tensor grad_output = reduction == Reduction::kNone ? torch::randn({chunking.rows})
+                                                                  : torch::ones({}, torch::kDouble);
+  auto plan = core::PlanCall(*head, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const core::CallMemory estimate = plan->Memory(chunking.rows, mode);
+
+  // Inputs and accumulators exist before the call, as in a server; dX is the call's own.
+  ASSERT_TRUE(core::ResetPeakMemory(torch::kCPU).ok());
+  const int64_t before = core::GetMemoryStats(torch::kCPU)->allocated_bytes;
+  absl::Status status;
+  switch (mode) {
+    case CallMode::kFused:
+      status = core::FusedForwardBackward(*head, batch, options, &grads).status();
+      break;
+    case CallMode::kForward:
+      status = core::Forward(*head, batch, options).status();
+      break;
+    case CallMode::kBackward:
+      status = core::Backward(*head, batch, options, grad_output, &grads).status();
+      break;
+  }
+  ASSERT_TRUE(status.ok()) << status;
+  const int64_t measured = core::GetMemoryStats(torch::kCPU)->peak_allocated_bytes - before;
+
+  EXPECT_GE(estimate.total(), measured) << estimate.Breakdown() << " vs measured " << measured;
+  EXPECT_LE(static_cast<double>(estimate.total()), kMaxOverestimate * static_cast<double>(measured))
+      << estimate.Breakdown() << " vs measured " << measured;
+  RecordProperty("estimate_over_measured",
+                 std::to_string(static_cast<double>(estimate.total()) / measured));
+}
+
+const FunctionCase kFunctions[] = {
+    {"ce", "cross_entropy", {}},
+    {"ce_all_options",
+     "cross_entropy",
+     {{"label_smoothing", 0.1}, {"z_loss", 1e-4}, {"softcap", 30}, {"temperature", 0.7}}},
+    {"logprobs_none", "token_logprobs", {}, Reduction::kNone},
+    {"entropy", "entropy", {}, Reduction::kSum},
+    {"grpo", "grpo", {{"beta", 0.04}}, Reduction::kWeightedSum},
+    {"mse_onehot", "mse_onehot", {}},
+    {"sigmoid_sum", "sigmoid_sum", {}, Reduction::kSum},
+};
+
+const Chunking kChunkings[] = {
+    {"budget", 0, int64_t{3} << 20, 700},  // the budget forces several chunks
+    {"chunk_rows", 96, 0, 500},            // explicit chunks, a ragged last one
+    {"one_small_chunk", 4096, 0, 37},      // fewer rows than one chunk
+};
+
+std::string Name(const ::testing::TestParamInfo<Param>& info) {
+  const auto& [fcase, mode, dtype, chunking] = info.param;
+  const char* modes[] = {"fused", "forward", "backward"};
+  return fcase.label + "_" + modes[static_cast<int>(mode)] + "_" +
+         (dtype == torch::kFloat ? "fp32" : "bf16") + "_" + chunking.label;
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryFunctionModeAndDtype, MemoryModel,
+                         ::testing::Combine(::testing::ValuesIn(kFunctions),
+                                            ::testing::Values(CallMode::kFused, CallMode::kForward,
+                                                              CallMode::kBackward),
+                                            ::testing::Values(torch::kFloat, torch::kBFloat16),
+                                            ::testing::ValuesIn(kChunkings)),
+                         Name);
+
+}  // namespace
+}  // namespace remotehead
