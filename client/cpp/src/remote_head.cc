@@ -12,6 +12,12 @@ namespace remotehead::client {
 StatusError::StatusError(absl::Status status)
     : std::runtime_error(status.ToString()), status_(std::move(status)) {}
 
+bool UpstreamMatchesDeclared(double declared, double got) {
+  if (got == declared) return true;
+  // False for a NaN `got`: every comparison with NaN is.
+  return std::abs(got - declared) <= 1e-6 * std::abs(declared);
+}
+
 struct RemoteHead::State {
   std::shared_ptr<Client> client;
   StepSpec spec;
@@ -133,16 +139,15 @@ struct FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
     const torch::Tensor dx = ctx->saved_data["grad_hidden"].toTensor();
     const double scale = ctx->saved_data["upstream_scale"].toDouble();
     const double upstream = g.item<double>();
-    if (upstream == scale)
-      return {dx, torch::Tensor()};  // the usual case: dX as the server sent it
-    if (ctx->saved_data["accumulates"].toBool() &&
-        std::abs(upstream - scale) > 1e-6 * std::abs(scale)) {
+    if (ctx->saved_data["accumulates"].toBool() && !UpstreamMatchesDeclared(scale, upstream)) {
       throw StatusError(absl::FailedPreconditionError(absl::StrCat(
           "RemoteHead::loss: backward got dL/dloss = ", upstream,
           ", but the server accumulated dW for upstream_scale = ", scale,
           " in the forward; declare the factor up front (StepSpec::upstream_scale, or the "
           "normalizer for gradient accumulation), or turn accumulate_weight_grad off")));
     }
+    if (upstream == scale)
+      return {dx, torch::Tensor()};  // the usual case: dX as the server sent it
     return {dx * (upstream / scale), torch::Tensor()};
   }
 };

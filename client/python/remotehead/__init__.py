@@ -5,9 +5,16 @@
     head = remotehead.RemoteHead(client, "lm")
     loss = head.loss(hidden, labels)   # the [N, V] logits are never built here
     loss.backward()                    # hidden.grad from the server's dX; dW accumulates there
+
+Step calls take a StepOptions (help(remotehead.StepOptions) lists every option) or its fields
+as keyword arguments, and return a StepResult whose summary is a StepSummary.
 """
 
-from remotehead.client import Client, HeadInfo, RemoteheadError, StepResult
-from remotehead.autograd import RemoteHead
+from remotehead.client import (Client, GradientId, HeadInfo, InvalidArgumentError,
+                               RemoteheadError, StepOptions, StepResult, StepSummary,
+                               StepTimings)
+from remotehead.autograd import RemoteHead, upstream_matches_declared
 
-__all__ = ["Client", "HeadInfo", "RemoteHead", "RemoteheadError", "StepResult"]
+__all__ = ["Client", "GradientId", "HeadInfo", "InvalidArgumentError", "RemoteHead",
+           "RemoteheadError", "StepOptions", "StepResult", "StepSummary", "StepTimings",
+           "upstream_matches_declared"]

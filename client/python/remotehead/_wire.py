@@ -1,7 +1,14 @@
-"""remotehead.v1.Tensor <-> torch.Tensor, and the row-chunk plan of a streamed tensor."""
+"""remotehead.v1.Tensor <-> torch.Tensor, and the row-chunk plan of a streamed tensor.
+
+The twin of the C++ client's client/cpp/src/wire.cc: the same dtypes, little-endian bytes in
+row-major order, and the same row-chunk rule (tests/data/wire_vectors.json pins the bytes).
+"""
+
+from typing import List, Optional, Tuple
 
 import torch
 
+from remotehead._errors import InvalidArgumentError
 from remotehead.v1 import head_service_pb2 as pb
 
 _TO_WIRE = {
@@ -15,15 +22,24 @@ _TO_WIRE = {
 _FROM_WIRE = {wire: dtype for dtype, wire in _TO_WIRE.items()}
 
 
-def wire_dtype(dtype: torch.dtype) -> int:
+def wire_dtype(dtype: torch.dtype, field: str = "dtype") -> int:
+    """The wire DType of `dtype`; InvalidArgumentError (a ValueError) naming `field` for one
+    the wire cannot carry."""
     if dtype not in _TO_WIRE:
-        raise ValueError(f"dtype: expected one of {list(_TO_WIRE)}; got {dtype}")
+        raise InvalidArgumentError(f"{field}: expected float32, bfloat16, float16, float64, "
+                                   f"int64 or int32; got {dtype}")
     return _TO_WIRE[dtype]
+
+
+def to_wire_layout(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The CPU, contiguous version of `tensor` in `dtype` (default: its own): one copy at most,
+    none when it already is one."""
+    return tensor.detach().to("cpu", dtype if dtype is not None else tensor.dtype).contiguous()
 
 
 def encode(tensor: torch.Tensor, out: pb.Tensor) -> None:
     """Writes `tensor` (any device) into `out` as little-endian bytes with dtype and shape."""
-    t = tensor.detach().to("cpu").contiguous()
+    t = to_wire_layout(tensor)
     out.dtype = wire_dtype(t.dtype)
     out.shape[:] = list(t.shape)
     out.data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -41,7 +57,15 @@ def decode(msg: pb.Tensor) -> torch.Tensor:
     return raw.view(dtype).reshape(shape)
 
 
-def row_chunks(rows: int, bytes_per_row: int, chunk_bytes: int):
-    """[offset, count) pieces of at most `chunk_bytes` (at least one row each)."""
-    per_chunk = max(1, chunk_bytes // max(bytes_per_row, 1))
+def plan_row_chunks(rows: int, bytes_per_row: int, overhead_bytes: int,
+                    max_message_bytes: int) -> List[Tuple[int, int]]:
+    """[offset, count) pieces whose messages stay within `max_message_bytes` once
+    `overhead_bytes` of framing are added (the C++ client's PlanRowChunks).
+    InvalidArgumentError naming chunk_bytes when one row alone does not fit."""
+    room = max_message_bytes - overhead_bytes
+    if bytes_per_row > room:
+        raise InvalidArgumentError(
+            f"chunk_bytes: expected room for at least one row ({bytes_per_row} bytes + "
+            f"{overhead_bytes} bytes of framing); got {max_message_bytes}")
+    per_chunk = max(1, room // max(bytes_per_row, 1))
     return [(offset, min(per_chunk, rows - offset)) for offset in range(0, rows, per_chunk)]

@@ -4,7 +4,8 @@ The fused path does the whole LM-head step in one round trip during the forward:
 returns the loss and dX (and accumulates dW); backward() then only scales the saved dX. The
 server's dW corresponds to the upstream gradient declared up front (`upstream_scale`, 1 by
 default): while dW is accumulated, a backward with another dL/dloss is refused rather than
-leaving dW inconsistent with dX.
+leaving dW inconsistent with dX (upstream_matches_declared: the rule the C++ client's
+FusedLossFunction applies too).
 
 Where the head's parameter lives in the trainer (`local_weight`: tied input embeddings, or a
 local optimizer that must see every gradient, e.g. for clipping), the server is a stateless
@@ -14,137 +15,260 @@ backward the accumulated dW is pulled into `local_weight.grad` (then zeroed on t
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import uuid
-from typing import Optional
+from typing import Mapping, Optional
 
 import grpc
 import torch
 
-from remotehead.client import Client, RemoteheadError, StepResult
+from remotehead.client import (Client, GradientId, HeadInfo, InvalidArgumentError,
+                               RemoteheadError, StepOptions, StepResult, check_option_names)
+
+# Relative tolerance of the upstream-gradient check (the C++ client's kUpstreamTolerance).
+UPSTREAM_RELATIVE_TOLERANCE = 1e-6
+
+
+def upstream_matches_declared(declared: float, got: float) -> bool:
+    """Whether a backward's dL/dloss `got` is the upstream gradient `declared` up front
+    (upstream_scale), for which the server accumulated dW: equal, or within 1e-6 of |declared|
+    (relative: a loss scale of 65536 and one of 1e-3 are held to the same precision). NaN
+    matches nothing. `declared` is never 0 (RemoteHead refuses it up front).
+
+    The C++ client's remotehead::client::UpstreamMatchesDeclared; both are tested against
+    tests/data/upstream_scale_cases.json."""
+    if got == declared:
+        return True
+    return abs(got - declared) <= UPSTREAM_RELATIVE_TOLERANCE * abs(declared)
+
+
+def _check_declared_upstream(scale: float, field: str) -> None:
+    """A declared upstream gradient must be finite and non-zero (dX is rescaled by
+    dL/dloss / scale), as the C++ client's RemoteHead::Attach requires."""
+    if not (math.isfinite(scale) and scale != 0):
+        raise InvalidArgumentError(f"{field}: expected a finite non-zero value; got {scale}")
+
+
+def _loss_tensor(loss: float, hidden: torch.Tensor) -> torch.Tensor:
+    """The reduced loss as a 0-d float32 tensor (float64 for float64 hidden) on hidden's
+    device, as the C++ RemoteHead: a bf16 loss would round away what the server summed in
+    fp32."""
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return torch.tensor(loss, dtype=dtype, device=hidden.device)
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """The per-token inputs of one call, besides hidden and targets."""
+
+    weights: Optional[torch.Tensor] = None
+    aux: Optional[Mapping[str, torch.Tensor]] = None
 
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, targets, head, spec, pull):
-        result = head.client.forward_backward(head.head_id, hidden, targets, **spec)
+    def forward(ctx, hidden, targets, head, options, inputs, pull):
+        result = head.client.forward_backward(head.head_id, hidden, targets, options,
+                                              weights=inputs.weights, aux=inputs.aux)
         head.last_result = result
         ctx.save_for_backward(result.grad_hidden.to(hidden.device, hidden.dtype)
                               .reshape(hidden.shape))
-        ctx.upstream_scale = spec.get("upstream_scale", 1.0)
-        ctx.accumulated = spec.get("accumulate", True)
+        ctx.upstream_scale = options.upstream_scale
+        ctx.accumulated = options.accumulate
         ctx.head, ctx.pull = head, pull
-        return hidden.new_tensor(result.loss)
+        return _loss_tensor(result.loss, hidden)
 
     @staticmethod
     def backward(ctx, grad_loss):
         (grad_hidden,) = ctx.saved_tensors
         scale = ctx.upstream_scale
-        if ctx.accumulated and abs(float(grad_loss) - scale) > 1e-6 * max(1.0, abs(scale)):
-            raise RuntimeError(
-                f"upstream gradient: expected dL/dloss = upstream_scale ({scale}), which the "
-                f"server's dW was accumulated with; got {float(grad_loss)}. Pass the loss scale "
-                f"as upstream_scale (or accumulate=False for a frozen head)")
+        upstream = float(grad_loss)
+        if ctx.accumulated and not upstream_matches_declared(scale, upstream):
+            raise RemoteheadError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"RemoteHead.loss: backward got dL/dloss = {upstream}, but the server "
+                f"accumulated dW for upstream_scale = {scale} in the forward; declare the factor "
+                f"up front (upstream_scale, or the normalizer for gradient accumulation), or "
+                f"pass accumulate=False for a frozen head")
         if ctx.pull:
             ctx.head.pull_gradients()
+        if upstream == scale:
+            return grad_hidden, None, None, None, None, None  # dX as the server sent it
         # dX is linear in the upstream scalar: the server computed it for `scale`.
-        return grad_hidden * (grad_loss / scale), None, None, None, None
+        return grad_hidden * (grad_loss / scale), None, None, None, None, None
 
 
 class _TwoPhaseOutputs(torch.autograd.Function):
-    """Per-token outputs now (a Forward that keeps its rows on the server), dL/dy later (a
-    Backward by handle: only dL/dy travels; X is re-sent if the handle has expired)."""
+    """Per-token outputs now (a Forward, which keeps its rows on the server), dL/dy later (a
+    Backward by handle: only dL/dy travels; X is re-sent if the handle has expired). The
+    Backward is pinned to the weight version the Forward saw: after an optimizer step in
+    between it fails with FAILED_PRECONDITION instead of mixing two versions (as the C++
+    client's TokenOutputsFunction)."""
 
     @staticmethod
-    def forward(ctx, hidden, targets, head, spec, pull):
-        result = head.client.forward(head.head_id, hidden, targets, reduction="none",
-                                     retain_inputs_seconds=head.retain_seconds,
-                                     **{k: v for k, v in spec.items()
-                                        if k not in ("accumulate", "gradient_id")})
-        ctx.head, ctx.spec, ctx.targets, ctx.pull = head, spec, targets, pull
+    def forward(ctx, hidden, targets, head, options, inputs, pull):
+        result = head.client.forward(head.head_id, hidden, targets, options,
+                                     weights=inputs.weights, aux=inputs.aux)
+        head.last_result = result
+        ctx.head, ctx.options, ctx.inputs, ctx.targets, ctx.pull = (head, options, inputs,
+                                                                    targets, pull)
         ctx.handle = result.summary.inputs_handle
+        ctx.forward_version = result.summary.weight_version
         ctx.save_for_backward(hidden)
         return result.outputs.to(hidden.device).reshape(hidden.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_outputs):
         (hidden,) = ctx.saved_tensors
-        head, spec = ctx.head, ctx.spec
+        head, inputs = ctx.head, ctx.inputs
+        options = ctx.options.replace(retain_inputs_seconds=0.0)
+        # The gradient belongs to the weights the outputs were computed with.
+        if options.expected_weight_version is None:
+            options = options.replace(expected_weight_version=ctx.forward_version)
         grad = grad_outputs.detach().float().reshape(-1)
-        try:
-            result = head.client.backward(head.head_id, hidden, ctx.targets, grad,
-                                          inputs_handle=ctx.handle, **spec)
-        except RemoteheadError as e:
-            if e.code != grpc.StatusCode.NOT_FOUND:
-                raise
-            result = head.client.backward(head.head_id, hidden, ctx.targets, grad, **spec)
+
+        def backward(o):
+            return head.client.backward(head.head_id, hidden, ctx.targets, grad, o,
+                                        weights=inputs.weights, aux=inputs.aux)
+
+        if ctx.handle:
+            try:
+                result = backward(options.replace(inputs_handle=ctx.handle))
+            except RemoteheadError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                # The server no longer has the rows (they expired, or a Backward whose answer
+                # was lost released them): send them again, same identity, same version.
+                result = backward(options)
+        else:
+            result = backward(options)
+        head.last_result = result
         if ctx.pull:
             head.pull_gradients()
         return result.grad_hidden.to(hidden.device, hidden.dtype).reshape(hidden.shape), None, \
-            None, None, None
+            None, None, None, None
 
 
 class RemoteHead:
     """The LM head `head_id` on a server, used as `loss = head.loss(hidden, labels)`.
 
+    `options` (a StepOptions) and keyword overrides of its fields are the defaults of every
+    call (help(remotehead.StepOptions) lists them); each call may override them again, its
+    `params` merged over these. The head is described once here: hidden states are sent in
+    the head's dtype (wire_dtype) and dX comes back in the caller's. upstream_scale must be
+    finite and non-zero.
+
     Each call is one micro-batch of gradient identity (trainer, step, micro_batch): replays
     (client retries) are recognised by the server and not added twice. `next_step()` (called by
-    `optimizer_step()`) moves to the next step.
+    `optimizer_step()`) moves to the next step. The trainer is `trainer`, else
+    options.gradient_id's, else a random one; options.gradient_id also gives the first step and
+    micro-batch.
     """
 
-    def __init__(self, client: Client, head_id: str, *, trainer: Optional[str] = None,
-                 accumulate: bool = True, local_weight: Optional[torch.nn.Parameter] = None,
-                 **spec):
+    def __init__(self, client: Client, head_id: str, options: Optional[StepOptions] = None, *,
+                 trainer: Optional[str] = None,
+                 local_weight: Optional[torch.nn.Parameter] = None, **overrides):
+        explicit_retain = options is not None or "retain_inputs_seconds" in overrides
+        options = (options if options is not None else StepOptions()).replace(**overrides)
+        _check_declared_upstream(options.upstream_scale, "upstream_scale")
         self.client = client
         self.head_id = head_id
-        self.trainer = trainer or f"py-{uuid.uuid4().hex[:12]}"
-        self.accumulate = accumulate
+        self.info: HeadInfo = client.describe_head(head_id)
+        start = options.gradient_id
+        self.trainer = trainer or (start.trainer if start is not None and start.trainer
+                                   else f"py-{uuid.uuid4().hex[:12]}")
+        self.step = start.step if start is not None else 0
+        self.micro_batch = start.micro_batch if start is not None else 0
+        # Identities are handed out per call; the server computes in the head's dtype.
+        self.options = options.replace(
+            gradient_id=None,
+            wire_dtype=options.wire_dtype if options.wire_dtype is not None else self.info.dtype)
         self.local_weight = local_weight
-        self.spec = spec  # defaults for every call (function, params, normalizer, ...)
-        self.step = 0
-        self.micro_batch = 0
         self.last_result: Optional[StepResult] = None
-        self.retain_seconds = 600.0  # how long a two-phase Forward's rows wait for the Backward
+        # How long a two-phase Forward's rows wait on the server for the Backward: the options'
+        # retain_inputs_seconds when given (0: the Backward sends X again), else 600 s.
+        self.retain_seconds = options.retain_inputs_seconds if explicit_retain else 600.0
         # The local_weight the server holds: its identity and version counter when pushed, or
         # None after a pull (the optimizer step that follows may change the weights without
         # bumping the version counter: fused AdamW does not).
         self._pushed = self._local_state()
 
-    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, *, pull_gradients: bool = True,
-             **spec) -> torch.Tensor:
-        """The reduced loss of the head's function over `hidden` [..., D] and `labels` [...].
-        With a local_weight, pull_gradients=False defers the pull of dW into local_weight.grad
-        (e.g. until the last micro-batch of a gradient-accumulation window)."""
-        self.push_weights()
-        call = {**self.spec, **spec}
-        accumulate = call.pop("accumulate", self.accumulate)
-        if not torch.is_grad_enabled() or not hidden.requires_grad:
-            # Evaluation: a Forward, nothing accumulated.
-            call.setdefault("reduction", "mean")
-            result = self.client.forward(self.head_id, hidden, labels, **call)
-            self.last_result = result
-            return hidden.new_tensor(result.loss)
-        call["accumulate"] = accumulate
+    @property
+    def accumulate(self) -> bool:
+        """Whether calls with gradients add dW on the server (False: a frozen head)."""
+        return self.options.accumulate
+
+    def _call_options(self, overrides: dict, gradients: bool, two_phase: bool) -> StepOptions:
+        """The options of one call (the C++ client's MakeCall): the head's, the call's
+        overrides over them (params merged), a fresh gradient identity when it accumulates,
+        and retained inputs only for a two-phase Forward with a Backward to come."""
+        check_option_names(overrides)
+        retain = overrides.get("retain_inputs_seconds", self.retain_seconds)
+        o = self.options.replace(**{
+            "valid_tokens": None, "inputs_handle": "", **overrides,
+            "params": {**self.options.params, **(overrides.get("params") or {})}})
+        _check_declared_upstream(o.upstream_scale, "upstream_scale")
+        accumulate = o.accumulate and gradients
+        gradient_id = None
         if accumulate:
-            call["gradient_id"] = (self.trainer, self.step, self.micro_batch)
-            self.micro_batch += 1
-        return _FusedHeadLoss.apply(hidden, labels, self, call,
-                                    self._pulls_after_backward(accumulate, pull_gradients))
+            gradient_id = o.gradient_id or self._next_gradient_id()
+        return o.replace(accumulate=accumulate, gradient_id=gradient_id,
+                         retain_inputs_seconds=retain if two_phase and gradients else 0.0)
+
+    def _next_gradient_id(self) -> GradientId:
+        gradient_id = GradientId(self.trainer, self.step, self.micro_batch)
+        self.micro_batch += 1
+        return gradient_id
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, *,
+             weights: Optional[torch.Tensor] = None,
+             aux: Optional[Mapping[str, torch.Tensor]] = None, pull_gradients: bool = True,
+             **overrides) -> torch.Tensor:
+        """The reduced loss of the head's function over `hidden` [..., D] and `labels` [...]
+        (one ForwardBackward; a Forward, nothing accumulated, under torch.no_grad() or when
+        hidden does not require grad). weights / aux: per-token inputs shaped like labels;
+        overrides: StepOptions fields for this call. With a local_weight, pull_gradients=False
+        defers the pull of dW into local_weight.grad (e.g. until the last micro-batch of a
+        gradient-accumulation window)."""
+        self.push_weights()
+        gradients = torch.is_grad_enabled() and hidden.requires_grad
+        options = self._call_options(overrides, gradients, two_phase=False)
+        if options.reduction == "none":
+            raise InvalidArgumentError(
+                'reduction: loss() needs a scalar reduction ("sum", "mean" or "weighted_sum"); '
+                'got "none" — use token_outputs() for per-token outputs')
+        if not gradients:
+            result = self.client.forward(self.head_id, hidden, labels, options, weights=weights,
+                                         aux=aux)
+            self.last_result = result
+            return _loss_tensor(result.loss, hidden)
+        return _FusedHeadLoss.apply(hidden, labels, self, options, _Inputs(weights, aux),
+                                    self._pulls_after_backward(options.accumulate,
+                                                               pull_gradients))
 
     def token_outputs(self, hidden: torch.Tensor, targets: torch.Tensor, *,
-                      pull_gradients: bool = True, **spec) -> torch.Tensor:
-        """Per-token outputs of the head's function ([...] like targets), e.g.
-        function="token_logprobs", differentiable on the two-phase path: the trainer combines
-        them as it likes and backward() sends dL/dy to the server (dW accumulated there)."""
+                      function: str = "token_logprobs",
+                      weights: Optional[torch.Tensor] = None,
+                      aux: Optional[Mapping[str, torch.Tensor]] = None,
+                      pull_gradients: bool = True, **overrides) -> torch.Tensor:
+        """Per-token outputs of `function` (default token_logprobs, whatever the head's
+        function for loss() is; [...] like targets), differentiable on the two-phase path: the
+        trainer combines them as it likes and backward() sends dL/dy to the server (dW
+        accumulated there). The Forward keeps its rows on the server (retain_inputs_seconds,
+        default `retain_seconds`) so that the Backward sends only dL/dy."""
         self.push_weights()
-        call = {**self.spec, **spec}
-        accumulate = call.pop("accumulate", self.accumulate)
-        call.pop("reduction", None)
-        call["accumulate"] = accumulate
-        if accumulate:
-            call["gradient_id"] = (self.trainer, self.step, self.micro_batch)
-            self.micro_batch += 1
-        return _TwoPhaseOutputs.apply(hidden, targets, self, call,
-                                      self._pulls_after_backward(accumulate, pull_gradients))
+        gradients = torch.is_grad_enabled() and hidden.requires_grad
+        overrides = {**overrides, "function": function, "reduction": "none"}
+        options = self._call_options(overrides, gradients, two_phase=True)
+        if not gradients:
+            result = self.client.forward(self.head_id, hidden, targets, options,
+                                         weights=weights, aux=aux)
+            self.last_result = result
+            return result.outputs.to(hidden.device).reshape(hidden.shape[:-1])
+        return _TwoPhaseOutputs.apply(hidden, targets, self, options, _Inputs(weights, aux),
+                                      self._pulls_after_backward(options.accumulate,
+                                                                 pull_gradients))
 
     def next_step(self) -> None:
         self.step += 1

@@ -3,20 +3,26 @@
 Step calls stream: gRPC sends the header and X's row chunks from its own thread while this one
 receives dX chunks as the server produces them. Server errors surface as RemoteheadError with
 the gRPC status code and the server's message (which names the field, expected and actual).
+
+The step calls follow the C++ client's rules (client/cpp/src/client.cc, PrepareStep) to the
+byte: for the same call both clients send the same StepHeader and split the rows into the same
+messages (tests/python/test_conformance.py runs one list of calls through both and compares
+what reached the server).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import random
 import time
-import uuid
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import grpc
 import torch
 
 from remotehead import _wire
+from remotehead._errors import InvalidArgumentError, RemoteheadError
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
 
@@ -26,15 +32,6 @@ _REDUCTIONS = {
     "mean": pb.REDUCTION_MEAN,
     "weighted_sum": pb.REDUCTION_WEIGHTED_SUM,
 }
-
-
-class RemoteheadError(Exception):
-    """A failed call: `code` is the grpc.StatusCode, `details` the server's message."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
 
 
 @dataclasses.dataclass
@@ -49,12 +46,139 @@ class HeadInfo:
     accumulated_micro_batches: int
 
 
+class GradientId(NamedTuple):
+    """Identity of one gradient contribution: the server adds a given identity's dW at most once
+    between two zeroings of the head's gradients. A plain (trainer, step, micro_batch) tuple is
+    accepted wherever a GradientId is."""
+
+    trainer: str  # e.g. "run-7/rank-3"
+    step: int = 0  # optimizer step
+    micro_batch: int = 0  # micro-batch within the step
+
+
+@dataclasses.dataclass
+class StepOptions:
+    """What a step computes: the StepHeader of the wire contract (the C++ client's StepSpec).
+
+    Per-token inputs (weights, aux, grad_output) are arguments of the step calls, not options.
+    The step calls also take any of these fields as keyword arguments, applied over `options`.
+
+    Attributes:
+        function: the server's transformation function: "cross_entropy", "token_logprobs",
+            "entropy", "grpo", "mse_onehot" or "sigmoid_sum".
+        params: the function's scalar options by name, e.g. {"label_smoothing": 0.1},
+            {"temperature": 0.7}, GRPO's {"beta": 0.04, "epsilon_low": 0.2}.
+        reduction: "none" (per-token outputs: Forward and Backward only), "sum", "mean" (over
+            targets != ignore_index) or "weighted_sum" (Σ weight·y; needs per-token weights).
+        ignore_index: targets equal to it are ignored (no loss, no gradient).
+        normalizer: divides the reduced sum when set, e.g. the valid tokens of a whole
+            accumulated batch across micro-batches and ranks (num_items_in_batch).
+        valid_tokens: for a "mean" without normalizer the server needs the number of
+            targets != ignore_index over all rows up front. None: the client counts it from the
+            targets (all rows when there are none).
+        chunk_rows: rows per chunk inside the server. 0 (with memory_budget_bytes 0): the
+            server's default memory budget.
+        memory_budget_bytes: the server sizes its chunks to this many bytes (0: its default).
+        upstream_scale: forward_backward: dL/d(loss), e.g. a loss scale; dX and dW come back
+            multiplied by it. (backward takes dL/d(loss) as its grad_output instead.)
+        accumulate: forward_backward / backward: add dW on the server (False: dX only, e.g. a
+            frozen head). forward never accumulates.
+        gradient_id: (trainer, step, micro_batch) of this contribution; required when
+            accumulating (the server refuses an accumulating step without one). Retries of one
+            call keep it, so the server adds the contribution at most once.
+        expected_weight_version: the step fails with FAILED_PRECONDITION unless the head is at
+            this version (None: any version).
+        wire_dtype: hidden is converted to this dtype before it is sent: the head's dtype, in
+            which the server computes. None: sent as it is. dX comes back in hidden's own dtype.
+        retain_inputs_seconds: forward only: the server keeps the rows (hidden, targets,
+            weights, aux) for at most this many seconds, so that backward can name them by
+            summary.inputs_handle instead of sending X again. 0: keep nothing.
+        inputs_handle: backward only: a forward's summary.inputs_handle. Only grad_output then
+            travels (nothing at all for a scalar reduction); hidden still gives N, D and dX's
+            dtype, and targets (or valid_tokens) the count a "mean" without normalizer needs.
+            The handle is refused once the head's weights moved on, and forgotten after a
+            successful backward (NOT_FOUND).
+    """
+
+    function: str = "cross_entropy"
+    params: Dict[str, float] = dataclasses.field(default_factory=dict)
+    reduction: str = "mean"
+    ignore_index: int = -100
+    normalizer: Optional[float] = None
+    valid_tokens: Optional[int] = None
+    chunk_rows: int = 0
+    memory_budget_bytes: int = 0
+    upstream_scale: float = 1.0
+    accumulate: bool = True
+    gradient_id: Optional[GradientId] = None
+    expected_weight_version: Optional[int] = None
+    wire_dtype: Optional[torch.dtype] = None
+    retain_inputs_seconds: float = 0.0
+    inputs_handle: str = ""
+
+    def __post_init__(self):
+        if self.reduction not in _REDUCTIONS:
+            raise InvalidArgumentError(f"reduction: expected one of {list(_REDUCTIONS)}; got "
+                                       f"{self.reduction!r}")
+        self.params = dict(self.params or {})
+        if self.gradient_id is not None and not isinstance(self.gradient_id, GradientId):
+            self.gradient_id = GradientId(*self.gradient_id)
+
+    def replace(self, **overrides) -> "StepOptions":
+        """A copy with `overrides` applied; TypeError for a name that is not an option."""
+        check_option_names(overrides)
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(StepOptions))
+
+
+def check_option_names(names) -> None:
+    """TypeError naming the first of `names` that is not a StepOptions field."""
+    unknown = [n for n in names if n not in _OPTION_NAMES]
+    if unknown:
+        raise TypeError(f"unknown step option {unknown[0]!r}; expected one of: "
+                        f"{', '.join(_OPTION_NAMES)} (per-token inputs weights, aux and "
+                        f"grad_output are arguments of their own)")
+
+
+@dataclasses.dataclass
+class StepTimings:
+    """Where a step's time went on the server (seconds). The phases overlap (rows arrive while
+    earlier rows are computed and their results sent), so they need not add up to total."""
+
+    queue_seconds: float = 0.0  # waiting for admission
+    receive_wait_seconds: float = 0.0  # compute idle, waiting for rows from the client
+    compute_seconds: float = 0.0  # engine time
+    send_wait_seconds: float = 0.0  # compute paused: the client had not taken the results
+    total_seconds: float = 0.0  # first message to summary, on the server
+
+
+@dataclasses.dataclass
+class StepSummary:
+    """The server's summary of a step (the C++ client's StepSummary)."""
+
+    loss: float = 0.0  # the reduced loss (fused, scalar forward); not × upstream_scale
+    valid_tokens: int = 0
+    denominator: float = 1.0
+    extras: Dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. "nll", "kl"
+    weight_version: int = 0  # the head version the result was computed against
+    replayed: bool = False  # the gradient id had already been applied: nothing was added
+    chunk_rows: int = 0
+    num_chunks: int = 0
+    inputs_handle: str = ""  # forward with retain_inputs_seconds: pass to backward
+    timings: StepTimings = dataclasses.field(default_factory=StepTimings)
+
+
 @dataclasses.dataclass
 class StepResult:
-    loss: float  # the reduced loss (fused / scalar Forward)
-    grad_hidden: Optional[torch.Tensor]  # dX [N, D] (ForwardBackward, Backward)
-    outputs: Optional[torch.Tensor]  # per-token outputs [N] (Forward with reduction "none")
-    summary: pb.StepSummary  # valid_tokens, extras, replayed, weight_version, timings, ...
+    loss: float  # the reduced loss (fused / scalar forward)
+    # dX [N, D] in hidden's dtype (forward_backward, backward); × upstream_scale.
+    grad_hidden: Optional[torch.Tensor]
+    # forward: per-token outputs [N] for reduction "none" (float32; float64 for float64
+    # hidden), else the 0-d float64 loss.
+    outputs: Optional[torch.Tensor]
+    summary: StepSummary
 
 
 def _info(msg: pb.HeadInfo) -> HeadInfo:
@@ -62,9 +186,234 @@ def _info(msg: pb.HeadInfo) -> HeadInfo:
                     msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches)
 
 
+def _summary(msg: pb.StepSummary) -> StepSummary:
+    t = msg.timings
+    return StepSummary(
+        loss=msg.loss, valid_tokens=msg.valid_tokens, denominator=msg.denominator,
+        extras=dict(msg.extras), weight_version=msg.weight_version, replayed=msg.replayed,
+        chunk_rows=msg.chunk_rows, num_chunks=msg.num_chunks, inputs_handle=msg.inputs_handle,
+        timings=StepTimings(t.queue_seconds, t.receive_wait_seconds, t.compute_seconds,
+                            t.send_wait_seconds, t.total_seconds))
+
+
 def _assemble(pieces) -> Optional[torch.Tensor]:
     """Row chunks (offset, tensor) as one tensor, in row order; None if there were none."""
     return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]) if pieces else None
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(list(t.shape))  # "[2, 3]", as the C++ client's c10::str(sizes)
+
+
+# Protobuf framing of one request message beyond its tensor bytes (tags, lengths, dtype and
+# shape fields, map keys); generous, so that chunk_bytes bounds the whole message. The C++
+# client's FramingBytes: both clients must plan the same row messages.
+def framing_bytes(tensors: int, name_bytes: int) -> int:
+    return 64 + 64 * tensors + name_bytes
+
+
+_FORWARD_BACKWARD, _FORWARD, _BACKWARD = "ForwardBackward", "Forward", "Backward"
+
+
+@dataclasses.dataclass
+class _PreparedStep:
+    """A step's header, its inputs in wire layout (CPU, contiguous, wire dtypes) and its row
+    plan: built once, sent by every attempt."""
+
+    header: pb.StepHeader
+    rows: int
+    hidden_size: int
+    result_dtype: torch.dtype  # the caller's hidden dtype: dX comes back in it
+    # What travels with the rows; all None but grad_output for a backward by inputs handle.
+    hidden: Optional[torch.Tensor] = None
+    targets: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
+    grad_output: Optional[torch.Tensor] = None
+    aux: List[Tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    chunks: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def messages(self) -> Iterator[pb.StepRequest]:
+        yield pb.StepRequest(header=self.header)
+        for offset, count in self.chunks:
+            m = pb.StepRequest()
+            r = m.rows
+            r.row_offset = offset
+            for name in ("hidden", "targets", "weights", "grad_output"):
+                t = getattr(self, name)
+                if t is not None:
+                    _wire.encode(t[offset:offset + count], getattr(r, name))
+            for name, t in self.aux:
+                _wire.encode(t[offset:offset + count], r.aux[name])
+            yield m
+
+
+def _per_token(t, rows: int, field: str, integral: bool) -> torch.Tensor:
+    """A per-token input checked against the rows (any shape of `rows` elements, flattened),
+    converted to a wire dtype (integers to int64 unless int64/int32; floating kept) and laid
+    out for the wire. The C++ client's PreparePerToken (which takes [N] only)."""
+    if not isinstance(t, torch.Tensor) or t.numel() != rows:
+        got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InvalidArgumentError(f"{field}: expected shape [{rows}]; got {got}")
+    t = t.detach().reshape(-1)
+    if integral:
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise InvalidArgumentError(f"{field}: expected integer token ids; got {t.dtype}")
+        dtype = t.dtype if t.dtype in (torch.int64, torch.int32) else torch.int64
+        return _wire.to_wire_layout(t, dtype)
+    if not t.dtype.is_floating_point:
+        raise InvalidArgumentError(f"{field}: expected a floating tensor; got {t.dtype}")
+    _wire.wire_dtype(t.dtype, field)
+    return _wire.to_wire_layout(t)
+
+
+def _prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
+                  targets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                  aux: Optional[Mapping[str, torch.Tensor]], grad_output,
+                  o: StepOptions, chunk_bytes: int) -> _PreparedStep:
+    """The Python twin of the C++ client's PrepareStep: the same header fields, set under the
+    same conditions, and the same row plan."""
+    if (not isinstance(hidden, torch.Tensor) or hidden.dim() < 1
+            or not hidden.dtype.is_floating_point):
+        got = (f"{hidden.dtype} {_shape(hidden)}" if isinstance(hidden, torch.Tensor)
+               else "none" if hidden is None else type(hidden).__name__)
+        raise InvalidArgumentError(f"hidden: expected a floating [..., D] tensor; got {got}")
+    x = hidden.detach().reshape(-1, hidden.shape[-1])
+    n, d = x.shape
+    send_dtype = o.wire_dtype if o.wire_dtype is not None else x.dtype
+    _wire.wire_dtype(send_dtype, "wire_dtype")
+    result_dtype = x.dtype
+    p = _PreparedStep(pb.StepHeader(), n, d, result_dtype)
+    wire_result_dtype = _wire.wire_dtype(result_dtype, "hidden")
+    if targets is not None:
+        p.targets = _per_token(targets, n, "targets", integral=True)
+    # A backward by inputs handle sends none of the inputs: they are not even copied.
+    by_handle = mode == _BACKWARD and bool(o.inputs_handle)
+    if not by_handle:
+        p.hidden = _wire.to_wire_layout(x, send_dtype)
+        if weights is not None:
+            p.weights = _per_token(weights, n, "weights", integral=False)
+        for name, t in (aux or {}).items():
+            p.aux.append((name, _per_token(t, n, f'aux["{name}"]', integral=False)))
+
+    h = p.header
+    h.head_id = head_id
+    h.function.name = o.function
+    for k, v in o.params.items():
+        h.function.params[k] = float(v)
+    h.function.reduction = _REDUCTIONS[o.reduction]
+    h.function.ignore_index = o.ignore_index
+    if o.normalizer is not None:
+        h.function.normalizer = float(o.normalizer)
+    h.chunking.chunk_rows = o.chunk_rows
+    h.chunking.memory_budget_bytes = o.memory_budget_bytes
+    h.chunking.SetInParent()  # always present, as the C++ client's mutable_chunking()
+    h.rows = n
+    if o.expected_weight_version is not None:
+        h.expected_weight_version = o.expected_weight_version
+    if o.reduction == "mean" and o.normalizer is None:
+        if by_handle and o.valid_tokens is None and p.targets is None:
+            raise InvalidArgumentError(
+                "targets: a backward by inputs_handle with reduction \"mean\" and no normalizer "
+                "needs the targets (or the valid_tokens option) to count the valid tokens; got "
+                "neither")
+        # The server scales each chunk's dX by 1 / valid_tokens before the later rows arrive,
+        # so it needs the count up front.
+        h.valid_tokens = (o.valid_tokens if o.valid_tokens is not None
+                          else int((p.targets != o.ignore_index).sum()) if p.targets is not None
+                          else n)
+    if mode != _FORWARD:
+        h.accumulate_weight_grad = o.accumulate
+        h.grad_hidden_dtype = wire_result_dtype
+        if o.gradient_id is not None:
+            h.gradient_id.trainer = o.gradient_id.trainer
+            h.gradient_id.step = o.gradient_id.step
+            h.gradient_id.micro_batch = o.gradient_id.micro_batch
+    if mode == _FORWARD_BACKWARD:
+        h.upstream_scale = o.upstream_scale
+    if mode == _BACKWARD:
+        if o.reduction == "none":
+            if grad_output is None:
+                raise InvalidArgumentError(
+                    "grad_output: backward with reduction \"none\" needs dL/dy for every row; "
+                    "got none")
+            p.grad_output = _per_token(grad_output, n, "grad_output", integral=False)
+        else:
+            # A scalar reduction's dL/d(loss) travels as the header's upstream_scale; a
+            # grad_output in the rows would be ignored by the server.
+            h.upstream_scale = _scalar_upstream(grad_output)
+    if mode == _FORWARD and o.retain_inputs_seconds > 0:
+        h.retain_inputs_seconds = o.retain_inputs_seconds
+    if by_handle:
+        # The server has the inputs: only dL/dy goes with the rows, and a scalar reduction
+        # sends no rows at all.
+        h.inputs_handle = o.inputs_handle
+        p.targets = None  # read above for the valid-token count only
+        if p.grad_output is None:
+            return p
+
+    bytes_per_row = d * p.hidden.element_size() if p.hidden is not None else 0
+    tensors = 1 if p.hidden is not None else 0
+    name_bytes = 0
+    for t in (p.targets, p.weights, p.grad_output):
+        if t is not None:
+            bytes_per_row += t.element_size()
+            tensors += 1
+    for name, t in p.aux:
+        bytes_per_row += t.element_size()
+        tensors += 1
+        name_bytes += len(name.encode())
+    p.chunks = _wire.plan_row_chunks(n, bytes_per_row, framing_bytes(tensors, name_bytes),
+                                     chunk_bytes)
+    return p
+
+
+def _scalar_upstream(g) -> float:
+    """dL/d(loss) of a scalar-reduction backward: one floating value (a number, or a tensor of
+    one element)."""
+    if isinstance(g, numbers.Real) and not isinstance(g, bool):
+        return float(g)
+    if isinstance(g, torch.Tensor) and g.numel() == 1 and g.dtype.is_floating_point:
+        return float(g.detach().reshape(()).item())
+    got = _shape(g) if isinstance(g, torch.Tensor) else "none" if g is None else type(g).__name__
+    raise InvalidArgumentError(
+        f"grad_output: expected one floating value (dL/d(loss)) for a scalar reduction; got "
+        f"{got}")
+
+
+class _RowAssembler:
+    """Streamed rows of one result, checked and copied into a preallocated tensor as they
+    arrive (in order, no gaps, dst's trailing shape; converted to dst's dtype). Anything else
+    is a broken server response: INTERNAL naming the field, as the C++ client's RowAssembler."""
+
+    def __init__(self, dst: torch.Tensor, field: str):
+        self.dst, self.field, self.next_row = dst, field, 0
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        values = _wire.decode(chunk.values)
+        rows = values.shape[0] if values.dim() else -1
+        if (chunk.row_offset != self.next_row or rows < 0
+                or tuple(values.shape[1:]) != tuple(self.dst.shape[1:])
+                or self.next_row + rows > self.dst.shape[0]):
+            trailing = "".join(f", {s}" for s in self.dst.shape[1:])
+            raise RemoteheadError(
+                grpc.StatusCode.INTERNAL,
+                f"{self.field}: expected rows from {self.next_row} shaped [rows{trailing}] "
+                f"within {self.dst.shape[0]} rows; the server sent {_shape(values)} at row "
+                f"{chunk.row_offset}")
+        self.dst[self.next_row:self.next_row + rows] = values
+        self.next_row += rows
+
+    def check_complete(self) -> None:
+        if self.next_row != self.dst.shape[0]:
+            raise RemoteheadError(grpc.StatusCode.INTERNAL,
+                                  f"{self.field}: expected {self.dst.shape[0]} rows; the server "
+                                  f"sent {self.next_row}")
+
+
+def _resolve(options: Optional[StepOptions], overrides, default: StepOptions) -> StepOptions:
+    check_option_names(overrides)
+    base = options if options is not None else default
+    return dataclasses.replace(base, **overrides) if overrides else base
 
 
 class Client:
@@ -72,6 +421,9 @@ class Client:
 
     TLS: pass `root_certificates` (PEM bytes; plus `private_key` and `certificate_chain` for
     mTLS). `token` is sent as `authorization: Bearer <token>`, only over TLS.
+    `chunk_bytes` (>= 1024): the largest request message; rows of X (with their targets,
+    weights, aux, grad_output) and uploaded weight rows are split so that no message exceeds
+    it, by the same rule as the C++ client (same chunk_bytes, same row messages).
     """
 
     def __init__(self, target: str, *, root_certificates: Optional[bytes] = None,
@@ -80,6 +432,8 @@ class Client:
                  max_message_bytes: int = 64 << 20, timeout: Optional[float] = None,
                  max_attempts: int = 5, initial_backoff: float = 0.05,
                  max_backoff: float = 2.0):
+        if chunk_bytes < 1024:
+            raise InvalidArgumentError(f"chunk_bytes: expected >= 1024; got {chunk_bytes}")
         # Reconnect as fast as calls are retried (gRPC's default first reconnect waits 1 s).
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes),
@@ -151,22 +505,32 @@ class Client:
         replace=True: new weights for an existing head of the same shape, dtype and bias (its
         gradients must be zero; its optimizer state is reset; its version goes up by one), or a
         new head if there is none."""
-        weight = weight.detach()
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            got = _shape(weight) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise InvalidArgumentError(f"weight: expected a floating [V, D] tensor; got {got}")
+        w = _wire.to_wire_layout(weight)
+        vocab, hidden_size = w.shape
+        # The server stores the bias in the head's (weight's) dtype.
+        b = _wire.to_wire_layout(bias, w.dtype) if bias is not None else None
+        if b is not None and tuple(b.shape) != (vocab,):
+            raise InvalidArgumentError(f"bias: expected shape [{vocab}]; got {_shape(b)}")
+        # Planned before anything is sent, by the C++ client's rule (one tensor per message).
+        parts = [("weight_rows", w, _wire.plan_row_chunks(
+            vocab, hidden_size * w.element_size(), framing_bytes(1, 0), self._chunk_bytes))]
+        if b is not None:
+            parts.append(("bias_rows", b, _wire.plan_row_chunks(
+                vocab, b.element_size(), framing_bytes(1, 0), self._chunk_bytes)))
 
         def requests() -> Iterator[pb.UploadHeadRequest]:
             header = pb.UploadHeadRequest()
             header.header.head_id = head_id
-            header.header.vocab_size, header.header.hidden_size = weight.shape
-            header.header.dtype = _wire.wire_dtype(weight.dtype)
-            header.header.has_bias = bias is not None
+            header.header.vocab_size, header.header.hidden_size = vocab, hidden_size
+            header.header.dtype = _wire.wire_dtype(w.dtype, "weight")
+            header.header.has_bias = b is not None
             header.header.replace = replace
             yield header
-            for name, t in (("weight_rows", weight), ("bias_rows", bias)):
-                if t is None:
-                    continue
-                t = t.detach().to(weight.dtype)
-                row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 1
-                for offset, n in _wire.row_chunks(t.shape[0], row_bytes, self._chunk_bytes):
+            for name, t, chunks in parts:
+                for offset, n in chunks:
                     m = pb.UploadHeadRequest()
                     chunk = getattr(m, name)
                     chunk.row_offset = offset
@@ -208,10 +572,13 @@ class Client:
 
     # ----- gradients and optimizer -----
 
-    def fetch_gradients(self, head_id: str, dtype: torch.dtype = torch.float32
+    def fetch_gradients(self, head_id: str, dtype: Optional[torch.dtype] = None
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor], HeadInfo]:
-        """The accumulated dW [V, D] and db [V] (None without bias), and the head's state."""
-        request = pb.FetchGradientsRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype))
+        """The accumulated dW [V, D] and db [V] (None without bias), and the head's state.
+        dtype None: the accumulator's (float32)."""
+        request = pb.FetchGradientsRequest(head_id=head_id)
+        if dtype is not None:
+            request.dtype = _wire.wire_dtype(dtype)
         parts = self._read_row_stream(self._stub.FetchGradients, request)
         return (_assemble(parts.get("weight_grad_rows")), _assemble(parts.get("bias_grad_rows")),
                 parts.get("info"))
@@ -237,114 +604,104 @@ class Client:
         return _info(self._unary(self._stub.OptimizerStep, request, retry=False).info)
 
     # ----- steps -----
+    #
+    # hidden is [..., D] (flattened to N rows); targets, weights, aux and grad_output hold one
+    # value per row, in any shape of N elements. Tensors may live on any device.
 
-    def forward_backward(self, head_id: str, hidden: torch.Tensor, targets: torch.Tensor,
-                         **spec) -> StepResult:
-        """Fused step: loss, dX and (accumulate=True) dW on the server in one pass.
+    def forward_backward(self, head_id: str, hidden: torch.Tensor,
+                         targets: Optional[torch.Tensor], options: Optional[StepOptions] = None,
+                         *, weights: Optional[torch.Tensor] = None,
+                         aux: Optional[Mapping[str, torch.Tensor]] = None,
+                         **overrides) -> StepResult:
+        """Fused step: the loss, dX [N, D] (× upstream_scale) and, with accumulate, dW added on
+        the server, in one pass. Needs a scalar reduction and, when accumulating, a
+        gradient_id.
 
-        Keyword arguments: function ("cross_entropy"), params (dict), reduction ("mean", "sum",
-        "weighted_sum"), ignore_index (-100), normalizer, weights [N], aux (dict of [N]),
-        upstream_scale (1.0), accumulate (True), gradient_id ((trainer, step, micro_batch);
-        required when accumulating), expected_weight_version.
+        options: a StepOptions (default StepOptions()); any of its fields may also be passed
+        as a keyword argument (function, params, reduction, ignore_index, normalizer,
+        valid_tokens, chunk_rows, memory_budget_bytes, upstream_scale, accumulate,
+        gradient_id, expected_weight_version, wire_dtype), applied over it; an unknown
+        keyword is a TypeError listing the valid ones. help(remotehead.StepOptions) explains
+        each. weights [N]: per-token weights ("weighted_sum"); aux: extra per-token inputs by
+        name, e.g. GRPO's {"advantages": ..., "old_logprobs": ..., "ref_logprobs": ...}.
         """
-        return self._step(self._stub.ForwardBackward, head_id, hidden, targets, **spec)
+        o = _resolve(options, overrides, StepOptions())
+        return self._step(_FORWARD_BACKWARD, head_id, hidden, targets, weights, aux, None, o)
 
     def forward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
-                **spec) -> StepResult:
-        """Outputs only (nothing accumulated): per-token outputs for reduction "none".
-        retain_inputs_seconds > 0 keeps the rows on the server for a Backward by
-        summary.inputs_handle."""
-        spec.setdefault("reduction", "none")
-        spec["accumulate"] = False
-        return self._step(self._stub.Forward, head_id, hidden, targets, **spec)
+                options: Optional[StepOptions] = None, *,
+                weights: Optional[torch.Tensor] = None,
+                aux: Optional[Mapping[str, torch.Tensor]] = None, **overrides) -> StepResult:
+        """Outputs only, nothing accumulated (the accumulate and gradient_id options are not
+        sent): per-token outputs [N] for reduction "none", else the reduced loss.
+
+        options: a StepOptions, default StepOptions(reduction="none"); keyword overrides as in
+        forward_backward. retain_inputs_seconds > 0 keeps the rows on the server for a
+        backward by summary.inputs_handle.
+        """
+        o = _resolve(options, overrides, StepOptions(reduction="none"))
+        return self._step(_FORWARD, head_id, hidden, targets, weights, aux, None, o)
 
     def backward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
-                 grad_output: torch.Tensor, **spec) -> StepResult:
-        """Two-phase backward: dL/dy per token [N] (reduction "none") → dX; dW accumulated.
-        inputs_handle: a Forward's retained rows (X is then not sent)."""
-        spec.setdefault("reduction", "none")
-        return self._step(self._stub.Backward, head_id, hidden, targets,
-                          grad_output=grad_output, **spec)
+                 grad_output: Union[torch.Tensor, float], options: Optional[StepOptions] = None,
+                 *, weights: Optional[torch.Tensor] = None,
+                 aux: Optional[Mapping[str, torch.Tensor]] = None,
+                 **overrides) -> StepResult:
+        """Two-phase backward: the server recomputes the logits, returns dX [N, D] and (with
+        accumulate) adds dW, exactly once per gradient_id.
 
-    def _step(self, rpc, head_id, hidden, targets, *, function="cross_entropy", params=None,
-              reduction="mean", ignore_index=-100, normalizer=None, weights=None, aux=None,
-              upstream_scale=1.0, accumulate=True, gradient_id=None,
-              expected_weight_version=None, grad_output=None, retain_inputs_seconds=0.0,
-              inputs_handle=None) -> StepResult:
-        hidden = hidden.detach().reshape(-1, hidden.shape[-1])
-        n, d = hidden.shape
-        if targets is not None:
-            targets = targets.detach().reshape(-1)
-        header = pb.StepHeader(head_id=head_id, rows=n, accumulate_weight_grad=accumulate,
-                               upstream_scale=upstream_scale)
-        header.function.name = function
-        header.function.reduction = _REDUCTIONS[reduction]
-        header.function.ignore_index = ignore_index
-        for k, v in (params or {}).items():
-            header.function.params[k] = float(v)
-        if normalizer is not None:
-            header.function.normalizer = float(normalizer)
-        elif reduction == "mean":
-            header.valid_tokens = (int((targets != ignore_index).sum()) if targets is not None
-                                   else n)
-        if accumulate:
-            trainer, step, micro_batch = gradient_id or (f"py-{uuid.uuid4().hex[:12]}", 0, 0)
-            header.gradient_id.trainer = trainer
-            header.gradient_id.step = step
-            header.gradient_id.micro_batch = micro_batch
-        if expected_weight_version is not None:
-            header.expected_weight_version = expected_weight_version
-        header.retain_inputs_seconds = retain_inputs_seconds
-        if inputs_handle:
-            header.inputs_handle = inputs_handle
-        row_bytes = d * hidden.element_size()
+        grad_output: dL/dy per row [N] for reduction "none"; for a scalar reduction ("sum",
+        "mean", "weighted_sum") one value, dL/d(loss) (a number or a one-element floating
+        tensor), which travels as the header's upstream_scale: anything else is refused
+        (InvalidArgumentError naming grad_output).
 
-        def requests() -> Iterator[pb.StepRequest]:
-            yield pb.StepRequest(header=header)
-            for offset, count in _wire.row_chunks(n, row_bytes, self._chunk_bytes):
-                m = pb.StepRequest()
-                rows = m.rows
-                rows.row_offset = offset
-                if inputs_handle:
-                    # The server kept the Forward's rows: only dL/dy travels (none for a scalar).
-                    if grad_output is None:
-                        return
-                    _wire.encode(grad_output.detach().reshape(-1)[offset:offset + count],
-                                 rows.grad_output)
-                    yield m
-                    continue
-                _wire.encode(hidden[offset:offset + count], rows.hidden)
-                if targets is not None:
-                    _wire.encode(targets[offset:offset + count], rows.targets)
-                if weights is not None:
-                    _wire.encode(weights.detach().reshape(-1)[offset:offset + count], rows.weights)
-                for name, t in (aux or {}).items():
-                    _wire.encode(t.detach().reshape(-1)[offset:offset + count], rows.aux[name])
-                if grad_output is not None:
-                    _wire.encode(grad_output.detach().reshape(-1)[offset:offset + count],
-                                 rows.grad_output)
-                yield m
+        options: a StepOptions, default StepOptions(reduction="none"); keyword overrides as in
+        forward_backward. inputs_handle: a forward's summary.inputs_handle (X is then not
+        sent; hidden still gives N, D and dX's dtype).
+        """
+        o = _resolve(options, overrides, StepOptions(reduction="none"))
+        return self._step(_BACKWARD, head_id, hidden, targets, weights, aux, grad_output, o)
+
+    def _step(self, mode: str, head_id: str, hidden, targets, weights, aux, grad_output,
+              o: StepOptions) -> StepResult:
+        p = _prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
+                          self._chunk_bytes)
+        rpc = {_FORWARD_BACKWARD: self._stub.ForwardBackward, _FORWARD: self._stub.Forward,
+               _BACKWARD: self._stub.Backward}[mode]
+        per_token = mode == _FORWARD and o.reduction == "none"
 
         def attempt():
-            grad_hidden = outputs = summary = None
-            for response in rpc(requests(), timeout=self._timeout):
+            # Every attempt fills fresh results: a failed one may have sent some rows.
+            grad_hidden = outputs = None
+            if mode != _FORWARD:
+                grad_hidden = _RowAssembler(
+                    torch.empty((p.rows, p.hidden_size), dtype=p.result_dtype), "grad_hidden")
+            if per_token:
+                # The server computes per-token outputs in float32 (float64 for float64).
+                out = torch.float64 if p.result_dtype == torch.float64 else torch.float32
+                outputs = _RowAssembler(torch.empty((p.rows,), dtype=out), "outputs")
+            summary = None
+            for response in rpc(p.messages(), timeout=self._timeout):
                 part = response.WhichOneof("part")
                 if part == "summary":
                     summary = response.summary
                     continue
-                chunk = getattr(response, part)
-                values = _wire.decode(chunk.values)
-                if part == "grad_hidden":
-                    if grad_hidden is None:
-                        grad_hidden = torch.empty((n, d), dtype=values.dtype)
-                    grad_hidden[chunk.row_offset:chunk.row_offset + values.shape[0]] = values
-                else:
-                    if outputs is None:
-                        outputs = torch.empty((n,), dtype=values.dtype)
-                    outputs[chunk.row_offset:chunk.row_offset + values.shape[0]] = values
+                target = grad_hidden if part == "grad_hidden" else outputs
+                if target is None:
+                    raise RemoteheadError(grpc.StatusCode.INTERNAL,
+                                          f"{part}: not expected from {mode}")
+                target.add(getattr(response, part))
+            if summary is None:
+                raise RemoteheadError(grpc.StatusCode.INTERNAL,
+                                      "summary: the stream ended without one")
+            for assembler in (grad_hidden, outputs):
+                if assembler is not None:
+                    assembler.check_complete()
             return grad_hidden, outputs, summary
 
         grad_hidden, outputs, summary = self._call(attempt)
-        if summary is None:
-            raise RemoteheadError(grpc.StatusCode.INTERNAL, "summary: the stream ended without one")
-        return StepResult(summary.loss, grad_hidden, outputs, summary)
+        result_outputs = (outputs.dst if per_token
+                          else torch.tensor(summary.loss, dtype=torch.float64)
+                          if mode == _FORWARD else None)
+        return StepResult(summary.loss, grad_hidden.dst if grad_hidden is not None else None,
+                          result_outputs, _summary(summary))

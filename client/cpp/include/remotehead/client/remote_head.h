@@ -62,6 +62,14 @@ class StatusError : public std::runtime_error {
   absl::Status status_;
 };
 
+// Whether a backward's dL/dloss `got` is the upstream gradient `declared` up front
+// (StepSpec::upstream_scale), for which the server accumulated dW: equal, or within 1e-6 of
+// |declared| (relative, so a loss scale of 65536 and one of 1e-3 are held to the same
+// precision). NaN matches nothing. `declared` is never 0 (Attach refuses it). The Python
+// client's remotehead.upstream_matches_declared is the same rule; both are tested against
+// tests/data/upstream_scale_cases.json.
+bool UpstreamMatchesDeclared(double declared, double got);
+
 // Per-call additions to the RemoteHead's spec.
 struct HeadCall {
   torch::Tensor weights;                     // [...] per-token weights (weighted_sum)
