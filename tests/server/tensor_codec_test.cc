@@ -148,7 +148,7 @@ TEST(WireVectors, EncodeAndDecodeMatchTheSharedVectors) {
   for (const auto& v : doc.at("vectors")) {
     const std::string name = v.at("name");
     SCOPED_TRACE(name);
-    v1::DType wire_dtype;
+    v1::DType wire_dtype = v1::DTYPE_UNSPECIFIED;
     ASSERT_TRUE(v1::DType_Parse(v.at("dtype").get<std::string>(), &wire_dtype));
     const torch::ScalarType dtype = *wire::FromWireDtype(wire_dtype, name);
     dtypes.insert(v.at("dtype").get<std::string>());
