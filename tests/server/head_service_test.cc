@@ -5,6 +5,7 @@
 
 #include <filesystem>
 
+#include "absl/strings/str_join.h"
 #include "server/service_fixture.h"
 
 namespace remotehead {
@@ -432,6 +433,68 @@ TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
   const StepOutcome ok = Step("run/rank-1", 0);
   ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
   EXPECT_FALSE(ok.summary.replayed());
+}
+
+// What the header alone decides — the function, its params, the chunking — is refused at the
+// header, by the plan the engine would use (core::PlanCall), on every step RPC and whatever the
+// number of rows, zero included; and every RPC checks header.valid_tokens against its rows.
+TEST_F(HeadServiceTest, HeaderErrorsDoNotDependOnTheRowsOrTheRpc) {
+  const core::FunctionRegistry& registry = core::FunctionRegistry::Builtin();
+  const std::string bad_param = std::string(
+      registry.ResolveParams(**registry.Find("cross_entropy"), {{"label_smoothing", 2.0}})
+          .status()
+          .message());
+  struct Case {
+    std::string label;
+    std::function<void(v1::StepHeader&)> edit;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"unknown function", [](v1::StepHeader& h) { h.mutable_function()->set_name("nope"); },
+       absl::StrCat("function: expected one of ", absl::StrJoin(registry.Names(), ", "),
+                    "; got \"nope\"")},
+      {"bad param",
+       [](v1::StepHeader& h) { (*h.mutable_function()->mutable_params())["label_smoothing"] = 2; },
+       bad_param},
+      {"bad chunking", [](v1::StepHeader& h) { h.mutable_chunking()->set_chunk_rows(-1); },
+       "chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got -1"},
+  };
+  const torch::Tensor before = HeadWeightGrad();
+  for (const Case& c : cases) {
+    for (const Rpc rpc : {Rpc::kForwardBackward, Rpc::kForward, Rpc::kBackward}) {
+      for (const bool zero_rows : {false, true}) {
+        SCOPED_TRACE(
+            absl::StrCat(c.label, " rpc ", static_cast<int>(rpc), " zero_rows ", zero_rows));
+        const StepOutcome outcome = Step(
+            "run/rank-2", 0, 17,
+            [&](v1::StepRequest& m) {
+              if (m.has_header()) {
+                c.edit(*m.mutable_header());
+                if (zero_rows) m.mutable_header()->set_rows(0);
+              } else if (zero_rows) {
+                m.clear_part();
+              }
+            },
+            rpc);
+        EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+        EXPECT_EQ(outcome.status.error_message(), c.message);
+      }
+    }
+  }
+  // A Backward counts its valid tokens like the other RPCs (one rule, the engine's).
+  const StepOutcome backward = Step(
+      "run/rank-2", 0, 17,
+      [](v1::StepRequest& m) {
+        if (m.has_header()) m.mutable_header()->set_valid_tokens(3);
+      },
+      Rpc::kBackward);
+  EXPECT_EQ(backward.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StartsWith(backward.status.error_message(),
+                               "header.valid_tokens: expected the number of targets != "
+                               "ignore_index in the rows, "))
+      << backward.status.error_message();
+  EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+  EXPECT_EQ(service().admission().Stats().bytes_in_use, 0);
 }
 
 TEST_F(HeadServiceTest, ClientCancellingMidStreamLeavesGradientsUntouched) {
