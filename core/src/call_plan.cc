@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::core {
@@ -19,10 +20,6 @@ constexpr int64_t kTokenBytesPerRow = 16;
 // 10% on top for temporaries whose lifetimes overlap differently elsewhere (the tightest case
 // measured here, entropy, peaks at 0.98 of the declared block).
 constexpr double kBlockMargin = 1.1;
-
-std::string Mib(int64_t bytes) {
-  return absl::StrCat(std::round(static_cast<double>(bytes) / (1 << 20) * 100) / 100, " MiB");
-}
 
 absl::Status CheckChunkOptions(const StepOptions& options) {
   if (options.chunk_rows < 0) {
@@ -122,8 +119,9 @@ torch::ScalarType LogitsDtype(const Head& head) {
 }
 
 std::string CallMemory::Breakdown() const {
-  return absl::StrCat("logits ", Mib(logits_bytes), " + function block ", Mib(block_bytes),
-                      " + per-token ", Mib(token_bytes), " + output ", Mib(output_bytes));
+  return absl::StrCat("logits ", FormatMiB(logits_bytes), " + function block ",
+                      FormatMiB(block_bytes), " + per-token ", FormatMiB(token_bytes), " + output ",
+                      FormatMiB(output_bytes));
 }
 
 int64_t CallPlan::ChunkRowsFor(int64_t rows) const {

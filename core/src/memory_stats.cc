@@ -1,13 +1,12 @@
 #include "remotehead/core/memory_stats.h"
 
 #include <c10/core/CPUAllocator.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
-
-#include <unistd.h>
 
 #ifdef REMOTEHEAD_TORCH_HAS_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -165,6 +164,10 @@ absl::StatusOr<int64_t> AvailableMemoryBytes(const torch::Device& device) {
 #endif
   return absl::InvalidArgumentError(
       absl::StrCat("device: expected cpu or an available cuda device; got ", device.str()));
+}
+
+std::string FormatMiB(int64_t bytes) {
+  return absl::StrCat(static_cast<double>(bytes) / (1 << 20), " MiB");
 }
 
 }  // namespace remotehead::core

@@ -3,15 +3,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/memory_stats.h"
 
 namespace remotehead::server {
-namespace {
-
-std::string Mib(int64_t bytes) {
-  return absl::StrCat(static_cast<double>(bytes) / (1 << 20), " MiB");
-}
-
-}  // namespace
 
 uint64_t AdmissionController::NewTicket() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -20,8 +14,7 @@ uint64_t AdmissionController::NewTicket() {
 
 bool AdmissionController::FitsLocked(int64_t bytes, bool counts_as_active) const {
   if (counts_as_active && options_.max_active > 0 && active_ >= options_.max_active) return false;
-  return options_.memory_budget_bytes <= 0 ||
-         bytes_in_use_ + bytes <= options_.memory_budget_bytes;
+  return options_.memory_budget_bytes <= 0 || bytes_in_use_ + bytes <= options_.memory_budget_bytes;
 }
 
 absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
@@ -31,8 +24,9 @@ absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
   if (options_.memory_budget_bytes > 0 && bytes > options_.memory_budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "admission: expected a request within the server's memory budget of ",
-        Mib(options_.memory_budget_bytes), " (--memory_budget_bytes); got one needing ",
-        Mib(bytes), " (", breakdown, "). Send fewer rows per request, a smaller "
+        core::FormatMiB(options_.memory_budget_bytes), " (--memory_budget_bytes); got one needing ",
+        core::FormatMiB(bytes), " (", breakdown,
+        "). Send fewer rows per request, a smaller "
         "chunking.memory_budget_bytes, or no weight gradient"));
   }
   // FIFO: a request never overtakes one already waiting.
@@ -44,10 +38,10 @@ absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
     return absl::OkStatus();
   }
   if (static_cast<int>(waiting_.size()) >= options_.max_queued) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "admission: expected at most ", options_.max_queued,
-        " queued requests (--max_queued_requests); got one more while ", active_,
-        " run and ", Mib(bytes_in_use_), " are in use. Retry later"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("admission: expected at most ", options_.max_queued,
+                     " queued requests (--max_queued_requests); got one more while ", active_,
+                     " run and ", core::FormatMiB(bytes_in_use_), " are in use. Retry later"));
   }
   waiting_.push_back({ticket, bytes, std::move(on_admitted)});
   return absl::OkStatus();
@@ -58,9 +52,9 @@ absl::Status AdmissionController::Reserve(uint64_t ticket, int64_t bytes,
   std::lock_guard<std::mutex> lock(mu_);
   if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "admission: expected ", Mib(bytes), " (", breakdown, ") to fit the memory budget of ",
-        Mib(options_.memory_budget_bytes), " (--memory_budget_bytes); got ",
-        Mib(bytes_in_use_), " already in use"));
+        "admission: expected ", core::FormatMiB(bytes), " (", breakdown,
+        ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
+        " (--memory_budget_bytes); got ", core::FormatMiB(bytes_in_use_), " already in use"));
   }
   held_[ticket] = {bytes, false};
   bytes_in_use_ += bytes;

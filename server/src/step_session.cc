@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
 
@@ -13,10 +14,6 @@ namespace {
 // call, no ragged tail), capped at kMaxBatchBytes of X so that compute starts — and dX streams
 // back — while later rows are still arriving.
 constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
-
-std::string Mib(int64_t bytes) {
-  return absl::StrCat(static_cast<double>(bytes) / (1 << 20), " MiB");
-}
 
 absl::StatusOr<core::Reduction> FromWireReduction(v1::Reduction r) {
   switch (r) {
@@ -239,9 +236,10 @@ MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
   const int64_t kept = header_->retain_inputs_seconds() > 0 ? x_bytes + rows * 8 : 0;
   MemoryEstimate e;
   e.bytes = engine.total() + scratch + pipeline + kept;
-  e.breakdown = absl::StrCat("engine workspace ", Mib(engine.total()), " (", engine.Breakdown(),
-                             ") + scratch dW ", Mib(scratch), " + rows in flight ", Mib(pipeline));
-  if (kept > 0) absl::StrAppend(&e.breakdown, " + retained inputs ", Mib(kept));
+  e.breakdown = absl::StrCat("engine workspace ", core::FormatMiB(engine.total()), " (",
+                             engine.Breakdown(), ") + scratch dW ", core::FormatMiB(scratch),
+                             " + rows in flight ", core::FormatMiB(pipeline));
+  if (kept > 0) absl::StrAppend(&e.breakdown, " + retained inputs ", core::FormatMiB(kept));
   return e;
 }
 

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/statusor.h"
 
@@ -24,6 +25,9 @@ void InstallCpuMemoryTracker();
 // CUDA: the caching allocator's statistics. CPU: the tracker's counts (reserved = allocated).
 absl::StatusOr<MemoryStats> GetMemoryStats(const torch::Device& device);
 absl::Status ResetPeakMemory(const torch::Device& device);
+
+// Bytes as every message and breakdown states them: "1.5 MiB".
+std::string FormatMiB(int64_t bytes);
 
 // Memory a server may plan with on `device`: CUDA, the device's free memory now; CPU, the
 // machine's physical memory.
