@@ -53,18 +53,6 @@ class AdmissionDeadlineTest : public ServiceFixture {
     grpc::ClientContext context_;
     std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
   };
-
-  // Waits (up to 5 s) until no request is admitted or queued any more.
-  void ExpectAdmissionDrains() {
-    for (int i = 0; i < 500; ++i) {
-      const server::AdmissionStats stats = service().admission().Stats();
-      if (stats.active == 0 && stats.queued == 0 && stats.bytes_in_use == 0) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    const server::AdmissionStats stats = service().admission().Stats();
-    ADD_FAILURE() << "admission never drained: " << stats.active << " active, " << stats.queued
-                  << " queued, " << stats.bytes_in_use << " bytes";
-  }
 };
 
 TEST_F(AdmissionDeadlineTest, RequestOverTheMemoryBudgetIsRefusedAndChangesNothing) {

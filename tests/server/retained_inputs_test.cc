@@ -182,7 +182,7 @@ TEST_F(RetainedInputsSmallBudgetTest, RetainingIsRefusedWhenItDoesNotFitTheBudge
   EXPECT_EQ(forward.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(forward.status.error_message().find("+ retained inputs "), std::string::npos)
       << forward.status.error_message();
-  EXPECT_EQ(service().admission().Stats().bytes_in_use, 0);
+  ExpectAdmissionDrains();
 }
 
 TEST_F(RetainedInputsTest, HandleFieldsAreCheckedPerRpc) {

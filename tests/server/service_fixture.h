@@ -202,6 +202,19 @@ class ServiceFixture : public ::testing::Test {
   static constexpr int64_t kPipelineBytes = 2 * kRows * kHidden * 4;  // X in flight, dX waiting
   static constexpr int64_t kScratchBytes = (kVocab * kHidden + kVocab) * 4;
 
+  // Waits (up to 5 s) until no request is admitted or queued any more: a call's admission is
+  // released when its reactor goes, which may be after the client has seen its status.
+  void ExpectAdmissionDrains() {
+    for (int i = 0; i < 500; ++i) {
+      const server::AdmissionStats stats = service().admission().Stats();
+      if (stats.active == 0 && stats.queued == 0 && stats.bytes_in_use == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    const server::AdmissionStats stats = service().admission().Stats();
+    ADD_FAILURE() << "admission never drained: " << stats.active << " active, " << stats.queued
+                  << " queued, " << stats.bytes_in_use << " bytes";
+  }
+
   torch::Tensor HeadWeightGrad() { return testing::HeadOf(*entry_).grads().weight.clone(); }
 
   // When set, every Step gets this deadline.
