@@ -55,7 +55,7 @@ TEST_F(RetainedInputsTest, PerTokenBackwardByHandleMatchesTheEngineAndReleasesTh
   const std::string handle = forward.summary.inputs_handle();
   EXPECT_EQ(handle.size(), 32u);
   // X [50, 32] fp32 and the int64 targets stay reserved in the budget.
-  EXPECT_EQ(service().admission().Stats().bytes_in_use, kRows * kHidden * 4 + kRows * 8);
+  ExpectAdmissionSettles(kRows * kHidden * 4 + kRows * 8);
 
   const torch::Tensor upstream = torch::randn({kRows});
   core::GradientBuffers grads = testing::HeadOf(*entry_).NewGradientBuffers();
@@ -68,7 +68,7 @@ TEST_F(RetainedInputsTest, PerTokenBackwardByHandleMatchesTheEngineAndReleasesTh
   EXPECT_LE(reference::RelativeError(backward.grad_hidden, dx->grad_hidden), 1e-6);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
   EXPECT_EQ(backward.summary.valid_tokens(), (batch_.targets != -100).sum().item<int64_t>());
-  EXPECT_EQ(service().admission().Stats().bytes_in_use, 0);
+  ExpectAdmissionDrains();
 
   const StepOutcome again =
       BackwardByHandle(handle, "token_logprobs", v1::REDUCTION_NONE, upstream, 1);
@@ -178,6 +178,7 @@ class RetainedInputsSmallBudgetTest : public RetainedInputsTest {
 TEST_F(RetainedInputsSmallBudgetTest, RetainingIsRefusedWhenItDoesNotFitTheBudget) {
   const StepOutcome plain = RetainingForward("token_logprobs", v1::REDUCTION_NONE, 0);
   EXPECT_TRUE(plain.status.ok()) << plain.status.error_message();
+  ExpectAdmissionDrains();
   const StepOutcome forward = RetainingForward("token_logprobs", v1::REDUCTION_NONE, 60);
   EXPECT_EQ(forward.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(forward.status.error_message().find("+ retained inputs "), std::string::npos)

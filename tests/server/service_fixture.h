@@ -202,18 +202,20 @@ class ServiceFixture : public ::testing::Test {
   static constexpr int64_t kPipelineBytes = 2 * kRows * kHidden * 4;  // X in flight, dX waiting
   static constexpr int64_t kScratchBytes = (kVocab * kHidden + kVocab) * 4;
 
-  // Waits (up to 5 s) until no request is admitted or queued any more: a call's admission is
-  // released when its reactor goes, which may be after the client has seen its status.
-  void ExpectAdmissionDrains() {
+  // Waits (up to 5 s) until no request is admitted or queued any more and the bytes still held
+  // (retained inputs) are `held_bytes`: a call's admission is released when its reactor goes,
+  // which may be after the client has seen its status.
+  void ExpectAdmissionSettles(int64_t held_bytes) {
     for (int i = 0; i < 500; ++i) {
       const server::AdmissionStats stats = service().admission().Stats();
-      if (stats.active == 0 && stats.queued == 0 && stats.bytes_in_use == 0) return;
+      if (stats.active == 0 && stats.queued == 0 && stats.bytes_in_use == held_bytes) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     const server::AdmissionStats stats = service().admission().Stats();
-    ADD_FAILURE() << "admission never drained: " << stats.active << " active, " << stats.queued
-                  << " queued, " << stats.bytes_in_use << " bytes";
+    ADD_FAILURE() << "admission never settled at " << held_bytes << " bytes: " << stats.active
+                  << " active, " << stats.queued << " queued, " << stats.bytes_in_use << " bytes";
   }
+  void ExpectAdmissionDrains() { ExpectAdmissionSettles(0); }
 
   torch::Tensor HeadWeightGrad() { return testing::HeadOf(*entry_).grads().weight.clone(); }
 
