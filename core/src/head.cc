@@ -1,9 +1,11 @@
 #include "remotehead/core/head.h"
 
 #include <string>
+#include <tuple>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
 
 namespace remotehead::core {
 namespace {
@@ -108,12 +110,41 @@ absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& wei
   return std::unique_ptr<Head>(new Head(std::move(w), std::move(b), options.grad_dtype));
 }
 
+absl::StatusOr<int64_t> HeadMemoryBytes(int64_t vocab_size, int64_t hidden_size,
+                                        torch::ScalarType dtype, bool bias,
+                                        torch::ScalarType grad_dtype,
+                                        const std::string& field_prefix) {
+  if (vocab_size < 1 || hidden_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(field_prefix, "vocab_size, ", field_prefix,
+                                                   "hidden_size: expected >= 1; got ", vocab_size,
+                                                   ", ", hidden_size));
+  }
+  for (const auto& [name, value, limit] :
+       {std::tuple{"vocab_size", vocab_size, kMaxVocabSize},
+        std::tuple{"hidden_size", hidden_size, kMaxHiddenSize}}) {
+    if (value > limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field_prefix, name, ": expected at most ", limit, "; got ", value));
+    }
+  }
+  // Within the limits V·D < 2^42, so nothing below can overflow; checked all the same.
+  const int64_t per_row = static_cast<int64_t>(c10::elementSize(dtype)) +
+                          static_cast<int64_t>(c10::elementSize(grad_dtype));
+  int64_t elements = 0, bytes = 0;
+  if (__builtin_mul_overflow(vocab_size, hidden_size + (bias ? 1 : 0), &elements) ||
+      __builtin_mul_overflow(elements, per_row, &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(field_prefix, "vocab_size × ", field_prefix,
+                                                   "hidden_size: ", vocab_size, " × ", hidden_size,
+                                                   " overflows a byte count"));
+  }
+  return bytes;
+}
+
 absl::StatusOr<std::unique_ptr<Head>> Head::Initialize(const HeadInit& init,
                                                        const HeadOptions& options) {
-  if (init.vocab_size < 1 || init.hidden_size < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("vocab_size, hidden_size: expected >= 1; got ",
-                                                   init.vocab_size, ", ", init.hidden_size));
-  }
+  RETURN_IF_ERROR(
+      HeadMemoryBytes(init.vocab_size, init.hidden_size, init.dtype, init.bias, options.grad_dtype)
+          .status());
   if (!(init.init_std > 0) || !std::isfinite(init.init_std)) {
     return absl::InvalidArgumentError(
         absl::StrCat("init_std: expected a finite value > 0; got ", init.init_std));

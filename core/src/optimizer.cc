@@ -66,6 +66,8 @@ absl::Status SgdStep(Head& head, const SgdOptions& o, double grad_scale, Optimiz
                  p.add_(d, -o.lr);
                });
   ++state->steps;
+  state->hyper_parameters = {
+      {"lr", o.lr}, {"momentum", o.momentum}, {"weight_decay", o.weight_decay}};
   head.BumpVersion();
   return absl::OkStatus();
 }
@@ -94,6 +96,11 @@ absl::Status AdamWStep(Head& head, const AdamWOptions& o, double grad_scale,
                  p.addcdiv_(m, denom, -o.lr / bias_correction1);
                });
   state->steps = t;
+  state->hyper_parameters = {{"lr", o.lr},
+                             {"beta1", o.beta1},
+                             {"beta2", o.beta2},
+                             {"eps", o.eps},
+                             {"weight_decay", o.weight_decay}};
   head.BumpVersion();
   return absl::OkStatus();
 }

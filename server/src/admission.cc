@@ -14,18 +14,22 @@ uint64_t AdmissionController::NewTicket() {
 
 bool AdmissionController::FitsLocked(int64_t bytes, bool counts_as_active) const {
   if (counts_as_active && options_.max_active > 0 && active_ >= options_.max_active) return false;
-  return options_.memory_budget_bytes <= 0 || bytes_in_use_ + bytes <= options_.memory_budget_bytes;
+  return options_.memory_budget_bytes <= 0 ||
+         bytes <= options_.memory_budget_bytes - head_bytes_ - bytes_in_use_;
 }
 
 absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
                                         const std::string& breakdown,
                                         std::function<void()> on_admitted) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (options_.memory_budget_bytes > 0 && bytes > options_.memory_budget_bytes) {
+  if (options_.memory_budget_bytes > 0 && bytes > options_.memory_budget_bytes - head_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "admission: expected a request within the server's memory budget of ",
-        core::FormatMiB(options_.memory_budget_bytes), " (--memory_budget_bytes); got one needing ",
-        core::FormatMiB(bytes), " (", breakdown,
+        core::FormatMiB(options_.memory_budget_bytes), " (--memory_budget_bytes)",
+        head_bytes_ > 0
+            ? absl::StrCat(" less the ", core::FormatMiB(head_bytes_), " its heads hold")
+            : std::string(),
+        "; got one needing ", core::FormatMiB(bytes), " (", breakdown,
         "). Send fewer rows per request, a smaller "
         "chunking.memory_budget_bytes, or no weight gradient"));
   }
@@ -54,17 +58,33 @@ absl::Status AdmissionController::Reserve(uint64_t ticket, int64_t bytes,
     return absl::ResourceExhaustedError(absl::StrCat(
         "admission: expected ", core::FormatMiB(bytes), " (", breakdown,
         ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
-        " (--memory_budget_bytes); got ", core::FormatMiB(bytes_in_use_), " already in use"));
+        " (--memory_budget_bytes); got ", core::FormatMiB(bytes_in_use_ + head_bytes_),
+        " already in use"));
   }
   held_[ticket] = {bytes, false};
   bytes_in_use_ += bytes;
   return absl::OkStatus();
 }
 
+absl::Status AdmissionController::ReserveHead(uint64_t ticket, int64_t bytes,
+                                              const std::string& breakdown) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "admission: expected ", core::FormatMiB(bytes), " (", breakdown,
+        ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
+        " (--memory_budget_bytes); got ", core::FormatMiB(head_bytes_), " held by heads and ",
+        core::FormatMiB(bytes_in_use_), " by requests already"));
+  }
+  held_[ticket] = {bytes, false, true};
+  head_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
 void AdmissionController::Release(uint64_t ticket) {
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = held_.find(ticket); it != held_.end()) {
-    bytes_in_use_ -= it->second.bytes;
+    (it->second.head ? head_bytes_ : bytes_in_use_) -= it->second.bytes;
     if (it->second.active) --active_;
     held_.erase(it);
     AdmitWaitingLocked();
@@ -87,7 +107,10 @@ void AdmissionController::AdmitWaitingLocked() {
 
 AdmissionStats AdmissionController::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return {bytes_in_use_, active_, static_cast<int>(waiting_.size())};
+  return {.bytes_in_use = bytes_in_use_,
+          .head_bytes = head_bytes_,
+          .active = active_,
+          .queued = static_cast<int>(waiting_.size())};
 }
 
 }  // namespace remotehead::server

@@ -28,10 +28,46 @@ void HeadOperations::LogEvent(const std::string& line) const {
   *event_log_ << "remotehead-server: " << line << std::endl;
 }
 
+absl::StatusOr<uint64_t> HeadOperations::ReserveHead(const std::string& id, int64_t vocab_size,
+                                                     int64_t hidden_size, torch::ScalarType dtype,
+                                                     bool bias, const std::string& field_prefix) {
+  ASSIGN_OR_RETURN(const int64_t bytes, core::HeadMemoryBytes(vocab_size, hidden_size, dtype, bias,
+                                                              torch::kFloat, field_prefix));
+  const uint64_t ticket = admission_->NewTicket();
+  RETURN_IF_ERROR(admission_->ReserveHead(
+      ticket, bytes,
+      absl::StrCat("head \"", id, "\" of ", field_prefix, "vocab_size ", vocab_size, " × ",
+                   field_prefix, "hidden_size ", hidden_size, " ", core::DtypeName(dtype),
+                   bias ? " with bias" : "", ": weights and float32 gradients")));
+  return ticket;
+}
+
+absl::StatusOr<std::shared_ptr<HeadEntry>> HeadOperations::AddReserved(
+    const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket) {
+  absl::StatusOr<std::shared_ptr<HeadEntry>> entry =
+      head.ok() ? registry_->Add(id, *std::move(head), ticket)
+                : absl::StatusOr<std::shared_ptr<HeadEntry>>(head.status());
+  if (!entry.ok()) admission_->Release(ticket);
+  return entry;
+}
+
+absl::Status HeadOperations::ReserveLoadedHeads() {
+  for (const std::shared_ptr<HeadEntry>& entry : registry_->List()) {
+    if (entry->reservation() != 0) continue;
+    const HeadDescription d = entry->Describe();
+    ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(d.id, d.vocab_size, d.hidden_size, d.dtype,
+                                                        d.has_bias, "--head "));
+    entry->set_reservation(ticket);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string& id,
                                                                const core::HeadInit& init) {
-  ASSIGN_OR_RETURN(auto head, core::Head::Initialize(init, {.device = device_}));
-  ASSIGN_OR_RETURN(auto entry, registry_->Add(id, std::move(head)));
+  ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(id, init.vocab_size, init.hidden_size,
+                                                      init.dtype, init.bias, "init."));
+  ASSIGN_OR_RETURN(auto entry,
+                   AddReserved(id, core::Head::Initialize(init, {.device = device_}), ticket));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head created from seed ", init.seed, ": ", Summary(d)));
   return d;
@@ -48,8 +84,13 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
     weight = weight.to(*source.dtype);
     if (bias.defined()) bias = bias.to(*source.dtype);
   }
-  ASSIGN_OR_RETURN(auto head, core::Head::FromTensors(weight, bias, {.device = device_}));
-  ASSIGN_OR_RETURN(auto entry, registry_->Add(id, std::move(head)));
+  ASSIGN_OR_RETURN(const uint64_t ticket,
+                   ReserveHead(id, weight.dim() == 2 ? weight.size(0) : 0,
+                               weight.dim() == 2 ? weight.size(1) : 0, weight.scalar_type(),
+                               bias.defined(), "safetensors."));
+  ASSIGN_OR_RETURN(
+      auto entry,
+      AddReserved(id, core::Head::FromTensors(weight, bias, {.device = device_}), ticket));
   const HeadDescription d = entry->Describe();
   LogEvent(
       absl::StrCat("head created from ", source.path, " (", source.weight_name, "): ", Summary(d)));
@@ -60,10 +101,19 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
                                                             const torch::Tensor& weight,
                                                             const torch::Tensor& bias,
                                                             bool replace) {
-  ASSIGN_OR_RETURN(auto head, core::Head::FromTensors(weight, bias, {.device = device_}));
-  ASSIGN_OR_RETURN(auto entry, replace ? registry_->AddOrReplace(id, std::move(head))
-                                       : registry_->Add(id, std::move(head)));
-  const HeadDescription d = entry->Describe();
+  absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
+  if (replace && entry.ok()) {
+    // New values for a head whose bytes are reserved already.
+    ASSIGN_OR_RETURN(auto head, core::Head::FromTensors(weight, bias, {.device = device_}));
+    RETURN_IF_ERROR((*entry)->ReplaceWeights(*head));
+  } else {
+    ASSIGN_OR_RETURN(const uint64_t ticket,
+                     ReserveHead(id, weight.size(0), weight.size(1), weight.scalar_type(),
+                                 bias.defined(), "header."));
+    entry = AddReserved(id, core::Head::FromTensors(weight, bias, {.device = device_}), ticket);
+    RETURN_IF_ERROR(entry.status());
+  }
+  const HeadDescription d = (*entry)->Describe();
   // Replacements come once per optimizer step from trainers that own the parameter: not
   // lifecycle events worth a line each.
   if (!replace) LogEvent(absl::StrCat("head uploaded: ", Summary(d)));
@@ -113,7 +163,9 @@ std::vector<HeadDescription> HeadOperations::List() const {
 }
 
 absl::Status HeadOperations::Drop(const std::string& id) {
-  RETURN_IF_ERROR(registry_->Drop(id));
+  ASSIGN_OR_RETURN(const std::shared_ptr<HeadEntry> dropped, registry_->Drop(id));
+  admission_->Release(dropped->reservation());
+  if (state_store_ != nullptr) state_store_->Remove(id);  // it must not come back at a restart
   LogEvent(absl::StrCat("head dropped: \"", id, "\""));
   return absl::OkStatus();
 }
@@ -137,9 +189,52 @@ absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string&
                                      spec.grad_scale, &state);
       },
       spec.zero_gradients));
+  LogEvent(
+      absl::StrCat("optimizer step (", sgd ? "sgd" : "adamw", "): ", Summary(entry->Describe())));
+  if (state_store_ != nullptr && checkpoint_every_steps_ > 0 &&
+      entry->Describe().weight_version % checkpoint_every_steps_ == 0) {
+    // The step itself happened: failing it now would make a retrying client step twice.
+    if (const auto saved = SaveState(id); !saved.ok()) {
+      LogEvent(absl::StrCat("head state NOT saved: \"", id, "\": ", saved.status().ToString()));
+    }
+  }
+  return entry->Describe();
+}
+
+absl::StatusOr<StateStore*> HeadOperations::Store() const {
+  if (state_store_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "head state: expected a server started with --state_dir; got none");
+  }
+  return state_store_;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::SaveState(const std::string& id) {
+  ASSIGN_OR_RETURN(StateStore* const store, Store());
+  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
+  const core::HeadState state = entry->CaptureState(StateStore::NewStateId());
+  RETURN_IF_ERROR(store->Save(state));
   const HeadDescription d = entry->Describe();
-  LogEvent(absl::StrCat("optimizer step (", sgd ? "sgd" : "adamw", "): ", Summary(d)));
+  LogEvent(absl::StrCat("head state saved: \"", id, "\" version ", state.weight_version, " as ",
+                        state.state_id));
   return d;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::RestoreState(const std::string& id,
+                                                             const std::string& state_id) {
+  ASSIGN_OR_RETURN(StateStore* const store, Store());
+  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
+  ASSIGN_OR_RETURN(const core::HeadState state, store->Load(id, state_id));
+  RETURN_IF_ERROR(entry->RestoreState(state, /*at_start=*/false));
+  const HeadDescription d = entry->Describe();
+  LogEvent(absl::StrCat("head state restored: ", Summary(d), " from ", state_id));
+  return d;
+}
+
+absl::Status HeadOperations::SaveAllStates() {
+  if (state_store_ == nullptr) return absl::OkStatus();
+  for (const auto& entry : registry_->List()) RETURN_IF_ERROR(SaveState(entry->id()).status());
+  return absl::OkStatus();
 }
 
 }  // namespace remotehead::server

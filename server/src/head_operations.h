@@ -17,7 +17,9 @@
 #include "absl/status/statusor.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/optimizer.h"
+#include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
+#include "remotehead/server/state_store.h"
 
 namespace remotehead::server {
 
@@ -46,9 +48,20 @@ struct OptimizerStepSpec {
 
 class HeadOperations {
  public:
-  // New heads live on `device`; `event_log` (nullptr: silent) gets one line per lifecycle event.
-  HeadOperations(HeadRegistry* registry, torch::Device device, std::ostream* event_log)
-      : registry_(registry), device_(device), event_log_(event_log) {}
+  // New heads live on `device` and hold their bytes in `admission`'s budget (reserved before
+  // they are allocated, released when they are dropped); `event_log` (nullptr: silent) gets one
+  // line per lifecycle event.
+  // With `state_store`, OptimizerStep saves a head's state every `checkpoint_every_steps`
+  // versions and DropHead deletes its states.
+  HeadOperations(HeadRegistry* registry, AdmissionController* admission, torch::Device device,
+                 std::ostream* event_log, StateStore* state_store = nullptr,
+                 int checkpoint_every_steps = 0)
+      : registry_(registry),
+        admission_(admission),
+        device_(device),
+        event_log_(event_log),
+        state_store_(state_store),
+        checkpoint_every_steps_(checkpoint_every_steps) {}
 
   absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init);
   absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
@@ -57,6 +70,9 @@ class HeadOperations {
   // head `id` (HeadEntry::ReplaceWeights), or a new head if there is none.
   absl::StatusOr<HeadDescription> AddUploaded(const std::string& id, const torch::Tensor& weight,
                                               const torch::Tensor& bias, bool replace);
+  // Reserves the bytes of the heads already in the registry that hold none (those loaded at
+  // start); RESOURCE_EXHAUSTED if they do not fit the budget.
+  absl::Status ReserveLoadedHeads();
   // Writes the weights (and bias) to a safetensors file under the given tensor names (empty:
   // lm_head.weight / lm_head.bias); returns the bytes written.
   absl::StatusOr<int64_t> Save(const std::string& id, const std::string& path,
@@ -70,13 +86,31 @@ class HeadOperations {
   absl::StatusOr<HeadDescription> ZeroGradients(const std::string& id);
   absl::StatusOr<HeadDescription> OptimizerStep(const std::string& id,
                                                 const OptimizerStepSpec& spec);
+  // Durable training state: FAILED_PRECONDITION without a state store.
+  absl::StatusOr<HeadDescription> SaveState(const std::string& id);
+  absl::StatusOr<HeadDescription> RestoreState(const std::string& id, const std::string& state_id);
+  absl::Status SaveAllStates();
 
  private:
   void LogEvent(const std::string& line) const;
+  // Reserves the bytes of head `id` of this shape (core::HeadMemoryBytes) before it is
+  // allocated; returns the admission ticket. INVALID_ARGUMENT (sizes, named with
+  // `field_prefix`) or RESOURCE_EXHAUSTED (budget).
+  absl::StatusOr<uint64_t> ReserveHead(const std::string& id, int64_t vocab_size,
+                                       int64_t hidden_size, torch::ScalarType dtype, bool bias,
+                                       const std::string& field_prefix);
+  // Registers `head` under `id` holding `ticket`; releases the ticket if that fails.
+  absl::StatusOr<std::shared_ptr<HeadEntry>> AddReserved(
+      const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket);
+
+  absl::StatusOr<StateStore*> Store() const;
 
   HeadRegistry* registry_;
+  AdmissionController* admission_;
   const torch::Device device_;
   std::ostream* event_log_;
+  StateStore* state_store_;
+  const int checkpoint_every_steps_;
 };
 
 }  // namespace remotehead::server

@@ -1,7 +1,9 @@
 #include "remotehead/server/head_registry.h"
 
+#include <random>
+
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "absl/strings/str_format.h"
 
 namespace remotehead::server {
 namespace {
@@ -11,7 +13,22 @@ std::string ShapeOf(const core::Head& h) {
                       h.has_bias() ? " with bias" : " without bias");
 }
 
+// Only the id asked for: the ids of other tenants' heads are not this caller's business.
+absl::Status UnknownHead(const std::string& id) {
+  return absl::NotFoundError(
+      absl::StrCat("head_id: expected the id of a head on this server; got \"", id,
+                   "\", which it does not have"));
+}
+
 }  // namespace
+
+const std::string& ServerIncarnation() {
+  static const std::string incarnation = [] {
+    std::mt19937_64 rng{std::random_device{}()};
+    return absl::StrFormat("%016x", rng());
+  }();
+  return incarnation;
+}
 
 HeadDescription HeadEntry::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -23,11 +40,49 @@ HeadDescription HeadEntry::Describe() const {
           .device = head_->device().str(),
           .weight_version = head_->version(),
           .accumulated_micro_batches = static_cast<int64_t>(applied_.size()),
-          .last_loss = last_loss_};
+          .last_loss = last_loss_,
+          .state_id = state_id_,
+          .restored_version = restored_version_};
 }
 
-CommitResult HeadEntry::Commit(const StepCommit& commit) {
+HeadPin HeadEntry::Pin() const {
   std::lock_guard<std::mutex> lock(mu_);
+  return PinLocked();
+}
+
+HeadPin HeadEntry::PinLocked() const {
+  return {.weight_version = head_->version(), .gradient_window = gradient_window_};
+}
+
+absl::Status HeadEntry::CheckPinLocked(const HeadPin& pin, bool gradient) const {
+  if (dropped_) {
+    return absl::AbortedError(absl::StrCat("head_id: head \"", id_,
+                                           "\" was dropped while this request ran; nothing was "
+                                           "committed"));
+  }
+  if (head_->version() != pin.weight_version) {
+    return absl::AbortedError(absl::StrCat(
+        "head \"", id_, "\": expected weight version ", pin.weight_version,
+        ", the one this request began computing on; got version ", head_->version(),
+        " (an optimizer step or a weight replace ran meanwhile). Nothing was committed; send the "
+        "request again"));
+  }
+  if (gradient && gradient_window_ != pin.gradient_window) {
+    return absl::AbortedError(absl::StrCat(
+        "head \"", id_,
+        "\": expected the gradient window this request began in; its gradients were zeroed "
+        "while it ran. Nothing was committed; send the request again"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CommitResult> HeadEntry::Commit(const StepCommit& commit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (commit.pin.has_value()) {
+    if (absl::Status s = CheckPinLocked(*commit.pin, commit.key.has_value()); !s.ok()) return s;
+  } else if (dropped_) {
+    return CheckPinLocked(PinLocked(), false);
+  }
   CommitResult result;
   if (commit.key.has_value()) {
     if (applied_.insert(*commit.key).second) {
@@ -47,17 +102,41 @@ absl::Status HeadEntry::OptimizerStep(
     bool zero_gradients) {
   std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status s = step(*head_, optimizer_); !s.ok()) return s;
-  if (zero_gradients) {
-    head_->ZeroGrad();
-    applied_.clear();
-  }
+  if (zero_gradients) ZeroGradientsLocked();
   return absl::OkStatus();
 }
 
 void HeadEntry::ZeroGradients() {
   std::lock_guard<std::mutex> lock(mu_);
+  ZeroGradientsLocked();
+}
+
+void HeadEntry::ZeroGradientsLocked() {
   head_->ZeroGrad();
   applied_.clear();
+  ++gradient_window_;
+}
+
+core::HeadState HeadEntry::CaptureState(const std::string& state_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_id_ = state_id;
+  return core::CaptureHeadState(id_, state_id, *head_, optimizer_);
+}
+
+absl::Status HeadEntry::RestoreState(const core::HeadState& state, bool at_start) {
+  std::lock_guard<std::mutex> lock(mu_);
+  core::OptimizerState optimizer;
+  if (absl::Status s = core::ApplyHeadState(state, head_.get(), &optimizer); !s.ok()) return s;
+  optimizer_ = std::move(optimizer);
+  ZeroGradientsLocked();
+  state_id_ = state.state_id;
+  if (at_start) restored_version_ = state.weight_version;
+  return absl::OkStatus();
+}
+
+void HeadEntry::MarkDropped() {
+  std::lock_guard<std::mutex> lock(mu_);
+  dropped_ = true;
 }
 
 absl::Status HeadEntry::ReplaceWeights(const core::Head& head) {
@@ -84,7 +163,8 @@ absl::Status HeadEntry::ReplaceWeights(const core::Head& head) {
 }
 
 absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& id,
-                                                             std::unique_ptr<core::Head> head) {
+                                                             std::unique_ptr<core::Head> head,
+                                                             uint64_t reservation) {
   if (id.empty()) {
     return absl::InvalidArgumentError("head_id: expected a non-empty id; got \"\"");
   }
@@ -93,42 +173,29 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& 
     return absl::AlreadyExistsError(
         absl::StrCat("head_id: expected a new id; got \"", id, "\", which already exists"));
   }
-  auto entry = std::make_shared<HeadEntry>(id, std::move(head));
+  auto entry = std::make_shared<HeadEntry>(id, std::move(head), reservation);
   heads_.emplace(id, entry);
-  return entry;
-}
-
-absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::AddOrReplace(
-    const std::string& id, std::unique_ptr<core::Head> head) {
-  std::shared_ptr<HeadEntry> entry;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    const auto it = heads_.find(id);
-    if (it != heads_.end()) entry = it->second;
-  }
-  if (entry == nullptr) return Add(id, std::move(head));
-  if (absl::Status s = entry->ReplaceWeights(*head); !s.ok()) return s;
   return entry;
 }
 
 absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Get(const std::string& id) const {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = heads_.find(id);
-  if (it == heads_.end()) {
-    std::vector<std::string> ids;
-    for (const auto& [known, entry] : heads_) ids.push_back(known);
-    return absl::NotFoundError(absl::StrCat("head_id: expected one of [", absl::StrJoin(ids, ", "),
-                                            "]; got \"", id, "\""));
-  }
+  if (it == heads_.end()) return UnknownHead(id);
   return it->second;
 }
 
-absl::Status HeadRegistry::Drop(const std::string& id) {
-  auto entry = Get(id);
-  if (!entry.ok()) return entry.status();
-  std::lock_guard<std::mutex> lock(mu_);
-  heads_.erase(id);
-  return absl::OkStatus();
+absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Drop(const std::string& id) {
+  std::shared_ptr<HeadEntry> entry;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = heads_.find(id);
+    if (it == heads_.end()) return UnknownHead(id);
+    entry = std::move(it->second);
+    heads_.erase(it);
+  }
+  entry->MarkDropped();
+  return entry;
 }
 
 std::vector<std::shared_ptr<HeadEntry>> HeadRegistry::List() const {

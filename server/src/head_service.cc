@@ -95,6 +95,8 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
 
   v1::HeadService::CallbackService& service() override { return *this; }
   AdmissionController& admission() override { return context_->admission; }
+  absl::Status ReserveLoadedHeads() override { return Ops().ReserveLoadedHeads(); }
+  absl::Status SaveAllStates() override { return Ops().SaveAllStates(); }
 
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
                                        const v1::CreateHeadRequest* request,
@@ -169,7 +171,29 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
                                           v1::OptimizerStepResponse* response) override {
     return Unary(context, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(*request));
+      ASSIGN_OR_RETURN(const HeadDescription head, Ops().Describe(request->head_id()));
+      RETURN_IF_ERROR(
+          CheckIncarnation(request->expected_incarnation(), "expected_incarnation", head));
       return Answer(Ops().OptimizerStep(request->head_id(), spec), response->mutable_info());
+    });
+  }
+
+  grpc::ServerUnaryReactor* SaveHeadState(grpc::CallbackServerContext* context,
+                                          const v1::HeadRef* request,
+                                          v1::HeadStateInfo* response) override {
+    return Unary(context, [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(const HeadDescription d, Ops().SaveState(request->head_id()));
+      response->set_state_id(d.state_id);
+      response->set_weight_version(d.weight_version);
+      return ToWire(d, response->mutable_info());
+    });
+  }
+
+  grpc::ServerUnaryReactor* RestoreHeadState(grpc::CallbackServerContext* context,
+                                             const v1::RestoreHeadStateRequest* request,
+                                             v1::HeadInfo* response) override {
+    return Unary(context, [&] {
+      return Answer(Ops().RestoreState(request->head_id(), request->state_id()), response);
     });
   }
 

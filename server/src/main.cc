@@ -33,7 +33,8 @@
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
 ABSL_FLAG(std::string, device, "auto", "auto (cuda:0 if available, else cpu), cpu or cuda:N");
 ABSL_FLAG(std::vector<std::string>, head, {},
-          "heads to create at start, id:vocab:hidden[:dtype[:seed]] (repeatable, comma list)");
+          "heads to create at start, id:vocab:hidden[:dtype[:seed]]; repeatable (--head a:.. "
+          "--head b:..) and each may be a comma list");
 ABSL_FLAG(int32_t, max_message_bytes, 16 << 20, "largest gRPC message accepted or sent");
 ABSL_FLAG(int32_t, shutdown_grace_seconds, 30, "how long SIGTERM waits for in-flight calls");
 ABSL_FLAG(int64_t, memory_budget_bytes, -1,
@@ -57,6 +58,13 @@ ABSL_FLAG(bool, tls_require_client_cert, true,
 ABSL_FLAG(std::string, metrics_address, "",
           "IPv4 host:port serving Prometheus metrics at GET /metrics (port 0: a free one); "
           "empty = off");
+ABSL_FLAG(std::string, state_dir, "",
+          "directory of the heads' durable training state: restored at start, saved every "
+          "--checkpoint_every_steps optimizer steps, on SaveHeadState and on SIGTERM; empty = off");
+ABSL_FLAG(int32_t, checkpoint_every_steps, 0,
+          "with --state_dir: save a head's state every N optimizer steps (0 = only on request "
+          "and at shutdown)");
+ABSL_FLAG(int32_t, state_keep, 5, "with --state_dir: states kept per head (older are deleted)");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding one bearer token that every call must carry (needs TLS)");
 
@@ -100,6 +108,26 @@ absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
   return registry->Add(parts[0], std::move(head)).status();
 }
 
+// Every value of a repeatable list flag (--name=a,b --name c): Abseil keeps only the last
+// occurrence, so the values are gathered from argv before it parses them. Stops at "--".
+std::vector<std::string> RepeatedFlagValues(int argc, char** argv, const std::string& name) {
+  std::vector<std::string> values;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    for (const std::string& prefix : {"--" + name, "-" + name}) {
+      if (arg == prefix && i + 1 < argc) {
+        for (auto v : absl::StrSplit(argv[++i], ',', absl::SkipEmpty())) values.emplace_back(v);
+      } else if (arg.starts_with(prefix + "=")) {
+        for (auto v : absl::StrSplit(arg.substr(prefix.size() + 1), ',', absl::SkipEmpty())) {
+          values.emplace_back(v);
+        }
+      }
+    }
+  }
+  return values;
+}
+
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
@@ -117,16 +145,51 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Security() {
   return credentials;
 }
 
+// Every head of the state store, back at its saved version with its optimizer state.
+absl::Status RestoreHeads(const rh::server::StateStore& store, const torch::Device& device,
+                          rh::server::HeadRegistry* registry) {
+  ASSIGN_OR_RETURN(const std::vector<rh::core::HeadState> states, store.LoadNewest());
+  for (const rh::core::HeadState& state : states) {
+    ASSIGN_OR_RETURN(auto head,
+                     rh::core::Head::FromTensors(state.weight, state.bias, {.device = device}));
+    ASSIGN_OR_RETURN(auto entry, registry->Add(state.head_id, std::move(head)));
+    RETURN_IF_ERROR(entry->RestoreState(state, /*at_start=*/true));
+    std::cout << "remotehead-server: head restored: \"" << state.head_id << "\" version "
+              << state.weight_version << " from " << store.dir() << " (state " << state.state_id
+              << ")" << std::endl;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status LoadHeads(const torch::Device& device, rh::server::HeadRegistry* registry) {
   for (const std::string& spec : absl::GetFlag(FLAGS_head)) {
+    const std::string id = std::string(spec.substr(0, spec.find(':')));
+    if (registry->Get(id).ok()) {  // restored from --state_dir: its trained state wins
+      std::cout << "remotehead-server: head not loaded: " << spec << " (restored from --state_dir)"
+                << std::endl;
+      continue;
+    }
     RETURN_IF_ERROR(PreloadHead(spec, device, registry));
     std::cout << "remotehead-server: head loaded: " << spec << " on " << device.str() << std::endl;
   }
   return absl::OkStatus();
 }
 
-// --memory_budget_bytes, with -1 resolved once the heads are loaded.
-absl::StatusOr<int64_t> MemoryBudget(const torch::Device& device) {
+// The bytes the --head heads hold (weights and gradients), which count against the budget.
+int64_t LoadedHeadBytes(const rh::server::HeadRegistry& registry) {
+  int64_t bytes = 0;
+  for (const auto& entry : registry.List()) {
+    const rh::server::HeadDescription d = entry->Describe();
+    bytes += rh::core::HeadMemoryBytes(d.vocab_size, d.hidden_size, d.dtype, d.has_bias)
+                 .value_or(0);  // loaded, so within the limits
+  }
+  return bytes;
+}
+
+// --memory_budget_bytes, with -1 resolved once the heads are loaded: what is free then, plus
+// the heads themselves (they count against the budget).
+absl::StatusOr<int64_t> MemoryBudget(const torch::Device& device,
+                                     const rh::server::HeadRegistry& registry) {
   const int64_t budget = absl::GetFlag(FLAGS_memory_budget_bytes);
   if (budget >= 0) return budget;
   auto available = rh::core::AvailableMemoryBytes(device);
@@ -134,7 +197,7 @@ absl::StatusOr<int64_t> MemoryBudget(const torch::Device& device) {
     return absl::Status(available.status().code(),
                         absl::StrCat("--memory_budget_bytes=-1: ", available.status().message()));
   }
-  return device.is_cuda() ? *available / 10 * 9 : *available / 2;
+  return (device.is_cuda() ? *available / 10 * 9 : *available / 2) + LoadedHeadBytes(registry);
 }
 
 struct Metrics {
@@ -149,12 +212,14 @@ absl::StatusOr<Metrics> StartMetrics(const rh::server::HeadRegistry* registry,
   const std::string address = absl::GetFlag(FLAGS_metrics_address);
   if (address.empty()) return m;
   m.metrics = std::make_unique<rh::server::ServerMetrics>(registry, device, budget);
-  ASSIGN_OR_RETURN(m.http, rh::server::MetricsHttpServer::Start(address, m.metrics->Collectables()));
+  ASSIGN_OR_RETURN(m.http,
+                   rh::server::MetricsHttpServer::Start(address, m.metrics->Collectables()));
   return m;
 }
 
 rh::server::ServiceOptions MakeServiceOptions(const torch::Device& device, int64_t budget,
-                                              rh::server::ServerMetrics* metrics) {
+                                              rh::server::ServerMetrics* metrics,
+                                              rh::server::StateStore* state_store) {
   const rh::server::ServiceOptions options{
       .device = device,
       .compute_threads = absl::GetFlag(FLAGS_compute_threads),
@@ -164,7 +229,9 @@ rh::server::ServiceOptions MakeServiceOptions(const torch::Device& device, int64
                     .max_queued = absl::GetFlag(FLAGS_max_queued_requests)},
       .max_retain_seconds = absl::GetFlag(FLAGS_max_retain_seconds),
       .event_log = &std::cout,
-      .metrics = metrics};
+      .metrics = metrics,
+      .state_store = state_store,
+      .checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps)};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
             << ", max active " << options.admission.max_active << " (0 = no limit), max queued "
@@ -224,17 +291,31 @@ int Run() {
     rh::core::InstallCpuMemoryTracker();
   }
   rh::server::HeadRegistry registry;
+  std::unique_ptr<rh::server::StateStore> state_store;
+  if (!absl::GetFlag(FLAGS_state_dir).empty()) {
+    auto opened = rh::server::StateStore::Open(absl::GetFlag(FLAGS_state_dir),
+                                               absl::GetFlag(FLAGS_state_keep));
+    if (!opened.ok()) return Refuse(opened.status());
+    state_store = *std::move(opened);
+    if (const absl::Status s = RestoreHeads(*state_store, *device, &registry); !s.ok()) {
+      return Refuse(s);
+    }
+  }
   if (const absl::Status s = LoadHeads(*device, &registry); !s.ok()) return Refuse(s);
   if (absl::GetFlag(FLAGS_torch_threads) > 0) {
     at::set_num_threads(absl::GetFlag(FLAGS_torch_threads));
   }
-  const absl::StatusOr<int64_t> budget = MemoryBudget(*device);
+  const absl::StatusOr<int64_t> budget = MemoryBudget(*device, registry);
   if (!budget.ok()) return Refuse(budget.status());
   absl::StatusOr<Metrics> metrics = StartMetrics(&registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
-      &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get()));
+      &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get()));
+  if (const absl::Status s = service->ReserveLoadedHeads(); !s.ok()) {
+    return Refuse(absl::Status(
+        s.code(), absl::StrCat("--head, --memory_budget_bytes: ", std::string(s.message()))));
+  }
   int port = 0;
   std::unique_ptr<grpc::Server> server =
       StartServer(*credentials, *service, metrics->metrics.get(), &port);
@@ -251,6 +332,11 @@ int Run() {
   std::cout << "remotehead-server: listening on port " << port << " (device " << device->str()
             << ")" << std::endl;
   ServeUntilSignal(*server);
+  if (const absl::Status s = service->SaveAllStates(); !s.ok()) {
+    std::cerr << "remotehead-server: head states NOT saved at shutdown: " << s << std::endl;
+  } else if (state_store != nullptr) {
+    std::cout << "remotehead-server: head states saved to " << state_store->dir() << std::endl;
+  }
   metrics->http.reset();  // no scrape may read the service's state once it is gone
   std::cout << "remotehead-server: stopped" << std::endl;
   return 0;
@@ -260,6 +346,8 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("serves LM heads over gRPC; see README.md");
+  const std::vector<std::string> heads = RepeatedFlagValues(argc, argv, "head");
   absl::ParseCommandLine(argc, argv);
+  if (!heads.empty()) absl::SetFlag(&FLAGS_head, heads);
   return Run();
 }

@@ -15,6 +15,11 @@ namespace remotehead::server {
 // The HeadInfo every handler that reports a head's state answers with.
 absl::Status ToWire(const HeadDescription& description, v1::HeadInfo* info);
 
+// A request's expected_incarnation (`field`; empty: unchecked) against this server process:
+// FAILED_PRECONDITION saying that the server restarted, and at which version `head` now is.
+absl::Status CheckIncarnation(const std::string& expected, const std::string& field,
+                              const HeadDescription& head);
+
 // A request's optional dtype field (DTYPE_UNSPECIFIED: unset), named `field` in errors.
 absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
                                                                const std::string& field);

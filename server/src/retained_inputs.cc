@@ -1,5 +1,6 @@
 #include "retained_inputs.h"
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -16,8 +17,31 @@ std::string NewHandle() {
 
 }  // namespace
 
+RetainedInputStore::RetainedInputStore(AdmissionController* admission, double max_seconds)
+    : admission_(admission), max_seconds_(max_seconds), sweeper_([this] { Sweep(); }) {}
+
 RetainedInputStore::~RetainedInputStore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  sweeper_.join();
   for (const auto& [handle, entry] : entries_) admission_->Release(entry.ticket);
+}
+
+void RetainedInputStore::Sweep() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    DropExpiredLocked();
+    if (entries_.empty()) {
+      changed_.wait(lock);
+      continue;
+    }
+    auto next = entries_.begin()->second.expires;
+    for (const auto& [handle, entry] : entries_) next = std::min(next, entry.expires);
+    changed_.wait_until(lock, next);
+  }
 }
 
 absl::StatusOr<std::string> RetainedInputStore::Put(RetainedInputs inputs, double seconds) {
@@ -35,6 +59,7 @@ absl::StatusOr<std::string> RetainedInputStore::Put(RetainedInputs inputs, doubl
                       std::chrono::steady_clock::now() +
                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(lifetime),
                       ticket};
+  changed_.notify_all();  // the sweeper may need to wake earlier
   return handle;
 }
 

@@ -1,14 +1,17 @@
 // Inputs a Forward kept on the server so that the two-phase Backward can reference them by
 // handle instead of re-sending X. Each entry has a bounded lifetime and its bytes are reserved
-// in the admission budget for as long as it lives.
+// in the admission budget for as long as it lives: a sweeper thread drops expired entries on
+// time, so an abandoned handle frees its memory without waiting for another request.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/engine.h"
@@ -24,8 +27,7 @@ struct RetainedInputs {
 
 class RetainedInputStore {
  public:
-  RetainedInputStore(AdmissionController* admission, double max_seconds)
-      : admission_(admission), max_seconds_(max_seconds) {}
+  RetainedInputStore(AdmissionController* admission, double max_seconds);
   ~RetainedInputStore();
 
   // Keeps `inputs` for min(seconds, max_seconds) and returns their handle. RESOURCE_EXHAUSTED
@@ -42,11 +44,15 @@ class RetainedInputStore {
     uint64_t ticket;
   };
   void DropExpiredLocked();
+  void Sweep();  // the sweeper thread: drops entries as they expire, until stopping_
 
   AdmissionController* admission_;
   const double max_seconds_;
   std::mutex mu_;
+  std::condition_variable changed_;  // an entry was added, or the store is stopping
+  bool stopping_ = false;
   std::map<std::string, Entry> entries_;
+  std::thread sweeper_;  // last: started once everything above exists
 };
 
 }  // namespace remotehead::server

@@ -1,8 +1,10 @@
 #include "step_session.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "protocol.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
@@ -120,6 +122,14 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
     return core::PlanCall(head, options_);
   }));
   const int64_t row_bytes = plan_.hidden_size * plan_.head_elem_bytes;
+  // Every byte count derived from header.rows (EstimateMemory: X in flight twice, the retained
+  // inputs) must stay far from overflowing int64, whatever a client declares.
+  const int64_t max_rows = std::numeric_limits<int64_t>::max() / 8 / (row_bytes + 64);
+  if (header.rows() > max_rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.rows: expected at most ", max_rows, " (", plan_.hidden_size,
+                     " values per row; byte counts of more overflow); got ", header.rows()));
+  }
   batch_rows_ = std::max<int64_t>(1, std::min(plan_.chunk_rows, kMaxBatchBytes / row_bytes));
   if (!header.inputs_handle().empty()) RETURN_IF_ERROR(CheckRetainedInputs(header));
   RETURN_IF_ERROR(CheckVersionAndIdentity(header));
@@ -199,11 +209,19 @@ absl::Status StepSession::CheckRetainedInputs(const v1::StepHeader& header) {
 
 // The weights the request expects, and the identity its gradient accumulates under.
 absl::Status StepSession::CheckVersionAndIdentity(const v1::StepHeader& header) {
-  const int64_t version = entry_->Read([](const core::Head& head) { return head.version(); });
+  RETURN_IF_ERROR(CheckIncarnation(header.expected_incarnation(), "header.expected_incarnation",
+                                   entry_->Describe()));
+  const HeadPin now = entry_->Pin();
+  const int64_t version = now.weight_version;
   if (header.has_expected_weight_version() && header.expected_weight_version() != version) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("header.expected_weight_version: expected the head's current version ",
-                     version, "; got ", header.expected_weight_version()));
+    const HeadDescription head = entry_->Describe();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.expected_weight_version: expected the head's current version ", version, "; got ",
+        header.expected_weight_version(),
+        head.restored_version.has_value()
+            ? absl::StrCat(" (the server restarted and restored head \"", head.id,
+                           "\" from its saved state at version ", *head.restored_version, ")")
+            : std::string()));
   }
   if (inputs_ != nullptr && inputs_->weight_version != version) {
     return absl::FailedPreconditionError(
@@ -212,6 +230,8 @@ absl::Status StepSession::CheckVersionAndIdentity(const v1::StepHeader& header) 
                      inputs_->weight_version, "; got version ", version,
                      " (an optimizer step happened in between)"));
   }
+  // A request that names its version computes on that version or not at all.
+  if (header.has_expected_weight_version() || inputs_ != nullptr) pin_ = now;
   if (!header.accumulate_weight_grad()) return absl::OkStatus();
   if (!header.has_gradient_id() || header.gradient_id().trainer().empty()) {
     return absl::InvalidArgumentError(
@@ -382,8 +402,9 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
 absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
                                   torch::Tensor* grad_hidden, torch::Tensor* outputs) {
   core::GradientBuffers* grads = key_ ? &scratch_ : nullptr;
-  // Under the head's lock: its weights must not change under a running computation.
-  return entry_->Read([&](const core::Head& head) -> absl::Status {
+  // Under the head's lock, on the version the request began with: its weights must not change
+  // under a running computation, nor between two of its batches.
+  return entry_->ReadPinned(&pin_, [&](const core::Head& head) -> absl::Status {
     // One logits buffer for the whole request (a new one per batch would cost page faults),
     // allocated once the request has been admitted.
     if (!options_.logits_workspace.defined() && batch_rows_ > 1 && header_->rows() > 0) {
@@ -436,14 +457,17 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
   }
   RETURN_IF_ERROR(ComputeRemaining(responses));
   RETURN_IF_ERROR(CheckComplete());
+  ASSIGN_OR_RETURN(
+      const CommitResult commit,
+      entry_->Commit(
+          {.pin = pin_,
+           .key = key_,
+           .scratch = &scratch_,
+           .loss = mode_ == core::CallMode::kFused ? std::optional<double>(loss_) : std::nullopt}));
+  if (inputs_ != nullptr) retained_->Release(header_->inputs_handle());
   v1::StepResponse response;
   v1::StepSummary* summary = response.mutable_summary();
-  if (header_->retain_inputs_seconds() > 0) RETURN_IF_ERROR(RetainInputs(summary));
-  const CommitResult commit = entry_->Commit(
-      {.key = key_,
-       .scratch = &scratch_,
-       .loss = mode_ == core::CallMode::kFused ? std::optional<double>(loss_) : std::nullopt});
-  if (inputs_ != nullptr) retained_->Release(header_->inputs_handle());
+  if (header_->retain_inputs_seconds() > 0) RETURN_IF_ERROR(RetainInputs(commit, summary));
   FillSummary(commit, summary);
   responses->push_back(std::move(response));
   return absl::OkStatus();
@@ -478,15 +502,16 @@ absl::Status StepSession::CheckComplete() const {
   return absl::OkStatus();
 }
 
-absl::Status StepSession::RetainInputs(v1::StepSummary* summary) {
-  RetainedInputs kept{.head_id = header_->head_id(), .batch = core::TokenBatch::Concat(kept_rows_)};
+absl::Status StepSession::RetainInputs(const CommitResult& commit, v1::StepSummary* summary) {
+  RetainedInputs kept{.head_id = header_->head_id(),
+                      .weight_version = commit.weight_version,
+                      .batch = core::TokenBatch::Concat(kept_rows_)};
   kept_rows_.clear();
-  entry_->Read([&](const core::Head& head) {
-    kept.weight_version = head.version();
-    if (!kept.batch.hidden.defined()) {  // zero rows
-      kept.batch.hidden = torch::empty({0, head.hidden_size()}, head.weight().options());
-    }
-  });
+  if (!kept.batch.hidden.defined()) {  // zero rows
+    kept.batch.hidden = entry_->Read([&](const core::Head& head) {
+      return torch::empty({0, head.hidden_size()}, head.weight().options());
+    });
+  }
   ASSIGN_OR_RETURN(std::string handle,
                    retained_->Put(std::move(kept), header_->retain_inputs_seconds()));
   summary->set_inputs_handle(std::move(handle));
@@ -497,6 +522,7 @@ void StepSession::FillSummary(const CommitResult& commit, v1::StepSummary* summa
   logits_chunk_bytes_ = chunk_rows_ * plan_.vocab_size * plan_.head_elem_bytes;
   summary->set_replayed(commit.replayed);
   summary->set_weight_version(commit.weight_version);
+  summary->set_incarnation(ServerIncarnation());
   summary->set_loss(loss_);
   summary->set_valid_tokens(valid_tokens_);
   summary->set_denominator(options_.normalizer.value_or(1.0));

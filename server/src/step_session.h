@@ -114,7 +114,7 @@ class StepSession {
   // The end.
   absl::Status ComputeRemaining(std::vector<v1::StepResponse>* responses);
   absl::Status CheckComplete() const;
-  absl::Status RetainInputs(v1::StepSummary* summary);
+  absl::Status RetainInputs(const CommitResult& commit, v1::StepSummary* summary);
   void FillSummary(const CommitResult& commit, v1::StepSummary* summary);
 
   HeadRegistry* registry_;
@@ -122,6 +122,9 @@ class StepSession {
   const core::CallMode mode_;
   const int64_t response_chunk_bytes_;
   std::shared_ptr<HeadEntry> entry_;
+  // The head's version and gradient window the request computes on: fixed at the header when
+  // it pins a version (expected_weight_version, inputs_handle), else at its first computation.
+  std::optional<HeadPin> pin_;
   std::optional<v1::StepHeader> header_;
   core::StepOptions options_;
   core::CallPlan plan_;                 // the engine's plan for these options (chunk sizes, memory)

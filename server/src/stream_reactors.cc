@@ -135,6 +135,7 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
   }
 
   void OnDone() override { delete this; }
+  ~UploadReactor() override { service_.admission.Release(buffer_ticket_); }
 
  private:
   absl::Status OnMessage() {
@@ -165,12 +166,19 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
     if (header_) {
       return absl::InvalidArgumentError("header: expected exactly one header; got a second");
     }
-    if (h.vocab_size() < 1 || h.hidden_size() < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("header.vocab_size, header.hidden_size: expected >= 1; got ", h.vocab_size(),
-                       ", ", h.hidden_size()));
-    }
     ASSIGN_OR_RETURN(const torch::ScalarType dtype, wire::FromWireDtype(h.dtype(), "header"));
+    // Sizes checked, and the CPU buffer the rows are assembled in reserved in the memory budget,
+    // before anything is allocated.
+    RETURN_IF_ERROR(core::HeadMemoryBytes(h.vocab_size(), h.hidden_size(), dtype, h.has_bias(),
+                                          torch::kFloat, "header.")
+                        .status());
+    const int64_t buffer_bytes = h.vocab_size() * (h.hidden_size() + (h.has_bias() ? 1 : 0)) *
+                                 static_cast<int64_t>(c10::elementSize(dtype));
+    buffer_ticket_ = service_.admission.NewTicket();
+    RETURN_IF_ERROR(service_.admission.Reserve(
+        buffer_ticket_, buffer_bytes,
+        absl::StrCat("the upload buffer of head \"", h.head_id(), "\", header.vocab_size ",
+                     h.vocab_size(), " × header.hidden_size ", h.hidden_size())));
     header_ = h;
     weight_.emplace(torch::empty({h.vocab_size(), h.hidden_size()}, torch::TensorOptions(dtype)),
                     "weight_rows", /*convert_dtype=*/false);
@@ -201,6 +209,7 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
   v1::UploadHeadRequest request_;
   std::optional<v1::UploadHeadRequest::UploadHeader> header_;
   std::optional<wire::RowAssembler> weight_, bias_;
+  uint64_t buffer_ticket_ = 0;  // the assembly buffer's bytes in the memory budget
 };
 
 }  // namespace

@@ -125,7 +125,9 @@ TEST_F(ClientTest, LifecycleCallsDescribeTheRegistryAndKeepTheServersErrors) {
   ASSERT_TRUE(client_->DropHead("small").ok());
   const absl::Status missing = client_->DropHead("small");
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(missing.message(), "head_id: expected one of [lm]; got \"small\"");
+  EXPECT_EQ(
+      missing.message(),
+      "head_id: expected the id of a head on this server; got \"small\", which it does not have");
   EXPECT_EQ(client_->DescribeHead("small").status().code(), absl::StatusCode::kNotFound);
 }
 
@@ -459,7 +461,9 @@ TEST_F(ClientTest, StepErrorsComeBackWithTheServersCodeAndMessageAndChangeNothin
   unknown.head_id = "nope";
   const auto not_found = client_->ForwardBackward(unknown, InputsFor(batch_));
   EXPECT_EQ(not_found.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(not_found.status().message(), "head_id: expected one of [lm]; got \"nope\"");
+  EXPECT_EQ(
+      not_found.status().message(),
+      "head_id: expected the id of a head on this server; got \"nope\", which it does not have");
 
   rc::StepInputs bad_label = InputsFor(batch_);
   bad_label.targets = batch_.targets.clone();

@@ -60,17 +60,18 @@ TEST_F(AdmissionDeadlineTest, RequestOverTheMemoryBudgetIsRefusedAndChangesNothi
   // plus the rows in flight) and with one (its scratch dW besides).
   const int64_t without_dw =
       EngineBytes("cross_entropy", core::Reduction::kMean, core::CallMode::kFused) + kPipelineBytes;
-  const int64_t budget = without_dw + kScratchBytes / 2;
+  const int64_t budget = kHeadBytes + without_dw + kScratchBytes / 2;
   StartService({.admission = {.memory_budget_bytes = budget}});
   const torch::Tensor before = HeadWeightGrad();
   const StepOutcome refused = Step("run/rank-0", 0);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(absl::StartsWith(
       refused.status.error_message(),
-      absl::StrCat("admission: expected a request within the server's memory budget of ",
-                   static_cast<double>(budget) / (1 << 20),
-                   " MiB (--memory_budget_bytes); got one needing ",
-                   static_cast<double>(without_dw + kScratchBytes) / (1 << 20), " MiB")))
+      absl::StrCat(
+          "admission: expected a request within the server's memory budget of ",
+          static_cast<double>(budget) / (1 << 20), " MiB (--memory_budget_bytes) less the ",
+          static_cast<double>(kHeadBytes) / (1 << 20), " MiB its heads hold; got one needing ",
+          static_cast<double>(without_dw + kScratchBytes) / (1 << 20), " MiB")))
       << refused.status.error_message();
   EXPECT_NE(refused.status.error_message().find("scratch dW"), std::string::npos);
   EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));

@@ -49,7 +49,9 @@ TEST_F(HeadServiceTest, LifecycleDescribeListDrop) {
   grpc::ClientContext c5;
   const grpc::Status missing = stub_->DescribeHead(&c5, ref, &info);
   EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(missing.error_message(), "head_id: expected one of []; got \"lm\"");
+  EXPECT_EQ(
+      missing.error_message(),
+      "head_id: expected the id of a head on this server; got \"lm\", which it does not have");
 }
 
 TEST_F(HeadServiceTest, ForwardBackwardMatchesTheEngineAndReplayAddsOnce) {
@@ -373,7 +375,8 @@ TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
        [](v1::StepRequest& m) {
          if (m.has_header()) m.mutable_header()->set_head_id("nope");
        },
-       grpc::StatusCode::NOT_FOUND, "head_id: expected one of [lm]; got \"nope\""},
+       grpc::StatusCode::NOT_FOUND,
+       "head_id: expected the id of a head on this server; got \"nope\", which it does not have"},
       {"wrong hidden size",
        [](v1::StepRequest& m) {
          if (m.has_rows() && m.rows().row_offset() == 17) {

@@ -171,7 +171,8 @@ class RetainedInputsSmallBudgetTest : public RetainedInputsTest {
     const int64_t forward =
         EngineBytes("token_logprobs", core::Reduction::kNone, core::CallMode::kForward) +
         kPipelineBytes;
-    StartService({.admission = {.memory_budget_bytes = forward + kRows * kHidden * 4 / 2}});
+    StartService(
+        {.admission = {.memory_budget_bytes = kHeadBytes + forward + kRows * kHidden * 4 / 2}});
   }
 };
 

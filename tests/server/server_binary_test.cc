@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -154,6 +155,23 @@ TEST(ServerBinary, ClientKilledMidStreamLeavesGradientsUntouched) {
   }
   ASSERT_TRUE(reader->Finish().ok());
   EXPECT_LE(reference::RelativeError(dw, expected.weight), 1e-5);
+  EXPECT_EQ(server.Terminate(), 0);
+}
+
+// --head is repeatable, in both spellings, and each occurrence may be a comma list: every head
+// named is loaded (Abseil alone would keep only the last occurrence).
+TEST(ServerBinary, EveryHeadFlagLoadsAHead) {
+  ServerProcess server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu",
+                        "--head=a:17:8", "--head", "b:19:8:float32:1,c:23:8", "-head=d:29:8"});
+  ASSERT_GT(server.port(), 0) << server.log();
+  auto stub = v1::HeadService::NewStub(
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::ListHeadsResponse list;
+  ASSERT_TRUE(stub->ListHeads(&context, {}, &list).ok());
+  std::map<std::string, int64_t> vocab;
+  for (const v1::HeadInfo& h : list.heads()) vocab[h.head_id()] = h.vocab_size();
+  EXPECT_EQ(vocab, (std::map<std::string, int64_t>{{"a", 17}, {"b", 19}, {"c", 23}, {"d", 29}}));
   EXPECT_EQ(server.Terminate(), 0);
 }
 

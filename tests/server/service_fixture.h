@@ -201,6 +201,8 @@ class ServiceFixture : public ::testing::Test {
   }
   static constexpr int64_t kPipelineBytes = 2 * kRows * kHidden * 4;  // X in flight, dX waiting
   static constexpr int64_t kScratchBytes = (kVocab * kHidden + kVocab) * 4;
+  // What head "lm" holds in the memory budget: W and b, dW and db, all float32.
+  static constexpr int64_t kHeadBytes = 2 * kScratchBytes;
 
   // Waits (up to 5 s) until no request is admitted or queued any more and the bytes still held
   // (retained inputs) are `held_bytes`: a call's admission is released when its reactor goes,

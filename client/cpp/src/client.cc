@@ -85,6 +85,8 @@ absl::StatusOr<HeadInfo> FromWire(const v1::HeadInfo& wire) {
   info.device = wire.device();
   info.weight_version = wire.weight_version();
   info.accumulated_micro_batches = wire.accumulated_micro_batches();
+  info.incarnation = wire.incarnation();
+  info.state_id = wire.state_id();
   return info;
 }
 
@@ -99,6 +101,7 @@ StepSummary FromWire(const v1::StepSummary& wire) {
   summary.chunk_rows = wire.chunk_rows();
   summary.num_chunks = wire.num_chunks();
   summary.inputs_handle = wire.inputs_handle();
+  summary.incarnation = wire.incarnation();
   const v1::StepTimings& t = wire.timings();
   summary.timings = {.queue_seconds = t.queue_seconds(),
                      .receive_wait_seconds = t.receive_wait_seconds(),
@@ -276,6 +279,7 @@ absl::Status WriteHeader(const StepSpec& spec, const PreparedStep& p, v1::StepHe
   if (spec.expected_weight_version.has_value()) {
     h->set_expected_weight_version(*spec.expected_weight_version);
   }
+  if (!spec.expected_incarnation.empty()) h->set_expected_incarnation(spec.expected_incarnation);
   if (spec.reduction == Reduction::kMean && !spec.normalizer.has_value()) {
     if (p.by_handle() && !spec.valid_tokens.has_value() && !p.targets.defined()) {
       return absl::InvalidArgumentError(
@@ -824,6 +828,7 @@ absl::StatusOr<HeadInfo> Client::OptimizerStep(const std::string& head_id,
   }
   if (options.grad_scale.has_value()) request.set_grad_scale(*options.grad_scale);
   request.set_zero_gradients(options.zero_gradients);
+  request.set_expected_incarnation(options.expected_incarnation);
 
   v1::OptimizerStepResponse response;
   Impl::AlreadyDone already_done;

@@ -11,10 +11,10 @@ as keyword arguments, and return a StepResult whose summary is a StepSummary.
 """
 
 from remotehead.client import (Client, GradientId, HeadInfo, InvalidArgumentError,
-                               RemoteheadError, StepOptions, StepResult, StepSummary,
-                               StepTimings)
+                               RemoteheadError, ServerRestartedError, StepOptions, StepResult,
+                               StepSummary, StepTimings)
 from remotehead.autograd import RemoteHead, upstream_matches_declared
 
 __all__ = ["Client", "GradientId", "HeadInfo", "InvalidArgumentError", "RemoteHead",
-           "RemoteheadError", "StepOptions", "StepResult", "StepSummary", "StepTimings",
+           "RemoteheadError", "ServerRestartedError", "StepOptions", "StepResult", "StepSummary", "StepTimings",
            "upstream_matches_declared"]

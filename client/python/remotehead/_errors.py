@@ -19,3 +19,11 @@ class InvalidArgumentError(RemoteheadError, ValueError):
 
     def __init__(self, details: str):
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+class ServerRestartedError(RemoteheadError):
+    """The server restarted since this client learned its incarnation (code
+    FAILED_PRECONDITION): the dW accumulated and the gradient ids sent before are gone, and the
+    head is at the version restored from its saved state (the message names it). Resume from
+    the trainer checkpoint of that version (with transformers' Trainer: resume_from_checkpoint,
+    and RemoteHeadCallback restores the head's state saved with it)."""

@@ -175,6 +175,9 @@ class RemoteHead:
         self.client = client
         self.head_id = head_id
         self.info: HeadInfo = client.describe_head(head_id)
+        # Steps and optimizer steps carry the server process they belong to: once it restarted
+        # they fail with ServerRestartedError instead of adding dW to a window that is gone.
+        self.incarnation = self.info.incarnation
         start = options.gradient_id
         self.trainer = trainer or (start.trainer if start is not None and start.trainer
                                    else f"py-{uuid.uuid4().hex[:12]}")
@@ -214,7 +217,9 @@ class RemoteHead:
         if accumulate:
             gradient_id = o.gradient_id or self._next_gradient_id()
         return o.replace(accumulate=accumulate, gradient_id=gradient_id,
-                         retain_inputs_seconds=retain if two_phase and gradients else 0.0)
+                         retain_inputs_seconds=retain if two_phase and gradients else 0.0,
+                         expected_incarnation=overrides.get("expected_incarnation",
+                                                            self.incarnation))
 
     def _next_gradient_id(self) -> GradientId:
         gradient_id = GradientId(self.trainer, self.step, self.micro_batch)
@@ -278,8 +283,28 @@ class RemoteHead:
         """A server-side optimizer step on the accumulated dW (then zeroed), e.g.
         optimizer_step(adamw=dict(lr=1e-3, weight_decay=0.0))."""
         optimizer.setdefault("zero_gradients", True)
-        self.client.optimizer_step(self.head_id, **optimizer)
+        optimizer.setdefault("expected_incarnation", self.incarnation)
+        self.info = self.client.optimizer_step(self.head_id, **optimizer)
         self.next_step()
+
+    # ----- durable training state (a server started with --state_dir) -----
+
+    def save_state(self) -> HeadInfo:
+        """Saves the head's whole training state on the server; info.state_id names it (keep it
+        with the trainer's checkpoint)."""
+        self.info = self.client.save_head_state(self.head_id)
+        return self.info
+
+    def restore_state(self, state_id: str, step: Optional[int] = None) -> HeadInfo:
+        """Puts the head back to a saved state (weights, optimizer state, version) — e.g. when
+        the trainer resumes from the checkpoint that state was saved with, after a server
+        restart — and continues with this server process. `step`: the trainer's step to
+        continue gradient identities from."""
+        self.info = self.client.restore_head_state(self.head_id, state_id)
+        self.incarnation = self.info.incarnation
+        if step is not None:
+            self.step, self.micro_batch = step, 0
+        return self.info
 
     # ----- a head whose parameter lives in the trainer (local_weight) -----
 

@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from remotehead import _wire
-from remotehead._errors import InvalidArgumentError, RemoteheadError
+from remotehead._errors import InvalidArgumentError, RemoteheadError, ServerRestartedError
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
 
@@ -44,6 +44,8 @@ class HeadInfo:
     device: str
     weight_version: int
     accumulated_micro_batches: int
+    incarnation: str = ""  # the server process: a new one after every restart
+    state_id: str = ""  # the saved training state last saved or restored ("" if none)
 
 
 class GradientId(NamedTuple):
@@ -98,6 +100,9 @@ class StepOptions:
             dtype, and targets (or valid_tokens) the count a "mean" without normalizer needs.
             The handle is refused once the head's weights moved on, and forgotten after a
             successful backward (NOT_FOUND).
+        expected_incarnation: the server process (HeadInfo.incarnation) this step belongs to;
+            a restarted server refuses it (ServerRestartedError) instead of adding dW to a
+            window it no longer has. "": unchecked. RemoteHead sets it.
     """
 
     function: str = "cross_entropy"
@@ -115,6 +120,7 @@ class StepOptions:
     wire_dtype: Optional[torch.dtype] = None
     retain_inputs_seconds: float = 0.0
     inputs_handle: str = ""
+    expected_incarnation: str = ""
 
     def __post_init__(self):
         if self.reduction not in _REDUCTIONS:
@@ -167,6 +173,7 @@ class StepSummary:
     chunk_rows: int = 0
     num_chunks: int = 0
     inputs_handle: str = ""  # forward with retain_inputs_seconds: pass to backward
+    incarnation: str = ""  # the server process that computed it (HeadInfo.incarnation)
     timings: StepTimings = dataclasses.field(default_factory=StepTimings)
 
 
@@ -183,7 +190,8 @@ class StepResult:
 
 def _info(msg: pb.HeadInfo) -> HeadInfo:
     return HeadInfo(msg.head_id, msg.vocab_size, msg.hidden_size, _wire._FROM_WIRE[msg.dtype],
-                    msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches)
+                    msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches,
+                    msg.incarnation, msg.state_id)
 
 
 def _summary(msg: pb.StepSummary) -> StepSummary:
@@ -192,7 +200,7 @@ def _summary(msg: pb.StepSummary) -> StepSummary:
         loss=msg.loss, valid_tokens=msg.valid_tokens, denominator=msg.denominator,
         extras=dict(msg.extras), weight_version=msg.weight_version, replayed=msg.replayed,
         chunk_rows=msg.chunk_rows, num_chunks=msg.num_chunks, inputs_handle=msg.inputs_handle,
-        timings=StepTimings(t.queue_seconds, t.receive_wait_seconds, t.compute_seconds,
+        incarnation=msg.incarnation, timings=StepTimings(t.queue_seconds, t.receive_wait_seconds, t.compute_seconds,
                             t.send_wait_seconds, t.total_seconds))
 
 
@@ -310,6 +318,8 @@ def _prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
     h.rows = n
     if o.expected_weight_version is not None:
         h.expected_weight_version = o.expected_weight_version
+    if o.expected_incarnation:
+        h.expected_incarnation = o.expected_incarnation
     if o.reduction == "mean" and o.normalizer is None:
         if by_handle and o.valid_tokens is None and p.targets is None:
             raise InvalidArgumentError(
@@ -476,6 +486,9 @@ class Client:
             try:
                 return attempt()
             except grpc.RpcError as e:
+                if (e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        and "the server restarted" in (e.details() or "")):
+                    raise ServerRestartedError(e.code(), e.details()) from None
                 if (not retry or e.code() != grpc.StatusCode.UNAVAILABLE
                         or attempt_number == self._max_attempts):
                     raise RemoteheadError(e.code(), e.details()) from None
@@ -588,10 +601,12 @@ class Client:
 
     def optimizer_step(self, head_id: str, *, sgd: Optional[dict] = None,
                        adamw: Optional[dict] = None, grad_scale: Optional[float] = None,
-                       zero_gradients: bool = False) -> HeadInfo:
+                       zero_gradients: bool = False, expected_incarnation: str = "") -> HeadInfo:
         """One server-side step: sgd=dict(lr=, momentum=, weight_decay=) or
-        adamw=dict(lr=, beta1=, beta2=, eps=, weight_decay=)."""
-        request = pb.OptimizerStepRequest(head_id=head_id, zero_gradients=zero_gradients)
+        adamw=dict(lr=, beta1=, beta2=, eps=, weight_decay=). expected_incarnation: as
+        StepOptions.expected_incarnation (ServerRestartedError once the server restarted)."""
+        request = pb.OptimizerStepRequest(head_id=head_id, zero_gradients=zero_gradients,
+                                          expected_incarnation=expected_incarnation)
         if grad_scale is not None:
             request.grad_scale = grad_scale
         if (sgd is None) == (adamw is None):
@@ -602,6 +617,19 @@ class Client:
             request.adamw.CopyFrom(pb.OptimizerStepRequest.AdamW(**adamw))
         # Not idempotent: never retried (a lost answer may hide a step that happened).
         return _info(self._unary(self._stub.OptimizerStep, request, retry=False).info)
+
+    # ----- durable training state (a server started with --state_dir) -----
+
+    def save_head_state(self, head_id: str) -> HeadInfo:
+        """Writes the head's whole training state (weights, optimizer state, version) on the
+        server now; the returned info's state_id names it for restore_head_state."""
+        return _info(self._unary(self._stub.SaveHeadState, pb.HeadRef(head_id=head_id)).info)
+
+    def restore_head_state(self, head_id: str, state_id: str) -> HeadInfo:
+        """Puts the head back to a saved state (weights, optimizer state, version); its
+        gradients are zeroed."""
+        return _info(self._unary(self._stub.RestoreHeadState,
+                                 pb.RestoreHeadStateRequest(head_id=head_id, state_id=state_id)))
 
     # ----- steps -----
     #

@@ -15,15 +15,19 @@ labels (inference, generation) the model is unchanged and uses its local lm_head
 
 from __future__ import annotations
 
+import json
+import os
 import types
+import warnings
 from typing import Optional
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from remotehead.autograd import RemoteHead
-from remotehead.client import Client
+from remotehead.client import Client, RemoteheadError
 
 
 class OffloadedHead(RemoteHead):
@@ -58,10 +62,14 @@ def accumulation_window_ends() -> bool:
 
 
 def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = True,
-                    gradients: str = "server", trainer: Optional[str] = None) -> OffloadedHead:
+                    gradients: str = "server", trainer: Optional[str] = None,
+                    upload: bool = True) -> OffloadedHead:
     """Uploads the model's lm_head to the server as `head_id` and makes the model's training
     loss go through it.
 
+    upload=False: the head is on the server already — e.g. a server started with --state_dir
+        restored it after a restart; resuming the Trainer from a checkpoint then puts it back
+        to the state saved with that checkpoint (RemoteHeadCallback).
     trainable=False: a frozen head (e.g. under LoRA): dX only, no dW.
     gradients="server": dW stays on the server, trained by server-side optimizer steps
         (`head.optimizer_step(...)`, or RemoteHeadCallback under Trainer); the local lm_head is
@@ -82,7 +90,8 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
                          '"server"')
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("lm_head.bias: expected none (causal LMs have no head bias); got one")
-    client.upload_head(head_id, lm_head.weight.detach().float())
+    if upload:
+        client.upload_head(head_id, lm_head.weight.detach().float())
     local = trainable and gradients == "local"
     head = OffloadedHead(model, client, head_id, trainer=trainer, accumulate=trainable,
                          local_weight=lm_head.weight if local else None)
@@ -123,11 +132,64 @@ class RemoteHeadCallback(TrainerCallback):
     Trainer's gradient clipping (max_grad_norm) sees only the local parameters in this mode;
     offload with gradients="local" to clip the head's gradient together with the body's."""
 
-    def __init__(self, head: RemoteHead):
+    # Written into each trainer checkpoint directory: the head's saved state that goes with it.
+    STATE_FILE = "remotehead_state.json"
+
+    def __init__(self, head: RemoteHead, save_state: Optional[bool] = None):
+        """save_state: with each trainer checkpoint, save the head's training state on the
+        server (its --state_dir) and record its id in the checkpoint, so that
+        resume_from_checkpoint puts the head back to the same version with the same optimizer
+        state — after a server crash too. Default: when the head is trained on the server and
+        the server keeps states (--state_dir; without one a warning says the head's state is
+        not saved)."""
         self.head = head
+        self.save_state = self._server_trained() if save_state is None else save_state
+        self._required = save_state is True
 
     def _server_trained(self) -> bool:
         return self.head.accumulate and self.head.local_weight is None
+
+    def on_save(self, args, state, control, **kwargs):
+        if not self.save_state or not state.is_world_process_zero:
+            return
+        try:
+            info = self.head.save_state()
+        except RemoteheadError as e:
+            if self._required or "--state_dir" not in e.details:
+                raise
+            warnings.warn(f"remotehead: the head's training state is not saved with the "
+                          f"checkpoints: {e.details}")
+            self.save_state = False
+            return
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        with open(os.path.join(checkpoint, self.STATE_FILE), "w") as f:
+            json.dump({"head_id": self.head.head_id, "state_id": info.state_id,
+                       "weight_version": info.weight_version,
+                       "global_step": state.global_step}, f)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # Resuming (Trainer has loaded the checkpoint's TrainerState): the head goes back to the
+        # state saved with that checkpoint, whatever the server holds now.
+        if not self.save_state or state.global_step == 0:
+            return
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        path = os.path.join(checkpoint, self.STATE_FILE)
+        if not os.path.isfile(path):
+            if not self._required:
+                warnings.warn(f"remotehead: {path} is missing: the head is not put back to the "
+                              f"state of step {state.global_step} (the server was started "
+                              "without --state_dir when the checkpoint was written?)")
+                return
+            raise FileNotFoundError(
+                f"{path}: expected the remote head's state saved with the checkpoint of step "
+                f"{state.global_step} (RemoteHeadCallback writes it); got none — the head "
+                "cannot be put back to that step")
+        with open(path) as f:
+            saved = json.load(f)
+        info = self.head.restore_state(saved["state_id"], step=state.global_step)
+        if info.weight_version != saved["weight_version"]:
+            raise RuntimeError(f"{path}: expected the head at version {saved['weight_version']} "
+                               f"after restoring; got {info.weight_version}")
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self._server_trained():

@@ -46,6 +46,20 @@ struct HeadOptions {
   torch::ScalarType grad_dtype = torch::kFloat;
 };
 
+// The largest head a server accepts: sizes far beyond any real vocabulary or model width are a
+// caller's mistake, refused before anything is allocated.
+inline constexpr int64_t kMaxVocabSize = int64_t{1} << 24;   // 16,777,216 tokens
+inline constexpr int64_t kMaxHiddenSize = int64_t{1} << 18;  // 262,144
+
+// The bytes a head of this shape holds — W (and b) in `dtype`, dW (and db) in `grad_dtype` —
+// computed without overflow. INVALID_ARGUMENT naming `field_prefix` + vocab_size / hidden_size
+// for a size < 1 or above the limits. The one home of a head's size: head creation checks it,
+// the server reserves it in its memory budget before allocating.
+absl::StatusOr<int64_t> HeadMemoryBytes(int64_t vocab_size, int64_t hidden_size,
+                                        torch::ScalarType dtype, bool bias,
+                                        torch::ScalarType grad_dtype = torch::kFloat,
+                                        const std::string& field_prefix = "");
+
 class Head {
  public:
   // Takes W [V, D] and optional bias [V] (undefined tensor for none); copies them to
@@ -78,6 +92,8 @@ class Head {
   // Incremented whenever the weights change, so callers can detect stale work.
   int64_t version() const { return version_; }
   void BumpVersion() { ++version_; }
+  // For a head restored from its saved training state (core/head_state.h).
+  void RestoreVersion(int64_t version) { version_ = version; }
 
  private:
   Head(torch::Tensor weight, torch::Tensor bias, torch::ScalarType grad_dtype);

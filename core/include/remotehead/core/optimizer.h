@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
@@ -30,7 +31,8 @@ struct AdamWOptions {
 struct OptimizerState {
   std::string kind;  // "", "sgd" or "adamw"
   int64_t steps = 0;
-  torch::Tensor weight_buf1, weight_buf2;  // SGD: momentum; AdamW: exp_avg, exp_avg_sq
+  std::map<std::string, double> hyper_parameters;  // of the last step ("lr", "beta1", …)
+  torch::Tensor weight_buf1, weight_buf2;          // SGD: momentum; AdamW: exp_avg, exp_avg_sq
   torch::Tensor bias_buf1, bias_buf2;
 };
 

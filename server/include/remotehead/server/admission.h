@@ -23,6 +23,7 @@ struct AdmissionOptions {
 
 struct AdmissionStats {
   int64_t bytes_in_use = 0;  // admitted requests and long-lived reservations
+  int64_t head_bytes = 0;    // the heads' weights and gradients (ReserveHead)
   int active = 0;
   int queued = 0;
 };
@@ -46,6 +47,11 @@ class AdmissionController {
   // taken now or refused with RESOURCE_EXHAUSTED, never queued.
   absl::Status Reserve(uint64_t ticket, int64_t bytes, const std::string& breakdown);
 
+  // A head's weights and gradients, held for as long as the head exists: they count against
+  // the budget like everything else (a request never fits unless it fits beside the heads).
+  // RESOURCE_EXHAUSTED naming `breakdown` when they do not fit.
+  absl::Status ReserveHead(uint64_t ticket, int64_t bytes, const std::string& breakdown);
+
   // Frees an admitted request's or a reservation's bytes, or withdraws a queued request;
   // unknown tickets are ignored, so a caller may release unconditionally.
   void Release(uint64_t ticket);
@@ -65,10 +71,12 @@ class AdmissionController {
   mutable std::mutex mu_;
   uint64_t next_ticket_ = 1;
   int64_t bytes_in_use_ = 0;
+  int64_t head_bytes_ = 0;
   int active_ = 0;
   struct Held {
     int64_t bytes;
-    bool active;  // a running request (false: a reservation)
+    bool active;        // a running request (false: a reservation)
+    bool head = false;  // counted in head_bytes_ (ReserveHead)
   };
   std::map<uint64_t, Held> held_;
   std::deque<Waiting> waiting_;

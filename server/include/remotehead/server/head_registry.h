@@ -5,6 +5,7 @@
 // and no caller manages a mutex of its own.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -17,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/head_state.h"
 #include "remotehead/core/optimizer.h"
 
 namespace remotehead::server {
@@ -38,12 +40,27 @@ struct HeadDescription {
   bool has_bias = false;
   std::string device;
   int64_t weight_version = 0;
-  int64_t accumulated_micro_batches = 0;  // contributions since the last zeroing
-  std::optional<double> last_loss;        // of the last successful ForwardBackward
+  int64_t accumulated_micro_batches = 0;    // contributions since the last zeroing
+  std::optional<double> last_loss;          // of the last successful ForwardBackward
+  std::string state_id;                     // last saved to / restored from ("" if none)
+  std::optional<int64_t> restored_version;  // restored at start by this server process
+};
+
+// This server process's random id (HeadInfo / StepSummary.incarnation): a restarted server has
+// a new one, so a client can tell that the dW it accumulated is gone.
+const std::string& ServerIncarnation();
+
+// What a request saw of its head when it began computing. It may compute and commit only while
+// this still holds: a request never mixes two versions of the weights, and its dW never lands in
+// a gradient window opened after it began (HeadEntry::ReadPinned, HeadEntry::Commit).
+struct HeadPin {
+  int64_t weight_version = 0;
+  int64_t gradient_window = 0;  // goes up each time dW is zeroed
 };
 
 // What a request's end does to its head, all in one critical section (StepSession).
 struct StepCommit {
+  std::optional<HeadPin> pin;                      // unset: the request computed nothing
   std::optional<GradientKey> key;                  // accumulate dW under this identity
   const core::GradientBuffers* scratch = nullptr;  // the request's dW (with key)
   std::optional<double> loss;                      // recorded as the head's last loss
@@ -56,17 +73,34 @@ struct CommitResult {
 
 class HeadEntry {
  public:
-  HeadEntry(std::string id, std::unique_ptr<core::Head> head)
-      : id_(std::move(id)), head_(std::move(head)) {}
+  // `reservation`: the admission ticket holding this head's bytes (0: none).
+  HeadEntry(std::string id, std::unique_ptr<core::Head> head, uint64_t reservation = 0)
+      : id_(std::move(id)), reservation_(reservation), head_(std::move(head)) {}
 
   const std::string& id() const { return id_; }
+  uint64_t reservation() const { return reservation_.load(); }
+  // For a head registered without one (loaded at start): takes `ticket` as its reservation.
+  void set_reservation(uint64_t ticket) { reservation_.store(ticket); }
   HeadDescription Describe() const;
 
-  // Runs fn(const core::Head&) under the lock and returns its result: computations, snapshots
-  // and version checks that must see one version of the weights.
+  // The version and gradient window now.
+  HeadPin Pin() const;
+
+  // Runs fn(const core::Head&) under the lock and returns its result: snapshots and checks that
+  // must see one version of the weights.
   template <typename Fn>
   decltype(auto) Read(Fn&& fn) const {
     std::lock_guard<std::mutex> lock(mu_);
+    return fn(static_cast<const core::Head&>(*head_));
+  }
+  // Runs fn(const core::Head&) -> absl::Status under the lock if the head is still as `*pin`
+  // says (an unset pin is set to the head's state now): a request's computations. ABORTED,
+  // naming what changed, if the head was dropped or its weights changed since.
+  template <typename Fn>
+  absl::Status ReadPinned(std::optional<HeadPin>* pin, Fn&& fn) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!pin->has_value()) *pin = PinLocked();
+    if (absl::Status s = CheckPinLocked(**pin, /*gradient=*/false); !s.ok()) return s;
     return fn(static_cast<const core::Head&>(*head_));
   }
   // Runs fn(core::Head&) under the lock, for changes without a method of their own.
@@ -77,8 +111,10 @@ class HeadEntry {
   }
 
   // The only place a request's gradient reaches the head: adds *scratch unless commit.key was
-  // applied since the last zeroing (then reports a replay), records the loss.
-  CommitResult Commit(const StepCommit& commit);
+  // applied since the last zeroing (then reports a replay), records the loss. ABORTED, with
+  // nothing changed, if the head was dropped, its weights changed since commit.pin, or (with a
+  // key) its gradients were zeroed since.
+  absl::StatusOr<CommitResult> Commit(const StepCommit& commit);
   // Runs `step` (an optimizer step on the head and its state) under the lock; then, with
   // zero_gradients, zeroes dW / db and forgets the ledger in the same critical section.
   absl::Status OptimizerStep(
@@ -90,11 +126,28 @@ class HeadEntry {
   // shape, dtype and bias; FAILED_PRECONDITION while gradients computed with the old weights
   // are accumulated. The optimizer state is reset and the version goes up by one.
   absl::Status ReplaceWeights(const core::Head& head);
+  // A CPU copy of the head's whole training state under `state_id` (recorded as the head's).
+  core::HeadState CaptureState(const std::string& state_id);
+  // Puts the head back to `state` (core::ApplyHeadState) and zeroes its gradients: a new
+  // gradient window. `at_start`: the server is restoring it after a restart.
+  absl::Status RestoreState(const core::HeadState& state, bool at_start);
+  // Called by HeadRegistry::Drop: requests still holding this entry fail instead of committing
+  // to a head nobody can reach (or to a new head of the same id).
+  void MarkDropped();
 
  private:
+  HeadPin PinLocked() const;
+  absl::Status CheckPinLocked(const HeadPin& pin, bool gradient) const;
+  void ZeroGradientsLocked();
+
   const std::string id_;
+  std::atomic<uint64_t> reservation_;
   mutable std::mutex mu_;  // guards everything below
   std::unique_ptr<core::Head> head_;
+  int64_t gradient_window_ = 0;
+  bool dropped_ = false;
+  std::string state_id_;
+  std::optional<int64_t> restored_version_;
   // Contributions already added since the last zeroing. A replay recomputes its answer (the
   // trainer needs dX again) and adds nothing, so only the identity is kept.
   std::set<GradientKey> applied_;
@@ -104,15 +157,15 @@ class HeadEntry {
 
 class HeadRegistry {
  public:
-  // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for an empty id.
+  // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for an empty id. `reservation`: the
+  // admission ticket holding the head's bytes, released by whoever drops it.
   absl::StatusOr<std::shared_ptr<HeadEntry>> Add(const std::string& id,
-                                                 std::unique_ptr<core::Head> head);
-  // Add, or HeadEntry::ReplaceWeights of the existing head `id`.
-  absl::StatusOr<std::shared_ptr<HeadEntry>> AddOrReplace(const std::string& id,
-                                                          std::unique_ptr<core::Head> head);
-  // NOT_FOUND naming the id and the heads that exist.
+                                                 std::unique_ptr<core::Head> head,
+                                                 uint64_t reservation = 0);
+  // NOT_FOUND naming the id asked for (and no other head's).
   absl::StatusOr<std::shared_ptr<HeadEntry>> Get(const std::string& id) const;
-  absl::Status Drop(const std::string& id);
+  // Removes the head and returns it (requests still holding it then fail to commit).
+  absl::StatusOr<std::shared_ptr<HeadEntry>> Drop(const std::string& id);
   std::vector<std::shared_ptr<HeadEntry>> List() const;
 
  private:

@@ -10,9 +10,11 @@
 #include <memory>
 #include <ostream>
 
+#include "absl/status/status.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/metrics.h"
+#include "remotehead/server/state_store.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
 
 namespace remotehead::server {
@@ -31,6 +33,10 @@ struct ServiceOptions {
   // optimizer step); nullptr = silent.
   std::ostream* event_log = nullptr;
   ServerMetrics* metrics = nullptr;  // Prometheus metrics; nullptr = none
+  // Durable training state (--state_dir); nullptr = none (Save/RestoreHeadState are refused).
+  // Every `checkpoint_every_steps` weight versions an optimizer step saves the head's state.
+  StateStore* state_store = nullptr;
+  int checkpoint_every_steps = 0;
 };
 
 class HeadService {
@@ -43,6 +49,12 @@ class HeadService {
   // Register with a grpc::ServerBuilder.
   virtual v1::HeadService::CallbackService& service() = 0;
   virtual AdmissionController& admission() = 0;
+  // Reserves, in admission's memory budget, the bytes of the heads put in the registry before
+  // the service existed (--head); RESOURCE_EXHAUSTED if they do not fit it. Heads created
+  // through the service reserve theirs before they are allocated.
+  virtual absl::Status ReserveLoadedHeads() = 0;
+  // Saves the state of every head in the state store (the SIGTERM drain); OK without one.
+  virtual absl::Status SaveAllStates() = 0;
 };
 
 }  // namespace remotehead::server

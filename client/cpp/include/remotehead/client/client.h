@@ -100,6 +100,8 @@ struct HeadInfo {
   std::string device;                     // "cpu", "cuda:0"
   int64_t weight_version = 0;             // bumped by every optimizer step
   int64_t accumulated_micro_batches = 0;  // gradient contributions since the last zeroing
+  std::string incarnation;  // the server process: a new one after every restart
+  std::string state_id;     // the durable state last saved or restored ("" if none)
 };
 
 // A head initialised on the server: W ~ N(0, init_std²), bias 0.
@@ -152,6 +154,9 @@ struct OptimizerStepOptions {
   std::variant<Sgd, AdamW> optimizer;
   std::optional<double> grad_scale;  // multiplies the accumulated gradient (e.g. 1 / ranks)
   bool zero_gradients = false;       // zero the accumulators (and the ledger) after the step
+  // HeadInfo::incarnation seen by the trainer: FAILED_PRECONDITION once the server restarted
+  // (its dW is gone). Empty: unchecked.
+  std::string expected_incarnation;
 };
 
 // ----- steps -----
@@ -197,6 +202,9 @@ struct StepSpec {
   // (or valid_tokens) the count a MEAN without normalizer needs. The server refuses the handle
   // once the head's weights moved on, and forgets it after a successful Backward (NOT_FOUND).
   std::string inputs_handle;
+  // HeadInfo::incarnation seen by the trainer: FAILED_PRECONDITION once the server restarted,
+  // instead of adding dW to a window it no longer has. Empty: unchecked.
+  std::string expected_incarnation;
 };
 
 // The per-token inputs of a step. hidden is [N, D]; every other tensor is [N]. Tensors may
@@ -229,6 +237,7 @@ struct StepSummary {
   int64_t chunk_rows = 0;
   int64_t num_chunks = 0;
   std::string inputs_handle;  // Forward with retain_inputs_seconds: pass to Backward
+  std::string incarnation;    // the server process that computed it (HeadInfo::incarnation)
   StepTimings timings;
 };
 
