@@ -24,10 +24,11 @@
 // 100 KiB stack (USE_STACK_SIZE=102400, compiled in, no run-time option), and glibc carves the
 // static TLS of every library loaded at start out of a thread's requested stack (glibc bug 11787):
 // LibTorch with its CUDA libraries needs ~250 KiB of it (libcublasLt alone 92 KiB), so
-// pthread_create answers EINVAL and mg_start fails with "Cannot create threads: error 22" (what
-// made prometheus-cpp's Exposer throw). For civetweb's calls only, the requested size is raised by
-// what glibc itself needs besides the stack (__pthread_get_minstack: static TLS, guard, minimum),
-// as Rust's std does for its threads; every other caller gets exactly what it asked for.
+// pthread_create answers EINVAL and mg_start fails ("Cannot create first worker thread: error 0":
+// civetweb prints errno, not pthread_create's result), which made prometheus-cpp's Exposer
+// throw. For civetweb's calls only, the requested size is raised by what glibc itself needs
+// besides the stack (__pthread_get_minstack: static TLS, guard, minimum), as Rust's std does for
+// its threads; every other caller gets exactly what it asked for.
 extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) noexcept {
   using SetStackSize = int (*)(pthread_attr_t*, size_t);
   using GetMinStack = size_t (*)(const pthread_attr_t*);
