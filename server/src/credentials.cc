@@ -143,7 +143,20 @@ grpc::Status Unauthenticated(std::string_view got) {
                       absl::StrCat(std::string(kExpectedToken), "; got ", std::string(got)));
 }
 
+bool HasBearerScheme(std::string_view value) {
+  return value.size() >= kBearerPrefix.size() &&
+         absl::EqualsIgnoreCase(absl::string_view(value.data(), kBearerPrefix.size()),
+                                absl::string_view(kBearerPrefix.data(), kBearerPrefix.size()));
+}
+
 }  // namespace
+
+absl::StatusOr<std::string> ReadBearerToken(const std::string& path) { return ReadToken(path); }
+
+bool IsBearerToken(std::string_view authorization, std::string_view token) {
+  return HasBearerScheme(authorization) &&
+         ConstantTimeEquals(authorization.substr(kBearerPrefix.size()), token);
+}
 
 grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
                                            grpc::AuthContext* /*context*/,
@@ -159,9 +172,7 @@ grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
   if (first == last) return Unauthenticated("none");
   if (std::next(first) != last) return Unauthenticated("more than one authorization entry");
   const std::string_view value = View(first->second);
-  if (value.size() < kBearerPrefix.size() ||
-      !absl::EqualsIgnoreCase(absl::string_view(value.data(), kBearerPrefix.size()),
-                              absl::string_view(kBearerPrefix.data(), kBearerPrefix.size()))) {
+  if (!HasBearerScheme(value)) {
     return Unauthenticated("a value that is not \"Bearer <token>\"");
   }
   if (!ConstantTimeEquals(value.substr(kBearerPrefix.size()), token_)) {

@@ -57,7 +57,8 @@ ABSL_FLAG(bool, tls_require_client_cert, true,
           "with --tls_client_ca: refuse clients without a certificate (false: verify if given)");
 ABSL_FLAG(std::string, metrics_address, "",
           "IPv4 host:port serving Prometheus metrics at GET /metrics (port 0: a free one); "
-          "empty = off");
+          "empty = off. Plain HTTP; with --auth_token_file it needs that bearer token, with TLS "
+          "and no token only a loopback address is accepted");
 ABSL_FLAG(std::string, state_dir, "",
           "directory of the heads' durable training state: restored at start, saved every "
           "--checkpoint_every_steps optimizer steps, on SaveHeadState and on SIGTERM; empty = off");
@@ -205,15 +206,29 @@ struct Metrics {
   std::unique_ptr<rh::server::MetricsHttpServer> http;
 };
 
+// How --metrics_address is served, checked before anything is loaded: with --auth_token_file,
+// /metrics needs the same bearer token; with TLS and no token, only a loopback address.
+absl::StatusOr<rh::server::MetricsHttpOptions> MetricsOptions() {
+  rh::server::MetricsHttpOptions options{.address = absl::GetFlag(FLAGS_metrics_address)};
+  if (options.address.empty()) return options;
+  const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
+  if (!token_file.empty()) {
+    ASSIGN_OR_RETURN(options.bearer_token, rh::server::ReadBearerToken(token_file));
+  }
+  RETURN_IF_ERROR(rh::server::CheckMetricsExposure(
+      options.address, !absl::GetFlag(FLAGS_tls_cert).empty(), !options.bearer_token.empty()));
+  return options;
+}
+
 // Prometheus metrics served on --metrics_address (none when it is empty).
-absl::StatusOr<Metrics> StartMetrics(const rh::server::HeadRegistry* registry,
+absl::StatusOr<Metrics> StartMetrics(const rh::server::MetricsHttpOptions& options,
+                                     const rh::server::HeadRegistry* registry,
                                      const torch::Device& device, int64_t budget) {
   Metrics m;
-  const std::string address = absl::GetFlag(FLAGS_metrics_address);
-  if (address.empty()) return m;
+  if (options.address.empty()) return m;
   m.metrics = std::make_unique<rh::server::ServerMetrics>(registry, device, budget);
   ASSIGN_OR_RETURN(m.http,
-                   rh::server::MetricsHttpServer::Start(address, m.metrics->Collectables()));
+                   rh::server::MetricsHttpServer::Start(options, m.metrics->Collectables()));
   return m;
 }
 
@@ -284,6 +299,8 @@ int Refuse(const absl::Status& status) {
 int Run() {
   auto credentials = Security();
   if (!credentials.ok()) return Refuse(credentials.status());
+  const absl::StatusOr<rh::server::MetricsHttpOptions> metrics_options = MetricsOptions();
+  if (!metrics_options.ok()) return Refuse(metrics_options.status());
   auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
   if (!device.ok()) return Refuse(device.status());
   // CPU memory is measured by a counting allocator, installed before any tensor exists.
@@ -307,7 +324,7 @@ int Run() {
   }
   const absl::StatusOr<int64_t> budget = MemoryBudget(*device, registry);
   if (!budget.ok()) return Refuse(budget.status());
-  absl::StatusOr<Metrics> metrics = StartMetrics(&registry, *device, *budget);
+  absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
@@ -324,8 +341,9 @@ int Run() {
     return 1;
   }
   if (metrics->http != nullptr) {
-    std::cout << "remotehead-server: metrics on port " << metrics->http->port() << " (/metrics)"
-              << std::endl;
+    std::cout << "remotehead-server: metrics on port " << metrics->http->port() << " (/metrics, "
+              << (metrics_options->bearer_token.empty() ? "no auth" : "bearer token required")
+              << ")" << std::endl;
   }
   // SERVING only once the configured heads are loaded (they are, by now).
   server->GetHealthCheckService()->SetServingStatus(true);

@@ -6,6 +6,7 @@ observation counts, bytes received, and the per-head state (weight version, accu
 micro-batches, last loss), device memory at least the head's own bytes, nothing in flight.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -48,15 +49,15 @@ def server():
         yield s
 
 
-@pytest.fixture
-def prometheus(server, tmp_path):
+@contextlib.contextmanager
+def start_prometheus(tmp_path, scrape_configs: str):
+    """Debian's prometheus on a free loopback port with `scrape_configs` (YAML list items);
+    gives its URL."""
     binary = shutil.which("prometheus")
     assert binary, "Debian's prometheus package is installed by scripts/bootstrap"
     config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: remotehead\n    static_configs:\n"
-        f"      - targets: ['127.0.0.1:{server.metrics_port}']\n")
+    config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                      "scrape_configs:\n" + scrape_configs)
     port = free_port()
     process = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -74,9 +75,19 @@ def prometheus(server, tmp_path):
             process.kill()
             pytest.fail("prometheus did not become ready:\n" + process.stdout.read())
         time.sleep(0.2)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    try:
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture
+def prometheus(server, tmp_path):
+    with start_prometheus(
+            tmp_path, "  - job_name: remotehead\n    static_configs:\n"
+                      f"      - targets: ['127.0.0.1:{server.metrics_port}']\n") as url:
+        yield url
 
 
 def query(url: str, promql: str):
@@ -184,3 +195,38 @@ def test_metrics_endpoint_serves_only_metrics_and_bad_addresses_are_refused(serv
     assert result.returncode == 2
     assert result.stderr.strip().endswith(
         '--metrics_address: expected IPv4 host:port (e.g. 0.0.0.0:9464); got "localhost"')
+
+
+def test_prometheus_scrapes_with_the_bearer_token(tmp_path):
+    """TLS and --auth_token_file on: /metrics needs the token; Prometheus sends it from
+    `authorization: {credentials_file: ...}` and scrapes, a job without it gets 401 (up 0)."""
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is installed by scripts/bootstrap"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(tmp_path / "server.key"), "-out", str(tmp_path / "server.pem")],
+                   check=True, capture_output=True)
+    token = tmp_path / "token"
+    token.write_text("rh-prometheus-token-5e2d\n")
+    binary = os.environ.get("REMOTEHEAD_SERVER_BINARY",
+                            str(ROOT / "build" / "server" / "remotehead-server"))
+    args = ["--device=cpu", "--head=lm:64:8", f"--tls_cert={tmp_path / 'server.pem'}",
+            f"--tls_key={tmp_path / 'server.key'}", f"--auth_token_file={token}",
+            "--metrics_address=127.0.0.1:0"]
+    with LocalServer(binary, args) as server:
+        assert server.metrics_port, "".join(server.log)
+        with pytest.raises(urllib.error.HTTPError) as error:
+            http_get(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        assert error.value.code == 401
+        target = f"      - targets: ['127.0.0.1:{server.metrics_port}']\n"
+        configs = ("  - job_name: with_token\n    authorization:\n"
+                   f"      credentials_file: {token}\n    static_configs:\n" + target +
+                   "  - job_name: without_token\n    static_configs:\n" + target)
+        with start_prometheus(tmp_path, configs) as url:
+            deadline = time.monotonic() + 30
+            while (query(url, 'up{job="with_token"}') != {frozenset(): 1.0}
+                   or query(url, 'up{job="without_token"}') != {frozenset(): 0.0}):
+                assert time.monotonic() < deadline, str(query(url, "up"))
+                time.sleep(0.5)
+            assert query(url, 'remotehead_heads{job="with_token"}') == {frozenset(): 1.0}
+            assert query(url, 'remotehead_heads{job="without_token"}') == {}

@@ -25,6 +25,7 @@
 #include "remotehead/v1/head_service.grpc.pb.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "support/child_process.h"
+#include "support/http_client.h"
 
 namespace remotehead {
 namespace {
@@ -367,6 +368,56 @@ TEST_F(TlsAuthTest, BadSecurityFlagsStopTheServerWithAClearMessage) {
     EXPECT_EQ(server.ExitCode(), 2) << server.log();
     EXPECT_EQ(server.log(), "remotehead-server: " + substitute(c.message) + "\n");
   }
+}
+
+// The metrics port (plain HTTP) next to TLS: with the token, /metrics needs it too; without one,
+// only a loopback --metrics_address is accepted.
+int MetricsPort(const std::string& log) {
+  const size_t at = log.find("remotehead-server: metrics on port ");
+  return at == std::string::npos ? 0 : std::atoi(log.c_str() + at + 35);
+}
+
+TEST_F(TlsAuthTest, MetricsNeedTheTokenWhenOneIsSet) {
+  ServerProcess server({"--tls_cert=" + Path("server.pem"), "--tls_key=" + Path("server.key"),
+                        "--auth_token_file=" + Path("token"), "--metrics_address=0.0.0.0:0"});
+  ASSERT_GT(server.port(), 0) << server.log();
+  const int port = MetricsPort(server.log());
+  ASSERT_GT(port, 0) << server.log();
+  EXPECT_NE(server.log().find("(/metrics, bearer token required)"), std::string::npos);
+  for (const std::string& headers : {std::string(""), std::string("Authorization: Bearer x\r\n")}) {
+    const testing::Response refused = testing::Get(port, "/metrics", headers);
+    EXPECT_EQ(refused.status, 401) << refused.text;
+    EXPECT_EQ(refused.text.find("remotehead_head"), std::string::npos) << refused.text;
+  }
+  const testing::Response served =
+      testing::Get(port, "/metrics", std::string("Authorization: Bearer ") + kToken + "\r\n");
+  EXPECT_EQ(served.status, 200) << served.text;
+  EXPECT_NE(served.text.find("head=\"lm\""), std::string::npos) << served.text;
+  EXPECT_EQ(server.log().find(kToken), std::string::npos) << server.log();
+}
+
+TEST_F(TlsAuthTest, MetricsStayOnLoopbackWithTlsAndNoToken) {
+  const std::vector<std::string> tls = {"--tls_cert=" + Path("server.pem"),
+                                        "--tls_key=" + Path("server.key")};
+  {
+    std::vector<std::string> args = tls;
+    args.push_back("--metrics_address=0.0.0.0:0");
+    ServerProcess server(args);
+    EXPECT_EQ(server.port(), 0);
+    EXPECT_EQ(server.ExitCode(), 2) << server.log();
+    EXPECT_NE(server.log().find("remotehead-server: --metrics_address: expected a loopback "
+                                "address (127.0.0.1:PORT) when TLS is on without "
+                                "--auth_token_file"),
+              std::string::npos)
+        << server.log();
+  }
+  std::vector<std::string> args = tls;
+  args.push_back("--metrics_address=127.0.0.1:0");
+  ServerProcess server(args);
+  ASSERT_GT(server.port(), 0) << server.log();
+  const int port = MetricsPort(server.log());
+  ASSERT_GT(port, 0) << server.log();
+  EXPECT_EQ(testing::Get(port).status, 200);
 }
 
 // The processor alone: what gRPC hands it (the call's initial metadata, :path included).

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 
@@ -33,6 +34,14 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> BuildServerCredentials(
 // One line for the log, e.g. "mTLS (client certificate required), bearer-token auth on".
 // Never contains the token.
 std::string DescribeSecurityMode(const TlsOptions& options);
+
+// The token of --auth_token_file (trailing whitespace trimmed; visible ASCII only), with the
+// errors BuildServerCredentials gives for it. The metrics endpoint checks the same token.
+absl::StatusOr<std::string> ReadBearerToken(const std::string& path);
+
+// Whether `authorization` is "Bearer <token>" (the scheme case-insensitive), compared in constant
+// time. HTTP's Authorization header, e.g. on /metrics.
+bool IsBearerToken(std::string_view authorization, std::string_view token);
 
 // The bearer-token check, exposed for tests. Accepts `authorization: Bearer <token>` (the
 // scheme case-insensitive), compares in constant time, consumes the header so handlers never
