@@ -66,6 +66,25 @@ absl::Status AdmissionController::Reserve(uint64_t ticket, int64_t bytes,
   return absl::OkStatus();
 }
 
+absl::Status AdmissionController::Grow(uint64_t ticket, int64_t bytes,
+                                       const std::string& breakdown) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = held_.find(ticket);
+  if (it == held_.end()) {
+    return absl::InternalError(absl::StrCat("admission: ticket ", ticket, " is not admitted"));
+  }
+  if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "admission: expected ", core::FormatMiB(bytes), " more (", breakdown,
+        ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
+        " (--memory_budget_bytes); got ", core::FormatMiB(bytes_in_use_ + head_bytes_),
+        " already in use"));
+  }
+  it->second.bytes += bytes;
+  bytes_in_use_ += bytes;
+  return absl::OkStatus();
+}
+
 absl::Status AdmissionController::ReserveHead(uint64_t ticket, int64_t bytes,
                                               const std::string& breakdown) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -36,6 +36,9 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
         ticket_(service->admission.NewTicket()),
         deadline_(context->deadline()),
         started_(Clock::now()) {
+    session_.set_reserve_more([this](int64_t bytes, const std::string& why) {
+      return service_.admission.Grow(ticket_, bytes, why);
+    });
     session_.set_should_stop([this] {
       return stop_.load(std::memory_order_relaxed) || std::chrono::system_clock::now() > deadline_;
     });

@@ -134,7 +134,14 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
   if (!header.inputs_handle().empty()) RETURN_IF_ERROR(CheckRetainedInputs(header));
   RETURN_IF_ERROR(CheckVersionAndIdentity(header));
   header_ = header;
+  kept_reserved_ = RetainedAllowance(header);
   return absl::OkStatus();
+}
+
+// What admission reserves up front for the inputs a Forward retains: X and int64 targets.
+int64_t StepSession::RetainedAllowance(const v1::StepHeader& header) const {
+  if (header.retain_inputs_seconds() <= 0) return 0;
+  return header.rows() * (plan_.hidden_size * plan_.head_elem_bytes + 8);
 }
 
 // What to compute: the function, its params, the reduction and what it divides by.
@@ -253,7 +260,7 @@ MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
   // In flight: rows received but not computed and results not yet sent (X-sized each), plus
   // the whole X (and int64 targets) when a Forward keeps its inputs for the Backward.
   const int64_t pipeline = std::min(2 * x_bytes, pipeline_bytes);
-  const int64_t kept = header_->retain_inputs_seconds() > 0 ? x_bytes + rows * 8 : 0;
+  const int64_t kept = RetainedAllowance(*header_);
   MemoryEstimate e;
   e.bytes = engine.total() + scratch + pipeline + kept;
   e.breakdown = absl::StrCat("engine workspace ", core::FormatMiB(engine.total()), " (",
@@ -393,8 +400,22 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
                                   &v1::StepResponse::mutable_grad_hidden, responses));
   RETURN_IF_ERROR(AppendRowChunks(outputs, next_row_, response_chunk_bytes_,
                                   &v1::StepResponse::mutable_outputs, responses));
-  // Owned copies: the batch may alias request messages that are about to be freed.
-  if (header_->retain_inputs_seconds() > 0) kept_rows_.push_back(batch.Clone());
+  // Owned copies: the batch may alias request messages that are about to be freed. They are
+  // bounded by the budget as they arrive: beyond what the estimate reserved (X and targets),
+  // admission is asked for more, and the request fails if the budget has none.
+  if (header_->retain_inputs_seconds() > 0) {
+    kept_rows_.push_back(batch.Clone());
+    kept_bytes_ += kept_rows_.back().nbytes();
+    if (kept_bytes_ > kept_reserved_) {
+      const int64_t more = kept_bytes_ - kept_reserved_;
+      if (reserve_more_) {
+        RETURN_IF_ERROR(reserve_more_(
+            more, absl::StrCat("inputs retained for the Backward: ", kept_bytes_, " bytes after ",
+                               next_row_ + batch.rows(), " rows (per-token weights and aux)")));
+      }
+      kept_reserved_ += more;
+    }
+  }
   next_row_ += batch.rows();
   return absl::OkStatus();
 }

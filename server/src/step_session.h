@@ -71,6 +71,11 @@ class StepSession {
   void set_should_stop(std::function<bool()> should_stop) {
     options_.should_stop = std::move(should_stop);
   }
+  // Asked for more admitted bytes when the inputs a Forward retains outgrow what its estimate
+  // reserved for them (per-token weights and aux are known only as they arrive).
+  void set_reserve_more(std::function<absl::Status(int64_t bytes, const std::string& why)> f) {
+    reserve_more_ = std::move(f);
+  }
   // Reported in the summary.
   void set_timings(const v1::StepTimings& timings) { timings_ = timings; }
 
@@ -89,6 +94,7 @@ class StepSession {
   absl::Status CheckModeFields(const v1::StepHeader& header);
   absl::Status CheckRetainedInputs(const v1::StepHeader& header);
   absl::Status CheckVersionAndIdentity(const v1::StepHeader& header);
+  int64_t RetainedAllowance(const v1::StepHeader& header) const;
 
   // Rows.
   absl::Status OnRows(std::shared_ptr<const v1::StepRequest> message,
@@ -135,6 +141,9 @@ class StepSession {
   core::GradientBuffers scratch_;
   std::shared_ptr<const RetainedInputs> inputs_;  // Backward by handle
   std::vector<core::TokenBatch> kept_rows_;       // Forward that retains its inputs
+  int64_t kept_bytes_ = 0;                        // their bytes so far
+  int64_t kept_reserved_ = 0;                     // and what admission holds for them
+  std::function<absl::Status(int64_t, const std::string&)> reserve_more_;
   std::deque<PendingRows> pending_;
   int64_t pending_rows_ = 0;
   int64_t batch_rows_ = 1;

@@ -219,5 +219,46 @@ TEST_F(RetainedInputsTest, GradHiddenDtypeConvertsTheReturnedDx) {
       torch::equal(bf16.grad_hidden, direct->grad_hidden.to(torch::kBFloat16).to(torch::kFloat)));
 }
 
+// A budget that holds exactly the head and a retaining Forward as its header declares it: X and
+// int64 targets. Per-token weights, known only as the rows arrive, need more.
+class RetainedInputsExactBudgetTest : public ServiceFixture {
+ protected:
+  void SetUp() override {
+    const int64_t forward =
+        EngineBytes("cross_entropy", core::Reduction::kWeightedSum, core::CallMode::kForward) +
+        kPipelineBytes + kRows * (kHidden * 4 + 8);
+    StartService({.admission = {.memory_budget_bytes = kHeadBytes + forward}});
+  }
+
+  // A weighted-sum Forward whose rows carry per-token weights, retained for `seconds`.
+  StepOutcome WeightedForward(double seconds) {
+    return Step(
+        "", 0, 17,
+        [seconds](v1::StepRequest& m) {
+          if (m.has_header()) {
+            m.mutable_header()->mutable_function()->set_reduction(v1::REDUCTION_WEIGHTED_SUM);
+            m.mutable_header()->set_retain_inputs_seconds(seconds);
+          } else {
+            const int64_t n = m.rows().hidden().shape(0);
+            EXPECT_TRUE(EncodeTensor(torch::ones({n}), m.mutable_rows()->mutable_weights()).ok());
+          }
+        },
+        Rpc::kForward);
+  }
+};
+
+TEST_F(RetainedInputsExactBudgetTest, RetainedRowsAreBoundedByTheBudgetWhileTheyArrive) {
+  const StepOutcome plain = WeightedForward(0);
+  ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+  ExpectAdmissionDrains();
+  const StepOutcome retained = WeightedForward(60);
+  EXPECT_EQ(retained.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(retained.status.error_message().find("inputs retained for the Backward"),
+            std::string::npos)
+      << retained.status.error_message();
+  EXPECT_TRUE(retained.summary.inputs_handle().empty());
+  ExpectAdmissionDrains();  // nothing stays reserved, no handle lives on
+}
+
 }  // namespace
 }  // namespace remotehead

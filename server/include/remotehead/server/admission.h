@@ -47,6 +47,10 @@ class AdmissionController {
   // taken now or refused with RESOURCE_EXHAUSTED, never queued.
   absl::Status Reserve(uint64_t ticket, int64_t bytes, const std::string& breakdown);
 
+  // More bytes for an admitted request whose needs grew while it ran (inputs it retains):
+  // taken now or refused with RESOURCE_EXHAUSTED naming `breakdown`, never queued.
+  absl::Status Grow(uint64_t ticket, int64_t bytes, const std::string& breakdown);
+
   // A head's weights and gradients, held for as long as the head exists: they count against
   // the budget like everything else (a request never fits unless it fits beside the heads).
   // RESOURCE_EXHAUSTED naming `breakdown` when they do not fit.
