@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/head_registry.h"
@@ -24,7 +26,7 @@ namespace remotehead::server {
 // A head's tensors in a safetensors checkpoint on the server (a file or a sharded checkpoint's
 // *.safetensors.index.json).
 struct SafetensorsSource {
-  std::string path;
+  std::string path;  // relative to the checkpoint directory
   std::string weight_name = "lm_head.weight";
   std::string bias_name;                   // empty: no bias
   std::optional<torch::ScalarType> dtype;  // unset: the file's
@@ -46,9 +48,15 @@ struct OptimizerStepSpec {
 
 class HeadOperations {
  public:
-  // New heads live on `device`; `event_log` (nullptr: silent) gets one line per lifecycle event.
-  HeadOperations(HeadRegistry* registry, torch::Device device, std::ostream* event_log)
-      : registry_(registry), device_(device), event_log_(event_log) {}
+  // New heads live on `device`; `event_log` (nullptr: silent) gets one line per lifecycle event;
+  // files are read and written in `checkpoint_dir` only (nullptr: file operations are
+  // FAILED_PRECONDITION).
+  HeadOperations(HeadRegistry* registry, torch::Device device, std::ostream* event_log,
+                 std::shared_ptr<const core::CheckpointDir> checkpoint_dir)
+      : registry_(registry),
+        device_(device),
+        event_log_(event_log),
+        checkpoint_dir_(std::move(checkpoint_dir)) {}
 
   absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init);
   absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
@@ -57,8 +65,9 @@ class HeadOperations {
   // head `id` (HeadEntry::ReplaceWeights), or a new head if there is none.
   absl::StatusOr<HeadDescription> AddUploaded(const std::string& id, const torch::Tensor& weight,
                                               const torch::Tensor& bias, bool replace);
-  // Writes the weights (and bias) to a safetensors file under the given tensor names (empty:
-  // lm_head.weight / lm_head.bias); returns the bytes written.
+  // Writes the weights (and bias) to a safetensors file `path` (relative to the checkpoint
+  // directory; written atomically, replacing only a checkpoint remotehead wrote) under the given
+  // tensor names (empty: lm_head.weight / lm_head.bias); returns the bytes written.
   absl::StatusOr<int64_t> Save(const std::string& id, const std::string& path,
                                const std::string& weight_name, const std::string& bias_name);
   // The weights (or, with `gradients`, dW / db) in `dtype` (unset: as stored).
@@ -73,10 +82,13 @@ class HeadOperations {
 
  private:
   void LogEvent(const std::string& line) const;
+  // The checkpoint directory, or FAILED_PRECONDITION naming `field` when there is none.
+  absl::StatusOr<const core::CheckpointDir*> CheckpointDirFor(const std::string& field) const;
 
   HeadRegistry* registry_;
   const torch::Device device_;
   std::ostream* event_log_;
+  const std::shared_ptr<const core::CheckpointDir> checkpoint_dir_;
 };
 
 }  // namespace remotehead::server

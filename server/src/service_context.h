@@ -18,7 +18,7 @@ struct ServiceContext {
         options(options),
         admission(options.admission),
         retained(&admission, options.max_retain_seconds),
-        operations(registry, options.device, options.event_log),
+        operations(registry, options.device, options.event_log, options.checkpoint_dir),
         compute(options.compute_threads) {}
 
   HeadRegistry* const registry;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <ostream>
 
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/metrics.h"
@@ -31,6 +32,9 @@ struct ServiceOptions {
   // optimizer step); nullptr = silent.
   std::ostream* event_log = nullptr;
   ServerMetrics* metrics = nullptr;  // Prometheus metrics; nullptr = none
+  // The only directory that file RPCs (CreateHead from safetensors, SaveWeights) read and write,
+  // their paths relative to it (--checkpoint_dir); nullptr = those RPCs are refused.
+  std::shared_ptr<const core::CheckpointDir> checkpoint_dir;
 };
 
 class HeadService {
