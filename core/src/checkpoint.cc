@@ -81,7 +81,8 @@ absl::StatusOr<nlohmann::json> ReadJsonObject(const CheckpointFile& file) {
 // A non-negative integer of a header (JSON integers may be signed or unsigned).
 std::optional<uint64_t> NonNegative(const nlohmann::json& v) {
   if (v.is_number_unsigned()) return v.get<uint64_t>();
-  if (v.is_number_integer() && v.get<int64_t>() >= 0) return static_cast<uint64_t>(v.get<int64_t>());
+  if (v.is_number_integer() && v.get<int64_t>() >= 0)
+    return static_cast<uint64_t>(v.get<int64_t>());
   return std::nullopt;
 }
 
@@ -150,9 +151,9 @@ absl::StatusOr<torch::Tensor> ReadTensor(const CheckpointFile& file, const std::
   }
   const uint64_t data_bytes = static_cast<uint64_t>(file.size()) - header.data_start;
   if (*begin > *end || *end > data_bytes) {
-    return absl::DataLossError(absl::StrCat(
-        where, ".data_offsets: expected a range within the file's ", data_bytes,
-        " bytes of data; got one outside it"));
+    return absl::DataLossError(absl::StrCat(where,
+                                            ".data_offsets: expected a range within the file's ",
+                                            data_bytes, " bytes of data; got one outside it"));
   }
   if (*end - *begin != bytes) {
     return absl::DataLossError(absl::StrCat(
@@ -176,20 +177,22 @@ absl::StatusOr<CheckpointFile> OpenShard(const CheckpointDir& dir, const std::st
   const std::string entry = absl::StrCat(index_file.where(), ": weight_map[\"", name, "\"]");
   const auto shard = map->find(name);
   if (shard == map->end()) {
-    return absl::NotFoundError(absl::StrCat(
-        index_file.where(), ": tensor \"", name, "\": not in the index's weight_map (it maps ",
-        map->size(), " tensors)"));
+    return absl::NotFoundError(absl::StrCat(index_file.where(), ": tensor \"", name,
+                                            "\": not in the index's weight_map (it maps ",
+                                            map->size(), " tensors)"));
   }
   if (!shard->is_string()) {
-    return absl::DataLossError(absl::StrCat(entry, ": expected a shard file name; got another "
-                                                   "JSON value"));
+    return absl::DataLossError(absl::StrCat(entry,
+                                            ": expected a shard file name; got another "
+                                            "JSON value"));
   }
   // The shard's name is the file's content: checked, never echoed.
   const std::string& shard_name = shard->get_ref<const std::string&>();
   if (!CheckpointDir::CheckRelative(shard_name, "shard").ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(entry, ": expected a shard file name relative to the index's directory, "
-                            "without \"..\"; got one that leads elsewhere"));
+        absl::StrCat(entry,
+                     ": expected a shard file name relative to the index's directory, "
+                     "without \"..\"; got one that leads elsewhere"));
   }
   const size_t slash = relative.rfind('/');
   const std::string shard_path =
@@ -239,11 +242,11 @@ absl::StatusOr<torch::Tensor> ReadSafetensor(const CheckpointDir& dir, const std
     return absl::DataLossError(absl::StrCat(field, ": \"", relative, "\": tensor \"", name,
                                             "\": malformed safetensors header"));
   } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(absl::StrCat(field, ": \"", relative, "\": tensor \"",
-                                                     name, "\": no memory to hold it"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(field, ": \"", relative, "\": tensor \"", name, "\": no memory to hold it"));
   } catch (const c10::Error&) {  // the messages of LibTorch are not passed on (they could quote)
-    return absl::ResourceExhaustedError(absl::StrCat(field, ": \"", relative, "\": tensor \"",
-                                                     name, "\": cannot allocate it"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(field, ": \"", relative, "\": tensor \"", name, "\": cannot allocate it"));
   }
 }
 

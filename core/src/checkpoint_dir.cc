@@ -5,11 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <utility>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -90,9 +90,9 @@ absl::Status SymlinkRefused(const Naming& naming, std::string_view prefix, bool 
                      ": expected a regular file; got a symbolic link (links in the checkpoint "
                      "directory are not followed)"));
   }
-  return absl::PermissionDeniedError(absl::StrCat(
-      naming.where, ": expected no symbolic links on the path; ", naming.Dir(prefix),
-      " is one (links in the checkpoint directory are not followed)"));
+  return absl::PermissionDeniedError(
+      absl::StrCat(naming.where, ": expected no symbolic links on the path; ", naming.Dir(prefix),
+                   " is one (links in the checkpoint directory are not followed)"));
 }
 
 // The status for a failed open / stat of the component `name` of `parent`, reached as `prefix`
@@ -105,9 +105,9 @@ absl::Status OpenError(int err, int parent, const std::string& name, const Namin
       ::fstatat(parent, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
     if (S_ISLNK(st.st_mode)) return SymlinkRefused(naming, prefix, last);
     if (err == ENOTDIR) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          naming.where, ": expected ", naming.Dir(prefix), " to be a directory; got ",
-          KindOf(st.st_mode)));
+      return absl::InvalidArgumentError(absl::StrCat(naming.where, ": expected ",
+                                                     naming.Dir(prefix), " to be a directory; got ",
+                                                     KindOf(st.st_mode)));
     }
   }
   const std::string what = last ? std::string("it") : naming.Dir(prefix);
@@ -168,8 +168,8 @@ absl::StatusOr<CheckpointFile> OpenRegular(int parent, const std::string& name,
 // A descriptor of the directory holding the last component of `relative` (already checked by
 // CheckRelative), walked from `root` one component at a time without following links, and that
 // last component.
-absl::Status OpenParent(int root, std::string_view relative, const Naming& naming,
-                        int* parent_fd, std::string* name) {
+absl::Status OpenParent(int root, std::string_view relative, const Naming& naming, int* parent_fd,
+                        std::string* name) {
   const std::vector<std::string> parts = Components(relative);
   FdCloser current(::dup(root));
   if (current.get() < 0) {
@@ -179,8 +179,8 @@ absl::Status OpenParent(int root, std::string_view relative, const Naming& namin
   std::string prefix;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
     prefix = prefix.empty() ? parts[i] : absl::StrCat(prefix, "/", parts[i]);
-    const int next = ::openat(current.get(), parts[i].c_str(),
-                              O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    const int next =
+        ::openat(current.get(), parts[i].c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (next < 0) return OpenError(errno, current.get(), parts[i], naming, prefix, false);
     current.reset(next);
   }
@@ -199,9 +199,7 @@ CheckpointFile::~CheckpointFile() {
 }
 
 CheckpointFile::CheckpointFile(CheckpointFile&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)),
-      size_(other.size_),
-      where_(std::move(other.where_)) {}
+    : fd_(std::exchange(other.fd_, -1)), size_(other.size_), where_(std::move(other.where_)) {}
 
 absl::Status CheckpointFile::ReadAt(uint64_t offset, uint64_t bytes, void* dst) const {
   const uint64_t size = static_cast<uint64_t>(size_);
@@ -275,8 +273,8 @@ absl::Status CheckpointDir::CheckRelative(std::string_view relative, std::string
   }
   if (relative.size() > kMaxPathBytes) {
     return absl::InvalidArgumentError(absl::StrCat(f, ": expected a path of at most ",
-                                                   kMaxPathBytes, " bytes; got ",
-                                                   relative.size(), " bytes"));
+                                                   kMaxPathBytes, " bytes; got ", relative.size(),
+                                                   " bytes"));
   }
   if (relative.find('\0') != std::string_view::npos) {
     return absl::InvalidArgumentError(
@@ -299,9 +297,9 @@ absl::Status CheckpointDir::CheckRelative(std::string_view relative, std::string
     start = end + 1;
   }
   if (Components(relative).empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        f, ": expected a file path relative to the checkpoint directory; got ", Quoted(relative),
-        ", the directory itself"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(f, ": expected a file path relative to the checkpoint directory; got ",
+                     Quoted(relative), ", the directory itself"));
   }
   return absl::OkStatus();
 }
@@ -338,8 +336,9 @@ absl::StatusOr<int64_t> CheckpointDir::WriteAtomically(
   } else if (S_ISLNK(st.st_mode)) {
     return SymlinkRefused(naming, name, /*last=*/true);
   } else if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        naming.where, ": expected a new file or a checkpoint to replace; got ", KindOf(st.st_mode)));
+    return absl::FailedPreconditionError(
+        absl::StrCat(naming.where, ": expected a new file or a checkpoint to replace; got ",
+                     KindOf(st.st_mode)));
   } else {
     ASSIGN_OR_RETURN(CheckpointFile existing, OpenRegular(parent.get(), name, naming));
     RETURN_IF_ERROR(may_replace(existing));

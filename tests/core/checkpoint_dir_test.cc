@@ -32,11 +32,11 @@ constexpr char kSecret[] = "SECRET-MARKER-c41d";
 class CheckpointDirTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    base_ = fs::temp_directory_path() /
-            ("remotehead_cpdir_" +
-             std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
-             std::to_string(getpid()) + "_" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    base_ =
+        fs::temp_directory_path() /
+        ("remotehead_cpdir_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+         "_" + std::to_string(getpid()) + "_" +
+         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::create_directories(base_ / "root" / "sub");
     fs::create_directories(base_ / "outside");
     Text(base_ / "outside" / "secret.safetensors", std::string(kSecret) + " outside");
@@ -100,8 +100,8 @@ TEST_F(CheckpointDirTest, AbsolutePathsAreRefusedNamingTheField) {
 }
 
 TEST_F(CheckpointDirTest, DotDotEmptyAndOddPathsAreRefused) {
-  for (const std::string path : {"../outside/secret.safetensors", "sub/../../outside/x", "..",
-                                 "sub/..", "sub/../a"}) {
+  for (const std::string path :
+       {"../outside/secret.safetensors", "sub/../../outside/x", "..", "sub/..", "sub/../a"}) {
     const absl::Status s = Read(path);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << path;
     EXPECT_EQ(s.message(),
@@ -216,8 +216,7 @@ TEST_F(CheckpointDirTest, LoadingAFileThatIsNotACheckpointQuotesNoneOfIt) {
     const auto t = core::ReadSafetensor(*dir_, path, "lm_head.weight", "safetensors.path");
     ASSERT_FALSE(t.ok());
     EXPECT_EQ(t.status().code(), absl::StatusCode::kDataLoss) << t.status();
-    EXPECT_EQ(std::string(t.status().message()).find("SECRET"), std::string::npos)
-        << t.status();
+    EXPECT_EQ(std::string(t.status().message()).find("SECRET"), std::string::npos) << t.status();
     EXPECT_TRUE(absl::StartsWith(t.status().message(), "safetensors.path: \"" + path + "\""))
         << t.status();
   }
@@ -233,7 +232,8 @@ TEST_F(CheckpointDirTest, SavingNeverReplacesAFileThatIsNotARemoteheadCheckpoint
             "remotehead to replace; the file there is not one, so it is left as it is");
   EXPECT_EQ(Contents(Root() / "notes.safetensors"), precious);
   // Nor a safetensors file that another writer made (Hugging Face's, say).
-  const std::string header = R"({"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  const std::string header =
+      R"({"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
   const uint64_t size = header.size();
   std::string foreign(reinterpret_cast<const char*>(&size), 8);
   foreign += header + "abcd";
@@ -307,8 +307,7 @@ TEST_F(CheckpointDirTest, SavingOutsideOrThroughALinkIsRefusedAndWritesNothing) 
   fs::create_symlink(base_ / "outside" / "secret.safetensors", Root() / "link.safetensors");
   const auto saved = Save("link.safetensors");
   EXPECT_EQ(saved.status().code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(Contents(base_ / "outside" / "secret.safetensors"),
-            std::string(kSecret) + " outside");
+  EXPECT_EQ(Contents(base_ / "outside" / "secret.safetensors"), std::string(kSecret) + " outside");
   EXPECT_TRUE(fs::is_symlink(Root() / "link.safetensors"));
 }
 

@@ -96,8 +96,8 @@ TEST_F(Checkpoint, ShardedCheckpointsResolveThroughTheirIndex) {
   const torch::Tensor embed = torch::randn({9, 4});
   const torch::Tensor head = torch::randn({9, 4});
   fs::create_directories(dir_ / "model");
-  ASSERT_TRUE(Write("model/model-00001-of-00002.safetensors", {{"model.embed_tokens.weight", embed}})
-                  .ok());
+  ASSERT_TRUE(
+      Write("model/model-00001-of-00002.safetensors", {{"model.embed_tokens.weight", embed}}).ok());
   ASSERT_TRUE(Write("model/model-00002-of-00002.safetensors", {{"lm_head.weight", head}}).ok());
   std::ofstream(Path("model/model.safetensors.index.json"))
       << R"({"metadata":{},"weight_map":{"model.embed_tokens.weight":"model-00001-of-00002.safetensors","lm_head.weight":"model-00002-of-00002.safetensors","lm_head.bias":"model-00003-of-00002.safetensors"}})";
@@ -144,7 +144,8 @@ TEST_F(Checkpoint, EverySizeAndOffsetIsCheckedAgainstTheFile) {
   };
   const Case cases[] = {
       // negative dimension, dimension past int64, product overflowing
-      {R"({"w":{"dtype":"F32","shape":[-1,4],"data_offsets":[0,16]}})", absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"F32","shape":[-1,4],"data_offsets":[0,16]}})",
+       absl::StatusCode::kDataLoss},
       {R"({"w":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,16]}})",
        absl::StatusCode::kDataLoss},
       {R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,16]}})",
@@ -189,18 +190,25 @@ TEST_F(Checkpoint, MessagesCarryNoBytesOfTheFile) {
            absl::StrCat(R"({"w":{"dtype":")", secret, R"(","shape":[1],"data_offsets":[0,4]}})"),
            "abcd");
   WriteRaw("json.safetensors", absl::StrCat(R"({"w": )", secret, "}"), "");
-  WriteRaw("shape.safetensors",
-           absl::StrCat(R"({"w":{"dtype":"F32","shape":[")", secret, R"("],"data_offsets":[0,4]}})"),
-           "abcd");
+  WriteRaw(
+      "shape.safetensors",
+      absl::StrCat(R"({"w":{"dtype":"F32","shape":[")", secret, R"("],"data_offsets":[0,4]}})"),
+      "abcd");
   std::ofstream(Path("text.safetensors")) << secret << secret << secret;
   std::ofstream(Path("index.safetensors.index.json")) << absl::StrCat(
       R"({"weight_map":{"w":")", secret, R"(.safetensors","v":"../)", secret, R"(", "u": 5}})");
   std::ofstream(Path("badindex.safetensors.index.json")) << secret;
   const std::pair<const char*, const char*> reads[] = {
-      {"names.safetensors", "w"},  {"dtype.safetensors", "w"}, {"json.safetensors", "w"},
-      {"shape.safetensors", "w"},  {"text.safetensors", "w"},  {"index.safetensors.index.json", "w"},
-      {"index.safetensors.index.json", "v"}, {"index.safetensors.index.json", "u"},
-      {"index.safetensors.index.json", "x"}, {"badindex.safetensors.index.json", "w"},
+      {"names.safetensors", "w"},
+      {"dtype.safetensors", "w"},
+      {"json.safetensors", "w"},
+      {"shape.safetensors", "w"},
+      {"text.safetensors", "w"},
+      {"index.safetensors.index.json", "w"},
+      {"index.safetensors.index.json", "v"},
+      {"index.safetensors.index.json", "u"},
+      {"index.safetensors.index.json", "x"},
+      {"badindex.safetensors.index.json", "w"},
   };
   for (const auto& [file, tensor] : reads) {
     const auto t = Read(file, tensor);

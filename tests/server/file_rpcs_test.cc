@@ -114,9 +114,9 @@ TEST_F(FileRpcsTest, SaveWeightsThenCreateHeadFromTheSafetensorsFile) {
   ASSERT_TRUE(Save("model/shard-1.safetensors").ok());
   std::ofstream(base_ / "ckpt" / "model" / "model.safetensors.index.json")
       << R"({"weight_map":{"lm_head.weight":"shard-1.safetensors","lm_head.bias":"shard-1.safetensors"}})";
-  ASSERT_TRUE(Create("sharded", "model/model.safetensors.index.json", "lm_head.weight",
-                     "lm_head.bias")
-                  .ok());
+  ASSERT_TRUE(
+      Create("sharded", "model/model.safetensors.index.json", "lm_head.weight", "lm_head.bias")
+          .ok());
   EXPECT_TRUE(torch::equal(testing::HeadOf(**registry().Get("sharded")).weight(),
                            testing::HeadOf(*entry_).weight()));
 }

@@ -115,7 +115,7 @@ struct InitSpec {
 // A head read from a safetensors file on the server (single file or a sharded checkpoint's
 // *.safetensors.index.json).
 struct SafetensorsSource {
-  std::string path;  // relative to the server's --checkpoint_dir
+  std::string path;                            // relative to the server's --checkpoint_dir
   std::string weight_name = "lm_head.weight";  // "model.embed_tokens.weight" for tied models
   std::string bias_name;                       // empty: no bias
   std::optional<torch::ScalarType> dtype;      // unset: the file's dtype
