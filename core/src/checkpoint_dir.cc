@@ -355,8 +355,11 @@ absl::StatusOr<int64_t> CheckpointDir::WriteAtomically(
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) {
-    return absl::InternalError(absl::StrCat(
-        naming.where, ": cannot create a temporary file beside it (", std::strerror(errno), ")"));
+    const int err = errno;
+    const std::string what = absl::StrCat(
+        naming.where, ": cannot create a temporary file beside it (", std::strerror(err), ")");
+    return err == EACCES || err == EPERM || err == EROFS ? absl::PermissionDeniedError(what)
+                                                         : absl::InternalError(what);
   }
   CheckpointFile out(fd, 0, naming.where);
   auto fail = [&](absl::Status status) {
