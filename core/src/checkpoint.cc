@@ -2,14 +2,15 @@
 
 #include <bit>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
+#include <limits>
+#include <new>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "remotehead/core/status_macros.h"
 
 namespace remotehead::core {
 namespace {
@@ -21,118 +22,237 @@ constexpr std::pair<const char*, torch::ScalarType> kDtypes[] = {
     {"F32", torch::kFloat},  {"BF16", torch::kBFloat16}, {"F16", torch::kHalf},
     {"F64", torch::kDouble}, {"I64", torch::kLong},      {"I32", torch::kInt},
 };
+// safetensors dtypes that remotehead does not read: named in messages (they are our constants,
+// not the file's bytes); any other string is "an unknown dtype".
+constexpr const char* kOtherDtypes[] = {"BOOL", "U8",  "I8",      "I16",     "U16",
+                                        "U32",  "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0"};
 
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;  // as the reference implementation
+constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
 
-absl::StatusOr<nlohmann::json> ReadHeader(std::ifstream& in, const std::string& path,
-                                          uint64_t* data_start) {
+struct Header {
+  nlohmann::json json;
+  uint64_t data_start = 0;  // 8 + the header's size
+};
+
+// The JSON header of the safetensors file `file`, every size checked against the file's.
+absl::StatusOr<Header> ReadHeader(const CheckpointFile& file) {
+  const uint64_t size = static_cast<uint64_t>(file.size());
+  if (size < 8) {
+    return absl::DataLossError(absl::StrCat(
+        file.where(), ": expected a safetensors file (an 8-byte header size first); got ", size,
+        " bytes"));
+  }
   uint64_t header_size = 0;
-  if (!in.read(reinterpret_cast<char*>(&header_size), 8) || header_size > kMaxHeaderBytes) {
-    return absl::DataLossError(absl::StrCat(path, ": expected an 8-byte header size below ",
-                                            kMaxHeaderBytes, "; got a truncated or larger one"));
+  RETURN_IF_ERROR(file.ReadAt(0, 8, &header_size));
+  if (header_size > kMaxHeaderBytes || header_size > size - 8) {
+    return absl::DataLossError(absl::StrCat(
+        file.where(), ": expected a header size of at most ", std::min(kMaxHeaderBytes, size - 8),
+        " bytes (the file's rest, at most 100 MiB); got a larger one"));
   }
-  std::string header(header_size, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(header_size))) {
+  std::string text(header_size, '\0');
+  RETURN_IF_ERROR(file.ReadAt(8, header_size, text.data()));
+  Header header{.json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false),
+                .data_start = 8 + header_size};
+  if (!header.json.is_object()) {
     return absl::DataLossError(
-        absl::StrCat(path, ": expected a ", header_size, "-byte JSON header; the file is shorter"));
+        absl::StrCat(file.where(), ": expected a JSON object header; got something else"));
   }
-  *data_start = 8 + header_size;
-  nlohmann::json json = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+  return header;
+}
+
+// Reads the whole (small) file `file` as JSON; DATA_LOSS unless it is an object.
+absl::StatusOr<nlohmann::json> ReadJsonObject(const CheckpointFile& file) {
+  const uint64_t size = static_cast<uint64_t>(file.size());
+  if (size > kMaxIndexBytes) {
+    return absl::DataLossError(absl::StrCat(file.where(), ": expected an index of at most ",
+                                            kMaxIndexBytes, " bytes; got ", size));
+  }
+  std::string text(size, '\0');
+  RETURN_IF_ERROR(file.ReadAt(0, size, text.data()));
+  nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!json.is_object()) {
     return absl::DataLossError(
-        absl::StrCat(path, ": expected a JSON object header; got invalid JSON"));
+        absl::StrCat(file.where(), ": expected a JSON object; got something else"));
   }
   return json;
 }
 
-// For an index.json, the shard file holding `name`.
-absl::StatusOr<std::string> ResolveShard(const std::string& index_path, const std::string& name) {
-  std::ifstream in(index_path);
-  if (!in) return absl::NotFoundError(absl::StrCat("path: cannot open \"", index_path, "\""));
-  nlohmann::json index = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
-    return absl::DataLossError(
-        absl::StrCat(index_path, ": expected a JSON object with a \"weight_map\"; got none"));
-  }
-  const auto& map = index["weight_map"];
-  if (!map.contains(name) || !map[name].is_string()) {
-    std::vector<std::string> names;
-    for (const auto& [key, value] : map.items()) names.push_back(key);
-    return absl::NotFoundError(absl::StrCat("tensor \"", name, "\": expected one of [",
-                                            absl::StrJoin(names, ", "), "] in ", index_path));
-  }
-  return (std::filesystem::path(index_path).parent_path() / map[name].get<std::string>()).string();
+// A non-negative integer of a header (JSON integers may be signed or unsigned).
+std::optional<uint64_t> NonNegative(const nlohmann::json& v) {
+  if (v.is_number_unsigned()) return v.get<uint64_t>();
+  if (v.is_number_integer() && v.get<int64_t>() >= 0)
+    return static_cast<uint64_t>(v.get<int64_t>());
+  return std::nullopt;
 }
 
-}  // namespace
-
-namespace {
-
-absl::StatusOr<torch::Tensor> ReadSafetensorImpl(const std::string& path, const std::string& name) {
-  std::string file = path;
-  if (absl::EndsWith(path, ".json")) {
-    auto shard = ResolveShard(path, name);
-    if (!shard.ok()) return shard.status();
-    file = *shard;
+absl::StatusOr<torch::Tensor> ReadTensor(const CheckpointFile& file, const std::string& name) {
+  ASSIGN_OR_RETURN(const Header header, ReadHeader(file));
+  const std::string where = absl::StrCat(file.where(), ": tensor \"", name, "\"");
+  const auto it = header.json.find(name);
+  if (name == "__metadata__" || it == header.json.end()) {
+    const size_t count = header.json.size() - (header.json.contains("__metadata__") ? 1 : 0);
+    return absl::NotFoundError(
+        absl::StrCat(where, ": not in the checkpoint (it has ", count, " tensors)"));
   }
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("path: cannot open \"", file, "\""));
-  uint64_t data_start = 0;
-  auto header = ReadHeader(in, file, &data_start);
-  if (!header.ok()) return header.status();
-  if (!header->contains(name)) {
-    std::vector<std::string> names;
-    for (const auto& [key, value] : header->items()) {
-      if (key != "__metadata__") names.push_back(key);
-    }
-    return absl::NotFoundError(absl::StrCat("tensor \"", name, "\": expected one of [",
-                                            absl::StrJoin(names, ", "), "] in ", file));
+  const nlohmann::json& entry = *it;
+  if (!entry.is_object()) {
+    return absl::DataLossError(absl::StrCat(
+        where, ": expected an object with dtype, shape and data_offsets; got another JSON value"));
   }
-  const nlohmann::json& entry = (*header)[name];
-  const std::string dtype_name = entry.value("dtype", "");
+  // dtype
+  const auto dtype_it = entry.find("dtype");
+  if (dtype_it == entry.end() || !dtype_it->is_string()) {
+    return absl::DataLossError(absl::StrCat(where, ".dtype: expected a string; got none"));
+  }
+  const std::string& dtype_name = dtype_it->get_ref<const std::string&>();
   std::optional<torch::ScalarType> dtype;
   for (const auto& [wire, t] : kDtypes) {
     if (dtype_name == wire) dtype = t;
   }
   if (!dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name,
-                                                   "\".dtype: expected F32, BF16, F16, F64, I64 "
-                                                   "or I32; got \"",
-                                                   dtype_name, "\""));
+    std::string got = "an unknown one";
+    for (const char* other : kOtherDtypes) {
+      if (dtype_name == other) got = other;
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".dtype: expected F32, BF16, F16, F64, I64 or I32; got ", got));
+  }
+  // shape: non-negative dimensions whose product, in bytes, does not overflow.
+  const auto shape_it = entry.find("shape");
+  if (shape_it == entry.end() || !shape_it->is_array()) {
+    return absl::DataLossError(absl::StrCat(where, ".shape: expected an array; got none"));
   }
   std::vector<int64_t> shape;
-  int64_t numel = 1;
-  for (const auto& d : entry.value("shape", nlohmann::json::array())) {
-    shape.push_back(d.get<int64_t>());
-    numel *= shape.back();
+  uint64_t bytes = c10::elementSize(*dtype);
+  for (const nlohmann::json& d : *shape_it) {
+    const std::optional<uint64_t> dim = NonNegative(d);
+    if (!dim || *dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return absl::DataLossError(
+          absl::StrCat(where, ".shape: expected non-negative integer dimensions; got another"));
+    }
+    if (__builtin_mul_overflow(bytes, *dim, &bytes) ||
+        bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return absl::DataLossError(
+          absl::StrCat(where, ".shape: expected a size that fits in 2^63 bytes; got a larger one"));
+    }
+    shape.push_back(static_cast<int64_t>(*dim));
   }
-  const auto offsets = entry.value("data_offsets", std::vector<uint64_t>{});
-  const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(*dtype);
-  if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] - offsets[0] != bytes) {
-    return absl::DataLossError(absl::StrCat(file, ": tensor \"", name, "\" expected ", bytes,
-                                            " bytes of data for its shape; the offsets disagree"));
+  // data_offsets: [begin, end] within the data, as many bytes as the shape needs.
+  const auto offsets_it = entry.find("data_offsets");
+  std::optional<uint64_t> begin, end;
+  if (offsets_it != entry.end() && offsets_it->is_array() && offsets_it->size() == 2) {
+    begin = NonNegative((*offsets_it)[0]);
+    end = NonNegative((*offsets_it)[1]);
+  }
+  if (!begin || !end) {
+    return absl::DataLossError(absl::StrCat(
+        where, ".data_offsets: expected two non-negative integers; got something else"));
+  }
+  const uint64_t data_bytes = static_cast<uint64_t>(file.size()) - header.data_start;
+  if (*begin > *end || *end > data_bytes) {
+    return absl::DataLossError(absl::StrCat(where,
+                                            ".data_offsets: expected a range within the file's ",
+                                            data_bytes, " bytes of data; got one outside it"));
+  }
+  if (*end - *begin != bytes) {
+    return absl::DataLossError(absl::StrCat(
+        where, ".data_offsets: expected a range as long as its dtype and shape need; got another"));
   }
   torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(*dtype));
-  in.seekg(static_cast<std::streamoff>(data_start + offsets[0]));
-  if (!in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(bytes))) {
-    return absl::DataLossError(
-        absl::StrCat(file, ": tensor \"", name, "\" data runs past the end of the file"));
-  }
+  RETURN_IF_ERROR(file.ReadAt(header.data_start + *begin, bytes, t.data_ptr()));
   return t;
+}
+
+// For an index.json, the shard holding `name`, opened.
+absl::StatusOr<CheckpointFile> OpenShard(const CheckpointDir& dir, const std::string& relative,
+                                         const std::string& name, const std::string& field) {
+  ASSIGN_OR_RETURN(const CheckpointFile index_file, dir.OpenForRead(relative, field));
+  ASSIGN_OR_RETURN(const nlohmann::json index, ReadJsonObject(index_file));
+  const auto map = index.find("weight_map");
+  if (map == index.end() || !map->is_object()) {
+    return absl::DataLossError(absl::StrCat(
+        index_file.where(), ": expected a JSON object with a \"weight_map\" object; got none"));
+  }
+  const std::string entry = absl::StrCat(index_file.where(), ": weight_map[\"", name, "\"]");
+  const auto shard = map->find(name);
+  if (shard == map->end()) {
+    return absl::NotFoundError(absl::StrCat(index_file.where(), ": tensor \"", name,
+                                            "\": not in the index's weight_map (it maps ",
+                                            map->size(), " tensors)"));
+  }
+  if (!shard->is_string()) {
+    return absl::DataLossError(absl::StrCat(entry,
+                                            ": expected a shard file name; got another "
+                                            "JSON value"));
+  }
+  // The shard's name is the file's content: checked, never echoed.
+  const std::string& shard_name = shard->get_ref<const std::string&>();
+  if (!CheckpointDir::CheckRelative(shard_name, "shard").ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(entry,
+                     ": expected a shard file name relative to the index's directory, "
+                     "without \"..\"; got one that leads elsewhere"));
+  }
+  const size_t slash = relative.rfind('/');
+  const std::string shard_path =
+      slash == std::string::npos ? shard_name : relative.substr(0, slash + 1) + shard_name;
+  return dir.OpenForRead(shard_path, field,
+                         absl::StrCat("the shard that \"", relative, "\" maps \"", name, "\" to"));
+}
+
+absl::StatusOr<torch::Tensor> ReadSafetensorImpl(const CheckpointDir& dir,
+                                                 const std::string& relative,
+                                                 const std::string& name,
+                                                 const std::string& field) {
+  if (absl::EndsWith(relative, ".json")) {
+    ASSIGN_OR_RETURN(const CheckpointFile shard, OpenShard(dir, relative, name, field));
+    return ReadTensor(shard, name);
+  }
+  ASSIGN_OR_RETURN(const CheckpointFile file, dir.OpenForRead(relative, field));
+  return ReadTensor(file, name);
+}
+
+// OK if `existing` is a safetensors file that remotehead wrote: only such a file is replaced.
+absl::Status CheckReplaceable(const CheckpointFile& existing) {
+  const absl::StatusOr<Header> header = ReadHeader(existing);
+  bool ours = false;
+  if (header.ok()) {
+    const auto metadata = header->json.find("__metadata__");
+    if (metadata != header->json.end() && metadata->is_object()) {
+      const auto writer = metadata->find("writer");
+      ours = writer != metadata->end() && writer->is_string() &&
+             writer->get_ref<const std::string&>() == kCheckpointWriter;
+    }
+  }
+  if (ours) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      existing.where(),
+      ": expected a new file or a checkpoint written by remotehead to replace; the file there is "
+      "not one, so it is left as it is"));
 }
 
 }  // namespace
 
-absl::StatusOr<torch::Tensor> ReadSafetensor(const std::string& path, const std::string& name) {
+absl::StatusOr<torch::Tensor> ReadSafetensor(const CheckpointDir& dir, const std::string& relative,
+                                             const std::string& name, const std::string& field) {
   try {
-    return ReadSafetensorImpl(path, name);
-  } catch (const nlohmann::json::exception& e) {  // a header field of the wrong JSON type
-    return absl::DataLossError(absl::StrCat(path, ": malformed safetensors header: ", e.what()));
+    return ReadSafetensorImpl(dir, relative, name, field);
+  } catch (const nlohmann::json::exception&) {  // not expected: every field's type is checked
+    return absl::DataLossError(absl::StrCat(field, ": \"", relative, "\": tensor \"", name,
+                                            "\": malformed safetensors header"));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(field, ": \"", relative, "\": tensor \"", name, "\": no memory to hold it"));
+  } catch (const c10::Error&) {  // the messages of LibTorch are not passed on (they could quote)
+    return absl::ResourceExhaustedError(
+        absl::StrCat(field, ": \"", relative, "\": tensor \"", name, "\": cannot allocate it"));
   }
 }
 
-absl::StatusOr<int64_t> WriteSafetensors(const std::string& path,
-                                         const std::map<std::string, torch::Tensor>& tensors) {
+absl::StatusOr<int64_t> WriteSafetensors(const CheckpointDir& dir, const std::string& relative,
+                                         const std::map<std::string, torch::Tensor>& tensors,
+                                         const std::string& field) {
   nlohmann::json header = nlohmann::json::object();
   std::vector<torch::Tensor> data;
   uint64_t offset = 0;
@@ -146,6 +266,10 @@ absl::StatusOr<int64_t> WriteSafetensors(const std::string& path,
                                                      c10::toString(tensor.scalar_type()),
                                                      " has no safetensors representation"));
     }
+    if (name == "__metadata__") {
+      return absl::InvalidArgumentError(
+          "tensor \"__metadata__\": expected a tensor name; got the header's metadata key");
+    }
     torch::Tensor cpu = tensor.detach().to(torch::kCPU).contiguous();
     const uint64_t bytes = static_cast<uint64_t>(cpu.nbytes());
     header[name] = {
@@ -153,19 +277,16 @@ absl::StatusOr<int64_t> WriteSafetensors(const std::string& path,
     offset += bytes;
     data.push_back(std::move(cpu));
   }
-  header["__metadata__"] = {{"format", "pt"}};
+  header["__metadata__"] = {{"format", "pt"}, {"writer", kCheckpointWriter}};
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  const uint64_t header_size = text.size();
-  out.write(reinterpret_cast<const char*>(&header_size), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const torch::Tensor& t : data) {
-    out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-  }
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat("path: cannot write \"", path, "\""));
-  return static_cast<int64_t>(8 + header_size + offset);
+  return dir.WriteAtomically(relative, field, CheckReplaceable, [&](CheckpointFile& out) {
+    const uint64_t header_size = text.size();
+    RETURN_IF_ERROR(out.Write(&header_size, 8));
+    RETURN_IF_ERROR(out.Write(text.data(), text.size()));
+    for (const torch::Tensor& t : data) RETURN_IF_ERROR(out.Write(t.data_ptr(), t.nbytes()));
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace remotehead::core

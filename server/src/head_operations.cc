@@ -62,6 +62,17 @@ absl::Status HeadOperations::ReserveLoadedHeads() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<const core::CheckpointDir*> HeadOperations::CheckpointDirFor(
+    const std::string& field) const {
+  if (checkpoint_dir_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field,
+        ": expected a server started with --checkpoint_dir (the only directory it reads and "
+        "writes checkpoints in); this one was started without, so it touches no files"));
+  }
+  return checkpoint_dir_.get();
+}
+
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string& id,
                                                                const core::HeadInit& init) {
   ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(id, init.vocab_size, init.hidden_size,
@@ -75,10 +86,13 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
     const std::string& id, const SafetensorsSource& source) {
-  ASSIGN_OR_RETURN(torch::Tensor weight, core::ReadSafetensor(source.path, source.weight_name));
+  const std::string field = "safetensors.path";
+  ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor(field));
+  ASSIGN_OR_RETURN(torch::Tensor weight,
+                   core::ReadSafetensor(*dir, source.path, source.weight_name, field));
   torch::Tensor bias;
   if (!source.bias_name.empty()) {
-    ASSIGN_OR_RETURN(bias, core::ReadSafetensor(source.path, source.bias_name));
+    ASSIGN_OR_RETURN(bias, core::ReadSafetensor(*dir, source.path, source.bias_name, field));
   }
   if (source.dtype.has_value()) {
     weight = weight.to(*source.dtype);
@@ -92,8 +106,8 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
       auto entry,
       AddReserved(id, core::Head::FromTensors(weight, bias, {.device = device_}), ticket));
   const HeadDescription d = entry->Describe();
-  LogEvent(
-      absl::StrCat("head created from ", source.path, " (", source.weight_name, "): ", Summary(d)));
+  LogEvent(absl::StrCat("head created from ", dir->root(), "/", source.path, " (",
+                        source.weight_name, "): ", Summary(d)));
   return d;
 }
 
@@ -123,6 +137,8 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
 absl::StatusOr<int64_t> HeadOperations::Save(const std::string& id, const std::string& path,
                                              const std::string& weight_name,
                                              const std::string& bias_name) {
+  ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor("path"));
+  RETURN_IF_ERROR(core::CheckpointDir::CheckRelative(path, "path"));
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   const auto tensors = entry->Read([&](const core::Head& head) {
     std::map<std::string, torch::Tensor> t;
@@ -132,8 +148,9 @@ absl::StatusOr<int64_t> HeadOperations::Save(const std::string& id, const std::s
     }
     return t;
   });
-  ASSIGN_OR_RETURN(const int64_t bytes, core::WriteSafetensors(path, tensors));
-  LogEvent(absl::StrCat("head \"", id, "\" saved to ", path, " (", bytes, " bytes)"));
+  ASSIGN_OR_RETURN(const int64_t bytes, core::WriteSafetensors(*dir, path, tensors, "path"));
+  LogEvent(
+      absl::StrCat("head \"", id, "\" saved to ", dir->root(), "/", path, " (", bytes, " bytes)"));
   return bytes;
 }
 

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/admission.h"
@@ -26,7 +28,7 @@ namespace remotehead::server {
 // A head's tensors in a safetensors checkpoint on the server (a file or a sharded checkpoint's
 // *.safetensors.index.json).
 struct SafetensorsSource {
-  std::string path;
+  std::string path;  // relative to the checkpoint directory
   std::string weight_name = "lm_head.weight";
   std::string bias_name;                   // empty: no bias
   std::optional<torch::ScalarType> dtype;  // unset: the file's
@@ -50,16 +52,17 @@ class HeadOperations {
  public:
   // New heads live on `device` and hold their bytes in `admission`'s budget (reserved before
   // they are allocated, released when they are dropped); `event_log` (nullptr: silent) gets one
-  // line per lifecycle event.
-  // With `state_store`, OptimizerStep saves a head's state every `checkpoint_every_steps`
-  // versions and DropHead deletes its states.
+  // line per lifecycle event; files are read and written in `checkpoint_dir` only (nullptr:
+  // file operations are FAILED_PRECONDITION). With `state_store`, OptimizerStep saves a head's
+  // state every `checkpoint_every_steps` versions and DropHead deletes its states.
   HeadOperations(HeadRegistry* registry, AdmissionController* admission, torch::Device device,
-                 std::ostream* event_log, StateStore* state_store = nullptr,
-                 int checkpoint_every_steps = 0)
+                 std::ostream* event_log, std::shared_ptr<const core::CheckpointDir> checkpoint_dir,
+                 StateStore* state_store = nullptr, int checkpoint_every_steps = 0)
       : registry_(registry),
         admission_(admission),
         device_(device),
         event_log_(event_log),
+        checkpoint_dir_(std::move(checkpoint_dir)),
         state_store_(state_store),
         checkpoint_every_steps_(checkpoint_every_steps) {}
 
@@ -73,8 +76,9 @@ class HeadOperations {
   // Reserves the bytes of the heads already in the registry that hold none (those loaded at
   // start); RESOURCE_EXHAUSTED if they do not fit the budget.
   absl::Status ReserveLoadedHeads();
-  // Writes the weights (and bias) to a safetensors file under the given tensor names (empty:
-  // lm_head.weight / lm_head.bias); returns the bytes written.
+  // Writes the weights (and bias) to a safetensors file `path` (relative to the checkpoint
+  // directory; written atomically, replacing only a checkpoint remotehead wrote) under the given
+  // tensor names (empty: lm_head.weight / lm_head.bias); returns the bytes written.
   absl::StatusOr<int64_t> Save(const std::string& id, const std::string& path,
                                const std::string& weight_name, const std::string& bias_name);
   // The weights (or, with `gradients`, dW / db) in `dtype` (unset: as stored).
@@ -104,11 +108,14 @@ class HeadOperations {
       const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket);
 
   absl::StatusOr<StateStore*> Store() const;
+  // The checkpoint directory, or FAILED_PRECONDITION naming `field` when there is none.
+  absl::StatusOr<const core::CheckpointDir*> CheckpointDirFor(const std::string& field) const;
 
   HeadRegistry* registry_;
   AdmissionController* admission_;
   const torch::Device device_;
   std::ostream* event_log_;
+  const std::shared_ptr<const core::CheckpointDir> checkpoint_dir_;
   StateStore* state_store_;
   const int checkpoint_every_steps_;
 };

@@ -1,6 +1,6 @@
 // remotehead-server: serves LM heads over gRPC.
 //
-//   remotehead-server --listen 127.0.0.1:50051 --device auto --head lm:32000:1024:float32:0
+//   remotehead-server --listen 127.0.0.1:50051 --device auto --checkpoint_dir /ckpt
 //
 // Logs one line per lifecycle event; SIGTERM / SIGINT drain in-flight calls (up to
 // --shutdown_grace_seconds) and exit 0.
@@ -22,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
@@ -68,6 +69,10 @@ ABSL_FLAG(int32_t, checkpoint_every_steps, 0,
 ABSL_FLAG(int32_t, state_keep, 5, "with --state_dir: states kept per head (older are deleted)");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding one bearer token that every call must carry (needs TLS)");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "the only directory CreateHead (from safetensors) and SaveWeights read and write; "
+          "their paths are relative to it, never through '..' or symbolic links. "
+          "Empty = those RPCs are refused (FAILED_PRECONDITION)");
 
 namespace {
 
@@ -232,9 +237,29 @@ absl::StatusOr<Metrics> StartMetrics(const rh::server::MetricsHttpOptions& optio
   return m;
 }
 
-rh::server::ServiceOptions MakeServiceOptions(const torch::Device& device, int64_t budget,
-                                              rh::server::ServerMetrics* metrics,
-                                              rh::server::StateStore* state_store) {
+// --checkpoint_dir, opened once (nullptr when it is empty: file RPCs are refused).
+absl::StatusOr<std::shared_ptr<const rh::core::CheckpointDir>> OpenCheckpointDir() {
+  const std::string root = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (root.empty()) {
+    std::cout << "remotehead-server: checkpoints: no --checkpoint_dir; CreateHead from "
+                 "safetensors and SaveWeights are refused"
+              << std::endl;
+    return nullptr;
+  }
+  auto dir = rh::core::CheckpointDir::Open(root);
+  if (!dir.ok()) {
+    return absl::Status(dir.status().code(),
+                        absl::StrCat("--checkpoint_dir: ", dir.status().message()));
+  }
+  std::cout << "remotehead-server: checkpoints: read and written in " << root
+            << " only (relative paths, no links followed, atomic writes)" << std::endl;
+  return *std::move(dir);
+}
+
+rh::server::ServiceOptions MakeServiceOptions(
+    const torch::Device& device, int64_t budget, rh::server::ServerMetrics* metrics,
+    rh::server::StateStore* state_store,
+    std::shared_ptr<const rh::core::CheckpointDir> checkpoint_dir) {
   const rh::server::ServiceOptions options{
       .device = device,
       .compute_threads = absl::GetFlag(FLAGS_compute_threads),
@@ -246,7 +271,8 @@ rh::server::ServiceOptions MakeServiceOptions(const torch::Device& device, int64
       .event_log = &std::cout,
       .metrics = metrics,
       .state_store = state_store,
-      .checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps)};
+      .checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps),
+      .checkpoint_dir = std::move(checkpoint_dir)};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
             << ", max active " << options.admission.max_active << " (0 = no limit), max queued "
@@ -324,11 +350,14 @@ int Run() {
   }
   const absl::StatusOr<int64_t> budget = MemoryBudget(*device, registry);
   if (!budget.ok()) return Refuse(budget.status());
+  auto checkpoint_dir = OpenCheckpointDir();
+  if (!checkpoint_dir.ok()) return Refuse(checkpoint_dir.status());
   absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
-      &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get()));
+      &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get(),
+                                    *std::move(checkpoint_dir)));
   if (const absl::Status s = service->ReserveLoadedHeads(); !s.ok()) {
     return Refuse(absl::Status(
         s.code(), absl::StrCat("--head, --memory_budget_bytes: ", std::string(s.message()))));

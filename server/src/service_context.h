@@ -18,8 +18,8 @@ struct ServiceContext {
         options(options),
         admission(options.admission),
         retained(&admission, options.max_retain_seconds),
-        operations(registry, &admission, options.device, options.event_log, options.state_store,
-                   options.checkpoint_every_steps),
+        operations(registry, &admission, options.device, options.event_log, options.checkpoint_dir,
+                   options.state_store, options.checkpoint_every_steps),
         compute(options.compute_threads) {}
 
   HeadRegistry* const registry;

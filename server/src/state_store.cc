@@ -1,11 +1,6 @@
 #include "remotehead/server/state_store.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -17,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
@@ -47,47 +43,6 @@ bool IsStateId(const std::string& id) {
     if (i < 20 ? !absl::ascii_isdigit(id[i]) : !absl::ascii_isxdigit(id[i])) return false;
   }
   return true;
-}
-
-absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
-}
-
-// Writes `bytes` as `dir`/`name`, atomically: a crash leaves the old file or the new one.
-absl::Status WriteAtomically(const std::string& dir, const std::string& name,
-                             const std::string& bytes) {
-  const std::string target = absl::StrCat(dir, "/", name);
-  const std::string temp = absl::StrCat(target, ".tmp-", ::getpid());
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Errno("cannot create", temp);
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      absl::Status s = Errno("cannot write", temp);
-      ::close(fd);
-      ::unlink(temp.c_str());
-      return s;
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    absl::Status s = Errno("cannot sync", temp);
-    ::unlink(temp.c_str());
-    return s;
-  }
-  if (::rename(temp.c_str(), target.c_str()) != 0) {
-    absl::Status s = Errno("cannot rename to", target);
-    ::unlink(temp.c_str());
-    return s;
-  }
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return Errno("cannot open", dir);
-  const int synced = ::fsync(dfd);
-  ::close(dfd);
-  if (synced != 0) return Errno("cannot sync", dir);
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
@@ -149,7 +104,16 @@ absl::Status StateStore::Save(const core::HeadState& state) {
   if (error) {
     return absl::InternalError(absl::StrCat("cannot create ", head_dir, ": ", error.message()));
   }
-  RETURN_IF_ERROR(WriteAtomically(head_dir, state.state_id + kSuffix, bytes));
+  // Atomically, by the one writer of files that must survive a crash (core::CheckpointDir):
+  // a crash during a save leaves the previous states intact.
+  ASSIGN_OR_RETURN(const std::shared_ptr<const core::CheckpointDir> dir,
+                   core::CheckpointDir::Open(head_dir));
+  RETURN_IF_ERROR(
+      dir->WriteAtomically(
+             state.state_id + kSuffix, "state_id",
+             [](const core::CheckpointFile&) { return absl::OkStatus(); },
+             [&](core::CheckpointFile& out) { return out.Write(bytes.data(), bytes.size()); })
+          .status());
   std::vector<std::string> ids = StateIds(head_dir);
   for (size_t i = 0; i + keep_ < ids.size(); ++i) {
     fs::remove(absl::StrCat(head_dir, "/", ids[i], kSuffix), error);

@@ -15,6 +15,7 @@
 #include <filesystem>
 
 #include "core/reference.h"
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/head_service.h"
@@ -84,8 +85,23 @@ class ClientTest : public ::testing::Test {
             .aux = batch.aux};
   }
 
+  // The server's checkpoint directory: a fresh one per test, removed with the fixture.
+  struct TempDir {
+    TempDir()
+        : path(std::filesystem::temp_directory_path() /
+               ("remotehead_client_" + std::to_string(getpid()) + "_" +
+                ::testing::UnitTest::GetInstance()->current_test_info()->name())) {
+      std::filesystem::create_directories(path);
+    }
+    ~TempDir() { std::filesystem::remove_all(path); }
+    std::filesystem::path path;
+  };
+  TempDir checkpoints_;
   // Accepts no message larger than the client's chunk_bytes.
-  testing::InProcessServer server_{{.response_chunk_bytes = 1024}, kChunkBytes};
+  testing::InProcessServer server_{
+      {.response_chunk_bytes = 1024,
+       .checkpoint_dir = *core::CheckpointDir::Open(checkpoints_.path.string())},
+      kChunkBytes};
   std::string target_;
   std::shared_ptr<rc::Client> client_;
   std::shared_ptr<server::HeadEntry> entry_;
@@ -426,12 +442,11 @@ TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
 }
 
 TEST_F(ClientTest, SaveWeightsThenCreateHeadFromTheFile) {
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("remotehead_client_" + std::to_string(getpid()) + ".safetensors"))
-                               .string();
+  const std::string path = "lm.safetensors";  // relative to the server's checkpoint directory
   auto bytes = client_->SaveWeights("lm", path, "model.embed_tokens.weight");
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_GT(*bytes, kVocab * kHidden * 4);
+  EXPECT_TRUE(std::filesystem::exists(checkpoints_.path / path));
   auto info =
       client_->CreateHead("copy", rc::SafetensorsSource{.path = path,
                                                         .weight_name = "model.embed_tokens.weight",
@@ -447,10 +462,13 @@ TEST_F(ClientTest, SaveWeightsThenCreateHeadFromTheFile) {
   const auto missing = client_->CreateHead("other", rc::SafetensorsSource{.path = path});
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(missing.status().message(),
-            "tensor \"lm_head.weight\": expected one of [lm_head.bias, "
-            "model.embed_tokens.weight] in " +
-                path);
-  std::filesystem::remove(path);
+            "safetensors.path: \"lm.safetensors\": tensor \"lm_head.weight\": not in the "
+            "checkpoint (it has 2 tensors)");
+  const auto outside = client_->SaveWeights("lm", "../lm.safetensors");
+  EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(outside.status().message(),
+            "path: expected a path inside the checkpoint directory (no \"..\"); got "
+            "\"../lm.safetensors\"");
 }
 
 TEST_F(ClientTest, StepErrorsComeBackWithTheServersCodeAndMessageAndChangeNothing) {

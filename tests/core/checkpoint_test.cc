@@ -1,6 +1,7 @@
 // safetensors: a file built byte by byte from the format's specification is read correctly
 // (so the reader is not only checked against our own writer), writer/reader round trips,
-// sharded checkpoints through their index.json, and precise errors.
+// sharded checkpoints through their index.json, and precise errors that quote no bytes of the
+// file. (Confinement to the checkpoint directory: checkpoint_dir_test.)
 #include "remotehead/core/checkpoint.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "core/reference.h"
 
 namespace remotehead {
@@ -23,10 +25,29 @@ class Checkpoint : public ::testing::Test {
            ("remotehead_ckpt_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
             "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::create_directories(dir_);
+    auto root = core::CheckpointDir::Open(dir_.string());
+    ASSERT_TRUE(root.ok()) << root.status();
+    root_ = *root;
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+  // Reads / writes `name`, relative to the test's checkpoint directory.
+  absl::StatusOr<torch::Tensor> Read(const std::string& name, const std::string& tensor) {
+    return core::ReadSafetensor(*root_, name, tensor);
+  }
+  absl::StatusOr<int64_t> Write(const std::string& name,
+                                const std::map<std::string, torch::Tensor>& tensors) {
+    return core::WriteSafetensors(*root_, name, tensors);
+  }
+  // A file of an 8-byte header size, `header`, then `data`.
+  void WriteRaw(const std::string& name, const std::string& header, const std::string& data) {
+    const uint64_t size = header.size();
+    std::ofstream out(Path(name), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&size), 8);
+    out << header << data;
+  }
   fs::path dir_;
+  std::shared_ptr<const core::CheckpointDir> root_;
 };
 
 TEST_F(Checkpoint, ReadsAFileBuiltFromTheSpecification) {
@@ -41,7 +62,7 @@ TEST_F(Checkpoint, ReadsAFileBuiltFromTheSpecification) {
     out.write(header.data(), static_cast<std::streamsize>(header.size()));
     out.write(reinterpret_cast<const char*>(values), sizeof(values));
   }
-  auto t = core::ReadSafetensor(Path("spec.safetensors"), "lm_head.weight");
+  auto t = Read("spec.safetensors", "lm_head.weight");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_TRUE(torch::equal(*t, torch::arange(1, 7, torch::kFloat).reshape({2, 3}) * 0.5));
 }
@@ -53,60 +74,148 @@ TEST_F(Checkpoint, WriterAndReaderRoundTripEveryDtype) {
       {"half", torch::randn({3, 2}).to(torch::kHalf)},
       {"ids", torch::arange(4, torch::kLong)},
   };
-  auto bytes = core::WriteSafetensors(Path("round.safetensors"), tensors);
+  auto bytes = Write("round.safetensors", tensors);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_EQ(*bytes, static_cast<int64_t>(fs::file_size(Path("round.safetensors"))));
   for (const auto& [name, expected] : tensors) {
-    auto t = core::ReadSafetensor(Path("round.safetensors"), name);
+    auto t = Read("round.safetensors", name);
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_TRUE(torch::equal(*t, expected)) << name;
   }
 }
 
+TEST_F(Checkpoint, TheWriterMarksItsFiles) {
+  ASSERT_TRUE(Write("mine.safetensors", {{"w", torch::ones({2})}}).ok());
+  std::ifstream in(Path("mine.safetensors"), std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find(R"("__metadata__":{"format":"pt","writer":"remotehead"})"),
+            std::string::npos);
+}
+
 TEST_F(Checkpoint, ShardedCheckpointsResolveThroughTheirIndex) {
   const torch::Tensor embed = torch::randn({9, 4});
   const torch::Tensor head = torch::randn({9, 4});
-  ASSERT_TRUE(core::WriteSafetensors(Path("model-00001-of-00002.safetensors"),
-                                     {{"model.embed_tokens.weight", embed}})
-                  .ok());
+  fs::create_directories(dir_ / "model");
   ASSERT_TRUE(
-      core::WriteSafetensors(Path("model-00002-of-00002.safetensors"), {{"lm_head.weight", head}})
-          .ok());
-  std::ofstream(Path("model.safetensors.index.json"))
-      << R"({"metadata":{},"weight_map":{"model.embed_tokens.weight":"model-00001-of-00002.safetensors","lm_head.weight":"model-00002-of-00002.safetensors"}})";
-  const std::string index = Path("model.safetensors.index.json");
-  EXPECT_TRUE(torch::equal(*core::ReadSafetensor(index, "lm_head.weight"), head));
-  EXPECT_TRUE(torch::equal(*core::ReadSafetensor(index, "model.embed_tokens.weight"), embed));
-  const auto missing = core::ReadSafetensor(index, "lm_head.bias");
+      Write("model/model-00001-of-00002.safetensors", {{"model.embed_tokens.weight", embed}}).ok());
+  ASSERT_TRUE(Write("model/model-00002-of-00002.safetensors", {{"lm_head.weight", head}}).ok());
+  std::ofstream(Path("model/model.safetensors.index.json"))
+      << R"({"metadata":{},"weight_map":{"model.embed_tokens.weight":"model-00001-of-00002.safetensors","lm_head.weight":"model-00002-of-00002.safetensors","lm_head.bias":"model-00003-of-00002.safetensors"}})";
+  const std::string index = "model/model.safetensors.index.json";
+  EXPECT_TRUE(torch::equal(*Read(index, "lm_head.weight"), head));
+  EXPECT_TRUE(torch::equal(*Read(index, "model.embed_tokens.weight"), embed));
+  const auto unmapped = Read(index, "lm_head.scale");
+  EXPECT_EQ(unmapped.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(unmapped.status().message(),
+            "path: \"model/model.safetensors.index.json\": tensor \"lm_head.scale\": not in the "
+            "index's weight_map (it maps 3 tensors)");
+  // A missing shard: NOT_FOUND, without spelling the shard's name (the index's content).
+  const auto missing = Read(index, "lm_head.bias");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(missing.status().message(),
-            "tensor \"lm_head.bias\": expected one of [lm_head.weight, model.embed_tokens.weight] "
-            "in " +
-                index);
+            "path: the shard that \"model/model.safetensors.index.json\" maps \"lm_head.bias\" "
+            "to: no such file in the checkpoint directory");
 }
 
 TEST_F(Checkpoint, BadFilesGetPreciseStatuses) {
-  EXPECT_EQ(core::ReadSafetensor(Path("absent.safetensors"), "w").status().code(),
-            absl::StatusCode::kNotFound);
-  ASSERT_TRUE(core::WriteSafetensors(Path("ok.safetensors"), {{"w", torch::ones({4, 4})}}).ok());
-  EXPECT_EQ(core::ReadSafetensor(Path("ok.safetensors"), "v").status().message(),
-            "tensor \"v\": expected one of [w] in " + Path("ok.safetensors"));
+  const auto absent = Read("absent.safetensors", "w");
+  EXPECT_EQ(absent.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(absent.status().message(),
+            "path: \"absent.safetensors\": no such file in the checkpoint directory");
+  ASSERT_TRUE(Write("ok.safetensors", {{"w", torch::ones({4, 4})}}).ok());
+  EXPECT_EQ(Read("ok.safetensors", "v").status().message(),
+            "path: \"ok.safetensors\": tensor \"v\": not in the checkpoint (it has 1 tensors)");
   fs::resize_file(Path("ok.safetensors"), fs::file_size(Path("ok.safetensors")) - 10);
-  EXPECT_EQ(core::ReadSafetensor(Path("ok.safetensors"), "w").status().code(),
-            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(Read("ok.safetensors", "w").status().code(), absl::StatusCode::kDataLoss);
   std::ofstream(Path("garbage.safetensors")) << "not a safetensors file at all";
-  EXPECT_EQ(core::ReadSafetensor(Path("garbage.safetensors"), "w").status().code(),
-            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(Read("garbage.safetensors", "w").status().code(), absl::StatusCode::kDataLoss);
+  std::ofstream(Path("short.safetensors")) << "tiny";
+  EXPECT_EQ(Read("short.safetensors", "w").status().code(), absl::StatusCode::kDataLoss);
   // A header field of the wrong JSON type is DATA_LOSS, not an exception.
-  const std::string header = R"({"w":{"dtype":"F32","shape":"wide","data_offsets":[0,4]}})";
-  const uint64_t size = header.size();
-  {
-    std::ofstream out(Path("typed.safetensors"), std::ios::binary);
-    out.write(reinterpret_cast<const char*>(&size), 8);
-    out << header << "abcd";
+  WriteRaw("typed.safetensors", R"({"w":{"dtype":"F32","shape":"wide","data_offsets":[0,4]}})",
+           "abcd");
+  EXPECT_EQ(Read("typed.safetensors", "w").status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST_F(Checkpoint, EverySizeAndOffsetIsCheckedAgainstTheFile) {
+  struct Case {
+    const char* header;
+    absl::StatusCode code;
+  };
+  const Case cases[] = {
+      // negative dimension, dimension past int64, product overflowing
+      {R"({"w":{"dtype":"F32","shape":[-1,4],"data_offsets":[0,16]}})",
+       absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,16]}})",
+       absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,16]}})",
+       absl::StatusCode::kDataLoss},
+      // offsets reversed, past the end, huge, negative, not two, not matching the shape
+      {R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[16,0]}})", absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})", absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[18446744073709551615,15]}})",
+       absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[-16,0]}})", absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0]}})", absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", absl::StatusCode::kDataLoss},
+      // the entry itself malformed; a dtype remotehead does not read
+      {R"({"w":[1,2,3]})", absl::StatusCode::kDataLoss},
+      {R"({"w":{"shape":[4],"data_offsets":[0,16]}})", absl::StatusCode::kDataLoss},
+      {R"({"w":{"dtype":"U8","shape":[16],"data_offsets":[0,16]}})",
+       absl::StatusCode::kInvalidArgument},
+      {R"([1,2])", absl::StatusCode::kDataLoss},
+  };
+  for (const Case& c : cases) {
+    WriteRaw("bad.safetensors", c.header, std::string(16, 'x'));
+    const auto t = Read("bad.safetensors", "w");
+    EXPECT_EQ(t.status().code(), c.code) << c.header << ": " << t.status();
   }
-  EXPECT_EQ(core::ReadSafetensor(Path("typed.safetensors"), "w").status().code(),
-            absl::StatusCode::kDataLoss);
+  // A header size larger than the file, and one near 2^64 (no overflow).
+  for (const uint64_t size : {uint64_t{1000}, ~uint64_t{0}, ~uint64_t{0} - 7}) {
+    std::ofstream out(Path("size.safetensors"), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&size), 8);
+    out << "{}";
+    out.close();
+    EXPECT_EQ(Read("size.safetensors", "w").status().code(), absl::StatusCode::kDataLoss) << size;
+  }
+}
+
+TEST_F(Checkpoint, MessagesCarryNoBytesOfTheFile) {
+  const std::string secret = "SECRET-MARKER-7f3a";
+  // The marker as a tensor name, a dtype, a shard name, invalid JSON, a JSON key, plain text.
+  WriteRaw("names.safetensors",
+           absl::StrCat(R"({")", secret, R"(":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})"),
+           "abcd");
+  WriteRaw("dtype.safetensors",
+           absl::StrCat(R"({"w":{"dtype":")", secret, R"(","shape":[1],"data_offsets":[0,4]}})"),
+           "abcd");
+  WriteRaw("json.safetensors", absl::StrCat(R"({"w": )", secret, "}"), "");
+  WriteRaw(
+      "shape.safetensors",
+      absl::StrCat(R"({"w":{"dtype":"F32","shape":[")", secret, R"("],"data_offsets":[0,4]}})"),
+      "abcd");
+  std::ofstream(Path("text.safetensors")) << secret << secret << secret;
+  std::ofstream(Path("index.safetensors.index.json")) << absl::StrCat(
+      R"({"weight_map":{"w":")", secret, R"(.safetensors","v":"../)", secret, R"(", "u": 5}})");
+  std::ofstream(Path("badindex.safetensors.index.json")) << secret;
+  const std::pair<const char*, const char*> reads[] = {
+      {"names.safetensors", "w"},
+      {"dtype.safetensors", "w"},
+      {"json.safetensors", "w"},
+      {"shape.safetensors", "w"},
+      {"text.safetensors", "w"},
+      {"index.safetensors.index.json", "w"},
+      {"index.safetensors.index.json", "v"},
+      {"index.safetensors.index.json", "u"},
+      {"index.safetensors.index.json", "x"},
+      {"badindex.safetensors.index.json", "w"},
+  };
+  for (const auto& [file, tensor] : reads) {
+    const auto t = Read(file, tensor);
+    ASSERT_FALSE(t.ok()) << file;
+    EXPECT_EQ(std::string(t.status().message()).find("SECRET"), std::string::npos)
+        << file << " " << tensor << ": " << t.status();
+  }
 }
 
 }  // namespace

@@ -1,10 +1,7 @@
 // The HeadService over a real gRPC channel (in-process server on a loopback port): head
 // lifecycle, ForwardBackward parity with the direct engine call, exactly-once accumulation on
-// replay, and bad input / cancellation leaving the head's gradients bit-identical.
-#include <unistd.h>
-
-#include <filesystem>
-
+// replay, and bad input / cancellation leaving the head's gradients bit-identical. (Files:
+// file_rpcs_test.)
 #include "absl/strings/str_join.h"
 #include "server/service_fixture.h"
 
@@ -192,46 +189,6 @@ TEST_F(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
   const StepOutcome missing = Step("run/rank-3", 1, 17, per_token, Rpc::kBackward);
   EXPECT_EQ(missing.status.error_message(),
             "rows.grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
-}
-
-TEST_F(HeadServiceTest, SaveWeightsThenCreateHeadFromTheSafetensorsFile) {
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("remotehead_save_" + std::to_string(getpid()) + ".safetensors"))
-                               .string();
-  grpc::ClientContext save_context;
-  v1::SaveWeightsRequest save;
-  save.set_head_id("lm");
-  save.set_path(path);
-  save.set_weight_name("model.embed_tokens.weight");  // as a tied model stores it
-  v1::SaveWeightsResponse saved;
-  ASSERT_TRUE(stub_->SaveWeights(&save_context, save, &saved).ok());
-  EXPECT_GT(saved.bytes_written(), kVocab * kHidden * 4);
-
-  grpc::ClientContext create_context;
-  v1::CreateHeadRequest create;
-  create.set_head_id("copy");
-  create.mutable_safetensors()->set_path(path);
-  create.mutable_safetensors()->set_weight_name("model.embed_tokens.weight");
-  create.mutable_safetensors()->set_bias_name("lm_head.bias");
-  create.set_dtype(v1::DTYPE_BFLOAT16);
-  v1::HeadInfo info;
-  ASSERT_TRUE(stub_->CreateHead(&create_context, create, &info).ok());
-  EXPECT_EQ(info.dtype(), v1::DTYPE_BFLOAT16);
-  EXPECT_TRUE(info.has_bias());
-  auto copy = *registry().Get("copy");
-  EXPECT_TRUE(torch::equal(testing::HeadOf(*copy).weight(),
-                           testing::HeadOf(*entry_).weight().to(torch::kBFloat16)));
-
-  grpc::ClientContext missing_context;
-  create.set_head_id("other");
-  create.mutable_safetensors()->set_weight_name("lm_head.weight");
-  const grpc::Status missing = stub_->CreateHead(&missing_context, create, &info);
-  EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(missing.error_message(),
-            "tensor \"lm_head.weight\": expected one of [lm_head.bias, "
-            "model.embed_tokens.weight] in " +
-                path);
-  std::filesystem::remove(path);
 }
 
 TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {

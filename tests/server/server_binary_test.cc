@@ -1,10 +1,12 @@
 // The real remotehead-server process on loopback: it starts with a preloaded head, serves a
 // ForwardBackward whose result equals the engine's, keeps serving after a bad request, and on
-// SIGTERM drains and exits 0.
+// SIGTERM drains and exits 0; --checkpoint_dir reaches the service (and a bad one stops it).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <thread>
@@ -173,6 +175,50 @@ TEST(ServerBinary, EveryHeadFlagLoadsAHead) {
   for (const v1::HeadInfo& h : list.heads()) vocab[h.head_id()] = h.vocab_size();
   EXPECT_EQ(vocab, (std::map<std::string, int64_t>{{"a", 17}, {"b", 19}, {"c", 23}, {"d", 29}}));
   EXPECT_EQ(server.Terminate(), 0);
+}
+
+TEST(ServerBinary, CheckpointDirConfinesTheFileRpcs) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("remotehead_binary_ckpt_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  {
+    ServerProcess refused({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu",
+                           "--checkpoint_dir=" + (dir / "absent").string()});
+    EXPECT_EQ(refused.ExitCode(), 2) << refused.log();
+    EXPECT_NE(refused.log().find("--checkpoint_dir: checkpoint directory \"" +
+                                 (dir / "absent").string() + "\": cannot open it"),
+              std::string::npos)
+        << refused.log();
+  }
+  for (const bool with_dir : {false, true}) {
+    std::vector<std::string> argv = {REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0",
+                                     "--device=cpu", "--head=lm:257:16:float32:3"};
+    if (with_dir) argv.push_back("--checkpoint_dir=" + dir.string());
+    ServerProcess server(argv);
+    ASSERT_GT(server.port(), 0) << server.log();
+    auto stub = v1::HeadService::NewStub(
+        grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    v1::SaveWeightsRequest save;
+    save.set_head_id("lm");
+    save.set_path("lm.safetensors");
+    v1::SaveWeightsResponse saved;
+    const grpc::Status status = stub->SaveWeights(&context, save, &saved);
+    if (with_dir) {
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      EXPECT_EQ(saved.bytes_written(), static_cast<int64_t>(fs::file_size(dir / "lm.safetensors")));
+    } else {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+      EXPECT_FALSE(fs::exists(dir / "lm.safetensors"));
+    }
+    EXPECT_EQ(server.Terminate(), 0) << server.log();
+    EXPECT_NE(server.log().find(with_dir ? "checkpoints: read and written in " + dir.string()
+                                         : std::string("checkpoints: no --checkpoint_dir")),
+              std::string::npos)
+        << server.log();
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// Hugging Face safetensors checkpoints: read a head's tensors from a single .safetensors file
-// or a sharded checkpoint (its *.safetensors.index.json), and write tensors to a file.
+// Hugging Face safetensors checkpoints inside the operator's checkpoint directory
+// (checkpoint_dir.h): read a head's tensors from a single .safetensors file or a sharded
+// checkpoint (its *.safetensors.index.json), and write tensors to a file atomically.
 // Format: 8-byte little-endian header size, a JSON header {name: {dtype, shape,
 // data_offsets: [begin, end]}, "__metadata__": {...}}, then the raw little-endian data.
 #pragma once
@@ -10,16 +11,30 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/checkpoint_dir.h"
 
 namespace remotehead::core {
 
-// Reads tensor `name` (CPU). NOT_FOUND for a missing file or tensor (the message lists what the
-// checkpoint has), DATA_LOSS for a malformed file, INVALID_ARGUMENT for an unsupported dtype.
-// `path` may be a .safetensors file or a sharded checkpoint's .index.json.
-absl::StatusOr<torch::Tensor> ReadSafetensor(const std::string& path, const std::string& name);
+// The "writer" that WriteSafetensors records in "__metadata__": only files that carry it are
+// replaced by a later write.
+inline constexpr char kCheckpointWriter[] = "remotehead";
 
-// Writes `tensors` (any device / layout) to `path`; returns the bytes written.
-absl::StatusOr<int64_t> WriteSafetensors(const std::string& path,
-                                         const std::map<std::string, torch::Tensor>& tensors);
+// Reads tensor `name` (CPU) from `relative` in `dir`, a .safetensors file or a sharded
+// checkpoint's .index.json (whose shard names are confined to `dir` too). `field` names the path
+// in messages. Besides CheckpointDir's statuses: NOT_FOUND for a missing tensor, DATA_LOSS for a
+// malformed file (every offset and size checked against the file), INVALID_ARGUMENT for an
+// unsupported dtype or a shard name outside the directory. No message carries bytes of a file
+// beyond a count of its tensors.
+absl::StatusOr<torch::Tensor> ReadSafetensor(const CheckpointDir& dir, const std::string& relative,
+                                             const std::string& name,
+                                             const std::string& field = "path");
+
+// Writes `tensors` (any device / layout) to `relative` in `dir` atomically, with
+// "__metadata__": {"format": "pt", "writer": "remotehead"}; returns the bytes written. An existing
+// file is replaced only if it is a safetensors file written by remotehead: otherwise
+// FAILED_PRECONDITION naming `field`, and the file is left as it is.
+absl::StatusOr<int64_t> WriteSafetensors(const CheckpointDir& dir, const std::string& relative,
+                                         const std::map<std::string, torch::Tensor>& tensors,
+                                         const std::string& field = "path");
 
 }  // namespace remotehead::core

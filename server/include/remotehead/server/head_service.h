@@ -11,6 +11,7 @@
 #include <ostream>
 
 #include "absl/status/status.h"
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/metrics.h"
@@ -37,6 +38,9 @@ struct ServiceOptions {
   // Every `checkpoint_every_steps` weight versions an optimizer step saves the head's state.
   StateStore* state_store = nullptr;
   int checkpoint_every_steps = 0;
+  // The only directory that file RPCs (CreateHead from safetensors, SaveWeights) read and write,
+  // their paths relative to it (--checkpoint_dir); nullptr = those RPCs are refused.
+  std::shared_ptr<const core::CheckpointDir> checkpoint_dir;
 };
 
 class HeadService {

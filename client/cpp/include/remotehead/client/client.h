@@ -117,7 +117,7 @@ struct InitSpec {
 // A head read from a safetensors file on the server (single file or a sharded checkpoint's
 // *.safetensors.index.json).
 struct SafetensorsSource {
-  std::string path;
+  std::string path;                            // relative to the server's --checkpoint_dir
   std::string weight_name = "lm_head.weight";  // "model.embed_tokens.weight" for tied models
   std::string bias_name;                       // empty: no bias
   std::optional<torch::ScalarType> dtype;      // unset: the file's dtype
@@ -282,7 +282,8 @@ class Client {
   // dtype unset: the head's own.
   absl::StatusOr<HeadWeights> ExportWeights(const std::string& head_id,
                                             std::optional<torch::ScalarType> dtype = {});
-  // Writes a safetensors file on the server; returns the bytes written. Empty names: the
+  // Writes a safetensors file on the server (`path` relative to its --checkpoint_dir; atomic,
+  // replacing only a checkpoint remotehead wrote); returns the bytes written. Empty names: the
   // server's defaults (lm_head.weight, lm_head.bias).
   absl::StatusOr<int64_t> SaveWeights(const std::string& head_id, const std::string& path,
                                       const std::string& weight_name = "",
