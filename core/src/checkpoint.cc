@@ -100,17 +100,31 @@ absl::StatusOr<torch::Tensor> ReadSafetensorImpl(const std::string& path, const 
                                                    "or I32; got \"",
                                                    dtype_name, "\""));
   }
+  // Sizes are non-negative integers whose byte count fits (found by fuzz_safetensors: a negative
+  // size made torch::empty throw, an overflowing product wrapped around).
   std::vector<int64_t> shape;
-  int64_t numel = 1;
+  uint64_t bytes = c10::elementSize(*dtype);
   for (const auto& d : entry.value("shape", nlohmann::json::array())) {
-    shape.push_back(d.get<int64_t>());
-    numel *= shape.back();
+    if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 62) ||
+        __builtin_mul_overflow(bytes, d.get<uint64_t>(), &bytes) || bytes > (uint64_t{1} << 62)) {
+      return absl::DataLossError(absl::StrCat(file, ": tensor \"", name,
+                                              "\" expected a shape of sizes >= 0 whose byte count "
+                                              "fits; got ",
+                                              entry.value("shape", nlohmann::json()).dump()));
+    }
+    shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
   }
   const auto offsets = entry.value("data_offsets", std::vector<uint64_t>{});
-  const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(*dtype);
   if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] - offsets[0] != bytes) {
     return absl::DataLossError(absl::StrCat(file, ": tensor \"", name, "\" expected ", bytes,
                                             " bytes of data for its shape; the offsets disagree"));
+  }
+  // The data must lie inside the file before anything is allocated for it.
+  in.seekg(0, std::ios::end);
+  const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+  if (offsets[1] > file_size || data_start > file_size - offsets[1]) {
+    return absl::DataLossError(
+        absl::StrCat(file, ": tensor \"", name, "\" data runs past the end of the file"));
   }
   torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(*dtype));
   in.seekg(static_cast<std::streamoff>(data_start + offsets[0]));
