@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fuzz_input.h"
+#include "google/protobuf/stubs/logging.h"
 #include "remotehead/core/head.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
@@ -164,6 +165,7 @@ class Session {
 }  // namespace remotehead::fuzz
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  google::protobuf::SetLogHandler(nullptr);  // invalid UTF-8 in string fields: expected, noisy
   torch::set_num_threads(1);
   remotehead::fuzz::TheWorld();
   return 0;
