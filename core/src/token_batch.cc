@@ -69,7 +69,8 @@ TokenBatch TokenBatch::Concat(const std::vector<TokenBatch>& parts) {
   b.targets = cat([](const TokenBatch& p) { return p.targets; });
   b.weights = cat([](const TokenBatch& p) { return p.weights; });
   if (!parts.empty()) {
-    for (const auto& [name, t] : parts.front().aux) {
+    for (const auto& entry : parts.front().aux) {
+      const std::string& name = entry.first;  // (clang 14 cannot capture a structured binding)
       b.aux[name] = cat([&name](const TokenBatch& p) { return p.aux.at(name); });
     }
   }

@@ -117,6 +117,33 @@ TEST_F(Checkpoint, ShardedCheckpointsResolveThroughTheirIndex) {
             "to: no such file in the checkpoint directory");
 }
 
+// Found by fuzz_safetensors (tests/fuzz/corpus/fuzz_safetensors/crash-negative-shape): sizes
+// whose product matched the offsets but that were negative made torch::empty throw out of the
+// reader; a shape whose byte count overflows, or data past the end of the file, must be refused
+// before anything is allocated.
+// The shapes fuzz_safetensors found (a negative size made torch::empty throw, an overflowing
+// product wrapped around, a huge tensor was allocated before the file was checked).
+TEST_F(Checkpoint, FuzzerFoundShapesAreDataLossBeforeAnyAllocation) {
+  auto write = [&](const std::string& file, const std::string& entry, size_t data_bytes) {
+    const std::string header = R"({"w":)" + entry + "}";
+    const uint64_t size = header.size();
+    std::ofstream out(Path(file), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&size), 8);
+    out << header << std::string(data_bytes, '\0');
+  };
+  write("negative.safetensors", R"({"dtype":"F32","shape":[-5,-2],"data_offsets":[0,40]})", 40);
+  write("overflow.safetensors",
+        R"({"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]})", 0);
+  write("huge.safetensors",
+        R"({"dtype":"F32","shape":[1099511627776],"data_offsets":[0,4398046511104]})", 16);
+  write("fractional.safetensors", R"({"dtype":"F32","shape":[2.5],"data_offsets":[0,8]})", 8);
+  for (const char* file : {"negative.safetensors", "overflow.safetensors", "huge.safetensors",
+                           "fractional.safetensors"}) {
+    auto t = Read(file, "w");
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kDataLoss) << file << ": " << t.status();
+  }
+}
+
 TEST_F(Checkpoint, BadFilesGetPreciseStatuses) {
   const auto absent = Read("absent.safetensors", "w");
   EXPECT_EQ(absent.status().code(), absl::StatusCode::kNotFound);

@@ -70,6 +70,30 @@ TEST(TensorCodec, BadWireTensorsAreRejectedWithPreciseMessages) {
   EXPECT_EQ(DecodeTensor(wire, "x").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Found by fuzz_tensor_codec and fuzz_step_session (tests/fuzz/corpus/*/crash-empty-stride-
+// overflow): an empty tensor whose other sizes multiply past int64 made torch::empty throw
+// "Stride calculation overflowed" out of the codec. Now INVALID_ARGUMENT, like a large one;
+// empty tensors of sane shapes still decode.
+TEST(TensorCodec, EmptyTensorsWithHugeSizesAreRefusedNotThrown) {
+  v1::Tensor wire;
+  wire.set_dtype(v1::DTYPE_FLOAT32);
+  for (const int64_t size : {int64_t{1} << 40, int64_t{1} << 31}) {
+    wire.clear_shape();
+    wire.add_shape(0);
+    wire.add_shape(size);
+    wire.add_shape(size);
+    auto decoded = wire::DecodeTensorView(wire, "x");
+    EXPECT_EQ(decoded.status().code(), absl::StatusCode::kInvalidArgument) << size;
+    EXPECT_EQ(DecodeTensor(wire, "x").status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  wire.clear_shape();
+  wire.add_shape(0);
+  wire.add_shape(4096);
+  auto empty = DecodeTensor(wire, "x");
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->sizes().vec(), (std::vector<int64_t>{0, 4096}));
+}
+
 TEST(TensorCodec, RowChunksCoverEveryRowOnceWithinTheByteLimit) {
   const auto chunks = wire::PlanRowChunks(1000, 4096, wire::kDefaultChunkBytes);
   int64_t next = 0;

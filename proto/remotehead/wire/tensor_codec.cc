@@ -1,5 +1,6 @@
 #include "remotehead/wire/tensor_codec.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -52,14 +53,18 @@ absl::StatusOr<torch::Tensor> DecodeTensorView(const v1::Tensor& wire, const std
   std::vector<int64_t> shape(wire.shape().begin(), wire.shape().end());
   const int64_t elem = static_cast<int64_t>(c10::elementSize(*dtype));
   int64_t numel = 1;
+  int64_t extent = 1;  // the product of the sizes with zeros counted as 1
   for (const int64_t dim : shape) {
-    // Bounded so that numel · elem cannot overflow before it is compared with the byte count.
-    if (dim < 0 || (dim > 0 && numel > std::numeric_limits<int32_t>::max() / dim)) {
+    // Bounded so that numel · elem cannot overflow before it is compared with the byte count,
+    // and (extent) so that an empty tensor's strides cannot either: found by the fuzzers,
+    // [0, 2^40, 2^40] made torch::empty throw "Stride calculation overflowed".
+    if (dim < 0 || (dim > 0 && extent > std::numeric_limits<int32_t>::max() / dim)) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".shape: expected non-negative sizes with fewer than 2^31 elements; got [",
           absl::StrJoin(shape, ", "), "]"));
     }
     numel *= dim;
+    extent *= std::max<int64_t>(dim, 1);
   }
   const int64_t expected_bytes = numel * elem;
   if (static_cast<int64_t>(wire.data().size()) != expected_bytes) {
