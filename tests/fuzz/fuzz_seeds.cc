@@ -9,6 +9,7 @@
 
 #include "fuzz_input.h"
 #include "remotehead/core/checkpoint.h"
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/head_state.h"
 #include "remotehead/wire/tensor_codec.h"
@@ -224,8 +225,10 @@ std::unique_ptr<core::Head> TinyHead(torch::ScalarType dtype, bool bias) {
 void CheckpointSeeds(const fs::path& tmp) {
   const std::string t = "fuzz_safetensors";
   const fs::path file = tmp / "seed.safetensors";
+  auto dir = core::CheckpointDir::Open(tmp.string());
+  if (!dir.ok()) Fail(dir.status().ToString());
   auto head = TinyHead(torch::kFloat, true);
-  if (!core::WriteSafetensors(file,
+  if (!core::WriteSafetensors(**dir, file.filename().string(),
                               {{"lm_head.weight", head->weight()}, {"lm_head.bias", head->bias()}})
            .ok()) {
     Fail("WriteSafetensors");
@@ -233,7 +236,8 @@ void CheckpointSeeds(const fs::path& tmp) {
   Save(t, "f32-with-bias", FileBytes(file));
   auto bf16 = TinyHead(torch::kBFloat16, false);
   if (!core::WriteSafetensors(
-           file, {{"weight", bf16->weight()}, {"model.embed_tokens.weight", bf16->weight()}})
+           **dir, file.filename().string(),
+           {{"weight", bf16->weight()}, {"model.embed_tokens.weight", bf16->weight()}})
            .ok()) {
     Fail("WriteSafetensors");
   }
