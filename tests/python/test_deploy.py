@@ -148,6 +148,33 @@ def dockerfile_stages(path: pathlib.Path):
     return stages
 
 
+@pytest.mark.parametrize("profile,server,dockerfile",
+                         [("cpu", "remotehead-cpu", "Dockerfile.cpu"),
+                          ("gpu", "remotehead-gpu", "Dockerfile.cuda")])
+def test_server_keeps_checkpoints_and_state_on_named_volumes(profile, server, dockerfile):
+    """--checkpoint_dir and --state_dir are directories the image creates for its non-root user,
+    mounted from named volumes, so saved weights and training state outlive the container."""
+    result = subprocess.run([tool("docker-compose"), "-f", str(DEPLOY / "docker-compose.yml"),
+                             "--profile", profile, "config"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    flags = dict(arg.split("=", 1) for arg in config["services"][server]["command"] if "=" in arg)
+    mounts = {}
+    for volume in config["services"][server]["volumes"]:
+        source, target = ((volume["source"], volume["target"]) if isinstance(volume, dict)
+                          else volume.split(":")[:2])
+        mounts[target] = source
+    final_stage = dockerfile_stages(ROOT / "docker" / dockerfile)[-1]
+    created = " ".join(rest for word, rest in final_stage if word == "RUN")
+    for flag in ("--checkpoint_dir", "--state_dir"):
+        assert flag in flags, f"{server} runs without {flag}"
+        directory = flags[flag]
+        assert mounts.get(directory) in config.get("volumes", {}), \
+            f"{flag}={directory} is not a named volume of {server}: {mounts}"
+        assert re.search(r"install -d -o remotehead\b[^&]*" + re.escape(directory), created), \
+            f"{dockerfile} does not create {directory} for the user remotehead"
+    assert int(flags["--checkpoint_every_steps"]) > 0
+
 @pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
 def test_dockerfile_is_multi_stage_non_root_with_health_check(name):
     stages = dockerfile_stages(ROOT / "docker" / name)
