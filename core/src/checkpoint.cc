@@ -86,7 +86,14 @@ std::optional<uint64_t> NonNegative(const nlohmann::json& v) {
   return std::nullopt;
 }
 
-absl::StatusOr<torch::Tensor> ReadTensor(const CheckpointFile& file, const std::string& name) {
+// Where tensor `name` lies in `file`: every field of its header entry checked against the file.
+struct TensorLocation {
+  SafetensorInfo info;
+  uint64_t offset = 0;  // from the file's start
+  uint64_t bytes = 0;
+};
+
+absl::StatusOr<TensorLocation> LocateTensor(const CheckpointFile& file, const std::string& name) {
   ASSIGN_OR_RETURN(const Header header, ReadHeader(file));
   const std::string where = absl::StrCat(file.where(), ": tensor \"", name, "\"");
   const auto it = header.json.find(name);
@@ -159,8 +166,15 @@ absl::StatusOr<torch::Tensor> ReadTensor(const CheckpointFile& file, const std::
     return absl::DataLossError(absl::StrCat(
         where, ".data_offsets: expected a range as long as its dtype and shape need; got another"));
   }
-  torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(*dtype));
-  RETURN_IF_ERROR(file.ReadAt(header.data_start + *begin, bytes, t.data_ptr()));
+  return TensorLocation{.info = {.dtype = *dtype, .shape = std::move(shape)},
+                        .offset = header.data_start + *begin,
+                        .bytes = bytes};
+}
+
+absl::StatusOr<torch::Tensor> ReadTensor(const CheckpointFile& file, const std::string& name) {
+  ASSIGN_OR_RETURN(const TensorLocation at, LocateTensor(file, name));
+  torch::Tensor t = torch::empty(at.info.shape, torch::TensorOptions().dtype(at.info.dtype));
+  RETURN_IF_ERROR(file.ReadAt(at.offset, at.bytes, t.data_ptr()));
   return t;
 }
 
@@ -201,16 +215,32 @@ absl::StatusOr<CheckpointFile> OpenShard(const CheckpointDir& dir, const std::st
                          absl::StrCat("the shard that \"", relative, "\" maps \"", name, "\" to"));
 }
 
-absl::StatusOr<torch::Tensor> ReadSafetensorImpl(const CheckpointDir& dir,
-                                                 const std::string& relative,
-                                                 const std::string& name,
-                                                 const std::string& field) {
-  if (absl::EndsWith(relative, ".json")) {
-    ASSIGN_OR_RETURN(const CheckpointFile shard, OpenShard(dir, relative, name, field));
-    return ReadTensor(shard, name);
+// The file that holds tensor `name`: `relative` itself, or for an index.json its shard.
+absl::StatusOr<CheckpointFile> OpenTensorFile(const CheckpointDir& dir, const std::string& relative,
+                                              const std::string& name, const std::string& field) {
+  if (absl::EndsWith(relative, ".json")) return OpenShard(dir, relative, name, field);
+  return dir.OpenForRead(relative, field);
+}
+
+// Runs `read` on the file holding `name`, turning what the JSON parser or LibTorch may throw
+// into statuses whose messages quote nothing of the file.
+template <typename Read>
+auto ReadFromCheckpoint(const CheckpointDir& dir, const std::string& relative,
+                        const std::string& name, const std::string& field, Read&& read)
+    -> decltype(read(std::declval<const CheckpointFile&>())) {
+  try {
+    ASSIGN_OR_RETURN(const CheckpointFile file, OpenTensorFile(dir, relative, name, field));
+    return read(file);
+  } catch (const nlohmann::json::exception&) {  // not expected: every field's type is checked
+    return absl::DataLossError(absl::StrCat(field, ": \"", relative, "\": tensor \"", name,
+                                            "\": malformed safetensors header"));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(field, ": \"", relative, "\": tensor \"", name, "\": no memory to hold it"));
+  } catch (const c10::Error&) {  // the messages of LibTorch are not passed on (they could quote)
+    return absl::ResourceExhaustedError(
+        absl::StrCat(field, ": \"", relative, "\": tensor \"", name, "\": cannot allocate it"));
   }
-  ASSIGN_OR_RETURN(const CheckpointFile file, dir.OpenForRead(relative, field));
-  return ReadTensor(file, name);
 }
 
 // OK if `existing` is a safetensors file that remotehead wrote: only such a file is replaced.
@@ -234,20 +264,21 @@ absl::Status CheckReplaceable(const CheckpointFile& existing) {
 
 }  // namespace
 
+absl::StatusOr<SafetensorInfo> InspectSafetensor(const CheckpointDir& dir,
+                                                 const std::string& relative,
+                                                 const std::string& name,
+                                                 const std::string& field) {
+  return ReadFromCheckpoint(dir, relative, name, field,
+                            [&](const CheckpointFile& file) -> absl::StatusOr<SafetensorInfo> {
+                              ASSIGN_OR_RETURN(TensorLocation at, LocateTensor(file, name));
+                              return std::move(at.info);
+                            });
+}
+
 absl::StatusOr<torch::Tensor> ReadSafetensor(const CheckpointDir& dir, const std::string& relative,
                                              const std::string& name, const std::string& field) {
-  try {
-    return ReadSafetensorImpl(dir, relative, name, field);
-  } catch (const nlohmann::json::exception&) {  // not expected: every field's type is checked
-    return absl::DataLossError(absl::StrCat(field, ": \"", relative, "\": tensor \"", name,
-                                            "\": malformed safetensors header"));
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(field, ": \"", relative, "\": tensor \"", name, "\": no memory to hold it"));
-  } catch (const c10::Error&) {  // the messages of LibTorch are not passed on (they could quote)
-    return absl::ResourceExhaustedError(
-        absl::StrCat(field, ": \"", relative, "\": tensor \"", name, "\": cannot allocate it"));
-  }
+  return ReadFromCheckpoint(dir, relative, name, field,
+                            [&](const CheckpointFile& file) { return ReadTensor(file, name); });
 }
 
 absl::StatusOr<int64_t> WriteSafetensors(const CheckpointDir& dir, const std::string& relative,

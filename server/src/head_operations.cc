@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
 
@@ -13,6 +14,27 @@ std::string Summary(const HeadDescription& d) {
   return absl::StrCat("\"", d.id, "\" [", d.vocab_size, ", ", d.hidden_size, "] ",
                       core::DtypeName(d.dtype), d.has_bias ? " with bias" : "", " on ", d.device,
                       ", version ", d.weight_version);
+}
+
+struct HeadTensors {
+  torch::Tensor weight;
+  torch::Tensor bias;  // undefined without source.bias_name
+};
+
+// The weight and bias that `source` names, in source.dtype when it asks for one.
+absl::StatusOr<HeadTensors> ReadHeadTensors(const core::CheckpointDir& dir,
+                                            const SafetensorsSource& source,
+                                            const std::string& field) {
+  HeadTensors t;
+  ASSIGN_OR_RETURN(t.weight, core::ReadSafetensor(dir, source.path, source.weight_name, field));
+  if (!source.bias_name.empty()) {
+    ASSIGN_OR_RETURN(t.bias, core::ReadSafetensor(dir, source.path, source.bias_name, field));
+  }
+  if (source.dtype.has_value()) {
+    t.weight = t.weight.to(*source.dtype);
+    if (t.bias.defined()) t.bias = t.bias.to(*source.dtype);
+  }
+  return t;
 }
 
 torch::Tensor CpuCopy(const torch::Tensor& t, torch::ScalarType dtype) {
@@ -88,23 +110,25 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
     const std::string& id, const SafetensorsSource& source) {
   const std::string field = "safetensors.path";
   ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor(field));
-  ASSIGN_OR_RETURN(torch::Tensor weight,
-                   core::ReadSafetensor(*dir, source.path, source.weight_name, field));
-  torch::Tensor bias;
-  if (!source.bias_name.empty()) {
-    ASSIGN_OR_RETURN(bias, core::ReadSafetensor(*dir, source.path, source.bias_name, field));
-  }
-  if (source.dtype.has_value()) {
-    weight = weight.to(*source.dtype);
-    if (bias.defined()) bias = bias.to(*source.dtype);
+  // The shape from the file's header first: the head's bytes are reserved (and its size
+  // checked) before its data is read into memory.
+  ASSIGN_OR_RETURN(const core::SafetensorInfo info,
+                   core::InspectSafetensor(*dir, source.path, source.weight_name, field));
+  if (info.shape.size() != 2 || info.shape[0] < 1 || info.shape[1] < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "safetensors.weight_name: expected a 2-D tensor [vocab_size, hidden_size]; \"",
+        source.weight_name, "\" has shape [", absl::StrJoin(info.shape, ", "), "]"));
   }
   ASSIGN_OR_RETURN(const uint64_t ticket,
-                   ReserveHead(id, weight.dim() == 2 ? weight.size(0) : 0,
-                               weight.dim() == 2 ? weight.size(1) : 0, weight.scalar_type(),
-                               bias.defined(), "safetensors."));
-  ASSIGN_OR_RETURN(
-      auto entry,
-      AddReserved(id, core::Head::FromTensors(weight, bias, {.device = device_}), ticket));
+                   ReserveHead(id, info.shape[0], info.shape[1], source.dtype.value_or(info.dtype),
+                               !source.bias_name.empty(), "safetensors."));
+  // AddReserved gives the reservation back if this fails.
+  absl::StatusOr<std::unique_ptr<core::Head>> head =
+      [&]() -> absl::StatusOr<std::unique_ptr<core::Head>> {
+    ASSIGN_OR_RETURN(const HeadTensors tensors, ReadHeadTensors(*dir, source, field));
+    return core::Head::FromTensors(tensors.weight, tensors.bias, {.device = device_});
+  }();
+  ASSIGN_OR_RETURN(auto entry, AddReserved(id, std::move(head), ticket));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head created from ", dir->root(), "/", source.path, " (",
                         source.weight_name, "): ", Summary(d)));

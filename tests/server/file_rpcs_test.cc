@@ -1,12 +1,14 @@
 // The file RPCs (CreateHead from safetensors, SaveWeights) over a real gRPC channel: refused
 // without --checkpoint_dir (ServiceOptions::checkpoint_dir), confined to it with it — relative
 // paths, statuses that name the field, checkpoints saved and read back end to end.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 
+#include "absl/strings/str_join.h"
 #include "remotehead/core/checkpoint_dir.h"
 #include "server/service_fixture.h"
 
@@ -28,10 +30,34 @@ class FileRpcsTest : public ServiceFixture {
     server_.reset();
     fs::remove_all(base_);
   }
-  void StartWithCheckpointDir() {
+  void StartWithCheckpointDir(int64_t memory_budget_bytes = 0) {
     auto dir = core::CheckpointDir::Open((base_ / "ckpt").string());
     ASSERT_TRUE(dir.ok()) << dir.status();
-    StartService({.response_chunk_bytes = 1024, .checkpoint_dir = *dir});
+    StartService({.response_chunk_bytes = 1024,
+                  .admission = {.memory_budget_bytes = memory_budget_bytes},
+                  .checkpoint_dir = *dir});
+  }
+  // A safetensors file whose one float32 tensor `name` has `shape`, its data a hole (sparse: no
+  // disk used, zeros when read).
+  void WriteSparseSafetensors(const fs::path& path, const std::string& name,
+                              const std::vector<int64_t>& shape) {
+    int64_t bytes = 4;
+    for (const int64_t d : shape) bytes *= d;
+    const std::string header = absl::StrCat("{\"", name, "\": {\"dtype\": \"F32\", \"shape\": [",
+                                            absl::StrJoin(shape, ", "), "], \"data_offsets\": [0, ",
+                                            bytes, "]}}");
+    {
+      std::ofstream out(path, std::ios::binary);
+      const uint64_t size = header.size();
+      out.write(reinterpret_cast<const char*>(&size), 8);
+      out << header;
+    }
+    fs::resize_file(path, 8 + header.size() + bytes);
+  }
+  static int64_t PeakResidentBytes() {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    return int64_t{usage.ru_maxrss} * 1024;
   }
 
   grpc::Status Save(const std::string& path, const std::string& weight_name = "",
@@ -181,6 +207,35 @@ TEST_F(FileRpcsTest, SaveWeightsReplacesOnlyItsOwnCheckpoints) {
   for (const auto& e : fs::directory_iterator(base_ / "ckpt")) names.push_back(e.path().filename());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"lm.safetensors", "model", "notes.txt"}));
+}
+
+TEST_F(FileRpcsTest, AHeadBeyondTheBudgetIsRefusedBeforeItsDataIsRead) {
+  StartWithCheckpointDir(/*memory_budget_bytes=*/64 << 20);
+  // 2 GiB of float32 weights (a hole on disk): the reservation, made from the file's header,
+  // refuses it before a byte of data is read into memory.
+  WriteSparseSafetensors(base_ / "ckpt" / "big.safetensors", "w", {524288, 1024});
+  const int64_t peak_before = PeakResidentBytes();
+  const grpc::Status status = Create("big", "big.safetensors", "w");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find(
+                "safetensors.vocab_size 524288 × safetensors.hidden_size 1024 float32"),
+            std::string::npos)
+      << status.error_message();
+  EXPECT_LT(PeakResidentBytes() - peak_before, int64_t{512} << 20)
+      << "the server read the tensor before refusing it";
+  EXPECT_FALSE(registry().Get("big").ok());
+  EXPECT_EQ(service().admission().Stats().head_bytes, kHeadBytes);
+}
+
+TEST_F(FileRpcsTest, AWeightThatIsNotTwoDimensionalIsRefusedNamingItsShape) {
+  StartWithCheckpointDir();
+  WriteSparseSafetensors(base_ / "ckpt" / "flat.safetensors", "w", {4, 8, 2});
+  const grpc::Status status = Create("flat", "flat.safetensors", "w");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "safetensors.weight_name: expected a 2-D tensor [vocab_size, hidden_size]; \"w\" has "
+            "shape [4, 8, 2]");
+  EXPECT_FALSE(registry().Get("flat").ok());
 }
 
 }  // namespace

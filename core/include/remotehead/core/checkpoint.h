@@ -9,6 +9,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/checkpoint_dir.h"
@@ -28,6 +29,17 @@ inline constexpr char kCheckpointWriter[] = "remotehead";
 absl::StatusOr<torch::Tensor> ReadSafetensor(const CheckpointDir& dir, const std::string& relative,
                                              const std::string& name,
                                              const std::string& field = "path");
+
+// What ReadSafetensor would return, without reading (or allocating) the data: the dtype and
+// shape of tensor `name`, with the same checks and errors. Lets a caller reserve memory first.
+struct SafetensorInfo {
+  torch::ScalarType dtype = torch::kFloat;
+  std::vector<int64_t> shape;
+};
+absl::StatusOr<SafetensorInfo> InspectSafetensor(const CheckpointDir& dir,
+                                                 const std::string& relative,
+                                                 const std::string& name,
+                                                 const std::string& field = "path");
 
 // Writes `tensors` (any device / layout) to `relative` in `dir` atomically, with
 // "__metadata__": {"format": "pt", "writer": "remotehead"}; returns the bytes written. An existing
