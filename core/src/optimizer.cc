@@ -1,5 +1,6 @@
 #include "remotehead/core/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -15,16 +16,15 @@ absl::Status CheckRange(const char* field, double value, double lo, double hi, b
       field, ": expected a finite value in ", lo_open ? "(" : "[", lo, ", ", hi, "); got ", value));
 }
 
-absl::Status PrepareState(const char* kind, double grad_scale, OptimizerState* state) {
+absl::Status CheckState(const char* kind, double grad_scale, const OptimizerState& state) {
   if (!std::isfinite(grad_scale)) {
     return absl::InvalidArgumentError(
         absl::StrCat("grad_scale: expected a finite value; got ", grad_scale));
   }
-  if (!state->kind.empty() && state->kind != kind) {
+  if (!state.kind.empty() && state.kind != kind) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "optimizer: expected ", state->kind, " (this head's optimizer state); got ", kind));
+        "optimizer: expected ", state.kind, " (this head's optimizer state); got ", kind));
   }
-  state->kind = kind;
   return absl::OkStatus();
 }
 
@@ -45,13 +45,56 @@ void ForEachParam(Head& head, double grad_scale, OptimizerState* state, Update&&
   }
 }
 
+int64_t BytesIfDefined(const torch::Tensor& t) { return t.defined() ? t.nbytes() : 0; }
+
+// Bytes after a step of `kind` that keeps `buffers` float32 buffers per parameter.
+int64_t BytesAfterStep(const Head& head, const OptimizerState& state, const char* kind,
+                       int buffers) {
+  const int64_t current = OptimizerStateBytes(state);
+  if (!state.kind.empty() && state.kind != kind) return current;
+  const int64_t parameters =
+      head.vocab_size() * head.hidden_size() + (head.has_bias() ? head.vocab_size() : 0);
+  return std::max(current, buffers * parameters * int64_t{4});
+}
+
 }  // namespace
 
-absl::Status SgdStep(Head& head, const SgdOptions& o, double grad_scale, OptimizerState* state) {
+int64_t OptimizerStateBytes(const OptimizerState& state) {
+  return BytesIfDefined(state.weight_buf1) + BytesIfDefined(state.weight_buf2) +
+         BytesIfDefined(state.bias_buf1) + BytesIfDefined(state.bias_buf2);
+}
+
+int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& state,
+                                     const SgdOptions& options) {
+  return BytesAfterStep(head, state, "sgd", options.momentum != 0 ? 1 : 0);
+}
+
+int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& state,
+                                     const AdamWOptions&) {
+  return BytesAfterStep(head, state, "adamw", 2);
+}
+
+absl::Status CheckOptimizerStep(const OptimizerState& state, const SgdOptions& o,
+                                double grad_scale) {
   RETURN_IF_ERROR(CheckRange("sgd.lr", o.lr, 0, INFINITY, true));
   RETURN_IF_ERROR(CheckRange("sgd.momentum", o.momentum, 0, 1, false));
   RETURN_IF_ERROR(CheckRange("sgd.weight_decay", o.weight_decay, 0, INFINITY, false));
-  RETURN_IF_ERROR(PrepareState("sgd", grad_scale, state));
+  return CheckState("sgd", grad_scale, state);
+}
+
+absl::Status CheckOptimizerStep(const OptimizerState& state, const AdamWOptions& o,
+                                double grad_scale) {
+  RETURN_IF_ERROR(CheckRange("adamw.lr", o.lr, 0, INFINITY, true));
+  RETURN_IF_ERROR(CheckRange("adamw.beta1", o.beta1, 0, 1, false));
+  RETURN_IF_ERROR(CheckRange("adamw.beta2", o.beta2, 0, 1, false));
+  RETURN_IF_ERROR(CheckRange("adamw.eps", o.eps, 0, INFINITY, true));
+  RETURN_IF_ERROR(CheckRange("adamw.weight_decay", o.weight_decay, 0, INFINITY, false));
+  return CheckState("adamw", grad_scale, state);
+}
+
+absl::Status SgdStep(Head& head, const SgdOptions& o, double grad_scale, OptimizerState* state) {
+  RETURN_IF_ERROR(CheckOptimizerStep(*state, o, grad_scale));
+  state->kind = "sgd";
   ForEachParam(head, grad_scale, state,
                [&](torch::Tensor& p, const torch::Tensor& g, torch::Tensor& buf, torch::Tensor&) {
                  torch::Tensor d = o.weight_decay != 0 ? g + o.weight_decay * p : g;
@@ -74,12 +117,8 @@ absl::Status SgdStep(Head& head, const SgdOptions& o, double grad_scale, Optimiz
 
 absl::Status AdamWStep(Head& head, const AdamWOptions& o, double grad_scale,
                        OptimizerState* state) {
-  RETURN_IF_ERROR(CheckRange("adamw.lr", o.lr, 0, INFINITY, true));
-  RETURN_IF_ERROR(CheckRange("adamw.beta1", o.beta1, 0, 1, false));
-  RETURN_IF_ERROR(CheckRange("adamw.beta2", o.beta2, 0, 1, false));
-  RETURN_IF_ERROR(CheckRange("adamw.eps", o.eps, 0, INFINITY, true));
-  RETURN_IF_ERROR(CheckRange("adamw.weight_decay", o.weight_decay, 0, INFINITY, false));
-  RETURN_IF_ERROR(PrepareState("adamw", grad_scale, state));
+  RETURN_IF_ERROR(CheckOptimizerStep(*state, o, grad_scale));
+  state->kind = "adamw";
   const int64_t t = state->steps + 1;
   const double bias_correction1 = 1 - std::pow(o.beta1, t);
   const double bias_correction2 = 1 - std::pow(o.beta2, t);

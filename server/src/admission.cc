@@ -73,7 +73,7 @@ absl::Status AdmissionController::Grow(uint64_t ticket, int64_t bytes,
   if (it == held_.end()) {
     return absl::InternalError(absl::StrCat("admission: ticket ", ticket, " is not admitted"));
   }
-  if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
+  if (bytes > 0 && !FitsLocked(bytes, /*counts_as_active=*/false)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "admission: expected ", core::FormatMiB(bytes), " more (", breakdown,
         ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
@@ -81,7 +81,8 @@ absl::Status AdmissionController::Grow(uint64_t ticket, int64_t bytes,
         " already in use"));
   }
   it->second.bytes += bytes;
-  bytes_in_use_ += bytes;
+  (it->second.head ? head_bytes_ : bytes_in_use_) += bytes;
+  if (bytes < 0) AdmitWaitingLocked();
   return absl::OkStatus();
 }
 

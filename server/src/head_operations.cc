@@ -1,6 +1,7 @@
 #include "head_operations.h"
 
 #include <mutex>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -41,6 +42,23 @@ torch::Tensor CpuCopy(const torch::Tensor& t, torch::ScalarType dtype) {
   return t.defined() ? t.to(torch::kCPU, dtype, /*non_blocking=*/false, /*copy=*/true) : t;
 }
 
+// The buffers each optimizer keeps (named when the budget refuses them).
+std::string StateBuffers(const core::SgdOptions&) {
+  return "sgd optimizer state (float32 momentum for every parameter)";
+}
+std::string StateBuffers(const core::AdamWOptions&) {
+  return "adamw optimizer state (float32 exp_avg and exp_avg_sq for every parameter)";
+}
+
+absl::Status Step(core::Head& head, const core::SgdOptions& options, double grad_scale,
+                  core::OptimizerState* state) {
+  return core::SgdStep(head, options, grad_scale, state);
+}
+absl::Status Step(core::Head& head, const core::AdamWOptions& options, double grad_scale,
+                  core::OptimizerState* state) {
+  return core::AdamWStep(head, options, grad_scale, state);
+}
+
 }  // namespace
 
 void HeadOperations::LogEvent(const std::string& line) const {
@@ -64,6 +82,12 @@ absl::StatusOr<uint64_t> HeadOperations::ReserveHead(const std::string& id, int6
   return ticket;
 }
 
+HeadEntry::ResizeState HeadOperations::ResizeOf(const HeadEntry& entry, const std::string& why) {
+  return [this, ticket = entry.reservation(), why](int64_t delta) {
+    return ticket == 0 || delta == 0 ? absl::OkStatus() : admission_->Grow(ticket, delta, why);
+  };
+}
+
 absl::StatusOr<std::shared_ptr<HeadEntry>> HeadOperations::AddReserved(
     const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket) {
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry =
@@ -80,6 +104,8 @@ absl::Status HeadOperations::ReserveLoadedHeads() {
     ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(d.id, d.vocab_size, d.hidden_size, d.dtype,
                                                         d.has_bias, "--head "));
     entry->set_reservation(ticket);
+    RETURN_IF_ERROR(ResizeOf(*entry, absl::StrCat("the restored optimizer state of head \"", d.id,
+                                                  "\""))(entry->OptimizerStateBytes()));
   }
   return absl::OkStatus();
 }
@@ -115,9 +141,9 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
   ASSIGN_OR_RETURN(const core::SafetensorInfo info,
                    core::InspectSafetensor(*dir, source.path, source.weight_name, field));
   if (info.shape.size() != 2 || info.shape[0] < 1 || info.shape[1] < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "safetensors.weight_name: expected a 2-D tensor [vocab_size, hidden_size]; \"",
-        source.weight_name, "\" has shape [", absl::StrJoin(info.shape, ", "), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors.weight_name: expected a 2-D tensor [vocab_size, hidden_size]; \"",
+                     source.weight_name, "\" has shape [", absl::StrJoin(info.shape, ", "), "]"));
   }
   ASSIGN_OR_RETURN(const uint64_t ticket,
                    ReserveHead(id, info.shape[0], info.shape[1], source.dtype.value_or(info.dtype),
@@ -143,7 +169,7 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
   if (replace && entry.ok()) {
     // New values for a head whose bytes are reserved already.
     ASSIGN_OR_RETURN(auto head, core::Head::FromTensors(weight, bias, {.device = device_}));
-    RETURN_IF_ERROR((*entry)->ReplaceWeights(*head));
+    RETURN_IF_ERROR((*entry)->ReplaceWeights(*head, ResizeOf(**entry, "")));
   } else {
     ASSIGN_OR_RETURN(const uint64_t ticket,
                      ReserveHead(id, weight.size(0), weight.size(1), weight.scalar_type(),
@@ -224,10 +250,22 @@ absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string&
   const bool sgd = std::holds_alternative<core::SgdOptions>(spec.optimizer);
   RETURN_IF_ERROR(entry->OptimizerStep(
       [&](core::Head& head, core::OptimizerState& state) {
-        return sgd ? core::SgdStep(head, std::get<core::SgdOptions>(spec.optimizer),
-                                   spec.grad_scale, &state)
-                   : core::AdamWStep(head, std::get<core::AdamWOptions>(spec.optimizer),
-                                     spec.grad_scale, &state);
+        return std::visit(
+            [&](const auto& options) -> absl::Status {
+              // The state's buffers (created by the first step) are reserved before they
+              // exist, and the reservation then follows what the step really left.
+              RETURN_IF_ERROR(core::CheckOptimizerStep(state, options, spec.grad_scale));
+              const int64_t before = core::OptimizerStateBytes(state);
+              const int64_t reserved =
+                  core::OptimizerStateBytesAfterStep(head, state, options) - before;
+              const HeadEntry::ResizeState resize =
+                  ResizeOf(*entry, absl::StrCat(StateBuffers(options), " of head \"", id, "\""));
+              RETURN_IF_ERROR(resize(reserved));
+              const absl::Status stepped = Step(head, options, spec.grad_scale, &state);
+              resize(core::OptimizerStateBytes(state) - before - reserved).IgnoreError();  // <= 0
+              return stepped;
+            },
+            spec.optimizer);
       },
       spec.zero_gradients));
   LogEvent(
@@ -266,7 +304,9 @@ absl::StatusOr<HeadDescription> HeadOperations::RestoreState(const std::string& 
   ASSIGN_OR_RETURN(StateStore* const store, Store());
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   ASSIGN_OR_RETURN(const core::HeadState state, store->Load(id, state_id));
-  RETURN_IF_ERROR(entry->RestoreState(state, /*at_start=*/false));
+  RETURN_IF_ERROR(entry->RestoreState(
+      state, /*at_start=*/false,
+      ResizeOf(*entry, absl::StrCat("the optimizer state of head \"", id, "\" in ", state_id))));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head state restored: ", Summary(d), " from ", state_id));
   return d;

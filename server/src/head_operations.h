@@ -73,8 +73,8 @@ class HeadOperations {
   // head `id` (HeadEntry::ReplaceWeights), or a new head if there is none.
   absl::StatusOr<HeadDescription> AddUploaded(const std::string& id, const torch::Tensor& weight,
                                               const torch::Tensor& bias, bool replace);
-  // Reserves the bytes of the heads already in the registry that hold none (those loaded at
-  // start); RESOURCE_EXHAUSTED if they do not fit the budget.
+  // Reserves the bytes of the heads already in the registry that hold none (those loaded or
+  // restored at start, optimizer state included); RESOURCE_EXHAUSTED if they do not fit.
   absl::Status ReserveLoadedHeads();
   // Writes the weights (and bias) to a safetensors file `path` (relative to the checkpoint
   // directory; written atomically, replacing only a checkpoint remotehead wrote) under the given
@@ -103,6 +103,9 @@ class HeadOperations {
   absl::StatusOr<uint64_t> ReserveHead(const std::string& id, int64_t vocab_size,
                                        int64_t hidden_size, torch::ScalarType dtype, bool bias,
                                        const std::string& field_prefix);
+  // Grows or shrinks `entry`'s reservation with its optimizer state (`why` names the state in
+  // a refusal). Heads registered without a reservation are not counted.
+  HeadEntry::ResizeState ResizeOf(const HeadEntry& entry, const std::string& why);
   // Registers `head` under `id` holding `ticket`; releases the ticket if that fails.
   absl::StatusOr<std::shared_ptr<HeadEntry>> AddReserved(
       const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket);

@@ -123,10 +123,25 @@ core::HeadState HeadEntry::CaptureState(const std::string& state_id) {
   return core::CaptureHeadState(id_, state_id, *head_, optimizer_);
 }
 
-absl::Status HeadEntry::RestoreState(const core::HeadState& state, bool at_start) {
+int64_t HeadEntry::OptimizerStateBytes() const {
   std::lock_guard<std::mutex> lock(mu_);
+  return core::OptimizerStateBytes(optimizer_);
+}
+
+absl::Status HeadEntry::RestoreState(const core::HeadState& state, bool at_start,
+                                     const ResizeState& resize) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t delta =
+      core::OptimizerStateBytes(state.optimizer) - core::OptimizerStateBytes(optimizer_);
+  if (resize != nullptr && delta > 0) {
+    if (absl::Status s = resize(delta); !s.ok()) return s;
+  }
   core::OptimizerState optimizer;
-  if (absl::Status s = core::ApplyHeadState(state, head_.get(), &optimizer); !s.ok()) return s;
+  if (absl::Status s = core::ApplyHeadState(state, head_.get(), &optimizer); !s.ok()) {
+    if (resize != nullptr && delta > 0) resize(-delta).IgnoreError();  // giving back cannot fail
+    return s;
+  }
+  if (resize != nullptr && delta < 0) resize(delta).IgnoreError();
   optimizer_ = std::move(optimizer);
   ZeroGradientsLocked();
   state_id_ = state.state_id;
@@ -139,7 +154,7 @@ void HeadEntry::MarkDropped() {
   dropped_ = true;
 }
 
-absl::Status HeadEntry::ReplaceWeights(const core::Head& head) {
+absl::Status HeadEntry::ReplaceWeights(const core::Head& head, const ResizeState& resize) {
   std::lock_guard<std::mutex> lock(mu_);
   core::Head& current = *head_;
   if (head.vocab_size() != current.vocab_size() || head.hidden_size() != current.hidden_size() ||
@@ -158,6 +173,7 @@ absl::Status HeadEntry::ReplaceWeights(const core::Head& head) {
   current.mutable_weight().copy_(head.weight());
   if (current.has_bias()) current.mutable_bias().copy_(head.bias());
   current.BumpVersion();
+  if (resize != nullptr) resize(-core::OptimizerStateBytes(optimizer_)).IgnoreError();
   optimizer_ = core::OptimizerState{};  // moments of the old trajectory
   return absl::OkStatus();
 }

@@ -21,6 +21,31 @@ class ResourceLimitsTest : public ServiceFixture {
     v1::HeadInfo info;
     return stub_->CreateHead(&context, create, &info);
   }
+
+  grpc::Status OptimizerStep(const std::string& id,
+                             const std::function<void(v1::OptimizerStepRequest&)>& set,
+                             v1::OptimizerStepResponse* response = nullptr) {
+    grpc::ClientContext context;
+    v1::OptimizerStepRequest request;
+    request.set_head_id(id);
+    set(request);
+    v1::OptimizerStepResponse ignored;
+    return stub_->OptimizerStep(&context, request, response != nullptr ? response : &ignored);
+  }
+  static void SgdWithMomentum(v1::OptimizerStepRequest& r) {
+    r.mutable_sgd()->set_lr(0.1);
+    r.mutable_sgd()->set_momentum(0.9);
+  }
+
+  grpc::Status Drop(const std::string& id) {
+    grpc::ClientContext context;
+    v1::HeadRef ref;
+    ref.set_head_id(id);
+    v1::DropHeadResponse dropped;
+    return stub_->DropHead(&context, ref, &dropped);
+  }
+
+  int64_t HeadBytes() { return service().admission().Stats().head_bytes; }
 };
 
 TEST_F(ResourceLimitsTest, HeadsBeyondTheSizeLimitsAreRefusedNamingTheField) {
@@ -100,15 +125,61 @@ TEST_F(ResourceLimitsTest, HeadsHoldTheirBytesInTheBudgetUntilDropped) {
   ASSERT_TRUE(Upload("third", w, {}).ok());
   ASSERT_TRUE(Upload("third", w * 2, {}, /*replace=*/true).ok());
   EXPECT_EQ(service().admission().Stats().head_bytes, kHeadBytes + second + 2 * 100 * 16 * 4);
-  for (const std::string id : {"second", "third", "lm"}) {
-    grpc::ClientContext context;
-    v1::HeadRef ref;
-    ref.set_head_id(id);
-    v1::DropHeadResponse dropped;
-    ASSERT_TRUE(stub_->DropHead(&context, ref, &dropped).ok());
-  }
+  for (const std::string id : {"second", "third", "lm"}) ASSERT_TRUE(Drop(id).ok());
   EXPECT_EQ(service().admission().Stats().head_bytes, 0);
   ExpectAdmissionDrains();
+}
+
+TEST_F(ResourceLimitsTest, OptimizerStateIsReservedBeforeTheStepThatCreatesIt) {
+  // [1024, 4096] float32: W and dW take 32 MiB of the 64 MiB budget; AdamW's two moments would
+  // take 32 MiB more, SGD's momentum 16 MiB.
+  constexpr int64_t kWeights = 1024 * 4096 * 4;
+  ASSERT_TRUE(Create("big", 1024, 4096).ok());
+  EXPECT_EQ(HeadBytes(), kHeadBytes + 2 * kWeights);
+
+  // A bad step is refused for what is wrong with it, not for memory.
+  grpc::Status status = OptimizerStep("big", [](auto& r) {
+    r.mutable_adamw()->set_lr(0.1);
+    r.mutable_adamw()->set_weight_decay(-1);
+  });
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_EQ(status.error_message(),
+            "adamw.weight_decay: expected a finite value in [0, inf); got -1");
+
+  status = OptimizerStep("big", [](auto& r) { r.mutable_adamw()->set_lr(0.1); });
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find(
+                "32 MiB more (adamw optimizer state (float32 exp_avg and exp_avg_sq for every "
+                "parameter) of head \"big\")"),
+            std::string::npos)
+      << status.error_message();
+  EXPECT_EQ(registry().Get("big").value()->Describe().weight_version, 0);  // nothing changed
+  EXPECT_EQ(HeadBytes(), kHeadBytes + 2 * kWeights);
+
+  v1::OptimizerStepResponse stepped;
+  ASSERT_TRUE(OptimizerStep("big", SgdWithMomentum, &stepped).ok());
+  EXPECT_EQ(stepped.info().weight_version(), 1);
+  EXPECT_EQ(HeadBytes(), kHeadBytes + 3 * kWeights);
+  ASSERT_TRUE(OptimizerStep("big", SgdWithMomentum).ok());  // the momentum exists: nothing more
+  EXPECT_EQ(HeadBytes(), kHeadBytes + 3 * kWeights);
+
+  ASSERT_TRUE(Drop("big").ok());  // the state goes with the head
+  EXPECT_EQ(HeadBytes(), kHeadBytes);
+}
+
+TEST_F(ResourceLimitsTest, ReplacingTheWeightsGivesTheOptimizerStateBack) {
+  constexpr int64_t kWeights = 512 * 1024 * 4;
+  ASSERT_TRUE(Create("mid", 512, 1024).ok());
+  ASSERT_TRUE(OptimizerStep("mid", SgdWithMomentum).ok());
+  EXPECT_EQ(HeadBytes(), kHeadBytes + 3 * kWeights);
+
+  // A new trajectory: the momentum of the old one is reset, and its bytes are free again.
+  ASSERT_TRUE(Upload("mid", torch::zeros({512, 1024}), {}, /*replace=*/true).ok());
+  EXPECT_EQ(HeadBytes(), kHeadBytes + 2 * kWeights);
+  ASSERT_TRUE(OptimizerStep("mid", SgdWithMomentum).ok());
+  EXPECT_EQ(HeadBytes(), kHeadBytes + 3 * kWeights);
+  ASSERT_TRUE(Drop("mid").ok());
+  EXPECT_EQ(HeadBytes(), kHeadBytes);
 }
 
 // A budget that fits the step beside the head only while the second head is absent.

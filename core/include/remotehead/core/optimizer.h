@@ -36,6 +36,25 @@ struct OptimizerState {
   torch::Tensor bias_buf1, bias_buf2;
 };
 
+// What SgdStep / AdamWStep check before changing anything: INVALID_ARGUMENT for bad
+// hyper-parameters or grad_scale, FAILED_PRECONDITION when the state belongs to the other
+// optimizer. Lets a caller refuse a bad step before reserving memory for it.
+absl::Status CheckOptimizerStep(const OptimizerState& state, const SgdOptions& options,
+                                double grad_scale);
+absl::Status CheckOptimizerStep(const OptimizerState& state, const AdamWOptions& options,
+                                double grad_scale);
+
+// Bytes the state's buffers hold now.
+int64_t OptimizerStateBytes(const OptimizerState& state);
+// Bytes the state's buffers will hold after one step with `options` on `head` (the buffers are
+// created by the first step, in float32, one per parameter for SGD with momentum and two for
+// AdamW): what a server reserves before the step allocates them. The current bytes when the
+// step would be refused for belonging to the other optimizer.
+int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& state,
+                                     const SgdOptions& options);
+int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& state,
+                                     const AdamWOptions& options);
+
 // p ← update(p, grad · grad_scale); bumps the head's version. INVALID_ARGUMENT for bad
 // hyper-parameters, FAILED_PRECONDITION when the state belongs to the other optimizer.
 // Parameters of a half-precision head are updated in fp32 and rounded back.

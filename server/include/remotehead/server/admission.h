@@ -23,7 +23,7 @@ struct AdmissionOptions {
 
 struct AdmissionStats {
   int64_t bytes_in_use = 0;  // admitted requests and long-lived reservations
-  int64_t head_bytes = 0;    // the heads' weights and gradients (ReserveHead)
+  int64_t head_bytes = 0;    // the heads: weights, gradients, optimizer state (ReserveHead)
   int active = 0;
   int queued = 0;
 };
@@ -47,8 +47,9 @@ class AdmissionController {
   // taken now or refused with RESOURCE_EXHAUSTED, never queued.
   absl::Status Reserve(uint64_t ticket, int64_t bytes, const std::string& breakdown);
 
-  // More bytes for an admitted request whose needs grew while it ran (inputs it retains):
-  // taken now or refused with RESOURCE_EXHAUSTED naming `breakdown`, never queued.
+  // More bytes for an admitted request or a head whose needs grew (inputs a request retains, a
+  // head's optimizer state): taken now or refused with RESOURCE_EXHAUSTED naming `breakdown`,
+  // never queued. Negative `bytes` give some back (always OK).
   absl::Status Grow(uint64_t ticket, int64_t bytes, const std::string& breakdown);
 
   // A head's weights and gradients, held for as long as the head exists: they count against

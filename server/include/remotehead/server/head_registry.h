@@ -115,6 +115,12 @@ class HeadEntry {
   // nothing changed, if the head was dropped, its weights changed since commit.pin, or (with a
   // key) its gradients were zeroed since.
   absl::StatusOr<CommitResult> Commit(const StepCommit& commit);
+  // Called under the entry's lock with the change in bytes of its optimizer state before a
+  // growth (an error refuses the change, which then does not happen) or after a shrink: how a
+  // server keeps its memory budget in step with the head. Null: not counted.
+  using ResizeState = std::function<absl::Status(int64_t delta_bytes)>;
+  // Bytes the head's optimizer state holds now.
+  int64_t OptimizerStateBytes() const;
   // Runs `step` (an optimizer step on the head and its state) under the lock; then, with
   // zero_gradients, zeroes dW / db and forgets the ledger in the same critical section.
   absl::Status OptimizerStep(
@@ -125,12 +131,13 @@ class HeadEntry {
   // New weights from `head` (UploadHeader.replace): INVALID_ARGUMENT unless it has this head's
   // shape, dtype and bias; FAILED_PRECONDITION while gradients computed with the old weights
   // are accumulated. The optimizer state is reset and the version goes up by one.
-  absl::Status ReplaceWeights(const core::Head& head);
+  absl::Status ReplaceWeights(const core::Head& head, const ResizeState& resize = nullptr);
   // A CPU copy of the head's whole training state under `state_id` (recorded as the head's).
   core::HeadState CaptureState(const std::string& state_id);
   // Puts the head back to `state` (core::ApplyHeadState) and zeroes its gradients: a new
   // gradient window. `at_start`: the server is restoring it after a restart.
-  absl::Status RestoreState(const core::HeadState& state, bool at_start);
+  absl::Status RestoreState(const core::HeadState& state, bool at_start,
+                            const ResizeState& resize = nullptr);
   // Called by HeadRegistry::Drop: requests still holding this entry fail instead of committing
   // to a head nobody can reach (or to a new head of the same id).
   void MarkDropped();
