@@ -303,11 +303,18 @@ std::unique_ptr<grpc::Server> StartServer(
   return server != nullptr && *port != 0 ? std::move(server) : nullptr;
 }
 
-// Serves until SIGTERM / SIGINT, then drains: NOT_SERVING, then up to --shutdown_grace_seconds
-// for the calls in flight.
-void ServeUntilSignal(grpc::Server& server) {
+// From here on SIGTERM / SIGINT ask for a drain instead of ending the process. Installed before
+// the server listens: a client may send requests, then SIGTERM, as soon as the port is open,
+// and must still see a clean drain and exit 0. (Before this, nothing is in flight, and the
+// default action ends a slow start at once.)
+void DrainOnSignal() {
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
+}
+
+// Serves until SIGTERM / SIGINT (DrainOnSignal), then drains: NOT_SERVING, then up to
+// --shutdown_grace_seconds for the calls in flight.
+void ServeUntilSignal(grpc::Server& server) {
   while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::cout << "remotehead-server: draining (up to " << absl::GetFlag(FLAGS_shutdown_grace_seconds)
             << " s)" << std::endl;
@@ -363,6 +370,7 @@ int Run() {
         s.code(), absl::StrCat("--head, --memory_budget_bytes: ", std::string(s.message()))));
   }
   int port = 0;
+  DrainOnSignal();
   std::unique_ptr<grpc::Server> server =
       StartServer(*credentials, *service, metrics->metrics.get(), &port);
   if (server == nullptr) {
