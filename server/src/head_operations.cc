@@ -252,18 +252,13 @@ absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string&
       [&](core::Head& head, core::OptimizerState& state) {
         return std::visit(
             [&](const auto& options) -> absl::Status {
-              // The state's buffers (created by the first step) are reserved before they
-              // exist, and the reservation then follows what the step really left.
+              // A bad step is refused for what is wrong with it before any memory is asked
+              // for; the buffers the first step creates are reserved before they exist.
               RETURN_IF_ERROR(core::CheckOptimizerStep(state, options, spec.grad_scale));
-              const int64_t before = core::OptimizerStateBytes(state);
-              const int64_t reserved =
-                  core::OptimizerStateBytesAfterStep(head, state, options) - before;
-              const HeadEntry::ResizeState resize =
-                  ResizeOf(*entry, absl::StrCat(StateBuffers(options), " of head \"", id, "\""));
-              RETURN_IF_ERROR(resize(reserved));
-              const absl::Status stepped = Step(head, options, spec.grad_scale, &state);
-              resize(core::OptimizerStateBytes(state) - before - reserved).IgnoreError();  // <= 0
-              return stepped;
+              return ChangeOptimizerState(
+                  state, core::OptimizerStateBytesAfterStep(head, state, options),
+                  ResizeOf(*entry, absl::StrCat(StateBuffers(options), " of head \"", id, "\"")),
+                  [&] { return Step(head, options, spec.grad_scale, &state); });
             },
             spec.optimizer);
       },

@@ -1,9 +1,11 @@
 #include "remotehead/server/head_registry.h"
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
 namespace {
@@ -97,6 +99,17 @@ absl::StatusOr<CommitResult> HeadEntry::Commit(const StepCommit& commit) {
   return result;
 }
 
+absl::Status ChangeOptimizerState(const core::OptimizerState& state, int64_t expected_bytes,
+                                  const HeadEntry::ResizeState& resize,
+                                  const std::function<absl::Status()>& change) {
+  const int64_t before = core::OptimizerStateBytes(state);
+  const int64_t reserved = std::max<int64_t>(expected_bytes - before, 0);
+  RETURN_IF_ERROR(resize(reserved));
+  const absl::Status changed = change();
+  resize(core::OptimizerStateBytes(state) - before - reserved).IgnoreError();  // gives back
+  return changed;
+}
+
 absl::Status HeadEntry::OptimizerStep(
     const std::function<absl::Status(core::Head&, core::OptimizerState&)>& step,
     bool zero_gradients) {
@@ -131,22 +144,16 @@ int64_t HeadEntry::OptimizerStateBytes() const {
 absl::Status HeadEntry::RestoreState(const core::HeadState& state, bool at_start,
                                      const ResizeState& resize) {
   std::lock_guard<std::mutex> lock(mu_);
-  const int64_t delta =
-      core::OptimizerStateBytes(state.optimizer) - core::OptimizerStateBytes(optimizer_);
-  if (resize != nullptr && delta > 0) {
-    if (absl::Status s = resize(delta); !s.ok()) return s;
-  }
-  core::OptimizerState optimizer;
-  if (absl::Status s = core::ApplyHeadState(state, head_.get(), &optimizer); !s.ok()) {
-    if (resize != nullptr && delta > 0) resize(-delta).IgnoreError();  // giving back cannot fail
-    return s;
-  }
-  if (resize != nullptr && delta < 0) resize(delta).IgnoreError();
-  optimizer_ = std::move(optimizer);
-  ZeroGradientsLocked();
-  state_id_ = state.state_id;
-  if (at_start) restored_version_ = state.weight_version;
-  return absl::OkStatus();
+  return ChangeOptimizerState(
+      optimizer_, core::OptimizerStateBytes(state.optimizer), resize, [&]() -> absl::Status {
+        core::OptimizerState optimizer;
+        RETURN_IF_ERROR(core::ApplyHeadState(state, head_.get(), &optimizer));
+        optimizer_ = std::move(optimizer);
+        ZeroGradientsLocked();
+        state_id_ = state.state_id;
+        if (at_start) restored_version_ = state.weight_version;
+        return absl::OkStatus();
+      });
 }
 
 void HeadEntry::MarkDropped() {
@@ -173,8 +180,8 @@ absl::Status HeadEntry::ReplaceWeights(const core::Head& head, const ResizeState
   current.mutable_weight().copy_(head.weight());
   if (current.has_bias()) current.mutable_bias().copy_(head.bias());
   current.BumpVersion();
-  if (resize != nullptr) resize(-core::OptimizerStateBytes(optimizer_)).IgnoreError();
-  optimizer_ = core::OptimizerState{};  // moments of the old trajectory
+  resize(-core::OptimizerStateBytes(optimizer_)).IgnoreError();  // giving back cannot fail
+  optimizer_ = core::OptimizerState{};                           // moments of the old trajectory
   return absl::OkStatus();
 }
 

@@ -37,14 +37,6 @@ class ResourceLimitsTest : public ServiceFixture {
     r.mutable_sgd()->set_momentum(0.9);
   }
 
-  grpc::Status Drop(const std::string& id) {
-    grpc::ClientContext context;
-    v1::HeadRef ref;
-    ref.set_head_id(id);
-    v1::DropHeadResponse dropped;
-    return stub_->DropHead(&context, ref, &dropped);
-  }
-
   int64_t HeadBytes() { return service().admission().Stats().head_bytes; }
 };
 
@@ -208,11 +200,7 @@ TEST_F(HeadsShareTheBudgetTest, AStepIsAdmittedOnlyBesideTheHeads) {
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(refused.status.error_message().find("its heads hold"), std::string::npos)
       << refused.status.error_message();
-  grpc::ClientContext drop_context;
-  v1::HeadRef ref;
-  ref.set_head_id("second");
-  v1::DropHeadResponse dropped;
-  ASSERT_TRUE(stub_->DropHead(&drop_context, ref, &dropped).ok());
+  ASSERT_TRUE(Drop("second").ok());
   EXPECT_TRUE(Step("run/rank-0", 1).status.ok());
 }
 

@@ -55,6 +55,14 @@ class ServiceFixture : public ::testing::Test {
                                       core::Reduction::kMean);
   }
 
+  grpc::Status Drop(const std::string& id) {
+    grpc::ClientContext context;
+    v1::HeadRef ref;
+    ref.set_head_id(id);
+    v1::DropHeadResponse dropped;
+    return stub_->DropHead(&context, ref, &dropped);
+  }
+
   // Streams W (and b, if defined) as UploadHead `id` in 64-row chunks; `corrupt` may edit each
   // message before it is sent.
   grpc::Status Upload(const std::string& id, const torch::Tensor& w, const torch::Tensor& b,

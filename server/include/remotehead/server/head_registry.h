@@ -117,8 +117,10 @@ class HeadEntry {
   absl::StatusOr<CommitResult> Commit(const StepCommit& commit);
   // Called under the entry's lock with the change in bytes of its optimizer state before a
   // growth (an error refuses the change, which then does not happen) or after a shrink: how a
-  // server keeps its memory budget in step with the head. Null: not counted.
+  // server keeps its memory budget in step with the head (see ChangeOptimizerState).
   using ResizeState = std::function<absl::Status(int64_t delta_bytes)>;
+  // For a head whose bytes are not counted (yet): a restore at start, before admission exists.
+  static absl::Status NotCounted(int64_t) { return absl::OkStatus(); }
   // Bytes the head's optimizer state holds now.
   int64_t OptimizerStateBytes() const;
   // Runs `step` (an optimizer step on the head and its state) under the lock; then, with
@@ -131,13 +133,13 @@ class HeadEntry {
   // New weights from `head` (UploadHeader.replace): INVALID_ARGUMENT unless it has this head's
   // shape, dtype and bias; FAILED_PRECONDITION while gradients computed with the old weights
   // are accumulated. The optimizer state is reset and the version goes up by one.
-  absl::Status ReplaceWeights(const core::Head& head, const ResizeState& resize = nullptr);
+  absl::Status ReplaceWeights(const core::Head& head, const ResizeState& resize);
   // A CPU copy of the head's whole training state under `state_id` (recorded as the head's).
   core::HeadState CaptureState(const std::string& state_id);
   // Puts the head back to `state` (core::ApplyHeadState) and zeroes its gradients: a new
   // gradient window. `at_start`: the server is restoring it after a restart.
   absl::Status RestoreState(const core::HeadState& state, bool at_start,
-                            const ResizeState& resize = nullptr);
+                            const ResizeState& resize = NotCounted);
   // Called by HeadRegistry::Drop: requests still holding this entry fail instead of committing
   // to a head nobody can reach (or to a new head of the same id).
   void MarkDropped();
@@ -161,6 +163,14 @@ class HeadEntry {
   core::OptimizerState optimizer_;  // created by the first OptimizerStep
   std::optional<double> last_loss_;
 };
+
+// Runs `change`, which may resize `state`, with the growth reserved first: the bytes beyond
+// what `state` holds now, up to `expected_bytes` (what it will hold afterwards, at most), go
+// through `resize` before `change` runs (refused: it does not run); afterwards the reservation
+// follows what `state` really holds, whether `change` succeeded or not.
+absl::Status ChangeOptimizerState(const core::OptimizerState& state, int64_t expected_bytes,
+                                  const HeadEntry::ResizeState& resize,
+                                  const std::function<absl::Status()>& change);
 
 class HeadRegistry {
  public:
