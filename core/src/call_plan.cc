@@ -39,11 +39,18 @@ absl::Status CheckChunkOptions(const StepOptions& options) {
   return absl::OkStatus();
 }
 
+// The logits columns chunks and blocks are sized for: the head's rows, or on a head group the
+// largest shard's, so that every rank runs the same chunks and blocks.
+int64_t PlannedColumns(const Head& head, const StepOptions& options) {
+  return options.shard != nullptr ? std::max(options.shard->largest_rows(), head.vocab_size())
+                                  : head.vocab_size();
+}
+
 // The per-row costs of the head's dtype and the function's options.
-void SetRowCosts(const Head& head, CallPlan& plan) {
-  const double vocab = static_cast<double>(head.vocab_size());
+void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
+  plan.vocab_size = PlannedColumns(head, options);
+  const double vocab = static_cast<double>(plan.vocab_size);
   const double hidden = static_cast<double>(head.hidden_size());
-  plan.vocab_size = head.vocab_size();
   plan.hidden_size = head.hidden_size();
   plan.head_elem_bytes = static_cast<int64_t>(c10::elementSize(head.dtype()));
   plan.logits_elem_bytes = static_cast<int64_t>(c10::elementSize(LogitsDtype(head)));
@@ -70,12 +77,11 @@ void SetRowCosts(const Head& head, CallPlan& plan) {
 
 // Chunk and block rows: as given, or the largest that fit the budget (blocks take at most a
 // quarter of it; chunks get the rest).
-absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPlan& plan) {
+absl::Status SetChunkSizes(const StepOptions& options, CallPlan& plan) {
   const int64_t cache_block_rows =
       options.block_rows > 0
           ? options.block_rows
-          : std::max<int64_t>(1,
-                              kFunctionBlockBytes / (head.vocab_size() * plan.logits_elem_bytes));
+          : std::max<int64_t>(1, kFunctionBlockBytes / (plan.vocab_size * plan.logits_elem_bytes));
   if (options.chunk_rows > 0) {
     plan.chunk_rows = options.chunk_rows;
     plan.block_rows = std::min(cache_block_rows, options.chunk_rows);
@@ -94,7 +100,7 @@ absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPla
     const double one_row = 4.0 * plan.block_row_bytes + plan.chunk_row_bytes;
     return absl::InvalidArgumentError(absl::StrCat(
         "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
-        " (one row of ", plan.function->name, " at V=", head.vocab_size(), "); got ", budget));
+        " (one row of ", plan.function->name, " at V=", plan.vocab_size, "); got ", budget));
   }
   plan.block_rows = std::min(plan.block_rows, plan.chunk_rows);
   return absl::OkStatus();
@@ -149,13 +155,20 @@ CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
 }
 
 absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) {
-  const FunctionRegistry& registry = FunctionRegistry::Builtin();
+  const FunctionRegistry& registry =
+      options.registry != nullptr ? *options.registry : FunctionRegistry::Builtin();
   CallPlan plan;
   ASSIGN_OR_RETURN(plan.function, registry.Find(options.function));
+  if (options.shard != nullptr && !plan.function->vocab_decomposable) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "function: expected a vocabulary-decomposable function on a head group of ",
+        options.shard->ranges.size(), " ranks; got \"", plan.function->name,
+        "\", which reduces over the whole vocabulary itself (run it on a single server)"));
+  }
   ASSIGN_OR_RETURN(plan.params, registry.ResolveParams(*plan.function, options.params));
   RETURN_IF_ERROR(CheckChunkOptions(options));
-  SetRowCosts(head, plan);
-  RETURN_IF_ERROR(SetChunkSizes(head, options, plan));
+  SetRowCosts(head, options, plan);
+  RETURN_IF_ERROR(SetChunkSizes(options, plan));
   return plan;
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "remotehead/core/status_macros.h"
+#include "vocab_ops.h"
 
 namespace remotehead::core {
 namespace {
@@ -27,8 +28,13 @@ struct Plan {
   std::function<bool()> should_stop;  // StepOptions::should_stop
   torch::Tensor logits_workspace;     // StepOptions::logits_workspace
   int64_t first_row = 0;              // StepOptions::first_row
+  const VocabShard* shard = nullptr;  // StepOptions::shard
+  int64_t vocab_size = 0;             // V of the whole head (all shards of a group)
+  std::unique_ptr<VocabOps> vocab;    // the functions' vocabulary reductions (functions.h)
 
   const TransformFunction& fn() const { return *call.function; }
+  // Whether this call's dX is summed here: always on one server, on rank 0 of a group.
+  bool holds_grad_hidden() const { return shard == nullptr || shard->group->rank() == 0; }
   const FunctionParams& params() const { return call.params; }
 };
 
@@ -85,11 +91,11 @@ absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan&
       CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true, plan.first_row));
   const torch::Tensor t = batch.targets;
   const torch::Tensor bad =
-      (t != plan.ignore_index).logical_and((t < 0).logical_or(t >= head.vocab_size()));
+      (t != plan.ignore_index).logical_and((t < 0).logical_or(t >= plan.vocab_size));
   if (bad.any().item<bool>()) {
     const int64_t i = bad.nonzero()[0][0].item<int64_t>();
     return absl::InvalidArgumentError(absl::StrCat(
-        "targets[", plan.first_row + i, "]: expected a token id in [0, ", head.vocab_size(),
+        "targets[", plan.first_row + i, "]: expected a token id in [0, ", plan.vocab_size,
         ") or ignore_index (", plan.ignore_index, "); got ", t[i].item<int64_t>()));
   }
   return absl::OkStatus();
@@ -228,7 +234,15 @@ absl::Status CheckScalarOptions(const StepOptions& options) {
 absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
                               const StepOptions& options) {
   Plan plan;
+  if (options.shard != nullptr) RETURN_IF_ERROR(CheckVocabShard(*options.shard, head.vocab_size()));
   ASSIGN_OR_RETURN(plan.call, PlanCall(head, options));
+  plan.shard = options.shard;
+  plan.vocab_size = options.shard != nullptr ? options.shard->vocab_size() : head.vocab_size();
+  if (options.shard != nullptr) {
+    plan.vocab = std::make_unique<ShardVocabOps>(*options.shard);
+  } else {
+    plan.vocab = std::make_unique<LocalVocabOps>(head.vocab_size());
+  }
   plan.reduction = options.reduction;
   plan.should_stop = options.should_stop;
   plan.logits_workspace = options.logits_workspace;
@@ -343,6 +357,7 @@ BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
   const bool want_grad = dy.defined();
   ChunkInputs in;
   in.params = &plan.params();
+  in.vocab = plan.vocab.get();
   in.targets = tokens.targets;
   in.aux = tokens.aux;
   // A leaf of its own (for an fp32 head, a view of the chunk buffer: no copy).
@@ -439,14 +454,48 @@ ChunkValues RunFunctionBlocks(const Plan& plan, const ChunkTokens& tokens, const
   return values;
 }
 
+// A group's dX_c: this shard's partial dz_r·W_r, summed over the ranks into rank 0's rows of
+// `grad_hidden` (the other ranks hold no dX). The sum is taken in the logits dtype, so the
+// partials of a half-precision head are added in fp32 and rounded once.
+void GroupGradHidden(const Head& head, const Plan& plan, const torch::Tensor& dz_head,
+                     int64_t start, const torch::Tensor& grad_hidden) {
+  const bool here = plan.holds_grad_hidden();
+  torch::Tensor partial;
+  if (head.dtype() == LogitsDtype(head) && here) {
+    partial = grad_hidden.narrow(0, start, dz_head.size(0));
+    torch::mm_out(partial, dz_head, head.weight());
+  } else {
+    partial = torch::mm(dz_head, head.weight()).to(LogitsDtype(head));
+  }
+  const absl::Status reduced = plan.shard->group->ReduceSum(partial, /*root=*/0);
+  if (!reduced.ok()) throw GroupFailure(reduced);
+  if (here && head.dtype() != LogitsDtype(head)) {
+    grad_hidden.narrow(0, start, dz_head.size(0)).copy_(partial);
+  }
+}
+
+// Whether the call stops before this chunk: its own should_stop, or on a group any rank's (one
+// small collective per chunk, so that every rank stops at the same chunk).
+bool StopBeforeChunk(const Plan& plan) {
+  const bool mine = plan.should_stop && plan.should_stop();
+  if (plan.shard == nullptr) return mine;
+  absl::StatusOr<torch::Tensor> all =
+      plan.shard->group->AllGather(torch::full({1}, mine ? 1 : 0, torch::kInt));
+  if (!all.ok()) throw GroupFailure(std::move(all).status());
+  return all->any().item<bool>();
+}
+
 // dX_c = dz·W into the pass's dX rows and dW += dzᵀ·X_c (db += Σ dz) for one chunk. `z` (the
 // chunk's logits buffer, dead by now) holds dz rounded to the head's dtype when that is not
 // the logits dtype.
-void BackpropagateChunk(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& z,
-                        const torch::Tensor& dz, int64_t start, const ChunkPass& pass) {
+void BackpropagateChunk(const Head& head, const Plan& plan, const torch::Tensor& x_chunk,
+                        torch::Tensor& z, const torch::Tensor& dz, int64_t start,
+                        const ChunkPass& pass) {
   torch::Tensor dz_head = dz;
   if (head.dtype() != LogitsDtype(head)) dz_head = z.copy_(dz);
-  if (pass.grad_hidden.defined()) {
+  if (plan.shard != nullptr) {
+    GroupGradHidden(head, plan, dz_head, start, pass.grad_hidden);
+  } else if (pass.grad_hidden.defined()) {
     torch::Tensor dx_chunk = pass.grad_hidden.narrow(0, start, x_chunk.size(0));
     torch::mm_out(dx_chunk, dz_head, head.weight());
   }
@@ -476,7 +525,7 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
   const ChunkBuffers buffers = AllocateChunkBuffers(head, plan, pass.upstream != nullptr);
   for (int64_t start = 0; start < plan.rows; start += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, plan.rows - start);
-    if (plan.should_stop && plan.should_stop()) throw StopRequested();
+    if (StopBeforeChunk(plan)) throw StopRequested();
     ++out.num_chunks;
     const TokenBatch chunk = batch.Slice(start, rows);
     torch::Tensor z = buffers.logits.narrow(0, 0, rows);
@@ -496,7 +545,7 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
       out.per_token.narrow(0, start, rows)
           .copy_(tokens.valid.defined() ? torch::where(tokens.valid, values.y, 0.0) : values.y);
     }
-    if (dy.defined()) BackpropagateChunk(head, chunk.hidden, z, dz, start, pass);
+    if (dy.defined()) BackpropagateChunk(head, plan, chunk.hidden, z, dz, start, pass);
   }
   return out;
 }
@@ -515,6 +564,7 @@ StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs) {
 absl::StatusOr<torch::Tensor> PrepareGradHidden(const Head& head, const Plan& plan,
                                                 torch::Tensor grad_hidden_out) {
   RETURN_IF_ERROR(CheckGradHiddenOut(head, plan, grad_hidden_out));
+  if (!plan.holds_grad_hidden()) return torch::Tensor();
   if (grad_hidden_out.defined()) return grad_hidden_out;
   return torch::empty({plan.rows, head.hidden_size()}, head.weight().options());
 }
@@ -552,6 +602,8 @@ template <typename Fn>
 auto StatusFromExceptions(Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
+  } catch (const GroupFailure& e) {
+    return e.status;
   } catch (const StopRequested&) {
     return absl::CancelledError(
         "cancelled: the request was cancelled or its deadline expired; stopped between chunks");

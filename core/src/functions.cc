@@ -1,6 +1,7 @@
 // The built-in transformation functions. Each is forward-only LibTorch code on an fp32
-// logits chunk; autograd provides every derivative. To add a function, append one entry to
-// BuiltinFunctions() below.
+// logits chunk that reduces over the vocabulary only through VocabOps (the rules are in
+// functions.h), so the same code runs on a whole head and on a shard of a head group; autograd
+// provides every derivative. To add a function, append one entry to BuiltinFunctions() below.
 #include "remotehead/core/functions.h"
 
 #include <cmath>
@@ -14,23 +15,28 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-torch::Tensor Gather(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return logits.gather(1, targets.unsqueeze(1)).squeeze(1);
+// log p(target) = z_t − lse.
+torch::Tensor TargetLogprob(const ChunkInputs& in) {
+  return in.vocab->AtTarget(in.logits, in.targets) - in.vocab->LogSumExp(in.logits);
 }
 
 // Cross-entropy with label smoothing and z-loss, as torch.nn.functional.cross_entropy defines
 // smoothing: −(1−ε)·log p_t − ε·mean_j log p_j, plus z_loss·lse² (PaLM's auxiliary loss).
-// Written on log_softmax, whose fused backward is one pass over the block.
+// mean_j log p_j = Σ_j z_j / V − lse, with the global V.
 FunctionOutput CrossEntropy(const ChunkInputs& in) {
+  const VocabOps& vocab = *in.vocab;
   const double eps = in.param("label_smoothing");
   const double z_coef = in.param("z_loss");
-  const torch::Tensor logp = torch::log_softmax(in.logits, 1);
-  const torch::Tensor nll = -Gather(logp, in.targets);
+  const torch::Tensor lse = vocab.LogSumExp(in.logits);
+  const torch::Tensor nll = lse - vocab.AtTarget(in.logits, in.targets);
   torch::Tensor loss = nll;
-  if (eps > 0) loss = (1.0 - eps) * nll - eps * logp.mean(1);
+  if (eps > 0) {
+    const double v = static_cast<double>(vocab.vocab_size());
+    loss = (1.0 - eps) * nll - eps * (vocab.Sum(in.logits) / v - lse);
+  }
   FunctionOutput out;
   if (z_coef > 0) {
-    const torch::Tensor z_loss = z_coef * torch::logsumexp(in.logits, 1).square();
+    const torch::Tensor z_loss = z_coef * lse.square();
     loss = loss + z_loss;
     out.extras["z_loss"] = z_loss.detach();
   }
@@ -40,14 +46,12 @@ FunctionOutput CrossEntropy(const ChunkInputs& in) {
 }
 
 // log p(target): the selected-token log-probabilities of RL trainers.
-FunctionOutput TokenLogprobs(const ChunkInputs& in) {
-  return {Gather(torch::log_softmax(in.logits, 1), in.targets), {}};
-}
+FunctionOutput TokenLogprobs(const ChunkInputs& in) { return {TargetLogprob(in), {}}; }
 
-// Entropy of the predicted distribution: H = −Σ_j p_j log p_j.
+// Entropy of the predicted distribution: H = −Σ_j p_j log p_j = lse − E_p[z].
 FunctionOutput Entropy(const ChunkInputs& in) {
-  const torch::Tensor logp = torch::log_softmax(in.logits, 1);
-  return {-(logp.exp() * logp).sum(1), {}};
+  const torch::Tensor lse = in.vocab->LogSumExp(in.logits);
+  return {lse - in.vocab->SoftmaxMean(in.logits, in.logits), {}};
 }
 
 // GRPO per-token policy loss (DeepSeekMath / TRL's GRPOTrainer):
@@ -58,7 +62,7 @@ FunctionOutput Entropy(const ChunkInputs& in) {
 // old_logprobs defaults to logp.detach() (on-policy, one update per generation).
 // grpo / bnpo / dr_grpo / dapo normalisations are per-token weights and the normaliser.
 FunctionOutput Grpo(const ChunkInputs& in) {
-  const torch::Tensor logp = Gather(torch::log_softmax(in.logits, 1), in.targets);
+  const torch::Tensor logp = TargetLogprob(in);
   const torch::Tensor& adv = in.aux.at("advantages");
   const auto old_it = in.aux.find("old_logprobs");
   const torch::Tensor old_logp = old_it != in.aux.end() ? old_it->second : logp.detach();
@@ -94,12 +98,16 @@ absl::Status ValidateGrpo(const FunctionParams& params, const AuxTensors& aux) {
 // (so a mean over tokens equals torch.nn.MSELoss()(logits, one_hot)). Expanded as
 // (Σ_j z_j² − 2·z_t + 1) / V to avoid materialising the one-hot matrix.
 FunctionOutput MseOnehot(const ChunkInputs& in) {
-  const double v = static_cast<double>(in.logits.size(1));
-  return {(in.logits.square().sum(1) - 2.0 * Gather(in.logits, in.targets) + 1.0) / v, {}};
+  const VocabOps& vocab = *in.vocab;
+  const double v = static_cast<double>(vocab.vocab_size());
+  return {(vocab.Sum(in.logits.square()) - 2.0 * vocab.AtTarget(in.logits, in.targets) + 1.0) / v,
+          {}};
 }
 
 // Σ_j sigmoid(z_j): the seed's "other function" (reduction=sum gives sum(sigmoid(X Wᵀ))).
-FunctionOutput SigmoidSum(const ChunkInputs& in) { return {torch::sigmoid(in.logits).sum(1), {}}; }
+FunctionOutput SigmoidSum(const ChunkInputs& in) {
+  return {in.vocab->Sum(torch::sigmoid(in.logits)), {}};
+}
 
 std::vector<TransformFunction> BuiltinFunctions() {
   return {
@@ -152,15 +160,15 @@ const std::vector<ParamSpec>& CommonParams() {
 
 }  // namespace
 
+FunctionRegistry::FunctionRegistry(std::vector<TransformFunction> functions) {
+  for (TransformFunction& fn : functions) {
+    std::string name = fn.name;
+    functions_.emplace(std::move(name), std::move(fn));
+  }
+}
+
 const FunctionRegistry& FunctionRegistry::Builtin() {
-  static const FunctionRegistry* registry = [] {
-    auto* r = new FunctionRegistry();
-    for (TransformFunction& fn : BuiltinFunctions()) {
-      std::string name = fn.name;
-      r->functions_.emplace(std::move(name), std::move(fn));
-    }
-    return r;
-  }();
+  static const FunctionRegistry* registry = new FunctionRegistry(BuiltinFunctions());
   return *registry;
 }
 

@@ -54,7 +54,7 @@ struct CallPlan {
   int64_t BlockRowsFor(int64_t rows) const;
 
   // Per-row costs of the head and options (bytes); set by PlanCall.
-  int64_t vocab_size = 0;
+  int64_t vocab_size = 0;  // logits columns planned for: V, or a head group's largest shard
   int64_t hidden_size = 0;
   int64_t head_elem_bytes = 0;    // the head's dtype
   int64_t logits_elem_bytes = 0;  // what the function sees: fp32 (fp64 for a float64 head)

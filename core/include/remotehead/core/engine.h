@@ -39,6 +39,7 @@
 #include "remotehead/core/functions.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/token_batch.h"
+#include "remotehead/core/vocab_group.h"
 
 namespace remotehead::core {
 
@@ -73,6 +74,15 @@ struct StepOptions {
   // Index, in the caller's request, of this call's first row: error messages name a bad row by
   // first_row + its index in the call (a server computing one request batch by batch).
   int64_t first_row = 0;
+  // Where `function` is looked up; null: FunctionRegistry::Builtin().
+  const FunctionRegistry* registry = nullptr;
+  // Set when the head is one shard of a head group (vocab_group.h): targets are global token
+  // ids in [0, shard->vocab_size()), the function's vocabulary reductions are combined across
+  // the group, dX is summed to rank 0 (the only rank whose result holds it), and dW / db
+  // accumulate this shard's rows. Every rank calls with the same batch and options (X included).
+  // Chunks and blocks are sized for the largest shard, so all ranks run the same ones; any
+  // rank's should_stop stops every rank at the same chunk.
+  const VocabShard* shard = nullptr;
 };
 
 struct StepStats {
@@ -88,12 +98,12 @@ struct StepStats {
 
 struct FusedResult {
   double loss = 0.0;          // the reduced loss (not multiplied by upstream_scale)
-  torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype
+  torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype (a group: undefined off rank 0)
   StepStats stats;
 };
 
 struct BackwardResult {
-  torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype
+  torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype (a group: undefined off rank 0)
   StepStats stats;
 };
 

@@ -4,6 +4,23 @@
 // soft-capped and divided by the temperature) and per-token inputs to per-token outputs [n].
 // No derivative is ever written by hand: the engine differentiates the forward with autograd,
 // chunk by chunk. Adding a function is one entry in BuiltinFunctions() in functions.cc.
+//
+// The rules a function follows, so that the same code runs on a whole head and on one shard of
+// a head group (vocab_group.h), where `logits` holds only this rank's columns:
+//  1. Every reduction over the vocabulary goes through `in.vocab` (VocabOps below): log-sum-exp,
+//     sums of element-wise expressions, the value at the target, the global V. Never reduce
+//     over dim 1 of the logits yourself (no .sum(1), log_softmax, gather, max, topk, sort).
+//  2. Element-wise work on [n, columns] tensors and any work on per-token [n] tensors is free.
+//  3. What you give a VocabOps is element-wise in the logits and the per-token inputs, never
+//     built from another VocabOps result: on a group each rank's partial result is combined
+//     with the others' as constants, so a partial that depended on a combined value would lose
+//     the other ranks' share of its gradient. (Hence SoftmaxMean, not Sum(exp(z − lse)·e).)
+//  4. Call the VocabOps in an order that depends only on the params and which aux inputs are
+//     present, never on values: on a group each call is a collective that every rank makes.
+//  5. Means over the vocabulary divide by in.vocab->vocab_size(), never by logits.size(1).
+//  6. A function that cannot follow rule 1 (it needs a top-k, an argmax, a sort over the whole
+//     vocabulary) sets vocab_decomposable = false: it runs on one server and a head group
+//     refuses it with INVALID_ARGUMENT naming it.
 #pragma once
 
 #include <torch/torch.h>
@@ -23,12 +40,36 @@ namespace remotehead::core {
 // in and ranges checked by FunctionRegistry::ResolveParams before a function ever runs.
 using FunctionParams = std::map<std::string, double>;
 
+// The vocabulary-wide operations a function may use (rule 1 above). On a whole head they reduce
+// over the chunk's V columns. On a shard of a group they reduce over this rank's columns,
+// gather the ranks' per-token partial results (a collective of a few floats per token), and
+// combine them with this rank's own partial in place of its gathered copy, so that autograd
+// flows into this rank's columns with the exact gradient of the whole-vocabulary expression.
+// Results are [n] and differentiable.
+class VocabOps {
+ public:
+  virtual ~VocabOps() = default;
+  // V of the whole head (a shard's logits have fewer columns).
+  virtual int64_t vocab_size() const = 0;
+  // log Σ_j exp(z_ij) over the whole vocabulary.
+  virtual torch::Tensor LogSumExp(const torch::Tensor& z) const = 0;
+  // Σ_j e_ij over the whole vocabulary of an element-wise expression e [n, columns].
+  virtual torch::Tensor Sum(const torch::Tensor& e) const = 0;
+  // e_{i, t_i}: each token's value of e [n, columns] at its target (global token ids [n]).
+  virtual torch::Tensor AtTarget(const torch::Tensor& e, const torch::Tensor& targets) const = 0;
+  // Σ_j softmax(z)_ij · e_ij: the softmax-weighted mean of e.
+  virtual torch::Tensor SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const = 0;
+};
+
 struct ChunkInputs {
-  torch::Tensor logits;   // [n, V] fp32, requires grad when gradients are wanted
-  torch::Tensor targets;  // [n] int64 in [0, V): ignored positions hold 0 (the engine masks
-                          // them out afterwards); undefined if the batch carries no targets
+  torch::Tensor logits;   // [n, columns] fp32 (all V columns, or a shard's), requires grad
+                          // when gradients are wanted
+  torch::Tensor targets;  // [n] int64 global token ids in [0, V): ignored positions hold 0
+                          // (the engine masks them out afterwards); undefined if the batch
+                          // carries no targets
   AuxTensors aux;         // [n] fp32 slices of the per-token inputs
   const FunctionParams* params = nullptr;
+  const VocabOps* vocab = nullptr;  // every reduction over the vocabulary goes through this
 
   double param(const std::string& name) const { return params->at(name); }
 };
@@ -58,6 +99,9 @@ struct TransformFunction {
   // (logits and their gradient not included); used to derive chunk rows from a memory budget.
   // Measured, not guessed: tests/core/memory_budget_test.cc fails if the real peak exceeds it.
   double workspace_logit_buffers = 2.0;
+  // False for a function that reduces over the vocabulary other than through VocabOps (rule 5
+  // above): a head group refuses it.
+  bool vocab_decomposable = true;
   std::function<FunctionOutput(const ChunkInputs&)> forward;
   // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs).
   std::function<absl::Status(const FunctionParams&, const AuxTensors&)> validate;
@@ -73,6 +117,8 @@ class FunctionRegistry {
   // The built-in functions: cross_entropy, token_logprobs, entropy, grpo, mse_onehot,
   // sigmoid_sum.
   static const FunctionRegistry& Builtin();
+  // A registry of the given functions (tests and embedders; StepOptions::registry).
+  explicit FunctionRegistry(std::vector<TransformFunction> functions);
 
   absl::StatusOr<const TransformFunction*> Find(const std::string& name) const;
   std::vector<std::string> Names() const;

@@ -1,0 +1,55 @@
+// A head group inside one process, for tests: K threads, each with its own shard of a head,
+// meeting in collectives implemented with a mutex and a condition variable. The engine cannot
+// tell it from the c10d group of K server processes (same GroupCollectives interface), so the
+// numerics of every function on a group are tested here without sockets.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "remotehead/core/vocab_group.h"
+
+namespace remotehead::testing {
+
+class InProcessGroup {
+ public:
+  // A rank that waits longer than `timeout` for the others gets DEADLINE_EXCEEDED naming the
+  // ranks that did not arrive, and the group stays broken (as a real one does).
+  explicit InProcessGroup(int size, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  ~InProcessGroup();
+
+  int size() const { return size_; }
+  core::GroupCollectives* member(int rank);
+
+  // Runs fn(rank) on one thread per rank and returns when every thread has.
+  void RunOnAll(const std::function<void(int rank)>& fn);
+
+  // Collective `op` over every rank's `in`: each rank's call blocks until all ranks have made
+  // theirs; the last to arrive computes op(all inputs, by rank) once for everyone.
+  using CombineFn = std::function<torch::Tensor(const std::vector<torch::Tensor>& by_rank)>;
+  absl::StatusOr<torch::Tensor> Exchange(int rank, const torch::Tensor& in, const CombineFn& op);
+
+ private:
+  class Member;
+
+  const int size_;
+  const std::chrono::milliseconds timeout_;
+  std::vector<std::unique_ptr<Member>> members_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<torch::Tensor> inputs_;
+  std::vector<bool> arrived_;
+  int arrived_count_ = 0;
+  int64_t generation_ = 0;
+  torch::Tensor result_;
+  bool broken_ = false;
+};
+
+}  // namespace remotehead::testing
