@@ -238,7 +238,7 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
   ASSIGN_OR_RETURN(plan.call, PlanCall(head, options));
   plan.shard = options.shard;
   plan.vocab_size = options.shard != nullptr ? options.shard->vocab_size() : head.vocab_size();
-  if (options.shard != nullptr) {
+  if (options.shard != nullptr && options.shard->ranges.size() > 1) {
     plan.vocab = std::make_unique<ShardVocabOps>(*options.shard);
   } else {
     plan.vocab = std::make_unique<LocalVocabOps>(head.vocab_size());

@@ -15,21 +15,18 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// log p(target) = z_t − lse.
-torch::Tensor TargetLogprob(const ChunkInputs& in) {
-  return in.vocab->AtTarget(in.logits, in.targets) - in.vocab->LogSumExp(in.logits);
-}
-
 // Cross-entropy with label smoothing and z-loss, as torch.nn.functional.cross_entropy defines
 // smoothing: −(1−ε)·log p_t − ε·mean_j log p_j, plus z_loss·lse² (PaLM's auxiliary loss).
-// mean_j log p_j = Σ_j z_j / V − lse, with the global V.
+// mean_j log p_j = Σ_j z_j / V − lse, with the global V. lse is asked for only when smoothing or
+// the z-loss need it: log p_t alone is one fused pass.
 FunctionOutput CrossEntropy(const ChunkInputs& in) {
   const VocabOps& vocab = *in.vocab;
   const double eps = in.param("label_smoothing");
   const double z_coef = in.param("z_loss");
-  const torch::Tensor lse = vocab.LogSumExp(in.logits);
-  const torch::Tensor nll = lse - vocab.AtTarget(in.logits, in.targets);
+  const torch::Tensor nll = -vocab.LogSoftmaxAtTarget(in.logits, in.targets);
   torch::Tensor loss = nll;
+  torch::Tensor lse;
+  if (eps > 0 || z_coef > 0) lse = vocab.LogSumExp(in.logits);
   if (eps > 0) {
     const double v = static_cast<double>(vocab.vocab_size());
     loss = (1.0 - eps) * nll - eps * (vocab.Sum(in.logits) / v - lse);
@@ -46,7 +43,9 @@ FunctionOutput CrossEntropy(const ChunkInputs& in) {
 }
 
 // log p(target): the selected-token log-probabilities of RL trainers.
-FunctionOutput TokenLogprobs(const ChunkInputs& in) { return {TargetLogprob(in), {}}; }
+FunctionOutput TokenLogprobs(const ChunkInputs& in) {
+  return {in.vocab->LogSoftmaxAtTarget(in.logits, in.targets), {}};
+}
 
 // Entropy of the predicted distribution: H = −Σ_j p_j log p_j = lse − E_p[z].
 FunctionOutput Entropy(const ChunkInputs& in) {
@@ -62,7 +61,7 @@ FunctionOutput Entropy(const ChunkInputs& in) {
 // old_logprobs defaults to logp.detach() (on-policy, one update per generation).
 // grpo / bnpo / dr_grpo / dapo normalisations are per-token weights and the normaliser.
 FunctionOutput Grpo(const ChunkInputs& in) {
-  const torch::Tensor logp = TargetLogprob(in);
+  const torch::Tensor logp = in.vocab->LogSoftmaxAtTarget(in.logits, in.targets);
   const torch::Tensor& adv = in.aux.at("advantages");
   const auto old_it = in.aux.find("old_logprobs");
   const torch::Tensor old_logp = old_it != in.aux.end() ? old_it->second : logp.detach();

@@ -21,6 +21,12 @@ torch::Tensor LocalVocabOps::AtTarget(const torch::Tensor& e, const torch::Tenso
   return e.gather(1, targets.unsqueeze(1)).squeeze(1);
 }
 
+// log_softmax's fused kernels (one pass forward, one backward) rather than logsumexp's several.
+torch::Tensor LocalVocabOps::LogSoftmaxAtTarget(const torch::Tensor& z,
+                                                const torch::Tensor& targets) const {
+  return AtTarget(torch::log_softmax(z, 1), targets);
+}
+
 torch::Tensor LocalVocabOps::SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const {
   return ColumnsSoftmaxMean(e, z, torch::logsumexp(z, 1));
 }
@@ -43,14 +49,26 @@ torch::Tensor ShardVocabOps::Sum(const torch::Tensor& e) const {
   return GatherWithMine(e.sum(1)).sum(0);
 }
 
-// The rank that holds a token's column contributes its value, every other rank 0.
-torch::Tensor ShardVocabOps::AtTarget(const torch::Tensor& e, const torch::Tensor& targets) const {
+torch::Tensor ShardVocabOps::HeldTargetValues(const torch::Tensor& e,
+                                              const torch::Tensor& targets) const {
   const ShardRange& range = shard_.mine();
   const torch::Tensor local = targets - range.offset;
   const torch::Tensor held = local.ge(0).logical_and(local.lt(range.rows));
   const torch::Tensor column = local.clamp(0, range.rows - 1).unsqueeze(1);
-  const torch::Tensor mine = torch::where(held, e.gather(1, column).squeeze(1), 0.0);
-  return GatherWithMine(mine).sum(0);
+  return torch::where(held, e.gather(1, column).squeeze(1), 0.0);
+}
+
+// The rank that holds a token's column contributes its value, every other rank 0.
+torch::Tensor ShardVocabOps::AtTarget(const torch::Tensor& e, const torch::Tensor& targets) const {
+  return GatherWithMine(HeldTargetValues(e, targets)).sum(0);
+}
+
+// z_t − lse from each rank's (lse_r, z_t or 0) in one collective.
+torch::Tensor ShardVocabOps::LogSoftmaxAtTarget(const torch::Tensor& z,
+                                                const torch::Tensor& targets) const {
+  const torch::Tensor all = GatherWithMine(
+      torch::stack({torch::logsumexp(z, 1), HeldTargetValues(z, targets)}));
+  return all.select(1, 1).sum(0) - torch::logsumexp(all.select(1, 0), 0);
 }
 
 // E_p[e] = Σ_r exp(lse_r − lse)·E_{p_r}[e], from each rank's (lse_r, E_{p_r}[e]).

@@ -31,6 +31,8 @@ class LocalVocabOps final : public VocabOps {
   torch::Tensor LogSumExp(const torch::Tensor& z) const override;
   torch::Tensor Sum(const torch::Tensor& e) const override;
   torch::Tensor AtTarget(const torch::Tensor& e, const torch::Tensor& targets) const override;
+  torch::Tensor LogSoftmaxAtTarget(const torch::Tensor& z,
+                                   const torch::Tensor& targets) const override;
   torch::Tensor SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const override;
 
  private:
@@ -50,12 +52,16 @@ class ShardVocabOps final : public VocabOps {
   torch::Tensor LogSumExp(const torch::Tensor& z) const override;
   torch::Tensor Sum(const torch::Tensor& e) const override;
   torch::Tensor AtTarget(const torch::Tensor& e, const torch::Tensor& targets) const override;
+  torch::Tensor LogSoftmaxAtTarget(const torch::Tensor& z,
+                                   const torch::Tensor& targets) const override;
   torch::Tensor SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const override;
 
  private:
   // Every rank's `partial` stacked by rank ([K, partial.shape…]), this rank's row being
   // `partial` itself. Throws GroupFailure when the collective fails.
   torch::Tensor GatherWithMine(const torch::Tensor& partial) const;
+  // This rank's e at the targets it holds, 0 at the others.
+  torch::Tensor HeldTargetValues(const torch::Tensor& e, const torch::Tensor& targets) const;
 
   const VocabShard& shard_;
 };

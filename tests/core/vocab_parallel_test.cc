@@ -238,7 +238,7 @@ TEST(VocabParallelCoverage, EveryBuiltinFunctionHasACase) {
   }
 }
 
-// A group of one is today's engine: the same bits, not merely close.
+// A group of one is today's engine (the whole-head vocabulary operations): the same bits.
 TEST(VocabParallelGroupOfOne, EqualsTheUnshardedEngineBitForBit) {
   auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/true);
   for (const FunctionCase& c : Cases()) {

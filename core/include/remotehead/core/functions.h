@@ -57,6 +57,11 @@ class VocabOps {
   virtual torch::Tensor Sum(const torch::Tensor& e) const = 0;
   // e_{i, t_i}: each token's value of e [n, columns] at its target (global token ids [n]).
   virtual torch::Tensor AtTarget(const torch::Tensor& e, const torch::Tensor& targets) const = 0;
+  // log softmax(z)_{i, t_i} = z_t − lse: the target's log-probability (global token ids [n]).
+  // The same as AtTarget(z, t) − LogSumExp(z), in one fused pass over a whole head and one
+  // collective on a group.
+  virtual torch::Tensor LogSoftmaxAtTarget(const torch::Tensor& z,
+                                           const torch::Tensor& targets) const = 0;
   // Σ_j softmax(z)_ij · e_ij: the softmax-weighted mean of e.
   virtual torch::Tensor SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const = 0;
 };

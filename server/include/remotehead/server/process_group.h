@@ -1,0 +1,74 @@
+// A head group's processes joined on torch.distributed's C++ layer (c10d): a TCPStore for the
+// rendezvous and the group's ordered command log, ProcessGroupGloo for tensors on the CPU and
+// ProcessGroupNCCL for tensors on CUDA. Everything c10d is confined to server/src/c10d_group.cc;
+// this interface is Abseil and LibTorch only.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "remotehead/core/vocab_group.h"
+
+namespace remotehead::server {
+
+struct GroupConfig {
+  int size = 1;
+  int rank = 0;
+  std::string store_host = "127.0.0.1";  // rank 0 serves the TCPStore here; the others dial it
+  int store_port = 29500;
+  // How long a collective or a store read waits for the other ranks before failing.
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+  torch::Device device = torch::kCPU;  // CPU: Gloo; CUDA: NCCL on this device
+  std::string prefix = "remotehead";   // store keys of this group live under it
+};
+
+// The group flags as given (possibly empty) completed from torchrun-style environment variables
+// (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT) and checked. INVALID_ARGUMENT naming the flag:
+// --group_size < 1, --group_rank outside [0, size), a --group_store that is not host:port, a
+// --group_timeout_seconds <= 0.
+struct GroupFlags {
+  int size = 0;             // 0: from WORLD_SIZE, else 1 (no group)
+  int rank = -1;            // -1: from RANK
+  std::string store;        // host:port; empty: MASTER_ADDR:MASTER_PORT
+  double timeout_seconds = 60;
+};
+absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
+                                               const std::map<std::string, std::string>& env);
+
+// Bytes this rank's collectives handed to and received from the transport, by operation.
+struct CollectiveBytes {
+  int64_t calls = 0;
+  int64_t sent = 0;
+  int64_t received = 0;
+};
+
+class ProcessGroup : public core::GroupCollectives {
+ public:
+  // Joins the group: rank 0 starts the store and every rank waits (up to config.timeout) for
+  // the others. UNAVAILABLE / DEADLINE_EXCEEDED naming what did not answer.
+  static absl::StatusOr<std::unique_ptr<ProcessGroup>> Join(const GroupConfig& config);
+  ~ProcessGroup() override = default;
+
+  virtual const GroupConfig& config() const = 0;
+
+  // The group's store (shared by every rank): values under keys, for commands and their replies.
+  virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
+  // Waits up to `timeout` for `key` to exist, then returns its value; DEADLINE_EXCEEDED naming the
+  // key if it does not appear in time.
+  virtual absl::StatusOr<std::string> Get(const std::string& key,
+                                          std::chrono::milliseconds timeout) = 0;
+  // Whether `key` exists now (never waits).
+  virtual absl::StatusOr<bool> Check(const std::string& key) = 0;
+  virtual absl::Status Delete(const std::string& key) = 0;
+
+  // What the collectives moved so far, by operation name ("all_gather", "reduce", "broadcast").
+  virtual std::map<std::string, CollectiveBytes> Bytes() const = 0;
+};
+
+}  // namespace remotehead::server

@@ -1,0 +1,278 @@
+// The one file that includes c10d (torch.distributed's C++ layer, from the torch wheel). Gloo's
+// own headers are not in the wheel: Debian's libgloo-dev supplies the declarations that
+// ProcessGroupGloo.hpp needs, and nothing of Debian's libgloo is linked (LibTorch bundles a newer
+// gloo with a different store interface).
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#if defined(REMOTEHEAD_WITH_NCCL)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/server/process_group.h"
+
+namespace remotehead::server {
+namespace {
+
+std::string Lookup(const std::map<std::string, std::string>& env, const std::string& name) {
+  const auto it = env.find(name);
+  return it == env.end() ? std::string() : it->second;
+}
+
+absl::StatusOr<int> ParseInt(const std::string& text, const std::string& field) {
+  int value = 0;
+  if (!absl::SimpleAtoi(text, &value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected an integer; got \"", text, "\""));
+  }
+  return value;
+}
+
+// A failed c10d call as a status: a timeout is DEADLINE_EXCEEDED, anything else (a peer that
+// closed its connection, a transport error) UNAVAILABLE; both name the operation and this rank.
+absl::Status FromException(const std::exception& e, const std::string& op, int rank, int size) {
+  const std::string what = e.what();
+  const std::string message =
+      absl::StrCat("head group: ", op, " failed on rank ", rank, " of ", size, ": ",
+                   what.substr(0, what.find('\n')));
+  if (absl::StrContains(what, "imed out") || absl::StrContains(what, "imeout")) {
+    return absl::DeadlineExceededError(message);
+  }
+  return absl::UnavailableError(message);
+}
+
+class C10dGroup final : public ProcessGroup {
+ public:
+  C10dGroup(GroupConfig config, c10::intrusive_ptr<c10d::Store> store,
+            c10::intrusive_ptr<c10d::Backend> backend)
+      : config_(std::move(config)), store_(std::move(store)), backend_(std::move(backend)) {}
+
+  int rank() const override { return config_.rank; }
+  int size() const override { return config_.size; }
+  const GroupConfig& config() const override { return config_; }
+
+  absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& t) override {
+    std::vector<int64_t> shape = {config_.size};
+    shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+    torch::Tensor out = torch::empty(shape, t.options());
+    std::vector<torch::Tensor> input = {t.contiguous()};
+    std::vector<std::vector<torch::Tensor>> outputs(1);
+    for (int r = 0; r < config_.size; ++r) outputs[0].push_back(out[r]);
+    const int64_t peers = config_.size - 1;
+    RETURN_IF_ERROR(Run("all_gather", t.nbytes() * peers, t.nbytes() * peers,
+                        [&] { return backend_->allgather(outputs, input); }));
+    return out;
+  }
+
+  absl::Status ReduceSum(torch::Tensor& t, int root) override {
+    std::vector<torch::Tensor> tensors = {t};
+    c10d::ReduceOptions options;
+    options.rootRank = root;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    const int64_t n = t.nbytes();
+    const bool is_root = config_.rank == root;
+    return Run("reduce", is_root ? 0 : n, is_root ? n * (config_.size - 1) : 0,
+               [&] { return backend_->reduce(tensors, options); });
+  }
+
+  absl::Status Broadcast(torch::Tensor& t, int root) override {
+    std::vector<torch::Tensor> tensors = {t};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    const int64_t n = t.nbytes();
+    const bool is_root = config_.rank == root;
+    return Run("broadcast", is_root ? n * (config_.size - 1) : 0, is_root ? 0 : n,
+               [&] { return backend_->broadcast(tensors, options); });
+  }
+
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    try {
+      store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      return FromException(e, absl::StrCat("store set \"", key, "\""), config_.rank,
+                           config_.size);
+    }
+  }
+
+  absl::StatusOr<std::string> Get(const std::string& key,
+                                  std::chrono::milliseconds timeout) override {
+    try {
+      store_->wait({key}, timeout);
+      const std::vector<uint8_t> value = store_->get(key);
+      return std::string(value.begin(), value.end());
+    } catch (const std::exception& e) {
+      return FromException(e, absl::StrCat("store get \"", key, "\""), config_.rank,
+                           config_.size);
+    }
+  }
+
+  absl::StatusOr<bool> Check(const std::string& key) override {
+    try {
+      return store_->check({key});
+    } catch (const std::exception& e) {
+      return FromException(e, absl::StrCat("store check \"", key, "\""), config_.rank,
+                           config_.size);
+    }
+  }
+
+  absl::Status Delete(const std::string& key) override {
+    try {
+      store_->deleteKey(key);
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      return FromException(e, absl::StrCat("store delete \"", key, "\""), config_.rank,
+                           config_.size);
+    }
+  }
+
+  std::map<std::string, CollectiveBytes> Bytes() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bytes_;
+  }
+
+ private:
+  // Runs one collective to completion (wait() throws on a timeout or a lost peer) and counts it.
+  template <typename Launch>
+  absl::Status Run(const std::string& op, int64_t sent, int64_t received, Launch&& launch) {
+    try {
+      launch()->wait();
+    } catch (const std::exception& e) {
+      return FromException(e, op, config_.rank, config_.size);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    CollectiveBytes& b = bytes_[op];
+    ++b.calls;
+    b.sent += sent;
+    b.received += received;
+    return absl::OkStatus();
+  }
+
+  const GroupConfig config_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  mutable std::mutex mu_;
+  std::map<std::string, CollectiveBytes> bytes_;
+};
+
+bool IsLoopback(const std::string& host) {
+  return host == "localhost" || absl::StartsWith(host, "127.") || host == "::1";
+}
+
+// Gloo's transport device: the loopback interface for a group on one machine, else
+// GLOO_SOCKET_IFNAME's interface (as torch.distributed reads it), else this host's address.
+std::shared_ptr<::gloo::transport::Device> GlooDevice(const GroupConfig& config) {
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  if (ifname != nullptr && *ifname != '\0') {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  if (IsLoopback(config.store_host)) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+c10::intrusive_ptr<c10d::Backend> MakeBackend(const GroupConfig& config,
+                                              const c10::intrusive_ptr<c10d::Store>& store) {
+  if (config.device.is_cuda()) {
+#if defined(REMOTEHEAD_WITH_NCCL)
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = config.timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, config.rank, config.size, options);
+#else
+    throw std::runtime_error("this build has no NCCL (LibTorch without CUDA)");
+#endif
+  }
+  auto options = c10d::ProcessGroupGloo::Options::create(config.timeout);
+  options->devices.push_back(GlooDevice(config));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.size, options);
+}
+
+}  // namespace
+
+absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
+                                               const std::map<std::string, std::string>& env) {
+  GroupConfig config;
+  config.size = flags.size;
+  if (config.size == 0) {
+    const std::string world = Lookup(env, "WORLD_SIZE");
+    config.size = 1;
+    if (!world.empty()) {
+      ASSIGN_OR_RETURN(config.size, ParseInt(world, "WORLD_SIZE"));
+    }
+  }
+  if (config.size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--group_size: expected at least 1 process; got ", config.size));
+  }
+  config.rank = flags.rank;
+  if (config.rank < 0) {
+    const std::string rank = Lookup(env, "RANK");
+    config.rank = 0;
+    if (!rank.empty()) {
+      ASSIGN_OR_RETURN(config.rank, ParseInt(rank, "RANK"));
+    }
+  }
+  if (config.rank < 0 || config.rank >= config.size) {
+    return absl::InvalidArgumentError(absl::StrCat("--group_rank: expected a rank in [0, ",
+                                                   config.size, "); got ", config.rank));
+  }
+  std::string store = flags.store;
+  if (store.empty()) {
+    const std::string addr = Lookup(env, "MASTER_ADDR");
+    const std::string port = Lookup(env, "MASTER_PORT");
+    store = absl::StrCat(addr.empty() ? "127.0.0.1" : addr, ":", port.empty() ? "29500" : port);
+  }
+  const size_t colon = store.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(store.substr(colon + 1), &port) ||
+      port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--group_store: expected host:port of the group's TCPStore (rank 0 serves it); got \"",
+        store, "\""));
+  }
+  config.store_host = store.substr(0, colon);
+  config.store_port = port;
+  if (!(flags.timeout_seconds > 0) || flags.timeout_seconds > 86400) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--group_timeout_seconds: expected a value in (0, 86400]; got ", flags.timeout_seconds));
+  }
+  config.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000.0));
+  return config;
+}
+
+absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConfig& config) {
+  try {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(config.store_port);
+    store_options.isServer = config.rank == 0;
+    store_options.numWorkers = config.size;
+    store_options.waitWorkers = false;
+    store_options.timeout = config.timeout;
+    store_options.useLibUV = false;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(config.store_host, store_options);
+    // The backend's rendezvous keys and our commands under prefixes of their own.
+    auto backend = MakeBackend(
+        config, c10::make_intrusive<c10d::PrefixStore>(config.prefix + "/backend", tcp));
+    auto commands = c10::make_intrusive<c10d::PrefixStore>(config.prefix + "/commands", tcp);
+    return std::make_unique<C10dGroup>(config, commands, backend);
+  } catch (const std::exception& e) {
+    return FromException(e,
+                         absl::StrCat("joining the group at ", config.store_host, ":",
+                                      config.store_port),
+                         config.rank, config.size);
+  }
+}
+
+}  // namespace remotehead::server

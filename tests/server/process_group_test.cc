@@ -1,0 +1,292 @@
+// The head group's c10d transport: K real processes (this binary re-run as ranks) joined through
+// a TCPStore on loopback with ProcessGroupGloo, running the engine's step on their shards; the
+// result equals one engine on the whole head. Also: the group flags and their torchrun-style
+// environment, a rank that never comes, a rank that dies mid-step, and a one-rank NCCL group on
+// CUDA (skipped without a GPU).
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "core/reference.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/server/process_group.h"
+#include "support/child_process.h"
+
+namespace remotehead {
+namespace {
+
+namespace fs = std::filesystem;
+using server::GroupConfig;
+using server::GroupFlags;
+
+constexpr int64_t kVocab = 101;
+constexpr int64_t kHidden = 16;
+constexpr int64_t kRows = 37;
+
+std::string SelfPath() { return fs::read_symlink("/proc/self/exe").string(); }
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// The whole head and the batch every rank (and the single engine) uses.
+std::unique_ptr<core::Head> TestHead() {
+  return reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/true);
+}
+core::TokenBatch TestBatch(const core::Head& head) {
+  return reference::MakeTestBatch(head, kRows, "cross_entropy", core::Reduction::kMean);
+}
+core::StepOptions TestOptions() {
+  core::StepOptions options;
+  options.params = {{"label_smoothing", 0.1}, {"z_loss", 1e-3}};
+  options.chunk_rows = 8;
+  return options;
+}
+
+// One rank, run as a child process: joins, steps its shard, saves [loss, dX] (rank 0) and its dW
+// rows to `out`. With `die`, it exits right after joining, so the others' step fails.
+int RunRank(int size, int rank, int port, const std::string& out, bool die, double timeout) {
+  GroupConfig config;
+  config.size = size;
+  config.rank = rank;
+  config.store_port = port;
+  config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+  std::printf("rank %d: joining\n", rank);
+  std::fflush(stdout);
+  auto group = server::ProcessGroup::Join(config);
+  if (!group.ok()) {
+    std::printf("rank %d: join: %s\n", rank, group.status().ToString().c_str());
+    return 3;
+  }
+  if (die) _exit(9);
+  auto head = TestHead();
+  const auto ranges = core::SplitVocabulary(kVocab, size);
+  const core::ShardRange mine = (*ranges)[static_cast<size_t>(rank)];
+  auto shard = core::Head::FromTensors(head->weight().narrow(0, mine.offset, mine.rows),
+                                       head->bias().narrow(0, mine.offset, mine.rows), {});
+  core::VocabShard vocab_shard{.group = group->get(), .ranges = *ranges};
+  core::StepOptions options = TestOptions();
+  options.shard = &vocab_shard;
+  core::GradientBuffers grads = (*shard)->NewGradientBuffers();
+  auto result = core::FusedForwardBackward(**shard, TestBatch(*head), options, &grads);
+  if (!result.ok()) {
+    std::printf("rank %d: step: %s\n", rank, result.status().ToString().c_str());
+    return 4;
+  }
+  std::vector<torch::Tensor> saved = {grads.weight, grads.bias};
+  if (rank == 0) {
+    saved.push_back(torch::full({}, result->loss, torch::kDouble));
+    saved.push_back(result->grad_hidden);
+  }
+  torch::save(saved, out);
+  const auto bytes = (*group)->Bytes();
+  std::printf("rank %d: ok, all_gather calls %ld\n", rank,
+              static_cast<long>(bytes.count("all_gather") ? bytes.at("all_gather").calls : 0));
+  return 0;
+}
+
+struct Ranks {
+  std::vector<std::unique_ptr<testing::ChildProcess>> processes;
+  std::vector<int> exit_codes;
+};
+
+// Starts `size` ranks (all but `missing`), with `dying` exiting after the join, and waits.
+Ranks RunGroup(int size, const fs::path& dir, int missing = -1, int dying = -1,
+               double timeout = 30) {
+  const int port = FreePort();
+  Ranks ranks;
+  for (int r = 0; r < size; ++r) {
+    if (r == missing) continue;
+    ranks.processes.push_back(std::make_unique<testing::ChildProcess>(
+        std::vector<std::string>{SelfPath(), "--as_rank", std::to_string(size), std::to_string(r),
+                                 std::to_string(port), (dir / ("rank" + std::to_string(r))).string(),
+                                 r == dying ? "die" : "live", std::to_string(timeout)},
+        [](const std::string& line) { return line.find("joining") != std::string::npos; }));
+  }
+  for (auto& p : ranks.processes) ranks.exit_codes.push_back(p->Wait());
+  return ranks;
+}
+
+class ProcessGroupTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("remotehead_pg_" + std::to_string(getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(ProcessGroupTest, GlooGroupsOfTwoAndThreeEqualOneEngine) {
+  auto head = TestHead();
+  const core::TokenBatch batch = TestBatch(*head);
+  core::GradientBuffers expected = head->NewGradientBuffers();
+  auto single = core::FusedForwardBackward(*head, batch, TestOptions(), &expected);
+  ASSERT_TRUE(single.ok()) << single.status();
+  for (int size : {2, 3}) {
+    SCOPED_TRACE("group of " + std::to_string(size));
+    const Ranks ranks = RunGroup(size, dir_);
+    for (size_t r = 0; r < ranks.processes.size(); ++r) {
+      ASSERT_EQ(ranks.exit_codes[r], 0) << ranks.processes[r]->log();
+    }
+    std::vector<torch::Tensor> dw;
+    std::vector<torch::Tensor> db;
+    std::vector<torch::Tensor> rank0;
+    for (int r = 0; r < size; ++r) {
+      std::vector<torch::Tensor> saved;
+      torch::load(saved, (dir_ / ("rank" + std::to_string(r))).string());
+      dw.push_back(saved[0]);
+      db.push_back(saved[1]);
+      if (r == 0) rank0 = saved;
+    }
+    constexpr double kTolerance = 1e-5;
+    EXPECT_LE(reference::RelativeError(rank0[2].item<double>(), single->loss), kTolerance);
+    EXPECT_LE(reference::RelativeError(rank0[3], single->grad_hidden), kTolerance);
+    EXPECT_LE(reference::RelativeError(torch::cat(dw), expected.weight), kTolerance);
+    EXPECT_LE(reference::RelativeError(torch::cat(db), expected.bias), kTolerance);
+  }
+}
+
+TEST_F(ProcessGroupTest, ARankThatNeverComesFailsTheJoinWithinTheTimeout) {
+  const auto start = std::chrono::steady_clock::now();
+  const Ranks ranks = RunGroup(3, dir_, /*missing=*/2, /*dying=*/-1, /*timeout=*/3);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (size_t r = 0; r < ranks.processes.size(); ++r) {
+    EXPECT_EQ(ranks.exit_codes[r], 3) << ranks.processes[r]->log();
+  }
+  EXPECT_LT(seconds, 30) << "the join must give up after about its timeout";
+}
+
+TEST_F(ProcessGroupTest, ARankThatDiesMidStepFailsTheOthersWithoutHanging) {
+  const auto start = std::chrono::steady_clock::now();
+  const Ranks ranks = RunGroup(3, dir_, /*missing=*/-1, /*dying=*/1, /*timeout=*/5);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(ranks.exit_codes[1], 9);
+  for (size_t r : {size_t{0}, size_t{2}}) {
+    EXPECT_EQ(ranks.exit_codes[r], 4) << ranks.processes[r]->log();
+    const std::string& log = ranks.processes[r]->log();
+    EXPECT_TRUE(log.find("UNAVAILABLE") != std::string::npos ||
+                log.find("DEADLINE_EXCEEDED") != std::string::npos)
+        << log;
+  }
+  EXPECT_LT(seconds, 60);
+}
+
+TEST(GroupFlagsTest, FlagsAndTorchrunEnvironment) {
+  auto config = server::ResolveGroupConfig({}, {});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->size, 1);
+  EXPECT_EQ(config->rank, 0);
+
+  config = server::ResolveGroupConfig(
+      {}, {{"WORLD_SIZE", "4"}, {"RANK", "3"}, {"MASTER_ADDR", "10.0.0.7"}, {"MASTER_PORT", "1234"}});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->size, 4);
+  EXPECT_EQ(config->rank, 3);
+  EXPECT_EQ(config->store_host, "10.0.0.7");
+  EXPECT_EQ(config->store_port, 1234);
+
+  // Flags win over the environment.
+  GroupFlags given;
+  given.size = 2;
+  given.rank = 1;
+  given.store = "host:99";
+  given.timeout_seconds = 2.5;
+  config = server::ResolveGroupConfig(given, {{"WORLD_SIZE", "4"}, {"RANK", "3"}});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->size, 2);
+  EXPECT_EQ(config->rank, 1);
+  EXPECT_EQ(config->store_host, "host");
+  EXPECT_EQ(config->timeout, std::chrono::milliseconds(2500));
+
+  struct Bad {
+    GroupFlags flags;
+    std::map<std::string, std::string> env;
+    std::string message;
+  };
+  auto flags = [](int size, int rank, const std::string& store, double timeout) {
+    GroupFlags f;
+    f.size = size;
+    f.rank = rank;
+    f.store = store;
+    f.timeout_seconds = timeout;
+    return f;
+  };
+  const std::string store_help =
+      "--group_store: expected host:port of the group's TCPStore (rank 0 serves it); got ";
+  std::vector<Bad> bad;
+  bad.push_back({flags(-1, -1, "", 60), {}, "--group_size: expected at least 1 process; got -1"});
+  bad.push_back({flags(2, 2, "", 60), {}, "--group_rank: expected a rank in [0, 2); got 2"});
+  bad.push_back({flags(2, 0, "nohost", 60), {}, store_help + "\"nohost\""});
+  bad.push_back({flags(2, 0, "h:70000", 60), {}, store_help + "\"h:70000\""});
+  bad.push_back({flags(2, 0, "", 0),
+                 {},
+                 "--group_timeout_seconds: expected a value in (0, 86400]; got 0"});
+  bad.push_back({flags(0, -1, "", 60),
+                 {{"WORLD_SIZE", "two"}},
+                 "WORLD_SIZE: expected an integer; got \"two\""});
+  for (const Bad& b : bad) {
+    auto r = server::ResolveGroupConfig(b.flags, b.env);
+    ASSERT_FALSE(r.ok()) << b.message;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(), b.message);
+  }
+}
+
+// ProcessGroupNCCL on one GPU: the group of one that a CUDA server builds.
+TEST(CudaProcessGroup, OneRankNcclGroupRunsTheCollectives) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device: the NCCL group needs one";
+  }
+  GroupConfig config;
+  config.store_port = FreePort();
+  config.device = torch::Device(torch::kCUDA, 0);
+  auto group = server::ProcessGroup::Join(config);
+  ASSERT_TRUE(group.ok()) << group.status();
+  torch::Tensor t = torch::arange(6, torch::TensorOptions().device(config.device)).to(torch::kFloat);
+  auto all = (*group)->AllGather(t);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_TRUE(torch::equal(all->cpu(), t.cpu().unsqueeze(0)));
+  ASSERT_TRUE((*group)->ReduceSum(t, 0).ok());
+  ASSERT_TRUE((*group)->Broadcast(t, 0).ok());
+  EXPECT_TRUE(torch::equal(t.cpu(), torch::arange(6).to(torch::kFloat)));
+}
+
+}  // namespace
+}  // namespace remotehead
+
+int main(int argc, char** argv) {
+  if (argc == 8 && std::string(argv[1]) == "--as_rank") {
+    int size = 0, rank = 0, port = 0;
+    double timeout = 0;
+    if (!absl::SimpleAtoi(argv[2], &size) || !absl::SimpleAtoi(argv[3], &rank) ||
+        !absl::SimpleAtoi(argv[4], &port) || !absl::SimpleAtod(argv[7], &timeout)) {
+      return 2;
+    }
+    return remotehead::RunRank(size, rank, port, argv[5], std::string(argv[6]) == "die", timeout);
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
