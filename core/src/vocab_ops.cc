@@ -66,8 +66,8 @@ torch::Tensor ShardVocabOps::AtTarget(const torch::Tensor& e, const torch::Tenso
 // z_t − lse from each rank's (lse_r, z_t or 0) in one collective.
 torch::Tensor ShardVocabOps::LogSoftmaxAtTarget(const torch::Tensor& z,
                                                 const torch::Tensor& targets) const {
-  const torch::Tensor all = GatherWithMine(
-      torch::stack({torch::logsumexp(z, 1), HeldTargetValues(z, targets)}));
+  const torch::Tensor all =
+      GatherWithMine(torch::stack({torch::logsumexp(z, 1), HeldTargetValues(z, targets)}));
   return all.select(1, 1).sum(0) - torch::logsumexp(all.select(1, 0), 0);
 }
 

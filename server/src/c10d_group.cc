@@ -42,9 +42,8 @@ absl::StatusOr<int> ParseInt(const std::string& text, const std::string& field) 
 // closed its connection, a transport error) UNAVAILABLE; both name the operation and this rank.
 absl::Status FromException(const std::exception& e, const std::string& op, int rank, int size) {
   const std::string what = e.what();
-  const std::string message =
-      absl::StrCat("head group: ", op, " failed on rank ", rank, " of ", size, ": ",
-                   what.substr(0, what.find('\n')));
+  const std::string message = absl::StrCat("head group: ", op, " failed on rank ", rank, " of ",
+                                           size, ": ", what.substr(0, what.find('\n')));
   if (absl::StrContains(what, "imed out") || absl::StrContains(what, "imeout")) {
     return absl::DeadlineExceededError(message);
   }
@@ -100,8 +99,7 @@ class C10dGroup final : public ProcessGroup {
       store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
       return absl::OkStatus();
     } catch (const std::exception& e) {
-      return FromException(e, absl::StrCat("store set \"", key, "\""), config_.rank,
-                           config_.size);
+      return FromException(e, absl::StrCat("store set \"", key, "\""), config_.rank, config_.size);
     }
   }
 
@@ -112,8 +110,7 @@ class C10dGroup final : public ProcessGroup {
       const std::vector<uint8_t> value = store_->get(key);
       return std::string(value.begin(), value.end());
     } catch (const std::exception& e) {
-      return FromException(e, absl::StrCat("store get \"", key, "\""), config_.rank,
-                           config_.size);
+      return FromException(e, absl::StrCat("store get \"", key, "\""), config_.rank, config_.size);
     }
   }
 
@@ -224,8 +221,8 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
     }
   }
   if (config.rank < 0 || config.rank >= config.size) {
-    return absl::InvalidArgumentError(absl::StrCat("--group_rank: expected a rank in [0, ",
-                                                   config.size, "); got ", config.rank));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--group_rank: expected a rank in [0, ", config.size, "); got ", config.rank));
   }
   std::string store = flags.store;
   if (store.empty()) {
@@ -235,8 +232,8 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
   }
   const size_t colon = store.rfind(':');
   int port = 0;
-  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(store.substr(colon + 1), &port) ||
-      port < 1 || port > 65535) {
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(store.substr(colon + 1), &port) || port < 1 || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--group_store: expected host:port of the group's TCPStore (rank 0 serves it); got \"",
         store, "\""));
@@ -247,8 +244,7 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
     return absl::InvalidArgumentError(absl::StrCat(
         "--group_timeout_seconds: expected a value in (0, 86400]; got ", flags.timeout_seconds));
   }
-  config.timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000.0));
+  config.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000.0));
   return config;
 }
 
@@ -268,10 +264,9 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
     auto commands = c10::make_intrusive<c10d::PrefixStore>(config.prefix + "/commands", tcp);
     return std::make_unique<C10dGroup>(config, commands, backend);
   } catch (const std::exception& e) {
-    return FromException(e,
-                         absl::StrCat("joining the group at ", config.store_host, ":",
-                                      config.store_port),
-                         config.rank, config.size);
+    return FromException(
+        e, absl::StrCat("joining the group at ", config.store_host, ":", config.store_port),
+        config.rank, config.size);
   }
 }
 

@@ -3,6 +3,8 @@
 // result equals one engine on the whole head. Also: the group flags and their torchrun-style
 // environment, a rank that never comes, a rank that dies mid-step, and a one-rank NCCL group on
 // CUDA (skipped without a GPU).
+#include "remotehead/server/process_group.h"
+
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -20,7 +22,6 @@
 #include "absl/strings/str_cat.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/process_group.h"
 #include "support/child_process.h"
 
 namespace remotehead {
@@ -119,7 +120,8 @@ Ranks RunGroup(int size, const fs::path& dir, int missing = -1, int dying = -1,
     if (r == missing) continue;
     ranks.processes.push_back(std::make_unique<testing::ChildProcess>(
         std::vector<std::string>{SelfPath(), "--as_rank", std::to_string(size), std::to_string(r),
-                                 std::to_string(port), (dir / ("rank" + std::to_string(r))).string(),
+                                 std::to_string(port),
+                                 (dir / ("rank" + std::to_string(r))).string(),
                                  r == dying ? "die" : "live", std::to_string(timeout)},
         [](const std::string& line) { return line.find("joining") != std::string::npos; }));
   }
@@ -201,7 +203,8 @@ TEST(GroupFlagsTest, FlagsAndTorchrunEnvironment) {
   EXPECT_EQ(config->rank, 0);
 
   config = server::ResolveGroupConfig(
-      {}, {{"WORLD_SIZE", "4"}, {"RANK", "3"}, {"MASTER_ADDR", "10.0.0.7"}, {"MASTER_PORT", "1234"}});
+      {},
+      {{"WORLD_SIZE", "4"}, {"RANK", "3"}, {"MASTER_ADDR", "10.0.0.7"}, {"MASTER_PORT", "1234"}});
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->size, 4);
   EXPECT_EQ(config->rank, 3);
@@ -241,9 +244,8 @@ TEST(GroupFlagsTest, FlagsAndTorchrunEnvironment) {
   bad.push_back({flags(2, 2, "", 60), {}, "--group_rank: expected a rank in [0, 2); got 2"});
   bad.push_back({flags(2, 0, "nohost", 60), {}, store_help + "\"nohost\""});
   bad.push_back({flags(2, 0, "h:70000", 60), {}, store_help + "\"h:70000\""});
-  bad.push_back({flags(2, 0, "", 0),
-                 {},
-                 "--group_timeout_seconds: expected a value in (0, 86400]; got 0"});
+  bad.push_back(
+      {flags(2, 0, "", 0), {}, "--group_timeout_seconds: expected a value in (0, 86400]; got 0"});
   bad.push_back({flags(0, -1, "", 60),
                  {{"WORLD_SIZE", "two"}},
                  "WORLD_SIZE: expected an integer; got \"two\""});
@@ -265,7 +267,8 @@ TEST(CudaProcessGroup, OneRankNcclGroupRunsTheCollectives) {
   config.device = torch::Device(torch::kCUDA, 0);
   auto group = server::ProcessGroup::Join(config);
   ASSERT_TRUE(group.ok()) << group.status();
-  torch::Tensor t = torch::arange(6, torch::TensorOptions().device(config.device)).to(torch::kFloat);
+  torch::Tensor t =
+      torch::arange(6, torch::TensorOptions().device(config.device)).to(torch::kFloat);
   auto all = (*group)->AllGather(t);
   ASSERT_TRUE(all.ok()) << all.status();
   EXPECT_TRUE(torch::equal(all->cpu(), t.cpu().unsqueeze(0)));

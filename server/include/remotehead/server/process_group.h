@@ -33,9 +33,9 @@ struct GroupConfig {
 // --group_size < 1, --group_rank outside [0, size), a --group_store that is not host:port, a
 // --group_timeout_seconds <= 0.
 struct GroupFlags {
-  int size = 0;             // 0: from WORLD_SIZE, else 1 (no group)
-  int rank = -1;            // -1: from RANK
-  std::string store;        // host:port; empty: MASTER_ADDR:MASTER_PORT
+  int size = 0;       // 0: from WORLD_SIZE, else 1 (no group)
+  int rank = -1;      // -1: from RANK
+  std::string store;  // host:port; empty: MASTER_ADDR:MASTER_PORT
   double timeout_seconds = 60;
 };
 absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
