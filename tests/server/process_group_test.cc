@@ -1,8 +1,8 @@
 // The head group's c10d transport: K real processes (this binary re-run as ranks) joined through
 // a TCPStore on loopback with ProcessGroupGloo, running the engine's step on their shards; the
-// result equals one engine on the whole head. Also: the group flags and their torchrun-style
-// environment, a rank that never comes, a rank that dies mid-step, and a one-rank NCCL group on
-// CUDA (skipped without a GPU).
+// result equals one engine on the whole head. Also: the group's ordered command log (GroupLog),
+// the group flags and their torchrun-style environment, a rank that never comes, a rank that
+// dies mid-step or mid-log, and a one-rank NCCL group on CUDA (skipped without a GPU).
 #include "remotehead/server/process_group.h"
 
 #include <gtest/gtest.h>
@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/server/group_log.h"
 #include "support/child_process.h"
 
 namespace remotehead {
@@ -106,6 +107,79 @@ int RunRank(int size, int rank, int port, const std::string& out, bool die, doub
   return 0;
 }
 
+// One rank of the command-log scenarios, run as a child process. Rank 0 appends five commands
+// and checks every reply, then "stop"; the others execute commands in order and reply "rank r
+// did <command>". Scenario "error": rank 2 refuses command 3; "dead": rank 1 exits after taking
+// command 1. Exit 0: everything as expected (checked by rank 0 and reported on its stdout).
+int RunLogRank(int size, int rank, int port, const std::string& scenario) {
+  GroupConfig config;
+  config.size = size;
+  config.rank = rank;
+  config.store_port = port;
+  config.timeout = std::chrono::seconds(5);
+  std::printf("rank %d: joining\n", rank);
+  std::fflush(stdout);
+  auto group = server::ProcessGroup::Join(config);
+  if (!group.ok()) return 3;
+  server::GroupLog log(group->get());
+  if (rank != 0) {
+    for (int idle = 0; idle < 40;) {  // 20 s without a command: give up (exit 7)
+      auto command = log.Next(std::chrono::milliseconds(500));
+      if (absl::IsDeadlineExceeded(command.status())) {
+        ++idle;
+        continue;
+      }
+      idle = 0;
+      if (!command.ok()) {
+        std::printf("rank %d: %s\n", rank, command.status().ToString().c_str());
+        return 5;
+      }
+      if (scenario == "dead" && rank == 1 && *command == "cmd-1") _exit(9);
+      server::GroupReply reply;
+      if (scenario == "error" && rank == 2 && *command == "cmd-3") {
+        reply.status = absl::InvalidArgumentError("cmd-3: refused");
+      }
+      reply.payload = absl::StrCat("rank ", rank, " did ", *command);
+      if (!log.Reply(reply).ok()) return 6;
+      if (*command == "stop") return 0;
+    }
+    return 7;
+  }
+  for (int i = 0; i < 5; ++i) {
+    const std::string command = absl::StrCat("cmd-", i);
+    auto seq = log.Append(command);
+    if (!seq.ok() || *seq != i) return 10;
+    auto replies = log.AwaitReplies(*seq);
+    if (scenario == "error" && i == 3) {
+      std::printf("front: %s\n", replies.status().ToString().c_str());
+      if (replies.status() != absl::InvalidArgumentError("head group rank 2: cmd-3: refused")) {
+        return 11;
+      }
+      continue;
+    }
+    if (scenario == "dead" && i == 1) {
+      std::printf("front: %s\n", replies.status().ToString().c_str());
+      const bool named =
+          absl::IsUnavailable(replies.status()) && replies.status().message().find(
+                                                       "rank 1 of 3 did not reply to command "
+                                                       "1") != std::string::npos;
+      return named ? 0 : 12;
+    }
+    if (!replies.ok()) {
+      std::printf("front: %s\n", replies.status().ToString().c_str());
+      return 13;
+    }
+    for (int r = 1; r < size; ++r) {
+      if ((*replies)[static_cast<size_t>(r - 1)] != absl::StrCat("rank ", r, " did ", command)) {
+        return 14;
+      }
+    }
+  }
+  auto stop = log.Append("stop");
+  if (!stop.ok() || !log.AwaitReplies(*stop).ok()) return 15;
+  return 0;
+}
+
 struct Ranks {
   std::vector<std::unique_ptr<testing::ChildProcess>> processes;
   std::vector<int> exit_codes;
@@ -123,6 +197,20 @@ Ranks RunGroup(int size, const fs::path& dir, int missing = -1, int dying = -1,
                                  std::to_string(port),
                                  (dir / ("rank" + std::to_string(r))).string(),
                                  r == dying ? "die" : "live", std::to_string(timeout)},
+        [](const std::string& line) { return line.find("joining") != std::string::npos; }));
+  }
+  for (auto& p : ranks.processes) ranks.exit_codes.push_back(p->Wait());
+  return ranks;
+}
+
+// Starts the command-log scenario on `size` ranks and waits for all of them.
+Ranks RunLogGroup(int size, const std::string& scenario) {
+  const int port = FreePort();
+  Ranks ranks;
+  for (int r = 0; r < size; ++r) {
+    ranks.processes.push_back(std::make_unique<testing::ChildProcess>(
+        std::vector<std::string>{SelfPath(), "--as_log_rank", std::to_string(size),
+                                 std::to_string(r), std::to_string(port), scenario},
         [](const std::string& line) { return line.find("joining") != std::string::npos; }));
   }
   for (auto& p : ranks.processes) ranks.exit_codes.push_back(p->Wait());
@@ -194,6 +282,41 @@ TEST_F(ProcessGroupTest, ARankThatDiesMidStepFailsTheOthersWithoutHanging) {
         << log;
   }
   EXPECT_LT(seconds, 60);
+}
+
+TEST(GroupLogTest, EveryRankTakesTheCommandsInOrderAndReplies) {
+  const Ranks ranks = RunLogGroup(3, "ok");
+  for (size_t r = 0; r < ranks.processes.size(); ++r) {
+    EXPECT_EQ(ranks.exit_codes[r], 0) << ranks.processes[r]->log();
+  }
+}
+
+TEST(GroupLogTest, ARanksErrorReachesTheFrontNamingTheRankAndTheLogGoesOn) {
+  const Ranks ranks = RunLogGroup(3, "error");
+  for (size_t r = 0; r < ranks.processes.size(); ++r) {
+    EXPECT_EQ(ranks.exit_codes[r], 0) << ranks.processes[r]->log();
+  }
+}
+
+TEST(GroupLogTest, ADeadRankIsNamedWithinTheTimeoutAndNoRankHangs) {
+  const auto start = std::chrono::steady_clock::now();
+  const Ranks ranks = RunLogGroup(3, "dead");
+  EXPECT_EQ(ranks.exit_codes[0], 0) << ranks.processes[0]->log();
+  EXPECT_EQ(ranks.exit_codes[1], 9);
+  // The front is gone with its store: the surviving rank's next read fails instead of waiting.
+  EXPECT_EQ(ranks.exit_codes[2], 5) << ranks.processes[2]->log();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 60);
+}
+
+TEST(GroupLogTest, RepliesRoundTrip) {
+  const server::GroupReply reply{absl::NotFoundError("head \"a:b\" not found"), "x:1:y"};
+  auto decoded = server::DecodeReply(server::EncodeReply(reply));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->status, reply.status);
+  EXPECT_EQ(decoded->payload, reply.payload);
+  for (const std::string bad : {"", "3", "3:", "x:1:a", "3:9:abc", "99:0:"}) {
+    EXPECT_EQ(server::DecodeReply(bad).status().code(), absl::StatusCode::kDataLoss) << bad;
+  }
 }
 
 TEST(GroupFlagsTest, FlagsAndTorchrunEnvironment) {
@@ -289,6 +412,14 @@ int main(int argc, char** argv) {
       return 2;
     }
     return remotehead::RunRank(size, rank, port, argv[5], std::string(argv[6]) == "die", timeout);
+  }
+  if (argc == 6 && std::string(argv[1]) == "--as_log_rank") {
+    int size = 0, rank = 0, port = 0;
+    if (!absl::SimpleAtoi(argv[2], &size) || !absl::SimpleAtoi(argv[3], &rank) ||
+        !absl::SimpleAtoi(argv[4], &port)) {
+      return 2;
+    }
+    return remotehead::RunLogRank(size, rank, port, argv[5]);
   }
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
