@@ -258,6 +258,28 @@ TEST(VocabParallelGroupOfOne, EqualsTheUnshardedEngineBitForBit) {
   }
 }
 
+// A bfloat16 head: the ranks' dX partials are summed in fp32 and rounded once, dW accumulates in
+// fp32; the group stays within the bf16 tolerance of the engine parity test (a few bf16 ulps)
+// of the naive reference.
+TEST(VocabParallelHalfPrecision, Bfloat16GroupMatchesTheReference) {
+  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kBFloat16, /*bias=*/true);
+  for (const FunctionCase& c : Cases()) {
+    SCOPED_TRACE(c.label);
+    const core::TokenBatch batch = EdgeTargets(
+        reference::MakeTestBatch(*head, kRows, c.function, Reduction::kMean), Ranges(3));
+    core::StepOptions options;
+    options.function = c.function;
+    options.params = c.params;
+    options.chunk_rows = 7;
+    const reference::ReferenceResult ref = reference::NaiveReference(*head, batch, options);
+    const Outcome group = RunCall(*head, batch, options, Mode::kFused, {}, Ranges(3));
+    EXPECT_EQ(group.grad_hidden.scalar_type(), torch::kBFloat16);
+    const Outcome naive{ref.output.to(torch::kDouble), ref.grad_hidden, ref.grad_weight,
+                        ref.grad_bias};
+    ExpectClose(group, naive, 3e-2, "bf16 group vs naive reference");
+  }
+}
+
 // Each rank sizes its chunks and blocks for the largest shard, so all ranks run the same ones.
 TEST(VocabParallelPlan, EveryRankRunsTheSameChunksAndBlocks) {
   auto head = reference::MakeTestHead(4099, 16, torch::kFloat, /*bias=*/false);
