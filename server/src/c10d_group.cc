@@ -95,42 +95,23 @@ class C10dGroup final : public ProcessGroup {
   }
 
   absl::Status Set(const std::string& key, const std::string& value) override {
-    try {
-      store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-      return absl::OkStatus();
-    } catch (const std::exception& e) {
-      return FromException(e, absl::StrCat("store set \"", key, "\""), config_.rank, config_.size);
-    }
+    return StoreCall("set", key,
+                     [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
   }
 
   absl::StatusOr<std::string> Get(const std::string& key,
                                   std::chrono::milliseconds timeout) override {
-    try {
+    std::string value;
+    RETURN_IF_ERROR(StoreCall("get", key, [&] {
       store_->wait({key}, timeout);
-      const std::vector<uint8_t> value = store_->get(key);
-      return std::string(value.begin(), value.end());
-    } catch (const std::exception& e) {
-      return FromException(e, absl::StrCat("store get \"", key, "\""), config_.rank, config_.size);
-    }
-  }
-
-  absl::StatusOr<bool> Check(const std::string& key) override {
-    try {
-      return store_->check({key});
-    } catch (const std::exception& e) {
-      return FromException(e, absl::StrCat("store check \"", key, "\""), config_.rank,
-                           config_.size);
-    }
+      const std::vector<uint8_t> bytes = store_->get(key);
+      value.assign(bytes.begin(), bytes.end());
+    }));
+    return value;
   }
 
   absl::Status Delete(const std::string& key) override {
-    try {
-      store_->deleteKey(key);
-      return absl::OkStatus();
-    } catch (const std::exception& e) {
-      return FromException(e, absl::StrCat("store delete \"", key, "\""), config_.rank,
-                           config_.size);
-    }
+    return StoreCall("delete", key, [&] { store_->deleteKey(key); });
   }
 
   std::map<std::string, CollectiveBytes> Bytes() const override {
@@ -139,6 +120,19 @@ class C10dGroup final : public ProcessGroup {
   }
 
  private:
+  // Runs one store call; an exception (a timeout, a store that is gone) becomes a status naming
+  // the call and the key.
+  template <typename Call>
+  absl::Status StoreCall(const char* verb, const std::string& key, Call&& call) {
+    try {
+      call();
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      return FromException(e, absl::StrCat("store ", verb, " \"", key, "\""), config_.rank,
+                           config_.size);
+    }
+  }
+
   // Runs one collective to completion (wait() throws on a timeout or a lost peer) and counts it.
   template <typename Launch>
   absl::Status Run(const std::string& op, int64_t sent, int64_t received, Launch&& launch) {

@@ -77,6 +77,21 @@ std::unique_ptr<core::Head> ShardOf(const core::Head& head, const ShardRange& ra
   return *std::move(shard);
 }
 
+// Runs fn(rank, shard, options) on one thread per rank of `group`: each rank gets its shard of
+// `head` (rows ranges[rank]) and a copy of `options` pointing at the group.
+using ShardFn = std::function<void(int rank, const core::Head& shard, core::StepOptions options)>;
+void OnShards(testing::InProcessGroup& group, const core::Head& head,
+              const std::vector<ShardRange>& ranges, const core::StepOptions& options,
+              const ShardFn& fn) {
+  group.RunOnAll([&](int rank) {
+    const auto shard = ShardOf(head, ranges[static_cast<size_t>(rank)]);
+    const core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
+    core::StepOptions opts = options;
+    opts.shard = &vocab_shard;
+    fn(rank, *shard, opts);
+  });
+}
+
 // The reference batch with some targets moved onto the first and last column of every shard,
 // so that each rank owns some targets and the edges are exercised.
 core::TokenBatch EdgeTargets(core::TokenBatch batch, const std::vector<ShardRange>& ranges) {
@@ -106,17 +121,8 @@ Outcome RunCall(const core::Head& head, const core::TokenBatch& batch, core::Ste
                 Mode mode, const torch::Tensor& grad_output,
                 const std::vector<ShardRange>& ranges) {
   const int k = ranges.empty() ? 1 : static_cast<int>(ranges.size());
-  testing::InProcessGroup group(k);
   std::vector<Outcome> by_rank(static_cast<size_t>(k));
-  group.RunOnAll([&](int rank) {
-    std::unique_ptr<core::Head> shard;
-    core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
-    core::StepOptions opts = options;
-    if (!ranges.empty()) {
-      shard = ShardOf(head, ranges[static_cast<size_t>(rank)]);
-      opts.shard = &vocab_shard;
-    }
-    const core::Head& h = ranges.empty() ? head : *shard;
+  const ShardFn run = [&](int rank, const core::Head& h, core::StepOptions opts) {
     core::GradientBuffers grads = h.NewGradientBuffers();
     Outcome& out = by_rank[static_cast<size_t>(rank)];
     if (mode == Mode::kFused) {
@@ -137,7 +143,13 @@ Outcome RunCall(const core::Head& head, const core::TokenBatch& batch, core::Ste
     }
     out.grad_weight = grads.weight;
     out.grad_bias = grads.bias;
-  });
+  };
+  if (ranges.empty()) {
+    run(0, head, options);
+  } else {
+    testing::InProcessGroup group(k);
+    OnShards(group, head, ranges, options, run);
+  }
   Outcome all = by_rank[0];
   std::vector<torch::Tensor> dw;
   std::vector<torch::Tensor> db;
@@ -290,15 +302,12 @@ TEST(VocabParallelPlan, EveryRankRunsTheSameChunksAndBlocks) {
   const core::TokenBatch batch =
       reference::MakeTestBatch(*head, 300, "cross_entropy", Reduction::kMean);
   std::vector<core::StepStats> stats(2);
-  group.RunOnAll([&](int rank) {
-    auto shard = ShardOf(*head, ranges[static_cast<size_t>(rank)]);
-    core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
-    core::StepOptions opts = options;
-    opts.shard = &vocab_shard;
-    auto result = core::FusedForwardBackward(*shard, batch, opts, nullptr);
-    ASSERT_TRUE(result.ok()) << result.status();
-    stats[static_cast<size_t>(rank)] = result->stats;
-  });
+  OnShards(group, *head, ranges, options,
+           [&](int rank, const core::Head& shard, const core::StepOptions& opts) {
+             auto result = core::FusedForwardBackward(shard, batch, opts, nullptr);
+             ASSERT_TRUE(result.ok()) << result.status();
+             stats[static_cast<size_t>(rank)] = result->stats;
+           });
   EXPECT_EQ(stats[0].chunk_rows, stats[1].chunk_rows);
   EXPECT_EQ(stats[0].block_rows, stats[1].block_rows);
   EXPECT_EQ(stats[0].num_chunks, stats[1].num_chunks);
@@ -326,18 +335,16 @@ TEST(VocabParallelRefusal, ANonDecomposableFunctionIsRefusedOnAGroup) {
 
   testing::InProcessGroup group(2, std::chrono::milliseconds(2000));
   const std::vector<ShardRange> ranges = Ranges(2);
-  group.RunOnAll([&](int rank) {
-    auto shard = ShardOf(*head, ranges[static_cast<size_t>(rank)]);
-    core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
-    core::StepOptions opts = options;
-    opts.shard = &vocab_shard;
-    auto result = core::Forward(*shard, batch, opts);
-    ASSERT_FALSE(result.ok());
-    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(result.status().message().find("\"max_logit\""), std::string::npos)
-        << result.status();
-    EXPECT_NE(result.status().message().find("vocabulary-decomposable"), std::string::npos);
-  });
+  OnShards(group, *head, ranges, options,
+           [&](int, const core::Head& shard, const core::StepOptions& opts) {
+             auto result = core::Forward(shard, batch, opts);
+             ASSERT_FALSE(result.ok());
+             EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+             EXPECT_NE(result.status().message().find("\"max_logit\""), std::string::npos)
+                 << result.status();
+             EXPECT_NE(result.status().message().find("vocabulary-decomposable"),
+                       std::string::npos);
+           });
 }
 
 // Targets are checked against the whole vocabulary, not the shard's rows.
@@ -348,16 +355,13 @@ TEST(VocabParallelValidation, TargetsAreGlobalTokenIds) {
       reference::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
   batch.targets[4] = kVocab;  // one past the end of the whole head
   testing::InProcessGroup group(3, std::chrono::milliseconds(2000));
-  group.RunOnAll([&](int rank) {
-    auto shard = ShardOf(*head, ranges[static_cast<size_t>(rank)]);
-    core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
-    core::StepOptions options;
-    options.shard = &vocab_shard;
-    auto result = core::FusedForwardBackward(*shard, batch, options, nullptr);
-    ASSERT_FALSE(result.ok());
-    EXPECT_EQ(result.status().message(),
-              "targets[4]: expected a token id in [0, 29) or ignore_index (-100); got 29");
-  });
+  OnShards(group, *head, ranges, {},
+           [&](int, const core::Head& shard, const core::StepOptions& options) {
+             auto result = core::FusedForwardBackward(shard, batch, options, nullptr);
+             ASSERT_FALSE(result.ok());
+             EXPECT_EQ(result.status().message(),
+                       "targets[4]: expected a token id in [0, 29) or ignore_index (-100); got 29");
+           });
 }
 
 TEST(VocabParallelValidation, AShardDescriptionThatDoesNotFitIsRefused) {
@@ -399,18 +403,16 @@ TEST(VocabParallelStop, OneRanksStopStopsEveryRankAtTheSameChunk) {
       reference::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
   testing::InProcessGroup group(3, std::chrono::milliseconds(5000));
   std::vector<int> chunks_started(3, 0);
-  group.RunOnAll([&](int rank) {
-    auto shard = ShardOf(*head, ranges[static_cast<size_t>(rank)]);
-    core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
-    core::StepOptions options;
-    options.shard = &vocab_shard;
-    options.chunk_rows = 4;
-    int& started = chunks_started[static_cast<size_t>(rank)];
-    options.should_stop = [&started, rank] { return ++started == 3 && rank == 1; };
-    auto result = core::FusedForwardBackward(*shard, batch, options, nullptr);
-    ASSERT_FALSE(result.ok());
-    EXPECT_EQ(result.status().code(), absl::StatusCode::kCancelled) << result.status();
-  });
+  core::StepOptions chunked;
+  chunked.chunk_rows = 4;
+  OnShards(group, *head, ranges, chunked,
+           [&](int rank, const core::Head& shard, core::StepOptions options) {
+             int& started = chunks_started[static_cast<size_t>(rank)];
+             options.should_stop = [&started, rank] { return ++started == 3 && rank == 1; };
+             auto result = core::FusedForwardBackward(shard, batch, options, nullptr);
+             ASSERT_FALSE(result.ok());
+             EXPECT_EQ(result.status().code(), absl::StatusCode::kCancelled) << result.status();
+           });
   EXPECT_EQ(chunks_started, std::vector<int>({3, 3, 3}));
 }
 
@@ -422,16 +424,13 @@ TEST(VocabParallelFailure, AMissingRankFailsTheOthersWithoutHanging) {
       reference::MakeTestBatch(*head, kRows, "cross_entropy", Reduction::kMean);
   testing::InProcessGroup group(3, std::chrono::milliseconds(300));
   std::vector<absl::Status> statuses(3);
-  group.RunOnAll([&](int rank) {
-    if (rank == 2) return;  // dead
-    auto shard = ShardOf(*head, ranges[static_cast<size_t>(rank)]);
-    core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
-    core::StepOptions options;
-    options.shard = &vocab_shard;
-    core::GradientBuffers grads = shard->NewGradientBuffers();
-    statuses[static_cast<size_t>(rank)] =
-        core::FusedForwardBackward(*shard, batch, options, &grads).status();
-  });
+  OnShards(group, *head, ranges, {},
+           [&](int rank, const core::Head& shard, const core::StepOptions& options) {
+             if (rank == 2) return;  // dead
+             core::GradientBuffers grads = shard.NewGradientBuffers();
+             statuses[static_cast<size_t>(rank)] =
+                 core::FusedForwardBackward(shard, batch, options, &grads).status();
+           });
   // The first rank to give up names the missing one; the group is then broken for the other.
   EXPECT_FALSE(statuses[0].ok());
   EXPECT_FALSE(statuses[1].ok());

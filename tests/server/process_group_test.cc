@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -65,17 +66,24 @@ core::StepOptions TestOptions() {
   return options;
 }
 
-// One rank, run as a child process: joins, steps its shard, saves [loss, dX] (rank 0) and its dW
-// rows to `out`. With `die`, it exits right after joining, so the others' step fails.
-int RunRank(int size, int rank, int port, const std::string& out, bool die, double timeout) {
+// A child process joining a group on loopback as `rank`; says "joining" first, which is what
+// the parent waits for before it starts the next rank.
+absl::StatusOr<std::unique_ptr<server::ProcessGroup>> JoinAsRank(int size, int rank, int port,
+                                                                 double timeout_seconds) {
   GroupConfig config;
   config.size = size;
   config.rank = rank;
   config.store_port = port;
-  config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+  config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   std::printf("rank %d: joining\n", rank);
   std::fflush(stdout);
-  auto group = server::ProcessGroup::Join(config);
+  return server::ProcessGroup::Join(config);
+}
+
+// One rank, run as a child process: joins, steps its shard, saves [loss, dX] (rank 0) and its dW
+// rows to `out`. With `die`, it exits right after joining, so the others' step fails.
+int RunRank(int size, int rank, int port, const std::string& out, bool die, double timeout) {
+  auto group = JoinAsRank(size, rank, port, timeout);
   if (!group.ok()) {
     std::printf("rank %d: join: %s\n", rank, group.status().ToString().c_str());
     return 3;
@@ -112,14 +120,7 @@ int RunRank(int size, int rank, int port, const std::string& out, bool die, doub
 // did <command>". Scenario "error": rank 2 refuses command 3; "dead": rank 1 exits after taking
 // command 1. Exit 0: everything as expected (checked by rank 0 and reported on its stdout).
 int RunLogRank(int size, int rank, int port, const std::string& scenario) {
-  GroupConfig config;
-  config.size = size;
-  config.rank = rank;
-  config.store_port = port;
-  config.timeout = std::chrono::seconds(5);
-  std::printf("rank %d: joining\n", rank);
-  std::fflush(stdout);
-  auto group = server::ProcessGroup::Join(config);
+  auto group = JoinAsRank(size, rank, port, /*timeout=*/5);
   if (!group.ok()) return 3;
   server::GroupLog log(group->get());
   if (rank != 0) {
@@ -185,36 +186,43 @@ struct Ranks {
   std::vector<int> exit_codes;
 };
 
-// Starts `size` ranks (all but `missing`), with `dying` exiting after the join, and waits.
-Ranks RunGroup(int size, const fs::path& dir, int missing = -1, int dying = -1,
-               double timeout = 30) {
+// Runs this binary as ranks 0..size-1 of one group (all but `missing`), with the arguments
+// args(rank, port) after its path, and waits for all of them.
+Ranks RunRanks(int size, int missing,
+               const std::function<std::vector<std::string>(int rank, int port)>& args) {
   const int port = FreePort();
   Ranks ranks;
   for (int r = 0; r < size; ++r) {
     if (r == missing) continue;
+    std::vector<std::string> argv = {SelfPath()};
+    for (std::string& a : args(r, port)) argv.push_back(std::move(a));
     ranks.processes.push_back(std::make_unique<testing::ChildProcess>(
-        std::vector<std::string>{SelfPath(), "--as_rank", std::to_string(size), std::to_string(r),
-                                 std::to_string(port),
-                                 (dir / ("rank" + std::to_string(r))).string(),
-                                 r == dying ? "die" : "live", std::to_string(timeout)},
-        [](const std::string& line) { return line.find("joining") != std::string::npos; }));
+        argv, [](const std::string& line) { return line.find("joining") != std::string::npos; }));
   }
   for (auto& p : ranks.processes) ranks.exit_codes.push_back(p->Wait());
   return ranks;
 }
 
-// Starts the command-log scenario on `size` ranks and waits for all of them.
+// The engine-step ranks (RunRank), with `dying` exiting after the join.
+Ranks RunGroup(int size, const fs::path& dir, int missing = -1, int dying = -1,
+               double timeout = 30) {
+  return RunRanks(size, missing, [&](int r, int port) {
+    return std::vector<std::string>{"--as_rank",
+                                    std::to_string(size),
+                                    std::to_string(r),
+                                    std::to_string(port),
+                                    (dir / ("rank" + std::to_string(r))).string(),
+                                    r == dying ? "die" : "live",
+                                    std::to_string(timeout)};
+  });
+}
+
+// The command-log ranks (RunLogRank) of one scenario.
 Ranks RunLogGroup(int size, const std::string& scenario) {
-  const int port = FreePort();
-  Ranks ranks;
-  for (int r = 0; r < size; ++r) {
-    ranks.processes.push_back(std::make_unique<testing::ChildProcess>(
-        std::vector<std::string>{SelfPath(), "--as_log_rank", std::to_string(size),
-                                 std::to_string(r), std::to_string(port), scenario},
-        [](const std::string& line) { return line.find("joining") != std::string::npos; }));
-  }
-  for (auto& p : ranks.processes) ranks.exit_codes.push_back(p->Wait());
-  return ranks;
+  return RunRanks(size, /*missing=*/-1, [&](int r, int port) {
+    return std::vector<std::string>{"--as_log_rank", std::to_string(size), std::to_string(r),
+                                    std::to_string(port), scenario};
+  });
 }
 
 class ProcessGroupTest : public ::testing::Test {

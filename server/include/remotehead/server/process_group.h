@@ -63,8 +63,6 @@ class ProcessGroup : public core::GroupCollectives {
   // key if it does not appear in time.
   virtual absl::StatusOr<std::string> Get(const std::string& key,
                                           std::chrono::milliseconds timeout) = 0;
-  // Whether `key` exists now (never waits).
-  virtual absl::StatusOr<bool> Check(const std::string& key) = 0;
   virtual absl::Status Delete(const std::string& key) = 0;
 
   // What the collectives moved so far, by operation name ("all_gather", "reduce", "broadcast").
