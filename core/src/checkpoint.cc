@@ -178,6 +178,25 @@ absl::StatusOr<torch::Tensor> ReadTensor(const CheckpointFile& file, const std::
   return t;
 }
 
+// Rows [offset, offset + rows) of tensor `name` along its first dimension, reading only their
+// bytes (the data is row-major).
+absl::StatusOr<torch::Tensor> ReadTensorRows(const CheckpointFile& file, const std::string& name,
+                                             int64_t offset, int64_t rows) {
+  ASSIGN_OR_RETURN(const TensorLocation at, LocateTensor(file, name));
+  std::vector<int64_t> shape = at.info.shape;
+  if (shape.empty() || offset < 0 || rows < 0 || offset + rows > shape[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor \"", name, "\": expected rows [", offset, ", ", offset + rows,
+        ") of its first dimension; it has ", shape.empty() ? 0 : shape[0], " rows"));
+  }
+  const int64_t row_bytes = shape[0] == 0 ? 0 : static_cast<int64_t>(at.bytes) / shape[0];
+  shape[0] = rows;
+  torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(at.info.dtype));
+  RETURN_IF_ERROR(file.ReadAt(at.offset + static_cast<uint64_t>(offset * row_bytes),
+                              static_cast<uint64_t>(rows * row_bytes), t.data_ptr()));
+  return t;
+}
+
 // For an index.json, the shard holding `name`, opened.
 absl::StatusOr<CheckpointFile> OpenShard(const CheckpointDir& dir, const std::string& relative,
                                          const std::string& name, const std::string& field) {
@@ -279,6 +298,15 @@ absl::StatusOr<torch::Tensor> ReadSafetensor(const CheckpointDir& dir, const std
                                              const std::string& name, const std::string& field) {
   return ReadFromCheckpoint(dir, relative, name, field,
                             [&](const CheckpointFile& file) { return ReadTensor(file, name); });
+}
+
+absl::StatusOr<torch::Tensor> ReadSafetensorRows(const CheckpointDir& dir,
+                                                 const std::string& relative,
+                                                 const std::string& name, int64_t offset,
+                                                 int64_t rows, const std::string& field) {
+  return ReadFromCheckpoint(dir, relative, name, field, [&](const CheckpointFile& file) {
+    return ReadTensorRows(file, name, offset, rows);
+  });
 }
 
 absl::StatusOr<int64_t> WriteSafetensors(const CheckpointDir& dir, const std::string& relative,

@@ -142,6 +142,12 @@ absl::StatusOr<int64_t> HeadMemoryBytes(int64_t vocab_size, int64_t hidden_size,
 
 absl::StatusOr<std::unique_ptr<Head>> Head::Initialize(const HeadInit& init,
                                                        const HeadOptions& options) {
+  return InitializeRows(init, options, 0, init.vocab_size);
+}
+
+absl::StatusOr<std::unique_ptr<Head>> Head::InitializeRows(const HeadInit& init,
+                                                           const HeadOptions& options,
+                                                           int64_t offset, int64_t rows) {
   RETURN_IF_ERROR(
       HeadMemoryBytes(init.vocab_size, init.hidden_size, init.dtype, init.bias, options.grad_dtype)
           .status());
@@ -153,13 +159,20 @@ absl::StatusOr<std::unique_ptr<Head>> Head::Initialize(const HeadInit& init,
     return absl::InvalidArgumentError(absl::StrCat(
         "dtype: expected float32, bfloat16, float16 or float64; got ", DtypeName(init.dtype)));
   }
+  if (offset < 0 || rows < 1 || offset + rows > init.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rows: expected a range within [0, ",
+                                                   init.vocab_size, "); got [", offset, ", ",
+                                                   offset + rows, ")"));
+  }
   torch::NoGradGuard no_grad;
   // Generated on the CPU in float32 so the values do not depend on the target device.
   auto gen = at::detail::createCPUGenerator(init.seed);
-  torch::Tensor w =
-      at::normal(0.0, init.init_std, {init.vocab_size, init.hidden_size}, gen).to(init.dtype);
+  torch::Tensor w = at::normal(0.0, init.init_std, {init.vocab_size, init.hidden_size}, gen);
+  // A copy of the rows, so that the whole draw is freed here.
+  if (rows != init.vocab_size) w = w.narrow(0, offset, rows).clone();
+  w = w.to(init.dtype);
   torch::Tensor b;
-  if (init.bias) b = torch::zeros({init.vocab_size}, torch::TensorOptions().dtype(init.dtype));
+  if (init.bias) b = torch::zeros({rows}, torch::TensorOptions().dtype(init.dtype));
   return FromTensors(w, b, options);
 }
 

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <utility>
@@ -49,6 +50,21 @@ absl::Status FromException(const std::exception& e, const std::string& op, int r
   }
   return absl::UnavailableError(message);
 }
+
+// c10d's log below ERROR muted while it lives (c10d logs at FLAGS_caffe2_log_level, a global
+// of c10's; only the thread of a group's store calls touches it).
+class QuietC10dLog {
+ public:
+  QuietC10dLog() : saved_(FLAGS_caffe2_log_level) {
+    FLAGS_caffe2_log_level = std::max(saved_, 2);  // 2: ERROR
+  }
+  ~QuietC10dLog() { FLAGS_caffe2_log_level = saved_; }
+  QuietC10dLog(const QuietC10dLog&) = delete;
+  QuietC10dLog& operator=(const QuietC10dLog&) = delete;
+
+ private:
+  const int saved_;
+};
 
 class C10dGroup final : public ProcessGroup {
  public:
@@ -94,6 +110,26 @@ class C10dGroup final : public ProcessGroup {
                [&] { return backend_->broadcast(tensors, options); });
   }
 
+  absl::StatusOr<torch::Tensor> Gather(const torch::Tensor& t, int root) override {
+    const bool is_root = config_.rank == root;
+    std::vector<torch::Tensor> input = {t.contiguous()};
+    std::vector<std::vector<torch::Tensor>> outputs;  // c10d: empty off the root
+    torch::Tensor out;
+    if (is_root) {
+      std::vector<int64_t> shape = {config_.size};
+      shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+      out = torch::empty(shape, t.options());
+      outputs.emplace_back();
+      for (int r = 0; r < config_.size; ++r) outputs[0].push_back(out[r]);
+    }
+    c10d::GatherOptions options;
+    options.rootRank = root;
+    const int64_t n = t.nbytes();
+    RETURN_IF_ERROR(Run("gather", is_root ? 0 : n, is_root ? n * (config_.size - 1) : 0,
+                        [&] { return backend_->gather(outputs, input, options); }));
+    return out;
+  }
+
   absl::Status Set(const std::string& key, const std::string& value) override {
     return StoreCall("set", key,
                      [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
@@ -103,6 +139,9 @@ class C10dGroup final : public ProcessGroup {
                                   std::chrono::milliseconds timeout) override {
     std::string value;
     RETURN_IF_ERROR(StoreCall("get", key, [&] {
+      // A wait that times out is how a following rank polls for the next command: c10d's
+      // warning for each (and for a store that went away, which the status reports) is muted.
+      const QuietC10dLog quiet;
       store_->wait({key}, timeout);
       const std::vector<uint8_t> bytes = store_->get(key);
       value.assign(bytes.begin(), bytes.end());

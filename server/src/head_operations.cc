@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
+#include "group_commands.h"
 
 namespace remotehead::server {
 namespace {
@@ -22,14 +23,18 @@ struct HeadTensors {
   torch::Tensor bias;  // undefined without source.bias_name
 };
 
-// The weight and bias that `source` names, in source.dtype when it asks for one.
+// Rows [offset, offset + rows) of the weight and bias that `source` names (reading only those),
+// in source.dtype when it asks for one.
 absl::StatusOr<HeadTensors> ReadHeadTensors(const core::CheckpointDir& dir,
                                             const SafetensorsSource& source,
-                                            const std::string& field) {
+                                            const std::string& field, int64_t offset,
+                                            int64_t rows) {
   HeadTensors t;
-  ASSIGN_OR_RETURN(t.weight, core::ReadSafetensor(dir, source.path, source.weight_name, field));
+  ASSIGN_OR_RETURN(t.weight, core::ReadSafetensorRows(dir, source.path, source.weight_name,
+                                                      offset, rows, field));
   if (!source.bias_name.empty()) {
-    ASSIGN_OR_RETURN(t.bias, core::ReadSafetensor(dir, source.path, source.bias_name, field));
+    ASSIGN_OR_RETURN(t.bias, core::ReadSafetensorRows(dir, source.path, source.bias_name, offset,
+                                                      rows, field));
   }
   if (source.dtype.has_value()) {
     t.weight = t.weight.to(*source.dtype);
@@ -89,9 +94,10 @@ HeadEntry::ResizeState HeadOperations::ResizeOf(const HeadEntry& entry, const st
 }
 
 absl::StatusOr<std::shared_ptr<HeadEntry>> HeadOperations::AddReserved(
-    const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket) {
+    const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket,
+    std::vector<core::ShardRange> shards) {
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry =
-      head.ok() ? registry_->Add(id, *std::move(head), ticket)
+      head.ok() ? registry_->Add(id, *std::move(head), ticket, std::move(shards))
                 : absl::StatusOr<std::shared_ptr<HeadEntry>>(head.status());
   if (!entry.ok()) admission_->Release(ticket);
   return entry;
@@ -121,18 +127,75 @@ absl::StatusOr<const core::CheckpointDir*> HeadOperations::CheckpointDirFor(
   return checkpoint_dir_.get();
 }
 
+absl::StatusOr<HeadOperations::Rows> HeadOperations::RowsOf(int64_t vocab_size,
+                                                             const std::string& field) const {
+  if (group_ == nullptr) return Rows{.offset = 0, .rows = vocab_size};
+  if (vocab_size < group_->size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": expected at least one row per rank of the head group of ", group_->size(),
+        "; got ", vocab_size));
+  }
+  ASSIGN_OR_RETURN(std::vector<core::ShardRange> shards, group_->Ranges(vocab_size));
+  const core::ShardRange mine = shards.at(static_cast<size_t>(group_->rank()));
+  return Rows{.offset = mine.offset, .rows = mine.rows, .shards = std::move(shards)};
+}
+
+absl::Status HeadOperations::OnEveryRank(const v1::GroupCommand& command,
+                                         const std::function<absl::Status()>& here, bool creates) {
+  if (group_ == nullptr) return here();
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
+  const absl::Status status = lane.Run(command, here);
+  if (creates && !status.ok() && !IsGroupFailure(status)) {
+    // Some ranks may have created the head (another's budget refused it): undone everywhere.
+    const std::string id = command.has_create() ? command.create().head_id()
+                                                : command.upload().head_id();
+    const absl::Status undone = lane.Run(UndoCreateCommand(id), [&] { return UndoCreateHere(id); });
+    if (!undone.ok()) return undone;
+  }
+  return status;
+}
+
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string& id,
                                                                const core::HeadInit& init) {
-  ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(id, init.vocab_size, init.hidden_size,
-                                                      init.dtype, init.bias, "init."));
-  ASSIGN_OR_RETURN(auto entry,
-                   AddReserved(id, core::Head::Initialize(init, {.device = device_}), ticket));
+  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
+  RETURN_IF_ERROR(OnEveryRank(
+      CreateCommand(id, init),
+      [&] {
+        d = CreateFromSeedHere(id, init);
+        return d.status();
+      },
+      /*creates=*/true));
+  return d;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeedHere(const std::string& id,
+                                                                   const core::HeadInit& init) {
+  ASSIGN_OR_RETURN(const Rows rows, RowsOf(init.vocab_size, "init.vocab_size"));
+  ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(id, rows.rows, init.hidden_size, init.dtype,
+                                                      init.bias, "init."));
+  ASSIGN_OR_RETURN(
+      auto entry,
+      AddReserved(id, core::Head::InitializeRows(init, {.device = device_}, rows.offset, rows.rows),
+                  ticket, rows.shards));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head created from seed ", init.seed, ": ", Summary(d)));
   return d;
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
+    const std::string& id, const SafetensorsSource& source) {
+  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
+  RETURN_IF_ERROR(OnEveryRank(
+      CreateCommand(id, source),
+      [&] {
+        d = CreateFromSafetensorsHere(id, source);
+        return d.status();
+      },
+      /*creates=*/true));
+  return d;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensorsHere(
     const std::string& id, const SafetensorsSource& source) {
   const std::string field = "safetensors.path";
   ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor(field));
@@ -145,16 +208,18 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
         absl::StrCat("safetensors.weight_name: expected a 2-D tensor [vocab_size, hidden_size]; \"",
                      source.weight_name, "\" has shape [", absl::StrJoin(info.shape, ", "), "]"));
   }
+  ASSIGN_OR_RETURN(const Rows rows, RowsOf(info.shape[0], "safetensors.weight_name rows"));
   ASSIGN_OR_RETURN(const uint64_t ticket,
-                   ReserveHead(id, info.shape[0], info.shape[1], source.dtype.value_or(info.dtype),
+                   ReserveHead(id, rows.rows, info.shape[1], source.dtype.value_or(info.dtype),
                                !source.bias_name.empty(), "safetensors."));
   // AddReserved gives the reservation back if this fails.
   absl::StatusOr<std::unique_ptr<core::Head>> head =
       [&]() -> absl::StatusOr<std::unique_ptr<core::Head>> {
-    ASSIGN_OR_RETURN(const HeadTensors tensors, ReadHeadTensors(*dir, source, field));
+    ASSIGN_OR_RETURN(const HeadTensors tensors,
+                     ReadHeadTensors(*dir, source, field, rows.offset, rows.rows));
     return core::Head::FromTensors(tensors.weight, tensors.bias, {.device = device_});
   }();
-  ASSIGN_OR_RETURN(auto entry, AddReserved(id, std::move(head), ticket));
+  ASSIGN_OR_RETURN(auto entry, AddReserved(id, std::move(head), ticket, rows.shards));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head created from ", dir->root(), "/", source.path, " (",
                         source.weight_name, "): ", Summary(d)));
@@ -165,7 +230,37 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
                                                             const torch::Tensor& weight,
                                                             const torch::Tensor& bias,
                                                             bool replace) {
+  const bool creates = !(replace && registry_->Get(id).ok());
+  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
+  RETURN_IF_ERROR(OnEveryRank(
+      UploadCommand(id, weight, bias, replace),
+      [&] {
+        d = UploadHere(id, weight, bias, replace);
+        return d.status();
+      },
+      creates));
+  return d;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id,
+                                                           torch::Tensor weight,
+                                                           torch::Tensor bias, bool replace) {
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
+  std::vector<core::ShardRange> shards;
+  if (group_ != nullptr) {
+    std::vector<torch::Tensor> shared = {weight.to(device_)};
+    if (bias.defined()) shared.push_back(bias.to(device_));
+    RETURN_IF_ERROR(group_->Share(shared));
+    ASSIGN_OR_RETURN(const Rows rows, RowsOf(weight.size(0), "header.vocab_size"));
+    if (replace && entry.ok() && (*entry)->Describe().vocab_size != weight.size(0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.vocab_size: expected head \"", id, "\"'s ",
+                       (*entry)->Describe().vocab_size, " rows to replace; got ", weight.size(0)));
+    }
+    weight = shared[0].narrow(0, rows.offset, rows.rows);
+    if (bias.defined()) bias = shared[1].narrow(0, rows.offset, rows.rows);
+    shards = rows.shards;
+  }
   if (replace && entry.ok()) {
     // New values for a head whose bytes are reserved already.
     ASSIGN_OR_RETURN(auto head, core::Head::FromTensors(weight, bias, {.device = device_}));
@@ -174,7 +269,8 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
     ASSIGN_OR_RETURN(const uint64_t ticket,
                      ReserveHead(id, weight.size(0), weight.size(1), weight.scalar_type(),
                                  bias.defined(), "header."));
-    entry = AddReserved(id, core::Head::FromTensors(weight, bias, {.device = device_}), ticket);
+    entry = AddReserved(id, core::Head::FromTensors(weight, bias, {.device = device_}), ticket,
+                        std::move(shards));
     RETURN_IF_ERROR(entry.status());
   }
   const HeadDescription d = (*entry)->Describe();
@@ -189,15 +285,13 @@ absl::StatusOr<int64_t> HeadOperations::Save(const std::string& id, const std::s
                                              const std::string& bias_name) {
   ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor("path"));
   RETURN_IF_ERROR(core::CheckpointDir::CheckRelative(path, "path"));
-  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
-  const auto tensors = entry->Read([&](const core::Head& head) {
-    std::map<std::string, torch::Tensor> t;
-    t[weight_name.empty() ? "lm_head.weight" : weight_name] = CpuCopy(head.weight(), head.dtype());
-    if (head.has_bias()) {
-      t[bias_name.empty() ? "lm_head.bias" : bias_name] = CpuCopy(head.bias(), head.dtype());
-    }
-    return t;
-  });
+  // The whole head (gathered from every rank on a group).
+  ASSIGN_OR_RETURN(const HeadSnapshot snapshot, Snapshot(id, std::nullopt, /*gradients=*/false));
+  std::map<std::string, torch::Tensor> tensors;
+  tensors[weight_name.empty() ? "lm_head.weight" : weight_name] = snapshot.matrix;
+  if (snapshot.vector.defined()) {
+    tensors[bias_name.empty() ? "lm_head.bias" : bias_name] = snapshot.vector;
+  }
   ASSIGN_OR_RETURN(const int64_t bytes, core::WriteSafetensors(*dir, path, tensors, "path"));
   LogEvent(
       absl::StrCat("head \"", id, "\" saved to ", dir->root(), "/", path, " (", bytes, " bytes)"));
@@ -207,14 +301,36 @@ absl::StatusOr<int64_t> HeadOperations::Save(const std::string& id, const std::s
 absl::StatusOr<HeadSnapshot> HeadOperations::Snapshot(const std::string& id,
                                                       std::optional<torch::ScalarType> dtype,
                                                       bool gradients) {
+  absl::StatusOr<HeadSnapshot> snapshot = absl::UnknownError("not run");
+  RETURN_IF_ERROR(OnEveryRank(GatherCommand(id, dtype, gradients), [&] {
+    snapshot = SnapshotHere(id, dtype, gradients);
+    return snapshot.status();
+  }));
+  return snapshot;
+}
+
+absl::StatusOr<HeadSnapshot> HeadOperations::SnapshotHere(const std::string& id,
+                                                          std::optional<torch::ScalarType> dtype,
+                                                          bool gradients) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   HeadSnapshot snapshot = entry->Read([&](const core::Head& head) {
     const torch::Tensor& m = gradients ? head.grads().weight : head.weight();
     const torch::Tensor& v = gradients ? head.grads().bias : head.bias();
     const torch::ScalarType out = dtype.value_or(m.scalar_type());
+    // On a group the copies stay on the device until they are gathered.
+    if (group_ != nullptr) return HeadSnapshot{.matrix = m.to(out, false, true), .vector = v.defined() ? v.to(out, false, true) : v};
     return HeadSnapshot{.matrix = CpuCopy(m, out), .vector = CpuCopy(v, out)};
   });
   snapshot.description = entry->Describe();
+  if (group_ != nullptr) {
+    // The whole head on the front (nothing elsewhere).
+    ASSIGN_OR_RETURN(snapshot.matrix, group_->GatherRows(snapshot.matrix, entry->shards()));
+    if (snapshot.vector.defined()) {
+      ASSIGN_OR_RETURN(snapshot.vector, group_->GatherRows(snapshot.vector, entry->shards()));
+    }
+    if (snapshot.matrix.defined()) snapshot.matrix = snapshot.matrix.cpu();
+    if (snapshot.vector.defined()) snapshot.vector = snapshot.vector.cpu();
+  }
   return snapshot;
 }
 
@@ -230,6 +346,15 @@ std::vector<HeadDescription> HeadOperations::List() const {
 }
 
 absl::Status HeadOperations::Drop(const std::string& id) {
+  return OnEveryRank(HeadCommand(HeadCommandKind::kDrop, id), [&] { return DropHere(id); });
+}
+
+absl::Status HeadOperations::UndoCreateHere(const std::string& id) {
+  if (!registry_->Get(id).ok()) return absl::OkStatus();  // never created on this rank
+  return DropHere(id);
+}
+
+absl::Status HeadOperations::DropHere(const std::string& id) {
   ASSIGN_OR_RETURN(const std::shared_ptr<HeadEntry> dropped, registry_->Drop(id));
   admission_->Release(dropped->reservation());
   if (state_store_ != nullptr) state_store_->Remove(id);  // it must not come back at a restart
@@ -238,6 +363,15 @@ absl::Status HeadOperations::Drop(const std::string& id) {
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::ZeroGradients(const std::string& id) {
+  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
+  RETURN_IF_ERROR(OnEveryRank(HeadCommand(HeadCommandKind::kZeroGradients, id), [&] {
+    d = ZeroGradientsHere(id);
+    return d.status();
+  }));
+  return d;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::ZeroGradientsHere(const std::string& id) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   entry->ZeroGradients();
   LogEvent(absl::StrCat("gradients zeroed: \"", id, "\""));
@@ -246,6 +380,16 @@ absl::StatusOr<HeadDescription> HeadOperations::ZeroGradients(const std::string&
 
 absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string& id,
                                                               const OptimizerStepSpec& spec) {
+  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
+  RETURN_IF_ERROR(OnEveryRank(OptimizerStepCommand(id, spec), [&] {
+    d = OptimizerStepHere(id, spec);
+    return d.status();
+  }));
+  return d;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::OptimizerStepHere(const std::string& id,
+                                                                  const OptimizerStepSpec& spec) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   const bool sgd = std::holds_alternative<core::SgdOptions>(spec.optimizer);
   RETURN_IF_ERROR(entry->OptimizerStep(

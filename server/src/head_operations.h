@@ -3,11 +3,17 @@
 // gradients, describe, list, drop, zero its gradients, step its optimizer — each with its one
 // lifecycle log line. The RPC handlers (head_service.cc, stream_reactors.cc) translate
 // protobuf ⇄ these types and statuses, and nothing else.
+//
+// On a head group (head_group.h) the same calls on the front run on every rank: each operation
+// is a group command (built in group_commands.cc, the one home of their encoding) whose local
+// part — the "…Here" methods, shard-aware — every rank runs on its own rows; the other ranks
+// reach them through Follow.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -20,6 +26,7 @@
 #include "remotehead/core/head.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/admission.h"
+#include "remotehead/server/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/state_store.h"
 
@@ -55,16 +62,20 @@ class HeadOperations {
   // line per lifecycle event; files are read and written in `checkpoint_dir` only (nullptr:
   // file operations are FAILED_PRECONDITION). With `state_store`, OptimizerStep saves a head's
   // state every `checkpoint_every_steps` versions and DropHead deletes its states.
+  // With `group`, this process is one rank of a head group: its heads hold its rows, and on
+  // the front every operation runs on every rank.
   HeadOperations(HeadRegistry* registry, AdmissionController* admission, torch::Device device,
                  std::ostream* event_log, std::shared_ptr<const core::CheckpointDir> checkpoint_dir,
-                 StateStore* state_store = nullptr, int checkpoint_every_steps = 0)
+                 StateStore* state_store = nullptr, int checkpoint_every_steps = 0,
+                 HeadGroup* group = nullptr)
       : registry_(registry),
         admission_(admission),
         device_(device),
         event_log_(event_log),
         checkpoint_dir_(std::move(checkpoint_dir)),
         state_store_(state_store),
-        checkpoint_every_steps_(checkpoint_every_steps) {}
+        checkpoint_every_steps_(checkpoint_every_steps),
+        group_(group) {}
 
   absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init);
   absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
@@ -95,7 +106,40 @@ class HeadOperations {
   absl::StatusOr<HeadDescription> RestoreState(const std::string& id, const std::string& state_id);
   absl::Status SaveAllStates();
 
+  // A rank other than the front: runs a head command of the group's log on this rank's rows
+  // (group_commands.cc).
+  absl::Status Follow(const v1::GroupCommand& command);
+
  private:
+  // This rank's rows of a head of `vocab_size` rows, and every rank's (empty off a group).
+  struct Rows {
+    int64_t offset = 0;
+    int64_t rows = 0;
+    std::vector<core::ShardRange> shards;
+  };
+  absl::StatusOr<Rows> RowsOf(int64_t vocab_size, const std::string& field) const;
+  // Runs `here` on this process alone, or, on a group's front, as `command` on every rank (a
+  // failed creation is undone on every rank, so that no rank keeps a head the others lack).
+  absl::Status OnEveryRank(const v1::GroupCommand& command, const std::function<absl::Status()>& here,
+                           bool creates = false);
+  // The local parts of the operations: what every rank runs on its own rows.
+  absl::StatusOr<HeadDescription> CreateFromSeedHere(const std::string& id,
+                                                     const core::HeadInit& init);
+  absl::StatusOr<HeadDescription> CreateFromSafetensorsHere(const std::string& id,
+                                                            const SafetensorsSource& source);
+  // `weight` / `bias`: the whole head's, on the front; on the other ranks tensors of the same
+  // shape that the front's values are shared into.
+  absl::StatusOr<HeadDescription> UploadHere(const std::string& id, torch::Tensor weight,
+                                             torch::Tensor bias, bool replace);
+  absl::StatusOr<HeadSnapshot> SnapshotHere(const std::string& id,
+                                            std::optional<torch::ScalarType> dtype,
+                                            bool gradients);
+  absl::Status DropHere(const std::string& id);
+  absl::Status UndoCreateHere(const std::string& id);  // drops it if this rank has it
+  absl::StatusOr<HeadDescription> ZeroGradientsHere(const std::string& id);
+  absl::StatusOr<HeadDescription> OptimizerStepHere(const std::string& id,
+                                                    const OptimizerStepSpec& spec);
+
   void LogEvent(const std::string& line) const;
   // Reserves the bytes of head `id` of this shape (core::HeadMemoryBytes) before it is
   // allocated; returns the admission ticket. INVALID_ARGUMENT (sizes, named with
@@ -108,7 +152,8 @@ class HeadOperations {
   HeadEntry::ResizeState ResizeOf(const HeadEntry& entry, const std::string& why);
   // Registers `head` under `id` holding `ticket`; releases the ticket if that fails.
   absl::StatusOr<std::shared_ptr<HeadEntry>> AddReserved(
-      const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket);
+      const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket,
+      std::vector<core::ShardRange> shards = {});
 
   absl::StatusOr<StateStore*> Store() const;
   // The checkpoint directory, or FAILED_PRECONDITION naming `field` when there is none.
@@ -121,6 +166,7 @@ class HeadOperations {
   const std::shared_ptr<const core::CheckpointDir> checkpoint_dir_;
   StateStore* state_store_;
   const int checkpoint_every_steps_;
+  HeadGroup* const group_;
 };
 
 }  // namespace remotehead::server

@@ -35,7 +35,8 @@ const std::string& ServerIncarnation() {
 HeadDescription HeadEntry::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   return {.id = id_,
-          .vocab_size = head_->vocab_size(),
+          .vocab_size = shards_.empty() ? head_->vocab_size()
+                                        : shards_.back().offset + shards_.back().rows,
           .hidden_size = head_->hidden_size(),
           .dtype = head_->dtype(),
           .has_bias = head_->has_bias(),
@@ -44,7 +45,8 @@ HeadDescription HeadEntry::Describe() const {
           .accumulated_micro_batches = static_cast<int64_t>(applied_.size()),
           .last_loss = last_loss_,
           .state_id = state_id_,
-          .restored_version = restored_version_};
+          .restored_version = restored_version_,
+          .shards = shards_};
 }
 
 HeadPin HeadEntry::Pin() const {
@@ -187,7 +189,8 @@ absl::Status HeadEntry::ReplaceWeights(const core::Head& head, const ResizeState
 
 absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& id,
                                                              std::unique_ptr<core::Head> head,
-                                                             uint64_t reservation) {
+                                                             uint64_t reservation,
+                                                             std::vector<core::ShardRange> shards) {
   if (id.empty()) {
     return absl::InvalidArgumentError("head_id: expected a non-empty id; got \"\"");
   }
@@ -196,7 +199,7 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& 
     return absl::AlreadyExistsError(
         absl::StrCat("head_id: expected a new id; got \"", id, "\", which already exists"));
   }
-  auto entry = std::make_shared<HeadEntry>(id, std::move(head), reservation);
+  auto entry = std::make_shared<HeadEntry>(id, std::move(head), reservation, std::move(shards));
   heads_.emplace(id, entry);
   return entry;
 }

@@ -39,48 +39,6 @@ absl::Status Answer(const absl::StatusOr<HeadDescription>& result, v1::HeadInfo*
   return ToWire(*result, info);
 }
 
-core::HeadInit FromWire(const v1::CreateHeadRequest::FromInit& init, torch::ScalarType dtype) {
-  core::HeadInit head_init{.vocab_size = init.vocab_size(),
-                           .hidden_size = init.hidden_size(),
-                           .dtype = dtype,
-                           .bias = init.bias(),
-                           .seed = init.seed()};
-  if (init.init_std() != 0) head_init.init_std = init.init_std();
-  return head_init;
-}
-
-SafetensorsSource FromWire(const v1::CreateHeadRequest::FromSafetensors& src,
-                           std::optional<torch::ScalarType> dtype) {
-  SafetensorsSource source{.path = src.path(), .bias_name = src.bias_name(), .dtype = dtype};
-  if (!src.weight_name().empty()) source.weight_name = src.weight_name();
-  return source;
-}
-
-absl::StatusOr<OptimizerStepSpec> FromWire(const v1::OptimizerStepRequest& request) {
-  OptimizerStepSpec spec{.grad_scale = request.has_grad_scale() ? request.grad_scale() : 1.0,
-                         .zero_gradients = request.zero_gradients()};
-  switch (request.optimizer_case()) {
-    case v1::OptimizerStepRequest::kSgd: {
-      const auto& o = request.sgd();
-      spec.optimizer = core::SgdOptions{
-          .lr = o.lr(), .momentum = o.momentum(), .weight_decay = o.weight_decay()};
-      return spec;
-    }
-    case v1::OptimizerStepRequest::kAdamw: {
-      const auto& o = request.adamw();
-      core::AdamWOptions options{.lr = o.lr(), .weight_decay = o.weight_decay()};
-      // Unset (0) betas and eps take torch.optim.AdamW's defaults.
-      if (o.beta1() != 0) options.beta1 = o.beta1();
-      if (o.beta2() != 0) options.beta2 = o.beta2();
-      if (o.eps() != 0) options.eps = o.eps();
-      spec.optimizer = options;
-      return spec;
-    }
-    default:
-      return absl::InvalidArgumentError("optimizer: expected sgd or adamw; got none");
-  }
-}
-
 class HeadServiceImpl final : public HeadService, public v1::HeadService::CallbackService {
  public:
   HeadServiceImpl(HeadRegistry* registry, const ServiceOptions& options)
@@ -97,6 +55,19 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   AdmissionController& admission() override { return context_->admission; }
   absl::Status ReserveLoadedHeads() override { return Ops().ReserveLoadedHeads(); }
   absl::Status SaveAllStates() override { return Ops().SaveAllStates(); }
+  absl::Status FollowGroup(const std::atomic<bool>& stop) override {
+    HeadGroup* group = context_->options.group;
+    if (group == nullptr || group->is_front()) {
+      return absl::FailedPreconditionError("FollowGroup: expected a head group rank other than 0");
+    }
+    return group->Follow(
+        [this](const v1::GroupCommand& command) {
+          return command.has_step_batch() || command.has_step_end()
+                     ? context_->group_steps.Follow(command)
+                     : Ops().Follow(command);
+        },
+        stop);
+  }
 
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
                                        const v1::CreateHeadRequest* request,

@@ -10,6 +10,8 @@
 
 #include <atomic>
 #include <csignal>
+#include <functional>
+#include <map>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -27,6 +29,7 @@
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/credentials.h"
+#include "remotehead/server/head_group.h"
 #include "remotehead/server/head_service.h"
 #include "remotehead/server/metrics.h"
 #include "remotehead/server/metrics_http.h"
@@ -74,6 +77,19 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "their paths are relative to it, never through '..' or symbolic links. "
           "Empty = those RPCs are refused (FAILED_PRECONDITION)");
 
+ABSL_FLAG(int32_t, group_size, 0,
+          "processes of a head group (one per GPU), each holding a range of every head's "
+          "vocabulary rows; 0 = WORLD_SIZE from the environment, else 1 (no group)");
+ABSL_FLAG(int32_t, group_rank, -1,
+          "this process's rank in the head group (0 = the front, which serves HeadService); "
+          "-1 = RANK from the environment, else 0");
+ABSL_FLAG(std::string, group_store, "",
+          "host:port of the group's TCPStore (rank 0 serves it, the others dial it); empty = "
+          "MASTER_ADDR:MASTER_PORT from the environment, else 127.0.0.1:29500");
+ABSL_FLAG(double, group_timeout_seconds, 60,
+          "how long a head group's collectives and commands wait for a rank before the group "
+          "is declared down");
+
 namespace {
 
 namespace rh = remotehead;
@@ -96,9 +112,9 @@ absl::StatusOr<torch::Device> ResolveDevice(const std::string& name) {
   }
 }
 
-// id:vocab:hidden[:dtype[:seed]]
+// id:vocab:hidden[:dtype[:seed]]; on a head group (`group` set), this rank's rows of it.
 absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
-                         rh::server::HeadRegistry* registry) {
+                         rh::server::HeadGroup* group, rh::server::HeadRegistry* registry) {
   const std::vector<std::string> parts = absl::StrSplit(spec, ':');
   rh::core::HeadInit init;
   if (parts.size() < 3 || parts.size() > 5 || !absl::SimpleAtoi(parts[1], &init.vocab_size) ||
@@ -110,8 +126,16 @@ absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
   if (parts.size() >= 4) {
     ASSIGN_OR_RETURN(init.dtype, rh::core::ParseHeadDtype(parts[3]));
   }
-  ASSIGN_OR_RETURN(auto head, rh::core::Head::Initialize(init, {.device = device}));
-  return registry->Add(parts[0], std::move(head)).status();
+  if (group == nullptr) {
+    ASSIGN_OR_RETURN(auto head, rh::core::Head::Initialize(init, {.device = device}));
+    return registry->Add(parts[0], std::move(head)).status();
+  }
+  ASSIGN_OR_RETURN(const std::vector<rh::core::ShardRange> shards,
+                   group->Ranges(init.vocab_size));
+  const rh::core::ShardRange mine = shards.at(static_cast<size_t>(group->rank()));
+  ASSIGN_OR_RETURN(auto head, rh::core::Head::InitializeRows(init, {.device = device}, mine.offset,
+                                                             mine.rows));
+  return registry->Add(parts[0], std::move(head), /*reservation=*/0, shards).status();
 }
 
 // Every value of a repeatable list flag (--name=a,b --name c): Abseil keeps only the last
@@ -167,7 +191,8 @@ absl::Status RestoreHeads(const rh::server::StateStore& store, const torch::Devi
   return absl::OkStatus();
 }
 
-absl::Status LoadHeads(const torch::Device& device, rh::server::HeadRegistry* registry) {
+absl::Status LoadHeads(const torch::Device& device, rh::server::HeadGroup* group,
+                       rh::server::HeadRegistry* registry) {
   for (const std::string& spec : absl::GetFlag(FLAGS_head)) {
     const std::string id = std::string(spec.substr(0, spec.find(':')));
     if (registry->Get(id).ok()) {  // restored from --state_dir: its trained state wins
@@ -175,7 +200,7 @@ absl::Status LoadHeads(const torch::Device& device, rh::server::HeadRegistry* re
                 << std::endl;
       continue;
     }
-    RETURN_IF_ERROR(PreloadHead(spec, device, registry));
+    RETURN_IF_ERROR(PreloadHead(spec, device, group, registry));
     std::cout << "remotehead-server: head loaded: " << spec << " on " << device.str() << std::endl;
   }
   return absl::OkStatus();
@@ -185,9 +210,11 @@ absl::Status LoadHeads(const torch::Device& device, rh::server::HeadRegistry* re
 int64_t LoadedHeadBytes(const rh::server::HeadRegistry& registry) {
   int64_t bytes = 0;
   for (const auto& entry : registry.List()) {
-    const rh::server::HeadDescription d = entry->Describe();
-    bytes += rh::core::HeadMemoryBytes(d.vocab_size, d.hidden_size, d.dtype, d.has_bias)
-                 .value_or(0);  // loaded, so within the limits
+    bytes += entry->Read([](const rh::core::Head& head) {
+      return rh::core::HeadMemoryBytes(head.vocab_size(), head.hidden_size(), head.dtype(),
+                                       head.has_bias())
+          .value_or(0);  // loaded, so within the limits
+    });
   }
   return bytes;
 }
@@ -259,7 +286,7 @@ absl::StatusOr<std::shared_ptr<const rh::core::CheckpointDir>> OpenCheckpointDir
 rh::server::ServiceOptions MakeServiceOptions(
     const torch::Device& device, int64_t budget, rh::server::ServerMetrics* metrics,
     rh::server::StateStore* state_store,
-    std::shared_ptr<const rh::core::CheckpointDir> checkpoint_dir) {
+    std::shared_ptr<const rh::core::CheckpointDir> checkpoint_dir, rh::server::HeadGroup* group) {
   const rh::server::ServiceOptions options{
       .device = device,
       .compute_threads = absl::GetFlag(FLAGS_compute_threads),
@@ -272,7 +299,8 @@ rh::server::ServiceOptions MakeServiceOptions(
       .metrics = metrics,
       .state_store = state_store,
       .checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps),
-      .checkpoint_dir = std::move(checkpoint_dir)};
+      .checkpoint_dir = std::move(checkpoint_dir),
+      .group = group};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
             << ", max active " << options.admission.max_active << " (0 = no limit), max queued "
@@ -284,16 +312,18 @@ rh::server::ServiceOptions MakeServiceOptions(
 
 // The gRPC server with the HeadService, health checking, reflection and (optionally) the
 // metrics interceptor; nullptr when it cannot listen.
+// A head group's rank other than the front serves health (and metrics) only: calls go to the
+// front.
 std::unique_ptr<grpc::Server> StartServer(
     const std::shared_ptr<grpc::ServerCredentials>& credentials, rh::server::HeadService& service,
-    rh::server::ServerMetrics* metrics, int* port) {
+    bool serve_heads, rh::server::ServerMetrics* metrics, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), credentials, port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  builder.RegisterService(&service.service());
+  if (serve_heads) builder.RegisterService(&service.service());
   if (metrics != nullptr) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
     creators.push_back(metrics->InterceptorFactory());
@@ -312,10 +342,22 @@ void DrainOnSignal() {
   std::signal(SIGINT, OnSignal);
 }
 
-// Serves until SIGTERM / SIGINT (DrainOnSignal), then drains: NOT_SERVING, then up to
-// --shutdown_grace_seconds for the calls in flight.
-void ServeUntilSignal(grpc::Server& server) {
-  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+// Serves until SIGTERM / SIGINT (DrainOnSignal) or `done` says so, then drains: NOT_SERVING,
+// then up to --shutdown_grace_seconds for the calls in flight. On a head group, health turns
+// NOT_SERVING as soon as the group is down.
+void ServeUntilSignal(grpc::Server& server, rh::server::HeadGroup* group,
+                      const std::function<bool()>& done) {
+  bool serving = true;
+  while (!g_stop.load() && !done()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (group == nullptr || !serving) continue;
+    if (const absl::Status down = group->health(); !down.ok()) {
+      serving = false;
+      server.GetHealthCheckService()->SetServingStatus(false);
+      std::cerr << "remotehead-server: NOT_SERVING: the head group is down: " << down.message()
+                << std::endl;
+    }
+  }
   std::cout << "remotehead-server: draining (up to " << absl::GetFlag(FLAGS_shutdown_grace_seconds)
             << " s)" << std::endl;
   server.GetHealthCheckService()->SetServingStatus(false);
@@ -329,6 +371,45 @@ int Refuse(const absl::Status& status) {
   return 2;
 }
 
+// The head group this process joins (--group_* flags, else torchrun's environment); nullptr
+// for a server on its own. Bad flags: INVALID_ARGUMENT naming the flag.
+absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device& device) {
+  std::map<std::string, std::string> env;
+  for (const char* name : {"WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+    if (const char* value = std::getenv(name); value != nullptr) env[name] = value;
+  }
+  ASSIGN_OR_RETURN(rh::server::GroupConfig config,
+                   rh::server::ResolveGroupConfig(
+                       {.size = absl::GetFlag(FLAGS_group_size),
+                        .rank = absl::GetFlag(FLAGS_group_rank),
+                        .store = absl::GetFlag(FLAGS_group_store),
+                        .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds)},
+                       env));
+  config.device = device;
+  if (config.size > 1 && !absl::GetFlag(FLAGS_state_dir).empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--state_dir: expected none on a head group (durable state is per server for now); got \"",
+        absl::GetFlag(FLAGS_state_dir), "\" with --group_size ", config.size));
+  }
+  return config;
+}
+
+// Joins the head group (every rank waits for the others, up to --group_timeout_seconds).
+absl::StatusOr<std::unique_ptr<rh::server::HeadGroup>> JoinGroup(
+    const rh::server::GroupConfig& config) {
+  if (config.size <= 1) return nullptr;
+  std::cout << "remotehead-server: joining head group as rank " << config.rank << " of "
+            << config.size << " at " << config.store_host << ":" << config.store_port << " ("
+            << (config.device.is_cuda() ? "NCCL" : "Gloo") << ")" << std::endl;
+  ASSIGN_OR_RETURN(std::unique_ptr<rh::server::ProcessGroup> group,
+                   rh::server::ProcessGroup::Join(config));
+  std::cout << "remotehead-server: head group joined: rank " << config.rank << " of "
+            << config.size << (config.rank == 0 ? " (the front: serves HeadService)"
+                                                : " (follows the front's commands)")
+            << std::endl;
+  return std::make_unique<rh::server::HeadGroup>(std::move(group));
+}
+
 int Run() {
   auto credentials = Security();
   if (!credentials.ok()) return Refuse(credentials.status());
@@ -336,6 +417,8 @@ int Run() {
   if (!metrics_options.ok()) return Refuse(metrics_options.status());
   auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
   if (!device.ok()) return Refuse(device.status());
+  const absl::StatusOr<rh::server::GroupConfig> group_config = GroupConfigFromFlags(*device);
+  if (!group_config.ok()) return Refuse(group_config.status());
   // CPU memory is measured by a counting allocator, installed before any tensor exists.
   if (!absl::GetFlag(FLAGS_metrics_address).empty() && device->is_cpu()) {
     rh::core::InstallCpuMemoryTracker();
@@ -351,7 +434,14 @@ int Run() {
       return Refuse(s);
     }
   }
-  if (const absl::Status s = LoadHeads(*device, &registry); !s.ok()) return Refuse(s);
+  absl::StatusOr<std::unique_ptr<rh::server::HeadGroup>> group = JoinGroup(*group_config);
+  if (!group.ok()) {
+    std::cerr << "remotehead-server: " << group.status().message() << std::endl;
+    return 1;
+  }
+  if (const absl::Status s = LoadHeads(*device, group->get(), &registry); !s.ok()) {
+    return Refuse(s);
+  }
   if (absl::GetFlag(FLAGS_torch_threads) > 0) {
     at::set_num_threads(absl::GetFlag(FLAGS_torch_threads));
   }
@@ -364,15 +454,16 @@ int Run() {
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
       &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get(),
-                                    *std::move(checkpoint_dir)));
+                                    *std::move(checkpoint_dir), group->get()));
   if (const absl::Status s = service->ReserveLoadedHeads(); !s.ok()) {
     return Refuse(absl::Status(
         s.code(), absl::StrCat("--head, --memory_budget_bytes: ", std::string(s.message()))));
   }
   int port = 0;
   DrainOnSignal();
+  const bool front = *group == nullptr || (*group)->is_front();
   std::unique_ptr<grpc::Server> server =
-      StartServer(*credentials, *service, metrics->metrics.get(), &port);
+      StartServer(*credentials, *service, front, metrics->metrics.get(), &port);
   if (server == nullptr) {
     std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
     return 1;
@@ -386,13 +477,33 @@ int Run() {
   server->GetHealthCheckService()->SetServingStatus(true);
   std::cout << "remotehead-server: listening on port " << port << " (device " << device->str()
             << ")" << std::endl;
-  ServeUntilSignal(*server);
+  // A rank other than the front follows the front's commands until told to stop, or until the
+  // front is gone (then it stops too, with exit code 1).
+  std::atomic<bool> followed{false};
+  absl::Status follow_status;
+  std::thread follower;
+  if (!front) {
+    follower = std::thread([&] {
+      follow_status = service->FollowGroup(g_stop);
+      followed.store(true);
+    });
+  }
+  ServeUntilSignal(*server, group->get(), [&] { return followed.load(); });
+  const bool signalled = g_stop.load();
+  if (follower.joinable()) {
+    g_stop.store(true);
+    follower.join();
+  }
   if (const absl::Status s = service->SaveAllStates(); !s.ok()) {
     std::cerr << "remotehead-server: head states NOT saved at shutdown: " << s << std::endl;
   } else if (state_store != nullptr) {
     std::cout << "remotehead-server: head states saved to " << state_store->dir() << std::endl;
   }
   metrics->http.reset();  // no scrape may read the service's state once it is gone
+  if (!follow_status.ok() && !signalled) {  // the front went away first: not a clean stop
+    std::cerr << "remotehead-server: stopped: " << follow_status.message() << std::endl;
+    return 1;
+  }
   std::cout << "remotehead-server: stopped" << std::endl;
   return 0;
 }

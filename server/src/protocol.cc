@@ -18,6 +18,12 @@ absl::Status ToWire(const HeadDescription& d, v1::HeadInfo* info) {
   info->set_accumulated_micro_batches(d.accumulated_micro_batches);
   info->set_incarnation(ServerIncarnation());
   info->set_state_id(d.state_id);
+  info->set_group_size(d.shards.empty() ? 1 : static_cast<int32_t>(d.shards.size()));
+  for (const core::ShardRange& range : d.shards) {
+    v1::ShardRange* shard = info->add_shards();
+    shard->set_offset(range.offset);
+    shard->set_rows(range.rows);
+  }
   return absl::OkStatus();
 }
 
@@ -40,6 +46,48 @@ absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
   if (dtype == v1::DTYPE_UNSPECIFIED) return std::nullopt;
   ASSIGN_OR_RETURN(const torch::ScalarType t, wire::FromWireDtype(dtype, field));
   return t;
+}
+
+core::HeadInit FromWire(const v1::CreateHeadRequest::FromInit& init, torch::ScalarType dtype) {
+  core::HeadInit head_init{.vocab_size = init.vocab_size(),
+                           .hidden_size = init.hidden_size(),
+                           .dtype = dtype,
+                           .bias = init.bias(),
+                           .seed = init.seed()};
+  if (init.init_std() != 0) head_init.init_std = init.init_std();
+  return head_init;
+}
+
+SafetensorsSource FromWire(const v1::CreateHeadRequest::FromSafetensors& src,
+                           std::optional<torch::ScalarType> dtype) {
+  SafetensorsSource source{.path = src.path(), .bias_name = src.bias_name(), .dtype = dtype};
+  if (!src.weight_name().empty()) source.weight_name = src.weight_name();
+  return source;
+}
+
+absl::StatusOr<OptimizerStepSpec> FromWire(const v1::OptimizerStepRequest& request) {
+  OptimizerStepSpec spec{.grad_scale = request.has_grad_scale() ? request.grad_scale() : 1.0,
+                         .zero_gradients = request.zero_gradients()};
+  switch (request.optimizer_case()) {
+    case v1::OptimizerStepRequest::kSgd: {
+      const auto& o = request.sgd();
+      spec.optimizer = core::SgdOptions{
+          .lr = o.lr(), .momentum = o.momentum(), .weight_decay = o.weight_decay()};
+      return spec;
+    }
+    case v1::OptimizerStepRequest::kAdamw: {
+      const auto& o = request.adamw();
+      core::AdamWOptions options{.lr = o.lr(), .weight_decay = o.weight_decay()};
+      // Unset (0) betas and eps take torch.optim.AdamW's defaults.
+      if (o.beta1() != 0) options.beta1 = o.beta1();
+      if (o.beta2() != 0) options.beta2 = o.beta2();
+      if (o.eps() != 0) options.eps = o.eps();
+      spec.optimizer = options;
+      return spec;
+    }
+    default:
+      return absl::InvalidArgumentError("optimizer: expected sgd or adamw; got none");
+  }
 }
 
 }  // namespace remotehead::server

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "head_operations.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
 
@@ -23,5 +24,11 @@ absl::Status CheckIncarnation(const std::string& expected, const std::string& fi
 // A request's optional dtype field (DTYPE_UNSPECIFIED: unset), named `field` in errors.
 absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
                                                                const std::string& field);
+
+// The operations' arguments from their requests (the handlers', and a head group's commands').
+core::HeadInit FromWire(const v1::CreateHeadRequest::FromInit& init, torch::ScalarType dtype);
+SafetensorsSource FromWire(const v1::CreateHeadRequest::FromSafetensors& source,
+                           std::optional<torch::ScalarType> dtype);
+absl::StatusOr<OptimizerStepSpec> FromWire(const v1::OptimizerStepRequest& request);
 
 }  // namespace remotehead::server

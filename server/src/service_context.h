@@ -4,6 +4,7 @@
 #pragma once
 
 #include "compute_pool.h"
+#include "group_steps.h"
 #include "head_operations.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
@@ -19,7 +20,8 @@ struct ServiceContext {
         admission(options.admission),
         retained(&admission, options.max_retain_seconds),
         operations(registry, &admission, options.device, options.event_log, options.checkpoint_dir,
-                   options.state_store, options.checkpoint_every_steps),
+                   options.state_store, options.checkpoint_every_steps, options.group),
+        group_steps(registry, options.group, options.device),
         compute(options.compute_threads) {}
 
   HeadRegistry* const registry;
@@ -27,6 +29,7 @@ struct ServiceContext {
   AdmissionController admission;
   RetainedInputStore retained;
   HeadOperations operations;
+  GroupStepFollower group_steps;  // a head group's other ranks: the front's requests
   // Last, so destroyed first: the pool's threads finish their tasks while the rest is alive.
   ComputePool compute;
 };

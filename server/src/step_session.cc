@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "group_steps.h"
 #include "protocol.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
@@ -78,6 +79,18 @@ bool StepSession::WellFormed(const core::TokenBatch& b, const torch::Tensor& gra
   return true;
 }
 
+StepSession::~StepSession() {
+  if (!group_open_) return;
+  // The other ranks' scratch of a request that failed or was abandoned: freed, not committed.
+  // Best effort: a group that is down discards nothing, and has nothing to keep either.
+  absl::StatusOr<HeadGroup::Lane> lane = group_->Enter();
+  if (!lane.ok()) return;
+  lane->Run(StepEndCommand(group_session_, header_->head_id(), /*commit=*/false, std::nullopt,
+                           std::nullopt, std::nullopt),
+            [] { return absl::OkStatus(); })
+      .IgnoreError();
+}
+
 absl::Status StepSession::OnRequest(v1::StepRequest request,
                                     std::vector<v1::StepResponse>* responses, bool more_queued) {
   switch (request.part_case()) {
@@ -105,6 +118,11 @@ absl::Status StepSession::OnRequest(v1::StepRequest request,
 
 absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
   ASSIGN_OR_RETURN(entry_, registry_->Get(header.head_id()));
+  if (group_ != nullptr) {
+    shard_ = {.group = &group_->collectives(), .ranges = entry_->shards()};
+    options_.shard = &shard_;
+    group_session_ = group_->NewSession();
+  }
   if (header.rows() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("header.rows: expected >= 0; got ", header.rows()));
@@ -422,45 +440,47 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
 
 absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
                                   torch::Tensor* grad_hidden, torch::Tensor* outputs) {
-  core::GradientBuffers* grads = key_ ? &scratch_ : nullptr;
+  auto here = [&](const core::Head& head) {
+    return ComputeHere(head, batch, grad_output, grad_hidden, outputs);
+  };
   // Under the head's lock, on the version the request began with: its weights must not change
   // under a running computation, nor between two of its batches.
-  return entry_->ReadPinned(&pin_, [&](const core::Head& head) -> absl::Status {
-    // One logits buffer for the whole request (a new one per batch would cost page faults),
-    // allocated once the request has been admitted.
-    if (!options_.logits_workspace.defined() && batch_rows_ > 1 && header_->rows() > 0) {
-      options_.logits_workspace =
-          core::NewLogitsWorkspace(head, plan_, std::min(batch_rows_, header_->rows()));
-    }
-    switch (mode_) {
-      case core::CallMode::kFused: {
-        ASSIGN_OR_RETURN(core::FusedResult r,
-                         core::FusedForwardBackward(head, batch, options_, grads));
-        loss_ += r.loss;
-        *grad_hidden = std::move(r.grad_hidden);
-        AddStats(r.stats);
-        return absl::OkStatus();
-      }
-      case core::CallMode::kForward: {
-        ASSIGN_OR_RETURN(core::ForwardResult r, core::Forward(head, batch, options_));
-        if (options_.reduction == core::Reduction::kNone) {
-          *outputs = std::move(r.output);
-        } else {
-          loss_ += r.output.item<double>();
-        }
-        AddStats(r.stats);
-        return absl::OkStatus();
-      }
-      case core::CallMode::kBackward: {
-        ASSIGN_OR_RETURN(core::BackwardResult r,
-                         core::Backward(head, batch, options_, grad_output, grads));
-        *grad_hidden = std::move(r.grad_hidden);
-        AddStats(r.stats);
-        return absl::OkStatus();
-      }
-    }
-    return absl::InternalError("unknown step mode");
+  if (group_ == nullptr) return entry_->ReadPinned(&pin_, here);
+  // On a group: the lane first (every group operation takes it before any head's lock), then
+  // the pin is checked here before any other rank is asked to compute.
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
+  return entry_->ReadPinned(&pin_, [&](const core::Head& head) {
+    const bool accumulate = key_.has_value();
+    group_open_ = group_open_ || accumulate;
+    return lane.Run(StepBatchCommand(group_session_, header_->head_id(), mode_, accumulate, *pin_,
+                                     options_, batch, grad_output),
+                    [&]() -> absl::Status {
+                      std::vector<torch::Tensor> tensors = BatchTensors(batch, grad_output);
+                      RETURN_IF_ERROR(group_->Share(tensors));
+                      return here(head);
+                    });
   });
+}
+
+absl::Status StepSession::ComputeHere(const core::Head& head, const core::TokenBatch& batch,
+                                      const torch::Tensor& grad_output, torch::Tensor* grad_hidden,
+                                      torch::Tensor* outputs) {
+  // One logits buffer for the whole request (a new one per batch would cost page faults),
+  // allocated once the request has been admitted.
+  if (!options_.logits_workspace.defined() && batch_rows_ > 1 && header_->rows() > 0) {
+    options_.logits_workspace =
+        core::NewLogitsWorkspace(head, plan_, std::min(batch_rows_, header_->rows()));
+  }
+  ASSIGN_OR_RETURN(EngineOutputs r, RunEngine(mode_, head, batch, options_, grad_output,
+                                              key_ ? &scratch_ : nullptr));
+  if (mode_ == core::CallMode::kFused ||
+      (mode_ == core::CallMode::kForward && options_.reduction != core::Reduction::kNone)) {
+    loss_ += r.loss;
+  }
+  *grad_hidden = std::move(r.grad_hidden);
+  *outputs = std::move(r.outputs);
+  AddStats(r.stats);
+  return absl::OkStatus();
 }
 
 void StepSession::AddStats(const core::StepStats& stats) {
@@ -478,13 +498,7 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
   }
   RETURN_IF_ERROR(ComputeRemaining(responses));
   RETURN_IF_ERROR(CheckComplete());
-  ASSIGN_OR_RETURN(
-      const CommitResult commit,
-      entry_->Commit(
-          {.pin = pin_,
-           .key = key_,
-           .scratch = &scratch_,
-           .loss = mode_ == core::CallMode::kFused ? std::optional<double>(loss_) : std::nullopt}));
+  ASSIGN_OR_RETURN(const CommitResult commit, Commit());
   if (inputs_ != nullptr) retained_->Release(header_->inputs_handle());
   v1::StepResponse response;
   v1::StepSummary* summary = response.mutable_summary();
@@ -492,6 +506,27 @@ absl::Status StepSession::OnClientDone(std::vector<v1::StepResponse>* responses)
   FillSummary(commit, summary);
   responses->push_back(std::move(response));
   return absl::OkStatus();
+}
+
+absl::StatusOr<CommitResult> StepSession::Commit() {
+  const std::optional<double> loss =
+      mode_ == core::CallMode::kFused ? std::optional<double>(loss_) : std::nullopt;
+  auto here = [&] {
+    return entry_->Commit({.pin = pin_, .key = key_, .scratch = &scratch_, .loss = loss});
+  };
+  // Only a request that accumulates changes the other ranks' heads.
+  if (group_ == nullptr || !key_.has_value()) return here();
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
+  absl::StatusOr<CommitResult> result = absl::UnknownError("not run");
+  group_open_ = false;  // committed or not, the other ranks let go of the scratch
+  RETURN_IF_ERROR(lane.Run(
+      StepEndCommand(group_session_, header_->head_id(), /*commit=*/true, pin_, key_, loss),
+      [&] {
+        result = here();
+        return result.status();
+      },
+      /*local_last=*/true));
+  return result;
 }
 
 // Whatever is still pending, and — for a scalar Backward by handle, which sends no rows — the

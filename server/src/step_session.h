@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/server/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "retained_inputs.h"
@@ -40,12 +41,19 @@ class StepSession {
   // kFused: ForwardBackward; kForward: outputs only, nothing accumulated; kBackward: the
   // two-phase backward (dL/dy per row for reduction NONE; for a scalar reduction dL/dloss is
   // header.upstream_scale), with X re-sent or taken from a Forward's retained inputs.
+  // With `group` (the front of a head group), every engine call and the commit run on every
+  // rank (group_steps.h).
   StepSession(HeadRegistry* registry, RetainedInputStore* retained, core::CallMode mode,
-              int64_t response_chunk_bytes)
+              int64_t response_chunk_bytes, HeadGroup* group = nullptr)
       : registry_(registry),
         retained_(retained),
         mode_(mode),
-        response_chunk_bytes_(response_chunk_bytes) {}
+        response_chunk_bytes_(response_chunk_bytes),
+        group_(group) {}
+  // On a group, a request that ends without committing discards the other ranks' scratch.
+  ~StepSession();
+  StepSession(const StepSession&) = delete;
+  StepSession& operator=(const StepSession&) = delete;
 
   // Handles one client message; appends what goes back to the client to `responses`.
   // Takes the message: the rows it carries are computed from its bytes without a copy. Rows
@@ -115,7 +123,13 @@ class StepSession {
   // Runs the engine for one batch in this session's mode; fills dX / outputs.
   absl::Status Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
                        torch::Tensor* grad_hidden, torch::Tensor* outputs);
+  // The engine call on this process's head (on a group, its part of the call on every rank).
+  absl::Status ComputeHere(const core::Head& head, const core::TokenBatch& batch,
+                           const torch::Tensor& grad_output, torch::Tensor* grad_hidden,
+                           torch::Tensor* outputs);
   void AddStats(const core::StepStats& stats);
+  // Adds the scratch dW to the head (on a group: on every rank, the front last).
+  absl::StatusOr<CommitResult> Commit();
 
   // The end.
   absl::Status ComputeRemaining(std::vector<v1::StepResponse>* responses);
@@ -127,6 +141,10 @@ class StepSession {
   RetainedInputStore* retained_;
   const core::CallMode mode_;
   const int64_t response_chunk_bytes_;
+  HeadGroup* const group_;
+  core::VocabShard shard_;          // on a group: this head's shards (options_.shard points here)
+  int64_t group_session_ = 0;       // on a group: this request's id in the step commands
+  bool group_open_ = false;         // the other ranks hold scratch for it
   std::shared_ptr<HeadEntry> entry_;
   // The head's version and gradient window the request computes on: fixed at the header when
   // it pins a version (expected_weight_version, inputs_handle), else at its first computation.

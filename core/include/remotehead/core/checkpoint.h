@@ -30,6 +30,14 @@ absl::StatusOr<torch::Tensor> ReadSafetensor(const CheckpointDir& dir, const std
                                              const std::string& name,
                                              const std::string& field = "path");
 
+// Rows [offset, offset + rows) of tensor `name`'s first dimension, reading only their bytes (a
+// head group's shard of lm_head.weight / lm_head.bias); the same checks and errors as
+// ReadSafetensor, and INVALID_ARGUMENT for a range outside the tensor.
+absl::StatusOr<torch::Tensor> ReadSafetensorRows(const CheckpointDir& dir,
+                                                 const std::string& relative,
+                                                 const std::string& name, int64_t offset,
+                                                 int64_t rows, const std::string& field = "path");
+
 // What ReadSafetensor would return, without reading (or allocating) the data: the dtype and
 // shape of tensor `name`, with the same checks and errors. Lets a caller reserve memory first.
 struct SafetensorInfo {

@@ -70,6 +70,12 @@ class Head {
   // Deterministic initialisation: the same seed gives bit-identical weights on any device.
   static absl::StatusOr<std::unique_ptr<Head>> Initialize(const HeadInit& init,
                                                           const HeadOptions& options);
+  // Rows [offset, offset + rows) of the head Initialize(init) makes: a head group's shard, equal
+  // to those rows of a one-server head with the same seed. The whole W is drawn on the CPU (one
+  // draw, so the values match) and only the shard's rows are kept and moved to the device.
+  static absl::StatusOr<std::unique_ptr<Head>> InitializeRows(const HeadInit& init,
+                                                              const HeadOptions& options,
+                                                              int64_t offset, int64_t rows);
 
   int64_t vocab_size() const { return weight_.size(0); }
   int64_t hidden_size() const { return weight_.size(1); }

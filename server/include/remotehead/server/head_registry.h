@@ -20,6 +20,7 @@
 #include "remotehead/core/head.h"
 #include "remotehead/core/head_state.h"
 #include "remotehead/core/optimizer.h"
+#include "remotehead/core/vocab_group.h"
 
 namespace remotehead::server {
 
@@ -34,7 +35,7 @@ struct GradientKey {
 // A head at one moment (DescribeHead, ListHeads, metrics).
 struct HeadDescription {
   std::string id;
-  int64_t vocab_size = 0;
+  int64_t vocab_size = 0;  // the whole head's (a head group's shard holds fewer rows)
   int64_t hidden_size = 0;
   torch::ScalarType dtype = torch::kFloat;
   bool has_bias = false;
@@ -44,6 +45,7 @@ struct HeadDescription {
   std::optional<double> last_loss;          // of the last successful ForwardBackward
   std::string state_id;                     // last saved to / restored from ("" if none)
   std::optional<int64_t> restored_version;  // restored at start by this server process
+  std::vector<core::ShardRange> shards;     // a head group's rows by rank; empty: one server
 };
 
 // This server process's random id (HeadInfo / StepSummary.incarnation): a restarted server has
@@ -73,11 +75,18 @@ struct CommitResult {
 
 class HeadEntry {
  public:
-  // `reservation`: the admission ticket holding this head's bytes (0: none).
-  HeadEntry(std::string id, std::unique_ptr<core::Head> head, uint64_t reservation = 0)
-      : id_(std::move(id)), reservation_(reservation), head_(std::move(head)) {}
+  // `reservation`: the admission ticket holding this head's bytes (0: none). `shards`: on a head
+  // group, every rank's rows of the head (this process holds its own rank's); empty: the head
+  // is whole.
+  HeadEntry(std::string id, std::unique_ptr<core::Head> head, uint64_t reservation = 0,
+            std::vector<core::ShardRange> shards = {})
+      : id_(std::move(id)),
+        shards_(std::move(shards)),
+        reservation_(reservation),
+        head_(std::move(head)) {}
 
   const std::string& id() const { return id_; }
+  const std::vector<core::ShardRange>& shards() const { return shards_; }
   uint64_t reservation() const { return reservation_.load(); }
   // For a head registered without one (loaded at start): takes `ticket` as its reservation.
   void set_reservation(uint64_t ticket) { reservation_.store(ticket); }
@@ -150,6 +159,7 @@ class HeadEntry {
   void ZeroGradientsLocked();
 
   const std::string id_;
+  const std::vector<core::ShardRange> shards_;
   std::atomic<uint64_t> reservation_;
   mutable std::mutex mu_;  // guards everything below
   std::unique_ptr<core::Head> head_;
@@ -178,7 +188,8 @@ class HeadRegistry {
   // admission ticket holding the head's bytes, released by whoever drops it.
   absl::StatusOr<std::shared_ptr<HeadEntry>> Add(const std::string& id,
                                                  std::unique_ptr<core::Head> head,
-                                                 uint64_t reservation = 0);
+                                                 uint64_t reservation = 0,
+                                                 std::vector<core::ShardRange> shards = {});
   // NOT_FOUND naming the id asked for (and no other head's).
   absl::StatusOr<std::shared_ptr<HeadEntry>> Get(const std::string& id) const;
   // Removes the head and returns it (requests still holding it then fail to commit).

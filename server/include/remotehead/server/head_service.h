@@ -12,7 +12,10 @@
 
 #include "absl/status/status.h"
 #include "remotehead/core/checkpoint_dir.h"
+#include <atomic>
+
 #include "remotehead/server/admission.h"
+#include "remotehead/server/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/metrics.h"
 #include "remotehead/server/state_store.h"
@@ -41,6 +44,10 @@ struct ServiceOptions {
   // The only directory that file RPCs (CreateHead from safetensors, SaveWeights) read and write,
   // their paths relative to it (--checkpoint_dir); nullptr = those RPCs are refused.
   std::shared_ptr<const core::CheckpointDir> checkpoint_dir;
+  // This process is one rank of a head group (head_group.h): its heads hold its rows of the
+  // vocabulary; rank 0 serves the calls and runs each on every rank, the others FollowGroup.
+  // nullptr: a server on its own.
+  HeadGroup* group = nullptr;
 };
 
 class HeadService {
@@ -59,6 +66,9 @@ class HeadService {
   virtual absl::Status ReserveLoadedHeads() = 0;
   // Saves the state of every head in the state store (the SIGTERM drain); OK without one.
   virtual absl::Status SaveAllStates() = 0;
+  // A head group's rank other than the front: executes the group's commands on this service's
+  // heads, in order, until `stop` is set (OK) or the front is gone (UNAVAILABLE).
+  virtual absl::Status FollowGroup(const std::atomic<bool>& stop) = 0;
 };
 
 }  // namespace remotehead::server

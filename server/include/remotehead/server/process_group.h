@@ -65,7 +65,12 @@ class ProcessGroup : public core::GroupCollectives {
                                           std::chrono::milliseconds timeout) = 0;
   virtual absl::Status Delete(const std::string& key) = 0;
 
-  // What the collectives moved so far, by operation name ("all_gather", "reduce", "broadcast").
+  // Every rank's `t` (same shape and dtype on all ranks) stacked by rank, [size, t.shape…], on
+  // rank `root`; an undefined tensor on the other ranks.
+  virtual absl::StatusOr<torch::Tensor> Gather(const torch::Tensor& t, int root) = 0;
+
+  // What the collectives moved so far, by operation name ("all_gather", "reduce", "broadcast",
+  // "gather").
   virtual std::map<std::string, CollectiveBytes> Bytes() const = 0;
 };
 

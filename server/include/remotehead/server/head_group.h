@@ -1,0 +1,102 @@
+// A head group as the service runs it: K server processes, each holding a contiguous range of a
+// head's vocabulary rows, behaving together like one server. Rank 0 (the front) serves
+// HeadService and turns every operation into a command of the group's ordered log
+// (group_log.h); the other ranks follow the log and execute each command on their shard. The
+// tensors a command needs travel by c10d collectives right after it (process_group.h).
+//
+// The rules every group operation follows, kept here in one place:
+//   - one at a time (the front's lane), in the same order on every rank, so that the
+//     collectives inside them pair up;
+//   - every rank sees the same inputs and makes the same decisions, so an error (a bad request,
+//     a stale weight version) happens on every rank alike, before any collective;
+//   - a transport failure (a rank died, hung or left) takes the group down for good: c10d cannot
+//     resume a group after a lost rank. Health turns NOT_SERVING on every rank that sees it and
+//     every later call is UNAVAILABLE naming the failure; restart the group's processes.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "remotehead/core/vocab_group.h"
+#include "remotehead/server/group_log.h"
+#include "remotehead/server/process_group.h"
+#include "remotehead/v1/head_group.pb.h"
+
+namespace remotehead::server {
+
+class HeadGroup {
+ public:
+  explicit HeadGroup(std::unique_ptr<ProcessGroup> group);
+
+  int rank() const { return group_->rank(); }
+  int size() const { return group_->size(); }
+  bool is_front() const { return group_->rank() == 0; }
+  ProcessGroup& collectives() { return *group_; }
+
+  // Every rank's rows of a head of `vocab_size` rows (core::SplitVocabulary).
+  absl::StatusOr<std::vector<core::ShardRange>> Ranges(int64_t vocab_size) const;
+
+  // OK while the group works; the failure that took it down otherwise.
+  absl::Status health() const;
+
+  // The front's right to run one group operation: held for the whole operation.
+  class Lane {
+   public:
+    // Appends `command` to the log, runs `local` (this rank's part, collectives included) and
+    // waits for every other rank's reply; `local_last`: waits for the replies first (a commit,
+    // so that the front, whose state clients read, changes only after every other rank did).
+    // The first error wins: this rank's, else a rank's reply (named). A transport failure in
+    // any of it takes the group down.
+    absl::Status Run(const v1::GroupCommand& command, const std::function<absl::Status()>& local,
+                     bool local_last = false);
+
+   private:
+    friend class HeadGroup;
+    Lane(HeadGroup* group, std::unique_lock<std::mutex> lock)
+        : group_(group), lock_(std::move(lock)) {}
+    HeadGroup* group_;
+    std::unique_lock<std::mutex> lock_;
+  };
+  // Front: waits for the lane; UNAVAILABLE if the group is down.
+  absl::StatusOr<Lane> Enter();
+  // Front: a new id for a request whose engine calls run on every rank.
+  int64_t NewSession() { return next_session_.fetch_add(1); }
+
+  // Other ranks: takes commands in order and runs `execute` on each, replying with its status,
+  // until `stop` is set (OK) or the front is gone (UNAVAILABLE saying so).
+  absl::Status Follow(const std::function<absl::Status(const v1::GroupCommand&)>& execute,
+                      const std::atomic<bool>& stop);
+
+  // The front's `tensors` written into every other rank's (same shapes and dtypes; any dtype:
+  // they travel as bytes), in order.
+  absl::Status Share(std::vector<torch::Tensor>& tensors);
+  // This rank's rows `mine` of a tensor split by `ranges`: the whole tensor on the front, an
+  // undefined one on the other ranks.
+  absl::StatusOr<torch::Tensor> GatherRows(const torch::Tensor& mine,
+                                           const std::vector<core::ShardRange>& ranges);
+
+ private:
+  // Takes the group down with `failure` if it is a transport failure; returns `failure`.
+  absl::Status Check(absl::Status failure);
+
+  std::unique_ptr<ProcessGroup> group_;
+  GroupLog log_;
+  std::mutex lane_;
+  std::atomic<int64_t> next_session_{1};
+  mutable std::mutex mu_;
+  absl::Status down_;  // guarded by mu_
+};
+
+// Whether `status` is a transport failure of the group (a collective or the store failed: a
+// rank died, hung or left): UNAVAILABLE or DEADLINE_EXCEEDED from the group.
+bool IsGroupFailure(const absl::Status& status);
+
+}  // namespace remotehead::server

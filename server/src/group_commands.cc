@@ -1,0 +1,169 @@
+#include "group_commands.h"
+
+#include <variant>
+
+#include "absl/strings/str_cat.h"
+#include "protocol.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/wire/tensor_codec.h"
+
+namespace remotehead::server {
+namespace {
+
+// Head dtypes and the wire's: every dtype a head or a batch tensor can have has a wire value.
+v1::DType WireDtype(torch::ScalarType dtype) {
+  return wire::ToWireDtype(dtype, "dtype").value_or(v1::DTYPE_UNSPECIFIED);
+}
+
+}  // namespace
+
+v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init) {
+  v1::GroupCommand command;
+  v1::CreateHeadRequest* create = command.mutable_create();
+  create->set_head_id(id);
+  create->set_dtype(WireDtype(init.dtype));
+  v1::CreateHeadRequest::FromInit* from = create->mutable_init();
+  from->set_vocab_size(init.vocab_size);
+  from->set_hidden_size(init.hidden_size);
+  from->set_bias(init.bias);
+  from->set_seed(init.seed);
+  from->set_init_std(init.init_std);
+  return command;
+}
+
+v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& source) {
+  v1::GroupCommand command;
+  v1::CreateHeadRequest* create = command.mutable_create();
+  create->set_head_id(id);
+  if (source.dtype.has_value()) create->set_dtype(WireDtype(*source.dtype));
+  v1::CreateHeadRequest::FromSafetensors* from = create->mutable_safetensors();
+  from->set_path(source.path);
+  from->set_weight_name(source.weight_name);
+  from->set_bias_name(source.bias_name);
+  return command;
+}
+
+v1::GroupCommand UploadCommand(const std::string& id, const torch::Tensor& weight,
+                               const torch::Tensor& bias, bool replace) {
+  v1::GroupCommand command;
+  v1::GroupUpload* upload = command.mutable_upload();
+  upload->set_head_id(id);
+  upload->set_replace(replace);
+  *upload->mutable_weight() = DescribeTensor("weight", weight);
+  if (bias.defined()) *upload->mutable_bias() = DescribeTensor("bias", bias);
+  return command;
+}
+
+v1::GroupCommand UndoCreateCommand(const std::string& id) {
+  v1::GroupCommand command;
+  command.mutable_undo_create()->set_head_id(id);
+  return command;
+}
+
+v1::GroupCommand HeadCommand(HeadCommandKind kind, const std::string& id) {
+  v1::GroupCommand command;
+  switch (kind) {
+    case HeadCommandKind::kDrop:
+      command.mutable_drop()->set_head_id(id);
+      break;
+    case HeadCommandKind::kZeroGradients:
+      command.mutable_zero_gradients()->set_head_id(id);
+      break;
+  }
+  return command;
+}
+
+v1::GroupCommand OptimizerStepCommand(const std::string& id, const OptimizerStepSpec& spec) {
+  v1::GroupCommand command;
+  v1::OptimizerStepRequest* step = command.mutable_optimizer_step();
+  step->set_head_id(id);
+  step->set_grad_scale(spec.grad_scale);
+  step->set_zero_gradients(spec.zero_gradients);
+  if (const auto* sgd = std::get_if<core::SgdOptions>(&spec.optimizer)) {
+    step->mutable_sgd()->set_lr(sgd->lr);
+    step->mutable_sgd()->set_momentum(sgd->momentum);
+    step->mutable_sgd()->set_weight_decay(sgd->weight_decay);
+  } else {
+    const auto& adamw = std::get<core::AdamWOptions>(spec.optimizer);
+    v1::OptimizerStepRequest::AdamW* o = step->mutable_adamw();
+    o->set_lr(adamw.lr);
+    o->set_beta1(adamw.beta1);
+    o->set_beta2(adamw.beta2);
+    o->set_eps(adamw.eps);
+    o->set_weight_decay(adamw.weight_decay);
+  }
+  return command;
+}
+
+v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::ScalarType> dtype,
+                               bool gradients) {
+  v1::GroupCommand command;
+  v1::GroupGather* gather = command.mutable_gather();
+  gather->set_head_id(id);
+  gather->set_gradients(gradients);
+  if (dtype.has_value()) gather->set_dtype(WireDtype(*dtype));
+  return command;
+}
+
+v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t) {
+  v1::GroupTensor spec;
+  spec.set_name(name);
+  spec.set_dtype(WireDtype(t.scalar_type()));
+  for (const int64_t d : t.sizes()) spec.add_shape(d);
+  return spec;
+}
+
+absl::StatusOr<torch::Tensor> EmptyTensor(const v1::GroupTensor& spec, torch::Device device) {
+  ASSIGN_OR_RETURN(const torch::ScalarType dtype,
+                   wire::FromWireDtype(spec.dtype(), absl::StrCat("tensor ", spec.name())));
+  return torch::empty(std::vector<int64_t>(spec.shape().begin(), spec.shape().end()),
+                      torch::TensorOptions().dtype(dtype).device(device));
+}
+
+absl::Status HeadOperations::Follow(const v1::GroupCommand& command) {
+  switch (command.op_case()) {
+    case v1::GroupCommand::kCreate: {
+      const v1::CreateHeadRequest& create = command.create();
+      ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
+                       OptionalDtype(create.dtype(), "dtype"));
+      if (create.has_init()) {
+        return CreateFromSeedHere(create.head_id(),
+                                  FromWire(create.init(), dtype.value_or(torch::kFloat)))
+            .status();
+      }
+      return CreateFromSafetensorsHere(create.head_id(), FromWire(create.safetensors(), dtype))
+          .status();
+    }
+    case v1::GroupCommand::kUpload: {
+      const v1::GroupUpload& upload = command.upload();
+      ASSIGN_OR_RETURN(torch::Tensor weight, EmptyTensor(upload.weight(), device_));
+      torch::Tensor bias;
+      if (upload.has_bias()) {
+        ASSIGN_OR_RETURN(bias, EmptyTensor(upload.bias(), device_));
+      }
+      return UploadHere(upload.head_id(), weight, bias, upload.replace()).status();
+    }
+    case v1::GroupCommand::kDrop:
+      return DropHere(command.drop().head_id());
+    case v1::GroupCommand::kUndoCreate:
+      return UndoCreateHere(command.undo_create().head_id());
+    case v1::GroupCommand::kZeroGradients:
+      return ZeroGradientsHere(command.zero_gradients().head_id()).status();
+    case v1::GroupCommand::kOptimizerStep: {
+      ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(command.optimizer_step()));
+      return OptimizerStepHere(command.optimizer_step().head_id(), spec).status();
+    }
+    case v1::GroupCommand::kGather: {
+      const v1::GroupGather& gather = command.gather();
+      ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
+                       OptionalDtype(gather.dtype(), "dtype"));
+      return SnapshotHere(gather.head_id(), dtype, gather.gradients()).status();
+    }
+    default:
+      return absl::InternalError(
+          absl::StrCat("head group: command ", static_cast<int>(command.op_case()),
+                       " is not a head operation"));
+  }
+}
+
+}  // namespace remotehead::server

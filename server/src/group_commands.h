@@ -1,0 +1,37 @@
+// The head commands of a head group (remotehead/v1/head_group.proto): built on the front from
+// the operations' own arguments, turned back into the same calls on the other ranks
+// (HeadOperations::Follow). The one home of their encoding; a request's engine calls are
+// group_steps.h's.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "head_operations.h"
+#include "remotehead/core/head.h"
+#include "remotehead/v1/head_group.pb.h"
+
+namespace remotehead::server {
+
+enum class HeadCommandKind { kDrop, kZeroGradients };
+
+v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init);
+v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& source);
+// The tensors follow by broadcast (HeadGroup::Share): the command carries their shapes.
+v1::GroupCommand UploadCommand(const std::string& id, const torch::Tensor& weight,
+                               const torch::Tensor& bias, bool replace);
+v1::GroupCommand UndoCreateCommand(const std::string& id);
+v1::GroupCommand HeadCommand(HeadCommandKind kind, const std::string& id);
+v1::GroupCommand OptimizerStepCommand(const std::string& id, const OptimizerStepSpec& spec);
+v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::ScalarType> dtype,
+                               bool gradients);
+
+// A tensor's name, dtype and shape, for a command whose broadcast carries it.
+v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t);
+// An uninitialised tensor as `spec` describes, on `device`: what a broadcast fills.
+absl::StatusOr<torch::Tensor> EmptyTensor(const v1::GroupTensor& spec, torch::Device device);
+
+}  // namespace remotehead::server

@@ -1,0 +1,209 @@
+#include "group_steps.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "group_commands.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::server {
+namespace {
+
+constexpr char kAuxPrefix[] = "aux:";
+
+v1::GroupPin ToWire(const HeadPin& pin) {
+  v1::GroupPin wire;
+  wire.set_weight_version(pin.weight_version);
+  wire.set_gradient_window(pin.gradient_window);
+  return wire;
+}
+
+HeadPin FromWire(const v1::GroupPin& pin) {
+  return {.weight_version = pin.weight_version(), .gradient_window = pin.gradient_window()};
+}
+
+// The step options the front resolved, as the command carries them (should_stop, the
+// workspace and the shard are each rank's own).
+core::StepOptions OptionsFrom(const v1::GroupStepBatch& b) {
+  core::StepOptions options;
+  options.function = b.function();
+  options.params = core::FunctionParams(b.params().begin(), b.params().end());
+  options.reduction = static_cast<core::Reduction>(b.reduction());
+  if (b.has_normalizer()) options.normalizer = b.normalizer();
+  options.ignore_index = b.ignore_index();
+  options.chunk_rows = b.chunk_rows();
+  options.memory_budget_bytes = b.memory_budget_bytes();
+  options.upstream_scale = b.upstream_scale();
+  options.first_row = b.first_row();
+  return options;
+}
+
+}  // namespace
+
+absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& head,
+                                        const core::TokenBatch& batch,
+                                        const core::StepOptions& options,
+                                        const torch::Tensor& grad_output,
+                                        core::GradientBuffers* grads) {
+  EngineOutputs out;
+  switch (mode) {
+    case core::CallMode::kFused: {
+      ASSIGN_OR_RETURN(core::FusedResult r, core::FusedForwardBackward(head, batch, options, grads));
+      out.loss = r.loss;
+      out.grad_hidden = std::move(r.grad_hidden);
+      out.stats = std::move(r.stats);
+      return out;
+    }
+    case core::CallMode::kForward: {
+      ASSIGN_OR_RETURN(core::ForwardResult r, core::Forward(head, batch, options));
+      if (options.reduction == core::Reduction::kNone) {
+        out.outputs = std::move(r.output);
+      } else {
+        out.loss = r.output.item<double>();
+      }
+      out.stats = std::move(r.stats);
+      return out;
+    }
+    case core::CallMode::kBackward: {
+      ASSIGN_OR_RETURN(core::BackwardResult r,
+                       core::Backward(head, batch, options, grad_output, grads));
+      out.grad_hidden = std::move(r.grad_hidden);
+      out.stats = std::move(r.stats);
+      return out;
+    }
+  }
+  return absl::InternalError("unknown step mode");
+}
+
+std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,
+                                        const torch::Tensor& grad_output) {
+  std::vector<torch::Tensor> tensors = {batch.hidden};
+  if (batch.targets.defined()) tensors.push_back(batch.targets);
+  if (batch.weights.defined()) tensors.push_back(batch.weights);
+  for (const auto& [name, t] : batch.aux) tensors.push_back(t);
+  if (grad_output.defined()) tensors.push_back(grad_output);
+  return tensors;
+}
+
+v1::GroupCommand StepBatchCommand(int64_t session, const std::string& head_id,
+                                  core::CallMode mode, bool accumulate, const HeadPin& pin,
+                                  const core::StepOptions& options, const core::TokenBatch& batch,
+                                  const torch::Tensor& grad_output) {
+  v1::GroupCommand command;
+  v1::GroupStepBatch* b = command.mutable_step_batch();
+  b->set_session(session);
+  b->set_head_id(head_id);
+  b->set_mode(static_cast<int32_t>(mode));
+  b->set_accumulate(accumulate);
+  *b->mutable_pin() = ToWire(pin);
+  b->set_function(options.function);
+  for (const auto& [name, value] : options.params) (*b->mutable_params())[name] = value;
+  b->set_reduction(static_cast<int32_t>(options.reduction));
+  if (options.normalizer.has_value()) b->set_normalizer(*options.normalizer);
+  b->set_ignore_index(options.ignore_index);
+  b->set_chunk_rows(options.chunk_rows);
+  b->set_memory_budget_bytes(options.memory_budget_bytes);
+  b->set_upstream_scale(options.upstream_scale);
+  b->set_first_row(options.first_row);
+  // In BatchTensors' order.
+  *b->add_tensors() = DescribeTensor("hidden", batch.hidden);
+  if (batch.targets.defined()) *b->add_tensors() = DescribeTensor("targets", batch.targets);
+  if (batch.weights.defined()) *b->add_tensors() = DescribeTensor("weights", batch.weights);
+  for (const auto& [name, t] : batch.aux) {
+    *b->add_tensors() = DescribeTensor(absl::StrCat(kAuxPrefix, name), t);
+  }
+  if (grad_output.defined()) *b->add_tensors() = DescribeTensor("grad_output", grad_output);
+  return command;
+}
+
+v1::GroupCommand StepEndCommand(int64_t session, const std::string& head_id, bool commit,
+                                const std::optional<HeadPin>& pin,
+                                const std::optional<GradientKey>& key,
+                                std::optional<double> loss) {
+  v1::GroupCommand command;
+  v1::GroupStepEnd* end = command.mutable_step_end();
+  end->set_session(session);
+  end->set_head_id(head_id);
+  end->set_commit(commit);
+  if (pin.has_value()) *end->mutable_pin() = ToWire(*pin);
+  if (key.has_value()) {
+    end->mutable_gradient_id()->set_trainer(key->trainer);
+    end->mutable_gradient_id()->set_step(key->step);
+    end->mutable_gradient_id()->set_micro_batch(key->micro_batch);
+  }
+  if (loss.has_value()) end->set_loss(*loss);
+  return command;
+}
+
+absl::Status GroupStepFollower::Follow(const v1::GroupCommand& command) {
+  if (command.has_step_batch()) return Batch(command.step_batch());
+  if (command.has_step_end()) return End(command.step_end());
+  return absl::InternalError("head group: not a step command");
+}
+
+absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
+  ASSIGN_OR_RETURN(const std::shared_ptr<HeadEntry> entry, registry_->Get(b.head_id()));
+  core::GradientBuffers* grads = nullptr;
+  if (b.accumulate()) {
+    auto it = scratch_.find(b.session());
+    if (it == scratch_.end()) {
+      it = scratch_
+               .emplace(b.session(), entry->Read([](const core::Head& head) {
+                          return head.NewGradientBuffers();
+                        }))
+               .first;
+    }
+    grads = &it->second;
+  }
+  core::StepOptions options = OptionsFrom(b);
+  const core::VocabShard shard{.group = &group_->collectives(), .ranges = entry->shards()};
+  options.shard = &shard;
+  std::optional<HeadPin> pin = FromWire(b.pin());
+  return entry->ReadPinned(&pin, [&](const core::Head& head) -> absl::Status {
+    std::vector<torch::Tensor> tensors;
+    for (const v1::GroupTensor& spec : b.tensors()) {
+      ASSIGN_OR_RETURN(torch::Tensor t, EmptyTensor(spec, device_));
+      tensors.push_back(std::move(t));
+    }
+    RETURN_IF_ERROR(group_->Share(tensors));
+    core::TokenBatch batch;
+    torch::Tensor grad_output;
+    for (int i = 0; i < b.tensors_size(); ++i) {
+      const std::string& name = b.tensors(i).name();
+      torch::Tensor& t = tensors[static_cast<size_t>(i)];
+      if (name == "hidden") {
+        batch.hidden = t;
+      } else if (name == "targets") {
+        batch.targets = t;
+      } else if (name == "weights") {
+        batch.weights = t;
+      } else if (name == "grad_output") {
+        grad_output = t;
+      } else if (absl::StartsWith(name, kAuxPrefix)) {
+        batch.aux[name.substr(sizeof(kAuxPrefix) - 1)] = t;
+      }
+    }
+    return RunEngine(static_cast<core::CallMode>(b.mode()), head, batch, options, grad_output,
+                     grads)
+        .status();
+  });
+}
+
+absl::Status GroupStepFollower::End(const v1::GroupStepEnd& end) {
+  const auto node = scratch_.extract(end.session());
+  if (!end.commit()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::shared_ptr<HeadEntry> entry, registry_->Get(end.head_id()));
+  // A request that computed no rows accumulated nothing: its zero dW still records its id.
+  const core::GradientBuffers scratch =
+      !node.empty() ? node.mapped()
+                    : entry->Read([](const core::Head& head) { return head.NewGradientBuffers(); });
+  StepCommit commit{.scratch = &scratch};
+  if (end.has_pin()) commit.pin = FromWire(end.pin());
+  if (end.has_gradient_id()) {
+    commit.key = GradientKey{end.gradient_id().trainer(), end.gradient_id().step(),
+                             end.gradient_id().micro_batch()};
+  }
+  if (end.has_loss()) commit.loss = end.loss();
+  return entry->Commit(commit).status();
+}
+
+}  // namespace remotehead::server

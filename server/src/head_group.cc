@@ -1,0 +1,141 @@
+#include "remotehead/server/head_group.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::server {
+namespace {
+
+// How long a following rank waits for a command before checking whether it should stop.
+constexpr std::chrono::milliseconds kFollowPoll{200};
+
+// `t` as a flat byte tensor sharing its storage (a contiguous tensor), so that any dtype
+// travels through the transport's byte type.
+torch::Tensor Bytes(const torch::Tensor& t) { return t.reshape({-1}).view(torch::kByte); }
+
+}  // namespace
+
+bool IsGroupFailure(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable ||
+         status.code() == absl::StatusCode::kDeadlineExceeded;
+}
+
+HeadGroup::HeadGroup(std::unique_ptr<ProcessGroup> group)
+    : group_(std::move(group)), log_(group_.get()) {}
+
+absl::StatusOr<std::vector<core::ShardRange>> HeadGroup::Ranges(int64_t vocab_size) const {
+  return core::SplitVocabulary(vocab_size, size());
+}
+
+absl::Status HeadGroup::health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return down_;
+}
+
+absl::Status HeadGroup::Check(absl::Status failure) {
+  if (IsGroupFailure(failure)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (down_.ok()) down_ = failure;
+  }
+  return failure;
+}
+
+absl::StatusOr<HeadGroup::Lane> HeadGroup::Enter() {
+  auto down = [this]() -> absl::Status {
+    const absl::Status failure = health();
+    if (failure.ok()) return failure;
+    return absl::UnavailableError(
+        absl::StrCat("head group of ", size(), " is down since: ", failure.message(),
+                     " — restart every rank of the group"));
+  };
+  RETURN_IF_ERROR(down());
+  std::unique_lock<std::mutex> lock(lane_);
+  RETURN_IF_ERROR(down());  // it may have gone down while this call waited for the lane
+  return Lane(this, std::move(lock));
+}
+
+absl::Status HeadGroup::Lane::Run(const v1::GroupCommand& command,
+                                  const std::function<absl::Status()>& local, bool local_last) {
+  HeadGroup& g = *group_;
+  const absl::StatusOr<int64_t> seq = g.log_.Append(command.SerializeAsString());
+  if (!seq.ok()) return g.Check(seq.status());
+  absl::Status mine;
+  if (!local_last) mine = g.Check(local());
+  const absl::Status replies = g.Check(g.log_.AwaitReplies(*seq).status());
+  if (local_last && replies.ok()) mine = g.Check(local());
+  // An error of the request itself happens on every rank alike: this rank's says it. A
+  // transport failure is best told by the replies, which name the rank that did not answer.
+  if (!mine.ok() && !IsGroupFailure(mine)) return mine;
+  return replies.ok() ? mine : replies;
+}
+
+absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupCommand&)>& execute,
+                               const std::atomic<bool>& stop) {
+  while (!stop.load()) {
+    absl::StatusOr<std::string> bytes = log_.Next(kFollowPoll);
+    if (bytes.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
+    if (!bytes.ok()) {
+      Check(bytes.status()).IgnoreError();  // health reports it
+      return absl::UnavailableError(absl::StrCat("head group rank ", rank(),
+                                                 ": the front (rank 0) is gone: ",
+                                                 bytes.status().message()));
+    }
+    v1::GroupCommand command;
+    absl::Status status;
+    if (!command.ParseFromString(*bytes)) {
+      status = absl::DataLossError(
+          absl::StrCat("head group: a command that does not parse (", bytes->size(), " bytes)"));
+    } else {
+      try {
+        status = Check(execute(command));
+      } catch (const std::exception& e) {
+        status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+      }
+    }
+    if (const absl::Status sent = log_.Reply({.status = status}); !sent.ok()) {
+      Check(sent).IgnoreError();
+      return absl::UnavailableError(absl::StrCat("head group rank ", rank(),
+                                                 ": the front (rank 0) is gone: ", sent.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HeadGroup::Share(std::vector<torch::Tensor>& tensors) {
+  for (torch::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;  // every rank knows the shape: nothing to send
+    if (is_front() && !t.is_contiguous()) t = t.contiguous();
+    torch::Tensor bytes = Bytes(t);
+    RETURN_IF_ERROR(Check(group_->Broadcast(bytes, /*root=*/0)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<torch::Tensor> HeadGroup::GatherRows(const torch::Tensor& mine,
+                                                    const std::vector<core::ShardRange>& ranges) {
+  int64_t largest = 0;
+  for (const core::ShardRange& r : ranges) largest = std::max(largest, r.rows);
+  // Gathered as bytes of equal size: each rank's rows padded to the largest shard's.
+  std::vector<int64_t> padded_shape = mine.sizes().vec();
+  padded_shape[0] = largest;
+  torch::Tensor padded = torch::zeros(padded_shape, mine.options());
+  padded.narrow(0, 0, mine.size(0)).copy_(mine);
+  const absl::StatusOr<torch::Tensor> all = group_->Gather(Bytes(padded), /*root=*/0);
+  if (!all.ok()) return Check(all.status());
+  if (!is_front()) return torch::Tensor();
+  const int64_t row_bytes = padded.nbytes() / std::max<int64_t>(largest, 1);
+  std::vector<torch::Tensor> parts;
+  for (size_t r = 0; r < ranges.size(); ++r) {
+    std::vector<int64_t> shape = padded_shape;
+    shape[0] = ranges[r].rows;
+    parts.push_back((*all)[static_cast<int64_t>(r)]
+                        .narrow(0, 0, ranges[r].rows * row_bytes)
+                        .view(mine.scalar_type())
+                        .reshape(shape));
+  }
+  return torch::cat(parts);
+}
+
+}  // namespace remotehead::server
