@@ -185,9 +185,9 @@ absl::StatusOr<torch::Tensor> ReadTensorRows(const CheckpointFile& file, const s
   ASSIGN_OR_RETURN(const TensorLocation at, LocateTensor(file, name));
   std::vector<int64_t> shape = at.info.shape;
   if (shape.empty() || offset < 0 || rows < 0 || offset + rows > shape[0]) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor \"", name, "\": expected rows [", offset, ", ", offset + rows,
-        ") of its first dimension; it has ", shape.empty() ? 0 : shape[0], " rows"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor \"", name, "\": expected rows [", offset, ", ", offset + rows,
+                     ") of its first dimension; it has ", shape.empty() ? 0 : shape[0], " rows"));
   }
   const int64_t row_bytes = shape[0] == 0 ? 0 : static_cast<int64_t>(at.bytes) / shape[0];
   shape[0] = rows;

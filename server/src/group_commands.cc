@@ -160,9 +160,8 @@ absl::Status HeadOperations::Follow(const v1::GroupCommand& command) {
       return SnapshotHere(gather.head_id(), dtype, gather.gradients()).status();
     }
     default:
-      return absl::InternalError(
-          absl::StrCat("head group: command ", static_cast<int>(command.op_case()),
-                       " is not a head operation"));
+      return absl::InternalError(absl::StrCat(
+          "head group: command ", static_cast<int>(command.op_case()), " is not a head operation"));
   }
 }
 

@@ -47,7 +47,8 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
   EngineOutputs out;
   switch (mode) {
     case core::CallMode::kFused: {
-      ASSIGN_OR_RETURN(core::FusedResult r, core::FusedForwardBackward(head, batch, options, grads));
+      ASSIGN_OR_RETURN(core::FusedResult r,
+                       core::FusedForwardBackward(head, batch, options, grads));
       out.loss = r.loss;
       out.grad_hidden = std::move(r.grad_hidden);
       out.stats = std::move(r.stats);
@@ -84,8 +85,8 @@ std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,
   return tensors;
 }
 
-v1::GroupCommand StepBatchCommand(int64_t session, const std::string& head_id,
-                                  core::CallMode mode, bool accumulate, const HeadPin& pin,
+v1::GroupCommand StepBatchCommand(int64_t session, const std::string& head_id, core::CallMode mode,
+                                  bool accumulate, const HeadPin& pin,
                                   const core::StepOptions& options, const core::TokenBatch& batch,
                                   const torch::Tensor& grad_output) {
   v1::GroupCommand command;
@@ -117,8 +118,7 @@ v1::GroupCommand StepBatchCommand(int64_t session, const std::string& head_id,
 
 v1::GroupCommand StepEndCommand(int64_t session, const std::string& head_id, bool commit,
                                 const std::optional<HeadPin>& pin,
-                                const std::optional<GradientKey>& key,
-                                std::optional<double> loss) {
+                                const std::optional<GradientKey>& key, std::optional<double> loss) {
   v1::GroupCommand command;
   v1::GroupStepEnd* end = command.mutable_step_end();
   end->set_session(session);
@@ -148,8 +148,8 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
     if (it == scratch_.end()) {
       it = scratch_
                .emplace(b.session(), entry->Read([](const core::Head& head) {
-                          return head.NewGradientBuffers();
-                        }))
+                 return head.NewGradientBuffers();
+               }))
                .first;
     }
     grads = &it->second;

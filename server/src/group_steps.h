@@ -37,8 +37,8 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
 
 // The front: the command of one engine call of request `session`, and the tensors its broadcast
 // carries, in the command's order.
-v1::GroupCommand StepBatchCommand(int64_t session, const std::string& head_id,
-                                  core::CallMode mode, bool accumulate, const HeadPin& pin,
+v1::GroupCommand StepBatchCommand(int64_t session, const std::string& head_id, core::CallMode mode,
+                                  bool accumulate, const HeadPin& pin,
                                   const core::StepOptions& options, const core::TokenBatch& batch,
                                   const torch::Tensor& grad_output);
 std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,

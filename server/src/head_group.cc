@@ -46,9 +46,9 @@ absl::StatusOr<HeadGroup::Lane> HeadGroup::Enter() {
   auto down = [this]() -> absl::Status {
     const absl::Status failure = health();
     if (failure.ok()) return failure;
-    return absl::UnavailableError(
-        absl::StrCat("head group of ", size(), " is down since: ", failure.message(),
-                     " — restart every rank of the group"));
+    return absl::UnavailableError(absl::StrCat("head group of ", size(),
+                                               " is down since: ", failure.message(),
+                                               " — restart every rank of the group"));
   };
   RETURN_IF_ERROR(down());
   std::unique_lock<std::mutex> lock(lane_);
@@ -78,9 +78,8 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupC
     if (bytes.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
     if (!bytes.ok()) {
       Check(bytes.status()).IgnoreError();  // health reports it
-      return absl::UnavailableError(absl::StrCat("head group rank ", rank(),
-                                                 ": the front (rank 0) is gone: ",
-                                                 bytes.status().message()));
+      return absl::UnavailableError(absl::StrCat(
+          "head group rank ", rank(), ": the front (rank 0) is gone: ", bytes.status().message()));
     }
     v1::GroupCommand command;
     absl::Status status;

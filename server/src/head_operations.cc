@@ -5,9 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "group_commands.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
-#include "group_commands.h"
 
 namespace remotehead::server {
 namespace {
@@ -30,11 +30,11 @@ absl::StatusOr<HeadTensors> ReadHeadTensors(const core::CheckpointDir& dir,
                                             const std::string& field, int64_t offset,
                                             int64_t rows) {
   HeadTensors t;
-  ASSIGN_OR_RETURN(t.weight, core::ReadSafetensorRows(dir, source.path, source.weight_name,
-                                                      offset, rows, field));
-  if (!source.bias_name.empty()) {
-    ASSIGN_OR_RETURN(t.bias, core::ReadSafetensorRows(dir, source.path, source.bias_name, offset,
+  ASSIGN_OR_RETURN(t.weight, core::ReadSafetensorRows(dir, source.path, source.weight_name, offset,
                                                       rows, field));
+  if (!source.bias_name.empty()) {
+    ASSIGN_OR_RETURN(
+        t.bias, core::ReadSafetensorRows(dir, source.path, source.bias_name, offset, rows, field));
   }
   if (source.dtype.has_value()) {
     t.weight = t.weight.to(*source.dtype);
@@ -128,12 +128,12 @@ absl::StatusOr<const core::CheckpointDir*> HeadOperations::CheckpointDirFor(
 }
 
 absl::StatusOr<HeadOperations::Rows> HeadOperations::RowsOf(int64_t vocab_size,
-                                                             const std::string& field) const {
+                                                            const std::string& field) const {
   if (group_ == nullptr) return Rows{.offset = 0, .rows = vocab_size};
   if (vocab_size < group_->size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": expected at least one row per rank of the head group of ", group_->size(),
-        "; got ", vocab_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected at least one row per rank of the head group of ",
+                     group_->size(), "; got ", vocab_size));
   }
   ASSIGN_OR_RETURN(std::vector<core::ShardRange> shards, group_->Ranges(vocab_size));
   const core::ShardRange mine = shards.at(static_cast<size_t>(group_->rank()));
@@ -147,8 +147,8 @@ absl::Status HeadOperations::OnEveryRank(const v1::GroupCommand& command,
   const absl::Status status = lane.Run(command, here);
   if (creates && !status.ok() && !IsGroupFailure(status)) {
     // Some ranks may have created the head (another's budget refused it): undone everywhere.
-    const std::string id = command.has_create() ? command.create().head_id()
-                                                : command.upload().head_id();
+    const std::string id =
+        command.has_create() ? command.create().head_id() : command.upload().head_id();
     const absl::Status undone = lane.Run(UndoCreateCommand(id), [&] { return UndoCreateHere(id); });
     if (!undone.ok()) return undone;
   }
@@ -171,8 +171,8 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeedHere(const std::string& id,
                                                                    const core::HeadInit& init) {
   ASSIGN_OR_RETURN(const Rows rows, RowsOf(init.vocab_size, "init.vocab_size"));
-  ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(id, rows.rows, init.hidden_size, init.dtype,
-                                                      init.bias, "init."));
+  ASSIGN_OR_RETURN(const uint64_t ticket,
+                   ReserveHead(id, rows.rows, init.hidden_size, init.dtype, init.bias, "init."));
   ASSIGN_OR_RETURN(
       auto entry,
       AddReserved(id, core::Head::InitializeRows(init, {.device = device_}, rows.offset, rows.rows),
@@ -243,8 +243,8 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id,
-                                                           torch::Tensor weight,
-                                                           torch::Tensor bias, bool replace) {
+                                                           torch::Tensor weight, torch::Tensor bias,
+                                                           bool replace) {
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
   std::vector<core::ShardRange> shards;
   if (group_ != nullptr) {
@@ -253,9 +253,9 @@ absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id
     RETURN_IF_ERROR(group_->Share(shared));
     ASSIGN_OR_RETURN(const Rows rows, RowsOf(weight.size(0), "header.vocab_size"));
     if (replace && entry.ok() && (*entry)->Describe().vocab_size != weight.size(0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("header.vocab_size: expected head \"", id, "\"'s ",
-                       (*entry)->Describe().vocab_size, " rows to replace; got ", weight.size(0)));
+      return absl::InvalidArgumentError(absl::StrCat("header.vocab_size: expected head \"", id,
+                                                     "\"'s ", (*entry)->Describe().vocab_size,
+                                                     " rows to replace; got ", weight.size(0)));
     }
     weight = shared[0].narrow(0, rows.offset, rows.rows);
     if (bias.defined()) bias = shared[1].narrow(0, rows.offset, rows.rows);
@@ -318,7 +318,9 @@ absl::StatusOr<HeadSnapshot> HeadOperations::SnapshotHere(const std::string& id,
     const torch::Tensor& v = gradients ? head.grads().bias : head.bias();
     const torch::ScalarType out = dtype.value_or(m.scalar_type());
     // On a group the copies stay on the device until they are gathered.
-    if (group_ != nullptr) return HeadSnapshot{.matrix = m.to(out, false, true), .vector = v.defined() ? v.to(out, false, true) : v};
+    if (group_ != nullptr)
+      return HeadSnapshot{.matrix = m.to(out, false, true),
+                          .vector = v.defined() ? v.to(out, false, true) : v};
     return HeadSnapshot{.matrix = CpuCopy(m, out), .vector = CpuCopy(v, out)};
   });
   snapshot.description = entry->Describe();

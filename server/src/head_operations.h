@@ -120,8 +120,8 @@ class HeadOperations {
   absl::StatusOr<Rows> RowsOf(int64_t vocab_size, const std::string& field) const;
   // Runs `here` on this process alone, or, on a group's front, as `command` on every rank (a
   // failed creation is undone on every rank, so that no rank keeps a head the others lack).
-  absl::Status OnEveryRank(const v1::GroupCommand& command, const std::function<absl::Status()>& here,
-                           bool creates = false);
+  absl::Status OnEveryRank(const v1::GroupCommand& command,
+                           const std::function<absl::Status()>& here, bool creates = false);
   // The local parts of the operations: what every rank runs on its own rows.
   absl::StatusOr<HeadDescription> CreateFromSeedHere(const std::string& id,
                                                      const core::HeadInit& init);
@@ -132,8 +132,7 @@ class HeadOperations {
   absl::StatusOr<HeadDescription> UploadHere(const std::string& id, torch::Tensor weight,
                                              torch::Tensor bias, bool replace);
   absl::StatusOr<HeadSnapshot> SnapshotHere(const std::string& id,
-                                            std::optional<torch::ScalarType> dtype,
-                                            bool gradients);
+                                            std::optional<torch::ScalarType> dtype, bool gradients);
   absl::Status DropHere(const std::string& id);
   absl::Status UndoCreateHere(const std::string& id);  // drops it if this rank has it
   absl::StatusOr<HeadDescription> ZeroGradientsHere(const std::string& id);

@@ -35,8 +35,8 @@ const std::string& ServerIncarnation() {
 HeadDescription HeadEntry::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   return {.id = id_,
-          .vocab_size = shards_.empty() ? head_->vocab_size()
-                                        : shards_.back().offset + shards_.back().rows,
+          .vocab_size =
+              shards_.empty() ? head_->vocab_size() : shards_.back().offset + shards_.back().rows,
           .hidden_size = head_->hidden_size(),
           .dtype = head_->dtype(),
           .has_bias = head_->has_bias(),

@@ -10,10 +10,10 @@
 
 #include <atomic>
 #include <csignal>
-#include <functional>
-#include <map>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,11 +130,10 @@ absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
     ASSIGN_OR_RETURN(auto head, rh::core::Head::Initialize(init, {.device = device}));
     return registry->Add(parts[0], std::move(head)).status();
   }
-  ASSIGN_OR_RETURN(const std::vector<rh::core::ShardRange> shards,
-                   group->Ranges(init.vocab_size));
+  ASSIGN_OR_RETURN(const std::vector<rh::core::ShardRange> shards, group->Ranges(init.vocab_size));
   const rh::core::ShardRange mine = shards.at(static_cast<size_t>(group->rank()));
-  ASSIGN_OR_RETURN(auto head, rh::core::Head::InitializeRows(init, {.device = device}, mine.offset,
-                                                             mine.rows));
+  ASSIGN_OR_RETURN(
+      auto head, rh::core::Head::InitializeRows(init, {.device = device}, mine.offset, mine.rows));
   return registry->Add(parts[0], std::move(head), /*reservation=*/0, shards).status();
 }
 
@@ -403,9 +402,9 @@ absl::StatusOr<std::unique_ptr<rh::server::HeadGroup>> JoinGroup(
             << (config.device.is_cuda() ? "NCCL" : "Gloo") << ")" << std::endl;
   ASSIGN_OR_RETURN(std::unique_ptr<rh::server::ProcessGroup> group,
                    rh::server::ProcessGroup::Join(config));
-  std::cout << "remotehead-server: head group joined: rank " << config.rank << " of "
-            << config.size << (config.rank == 0 ? " (the front: serves HeadService)"
-                                                : " (follows the front's commands)")
+  std::cout << "remotehead-server: head group joined: rank " << config.rank << " of " << config.size
+            << (config.rank == 0 ? " (the front: serves HeadService)"
+                                 : " (follows the front's commands)")
             << std::endl;
   return std::make_unique<rh::server::HeadGroup>(std::move(group));
 }

@@ -31,8 +31,8 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
       : context_(context),
         service_(*service),
         mode_(mode),
-        session_(service->registry, &service->retained, mode,
-                 service->options.response_chunk_bytes, service->options.group),
+        session_(service->registry, &service->retained, mode, service->options.response_chunk_bytes,
+                 service->options.group),
         ticket_(service->admission.NewTicket()),
         deadline_(context->deadline()),
         started_(Clock::now()) {

@@ -142,9 +142,9 @@ class StepSession {
   const core::CallMode mode_;
   const int64_t response_chunk_bytes_;
   HeadGroup* const group_;
-  core::VocabShard shard_;          // on a group: this head's shards (options_.shard points here)
-  int64_t group_session_ = 0;       // on a group: this request's id in the step commands
-  bool group_open_ = false;         // the other ranks hold scratch for it
+  core::VocabShard shard_;     // on a group: this head's shards (options_.shard points here)
+  int64_t group_session_ = 0;  // on a group: this request's id in the step commands
+  bool group_open_ = false;    // the other ranks hold scratch for it
   std::shared_ptr<HeadEntry> entry_;
   // The head's version and gradient window the request computes on: fixed at the header when
   // it pins a version (expected_weight_version, inputs_handle), else at its first computation.

@@ -39,18 +39,6 @@ constexpr int64_t kRows = 37;
 
 std::string SelfPath() { return fs::read_symlink("/proc/self/exe").string(); }
 
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // The whole head and the batch every rank (and the single engine) uses.
 std::unique_ptr<core::Head> TestHead() {
@@ -190,7 +178,7 @@ struct Ranks {
 // args(rank, port) after its path, and waits for all of them.
 Ranks RunRanks(int size, int missing,
                const std::function<std::vector<std::string>(int rank, int port)>& args) {
-  const int port = FreePort();
+  const int port = testing::FreePort();
   Ranks ranks;
   for (int r = 0; r < size; ++r) {
     if (r == missing) continue;
@@ -394,7 +382,7 @@ TEST(CudaProcessGroup, OneRankNcclGroupRunsTheCollectives) {
     GTEST_SKIP() << "no CUDA device: the NCCL group needs one";
   }
   GroupConfig config;
-  config.store_port = FreePort();
+  config.store_port = testing::FreePort();
   config.device = torch::Device(torch::kCUDA, 0);
   auto group = server::ProcessGroup::Join(config);
   ASSERT_TRUE(group.ok()) << group.status();

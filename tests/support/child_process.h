@@ -2,8 +2,10 @@
 // their output read line by line until they say they are ready, and killed when the test ends.
 #pragma once
 
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +17,21 @@
 extern char** environ;
 
 namespace remotehead::testing {
+
+// A loopback TCP port that was free a moment ago (for a server that must be told its port, such
+// as a head group's store).
+inline int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
 
 class ChildProcess {
  public:
@@ -35,14 +52,20 @@ class ChildProcess {
     posix_spawn_file_actions_destroy(&actions);
     close(fds[1]);
     out_ = fdopen(fds[0], "r");
+    WaitFor(ready);
+  }
+  // Reads further output until `ready` returns true for a line (it becomes ready_line()); false
+  // if the process ended first.
+  bool WaitFor(const std::function<bool(const std::string&)>& ready) {
     char line[1024];
     while (pid_ > 0 && fgets(line, sizeof(line), out_) != nullptr) {
       log_ += line;
       if (ready(line)) {
         ready_line_ = line;
-        break;
+        return true;
       }
     }
+    return false;
   }
   ~ChildProcess() {
     if (pid_ > 0) {
@@ -91,7 +114,7 @@ class ServerProcess : public ChildProcess {
   int port() const { return ParsePort(ready_line()); }
   std::string target() const { return "127.0.0.1:" + std::to_string(port()); }
 
- private:
+  // The port of a "listening on port N" line (0 for any other line).
   static int ParsePort(const std::string& line) {
     int port = 0;
     return sscanf(line.c_str(), "remotehead-server: listening on port %d", &port) == 1 ? port : 0;

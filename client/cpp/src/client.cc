@@ -87,6 +87,10 @@ absl::StatusOr<HeadInfo> FromWire(const v1::HeadInfo& wire) {
   info.accumulated_micro_batches = wire.accumulated_micro_batches();
   info.incarnation = wire.incarnation();
   info.state_id = wire.state_id();
+  info.group_size = std::max(1, wire.group_size());
+  for (const v1::ShardRange& shard : wire.shards()) {
+    info.shards.emplace_back(shard.offset(), shard.rows());
+  }
   return info;
 }
 

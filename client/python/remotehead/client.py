@@ -46,6 +46,9 @@ class HeadInfo:
     accumulated_micro_batches: int
     incarnation: str = ""  # the server process: a new one after every restart
     state_id: str = ""  # the saved training state last saved or restored ("" if none)
+    # A head group: its processes, and each one's (offset, rows) of the vocabulary by rank.
+    group_size: int = 1
+    shards: Tuple[Tuple[int, int], ...] = ()
 
 
 class GradientId(NamedTuple):
@@ -191,7 +194,8 @@ class StepResult:
 def _info(msg: pb.HeadInfo) -> HeadInfo:
     return HeadInfo(msg.head_id, msg.vocab_size, msg.hidden_size, _wire._FROM_WIRE[msg.dtype],
                     msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches,
-                    msg.incarnation, msg.state_id)
+                    msg.incarnation, msg.state_id, max(1, msg.group_size),
+                    tuple((r.offset, r.rows) for r in msg.shards))
 
 
 def _summary(msg: pb.StepSummary) -> StepSummary:

@@ -4,11 +4,18 @@
         client = remotehead.Client(server.target)
         ...
     # stopped with SIGTERM (the server drains and exits 0)
+
+and a head group of them (one head split by vocabulary over `size` processes; clients talk to
+the front, rank 0):
+
+    with LocalHeadGroup("build/server/remotehead-server", size=2) as group:
+        client = remotehead.Client(group.target)
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 from typing import List, Optional, Sequence
 
@@ -25,9 +32,17 @@ class LocalServer:
         self.log: List[str] = []  # the server's output up to "listening"
 
     def start(self) -> "LocalServer":
+        return self.launch().wait_listening()
+
+    def launch(self) -> "LocalServer":
+        """Starts the process without waiting for it (a head group's ranks wait for each other:
+        all are launched before any is waited for)."""
         self.process = subprocess.Popen([self.binary, "--listen=127.0.0.1:0", *self.args],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
+        return self
+
+    def wait_listening(self) -> "LocalServer":
         for line in self.process.stdout:
             self.log.append(line)
             metrics = re.match(r"remotehead-server: metrics on port (\d+)", line)
@@ -53,6 +68,49 @@ class LocalServer:
         return code
 
     def __enter__(self) -> "LocalServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalHeadGroup:
+    """`size` remotehead-server processes forming one head group on loopback (Gloo); `target`
+    is the front's address, the only one clients use."""
+
+    def __init__(self, binary: str, size: int, args: Sequence[str] = ("--device=cpu",),
+                 timeout_seconds: float = 30.0):
+        store = f"127.0.0.1:{free_port()}"
+        self.ranks = [LocalServer(binary, [*args, f"--group_size={size}", f"--group_rank={r}",
+                                           f"--group_store={store}",
+                                           f"--group_timeout_seconds={timeout_seconds}"])
+                      for r in range(size)]
+        self.target = ""
+
+    def start(self) -> "LocalHeadGroup":
+        for rank in self.ranks:
+            rank.launch()
+        for rank in self.ranks:
+            rank.wait_listening()
+        self.target = self.ranks[0].target
+        return self
+
+    def stop(self, timeout: float = 60.0) -> List[int]:
+        """SIGTERM to every rank at once (a rank whose front is gone before its own signal
+        came ends with exit code 1); their exit codes by rank."""
+        for rank in self.ranks:
+            if rank.process is not None:
+                rank.process.terminate()
+        return [rank.stop(timeout) for rank in self.ranks]
+
+    def __enter__(self) -> "LocalHeadGroup":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -6,14 +6,13 @@
 // (one step call) and HeadOperations (everything else), and every number by core/.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <ostream>
 
 #include "absl/status/status.h"
 #include "remotehead/core/checkpoint_dir.h"
-#include <atomic>
-
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_group.h"
 #include "remotehead/server/head_registry.h"

@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -102,6 +103,10 @@ struct HeadInfo {
   int64_t accumulated_micro_batches = 0;  // gradient contributions since the last zeroing
   std::string incarnation;  // the server process: a new one after every restart
   std::string state_id;     // the durable state last saved or restored ("" if none)
+  // A head group's processes and each one's rows [offset, offset + rows) of the vocabulary, by
+  // rank (1 and empty for a head on one server).
+  int group_size = 1;
+  std::vector<std::pair<int64_t, int64_t>> shards;
 };
 
 // A head initialised on the server: W ~ N(0, init_std²), bias 0.
