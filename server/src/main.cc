@@ -450,6 +450,7 @@ int Run() {
   if (!checkpoint_dir.ok()) return Refuse(checkpoint_dir.status());
   absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
+  if (metrics->metrics != nullptr) metrics->metrics->set_group(group->get());
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
       &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get(),

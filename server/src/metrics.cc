@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/memory_stats.h"
+#include "remotehead/server/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
 
@@ -155,7 +156,42 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     out.push_back(std::move(chunk));
     CollectAdmission(out);
     CollectHeads(out);
+    CollectGroup(out);
     return out;
+  }
+
+  // A head group's rank: which one, whether the group is up, what its collectives moved.
+  void CollectGroup(std::vector<prometheus::MetricFamily>& out) const {
+    HeadGroup* group = group_.load();
+    if (group == nullptr) return;
+    auto info = Gauges("remotehead_group_info",
+                       "1, labelled with this process's rank in its head group and the group size");
+    AddGauge(info,
+             {{"rank", std::to_string(group->rank())}, {"size", std::to_string(group->size())}}, 1);
+    auto up = Gauges("remotehead_group_up", "1 while the head group works, 0 once it is down");
+    AddGauge(up, {}, group->health().ok() ? 1 : 0);
+    prometheus::MetricFamily bytes{
+        .name = "remotehead_group_collective_bytes_total",
+        .help = "Bytes this rank's collectives sent and received, by operation",
+        .type = prometheus::MetricType::Counter,
+        .metric = {}};
+    prometheus::MetricFamily calls{.name = "remotehead_group_collectives_total",
+                                   .help = "Collectives this rank ran, by operation",
+                                   .type = prometheus::MetricType::Counter,
+                                   .metric = {}};
+    for (const auto& [op, b] : group->collectives().Bytes()) {
+      for (const auto& [direction, value] : {std::pair{"sent", b.sent}, {"received", b.received}}) {
+        prometheus::ClientMetric m;
+        m.label = {{"op", op}, {"direction", direction}};
+        m.counter.value = double(value);
+        bytes.metric.push_back(std::move(m));
+      }
+      prometheus::ClientMetric m;
+      m.label = {{"op", op}};
+      m.counter.value = double(b.calls);
+      calls.metric.push_back(std::move(m));
+    }
+    for (auto* family : {&info, &up, &bytes, &calls}) out.push_back(std::move(*family));
   }
 
   void CollectMemory(std::vector<prometheus::MetricFamily>& out) const {
@@ -223,6 +259,7 @@ class ServerMetrics::Impl : public prometheus::Collectable {
   const torch::Device device_;
   const int64_t budget_;
   std::atomic<const AdmissionController*> admission_{nullptr};
+  std::atomic<HeadGroup*> group_{nullptr};
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& duration_;
@@ -326,6 +363,8 @@ ServerMetrics::~ServerMetrics() = default;
 void ServerMetrics::set_admission(const AdmissionController* admission) {
   impl_->admission_.store(admission);
 }
+
+void ServerMetrics::set_group(HeadGroup* group) { impl_->group_.store(group); }
 
 std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::Collectables() const {
   return {impl_->registry_, impl_};

@@ -16,7 +16,18 @@
 // breakdown of the remote step (StepSummary.timings: compute, waiting for rows, waiting for the
 // client to take results). Times are medians over --repeats after --warmup untimed runs; the
 // remote result is checked against the in-process one (loss, dX).
+//
+// With --group_size K (≥ 2) the same remote step also runs on a head group of K server
+// processes on loopback (Gloo), started next to the single server: reported are its step time
+// against the single server's (on this machine the ranks share its cores, so the ratio says
+// what the group costs here, not what K GPUs gain), its results against the single server's
+// (loss, dX, the gathered dW), and the bytes each rank's collectives sent and received per
+// token, measured from the ranks' own counters (remotehead_group_collective_bytes_total,
+// scraped from each rank's /metrics before and after one step), next to the cost model's bytes
+// for cross-entropy (GroupBytesModel) and the statistics' share of them.
+#include <arpa/inet.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -27,15 +38,19 @@
 #include <functional>
 #include <iostream>
 #include <iterator>
-#include <thread>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "remotehead/client/client.h"
@@ -54,6 +69,8 @@ ABSL_FLAG(std::vector<std::string>, server_args, {},
 ABSL_FLAG(int64_t, chunk_bytes, int64_t{1} << 20, "client request message size");
 ABSL_FLAG(int32_t, threads, 0, "torch::set_num_threads in this process when > 0");
 ABSL_FLAG(bool, json, false, "print one JSON object on stdout instead of the table");
+ABSL_FLAG(int32_t, group_size, 0,
+          "also run the step on a head group of this many server processes (0: none)");
 ABSL_FLAG(bool, check, false,
           "exit 1 unless the remote results equal the in-process ones (loss and dX within 1e-5 "
           "of their magnitude) and the echoed bytes are exact (no timing checks)");
@@ -112,14 +129,198 @@ T OrDie(absl::StatusOr<T> v, const std::string& what) {
   return *std::move(v);
 }
 
-nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server_pid) {
+// A head group of server processes on loopback, each serving /metrics on a port of its own.
+struct Group {
+  std::vector<std::unique_ptr<rh::testing::ChildProcess>> ranks;
+  std::vector<int> metrics_ports;
+  std::shared_ptr<rh::client::Client> client;  // of the front
+};
+
+int PortAfter(const std::string& log, const std::string& prefix) {
+  const size_t at = log.find(prefix);
+  int port = 0;
+  if (at != std::string::npos) absl::SimpleAtoi(log.substr(at + prefix.size(), 5), &port);
+  return port;
+}
+
+std::unique_ptr<Group> StartGroup(int size) {
+  auto group = std::make_unique<Group>();
+  const int store = rh::testing::FreePort();
+  for (int rank = 0; rank < size; ++rank) {
+    std::vector<std::string> argv = {absl::GetFlag(FLAGS_server),
+                                     "--listen=127.0.0.1:0",
+                                     "--device=cpu",
+                                     "--memory_budget_bytes=0",
+                                     "--metrics_address=127.0.0.1:0",
+                                     absl::StrCat("--group_size=", size),
+                                     absl::StrCat("--group_rank=", rank),
+                                     absl::StrCat("--group_store=127.0.0.1:", store)};
+    for (const auto& a : absl::GetFlag(FLAGS_server_args)) argv.push_back(a);
+    group->ranks.push_back(std::make_unique<rh::testing::ChildProcess>(
+        argv,
+        [](const std::string& l) { return l.find("joining head group") != std::string::npos; }));
+  }
+  for (auto& rank : group->ranks) {
+    if (!rank->WaitFor(
+            [](const std::string& l) { return rh::testing::ServerProcess::ParsePort(l) > 0; })) {
+      std::cerr << "remotehead-remote-bench: a rank of the head group did not start:\n"
+                << rank->log();
+      std::exit(1);
+    }
+    group->metrics_ports.push_back(PortAfter(rank->log(), "metrics on port "));
+  }
+  const int port = rh::testing::ServerProcess::ParsePort(group->ranks[0]->ready_line());
+  group->client = OrDie(rh::client::Client::Create({.target = absl::StrCat("127.0.0.1:", port),
+                                                    .chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes),
+                                                    .max_receive_message_bytes = 64 << 20}),
+                        "Client::Create (head group)");
+  return group;
+}
+
+// GET http://127.0.0.1:port/metrics.
+std::string ScrapeMetrics(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string body;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[65536];
+      for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) body.append(buffer, n);
+    }
+  }
+  close(fd);
+  return body;
+}
+
+// A rank's collective bytes so far, by "op/direction", from its /metrics.
+std::map<std::string, double> CollectiveBytes(int port) {
+  std::map<std::string, double> bytes;
+  std::istringstream lines(ScrapeMetrics(port));
+  const std::string family = "remotehead_group_collective_bytes_total{";
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(family, 0) != 0) continue;
+    auto label = [&](const std::string& name) {
+      const size_t at = line.find(name + "=\"");
+      return at == std::string::npos
+                 ? std::string()
+                 : line.substr(at + name.size() + 2,
+                               line.find('"', at + name.size() + 2) - at - name.size() - 2);
+    };
+    double value = 0;
+    absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &value);
+    bytes[label("op") + "/" + label("direction")] = value;
+  }
+  return bytes;
+}
+
+// The cost model of a head group's cross-entropy step (fp32 head, int64 targets), in bytes per
+// token each rank hands to (sent) and takes from (received) its collectives:
+//   X and targets broadcast by the front: (D·4 + 8) per token, sent K−1 times by the front;
+//   the statistics: one all-gather per block of (lse, target logit), 2 fp32 per token, sent to
+//   and received from each of the K−1 others by every rank;
+//   dX partials reduced to the front in fp32: D·4 sent by each other rank, K−1 of them received
+//   by the front;
+// plus a 4-byte stop flag all-gathered per chunk (per_chunk, divided by the chunk's rows).
+struct RankBytes {
+  double sent = 0, received = 0, statistics = 0;
+};
+RankBytes GroupBytesModel(int rank, int size, int64_t d, double chunks_per_token) {
+  const double peers = size - 1;
+  const double stats = 2 * 4 * peers;  // each direction
+  const double stop = 4 * peers * chunks_per_token;
+  RankBytes b;
+  b.statistics = 2 * stats;
+  if (rank == 0) {
+    b.sent = peers * (d * 4 + 8) + stats + stop;
+    b.received = stats + peers * d * 4 + stop;
+  } else {
+    b.sent = stats + d * 4 + stop;
+    b.received = d * 4 + 8 + stats + stop;
+  }
+  return b;
+}
+
+// The step on the group: time against the single server's, results against its, bytes per rank
+// per token measured against the model.
+nlohmann::json RunGroup(const Shape& s, Group& group, rh::client::Client& single,
+                        const rh::client::StepInputs& inputs,
+                        const rh::client::ForwardBackwardResult& single_result,
+                        double single_seconds, int64_t single_steps) {
+  rh::client::Client& client = *group.client;
+  OrDie(client.CreateHead("bench",
+                          rh::client::InitSpec{.vocab_size = s.v, .hidden_size = s.d, .seed = 1}),
+        "CreateHead (head group)");
+  int64_t step = 0;
+  rh::client::ForwardBackwardResult result;
+  const double seconds = TimeIt([&] {
+    rh::client::StepSpec spec{.head_id = "bench",
+                              .gradient_id = rh::client::GradientId{"bench", step++, 0}};
+    result = OrDie(client.ForwardBackward(spec, inputs), "ForwardBackward (head group)");
+  });
+  // Both accumulated the same steps: the gathered dW equals the single server's.
+  double dw_diff = -1, dw_max = 0;
+  if (step == single_steps) {
+    const torch::Tensor g = OrDie(client.FetchGradients("bench"), "FetchGradients").weight_grad;
+    const torch::Tensor w = OrDie(single.FetchGradients("bench"), "FetchGradients").weight_grad;
+    dw_diff = (g - w).abs().max().item<double>();
+    dw_max = w.abs().max().item<double>();
+  }
+  // One more step between two scrapes of every rank's counters.
+  std::vector<std::map<std::string, double>> before;
+  for (const int port : group.metrics_ports) before.push_back(CollectiveBytes(port));
+  rh::client::StepSpec spec{.head_id = "bench",
+                            .gradient_id = rh::client::GradientId{"bench", step++, 0}};
+  const auto measured_step = OrDie(client.ForwardBackward(spec, inputs), "ForwardBackward");
+  const double chunks_per_token = double(measured_step.summary.num_chunks) / double(s.n);
+  nlohmann::json ranks = nlohmann::json::array();
+  double worst = 0;
+  for (size_t r = 0; r < group.metrics_ports.size(); ++r) {
+    const std::map<std::string, double> after = CollectiveBytes(group.metrics_ports[r]);
+    double sent = 0, received = 0, statistics = 0;
+    for (const auto& [key, value] : after) {
+      const double delta = (value - before[r][key]) / double(s.n);
+      if (key.ends_with("/sent")) sent += delta;
+      if (key.ends_with("/received")) received += delta;
+      if (key.starts_with("all_gather/")) statistics += delta;
+    }
+    const RankBytes model = GroupBytesModel(
+        static_cast<int>(r), static_cast<int>(group.ranks.size()), s.d, chunks_per_token);
+    const double ratio = (sent + received) / (model.sent + model.received);
+    worst = std::max(worst, std::abs(ratio - 1));
+    ranks.push_back({{"rank", r},
+                     {"sent_bytes_per_token", sent},
+                     {"received_bytes_per_token", received},
+                     {"statistics_bytes_per_token", statistics},
+                     {"model_sent_bytes_per_token", model.sent},
+                     {"model_received_bytes_per_token", model.received},
+                     {"model_statistics_bytes_per_token", model.statistics},
+                     {"measured_vs_model", ratio}});
+  }
+  (void)client.DropHead("bench");
+  return {{"size", group.ranks.size()},
+          {"seconds", seconds},
+          {"vs_single_server", seconds / single_seconds},
+          {"loss_abs_diff", std::abs(result.loss - single_result.loss)},
+          {"dx_max_abs_diff",
+           (result.grad_hidden - single_result.grad_hidden).abs().max().item<double>()},
+          {"dw_max_abs_diff", dw_diff},
+          {"dw_max_abs", dw_max},
+          {"bytes_worst_deviation_from_model", worst},
+          {"ranks", ranks}};
+}
+
+nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server_pid,
+                        Group* group) {
   torch::NoGradGuard no_grad;
   // The same head on both sides: Head::Initialize is deterministic in the seed.
-  auto head = OrDie(rh::core::Head::Initialize({.vocab_size = s.v, .hidden_size = s.d, .seed = 1},
-                                               {}),
-                    "head");
-  OrDie(client.CreateHead("bench", rh::client::InitSpec{.vocab_size = s.v, .hidden_size = s.d,
-                                                        .seed = 1}),
+  auto head = OrDie(
+      rh::core::Head::Initialize({.vocab_size = s.v, .hidden_size = s.d, .seed = 1}, {}), "head");
+  OrDie(client.CreateHead("bench",
+                          rh::client::InitSpec{.vocab_size = s.v, .hidden_size = s.d, .seed = 1}),
         "CreateHead");
   torch::manual_seed(7);
   rh::core::TokenBatch batch;
@@ -151,8 +352,11 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
     remote_result = OrDie(client.ForwardBackward(spec, inputs), "ForwardBackward");
   });
   cpu_after = CpuSeconds(0) + CpuSeconds(server_pid);
-  const double cpu_per_step =
-      (cpu_after - cpu_before) / std::max(1, absl::GetFlag(FLAGS_repeats));
+  const double cpu_per_step = (cpu_after - cpu_before) / std::max(1, absl::GetFlag(FLAGS_repeats));
+  nlohmann::json group_report;
+  if (group != nullptr) {
+    group_report = RunGroup(s, *group, client, inputs, remote_result, remote, step);
+  }
 
   // The same bytes alone. Up: X through a Forward (sum) on a one-token vocabulary — the same
   // streaming path with next to no compute and nothing but the summary coming back. Down: an
@@ -176,7 +380,7 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
   const double bytes = 2.0 * s.n * s.d * 4;  // X up + dX down
   const double serial = up + in_process + down;
   const auto& t = remote_result.summary.timings;
-  return {
+  nlohmann::json out = {
       {"n", s.n},
       {"d", s.d},
       {"v", s.v},
@@ -202,6 +406,8 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
       {"loss", local.loss},
       {"echo_exact", torch::equal(echoed, batch.hidden)},
   };
+  if (group != nullptr) out["group"] = group_report;
+  return out;
 }
 
 void PrintTable(const nlohmann::json& report) {
@@ -223,10 +429,28 @@ void PrintTable(const nlohmann::json& report) {
     std::cout << absl::StrFormat(
         "%-18s remote step: %.3f CPU-s in both processes = %.0f%% of %d cores; |loss diff| "
         "%.2e, max |dX diff| %.2e, echo exact: %s\n",
-        "", r["remote_cpu_seconds"].get<double>(),
-        100 * r["remote_cpu_utilisation"].get<double>(), report["cores"].get<int>(),
-        r["loss_abs_diff"].get<double>(), r["dx_max_abs_diff"].get<double>(),
-        r["echo_exact"].get<bool>() ? "yes" : "NO");
+        "", r["remote_cpu_seconds"].get<double>(), 100 * r["remote_cpu_utilisation"].get<double>(),
+        report["cores"].get<int>(), r["loss_abs_diff"].get<double>(),
+        r["dx_max_abs_diff"].get<double>(), r["echo_exact"].get<bool>() ? "yes" : "NO");
+    if (!r.contains("group")) continue;
+    const auto& g = r["group"];
+    std::cout << absl::StrFormat(
+        "%-18s head group of %d: %.3f s = %.2f× the single server (ranks share this machine's "
+        "cores); |loss diff| %.2e, max |dX diff| %.2e, max |dW diff| %.2e\n",
+        "", g["size"].get<int>(), g["seconds"].get<double>(), g["vs_single_server"].get<double>(),
+        g["loss_abs_diff"].get<double>(), g["dx_max_abs_diff"].get<double>(),
+        g["dw_max_abs_diff"].get<double>());
+    for (const auto& rank : g["ranks"]) {
+      std::cout << absl::StrFormat(
+          "%-18s   rank %d bytes/token: sent %.1f received %.1f (model %.1f / %.1f, measured / "
+          "model %.3f); statistics %.1f (model %.1f)\n",
+          "", rank["rank"].get<int>(), rank["sent_bytes_per_token"].get<double>(),
+          rank["received_bytes_per_token"].get<double>(),
+          rank["model_sent_bytes_per_token"].get<double>(),
+          rank["model_received_bytes_per_token"].get<double>(),
+          rank["measured_vs_model"].get<double>(), rank["statistics_bytes_per_token"].get<double>(),
+          rank["model_statistics_bytes_per_token"].get<double>());
+    }
   }
 }
 
@@ -269,7 +493,11 @@ int main(int argc, char** argv) {
   }
   report["server_log"] = admission_line;
   report["cores"] = std::thread::hardware_concurrency();
-  for (const Shape& s : shapes) report["shapes"].push_back(RunShape(s, *client, server.pid()));
+  std::unique_ptr<Group> group;
+  if (absl::GetFlag(FLAGS_group_size) >= 2) group = StartGroup(absl::GetFlag(FLAGS_group_size));
+  for (const Shape& s : shapes) {
+    report["shapes"].push_back(RunShape(s, *client, server.pid(), group.get()));
+  }
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << report.dump(2) << std::endl;
   } else {
@@ -283,6 +511,30 @@ int main(int argc, char** argv) {
           !r["echo_exact"].get<bool>()) {
         std::cerr << "remotehead-remote-bench: remote and in-process results differ: " << r.dump()
                   << std::endl;
+        ++failures;
+      }
+      if (!r.contains("group")) continue;
+      // The group against the single server (fp32 1e-5 of the magnitudes), and its bytes
+      // against the model (within 10%).
+      const auto& g = r["group"];
+      if (!(g["loss_abs_diff"].get<double>() <= 1e-5 * std::abs(r["loss"].get<double>())) ||
+          !(g["dx_max_abs_diff"].get<double>() <= 1e-5 * r["dx_max_abs"].get<double>()) ||
+          !(g["dw_max_abs_diff"].get<double>() >= 0 &&
+            g["dw_max_abs_diff"].get<double>() <= 1e-5 * g["dw_max_abs"].get<double>()) ||
+          !(g["bytes_worst_deviation_from_model"].get<double>() <= 0.10)) {
+        std::cerr << "remotehead-remote-bench: the head group differs from the single server or "
+                     "from its bytes model: "
+                  << g.dump() << std::endl;
+        ++failures;
+      }
+    }
+  }
+  if (group != nullptr) {
+    for (auto& rank : group->ranks) kill(rank->pid(), SIGTERM);
+    for (auto& rank : group->ranks) {
+      if (rank->Wait() != 0) {
+        std::cerr << "remotehead-remote-bench: a head group rank did not stop cleanly:\n"
+                  << rank->log();
         ++failures;
       }
     }

@@ -26,6 +26,7 @@ class StepTimings;
 
 namespace remotehead::server {
 
+class HeadGroup;
 class HeadRegistry;
 
 class ServerMetrics {
@@ -38,6 +39,9 @@ class ServerMetrics {
   ServerMetrics& operator=(const ServerMetrics&) = delete;
 
   void set_admission(const AdmissionController* admission);
+  // A head group's rank: its rank, whether the group is up, and the bytes its collectives
+  // moved are read at scrape time (`group` must outlive this object).
+  void set_group(HeadGroup* group);
 
   // What an Exposer serves: the metrics recorded here and the scrape-time state.
   std::vector<std::weak_ptr<prometheus::Collectable>> Collectables() const;
