@@ -21,7 +21,7 @@ import torch
 import yaml
 
 import remotehead
-from remotehead.local_server import LocalServer
+from remotehead.local_server import LocalHeadGroup, LocalServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -40,6 +40,14 @@ EXPORTED = {
     "remotehead_logits_chunk_max_bytes", "remotehead_heads", "remotehead_head_weight_version",
     "remotehead_head_accumulated_micro_batches", "remotehead_head_last_loss",
 }
+# What a head group's rank exports besides (README.md lists them too).
+GROUP_EXPORTED = {
+    "remotehead_group_info", "remotehead_group_up", "remotehead_group_collective_bytes_total",
+    "remotehead_group_collectives_total",
+}
+# The servers each compose profile starts (with Prometheus and Grafana).
+PROFILE_SERVERS = {"cpu": ["remotehead-cpu"], "gpu": ["remotehead-gpu"],
+                   "cpu-group": ["remotehead-rank0", "remotehead-rank1"]}
 
 
 def tool(name: str) -> str:
@@ -53,25 +61,39 @@ def dashboard_expressions():
     return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
 
 
-@pytest.mark.parametrize("profile,server", [("cpu", "remotehead-cpu"), ("gpu", "remotehead-gpu")])
-def test_compose_file_validates_for_each_profile(profile, server):
+@pytest.mark.parametrize("profile", sorted(PROFILE_SERVERS))
+def test_compose_file_validates_for_each_profile(profile):
     result = subprocess.run([tool("docker-compose"), "-f", str(DEPLOY / "docker-compose.yml"),
                              "--profile", profile, "config"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     # docker-compose 1.29 prints every service; the profiles say which ones start.
     services = config["services"]
-    assert set(services) == {"remotehead-cpu", "remotehead-gpu", "prometheus", "grafana"}
+    assert set(services) == {s for servers in PROFILE_SERVERS.values() for s in servers} | {
+        "prometheus", "grafana"}
     assert [name for name, s in services.items() if profile in s.get("profiles", [])] \
-        == sorted([server, "prometheus", "grafana"], key=list(services).index)
-    ports = {str(p["target"]) if isinstance(p, dict) else str(p).split(":")[-1]
-             for p in config["services"][server]["ports"]}
-    assert ports == {"50051", "9464"}
+        == sorted(PROFILE_SERVERS[profile] + ["prometheus", "grafana"],
+                  key=list(services).index)
+    for server in PROFILE_SERVERS[profile]:
+        ports = {str(p["target"]) if isinstance(p, dict) else str(p).split(":")[-1]
+                 for p in config["services"][server]["ports"]}
+        assert ports == {"50051", "9464"}
+    server = PROFILE_SERVERS[profile][0]
     if profile == "gpu":
         devices = services[server]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
     dockerfile = config["services"][server]["build"]["dockerfile"]
     assert (ROOT / dockerfile).is_file()
+    if profile == "cpu-group":
+        # Every rank: the same head, the group's size and store, its own rank.
+        flags = [dict(a.split("=", 1) for a in services[s]["command"] if "=" in a)
+                 for s in PROFILE_SERVERS[profile]]
+        assert [f["--group_rank"] for f in flags] == ["0", "1"]
+        for f in flags:
+            assert f["--group_size"] == "2"
+            assert f["--group_store"] == "remotehead-rank0:29500"
+            assert f["--head"] == flags[0]["--head"]
+            assert "--state_dir" not in f
     for name in ("prometheus", "grafana"):
         for volume in config["services"][name]["volumes"]:
             source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
@@ -105,7 +127,19 @@ def live_server():
         yield server
 
 
-def test_dashboard_uses_only_metrics_the_server_exports(live_server):
+@pytest.fixture(scope="module")
+def live_group():
+    with LocalHeadGroup(BINARY, size=2, args=["--device=cpu", "--metrics_address=127.0.0.1:0"]) \
+            as group:
+        yield group
+
+
+def exported_metrics(port):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return set(re.findall(r"^# TYPE (\w+) \w+$", body, re.MULTILINE)), body
+
+
+def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group):
     torch.manual_seed(0)
     with remotehead.Client(live_server.target) as client:
         client.upload_head("deploy", torch.randn(64, 16))
@@ -114,10 +148,24 @@ def test_dashboard_uses_only_metrics_the_server_exports(live_server):
         client.forward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)))
         with pytest.raises(remotehead.RemoteheadError):
             client.describe_head("missing")
-    body = urllib.request.urlopen(
-        f"http://127.0.0.1:{live_server.metrics_port}/metrics", timeout=5).read().decode()
-    exported = set(re.findall(r"^# TYPE (\w+) \w+$", body, re.MULTILINE))
+    exported, _ = exported_metrics(live_server.metrics_port)
     assert exported == EXPORTED
+    # A head group's front after a step: the same, and the group's own.
+    with remotehead.Client(live_group.target) as client:
+        client.upload_head("deploy", torch.randn(64, 16))
+        client.forward_backward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)),
+                                gradient_id=("deploy", 0, 0))
+        client.forward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)))
+        with pytest.raises(remotehead.RemoteheadError):
+            client.describe_head("missing")
+    group_exported, _ = exported_metrics(live_group.ranks[0].metrics_port)
+    assert group_exported == EXPORTED | GROUP_EXPORTED
+    # Every rank says which it is (what the dashboard joins on).
+    for rank, server in enumerate(live_group.ranks):
+        _, body = exported_metrics(server.metrics_port)
+        assert f'remotehead_group_info{{rank="{rank}",size="2"}} 1' in body, body
+        assert "remotehead_group_up 1" in body
+    exported = group_exported
     used = set()
     for title, expr in dashboard_expressions():
         names = {re.sub(r"_(bucket|sum|count)$", "", n)
@@ -130,6 +178,9 @@ def test_dashboard_uses_only_metrics_the_server_exports(live_server):
             "remotehead_step_phase_seconds", "remotehead_tokens_total",
             "remotehead_requests_total", "remotehead_inflight_requests",
             "remotehead_head_weight_version", "remotehead_head_last_loss"} <= used
+    # And a head group's ranks: their memory, their collectives, whether the group is up.
+    assert {"remotehead_group_info", "remotehead_group_collective_bytes_total",
+            "remotehead_group_up"} <= used
 
 
 def dockerfile_stages(path: pathlib.Path):
