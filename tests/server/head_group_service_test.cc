@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -30,7 +31,9 @@ constexpr double kTol = 1e-5;
 // One server (size 1) or a head group of `size` processes, with a client of its front.
 class Servers {
  public:
-  Servers(int size, const std::string& checkpoint_dir, double timeout_seconds = 10) {
+  // `rank_args`: extra flags by rank (e.g. a smaller memory budget on one rank).
+  Servers(int size, const std::string& checkpoint_dir, double timeout_seconds = 10,
+          const std::vector<std::vector<std::string>>& rank_args = {}) {
     const int store_port = testing::FreePort();
     for (int rank = 0; rank < size; ++rank) {
       std::vector<std::string> argv = {REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0",
@@ -41,6 +44,9 @@ class Servers {
         argv.push_back(absl::StrCat("--group_rank=", rank));
         argv.push_back(absl::StrCat("--group_store=127.0.0.1:", store_port));
         argv.push_back(absl::StrCat("--group_timeout_seconds=", timeout_seconds));
+      }
+      if (static_cast<size_t>(rank) < rank_args.size()) {
+        for (const std::string& a : rank_args[static_cast<size_t>(rank)]) argv.push_back(a);
       }
       // Every rank is started before any is waited for: each waits for the others to join.
       ranks_.push_back(std::make_unique<testing::ChildProcess>(argv, [size](const std::string& l) {
@@ -292,6 +298,61 @@ TEST(HeadGroupFailureTest, KilledRankFailsTheCallAndTakesTheGroupDown) {
   EXPECT_EQ(group.rank(1).Wait(), 1) << group.logs();
   EXPECT_NE(group.rank(1).log().find("the front (rank 0) is gone"), std::string::npos)
       << group.logs();
+  std::filesystem::remove_all(dir);
+}
+
+// A deadline passing mid-step stops every rank (the engine's per-chunk stop flag) with nothing
+// committed, and the group stays up: a cancelled request is not a failure of the group.
+TEST(HeadGroupFailureTest, DeadlineStopsEveryRankAndTheGroupStaysUp) {
+  const std::string dir = std::filesystem::temp_directory_path() / "remotehead_group_deadline";
+  std::filesystem::create_directories(dir);
+  Servers group(2, dir);
+  ASSERT_TRUE(group.started()) << group.logs();
+  ASSERT_TRUE(group.client()
+                  .CreateHead("h", {.vocab_size = kVocab, .hidden_size = kHidden, .seed = 1})
+                  .ok());
+  client::ClientOptions options{
+      .target = absl::StrCat("127.0.0.1", ":",
+                             testing::ServerProcess::ParsePort(group.rank(0).ready_line()))};
+  options.retry.max_attempts = 1;
+  options.deadline = std::chrono::milliseconds(300);
+  auto hurried = *client::Client::Create(options);
+  torch::manual_seed(1);
+  const int64_t rows = 20000;
+  client::StepSpec spec = Spec("h", {"t", 0, 0});
+  spec.chunk_rows = 1;
+  auto late =
+      hurried->ForwardBackward(spec, {.hidden = torch::randn({rows, kHidden}),
+                                      .targets = torch::randint(0, kVocab, {rows}, torch::kLong)});
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  // The group goes on: the same id is then added once, on every rank.
+  const Batch b = MakeBatch(0);
+  auto next = group.client().ForwardBackward(Spec("h", {"t", 0, 0}),
+                                             {.hidden = b.hidden, .targets = b.targets});
+  ASSERT_TRUE(next.ok()) << next.status() << group.logs();
+  EXPECT_FALSE(next->summary.replayed);
+  auto grads = group.client().FetchGradients("h");
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  EXPECT_EQ(grads->info.accumulated_micro_batches, 1);
+  std::filesystem::remove_all(dir);
+}
+
+// Each rank reserves its rows in its own budget: a head that one rank's budget refuses is
+// RESOURCE_EXHAUSTED naming that rank, and is undone on the ranks that had created it.
+TEST(HeadGroupFailureTest, OneRanksBudgetRefusesAHeadEverywhere) {
+  const std::string dir = std::filesystem::temp_directory_path() / "remotehead_group_budget";
+  std::filesystem::create_directories(dir);
+  // 1 MiB on rank 1: its half of an 8192 × 64 fp32 head (1 MiB of W + 1 MiB of dW) does not fit.
+  Servers group(2, dir, 10, {{}, {"--memory_budget_bytes=1048576"}});
+  ASSERT_TRUE(group.started()) << group.logs();
+  client::Client& g = group.client();
+  auto big = g.CreateHead("big", {.vocab_size = 8192, .hidden_size = 64});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_NE(big.status().message().find("rank 1"), std::string::npos) << big.status();
+  EXPECT_EQ(g.DescribeHead("big").status().code(), absl::StatusCode::kNotFound);
+  // Nothing of it stays anywhere: a head that fits is created under the same id.
+  auto small = g.CreateHead("big", {.vocab_size = 64, .hidden_size = 64});
+  EXPECT_TRUE(small.ok()) << small.status() << group.logs();
   std::filesystem::remove_all(dir);
 }
 
