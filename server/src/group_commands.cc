@@ -105,21 +105,6 @@ v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::Scala
   return command;
 }
 
-v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t) {
-  v1::GroupTensor spec;
-  spec.set_name(name);
-  spec.set_dtype(WireDtype(t.scalar_type()));
-  for (const int64_t d : t.sizes()) spec.add_shape(d);
-  return spec;
-}
-
-absl::StatusOr<torch::Tensor> EmptyTensor(const v1::GroupTensor& spec, torch::Device device) {
-  ASSIGN_OR_RETURN(const torch::ScalarType dtype,
-                   wire::FromWireDtype(spec.dtype(), absl::StrCat("tensor ", spec.name())));
-  return torch::empty(std::vector<int64_t>(spec.shape().begin(), spec.shape().end()),
-                      torch::TensorOptions().dtype(dtype).device(device));
-}
-
 absl::Status HeadOperations::Follow(const v1::GroupCommand& command) {
   switch (command.op_case()) {
     case v1::GroupCommand::kCreate: {

@@ -29,9 +29,4 @@ v1::GroupCommand OptimizerStepCommand(const std::string& id, const OptimizerStep
 v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::ScalarType> dtype,
                                bool gradients);
 
-// A tensor's name, dtype and shape, for a command whose broadcast carries it.
-v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t);
-// An uninitialised tensor as `spec` describes, on `device`: what a broadcast fills.
-absl::StatusOr<torch::Tensor> EmptyTensor(const v1::GroupTensor& spec, torch::Device device);
-
 }  // namespace remotehead::server

@@ -2,7 +2,6 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "group_commands.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/wire/tensor_codec.h"
 
 namespace remotehead::server {
 namespace {
@@ -16,6 +17,21 @@ constexpr std::chrono::milliseconds kFollowPoll{200};
 torch::Tensor Bytes(const torch::Tensor& t) { return t.reshape({-1}).view(torch::kByte); }
 
 }  // namespace
+
+v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t) {
+  v1::GroupTensor spec;
+  spec.set_name(name);
+  spec.set_dtype(wire::ToWireDtype(t.scalar_type(), "dtype").value_or(v1::DTYPE_UNSPECIFIED));
+  for (const int64_t d : t.sizes()) spec.add_shape(d);
+  return spec;
+}
+
+absl::StatusOr<torch::Tensor> EmptyTensor(const v1::GroupTensor& spec, torch::Device device) {
+  ASSIGN_OR_RETURN(const torch::ScalarType dtype,
+                   wire::FromWireDtype(spec.dtype(), absl::StrCat("tensor ", spec.name())));
+  return torch::empty(std::vector<int64_t>(spec.shape().begin(), spec.shape().end()),
+                      torch::TensorOptions().dtype(dtype).device(device));
+}
 
 bool IsGroupFailure(const absl::Status& status) {
   return status.code() == absl::StatusCode::kUnavailable ||
@@ -42,6 +58,18 @@ absl::Status HeadGroup::Check(absl::Status failure) {
   return failure;
 }
 
+absl::Status HeadGroup::Timed(const v1::GroupCommand& command,
+                              const std::function<absl::Status()>& part) {
+  if (!observer_) return part();
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status status = part();
+  const google::protobuf::FieldDescriptor* op =
+      v1::GroupCommand::descriptor()->FindFieldByNumber(command.op_case());
+  observer_(op != nullptr ? op->name() : "unknown",
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return status;
+}
+
 absl::StatusOr<HeadGroup::Lane> HeadGroup::Enter() {
   auto down = [this]() -> absl::Status {
     const absl::Status failure = health();
@@ -62,9 +90,9 @@ absl::Status HeadGroup::Lane::Run(const v1::GroupCommand& command,
   const absl::StatusOr<int64_t> seq = g.log_.Append(command.SerializeAsString());
   if (!seq.ok()) return g.Check(seq.status());
   absl::Status mine;
-  if (!local_last) mine = g.Check(local());
+  if (!local_last) mine = g.Check(g.Timed(command, local));
   const absl::Status replies = g.Check(g.log_.AwaitReplies(*seq).status());
-  if (local_last && replies.ok()) mine = g.Check(local());
+  if (local_last && replies.ok()) mine = g.Check(g.Timed(command, local));
   // An error of the request itself happens on every rank alike: this rank's says it. A
   // transport failure is best told by the replies, which name the rank that did not answer.
   if (!mine.ok() && !IsGroupFailure(mine)) return mine;
@@ -88,7 +116,7 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupC
           absl::StrCat("head group: a command that does not parse (", bytes->size(), " bytes)"));
     } else {
       try {
-        status = Check(execute(command));
+        status = Check(Timed(command, [&] { return execute(command); }));
       } catch (const std::exception& e) {
         status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
       }

@@ -107,8 +107,10 @@ absl::Status HeadOperations::ReserveLoadedHeads() {
   for (const std::shared_ptr<HeadEntry>& entry : registry_->List()) {
     if (entry->reservation() != 0) continue;
     const HeadDescription d = entry->Describe();
-    ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(d.id, d.vocab_size, d.hidden_size, d.dtype,
-                                                        d.has_bias, "--head "));
+    // The rows this process holds (a head group's rank holds its shard's, not d.vocab_size).
+    const int64_t rows = entry->Read([](const core::Head& head) { return head.vocab_size(); });
+    ASSIGN_OR_RETURN(const uint64_t ticket,
+                     ReserveHead(d.id, rows, d.hidden_size, d.dtype, d.has_bias, "--head "));
     entry->set_reservation(ticket);
     RETURN_IF_ERROR(ResizeOf(*entry, absl::StrCat("the restored optimizer state of head \"", d.id,
                                                   "\""))(entry->OptimizerStateBytes()));

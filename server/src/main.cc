@@ -450,7 +450,13 @@ int Run() {
   if (!checkpoint_dir.ok()) return Refuse(checkpoint_dir.status());
   absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
-  if (metrics->metrics != nullptr) metrics->metrics->set_group(group->get());
+  if (metrics->metrics != nullptr && *group != nullptr) {
+    rh::server::ServerMetrics* m = metrics->metrics.get();
+    m->set_group(group->get());
+    (*group)->set_observer([m](const std::string& command, double seconds) {
+      m->ObserveGroupCommand(command, seconds);
+    });
+  }
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
       &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get(),

@@ -110,7 +110,12 @@ class ServerMetrics::Impl : public prometheus::Collectable {
         inflight_(prometheus::BuildGauge()
                       .Name("remotehead_inflight_requests")
                       .Help("RPCs in progress (queued for admission included), by method")
-                      .Register(*registry_)) {}
+                      .Register(*registry_)),
+        group_commands_(prometheus::BuildHistogram()
+                            .Name("remotehead_group_command_seconds")
+                            .Help("Time this head group rank spent on its part of each group "
+                                  "command (step_batch: one engine call on its shard), by command")
+                            .Register(*registry_)) {}
 
   RpcMetrics& ForRpc(const std::string& rpc) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -268,6 +273,7 @@ class ServerMetrics::Impl : public prometheus::Collectable {
   prometheus::Family<prometheus::Counter>& received_;
   prometheus::Family<prometheus::Counter>& sent_;
   prometheus::Family<prometheus::Gauge>& inflight_;
+  prometheus::Family<prometheus::Histogram>& group_commands_;
   std::atomic<int64_t> largest_logits_chunk_{0};
   std::mutex mu_;
   std::map<std::string, RpcMetrics> rpcs_;
@@ -365,6 +371,10 @@ void ServerMetrics::set_admission(const AdmissionController* admission) {
 }
 
 void ServerMetrics::set_group(HeadGroup* group) { impl_->group_.store(group); }
+
+void ServerMetrics::ObserveGroupCommand(const std::string& command, double seconds) {
+  impl_->group_commands_.Add({{"command", command}}, LatencyBuckets()).Observe(seconds);
+}
 
 std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::Collectables() const {
   return {impl_->registry_, impl_};

@@ -575,7 +575,9 @@ absl::Status StepSession::RetainInputs(const CommitResult& commit, v1::StepSumma
 }
 
 void StepSession::FillSummary(const CommitResult& commit, v1::StepSummary* summary) {
-  logits_chunk_bytes_ = chunk_rows_ * plan_.vocab_size * plan_.head_elem_bytes;
+  // The columns this process computes: its shard's on a head group.
+  const int64_t columns = group_ != nullptr ? shard_.mine().rows : plan_.vocab_size;
+  logits_chunk_bytes_ = chunk_rows_ * columns * plan_.head_elem_bytes;
   summary->set_replayed(commit.replayed);
   summary->set_weight_version(commit.weight_version);
   summary->set_incarnation(ServerIncarnation());

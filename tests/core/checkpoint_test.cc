@@ -9,6 +9,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/reference.h"
@@ -115,6 +117,36 @@ TEST_F(Checkpoint, ShardedCheckpointsResolveThroughTheirIndex) {
   EXPECT_EQ(missing.status().message(),
             "path: the shard that \"model/model.safetensors.index.json\" maps \"lm_head.bias\" "
             "to: no such file in the checkpoint directory");
+}
+
+// A head group's shard reads only its rows: from a file and through a sharded checkpoint's
+// index, in any dtype, 1-D (bias) and 2-D (weight); a range outside the tensor is refused.
+TEST_F(Checkpoint, RowRangesAreTheRowsOfTheWholeTensor) {
+  const torch::Tensor weight = torch::randn({11, 4}).to(torch::kBFloat16);
+  const torch::Tensor bias = torch::randn({11});
+  fs::create_directories(dir_ / "sharded");
+  ASSERT_TRUE(Write("head.safetensors", {{"lm_head.weight", weight}, {"lm_head.bias", bias}}).ok());
+  ASSERT_TRUE(Write("sharded/part-1.safetensors", {{"lm_head.weight", weight}}).ok());
+  std::ofstream(Path("sharded/model.safetensors.index.json"))
+      << R"({"weight_map":{"lm_head.weight":"part-1.safetensors"}})";
+  for (const std::string& file :
+       {std::string("head.safetensors"), std::string("sharded/model.safetensors.index.json")}) {
+    for (const auto& [offset, rows] :
+         std::vector<std::pair<int64_t, int64_t>>{{0, 11}, {0, 6}, {6, 5}, {3, 4}, {10, 1}}) {
+      auto t = core::ReadSafetensorRows(*root_, file, "lm_head.weight", offset, rows);
+      ASSERT_TRUE(t.ok()) << t.status();
+      EXPECT_TRUE(torch::equal(*t, weight.narrow(0, offset, rows))) << file << " " << offset;
+    }
+  }
+  auto b = core::ReadSafetensorRows(*root_, "head.safetensors", "lm_head.bias", 4, 7);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(torch::equal(*b, bias.narrow(0, 4, 7)));
+  const auto outside = core::ReadSafetensorRows(*root_, "head.safetensors", "lm_head.weight", 8, 4);
+  EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(outside.status().message().find("expected rows [8, 12) of its first dimension; it "
+                                            "has 11 rows"),
+            std::string::npos)
+      << outside.status();
 }
 
 // Found by fuzz_safetensors (tests/fuzz/corpus/fuzz_safetensors/crash-negative-shape): sizes

@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <utility>
+#include <vector>
+
 #include "core/reference.h"
 
 namespace remotehead {
@@ -23,6 +26,33 @@ TEST(Head, SameSeedGivesIdenticalWeightsAndOtherSeedsDiffer) {
   EXPECT_EQ((*a)->vocab_size(), 50);
   EXPECT_EQ((*a)->hidden_size(), 8);
   EXPECT_FALSE((*a)->has_bias());
+}
+
+// A head group's shard made from the seed: exactly those rows of the whole head, in any dtype.
+TEST(Head, InitializeRowsAreTheRowsOfTheWholeHead) {
+  for (const torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16}) {
+    const core::HeadInit init{
+        .vocab_size = 29, .hidden_size = 8, .dtype = dtype, .bias = true, .seed = 3};
+    auto whole = Head::Initialize(init, {});
+    ASSERT_TRUE(whole.ok());
+    for (const auto& [offset, rows] :
+         std::vector<std::pair<int64_t, int64_t>>{{0, 15}, {15, 14}, {20, 9}, {0, 29}}) {
+      auto shard = Head::InitializeRows(init, {}, offset, rows);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      EXPECT_TRUE(torch::equal((*shard)->weight(), (*whole)->weight().narrow(0, offset, rows)));
+      EXPECT_EQ((*shard)->bias().size(0), rows);
+      EXPECT_EQ((*shard)->dtype(), dtype);
+    }
+  }
+  const core::HeadInit init{.vocab_size = 29, .hidden_size = 8};
+  for (const auto& [offset, rows] :
+       std::vector<std::pair<int64_t, int64_t>>{{-1, 3}, {28, 2}, {0, 0}}) {
+    const auto bad = Head::InitializeRows(init, {}, offset, rows);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find("rows: expected a range within [0, 29)"),
+              std::string::npos)
+        << bad.status();
+  }
 }
 
 TEST(Head, FromTensorsCopiesAndKeepsDtype) {

@@ -43,7 +43,7 @@ EXPORTED = {
 # What a head group's rank exports besides (README.md lists them too).
 GROUP_EXPORTED = {
     "remotehead_group_info", "remotehead_group_up", "remotehead_group_collective_bytes_total",
-    "remotehead_group_collectives_total",
+    "remotehead_group_collectives_total", "remotehead_group_command_seconds",
 }
 # The servers each compose profile starts (with Prometheus and Grafana).
 PROFILE_SERVERS = {"cpu": ["remotehead-cpu"], "gpu": ["remotehead-gpu"],
@@ -180,7 +180,7 @@ def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group)
             "remotehead_head_weight_version", "remotehead_head_last_loss"} <= used
     # And a head group's ranks: their memory, their collectives, whether the group is up.
     assert {"remotehead_group_info", "remotehead_group_collective_bytes_total",
-            "remotehead_group_up"} <= used
+            "remotehead_group_up", "remotehead_group_command_seconds"} <= used
 
 
 def dockerfile_stages(path: pathlib.Path):

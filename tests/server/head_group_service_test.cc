@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/client/client.h"
+#include "remotehead/core/head.h"
 #include "remotehead/core/vocab_group.h"
 #include "support/child_process.h"
 
@@ -353,6 +354,26 @@ TEST(HeadGroupFailureTest, OneRanksBudgetRefusesAHeadEverywhere) {
   // Nothing of it stays anywhere: a head that fits is created under the same id.
   auto small = g.CreateHead("big", {.vocab_size = 64, .hidden_size = 64});
   EXPECT_TRUE(small.ok()) << small.status() << group.logs();
+  std::filesystem::remove_all(dir);
+}
+
+// --head preloads on a group: every rank creates its rows of the head (reserving only those),
+// equal to the same rows of a one-server head with that seed.
+TEST(HeadGroupStartTest, PreloadedHeadIsSplitByRank) {
+  const std::string dir = std::filesystem::temp_directory_path() / "remotehead_group_preload";
+  std::filesystem::create_directories(dir);
+  const std::string head = "--head=pre:29:8:float32:5";
+  Servers group(2, dir, 10, {{head}, {head}});
+  ASSERT_TRUE(group.started()) << group.logs();
+  auto info = group.client().DescribeHead("pre");
+  ASSERT_TRUE(info.ok()) << info.status() << group.logs();
+  EXPECT_EQ(info->vocab_size, 29);
+  EXPECT_EQ(info->group_size, 2);
+  const auto whole = core::Head::Initialize({.vocab_size = 29, .hidden_size = 8, .seed = 5}, {});
+  ASSERT_TRUE(whole.ok());
+  auto exported = group.client().ExportWeights("pre");
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_TRUE(torch::equal(exported->weight, (*whole)->weight()));
   std::filesystem::remove_all(dir);
 }
 

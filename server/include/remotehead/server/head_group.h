@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -46,6 +47,11 @@ class HeadGroup {
 
   // OK while the group works; the failure that took it down otherwise.
   absl::Status health() const;
+
+  // Called with each command's name ("step_batch", "optimizer_step", …) and the seconds this
+  // rank spent on its own part of it (metrics). Set before the group serves.
+  using CommandObserver = std::function<void(const std::string& command, double seconds)>;
+  void set_observer(CommandObserver observer) { observer_ = std::move(observer); }
 
   // The front's right to run one group operation: held for the whole operation.
   class Lane {
@@ -86,14 +92,22 @@ class HeadGroup {
  private:
   // Takes the group down with `failure` if it is a transport failure; returns `failure`.
   absl::Status Check(absl::Status failure);
+  // Runs `part` (this rank's part of `command`) and reports its time to the observer.
+  absl::Status Timed(const v1::GroupCommand& command, const std::function<absl::Status()>& part);
 
   std::unique_ptr<ProcessGroup> group_;
   GroupLog log_;
   std::mutex lane_;
   std::atomic<int64_t> next_session_{1};
+  CommandObserver observer_;
   mutable std::mutex mu_;
   absl::Status down_;  // guarded by mu_
 };
+
+// A tensor's name, dtype and shape, for a command whose broadcast (Share) carries it.
+v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t);
+// An uninitialised tensor as `spec` describes, on `device`: what Share fills.
+absl::StatusOr<torch::Tensor> EmptyTensor(const v1::GroupTensor& spec, torch::Device device);
 
 // Whether `status` is a transport failure of the group (a collective or the store failed: a
 // rank died, hung or left): UNAVAILABLE or DEADLINE_EXCEEDED from the group.

@@ -53,6 +53,9 @@ class ServerMetrics {
                    int64_t valid_tokens, const v1::StepTimings& timings,
                    int64_t logits_chunk_bytes);
 
+  // A head group command's part on this rank (HeadGroup::set_observer).
+  void ObserveGroupCommand(const std::string& command, double seconds);
+
   class Impl;
 
  private:
