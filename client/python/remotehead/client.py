@@ -559,8 +559,33 @@ class Client:
     def describe_head(self, head_id: str) -> HeadInfo:
         return _info(self._unary(self._stub.DescribeHead, pb.HeadRef(head_id=head_id)))
 
+    def list_heads(self) -> List[HeadInfo]:
+        return [_info(h) for h in self._unary(self._stub.ListHeads, pb.ListHeadsRequest()).heads]
+
     def drop_head(self, head_id: str) -> None:
         self._unary(self._stub.DropHead, pb.HeadRef(head_id=head_id))
+
+    def save_weights(self, head_id: str, path: str, *, weight_name: str = "",
+                     bias_name: str = "") -> int:
+        """Writes the head's weights to a safetensors file on the server (`path` relative to
+        its --checkpoint_dir; empty names: lm_head.weight / lm_head.bias); the bytes written."""
+        request = pb.SaveWeightsRequest(head_id=head_id, path=path, weight_name=weight_name,
+                                        bias_name=bias_name)
+        return self._unary(self._stub.SaveWeights, request).bytes_written
+
+    def health(self, service: str = "") -> str:
+        """grpc.health.v1 Check of `service` ("" = the whole server): "SERVING", "NOT_SERVING",
+        "UNKNOWN" or "SERVICE_UNKNOWN". Read without generated health stubs (field 1 of the
+        reply); not retried, so an unreachable server is a RemoteheadError (UNAVAILABLE)."""
+        name = service.encode()
+        request = (b"\x0a" + bytes([len(name)]) + name) if name else b""
+        check = self._channel.unary_unary("/grpc.health.v1.Health/Check",
+                                          request_serializer=lambda r: r,
+                                          response_deserializer=lambda r: r)
+        reply = self._call(lambda: check(request, timeout=self._timeout or 10), retry=False)
+        status = reply[1] if len(reply) >= 2 and reply[0] == 0x08 else 0
+        return {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(
+            status, "UNKNOWN")
 
     def export_weights(self, head_id: str, dtype: Optional[torch.dtype] = None
                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
