@@ -244,24 +244,34 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
   return d;
 }
 
+absl::StatusOr<HeadOperations::Rows> HeadOperations::ShareUploadedRows(torch::Tensor* weight,
+                                                                       torch::Tensor* bias) {
+  std::vector<torch::Tensor> shared = {weight->to(device_)};
+  if (bias->defined()) shared.push_back(bias->to(device_));
+  RETURN_IF_ERROR(group_->Share(shared));
+  ASSIGN_OR_RETURN(Rows rows, RowsOf(weight->size(0), "header.vocab_size"));
+  *weight = shared[0].narrow(0, rows.offset, rows.rows);
+  if (bias->defined()) *bias = shared[1].narrow(0, rows.offset, rows.rows);
+  return rows;
+}
+
 absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id,
                                                            torch::Tensor weight, torch::Tensor bias,
                                                            bool replace) {
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
   std::vector<core::ShardRange> shards;
   if (group_ != nullptr) {
-    std::vector<torch::Tensor> shared = {weight.to(device_)};
-    if (bias.defined()) shared.push_back(bias.to(device_));
-    RETURN_IF_ERROR(group_->Share(shared));
-    ASSIGN_OR_RETURN(const Rows rows, RowsOf(weight.size(0), "header.vocab_size"));
-    if (replace && entry.ok() && (*entry)->Describe().vocab_size != weight.size(0)) {
-      return absl::InvalidArgumentError(absl::StrCat("header.vocab_size: expected head \"", id,
-                                                     "\"'s ", (*entry)->Describe().vocab_size,
-                                                     " rows to replace; got ", weight.size(0)));
+    const int64_t vocab_size = weight.size(0);
+    ASSIGN_OR_RETURN(Rows rows, ShareUploadedRows(&weight, &bias));
+    if (replace && entry.ok()) {
+      const int64_t expected = (*entry)->Describe().vocab_size;
+      if (expected != vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat("header.vocab_size: expected head \"", id,
+                                                       "\"'s ", expected, " rows to replace; got ",
+                                                       vocab_size));
+      }
     }
-    weight = shared[0].narrow(0, rows.offset, rows.rows);
-    if (bias.defined()) bias = shared[1].narrow(0, rows.offset, rows.rows);
-    shards = rows.shards;
+    shards = std::move(rows.shards);
   }
   if (replace && entry.ok()) {
     // New values for a head whose bytes are reserved already.

@@ -131,6 +131,9 @@ class HeadOperations {
   // shape that the front's values are shared into.
   absl::StatusOr<HeadDescription> UploadHere(const std::string& id, torch::Tensor weight,
                                              torch::Tensor bias, bool replace);
+  // On a group: the front's uploaded W (and b) shared into every rank's `weight` / `bias`,
+  // which are then narrowed to this rank's rows.
+  absl::StatusOr<Rows> ShareUploadedRows(torch::Tensor* weight, torch::Tensor* bias);
   absl::StatusOr<HeadSnapshot> SnapshotHere(const std::string& id,
                                             std::optional<torch::ScalarType> dtype, bool gradients);
   absl::Status DropHere(const std::string& id);

@@ -145,24 +145,15 @@ int PortAfter(const std::string& log, const std::string& prefix) {
 
 std::unique_ptr<Group> StartGroup(int size) {
   auto group = std::make_unique<Group>();
-  const int store = rh::testing::FreePort();
-  for (int rank = 0; rank < size; ++rank) {
-    std::vector<std::string> argv = {absl::GetFlag(FLAGS_server),
-                                     "--listen=127.0.0.1:0",
-                                     "--device=cpu",
-                                     "--memory_budget_bytes=0",
-                                     "--metrics_address=127.0.0.1:0",
-                                     absl::StrCat("--group_size=", size),
-                                     absl::StrCat("--group_rank=", rank),
-                                     absl::StrCat("--group_store=127.0.0.1:", store)};
+  group->ranks = rh::testing::StartHeadGroup(size, [](int) {
+    std::vector<std::string> argv = {absl::GetFlag(FLAGS_server), "--listen=127.0.0.1:0",
+                                     "--device=cpu", "--memory_budget_bytes=0",
+                                     "--metrics_address=127.0.0.1:0"};
     for (const auto& a : absl::GetFlag(FLAGS_server_args)) argv.push_back(a);
-    group->ranks.push_back(std::make_unique<rh::testing::ChildProcess>(
-        argv,
-        [](const std::string& l) { return l.find("joining head group") != std::string::npos; }));
-  }
+    return argv;
+  });
   for (auto& rank : group->ranks) {
-    if (!rank->WaitFor(
-            [](const std::string& l) { return rh::testing::ServerProcess::ParsePort(l) > 0; })) {
+    if (rh::testing::ServerProcess::ParsePort(rank->ready_line()) == 0) {
       std::cerr << "remotehead-remote-bench: a rank of the head group did not start:\n"
                 << rank->log();
       std::exit(1);

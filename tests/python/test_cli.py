@@ -8,13 +8,13 @@ errors 64, and TLS with a bearer token from a file.
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import pki
 import remotehead
 from remotehead.local_server import LocalServer, free_port
 
@@ -117,20 +117,15 @@ def test_health(server):
 
 
 def test_tls_and_token(tmp_path):
-    openssl = shutil.which("openssl")
-    assert openssl, "openssl is installed by scripts/bootstrap"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(tmp_path / "server.key"), "-out", str(tmp_path / "server.pem")],
-                   check=True, capture_output=True)
+    cert, key = pki.self_signed_certificate(tmp_path)
     token = tmp_path / "token"
     token.write_text("rh-cli-token-7c1f\n")
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-token\n")
-    args = ["--device=cpu", "--head=lm:64:8", f"--tls_cert={tmp_path / 'server.pem'}",
-            f"--tls_key={tmp_path / 'server.key'}", f"--auth_token_file={token}"]
+    args = ["--device=cpu", "--head=lm:64:8", f"--tls_cert={cert}", f"--tls_key={key}",
+            f"--auth_token_file={token}"]
     with LocalServer(BINARY, args) as server:
-        ca = str(tmp_path / "server.pem")
+        ca = str(cert)
         code, out, err = cli("--ca", ca, "--token-file", str(token), "heads",
                              server=server.target)
         assert code == 0, err

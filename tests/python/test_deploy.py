@@ -139,25 +139,24 @@ def exported_metrics(port):
     return set(re.findall(r"^# TYPE (\w+) \w+$", body, re.MULTILINE)), body
 
 
+def run_workload(target):
+    """An upload, a step, a forward and a failing call: every kind of metric gets a sample."""
+    with remotehead.Client(target) as client:
+        client.upload_head("deploy", torch.randn(64, 16))
+        client.forward_backward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)),
+                                gradient_id=("deploy", 0, 0))
+        client.forward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)))
+        with pytest.raises(remotehead.RemoteheadError):
+            client.describe_head("missing")
+
+
 def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group):
     torch.manual_seed(0)
-    with remotehead.Client(live_server.target) as client:
-        client.upload_head("deploy", torch.randn(64, 16))
-        client.forward_backward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)),
-                                gradient_id=("deploy", 0, 0))
-        client.forward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)))
-        with pytest.raises(remotehead.RemoteheadError):
-            client.describe_head("missing")
+    run_workload(live_server.target)
     exported, _ = exported_metrics(live_server.metrics_port)
     assert exported == EXPORTED
-    # A head group's front after a step: the same, and the group's own.
-    with remotehead.Client(live_group.target) as client:
-        client.upload_head("deploy", torch.randn(64, 16))
-        client.forward_backward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)),
-                                gradient_id=("deploy", 0, 0))
-        client.forward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)))
-        with pytest.raises(remotehead.RemoteheadError):
-            client.describe_head("missing")
+    # A head group's front after the same: the same metrics, and the group's own.
+    run_workload(live_group.target)
     group_exported, _ = exported_metrics(live_group.ranks[0].metrics_port)
     assert group_exported == EXPORTED | GROUP_EXPORTED
     # Every rank says which it is (what the dashboard joins on).

@@ -10,13 +10,12 @@ import os
 import pathlib
 
 import pytest
-import torch
 
 import remotehead
 import remotehead.hf
 from remotehead.local_server import LocalHeadGroup
 
-from test_hf_llama import tiny_llama, batches, LR, ACCUMULATION
+from test_hf_llama import tiny_llama, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 10
@@ -31,26 +30,6 @@ def group_target():
     assert group.stop() == [0, 0], "".join(group.ranks[0].log + group.ranks[1].log)
 
 
-def train(model, head):
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
-    losses = []
-    for step, (ids, labels) in enumerate(batches()):
-        if step == STEPS:
-            break
-        num_items = int((labels[..., 1:] != -100).sum())
-        step_loss = 0.0
-        for micro in range(ACCUMULATION):
-            out = model(input_ids=ids[micro], labels=labels[micro], num_items_in_batch=num_items)
-            out.loss.backward()
-            step_loss += out.loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        head.optimizer_step(adamw=dict(lr=LR, weight_decay=0.0))
-        losses.append(step_loss)
-    return losses
-
-
 def test_group_of_two_trains_like_one_server(server_target, group_target):
     base = tiny_llama()
     single_model, group_model = copy.deepcopy(base), copy.deepcopy(base)
@@ -62,8 +41,8 @@ def test_group_of_two_trains_like_one_server(server_target, group_target):
         assert info.vocab_size == 257
         assert info.shards == ((0, 129), (129, 128))
 
-        single_losses = train(single_model, single_head)
-        group_losses = train(group_model, group_head)
+        single_losses = train(single_model, single_head, steps=STEPS)
+        group_losses = train(group_model, group_head, steps=STEPS)
         for step, (a, b) in enumerate(zip(group_losses, single_losses)):
             assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: group {a} vs one server {b}"
         assert group_losses[-1] < group_losses[0]

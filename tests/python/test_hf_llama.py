@@ -31,23 +31,23 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).float()
 
 
-def batches():
+def batches(steps=STEPS):
     # Two fixed batches, seen in turn: something the model can learn in 20 steps.
     generator = torch.Generator().manual_seed(1)
     data = torch.randint(0, 257, (2, ACCUMULATION, BATCH, SEQ), generator=generator)
-    for step in range(STEPS):
+    for step in range(steps):
         ids = data[step % 2]
         labels = ids.clone()
         labels[:, :, :3] = -100  # a prompt whose tokens are not trained on
         yield ids, labels
 
 
-def train(model, head=None, body_only=False):
+def train(model, head=None, body_only=False, steps=STEPS):
     # An offloaded, server-trained lm_head is frozen locally, so it is not in this list.
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     losses = []
-    for ids, labels in batches():
+    for ids, labels in batches(steps):
         # As transformers' Trainer: the valid (shifted) tokens of the whole accumulated batch.
         num_items = int((labels[..., 1:] != -100).sum())
         step_loss = 0.0

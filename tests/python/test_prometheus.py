@@ -21,6 +21,7 @@ import urllib.request
 import pytest
 import torch
 
+import pki
 import remotehead
 from remotehead.local_server import LocalServer
 
@@ -200,19 +201,13 @@ def test_metrics_endpoint_serves_only_metrics_and_bad_addresses_are_refused(serv
 def test_prometheus_scrapes_with_the_bearer_token(tmp_path):
     """TLS and --auth_token_file on: /metrics needs the token; Prometheus sends it from
     `authorization: {credentials_file: ...}` and scrapes, a job without it gets 401 (up 0)."""
-    openssl = shutil.which("openssl")
-    assert openssl, "openssl is installed by scripts/bootstrap"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(tmp_path / "server.key"), "-out", str(tmp_path / "server.pem")],
-                   check=True, capture_output=True)
+    cert, key = pki.self_signed_certificate(tmp_path)
     token = tmp_path / "token"
     token.write_text("rh-prometheus-token-5e2d\n")
     binary = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                             str(ROOT / "build" / "server" / "remotehead-server"))
-    args = ["--device=cpu", "--head=lm:64:8", f"--tls_cert={tmp_path / 'server.pem'}",
-            f"--tls_key={tmp_path / 'server.key'}", f"--auth_token_file={token}",
-            "--metrics_address=127.0.0.1:0"]
+    args = ["--device=cpu", "--head=lm:64:8", f"--tls_cert={cert}", f"--tls_key={key}",
+            f"--auth_token_file={token}", "--metrics_address=127.0.0.1:0"]
     with LocalServer(binary, args) as server:
         assert server.metrics_port, "".join(server.log)
         with pytest.raises(urllib.error.HTTPError) as error:

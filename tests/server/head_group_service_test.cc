@@ -35,31 +35,20 @@ class Servers {
   // `rank_args`: extra flags by rank (e.g. a smaller memory budget on one rank).
   Servers(int size, const std::string& checkpoint_dir, double timeout_seconds = 10,
           const std::vector<std::vector<std::string>>& rank_args = {}) {
-    const int store_port = testing::FreePort();
-    for (int rank = 0; rank < size; ++rank) {
-      std::vector<std::string> argv = {REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0",
+    auto argv = [&](int rank) {
+      std::vector<std::string> args = {REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0",
                                        "--device=cpu", "--torch_threads=1",
                                        "--checkpoint_dir=" + checkpoint_dir};
-      if (size > 1) {
-        argv.push_back(absl::StrCat("--group_size=", size));
-        argv.push_back(absl::StrCat("--group_rank=", rank));
-        argv.push_back(absl::StrCat("--group_store=127.0.0.1:", store_port));
-        argv.push_back(absl::StrCat("--group_timeout_seconds=", timeout_seconds));
-      }
+      if (size > 1) args.push_back(absl::StrCat("--group_timeout_seconds=", timeout_seconds));
       if (static_cast<size_t>(rank) < rank_args.size()) {
-        for (const std::string& a : rank_args[static_cast<size_t>(rank)]) argv.push_back(a);
+        for (const std::string& a : rank_args[static_cast<size_t>(rank)]) args.push_back(a);
       }
-      // Every rank is started before any is waited for: each waits for the others to join.
-      ranks_.push_back(std::make_unique<testing::ChildProcess>(argv, [size](const std::string& l) {
-        return size == 1 ? testing::ServerProcess::ParsePort(l) > 0
-                         : l.find("joining head group") != std::string::npos;
-      }));
-    }
+      return args;
+    };
     if (size > 1) {
-      for (auto& rank : ranks_) {
-        rank->WaitFor(
-            [](const std::string& l) { return testing::ServerProcess::ParsePort(l) > 0; });
-      }
+      ranks_ = testing::StartHeadGroup(size, argv);
+    } else {
+      ranks_.push_back(std::make_unique<testing::ServerProcess>(argv(0)));
     }
     const int port = testing::ServerProcess::ParsePort(ranks_[0]->ready_line());
     client::ClientOptions options{.target = absl::StrCat("127.0.0.1:", port)};

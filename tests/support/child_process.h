@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -120,5 +121,28 @@ class ServerProcess : public ChildProcess {
     return sscanf(line.c_str(), "remotehead-server: listening on port %d", &port) == 1 ? port : 0;
   }
 };
+
+// The ranks of a head group of remotehead-server processes on loopback: `argv` is every rank's
+// command line, to which the group flags (size, rank, a store on a free port) are added. Every
+// rank is started before any is waited for (each waits for the others to join), then each is
+// read until it listens (its ready_line()) or ends (its ready_line() then has no port).
+inline std::vector<std::unique_ptr<ChildProcess>> StartHeadGroup(
+    int size, const std::function<std::vector<std::string>(int rank)>& argv) {
+  const std::string store = "--group_store=127.0.0.1:" + std::to_string(FreePort());
+  std::vector<std::unique_ptr<ChildProcess>> ranks;
+  for (int rank = 0; rank < size; ++rank) {
+    std::vector<std::string> args = argv(rank);
+    args.push_back("--group_size=" + std::to_string(size));
+    args.push_back("--group_rank=" + std::to_string(rank));
+    args.push_back(store);
+    ranks.push_back(std::make_unique<ChildProcess>(args, [](const std::string& line) {
+      return line.find("joining head group") != std::string::npos;
+    }));
+  }
+  for (auto& rank : ranks) {
+    rank->WaitFor([](const std::string& line) { return ServerProcess::ParsePort(line) > 0; });
+  }
+  return ranks;
+}
 
 }  // namespace remotehead::testing
