@@ -98,6 +98,28 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     if trainable and not local:
         # Trained on the server: keeps the local copy out of the local optimizer.
         lm_head.weight.requires_grad_(False)
+
+    def loss(hidden, shifted, num_items_in_batch):
+        pull = accumulation_window_ends()
+        if num_items_in_batch is not None:
+            return head.loss(hidden, shifted, reduction="sum",
+                             normalizer=float(num_items_in_batch), pull_gradients=pull)
+        return head.loss(hidden, shifted, reduction="mean", pull_gradients=pull)
+
+    route_causal_lm_loss(model, loss)
+    model._remotehead = head
+    return head
+
+
+def route_causal_lm_loss(model, loss) -> None:
+    """Makes a causal LM's training forward (labels given, gradients on) run only its body and
+    return `loss(hidden, shifted_labels, num_items_in_batch)` — no [N, V] logits are built
+    here. `shifted_labels` are the labels shifted left and padded with -100, so that hidden
+    state n predicts token n + 1, as transformers' ForCausalLMLoss; `loss` reduces over the
+    valid tokens: sum / num_items_in_batch when that is given (the Trainer's gradient
+    accumulation), else the mean. Without labels (inference, generation) the model is unchanged.
+    Used by offload_lm_head, and by anything else that replaces the head's loss (the main job's
+    torch.nn.functional.linear_cross_entropy column)."""
     original_forward = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None,
@@ -107,21 +129,12 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
                                     labels=labels, **kwargs)
         outputs = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      **kwargs)
-        hidden = outputs.last_hidden_state
-        # Tokens < n predict n, as ForCausalLMLoss: labels padded with -100 and shifted left.
         shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        pull = accumulation_window_ends()
-        if num_items_in_batch is not None:
-            loss = head.loss(hidden, shifted, reduction="sum",
-                             normalizer=float(num_items_in_batch), pull_gradients=pull)
-        else:
-            loss = head.loss(hidden, shifted, reduction="mean", pull_gradients=pull)
-        return CausalLMOutputWithPast(loss=loss, logits=None,
-                                      past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(
+            loss=loss(outputs.last_hidden_state, shifted, num_items_in_batch), logits=None,
+            past_key_values=outputs.past_key_values)
 
     model.forward = types.MethodType(forward, model)
-    model._remotehead = head
-    return head
 
 
 class RemoteHeadCallback(TrainerCallback):
