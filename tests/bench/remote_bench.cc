@@ -56,6 +56,8 @@
 #include "remotehead/client/client.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
+#include "bench/bench_measure.h"
+#include "bench/bench_plot.h"
 #include "support/child_process.h"
 
 ABSL_FLAG(std::vector<std::string>, shapes,
@@ -71,6 +73,12 @@ ABSL_FLAG(int32_t, threads, 0, "torch::set_num_threads in this process when > 0"
 ABSL_FLAG(bool, json, false, "print one JSON object on stdout instead of the table");
 ABSL_FLAG(int32_t, group_size, 0,
           "also run the step on a head group of this many server processes (0: none)");
+ABSL_FLAG(std::string, plot, "",
+          "also measure naive (full logits, in-process) and the remote two-phase step, and draw "
+          "time and the trainer's peak memory against N (naive, PyTorch's linear_cross_entropy "
+          "— measured too —, fused in-process and remote, two-phase remote) into this PNG");
+ABSL_FLAG(std::string, plot_python, REMOTEHEAD_PYTHON,
+          "the Python (with torch and matplotlib) that runs plot_bench.py for --plot");
 ABSL_FLAG(bool, check, false,
           "exit 1 unless the remote results equal the in-process ones (loss and dX within 1e-5 "
           "of their magnitude) and the echoed bytes are exact (no timing checks)");
@@ -78,6 +86,7 @@ ABSL_FLAG(bool, check, false,
 namespace {
 
 namespace rh = remotehead;
+namespace bench = remotehead::bench;
 using Clock = std::chrono::steady_clock;
 
 struct Shape {
@@ -103,23 +112,6 @@ double CpuSeconds(pid_t pid) {
   return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
-double Median(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  return xs[xs.size() / 2];
-}
-
-// Runs `fn` warmup + repeats times and returns the median wall time of the timed runs.
-double TimeIt(const std::function<void()>& fn) {
-  for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) fn();
-  std::vector<double> times;
-  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_repeats)); ++i) {
-    const auto t0 = Clock::now();
-    fn();
-    times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  return Median(times);
-}
-
 template <typename T>
 T OrDie(absl::StatusOr<T> v, const std::string& what) {
   if (!v.ok()) {
@@ -128,6 +120,21 @@ T OrDie(absl::StatusOr<T> v, const std::string& what) {
   }
   return *std::move(v);
 }
+
+// bench::Measure on the CPU with the flags' warmup and repeats: the median wall time and the
+// transient bytes this process allocated during the last run (the trainer's side of a remote
+// step).
+bench::Measurement MeasureStep(const std::function<void()>& fn) {
+  return OrDie(bench::Measure(
+                   torch::kCPU, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_repeats), [] {},
+                   [&] {
+                     fn();
+                     return absl::OkStatus();
+                   }),
+               "measure");
+}
+
+double TimeIt(const std::function<void()>& fn) { return MeasureStep(fn).seconds; }
 
 // A head group of server processes on loopback, each serving /metrics on a port of its own.
 struct Group {
@@ -304,6 +311,43 @@ nlohmann::json RunGroup(const Shape& s, Group& group, rh::client::Client& single
           {"ranks", ranks}};
 }
 
+// What --plot adds to a shape: naive (the full [N, V] logits and autograd in this process, dX
+// and dW allocated by backward: a plain local head) and the two-phase step through the server
+// (Forward, then Backward with dL/dloss = 1: the logits recomputed there), with the trainer's
+// transient bytes of each. `step` numbers the gradient ids (each run accumulates afresh).
+nlohmann::json PlotSeries(const Shape& s, const rh::core::Head& head,
+                          const rh::core::TokenBatch& batch, rh::client::Client& client,
+                          int64_t& step) {
+  torch::Tensor x = batch.hidden.detach().requires_grad_(true);
+  torch::Tensor w = head.weight().detach().clone().requires_grad_(true);
+  const bench::Measurement naive = OrDie(
+      bench::Measure(
+          torch::kCPU, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_repeats),
+          [&] {
+            x.mutable_grad().reset();
+            w.mutable_grad().reset();
+          },
+          [&] {
+            torch::AutoGradMode grad_mode(true);
+            bench::NaiveStep(x, w, torch::Tensor(), batch.targets, "cross_entropy",
+                             rh::core::Reduction::kMean, s.n);
+            return absl::OkStatus();
+          }),
+      "naive step");
+  const torch::Tensor one = torch::ones({});
+  const rh::client::StepInputs inputs{.hidden = batch.hidden, .targets = batch.targets};
+  const bench::Measurement two_phase = MeasureStep([&] {
+    rh::client::StepSpec spec{.head_id = "bench",
+                              .gradient_id = rh::client::GradientId{"bench", step++, 0}};
+    OrDie(client.Forward(spec, inputs), "Forward");
+    OrDie(client.Backward(spec, inputs, one), "Backward");
+  });
+  return {{"naive_seconds", naive.seconds},
+          {"naive_peak_bytes", naive.peak_bytes},
+          {"two_phase_remote_seconds", two_phase.seconds},
+          {"two_phase_remote_trainer_peak_bytes", two_phase.peak_bytes}};
+}
+
 nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server_pid,
                         Group* group) {
   torch::NoGradGuard no_grad;
@@ -321,9 +365,10 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
   // In-process.
   rh::core::GradientBuffers grads = head->NewGradientBuffers();
   rh::core::FusedResult local;
-  const double in_process = TimeIt([&] {
+  const bench::Measurement in_process_step = MeasureStep([&] {
     local = OrDie(rh::core::FusedForwardBackward(*head, batch, {}, &grads), "in-process step");
   });
+  const double in_process = in_process_step.seconds;
 
   // The client's own tensor work (copying rows out, assembling dX) runs on one thread: the
   // server shares this machine's cores, and idle OpenMP workers of this process spinning after
@@ -336,14 +381,21 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
   rh::client::ForwardBackwardResult remote_result;
   const rh::client::StepInputs inputs{.hidden = batch.hidden, .targets = batch.targets};
   double cpu_before = 0, cpu_after = 0;  // both processes, over the timed remote runs
-  const double remote = TimeIt([&] {
+  const bench::Measurement remote_step = MeasureStep([&] {
     if (step == absl::GetFlag(FLAGS_warmup)) cpu_before = CpuSeconds(0) + CpuSeconds(server_pid);
     rh::client::StepSpec spec{.head_id = "bench",
                               .gradient_id = rh::client::GradientId{"bench", step++, 0}};
     remote_result = OrDie(client.ForwardBackward(spec, inputs), "ForwardBackward");
   });
+  const double remote = remote_step.seconds;
   cpu_after = CpuSeconds(0) + CpuSeconds(server_pid);
   const double cpu_per_step = (cpu_after - cpu_before) / std::max(1, absl::GetFlag(FLAGS_repeats));
+  nlohmann::json plot_series;
+  if (!absl::GetFlag(FLAGS_plot).empty()) {
+    plot_series = PlotSeries(s, *head, batch, client, step);
+    plot_series["fused_in_process_peak_bytes"] = in_process_step.peak_bytes;
+    plot_series["fused_remote_trainer_peak_bytes"] = remote_step.peak_bytes;
+  }
   nlohmann::json group_report;
   if (group != nullptr) {
     group_report = RunGroup(s, *group, client, inputs, remote_result, remote, step);
@@ -398,6 +450,7 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
       {"echo_exact", torch::equal(echoed, batch.hidden)},
   };
   if (group != nullptr) out["group"] = group_report;
+  if (!plot_series.is_null()) out["plot"] = plot_series;
   return out;
 }
 
@@ -448,6 +501,9 @@ void PrintTable(const nlohmann::json& report) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before any tensor exists, so that every CPU allocation of this process (the trainer's side)
+  // is counted.
+  rh::core::InstallCpuMemoryTracker();
   absl::SetProgramUsageMessage(
       "remote fused step through remotehead-server on loopback vs in-process; see README.md");
   absl::ParseCommandLine(argc, argv);
@@ -489,12 +545,25 @@ int main(int argc, char** argv) {
   for (const Shape& s : shapes) {
     report["shapes"].push_back(RunShape(s, *client, server.pid(), group.get()));
   }
+  report["bench"] = "remotehead-remote-bench";
+  report["repeats"] = absl::GetFlag(FLAGS_repeats);
+  report["warmup"] = absl::GetFlag(FLAGS_warmup);
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << report.dump(2) << std::endl;
   } else {
     PrintTable(report);
   }
   int failures = 0;
+  if (!absl::GetFlag(FLAGS_plot).empty()) {
+    // Its rows go after the table (to stderr under --json: stdout stays one JSON object).
+    const absl::Status plotted =
+        bench::DrawPlot(report, absl::GetFlag(FLAGS_plot), absl::GetFlag(FLAGS_plot_python),
+                        REMOTEHEAD_PLOT_SCRIPT, absl::GetFlag(FLAGS_json) ? std::cerr : std::cout);
+    if (!plotted.ok()) {
+      std::cerr << "remotehead-remote-bench: " << plotted << std::endl;
+      ++failures;
+    }
+  }
   if (absl::GetFlag(FLAGS_check)) {
     for (const auto& r : report["shapes"]) {
       if (!(r["loss_abs_diff"].get<double>() <= 1e-5 * std::abs(r["loss"].get<double>())) ||

@@ -39,6 +39,8 @@
 #include "remotehead/core/head.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
+#include "bench/bench_measure.h"
+#include "bench/bench_plot.h"
 
 // Flag names are snake_case for Abseil; main() also accepts the kebab-case spelling
 // (--chunk-rows), which is how the documentation writes them.
@@ -61,14 +63,20 @@ ABSL_FLAG(int64_t, skip_naive_above_bytes, int64_t{8} << 30,
           "skip naive (and gemm) when its estimated logits memory N*V*4*3 exceeds this");
 ABSL_FLAG(int32_t, threads, 0, "torch::set_num_threads when > 0");
 ABSL_FLAG(uint64_t, seed, 0, "seed of the head's weights and of the inputs");
+ABSL_FLAG(std::string, plot, "",
+          "also draw time and peak memory against N (naive, PyTorch's linear_cross_entropy — "
+          "measured here too —, fused, two-phase) into this PNG");
+ABSL_FLAG(std::string, plot_python, REMOTEHEAD_PYTHON,
+          "the Python (with torch and matplotlib) that runs plot_bench.py for --plot");
 
 namespace {
 
 namespace rh = remotehead::core;
+namespace bench = remotehead::bench;
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kIgnoreIndex = -100;
-constexpr double kIgnoredFraction = 0.05;
+using bench::kIgnoredFraction;
+using bench::kIgnoreIndex;
 // Functions whose only per-token input is the targets; the others (grpo) need aux inputs
 // whose choice would change what is being measured.
 const std::vector<std::string> kSupportedFunctions = {"cross_entropy", "token_logprobs",
@@ -178,36 +186,14 @@ absl::StatusOr<Config> ConfigFromFlags() {
   return c;
 }
 
-void Synchronize(const torch::Device& device) {
-  if (device.is_cuda()) torch::cuda::synchronize(device.index());
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-// Runs `prepare` (untimed: zeroing gradients, …) then `step` (timed) warmup + repeats times.
-// The peak is taken from the last repetition, which is warm whenever warmup + repeats > 1.
+// bench::Measure into `out`: the step's median time and the transient bytes of its last
+// repetition, which is warm whenever warmup + repeats > 1.
 absl::Status Measure(const Config& cfg, const std::function<void()>& prepare,
                      const std::function<absl::Status()>& step, Variant* out) {
-  std::vector<double> times;
-  for (int i = 0; i < cfg.warmup + cfg.repeats; ++i) {
-    prepare();
-    Synchronize(cfg.device);
-    ASSIGN_OR_RETURN(const rh::MemoryStats before, rh::GetMemoryStats(cfg.device));
-    RETURN_IF_ERROR(rh::ResetPeakMemory(cfg.device));
-    const Clock::time_point start = Clock::now();
-    RETURN_IF_ERROR(step());
-    Synchronize(cfg.device);
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    ASSIGN_OR_RETURN(const rh::MemoryStats after, rh::GetMemoryStats(cfg.device));
-    if (i < cfg.warmup) continue;
-    times.push_back(seconds);
-    out->peak_bytes = after.peak_allocated_bytes - before.allocated_bytes;
-  }
-  out->seconds = Median(times);
+  ASSIGN_OR_RETURN(const bench::Measurement m,
+                   bench::Measure(cfg.device, cfg.warmup, cfg.repeats, prepare, step));
+  out->seconds = m.seconds;
+  out->peak_bytes = m.peak_bytes;
   out->skipped = false;
   return absl::OkStatus();
 }
@@ -216,39 +202,6 @@ absl::Status Measure(const Config& cfg, const std::function<void()>& prepare,
 double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
   torch::NoGradGuard no_grad;
   return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
-}
-
-// The textbook full-logits formula of each function on z [N, V] fp32, reduced over the valid
-// tokens as the engine does (mean divides by their count, at least 1).
-torch::Tensor NaiveLoss(const torch::Tensor& z, const torch::Tensor& targets, const Config& cfg,
-                        int64_t valid_count) {
-  namespace F = torch::nn::functional;
-  if (cfg.function == "cross_entropy") {
-    auto options = F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex);
-    if (cfg.reduction == rh::Reduction::kSum) {
-      options.reduction(torch::kSum);
-    } else {
-      options.reduction(torch::kMean);
-    }
-    return F::cross_entropy(z, targets, options);
-  }
-  const torch::Tensor valid = targets != kIgnoreIndex;
-  const torch::Tensor safe = targets.masked_fill(valid.logical_not(), 0).unsqueeze(1);
-  torch::Tensor per_token;
-  if (cfg.function == "token_logprobs") {
-    per_token = torch::log_softmax(z, 1).gather(1, safe).squeeze(1);
-  } else if (cfg.function == "mse_onehot") {
-    per_token = (z - torch::zeros_like(z).scatter_(1, safe, 1.0)).square().mean(1);
-  } else if (cfg.function == "entropy") {
-    per_token = -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
-  } else {  // sigmoid_sum
-    per_token = torch::sigmoid(z).sum(1);
-  }
-  torch::Tensor total = torch::where(valid, per_token, 0.0).sum();
-  if (cfg.reduction == rh::Reduction::kMean) {
-    total = total / static_cast<double>(std::max<int64_t>(valid_count, 1));
-  }
-  return total;
 }
 
 absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
@@ -286,12 +239,8 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
           if (b.defined()) b.mutable_grad().reset();
         },
         [&]() -> absl::Status {
-          torch::Tensor z = b.defined() ? torch::addmm(b, x, w.t()) : torch::mm(x, w.t());
-          // Upcast as the engine does (fp32; a float64 head stays fp64), but the whole [N, V].
-          if (z.scalar_type() != torch::kDouble) z = z.to(torch::kFloat);
-          torch::Tensor loss = NaiveLoss(z, batch.targets, cfg, valid_count);
-          loss.backward();
-          r.naive.loss = loss.item<double>();
+          r.naive.loss = bench::NaiveStep(x, w, b, batch.targets, cfg.function, cfg.reduction,
+                                          valid_count);
           return absl::OkStatus();
         },
         &r.naive));
@@ -413,6 +362,7 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
     });
   }
   return {
+      {"bench", "remotehead-bench"},
       {"config",
        {{"n", cfg.ns},
         {"d", cfg.d},
@@ -498,12 +448,17 @@ absl::Status Run() {
     ASSIGN_OR_RETURN(NResult r, RunOne(cfg, *head, options, n));
     results.push_back(std::move(r));
   }
+  const nlohmann::json report = ToJson(cfg, chunk_rows, results);
   if (cfg.json) {
-    std::cout << ToJson(cfg, chunk_rows, results).dump(2) << std::endl;
+    std::cout << report.dump(2) << std::endl;
   } else {
     PrintTable(cfg, chunk_rows, results);
   }
-  return absl::OkStatus();
+  if (absl::GetFlag(FLAGS_plot).empty()) return absl::OkStatus();
+  // After the table, its rows for PyTorch's linear_cross_entropy (to stderr under --json, so
+  // that stdout stays one JSON object).
+  return bench::DrawPlot(report, absl::GetFlag(FLAGS_plot), absl::GetFlag(FLAGS_plot_python),
+                         REMOTEHEAD_PLOT_SCRIPT, cfg.json ? std::cerr : std::cout);
 }
 
 // Abseil flag names are identifiers; accept --chunk-rows as --chunk_rows.
