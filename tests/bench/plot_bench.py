@@ -31,15 +31,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-# Each series: its label in the picture and the table, and its line style.
+# Each series: its label in the picture, colour, marker, line style and marker size (fused and
+# two-phase have the same peak: the larger marker stays visible under the smaller).
 STYLE = {
-    "naive": ("naive (full logits)", "tab:red", "o", "-"),
-    "torch_lce": ("PyTorch linear_cross_entropy", "tab:orange", "s", "-"),
-    "fused": ("fused", "tab:blue", "^", "-"),
-    "two_phase": ("two-phase", "tab:green", "v", "-"),
-    "fused_remote": ("fused, remote (trainer)", "tab:blue", "^", "--"),
-    "two_phase_remote": ("two-phase, remote (trainer)", "tab:green", "v", "--"),
-    "gemm": ("bare GEMMs (floor)", "tab:gray", "", ":"),
+    "naive": ("naive (full logits)", "tab:red", "o", "-", 6),
+    "torch_lce": ("PyTorch linear_cross_entropy", "tab:orange", "s", "-", 6),
+    "fused": ("fused", "tab:blue", "^", "-", 9),
+    "two_phase": ("two-phase", "tab:green", "v", "-", 5),
+    "fused_remote": ("fused, remote (trainer)", "tab:blue", "^", "--", 9),
+    "two_phase_remote": ("two-phase, remote (trainer)", "tab:green", "v", "--", 5),
+    "gemm": ("bare GEMMs (floor)", "tab:gray", "", ":", 0),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -201,12 +202,13 @@ def draw(shapes, series, title, out) -> None:
     fig, (time_ax, peak_ax) = plt.subplots(1, 2, figsize=(13, 5.2))
     fig.suptitle(title, fontsize=10)
     for name, values in series.items():
-        label, color, marker, line = STYLE[name]
+        label, color, marker, line, size = STYLE[name]
         for ax, key, scale in ((time_ax, "seconds", 1.0), (peak_ax, "peak_bytes", 2**-20)):
             points = [(p, y * scale) for p, y in zip(positions, values[key])
                       if y is not None and y > 0]
             if points:
-                ax.plot(*zip(*points), line, color=color, marker=marker, label=label)
+                ax.plot(*zip(*points), line, color=color, marker=marker, markersize=size,
+                        label=label)
     for ax, ylabel in ((time_ax, "step time (s), median"),
                        (peak_ax, "peak transient memory (MiB)")):
         ax.set_yscale("log")
