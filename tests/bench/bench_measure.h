@@ -13,8 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "remotehead/core/memory_stats.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::bench {

@@ -34,8 +34,8 @@ inline absl::Status DrawPlot(const nlohmann::json& report, const std::string& pn
   const int code = plotter.Wait();
   std::remove(path);
   if (!started || code != 0) {
-    return absl::InternalError(absl::StrCat("--plot: ", python, " ", script, " exited ", code,
-                                            ":\n", plotter.log()));
+    return absl::InternalError(
+        absl::StrCat("--plot: ", python, " ", script, " exited ", code, ":\n", plotter.log()));
   }
   out << plotter.log();
   return absl::OkStatus();

@@ -178,7 +178,9 @@ def ratio(a, b):
 
 
 def print_rows(shapes, series) -> None:
-    print("\n# PyTorch linear_cross_entropy (chunked), measured by plot_bench.py in this run")
+    print("\n# PyTorch linear_cross_entropy (chunked), measured by plot_bench.py in this run; its "
+          "peak, as naive's, includes the dX and dW its backward allocates (fused's are "
+          "preallocated)")
     print(f"{'N:D:V':>20}  {'step_s':>9}  {'x_naive':>7}  {'peak_MiB':>9}  {'peak/naive':>10}  "
           f"{'fused/lce time':>14}  {'fused/lce peak':>14}")
     lce, naive, fused = series["torch_lce"], series["naive"], series["fused"]

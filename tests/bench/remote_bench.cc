@@ -53,11 +53,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_measure.h"
+#include "bench/bench_plot.h"
 #include "remotehead/client/client.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
-#include "bench/bench_measure.h"
-#include "bench/bench_plot.h"
 #include "support/child_process.h"
 
 ABSL_FLAG(std::vector<std::string>, shapes,
@@ -314,26 +314,29 @@ nlohmann::json RunGroup(const Shape& s, Group& group, rh::client::Client& single
 // What --plot adds to a shape: naive (the full [N, V] logits and autograd in this process, dX
 // and dW allocated by backward: a plain local head) and the two-phase step through the server
 // (Forward, then Backward with dL/dloss = 1: the logits recomputed there), with the trainer's
-// transient bytes of each. `step` numbers the gradient ids (each run accumulates afresh).
+// transient bytes of each. `step` numbers the gradient ids (each run accumulates afresh). Naive
+// runs on `threads` LibTorch threads, as the in-process step; the client's side on one.
 nlohmann::json PlotSeries(const Shape& s, const rh::core::Head& head,
                           const rh::core::TokenBatch& batch, rh::client::Client& client,
-                          int64_t& step) {
+                          int threads, int64_t& step) {
+  torch::set_num_threads(threads);
   torch::Tensor x = batch.hidden.detach().requires_grad_(true);
   torch::Tensor w = head.weight().detach().clone().requires_grad_(true);
-  const bench::Measurement naive = OrDie(
-      bench::Measure(
-          torch::kCPU, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_repeats),
-          [&] {
-            x.mutable_grad().reset();
-            w.mutable_grad().reset();
-          },
-          [&] {
-            torch::AutoGradMode grad_mode(true);
-            bench::NaiveStep(x, w, torch::Tensor(), batch.targets, "cross_entropy",
-                             rh::core::Reduction::kMean, s.n);
-            return absl::OkStatus();
-          }),
-      "naive step");
+  const bench::Measurement naive =
+      OrDie(bench::Measure(
+                torch::kCPU, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_repeats),
+                [&] {
+                  x.mutable_grad().reset();
+                  w.mutable_grad().reset();
+                },
+                [&] {
+                  torch::AutoGradMode grad_mode(true);
+                  bench::NaiveStep(x, w, torch::Tensor(), batch.targets, "cross_entropy",
+                                   rh::core::Reduction::kMean, s.n);
+                  return absl::OkStatus();
+                }),
+            "naive step");
+  torch::set_num_threads(1);
   const torch::Tensor one = torch::ones({});
   const rh::client::StepInputs inputs{.hidden = batch.hidden, .targets = batch.targets};
   const bench::Measurement two_phase = MeasureStep([&] {
@@ -392,7 +395,7 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
   const double cpu_per_step = (cpu_after - cpu_before) / std::max(1, absl::GetFlag(FLAGS_repeats));
   nlohmann::json plot_series;
   if (!absl::GetFlag(FLAGS_plot).empty()) {
-    plot_series = PlotSeries(s, *head, batch, client, step);
+    plot_series = PlotSeries(s, *head, batch, client, threads, step);
     plot_series["fused_in_process_peak_bytes"] = in_process_step.peak_bytes;
     plot_series["fused_remote_trainer_peak_bytes"] = remote_step.peak_bytes;
   }

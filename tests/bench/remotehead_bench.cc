@@ -34,13 +34,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_measure.h"
+#include "bench/bench_plot.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/functions.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
-#include "bench/bench_measure.h"
-#include "bench/bench_plot.h"
 
 // Flag names are snake_case for Abseil; main() also accepts the kebab-case spelling
 // (--chunk-rows), which is how the documentation writes them.
@@ -239,8 +239,8 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
           if (b.defined()) b.mutable_grad().reset();
         },
         [&]() -> absl::Status {
-          r.naive.loss = bench::NaiveStep(x, w, b, batch.targets, cfg.function, cfg.reduction,
-                                          valid_count);
+          r.naive.loss =
+              bench::NaiveStep(x, w, b, batch.targets, cfg.function, cfg.reduction, valid_count);
           return absl::OkStatus();
         },
         &r.naive));
