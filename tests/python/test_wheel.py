@@ -1,5 +1,6 @@
-"""The installable Python client: a wheel built from a copy of client/python and proto/ alone
-(no C++ build, no stubs in the tree: they are generated at build time by setup.py) installs
+"""The installable Python client: `python -m build` on a copy of client/python and proto/ alone
+(no C++ build, no stubs in the tree: they are generated at build time by setup.py) makes an
+sdist that carries the .proto and, from that sdist, a wheel; the wheel installs
 into a fresh virtual environment, whose `remotehead` entry point and `import remotehead` then
 work against the real server binary, including a step. The environment is offline: the wheel
 is installed with --no-index --no-deps, and the dependencies (torch, grpcio, protobuf, numpy,
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 
 import pytest
@@ -38,8 +40,13 @@ def wheel(tmp_path_factory):
     shutil.copytree(ROOT / "client" / "python", source / "client" / "python",
                     ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
     shutil.rmtree(source / "client" / "python" / "remotehead" / "v1", ignore_errors=True)
-    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
-         source / "client" / "python", "-w", tmp / "dist"])
+    # Offline: --no-isolation builds with the environment's setuptools and grpcio-tools.
+    run([sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist",
+         source / "client" / "python"])
+    (sdist,) = (tmp / "dist").glob("remotehead-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        assert any(n.endswith("proto/remotehead/v1/head_service.proto")
+                   for n in archive.getnames()), archive.getnames()
     (built,) = (tmp / "dist").glob("remotehead-*.whl")
     return built
 
