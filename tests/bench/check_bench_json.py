@@ -1,6 +1,7 @@
 """Smoke test of remotehead-bench: runs it with --json at a tiny shape and checks the report's
 structure and what must hold whatever the machine's speed — engine results equal to naive,
-transient memory of the chunked variants far below naive's and flat in N. No timing asserts:
+transient memory of the chunked variants far below naive's and flat in N, PyTorch's
+linear_cross_entropy measured next to them. No timing asserts:
 timing targets are read off a benchmark run, not a unit test."""
 import json
 import subprocess
@@ -18,6 +19,11 @@ for result in report["results"]:
     variants = result["variants"]
     naive = variants["naive"]
     assert naive["step_seconds"] > 0 and naive["peak_bytes"] > 0, naive
+    # PyTorch's linear_cross_entropy, measured in the same run (a chunked baseline: below naive).
+    lce = variants["torch_lce"]
+    assert not lce["skipped"] and lce["step_seconds"] > 0, (n, lce)
+    assert 0 < lce["peak_bytes"] < naive["peak_bytes"], (n, lce, naive)
+    assert lce["ratio_to_naive"] > 0 and result["fused_over_torch_lce"] > 0, result
     for name in ("fused", "two_phase"):
         v = variants[name]
         assert v["step_seconds"] > 0, (n, name, v)

@@ -1,7 +1,8 @@
-"""--plot for remotehead-bench and remotehead-remote-bench: draws a benchmark's report (its JSON,
---report) as step time and peak memory against N, and measures PyTorch's own chunked
-torch.nn.functional.linear_cross_entropy (LinearCrossEntropyOptions()) at the report's shapes in
-the same run — a Python-only baseline, so it is measured here, with the bench's conventions:
+"""PyTorch's linear_cross_entropy and --plot for remotehead-bench and remotehead-remote-bench.
+Measures PyTorch's own chunked torch.nn.functional.linear_cross_entropy
+(LinearCrossEntropyOptions()) at the shapes of a benchmark's report (its JSON, --report) in the
+same run — a Python-only baseline, so it is measured here — and draws the report as step time
+and peak memory against N. The measurement follows the bench's conventions:
 
   inputs   X [N, D] and W [V, D] in the bench's dtype on its device, targets with the same share
            of ignored tokens (-100), the same reduction (and bias);
@@ -12,10 +13,13 @@ the same run — a Python-only baseline, so it is measured here, with the bench'
            the profiler's record of every allocation and free (profile_memory), the same count
            the benches' own CPU allocator keeps.
 
-Prints its rows (time and peak, and their ratios to naive and to the fused engine) for the table
-above it, then writes the PNG: two panels, time and peak memory against N, log scales.
-
+  python plot_bench.py --report report.json --measure      # one line: TORCH_LCE {json}
   python plot_bench.py --report report.json --out bench.png
+
+--measure prints the measurements for the bench to report (remotehead-bench puts them in its
+table and JSON as the variant torch_lce). --out writes the PNG: two panels, time and peak memory
+against N, log scales; a report without torch_lce is measured first, and its rows (time and
+peak, their ratios to naive and to the fused engine) are printed for the table above.
 """
 
 from __future__ import annotations
@@ -133,8 +137,11 @@ def bench_series(report):
     """remotehead-bench: one (D, V) and several N; its variants and the torch baseline."""
     cfg = report["config"]
     shapes = [(r["n"], cfg["d"], cfg["v"]) for r in report["results"]]
-    series = {name: {"seconds": [], "peak_bytes": []}
-              for name in ("naive", "fused", "two_phase", "gemm")}
+    names = ["naive", "fused", "two_phase", "gemm"]
+    if all(not r["variants"].get("torch_lce", {"skipped": True})["skipped"]
+           for r in report["results"]):
+        names.append("torch_lce")  # measured already (--measure), reported by the bench
+    series = {name: {"seconds": [], "peak_bytes": []} for name in names}
     for r in report["results"]:
         for name in series:
             variant = r["variants"][name]
@@ -224,11 +231,24 @@ def draw(shapes, series, title, out) -> None:
     plt.close(fig)
 
 
+def measure_all(shapes, settings) -> dict:
+    device = torch.device(settings["device"])
+    measured = [measure_lce(n, d, v, dtype=DTYPES[settings["dtype"]], device=device,
+                            reduction=settings["reduction"], bias=settings["bias"],
+                            ignored_fraction=settings["ignored_fraction"],
+                            warmup=settings["warmup"], repeats=settings["repeats"])
+                for n, d, v in shapes]
+    return {key: [m[key] for m in measured] for key in ("seconds", "peak_bytes")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", required=True, help="the bench's JSON report")
-    p.add_argument("--out", required=True, help="the PNG to write")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--measure", action="store_true",
+                      help="print PyTorch linear_cross_entropy's measurements (TORCH_LCE line)")
+    what.add_argument("--out", help="the PNG to write")
     args = p.parse_args(argv)
     with open(args.report) as f:
         report = json.load(f)
@@ -240,17 +260,17 @@ def main(argv=None) -> int:
     shapes, series, settings, title, lce = kinds[report["bench"]](report)
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
-    if lce:
-        device = torch.device(settings["device"])
-        measured = [measure_lce(n, d, v, dtype=DTYPES[settings["dtype"]], device=device,
-                                reduction=settings["reduction"], bias=settings["bias"],
-                                ignored_fraction=settings["ignored_fraction"],
-                                warmup=settings["warmup"], repeats=settings["repeats"])
-                    for n, d, v in shapes]
-        series["torch_lce"] = {key: [m[key] for m in measured]
-                               for key in ("seconds", "peak_bytes")}
+    if args.measure:
+        if not lce:
+            print("plot_bench.py: PyTorch's linear_cross_entropy is cross-entropy only",
+                  file=sys.stderr)
+            return 2
+        print("TORCH_LCE " + json.dumps(measure_all(shapes, settings)), flush=True)
+        return 0
+    if lce and "torch_lce" not in series:
+        series["torch_lce"] = measure_all(shapes, settings)
         print_rows(shapes, series)
-    else:
+    elif not lce:
         print("\n# PyTorch linear_cross_entropy: cross-entropy only; not measured for this "
               "function")
     draw(shapes, series, title, args.out)

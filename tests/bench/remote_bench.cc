@@ -77,8 +77,8 @@ ABSL_FLAG(std::string, plot, "",
           "also measure naive (full logits, in-process) and the remote two-phase step, and draw "
           "time and the trainer's peak memory against N (naive, PyTorch's linear_cross_entropy "
           "— measured too —, fused in-process and remote, two-phase remote) into this PNG");
-ABSL_FLAG(std::string, plot_python, REMOTEHEAD_PYTHON,
-          "the Python (with torch and matplotlib) that runs plot_bench.py for --plot");
+ABSL_FLAG(std::string, python, REMOTEHEAD_PYTHON,
+          "the Python (torch, matplotlib) that runs plot_bench.py for --plot");
 ABSL_FLAG(bool, check, false,
           "exit 1 unless the remote results equal the in-process ones (loss and dX within 1e-5 "
           "of their magnitude) and the echoed bytes are exact (no timing checks)");
@@ -560,7 +560,7 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_plot).empty()) {
     // Its rows go after the table (to stderr under --json: stdout stays one JSON object).
     const absl::Status plotted =
-        bench::DrawPlot(report, absl::GetFlag(FLAGS_plot), absl::GetFlag(FLAGS_plot_python),
+        bench::DrawPlot(report, absl::GetFlag(FLAGS_plot), absl::GetFlag(FLAGS_python),
                         REMOTEHEAD_PLOT_SCRIPT, absl::GetFlag(FLAGS_json) ? std::cerr : std::cout);
     if (!plotted.ok()) {
       std::cerr << "remotehead-remote-bench: " << plotted << std::endl;

@@ -63,11 +63,14 @@ ABSL_FLAG(int64_t, skip_naive_above_bytes, int64_t{8} << 30,
           "skip naive (and gemm) when its estimated logits memory N*V*4*3 exceeds this");
 ABSL_FLAG(int32_t, threads, 0, "torch::set_num_threads when > 0");
 ABSL_FLAG(uint64_t, seed, 0, "seed of the head's weights and of the inputs");
+ABSL_FLAG(bool, torch_lce, true,
+          "also measure PyTorch's own chunked linear_cross_entropy (cross_entropy only; a "
+          "Python op, run by --python)");
 ABSL_FLAG(std::string, plot, "",
-          "also draw time and peak memory against N (naive, PyTorch's linear_cross_entropy — "
-          "measured here too —, fused, two-phase) into this PNG");
-ABSL_FLAG(std::string, plot_python, REMOTEHEAD_PYTHON,
-          "the Python (with torch and matplotlib) that runs plot_bench.py for --plot");
+          "also draw time and peak memory against N (naive, PyTorch's linear_cross_entropy, "
+          "fused, two-phase) into this PNG");
+ABSL_FLAG(std::string, python, REMOTEHEAD_PYTHON,
+          "the Python (torch, matplotlib) that runs plot_bench.py for --torch_lce and --plot");
 
 namespace {
 
@@ -107,6 +110,7 @@ struct NResult {
   int64_t n = 0;
   rh::StepStats stats;  // from the fused step: chunk_rows, num_chunks, valid_tokens
   Variant naive, fused, two_phase, gemm;
+  Variant torch_lce;  // PyTorch's linear_cross_entropy, measured by plot_bench.py
 };
 
 absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
@@ -341,6 +345,14 @@ nlohmann::json VariantJson(const Variant& v, const NResult& r, bool engine) {
   return j;
 }
 
+// A baseline measured outside the engine: its time and peak against naive's.
+nlohmann::json BaselineJson(const Variant& v, const NResult& r) {
+  nlohmann::json j = VariantJson(v, r, false);
+  j["ratio_to_naive"] = OrNull(Ratio(v, r.naive));
+  j["peak_ratio_to_naive"] = OrNull(PeakRatio(v, r.naive));
+  return j;
+}
+
 nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<NResult>& rs) {
   nlohmann::json results = nlohmann::json::array();
   for (const NResult& r : rs) {
@@ -353,12 +365,15 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
         {"num_chunks", r.stats.num_chunks},
         {"gemm_seconds", r.gemm.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.gemm.seconds)},
         {"fused_over_naive", OrNull(Ratio(r.fused, r.naive))},
+        {"fused_over_torch_lce", OrNull(Ratio(r.fused, r.torch_lce))},
+        {"fused_peak_over_torch_lce", OrNull(PeakRatio(r.fused, r.torch_lce))},
         {"fused_gemm_ratio", OrNull(Ratio(r.gemm, r.fused))},
         {"variants",
          {{"naive", naive},
           {"fused", VariantJson(r.fused, r, true)},
           {"two_phase", VariantJson(r.two_phase, r, true)},
-          {"gemm", VariantJson(r.gemm, r, false)}}},
+          {"gemm", VariantJson(r.gemm, r, false)},
+          {"torch_lce", BaselineJson(r.torch_lce, r)}}},
     });
   }
   return {
@@ -407,8 +422,11 @@ void PrintTable(const Config& cfg, int64_t chunk_rows, const std::vector<NResult
   for (const NResult& r : rs) {
     absl::PrintF("# N=%d: valid_tokens=%d chunk_rows=%d num_chunks=%d\n", r.n, r.stats.valid_tokens,
                  r.stats.chunk_rows, r.stats.num_chunks);
-    const std::pair<const char*, const Variant*> rows[] = {
-        {"naive", &r.naive}, {"fused", &r.fused}, {"two_phase", &r.two_phase}, {"gemm", &r.gemm}};
+    const std::pair<const char*, const Variant*> rows[] = {{"naive", &r.naive},
+                                                           {"torch_lce", &r.torch_lce},
+                                                           {"fused", &r.fused},
+                                                           {"two_phase", &r.two_phase},
+                                                           {"gemm", &r.gemm}};
     for (const auto& [name, v] : rows) {
       if (v->skipped) {
         absl::PrintF("%7d  %-9s  %9s\n", r.n, name, "skipped");
@@ -421,6 +439,25 @@ void PrintTable(const Config& cfg, int64_t chunk_rows, const std::vector<NResult
                    engine ? Fmt(v->d_loss, 2, true) : "-", engine ? Fmt(v->d_hidden, 2, true) : "-",
                    engine ? Fmt(v->d_weight, 2, true) : "-");
     }
+  }
+}
+
+// PyTorch's linear_cross_entropy at every N, in the same run (plot_bench.py --measure with the
+// bench's dtype, device, reduction, ignored share, warm-up and repeats). A baseline that cannot
+// run is reported as skipped, with the reason on stderr.
+void MeasureTorchLce(const Config& cfg, int64_t chunk_rows, std::vector<NResult>* results) {
+  absl::StatusOr<std::vector<bench::Measurement>> measured = bench::MeasureTorchLce(
+      ToJson(cfg, chunk_rows, *results), absl::GetFlag(FLAGS_python), REMOTEHEAD_PLOT_SCRIPT);
+  if (!measured.ok() || measured->size() != results->size()) {
+    std::cerr << "remotehead-bench: torch_lce not measured: "
+              << (measured.ok() ? "wrong number of results" : measured.status().ToString()) << "\n";
+    return;
+  }
+  for (size_t i = 0; i < results->size(); ++i) {
+    Variant& v = (*results)[i].torch_lce;
+    v.skipped = false;
+    v.seconds = (*measured)[i].seconds;
+    v.peak_bytes = (*measured)[i].peak_bytes;
   }
 }
 
@@ -448,6 +485,9 @@ absl::Status Run() {
     ASSIGN_OR_RETURN(NResult r, RunOne(cfg, *head, options, n));
     results.push_back(std::move(r));
   }
+  if (absl::GetFlag(FLAGS_torch_lce) && cfg.function == "cross_entropy") {
+    MeasureTorchLce(cfg, chunk_rows, &results);
+  }
   const nlohmann::json report = ToJson(cfg, chunk_rows, results);
   if (cfg.json) {
     std::cout << report.dump(2) << std::endl;
@@ -457,7 +497,7 @@ absl::Status Run() {
   if (absl::GetFlag(FLAGS_plot).empty()) return absl::OkStatus();
   // After the table, its rows for PyTorch's linear_cross_entropy (to stderr under --json, so
   // that stdout stays one JSON object).
-  return bench::DrawPlot(report, absl::GetFlag(FLAGS_plot), absl::GetFlag(FLAGS_plot_python),
+  return bench::DrawPlot(report, absl::GetFlag(FLAGS_plot), absl::GetFlag(FLAGS_python),
                          REMOTEHEAD_PLOT_SCRIPT, cfg.json ? std::cerr : std::cout);
 }
 
