@@ -64,12 +64,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def rss_mib(pid="self") -> float:
-    """Resident memory now (VmRSS) of this process or of `pid`, in MiB."""
-    return _status_mib(pid, "VmRSS:")
-
-
-def _status_mib(pid, field: str) -> float:
+def status_mib(pid, field: str) -> float:
+    """A memory field of /proc/PID/status ("VmRSS:" now, "VmHWM:" the peak), in MiB."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith(field):
@@ -214,7 +210,7 @@ def run_one(args) -> dict:
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=data,
                                    callbacks=[*callbacks, Progress()])
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
-    before = rss_mib()
+    before = status_mib("self", "VmRSS:")
     sampler.start()
     start = time.perf_counter()
     trainer.train()
@@ -247,7 +243,7 @@ def compare(args) -> dict:
             results[variant] = json.loads(out.split("RESULT ", 1)[1])
         # The head's memory moved there: the server's own peak (W, its AdamW state, the
         # engine's chunks), for the record.
-        results["server_peak_mib"] = _status_mib(server.process.pid, "VmHWM:")
+        results["server_peak_mib"] = status_mib(server.process.pid, "VmHWM:")
         results["server_exit_code"] = server.stop()
     local = results["local"]["losses"]
     for variant in COLUMN:
@@ -259,9 +255,6 @@ def compare(args) -> dict:
 
 def print_table(results) -> None:
     runs = [results[name] for name in COLUMN]
-
-    def mean(xs):
-        return sum(xs) / len(xs)
 
     def growth(run):
         return run["peak_mib"] - run["rss_before_training_mib"]
@@ -306,13 +299,14 @@ def plot(results, args, path: str) -> None:
     tokens = args.batch * args.accumulation * args.seq
     fig.suptitle(f"tiny Llama, vocab {args.vocab:,}, {args.steps} steps of {tokens:,} tokens "
                  f"({args.accumulation} micro-batches), CPU")
-    for (name, heading, style), color in zip(VARIANTS, ("tab:red", "tab:orange", "tab:blue")):
+    colors = ("tab:red", "tab:orange", "tab:blue")
+    for i, ((name, heading, style), color) in enumerate(zip(VARIANTS, colors)):
         run = results[name]
         steps, mib = zip(*run["memory_by_step"]) if run["memory_by_step"] else ((), ())
         memory.plot(steps, mib, style, color=color, linewidth=1.2,
                     label=f"{heading} (peak {run['peak_mib']:,.0f} MiB)")
         loss.plot(range(1, len(run["losses"]) + 1), run["losses"], style, color=color,
-                  marker="o", markersize=7 - 2 * VARIANTS.index((name, heading, style)),
+                  marker="o", markersize=7 - 2 * i,
                   label=heading)
     memory.set_ylabel("trainer resident memory (MiB)")
     # Head room above the highest sample for the legend.
