@@ -1,5 +1,7 @@
 #include "remotehead/core/engine.h"
 
+#include <torch/version.h>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -286,11 +288,39 @@ torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params) {
   return z;
 }
 
+// Whether this LibTorch's CUDA addmm takes half-precision inputs with an fp32 `self` and `out`
+// (addmm.dtype_out, a cuBLAS GEMM with an fp32 C). It exists from 2.8, and its first releases
+// wanted `self` in the inputs' dtype, so it is tried once, on a 2×2 product, before it is used.
+bool CudaAddmmAccumulatesIntoFloat(const torch::Tensor& accumulator) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  static const bool accepted = [options = accumulator.options()] {
+    try {
+      torch::Tensor acc = torch::ones({2, 2}, options.dtype(torch::kFloat));
+      const torch::Tensor a = torch::ones({2, 3}, options.dtype(torch::kBFloat16));
+      at::addmm_out(acc, acc, a, a.t(), torch::kFloat);
+      return acc.eq(4).all().item<bool>();
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return accepted;
+#else
+  (void)accumulator;
+  return false;
+#endif
+}
+
 // dW += dzᵀ·X_c into the accumulator's dtype.
 void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
                           const torch::Tensor& dz_head, const torch::Tensor& x_chunk) {
   if (dw.scalar_type() == x_chunk.scalar_type()) {
     dw.addmm_(dz_head.t(), x_chunk);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  } else if (dw.is_cuda() && CudaAddmmAccumulatesIntoFloat(dw)) {
+    // fp32 accumulators of a half-precision head on CUDA: the GEMM reads the head-dtype dz
+    // and X_c on tensor cores and accumulates into dW in fp32 (no fp32 copy of anything).
+    at::addmm_out(dw, dw, dz_head.t(), x_chunk, torch::kFloat);
+#endif
   } else {
     // fp32 accumulators of a half-precision head: the GEMM runs in fp32 on the unrounded
     // logits gradient, so each micro-batch adds its exact (to fp32) contribution.

@@ -5,6 +5,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/device.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::core {
@@ -98,11 +99,7 @@ absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& wei
   if (bias.defined() && !torch::isfinite(bias).all().item<bool>()) {
     return absl::InvalidArgumentError("bias: expected finite values; got NaN or Inf");
   }
-  if (options.device.is_cuda() && !torch::cuda::is_available()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("device: expected an available device; got ", options.device.str(),
-                     " but CUDA is not available on this machine"));
-  }
+  RETURN_IF_ERROR(CheckDeviceOnMachine(options.device, "device"));
   const auto opts = torch::TensorOptions().dtype(weight.scalar_type()).device(options.device);
   torch::Tensor w = weight.detach().to(opts, /*non_blocking=*/false, /*copy=*/true).contiguous();
   torch::Tensor b;

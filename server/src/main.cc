@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "remotehead/core/checkpoint_dir.h"
+#include "remotehead/core/device.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
@@ -93,24 +94,6 @@ ABSL_FLAG(double, group_timeout_seconds, 60,
 namespace {
 
 namespace rh = remotehead;
-
-absl::StatusOr<torch::Device> ResolveDevice(const std::string& name) {
-  if (name == "auto") {
-    return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0)
-                                       : torch::Device(torch::kCPU);
-  }
-  try {
-    const torch::Device device(name);
-    if (device.is_cuda() && !torch::cuda::is_available()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--device: expected an available device; got ", name, " but CUDA is not available"));
-    }
-    return device;
-  } catch (const c10::Error&) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device: expected auto, cpu or cuda:N; got \"", name, "\""));
-  }
-}
 
 // id:vocab:hidden[:dtype[:seed]]; on a head group (`group` set), this rank's rows of it.
 absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
@@ -414,7 +397,7 @@ int Run() {
   if (!credentials.ok()) return Refuse(credentials.status());
   const absl::StatusOr<rh::server::MetricsHttpOptions> metrics_options = MetricsOptions();
   if (!metrics_options.ok()) return Refuse(metrics_options.status());
-  auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
+  auto device = rh::core::ResolveDevice(absl::GetFlag(FLAGS_device), "--device");
   if (!device.ok()) return Refuse(device.status());
   const absl::StatusOr<rh::server::GroupConfig> group_config = GroupConfigFromFlags(*device);
   if (!group_config.ok()) return Refuse(group_config.status());

@@ -105,9 +105,10 @@ inline torch::Tensor NaiveLoss(const torch::Tensor& z, const torch::Tensor& targ
 // the loss.
 inline double NaiveStep(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                         const torch::Tensor& targets, const std::string& function,
-                        core::Reduction reduction, int64_t valid_count) {
+                        core::Reduction reduction, int64_t valid_count, double softcap = 0) {
   torch::Tensor z = b.defined() ? torch::addmm(b, x, w.t()) : torch::mm(x, w.t());
   if (z.scalar_type() != torch::kDouble) z = z.to(torch::kFloat);
+  if (softcap > 0) z = torch::tanh(z / softcap) * softcap;
   torch::Tensor loss = NaiveLoss(z, targets, function, reduction, valid_count);
   loss.backward();
   return loss.item<double>();

@@ -36,6 +36,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_measure.h"
 #include "bench/bench_plot.h"
+#include "remotehead/core/device.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/functions.h"
 #include "remotehead/core/head.h"
@@ -49,10 +50,12 @@ ABSL_FLAG(std::vector<std::string>, n, std::vector<std::string>({"2048"}),
 ABSL_FLAG(int64_t, d, 1024, "hidden size D");
 ABSL_FLAG(int64_t, v, 32000, "vocabulary size V");
 ABSL_FLAG(std::string, dtype, "float32", "head dtype: float32, bfloat16, float16 (or float64)");
-ABSL_FLAG(std::string, device, "auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:i");
+ABSL_FLAG(std::string, device, "auto", "auto (cuda:0 if available, else cpu), cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, function, "cross_entropy",
           "cross_entropy, token_logprobs, mse_onehot, entropy or sigmoid_sum");
 ABSL_FLAG(std::string, reduction, "mean", "mean or sum");
+ABSL_FLAG(double, softcap, 0,
+          "cap·tanh(z/cap) on the logits before the function (Gemma 2's 30); 0 = none");
 ABSL_FLAG(int64_t, chunk_rows, 0, "rows per chunk; 0 = derived from --memory_budget_bytes");
 ABSL_FLAG(int64_t, memory_budget_bytes, 0, "engine transient budget per chunk; 0 = default");
 ABSL_FLAG(int32_t, repeats, 3, "timed repetitions (the median is reported)");
@@ -92,6 +95,7 @@ struct Config {
   torch::Device device = torch::kCPU;
   std::string function;
   rh::Reduction reduction = rh::Reduction::kMean;
+  double softcap = 0;  // 0: none
   int64_t chunk_rows = 0, memory_budget_bytes = 0, skip_naive_above_bytes = 0;
   int repeats = 0, warmup = 0, threads = 0;
   bool bias = false, json = false;
@@ -113,31 +117,6 @@ struct NResult {
   Variant torch_lce;  // PyTorch's linear_cross_entropy, measured by plot_bench.py
 };
 
-absl::StatusOr<torch::Device> ParseDevice(const std::string& name) {
-  if (name == "auto") {
-    return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0)
-                                       : torch::Device(torch::kCPU);
-  }
-  if (name != "cpu" && name != "cuda" && !name.starts_with("cuda:")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device: expected auto, cpu, cuda or cuda:i; got \"", name, "\""));
-  }
-  std::optional<torch::Device> device;
-  try {
-    device = torch::Device(name);
-  } catch (const c10::Error&) {
-    return absl::InvalidArgumentError(absl::StrCat("--device: cannot parse \"", name, "\""));
-  }
-  if (device->is_cpu()) return *device;
-  const int64_t index = device->has_index() ? device->index() : 0;
-  if (!torch::cuda::is_available() || index >= static_cast<int64_t>(torch::cuda::device_count())) {
-    return absl::InvalidArgumentError(absl::StrCat("--device: ", name, " requested but ",
-                                                   torch::cuda::device_count(),
-                                                   " CUDA device(s) are available"));
-  }
-  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
-}
-
 absl::StatusOr<Config> ConfigFromFlags() {
   Config c;
   for (const std::string& item : absl::GetFlag(FLAGS_n)) {
@@ -158,7 +137,7 @@ absl::StatusOr<Config> ConfigFromFlags() {
         absl::StrCat("--d, --v: expected >= 1; got ", c.d, ", ", c.v));
   }
   ASSIGN_OR_RETURN(c.dtype, rh::ParseHeadDtype(absl::GetFlag(FLAGS_dtype)));
-  ASSIGN_OR_RETURN(c.device, ParseDevice(absl::GetFlag(FLAGS_device)));
+  ASSIGN_OR_RETURN(c.device, rh::ResolveDevice(absl::GetFlag(FLAGS_device), "--device"));
   c.function = absl::GetFlag(FLAGS_function);
   RETURN_IF_ERROR(rh::FunctionRegistry::Builtin().Find(c.function).status());
   if (std::find(kSupportedFunctions.begin(), kSupportedFunctions.end(), c.function) ==
@@ -173,6 +152,11 @@ absl::StatusOr<Config> ConfigFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat(
         "--reduction: the bench times a scalar loss without weights: mean or sum; got ",
         absl::GetFlag(FLAGS_reduction)));
+  }
+  c.softcap = absl::GetFlag(FLAGS_softcap);
+  if (!(c.softcap >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--softcap: expected >= 0 (0 = none); got ", c.softcap));
   }
   c.chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
   c.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
@@ -244,7 +228,8 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
         },
         [&]() -> absl::Status {
           r.naive.loss =
-              bench::NaiveStep(x, w, b, batch.targets, cfg.function, cfg.reduction, valid_count);
+              bench::NaiveStep(x, w, b, batch.targets, cfg.function, cfg.reduction, valid_count,
+                               cfg.softcap);
           return absl::OkStatus();
         },
         &r.naive));
@@ -386,6 +371,7 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
         {"device", cfg.device.str()},
         {"function", cfg.function},
         {"reduction", std::string(rh::ReductionName(cfg.reduction))},
+        {"softcap", cfg.softcap},
         {"bias", cfg.bias},
         {"threads", torch::get_num_threads()},
         {"chunk_rows", chunk_rows},
@@ -472,7 +458,10 @@ absl::Status Run() {
                                                                          .bias = cfg.bias,
                                                                          .seed = cfg.seed},
                                                                         {.device = cfg.device}));
+  rh::FunctionParams params;
+  if (cfg.softcap > 0) params["softcap"] = cfg.softcap;
   const rh::StepOptions options{.function = cfg.function,
+                                .params = params,
                                 .reduction = cfg.reduction,
                                 .ignore_index = kIgnoreIndex,
                                 .chunk_rows = cfg.chunk_rows,
@@ -485,7 +474,8 @@ absl::Status Run() {
     ASSIGN_OR_RETURN(NResult r, RunOne(cfg, *head, options, n));
     results.push_back(std::move(r));
   }
-  if (absl::GetFlag(FLAGS_torch_lce) && cfg.function == "cross_entropy") {
+  // PyTorch's linear_cross_entropy has no softcap: with one it would compute another loss.
+  if (absl::GetFlag(FLAGS_torch_lce) && cfg.function == "cross_entropy" && cfg.softcap == 0) {
     MeasureTorchLce(cfg, chunk_rows, &results);
   }
   const nlohmann::json report = ToJson(cfg, chunk_rows, results);

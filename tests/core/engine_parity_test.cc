@@ -1,7 +1,7 @@
-// Engine vs the naive full-logits reference (float64 autograd), for every function ×
-// reduction × mode × bias × dtype, each at chunk sizes {1, 7, 64, N, N+5} with N = 67 (not a
-// multiple of any of them), function blocks smaller than, equal to and larger than the chunk,
-// and ~20% of the targets set to ignore_index.
+// Engine vs the naive full-logits reference (float64 autograd on the CPU), for every function ×
+// reduction × mode × bias × dtype × device (CPU, and CUDA when the machine has a GPU), each at
+// chunk sizes {1, 7, 64, N, N+5} with N = 67 (not a multiple of any of them), function blocks
+// smaller than, equal to and larger than the chunk, and ~20% of the targets set to ignore_index.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -10,6 +10,7 @@
 
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
+#include "support/devices.h"
 
 namespace remotehead {
 namespace {
@@ -44,7 +45,8 @@ void PrintTo(const FunctionCase& c, std::ostream* os) { *os << c.label; }
 
 enum class Mode { kFused, kTwoPhase };
 
-using Param = std::tuple<FunctionCase, Reduction, Mode, bool /*bias*/, torch::ScalarType>;
+using Param = std::tuple<FunctionCase, Reduction, Mode, bool /*bias*/, torch::ScalarType,
+                         std::string /*device*/>;
 
 class EngineParity : public ::testing::TestWithParam<Param> {};
 
@@ -53,15 +55,19 @@ constexpr int64_t kHidden = 24;
 constexpr int64_t kRows = 67;
 
 // Error allowed relative to the reference's magnitude (reference::RelativeError, with
-// magnitudes below kFloor counted as kFloor): fp32 is near-exact; bf16 logits and dX are
+// magnitudes below kFloor counted as kFloor): fp32 is near-exact (CUDA's fp32 GEMMs do not
+// use TF32 unless a program asks); bf16 logits, dX and (on CUDA) the dz the dW GEMM reads are
 // rounded to 8 mantissa bits, so its budget is a few bf16 ulps.
 double Tolerance(torch::ScalarType dtype) { return dtype == torch::kFloat ? 2e-5 : 3e-2; }
 constexpr double kFloor = 1e-3;
 
 TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
-  const auto& [fcase, reduction, mode, bias, dtype] = GetParam();
+  const auto& [fcase, reduction, mode, bias, dtype, device_name] = GetParam();
+  const torch::Device device(device_name);
+  REMOTEHEAD_SKIP_UNLESS_ON_MACHINE(device);
   torch::manual_seed(0);
-  auto head = reference::MakeTestHead(kVocab, kHidden, dtype, bias);
+  auto head =
+      reference::MakeTestHead(kVocab, kHidden, dtype, bias, /*seed=*/1, torch::kFloat, device);
   const core::TokenBatch batch = reference::MakeTestBatch(*head, kRows, fcase.function, reduction);
 
   core::StepOptions options;
@@ -74,6 +80,7 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
   if (mode == Mode::kTwoPhase) {
     grad_output =
         reduction == Reduction::kNone ? torch::randn({kRows}) : torch::full({}, 0.5, torch::kFloat);
+    grad_output = grad_output.to(device);
   }
   const reference::ReferenceResult ref =
       reference::NaiveReference(*head, batch, options, grad_output);
@@ -108,6 +115,7 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
       EXPECT_EQ(backward->stats.num_chunks, forward->stats.num_chunks);
     }
     EXPECT_EQ(grad_hidden.scalar_type(), dtype);
+    EXPECT_EQ(grad_hidden.device(), device);
     EXPECT_LE(reference::RelativeError(grad_hidden, ref.grad_hidden, kFloor), Tolerance(dtype));
     EXPECT_EQ(grads.weight.scalar_type(), torch::kFloat);
     EXPECT_LE(reference::RelativeError(grads.weight, ref.grad_weight, kFloor), Tolerance(dtype));
@@ -126,7 +134,9 @@ std::vector<Param> AllParams() {
         if (m == Mode::kFused && r == Reduction::kNone) continue;  // fused needs a scalar loss
         for (bool bias : {false, true}) {
           for (torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16}) {
-            params.emplace_back(c, r, m, bias, dtype);
+            for (const std::string& device : testing::TestDevices()) {
+              params.emplace_back(c, r, m, bias, dtype, device);
+            }
           }
         }
       }
@@ -136,10 +146,10 @@ std::vector<Param> AllParams() {
 }
 
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
-  const auto& [fcase, reduction, mode, bias, dtype] = info.param;
+  const auto& [fcase, reduction, mode, bias, dtype, device] = info.param;
   return fcase.label + "_" + std::string(core::ReductionName(reduction)) + "_" +
          (mode == Mode::kFused ? "fused" : "twophase") + (bias ? "_bias" : "_nobias") + "_" +
-         (dtype == torch::kFloat ? "fp32" : "bf16");
+         (dtype == torch::kFloat ? "fp32" : "bf16") + "_" + testing::DeviceLabel(device);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFunctions, EngineParity, ::testing::ValuesIn(AllParams()), ParamName);

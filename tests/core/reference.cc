@@ -156,14 +156,15 @@ double RelativeError(const torch::Tensor& actual, const torch::Tensor& expected,
 namespace remotehead::reference {
 
 std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::ScalarType dtype,
-                                         bool bias, uint64_t seed, torch::ScalarType grad_dtype) {
+                                         bool bias, uint64_t seed, torch::ScalarType grad_dtype,
+                                         torch::Device device) {
   core::HeadInit init{.vocab_size = vocab,
                       .hidden_size = hidden,
                       .dtype = dtype,
                       .bias = bias,
                       .seed = seed,
                       .init_std = 1.0 / std::sqrt(static_cast<double>(hidden))};
-  auto head = core::Head::Initialize(init, {.device = torch::kCPU, .grad_dtype = grad_dtype});
+  auto head = core::Head::Initialize(init, {.device = device, .grad_dtype = grad_dtype});
   if (!head.ok()) throw std::runtime_error(std::string(head.status().message()));
   if (bias) {
     torch::NoGradGuard no_grad;
@@ -187,15 +188,15 @@ core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::
   }
   if (function == "grpo") {
     batch.aux["advantages"] = at::normal(0.0, 1.0, {rows}, gen);
-    torch::Tensor z =
-        torch::mm(batch.hidden.to(torch::kDouble), head.weight().to(torch::kDouble).t());
-    if (head.has_bias()) z = z + head.bias().to(torch::kDouble);
+    const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
+    torch::Tensor z = torch::mm(batch.hidden.to(f64), head.weight().to(f64).t());
+    if (head.has_bias()) z = z + head.bias().to(f64);
     const torch::Tensor logp =
         torch::log_softmax(z, 1).gather(1, targets.unsqueeze(1)).squeeze(1).to(torch::kFloat);
     batch.aux["old_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
     batch.aux["ref_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
   }
-  return batch;
+  return batch.To(head.device());
 }
 
 }  // namespace remotehead::reference

@@ -61,11 +61,13 @@ namespace remotehead::reference {
 // A head with W ~ N(0, 0.02²)·scale chosen so that logits are O(1) for unit-variance hidden.
 std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::ScalarType dtype,
                                          bool bias, uint64_t seed = 1,
-                                         torch::ScalarType grad_dtype = torch::kFloat);
+                                         torch::ScalarType grad_dtype = torch::kFloat,
+                                         torch::Device device = torch::kCPU);
 
 // Random hidden states, targets with ~20% ignore_index (-100), and whatever the function and
 // reduction need: weights for weighted_sum; advantages, old / ref log-probs for grpo (old and
 // ref are the head's true log-probs plus noise, so both clip sides and the KL are exercised).
+// Drawn on the CPU (the same values whatever the device), then moved to the head's device.
 core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::string& function,
                                core::Reduction reduction, uint64_t seed = 2);
 

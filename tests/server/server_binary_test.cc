@@ -1,6 +1,8 @@
-// The real remotehead-server process on loopback: it starts with a preloaded head, serves a
-// ForwardBackward whose result equals the engine's, keeps serving after a bad request, and on
-// SIGTERM drains and exits 0; --checkpoint_dir reaches the service (and a bad one stops it).
+// The real remotehead-server process on loopback: it starts with a preloaded head (on the CPU,
+// and on CUDA when the machine has a GPU), serves a ForwardBackward whose result equals the
+// engine's, keeps serving after a bad request, and on SIGTERM drains and exits 0; --device
+// refuses a device the machine lacks and --memory_budget_bytes=-1 plans with the GPU's free
+// memory; --checkpoint_dir reaches the service (and a bad one stops it).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -11,20 +13,27 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/memory_stats.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "support/child_process.h"
+#include "support/devices.h"
 
 namespace remotehead {
 namespace {
 
 using testing::ServerProcess;
 
-TEST(ServerBinary, ServesForwardBackwardAndDrainsOnSigterm) {
-  ServerProcess server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=cpu",
-                        "--head=lm:257:16:float32:3"});
+class ServerBinaryOnDevice : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ServerBinaryOnDevice, ServesForwardBackwardAndDrainsOnSigterm) {
+  const torch::Device device(GetParam());
+  REMOTEHEAD_SKIP_UNLESS_ON_MACHINE(device);
+  ServerProcess server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0",
+                        "--device=" + device.str(), "--head=lm:257:16:float32:3"});
   ASSERT_GT(server.port(), 0) << server.log();
   auto stub = v1::HeadService::NewStub(grpc::CreateChannel(
       "127.0.0.1:" + std::to_string(server.port()), grpc::InsecureChannelCredentials()));
@@ -35,6 +44,7 @@ TEST(ServerBinary, ServesForwardBackwardAndDrainsOnSigterm) {
   v1::HeadInfo info;
   ASSERT_TRUE(stub->DescribeHead(&describe_context, ref, &info).ok());
   EXPECT_EQ(info.vocab_size(), 257);
+  EXPECT_EQ(info.device(), device.str());
 
   // The same head locally (same seed, same init), to compare with.
   auto local = core::Head::Initialize({.vocab_size = 257, .hidden_size = 16, .seed = 3}, {});
@@ -82,6 +92,52 @@ TEST(ServerBinary, ServesForwardBackwardAndDrainsOnSigterm) {
 
   EXPECT_EQ(server.Terminate(), 0);
   EXPECT_NE(server.log().find("remotehead-server: stopped"), std::string::npos) << server.log();
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, ServerBinaryOnDevice, ::testing::ValuesIn(testing::TestDevices()),
+                         [](const auto& info) { return testing::DeviceLabel(info.param); });
+
+// A device the machine does not have stops the server before it loads anything, with the flag,
+// the device and what the machine has in the message (on any machine: none has 64 GPUs).
+TEST(ServerBinary, DeviceTheMachineLacksIsRefused) {
+  for (const std::string name : {"cuda:63", "tpu:0"}) {
+    ServerProcess refused(
+        {REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=" + name, "--head=lm:257:16"});
+    EXPECT_EQ(refused.ExitCode(), 2) << refused.log();
+    const std::string expected =
+        name == "tpu:0" ? "--device: expected auto, cpu, cuda or cuda:N; got \"tpu:0\""
+        : torch::cuda::is_available()
+            ? "--device: expected an available device (cuda:0 to cuda:"
+            : "--device: expected an available device; got cuda:63 but CUDA is not available";
+    EXPECT_NE(refused.log().find(expected), std::string::npos) << refused.log();
+  }
+}
+
+// --memory_budget_bytes=-1 on the last GPU (--device=cuda:N): the server plans with 90% of that
+// device's free memory (after its own CUDA context) plus its heads, as its start-up line says.
+TEST(ServerBinary, AutoBudgetOnCudaIsTheDevicesFreeMemory) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine";
+  const torch::Device last(torch::kCUDA,
+                           static_cast<c10::DeviceIndex>(torch::cuda::device_count() - 1));
+  const int64_t free_before = *core::AvailableMemoryBytes(last);
+  ServerProcess server({REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--device=" + last.str(),
+                        "--memory_budget_bytes=-1", "--head=lm:32000:1024:bfloat16:3"});
+  ASSERT_GT(server.port(), 0) << server.log();
+  const std::string marker = "admission: memory budget ";
+  const size_t at = server.log().find(marker);
+  ASSERT_NE(at, std::string::npos) << server.log();
+  int64_t budget_mib = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(
+      server.log().substr(at + marker.size(),
+                          server.log().find(' ', at + marker.size()) - at - marker.size()),
+      &budget_mib))
+      << server.log();
+  // W bf16 + dW fp32: 6 bytes a weight. The server's own context takes some of what was free.
+  const int64_t head_mib = (int64_t{32000} * 1024 * 6) >> 20;
+  EXPECT_LE(budget_mib, (free_before / 10 * 9 >> 20) + head_mib) << server.log();
+  EXPECT_GE(budget_mib, ((free_before - (int64_t{2} << 30)) / 10 * 9 >> 20)) << server.log();
+  EXPECT_NE(server.log().find("(device " + last.str() + ")"), std::string::npos) << server.log();
+  EXPECT_EQ(server.Terminate(), 0) << server.log();
 }
 
 // A trainer killed (SIGKILL) in the middle of a step: the server notices the broken stream, adds
