@@ -212,6 +212,7 @@ def measure_remotehead_server(shape, device, warmup, repeats, build) -> dict:
             start = time.perf_counter()
             result = client.forward_backward("lm", x, t, params=params,
                                              gradient_id=("bench", i, 0))
+            dx = result.grad_hidden.to(device)  # where the trainer's backward needs it
             sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
@@ -220,7 +221,7 @@ def measure_remotehead_server(shape, device, warmup, repeats, build) -> dict:
     return {"seconds": statistics.median(times), "peak_bytes": int(peak),
             "peak_with_grads_bytes": int(peak) + shape["v"] * shape["d"] * 4,
             "softcap": shape["softcap"], "loss": result.loss,
-            "grad_hidden": result.grad_hidden.detach().cpu(),
+            "grad_hidden": dx.cpu(),
             "note": "the server's /metrics peak above its resident W and dW (the upload's "
                     "buffers included); dX is in the trainer"}
 
