@@ -288,11 +288,15 @@ torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params) {
   return z;
 }
 
+// addmm.dtype_out (half-precision inputs, fp32 output) is in LibTorch from 2.8.
+#define REMOTEHEAD_HAS_ADDMM_OUT_DTYPE \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
+
 // Whether this LibTorch's CUDA addmm takes half-precision inputs with an fp32 `self` and `out`
-// (addmm.dtype_out, a cuBLAS GEMM with an fp32 C). It exists from 2.8, and its first releases
-// wanted `self` in the inputs' dtype, so it is tried once, on a 2×2 product, before it is used.
+// (addmm.dtype_out, a cuBLAS GEMM with an fp32 C). Its first releases wanted `self` in the
+// inputs' dtype, so it is tried once, on a 2×2 product, before it is used.
 bool CudaAddmmAccumulatesIntoFloat(const torch::Tensor& accumulator) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#if REMOTEHEAD_HAS_ADDMM_OUT_DTYPE
   static const bool accepted = [options = accumulator.options()] {
     try {
       torch::Tensor acc = torch::ones({2, 2}, options.dtype(torch::kFloat));
@@ -315,7 +319,7 @@ void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
                           const torch::Tensor& dz_head, const torch::Tensor& x_chunk) {
   if (dw.scalar_type() == x_chunk.scalar_type()) {
     dw.addmm_(dz_head.t(), x_chunk);
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#if REMOTEHEAD_HAS_ADDMM_OUT_DTYPE
   } else if (dw.is_cuda() && CudaAddmmAccumulatesIntoFloat(dw)) {
     // fp32 accumulators of a half-precision head on CUDA: the GEMM reads the head-dtype dz
     // and X_c on tensor cores and accumulates into dW in fp32 (no fp32 copy of anything).
