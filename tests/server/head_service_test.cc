@@ -1,20 +1,31 @@
-// The HeadService over a real gRPC channel (in-process server on a loopback port): head
-// lifecycle, ForwardBackward parity with the direct engine call, exactly-once accumulation on
-// replay, and bad input / cancellation leaving the head's gradients bit-identical. (Files:
-// file_rpcs_test.)
+// The HeadService over a real gRPC channel (in-process server on a loopback port), with its
+// heads on every device (the CPU, and CUDA when the machine has a GPU): head lifecycle,
+// ForwardBackward parity with the direct engine call, exactly-once accumulation on replay, and bad
+// input / cancellation leaving the head's gradients bit-identical. (Files: file_rpcs_test.)
 #include "absl/strings/str_join.h"
 #include "server/service_fixture.h"
+#include "support/devices.h"
 
 namespace remotehead {
 namespace {
 
-class HeadServiceTest : public ServiceFixture {
+class HeadServiceTest : public ServiceFixture, public ::testing::WithParamInterface<std::string> {
  protected:
   // Small streamed chunks, so every tensor that comes back travels in several messages.
-  void SetUp() override { StartService({.response_chunk_bytes = 1024}); }
+  void SetUp() override {
+    REMOTEHEAD_SKIP_UNLESS_ON_MACHINE(device_);
+    StartService({.device = device_, .response_chunk_bytes = 1024});
+  }
+
+  const torch::Device device_{GetParam()};
 };
 
-TEST_F(HeadServiceTest, LifecycleDescribeListDrop) {
+// Tensors compared bit for bit wherever they live (the server's on its device, decoded on the CPU).
+bool EqualOnCpu(const torch::Tensor& a, const torch::Tensor& b) {
+  return torch::equal(a.cpu(), b.cpu());
+}
+
+TEST_P(HeadServiceTest, LifecycleDescribeListDrop) {
   grpc::ClientContext c1;
   v1::HeadRef ref;
   ref.set_head_id("lm");
@@ -24,7 +35,7 @@ TEST_F(HeadServiceTest, LifecycleDescribeListDrop) {
   EXPECT_EQ(info.hidden_size(), kHidden);
   EXPECT_EQ(info.dtype(), v1::DTYPE_FLOAT32);
   EXPECT_TRUE(info.has_bias());
-  EXPECT_EQ(info.device(), "cpu");
+  EXPECT_EQ(info.device(), device_.str());
 
   grpc::ClientContext c2;
   v1::CreateHeadRequest again;
@@ -51,7 +62,7 @@ TEST_F(HeadServiceTest, LifecycleDescribeListDrop) {
       "head_id: expected the id of a head on this server; got \"lm\", which it does not have");
 }
 
-TEST_F(HeadServiceTest, ForwardBackwardMatchesTheEngineAndReplayAddsOnce) {
+TEST_P(HeadServiceTest, ForwardBackwardMatchesTheEngineAndReplayAddsOnce) {
   core::GradientBuffers expected = testing::HeadOf(*entry_).NewGradientBuffers();
   auto direct = core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, &expected);
   ASSERT_TRUE(direct.ok());
@@ -69,14 +80,14 @@ TEST_F(HeadServiceTest, ForwardBackwardMatchesTheEngineAndReplayAddsOnce) {
   ASSERT_TRUE(replay.status.ok()) << replay.status.error_message();
   EXPECT_TRUE(replay.summary.replayed());
   EXPECT_LE(reference::RelativeError(replay.summary.loss(), first.summary.loss()), 1e-6);
-  EXPECT_TRUE(torch::equal(HeadWeightGrad(), after_first));
+  EXPECT_TRUE(EqualOnCpu(HeadWeightGrad(), after_first));
 
   // Another micro-batch id is a new contribution.
   ASSERT_TRUE(Step("run/rank-0", 1).status.ok());
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), 2 * expected.weight), 1e-5);
 }
 
-TEST_F(HeadServiceTest, FetchGradientsStreamsTheAccumulatedDwInTheRequestedDtype) {
+TEST_P(HeadServiceTest, FetchGradientsStreamsTheAccumulatedDwInTheRequestedDtype) {
   ASSERT_TRUE(Step("run/rank-0", 0).status.ok());
   const torch::Tensor expected = HeadWeightGrad();
   for (const v1::DType dtype : {v1::DTYPE_UNSPECIFIED, v1::DTYPE_BFLOAT16}) {
@@ -107,7 +118,7 @@ TEST_F(HeadServiceTest, FetchGradientsStreamsTheAccumulatedDwInTheRequestedDtype
     EXPECT_TRUE(saw_bias && saw_info);
     EXPECT_GT(messages, 10) << "1 KiB chunks of a 300 x 32 gradient";
     if (dtype == v1::DTYPE_UNSPECIFIED) {
-      EXPECT_TRUE(torch::equal(dw, expected));
+      EXPECT_TRUE(EqualOnCpu(dw, expected));
     } else {
       EXPECT_LE(reference::RelativeError(dw, expected), 1e-2);
     }
@@ -121,7 +132,7 @@ TEST_F(HeadServiceTest, FetchGradientsStreamsTheAccumulatedDwInTheRequestedDtype
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
-TEST_F(HeadServiceTest, OptimizerStepUpdatesWeightsBumpsVersionAndRefusesStaleWork) {
+TEST_P(HeadServiceTest, OptimizerStepUpdatesWeightsBumpsVersionAndRefusesStaleWork) {
   ASSERT_TRUE(Step("run/rank-0", 0).status.ok());
   torch::Tensor w0, dw;
   {
@@ -157,7 +168,7 @@ TEST_F(HeadServiceTest, OptimizerStepUpdatesWeightsBumpsVersionAndRefusesStaleWo
   EXPECT_EQ(bad.error_message(), "sgd.lr: expected a finite value in (0, inf); got -1");
 }
 
-TEST_F(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
+TEST_P(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
   const auto per_token = [](v1::StepRequest& m) {
     if (!m.has_header()) return;
     m.mutable_header()->mutable_function()->set_name("token_logprobs");
@@ -174,7 +185,7 @@ TEST_F(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
 
   const torch::Tensor upstream = torch::randn({kRows});
   core::GradientBuffers grads = testing::HeadOf(*entry_).NewGradientBuffers();
-  auto dx = core::Backward(testing::HeadOf(*entry_), batch_, options, upstream, &grads);
+  auto dx = core::Backward(testing::HeadOf(*entry_), batch_, options, upstream.to(device_), &grads);
   ASSERT_TRUE(dx.ok());
   const StepOutcome backward = Step("run/rank-3", 0, 17, per_token, Rpc::kBackward, upstream);
   ASSERT_TRUE(backward.status.ok()) << backward.status.error_message();
@@ -191,7 +202,7 @@ TEST_F(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {
             "rows.grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
 }
 
-TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
+TEST_P(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
   const torch::Tensor w = torch::randn({kVocab, kHidden}).to(torch::kBFloat16);
   const torch::Tensor b = torch::randn({kVocab}).to(torch::kBFloat16);
   ASSERT_TRUE(Upload("up", w, b).ok());
@@ -209,8 +220,8 @@ TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
     (is_bias ? b_back : w_back).narrow(0, chunk.row_offset(), values.size(0)).copy_(values);
   }
   ASSERT_TRUE(reader->Finish().ok());
-  EXPECT_TRUE(torch::equal(w_back, w));
-  EXPECT_TRUE(torch::equal(b_back, b));
+  EXPECT_TRUE(EqualOnCpu(w_back, w));
+  EXPECT_TRUE(EqualOnCpu(b_back, b));
 
   const grpc::Status gap = Upload("gap", w, b, false, [](v1::UploadHeadRequest& m) {
     if (m.has_weight_rows() && m.weight_rows().row_offset() == 64) {
@@ -230,7 +241,7 @@ TEST_F(HeadServiceTest, UploadThenExportRoundTripsAndBadUploadsCreateNothing) {
 
 // A trainer that owns the parameter (tied embeddings, local optimizer) sends new weights
 // after each of its steps: accepted for an idle head of the same shape only.
-TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameShape) {
+TEST_P(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameShape) {
   torch::Tensor w_old, b_old;
   {
     w_old = testing::HeadOf(*entry_).weight().clone();
@@ -256,7 +267,7 @@ TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameSha
             "header: expected the shape, dtype and bias of head \"lm\" to replace its weights, "
             "[300, 32] Float with bias; got [300, 33] Float with bias");
   {
-    EXPECT_TRUE(torch::equal(testing::HeadOf(*entry_).weight(), w_old));
+    EXPECT_TRUE(EqualOnCpu(testing::HeadOf(*entry_).weight(), w_old));
     EXPECT_EQ(entry_->Describe().accumulated_micro_batches, 1);
     EXPECT_EQ(testing::HeadOf(*entry_).version(), 0);
   }
@@ -270,8 +281,8 @@ TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameSha
   ASSERT_TRUE(Upload("lm", w, b, /*replace=*/true, nullptr, &info).ok());
   EXPECT_EQ(info.weight_version(), 1);
   {
-    EXPECT_TRUE(torch::equal(testing::HeadOf(*entry_).weight(), w));
-    EXPECT_TRUE(torch::equal(testing::HeadOf(*entry_).bias(), b));
+    EXPECT_TRUE(EqualOnCpu(testing::HeadOf(*entry_).weight(), w));
+    EXPECT_TRUE(EqualOnCpu(testing::HeadOf(*entry_).bias(), b));
     EXPECT_EQ(registry().Get("lm")->get(), entry_.get());  // the same head, new weights
   }
   // Steps now compute with the new weights.
@@ -287,7 +298,7 @@ TEST_F(HeadServiceTest, UploadWithReplaceSwapsTheWeightsOfAnIdleHeadOfTheSameSha
 }
 
 // Many trainers on one head: concurrent contributions sum to what serial ones give.
-TEST_F(HeadServiceTest, ConcurrentClientsAccumulateLikeSerialOnes) {
+TEST_P(HeadServiceTest, ConcurrentClientsAccumulateLikeSerialOnes) {
   constexpr int kClients = 4;
   core::GradientBuffers serial = testing::HeadOf(*entry_).NewGradientBuffers();
   for (int i = 0; i < kClients; ++i) {
@@ -306,7 +317,7 @@ TEST_F(HeadServiceTest, ConcurrentClientsAccumulateLikeSerialOnes) {
 
 // A message over the server's limit (gRPC's default 4 MiB here) is refused by gRPC with
 // RESOURCE_EXHAUSTED; nothing is accumulated and the server keeps serving.
-TEST_F(HeadServiceTest, OversizedMessageIsRefusedAndTheServerKeepsServing) {
+TEST_P(HeadServiceTest, OversizedMessageIsRefusedAndTheServerKeepsServing) {
   const torch::Tensor before = HeadWeightGrad();
   const StepOutcome big = Step("run/rank-9", 0, 17, [](v1::StepRequest& m) {
     if (m.has_rows() && m.rows().row_offset() == 0) {
@@ -315,11 +326,11 @@ TEST_F(HeadServiceTest, OversizedMessageIsRefusedAndTheServerKeepsServing) {
   });
   EXPECT_EQ(big.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << big.status.error_message();
-  EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+  EXPECT_TRUE(EqualOnCpu(HeadWeightGrad(), before));
   EXPECT_TRUE(Step("run/rank-9", 0).status.ok());
 }
 
-TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
+TEST_P(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
   const torch::Tensor before = HeadWeightGrad();
   struct Case {
     std::string label;
@@ -387,7 +398,7 @@ TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
     if (!c.message.empty()) {
       EXPECT_EQ(outcome.status.error_message(), c.message);
     }
-    EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+    EXPECT_TRUE(EqualOnCpu(HeadWeightGrad(), before));
   }
   // The server keeps serving, and the failed id was never recorded: it can still be applied.
   const StepOutcome ok = Step("run/rank-1", 0);
@@ -398,7 +409,7 @@ TEST_F(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
 // What the header alone decides — the function, its params, the chunking — is refused at the
 // header, by the plan the engine would use (core::PlanCall), on every step RPC and whatever the
 // number of rows, zero included; and every RPC checks header.valid_tokens against its rows.
-TEST_F(HeadServiceTest, HeaderErrorsDoNotDependOnTheRowsOrTheRpc) {
+TEST_P(HeadServiceTest, HeaderErrorsDoNotDependOnTheRowsOrTheRpc) {
   const core::FunctionRegistry& registry = core::FunctionRegistry::Builtin();
   const std::string bad_param = std::string(
       registry.ResolveParams(**registry.Find("cross_entropy"), {{"label_smoothing", 2.0}})
@@ -453,11 +464,11 @@ TEST_F(HeadServiceTest, HeaderErrorsDoNotDependOnTheRowsOrTheRpc) {
                                "header.valid_tokens: expected the number of targets != "
                                "ignore_index in the rows, "))
       << backward.status.error_message();
-  EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+  EXPECT_TRUE(EqualOnCpu(HeadWeightGrad(), before));
   ExpectAdmissionDrains();
 }
 
-TEST_F(HeadServiceTest, ClientCancellingMidStreamLeavesGradientsUntouched) {
+TEST_P(HeadServiceTest, ClientCancellingMidStreamLeavesGradientsUntouched) {
   const torch::Tensor before = HeadWeightGrad();
   grpc::ClientContext context;
   auto stream = stub_->ForwardBackward(&context);
@@ -475,10 +486,13 @@ TEST_F(HeadServiceTest, ClientCancellingMidStreamLeavesGradientsUntouched) {
   while (stream->Read(&response)) {
   }
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_TRUE(torch::equal(HeadWeightGrad(), before));
+  EXPECT_TRUE(EqualOnCpu(HeadWeightGrad(), before));
   // The cancelled id was not recorded.
   EXPECT_TRUE(entry_->Describe().accumulated_micro_batches == 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, HeadServiceTest, ::testing::ValuesIn(testing::TestDevices()),
+                         [](const auto& info) { return testing::DeviceLabel(info.param); });
 
 }  // namespace
 }  // namespace remotehead
