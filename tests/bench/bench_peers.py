@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from plot_bench import cpu_transient_bytes  # noqa: E402  (the benches' CPU peak accounting)
+from plot_bench import measure_step, sync  # noqa: E402  (the benches' timing and peak rules)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The published shapes: Cut Cross-Entropy's paper benchmark and Liger-Kernel's FLCE benchmark.
@@ -79,11 +79,6 @@ def make_inputs(shape: dict, device: torch.device):
     t = torch.randint(0, shape["v"], (shape["n"],), generator=g)
     t[torch.rand(shape["n"], generator=g) < IGNORED_FRACTION] = -100
     return x.to(device, dtype), w.to(device, dtype), t.to(device)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peer_step(name: str, softcap: float):
@@ -132,32 +127,12 @@ def measure_python_peer(name, shape, device, warmup, repeats) -> dict:
     x.requires_grad_(True)
     w.requires_grad_(True)
 
-    def one():
+    def prepare():
         x.grad = None
         w.grad = None
-        return step(x, w, t)
 
-    times = []
-    for i in range(warmup + repeats):
-        sync(device)
-        start = time.perf_counter()
-        loss = one()
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    x.grad = None
-    w.grad = None
-    if device.type == "cuda":
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss = one()
-        sync(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
-        holder = {}
-        peak = cpu_transient_bytes(lambda: holder.setdefault("loss", one()))
-        loss = holder["loss"]
-    return {"seconds": statistics.median(times), "peak_bytes": peak,
+    seconds, peak, loss = measure_step(lambda: step(x, w, t), prepare, device, warmup, repeats)
+    return {"seconds": seconds, "peak_bytes": peak,
             "peak_with_grads_bytes": peak, "softcap": cap, "loss": loss.item(),
             "grad_hidden": x.grad.detach().cpu()}
 
@@ -194,8 +169,7 @@ def scrape(port: int, metric: str) -> float:
 
 
 def measure_remotehead_server(shape, device, warmup, repeats, build) -> dict:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "client", "python"))
-    import remotehead
+    import remotehead  # client/python, on PYTHONPATH from scripts/bench-gpu
     from remotehead.local_server import LocalServer
 
     x, w, t = make_inputs(shape, device)

@@ -82,6 +82,40 @@ def cpu_transient_bytes(step) -> int:
     return peak
 
 
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step(step, prepare, device, warmup, repeats):
+    """(median seconds, transient bytes, the last step's result) of `step()`, with `prepare()`
+    (e.g. gradients reset to None, so that backward allocates them inside the step) before each
+    run outside the clock: `warmup` untimed runs, max(1, repeats) timed ones, then one more warm
+    run for the peak, measured apart from the timed ones (the CPU profiler slows what it
+    records)."""
+    times = []
+    for i in range(warmup + max(1, repeats)):
+        prepare()
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    prepare()
+    result = {}
+    if device.type == "cuda":
+        sync(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result["last"] = step()
+        sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        peak = cpu_transient_bytes(lambda: result.setdefault("last", step()))
+    return statistics.median(times), peak, result["last"]
+
+
 def measure_lce(n, d, v, *, dtype, device, reduction, bias, ignored_fraction, warmup, repeats,
                 seed=0) -> dict:
     """PyTorch's chunked linear_cross_entropy, one training step (loss, dX, dW): median time and
@@ -105,32 +139,8 @@ def measure_lce(n, d, v, *, dtype, device, reduction, bias, ignored_fraction, wa
                                       ignore_index=-100, options=options)
         loss.backward()
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    times = []
-    for i in range(warmup + max(1, repeats)):
-        prepare()
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    # The peak from one more warm step, measured apart from the timed ones (the CPU profiler
-    # slows what it records).
-    prepare()
-    if device.type == "cuda":
-        sync()
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        sync()
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
-        peak = cpu_transient_bytes(step)
-    return {"seconds": statistics.median(times), "peak_bytes": peak}
+    seconds, peak, _ = measure_step(step, prepare, device, warmup, repeats)
+    return {"seconds": seconds, "peak_bytes": peak}
 
 
 def bench_series(report):
