@@ -69,6 +69,18 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   // for the dW GEMM and the half-precision GEMMs' fp32 scratch for dX.
   plan.chunk_row_bytes = vocab * elem + 2.0 * hidden * elem;
   plan.chunk_row_bytes_forward = vocab * elem;
+  switch (plan.function->output) {
+    case OutputKind::kPerToken:
+      plan.output_row_bytes = plan.logits_elem_bytes;
+      break;
+    case OutputKind::kLogits:
+      plan.output_row_bytes =
+          plan.vocab_size * static_cast<int64_t>(c10::elementSize(options.logits_dtype));
+      break;
+    case OutputKind::kSample:
+      plan.output_row_bytes = int64_t{8} + plan.logits_elem_bytes;  // int64 id + log-prob
+      break;
+  }
   if (half) {
     plan.chunk_row_bytes += vocab * logits_elem + 2.0 * hidden * logits_elem;
     plan.chunk_row_bytes_forward += hidden * logits_elem;
@@ -150,8 +162,24 @@ CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
   if (mode != CallMode::kForward) m.block_bytes += vocab_size * logits_elem_bytes;
   m.token_bytes = kTokenBytesPerChunkRow * chunk + kTokenBytesPerRow * rows;
   m.output_bytes =
-      mode == CallMode::kForward ? rows * logits_elem_bytes : rows * hidden_size * head_elem_bytes;
+      mode == CallMode::kForward ? rows * output_row_bytes : rows * hidden_size * head_elem_bytes;
   return m;
+}
+
+absl::Status CheckCallMode(const CallPlan& plan, CallMode mode, Reduction reduction) {
+  if (plan.function->output == OutputKind::kPerToken) return absl::OkStatus();
+  if (mode != CallMode::kForward) {
+    return absl::InvalidArgumentError(absl::StrCat("function: \"", plan.function->name,
+                                                   "\" is a generation output with no gradient: "
+                                                   "expected a Forward; got ",
+                                                   CallModeName(mode)));
+  }
+  if (reduction != Reduction::kNone) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "function.reduction: \"", plan.function->name,
+        "\" returns rows, not a loss: expected none; got ", std::string(ReductionName(reduction))));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) {
@@ -167,6 +195,10 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
   }
   ASSIGN_OR_RETURN(plan.params, registry.ResolveParams(*plan.function, options.params));
   RETURN_IF_ERROR(CheckChunkOptions(options));
+  if (!torch::isFloatingType(options.logits_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("logits_dtype: expected a floating dtype; got ",
+                                                   c10::toString(options.logits_dtype)));
+  }
   SetRowCosts(head, options, plan);
   RETURN_IF_ERROR(SetChunkSizes(options, plan));
   return plan;

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "remotehead/core/sampling.h"
 #include "remotehead/core/status_macros.h"
 #include "vocab_ops.h"
 
@@ -197,6 +198,11 @@ absl::Status CheckGradHiddenOut(const Head& head, const Plan& plan, const torch:
 // Checks the per-token inputs against the head and the function: targets, weights and aux.
 absl::Status CheckTokenInputs(const Head& head, const TokenBatch& batch, const StepOptions& options,
                               const Plan& plan) {
+  if (batch.targets.defined() && plan.fn().output != OutputKind::kPerToken) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets: function ", plan.fn().name,
+        " takes none (it is computed from hidden alone); got ", ShapeOf(batch.targets)));
+  }
   if (batch.targets.defined()) {
     RETURN_IF_ERROR(CheckTargets(head, batch, plan));
   } else if (plan.fn().needs_targets) {
@@ -233,11 +239,12 @@ absl::Status CheckScalarOptions(const StepOptions& options) {
 }
 
 // Validates every input and fixes the chunk size and the reduction's denominator.
-absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch,
-                              const StepOptions& options) {
+absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const StepOptions& options,
+                              CallMode mode) {
   Plan plan;
   if (options.shard != nullptr) RETURN_IF_ERROR(CheckVocabShard(*options.shard, head.vocab_size()));
   ASSIGN_OR_RETURN(plan.call, PlanCall(head, options));
+  RETURN_IF_ERROR(CheckCallMode(plan.call, mode, options.reduction));
   plan.shard = options.shard;
   plan.vocab_size = options.shard != nullptr ? options.shard->vocab_size() : head.vocab_size();
   if (options.shard != nullptr && options.shard->ranges.size() > 1) {
@@ -595,6 +602,49 @@ StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs) {
   return stats;
 }
 
+// The generation outputs (OutputKind): per chunk z = X_c·Wᵀ (+ b), then per block the fp32
+// upcast with softcap and temperature, copied out as the rows' logits (function "logits") or
+// turned into a drawn token and its log-probability ("sample", sampling.h). No autograd.
+ForwardResult RunGenerationChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
+                                  torch::ScalarType logits_dtype) {
+  torch::NoGradGuard no_grad;
+  const bool logits = plan.fn().output == OutputKind::kLogits;
+  const torch::TensorOptions opts = head.weight().options();
+  ForwardResult result;
+  if (logits) {
+    result.output = torch::empty({plan.rows, head.vocab_size()}, opts.dtype(logits_dtype));
+  } else {
+    result.output = torch::empty({plan.rows}, opts.dtype(LogitsDtype(head)));
+    result.token_ids = torch::empty({plan.rows}, opts.dtype(torch::kLong));
+  }
+  ChunkOutputs counts;
+  if (plan.rows > 0) {
+    const ChunkBuffers buffers = AllocateChunkBuffers(head, plan, /*gradients=*/false);
+    for (int64_t start = 0; start < plan.rows; start += plan.chunk_rows) {
+      const int64_t rows = std::min(plan.chunk_rows, plan.rows - start);
+      if (StopBeforeChunk(plan)) throw StopRequested();
+      ++counts.num_chunks;
+      torch::Tensor z = buffers.logits.narrow(0, 0, rows);
+      ChunkLogits(head, batch.hidden.narrow(0, start, rows), z);
+      for (int64_t b = 0; b < rows; b += plan.block_rows) {
+        const int64_t block = std::min(plan.block_rows, rows - b);
+        const int64_t row = start + b;
+        const torch::Tensor zb =
+            TransformLogits(z.narrow(0, b, block).to(LogitsDtype(head)), plan.params());
+        if (logits) {
+          result.output.narrow(0, row, block).copy_(zb);
+          continue;
+        }
+        const SampledTokens drawn = SampleTokens(zb, plan.params(), plan.first_row + row);
+        result.output.narrow(0, row, block).copy_(drawn.logprobs);
+        result.token_ids.narrow(0, row, block).copy_(drawn.token_ids);
+      }
+    }
+  }
+  result.stats = MakeStats(plan, counts);
+  return result;
+}
+
 absl::StatusOr<torch::Tensor> PrepareGradHidden(const Head& head, const Plan& plan,
                                                 torch::Tensor grad_hidden_out) {
   RETURN_IF_ERROR(CheckGradHiddenOut(head, plan, grad_hidden_out));
@@ -660,7 +710,7 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
         "reduction: fused mode needs a scalar loss (sum, mean or weighted_sum); got none — "
         "use Forward then Backward for per-token outputs");
   }
-  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
+  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options, CallMode::kFused));
   RETURN_IF_ERROR(CheckGradientBuffers(head, grads));
   ASSIGN_OR_RETURN(torch::Tensor grad_hidden, PrepareGradHidden(head, plan, grad_hidden_out));
 
@@ -679,7 +729,10 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
 
 absl::StatusOr<ForwardResult> ForwardImpl(const Head& head, const TokenBatch& batch,
                                           const StepOptions& options) {
-  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
+  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options, CallMode::kForward));
+  if (plan.fn().output != OutputKind::kPerToken) {
+    return RunGenerationChunks(head, batch, plan, options.logits_dtype);
+  }
   const bool per_token = options.reduction == Reduction::kNone;
   const ChunkOutputs outputs = RunChunks(head, batch, plan, {.keep_per_token = per_token});
   ForwardResult result;
@@ -693,7 +746,7 @@ absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& 
                                             const StepOptions& options,
                                             const torch::Tensor& grad_output,
                                             GradientBuffers* grads, torch::Tensor grad_hidden_out) {
-  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options));
+  ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options, CallMode::kBackward));
   RETURN_IF_ERROR(CheckGradientBuffers(head, grads));
   UpstreamFn upstream;
   if (options.reduction == Reduction::kNone) {

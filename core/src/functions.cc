@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "remotehead/core/sampling.h"
 
 namespace remotehead::core {
 namespace {
@@ -146,6 +147,21 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .needs_targets = false,
        .workspace_logit_buffers = 1,
        .forward = SigmoidSum},
+      // Generation outputs (OutputKind): computed by the engine's decode loop, no forward.
+      {.name = "logits",
+       .help = "the rows' logits [rows, V] (softcap and temperature applied), for generation",
+       .needs_targets = false,
+       .workspace_logit_buffers = 0,
+       .vocab_decomposable = false,
+       .output = OutputKind::kLogits},
+      {.name = "sample",
+       .help = "a token drawn from each row's distribution, with its log-probability",
+       .needs_targets = false,
+       .params = SamplingParams(),
+       .workspace_logit_buffers = kSamplingWorkspaceBuffers,
+       .vocab_decomposable = false,
+       .output = OutputKind::kSample,
+       .validate = ValidateSamplingParams},
   };
 }
 

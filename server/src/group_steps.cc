@@ -57,6 +57,7 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
       ASSIGN_OR_RETURN(core::ForwardResult r, core::Forward(head, batch, options));
       if (options.reduction == core::Reduction::kNone) {
         out.outputs = std::move(r.output);
+        out.token_ids = std::move(r.token_ids);
       } else {
         out.loss = r.output.item<double>();
       }

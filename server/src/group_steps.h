@@ -26,6 +26,7 @@ struct EngineOutputs {
   double loss = 0;            // fused, or a forward with a scalar reduction
   torch::Tensor grad_hidden;  // fused / backward (a group: on the front only)
   torch::Tensor outputs;      // forward with reduction NONE
+  torch::Tensor token_ids;    // forward with function "sample"
   core::StepStats stats;
 };
 // One engine call in `mode` (core/engine.h); what every rank runs on a group.

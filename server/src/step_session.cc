@@ -139,16 +139,23 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
     head_dtype_ = head.dtype();
     return core::PlanCall(head, options_);
   }));
+  RETURN_IF_ERROR(core::CheckCallMode(plan_, mode_, options_.reduction));
   const int64_t row_bytes = plan_.hidden_size * plan_.head_elem_bytes;
-  // Every byte count derived from header.rows (EstimateMemory: X in flight twice, the retained
-  // inputs) must stay far from overflowing int64, whatever a client declares.
-  const int64_t max_rows = std::numeric_limits<int64_t>::max() / 8 / (row_bytes + 64);
+  // What a row returns: dX, or a Forward's outputs (a row of logits is V values).
+  const int64_t result_row_bytes =
+      std::max<int64_t>(1, mode_ == core::CallMode::kForward ? plan_.output_row_bytes : row_bytes);
+  // Every byte count derived from header.rows (EstimateMemory: X in flight twice, the results,
+  // the retained inputs) must stay far from overflowing int64, whatever a client declares.
+  const int64_t max_rows =
+      std::numeric_limits<int64_t>::max() / 8 / (std::max(row_bytes, result_row_bytes) + 64);
   if (header.rows() > max_rows) {
     return absl::InvalidArgumentError(
         absl::StrCat("header.rows: expected at most ", max_rows, " (", plan_.hidden_size,
                      " values per row; byte counts of more overflow); got ", header.rows()));
   }
-  batch_rows_ = std::max<int64_t>(1, std::min(plan_.chunk_rows, kMaxBatchBytes / row_bytes));
+  // Batches stay within kMaxBatchBytes of X and of results.
+  batch_rows_ = std::max<int64_t>(1, std::min({plan_.chunk_rows, kMaxBatchBytes / row_bytes,
+                                               kMaxBatchBytes / result_row_bytes}));
   if (!header.inputs_handle().empty()) RETURN_IF_ERROR(CheckRetainedInputs(header));
   RETURN_IF_ERROR(CheckVersionAndIdentity(header));
   header_ = header;
@@ -213,6 +220,25 @@ absl::Status StepSession::CheckModeFields(const v1::StepHeader& header) {
     }
     grad_hidden_dtype_ = dtype;
   }
+  return ReadOutputDtype(header);
+}
+
+// The dtype of a "logits" Forward's rows (float32 unless asked).
+absl::Status StepSession::ReadOutputDtype(const v1::StepHeader& header) {
+  if (header.output_dtype() == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();
+  if (options_.function != "logits") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.output_dtype: expected unset (only function \"logits\" returns rows in a chosen "
+        "dtype); got ",
+        v1::DType_Name(header.output_dtype()), " with function \"", options_.function, "\""));
+  }
+  ASSIGN_OR_RETURN(const torch::ScalarType dtype,
+                   wire::FromWireDtype(header.output_dtype(), "header.output_dtype"));
+  if (!torch::isFloatingType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.output_dtype: expected a floating dtype; got ", c10::toString(dtype)));
+  }
+  options_.logits_dtype = dtype;
   return absl::OkStatus();
 }
 
@@ -277,7 +303,10 @@ MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
   const int64_t x_bytes = rows * plan_.hidden_size * plan_.head_elem_bytes;
   // In flight: rows received but not computed and results not yet sent (X-sized each), plus
   // the whole X (and int64 targets) when a Forward keeps its inputs for the Backward.
-  const int64_t pipeline = std::min(2 * x_bytes, pipeline_bytes);
+  // A Forward's results may outweigh X (rows of logits): X plus the results then.
+  const int64_t result_bytes =
+      mode_ == core::CallMode::kForward ? rows * plan_.output_row_bytes : x_bytes;
+  const int64_t pipeline = std::min(std::max(2 * x_bytes, x_bytes + result_bytes), pipeline_bytes);
   const int64_t kept = RetainedAllowance(*header_);
   MemoryEstimate e;
   e.bytes = engine.total() + scratch + pipeline + kept;
@@ -408,16 +437,19 @@ absl::Status StepSession::FlushPending(int64_t rows, std::vector<v1::StepRespons
 
 absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
                                       std::vector<v1::StepResponse>* responses) {
-  torch::Tensor dx, outputs;
+  EngineOutputs results;
   options_.first_row = next_row_;  // bad rows are named by their index in the request
-  RETURN_IF_ERROR(Compute(batch, grad_output, &dx, &outputs));
+  RETURN_IF_ERROR(Compute(batch, grad_output, &results));
+  torch::Tensor& dx = results.grad_hidden;
   if (dx.defined() && grad_hidden_dtype_ && dx.scalar_type() != *grad_hidden_dtype_) {
     dx = dx.to(*grad_hidden_dtype_);
   }
   RETURN_IF_ERROR(AppendRowChunks(dx, next_row_, response_chunk_bytes_,
                                   &v1::StepResponse::mutable_grad_hidden, responses));
-  RETURN_IF_ERROR(AppendRowChunks(outputs, next_row_, response_chunk_bytes_,
+  RETURN_IF_ERROR(AppendRowChunks(results.outputs, next_row_, response_chunk_bytes_,
                                   &v1::StepResponse::mutable_outputs, responses));
+  RETURN_IF_ERROR(AppendRowChunks(results.token_ids, next_row_, response_chunk_bytes_,
+                                  &v1::StepResponse::mutable_token_ids, responses));
   // Owned copies: the batch may alias request messages that are about to be freed. They are
   // bounded by the budget as they arrive: beyond what the estimate reserved (X and targets),
   // admission is asked for more, and the request fails if the budget has none.
@@ -439,9 +471,9 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
 }
 
 absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
-                                  torch::Tensor* grad_hidden, torch::Tensor* outputs) {
+                                  EngineOutputs* results) {
   auto here = [&](const core::Head& head) {
-    return ComputeHere(head, batch, grad_output, grad_hidden, outputs);
+    return ComputeHere(head, batch, grad_output, results);
   };
   // Under the head's lock, on the version the request began with: its weights must not change
   // under a running computation, nor between two of its batches.
@@ -463,8 +495,7 @@ absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Te
 }
 
 absl::Status StepSession::ComputeHere(const core::Head& head, const core::TokenBatch& batch,
-                                      const torch::Tensor& grad_output, torch::Tensor* grad_hidden,
-                                      torch::Tensor* outputs) {
+                                      const torch::Tensor& grad_output, EngineOutputs* results) {
   // One logits buffer for the whole request (a new one per batch would cost page faults),
   // allocated once the request has been admitted.
   if (!options_.logits_workspace.defined() && batch_rows_ > 1 && header_->rows() > 0) {
@@ -477,9 +508,8 @@ absl::Status StepSession::ComputeHere(const core::Head& head, const core::TokenB
       (mode_ == core::CallMode::kForward && options_.reduction != core::Reduction::kNone)) {
     loss_ += r.loss;
   }
-  *grad_hidden = std::move(r.grad_hidden);
-  *outputs = std::move(r.outputs);
   AddStats(r.stats);
+  *results = std::move(r);
   return absl::OkStatus();
 }
 

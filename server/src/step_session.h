@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "group_steps.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/server/head_group.h"
 #include "remotehead/server/head_registry.h"
@@ -100,6 +101,7 @@ class StepSession {
   absl::Status OnHeader(const v1::StepHeader& header);
   absl::Status ReadFunction(const v1::StepHeader& header);
   absl::Status CheckModeFields(const v1::StepHeader& header);
+  absl::Status ReadOutputDtype(const v1::StepHeader& header);
   absl::Status CheckRetainedInputs(const v1::StepHeader& header);
   absl::Status CheckVersionAndIdentity(const v1::StepHeader& header);
   int64_t RetainedAllowance(const v1::StepHeader& header) const;
@@ -120,13 +122,12 @@ class StepSession {
   // Computes rows [next_row_, next_row_ + rows of batch) and appends their results.
   absl::Status ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
                            std::vector<v1::StepResponse>* responses);
-  // Runs the engine for one batch in this session's mode; fills dX / outputs.
+  // Runs the engine for one batch in this session's mode; fills dX / outputs / token ids.
   absl::Status Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
-                       torch::Tensor* grad_hidden, torch::Tensor* outputs);
+                       EngineOutputs* results);
   // The engine call on this process's head (on a group, its part of the call on every rank).
   absl::Status ComputeHere(const core::Head& head, const core::TokenBatch& batch,
-                           const torch::Tensor& grad_output, torch::Tensor* grad_hidden,
-                           torch::Tensor* outputs);
+                           const torch::Tensor& grad_output, EngineOutputs* results);
   void AddStats(const core::StepStats& stats);
   // Adds the scratch dW to the head (on a group: on every rank, the front last).
   absl::StatusOr<CommitResult> Commit();

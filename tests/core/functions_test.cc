@@ -13,14 +13,15 @@ namespace {
 using core::FunctionRegistry;
 
 TEST(FunctionRegistry, HasEveryBuiltinFunction) {
-  const std::vector<std::string> expected = {"cross_entropy", "entropy",     "grpo",
-                                             "mse_onehot",    "sigmoid_sum", "token_logprobs"};
+  const std::vector<std::string> expected = {"cross_entropy", "entropy",       "grpo",
+                                             "logits",        "mse_onehot",    "sample",
+                                             "sigmoid_sum",   "token_logprobs"};
   EXPECT_EQ(FunctionRegistry::Builtin().Names(), expected);
   auto missing = FunctionRegistry::Builtin().Find("softmax_xyz");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(missing.status().message(),
-            "function: expected one of cross_entropy, entropy, grpo, mse_onehot, sigmoid_sum, "
-            "token_logprobs; got \"softmax_xyz\"");
+            "function: expected one of cross_entropy, entropy, grpo, logits, mse_onehot, sample, "
+            "sigmoid_sum, token_logprobs; got \"softmax_xyz\"");
 }
 
 TEST(FunctionRegistry, ResolveParamsFillsDefaultsAndKeepsGivenValues) {

@@ -78,7 +78,8 @@ def client(server_target):
 def test_full_fine_tuning_matches_a_local_run(client):
     local = tiny_llama()
     remote = copy.deepcopy(local)
-    head = remotehead.hf.offload_lm_head(remote, client, "llama-full")
+    # A local copy kept for local generation (test_hf_no_local_copy.py covers the default).
+    head = remotehead.hf.offload_lm_head(remote, client, "llama-full", keep_local_copy=True)
     local_losses = train(local)
     remote_losses = train(remote, head)
     for step, (a, b) in enumerate(zip(remote_losses, local_losses)):

@@ -47,12 +47,14 @@ def dataset():
     return rows
 
 
-def train(model, tmp_path, max_grad_norm, callbacks=()):
+def train(model, tmp_path, max_grad_norm, callbacks=(), save_steps=None):
+    saving = dict(save_strategy="steps", save_steps=save_steps) if save_steps else dict(
+        save_strategy="no")
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUMULATION, learning_rate=3e-3, weight_decay=0.01,
         lr_scheduler_type="linear", max_grad_norm=max_grad_norm, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+        report_to="none", use_cpu=True, seed=0, disable_tqdm=True, **saving)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(),
                                    callbacks=list(callbacks))
     trainer.train()
@@ -82,7 +84,7 @@ def client(server_target):
 def test_trainer_with_a_server_trained_head_matches_a_local_run(client, tmp_path):
     local = tiny_llama(tied=False)
     remote = copy.deepcopy(local)
-    head = remotehead.hf.offload_lm_head(remote, client, "trainer-server")
+    head = remotehead.hf.offload_lm_head(remote, client, "trainer-server", keep_local_copy=True)
     local_logs = train(local, tmp_path / "local", max_grad_norm=0.0)
     remote_logs = train(remote, tmp_path / "remote", max_grad_norm=0.0,
                         callbacks=[remotehead.hf.RemoteHeadCallback(head)])
@@ -93,6 +95,36 @@ def test_trainer_with_a_server_trained_head_matches_a_local_run(client, tmp_path
     weight, _ = client.export_weights("trainer-server")
     assert torch.equal(weight, remote.lm_head.weight.detach())
     client.drop_head("trainer-server")
+
+
+def test_trainer_with_no_local_copy_matches_a_local_run_and_checkpoints_the_server_head(
+        client, tmp_path):
+    local = tiny_llama(tied=False)
+    remote = copy.deepcopy(local)
+    head = remotehead.hf.offload_lm_head(remote, client, "trainer-no-copy")
+    assert not head.has_local_copy
+    local_logs = train(local, tmp_path / "local", max_grad_norm=0.0)
+    remote_logs = train(remote, tmp_path / "remote", max_grad_norm=0.0,
+                        callbacks=[remotehead.hf.RemoteHeadCallback(head)], save_steps=STEPS // 2)
+    assert len(remote_logs) == len(local_logs) == STEPS
+    for step, (r, l) in enumerate(zip(remote_logs, local_logs)):
+        assert abs(r["loss"] - l["loss"]) <= 1e-4 * abs(l["loss"]), f"step {step}: {r} vs {l}"
+    local_params = dict(local.named_parameters())
+    for name, p in remote.named_parameters():
+        if name != "lm_head.weight":
+            assert close(p.detach(), local_params[name].detach()), name
+    weight, _ = client.export_weights("trainer-no-copy")
+    assert close(weight, local.lm_head.weight.detach())
+    # The last checkpoint holds the server's head as it was then (the end of training),
+    # bit-exact, and the body; the trainer still holds no W.
+    saved = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "remote" / f"checkpoint-{STEPS}")
+    assert torch.equal(saved.lm_head.weight.detach(), weight)
+    for name, p in saved.named_parameters():
+        if name != "lm_head.weight":
+            assert torch.equal(p.detach(), dict(remote.named_parameters())[name].detach()), name
+    assert remote.lm_head.weight.untyped_storage().nbytes() == 4
+    client.drop_head("trainer-no-copy")
 
 
 def test_trainer_with_tied_embeddings_and_local_gradients_matches_a_local_run(client, tmp_path):

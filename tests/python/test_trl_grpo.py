@@ -247,25 +247,33 @@ def test_a_short_grpo_run_trains_the_remote_head(client, model_dirs, tmp_path):
     before = client.describe_head("grpo-run").weight_version
     initial, _ = client.export_weights("grpo-run")
     ref_initial, _ = client.export_weights("grpo-run-ref")
-    # Each generation (one per optimizer step here) samples from the server's current head.
-    generate, heads_at_generation = grpo.model.generate, []
+    # Each generation (one per optimizer step here) samples from the server's current head:
+    # the trainer holds no copy of W, and the logits of every decode step come from the server.
+    generate, released_at_generation = grpo.model.generate, []
+    logits, logits_rows = client.logits, []
+
+    def logits_and_count(head_id, hidden, **kwargs):
+        logits_rows.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+        return logits(head_id, hidden, **kwargs)
 
     def generate_and_check(*args, **kwargs):
-        server_weight, _ = client.export_weights("grpo-run")
-        heads_at_generation.append(torch.equal(grpo.model.lm_head.weight.detach(),
-                                               server_weight))
+        weight = grpo.model.lm_head.weight
+        released_at_generation.append(weight.untyped_storage().nbytes() == weight.element_size())
         return generate(*args, **kwargs)
 
+    client.logits = logits_and_count
     grpo.model.generate = generate_and_check
     grpo.train()
-    assert heads_at_generation == [True] * steps
+    assert released_at_generation == [True] * steps
+    # One row per sequence of a generation batch (its last position), never [B, T] rows.
+    assert logits_rows and max(logits_rows) <= args.generation_batch_size
 
     info = client.describe_head("grpo-run")
     assert info.weight_version == before + steps
     assert info.accumulated_micro_batches == 0
     weight, _ = client.export_weights("grpo-run")
     assert not torch.allclose(weight, initial)
-    assert torch.equal(grpo.model.lm_head.weight.detach(), weight)  # synced for generation
+    assert not grpo.remote_head.has_local_copy
     ref_weight, _ = client.export_weights("grpo-run-ref")
     assert torch.equal(ref_weight, ref_initial)
     assert client.describe_head("grpo-run-ref").accumulated_micro_batches == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import random
 import time
 from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
@@ -21,7 +22,7 @@ from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, U
 import grpc
 import torch
 
-from remotehead import _wire
+from remotehead import _safetensors, _wire
 from remotehead._errors import InvalidArgumentError, RemoteheadError, ServerRestartedError
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
@@ -70,7 +71,8 @@ class StepOptions:
 
     Attributes:
         function: the server's transformation function: "cross_entropy", "token_logprobs",
-            "entropy", "grpo", "mse_onehot" or "sigmoid_sum".
+            "entropy", "grpo", "mse_onehot" or "sigmoid_sum"; or, for generation (forward,
+            reduction "none", no targets), "logits" or "sample" (Client.logits, Client.sample).
         params: the function's scalar options by name, e.g. {"label_smoothing": 0.1},
             {"temperature": 0.7}, GRPO's {"beta": 0.04, "epsilon_low": 0.2}.
         reduction: "none" (per-token outputs: Forward and Backward only), "sum", "mean" (over
@@ -106,6 +108,8 @@ class StepOptions:
         expected_incarnation: the server process (HeadInfo.incarnation) this step belongs to;
             a restarted server refuses it (ServerRestartedError) instead of adding dW to a
             window it no longer has. "": unchecked. RemoteHead sets it.
+        output_dtype: forward with function "logits" only: the dtype of the returned logits
+            rows (None: float32). Client.logits() sets it.
     """
 
     function: str = "cross_entropy"
@@ -124,6 +128,7 @@ class StepOptions:
     retain_inputs_seconds: float = 0.0
     inputs_handle: str = ""
     expected_incarnation: str = ""
+    output_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
         if self.reduction not in _REDUCTIONS:
@@ -186,9 +191,11 @@ class StepResult:
     # dX [N, D] in hidden's dtype (forward_backward, backward); × upstream_scale.
     grad_hidden: Optional[torch.Tensor]
     # forward: per-token outputs [N] for reduction "none" (float32; float64 for float64
-    # hidden), else the 0-d float64 loss.
+    # hidden), else the 0-d float64 loss. Function "logits": [N, V] in output_dtype; "sample":
+    # the drawn tokens' log-probabilities [N].
     outputs: Optional[torch.Tensor]
     summary: StepSummary
+    token_ids: Optional[torch.Tensor] = None  # function "sample": the drawn tokens [N] int64
 
 
 def _info(msg: pb.HeadInfo) -> HeadInfo:
@@ -355,6 +362,8 @@ def _prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
             # A scalar reduction's dL/d(loss) travels as the header's upstream_scale; a
             # grad_output in the rows would be ignored by the server.
             h.upstream_scale = _scalar_upstream(grad_output)
+    if o.output_dtype is not None:
+        h.output_dtype = _wire.wire_dtype(o.output_dtype, "output_dtype")
     if mode == _FORWARD and o.retain_inputs_seconds > 0:
         h.retain_inputs_seconds = o.retain_inputs_seconds
     if by_handle:
@@ -397,13 +406,19 @@ def _scalar_upstream(g) -> float:
 class _RowAssembler:
     """Streamed rows of one result, checked and copied into a preallocated tensor as they
     arrive (in order, no gaps, dst's trailing shape; converted to dst's dtype). Anything else
-    is a broken server response: INTERNAL naming the field, as the C++ client's RowAssembler."""
+    is a broken server response: INTERNAL naming the field, as the C++ client's RowAssembler.
+    `trailing_from_first`: dst is [rows] now and takes the first chunk's trailing shape (rows
+    of logits, whose V the caller need not know)."""
 
-    def __init__(self, dst: torch.Tensor, field: str):
+    def __init__(self, dst: torch.Tensor, field: str, trailing_from_first: bool = False):
         self.dst, self.field, self.next_row = dst, field, 0
+        self.trailing_from_first = trailing_from_first
 
     def add(self, chunk: pb.TensorChunk) -> None:
         values = _wire.decode(chunk.values)
+        if self.trailing_from_first and values.dim() >= 1:
+            self.dst = self.dst.new_empty((self.dst.shape[0], *values.shape[1:]))
+            self.trailing_from_first = False
         rows = values.shape[0] if values.dim() else -1
         if (chunk.row_offset != self.next_row or rows < 0
                 or tuple(values.shape[1:]) != tuple(self.dst.shape[1:])
@@ -719,6 +734,66 @@ class Client:
         o = _resolve(options, overrides, StepOptions(reduction="none"))
         return self._step(_BACKWARD, head_id, hidden, targets, weights, aux, grad_output, o)
 
+    # ----- generation -----
+
+    def logits(self, head_id: str, hidden: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+               params: Optional[Mapping[str, float]] = None, **overrides) -> torch.Tensor:
+        """The logits of the rows of `hidden` [..., D]: [..., V] in `dtype`, streamed from the
+        server a few rows at a time (a Forward of the function "logits"). Ask only for the rows
+        you need (e.g. the last position of each sequence when decoding): the result is V values
+        per row. params: the common "temperature" and "softcap" (default: the raw logits)."""
+        o = _resolve(None, {**overrides, "function": "logits", "reduction": "none",
+                            "params": dict(params or {}), "output_dtype": dtype},
+                     StepOptions())
+        result = self._step(_FORWARD, head_id, hidden, None, None, None, None, o)
+        return result.outputs.to(hidden.device).reshape(*hidden.shape[:-1], -1)
+
+    def sample(self, head_id: str, hidden: torch.Tensor, *, greedy: bool = False,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               softcap: float = 0.0, **overrides) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One token drawn on the server for each row of `hidden` [..., D] (function "sample"):
+        returns (token ids [...] int64, their log-probabilities [...] float32), so a decode step
+        moves B·D up and B ids down instead of [B, V] logits.
+
+        Hugging Face's sampling pipeline: softcap, temperature, top_k (0: off), top_p (1: off),
+        then row r of the request draws torch.multinomial(p, 1) with a CPU generator seeded with
+        seed + r. greedy: the argmax instead. The log-probability is the token's under
+        softmax(logits / temperature) before top-k / top-p (token_logprobs' value for it)."""
+        o = _resolve(None, {**overrides, "function": "sample", "reduction": "none", "params": {
+            "greedy": 1.0 if greedy else 0.0, "temperature": float(temperature),
+            "top_k": float(top_k), "top_p": float(top_p), "seed": float(seed),
+            "softcap": float(softcap)}}, StepOptions())
+        result = self._step(_FORWARD, head_id, hidden, None, None, None, None, o)
+        shape = hidden.shape[:-1]
+        return (result.token_ids.to(hidden.device).reshape(shape),
+                result.outputs.to(hidden.device).reshape(shape))
+
+    def export_weights_to_safetensors(self, head_id: str, path: str, *,
+                                      name: str = "lm_head.weight",
+                                      dtype: Optional[torch.dtype] = None) -> int:
+        """Writes the head's W [V, D] (in `dtype`, default its own) into a new .safetensors file
+        on this machine as `name`, streamed: each row chunk goes from the server's stream to the
+        file, so W is never held here whole. Written to `path`.tmp, then renamed. Returns the
+        bytes written."""
+        info = self.describe_head(head_id)
+        if info.has_bias:
+            raise InvalidArgumentError(f"head {head_id!r}: expected no bias for a causal LM's "
+                                       f"lm_head file; got one")
+        dtype = dtype or info.dtype
+        request = pb.ExportWeightsRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype))
+        shape = (info.vocab_size, info.hidden_size)
+        partial = f"{path}.tmp"
+
+        def attempt() -> int:
+            # Every attempt writes the file from its start: a failed one may have written rows.
+            rows = (r.weight_rows for r in self._stub.ExportWeights(request, timeout=self._timeout)
+                    if r.WhichOneof("part") == "weight_rows")
+            return _safetensors.write_rows(partial, name, dtype, shape, rows)
+
+        written = self._call(attempt)
+        os.replace(partial, path)
+        return written
+
     def _step(self, mode: str, head_id: str, hidden, targets, weights, aux, grad_output,
               o: StepOptions) -> StepResult:
         p = _prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
@@ -733,17 +808,26 @@ class Client:
             if mode != _FORWARD:
                 grad_hidden = _RowAssembler(
                     torch.empty((p.rows, p.hidden_size), dtype=p.result_dtype), "grad_hidden")
+            token_ids = None
             if per_token:
-                # The server computes per-token outputs in float32 (float64 for float64).
+                # The server computes per-token outputs in float32 (float64 for float64), and
+                # rows of logits in output_dtype.
                 out = torch.float64 if p.result_dtype == torch.float64 else torch.float32
-                outputs = _RowAssembler(torch.empty((p.rows,), dtype=out), "outputs")
+                if o.function == "logits":
+                    out = o.output_dtype or torch.float32
+                outputs = _RowAssembler(torch.empty((p.rows,), dtype=out), "outputs",
+                                        trailing_from_first=o.function == "logits")
+                if o.function == "sample":
+                    token_ids = _RowAssembler(torch.empty((p.rows,), dtype=torch.int64),
+                                              "token_ids")
             summary = None
             for response in rpc(p.messages(), timeout=self._timeout):
                 part = response.WhichOneof("part")
                 if part == "summary":
                     summary = response.summary
                     continue
-                target = grad_hidden if part == "grad_hidden" else outputs
+                target = {"grad_hidden": grad_hidden, "outputs": outputs,
+                          "token_ids": token_ids}.get(part)
                 if target is None:
                     raise RemoteheadError(grpc.StatusCode.INTERNAL,
                                           f"{part}: not expected from {mode}")
@@ -751,14 +835,15 @@ class Client:
             if summary is None:
                 raise RemoteheadError(grpc.StatusCode.INTERNAL,
                                       "summary: the stream ended without one")
-            for assembler in (grad_hidden, outputs):
+            for assembler in (grad_hidden, outputs, token_ids):
                 if assembler is not None:
                     assembler.check_complete()
-            return grad_hidden, outputs, summary
+            return grad_hidden, outputs, token_ids, summary
 
-        grad_hidden, outputs, summary = self._call(attempt)
+        grad_hidden, outputs, token_ids, summary = self._call(attempt)
         result_outputs = (outputs.dst if per_token
                           else torch.tensor(summary.loss, dtype=torch.float64)
                           if mode == _FORWARD else None)
         return StepResult(summary.loss, grad_hidden.dst if grad_hidden is not None else None,
-                          result_outputs, _summary(summary))
+                          result_outputs, _summary(summary),
+                          token_ids.dst if token_ids is not None else None)

@@ -1,20 +1,33 @@
-"""Hugging Face integration: a causal LM whose training loss goes through a remote head.
+"""Hugging Face integration: a causal LM whose head lives on a remotehead server.
 
     model = AutoModelForCausalLM.from_config(config)
     head = remotehead.hf.offload_lm_head(model, client, "policy")
     loss = model(input_ids, labels=labels, num_items_in_batch=n).loss   # no [N, V] logits
     loss.backward()                                                     # body grads locally
     optimizer.step(); head.optimizer_step(adamw=dict(lr=..., weight_decay=...))
+    model.generate(input_ids, max_new_tokens=32)        # logits of the last position only
+    model.save_pretrained(path)                         # the head streamed from the server
 
 In training (labels given, gradients on) the model runs its body, and the shifted next-token
 cross-entropy — mean over valid tokens, or sum / num_items_in_batch exactly like
-transformers' ForCausalLMLoss — is computed on the server from the last hidden states. Without
-labels (inference, generation) the model is unchanged and uses its local lm_head, which
-`sync_lm_head()` refreshes from the server after server-side optimizer steps.
+transformers' ForCausalLMLoss — is computed on the server from the last hidden states. With
+labels and no gradients (evaluation) the loss is a server Forward: no logits either.
+
+In server mode (gradients="server", the default) the trainer keeps no copy of W: the lm_head
+parameter stays in the module and in state_dict() with its shape and dtype, but its storage is
+released (one element, broadcast), and the lm_head module asks the server for logits. A forward
+without labels (generate(), evaluation, TRL's rollouts) thus gets [rows, V] logits from the
+server for the positions Hugging Face's logits_to_keep selects — the last one while decoding.
+`generate()` below draws the tokens on the server instead (B·D up, B ids down per step).
+save_pretrained() writes the head's current weights fetched from the server, streamed into the
+checkpoint's files; loading a state dict into the model (Trainer's resume) uploads the head.
+keep_local_copy=True keeps a frozen local copy for local generation, refreshed by
+`sync_lm_head()`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import types
@@ -31,23 +44,103 @@ from remotehead.client import Client, RemoteheadError
 
 
 class OffloadedHead(RemoteHead):
-    """The RemoteHead of an offloaded model, which also keeps its local lm_head in step."""
+    """The RemoteHead of an offloaded model: keeps the model's lm_head in step with the server
+    (a local copy refreshed by sync_lm_head(), or no copy: logits and checkpoints from the
+    server)."""
 
     def __init__(self, model, client: Client, head_id: str, **kwargs):
         super().__init__(client, head_id, **kwargs)
         self._model = model
+        # Whether the model's lm_head holds W (a copy, the trainer's parameter, or tied
+        # embeddings); False once release_local_copy() freed it.
+        self.has_local_copy = True
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self._model.get_output_embeddings()
 
     def sync_lm_head(self) -> None:
-        """Copies the server's weights into the model's local lm_head (for generation)."""
-        lm_head = self._model.get_output_embeddings()
+        """Copies the server's weights into the model's local lm_head (for local generation).
+        Nothing to do without a local copy: the server's head is then the only one."""
+        if not self.has_local_copy:
+            return
         weight, _ = self.client.export_weights(self.head_id)
         with torch.no_grad():
-            lm_head.weight.copy_(weight.to(lm_head.weight.dtype))
+            self.lm_head.weight.copy_(weight.to(self.lm_head.weight.dtype))
 
     def optimizer_step(self, sync: bool = False, **optimizer) -> None:
         super().optimizer_step(**optimizer)
         if sync:
             self.sync_lm_head()
+
+    def release_local_copy(self) -> None:
+        """Frees the storage of the model's lm_head weight (the parameter object stays, with its
+        shape, dtype and device, backed by one element) and routes the lm_head module, the model's
+        checkpoints and state-dict loading to the server."""
+        lm_head = self.lm_head
+        weight = lm_head.weight
+        with torch.no_grad():
+            weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(
+                weight.shape)
+        self.has_local_copy = False
+        lm_head.forward = self._server_logits
+        lm_head._register_load_state_dict_pre_hook(self._load_weight_into_server)
+        _save_head_from_server(self._model, self)
+
+    def logits(self, hidden: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The logits [..., V] of hidden [..., D] from the server, in `dtype` (default: the
+        lm_head's). No gradient flows through them."""
+        return self.client.logits(self.head_id, hidden,
+                                  dtype=dtype or self.lm_head.weight.dtype)
+
+    def _server_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            raise RuntimeError(
+                "lm_head: the head is on the server (offload_lm_head released the local copy) and "
+                "its logits carry no gradient; train through the loss (model(..., labels=...) or "
+                "RemoteHead.loss / token_outputs), or offload with keep_local_copy=True")
+        return self.logits(hidden)
+
+    def _load_weight_into_server(self, state_dict, prefix, *args) -> None:
+        """A state dict loaded into the model (Trainer's resume, load_state_dict) sets the
+        server's head; the released local parameter stays released."""
+        key = prefix + "weight"
+        value = state_dict.get(key)
+        weight = self.lm_head.weight
+        if value is None or _is_released(value, weight):
+            return
+        if tuple(value.shape) != tuple(weight.shape):
+            return  # load_state_dict reports the shape mismatch itself
+        self.client.upload_head(self.head_id, value.detach().float(), replace=True)
+        state_dict[key] = weight.detach()  # the same view: loading copies nothing
+
+
+def _is_released(t: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `t` is the released lm_head weight itself (or a view of its one element)."""
+    return t.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+
+
+def head_params(model, temperature: float = 1.0) -> dict:
+    """The server's common params (temperature, softcap) that reproduce the logit transform of
+    `model`'s architecture (Gemma's final_logit_softcapping) at `temperature`; ValueError for a
+    logit scaling the server's head does not apply."""
+    config = model.config.get_text_config()
+    for name in _LOGIT_SCALE_ATTRIBUTES:
+        value = getattr(config, name, None)
+        if value is not None and value != 1.0:
+            raise ValueError(f"config.{name}: expected none or 1.0 (the server's head applies "
+                             f"temperature and softcap only); got {value}")
+    params = {"temperature": temperature}
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        params["softcap"] = softcap
+    return params
+
+
+# Logit scalings of some architectures (as TRL's add_fused_lm_head reads them): the server's
+# functions have temperature and softcap only.
+_LOGIT_SCALE_ATTRIBUTES = ("logit_scale", "output_multiplier", "lm_head_multiplier",
+                           "logits_scaling")
 
 
 def accumulation_window_ends() -> bool:
@@ -63,7 +156,8 @@ def accumulation_window_ends() -> bool:
 
 def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = True,
                     gradients: str = "server", trainer: Optional[str] = None,
-                    upload: bool = True) -> OffloadedHead:
+                    upload: bool = True, keep_local_copy: Optional[bool] = None
+                    ) -> OffloadedHead:
     """Uploads the model's lm_head to the server as `head_id` and makes the model's training
     loss go through it.
 
@@ -72,12 +166,17 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
         to the state saved with that checkpoint (RemoteHeadCallback).
     trainable=False: a frozen head (e.g. under LoRA): dX only, no dW.
     gradients="server": dW stays on the server, trained by server-side optimizer steps
-        (`head.optimizer_step(...)`, or RemoteHeadCallback under Trainer); the local lm_head is
-        frozen and only refreshed for generation (`sync_lm_head()`).
+        (`head.optimizer_step(...)`, or RemoteHeadCallback under Trainer). The trainer keeps no
+        copy of W (see the module's documentation) unless keep_local_copy=True: then the local
+        lm_head is frozen and only refreshed for generation (`sync_lm_head()`).
     gradients="local": the lm_head parameter stays the trainer's: its dW is pulled into
         lm_head.weight.grad at the end of each accumulation window (before gradient clipping)
         and the local optimizer updates it; the server is sent the new weights before the next
         step. Tied input embeddings need this mode.
+    keep_local_copy: None (default) releases the local W wherever the trainer does not own it:
+        in server mode and for a frozen head; it is kept where it is the trainer's parameter
+        (gradients="local") or the input embedding (tied embeddings: the matrix stays, and
+        keep_local_copy=False then warns that it does). True keeps it in every mode.
     """
     if gradients not in ("server", "local"):
         raise ValueError(f'gradients: expected "server" or "local"; got {gradients!r}')
@@ -98,6 +197,11 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     if trainable and not local:
         # Trained on the server: keeps the local copy out of the local optimizer.
         lm_head.weight.requires_grad_(False)
+    if tied and keep_local_copy is False:
+        warnings.warn("remotehead: lm_head is tied to the input embeddings: the local matrix is "
+                      "the embedding and stays (keep_local_copy=False has no effect)")
+    if not (tied or local or keep_local_copy):
+        head.release_local_copy()
 
     def loss(hidden, shifted, num_items_in_batch):
         pull = accumulation_window_ends()
@@ -112,21 +216,27 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
 
 
 def route_causal_lm_loss(model, loss) -> None:
-    """Makes a causal LM's training forward (labels given, gradients on) run only its body and
+    """Makes a causal LM's forward with labels run only its body and
     return `loss(hidden, shifted_labels, num_items_in_batch)` — no [N, V] logits are built
     here. `shifted_labels` are the labels shifted left and padded with -100, so that hidden
     state n predicts token n + 1, as transformers' ForCausalLMLoss; `loss` reduces over the
     valid tokens: sum / num_items_in_batch when that is given (the Trainer's gradient
-    accumulation), else the mean. Without labels (inference, generation) the model is unchanged.
+    accumulation), else the mean. With labels and no gradients (evaluation) it is called too
+    (no logits either). Without labels (inference, generation) the model is unchanged.
     Used by offload_lm_head, and by anything else that replaces the head's loss (the main job's
     torch.nn.functional.linear_cross_entropy column)."""
     original_forward = model.forward
 
+    # logits_to_keep is named so that generate() sees the model support it (and asks for the
+    # last position's logits only); it goes to the model's own forward, which slices the hidden
+    # states before its lm_head.
     def forward(self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None,
-                **kwargs):
-        if labels is None or not torch.is_grad_enabled():
+                logits_to_keep=0, **kwargs):
+        if labels is None:
+            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+                kwargs["logits_to_keep"] = logits_to_keep
             return original_forward(input_ids=input_ids, attention_mask=attention_mask,
-                                    labels=labels, **kwargs)
+                                    **kwargs)
         outputs = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      **kwargs)
         shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
@@ -135,6 +245,133 @@ def route_causal_lm_loss(model, loss) -> None:
             past_key_values=outputs.past_key_values)
 
     model.forward = types.MethodType(forward, model)
+
+
+# ----- checkpoints without the local copy -----
+
+# The file a checkpoint's lm_head is written to when the head has no local copy.
+HEAD_SHARD = "model-remotehead-lm_head.safetensors"
+
+
+def _parameter_name(model, parameter) -> str:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is parameter:
+            return name
+    raise ValueError("lm_head.weight: expected a parameter of the model; not found")
+
+
+def _save_head_from_server(model, head: OffloadedHead) -> None:
+    """Makes model.save_pretrained (and so Trainer checkpoints) write the head's current
+    weights from the server: the rest of the state dict is saved by transformers, the head is
+    streamed from the server into a shard of its own, and the checkpoint's index lists it, so
+    that from_pretrained loads the model whole."""
+    original = model.save_pretrained
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process=True,
+                        **kwargs):
+        name = _parameter_name(self, head.lm_head.weight)
+        if state_dict is None:
+            state_dict = self.state_dict()
+        state_dict = {k: v for k, v in state_dict.items() if k != name}
+        original(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process,
+                 **kwargs)
+        if is_main_process:
+            write_head_shard(head.client, head.head_id, save_directory, name,
+                             head.lm_head.weight.dtype)
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)
+
+
+def write_head_shard(client: Client, head_id: str, directory: str, name: str,
+                     dtype: torch.dtype) -> None:
+    """Adds the server's head `head_id` to the safetensors checkpoint in `directory` as tensor
+    `name` in `dtype`: streamed into its own shard (HEAD_SHARD), with the index
+    (model.safetensors.index.json) written or extended to list it — a single-file checkpoint
+    becomes a sharded one."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    from remotehead import _safetensors
+
+    index_path = os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
+    single = os.path.join(directory, SAFE_WEIGHTS_NAME)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+    elif os.path.isfile(single):
+        first = "model-00001-of-00001.safetensors"
+        os.replace(single, os.path.join(directory, first))
+        header = _safetensors.read_header(os.path.join(directory, first))
+        index = {"metadata": {"total_size": _safetensors.tensor_bytes(header)},
+                 "weight_map": {k: first for k in header if k != "__metadata__"}}
+    else:
+        raise FileNotFoundError(f"{directory}: expected {SAFE_WEIGHTS_NAME} or "
+                                f"{SAFE_WEIGHTS_INDEX_NAME} (a safetensors checkpoint) to add the "
+                                f"remote head to; got neither")
+    client.export_weights_to_safetensors(head_id, os.path.join(directory, HEAD_SHARD), name=name,
+                                         dtype=dtype)
+    header = _safetensors.read_header(os.path.join(directory, HEAD_SHARD))
+    index.setdefault("metadata", {})
+    index["metadata"]["total_size"] = (index["metadata"].get("total_size", 0)
+                                       + _safetensors.tensor_bytes(header))
+    index["weight_map"][name] = HEAD_SHARD
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+
+
+# ----- generation with the tokens drawn on the server -----
+
+@dataclasses.dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # [B, prompt + new] token ids (pad_token_id after a row's EOS)
+    logprobs: torch.Tensor   # [B, new] each drawn token's log-probability (0 after EOS)
+
+
+@torch.no_grad()
+def generate(model, head: OffloadedHead, input_ids: torch.Tensor, *,
+             attention_mask: Optional[torch.Tensor] = None, max_new_tokens: int = 20,
+             greedy: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int = 0, eos_token_id: Optional[int] = None,
+             pad_token_id: Optional[int] = None) -> GenerateOutput:
+    """Decodes with the model's body here and the next token drawn on the server
+    (Client.sample): per step B·D hidden values go up and B ids with their log-probabilities
+    come back — no [B, V] logits anywhere on the trainer.
+
+    The sampling is Hugging Face's (softcap of the architecture, temperature, top_k, top_p;
+    greedy: argmax); step t's row r draws with a CPU generator seeded with seed + t·B + r, so a
+    run is reproducible from its seed. Left-padded prompts: pass their attention_mask. Rows stop
+    at eos_token_id (default: the model's generation config), then hold pad_token_id."""
+    config = model.generation_config
+    eos = eos_token_id if eos_token_id is not None else config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = pad_token_id if pad_token_id is not None else (
+        config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0))
+    params = head_params(model, temperature)
+    batch = input_ids.shape[0]
+    mask = (attention_mask if attention_mask is not None
+            else torch.ones_like(input_ids)).to(input_ids.device)
+    sequences, logprobs = input_ids, []
+    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    decoder, cache, step_ids = model.get_decoder(), None, input_ids
+    for step in range(max_new_tokens):
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        out = decoder(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                      past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        tokens, logp = head.client.sample(
+            head.head_id, out.last_hidden_state[:, -1, :].float(), greedy=greedy,
+            temperature=params["temperature"], softcap=params.get("softcap", 0.0), top_k=top_k,
+            top_p=top_p, seed=seed + step * batch)
+        tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
+        logprobs.append(torch.where(finished, torch.zeros_like(logp), logp))
+        sequences = torch.cat([sequences, tokens[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if eos:
+            finished |= torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+        if bool(finished.all()):
+            break
+        step_ids = tokens[:, None]
+    return GenerateOutput(sequences, torch.stack(logprobs, dim=1) if logprobs
+                          else torch.empty(batch, 0))
 
 
 class RemoteHeadCallback(TrainerCallback):

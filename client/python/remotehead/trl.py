@@ -25,8 +25,10 @@ GRPOTrainer computes every per-token quantity through one hook, its fused LM hea
 
 The head is trained as `remotehead.hf.offload_lm_head` trains it: `gradients="server"` (server
 AdamW at each optimizer step with the trainer's hyper-parameters and current learning rate; the
-local lm_head, which generates and is saved, is refreshed from the server before the next
-generation or save; `max_grad_norm` clips the local parameters only) or `gradients="local"` (dW
+trainer keeps no copy of W: generation gets the last position's logits from the server and
+checkpoints stream the head from it — with keep_local_copy=True the local lm_head generates and
+is refreshed from the server before the next generation or save; `max_grad_norm` clips the local
+parameters only) or `gradients="local"` (dW
 pulled into the lm_head parameter, which the trainer's optimizer and clipping see; needed for
 tied embeddings); a head that PEFT froze gets dX only. Refused: several processes, vLLM
 generation, an entropy bonus (entropies have no gradient here), an MoE router loss,
@@ -50,30 +52,11 @@ from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 from remotehead.autograd import RemoteHead
 from remotehead.client import Client
 from remotehead.hf import OffloadedHead, RemoteHeadCallback, accumulation_window_ends, \
-    offload_lm_head
+    head_params, offload_lm_head
 
 logger = logging.getLogger(__name__)
 
 _FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-# Logit scalings of some architectures (as TRL's add_fused_lm_head reads them): the server's
-# functions have temperature and softcap only.
-_LOGIT_SCALE_ATTRIBUTES = ("logit_scale", "output_multiplier", "lm_head_multiplier",
-                           "logits_scaling")
-
-
-def _head_params(model, temperature: float) -> dict:
-    """The server's common params that reproduce TRL's logit transform for `model`."""
-    config = model.config.get_text_config()
-    for name in _LOGIT_SCALE_ATTRIBUTES:
-        value = getattr(config, name, None)
-        if value is not None and value != 1.0:
-            raise ValueError(f"config.{name}: expected none or 1.0 (the server's head applies "
-                             f"temperature and softcap only); got {value}")
-    params = {"temperature": temperature}
-    softcap = getattr(config, "final_logit_softcapping", None)
-    if softcap:
-        params["softcap"] = softcap
-    return params
 
 
 class _RemoteFusedLMHead:
@@ -159,7 +142,7 @@ def _install(model, client: Client, head_id: str, temperature: float,
     if not isinstance(lm_head, torch.nn.Linear):
         raise ValueError(f"lm_head: expected a torch.nn.Linear (adapters on the head are not "
                          f"supported); got {type(lm_head).__name__}")
-    params = _head_params(model, temperature)
+    params = head_params(model, temperature)
     trl_forward = model.forward  # TRL's fused-head forward, which also serves generation
     head = offload_lm_head(model, client, head_id, **offload)
     # offload_lm_head's cross-entropy forward is replaced: GRPO needs TRL's per-token hook.
@@ -170,19 +153,21 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose policy LM head is `head_id` on the server behind `client`.
 
     gradients: "server" (default) or "local", as in `remotehead.hf.offload_lm_head`; a head
-    that PEFT froze is frozen on the server too (dX only). `remote_head` is the policy's
+    that PEFT froze is frozen on the server too (dX only). keep_local_copy: as in
+    offload_lm_head (default: no local W in server mode, for the policy and the reference). `remote_head` is the policy's
     OffloadedHead, `remote_ref_head` the reference's (or None), `fused_grpo_loss` whether the
     policy loss is one fused server pass.
     """
 
     def __init__(self, *args, client: Client, head_id: str = "policy",
-                 gradients: str = "server", **kwargs):
+                 gradients: str = "server", keep_local_copy: Optional[bool] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         trainable = policy.get_output_embeddings().weight.requires_grad
         self._policy_route = _install(policy, client, head_id, self.temperature,
-                                      trainable=trainable, gradients=gradients)
+                                      trainable=trainable, gradients=gradients,
+                                      keep_local_copy=keep_local_copy)
         self.remote_head: OffloadedHead = self._policy_route.head
         self._routes = [self._policy_route]
         self.remote_ref_head: Optional[OffloadedHead] = None
@@ -252,9 +237,11 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
                 *args, compute_entropy=compute_entropy, **kwargs)
 
     def _refresh_lm_head(self) -> None:
-        """The local lm_head generates and is saved: after server-side steps, fetch it."""
+        """A local copy of the lm_head generates and is saved: after server-side steps, fetch
+        it (without one, generation and saving ask the server)."""
         head = self.remote_head
-        if head.accumulate and head.local_weight is None and head.step != self._synced_step:
+        if (head.has_local_copy and head.accumulate and head.local_weight is None
+                and head.step != self._synced_step):
             head.sync_lm_head()
             self._synced_step = head.step
 

@@ -18,7 +18,8 @@
 
 namespace remotehead::core {
 
-struct StepOptions;  // engine.h
+struct StepOptions;    // engine.h
+enum class Reduction;  // engine.h
 
 // The engine's three entry points: FusedForwardBackward, Forward, Backward.
 enum class CallMode { kFused, kForward, kBackward };
@@ -36,7 +37,8 @@ struct CallMemory {
   int64_t block_bytes = 0;   // one function block: fp32 logits, their gradient, what the
                              // function and the logit transforms keep for autograd
   int64_t token_bytes = 0;   // O(N) bookkeeping: masks, per-token values, row checks
-  int64_t output_bytes = 0;  // what the call returns: dX [N, D] or per-token outputs [N]
+  int64_t output_bytes = 0;  // what the call returns: dX [N, D], per-token outputs [N] (or the
+                             // generation outputs' rows: [N, V] logits, [N] ids and log-probs)
   int64_t total() const { return logits_bytes + block_bytes + token_bytes + output_bytes; }
   std::string Breakdown() const;  // "logits 4 MiB + block 2 MiB + tokens 0.1 MiB + output 1 MiB"
 };
@@ -61,7 +63,13 @@ struct CallPlan {
   double chunk_row_bytes = 0;     // logits row (+ gradient row and fp32 operands), gradient calls
   double chunk_row_bytes_forward = 0;  // the same without gradients
   double block_row_bytes = 0;          // one function-block row
+  int64_t output_row_bytes = 0;        // what a Forward returns per row: a per-token value, a
+                                       // row of logits (function logits), id + log-prob (sample)
 };
+
+// Whether `mode` and `reduction` can compute the plan's function: a generation output (function
+// "logits" or "sample") only in a Forward with reduction none. INVALID_ARGUMENT naming the field.
+absl::Status CheckCallMode(const CallPlan& plan, CallMode mode, Reduction reduction);
 
 // Resolves the function and its params and fixes the chunk sizes: options.chunk_rows as given,
 // or the largest that fits options.memory_budget_bytes together with one function block.

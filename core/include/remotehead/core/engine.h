@@ -74,6 +74,8 @@ struct StepOptions {
   // Index, in the caller's request, of this call's first row: error messages name a bad row by
   // first_row + its index in the call (a server computing one request batch by batch).
   int64_t first_row = 0;
+  // Function "logits" (a generation output): the dtype of the returned rows (floating).
+  torch::ScalarType logits_dtype = torch::kFloat;
   // Where `function` is looked up; null: FunctionRegistry::Builtin().
   const FunctionRegistry* registry = nullptr;
   // Set when the head is one shard of a head group (vocab_group.h): targets are global token
@@ -109,7 +111,9 @@ struct BackwardResult {
 
 struct ForwardResult {
   // reduction none: per-token outputs [N] fp32 (0 at ignored positions); otherwise a 0-d fp32.
+  // Function "logits": [N, V] in options.logits_dtype; "sample": the drawn tokens' log-probs [N].
   torch::Tensor output;
+  torch::Tensor token_ids;  // function "sample": the drawn tokens [N] int64
   StepStats stats;
 };
 
@@ -120,7 +124,9 @@ absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBa
                                                  const StepOptions& options, GradientBuffers* grads,
                                                  torch::Tensor grad_hidden_out = {});
 
-// Two-phase mode, phase 1: outputs only, no gradients, no state touched.
+// Two-phase mode, phase 1: outputs only, no gradients, no state touched. Also generation: with
+// the function "logits" or "sample" (OutputKind, reduction none) the rows' logits or a drawn
+// token, a chunk of logits at a time.
 absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
                                       const StepOptions& options);
 

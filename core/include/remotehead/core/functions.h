@@ -21,6 +21,11 @@
 //  6. A function that cannot follow rule 1 (it needs a top-k, an argmax, a sort over the whole
 //     vocabulary) sets vocab_decomposable = false: it runs on one server and a head group
 //     refuses it with INVALID_ARGUMENT naming it.
+//
+// Two built-in entries are not transformation functions but generation outputs (OutputKind
+// below): "logits" returns the rows' logits and "sample" draws a token from each row. They have
+// no forward, no loss and no gradient: only a Forward with reduction none computes them, in the
+// engine's own chunk loop (engine.cc), never holding more than one chunk's logits.
 #pragma once
 
 #include <torch/torch.h>
@@ -93,6 +98,15 @@ struct ParamSpec {
   std::string help;
 };
 
+// What a Forward with reduction none returns per row.
+enum class OutputKind {
+  kPerToken,  // one value per token (every transformation function)
+  kLogits,    // "logits": the row's logits [V] (softcap and temperature applied), in
+              // StepOptions::logits_dtype
+  kSample,    // "sample": a token id drawn from the row's distribution (greedy, temperature,
+              // top-k, top-p; seeded) and its log-probability (decode.h)
+};
+
 struct TransformFunction {
   std::string name;
   std::string help;
@@ -107,6 +121,8 @@ struct TransformFunction {
   // False for a function that reduces over the vocabulary other than through VocabOps (rule 5
   // above): a head group refuses it.
   bool vocab_decomposable = true;
+  // Not kPerToken: a generation output (no forward; Forward with reduction none only).
+  OutputKind output = OutputKind::kPerToken;
   std::function<FunctionOutput(const ChunkInputs&)> forward;
   // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs).
   std::function<absl::Status(const FunctionParams&, const AuxTensors&)> validate;
@@ -120,7 +136,7 @@ inline constexpr char kSoftcapParam[] = "softcap";
 class FunctionRegistry {
  public:
   // The built-in functions: cross_entropy, token_logprobs, entropy, grpo, mse_onehot,
-  // sigmoid_sum.
+  // sigmoid_sum; and the generation outputs logits and sample.
   static const FunctionRegistry& Builtin();
   // A registry of the given functions (tests and embedders; StepOptions::registry).
   explicit FunctionRegistry(std::vector<TransformFunction> functions);

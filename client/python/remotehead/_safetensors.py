@@ -1,0 +1,73 @@
+"""The .safetensors file format, as much of it as writing a head's weights needs: one tensor
+written row chunk by row chunk as a server streams it (never held whole), and a file's header
+read without its data.
+
+Format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length, a
+JSON header {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}
+padded with spaces to a multiple of 8, then the tensors' little-endian bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Iterable, Tuple
+
+import grpc
+import torch
+
+from remotehead import _wire
+from remotehead._errors import RemoteheadError
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+
+
+def write_rows(path: str, name: str, dtype: torch.dtype, shape: Tuple[int, int],
+               chunks: Iterable) -> int:
+    """Writes the tensor `name` [rows, columns] of `dtype` to a new file `path` from its row
+    chunks (remotehead.v1.TensorChunk messages, in order), copying each chunk's bytes straight
+    to the file. A chunk out of order, of another dtype or shape, or rows missing at the end is
+    a broken server stream: INTERNAL naming the field. Returns the file's size."""
+    rows, columns = shape
+    row_bytes = columns * torch.empty((), dtype=dtype).element_size()
+    header = json.dumps({"__metadata__": {"format": "pt"}, name: {
+        "dtype": _DTYPES[dtype], "shape": [rows, columns],
+        "data_offsets": [0, rows * row_bytes]}}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    wire = _wire.wire_dtype(dtype)
+    next_row = 0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for chunk in chunks:
+            values = chunk.values
+            count = values.shape[0] if values.shape else -1
+            if (chunk.row_offset != next_row or values.dtype != wire or count < 0
+                    or list(values.shape[1:]) != [columns] or next_row + count > rows
+                    or len(values.data) != count * row_bytes):
+                raise RemoteheadError(
+                    grpc.StatusCode.INTERNAL,
+                    f"weight_rows: expected rows from {next_row} shaped [rows, {columns}] of "
+                    f"{dtype} within {rows} rows; the server sent {list(values.shape)} at row "
+                    f"{chunk.row_offset}")
+            f.write(values.data)
+            next_row += count
+        if next_row != rows:
+            raise RemoteheadError(grpc.StatusCode.INTERNAL,
+                                  f"weight_rows: expected {rows} rows; the server sent {next_row}")
+        return f.tell()
+
+
+def read_header(path: str) -> dict:
+    """The JSON header of a .safetensors file (its tensors' names, dtypes, shapes, offsets),
+    without reading their data."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def tensor_bytes(header: dict) -> int:
+    """The data bytes of every tensor a header describes."""
+    return sum(end - begin for key, entry in header.items() if key != "__metadata__"
+               for begin, end in [entry["data_offsets"]])
