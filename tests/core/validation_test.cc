@@ -74,8 +74,8 @@ TEST_F(Validation, BadInputsAreRejectedWithPreciseMessagesAndNoStateChange) {
   using O = core::StepOptions;
   const std::vector<BadCase> cases = {
       {"unknown function", [](B&, O& o) { o.function = "softmax"; },
-       "function: expected one of cross_entropy, entropy, grpo, mse_onehot, sigmoid_sum, "
-       "token_logprobs; got \"softmax\""},
+       "function: expected one of cross_entropy, entropy, grpo, logits, mse_onehot, sample, "
+       "sigmoid_sum, token_logprobs; got \"softmax\""},
       {"unknown param", [](B&, O& o) { o.params["epsilon"] = 0.1; },
        "params[\"epsilon\"]: function cross_entropy expects only label_smoothing, z_loss, "
        "temperature, softcap"},

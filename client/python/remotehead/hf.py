@@ -77,6 +77,8 @@ class OffloadedHead(RemoteHead):
         """Frees the storage of the model's lm_head weight (the parameter object stays, with its
         shape, dtype and device, backed by one element) and routes the lm_head module, the model's
         checkpoints and state-dict loading to the server."""
+        if not self.has_local_copy:
+            return
         lm_head = self.lm_head
         weight = lm_head.weight
         with torch.no_grad():
@@ -267,13 +269,12 @@ def _save_head_from_server(model, head: OffloadedHead) -> None:
     that from_pretrained loads the model whole."""
     original = model.save_pretrained
 
-    def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process=True,
-                        **kwargs):
+    def save_pretrained(self, save_directory, is_main_process=True, state_dict=None, **kwargs):
         name = _parameter_name(self, head.lm_head.weight)
         if state_dict is None:
             state_dict = self.state_dict()
         state_dict = {k: v for k, v in state_dict.items() if k != name}
-        original(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process,
+        original(save_directory, is_main_process=is_main_process, state_dict=state_dict,
                  **kwargs)
         if is_main_process:
             write_head_shard(head.client, head.head_id, save_directory, name,
