@@ -226,7 +226,9 @@ absl::Status StepSession::CheckModeFields(const v1::StepHeader& header) {
 // The dtype of a "logits" Forward's rows (float32 unless asked).
 absl::Status StepSession::ReadOutputDtype(const v1::StepHeader& header) {
   if (header.output_dtype() == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();
-  if (options_.function != "logits") {
+  ASSIGN_OR_RETURN(const core::TransformFunction* fn,
+                   core::FunctionRegistry::Builtin().Find(options_.function));
+  if (fn->output != core::OutputKind::kLogits) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.output_dtype: expected unset (only function \"logits\" returns rows in a chosen "
         "dtype); got ",

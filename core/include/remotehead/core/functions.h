@@ -104,7 +104,7 @@ enum class OutputKind {
   kLogits,    // "logits": the row's logits [V] (softcap and temperature applied), in
               // StepOptions::logits_dtype
   kSample,    // "sample": a token id drawn from the row's distribution (greedy, temperature,
-              // top-k, top-p; seeded) and its log-probability (decode.h)
+              // top-k, top-p; seeded) and its log-probability (sampling.h)
 };
 
 struct TransformFunction {
