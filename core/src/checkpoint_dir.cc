@@ -1,5 +1,6 @@
 #include "remotehead/core/checkpoint_dir.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -189,6 +190,44 @@ absl::Status OpenParent(int root, std::string_view relative, const Naming& namin
   return absl::OkStatus();
 }
 
+// A descriptor of the directory `relative` ("" : `root` itself), walked from `root` one
+// component at a time without following links.
+absl::StatusOr<int> OpenDirectory(int root, std::string_view relative, const Naming& naming) {
+  FdCloser current(::dup(root));
+  if (current.get() < 0) {
+    return absl::InternalError(absl::StrCat(
+        naming.where, ": cannot open the checkpoint directory (", std::strerror(errno), ")"));
+  }
+  std::string prefix;
+  for (const std::string& part : Components(relative)) {
+    prefix = prefix.empty() ? part : absl::StrCat(prefix, "/", part);
+    const int next =
+        ::openat(current.get(), part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (next < 0) return OpenError(errno, current.get(), part, naming, prefix, false);
+    current.reset(next);
+  }
+  return current.release();
+}
+
+// The temporary file a write of `name` creates beside it (what a crash may leave behind), and
+// whether a name is one.
+std::string TemporaryName(const std::string& name, uint64_t serial) {
+  return absl::StrCat(".", name.substr(0, 128), ".tmp-", ::getpid(), "-", serial);
+}
+bool IsTemporaryName(std::string_view name) {
+  const size_t tmp = name.rfind(".tmp-");
+  if (name.empty() || name.front() != '.' || tmp == std::string_view::npos || tmp == 0) {
+    return false;
+  }
+  const std::string_view tail = name.substr(tmp + 5);  // "<pid>-<serial>"
+  const size_t dash = tail.find('-');
+  auto digits = [](std::string_view d) {
+    return !d.empty() && d.find_first_not_of("0123456789") == std::string_view::npos;
+  };
+  return dash != std::string_view::npos && digits(tail.substr(0, dash)) &&
+         digits(tail.substr(dash + 1));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -349,7 +388,7 @@ absl::StatusOr<int64_t> CheckpointDir::WriteAtomically(
   std::string temp;
   int fd = -1;
   for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
-    temp = absl::StrCat(".", name.substr(0, 128), ".tmp-", ::getpid(), "-", counter++);
+    temp = TemporaryName(name, counter++);
     fd = ::openat(parent.get(), temp.c_str(),
                   O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0644);
     if (fd < 0 && errno != EEXIST) break;
@@ -394,6 +433,101 @@ absl::StatusOr<int64_t> CheckpointDir::WriteAtomically(
         naming.where, ": written, but syncing its directory failed (", std::strerror(errno), ")"));
   }
   return bytes;
+}
+
+absl::Status CheckpointDir::MakeDirectory(std::string_view relative, std::string_view field) const {
+  RETURN_IF_ERROR(CheckRelative(relative, field));
+  const Naming naming = NameOf(relative, field, {});
+  int parent_fd = -1;
+  std::string name;
+  RETURN_IF_ERROR(OpenParent(fd_, relative, naming, &parent_fd, &name));
+  FdCloser parent(parent_fd);
+  if (::mkdirat(parent.get(), name.c_str(), 0755) == 0 || errno == EEXIST) {
+    struct stat st;
+    if (::fstatat(parent.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      return OpenError(errno, parent.get(), name, naming, relative, /*last=*/false);
+    }
+    if (S_ISLNK(st.st_mode)) return SymlinkRefused(naming, relative, /*last=*/false);
+    if (!S_ISDIR(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(naming.where, ": expected a directory; got ", KindOf(st.st_mode)));
+    }
+    return absl::OkStatus();
+  }
+  return OpenError(errno, parent.get(), name, naming, relative, /*last=*/false);
+}
+
+absl::StatusOr<std::vector<DirEntry>> CheckpointDir::List(std::string_view relative,
+                                                          std::string_view field) const {
+  if (!relative.empty()) RETURN_IF_ERROR(CheckRelative(relative, field));
+  const Naming naming = NameOf(relative, field, {});
+  ASSIGN_OR_RETURN(const int dir_fd, OpenDirectory(fd_, relative, naming));
+  DIR* dir = ::fdopendir(dir_fd);
+  if (dir == nullptr) {
+    ::close(dir_fd);
+    return absl::InternalError(
+        absl::StrCat(naming.where, ": cannot list it (", std::strerror(errno), ")"));
+  }
+  std::vector<DirEntry> entries;
+  while (const dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    struct stat st;
+    DirEntry entry{.name = name};
+    if (::fstatat(::dirfd(dir), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      entry.kind = S_ISREG(st.st_mode)   ? DirEntry::Kind::kRegular
+                   : S_ISDIR(st.st_mode) ? DirEntry::Kind::kDirectory
+                   : S_ISLNK(st.st_mode) ? DirEntry::Kind::kLink
+                                         : DirEntry::Kind::kOther;
+    }
+    entries.push_back(std::move(entry));
+  }
+  ::closedir(dir);  // closes dir_fd too
+  return entries;
+}
+
+absl::Status CheckpointDir::Remove(std::string_view relative, std::string_view field) const {
+  RETURN_IF_ERROR(CheckRelative(relative, field));
+  const Naming naming = NameOf(relative, field, {});
+  int parent_fd = -1;
+  std::string name;
+  RETURN_IF_ERROR(OpenParent(fd_, relative, naming, &parent_fd, &name));
+  FdCloser parent(parent_fd);
+  if (::unlinkat(parent.get(), name.c_str(), 0) != 0) {
+    return OpenError(errno, parent.get(), name, naming, relative, /*last=*/true);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointDir::RemoveDirectory(std::string_view relative,
+                                            std::string_view field) const {
+  ASSIGN_OR_RETURN(const std::vector<DirEntry> entries, List(relative, field));
+  for (const DirEntry& e : entries) {
+    if (e.kind == DirEntry::Kind::kDirectory) continue;
+    RETURN_IF_ERROR(Remove(absl::StrCat(std::string(relative), "/", e.name), field));
+  }
+  const Naming naming = NameOf(relative, field, {});
+  int parent_fd = -1;
+  std::string name;
+  RETURN_IF_ERROR(OpenParent(fd_, relative, naming, &parent_fd, &name));
+  FdCloser parent(parent_fd);
+  if (::unlinkat(parent.get(), name.c_str(), AT_REMOVEDIR) != 0) {
+    return OpenError(errno, parent.get(), name, naming, relative, /*last=*/false);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> CheckpointDir::RemoveTemporaryFiles(std::string_view relative,
+                                                        std::string_view field) const {
+  ASSIGN_OR_RETURN(const std::vector<DirEntry> entries, List(relative, field));
+  int removed = 0;
+  for (const DirEntry& e : entries) {
+    if (e.kind != DirEntry::Kind::kRegular || !IsTemporaryName(e.name)) continue;
+    const std::string path =
+        relative.empty() ? e.name : absl::StrCat(std::string(relative), "/", e.name);
+    if (Remove(path, field).ok()) ++removed;
+  }
+  return removed;
 }
 
 }  // namespace remotehead::core

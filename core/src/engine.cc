@@ -605,8 +605,28 @@ StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs) {
 // The generation outputs (OutputKind): per chunk z = X_c·Wᵀ (+ b), then per block the fp32
 // upcast with softcap and temperature, copied out as the rows' logits (function "logits") or
 // turned into a drawn token and its log-probability ("sample", sampling.h). No autograd.
-ForwardResult RunGenerationChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
-                                  torch::ScalarType logits_dtype) {
+// A drawn token needs finite logits: softmax of an inf or a nan has no probabilities. The cause
+// is named: the head's weights (X is checked finite) or the temperature dividing them.
+absl::Status CheckSampledLogitsFinite(const torch::Tensor& z, const torch::Tensor& transformed,
+                                      const Plan& plan, int64_t first_row) {
+  const int64_t bad = FirstNonFiniteRow(transformed);
+  if (bad < 0) return absl::OkStatus();
+  const int64_t row = plan.first_row + first_row + bad;
+  if (FirstNonFiniteRow(z.narrow(0, bad, 1)) >= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sample: expected finite logits to draw from; got inf or nan in row ", row,
+        ": hidden[", row, "] times the head's weights overflows ", DtypeName(z.scalar_type()),
+        " (the head's weights are too large or not finite); no token is drawn"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "sample: expected finite logits to draw from; got inf or nan in row ", row,
+      " once divided by params[\"", kTemperatureParam, "\"] = ", plan.params().at(kTemperatureParam),
+      ", which overflows float32; no token is drawn"));
+}
+
+absl::StatusOr<ForwardResult> RunGenerationChunks(const Head& head, const TokenBatch& batch,
+                                                  const Plan& plan,
+                                                  torch::ScalarType logits_dtype) {
   torch::NoGradGuard no_grad;
   const bool logits = plan.fn().output == OutputKind::kLogits;
   const torch::TensorOptions opts = head.weight().options();
@@ -635,6 +655,7 @@ ForwardResult RunGenerationChunks(const Head& head, const TokenBatch& batch, con
           result.output.narrow(0, row, block).copy_(zb);
           continue;
         }
+        RETURN_IF_ERROR(CheckSampledLogitsFinite(z.narrow(0, b, block), zb, plan, row));
         const SampledTokens drawn = SampleTokens(zb, plan.params(), plan.first_row + row);
         result.output.narrow(0, row, block).copy_(drawn.logprobs);
         result.token_ids.narrow(0, row, block).copy_(drawn.token_ids);

@@ -10,8 +10,14 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -153,6 +159,12 @@ class C10dGroup final : public ProcessGroup {
     return StoreCall("delete", key, [&] { store_->deleteKey(key); });
   }
 
+  absl::StatusOr<bool> Exists(const std::string& key) override {
+    bool exists = false;
+    RETURN_IF_ERROR(StoreCall("check", key, [&] { exists = store_->check({key}); }));
+    return exists;
+  }
+
   std::map<std::string, CollectiveBytes> Bytes() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return bytes_;
@@ -195,8 +207,47 @@ class C10dGroup final : public ProcessGroup {
   std::map<std::string, CollectiveBytes> bytes_;
 };
 
-bool IsLoopback(const std::string& host) {
-  return host == "localhost" || absl::StartsWith(host, "127.") || host == "::1";
+// A listening socket on `host`:`port` only (c10d's own store server listens on every address):
+// handed to the TCPStore, which takes it over. UNAVAILABLE naming `flag` if it cannot be bound.
+absl::StatusOr<int> ListenOn(const std::string& host, int port, const std::string& flag) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = absl::StrCat(port);
+  if (const int err = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); err != 0) {
+    return absl::UnavailableError(absl::StrCat(flag, ": cannot resolve \"", host,
+                                               "\" to listen on (", ::gai_strerror(err), ")"));
+  }
+  std::string last_error = "no address";
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int on = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+      last_error = std::strerror(errno);
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat(flag, ": cannot listen on ", host, ":", port, " (",
+                                               last_error, ")"));
+  }
+  return fd;
+}
+
+absl::StatusOr<int> ParseRank(const std::string& text, const std::string& field, int size) {
+  ASSIGN_OR_RETURN(const int rank, ParseInt(text, field));
+  if (rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected a rank in [0, ", size, "); got ", rank));
+  }
+  return rank;
 }
 
 // Gloo's transport device: the loopback interface for a group on one machine, else
@@ -206,7 +257,7 @@ std::shared_ptr<::gloo::transport::Device> GlooDevice(const GroupConfig& config)
   if (ifname != nullptr && *ifname != '\0') {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
   }
-  if (IsLoopback(config.store_host)) {
+  if (IsLoopbackHost(config.store_host)) {
     return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   }
   return c10d::ProcessGroupGloo::createDefaultDevice();
@@ -230,30 +281,56 @@ c10::intrusive_ptr<c10d::Backend> MakeBackend(const GroupConfig& config,
 
 }  // namespace
 
+bool IsLoopbackHost(const std::string& host) {
+  return host == "localhost" || absl::StartsWith(host, "127.") || host == "::1";
+}
+
+absl::Status CheckGroupPlane(const GroupConfig& config) {
+  if (config.size <= 1 || !config.secret.empty() || config.trusted_network) {
+    return absl::OkStatus();
+  }
+  const std::string& bind = config.store_bind.empty() ? config.store_host : config.store_bind;
+  if (IsLoopbackHost(config.store_host) && IsLoopbackHost(bind)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--group_secret_file: expected the group's secret for a store beyond loopback (", bind,
+      ":", config.store_port, "): anyone who reaches the store could run commands on the group; "
+      "got none (--group_trusted_network accepts a network where only the group's ranks can reach "
+      "the store)"));
+}
+
 absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
                                                const std::map<std::string, std::string>& env) {
   GroupConfig config;
   config.size = flags.size;
-  if (config.size == 0) {
-    const std::string world = Lookup(env, "WORLD_SIZE");
-    config.size = 1;
-    if (!world.empty()) {
-      ASSIGN_OR_RETURN(config.size, ParseInt(world, "WORLD_SIZE"));
+  const std::string world = Lookup(env, "WORLD_SIZE");
+  if (config.size == 0 && !world.empty()) {
+    ASSIGN_OR_RETURN(config.size, ParseInt(world, "WORLD_SIZE"));
+    if (config.size < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("WORLD_SIZE: expected at least 1 process; got ", config.size));
     }
+  } else if (config.size == 0) {
+    config.size = 1;
   }
   if (config.size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--group_size: expected at least 1 process; got ", config.size));
   }
-  config.rank = flags.rank;
-  if (config.rank < 0) {
-    const std::string rank = Lookup(env, "RANK");
+  // -1 alone means "from the environment": any other negative rank is a mistake, not a default.
+  const std::string rank = Lookup(env, "RANK");
+  if (flags.rank == -1) {
     config.rank = 0;
     if (!rank.empty()) {
-      ASSIGN_OR_RETURN(config.rank, ParseInt(rank, "RANK"));
+      ASSIGN_OR_RETURN(config.rank, ParseRank(rank, "RANK", config.size));
     }
+  } else if (flags.rank < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--group_rank: expected a rank in [0, ", config.size,
+                     ") or -1 (RANK from the environment); got ", flags.rank));
+  } else {
+    config.rank = flags.rank;
   }
-  if (config.rank < 0 || config.rank >= config.size) {
+  if (config.rank >= config.size) {
     return absl::InvalidArgumentError(
         absl::StrCat("--group_rank: expected a rank in [0, ", config.size, "); got ", config.rank));
   }
@@ -272,7 +349,13 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
         store, "\""));
   }
   config.store_host = store.substr(0, colon);
+  // "[::1]:29500": the host without its brackets.
+  if (config.store_host.size() > 2 && config.store_host.front() == '[' &&
+      config.store_host.back() == ']') {
+    config.store_host = config.store_host.substr(1, config.store_host.size() - 2);
+  }
   config.store_port = port;
+  config.store_bind = flags.store_bind;
   if (!(flags.timeout_seconds > 0) || flags.timeout_seconds > 86400) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--group_timeout_seconds: expected a value in (0, 86400]; got ", flags.timeout_seconds));
@@ -286,6 +369,12 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(config.store_port);
     store_options.isServer = config.rank == 0;
+    if (store_options.isServer) {
+      ASSIGN_OR_RETURN(store_options.masterListenFd,
+                       ListenOn(config.store_bind.empty() ? config.store_host : config.store_bind,
+                                config.store_port,
+                                config.store_bind.empty() ? "--group_store" : "--group_store_bind"));
+    }
     store_options.numWorkers = config.size;
     store_options.waitWorkers = false;
     store_options.timeout = config.timeout;

@@ -1,7 +1,20 @@
 #include "remotehead/server/group_log.h"
 
-#include <algorithm>
+#include <fcntl.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+#include <openssl/sha.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
@@ -9,8 +22,76 @@
 namespace remotehead::server {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kSealBytes = 32;   // HMAC-SHA256
+constexpr size_t kNonceBytes = 16;  // per rank and run
+constexpr std::chrono::milliseconds kRefusedPoll{20};
+
+// What an entry is, bound into its seal: an entry of one kind never verifies as another.
+enum class Kind : char { kHello = 'H', kCommand = 'C', kReply = 'R', kDown = 'D' };
+
 std::string CommandKey(int64_t seq) { return absl::StrCat("cmd/", seq); }
 std::string ReplyKey(int64_t seq, int rank) { return absl::StrCat("reply/", seq, "/", rank); }
+std::string HelloKey(int rank) { return absl::StrCat("hello/", rank); }
+constexpr char kDownKey[] = "down";
+
+std::string Fixed64(int64_t value) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff);
+  return out;
+}
+
+int64_t ReadFixed64(std::string_view bytes) {
+  uint64_t value = 0;
+  for (int i = 7; i >= 0; --i) value = (value << 8) | static_cast<unsigned char>(bytes[i]);
+  return static_cast<int64_t>(value);
+}
+
+std::string Hmac(const std::string& key, const std::string& data) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  // An empty key is a valid HMAC key; OpenSSL wants a non-null pointer for it.
+  static const char kEmpty = 0;
+  HMAC(EVP_sha256(), key.empty() ? &kEmpty : key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(data.data()), data.size(), out, &length);
+  return std::string(reinterpret_cast<const char*>(out), length);
+}
+
+std::string Sha256(const std::string& data) {
+  unsigned char out[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), out);
+  return std::string(reinterpret_cast<const char*>(out), sizeof(out));
+}
+
+// `body` followed by its seal: the HMAC of its kind, the session and the body.
+std::string Seal(const std::string& secret, Kind kind, const std::string& session,
+                 const std::string& body) {
+  return body + Hmac(secret, std::string(1, static_cast<char>(kind)) + session + body);
+}
+
+std::string_view SealOf(std::string_view value) {
+  return value.size() < kSealBytes ? std::string_view() : value.substr(value.size() - kSealBytes);
+}
+
+// The body of a sealed `value` of `kind`; PERMISSION_DENIED (refuse it) if the seal does not
+// verify.
+absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const std::string& session,
+                                   const std::string& value) {
+  if (value.size() < kSealBytes) {
+    return absl::PermissionDeniedError(absl::StrCat("an entry of ", value.size(),
+                                                    " bytes, shorter than a seal (garbage)"));
+  }
+  std::string body = value.substr(0, value.size() - kSealBytes);
+  const std::string expected =
+      Hmac(secret, std::string(1, static_cast<char>(kind)) + session + body);
+  if (CRYPTO_memcmp(expected.data(), value.data() + body.size(), kSealBytes) != 0) {
+    return absl::PermissionDeniedError(
+        "its seal does not verify under the group's secret and session (forged, garbage, or "
+        "recorded from another run of the group)");
+  }
+  return body;
+}
 
 }  // namespace
 
@@ -40,29 +121,141 @@ absl::StatusOr<GroupReply> DecodeReply(const std::string& bytes) {
   return reply;
 }
 
+GroupLog::GroupLog(ProcessGroup* group, std::string secret, std::ostream* log)
+    : group_(group), secret_(std::move(secret)), log_(log) {}
+
+void GroupLog::LogRefused(const std::string& key, const absl::Status& verdict) {
+  if (log_ == nullptr) return;
+  *log_ << "remotehead-server: head group rank " << group_->rank() << ": refused the entry at \""
+        << key << "\", not executed: " << verdict.message() << std::endl;
+}
+
+absl::StatusOr<std::string> GroupLog::ReadValid(
+    const std::string& key, Clock::time_point deadline,
+    const std::function<absl::Status(const std::string&)>& accept, std::string* refused) {
+  for (;;) {
+    const auto left = std::max(std::chrono::milliseconds(1),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   deadline - Clock::now()));
+    ASSIGN_OR_RETURN(std::string value, group_->Get(key, left));
+    if (value != *refused) {
+      const absl::Status verdict = accept(value);
+      if (verdict.ok()) {
+        refused->clear();
+        return value;
+      }
+      if (verdict.code() != absl::StatusCode::kPermissionDenied) return verdict;
+      LogRefused(key, verdict);
+      *refused = std::move(value);
+    }
+    // A refused entry stays until someone writes over it: read again until it changes.
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("only a refused entry at \"", key, "\" (see the server's log)"));
+    }
+    std::this_thread::sleep_for(
+        std::min<Clock::duration>(kRefusedPoll, deadline - now));
+  }
+}
+
+absl::Status GroupLog::Open() {
+  if (session_.has_value()) return absl::OkStatus();
+  const int size = group_->size();
+  const int rank = group_->rank();
+  std::string nonce(kNonceBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), kNonceBytes) != 1) {
+    return absl::InternalError("head group: no random bytes for this rank's nonce");
+  }
+  RETURN_IF_ERROR(group_->Set(HelloKey(rank), Seal(secret_, Kind::kHello, "", Fixed64(rank) + nonce)));
+  const auto timeout = group_->config().timeout;
+  const auto deadline = Clock::now() + timeout;
+  std::string nonces;
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) {
+      nonces += nonce;
+      continue;
+    }
+    const auto left = std::max(std::chrono::milliseconds(1),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   deadline - Clock::now()));
+    absl::StatusOr<std::string> value = group_->Get(HelloKey(r), left);
+    if (!value.ok()) {
+      return absl::UnavailableError(absl::StrCat("head group: rank ", r, " of ", size,
+                                                 " did not publish its nonce within ",
+                                                 timeout.count() / 1000.0, " s (",
+                                                 value.status().message(), ")"));
+    }
+    absl::StatusOr<std::string> body = Unseal(secret_, Kind::kHello, "", *value);
+    if (body.ok() && (body->size() != 8 + kNonceBytes || ReadFixed64(*body) != r)) {
+      body = absl::PermissionDeniedError("it is another rank's");
+    }
+    if (!body.ok()) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "head group: rank ", r, "'s nonce does not verify (", body.status().message(),
+          "): every rank needs the same --group_secret_file, or none on loopback"));
+    }
+    nonces += body->substr(8);
+  }
+  session_ = Sha256(nonces);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> GroupLog::Append(const std::string& command) {
+  RETURN_IF_ERROR(Open());
   const int64_t seq = next_;
-  RETURN_IF_ERROR(group_->Set(CommandKey(seq), command));
+  const std::string value = Seal(secret_, Kind::kCommand, *session_, Fixed64(seq) + command);
+  RETURN_IF_ERROR(group_->Set(CommandKey(seq), value));
+  command_seals_[seq] = std::string(SealOf(value));
   ++next_;
   return seq;
 }
 
 absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq) {
-  const auto timeout = group_->config().timeout;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  return AwaitReplies(seq, group_->config().timeout);
+}
+
+absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
+                                                                std::chrono::milliseconds wait) {
+  RETURN_IF_ERROR(Open());
+  const auto found = command_seals_.find(seq);
+  if (found == command_seals_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("head group: replies awaited for command ", seq, ", which was not appended"));
+  }
+  const std::string command_seal = found->second;
+  command_seals_.erase(found);
+  const auto deadline = Clock::now() + wait;
   std::vector<std::string> payloads;
   absl::Status first_error;
   for (int rank = 1; rank < group_->size(); ++rank) {
-    const auto left = std::max(std::chrono::milliseconds(1),
-                               std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   deadline - std::chrono::steady_clock::now()));
-    absl::StatusOr<std::string> bytes = group_->Get(ReplyKey(seq, rank), left);
-    if (!bytes.ok()) {
+    // A reply verifies only for this command (its seq, this rank, the command's seal).
+    absl::Status diverged;
+    auto accept = [&](const std::string& value) -> absl::Status {
+      ASSIGN_OR_RETURN(const std::string body, Unseal(secret_, Kind::kReply, *session_, value));
+      if (body.size() < 16 + kSealBytes || ReadFixed64(body) != seq ||
+          ReadFixed64(std::string_view(body).substr(8)) != rank) {
+        return absl::PermissionDeniedError(
+            "an authentic reply copied from another command or rank (a replay)");
+      }
+      if (body.compare(16, kSealBytes, command_seal) != 0) {
+        return diverged = absl::UnavailableError(absl::StrCat(
+            "head group: the group's log diverged: rank ", rank, "'s reply to command ", seq,
+            " answers another command than the front's — restart every rank of the group"));
+      }
+      return absl::OkStatus();
+    };
+    std::string refused;
+    absl::StatusOr<std::string> value = ReadValid(ReplyKey(seq, rank), deadline, accept, &refused);
+    if (!diverged.ok()) return diverged;
+    if (!value.ok()) {
       return absl::UnavailableError(absl::StrCat(
           "head group: rank ", rank, " of ", group_->size(), " did not reply to command ", seq,
-          " within ", timeout.count() / 1000.0, " s (", bytes.status().message(), ")"));
+          " within ", wait.count() / 1000.0, " s (", value.status().message(), ")"));
     }
-    ASSIGN_OR_RETURN(GroupReply reply, DecodeReply(*bytes));
+    ASSIGN_OR_RETURN(GroupReply reply, DecodeReply(value->substr(16 + kSealBytes,
+                                                                 value->size() - 16 -
+                                                                     2 * kSealBytes)));
     if (!reply.status.ok() && first_error.ok()) {
       first_error = absl::Status(reply.status.code(), absl::StrCat("head group rank ", rank, ": ",
                                                                    reply.status.message()));
@@ -78,17 +271,96 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq) {
   return payloads;
 }
 
+absl::Status GroupLog::DeclareDown(const std::string& reason) {
+  RETURN_IF_ERROR(Open());
+  return group_->Set(kDownKey,
+                     Seal(secret_, Kind::kDown, *session_, Fixed64(group_->rank()) + reason));
+}
+
 absl::StatusOr<std::string> GroupLog::Next(std::chrono::milliseconds wait) {
-  ASSIGN_OR_RETURN(std::string command, group_->Get(CommandKey(next_), wait));
+  RETURN_IF_ERROR(Open());
+  const int64_t seq = next_;
+  auto accept = [&](const std::string& value) -> absl::Status {
+    ASSIGN_OR_RETURN(const std::string body, Unseal(secret_, Kind::kCommand, *session_, value));
+    if (body.size() < 8 || ReadFixed64(body) != seq) {
+      return absl::PermissionDeniedError(
+          "an authentic command copied from another place in the log (a replay)");
+    }
+    return absl::OkStatus();
+  };
+  ASSIGN_OR_RETURN(const std::string value,
+                   ReadValid(CommandKey(seq), Clock::now() + wait, accept, &refused_command_));
+  taken_seal_ = std::string(SealOf(value));
   ++next_;
-  return command;
+  return value.substr(8, value.size() - 8 - kSealBytes);
 }
 
 absl::Status GroupLog::Reply(const GroupReply& reply) {
   if (next_ == 0) {
     return absl::FailedPreconditionError("head group: a reply before any command was taken");
   }
-  return group_->Set(ReplyKey(next_ - 1, group_->rank()), EncodeReply(reply));
+  const int64_t seq = next_ - 1;
+  const std::string body =
+      Fixed64(seq) + Fixed64(group_->rank()) + taken_seal_ + EncodeReply(reply);
+  return group_->Set(ReplyKey(seq, group_->rank()),
+                     Seal(secret_, Kind::kReply, *session_, body));
+}
+
+absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {
+  RETURN_IF_ERROR(Open());
+  ASSIGN_OR_RETURN(const bool declared, group_->Exists(kDownKey));
+  if (!declared) return std::nullopt;
+  ASSIGN_OR_RETURN(const std::string value, group_->Get(kDownKey, group_->config().timeout));
+  if (value == refused_down_) return std::nullopt;
+  absl::StatusOr<std::string> body = Unseal(secret_, Kind::kDown, *session_, value);
+  if (body.ok() && (body->size() < 8 || ReadFixed64(*body) != 0)) {
+    body = absl::PermissionDeniedError("a declaration not made by the front");
+  }
+  if (!body.ok()) {
+    LogRefused(kDownKey, body.status());
+    refused_down_ = value;
+    return std::nullopt;
+  }
+  return body->substr(8);
+}
+
+absl::StatusOr<std::string> ReadGroupSecret(const std::string& path) {
+  const std::string flag = "--group_secret_file";
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": expected a readable file; got \"", path,
+                                                   "\" (", std::strerror(errno), ")"));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": expected a regular file; got \"", path, "\", which is not one"));
+  }
+  constexpr int64_t kMaxBytes = 4096;
+  if (st.st_size > kMaxBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": expected at most ", kMaxBytes,
+                                                   " bytes of secret; got ", st.st_size));
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot open \"", path, "\" (",
+                                                   std::strerror(errno), ")"));
+  }
+  std::string bytes(static_cast<size_t>(kMaxBytes) + 1, '\0');
+  const ssize_t n = ::read(fd, bytes.data(), bytes.size());
+  ::close(fd);
+  if (n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read \"", path, "\" (",
+                                                   std::strerror(errno), ")"));
+  }
+  bytes.resize(static_cast<size_t>(n));
+  const std::string secret(absl::StripAsciiWhitespace(bytes));
+  constexpr size_t kMinBytes = 16;
+  if (secret.size() < kMinBytes || static_cast<int64_t>(bytes.size()) > kMaxBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": expected ", kMinBytes, " to ", kMaxBytes, " bytes of secret in \"", path,
+        "\"; got ", secret.size(), " (make one with: head -c 32 /dev/urandom | base64 > FILE)"));
+  }
+  return secret;
 }
 
 }  // namespace remotehead::server

@@ -38,8 +38,8 @@ bool IsGroupFailure(const absl::Status& status) {
          status.code() == absl::StatusCode::kDeadlineExceeded;
 }
 
-HeadGroup::HeadGroup(std::unique_ptr<ProcessGroup> group)
-    : group_(std::move(group)), log_(group_.get()) {}
+HeadGroup::HeadGroup(std::unique_ptr<ProcessGroup> group, std::string secret, std::ostream* log)
+    : group_(std::move(group)), event_log_(log), log_(group_.get(), std::move(secret), log) {}
 
 absl::StatusOr<std::vector<core::ShardRange>> HeadGroup::Ranges(int64_t vocab_size) const {
   return core::SplitVocabulary(vocab_size, size());
@@ -51,11 +51,35 @@ absl::Status HeadGroup::health() const {
 }
 
 absl::Status HeadGroup::Check(absl::Status failure) {
-  if (IsGroupFailure(failure)) {
+  if (!IsGroupFailure(failure)) return failure;
+  {
     std::lock_guard<std::mutex> lock(mu_);
-    if (down_.ok()) down_ = failure;
+    if (!down_.ok()) return failure;
+    down_ = failure;
+  }
+  // The front tells the other ranks, so that none runs a command it gave up on (a rank that is
+  // stopped now and continued later); the store lives in the front's process.
+  if (is_front()) {
+    if (const absl::Status told = log_.DeclareDown(std::string(failure.message())); !told.ok() &&
+        event_log_ != nullptr) {
+      *event_log_ << "remotehead-server: head group: could not declare the group down to the "
+                     "other ranks: "
+                  << told.message() << std::endl;
+    }
   }
   return failure;
+}
+
+absl::Status HeadGroup::CheckFront() {
+  const absl::StatusOr<std::optional<std::string>> declared = log_.DownDeclared();
+  if (declared.ok() && !declared->has_value()) return absl::OkStatus();
+  const std::string why =
+      declared.ok() ? absl::StrCat("it declared the group down: ", **declared)
+                    : std::string(declared.status().message());
+  const absl::Status gone = absl::UnavailableError(absl::StrCat(
+      "head group rank ", rank(), ": the front (rank 0) is gone: ", why));
+  Check(gone).IgnoreError();  // health reports it
+  return gone;
 }
 
 absl::Status HeadGroup::Timed(const v1::GroupCommand& command,
@@ -91,7 +115,13 @@ absl::Status HeadGroup::Lane::Run(const v1::GroupCommand& command,
   if (!seq.ok()) return g.Check(seq.status());
   absl::Status mine;
   if (!local_last) mine = g.Check(g.Timed(command, local));
-  const absl::Status replies = g.Check(g.log_.AwaitReplies(*seq).status());
+  // Once this rank's part failed on the transport (a collective timed out: a rank hung or
+  // died), the failure is already one timeout old: the other ranks' replies, which name the
+  // rank at fault, get a short grace instead of a fresh timeout.
+  const std::chrono::milliseconds timeout = g.group_->config().timeout;
+  const std::chrono::milliseconds wait =
+      IsGroupFailure(mine) ? std::min(timeout / 5, std::chrono::milliseconds(2000)) : timeout;
+  const absl::Status replies = g.Check(g.log_.AwaitReplies(*seq, wait).status());
   if (local_last && replies.ok()) mine = g.Check(g.Timed(command, local));
   // An error of the request itself happens on every rank alike: this rank's says it. A
   // transport failure is best told by the replies, which name the rank that did not answer.
@@ -103,15 +133,24 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupC
                                const std::atomic<bool>& stop) {
   while (!stop.load()) {
     absl::StatusOr<std::string> bytes = log_.Next(kFollowPoll);
-    if (bytes.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
+    if (bytes.status().code() == absl::StatusCode::kDeadlineExceeded) {
+      RETURN_IF_ERROR(CheckFront());
+      continue;
+    }
     if (!bytes.ok()) {
       Check(bytes.status()).IgnoreError();  // health reports it
       return absl::UnavailableError(absl::StrCat(
           "head group rank ", rank(), ": the front (rank 0) is gone: ", bytes.status().message()));
     }
+    // A command taken late (this rank was stopped, or slow) may be one the front gave up on.
+    RETURN_IF_ERROR(CheckFront());
     v1::GroupCommand command;
-    absl::Status status;
-    if (!command.ParseFromString(*bytes)) {
+    absl::Status status = health();
+    if (!status.ok()) {
+      // Down: c10d cannot resume, so nothing more runs here; the front learns it at once.
+      status = absl::UnavailableError(
+          absl::StrCat("head group rank ", rank(), " is down since: ", status.message()));
+    } else if (!command.ParseFromString(*bytes)) {
       status = absl::DataLossError(
           absl::StrCat("head group: a command that does not parse (", bytes->size(), " bytes)"));
     } else {

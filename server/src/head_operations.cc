@@ -73,9 +73,16 @@ void HeadOperations::LogEvent(const std::string& line) const {
   *event_log_ << "remotehead-server: " << line << std::endl;
 }
 
+absl::Status HeadOperations::CheckNewHeadId(const std::string& id,
+                                            const std::string& field) const {
+  // An id whose states could not be saved is refused now, not at its first save.
+  return state_store_ == nullptr ? absl::OkStatus() : StateStore::CheckHeadId(id, field);
+}
+
 absl::StatusOr<uint64_t> HeadOperations::ReserveHead(const std::string& id, int64_t vocab_size,
                                                      int64_t hidden_size, torch::ScalarType dtype,
                                                      bool bias, const std::string& field_prefix) {
+  RETURN_IF_ERROR(CheckNewHeadId(id, field_prefix == "--head " ? "--head" : "head_id"));
   ASSIGN_OR_RETURN(const int64_t bytes, core::HeadMemoryBytes(vocab_size, hidden_size, dtype, bias,
                                                               torch::kFloat, field_prefix));
   const uint64_t ticket = admission_->NewTicket();
@@ -325,7 +332,9 @@ absl::StatusOr<HeadSnapshot> HeadOperations::SnapshotHere(const std::string& id,
                                                           std::optional<torch::ScalarType> dtype,
                                                           bool gradients) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
+  int64_t version = 0;  // of the rows copied, read under the same lock
   HeadSnapshot snapshot = entry->Read([&](const core::Head& head) {
+    version = head.version();
     const torch::Tensor& m = gradients ? head.grads().weight : head.weight();
     const torch::Tensor& v = gradients ? head.grads().bias : head.bias();
     const torch::ScalarType out = dtype.value_or(m.scalar_type());
@@ -336,6 +345,7 @@ absl::StatusOr<HeadSnapshot> HeadOperations::SnapshotHere(const std::string& id,
     return HeadSnapshot{.matrix = CpuCopy(m, out), .vector = CpuCopy(v, out)};
   });
   snapshot.description = entry->Describe();
+  snapshot.description.weight_version = version;
   if (group_ != nullptr) {
     // The whole head on the front (nothing elsewhere).
     ASSIGN_OR_RETURN(snapshot.matrix, group_->GatherRows(snapshot.matrix, entry->shards()));
@@ -467,8 +477,20 @@ absl::StatusOr<HeadDescription> HeadOperations::RestoreState(const std::string& 
 
 absl::Status HeadOperations::SaveAllStates() {
   if (state_store_ == nullptr) return absl::OkStatus();
-  for (const auto& entry : registry_->List()) RETURN_IF_ERROR(SaveState(entry->id()).status());
-  return absl::OkStatus();
+  // Each head on its own: one that cannot be saved never keeps the others from being saved.
+  const auto entries = registry_->List();
+  std::vector<std::string> failed;
+  for (const auto& entry : entries) {
+    if (const auto saved = SaveState(entry->id()); !saved.ok()) {
+      LogEvent(absl::StrCat("head state NOT saved: \"", entry->id(), "\": ",
+                            saved.status().ToString()));
+      failed.push_back(absl::StrCat("\"", entry->id(), "\" (", saved.status().message(), ")"));
+    }
+  }
+  if (failed.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(failed.size(), " of ", entries.size(),
+                                          " head states not saved: ",
+                                          absl::StrJoin(failed, "; ")));
 }
 
 }  // namespace remotehead::server

@@ -93,6 +93,9 @@ class HeadOperations {
   absl::StatusOr<int64_t> Save(const std::string& id, const std::string& path,
                                const std::string& weight_name, const std::string& bias_name);
   // The weights (or, with `gradients`, dW / db) in `dtype` (unset: as stored).
+  // INVALID_ARGUMENT naming `field` for an id this server could not keep (with --state_dir:
+  // one whose states could not be saved), before anything is allocated for it.
+  absl::Status CheckNewHeadId(const std::string& id, const std::string& field) const;
   absl::StatusOr<HeadSnapshot> Snapshot(const std::string& id,
                                         std::optional<torch::ScalarType> dtype, bool gradients);
   absl::StatusOr<HeadDescription> Describe(const std::string& id) const;
@@ -104,6 +107,7 @@ class HeadOperations {
   // Durable training state: FAILED_PRECONDITION without a state store.
   absl::StatusOr<HeadDescription> SaveState(const std::string& id);
   absl::StatusOr<HeadDescription> RestoreState(const std::string& id, const std::string& state_id);
+  // Saves every head's state, each on its own; INTERNAL naming every head not saved.
   absl::Status SaveAllStates();
 
   // A rank other than the front: runs a head command of the group's log on this rank's rows

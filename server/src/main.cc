@@ -87,6 +87,17 @@ ABSL_FLAG(int32_t, group_rank, -1,
 ABSL_FLAG(std::string, group_store, "",
           "host:port of the group's TCPStore (rank 0 serves it, the others dial it); empty = "
           "MASTER_ADDR:MASTER_PORT from the environment, else 127.0.0.1:29500");
+ABSL_FLAG(std::string, group_store_bind, "",
+          "the address rank 0's TCPStore listens on (empty: the host of --group_store; never "
+          "every interface unless this names 0.0.0.0 or ::)");
+ABSL_FLAG(std::string, group_secret_file, "",
+          "file holding the head group's shared secret (16+ bytes, the same on every rank): every "
+          "command and reply of the group's log is sealed with it (HMAC-SHA256), so nobody who "
+          "merely reaches the store can run commands. Required for a store beyond loopback "
+          "unless --group_trusted_network");
+ABSL_FLAG(bool, group_trusted_network, false,
+          "accept a head group beyond loopback without --group_secret_file: only the group's "
+          "ranks can reach its store (a private network)");
 ABSL_FLAG(double, group_timeout_seconds, 60,
           "how long a head group's collectives and commands wait for a rank before the group "
           "is declared down");
@@ -365,9 +376,16 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
                        {.size = absl::GetFlag(FLAGS_group_size),
                         .rank = absl::GetFlag(FLAGS_group_rank),
                         .store = absl::GetFlag(FLAGS_group_store),
-                        .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds)},
+                        .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds),
+                        .store_bind = absl::GetFlag(FLAGS_group_store_bind)},
                        env));
   config.device = device;
+  if (config.size > 1 && !absl::GetFlag(FLAGS_group_secret_file).empty()) {
+    ASSIGN_OR_RETURN(config.secret,
+                     rh::server::ReadGroupSecret(absl::GetFlag(FLAGS_group_secret_file)));
+  }
+  config.trusted_network = absl::GetFlag(FLAGS_group_trusted_network);
+  RETURN_IF_ERROR(rh::server::CheckGroupPlane(config));
   if (config.size > 1 && !absl::GetFlag(FLAGS_state_dir).empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--state_dir: expected none on a head group (durable state is per server for now); got \"",
@@ -385,11 +403,22 @@ absl::StatusOr<std::unique_ptr<rh::server::HeadGroup>> JoinGroup(
             << (config.device.is_cuda() ? "NCCL" : "Gloo") << ")" << std::endl;
   ASSIGN_OR_RETURN(std::unique_ptr<rh::server::ProcessGroup> group,
                    rh::server::ProcessGroup::Join(config));
+  auto head_group =
+      std::make_unique<rh::server::HeadGroup>(std::move(group), config.secret, &std::cerr);
+  RETURN_IF_ERROR(head_group->Open());
   std::cout << "remotehead-server: head group joined: rank " << config.rank << " of " << config.size
             << (config.rank == 0 ? " (the front: serves HeadService)"
                                  : " (follows the front's commands)")
+            << "; command log "
+            << (!config.secret.empty() ? "sealed with the group's secret"
+                                       : "NOT authenticated (no --group_secret_file)")
+            << (config.rank == 0 ? absl::StrCat("; store listening on ",
+                                                config.store_bind.empty() ? config.store_host
+                                                                          : config.store_bind,
+                                                ":", config.store_port)
+                                 : std::string())
             << std::endl;
-  return std::make_unique<rh::server::HeadGroup>(std::move(group));
+  return head_group;
 }
 
 int Run() {
@@ -412,6 +441,10 @@ int Run() {
                                                absl::GetFlag(FLAGS_state_keep));
     if (!opened.ok()) return Refuse(opened.status());
     state_store = *std::move(opened);
+    if (state_store->removed_temporary_files() > 0) {
+      std::cout << "remotehead-server: state: removed " << state_store->removed_temporary_files()
+                << " temporary file(s) of saves interrupted by a crash" << std::endl;
+    }
     if (const absl::Status s = RestoreHeads(*state_store, *device, &registry); !s.ok()) {
       return Refuse(s);
     }
@@ -483,14 +516,20 @@ int Run() {
     g_stop.store(true);
     follower.join();
   }
-  if (const absl::Status s = service->SaveAllStates(); !s.ok()) {
-    std::cerr << "remotehead-server: head states NOT saved at shutdown: " << s << std::endl;
+  const absl::Status saved = service->SaveAllStates();
+  if (!saved.ok()) {
+    std::cerr << "remotehead-server: head states NOT saved at shutdown: " << saved.message()
+              << std::endl;
   } else if (state_store != nullptr) {
     std::cout << "remotehead-server: head states saved to " << state_store->dir() << std::endl;
   }
   metrics->http.reset();  // no scrape may read the service's state once it is gone
   if (!follow_status.ok() && !signalled) {  // the front went away first: not a clean stop
     std::cerr << "remotehead-server: stopped: " << follow_status.message() << std::endl;
+    return 1;
+  }
+  if (!saved.ok()) {  // a state that was not saved is training lost: not a clean stop
+    std::cerr << "remotehead-server: stopped, with head states not saved" << std::endl;
     return 1;
   }
   std::cout << "remotehead-server: stopped" << std::endl;

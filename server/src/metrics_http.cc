@@ -1,53 +1,45 @@
 #include "remotehead/server/metrics_http.h"
 
 #include <arpa/inet.h>
-#include <civetweb.h>
-#include <dlfcn.h>
 #include <netinet/in.h>
 #include <prometheus/collectable.h>
 #include <prometheus/text_serializer.h>
-#include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
-#include "absl/base/thread_annotations.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/strings/str_split.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/credentials.h"
-
-// civetweb's threads next to LibTorch. Debian's libcivetweb gives every thread it starts a
-// 100 KiB stack (USE_STACK_SIZE=102400, compiled in, no run-time option), and glibc carves the
-// static TLS of every library loaded at start out of a thread's requested stack (glibc bug 11787):
-// LibTorch with its CUDA libraries needs ~250 KiB of it (libcublasLt alone 92 KiB), so
-// pthread_create answers EINVAL and mg_start fails ("Cannot create first worker thread: error 0":
-// civetweb prints errno, not pthread_create's result), which made prometheus-cpp's Exposer
-// throw. For civetweb's calls only, the requested size is raised by what glibc itself needs
-// besides the stack (__pthread_get_minstack: static TLS, guard, minimum), as Rust's std does for
-// its threads; every other caller gets exactly what it asked for.
-extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) noexcept {
-  using SetStackSize = int (*)(pthread_attr_t*, size_t);
-  using GetMinStack = size_t (*)(const pthread_attr_t*);
-  static const auto real =
-      reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
-  static const auto min_stack =
-      reinterpret_cast<GetMinStack>(dlsym(RTLD_DEFAULT, "__pthread_get_minstack"));
-  Dl_info caller{};
-  if (dladdr(__builtin_return_address(0), &caller) != 0 && caller.dli_fname != nullptr &&
-      std::strstr(caller.dli_fname, "libcivetweb") != nullptr) {
-    size += min_stack != nullptr ? min_stack(attr) : size_t{1} << 20;
-  }
-  return real(attr, size);
-}
 
 namespace remotehead::server {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
+constexpr size_t kMaxRequestHead = 8192;
+// After its answer, how long a connection waits for the client to close first (so that unread
+// request bytes never turn the close into a reset that loses the answer).
+constexpr std::chrono::milliseconds kLinger{1000};
+// With no descriptor left to accept a connection, how long accepting pauses.
+constexpr std::chrono::milliseconds kAcceptPause{100};
+constexpr int kMaxEvents = 64;
 
 struct Address {
   in_addr host{};
@@ -66,80 +58,70 @@ absl::StatusOr<Address> ParseAddress(const std::string& address) {
   return parsed;
 }
 
-void Reply(mg_connection* conn, int status, const char* reason, const std::string& body,
-           const std::string& extra_headers = "") {
-  const std::string head =
-      absl::StrCat("HTTP/1.1 ", status, " ", reason, "\r\nContent-Type: ", kContentType,
-                   "\r\nContent-Length: ", body.size(), "\r\nCache-Control: no-store",
-                   "\r\nConnection: close\r\n", extra_headers, "\r\n");
-  mg_write(conn, head.data(), head.size());
-  mg_write(conn, body.data(), body.size());
+std::string Reply(int status, const char* reason, const std::string& body,
+                  const std::string& extra_headers = "") {
+  return absl::StrCat("HTTP/1.1 ", status, " ", reason, "\r\nContent-Type: ", kContentType,
+                      "\r\nContent-Length: ", body.size(), "\r\nCache-Control: no-store",
+                      "\r\nConnection: close\r\n", extra_headers, "\r\n", body);
 }
 
-// What civetweb's handler reads. Shared with the thread that stops civetweb, which outlives the
-// MetricsHttpServer: once `stopping`, no request reads the collectables any more.
-struct Exposition {
-  Exposition(std::string t, std::vector<std::weak_ptr<prometheus::Collectable>> c)
-      : token(std::move(t)), collectables(std::move(c)) {}
+// The end of a request head ("\r\n\r\n", or bare "\n\n"), or npos while it is incomplete.
+size_t HeadEnd(const std::string& in) {
+  const size_t crlf = in.find("\r\n\r\n");
+  const size_t lf = in.find("\n\n");
+  return std::min(crlf, lf);
+}
 
-  const std::string token;
-  const std::vector<std::weak_ptr<prometheus::Collectable>> collectables;
-  absl::Mutex mu;
-  bool stopping ABSL_GUARDED_BY(mu) = false;
-  int answering ABSL_GUARDED_BY(mu) = 0;
+// What the server answers to one request head: the collectables' text, or why not.
+class Exposition {
+ public:
+  Exposition(std::string token, std::vector<std::weak_ptr<prometheus::Collectable>> collectables)
+      : token_(std::move(token)), collectables_(std::move(collectables)) {}
 
-  static int Handle(mg_connection* conn, void* self) {
-    auto* exposition = static_cast<Exposition*>(self);
-    {
-      absl::MutexLock lock(&exposition->mu);
-      if (exposition->stopping) {
-        Reply(conn, 503, "Service Unavailable", "remotehead-server is stopping\n");
-        return 503;
-      }
-      ++exposition->answering;
+  std::string Answer(absl::string_view head) const {
+    const std::vector<absl::string_view> lines =
+        absl::StrSplit(head, absl::ByAnyChar("\r\n"), absl::SkipEmpty());
+    const std::vector<absl::string_view> request_line =
+        lines.empty() ? std::vector<absl::string_view>()
+                      : absl::StrSplit(lines[0], ' ', absl::SkipEmpty());
+    if (request_line.size() != 3 || !absl::StartsWith(request_line[2], "HTTP/")) {
+      return Reply(400, "Bad Request", "expected \"GET /metrics HTTP/1.1\"\n");
     }
-    const int status = exposition->Answer(conn);
-    absl::MutexLock lock(&exposition->mu);
-    --exposition->answering;
-    return status;
+    const absl::string_view path = request_line[1].substr(0, request_line[1].find('?'));
+    if (path != "/metrics") {
+      return Reply(404, "Not Found", "remotehead-server serves GET /metrics only\n");
+    }
+    if (request_line[0] != "GET") {
+      return Reply(405, "Method Not Allowed", "remotehead-server serves GET /metrics only\n",
+                   "Allow: GET\r\n");
+    }
+    if (!token_.empty() && !Authorized(lines)) {
+      return Reply(401, "Unauthorized",
+                   "expected \"Authorization: Bearer <token>\" matching the server's "
+                   "--auth_token_file\n",
+                   "WWW-Authenticate: Bearer realm=\"remotehead-metrics\"\r\n");
+    }
+    return Reply(200, "OK", Text());
   }
 
-  // Until it returns, no request is being answered and none will read the collectables.
-  void Stop() {
-    absl::MutexLock lock(&mu);
-    stopping = true;
-    mu.Await(absl::Condition(
-        +[](int* answering) { return *answering == 0; }, &answering));
-  }
-
-  int Answer(mg_connection* conn) const {
-    const mg_request_info* request = mg_get_request_info(conn);
-    if (request->local_uri == nullptr || std::strcmp(request->local_uri, "/metrics") != 0) {
-      Reply(conn, 404, "Not Found", "remotehead-server serves GET /metrics only\n");
-      return 404;
-    }
-    if (std::strcmp(request->request_method, "GET") != 0) {
-      Reply(conn, 405, "Method Not Allowed", "remotehead-server serves GET /metrics only\n",
-            "Allow: GET\r\n");
-      return 405;
-    }
-    if (!token.empty()) {
-      const char* authorization = mg_get_header(conn, "Authorization");
-      if (authorization == nullptr || !IsBearerToken(authorization, token)) {
-        Reply(conn, 401, "Unauthorized",
-              "expected \"Authorization: Bearer <token>\" matching the server's "
-              "--auth_token_file\n",
-              "WWW-Authenticate: Bearer realm=\"remotehead-metrics\"\r\n");
-        return 401;
+ private:
+  bool Authorized(const std::vector<absl::string_view>& lines) const {
+    for (size_t i = 1; i < lines.size(); ++i) {
+      const size_t colon = lines[i].find(':');
+      if (colon == absl::string_view::npos) continue;
+      if (!absl::EqualsIgnoreCase(absl::StripAsciiWhitespace(lines[i].substr(0, colon)),
+                                  "authorization")) {
+        continue;
       }
+      const absl::string_view value = absl::StripAsciiWhitespace(lines[i].substr(colon + 1));
+      return IsBearerToken(std::string_view(value.data(), value.size()), token_);
     }
-    Reply(conn, 200, "OK", Text());
-    return 200;
+    return false;
   }
 
   std::string Text() const {
     std::vector<prometheus::MetricFamily> families;
-    for (const auto& weak : collectables) {
+    for (const auto& weak : collectables_) {
       if (auto collectable = weak.lock()) {
         auto collected = collectable->Collect();
         families.insert(families.end(), std::make_move_iterator(collected.begin()),
@@ -150,74 +132,248 @@ struct Exposition {
     prometheus::TextSerializer().Serialize(out, families);
     return out.str();
   }
+
+  const std::string token_;
+  const std::vector<std::weak_ptr<prometheus::Collectable>> collectables_;
+};
+
+// One client's connection: its request head coming in, then its answer going out, then the
+// wait for the client to close.
+struct Connection {
+  enum class State { kReading, kWriting, kLingering };
+  State state = State::kReading;
+  uint64_t serial = 0;  // accept order: the oldest stalled one is dropped first
+  Clock::time_point deadline;
+  std::string in;
+  std::string out;
+  size_t written = 0;
 };
 
 }  // namespace
 
 class MetricsHttpServer::Impl {
  public:
-  explicit Impl(std::shared_ptr<Exposition> exposition) : exposition_(std::move(exposition)) {}
+  Impl(Exposition exposition, const MetricsHttpOptions& options)
+      : exposition_(std::move(exposition)),
+        max_connections_(std::max(1, options.max_connections)),
+        timeout_(std::max(1, options.request_timeout_ms)) {}
 
-  // civetweb's own stop takes up to 2 s (its threads poll in 2 s quanta) with a connection idle
-  // or not; it runs on a thread of its own, after the handler is closed, so that the destructor
-  // returns at once. The port is released when that thread is done.
   ~Impl() {
-    if (context_ == nullptr) return;
-    exposition_->Stop();
-    std::thread([context = context_, exposition = exposition_] { mg_stop(context); }).detach();
+    if (loop_.joinable()) {
+      stopping_.store(true);
+      const uint64_t one = 1;
+      [[maybe_unused]] const ssize_t n = ::write(wake_, &one, sizeof(one));
+      loop_.join();
+    }
+    for (const auto& [fd, connection] : connections_) ::close(fd);
+    for (const int fd : {listen_, wake_, epoll_}) {
+      if (fd >= 0) ::close(fd);
+    }
   }
 
-  absl::Status Start(const MetricsHttpOptions& options) {
-    const std::string threads = absl::StrCat(options.num_threads);
-    const std::string timeout = absl::StrCat(options.request_timeout_ms);
-    // No document_root: nothing but the handler is served.
-    const char* config[] = {"listening_ports",
-                            options.address.c_str(),
-                            "num_threads",
-                            threads.c_str(),
-                            "request_timeout_ms",
-                            timeout.c_str(),
-                            "enable_keep_alive",
-                            "no",
-                            nullptr};
-    mg_callbacks callbacks{};
-    callbacks.log_message = [](const mg_connection*, const char*) { return 1; };  // quiet
-    mg_init_data init{
-        .callbacks = &callbacks, .user_data = nullptr, .configuration_options = config};
-    char error_text[256] = "";
-    unsigned error_code = 0;
-    mg_error_data error{
-        .code = &error_code, .text = error_text, .text_buffer_size = sizeof(error_text)};
-    context_ = mg_start2(&init, &error);
-    if (context_ == nullptr) {
-      return absl::UnavailableError(absl::StrCat("--metrics_address: cannot serve on \"",
-                                                 options.address, "\": ", error_text));
+  absl::Status Start(const Address& address, const std::string& text) {
+    listen_ = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    const int on = 1;
+    ::setsockopt(listen_, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr = address.host;
+    addr.sin_port = htons(static_cast<uint16_t>(address.port));
+    socklen_t length = sizeof(addr);
+    if (listen_ < 0 || ::bind(listen_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(listen_, SOMAXCONN) != 0 ||
+        ::getsockname(listen_, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+      return absl::UnavailableError(absl::StrCat("--metrics_address: cannot serve on \"", text,
+                                                 "\": ", std::strerror(errno)));
     }
-    mg_server_port port{};
-    if (mg_get_server_ports(context_, 1, &port) != 1) {
-      return absl::UnavailableError(absl::StrCat("--metrics_address: cannot serve on \"",
-                                                 options.address, "\": no listening port"));
+    port_ = ntohs(addr.sin_port);
+    epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
+    wake_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (epoll_ < 0 || wake_ < 0 || !Watch(listen_, EPOLLIN, EPOLL_CTL_ADD) ||
+        !Watch(wake_, EPOLLIN, EPOLL_CTL_ADD)) {
+      return absl::UnavailableError(absl::StrCat("--metrics_address: cannot serve on \"", text,
+                                                 "\": ", std::strerror(errno)));
     }
-    port_ = port.port;
-    mg_set_request_handler(context_, "**", &Exposition::Handle, exposition_.get());
+    loop_ = std::thread([this] { Loop(); });
     return absl::OkStatus();
   }
 
   int port() const { return port_; }
 
  private:
-  const std::shared_ptr<Exposition> exposition_;
-  mg_context* context_ = nullptr;
+  bool Watch(int fd, uint32_t events, int op) {
+    epoll_event event{};
+    event.events = events;
+    event.data.fd = fd;
+    return ::epoll_ctl(epoll_, op, fd, &event) == 0;
+  }
+
+  void Loop() {
+    epoll_event events[kMaxEvents];
+    while (!stopping_.load()) {
+      const int n = ::epoll_wait(epoll_, events, kMaxEvents, /*timeout_ms=*/50);
+      for (int i = 0; i < n && !stopping_.load(); ++i) {
+        const int fd = events[i].data.fd;
+        if (fd == wake_) continue;
+        if (fd == listen_) {
+          Accept();
+          continue;
+        }
+        const auto it = connections_.find(fd);
+        if (it != connections_.end()) Serve(fd, it->second, events[i].events);
+      }
+      Expire();
+    }
+  }
+
+  void Accept() {
+    for (;;) {
+      const int fd = ::accept4(listen_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // No descriptor for it: make room from the stalled, or pause accepting a moment.
+          if (!DropOldestStalled()) {
+            Watch(listen_, 0, EPOLL_CTL_MOD);
+            accept_paused_until_ = Clock::now() + kAcceptPause;
+            return;
+          }
+          continue;
+        }
+        return;  // EAGAIN: all taken; anything else: the client is gone already
+      }
+      if (connections_.size() >= static_cast<size_t>(max_connections_)) DropOldestStalled();
+      if (connections_.size() >= static_cast<size_t>(max_connections_) ||
+          !Watch(fd, EPOLLIN | EPOLLRDHUP, EPOLL_CTL_ADD)) {
+        ::close(fd);
+        continue;
+      }
+      Connection& c = connections_[fd];
+      c.serial = next_serial_++;
+      c.deadline = Clock::now() + timeout_;
+    }
+  }
+
+  // Closes the oldest connection still sending its request; false if there is none.
+  bool DropOldestStalled() {
+    auto oldest = connections_.end();
+    for (auto it = connections_.begin(); it != connections_.end(); ++it) {
+      if (it->second.state == Connection::State::kReading &&
+          (oldest == connections_.end() || it->second.serial < oldest->second.serial)) {
+        oldest = it;
+      }
+    }
+    if (oldest == connections_.end()) return false;
+    Close(oldest->first);
+    return true;
+  }
+
+  void Serve(int fd, Connection& c, uint32_t events) {
+    if (c.state == Connection::State::kReading && (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP))) {
+      if (!Read(fd, c)) return;
+    }
+    if (c.state == Connection::State::kWriting && (events & (EPOLLOUT | EPOLLHUP | EPOLLERR))) {
+      if (!Write(fd, c)) return;
+    }
+    if (c.state == Connection::State::kLingering && (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP))) {
+      char discard[4096];
+      ssize_t n;
+      while ((n = ::recv(fd, discard, sizeof(discard), 0)) > 0) {
+      }
+      if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) Close(fd);
+    }
+  }
+
+  // Reads what came; answers once the request head is complete. False if the connection closed.
+  bool Read(int fd, Connection& c) {
+    char buffer[4096];
+    for (;;) {
+      const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+      if (n > 0) {
+        c.in.append(buffer, static_cast<size_t>(n));
+        if (HeadEnd(c.in) != std::string::npos || c.in.size() > kMaxRequestHead) break;
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // more later
+      Close(fd);  // the client closed (or failed) before its request was complete
+      return false;
+    }
+    const size_t end = HeadEnd(c.in);
+    c.out = end == std::string::npos || end > kMaxRequestHead
+                ? Reply(431, "Request Header Fields Too Large",
+                        absl::StrCat("expected a request head of at most ", kMaxRequestHead,
+                                     " bytes\n"))
+                : exposition_.Answer(absl::string_view(c.in).substr(0, end));
+    c.in.clear();
+    c.state = Connection::State::kWriting;
+    c.deadline = Clock::now() + timeout_;
+    Watch(fd, EPOLLOUT | EPOLLRDHUP, EPOLL_CTL_MOD);
+    return Write(fd, c);
+  }
+
+  // Writes what the socket takes; once all is out, waits for the client to close. False if the
+  // connection closed.
+  bool Write(int fd, Connection& c) {
+    while (c.written < c.out.size()) {
+      const ssize_t n =
+          ::send(fd, c.out.data() + c.written, c.out.size() - c.written, MSG_NOSIGNAL);
+      if (n > 0) {
+        c.written += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // when it drains
+      Close(fd);
+      return false;
+    }
+    ::shutdown(fd, SHUT_WR);
+    c.out.clear();
+    c.state = Connection::State::kLingering;
+    c.deadline = Clock::now() + kLinger;
+    Watch(fd, EPOLLIN | EPOLLRDHUP, EPOLL_CTL_MOD);
+    return true;
+  }
+
+  // Closes every connection past its deadline; resumes accepting after a pause.
+  void Expire() {
+    const auto now = Clock::now();
+    std::vector<int> expired;
+    for (const auto& [fd, c] : connections_) {
+      if (c.deadline <= now) expired.push_back(fd);
+    }
+    for (const int fd : expired) Close(fd);
+    if (accept_paused_until_.has_value() && *accept_paused_until_ <= now) {
+      accept_paused_until_.reset();
+      Watch(listen_, EPOLLIN, EPOLL_CTL_MOD);
+    }
+  }
+
+  void Close(int fd) {
+    ::epoll_ctl(epoll_, EPOLL_CTL_DEL, fd, nullptr);
+    ::close(fd);
+    connections_.erase(fd);
+  }
+
+  const Exposition exposition_;
+  const int max_connections_;
+  const std::chrono::milliseconds timeout_;
+  int listen_ = -1;
+  int epoll_ = -1;
+  int wake_ = -1;  // an eventfd: wakes the loop to stop
   int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread loop_;
+  // Only the loop's thread touches these.
+  std::unordered_map<int, Connection> connections_;
+  uint64_t next_serial_ = 0;
+  std::optional<Clock::time_point> accept_paused_until_;
 };
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const MetricsHttpOptions& options,
     std::vector<std::weak_ptr<prometheus::Collectable>> collectables) {
-  RETURN_IF_ERROR(ParseAddress(options.address).status());
-  auto impl = std::make_unique<Impl>(
-      std::make_shared<Exposition>(options.bearer_token, std::move(collectables)));
-  RETURN_IF_ERROR(impl->Start(options));
+  ASSIGN_OR_RETURN(const Address address, ParseAddress(options.address));
+  auto impl =
+      std::make_unique<Impl>(Exposition(options.bearer_token, std::move(collectables)), options);
+  RETURN_IF_ERROR(impl->Start(address, options.address));
   return std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer(std::move(impl)));
 }
 

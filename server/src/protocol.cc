@@ -41,6 +41,17 @@ absl::Status CheckIncarnation(const std::string& expected, const std::string& fi
       ". Resume from the trainer checkpoint of that version"));
 }
 
+absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::string& field,
+                                const HeadDescription& head) {
+  if (!expected.has_value() || *expected == head.weight_version) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      field, ": expected the head's current version ", head.weight_version, "; got ", *expected,
+      head.restored_version.has_value()
+          ? absl::StrCat(" (the server restarted and restored head \"", head.id,
+                         "\" from its saved state at version ", *head.restored_version, ")")
+          : std::string()));
+}
+
 absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
                                                                const std::string& field) {
   if (dtype == v1::DTYPE_UNSPECIFIED) return std::nullopt;

@@ -21,6 +21,11 @@ absl::Status ToWire(const HeadDescription& description, v1::HeadInfo* info);
 absl::Status CheckIncarnation(const std::string& expected, const std::string& field,
                               const HeadDescription& head);
 
+// A request's optional expected_weight_version (`field`; unset: unchecked) against the version
+// `head` describes: FAILED_PRECONDITION naming both (and a restore at start, if there was one).
+absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::string& field,
+                                const HeadDescription& head);
+
 // A request's optional dtype field (DTYPE_UNSPECIFIED: unset), named `field` in errors.
 absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
                                                                const std::string& field);

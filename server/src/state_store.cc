@@ -4,22 +4,21 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <random>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
 namespace {
 
 namespace fs = std::filesystem;
+using core::DirEntry;
 constexpr char kSuffix[] = ".safetensors";
+constexpr size_t kMaxFileName = 255;  // NAME_MAX of Linux file systems
 
 // A head id as one file name: letters, digits, '_', '-' as they are, everything else %XX (so
 // "/", "." and ".." never reach the file system as themselves).
@@ -45,12 +44,8 @@ bool IsStateId(const std::string& id) {
   return true;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
+std::string StateFile(const std::string& head_dir, const std::string& state_id) {
+  return absl::StrCat(head_dir, "/", state_id, kSuffix);
 }
 
 }  // namespace
@@ -62,12 +57,22 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& 
   }
   std::error_code error;
   fs::create_directories(dir, error);
-  if (error || !fs::is_directory(dir)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--state_dir: expected a directory the server can create and write; got \"",
-                     dir, "\"", error ? absl::StrCat(" (", error.message(), ")") : std::string()));
+  auto root = core::CheckpointDir::Open(dir);
+  if (error || !root.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--state_dir: expected a directory the server can create and write; got \"", dir, "\"",
+        error ? absl::StrCat(" (", error.message(), ")")
+              : absl::StrCat(" (", root.status().message(), ")")));
   }
-  return std::unique_ptr<StateStore>(new StateStore(dir, keep));
+  std::unique_ptr<StateStore> store(new StateStore(dir, keep, *std::move(root)));
+  // Saves interrupted by a crash left their temporary files (each a whole head): gone now.
+  ASSIGN_OR_RETURN(const std::vector<DirEntry> heads, store->root_->List("", "--state_dir"));
+  for (const DirEntry& head : heads) {
+    if (head.kind != DirEntry::Kind::kDirectory) continue;
+    const absl::StatusOr<int> removed = store->root_->RemoveTemporaryFiles(head.name, "--state_dir");
+    if (removed.ok()) store->removed_temporary_files_ += *removed;
+  }
+  return store;
 }
 
 std::string StateStore::NewStateId() {
@@ -78,45 +83,57 @@ std::string StateStore::NewStateId() {
   return absl::StrFormat("%020d-%016x", now, rng());
 }
 
-std::string StateStore::HeadDir(const std::string& head_id) const {
-  return absl::StrCat(dir_, "/", EscapeId(head_id));
+absl::Status StateStore::CheckHeadId(const std::string& head_id, const std::string& field) {
+  const size_t escaped = EscapeId(head_id).size();
+  if (escaped <= kMaxFileName) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": expected an id whose states can be saved in --state_dir: at most ", kMaxFileName,
+      " bytes once escaped for a file name (letters, digits, '_' and '-' count 1 byte, any "
+      "other byte 3); got ",
+      head_id.size(), " bytes that escape to ", escaped));
 }
 
-std::vector<std::string> StateStore::StateIds(const std::string& head_dir) const {
+absl::StatusOr<std::vector<std::string>> StateStore::StateIds(const std::string& head_dir) const {
+  ASSIGN_OR_RETURN(const std::vector<DirEntry> entries, root_->List(head_dir, "--state_dir"));
   std::vector<std::string> ids;
-  std::error_code error;
-  for (const auto& file : fs::directory_iterator(head_dir, error)) {
-    const std::string name = file.path().filename().string();
-    if (!absl::EndsWith(name, kSuffix)) continue;  // temporary files of an interrupted save
-    const std::string id = name.substr(0, name.size() - std::strlen(kSuffix));
+  for (const DirEntry& file : entries) {
+    // Temporary files of a save in progress (or a crashed one) are not states. A state that
+    // is not a regular file is listed: reading it refuses it, naming it.
+    if (!absl::EndsWith(file.name, kSuffix)) continue;
+    const std::string id = file.name.substr(0, file.name.size() - std::strlen(kSuffix));
     if (IsStateId(id)) ids.push_back(id);
   }
   std::sort(ids.begin(), ids.end());  // the ids begin with their creation time
   return ids;
 }
 
+absl::StatusOr<core::HeadState> StateStore::Read(const std::string& relative,
+                                                 const std::string& field) const {
+  // Never through a link, never a FIFO or a device (checked before it is opened), never blocking.
+  ASSIGN_OR_RETURN(const core::CheckpointFile file, root_->OpenForRead(relative, field));
+  std::string bytes(static_cast<size_t>(file.size()), '\0');
+  RETURN_IF_ERROR(file.ReadAt(0, bytes.size(), bytes.data()));
+  return core::DecodeHeadState(bytes, absl::StrCat("--state_dir file \"", relative, "\""));
+}
+
 absl::Status StateStore::Save(const core::HeadState& state) {
+  RETURN_IF_ERROR(CheckHeadId(state.head_id, "head_id"));
   ASSIGN_OR_RETURN(const std::string bytes, core::EncodeHeadState(state));
   std::lock_guard<std::mutex> lock(mu_);
-  const std::string head_dir = HeadDir(state.head_id);
-  std::error_code error;
-  fs::create_directories(head_dir, error);
-  if (error) {
-    return absl::InternalError(absl::StrCat("cannot create ", head_dir, ": ", error.message()));
-  }
+  const std::string head_dir = EscapeId(state.head_id);
+  RETURN_IF_ERROR(root_->MakeDirectory(head_dir, "head state"));
   // Atomically, by the one writer of files that must survive a crash (core::CheckpointDir):
   // a crash during a save leaves the previous states intact.
-  ASSIGN_OR_RETURN(const std::shared_ptr<const core::CheckpointDir> dir,
-                   core::CheckpointDir::Open(head_dir));
   RETURN_IF_ERROR(
-      dir->WriteAtomically(
-             state.state_id + kSuffix, "state_id",
-             [](const core::CheckpointFile&) { return absl::OkStatus(); },
-             [&](core::CheckpointFile& out) { return out.Write(bytes.data(), bytes.size()); })
+      root_
+          ->WriteAtomically(
+              StateFile(head_dir, state.state_id), "head state",
+              [](const core::CheckpointFile&) { return absl::OkStatus(); },
+              [&](core::CheckpointFile& out) { return out.Write(bytes.data(), bytes.size()); })
           .status());
-  std::vector<std::string> ids = StateIds(head_dir);
+  ASSIGN_OR_RETURN(const std::vector<std::string> ids, StateIds(head_dir));
   for (size_t i = 0; i + keep_ < ids.size(); ++i) {
-    fs::remove(absl::StrCat(head_dir, "/", ids[i], kSuffix), error);
+    root_->Remove(StateFile(head_dir, ids[i]), "head state").IgnoreError();
   }
   return absl::OkStatus();
 }
@@ -128,18 +145,17 @@ absl::StatusOr<core::HeadState> StateStore::Load(const std::string& head_id,
         "state_id: expected an id from SaveHeadState (20 digits, '-', 16 hex digits); got \"",
         state_id, "\""));
   }
-  const std::string path = absl::StrCat(HeadDir(head_id), "/", state_id, kSuffix);
-  std::lock_guard<std::mutex> lock(mu_);
-  absl::StatusOr<std::string> bytes = ReadFile(path);
-  if (!bytes.ok()) {
+  // No lock: saves publish whole files by rename and a pruned file stays readable while open.
+  absl::StatusOr<core::HeadState> state = Read(StateFile(EscapeId(head_id), state_id), "state_id");
+  if (absl::IsNotFound(state.status())) {
     return absl::NotFoundError(absl::StrCat("state_id: expected a state of head \"", head_id,
                                             "\" kept in --state_dir; got \"", state_id,
                                             "\", which is not there (never saved, or deleted "
                                             "beyond --state_keep)"));
   }
-  ASSIGN_OR_RETURN(core::HeadState state, core::DecodeHeadState(*bytes, path));
-  if (state.head_id != head_id || state.state_id != state_id) {
-    return absl::DataLossError(absl::StrCat(path, ": expected the state \"", state_id,
+  if (!state.ok()) return state.status();
+  if (state->head_id != head_id || state->state_id != state_id) {
+    return absl::DataLossError(absl::StrCat("state_id: expected the state \"", state_id,
                                             "\" of head \"", head_id, "\"; got another"));
   }
   return state;
@@ -147,17 +163,24 @@ absl::StatusOr<core::HeadState> StateStore::Load(const std::string& head_id,
 
 absl::StatusOr<std::vector<core::HeadState>> StateStore::LoadNewest() const {
   std::vector<core::HeadState> states;
-  std::error_code error;
-  for (const auto& head_dir : fs::directory_iterator(dir_, error)) {
-    if (!head_dir.is_directory()) continue;
-    const std::vector<std::string> ids = StateIds(head_dir.path().string());
+  ASSIGN_OR_RETURN(const std::vector<DirEntry> heads, root_->List("", "--state_dir"));
+  for (const DirEntry& head_dir : heads) {
+    if (head_dir.kind == DirEntry::Kind::kLink) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "--state_dir: \"", head_dir.name,
+          "\" is a symbolic link; links in the state directory are never followed (a head's "
+          "states must be files in it)"));
+    }
+    if (head_dir.kind != DirEntry::Kind::kDirectory) continue;  // not a head's
+    ASSIGN_OR_RETURN(const std::vector<std::string> ids, StateIds(head_dir.name));
     if (ids.empty()) continue;
-    const std::string path = absl::StrCat(head_dir.path().string(), "/", ids.back(), kSuffix);
-    ASSIGN_OR_RETURN(const std::string bytes, ReadFile(path));
-    ASSIGN_OR_RETURN(core::HeadState state, core::DecodeHeadState(bytes, path));
-    if (EscapeId(state.head_id) != head_dir.path().filename().string()) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": expected a state of the head this directory is named after"));
+    ASSIGN_OR_RETURN(core::HeadState state,
+                     Read(StateFile(head_dir.name, ids.back()), "--state_dir"));
+    if (EscapeId(state.head_id) != head_dir.name) {
+      return absl::DataLossError(absl::StrCat("--state_dir: \"", head_dir.name, "/", ids.back(),
+                                              kSuffix,
+                                              "\": expected a state of the head this directory "
+                                              "is named after"));
     }
     states.push_back(std::move(state));
   }
@@ -166,8 +189,7 @@ absl::StatusOr<std::vector<core::HeadState>> StateStore::LoadNewest() const {
 
 void StateStore::Remove(const std::string& head_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::error_code error;
-  fs::remove_all(HeadDir(head_id), error);
+  root_->RemoveDirectory(EscapeId(head_id), "head state").IgnoreError();
 }
 
 }  // namespace remotehead::server

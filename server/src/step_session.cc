@@ -266,15 +266,11 @@ absl::Status StepSession::CheckVersionAndIdentity(const v1::StepHeader& header) 
                                    entry_->Describe()));
   const HeadPin now = entry_->Pin();
   const int64_t version = now.weight_version;
-  if (header.has_expected_weight_version() && header.expected_weight_version() != version) {
-    const HeadDescription head = entry_->Describe();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "header.expected_weight_version: expected the head's current version ", version, "; got ",
-        header.expected_weight_version(),
-        head.restored_version.has_value()
-            ? absl::StrCat(" (the server restarted and restored head \"", head.id,
-                           "\" from its saved state at version ", *head.restored_version, ")")
-            : std::string()));
+  if (header.has_expected_weight_version()) {
+    HeadDescription head = entry_->Describe();
+    head.weight_version = version;  // the version pinned below
+    RETURN_IF_ERROR(CheckWeightVersion(header.expected_weight_version(),
+                                       "header.expected_weight_version", head));
   }
   if (inputs_ != nullptr && inputs_->weight_version != version) {
     return absl::FailedPreconditionError(

@@ -103,6 +103,21 @@ absl::StatusOr<HeadSnapshot> Snapshot(ServiceContext* service, const std::string
   return service->operations.Snapshot(head_id, requested, gradients);
 }
 
+// An export pinned to the server process and weight version the caller holds: refused, with
+// nothing streamed, unless the snapshot is of that version (its version is read under the same
+// lock as its rows).
+absl::StatusOr<HeadSnapshot> PinnedExport(absl::StatusOr<HeadSnapshot> snapshot,
+                                          const v1::ExportWeightsRequest& request) {
+  if (!snapshot.ok()) return snapshot;
+  RETURN_IF_ERROR(CheckIncarnation(request.expected_incarnation(), "expected_incarnation",
+                                   snapshot->description));
+  RETURN_IF_ERROR(CheckWeightVersion(request.has_expected_weight_version()
+                                         ? std::optional<int64_t>(request.expected_weight_version())
+                                         : std::nullopt,
+                                     "expected_weight_version", snapshot->description));
+  return snapshot;
+}
+
 // UploadHead: a header, then the weight rows (and bias rows) in order, assembled on the CPU;
 // the head is created only when every row arrived. A failed or cancelled upload creates
 // nothing.
@@ -166,6 +181,7 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
     if (header_) {
       return absl::InvalidArgumentError("header: expected exactly one header; got a second");
     }
+    RETURN_IF_ERROR(service_.operations.CheckNewHeadId(h.head_id(), "header.head_id"));
     ASSIGN_OR_RETURN(const torch::ScalarType dtype, wire::FromWireDtype(h.dtype(), "header"));
     // Sizes checked, and the CPU buffer the rows are assembled in reserved in the memory budget,
     // before anything is allocated.
@@ -223,7 +239,8 @@ grpc::ServerWriteReactor<v1::ExportWeightsResponse>* NewExportReactor(
     ServiceContext* service, const v1::ExportWeightsRequest& request) {
   using R = v1::ExportWeightsResponse;
   return new SnapshotStreamReactor<R>(
-      Snapshot(service, request.head_id(), request.dtype(), /*gradients=*/false),
+      PinnedExport(Snapshot(service, request.head_id(), request.dtype(), /*gradients=*/false),
+                   request),
       service->options.response_chunk_bytes, &R::mutable_weight_rows, &R::mutable_bias_rows,
       nullptr);
 }

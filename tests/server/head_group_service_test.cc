@@ -382,6 +382,9 @@ TEST(HeadGroupFlagsTest, BadFlagsExitTwoNamingTheFlag) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--group_size=-1"}, "--group_size"},
       {{"--group_size=2", "--group_rank=2"}, "--group_rank"},
+      {{"--group_size=2", "--group_rank=-5"}, "--group_rank"},
+      {{"--group_size=2", "--group_rank=0", "--group_store_bind=0.0.0.0"},
+       "--group_secret_file"},
       {{"--group_size=2", "--group_rank=0", "--group_store=nohost"}, "--group_store"},
       {{"--group_size=2", "--group_rank=0", "--group_timeout_seconds=0"},
        "--group_timeout_seconds"},

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/reference.h"
@@ -374,6 +375,56 @@ TEST(GroupFlagsTest, FlagsAndTorchrunEnvironment) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(r.status().message(), b.message);
   }
+}
+
+// -1 alone means "RANK from the environment": any other negative rank is refused naming the
+// flag; a rank or size from the environment is named by its variable.
+TEST(GroupFlagsTest, OnlyMinusOneTakesTheRankFromTheEnvironment) {
+  GroupFlags flags;
+  flags.size = 2;
+  for (const int rank : {-5, -2, -100}) {
+    flags.rank = rank;
+    const auto refused = server::ResolveGroupConfig(flags, {{"RANK", "1"}});
+    ASSERT_FALSE(refused.ok()) << rank;
+    EXPECT_EQ(refused.status().message(),
+              absl::StrCat("--group_rank: expected a rank in [0, 2) or -1 (RANK from the "
+                           "environment); got ",
+                           rank));
+  }
+  flags.rank = -1;
+  auto from_env = server::ResolveGroupConfig(flags, {{"RANK", "1"}});
+  ASSERT_TRUE(from_env.ok()) << from_env.status();
+  EXPECT_EQ(from_env->rank, 1);
+  EXPECT_EQ(server::ResolveGroupConfig(flags, {{"RANK", "-5"}}).status().message(),
+            "RANK: expected a rank in [0, 2); got -5");
+  EXPECT_EQ(server::ResolveGroupConfig({}, {{"WORLD_SIZE", "0"}}).status().message(),
+            "WORLD_SIZE: expected at least 1 process; got 0");
+}
+
+// A store reached (or listening) beyond loopback needs a secret, or the operator's word that
+// the network is trusted; on loopback the log is checked but not authenticated.
+TEST(GroupPlaneTest, AStoreBeyondLoopbackNeedsASecret) {
+  GroupConfig config;
+  config.size = 2;
+  EXPECT_TRUE(server::CheckGroupPlane(config).ok());  // 127.0.0.1
+  for (const auto& [host, bind] : std::vector<std::pair<std::string, std::string>>{
+           {"10.0.0.7", ""}, {"127.0.0.1", "0.0.0.0"}, {"rank0.example", ""}, {"::1", "::"}}) {
+    config.store_host = host;
+    config.store_bind = bind;
+    const absl::Status refused = server::CheckGroupPlane(config);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << host << " " << bind;
+    EXPECT_TRUE(absl::StartsWith(refused.message(),
+                                 "--group_secret_file: expected the group's secret"))
+        << refused;
+    config.secret = "0123456789abcdef";
+    EXPECT_TRUE(server::CheckGroupPlane(config).ok());
+    config.secret.clear();
+    config.trusted_network = true;
+    EXPECT_TRUE(server::CheckGroupPlane(config).ok());
+    config.trusted_network = false;
+  }
+  config.size = 1;  // no group, no store
+  EXPECT_TRUE(server::CheckGroupPlane(config).ok());
 }
 
 // ProcessGroupNCCL on one GPU: the group of one that a CUDA server builds.

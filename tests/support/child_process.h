@@ -2,6 +2,7 @@
 // their output read line by line until they say they are ready, and killed when the test ends.
 #pragma once
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
@@ -122,8 +123,24 @@ class ServerProcess : public ChildProcess {
   }
 };
 
+// A file holding a head group's secret for the groups this test process starts (written once,
+// readable by this user only).
+inline std::string GroupSecretFile() {
+  const std::string path = "/tmp/remotehead_group_secret_" + std::to_string(getpid());
+  if (access(path.c_str(), R_OK) != 0) {
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    const std::string secret = "test-group-secret-" + std::to_string(getpid()) + "-0123456789";
+    if (fd >= 0) {
+      if (write(fd, secret.data(), secret.size()) < 0) perror("GroupSecretFile");
+      close(fd);
+    }
+  }
+  return path;
+}
+
 // The ranks of a head group of remotehead-server processes on loopback: `argv` is every rank's
-// command line, to which the group flags (size, rank, a store on a free port) are added. Every
+// command line, to which the group flags (size, rank, a store on a free port, the secret of
+// GroupSecretFile) are added. Every
 // rank is started before any is waited for (each waits for the others to join), then each is
 // read until it listens (its ready_line()) or ends (its ready_line() then has no port).
 inline std::vector<std::unique_ptr<ChildProcess>> StartHeadGroup(
@@ -135,6 +152,7 @@ inline std::vector<std::unique_ptr<ChildProcess>> StartHeadGroup(
     args.push_back("--group_size=" + std::to_string(size));
     args.push_back("--group_rank=" + std::to_string(rank));
     args.push_back(store);
+    args.push_back("--group_secret_file=" + GroupSecretFile());
     ranks.push_back(std::make_unique<ChildProcess>(args, [](const std::string& line) {
       return line.find("joining head group") != std::string::npos;
     }));

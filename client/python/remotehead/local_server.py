@@ -14,9 +14,12 @@ the front, rank 0):
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import socket
 import subprocess
+import tempfile
 from typing import List, Optional, Sequence
 
 
@@ -83,14 +86,25 @@ def free_port() -> int:
 
 class LocalHeadGroup:
     """`size` remotehead-server processes forming one head group on loopback (Gloo); `target`
-    is the front's address, the only one clients use."""
+    is the front's address, the only one clients use. The group's command log is sealed with a
+    fresh secret (a file readable by this user only, removed with the group) unless
+    `secret_file` names one, or is "" for none."""
 
     def __init__(self, binary: str, size: int, args: Sequence[str] = ("--device=cpu",),
-                 timeout_seconds: float = 30.0):
-        store = f"127.0.0.1:{free_port()}"
+                 timeout_seconds: float = 30.0, secret_file: Optional[str] = None):
+        self.store_port = free_port()
+        store = f"127.0.0.1:{self.store_port}"
+        self._secret_dir = None
+        if secret_file is None:
+            self._secret_dir = tempfile.TemporaryDirectory(prefix="remotehead-group-")
+            secret_file = os.path.join(self._secret_dir.name, "secret")
+            with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(secrets.token_hex(32))
+        secret = [f"--group_secret_file={secret_file}"] if secret_file else []
         self.ranks = [LocalServer(binary, [*args, f"--group_size={size}", f"--group_rank={r}",
                                            f"--group_store={store}",
-                                           f"--group_timeout_seconds={timeout_seconds}"])
+                                           f"--group_timeout_seconds={timeout_seconds}",
+                                           *secret])
                       for r in range(size)]
         self.target = ""
 
@@ -108,7 +122,10 @@ class LocalHeadGroup:
         for rank in self.ranks:
             if rank.process is not None:
                 rank.process.terminate()
-        return [rank.stop(timeout) for rank in self.ranks]
+        codes = [rank.stop(timeout) for rank in self.ranks]
+        if self._secret_dir is not None:
+            self._secret_dir.cleanup()
+        return codes
 
     def __enter__(self) -> "LocalHeadGroup":
         return self.start()

@@ -12,7 +12,7 @@
 // - Writes are atomic: a temporary file in the target's directory (O_CREAT | O_EXCL, 0644), fsync,
 //   renameat over the target, fsync of the directory. Any failure removes the temporary file and
 //   leaves the previous target as it was. An existing target is replaced only if the caller's
-//   check accepts it.
+//   check accepts it. A crash can leave the temporary file: RemoveTemporaryFiles cleans them.
 //
 // Every status names the caller's field (e.g. "safetensors.path") and the relative path; none
 // carries bytes read from a file.
@@ -24,6 +24,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -61,6 +62,13 @@ class CheckpointFile {
   std::string where_;
 };
 
+// An entry of a directory as lstat sees it (a link is a link, never what it points to).
+struct DirEntry {
+  enum class Kind { kRegular, kDirectory, kLink, kOther };
+  std::string name;
+  Kind kind = Kind::kOther;
+};
+
 class CheckpointDir {
  public:
   // Opens the operator's directory `root` (it may itself be reached through links: the operator
@@ -93,6 +101,21 @@ class CheckpointDir {
       std::string_view relative, std::string_view field,
       const std::function<absl::Status(const CheckpointFile& existing)>& may_replace,
       const std::function<absl::Status(CheckpointFile& out)>& write) const;
+
+  // Creates the directory `relative` (its parent must exist) unless it is one already;
+  // PERMISSION_DENIED for a link there, FAILED_PRECONDITION for another kind of file.
+  absl::Status MakeDirectory(std::string_view relative, std::string_view field) const;
+  // The entries of the directory `relative` ("" : the root itself), reached without links.
+  absl::StatusOr<std::vector<DirEntry>> List(std::string_view relative,
+                                             std::string_view field) const;
+  // Removes the file (or link: never what it points to) `relative`; NOT_FOUND if it is gone.
+  absl::Status Remove(std::string_view relative, std::string_view field) const;
+  // Removes the directory `relative` with the files and links in it (not its subdirectories).
+  absl::Status RemoveDirectory(std::string_view relative, std::string_view field) const;
+  // Removes the temporary files that writes interrupted by a crash left in the directory
+  // `relative` ("" : the root); returns how many.
+  absl::StatusOr<int> RemoveTemporaryFiles(std::string_view relative,
+                                           std::string_view field) const;
 
  private:
   CheckpointDir(int fd, std::string root) : fd_(fd), root_(std::move(root)) {}

@@ -3,12 +3,34 @@
 // is how every rank executes the same operations in the same order, so that the collectives
 // inside them pair up.
 //
-// Keys (under the group's command prefix): "cmd/<seq>" holds command <seq>, "reply/<seq>/<rank>"
-// a rank's reply. The front removes both once every reply is in.
+// The store (c10d's TCPStore) has no authentication: anyone who reaches its port can read, write
+// and delete keys. So every entry is sealed with an HMAC-SHA256 under the group's secret
+// (--group_secret_file) over its kind, the group's session, its sequence number and its content:
+//   - the session is fixed when the log opens: every rank publishes a fresh random nonce (sealed
+//     too) and the session is the hash of every rank's nonce, so an entry recorded from an earlier
+//     run of the group never verifies in this one;
+//   - a command binds its sequence number; a reply binds the command's sequence number, the
+//     replying rank and the command's own seal, so a reply answers exactly one command;
+//   - an entry that does not verify (forged, garbage, or an authentic one copied to another key:
+//     a replay) is refused, logged and never executed; the reader waits for a valid entry at that
+//     key until its deadline;
+//   - an authentic reply to another command at this command's key means the log diverged: the
+//     front fails the command UNAVAILABLE, which takes the group down (head_group.h).
+// Without a secret (a group on loopback only), the seals use an empty key: entries are still
+// checked for order, session and integrity, but any local process could forge them.
+//
+// Keys (under the group's command prefix): "hello/<rank>" the ranks' nonces, "cmd/<seq>" command
+// <seq>, "reply/<seq>/<rank>" a rank's reply (the front removes both once every reply is in), and
+// "down": the front's declaration that the group is down, with its reason (every other rank
+// leaves the group when it sees it, instead of running a command the front gave up on).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -25,33 +47,70 @@ struct GroupReply {
 
 class GroupLog {
  public:
-  explicit GroupLog(ProcessGroup* group) : group_(group) {}
+  // `secret`: the group's shared secret (empty: none, see above). Refused entries are logged to
+  // `log` (nullptr: not logged), one line each.
+  explicit GroupLog(ProcessGroup* group, std::string secret = "", std::ostream* log = nullptr);
+
+  // Publishes this rank's nonce and reads every other rank's (up to the group's timeout): the
+  // session every later entry is sealed under. Called by the first call below if not before.
+  // UNAVAILABLE naming the rank whose nonce did not come in time; PERMISSION_DENIED naming the
+  // rank whose nonce does not verify (the ranks' secrets differ).
+  absl::Status Open();
 
   // Front: appends `command`; returns its sequence number (0, 1, 2, … in append order).
   absl::StatusOr<int64_t> Append(const std::string& command);
   // Front: every other rank's reply to command `seq`, by rank (index r - 1 for rank r), waiting
-  // up to the group's timeout in all. A rank that does not reply in time makes it UNAVAILABLE
-  // naming the rank and the command; otherwise, once every reply is in, the first rank that
-  // replied with an error makes it that error, prefixed with the rank.
+  // up to `wait` in all. A rank without a valid reply in time makes it UNAVAILABLE naming the
+  // rank and the command; an authentic reply to another command makes it UNAVAILABLE saying the
+  // log diverged; otherwise, once every reply is in, the first rank that replied with an error
+  // makes it that error, prefixed with the rank.
+  absl::StatusOr<std::vector<std::string>> AwaitReplies(int64_t seq,
+                                                        std::chrono::milliseconds wait);
+  // As above, waiting up to the group's timeout.
   absl::StatusOr<std::vector<std::string>> AwaitReplies(int64_t seq);
+  // Front: records that the group is down because of `reason` (every other rank leaves).
+  absl::Status DeclareDown(const std::string& reason);
 
-  // Other ranks: the next command, waiting up to `wait`; DEADLINE_EXCEEDED if none came in time
-  // (the caller may check for shutdown and ask again), UNAVAILABLE if the store (served by rank
-  // 0) is gone.
+  // Other ranks: the next valid command, waiting up to `wait`; DEADLINE_EXCEEDED if none came in
+  // time (the caller may check for shutdown and ask again), UNAVAILABLE if the store (served by
+  // rank 0) is gone.
   absl::StatusOr<std::string> Next(std::chrono::milliseconds wait);
   // Other ranks: the reply to the command that Next() last returned.
   absl::Status Reply(const GroupReply& reply);
+  // Other ranks: the front's declaration that the group is down (its reason), if it made one.
+  absl::StatusOr<std::optional<std::string>> DownDeclared();
 
   int64_t next_seq() const { return next_; }
 
  private:
+  // The value at `key` that `accept` takes, waiting until `deadline`. `accept` returns OK, or
+  // PERMISSION_DENIED for an entry to refuse (logged once, then the key is read again until
+  // its value changes), or any other error to return at once (a divergence). `refused` keeps
+  // the refused value between calls. DEADLINE_EXCEEDED when no valid value came in time.
+  absl::StatusOr<std::string> ReadValid(
+      const std::string& key, std::chrono::steady_clock::time_point deadline,
+      const std::function<absl::Status(const std::string&)>& accept, std::string* refused);
+  void LogRefused(const std::string& key, const absl::Status& verdict);
+
   ProcessGroup* group_;
+  const std::string secret_;
+  std::ostream* log_;
+  std::optional<std::string> session_;  // set by Open()
   int64_t next_ = 0;  // front: the next command's seq; other ranks: the next one to take
+  std::map<int64_t, std::string> command_seals_;  // front: of commands awaiting their replies
+  std::string taken_seal_;                        // other ranks: of the command last taken
+  std::string refused_command_;  // other ranks: the refused value at cmd/<next_>, if any
+  std::string refused_down_;     // other ranks: a refused value at "down", if any
 };
 
-// A reply as stored: the status code, the message and the payload (what tests and the front
-// decode; exposed for tests).
+// A reply's status and payload as sealed in the log (exposed for tests).
 std::string EncodeReply(const GroupReply& reply);
 absl::StatusOr<GroupReply> DecodeReply(const std::string& bytes);
+
+// The group's secret from `path` (--group_secret_file, chosen by the operator, so it may be
+// reached through links, as Kubernetes mounts secrets): a regular file (checked before it is
+// opened: a FIFO never blocks the start) of 16 to 4096 bytes once surrounding whitespace is
+// trimmed. INVALID_ARGUMENT naming the flag otherwise.
+absl::StatusOr<std::string> ReadGroupSecret(const std::string& path);
 
 }  // namespace remotehead::server

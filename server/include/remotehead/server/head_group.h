@@ -11,7 +11,14 @@
 //     a stale weight version) happens on every rank alike, before any collective;
 //   - a transport failure (a rank died, hung or left) takes the group down for good: c10d cannot
 //     resume a group after a lost rank. Health turns NOT_SERVING on every rank that sees it and
-//     every later call is UNAVAILABLE naming the failure; restart the group's processes.
+//     every later call is UNAVAILABLE naming the failure; restart the group's processes;
+//   - a failure is reported within one --group_timeout_seconds: once this rank's own part of a
+//     command failed on the transport, the other ranks' replies get a short grace, not a fresh
+//     timeout;
+//   - the front declares the group down in the log (GroupLog::DeclareDown); every other rank
+//     leaves when it sees that, before running anything more (a rank that was stopped and
+//     continued never runs the command the front gave up on), and a rank that is down itself
+//     runs nothing more: it answers every command UNAVAILABLE.
 #pragma once
 
 #include <torch/torch.h>
@@ -21,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -35,7 +43,13 @@ namespace remotehead::server {
 
 class HeadGroup {
  public:
-  explicit HeadGroup(std::unique_ptr<ProcessGroup> group);
+  // `secret`: the group's (GroupConfig::secret); refused log entries and the group going down
+  // are logged to `log` (nullptr: not logged).
+  explicit HeadGroup(std::unique_ptr<ProcessGroup> group, std::string secret = "",
+                     std::ostream* log = nullptr);
+
+  // Opens the group's command log (every rank's nonce: GroupLog::Open) before it serves.
+  absl::Status Open() { return Check(log_.Open()); }
 
   int rank() const { return group_->rank(); }
   int size() const { return group_->size(); }
@@ -77,7 +91,8 @@ class HeadGroup {
   int64_t NewSession() { return next_session_.fetch_add(1); }
 
   // Other ranks: takes commands in order and runs `execute` on each, replying with its status,
-  // until `stop` is set (OK) or the front is gone (UNAVAILABLE saying so).
+  // until `stop` is set (OK) or the front is gone or declared the group down (UNAVAILABLE
+  // saying so).
   absl::Status Follow(const std::function<absl::Status(const v1::GroupCommand&)>& execute,
                       const std::atomic<bool>& stop);
 
@@ -90,12 +105,17 @@ class HeadGroup {
                                            const std::vector<core::ShardRange>& ranges);
 
  private:
-  // Takes the group down with `failure` if it is a transport failure; returns `failure`.
+  // Takes the group down with `failure` if it is a transport failure (the front also declares
+  // it in the log); returns `failure`.
   absl::Status Check(absl::Status failure);
+  // Other ranks: UNAVAILABLE (and this rank down) once the front declared the group down or is
+  // gone; OK otherwise.
+  absl::Status CheckFront();
   // Runs `part` (this rank's part of `command`) and reports its time to the observer.
   absl::Status Timed(const v1::GroupCommand& command, const std::function<absl::Status()>& part);
 
   std::unique_ptr<ProcessGroup> group_;
+  std::ostream* event_log_;
   GroupLog log_;
   std::mutex lane_;
   std::atomic<int64_t> next_session_{1};

@@ -22,6 +22,13 @@ struct GroupConfig {
   int rank = 0;
   std::string store_host = "127.0.0.1";  // rank 0 serves the TCPStore here; the others dial it
   int store_port = 29500;
+  // The address rank 0's store listens on (empty: store_host's); never every interface unless
+  // it says so ("0.0.0.0" / "::").
+  std::string store_bind;
+  // The group's shared secret, sealing every entry of its command log (group_log.h); empty:
+  // none, accepted on loopback or with trusted_network only (CheckGroupPlane).
+  std::string secret;
+  bool trusted_network = false;  // --group_trusted_network
   // How long a collective or a store read waits for the other ranks before failing.
   std::chrono::milliseconds timeout = std::chrono::seconds(60);
   torch::Device device = torch::kCPU;  // CPU: Gloo; CUDA: NCCL on this device
@@ -34,12 +41,20 @@ struct GroupConfig {
 // --group_timeout_seconds <= 0.
 struct GroupFlags {
   int size = 0;       // 0: from WORLD_SIZE, else 1 (no group)
-  int rank = -1;      // -1: from RANK
+  int rank = -1;      // -1: from RANK (any other negative rank is refused)
   std::string store;  // host:port; empty: MASTER_ADDR:MASTER_PORT
   double timeout_seconds = 60;
+  std::string store_bind;  // --group_store_bind (empty: the host of the store's address)
 };
 absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
                                                const std::map<std::string, std::string>& env);
+
+// The group plane's exposure rule: a group whose store is reached (or listens) beyond loopback
+// needs a secret (--group_secret_file) unless the operator says that its network is trusted
+// (--group_trusted_network). INVALID_ARGUMENT naming --group_secret_file otherwise.
+absl::Status CheckGroupPlane(const GroupConfig& config);
+// Whether `host` names the loopback interface (localhost, 127.0.0.0/8, ::1).
+bool IsLoopbackHost(const std::string& host);
 
 // Bytes this rank's collectives handed to and received from the transport, by operation.
 struct CollectiveBytes {
@@ -50,8 +65,10 @@ struct CollectiveBytes {
 
 class ProcessGroup : public core::GroupCollectives {
  public:
-  // Joins the group: rank 0 starts the store and every rank waits (up to config.timeout) for
-  // the others. UNAVAILABLE / DEADLINE_EXCEEDED naming what did not answer.
+  // Joins the group: rank 0 starts the store, listening on config.store_bind (else the store's
+  // host) only, and every rank waits (up to config.timeout) for the others. UNAVAILABLE /
+  // DEADLINE_EXCEEDED naming what did not answer; UNAVAILABLE naming --group_store(_bind) when
+  // rank 0 cannot listen there.
   static absl::StatusOr<std::unique_ptr<ProcessGroup>> Join(const GroupConfig& config);
   ~ProcessGroup() override = default;
 
@@ -64,6 +81,8 @@ class ProcessGroup : public core::GroupCollectives {
   virtual absl::StatusOr<std::string> Get(const std::string& key,
                                           std::chrono::milliseconds timeout) = 0;
   virtual absl::Status Delete(const std::string& key) = 0;
+  // Whether `key` exists now (no waiting).
+  virtual absl::StatusOr<bool> Exists(const std::string& key) = 0;
 
   // Every rank's `t` (same shape and dtype on all ranks) stacked by rank, [size, t.shape…], on
   // rank `root`; an undefined tensor on the other ranks.

@@ -3,6 +3,13 @@
 // while saving leaves the previous state intact; the newest state of each head is restored
 // when the server starts. Layout: <dir>/<head id, %-escaped>/<state id>.safetensors, the
 // format of core/head_state.h.
+//
+// Inside the directory, the rules of --checkpoint_dir apply (core::CheckpointDir): no symbolic
+// link is followed (a head's directory or a state that is a link is refused, for reading and
+// for writing), only regular files are opened, and they are checked before they are opened (a
+// FIFO never blocks a start or a restore). Temporary files that crashed saves left are removed
+// when the store opens. Messages name files relative to the directory, never by the server's
+// absolute path.
 #pragma once
 
 #include <memory>
@@ -11,19 +18,24 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/head_state.h"
 
 namespace remotehead::server {
 
 class StateStore {
  public:
-  // `dir` is created if missing. `keep`: states kept per head (older ones are deleted) — the
-  // newest periodic ones and those a trainer checkpoint refers to alike, so keep at least as
-  // many as the trainer keeps checkpoints.
+  // `dir` is created if missing (it may itself be reached through links: the operator chose
+  // it). `keep`: states kept per head (older ones are deleted) — the newest periodic ones and
+  // those a trainer checkpoint refers to alike, so keep at least as many as the trainer keeps
+  // checkpoints.
   static absl::StatusOr<std::unique_ptr<StateStore>> Open(const std::string& dir, int keep);
 
   // A fresh state id: ordered by creation time, unique.
   static std::string NewStateId();
+  // INVALID_ARGUMENT naming `field` for a head id whose states could not be saved: its
+  // directory's name (the id %-escaped) would exceed a file name's 255 bytes.
+  static absl::Status CheckHeadId(const std::string& head_id, const std::string& field);
 
   // Writes `state` (under state.head_id / state.state_id), then deletes the head's states
   // beyond `keep`.
@@ -33,20 +45,27 @@ class StateStore {
   absl::StatusOr<core::HeadState> Load(const std::string& head_id,
                                        const std::string& state_id) const;
   // The newest state of every head in the directory: what a starting server restores.
-  // DATA_LOSS naming the file if one of them cannot be loaded whole.
+  // DATA_LOSS naming the file if one of them cannot be loaded whole; PERMISSION_DENIED /
+  // INVALID_ARGUMENT naming the entry for a link or a file that is not a regular one.
   absl::StatusOr<std::vector<core::HeadState>> LoadNewest() const;
   // Deletes every state of the head (it was dropped).
   void Remove(const std::string& head_id);
 
   const std::string& dir() const { return dir_; }
+  // Temporary files of interrupted saves that Open removed.
+  int removed_temporary_files() const { return removed_temporary_files_; }
 
  private:
-  StateStore(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) {}
-  std::string HeadDir(const std::string& head_id) const;
-  std::vector<std::string> StateIds(const std::string& head_dir) const;  // oldest first
+  StateStore(std::string dir, int keep, std::shared_ptr<const core::CheckpointDir> root)
+      : dir_(std::move(dir)), keep_(keep), root_(std::move(root)) {}
+  // The states in the head directory `head_dir` (relative), oldest first.
+  absl::StatusOr<std::vector<std::string>> StateIds(const std::string& head_dir) const;
+  absl::StatusOr<core::HeadState> Read(const std::string& relative, const std::string& field) const;
 
   const std::string dir_;
   const int keep_;
+  const std::shared_ptr<const core::CheckpointDir> root_;
+  int removed_temporary_files_ = 0;
   mutable std::mutex mu_;  // one writer at a time per store
 };
 

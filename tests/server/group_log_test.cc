@@ -1,0 +1,306 @@
+// The head group's command log against a stranger who can read, write and delete the store's
+// keys (as anyone who reaches a TCPStore can): a forged, garbage or replayed command is refused
+// and logged, never taken; a forged or replayed reply is never taken as a rank's answer (so a
+// stale reply is never the answer to the next command); an entry recorded from an earlier run of
+// the group never verifies; a command deleted before it was taken fails the front naming the rank;
+// ranks with different secrets do not open the log; the front's "down" declaration reaches the others and a
+// forged one is refused. The store is an in-memory one shared by threads (the collectives are not
+// used); process_group_test and group_plane_test run the same log over c10d's TCPStore.
+#include "remotehead/server/group_log.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace remotehead::server {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr char kSecret[] = "a-secret-of-the-group-0123456789";
+
+// The keys of one store, shared by every rank of a group and by the stranger.
+class MemoryStore {
+ public:
+  void Set(const std::string& key, const std::string& value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    values_[key] = value;
+    changed_.notify_all();
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!changed_.wait_for(lock, timeout, [&] { return values_.count(key) > 0; })) {
+      return absl::DeadlineExceededError(absl::StrCat("store get \"", key, "\": timed out"));
+    }
+    return values_.at(key);
+  }
+  std::optional<std::string> Peek(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = values_.find(key);
+    return it == values_.end() ? std::nullopt : std::optional<std::string>(it->second);
+  }
+  void Delete(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    values_.erase(key);
+  }
+  bool Exists(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return values_.count(key) > 0;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::map<std::string, std::string> values_;
+};
+
+// One rank's view of the group: the store only (the log uses nothing else).
+class StoreOnlyGroup final : public ProcessGroup {
+ public:
+  StoreOnlyGroup(MemoryStore* store, int rank, int size) : store_(store) {
+    config_.rank = rank;
+    config_.size = size;
+    config_.timeout = milliseconds(2000);
+  }
+  int rank() const override { return config_.rank; }
+  int size() const override { return config_.size; }
+  const GroupConfig& config() const override { return config_; }
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    store_->Set(key, value);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, milliseconds timeout) override {
+    return store_->Get(key, timeout);
+  }
+  absl::Status Delete(const std::string& key) override {
+    store_->Delete(key);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> Exists(const std::string& key) override { return store_->Exists(key); }
+  absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor&) override { return Unused(); }
+  absl::Status ReduceSum(torch::Tensor&, int) override { return Unused(); }
+  absl::Status Broadcast(torch::Tensor&, int) override { return Unused(); }
+  absl::StatusOr<torch::Tensor> Gather(const torch::Tensor&, int) override { return Unused(); }
+  std::map<std::string, CollectiveBytes> Bytes() const override { return {}; }
+
+ private:
+  static absl::Status Unused() { return absl::UnimplementedError("no collectives here"); }
+  MemoryStore* store_;
+  GroupConfig config_;
+};
+
+// A front (rank 0) and a follower (rank 1) on one store, their logs open.
+struct Pair {
+  explicit Pair(MemoryStore* store, const std::string& front_secret = kSecret,
+                const std::string& follower_secret = kSecret)
+      : front_group(store, 0, 2),
+        follower_group(store, 1, 2),
+        front(&front_group, front_secret, &front_log),
+        follower(&follower_group, follower_secret, &follower_log) {}
+
+  // Both logs opened together (each waits for the other's nonce).
+  std::pair<absl::Status, absl::Status> Open() {
+    auto other = std::async(std::launch::async, [&] { return follower.Open(); });
+    const absl::Status mine = front.Open();
+    return {mine, other.get()};
+  }
+
+  StoreOnlyGroup front_group, follower_group;
+  std::ostringstream front_log, follower_log;
+  GroupLog front, follower;
+};
+
+TEST(GroupLogTest, CommandsAndRepliesRoundTripInOrder) {
+  MemoryStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  for (int i = 0; i < 3; ++i) {
+    const std::string command = absl::StrCat("command ", i);
+    auto seq = p.front.Append(command);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    EXPECT_EQ(*seq, i);
+    auto taken = p.follower.Next(milliseconds(500));
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    EXPECT_EQ(*taken, command);
+    ASSERT_TRUE(p.follower.Reply({absl::OkStatus(), "did " + command}).ok());
+    auto replies = p.front.AwaitReplies(*seq);
+    ASSERT_TRUE(replies.ok()) << replies.status();
+    EXPECT_EQ(*replies, std::vector<std::string>{"did " + command});
+  }
+  EXPECT_EQ(p.front_log.str(), "");
+  EXPECT_EQ(p.follower_log.str(), "");
+}
+
+TEST(GroupLogTest, AStrangersCommandIsRefusedAndLoggedNeverTaken) {
+  MemoryStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  // What a stranger can write: garbage, and an unsealed command at the key the follower reads.
+  for (const std::string& forged : {std::string("x"), std::string(200, 'A'),
+                                   std::string("\x0a\x05\x0a\x03""evil", 9)}) {
+    store.Set("cmd/0", forged);
+    const auto taken = p.follower.Next(milliseconds(100));
+    EXPECT_EQ(taken.status().code(), absl::StatusCode::kDeadlineExceeded) << taken.status();
+  }
+  EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "refused the entry at \"cmd/0\""))
+      << p.follower_log.str();
+  // The front's own command at that key is then taken, as command 0.
+  auto seq = p.front.Append("real");
+  ASSERT_TRUE(seq.ok());
+  auto taken = p.follower.Next(milliseconds(500));
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(*taken, "real");
+}
+
+TEST(GroupLogTest, AReplayedCommandIsRefused) {
+  MemoryStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  ASSERT_TRUE(p.front.Append("zero gradients").ok());
+  const std::string recorded = *store.Peek("cmd/0");
+  ASSERT_EQ(*p.follower.Next(milliseconds(500)), "zero gradients");
+  ASSERT_TRUE(p.follower.Reply({}).ok());
+  ASSERT_TRUE(p.front.AwaitReplies(0).ok());
+  // The authentic command 0, copied where command 1 goes: refused, not run twice.
+  store.Set("cmd/1", recorded);
+  EXPECT_EQ(p.follower.Next(milliseconds(100)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "a replay")) << p.follower_log.str();
+}
+
+TEST(GroupLogTest, AForgedOrStaleReplyIsNeverTheAnswer) {
+  MemoryStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  ASSERT_TRUE(p.front.Append("first").ok());
+  ASSERT_TRUE(p.follower.Next(milliseconds(500)).ok());
+  ASSERT_TRUE(p.follower.Reply({absl::OkStatus(), "answer to first"}).ok());
+  const std::string stale = *store.Peek("reply/0/1");
+  ASSERT_TRUE(p.front.AwaitReplies(0).ok());
+
+  // Command 1: before the follower answers, a stranger puts an OK reply there (unsealed), then
+  // the follower's stale reply to command 0. Neither is taken: the front waits for the real one.
+  ASSERT_TRUE(p.front.Append("second").ok());
+  store.Set("reply/1/1", "0:0:");
+  auto early = p.front.AwaitReplies(1, milliseconds(150));
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable) << early.status();
+  EXPECT_TRUE(absl::StrContains(early.status().message(), "rank 1 of 2 did not reply"));
+  ASSERT_TRUE(p.front.Append("third").ok());
+  store.Set("reply/2/1", stale);
+  EXPECT_EQ(p.front.AwaitReplies(2, milliseconds(150)).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(p.front_log.str(), "refused the entry at \"reply/1/1\""));
+  EXPECT_TRUE(absl::StrContains(p.front_log.str(), "refused the entry at \"reply/2/1\""));
+}
+
+TEST(GroupLogTest, TheRealReplyIsTakenAfterARefusedOne) {
+  MemoryStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  ASSERT_TRUE(p.front.Append("step").ok());
+  store.Set("reply/0/1", "0:0:forged");
+  auto replies = std::async(std::launch::async, [&] { return p.front.AwaitReplies(0); });
+  std::this_thread::sleep_for(milliseconds(100));
+  ASSERT_EQ(*p.follower.Next(milliseconds(500)), "step");
+  ASSERT_TRUE(p.follower.Reply({absl::InvalidArgumentError("bad step"), "real"}).ok());
+  const auto got = replies.get();
+  EXPECT_EQ(got.status(), absl::InvalidArgumentError("head group rank 1: bad step"));
+}
+
+TEST(GroupLogTest, EntriesOfAnEarlierRunNeverVerify) {
+  MemoryStore earlier_store, store;
+  Pair earlier(&earlier_store);
+  ASSERT_EQ(earlier.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  ASSERT_TRUE(earlier.front.Append("create head").ok());
+  const std::string recorded = *earlier_store.Peek("cmd/0");
+
+  // The same group (same secret) started again: the recorded command 0 is refused.
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  store.Set("cmd/0", recorded);
+  EXPECT_EQ(p.follower.Next(milliseconds(100)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "does not verify"));
+}
+
+TEST(GroupLogTest, ACommandDeletedBeforeTheFollowerTookItFailsTheFrontNamingTheRank) {
+  MemoryStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  ASSERT_TRUE(p.front.Append("zero gradients").ok());
+  store.Delete("cmd/0");  // the stranger's doing: the follower never sees it
+  EXPECT_EQ(p.follower.Next(milliseconds(100)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  const auto replies = p.front.AwaitReplies(0, milliseconds(200));
+  EXPECT_EQ(replies.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(replies.status().message(),
+                                "rank 1 of 2 did not reply to command 0"))
+      << replies.status();
+}
+
+TEST(GroupLogTest, RanksWithDifferentSecretsDoNotOpenTheLog) {
+  MemoryStore store;
+  Pair p(&store, kSecret, "another-secret-0123456789abcdef");
+  const auto [front, follower] = p.Open();
+  EXPECT_EQ(front.code(), absl::StatusCode::kPermissionDenied) << front;
+  EXPECT_TRUE(absl::StrContains(front.message(), "rank 1's nonce does not verify")) << front;
+  EXPECT_TRUE(absl::StrContains(front.message(), "--group_secret_file")) << front;
+  EXPECT_EQ(follower.code(), absl::StatusCode::kPermissionDenied) << follower;
+}
+
+TEST(GroupLogTest, TheFrontsDeclarationReachesTheOthersAndAForgedOneIsRefused) {
+  MemoryStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  auto none = p.follower.DownDeclared();
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  store.Set("down", "the stranger says so");
+  none = p.follower.DownDeclared();
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "refused the entry at \"down\""));
+  ASSERT_TRUE(p.front.DeclareDown("rank 1 of 2 did not reply to command 4").ok());
+  auto declared = p.follower.DownDeclared();
+  ASSERT_TRUE(declared.ok());
+  ASSERT_TRUE(declared->has_value());
+  EXPECT_EQ(**declared, "rank 1 of 2 did not reply to command 4");
+}
+
+TEST(GroupSecretTest, ReadsARegularFileAndRefusesEverythingElseWithoutBlocking) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("rh_secret_", getpid());
+  fs::create_directories(dir);
+  const auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir / name) << text;
+    return (dir / name).string();
+  };
+  auto secret = ReadGroupSecret(write("good", "  0123456789abcdef0123\n"));
+  ASSERT_TRUE(secret.ok()) << secret.status();
+  EXPECT_EQ(*secret, "0123456789abcdef0123");
+  const std::string fifo = (dir / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& bad : {write("short", "tooshort\n"), write("big", std::string(5000, 'x')),
+                                 fifo, dir.string(), (dir / "missing").string()}) {
+    const auto refused = ReadGroupSecret(bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StartsWith(refused.status().message(), "--group_secret_file: expected"))
+        << refused.status();
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace remotehead::server
