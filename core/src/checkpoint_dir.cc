@@ -193,7 +193,8 @@ absl::Status OpenParent(int root, std::string_view relative, const Naming& namin
 // A descriptor of the directory `relative` ("" : `root` itself), walked from `root` one
 // component at a time without following links.
 absl::StatusOr<int> OpenDirectory(int root, std::string_view relative, const Naming& naming) {
-  FdCloser current(::dup(root));
+  // A new open file description ("."), not a dup: a listing reads from its own offset.
+  FdCloser current(::openat(root, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (current.get() < 0) {
     return absl::InternalError(absl::StrCat(
         naming.where, ": cannot open the checkpoint directory (", std::strerror(errno), ")"));

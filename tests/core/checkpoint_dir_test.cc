@@ -338,6 +338,63 @@ TEST_F(CheckpointDirTest, AShardedIndexCannotPointOutside) {
   EXPECT_TRUE(core::ReadSafetensor(*dir_, index, "lm_head.weight").ok());
 }
 
+// The directory operations of the durable state store: listings see links as links (and read
+// the same entries each time), a directory is never made or removed through a link, and only our
+// own temporary files (what a crash mid-write leaves) are cleaned.
+TEST_F(CheckpointDirTest, DirectoryOperationsNeverFollowLinks) {
+  fs::create_symlink(base_ / "outside", Root() / "linked");
+  fs::create_symlink(base_ / "outside" / "secret.safetensors", Root() / "sub" / "file-link");
+  Text(Root() / "sub" / "real.safetensors", "real");
+  for (int listing = 0; listing < 2; ++listing) {
+    auto entries = dir_->List("", "f");
+    ASSERT_TRUE(entries.ok()) << entries.status();
+    std::map<std::string, core::DirEntry::Kind> kinds;
+    for (const auto& e : *entries) kinds[e.name] = e.kind;
+    EXPECT_EQ(kinds, (std::map<std::string, core::DirEntry::Kind>{
+                         {"sub", core::DirEntry::Kind::kDirectory},
+                         {"linked", core::DirEntry::Kind::kLink}}));
+  }
+  EXPECT_EQ(dir_->List("linked", "f").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(dir_->MakeDirectory("linked", "f").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(dir_->MakeDirectory("linked/new", "f").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_FALSE(fs::exists(base_ / "outside" / "new"));
+  EXPECT_TRUE(dir_->MakeDirectory("made", "f").ok());
+  EXPECT_TRUE(dir_->MakeDirectory("made", "f").ok());  // already one
+  EXPECT_TRUE(fs::is_directory(Root() / "made"));
+  EXPECT_EQ(dir_->MakeDirectory("sub/real.safetensors", "f").code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Removing a link removes the link, never what it names.
+  EXPECT_TRUE(dir_->Remove("sub/file-link", "f").ok());
+  EXPECT_TRUE(fs::exists(base_ / "outside" / "secret.safetensors"));
+  EXPECT_EQ(dir_->RemoveDirectory("linked", "f").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(fs::exists(base_ / "outside" / "secret.safetensors"));
+}
+
+TEST_F(CheckpointDirTest, TemporaryFilesOfCrashedWritesAreCleanedAndNothingElse) {
+  Text(Root() / "sub" / ".real.safetensors.tmp-4242-0", "partial");
+  Text(Root() / "sub" / ".real.safetensors.tmp-77-12", "partial");
+  Text(Root() / "sub" / ".hidden", "kept");
+  Text(Root() / "sub" / "notes.tmp-1-2", "kept: not ours (no leading dot)");
+  fs::create_symlink(base_ / "outside" / "secret.safetensors", Root() / "sub" / ".x.tmp-1-1");
+  auto removed = dir_->RemoveTemporaryFiles("sub", "f");
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, 2);
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(Root() / "sub")) left.insert(e.path().filename());
+  EXPECT_EQ(left, (std::set<std::string>{".hidden", "notes.tmp-1-2", ".x.tmp-1-1"}));
+  // A write's own temporary file is one of them (one home for the naming): what a crash in
+  // the middle of this write would leave is cleaned.
+  int during = -1;
+  const auto write = dir_->WriteAtomically(
+      "sub/w.safetensors", "f", [](const CheckpointFile&) { return absl::OkStatus(); },
+      [&](CheckpointFile&) {
+        during = dir_->RemoveTemporaryFiles("sub", "f").value_or(-1);
+        return absl::InternalError("stopped here");
+      });
+  EXPECT_FALSE(write.ok());
+  EXPECT_EQ(during, 1);
+}
+
 TEST_F(CheckpointDirTest, OpeningTheRootChecksItIsADirectory) {
   EXPECT_EQ(CheckpointDir::Open((base_ / "absent").string()).status().code(),
             absl::StatusCode::kNotFound);

@@ -12,6 +12,7 @@
 
 #include <limits>
 
+#include "absl/strings/match.h"
 #include "core/reference.h"
 #include "remotehead/core/call_plan.h"
 #include "remotehead/core/engine.h"
@@ -185,6 +186,45 @@ TEST(GenerationRefusals, NameTheFieldExpectedAndActual) {
       << group.status().message();
   // Nothing was accumulated by any refused call.
   EXPECT_EQ(grads.weight.abs().sum().item<double>(), 0.0);
+}
+
+// Logits that overflow (a head whose weights are too large, or a temperature that makes them
+// infinite) have no probabilities: every sampling mode refuses them naming the cause and the
+// row, instead of failing inside torch::multinomial.
+TEST(GenerationSample, NonFiniteLogitsAreRefusedNamingTheCause) {
+  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
+  const core::TokenBatch batch = Hidden(*head);
+  const std::vector<core::FunctionParams> modes = {
+      {{"top_p", 0.9}}, {{"top_k", 5.0}}, {{"greedy", 1.0}}, {}};
+  torch::NoGradGuard no_grad;
+  // Logits that only the temperature makes infinite (finite X·Wᵀ in row 2, divided by 1e-6):
+  // the request's parameter is named.
+  core::TokenBatch large = batch;
+  large.hidden = batch.hidden.clone();
+  large.hidden[2].fill_(1e35);
+  for (core::FunctionParams params : modes) {
+    params["temperature"] = 1e-6;
+    auto r = core::Forward(*head, large, Generation("sample", params));
+    ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(),
+                                  "got inf or nan in row 2 once divided by "
+                                  "params[\"temperature\"] = 1e-06"))
+        << r.status();
+  }
+  // Weights that overflow X·Wᵀ in row 4 only: the head is named, with the row.
+  core::TokenBatch one_big = batch;
+  one_big.hidden = batch.hidden.clone();
+  one_big.hidden[4].fill_(3e38);
+  for (const core::FunctionParams& params : modes) {
+    for (const int64_t chunk : {0, 2}) {
+      auto r = core::Forward(*head, one_big, Generation("sample", params, chunk));
+      ASSERT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+      EXPECT_TRUE(absl::StrContains(r.status().message(),
+                                    "got inf or nan in row 4: hidden[4] times the head's weights "
+                                    "overflows float32"))
+          << r.status();
+    }
+  }
 }
 
 TEST(GenerationMemory, TheModelCountsTheRowsOfLogits) {

@@ -2,7 +2,10 @@
 separate process as an operator would: heads / describe / save / drop / zero / health in text
 and --json, exit codes that follow the server's statuses (0, 5 NOT_FOUND, 9
 FAILED_PRECONDITION, 14 UNAVAILABLE, 16 UNAUTHENTICATED) with the server's message, usage
-errors 64, and TLS with a bearer token from a file.
+errors 64, and TLS with a bearer token from a file. Bad input from argv (bytes that are not
+UTF-8 included), $REMOTEHEAD_SERVER or the files the command line names ends with exit 64 and
+one line on stderr naming the argument, never a traceback nor a call with what gRPC would
+make of it.
 """
 
 import json
@@ -23,13 +26,15 @@ BINARY = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                         str(ROOT / "build" / "server" / "remotehead-server"))
 
 
-def cli(*args, server=None):
-    """Runs `python -m remotehead.cli`; (exit code, stdout, stderr)."""
+def cli(*args, server=None, env=None):
+    """Runs `python -m remotehead.cli` (arguments str or bytes, as argv may hold any bytes);
+    (exit code, stdout, stderr)."""
     argv = [sys.executable, "-m", "remotehead.cli"]
     if server is not None:
         argv += ["--server", server]
     result = subprocess.run(argv + list(args), capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "client" / "python")})
+                            env={**os.environ, **(env or {}),
+                                 "PYTHONPATH": str(ROOT / "client" / "python")})
     return result.returncode, result.stdout, result.stderr
 
 
@@ -134,3 +139,98 @@ def test_tls_and_token(tmp_path):
         assert code == 16, err  # UNAUTHENTICATED
         code, _, err = cli("--token-file", str(token), "heads", server=server.target)
         assert code == 64 and "--ca" in err  # a token is never sent in clear text
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Inputs an operator may get wrong: certificates, keys and tokens, good and bad."""
+    d = tmp_path_factory.mktemp("inputs")
+    cert, key = pki.self_signed_certificate(d)
+    other = d / "other"
+    other.mkdir()
+    _, other_key = pki.self_signed_certificate(other)
+    (d / "junk_pem").write_text("not a certificate\n")
+    (d / "latin1-token").write_bytes("jeton-\xe9t\xe9\n".encode("latin-1"))  # not UTF-8
+    (d / "spaced-token").write_text("two words\n")
+    (d / "empty-token").write_text(" \n")
+    os.mkfifo(d / "fifo")  # opening it would block until a writer came
+    return {"cert": str(cert), "key": str(key), "other_key": str(other_key), "dir": str(d),
+            **{name: str(d / name) for name in ("junk_pem", "latin1-token", "spaced-token",
+                                                 "empty-token", "fifo")}}
+
+
+# (arguments before the command, the command, what the one line must name). Files by key of
+# the `files` fixture ({cert}, ...). Nothing listens at the server they name: bad input must
+# be refused before any call (the code before this check exited 1 with a traceback, or 14
+# after calling a server made of what gRPC did with the input).
+BAD_INPUTS = {
+    "head id not UTF-8": ([], ["describe", b"\xff"], "ID: expected UTF-8 text; got b'\\xff'"),
+    "drop id not UTF-8": ([], ["drop", b"lm\xc3"], "ID: expected UTF-8"),
+    "zero id not UTF-8": ([], ["zero", b"\xfe"], "ID: expected UTF-8"),
+    "save path not UTF-8": ([], ["save", "lm", b"ckpt/\xff.safetensors"], "PATH: expected UTF-8"),
+    "weight name not UTF-8": ([], ["save", "lm", "x", "--weight-name", b"\xff"],
+                              "--weight-name: expected UTF-8"),
+    "token not UTF-8": (["--ca", "{cert}", "--token-file", "{latin1-token}"], ["heads"],
+                        "--token-file: expected one token of visible ASCII characters"),
+    "token with a space": (["--ca", "{cert}", "--token-file", "{spaced-token}"], ["heads"],
+                           "got byte 0x20 at offset 3"),
+    "token file empty": (["--ca", "{cert}", "--token-file", "{empty-token}"], ["heads"],
+                         "--token-file: expected one bearer token"),
+    "token file missing": (["--ca", "{cert}", "--token-file", "{dir}/none"], ["heads"],
+                           "--token-file: cannot read"),
+    "token file a FIFO": (["--ca", "{cert}", "--token-file", "{fifo}"], ["heads"],
+                          "--token-file: expected a regular file; got a special file"),
+    "token file a directory": (["--ca", "{cert}", "--token-file", "{dir}"], ["heads"],
+                               "--token-file: expected a regular file; got a directory"),
+    "CA not PEM": (["--ca", "{junk_pem}"], ["heads"], "--ca: expected PEM certificates"),
+    "CA a device": (["--ca", "/dev/zero"], ["heads"], "--ca: expected a regular file"),
+    "cert not PEM": (["--ca", "{cert}", "--cert", "{junk_pem}", "--key", "{key}"], ["heads"],
+                     "--cert: expected PEM certificates"),
+    "key not PEM": (["--ca", "{cert}", "--cert", "{cert}", "--key", "{junk_pem}"], ["heads"],
+                    "--key: expected an unencrypted PEM private key"),
+    "key of another cert": (["--ca", "{cert}", "--cert", "{cert}", "--key", "{other_key}"],
+                            ["heads"], "--key: expected the private key of the certificate"),
+    "client cert without TLS": (["--cert", "{cert}", "--key", "{key}"], ["heads"],
+                                "--cert and --key: expected --ca as well"),
+    "server not UTF-8": (["--server", b"\xff:1"], ["heads"], "--server: expected UTF-8"),
+    "server empty": (["--server", ""], ["health"], "--server: expected HOST:PORT"),
+    "server without port": (["--server", "127.0.0.1"], ["heads"], "--server: expected HOST:PORT"),
+    "server port too big": (["--server", "127.0.0.1:99999"], ["heads"],
+                            "--server: expected HOST:PORT"),
+    "server bad IPv6": (["--server", "[::1:1"], ["heads"], "--server: expected HOST:PORT"),
+    "timeout not a number": (["--timeout", "nan"], ["heads"],
+                             "--timeout: expected a positive number"),
+    "timeout negative": (["--timeout", "-1"], ["heads"], "--timeout: expected a positive number"),
+    "unknown command": ([], ["bogus"], "invalid choice"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_64(case, files):
+    before, command, named = BAD_INPUTS[case]
+    args = [a.format(**files) if isinstance(a, str) else a for a in before]
+    if "--server" not in args:
+        args = ["--server", f"127.0.0.1:{free_port()}"] + args
+    code, out, err = cli("--timeout", "5", *args, *command)
+    assert code == 64, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert named in err, err
+    assert out == ""
+
+
+def test_bad_input_from_the_environment_is_one_line_and_exit_64():
+    for value, named in ((b"\xffhost:1", "$REMOTEHEAD_SERVER: expected UTF-8 text"),
+                         (b"", "$REMOTEHEAD_SERVER: expected HOST:PORT")):
+        code, _, err = cli("heads", env={"REMOTEHEAD_SERVER": os.fsdecode(value)})
+        assert code == 64, err
+        assert len(err.splitlines()) == 1 and named in err, err
+
+
+def test_bad_input_with_json_is_one_json_document(files):
+    code, out, err = cli("--json", "--ca", files["cert"], "--token-file", files["latin1-token"],
+                         "describe", "lm", server=f"127.0.0.1:{free_port()}")
+    assert code == 64 and out == ""
+    error = json.loads(err)
+    assert error["code"] == "USAGE" and error["message"].startswith("--token-file:"), err
+    # The token is never shown, whatever is wrong with it.
+    assert "jeton" not in err

@@ -93,7 +93,13 @@ def test_compose_file_validates_for_each_profile(profile):
             assert f["--group_size"] == "2"
             assert f["--group_store"] == "remotehead-rank0:29500"
             assert f["--head"] == flags[0]["--head"]
+            # The store is beyond loopback: every rank seals the log with the shared secret.
+            assert f["--group_secret_file"] == "/run/secrets/remotehead-group-secret"
             assert "--state_dir" not in f
+        for s in PROFILE_SERVERS[profile]:
+            secrets = [x if isinstance(x, str) else x["source"] for x in services[s]["secrets"]]
+            assert secrets == ["remotehead-group-secret"]
+        assert config["secrets"]["remotehead-group-secret"]["file"].endswith("group-secret")
     for name in ("prometheus", "grafana"):
         for volume in config["services"][name]["volumes"]:
             source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]

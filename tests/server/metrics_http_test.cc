@@ -1,12 +1,16 @@
-// The /metrics HTTP server (MetricsHttpServer, civetweb) in a process that has loaded LibTorch
-// and its CUDA libraries (this binary links them, as the server does): concurrent scrapes, clients
-// that stall, a prompt stop, 404 / 405, the bearer token, and the exposure rule next to TLS.
+// The /metrics HTTP server (MetricsHttpServer) in a process that has loaded LibTorch and its CUDA
+// libraries (this binary links them, as the server does): concurrent scrapes, clients that stall,
+// hundreds of slow clients that trickle their requests and reconnect when dropped (a scrape is
+// still answered within Prometheus' timeout), the connection limit, a prompt stop, 404 / 405,
+// the bearer token, and the exposure rule next to TLS.
 #include "remotehead/server/metrics_http.h"
 
 #include <gtest/gtest.h>
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
 #include <prometheus/registry.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -106,6 +110,98 @@ TEST_F(MetricsHttpTest, AClientThatStallsDoesNotBlockAScrape) {
   ::close(unread);
 }
 
+// Slow clients, each trickling a request that never ends (a byte every 100 ms) and connecting
+// again as soon as it is dropped, on non-blocking sockets driven by one thread.
+class SlowClients {
+ public:
+  SlowClients(int port, int count) : port_(port), count_(count) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~SlowClients() {
+    stop_.store(true);
+    thread_.join();
+  }
+  int reconnects() const { return reconnects_.load(); }
+
+ private:
+  int Open() const {
+    const int fd = Connect(port_);
+    if (fd >= 0) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    return fd;
+  }
+  void Run() {
+    std::vector<int> fds(static_cast<size_t>(count_), -1);
+    const std::string trickle = "GET /metrics HTTP/1.1\r\nX-Slow: ";
+    std::vector<size_t> sent(fds.size(), 0);
+    while (!stop_.load()) {
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i] < 0) {
+          fds[i] = Open();
+          sent[i] = 0;
+          if (fds[i] >= 0 && i > 0) reconnects_.fetch_add(1);
+          continue;
+        }
+        const char byte = sent[i] < trickle.size() ? trickle[sent[i]] : 'x';
+        char sink[256];
+        const bool closed = ::recv(fds[i], sink, sizeof(sink), 0) == 0;
+        if (closed || ::send(fds[i], &byte, 1, MSG_NOSIGNAL) < 0) {
+          ::close(fds[i]);
+          fds[i] = -1;  // dropped by the server: connect again next round
+          continue;
+        }
+        ++sent[i];
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    for (const int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  const int port_;
+  const int count_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> reconnects_{0};
+  std::thread thread_;
+};
+
+TEST_F(MetricsHttpTest, ScrapesAreAnsweredPromptlyUnderManySlowClientsThatReconnect) {
+  auto server = MetricsHttpServer::Start(
+      {.address = "127.0.0.1:0", .bearer_token = kToken, .request_timeout_ms = 1000}, {registry_});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  SlowClients slow(port, 300);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // dropped once, back again
+  const std::string token = std::string("Authorization: Bearer ") + kToken + "\r\n";
+  for (int scrape = 0; scrape < 10; ++scrape) {
+    const auto start = Clock::now();
+    const Response response = Get(port, "/metrics", token);
+    EXPECT_EQ(response.status, 200) << response.text;
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(2)) << "scrape " << scrape;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_GT(slow.reconnects(), 0) << "no slow client was ever dropped (request timeout)";
+}
+
+TEST_F(MetricsHttpTest, AtTheConnectionLimitTheOldestStalledClientMakesRoom) {
+  auto server = MetricsHttpServer::Start({.address = "127.0.0.1:0", .max_connections = 8},
+                                         {registry_});
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::vector<int> stalled;
+  for (int i = 0; i < 40; ++i) {
+    const int fd = Connect((*server)->port());
+    ASSERT_GE(fd, 0);
+    ASSERT_GT(::send(fd, "GET", 3, MSG_NOSIGNAL), 0);
+    stalled.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto start = Clock::now();
+  const Response response = Get((*server)->port());
+  EXPECT_EQ(response.status, 200) << response.text;
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(2));
+  for (const int fd : stalled) ::close(fd);
+}
+
 TEST_F(MetricsHttpTest, ConcurrentScrapesAllSucceed) {
   auto server = Start();
   ASSERT_NE(server, nullptr);
@@ -129,7 +225,7 @@ TEST_F(MetricsHttpTest, StopIsPromptWithAnIdleConnectionOpen) {
   ASSERT_GE(idle, 0);
   ASSERT_GE(half, 0);
   ASSERT_GT(::send(half, "GET /metr", 9, MSG_NOSIGNAL), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // both are with workers now
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // both accepted by now
   const auto start = Clock::now();
   server.reset();
   EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(500));
@@ -155,7 +251,7 @@ TEST_F(MetricsHttpTest, NoScrapeReadsTheCollectablesOnceStopped) {
   EXPECT_EQ(Get(port).status, 200);
   EXPECT_EQ(counting->collections.load(), 1);
   server->reset();
-  // civetweb may still accept for a moment: it answers 503 or not at all, never with metrics.
+  // The port is closed: no answer at all, never metrics.
   const Response late = Get(port);
   EXPECT_NE(late.status, 200) << late.text;
   EXPECT_EQ(counting->collections.load(), 1);

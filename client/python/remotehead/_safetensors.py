@@ -10,6 +10,7 @@ padded with spaces to a multiple of 8, then the tensors' little-endian bytes.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from typing import Iterable, Tuple
 
@@ -18,6 +19,9 @@ import torch
 
 from remotehead import _wire
 from remotehead._errors import RemoteheadError
+
+# The format caps headers at 100 MB (safetensors' MAX_HEADER_SIZE).
+_MAX_HEADER_BYTES = 100_000_000
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
@@ -59,12 +63,48 @@ def write_rows(path: str, name: str, dtype: torch.dtype, shape: Tuple[int, int],
         return f.tell()
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The format's name of a torch dtype ("F32", "BF16", ...)."""
+    return _DTYPES[dtype]
+
+
 def read_header(path: str) -> dict:
     """The JSON header of a .safetensors file (its tensors' names, dtypes, shapes, offsets),
     without reading their data."""
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
+        return _header(f)[1]
+
+
+def read_complete_header(path: str) -> dict:
+    """read_header, after checking that the file is whole: exactly the bytes its header
+    describes (a file cut short by a crash, or with bytes after its data, is refused with a
+    ValueError saying how long it should be)."""
+    with open(path, "rb") as f:
+        length, header = _header(f)
+        size = os.fstat(f.fileno()).st_size
+    data = max((entry["data_offsets"][1] for key, entry in header.items()
+                if key != "__metadata__"), default=0)
+    if size != 8 + length + data:
+        raise ValueError(f"expected {8 + length + data} bytes (an 8-byte length, a {length}-byte "
+                         f"header and {data} bytes of data); got {size}")
+    return header
+
+
+def _header(f) -> Tuple[int, dict]:
+    """(header length, header) of the file open at its start; ValueError for a file too short
+    to hold its header or a header that is not a JSON object."""
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise ValueError(f"expected an 8-byte header length; got {len(prefix)} bytes")
+    (length,) = struct.unpack("<Q", prefix)
+    raw = f.read(min(length, _MAX_HEADER_BYTES + 1))
+    if length > _MAX_HEADER_BYTES or len(raw) != length:
+        raise ValueError(f"expected a header of {length} bytes (at most {_MAX_HEADER_BYTES}); "
+                         f"got {len(raw)}")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError(f"expected a JSON object as header; got {type(header).__name__}")
+    return length, header
 
 
 def tensor_bytes(header: dict) -> int:

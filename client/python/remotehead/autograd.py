@@ -174,6 +174,8 @@ class RemoteHead:
         _check_declared_upstream(options.upstream_scale, "upstream_scale")
         self.client = client
         self.head_id = head_id
+        # The head as this trainer last left it: info.weight_version is the version it holds
+        # (kept by every call here that moves it; a checkpoint's export is pinned to it).
         self.info: HeadInfo = client.describe_head(head_id)
         # Steps and optimizer steps carry the server process they belong to: once it restarted
         # they fail with ServerRestartedError instead of adding dW to a window that is gone.
@@ -323,7 +325,8 @@ class RemoteHead:
         state = self._local_state()
         if state is None or state == self._pushed:
             return
-        self.client.upload_head(self.head_id, self.local_weight.detach().float(), replace=True)
+        self.info = self.client.upload_head(self.head_id, self.local_weight.detach().float(),
+                                            replace=True)
         self._pushed = self._local_state()
 
     def pull_gradients(self) -> None:

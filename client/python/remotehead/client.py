@@ -12,6 +12,7 @@ what reached the server).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import os
@@ -770,17 +771,28 @@ class Client:
 
     def export_weights_to_safetensors(self, head_id: str, path: str, *,
                                       name: str = "lm_head.weight",
-                                      dtype: Optional[torch.dtype] = None) -> int:
+                                      dtype: Optional[torch.dtype] = None,
+                                      expected_incarnation: str = "",
+                                      expected_weight_version: Optional[int] = None) -> int:
         """Writes the head's W [V, D] (in `dtype`, default its own) into a new .safetensors file
         on this machine as `name`, streamed: each row chunk goes from the server's stream to the
-        file, so W is never held here whole. Written to `path`.tmp, then renamed. Returns the
-        bytes written."""
+        file, so W is never held here whole. Written to `path`.tmp, then renamed; a failed
+        export removes `path`.tmp. Returns the bytes written.
+
+        expected_incarnation / expected_weight_version pin the export to the server process
+        and the head version the caller holds (a trainer saving what it trained): once the
+        server restarted, ServerRestartedError (a retry that reaches the new process too); a
+        head at another version, FAILED_PRECONDITION naming both; nothing is written then.
+        "" / None: unchecked."""
         info = self.describe_head(head_id)
         if info.has_bias:
             raise InvalidArgumentError(f"head {head_id!r}: expected no bias for a causal LM's "
                                        f"lm_head file; got one")
         dtype = dtype or info.dtype
-        request = pb.ExportWeightsRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype))
+        request = pb.ExportWeightsRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype),
+                                          expected_incarnation=expected_incarnation)
+        if expected_weight_version is not None:
+            request.expected_weight_version = expected_weight_version
         shape = (info.vocab_size, info.hidden_size)
         partial = f"{path}.tmp"
 
@@ -790,7 +802,12 @@ class Client:
                     if r.WhichOneof("part") == "weight_rows")
             return _safetensors.write_rows(partial, name, dtype, shape, rows)
 
-        written = self._call(attempt)
+        try:
+            written = self._call(attempt)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(partial)
+            raise
         os.replace(partial, path)
         return written
 

@@ -19,9 +19,11 @@ released (one element, broadcast), and the lm_head module asks the server for lo
 without labels (generate(), evaluation, TRL's rollouts) thus gets [rows, V] logits from the
 server for the positions Hugging Face's logits_to_keep selects — the last one while decoding.
 `generate()` below draws the tokens on the server instead (B·D up, B ids down per step).
-save_pretrained() writes the head's current weights fetched from the server, streamed into the
-checkpoint's files; loading a state dict into the model (Trainer's resume) uploads the head.
-keep_local_copy=True keeps a frozen local copy for local generation, refreshed by
+Wherever the server's head is the trained one (server mode, or a frozen head; with or without
+a local copy), save_pretrained() writes the head's current weights streamed from the server,
+pinned to the version the trainer holds, and publishes the checkpoint whole or not at all
+(remotehead.hf_checkpoint); loading a state dict into the model (Trainer's resume) uploads the
+head. keep_local_copy=True keeps a frozen local copy for local generation, refreshed by
 `sync_lm_head()`.
 """
 
@@ -41,6 +43,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from remotehead.autograd import RemoteHead
 from remotehead.client import Client, RemoteheadError
+# HEAD_SHARD: where checkpoints hold the head (remotehead.hf.HEAD_SHARD, as before).
+from remotehead.hf_checkpoint import HEAD_SHARD, save_head_from_server  # noqa: F401
 
 
 class OffloadedHead(RemoteHead):
@@ -54,6 +58,7 @@ class OffloadedHead(RemoteHead):
         # Whether the model's lm_head holds W (a copy, the trainer's parameter, or tied
         # embeddings); False once release_local_copy() freed it.
         self.has_local_copy = True
+        self._checkpoints_from_server = False
 
     @property
     def lm_head(self) -> torch.nn.Module:
@@ -87,7 +92,14 @@ class OffloadedHead(RemoteHead):
         self.has_local_copy = False
         lm_head.forward = self._server_logits
         lm_head._register_load_state_dict_pre_hook(self._load_weight_into_server)
-        _save_head_from_server(self._model, self)
+        self.checkpoint_from_server()
+
+    def checkpoint_from_server(self) -> None:
+        """Makes the model's save_pretrained (and Trainer's checkpoints) write the server's head
+        instead of the local parameter (remotehead.hf_checkpoint). Once per model."""
+        if not self._checkpoints_from_server:
+            save_head_from_server(self._model, self)
+            self._checkpoints_from_server = True
 
     def logits(self, hidden: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The logits [..., V] of hidden [..., D] from the server, in `dtype` (default: the
@@ -113,7 +125,8 @@ class OffloadedHead(RemoteHead):
             return
         if tuple(value.shape) != tuple(weight.shape):
             return  # load_state_dict reports the shape mismatch itself
-        self.client.upload_head(self.head_id, value.detach().float(), replace=True)
+        # The new version is the one the trainer holds now (checkpoints are pinned to it).
+        self.info = self.client.upload_head(self.head_id, value.detach().float(), replace=True)
         state_dict[key] = weight.detach()  # the same view: loading copies nothing
 
 
@@ -202,8 +215,12 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     if tied and keep_local_copy is False:
         warnings.warn("remotehead: lm_head is tied to the input embeddings: the local matrix is "
                       "the embedding and stays (keep_local_copy=False has no effect)")
-    if not (tied or local or keep_local_copy):
-        head.release_local_copy()
+    if not (tied or local):
+        # The server's head is the trained one: a kept local copy is refreshed only for
+        # generation, so checkpoints take the head from the server in every case.
+        head.checkpoint_from_server()
+        if not keep_local_copy:
+            head.release_local_copy()
 
     def loss(hidden, shifted, num_items_in_batch):
         pull = accumulation_window_ends()
@@ -247,76 +264,6 @@ def route_causal_lm_loss(model, loss) -> None:
             past_key_values=outputs.past_key_values)
 
     model.forward = types.MethodType(forward, model)
-
-
-# ----- checkpoints without the local copy -----
-
-# The file a checkpoint's lm_head is written to when the head has no local copy.
-HEAD_SHARD = "model-remotehead-lm_head.safetensors"
-
-
-def _parameter_name(model, parameter) -> str:
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p is parameter:
-            return name
-    raise ValueError("lm_head.weight: expected a parameter of the model; not found")
-
-
-def _save_head_from_server(model, head: OffloadedHead) -> None:
-    """Makes model.save_pretrained (and so Trainer checkpoints) write the head's current
-    weights from the server: the rest of the state dict is saved by transformers, the head is
-    streamed from the server into a shard of its own, and the checkpoint's index lists it, so
-    that from_pretrained loads the model whole."""
-    original = model.save_pretrained
-
-    def save_pretrained(self, save_directory, is_main_process=True, state_dict=None, **kwargs):
-        name = _parameter_name(self, head.lm_head.weight)
-        if state_dict is None:
-            state_dict = self.state_dict()
-        state_dict = {k: v for k, v in state_dict.items() if k != name}
-        original(save_directory, is_main_process=is_main_process, state_dict=state_dict,
-                 **kwargs)
-        if is_main_process:
-            write_head_shard(head.client, head.head_id, save_directory, name,
-                             head.lm_head.weight.dtype)
-
-    model.save_pretrained = types.MethodType(save_pretrained, model)
-
-
-def write_head_shard(client: Client, head_id: str, directory: str, name: str,
-                     dtype: torch.dtype) -> None:
-    """Adds the server's head `head_id` to the safetensors checkpoint in `directory` as tensor
-    `name` in `dtype`: streamed into its own shard (HEAD_SHARD), with the index
-    (model.safetensors.index.json) written or extended to list it — a single-file checkpoint
-    becomes a sharded one."""
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-
-    from remotehead import _safetensors
-
-    index_path = os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
-    single = os.path.join(directory, SAFE_WEIGHTS_NAME)
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            index = json.load(f)
-    elif os.path.isfile(single):
-        first = "model-00001-of-00001.safetensors"
-        os.replace(single, os.path.join(directory, first))
-        header = _safetensors.read_header(os.path.join(directory, first))
-        index = {"metadata": {"total_size": _safetensors.tensor_bytes(header)},
-                 "weight_map": {k: first for k in header if k != "__metadata__"}}
-    else:
-        raise FileNotFoundError(f"{directory}: expected {SAFE_WEIGHTS_NAME} or "
-                                f"{SAFE_WEIGHTS_INDEX_NAME} (a safetensors checkpoint) to add the "
-                                f"remote head to; got neither")
-    client.export_weights_to_safetensors(head_id, os.path.join(directory, HEAD_SHARD), name=name,
-                                         dtype=dtype)
-    header = _safetensors.read_header(os.path.join(directory, HEAD_SHARD))
-    index.setdefault("metadata", {})
-    index["metadata"]["total_size"] = (index["metadata"].get("total_size", 0)
-                                       + _safetensors.tensor_bytes(header))
-    index["weight_map"][name] = HEAD_SHARD
-    with open(index_path, "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
 
 
 # ----- generation with the tokens drawn on the server -----
