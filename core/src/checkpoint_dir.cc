@@ -25,6 +25,7 @@ constexpr size_t kMaxPathBytes = 4096;
 class FdCloser {
  public:
   explicit FdCloser(int fd) : fd_(fd) {}
+  FdCloser(FdCloser&& other) noexcept : fd_(other.release()) {}
   ~FdCloser() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -188,6 +189,23 @@ absl::Status OpenParent(int root, std::string_view relative, const Naming& namin
   *name = parts.back();
   *parent_fd = current.release();
   return absl::OkStatus();
+}
+
+// A path checked (CheckRelative), the directory holding its last component (walked without
+// links) and that component: where every operation on one entry starts.
+struct Located {
+  Naming naming;
+  FdCloser parent;
+  std::string name;
+};
+
+absl::StatusOr<Located> Locate(int root, std::string_view relative, std::string_view field) {
+  RETURN_IF_ERROR(CheckpointDir::CheckRelative(relative, field));
+  Naming naming = NameOf(relative, field, {});
+  int parent = -1;
+  std::string name;
+  RETURN_IF_ERROR(OpenParent(root, relative, naming, &parent, &name));
+  return Located{std::move(naming), FdCloser(parent), std::move(name)};
 }
 
 // A descriptor of the directory `relative` ("" : `root` itself), walked from `root` one
@@ -360,12 +378,10 @@ absl::StatusOr<int64_t> CheckpointDir::WriteAtomically(
     std::string_view relative, std::string_view field,
     const std::function<absl::Status(const CheckpointFile& existing)>& may_replace,
     const std::function<absl::Status(CheckpointFile& out)>& write) const {
-  RETURN_IF_ERROR(CheckRelative(relative, field));
-  const Naming naming = NameOf(relative, field, {});
-  int parent_fd = -1;
-  std::string name;
-  RETURN_IF_ERROR(OpenParent(fd_, relative, naming, &parent_fd, &name));
-  FdCloser parent(parent_fd);
+  ASSIGN_OR_RETURN(const Located at, Locate(fd_, relative, field));
+  const Naming& naming = at.naming;
+  const FdCloser& parent = at.parent;
+  const std::string& name = at.name;
 
   // What is there now: nothing, or a regular file that the caller agrees to replace.
   bool exists = true;
@@ -437,12 +453,10 @@ absl::StatusOr<int64_t> CheckpointDir::WriteAtomically(
 }
 
 absl::Status CheckpointDir::MakeDirectory(std::string_view relative, std::string_view field) const {
-  RETURN_IF_ERROR(CheckRelative(relative, field));
-  const Naming naming = NameOf(relative, field, {});
-  int parent_fd = -1;
-  std::string name;
-  RETURN_IF_ERROR(OpenParent(fd_, relative, naming, &parent_fd, &name));
-  FdCloser parent(parent_fd);
+  ASSIGN_OR_RETURN(const Located at, Locate(fd_, relative, field));
+  const Naming& naming = at.naming;
+  const FdCloser& parent = at.parent;
+  const std::string& name = at.name;
   if (::mkdirat(parent.get(), name.c_str(), 0755) == 0 || errno == EEXIST) {
     struct stat st;
     if (::fstatat(parent.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
@@ -488,14 +502,9 @@ absl::StatusOr<std::vector<DirEntry>> CheckpointDir::List(std::string_view relat
 }
 
 absl::Status CheckpointDir::Remove(std::string_view relative, std::string_view field) const {
-  RETURN_IF_ERROR(CheckRelative(relative, field));
-  const Naming naming = NameOf(relative, field, {});
-  int parent_fd = -1;
-  std::string name;
-  RETURN_IF_ERROR(OpenParent(fd_, relative, naming, &parent_fd, &name));
-  FdCloser parent(parent_fd);
-  if (::unlinkat(parent.get(), name.c_str(), 0) != 0) {
-    return OpenError(errno, parent.get(), name, naming, relative, /*last=*/true);
+  ASSIGN_OR_RETURN(const Located at, Locate(fd_, relative, field));
+  if (::unlinkat(at.parent.get(), at.name.c_str(), 0) != 0) {
+    return OpenError(errno, at.parent.get(), at.name, at.naming, relative, /*last=*/true);
   }
   return absl::OkStatus();
 }
@@ -507,13 +516,9 @@ absl::Status CheckpointDir::RemoveDirectory(std::string_view relative,
     if (e.kind == DirEntry::Kind::kDirectory) continue;
     RETURN_IF_ERROR(Remove(absl::StrCat(std::string(relative), "/", e.name), field));
   }
-  const Naming naming = NameOf(relative, field, {});
-  int parent_fd = -1;
-  std::string name;
-  RETURN_IF_ERROR(OpenParent(fd_, relative, naming, &parent_fd, &name));
-  FdCloser parent(parent_fd);
-  if (::unlinkat(parent.get(), name.c_str(), AT_REMOVEDIR) != 0) {
-    return OpenError(errno, parent.get(), name, naming, relative, /*last=*/false);
+  ASSIGN_OR_RETURN(const Located at, Locate(fd_, relative, field));
+  if (::unlinkat(at.parent.get(), at.name.c_str(), AT_REMOVEDIR) != 0) {
+    return OpenError(errno, at.parent.get(), at.name, at.naming, relative, /*last=*/false);
   }
   return absl::OkStatus();
 }

@@ -108,12 +108,13 @@ absl::StatusOr<std::vector<std::string>> StateStore::StateIds(const std::string&
 }
 
 absl::StatusOr<core::HeadState> StateStore::Read(const std::string& relative,
-                                                 const std::string& field) const {
+                                                 const std::string& field,
+                                                 const std::string& source) const {
   // Never through a link, never a FIFO or a device (checked before it is opened), never blocking.
   ASSIGN_OR_RETURN(const core::CheckpointFile file, root_->OpenForRead(relative, field));
   std::string bytes(static_cast<size_t>(file.size()), '\0');
   RETURN_IF_ERROR(file.ReadAt(0, bytes.size(), bytes.data()));
-  return core::DecodeHeadState(bytes, absl::StrCat("--state_dir file \"", relative, "\""));
+  return core::DecodeHeadState(bytes, source);
 }
 
 absl::Status StateStore::Save(const core::HeadState& state) {
@@ -146,7 +147,10 @@ absl::StatusOr<core::HeadState> StateStore::Load(const std::string& head_id,
         state_id, "\""));
   }
   // No lock: saves publish whole files by rename and a pruned file stays readable while open.
-  absl::StatusOr<core::HeadState> state = Read(StateFile(EscapeId(head_id), state_id), "state_id");
+  // A client's request: files are named relative to the directory, never by the server's path.
+  const std::string relative = StateFile(EscapeId(head_id), state_id);
+  absl::StatusOr<core::HeadState> state =
+      Read(relative, "state_id", absl::StrCat("--state_dir file \"", relative, "\""));
   if (absl::IsNotFound(state.status())) {
     return absl::NotFoundError(absl::StrCat("state_id: expected a state of head \"", head_id,
                                             "\" kept in --state_dir; got \"", state_id,
@@ -174,8 +178,10 @@ absl::StatusOr<std::vector<core::HeadState>> StateStore::LoadNewest() const {
     if (head_dir.kind != DirEntry::Kind::kDirectory) continue;  // not a head's
     ASSIGN_OR_RETURN(const std::vector<std::string> ids, StateIds(head_dir.name));
     if (ids.empty()) continue;
+    // The operator's start: the file by its whole path.
+    const std::string relative = StateFile(head_dir.name, ids.back());
     ASSIGN_OR_RETURN(core::HeadState state,
-                     Read(StateFile(head_dir.name, ids.back()), "--state_dir"));
+                     Read(relative, "--state_dir", absl::StrCat(dir_, "/", relative)));
     if (EscapeId(state.head_id) != head_dir.name) {
       return absl::DataLossError(absl::StrCat("--state_dir: \"", head_dir.name, "/", ids.back(),
                                               kSuffix,

@@ -14,6 +14,8 @@
 
 #include <filesystem>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "core/reference.h"
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/engine.h"
@@ -356,6 +358,25 @@ TEST_F(ClientTest, UploadThenExportRoundTripsBitExactly) {
   ASSERT_TRUE(exported.ok()) << exported.status();
   EXPECT_TRUE(torch::equal(exported->weight, wt));
   EXPECT_FALSE(exported->bias.defined());
+
+  // Pinned to what the caller holds: another version or server process streams nothing.
+  auto info = client_->DescribeHead("nobias");
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto pinned = client_->ExportWeights(
+      "nobias", {}, {.expected_incarnation = info->incarnation,
+                     .expected_weight_version = info->weight_version});
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_TRUE(torch::equal(pinned->weight, wt));
+  auto moved_on = client_->ExportWeights("nobias", {},
+                                         {.expected_weight_version = info->weight_version + 1});
+  EXPECT_EQ(moved_on.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(moved_on.status().message(),
+            absl::StrCat("expected_weight_version: expected the head's current version ",
+                         info->weight_version, "; got ", info->weight_version + 1));
+  auto restarted = client_->ExportWeights("nobias", {}, {.expected_incarnation = "another"});
+  EXPECT_EQ(restarted.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(restarted.status().message(), "the server restarted"))
+      << restarted.status();
 }
 
 TEST_F(ClientTest, FetchGradientsReturnsTheRegistrysAccumulators) {

@@ -720,9 +720,14 @@ absl::Status Client::DropHead(const std::string& head_id) {
 }
 
 absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
-                                                  std::optional<torch::ScalarType> dtype) {
+                                                  std::optional<torch::ScalarType> dtype,
+                                                  const ExportPin& pin) {
   v1::ExportWeightsRequest request;
   request.set_head_id(head_id);
+  request.set_expected_incarnation(pin.expected_incarnation);
+  if (pin.expected_weight_version.has_value()) {
+    request.set_expected_weight_version(*pin.expected_weight_version);
+  }
   if (dtype.has_value()) {
     ASSIGN_OR_RETURN(const v1::DType wire_dtype, wire::ToWireDtype(*dtype, "dtype"));
     request.set_dtype(wire_dtype);

@@ -60,7 +60,10 @@ class StateStore {
       : dir_(std::move(dir)), keep_(keep), root_(std::move(root)) {}
   // The states in the head directory `head_dir` (relative), oldest first.
   absl::StatusOr<std::vector<std::string>> StateIds(const std::string& head_dir) const;
-  absl::StatusOr<core::HeadState> Read(const std::string& relative, const std::string& field) const;
+  // The state in the file `relative`; `field` begins the messages of a file that cannot be
+  // opened, `source` names it in those of one that cannot be decoded.
+  absl::StatusOr<core::HeadState> Read(const std::string& relative, const std::string& field,
+                                       const std::string& source) const;
 
   const std::string dir_;
   const int keep_;

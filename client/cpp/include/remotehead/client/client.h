@@ -164,6 +164,12 @@ struct OptimizerStepOptions {
   std::string expected_incarnation;
 };
 
+// What an export must be of (ExportWeights): unset / empty fields are unchecked.
+struct ExportPin {
+  std::string expected_incarnation;              // HeadInfo::incarnation seen by the caller
+  std::optional<int64_t> expected_weight_version;  // HeadInfo::weight_version seen by the caller
+};
+
 // ----- steps -----
 
 enum class Reduction { kNone, kSum, kMean, kWeightedSum };
@@ -284,9 +290,12 @@ class Client {
   absl::StatusOr<HeadInfo> DescribeHead(const std::string& head_id);
   absl::StatusOr<std::vector<HeadInfo>> ListHeads();
   absl::Status DropHead(const std::string& head_id);
-  // dtype unset: the head's own.
+  // dtype unset: the head's own. `pin`: the export is refused (FAILED_PRECONDITION, nothing
+  // streamed) unless the server process and the weight version are the ones the caller holds,
+  // so a checkpoint never pairs a body with another version's head.
   absl::StatusOr<HeadWeights> ExportWeights(const std::string& head_id,
-                                            std::optional<torch::ScalarType> dtype = {});
+                                            std::optional<torch::ScalarType> dtype = {},
+                                            const ExportPin& pin = {});
   // Writes a safetensors file on the server (`path` relative to its --checkpoint_dir; atomic,
   // replacing only a checkpoint remotehead wrote); returns the bytes written. Empty names: the
   // server's defaults (lm_head.weight, lm_head.bias).
