@@ -614,14 +614,14 @@ absl::Status CheckSampledLogitsFinite(const torch::Tensor& z, const torch::Tenso
   const int64_t row = plan.first_row + first_row + bad;
   if (FirstNonFiniteRow(z.narrow(0, bad, 1)) >= 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "sample: expected finite logits to draw from; got inf or nan in row ", row,
-        ": hidden[", row, "] times the head's weights overflows ", DtypeName(z.scalar_type()),
+        "sample: expected finite logits to draw from; got inf or nan in row ", row, ": hidden[",
+        row, "] times the head's weights overflows ", DtypeName(z.scalar_type()),
         " (the head's weights are too large or not finite); no token is drawn"));
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "sample: expected finite logits to draw from; got inf or nan in row ", row,
-      " once divided by params[\"", kTemperatureParam, "\"] = ", plan.params().at(kTemperatureParam),
-      ", which overflows float32; no token is drawn"));
+      " once divided by params[\"", kTemperatureParam, "\"] = ",
+      plan.params().at(kTemperatureParam), ", which overflows float32; no token is drawn"));
 }
 
 absl::StatusOr<ForwardResult> RunGenerationChunks(const Head& head, const TokenBatch& batch,

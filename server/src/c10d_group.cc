@@ -235,8 +235,8 @@ absl::StatusOr<int> ListenOn(const std::string& host, int port, const std::strin
   }
   ::freeaddrinfo(found);
   if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat(flag, ": cannot listen on ", host, ":", port, " (",
-                                               last_error, ")"));
+    return absl::UnavailableError(
+        absl::StrCat(flag, ": cannot listen on ", host, ":", port, " (", last_error, ")"));
   }
   return fd;
 }
@@ -292,8 +292,9 @@ absl::Status CheckGroupPlane(const GroupConfig& config) {
   const std::string& bind = config.store_bind.empty() ? config.store_host : config.store_bind;
   if (IsLoopbackHost(config.store_host) && IsLoopbackHost(bind)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "--group_secret_file: expected the group's secret for a store beyond loopback (", bind,
-      ":", config.store_port, "): anyone who reaches the store could run commands on the group; "
+      "--group_secret_file: expected the group's secret for a store beyond loopback (", bind, ":",
+      config.store_port,
+      "): anyone who reaches the store could run commands on the group; "
       "got none (--group_trusted_network accepts a network where only the group's ranks can reach "
       "the store)"));
 }
@@ -370,10 +371,11 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
     store_options.port = static_cast<uint16_t>(config.store_port);
     store_options.isServer = config.rank == 0;
     if (store_options.isServer) {
-      ASSIGN_OR_RETURN(store_options.masterListenFd,
-                       ListenOn(config.store_bind.empty() ? config.store_host : config.store_bind,
-                                config.store_port,
-                                config.store_bind.empty() ? "--group_store" : "--group_store_bind"));
+      ASSIGN_OR_RETURN(
+          store_options.masterListenFd,
+          ListenOn(config.store_bind.empty() ? config.store_host : config.store_bind,
+                   config.store_port,
+                   config.store_bind.empty() ? "--group_store" : "--group_store_bind"));
     }
     store_options.numWorkers = config.size;
     store_options.waitWorkers = false;

@@ -26,6 +26,10 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kSealBytes = 32;   // HMAC-SHA256
 constexpr size_t kNonceBytes = 16;  // per rank and run
+// A command's body: its seq, then the command. A reply's: the command's seq, the replying rank,
+// the command's seal, then the encoded reply. A declaration's: the declaring rank, the reason.
+constexpr size_t kSeqBytes = 8;
+constexpr size_t kReplyHeadBytes = 2 * kSeqBytes + kSealBytes;
 constexpr std::chrono::milliseconds kRefusedPoll{20};
 
 // What an entry is, bound into its seal: an entry of one kind never verifies as another.
@@ -37,8 +41,10 @@ std::string HelloKey(int rank) { return absl::StrCat("hello/", rank); }
 constexpr char kDownKey[] = "down";
 
 std::string Fixed64(int64_t value) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff);
+  std::string out(kSeqBytes, '\0');
+  for (size_t i = 0; i < kSeqBytes; ++i) {
+    out[i] = static_cast<char>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff);
+  }
   return out;
 }
 
@@ -70,8 +76,10 @@ std::string Seal(const std::string& secret, Kind kind, const std::string& sessio
   return body + Hmac(secret, std::string(1, static_cast<char>(kind)) + session + body);
 }
 
-std::string_view SealOf(std::string_view value) {
-  return value.size() < kSealBytes ? std::string_view() : value.substr(value.size() - kSealBytes);
+// How long is left until `deadline`, at least 1 ms (a store wait of 0 would not wait at all).
+std::chrono::milliseconds Remaining(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
 }
 
 // The body of a sealed `value` of `kind`; PERMISSION_DENIED (refuse it) if the seal does not
@@ -79,8 +87,8 @@ std::string_view SealOf(std::string_view value) {
 absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const std::string& session,
                                    const std::string& value) {
   if (value.size() < kSealBytes) {
-    return absl::PermissionDeniedError(absl::StrCat("an entry of ", value.size(),
-                                                    " bytes, shorter than a seal (garbage)"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("an entry of ", value.size(), " bytes, shorter than a seal (garbage)"));
   }
   std::string body = value.substr(0, value.size() - kSealBytes);
   const std::string expected =
@@ -130,19 +138,17 @@ void GroupLog::LogRefused(const std::string& key, const absl::Status& verdict) {
         << key << "\", not executed: " << verdict.message() << std::endl;
 }
 
-absl::StatusOr<std::string> GroupLog::ReadValid(
-    const std::string& key, Clock::time_point deadline,
-    const std::function<absl::Status(const std::string&)>& accept, std::string* refused) {
+absl::StatusOr<GroupLog::Entry> GroupLog::ReadValid(
+    const std::string& key, char kind, Clock::time_point deadline,
+    const std::function<absl::Status(const std::string&)>& check, std::string* refused) {
   for (;;) {
-    const auto left = std::max(std::chrono::milliseconds(1),
-                               std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   deadline - Clock::now()));
-    ASSIGN_OR_RETURN(std::string value, group_->Get(key, left));
+    ASSIGN_OR_RETURN(std::string value, group_->Get(key, Remaining(deadline)));
     if (value != *refused) {
-      const absl::Status verdict = accept(value);
+      absl::StatusOr<std::string> body = Unseal(secret_, static_cast<Kind>(kind), *session_, value);
+      const absl::Status verdict = body.ok() ? check(*body) : body.status();
       if (verdict.ok()) {
         refused->clear();
-        return value;
+        return Entry{.body = *std::move(body), .seal = value.substr(value.size() - kSealBytes)};
       }
       if (verdict.code() != absl::StatusCode::kPermissionDenied) return verdict;
       LogRefused(key, verdict);
@@ -154,8 +160,7 @@ absl::StatusOr<std::string> GroupLog::ReadValid(
       return absl::DeadlineExceededError(
           absl::StrCat("only a refused entry at \"", key, "\" (see the server's log)"));
     }
-    std::this_thread::sleep_for(
-        std::min<Clock::duration>(kRefusedPoll, deadline - now));
+    std::this_thread::sleep_for(std::min<Clock::duration>(kRefusedPoll, deadline - now));
   }
 }
 
@@ -167,7 +172,8 @@ absl::Status GroupLog::Open() {
   if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), kNonceBytes) != 1) {
     return absl::InternalError("head group: no random bytes for this rank's nonce");
   }
-  RETURN_IF_ERROR(group_->Set(HelloKey(rank), Seal(secret_, Kind::kHello, "", Fixed64(rank) + nonce)));
+  RETURN_IF_ERROR(
+      group_->Set(HelloKey(rank), Seal(secret_, Kind::kHello, "", Fixed64(rank) + nonce)));
   const auto timeout = group_->config().timeout;
   const auto deadline = Clock::now() + timeout;
   std::string nonces;
@@ -176,18 +182,14 @@ absl::Status GroupLog::Open() {
       nonces += nonce;
       continue;
     }
-    const auto left = std::max(std::chrono::milliseconds(1),
-                               std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   deadline - Clock::now()));
-    absl::StatusOr<std::string> value = group_->Get(HelloKey(r), left);
+    absl::StatusOr<std::string> value = group_->Get(HelloKey(r), Remaining(deadline));
     if (!value.ok()) {
-      return absl::UnavailableError(absl::StrCat("head group: rank ", r, " of ", size,
-                                                 " did not publish its nonce within ",
-                                                 timeout.count() / 1000.0, " s (",
-                                                 value.status().message(), ")"));
+      return absl::UnavailableError(
+          absl::StrCat("head group: rank ", r, " of ", size, " did not publish its nonce within ",
+                       timeout.count() / 1000.0, " s (", value.status().message(), ")"));
     }
     absl::StatusOr<std::string> body = Unseal(secret_, Kind::kHello, "", *value);
-    if (body.ok() && (body->size() != 8 + kNonceBytes || ReadFixed64(*body) != r)) {
+    if (body.ok() && (body->size() != kSeqBytes + kNonceBytes || ReadFixed64(*body) != r)) {
       body = absl::PermissionDeniedError("it is another rank's");
     }
     if (!body.ok()) {
@@ -195,7 +197,7 @@ absl::Status GroupLog::Open() {
           "head group: rank ", r, "'s nonce does not verify (", body.status().message(),
           "): every rank needs the same --group_secret_file, or none on loopback"));
     }
-    nonces += body->substr(8);
+    nonces += body->substr(kSeqBytes);
   }
   session_ = Sha256(nonces);
   return absl::OkStatus();
@@ -206,7 +208,7 @@ absl::StatusOr<int64_t> GroupLog::Append(const std::string& command) {
   const int64_t seq = next_;
   const std::string value = Seal(secret_, Kind::kCommand, *session_, Fixed64(seq) + command);
   RETURN_IF_ERROR(group_->Set(CommandKey(seq), value));
-  command_seals_[seq] = std::string(SealOf(value));
+  command_seals_[seq] = value.substr(value.size() - kSealBytes);
   ++next_;
   return seq;
 }
@@ -231,31 +233,29 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
   for (int rank = 1; rank < group_->size(); ++rank) {
     // A reply verifies only for this command (its seq, this rank, the command's seal).
     absl::Status diverged;
-    auto accept = [&](const std::string& value) -> absl::Status {
-      ASSIGN_OR_RETURN(const std::string body, Unseal(secret_, Kind::kReply, *session_, value));
-      if (body.size() < 16 + kSealBytes || ReadFixed64(body) != seq ||
-          ReadFixed64(std::string_view(body).substr(8)) != rank) {
+    auto check = [&](const std::string& body) -> absl::Status {
+      if (body.size() < kReplyHeadBytes || ReadFixed64(body) != seq ||
+          ReadFixed64(std::string_view(body).substr(kSeqBytes)) != rank) {
         return absl::PermissionDeniedError(
             "an authentic reply copied from another command or rank (a replay)");
       }
-      if (body.compare(16, kSealBytes, command_seal) != 0) {
+      if (body.compare(2 * kSeqBytes, kSealBytes, command_seal) != 0) {
         return diverged = absl::UnavailableError(absl::StrCat(
-            "head group: the group's log diverged: rank ", rank, "'s reply to command ", seq,
-            " answers another command than the front's — restart every rank of the group"));
+                   "head group: the group's log diverged: rank ", rank, "'s reply to command ", seq,
+                   " answers another command than the front's — restart every rank of the group"));
       }
       return absl::OkStatus();
     };
     std::string refused;
-    absl::StatusOr<std::string> value = ReadValid(ReplyKey(seq, rank), deadline, accept, &refused);
+    absl::StatusOr<Entry> entry =
+        ReadValid(ReplyKey(seq, rank), static_cast<char>(Kind::kReply), deadline, check, &refused);
     if (!diverged.ok()) return diverged;
-    if (!value.ok()) {
+    if (!entry.ok()) {
       return absl::UnavailableError(absl::StrCat(
           "head group: rank ", rank, " of ", group_->size(), " did not reply to command ", seq,
-          " within ", wait.count() / 1000.0, " s (", value.status().message(), ")"));
+          " within ", wait.count() / 1000.0, " s (", entry.status().message(), ")"));
     }
-    ASSIGN_OR_RETURN(GroupReply reply, DecodeReply(value->substr(16 + kSealBytes,
-                                                                 value->size() - 16 -
-                                                                     2 * kSealBytes)));
+    ASSIGN_OR_RETURN(GroupReply reply, DecodeReply(entry->body.substr(kReplyHeadBytes)));
     if (!reply.status.ok() && first_error.ok()) {
       first_error = absl::Status(reply.status.code(), absl::StrCat("head group rank ", rank, ": ",
                                                                    reply.status.message()));
@@ -280,19 +280,18 @@ absl::Status GroupLog::DeclareDown(const std::string& reason) {
 absl::StatusOr<std::string> GroupLog::Next(std::chrono::milliseconds wait) {
   RETURN_IF_ERROR(Open());
   const int64_t seq = next_;
-  auto accept = [&](const std::string& value) -> absl::Status {
-    ASSIGN_OR_RETURN(const std::string body, Unseal(secret_, Kind::kCommand, *session_, value));
-    if (body.size() < 8 || ReadFixed64(body) != seq) {
+  auto check = [&](const std::string& body) -> absl::Status {
+    if (body.size() < kSeqBytes || ReadFixed64(body) != seq) {
       return absl::PermissionDeniedError(
           "an authentic command copied from another place in the log (a replay)");
     }
     return absl::OkStatus();
   };
-  ASSIGN_OR_RETURN(const std::string value,
-                   ReadValid(CommandKey(seq), Clock::now() + wait, accept, &refused_command_));
-  taken_seal_ = std::string(SealOf(value));
+  ASSIGN_OR_RETURN(Entry entry, ReadValid(CommandKey(seq), static_cast<char>(Kind::kCommand),
+                                          Clock::now() + wait, check, &refused_command_));
+  taken_seal_ = std::move(entry.seal);
   ++next_;
-  return value.substr(8, value.size() - 8 - kSealBytes);
+  return entry.body.substr(kSeqBytes);
 }
 
 absl::Status GroupLog::Reply(const GroupReply& reply) {
@@ -302,8 +301,7 @@ absl::Status GroupLog::Reply(const GroupReply& reply) {
   const int64_t seq = next_ - 1;
   const std::string body =
       Fixed64(seq) + Fixed64(group_->rank()) + taken_seal_ + EncodeReply(reply);
-  return group_->Set(ReplyKey(seq, group_->rank()),
-                     Seal(secret_, Kind::kReply, *session_, body));
+  return group_->Set(ReplyKey(seq, group_->rank()), Seal(secret_, Kind::kReply, *session_, body));
 }
 
 absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {
@@ -313,7 +311,7 @@ absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {
   ASSIGN_OR_RETURN(const std::string value, group_->Get(kDownKey, group_->config().timeout));
   if (value == refused_down_) return std::nullopt;
   absl::StatusOr<std::string> body = Unseal(secret_, Kind::kDown, *session_, value);
-  if (body.ok() && (body->size() < 8 || ReadFixed64(*body) != 0)) {
+  if (body.ok() && (body->size() < kSeqBytes || ReadFixed64(*body) != 0)) {
     body = absl::PermissionDeniedError("a declaration not made by the front");
   }
   if (!body.ok()) {
@@ -321,7 +319,7 @@ absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {
     refused_down_ = value;
     return std::nullopt;
   }
-  return body->substr(8);
+  return body->substr(kSeqBytes);
 }
 
 absl::StatusOr<std::string> ReadGroupSecret(const std::string& path) {
@@ -337,20 +335,20 @@ absl::StatusOr<std::string> ReadGroupSecret(const std::string& path) {
   }
   constexpr int64_t kMaxBytes = 4096;
   if (st.st_size > kMaxBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": expected at most ", kMaxBytes,
-                                                   " bytes of secret; got ", st.st_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": expected at most ", kMaxBytes, " bytes of secret; got ", st.st_size));
   }
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
   if (fd < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot open \"", path, "\" (",
-                                                   std::strerror(errno), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot open \"", path, "\" (", std::strerror(errno), ")"));
   }
   std::string bytes(static_cast<size_t>(kMaxBytes) + 1, '\0');
   const ssize_t n = ::read(fd, bytes.data(), bytes.size());
   ::close(fd);
   if (n < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read \"", path, "\" (",
-                                                   std::strerror(errno), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot read \"", path, "\" (", std::strerror(errno), ")"));
   }
   bytes.resize(static_cast<size_t>(n));
   const std::string secret(absl::StripAsciiWhitespace(bytes));

@@ -60,8 +60,8 @@ absl::Status HeadGroup::Check(absl::Status failure) {
   // The front tells the other ranks, so that none runs a command it gave up on (a rank that is
   // stopped now and continued later); the store lives in the front's process.
   if (is_front()) {
-    if (const absl::Status told = log_.DeclareDown(std::string(failure.message())); !told.ok() &&
-        event_log_ != nullptr) {
+    if (const absl::Status told = log_.DeclareDown(std::string(failure.message()));
+        !told.ok() && event_log_ != nullptr) {
       *event_log_ << "remotehead-server: head group: could not declare the group down to the "
                      "other ranks: "
                   << told.message() << std::endl;
@@ -73,11 +73,10 @@ absl::Status HeadGroup::Check(absl::Status failure) {
 absl::Status HeadGroup::CheckFront() {
   const absl::StatusOr<std::optional<std::string>> declared = log_.DownDeclared();
   if (declared.ok() && !declared->has_value()) return absl::OkStatus();
-  const std::string why =
-      declared.ok() ? absl::StrCat("it declared the group down: ", **declared)
-                    : std::string(declared.status().message());
-  const absl::Status gone = absl::UnavailableError(absl::StrCat(
-      "head group rank ", rank(), ": the front (rank 0) is gone: ", why));
+  const std::string why = declared.ok() ? absl::StrCat("it declared the group down: ", **declared)
+                                        : std::string(declared.status().message());
+  const absl::Status gone = absl::UnavailableError(
+      absl::StrCat("head group rank ", rank(), ": the front (rank 0) is gone: ", why));
   Check(gone).IgnoreError();  // health reports it
   return gone;
 }

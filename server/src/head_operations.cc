@@ -73,8 +73,7 @@ void HeadOperations::LogEvent(const std::string& line) const {
   *event_log_ << "remotehead-server: " << line << std::endl;
 }
 
-absl::Status HeadOperations::CheckNewHeadId(const std::string& id,
-                                            const std::string& field) const {
+absl::Status HeadOperations::CheckNewHeadId(const std::string& id, const std::string& field) const {
   // An id whose states could not be saved is refused now, not at its first save.
   return state_store_ == nullptr ? absl::OkStatus() : StateStore::CheckHeadId(id, field);
 }
@@ -482,15 +481,14 @@ absl::Status HeadOperations::SaveAllStates() {
   std::vector<std::string> failed;
   for (const auto& entry : entries) {
     if (const auto saved = SaveState(entry->id()); !saved.ok()) {
-      LogEvent(absl::StrCat("head state NOT saved: \"", entry->id(), "\": ",
-                            saved.status().ToString()));
+      LogEvent(
+          absl::StrCat("head state NOT saved: \"", entry->id(), "\": ", saved.status().ToString()));
       failed.push_back(absl::StrCat("\"", entry->id(), "\" (", saved.status().message(), ")"));
     }
   }
   if (failed.empty()) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(failed.size(), " of ", entries.size(),
-                                          " head states not saved: ",
-                                          absl::StrJoin(failed, "; ")));
+                                          " head states not saved: ", absl::StrJoin(failed, "; ")));
 }
 
 }  // namespace remotehead::server

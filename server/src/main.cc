@@ -371,14 +371,14 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
   for (const char* name : {"WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"}) {
     if (const char* value = std::getenv(name); value != nullptr) env[name] = value;
   }
-  ASSIGN_OR_RETURN(rh::server::GroupConfig config,
-                   rh::server::ResolveGroupConfig(
-                       {.size = absl::GetFlag(FLAGS_group_size),
-                        .rank = absl::GetFlag(FLAGS_group_rank),
-                        .store = absl::GetFlag(FLAGS_group_store),
-                        .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds),
-                        .store_bind = absl::GetFlag(FLAGS_group_store_bind)},
-                       env));
+  ASSIGN_OR_RETURN(
+      rh::server::GroupConfig config,
+      rh::server::ResolveGroupConfig({.size = absl::GetFlag(FLAGS_group_size),
+                                      .rank = absl::GetFlag(FLAGS_group_rank),
+                                      .store = absl::GetFlag(FLAGS_group_store),
+                                      .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds),
+                                      .store_bind = absl::GetFlag(FLAGS_group_store_bind)},
+                                     env));
   config.device = device;
   if (config.size > 1 && !absl::GetFlag(FLAGS_group_secret_file).empty()) {
     ASSIGN_OR_RETURN(config.secret,

@@ -69,7 +69,8 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& 
   ASSIGN_OR_RETURN(const std::vector<DirEntry> heads, store->root_->List("", "--state_dir"));
   for (const DirEntry& head : heads) {
     if (head.kind != DirEntry::Kind::kDirectory) continue;
-    const absl::StatusOr<int> removed = store->root_->RemoveTemporaryFiles(head.name, "--state_dir");
+    const absl::StatusOr<int> removed =
+        store->root_->RemoveTemporaryFiles(head.name, "--state_dir");
     if (removed.ok()) store->removed_temporary_files_ += *removed;
   }
   return store;

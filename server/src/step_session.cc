@@ -266,9 +266,9 @@ absl::Status StepSession::CheckVersionAndIdentity(const v1::StepHeader& header) 
                                    entry_->Describe()));
   const HeadPin now = entry_->Pin();
   const int64_t version = now.weight_version;
-  if (header.has_expected_weight_version()) {
-    HeadDescription head = entry_->Describe();
-    head.weight_version = version;  // the version pinned below
+  if (header.has_expected_weight_version() && header.expected_weight_version() != version) {
+    HeadDescription head = entry_->Describe();  // only to say what is wrong
+    head.weight_version = version;              // the version pinned below
     RETURN_IF_ERROR(CheckWeightVersion(header.expected_weight_version(),
                                        "header.expected_weight_version", head));
   }

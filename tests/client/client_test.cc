@@ -363,12 +363,12 @@ TEST_F(ClientTest, UploadThenExportRoundTripsBitExactly) {
   auto info = client_->DescribeHead("nobias");
   ASSERT_TRUE(info.ok()) << info.status();
   auto pinned = client_->ExportWeights(
-      "nobias", {}, {.expected_incarnation = info->incarnation,
-                     .expected_weight_version = info->weight_version});
+      "nobias", {},
+      {.expected_incarnation = info->incarnation, .expected_weight_version = info->weight_version});
   ASSERT_TRUE(pinned.ok()) << pinned.status();
   EXPECT_TRUE(torch::equal(pinned->weight, wt));
-  auto moved_on = client_->ExportWeights("nobias", {},
-                                         {.expected_weight_version = info->weight_version + 1});
+  auto moved_on =
+      client_->ExportWeights("nobias", {}, {.expected_weight_version = info->weight_version + 1});
   EXPECT_EQ(moved_on.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(moved_on.status().message(),
             absl::StrCat("expected_weight_version: expected the head's current version ",

@@ -3,9 +3,10 @@
 // and logged, never taken; a forged or replayed reply is never taken as a rank's answer (so a
 // stale reply is never the answer to the next command); an entry recorded from an earlier run of
 // the group never verifies; a command deleted before it was taken fails the front naming the rank;
-// ranks with different secrets do not open the log; the front's "down" declaration reaches the others and a
-// forged one is refused. The store is an in-memory one shared by threads (the collectives are not
-// used); process_group_test and group_plane_test run the same log over c10d's TCPStore.
+// ranks with different secrets do not open the log; the front's "down" declaration reaches the
+// others and a forged one is refused. The store is an in-memory one shared by threads (the
+// collectives are not used); process_group_test and group_plane_test run the same log over c10d's
+// TCPStore.
 #include "remotehead/server/group_log.h"
 
 #include <gtest/gtest.h>
@@ -149,7 +150,9 @@ TEST(GroupLogTest, AStrangersCommandIsRefusedAndLoggedNeverTaken) {
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   // What a stranger can write: garbage, and an unsealed command at the key the follower reads.
   for (const std::string& forged : {std::string("x"), std::string(200, 'A'),
-                                   std::string("\x0a\x05\x0a\x03""evil", 9)}) {
+                                    std::string("\x0a\x05\x0a\x03"
+                                                "evil",
+                                                9)}) {
     store.Set("cmd/0", forged);
     const auto taken = p.follower.Next(milliseconds(100));
     EXPECT_EQ(taken.status().code(), absl::StatusCode::kDeadlineExceeded) << taken.status();
@@ -245,8 +248,8 @@ TEST(GroupLogTest, ACommandDeletedBeforeTheFollowerTookItFailsTheFrontNamingTheR
             absl::StatusCode::kDeadlineExceeded);
   const auto replies = p.front.AwaitReplies(0, milliseconds(200));
   EXPECT_EQ(replies.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_TRUE(absl::StrContains(replies.status().message(),
-                                "rank 1 of 2 did not reply to command 0"))
+  EXPECT_TRUE(
+      absl::StrContains(replies.status().message(), "rank 1 of 2 did not reply to command 0"))
       << replies.status();
 }
 

@@ -5,12 +5,12 @@
 // the bearer token, and the exposure rule next to TLS.
 #include "remotehead/server/metrics_http.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
 #include <prometheus/registry.h>
-#include <fcntl.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -184,8 +184,8 @@ TEST_F(MetricsHttpTest, ScrapesAreAnsweredPromptlyUnderManySlowClientsThatReconn
 }
 
 TEST_F(MetricsHttpTest, AtTheConnectionLimitTheOldestStalledClientMakesRoom) {
-  auto server = MetricsHttpServer::Start({.address = "127.0.0.1:0", .max_connections = 8},
-                                         {registry_});
+  auto server =
+      MetricsHttpServer::Start({.address = "127.0.0.1:0", .max_connections = 8}, {registry_});
   ASSERT_TRUE(server.ok()) << server.status();
   std::vector<int> stalled;
   for (int i = 0; i < 40; ++i) {

@@ -40,7 +40,6 @@ constexpr int64_t kRows = 37;
 
 std::string SelfPath() { return fs::read_symlink("/proc/self/exe").string(); }
 
-
 // The whole head and the batch every rank (and the single engine) uses.
 std::unique_ptr<core::Head> TestHead() {
   return reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/true);
@@ -413,8 +412,8 @@ TEST(GroupPlaneTest, AStoreBeyondLoopbackNeedsASecret) {
     config.store_bind = bind;
     const absl::Status refused = server::CheckGroupPlane(config);
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << host << " " << bind;
-    EXPECT_TRUE(absl::StartsWith(refused.message(),
-                                 "--group_secret_file: expected the group's secret"))
+    EXPECT_TRUE(
+        absl::StartsWith(refused.message(), "--group_secret_file: expected the group's secret"))
         << refused;
     config.secret = "0123456789abcdef";
     EXPECT_TRUE(server::CheckGroupPlane(config).ok());

@@ -114,8 +114,7 @@ class CheckpointDir {
   absl::Status RemoveDirectory(std::string_view relative, std::string_view field) const;
   // Removes the temporary files that writes interrupted by a crash left in the directory
   // `relative` ("" : the root); returns how many.
-  absl::StatusOr<int> RemoveTemporaryFiles(std::string_view relative,
-                                           std::string_view field) const;
+  absl::StatusOr<int> RemoveTemporaryFiles(std::string_view relative, std::string_view field) const;
 
  private:
   CheckpointDir(int fd, std::string root) : fd_(fd), root_(std::move(root)) {}

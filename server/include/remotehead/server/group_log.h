@@ -83,13 +83,20 @@ class GroupLog {
   int64_t next_seq() const { return next_; }
 
  private:
-  // The value at `key` that `accept` takes, waiting until `deadline`. `accept` returns OK, or
-  // PERMISSION_DENIED for an entry to refuse (logged once, then the key is read again until
-  // its value changes), or any other error to return at once (a divergence). `refused` keeps
-  // the refused value between calls. DEADLINE_EXCEEDED when no valid value came in time.
-  absl::StatusOr<std::string> ReadValid(
-      const std::string& key, std::chrono::steady_clock::time_point deadline,
-      const std::function<absl::Status(const std::string&)>& accept, std::string* refused);
+  // An entry read and verified: its body (without the seal) and its seal.
+  struct Entry {
+    std::string body;
+    std::string seal;
+  };
+  // The entry of `kind` at `key` whose seal verifies and whose body `check` takes, waiting
+  // until `deadline`. `check` returns OK, or PERMISSION_DENIED for an entry to refuse (as one
+  // whose seal does not verify: logged once, then the key is read again until its value
+  // changes), or any other error to return at once (a divergence). `refused` keeps the refused
+  // value between calls. DEADLINE_EXCEEDED when no valid entry came in time.
+  absl::StatusOr<Entry> ReadValid(const std::string& key, char kind,
+                                  std::chrono::steady_clock::time_point deadline,
+                                  const std::function<absl::Status(const std::string&)>& check,
+                                  std::string* refused);
   void LogRefused(const std::string& key, const absl::Status& verdict);
 
   ProcessGroup* group_;

@@ -101,8 +101,8 @@ struct HeadInfo {
   std::string device;                     // "cpu", "cuda:0"
   int64_t weight_version = 0;             // bumped by every optimizer step
   int64_t accumulated_micro_batches = 0;  // gradient contributions since the last zeroing
-  std::string incarnation;  // the server process: a new one after every restart
-  std::string state_id;     // the durable state last saved or restored ("" if none)
+  std::string incarnation;                // the server process: a new one after every restart
+  std::string state_id;                   // the durable state last saved or restored ("" if none)
   // A head group's processes and each one's rows [offset, offset + rows) of the vocabulary, by
   // rank (1 and empty for a head on one server).
   int group_size = 1;
@@ -166,7 +166,7 @@ struct OptimizerStepOptions {
 
 // What an export must be of (ExportWeights): unset / empty fields are unchecked.
 struct ExportPin {
-  std::string expected_incarnation;              // HeadInfo::incarnation seen by the caller
+  std::string expected_incarnation;                // HeadInfo::incarnation seen by the caller
   std::optional<int64_t> expected_weight_version;  // HeadInfo::weight_version seen by the caller
 };
 
