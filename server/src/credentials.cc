@@ -1,10 +1,13 @@
 #include "remotehead/server/credentials.h"
 
+#include <fcntl.h>
 #include <grpcpp/security/server_credentials.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -28,36 +31,6 @@ constexpr std::string_view kBearerPrefix = "Bearer ";
 constexpr std::string_view kExpectedToken =
     "authorization: expected a bearer token (call metadata \"authorization: Bearer <token>\" "
     "matching the server's --auth_token_file)";
-
-// The whole file, or an error naming the flag and the path.
-absl::StatusOr<std::string> ReadFile(std::string_view flag, const std::string& path) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (!std::filesystem::exists(status)) {
-    return absl::NotFoundError(absl::StrCat("--", std::string(flag), ": no such file: ", path));
-  }
-  if (std::filesystem::is_directory(status)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", std::string(flag), ": expected a file; got a directory: ", path));
-  }
-  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (file == nullptr) {
-    const int error = errno;
-    const std::string message =
-        absl::StrCat("--", std::string(flag), ": cannot read ", path, ": ", std::strerror(error));
-    return error == EACCES ? absl::PermissionDeniedError(message)
-                           : absl::FailedPreconditionError(message);
-  }
-  std::string contents;
-  char buffer[4096];
-  size_t n = 0;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), file.get())) > 0) contents.append(buffer, n);
-  if (std::ferror(file.get())) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--", std::string(flag), ": cannot read ", path, ": read error"));
-  }
-  return contents;
-}
 
 using Bio = std::unique_ptr<BIO, decltype(&BIO_free)>;
 Bio MemoryBio(const std::string& pem) {
@@ -109,7 +82,7 @@ absl::Status CheckCaBundle(const TlsOptions& options, const std::string& ca_pem)
 // One token: trailing whitespace (the newline editors add) trimmed; visible ASCII only, so that
 // it is a valid HTTP/2 header value. The token itself never appears in a message.
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string token, ReadFile("auth_token_file", path));
+  ASSIGN_OR_RETURN(std::string token, ReadOperatorFile("auth_token_file", path));
   token = std::string(absl::StripTrailingAsciiWhitespace(token));
   if (token.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -152,6 +125,72 @@ bool HasBearerScheme(std::string_view value) {
 }  // namespace
 
 absl::StatusOr<std::string> ReadBearerToken(const std::string& path) { return ReadToken(path); }
+
+absl::StatusOr<std::string> ReadGroupSecret(const std::string& path) {
+  constexpr int64_t kMaxBytes = 4096;
+  ASSIGN_OR_RETURN(const std::string bytes, ReadOperatorFile("group_secret_file", path, kMaxBytes));
+  const std::string secret(absl::StripAsciiWhitespace(bytes));
+  constexpr size_t kMinBytes = 16;
+  if (secret.size() < kMinBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--group_secret_file: expected ", kMinBytes, " to ", kMaxBytes,
+                     " bytes of secret in \"", path, "\"; got ", secret.size(),
+                     " (make one with: head -c 32 /dev/urandom | base64 > FILE)"));
+  }
+  return secret;
+}
+
+absl::StatusOr<std::string> ReadOperatorFile(std::string_view flag, const std::string& path,
+                                             int64_t max_bytes) {
+  const std::string where = absl::StrCat("--", std::string(flag));
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(where, ": no such file: ", path));
+    return absl::PermissionDeniedError(
+        absl::StrCat(where, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  if (S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": expected a file; got a directory: ", path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": expected a regular file; got a FIFO, socket or device: ", path));
+  }
+  if (st.st_size > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": expected at most ", max_bytes,
+                                                   " bytes; got ", st.st_size, ": ", path));
+  }
+  // O_NONBLOCK: should the file have been replaced by a FIFO since, the open does not wait.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    const int error = errno;
+    const std::string message =
+        absl::StrCat(where, ": cannot read ", path, ": ", std::strerror(error));
+    return error == EACCES ? absl::PermissionDeniedError(message)
+                           : absl::FailedPreconditionError(message);
+  }
+  std::string contents(static_cast<size_t>(max_bytes) + 1, '\0');
+  size_t filled = 0;
+  ssize_t n = 0;
+  while (filled < contents.size() &&
+         (n = ::read(fd, contents.data() + filled, contents.size() - filled)) != 0) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    filled += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  if (n < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": cannot read ", path, ": ", "read error"));
+  }
+  if (filled > static_cast<size_t>(max_bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": expected at most ", max_bytes, " bytes; got more: ", path));
+  }
+  contents.resize(filled);
+  return contents;
+}
 
 bool IsBearerToken(std::string_view authorization, std::string_view token) {
   return HasBearerScheme(authorization) &&
@@ -207,13 +246,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> BuildServerCredentials(
     return grpc::InsecureServerCredentials();
   }
 
-  ASSIGN_OR_RETURN(const std::string cert_pem, ReadFile("tls_cert", options.cert_file));
-  ASSIGN_OR_RETURN(const std::string key_pem, ReadFile("tls_key", options.key_file));
+  ASSIGN_OR_RETURN(const std::string cert_pem, ReadOperatorFile("tls_cert", options.cert_file));
+  ASSIGN_OR_RETURN(const std::string key_pem, ReadOperatorFile("tls_key", options.key_file));
   RETURN_IF_ERROR(CheckKeyPair(options, cert_pem, key_pem));
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({.private_key = key_pem, .cert_chain = cert_pem});
   if (!options.client_ca_file.empty()) {
-    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile("tls_client_ca", options.client_ca_file));
+    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadOperatorFile("tls_client_ca", options.client_ca_file));
     RETURN_IF_ERROR(CheckCaBundle(options, ssl.pem_root_certs));
     ssl.client_certificate_request =
         options.require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY

@@ -1,20 +1,14 @@
 #include "remotehead/server/group_log.h"
 
-#include <fcntl.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 #include <openssl/sha.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <thread>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
@@ -320,45 +314,6 @@ absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {
     return std::nullopt;
   }
   return body->substr(kSeqBytes);
-}
-
-absl::StatusOr<std::string> ReadGroupSecret(const std::string& path) {
-  const std::string flag = "--group_secret_file";
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": expected a readable file; got \"", path,
-                                                   "\" (", std::strerror(errno), ")"));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": expected a regular file; got \"", path, "\", which is not one"));
-  }
-  constexpr int64_t kMaxBytes = 4096;
-  if (st.st_size > kMaxBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": expected at most ", kMaxBytes, " bytes of secret; got ", st.st_size));
-  }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": cannot open \"", path, "\" (", std::strerror(errno), ")"));
-  }
-  std::string bytes(static_cast<size_t>(kMaxBytes) + 1, '\0');
-  const ssize_t n = ::read(fd, bytes.data(), bytes.size());
-  ::close(fd);
-  if (n < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": cannot read \"", path, "\" (", std::strerror(errno), ")"));
-  }
-  bytes.resize(static_cast<size_t>(n));
-  const std::string secret(absl::StripAsciiWhitespace(bytes));
-  constexpr size_t kMinBytes = 16;
-  if (secret.size() < kMinBytes || static_cast<int64_t>(bytes.size()) > kMaxBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": expected ", kMinBytes, " to ", kMaxBytes, " bytes of secret in \"", path,
-        "\"; got ", secret.size(), " (make one with: head -c 32 /dev/urandom | base64 > FILE)"));
-  }
-  return secret;
 }
 
 }  // namespace remotehead::server

@@ -10,12 +10,8 @@
 #include "remotehead/server/group_log.h"
 
 #include <gtest/gtest.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <condition_variable>
-#include <filesystem>
-#include <fstream>
 #include <future>
 #include <map>
 #include <mutex>
@@ -280,29 +276,6 @@ TEST(GroupLogTest, TheFrontsDeclarationReachesTheOthersAndAForgedOneIsRefused) {
   ASSERT_TRUE(declared.ok());
   ASSERT_TRUE(declared->has_value());
   EXPECT_EQ(**declared, "rank 1 of 2 did not reply to command 4");
-}
-
-TEST(GroupSecretTest, ReadsARegularFileAndRefusesEverythingElseWithoutBlocking) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / absl::StrCat("rh_secret_", getpid());
-  fs::create_directories(dir);
-  const auto write = [&](const std::string& name, const std::string& text) {
-    std::ofstream(dir / name) << text;
-    return (dir / name).string();
-  };
-  auto secret = ReadGroupSecret(write("good", "  0123456789abcdef0123\n"));
-  ASSERT_TRUE(secret.ok()) << secret.status();
-  EXPECT_EQ(*secret, "0123456789abcdef0123");
-  const std::string fifo = (dir / "fifo").string();
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
-  for (const std::string& bad : {write("short", "tooshort\n"), write("big", std::string(5000, 'x')),
-                                 fifo, dir.string(), (dir / "missing").string()}) {
-    const auto refused = ReadGroupSecret(bad);
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_TRUE(absl::StartsWith(refused.status().message(), "--group_secret_file: expected"))
-        << refused.status();
-  }
-  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -474,6 +475,60 @@ TEST(BuildServerCredentials, StatusCodes) {
       "--tls_cert: expected a file; got a directory: /tmp");
   EXPECT_EQ(server::DescribeSecurityMode({}),
             "insecure (plaintext, no TLS), bearer-token auth off");
+}
+
+// Files the operator names by a flag (TLS files, the token, the group's secret) are read by one
+// reader: a FIFO, a device or a directory is refused before it is opened (a start never
+// blocks), as is a file over the size limit; each error names the flag and the path.
+TEST(OperatorFiles, OnlyRegularFilesAreReadAndNothingBlocks) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("rh_operator_files_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  const auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir / name) << text;
+    return (dir / name).string();
+  };
+  const std::string fifo = (dir / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  struct Case {
+    std::string path;
+    absl::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {fifo, absl::StatusCode::kInvalidArgument,
+       "--auth_token_file: expected a regular file; got a FIFO, socket or device: " + fifo},
+      {"/dev/zero", absl::StatusCode::kInvalidArgument,
+       "--auth_token_file: expected a regular file; got a FIFO, socket or device: /dev/zero"},
+      {dir.string(), absl::StatusCode::kInvalidArgument,
+       "--auth_token_file: expected a file; got a directory: " + dir.string()},
+      {(dir / "missing").string(), absl::StatusCode::kNotFound,
+       "--auth_token_file: no such file: " + (dir / "missing").string()},
+  };
+  for (const Case& c : cases) {
+    const auto token = server::ReadBearerToken(c.path);
+    EXPECT_EQ(token.status().code(), c.code) << c.path;
+    EXPECT_EQ(token.status().message(), c.message);
+  }
+  const std::string big = write("big", std::string(5000, 'x'));
+  EXPECT_EQ(server::ReadOperatorFile("tls_cert", big, 4096).status().message(),
+            "--tls_cert: expected at most 4096 bytes; got 5000: " + big);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+
+  // The group's secret: 16 to 4096 bytes once trimmed, through the same reader.
+  auto secret = server::ReadGroupSecret(write("good", "  0123456789abcdef0123\n"));
+  ASSERT_TRUE(secret.ok()) << secret.status();
+  EXPECT_EQ(*secret, "0123456789abcdef0123");
+  for (const std::string& bad : {write("short", "tooshort\n"), big, fifo, dir.string()}) {
+    const auto refused = server::ReadGroupSecret(bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(refused.status().message().rfind("--group_secret_file: expected", 0) == 0)
+        << refused.status();
+  }
+  EXPECT_EQ(server::ReadGroupSecret((dir / "missing").string()).status().code(),
+            absl::StatusCode::kNotFound);
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <grpcpp/security/auth_metadata_processor.h>
 #include <grpcpp/security/server_credentials.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -34,6 +35,21 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> BuildServerCredentials(
 // One line for the log, e.g. "mTLS (client certificate required), bearer-token auth on".
 // Never contains the token.
 std::string DescribeSecurityMode(const TlsOptions& options);
+
+// The whole of a small file the operator names by a flag (`flag` without its dashes: TLS
+// files, --auth_token_file, --group_secret_file). The path may go through links (the operator
+// chose it), but the file must be a regular one of at most `max_bytes`, checked before it is
+// opened, so that a FIFO or a device never blocks a start. NOT_FOUND for a missing file,
+// INVALID_ARGUMENT for a directory, another kind of file or one too large,
+// PERMISSION_DENIED / FAILED_PRECONDITION for one that cannot be read; every message names the
+// flag and the path.
+absl::StatusOr<std::string> ReadOperatorFile(std::string_view flag, const std::string& path,
+                                             int64_t max_bytes = int64_t{1} << 20);
+
+// The group's secret from `path` (--group_secret_file, read by ReadOperatorFile: a regular
+// file, never blocking, of at most 4096 bytes), at least 16 bytes once surrounding whitespace is
+// trimmed. The errors name the flag.
+absl::StatusOr<std::string> ReadGroupSecret(const std::string& path);
 
 // The token of --auth_token_file (trailing whitespace trimmed; visible ASCII only), with the
 // errors BuildServerCredentials gives for it. The metrics endpoint checks the same token.

@@ -114,10 +114,4 @@ class GroupLog {
 std::string EncodeReply(const GroupReply& reply);
 absl::StatusOr<GroupReply> DecodeReply(const std::string& bytes);
 
-// The group's secret from `path` (--group_secret_file, chosen by the operator, so it may be
-// reached through links, as Kubernetes mounts secrets): a regular file (checked before it is
-// opened: a FIFO never blocks the start) of 16 to 4096 bytes once surrounding whitespace is
-// trimmed. INVALID_ARGUMENT naming the flag otherwise.
-absl::StatusOr<std::string> ReadGroupSecret(const std::string& path);
-
 }  // namespace remotehead::server
