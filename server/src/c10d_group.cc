@@ -289,7 +289,7 @@ absl::Status CheckGroupPlane(const GroupConfig& config) {
   if (config.size <= 1 || !config.secret.empty() || config.trusted_network) {
     return absl::OkStatus();
   }
-  const std::string& bind = config.store_bind.empty() ? config.store_host : config.store_bind;
+  const std::string& bind = config.listen_host();
   if (IsLoopbackHost(config.store_host) && IsLoopbackHost(bind)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       "--group_secret_file: expected the group's secret for a store beyond loopback (", bind, ":",
@@ -373,8 +373,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
     if (store_options.isServer) {
       ASSIGN_OR_RETURN(
           store_options.masterListenFd,
-          ListenOn(config.store_bind.empty() ? config.store_host : config.store_bind,
-                   config.store_port,
+          ListenOn(config.listen_host(), config.store_port,
                    config.store_bind.empty() ? "--group_store" : "--group_store_bind"));
     }
     store_options.numWorkers = config.size;

@@ -412,10 +412,8 @@ absl::StatusOr<std::unique_ptr<rh::server::HeadGroup>> JoinGroup(
             << "; command log "
             << (!config.secret.empty() ? "sealed with the group's secret"
                                        : "NOT authenticated (no --group_secret_file)")
-            << (config.rank == 0 ? absl::StrCat("; store listening on ",
-                                                config.store_bind.empty() ? config.store_host
-                                                                          : config.store_bind,
-                                                ":", config.store_port)
+            << (config.rank == 0 ? absl::StrCat("; store listening on ", config.listen_host(), ":",
+                                                config.store_port)
                                  : std::string())
             << std::endl;
   return head_group;

@@ -25,6 +25,8 @@ struct GroupConfig {
   // The address rank 0's store listens on (empty: store_host's); never every interface unless
   // it says so ("0.0.0.0" / "::").
   std::string store_bind;
+  // Where rank 0's store listens: store_bind, else store_host.
+  const std::string& listen_host() const { return store_bind.empty() ? store_host : store_bind; }
   // The group's shared secret, sealing every entry of its command log (group_log.h); empty:
   // none, accepted on loopback or with trusted_network only (CheckGroupPlane).
   std::string secret;
