@@ -87,6 +87,31 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   }
 }
 
+// oneDNN's brgemm kernels (what LibTorch runs a bf16/fp16 GEMM on, on CPUs with AVX512-BF16 or
+// AMX) allocate their scratchpad through LibTorch's CPU allocator, so it counts against the
+// call. For the dX GEMM (M = chunk rows, K = V, N = D) oneDNN 3.x splits K across the threads
+// when M·N is small, and each thread then holds (brgemm_matmul_utils.cpp):
+//   C: an fp32 accumulator of M × LDC (LDC ≤ N; ≤ ~1024 columns per thread once N is split),
+//   B: its share of W packed into the AMX/VNNI layout, ≤ K_chunk × (N_chunk + padding) × 2,
+//   A: a tail copy of dz, 32 rows × K_chunk × 2, and a 4 KiB tile configuration;
+// with K_chunk ≤ ceil(K / threads), capped at 4096 rows of K by the blocking. Measured on
+// oneDNN 3.13 (LibTorch 2.15), 1–4 threads, V 3000–128000, D 128–4096, M 16–8192: the
+// measured scratch stays within this bound, at 1.1–6× of it. fp32 heads run on MKL, whose
+// GEMMs allocate nothing through LibTorch; CUDA heads use cuBLAS's one fixed workspace.
+void SetGemmWorkspace(const Head& head, CallPlan& plan) {
+  if (!head.weight().device().is_cpu() || head.dtype() == LogitsDtype(head)) return;
+  constexpr int64_t kMaxColumnsPerThread = 1024;
+  constexpr int64_t kMaxKChunk = 4096;
+  constexpr int64_t kPackPadding = 64;
+  constexpr int64_t kTileConfigBytes = 4096;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t columns = std::min<int64_t>(plan.hidden_size, kMaxColumnsPerThread);
+  const int64_t k_chunk = std::min<int64_t>((plan.vocab_size + threads - 1) / threads, kMaxKChunk);
+  plan.gemm.row_bytes = static_cast<double>(threads * 4 * columns);
+  plan.gemm.fixed_bytes =
+      threads * (2 * (columns + kPackPadding) * k_chunk + kTileConfigBytes);
+}
+
 // Chunk and block rows: as given, or the largest that fit the budget (blocks take at most a
 // quarter of it; chunks get the rest).
 absl::Status SetChunkSizes(const StepOptions& options, CallPlan& plan) {
@@ -106,10 +131,12 @@ absl::Status SetChunkSizes(const StepOptions& options, CallPlan& plan) {
       static_cast<int64_t>(0.25 * static_cast<double>(budget) / plan.block_row_bytes));
   const double rest =
       static_cast<double>(budget) -
-      static_cast<double>(std::max<int64_t>(plan.block_rows, 1)) * plan.block_row_bytes;
-  plan.chunk_rows = static_cast<int64_t>(rest / plan.chunk_row_bytes);
+      static_cast<double>(std::max<int64_t>(plan.block_rows, 1)) * plan.block_row_bytes -
+      static_cast<double>(plan.gemm.fixed_bytes);
+  plan.chunk_rows = static_cast<int64_t>(rest / (plan.chunk_row_bytes + plan.gemm.row_bytes));
   if (plan.block_rows < 1 || plan.chunk_rows < 1) {
-    const double one_row = 4.0 * plan.block_row_bytes + plan.chunk_row_bytes;
+    const double one_row = 4.0 * plan.block_row_bytes + plan.chunk_row_bytes +
+                           static_cast<double>(plan.gemm.BytesFor(1));
     return absl::InvalidArgumentError(absl::StrCat(
         "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
         " (one row of ", plan.function->name, " at V=", plan.vocab_size, "); got ", budget));
@@ -137,9 +164,11 @@ torch::ScalarType LogitsDtype(const Head& head) {
 }
 
 std::string CallMemory::Breakdown() const {
-  return absl::StrCat("logits ", FormatMiB(logits_bytes), " + function block ",
-                      FormatMiB(block_bytes), " + per-token ", FormatMiB(token_bytes), " + output ",
-                      FormatMiB(output_bytes));
+  std::string text = absl::StrCat(
+      "logits ", FormatMiB(logits_bytes), " + function block ", FormatMiB(block_bytes),
+      " + per-token ", FormatMiB(token_bytes), " + output ", FormatMiB(output_bytes));
+  if (gemm_bytes > 0) absl::StrAppend(&text, " + GEMM workspace ", FormatMiB(gemm_bytes));
+  return text;
 }
 
 int64_t CallPlan::ChunkRowsFor(int64_t rows) const {
@@ -163,6 +192,7 @@ CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
   m.token_bytes = kTokenBytesPerChunkRow * chunk + kTokenBytesPerRow * rows;
   m.output_bytes =
       mode == CallMode::kForward ? rows * output_row_bytes : rows * hidden_size * head_elem_bytes;
+  if (mode != CallMode::kForward) m.gemm_bytes = gemm.BytesFor(chunk);
   return m;
 }
 
@@ -200,6 +230,7 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
                                                    c10::toString(options.logits_dtype)));
   }
   SetRowCosts(head, options, plan);
+  SetGemmWorkspace(head, plan);
   RETURN_IF_ERROR(SetChunkSizes(options, plan));
   return plan;
 }

@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -39,8 +40,22 @@ struct CallMemory {
   int64_t token_bytes = 0;   // O(N) bookkeeping: masks, per-token values, row checks
   int64_t output_bytes = 0;  // what the call returns: dX [N, D], per-token outputs [N] (or the
                              // generation outputs' rows: [N, V] logits, [N] ids and log-probs)
-  int64_t total() const { return logits_bytes + block_bytes + token_bytes + output_bytes; }
+  int64_t gemm_bytes = 0;    // the GEMM library's own workspace (see GemmWorkspace)
+  int64_t total() const {
+    return logits_bytes + block_bytes + token_bytes + output_bytes + gemm_bytes;
+  }
   std::string Breakdown() const;  // "logits 4 MiB + block 2 MiB + tokens 0.1 MiB + output 1 MiB"
+};
+
+// The workspace the GEMM library allocates through the device allocator during the dX GEMM
+// (dz[M, V]·W[V, D]): per chunk row and fixed per call. Zero where the library takes none
+// (cuBLAS keeps one fixed workspace per handle, allocated once; MKL's fp32 GEMMs take none).
+struct GemmWorkspace {
+  double row_bytes = 0;
+  int64_t fixed_bytes = 0;
+  int64_t BytesFor(int64_t chunk_rows) const {
+    return fixed_bytes + static_cast<int64_t>(std::ceil(row_bytes * chunk_rows));
+  }
 };
 
 struct CallPlan {
@@ -65,6 +80,7 @@ struct CallPlan {
   double block_row_bytes = 0;          // one function-block row
   int64_t output_row_bytes = 0;        // what a Forward returns per row: a per-token value, a
                                        // row of logits (function logits), id + log-prob (sample)
+  GemmWorkspace gemm;                  // the dX GEMM's library workspace, gradient calls
 };
 
 // Whether `mode` and `reduction` can compute the plan's function: a generation output (function
