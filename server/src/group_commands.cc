@@ -79,6 +79,9 @@ v1::GroupCommand OptimizerStepCommand(const std::string& id, const OptimizerStep
   step->set_head_id(id);
   step->set_grad_scale(spec.grad_scale);
   step->set_zero_gradients(spec.zero_gradients);
+  if (spec.expected_weight_version.has_value()) {
+    step->set_expected_weight_version(*spec.expected_weight_version);
+  }
   if (const auto* sgd = std::get_if<core::SgdOptions>(&spec.optimizer)) {
     step->mutable_sgd()->set_lr(sgd->lr);
     step->mutable_sgd()->set_momentum(sgd->momentum);

@@ -417,6 +417,13 @@ absl::StatusOr<HeadDescription> HeadOperations::OptimizerStepHere(const std::str
   const bool sgd = std::holds_alternative<core::SgdOptions>(spec.optimizer);
   RETURN_IF_ERROR(entry->OptimizerStep(
       [&](core::Head& head, core::OptimizerState& state) {
+        if (spec.expected_weight_version.has_value() &&
+            *spec.expected_weight_version != head.version()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "expected_weight_version: expected the head's current version ", head.version(),
+              "; got ", *spec.expected_weight_version, " (head \"", id,
+              "\" moved on since this trainer saw it: nothing applied)"));
+        }
         return std::visit(
             [&](const auto& options) -> absl::Status {
               // A bad step is refused for what is wrong with it before any memory is asked

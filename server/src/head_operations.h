@@ -53,6 +53,9 @@ struct OptimizerStepSpec {
   std::variant<core::SgdOptions, core::AdamWOptions> optimizer;
   double grad_scale = 1.0;      // multiplies the accumulated gradient
   bool zero_gradients = false;  // zero dW and the ledger after the step
+  // Set: the version the caller holds; another is FAILED_PRECONDITION, checked under the
+  // head's lock together with the step (nothing applied).
+  std::optional<int64_t> expected_weight_version;
 };
 
 class HeadOperations {

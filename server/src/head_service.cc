@@ -140,6 +140,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* OptimizerStep(grpc::CallbackServerContext* context,
                                           const v1::OptimizerStepRequest* request,
                                           v1::OptimizerStepResponse* response) override {
+    if (request->has_synchronous()) return SynchronousStep(context, *request, response);
     return Unary(context, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(*request));
       ASSIGN_OR_RETURN(const HeadDescription head, Ops().Describe(request->head_id()));
@@ -193,8 +194,42 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     return NewFetchGradientsReactor(context_.get(), *request);
   }
 
+  void Drain() override {
+    context_->sync_steps.AbortAll(absl::UnavailableError(
+        "synchronous optimizer step: the server is draining; nothing applied"));
+  }
+
  private:
   HeadOperations& Ops() { return context_->operations; }
+
+  // One rank's part of a synchronous step: answered when every rank came (sync_steps.h), from
+  // whichever thread that is; a request refused up front is answered at once.
+  grpc::ServerUnaryReactor* SynchronousStep(grpc::CallbackServerContext* context,
+                                            const v1::OptimizerStepRequest& request,
+                                            v1::OptimizerStepResponse* response) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    auto finish = [reactor, response](const absl::StatusOr<HeadDescription>& result) {
+      reactor->Finish(ToGrpcStatus(Answer(result, response->mutable_info())));
+    };
+    absl::StatusOr<OptimizerStepSpec> spec = FromWire(request);
+    absl::StatusOr<HeadDescription> head = Ops().Describe(request.head_id());
+    absl::Status refused = !spec.ok() ? spec.status() : head.status();
+    if (refused.ok()) {
+      refused = CheckIncarnation(request.expected_incarnation(), "expected_incarnation", *head);
+    }
+    if (!refused.ok()) {
+      finish(refused);
+      return reactor;
+    }
+    context_->sync_steps.Arrive({.head_id = request.head_id(),
+                                 .step = request.synchronous().step(),
+                                 .rank = request.synchronous().rank(),
+                                 .world_size = request.synchronous().world_size(),
+                                 .spec = *std::move(spec),
+                                 .expected_incarnation = request.expected_incarnation()},
+                                finish);
+    return reactor;
+  }
 
   std::unique_ptr<ServiceContext> context_;
 };

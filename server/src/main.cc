@@ -55,6 +55,9 @@ ABSL_FLAG(int32_t, read_ahead_messages, 4,
           "rows messages a streaming call reads ahead of the one being computed");
 ABSL_FLAG(double, max_retain_seconds, 600,
           "longest a Forward's inputs are kept for a Backward (StepHeader.retain_inputs_seconds)");
+ABSL_FLAG(double, sync_step_timeout_seconds, 300,
+          "how long the ranks of a synchronous optimizer step (data-parallel trainers) wait for the "
+          "missing ones before each gets ABORTED naming them; nothing is applied");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server (turns TLS on)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA(s) for client certificates (turns mTLS on)");
@@ -293,7 +296,8 @@ rh::server::ServiceOptions MakeServiceOptions(
       .state_store = state_store,
       .checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps),
       .checkpoint_dir = std::move(checkpoint_dir),
-      .group = group};
+      .group = group,
+      .sync_step_timeout_seconds = absl::GetFlag(FLAGS_sync_step_timeout_seconds)};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
             << ", max active " << options.admission.max_active << " (0 = no limit), max queued "
@@ -338,8 +342,8 @@ void DrainOnSignal() {
 // Serves until SIGTERM / SIGINT (DrainOnSignal) or `done` says so, then drains: NOT_SERVING,
 // then up to --shutdown_grace_seconds for the calls in flight. On a head group, health turns
 // NOT_SERVING as soon as the group is down.
-void ServeUntilSignal(grpc::Server& server, rh::server::HeadGroup* group,
-                      const std::function<bool()>& done) {
+void ServeUntilSignal(grpc::Server& server, rh::server::HeadService& service,
+                      rh::server::HeadGroup* group, const std::function<bool()>& done) {
   bool serving = true;
   while (!g_stop.load() && !done()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -354,6 +358,7 @@ void ServeUntilSignal(grpc::Server& server, rh::server::HeadGroup* group,
   std::cout << "remotehead-server: draining (up to " << absl::GetFlag(FLAGS_shutdown_grace_seconds)
             << " s)" << std::endl;
   server.GetHealthCheckService()->SetServingStatus(false);
+  service.Drain();
   server.Shutdown(std::chrono::system_clock::now() +
                   std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
 }
@@ -426,6 +431,10 @@ int Run() {
   if (!metrics_options.ok()) return Refuse(metrics_options.status());
   auto device = rh::core::ResolveDevice(absl::GetFlag(FLAGS_device), "--device");
   if (!device.ok()) return Refuse(device.status());
+  if (const double t = absl::GetFlag(FLAGS_sync_step_timeout_seconds); !(t > 0 && t <= 86400)) {
+    return Refuse(absl::InvalidArgumentError(absl::StrCat(
+        "--sync_step_timeout_seconds: expected a number of seconds in (0, 86400]; got ", t)));
+  }
   const absl::StatusOr<rh::server::GroupConfig> group_config = GroupConfigFromFlags(*device);
   if (!group_config.ok()) return Refuse(group_config.status());
   // CPU memory is measured by a counting allocator, installed before any tensor exists.
@@ -508,7 +517,7 @@ int Run() {
       followed.store(true);
     });
   }
-  ServeUntilSignal(*server, group->get(), [&] { return followed.load(); });
+  ServeUntilSignal(*server, *service, group->get(), [&] { return followed.load(); });
   const bool signalled = g_stop.load();
   if (follower.joinable()) {
     g_stop.store(true);

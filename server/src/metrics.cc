@@ -115,7 +115,29 @@ class ServerMetrics::Impl : public prometheus::Collectable {
                             .Name("remotehead_group_command_seconds")
                             .Help("Time this head group rank spent on its part of each group "
                                   "command (step_batch: one engine call on its shard), by command")
-                            .Register(*registry_)) {}
+                            .Register(*registry_)),
+        sync_wait_(prometheus::BuildHistogram()
+                       .Name("remotehead_sync_step_wait_seconds")
+                       .Help("Time a trainer rank waited at a synchronous optimizer step, from its "
+                             "arrival to its answer")
+                       .Register(*registry_)
+                       .Add({}, LatencyBuckets())),
+        sync_waiting_(prometheus::BuildGauge()
+                          .Name("remotehead_sync_step_ranks_waiting")
+                          .Help("Trainer ranks waiting now at synchronous optimizer steps")
+                          .Register(*registry_)
+                          .Add({})),
+        sync_applied_(prometheus::BuildCounter()
+                          .Name("remotehead_sync_steps_applied_total")
+                          .Help("Synchronous optimizer steps applied (once for all their ranks)")
+                          .Register(*registry_)
+                          .Add({})),
+        sync_aborted_(prometheus::BuildCounter()
+                          .Name("remotehead_sync_steps_aborted_total")
+                          .Help("Synchronous optimizer steps not applied, by reason: timeout (a "
+                                "rank missing), disagreement, refused (the step failed), "
+                                "draining")
+                          .Register(*registry_)) {}
 
   RpcMetrics& ForRpc(const std::string& rpc) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -274,6 +296,10 @@ class ServerMetrics::Impl : public prometheus::Collectable {
   prometheus::Family<prometheus::Counter>& sent_;
   prometheus::Family<prometheus::Gauge>& inflight_;
   prometheus::Family<prometheus::Histogram>& group_commands_;
+  prometheus::Histogram& sync_wait_;
+  prometheus::Gauge& sync_waiting_;
+  prometheus::Counter& sync_applied_;
+  prometheus::Family<prometheus::Counter>& sync_aborted_;
   std::atomic<int64_t> largest_logits_chunk_{0};
   std::mutex mu_;
   std::map<std::string, RpcMetrics> rpcs_;
@@ -374,6 +400,18 @@ void ServerMetrics::set_group(HeadGroup* group) { impl_->group_.store(group); }
 
 void ServerMetrics::ObserveGroupCommand(const std::string& command, double seconds) {
   impl_->group_commands_.Add({{"command", command}}, LatencyBuckets()).Observe(seconds);
+}
+
+void ServerMetrics::ObserveSyncStepWait(double seconds) { impl_->sync_wait_.Observe(seconds); }
+
+void ServerMetrics::SetSyncStepRanksWaiting(int64_t ranks) {
+  impl_->sync_waiting_.Set(static_cast<double>(ranks));
+}
+
+void ServerMetrics::CountSyncStepApplied() { impl_->sync_applied_.Increment(); }
+
+void ServerMetrics::CountSyncStepAborted(const std::string& reason) {
+  impl_->sync_aborted_.Add({{"reason", reason}}).Increment();
 }
 
 std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::Collectables() const {

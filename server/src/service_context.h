@@ -10,6 +10,7 @@
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/head_service.h"
 #include "retained_inputs.h"
+#include "sync_steps.h"
 
 namespace remotehead::server {
 
@@ -22,6 +23,11 @@ struct ServiceContext {
         operations(registry, &admission, options.device, options.event_log, options.checkpoint_dir,
                    options.state_store, options.checkpoint_every_steps, options.group),
         group_steps(registry, options.group, options.device),
+        sync_steps([this](const std::string& id,
+                          const OptimizerStepSpec& spec) { return operations.OptimizerStep(id, spec); },
+                   std::chrono::milliseconds(
+                       static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
+                   options.metrics),
         compute(options.compute_threads) {}
 
   HeadRegistry* const registry;
@@ -30,6 +36,7 @@ struct ServiceContext {
   RetainedInputStore retained;
   HeadOperations operations;
   GroupStepFollower group_steps;  // a head group's other ranks: the front's requests
+  SynchronousSteps sync_steps;    // the optimizer steps of data-parallel trainers
   // Last, so destroyed first: the pool's threads finish their tasks while the rest is alive.
   ComputePool compute;
 };

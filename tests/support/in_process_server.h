@@ -25,6 +25,7 @@ class InProcessServer {
   }
   // The server stops before the service, which goes before the registry.
   ~InProcessServer() {
+    service_->Drain();  // as the server binary: waiting synchronous steps do not hold Shutdown
     if (server_ != nullptr) server_->Shutdown();
     service_.reset();
   }

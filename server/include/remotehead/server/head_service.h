@@ -47,6 +47,9 @@ struct ServiceOptions {
   // vocabulary; rank 0 serves the calls and runs each on every rank, the others FollowGroup.
   // nullptr: a server on its own.
   HeadGroup* group = nullptr;
+  // How long the ranks of a synchronous optimizer step wait for the missing ones (from the
+  // first arrival) before every waiting rank gets ABORTED naming them.
+  double sync_step_timeout_seconds = 300;
 };
 
 class HeadService {
@@ -68,6 +71,9 @@ class HeadService {
   // A head group's rank other than the front: executes the group's commands on this service's
   // heads, in order, until `stop` is set (OK) or the front is gone (UNAVAILABLE).
   virtual absl::Status FollowGroup(const std::atomic<bool>& stop) = 0;
+  // The server begins to drain: the ranks waiting at synchronous optimizer steps get
+  // UNAVAILABLE now (nothing applied) instead of holding the drain until their timeout.
+  virtual void Drain() = 0;
 };
 
 }  // namespace remotehead::server

@@ -55,6 +55,13 @@ class ServerMetrics {
 
   // A head group command's part on this rank (HeadGroup::set_observer).
   void ObserveGroupCommand(const std::string& command, double seconds);
+  // Synchronous optimizer steps (sync_steps.h): how long a rank waited for the others, how
+  // many wait now, the steps applied and those aborted (reason: timeout, disagreement,
+  // refused — the step itself failed —, draining).
+  void ObserveSyncStepWait(double seconds);
+  void SetSyncStepRanksWaiting(int64_t ranks);
+  void CountSyncStepApplied();
+  void CountSyncStepAborted(const std::string& reason);
 
   class Impl;
 

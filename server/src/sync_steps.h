@@ -1,0 +1,103 @@
+// Synchronous optimizer steps of data-parallel trainers (OptimizerStepRequest.synchronous):
+// W trainer processes each added their own micro-batches' dW to one head; each asks for the
+// optimizer step of global step s as rank r of W. The first W - 1 callers wait; the last one's
+// arrival checks that all of them asked for the same step and applies it once (the summed dW
+// scaled by grad_scale / W, as DDP averages gradients); every caller gets the same answer.
+//
+// Free of gRPC: a caller hands in a Reply that is called exactly once — at once (a retry of an
+// applied step, a refusal) or later from another thread (the last rank's, the timer's).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "head_operations.h"
+
+namespace remotehead::server {
+
+class ServerMetrics;
+
+// One rank's request.
+struct SyncStepRequest {
+  std::string head_id;
+  int64_t step = 0;
+  int rank = 0;
+  int world_size = 1;
+  OptimizerStepSpec spec;            // as this rank sent it (grad_scale before the 1 / W)
+  std::string expected_incarnation;  // "" = any
+};
+
+class SynchronousSteps {
+ public:
+  using Reply = std::function<void(const absl::StatusOr<HeadDescription>&)>;
+  // Applies a step that every rank agreed on (HeadOperations::OptimizerStep: on a head group,
+  // on every rank).
+  using Apply = std::function<absl::StatusOr<HeadDescription>(const std::string& head_id,
+                                                              const OptimizerStepSpec& spec)>;
+
+  // `timeout`: how long the ranks that came wait for the others, from the first arrival.
+  // `metrics` (nullptr: none) gets the wait times, the ranks waiting and the aborted steps.
+  SynchronousSteps(Apply apply, std::chrono::milliseconds timeout, ServerMetrics* metrics);
+  // Fails the steps still waiting (UNAVAILABLE) and stops the timer.
+  ~SynchronousSteps();
+  SynchronousSteps(const SynchronousSteps&) = delete;
+  SynchronousSteps& operator=(const SynchronousSteps&) = delete;
+
+  // Calls `reply` exactly once. A bad request (rank, world size, step) is INVALID_ARGUMENT at
+  // once; a retry of a step applied recently gets its answer again.
+  void Arrive(SyncStepRequest request, Reply reply);
+  // Fails every waiting caller with `status` (the server is draining); nothing applied.
+  void AbortAll(const absl::Status& status);
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Waiter {
+    Reply reply;
+    Clock::time_point arrived;
+  };
+  // The ranks waiting at one head's step.
+  struct Pending {
+    SyncStepRequest first;                    // what the others must agree with
+    std::map<int, std::vector<Waiter>> ranks;  // a rank that retried waits twice
+    Clock::time_point deadline;
+    bool applying = false;  // the last rank is applying it: later arrivals join the answer
+  };
+  // A step applied, kept for the ranks whose answer was lost.
+  struct Applied {
+    int64_t step = 0;
+    int world_size = 0;
+    HeadDescription result;
+  };
+  using Replies = std::vector<std::pair<Waiter, absl::StatusOr<HeadDescription>>>;
+
+  // The refusal of `request` against the rank that came first, or OK.
+  static absl::Status Agree(const SyncStepRequest& first, const SyncStepRequest& request);
+  // Applies the step of `head_id` (its last rank came) and answers every rank.
+  void ApplyAndAnswer(const std::string& head_id);
+  // Moves every waiter of `pending` into `out`, to be answered with `status`.
+  void TakeAll(Pending& pending, const absl::StatusOr<HeadDescription>& status, Replies* out);
+  void Send(Replies replies);
+  void TimerLoop();
+  void UpdateWaitingLocked();
+
+  const Apply apply_;
+  const std::chrono::milliseconds timeout_;
+  ServerMetrics* const metrics_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::map<std::string, Pending> pending_;               // by head
+  std::map<std::string, std::deque<Applied>> applied_;  // by head, the latest last
+  std::thread timer_;
+};
+
+}  // namespace remotehead::server
