@@ -23,6 +23,7 @@ from typing import Mapping, Optional
 import grpc
 import torch
 
+from remotehead import cluster as cluster_lib
 from remotehead.client import (Client, GradientId, HeadInfo, InvalidArgumentError,
                                RemoteheadError, StepOptions, StepResult, check_option_names)
 
@@ -162,13 +163,20 @@ class RemoteHead:
     Each call is one micro-batch of gradient identity (trainer, step, micro_batch): replays
     (client retries) are recognised by the server and not added twice. `next_step()` (called by
     `optimizer_step()`) moves to the next step. The trainer is `trainer`, else
-    options.gradient_id's, else a random one; options.gradient_id also gives the first step and
-    micro-batch.
+    options.gradient_id's, else, among several data-parallel processes, the rank's
+    (cluster.trainer_id()), else a random one; options.gradient_id also gives the first step
+    and micro-batch.
+
+    `cluster` (default: remotehead.cluster.detect(): torch.distributed, else torchrun's
+    environment) is the data-parallel trainer processes this one is a rank of: with more than
+    one, optimizer_step() is the synchronous step of all of them (applied once, dW averaged
+    over the ranks as DDP does).
     """
 
     def __init__(self, client: Client, head_id: str, options: Optional[StepOptions] = None, *,
                  trainer: Optional[str] = None,
-                 local_weight: Optional[torch.nn.Parameter] = None, **overrides):
+                 local_weight: Optional[torch.nn.Parameter] = None,
+                 cluster: Optional[cluster_lib.Cluster] = None, **overrides):
         explicit_retain = options is not None or "retain_inputs_seconds" in overrides
         options = (options if options is not None else StepOptions()).replace(**overrides)
         _check_declared_upstream(options.upstream_scale, "upstream_scale")
@@ -180,8 +188,16 @@ class RemoteHead:
         # Steps and optimizer steps carry the server process they belong to: once it restarted
         # they fail with ServerRestartedError instead of adding dW to a window that is gone.
         self.incarnation = self.info.incarnation
+        self.cluster = cluster if cluster is not None else cluster_lib.detect()
+        if local_weight is not None and self.cluster.distributed:
+            # The server's one accumulator holds every rank's dW: a pull would mix them.
+            raise InvalidArgumentError(
+                f"local_weight: expected none among {self.cluster.world_size} data-parallel "
+                "processes (the head is trained by the server's synchronous optimizer steps; "
+                "offload with gradients=\"server\"); got the trainer's lm_head parameter")
         start = options.gradient_id
         self.trainer = trainer or (start.trainer if start is not None and start.trainer
+                                   else self.cluster.trainer_id() if self.cluster.distributed
                                    else f"py-{uuid.uuid4().hex[:12]}")
         self.step = start.step if start is not None else 0
         self.micro_batch = start.micro_batch if start is not None else 0
@@ -283,11 +299,26 @@ class RemoteHead:
 
     def optimizer_step(self, **optimizer) -> None:
         """A server-side optimizer step on the accumulated dW (then zeroed), e.g.
-        optimizer_step(adamw=dict(lr=1e-3, weight_decay=0.0))."""
+        optimizer_step(adamw=dict(lr=1e-3, weight_decay=0.0)). Among several data-parallel
+        processes it is their synchronous step `self.step`, pinned to the version this trainer
+        holds: it returns once every rank asked for it, and dW is averaged over the ranks as DDP
+        averages gradients."""
         optimizer.setdefault("zero_gradients", True)
         optimizer.setdefault("expected_incarnation", self.incarnation)
+        if self.cluster.distributed:
+            # Every rank must hold the same version: the server checks that they agree.
+            optimizer.setdefault("expected_weight_version", self.info.weight_version)
+            optimizer.setdefault("synchronous",
+                                 (self.step, self.cluster.rank, self.cluster.world_size))
         self.info = self.client.optimizer_step(self.head_id, **optimizer)
         self.next_step()
+
+    def declare_upstream_scale(self, scale: float) -> None:
+        """Sets the dL/dloss that backward will bring (upstream_scale) for the calls to come —
+        e.g. W under transformers' average_tokens_across_devices, which multiplies each rank's
+        loss by the number of processes."""
+        _check_declared_upstream(scale, "upstream_scale")
+        self.options = self.options.replace(upstream_scale=scale)
 
     # ----- durable training state (a server started with --state_dir) -----
 

@@ -646,22 +646,39 @@ class Client:
 
     def optimizer_step(self, head_id: str, *, sgd: Optional[dict] = None,
                        adamw: Optional[dict] = None, grad_scale: Optional[float] = None,
-                       zero_gradients: bool = False, expected_incarnation: str = "") -> HeadInfo:
+                       zero_gradients: bool = False, expected_incarnation: str = "",
+                       expected_weight_version: Optional[int] = None,
+                       synchronous: Optional[Tuple[int, int, int]] = None) -> HeadInfo:
         """One server-side step: sgd=dict(lr=, momentum=, weight_decay=) or
         adamw=dict(lr=, beta1=, beta2=, eps=, weight_decay=). expected_incarnation: as
-        StepOptions.expected_incarnation (ServerRestartedError once the server restarted)."""
+        StepOptions.expected_incarnation (ServerRestartedError once the server restarted).
+        expected_weight_version: refused (FAILED_PRECONDITION) if the head is at another.
+
+        synchronous=(step, rank, world_size): this trainer's part of the step of `world_size`
+        data-parallel trainers (proto SynchronousStep): the call returns once every rank asked
+        for `step`, with the same HeadInfo for all; the summed dW is scaled by
+        grad_scale / world_size. Retried after UNAVAILABLE (the server answers a step it applied
+        again); ABORTED when a rank does not come within the server's timeout."""
         request = pb.OptimizerStepRequest(head_id=head_id, zero_gradients=zero_gradients,
                                           expected_incarnation=expected_incarnation)
         if grad_scale is not None:
             request.grad_scale = grad_scale
+        if expected_weight_version is not None:
+            request.expected_weight_version = expected_weight_version
+        if synchronous is not None:
+            step, rank, world_size = synchronous
+            request.synchronous.CopyFrom(
+                pb.SynchronousStep(step=step, rank=rank, world_size=world_size))
         if (sgd is None) == (adamw is None):
             raise ValueError("optimizer: expected exactly one of sgd or adamw")
         if sgd is not None:
             request.sgd.CopyFrom(pb.OptimizerStepRequest.Sgd(**sgd))
         else:
             request.adamw.CopyFrom(pb.OptimizerStepRequest.AdamW(**adamw))
-        # Not idempotent: never retried (a lost answer may hide a step that happened).
-        return _info(self._unary(self._stub.OptimizerStep, request, retry=False).info)
+        # A single caller's step is not idempotent: never retried (a lost answer may hide a step
+        # that happened). A synchronous one is: the server answers a retry of an applied step.
+        return _info(self._unary(self._stub.OptimizerStep, request,
+                                 retry=synchronous is not None).info)
 
     # ----- durable training state (a server started with --state_dir) -----
 

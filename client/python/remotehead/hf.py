@@ -36,11 +36,13 @@ import types
 import warnings
 from typing import Optional
 
+import grpc
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from remotehead import cluster as cluster_lib
 from remotehead.autograd import RemoteHead
 from remotehead.client import Client, RemoteheadError
 # HEAD_SHARD: where checkpoints hold the head (remotehead.hf.HEAD_SHARD, as before).
@@ -192,6 +194,11 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
         in server mode and for a frozen head; it is kept where it is the trainer's parameter
         (gradients="local") or the input embedding (tied embeddings: the matrix stays, and
         keep_local_copy=False then warns that it does). True keeps it in every mode.
+
+    Data-parallel trainers (torchrun, accelerate launch: remotehead.cluster finds the rank and
+    world size) make the same call on every rank: rank 0 uploads, the others wait for the head
+    and check its shape; each rank adds its dW under its own identity and the optimizer steps
+    are synchronous (see RemoteHead).
     """
     if gradients not in ("server", "local"):
         raise ValueError(f'gradients: expected "server" or "local"; got {gradients!r}')
@@ -204,11 +211,11 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
                          '"server"')
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("lm_head.bias: expected none (causal LMs have no head bias); got one")
-    if upload:
-        client.upload_head(head_id, lm_head.weight.detach().float())
+    cluster = cluster_lib.detect()
+    _share_head(client, head_id, lm_head.weight, cluster, upload)
     local = trainable and gradients == "local"
     head = OffloadedHead(model, client, head_id, trainer=trainer, accumulate=trainable,
-                         local_weight=lm_head.weight if local else None)
+                         local_weight=lm_head.weight if local else None, cluster=cluster)
     if trainable and not local:
         # Trained on the server: keeps the local copy out of the local optimizer.
         lm_head.weight.requires_grad_(False)
@@ -217,7 +224,9 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
                       "the embedding and stays (keep_local_copy=False has no effect)")
     if not (tied or local):
         # The server's head is the trained one: a kept local copy is refreshed only for
-        # generation, so checkpoints take the head from the server in every case.
+        # generation, so checkpoints take the head from the server in every case; DDP (and
+        # accelerate, Trainer) must neither broadcast nor reduce it.
+        _keep_out_of_ddp(model, lm_head.weight)
         head.checkpoint_from_server()
         if not keep_local_copy:
             head.release_local_copy()
@@ -232,6 +241,45 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     route_causal_lm_loss(model, loss)
     model._remotehead = head
     return head
+
+
+def _keep_out_of_ddp(model, weight: torch.nn.Parameter) -> None:
+    """Lists the head's parameter in the model's DDP ignore list (what
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets): DDP would
+    otherwise broadcast it from rank 0 when it wraps the model — a copy into the released
+    one-element storage, which fails — although the server, not the trainers, holds it."""
+    names = [name for name, p in model.named_parameters(remove_duplicate=False) if p is weight]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
+
+
+def _share_head(client: Client, head_id: str, weight: torch.Tensor, cluster, upload: bool):
+    """Puts the model's head on the server once: rank 0 uploads it (with upload=True); every
+    other rank waits until it is there and checks that it is the model's shape."""
+
+    def present() -> bool:
+        try:
+            client.describe_head(head_id)
+            return True
+        except RemoteheadError as e:
+            if e.code == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+
+    def check():
+        info = client.describe_head(head_id)
+        expected = tuple(weight.shape)
+        if (info.vocab_size, info.hidden_size) != expected:
+            raise ValueError(f"head {head_id!r}: expected the model's lm_head shape {expected} on "
+                             f"the server; got ({info.vocab_size}, {info.hidden_size})")
+        return info
+
+    def on_main():
+        if upload:
+            return client.upload_head(head_id, weight.detach().float())
+        return check()
+
+    cluster_lib.share(cluster, on_main, check, wait_until=present)
 
 
 def route_causal_lm_loss(model, loss) -> None:
@@ -365,11 +413,33 @@ class RemoteHeadCallback(TrainerCallback):
                        "weight_version": info.weight_version,
                        "global_step": state.global_step}, f)
 
+    def on_init_end(self, args, state, control, **kwargs):
+        self._declare_loss_scale(args)
+
+    def _declare_loss_scale(self, args) -> None:
+        """Under average_tokens_across_devices (transformers' default with several processes)
+        Trainer multiplies each rank's loss by the number of processes, so that DDP's average
+        is the global token mean: backward brings dL/dloss = W, declared here up front."""
+        cluster = self.head.cluster
+        if cluster.distributed and getattr(args, "average_tokens_across_devices", False):
+            self.head.declare_upstream_scale(float(cluster.world_size))
+
     def on_train_begin(self, args, state, control, **kwargs):
+        self._declare_loss_scale(args)
         # Resuming (Trainer has loaded the checkpoint's TrainerState): the head goes back to the
-        # state saved with that checkpoint, whatever the server holds now.
+        # state saved with that checkpoint, whatever the server holds now — once, by rank 0; the
+        # other ranks then continue from the restored head.
         if not self.save_state or state.global_step == 0:
             return
+        cluster_lib.share(self.head.cluster, lambda: self._restore(args, state),
+                          lambda: self._follow_restore(state))
+
+    def _follow_restore(self, state) -> None:
+        self.head.info = self.head.client.describe_head(self.head.head_id)
+        self.head.incarnation = self.head.info.incarnation
+        self.head.step, self.head.micro_batch = state.global_step, 0
+
+    def _restore(self, args, state) -> None:
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         path = os.path.join(checkpoint, self.STATE_FILE)
         if not os.path.isfile(path):
