@@ -29,6 +29,9 @@ import remotehead.hf
 
 VOCAB, HIDDEN, SEQ = 257, 32, 12
 LR, WEIGHT_DECAY = 3e-3, 0.01
+# AdamW's eps: 1e-6 rather than 1e-8, so that elements whose gradient is ~0 are not normalised
+# to ±lr — there, fp32 summation order (one server's sum vs DDP's all-reduce) would show.
+EPS = 1e-6
 
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
@@ -68,7 +71,7 @@ def main() -> None:
         head = remotehead.hf.offload_lm_head(model, client, args.head_id)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                                  weight_decay=WEIGHT_DECAY)
+                                  weight_decay=WEIGHT_DECAY, eps=EPS)
     rows_per_step = args.accumulation * args.batch * world
     ids, labels = dataset(args.steps * rows_per_step)
     losses = []
@@ -90,7 +93,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         if head is not None:
-            head.optimizer_step(adamw=dict(lr=LR, weight_decay=WEIGHT_DECAY))
+            head.optimizer_step(adamw=dict(lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS))
         mean = torch.tensor([total])
         dist.all_reduce(mean)
         losses.append(float(mean) / world)

@@ -1,0 +1,85 @@
+"""One transformers Trainer run of test_data_parallel.py, run by torchrun (or plainly, for one
+process): a tiny Llama from a config (fixed seeds, no download), gradient accumulation, AdamW
+with weight decay and a linear schedule. With --server the head is offloaded exactly as for one
+process — offload_lm_head + RemoteHeadCallback, the same call on every rank. Rank 0 writes the
+logged losses, the head (from the server, or the local lm_head) and the body's parameters to
+--out (torch.save)."""
+
+import argparse
+import os
+
+import torch
+import transformers
+
+import remotehead
+import remotehead.hf
+
+VOCAB, SEQ = 257, 12
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def dataset(rows):
+    generator = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(rows):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+        labels = ids.clone()
+        # Prompts of varying length: micro-batches and ranks differ in valid tokens.
+        labels[: int(torch.randint(1, 6, (1,), generator=generator))] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--server", default="")
+    parser.add_argument("--head-id", default="ddp-trainer")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--average-tokens", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--output-dir", required=True)
+    args = parser.parse_args()
+
+    model = tiny_llama()
+    callbacks = []
+    client = None
+    if args.server:
+        client = remotehead.Client(args.server)
+        head = remotehead.hf.offload_lm_head(model, client, args.head_id)
+        callbacks.append(remotehead.hf.RemoteHeadCallback(head))
+    training = transformers.TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accumulation, learning_rate=3e-3, weight_decay=0.01,
+        lr_scheduler_type="linear", max_grad_norm=0.0, adam_epsilon=1e-6, logging_steps=1, report_to="none",
+        use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no",
+        average_tokens_across_devices=bool(args.average_tokens),
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
+    trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset(args.rows),
+                                   callbacks=callbacks)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    if client is not None:
+        head_weight, _ = client.export_weights(args.head_id)
+        version = client.describe_head(args.head_id).weight_version
+    else:
+        head_weight, version = model.lm_head.weight.detach().clone(), args.steps
+    if trainer.is_world_process_zero():
+        body = {n: p.detach().clone() for n, p in model.named_parameters()
+                if n != "lm_head.weight"}
+        torch.save({"losses": losses, "head": head_weight, "version": version, "body": body,
+                    "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, args.out)
+
+
+if __name__ == "__main__":
+    main()
