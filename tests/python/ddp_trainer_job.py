@@ -26,8 +26,8 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).float()
 
 
-def dataset(rows):
-    generator = torch.Generator().manual_seed(2)
+def dataset(rows, seed=2):
+    generator = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(rows):
         ids = torch.randint(0, VOCAB, (SEQ,), generator=generator)
@@ -66,9 +66,11 @@ def main():
         average_tokens_across_devices=bool(args.average_tokens),
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset(args.rows),
-                                   callbacks=callbacks)
+                                   eval_dataset=dataset(12, seed=5), callbacks=callbacks)
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    # Evaluation: every rank its share of the rows, the losses gathered (a Forward each).
+    eval_loss = trainer.evaluate()["eval_loss"]
     if client is not None:
         head_weight, _ = client.export_weights(args.head_id)
         version = client.describe_head(args.head_id).weight_version
@@ -77,7 +79,8 @@ def main():
     if trainer.is_world_process_zero():
         body = {n: p.detach().clone() for n, p in model.named_parameters()
                 if n != "lm_head.weight"}
-        torch.save({"losses": losses, "head": head_weight, "version": version, "body": body,
+        torch.save({"losses": losses, "eval_loss": eval_loss, "head": head_weight,
+                    "version": version, "body": body,
                     "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, args.out)
 
 

@@ -106,8 +106,10 @@ def trainer_run(world, out, *args):
     return torch.load(out)
 
 
-def assert_same_run(remote, local):
+def assert_same_run(remote, local, same_eval_batches=True):
     assert_losses_equal(remote["losses"], local["losses"])
+    if same_eval_batches:  # Trainer's eval_loss is a mean of batch means
+        assert_losses_equal([remote["eval_loss"]], [local["eval_loss"]])
     assert numerics.close(remote["head"], local["head"], 1e-5)
     for name, p in local["body"].items():
         assert numerics.close(remote["body"][name], p, 1e-4), name
@@ -126,7 +128,7 @@ def test_trainer_under_torchrun_with_the_head_offloaded_equals_the_local_head_dd
     if average_tokens:
         # The exact global-token mean: one process with the same global batch.
         one = trainer_run(1, tmp_path / "one.pt", "--steps=4", "--accumulation=2", "--batch=4")
-        assert_same_run(remote, one)
+        assert_same_run(remote, one, same_eval_batches=False)
 
 
 def test_trainer_under_torchrun_against_a_head_group_equals_the_local_head_ddp_run(
@@ -217,6 +219,30 @@ def test_ranks_that_disagree_are_all_refused_naming_the_field_and_nothing_is_app
     info = client.describe_head(head_id)
     assert info.weight_version == 0 and info.accumulated_micro_batches == 2
     assert torch.equal(client.export_weights(head_id)[0], w0)
+
+
+def test_generation_and_evaluation_work_while_ranks_wait_at_a_step(server):
+    client = remotehead.Client(server)
+    import sync_step_rank as r
+    new_head(client, "busy")
+    waiting = start_rank(server, "busy", 0, 2)
+    hidden, targets = r.batch(7)
+    deadline = time.monotonic() + 30
+    while client.describe_head("busy").accumulated_micro_batches < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)  # rank 0 is at the step, waiting for rank 1
+    started = time.monotonic()
+    tokens, logprobs = client.sample("busy", hidden, greedy=True)
+    evaluated = client.forward("busy", hidden, targets, reduction="mean")
+    assert time.monotonic() - started < SYNC_TIMEOUT / 2  # answered while rank 0 waits
+    assert waiting.poll() is None
+    w = client.export_weights("busy")[0]
+    assert torch.equal(tokens, (hidden @ w.t()).argmax(-1))
+    reference = torch.nn.functional.cross_entropy(hidden.double() @ w.double().t(), targets)
+    assert abs(evaluated.loss - reference.item()) <= 1e-5 * reference.item()
+    rank1 = start_rank(server, "busy", 1, 2)
+    assert [answer(waiting)["version"], answer(rank1)["version"]] == [1, 1]
 
 
 def test_a_retried_step_gets_the_same_version_and_applies_nothing(server):
