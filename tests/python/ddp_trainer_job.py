@@ -76,10 +76,14 @@ def main():
         version = client.describe_head(args.head_id).weight_version
     else:
         head_weight, version = model.lm_head.weight.detach().clone(), args.steps
+    # What the trainer holds of the head after Trainer moved and DDP wrapped the model: with
+    # the head offloaded, the released one-element storage.
+    head_bytes = model.lm_head.weight.untyped_storage().nbytes()
     if trainer.is_world_process_zero():
         body = {n: p.detach().clone() for n, p in model.named_parameters()
                 if n != "lm_head.weight"}
         torch.save({"losses": losses, "eval_loss": eval_loss, "head": head_weight,
+                    "trainer_head_bytes": head_bytes,
                     "version": version, "body": body,
                     "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, args.out)
 

@@ -100,10 +100,19 @@ def test_a_ddp_loop_with_the_head_offloaded_equals_the_local_head_ddp_run(server
 
 # ----- transformers' Trainer -----
 
-def trainer_run(world, out, *args):
-    torchrun(world, HERE / "ddp_trainer_job.py", f"--out={out}",
-             f"--output-dir={out.parent / (out.stem + '-trainer')}", *args)
-    return torch.load(out)
+def trainer_run(world, out, *args, launcher=None):
+    job = [f"--out={out}", f"--output-dir={out.parent / (out.stem + '-trainer')}", *args]
+    if launcher is None:
+        torchrun(world, HERE / "ddp_trainer_job.py", *job)
+    else:
+        done = subprocess.run([*launcher, str(HERE / "ddp_trainer_job.py"), *job], env=env(),
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    result = torch.load(out)
+    if "--server" in " ".join(args):
+        # Trainer moved the model and DDP wrapped it: the head stayed released on the trainer.
+        assert result["trainer_head_bytes"] <= 4, result["trainer_head_bytes"]
+    return result
 
 
 def assert_same_run(remote, local, same_eval_batches=True):
@@ -137,6 +146,19 @@ def test_trainer_under_torchrun_against_a_head_group_equals_the_local_head_ddp_r
     remote = trainer_run(2, tmp_path / "remote.pt", *flags, f"--server={group}")
     local = trainer_run(2, tmp_path / "local.pt", *flags)
     assert remote["version"] == 4
+    assert_same_run(remote, local)
+
+
+def test_trainer_under_accelerate_launch_equals_the_local_head_ddp_run(server, tmp_path):
+    # accelerate 1.15 on CPU: --multi_gpu with 2 processes runs DDP over gloo (torchrun inside).
+    accelerate = [str(pathlib.Path(sys.executable).parent / "accelerate"), "launch",
+                  "--multi_gpu", "--num_processes=2", "--num_machines=1",
+                  "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}"]
+    flags = ["--steps=4", "--accumulation=2", "--batch=2"]
+    remote = trainer_run(2, tmp_path / "remote.pt", *flags, f"--server={server}",
+                         "--head-id=trainer-accelerate", launcher=accelerate)
+    local = trainer_run(2, tmp_path / "local.pt", *flags)
+    assert remote["world_size"] == 2 and remote["version"] == 4
     assert_same_run(remote, local)
 
 

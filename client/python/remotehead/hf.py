@@ -93,6 +93,7 @@ class OffloadedHead(RemoteHead):
                 weight.shape)
         self.has_local_copy = False
         lm_head.forward = self._server_logits
+        lm_head._apply = _keeping_released(lm_head)
         lm_head._register_load_state_dict_pre_hook(self._load_weight_into_server)
         self.checkpoint_from_server()
 
@@ -130,6 +131,26 @@ class OffloadedHead(RemoteHead):
         # The new version is the one the trainer holds now (checkpoints are pinned to it).
         self.info = self.client.upload_head(self.head_id, value.detach().float(), replace=True)
         state_dict[key] = weight.detach()  # the same view: loading copies nothing
+
+
+def _keeping_released(lm_head: torch.nn.Module):
+    """The lm_head's Module._apply (what .to(), .cuda(), .half() run) for a released weight:
+    the conversion is applied to its one element and the result expanded again. Converting the
+    expanded tensor itself would allocate the whole [V, D] — measured: Trainer's model.to(device)
+    under torchrun did, on every rank."""
+    original = lm_head._apply
+
+    def apply(fn, *args, **kwargs):
+        shape = lm_head.weight.shape
+        with torch.no_grad():
+            lm_head.weight.data = lm_head.weight.data[(0,) * len(shape)]
+        try:
+            return original(fn, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                lm_head.weight.data = lm_head.weight.data.expand(shape)
+
+    return apply
 
 
 def _is_released(t: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -224,8 +245,8 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
                       "the embedding and stays (keep_local_copy=False has no effect)")
     if not (tied or local):
         # The server's head is the trained one: a kept local copy is refreshed only for
-        # generation, so checkpoints take the head from the server in every case; DDP (and
-        # accelerate, Trainer) must neither broadcast nor reduce it.
+        # generation, so checkpoints take the head from the server in every case; DDP must
+        # neither broadcast nor reduce it.
         _keep_out_of_ddp(model, lm_head.weight)
         head.checkpoint_from_server()
         if not keep_local_copy:
@@ -245,9 +266,9 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
 
 def _keep_out_of_ddp(model, weight: torch.nn.Parameter) -> None:
     """Lists the head's parameter in the model's DDP ignore list (what
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets): DDP would
-    otherwise broadcast it from rank 0 when it wraps the model — a copy into the released
-    one-element storage, which fails — although the server, not the trainers, holds it."""
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets): the server, not
+    the trainers, holds it, and DDP would otherwise broadcast it from rank 0 when it wraps the
+    model — a copy into the released one-element storage, which fails."""
     names = [name for name, p in model.named_parameters(remove_duplicate=False) if p is weight]
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
