@@ -10,6 +10,17 @@
 // successor 90% of the time, so the loss falls from about ln(V) towards the noise floor.
 //
 // Prints one line per step: "step <i> loss <mean loss over the step's tokens> …".
+//
+// Data-parallel: run W processes with --world=W and --rank=0 … W-1 (same other flags). Each
+// rank builds the same global micro-batches of W × --batch sequences (same seed) and trains on
+// sequences r, r+W, r+2W, … of each, so the ranks' shares are disjoint and together the whole
+// batch. Every rank adds its dW under its own trainer identity ("example/rank-<r>") and the
+// head's optimizer step is the ranks' synchronous step: applied once, when all W asked for it,
+// dW averaged over the ranks. Each rank prints its own lines (its loss, its tokens). The body is
+// each rank's own: this example has no collective library to average the bodies' gradients as
+// DDP would, so only the head is trained on the whole batch.
+//
+//   for r in 0 1; do remotehead-example-trainer --world=2 --rank=$r & done; wait
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -18,6 +29,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "remotehead/client/client.h"
 #include "remotehead/client/remote_head.h"
 
@@ -36,6 +48,8 @@ ABSL_FLAG(double, lr, 1e-2, "learning rate of the body (local)");
 ABSL_FLAG(double, head_lr, 1e-2, "learning rate of the head (server-side optimizer)");
 ABSL_FLAG(uint64_t, seed, 0, "seed of the data, the body and the head");
 ABSL_FLAG(bool, keep_head, false, "leave the head on the server at the end (default: drop it)");
+ABSL_FLAG(int32_t, rank, 0, "this trainer's rank among --world data-parallel trainers");
+ABSL_FLAG(int32_t, world, 1, "data-parallel trainer processes that train the head together");
 
 namespace {
 
@@ -85,6 +99,15 @@ int Run() {
   if (!adamw && absl::GetFlag(FLAGS_optimizer) != "sgd") {
     return Fail("--optimizer", absl::InvalidArgumentError("expected adamw or sgd"));
   }
+  const int world = absl::GetFlag(FLAGS_world);
+  const int rank = absl::GetFlag(FLAGS_rank);
+  if (world < 1) {
+    return Fail("--world", absl::InvalidArgumentError(absl::StrCat("expected >= 1; got ", world)));
+  }
+  if (rank < 0 || rank >= world) {
+    return Fail("--rank", absl::InvalidArgumentError(
+                              absl::StrCat("expected in [0, ", world, ") (--world); got ", rank)));
+  }
   torch::manual_seed(absl::GetFlag(FLAGS_seed));
 
   auto client = rc::Client::Create({.target = absl::GetFlag(FLAGS_server)});
@@ -101,10 +124,19 @@ int Run() {
                                                           .hidden_size = hidden,
                                                           .seed = absl::GetFlag(FLAGS_seed)});
   }
-  if (!created.ok()) return Fail("creating head \"" + head_id + "\"", created.status());
+  // Every rank creates the head from the same seed (or uploads the same layer): whichever comes
+  // first makes it, and the others find it there. No rank has to wait for another to create it.
+  const bool made_by_another_rank =
+      world > 1 && created.status().code() == absl::StatusCode::kAlreadyExists;
+  if (!created.ok() && !made_by_another_rank) {
+    return Fail("creating head \"" + head_id + "\"", created.status());
+  }
 
   auto head = rc::RemoteHead::Attach(
-      *client, {.head_id = head_id, .gradient_id = rc::GradientId{.trainer = "example/rank-0"}});
+      *client,
+      {.head_id = head_id,
+       .gradient_id = rc::GradientId{.trainer = absl::StrCat("example/rank-", rank)}},
+      {.rank = rank, .world_size = world});
   if (!head.ok()) return Fail("attaching to the head", head.status());
 
   Body body(vocab, hidden);
@@ -122,22 +154,32 @@ int Run() {
   const torch::Tensor successor = torch::randperm(vocab, torch::kLong);
 
   const int64_t micro_batches = absl::GetFlag(FLAGS_micro_batches);
+  // This rank's sequences of a global micro-batch: r, r+W, r+2W, …
+  const torch::Tensor mine =
+      torch::arange(rank, absl::GetFlag(FLAGS_batch) * world, world, torch::kLong);
   for (int64_t step = 0; step < absl::GetFlag(FLAGS_steps); ++step) {
     std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
-    int64_t tokens = 0;
+    int64_t global_tokens = 0, tokens = 0;
     for (int64_t m = 0; m < micro_batches; ++m) {
-      batches.push_back(
-          MakeBatch(successor, absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_seq_len)));
-      tokens += (batches.back().second != -100).sum().item<int64_t>();
+      auto [inputs, labels] =
+          MakeBatch(successor, absl::GetFlag(FLAGS_batch) * world, absl::GetFlag(FLAGS_seq_len));
+      global_tokens += (labels != -100).sum().item<int64_t>();
+      if (world > 1) {
+        inputs = inputs.index_select(0, mine);
+        labels = labels.index_select(0, mine);
+      }
+      tokens += (labels != -100).sum().item<int64_t>();
+      batches.emplace_back(inputs, labels);
     }
+    // Each micro-batch's loss is its token sum over (the whole step's tokens, all ranks') / W,
+    // so the sum of all ranks' micro-batches' dW is W × the gradient of the step's mean, which
+    // the synchronous step divides by W — exact accumulation (W = 1: the step's tokens).
+    const double normalizer = static_cast<double>(global_tokens) / world;
     body_optimizer->zero_grad();
     double step_loss = 0;
     try {
       for (const auto& [inputs, labels] : batches) {
-        // Each micro-batch's loss is its token sum over the whole step's tokens, so the sum of
-        // the micro-batches' gradients is the gradient of the step's mean — exact accumulation.
-        torch::Tensor loss =
-            head->loss(body->forward(inputs), labels, {.normalizer = static_cast<double>(tokens)});
+        torch::Tensor loss = head->loss(body->forward(inputs), labels, {.normalizer = normalizer});
         loss.backward();
         step_loss += loss.item<double>();
       }
@@ -152,7 +194,9 @@ int Run() {
                 static_cast<long long>(info->weight_version));
     std::fflush(stdout);
   }
-  if (!absl::GetFlag(FLAGS_keep_head)) {
+  // Rank 0 drops the head: once the last synchronous step was applied every rank has its
+  // answer and is done with the head (one whose answer got lost would find it gone).
+  if (!absl::GetFlag(FLAGS_keep_head) && rank == 0) {
     const absl::Status dropped = (*client)->DropHead(head_id);
     if (!dropped.ok()) return Fail("dropping the head", dropped);
   }

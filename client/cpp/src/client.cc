@@ -838,11 +838,23 @@ absl::StatusOr<HeadInfo> Client::OptimizerStep(const std::string& head_id,
   if (options.grad_scale.has_value()) request.set_grad_scale(*options.grad_scale);
   request.set_zero_gradients(options.zero_gradients);
   request.set_expected_incarnation(options.expected_incarnation);
+  if (options.expected_weight_version.has_value()) {
+    request.set_expected_weight_version(*options.expected_weight_version);
+  }
+  if (options.synchronous.has_value()) {
+    v1::SynchronousStep* sync = request.mutable_synchronous();
+    sync->set_step(options.synchronous->step);
+    sync->set_rank(options.synchronous->rank);
+    sync->set_world_size(options.synchronous->world_size);
+  }
 
   v1::OptimizerStepResponse response;
   Impl::AlreadyDone already_done;
   int64_t version_before = 0;
-  if (options_.retry.max_attempts > 1) {
+  // A synchronous step needs no check before a retry: the server answers a retry of a step it
+  // applied with that step's own HeadInfo, the same as every rank got — which a DescribeHead
+  // after the fact is not (the other ranks may have added the next step's dW meanwhile).
+  if (options_.retry.max_attempts > 1 && !options.synchronous.has_value()) {
     ASSIGN_OR_RETURN(const HeadInfo before, DescribeHead(head_id));
     version_before = before.weight_version;
     already_done = [&](grpc::ClientContext* context) -> absl::StatusOr<bool> {

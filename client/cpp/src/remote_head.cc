@@ -4,6 +4,7 @@
 #include <mutex>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
 
@@ -23,6 +24,7 @@ struct RemoteHead::State {
   StepSpec spec;
   HeadInfo info;
   std::string trainer;
+  DataParallel data_parallel;
   std::mutex mu;  // guards the counters and the last summary
   int64_t step = 0;
   int64_t micro_batch = 0;
@@ -205,7 +207,8 @@ struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunct
 
 }  // namespace
 
-absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, StepSpec spec) {
+absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, StepSpec spec,
+                                              DataParallel data_parallel) {
   if (client == nullptr) return absl::InvalidArgumentError("client: expected a Client; got null");
   if (spec.head_id.empty())
     return absl::InvalidArgumentError("spec.head_id: expected an id; got \"\"");
@@ -213,12 +216,28 @@ absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, St
     return absl::InvalidArgumentError(absl::StrCat(
         "spec.upstream_scale: expected a finite non-zero value; got ", spec.upstream_scale));
   }
+  if (data_parallel.world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_parallel.world_size: expected >= 1; got ", data_parallel.world_size));
+  }
+  if (data_parallel.rank < 0 || data_parallel.rank >= data_parallel.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("data_parallel.rank: expected in [0, ",
+                                                   data_parallel.world_size, "); got ",
+                                                   data_parallel.rank));
+  }
   ASSIGN_OR_RETURN(HeadInfo info, client->DescribeHead(spec.head_id));
   auto state = std::make_shared<State>();
   if (!spec.wire_dtype.has_value()) spec.wire_dtype = info.dtype;  // the server computes in it
   state->trainer = spec.gradient_id.has_value() && !spec.gradient_id->trainer.empty()
                        ? spec.gradient_id->trainer
                        : absl::StrCat("cpp-", std::random_device{}(), "-", std::random_device{}());
+  if (data_parallel.world_size > 1) {
+    // The ranks' dW go to one accumulator: under a shared identity the server would take a
+    // second rank's micro-batch for a replay of the first's and drop it.
+    const std::string suffix = absl::StrCat("/rank-", data_parallel.rank);
+    if (!absl::EndsWith(state->trainer, suffix)) absl::StrAppend(&state->trainer, suffix);
+  }
+  state->data_parallel = data_parallel;
   if (spec.gradient_id.has_value()) {
     state->step = spec.gradient_id->step;
     state->micro_batch = spec.gradient_id->micro_batch;
@@ -272,7 +291,22 @@ void RemoteHead::BeginStep(int64_t step) {
 }
 
 absl::StatusOr<HeadInfo> RemoteHead::OptimizerStep(const OptimizerStepOptions& options) {
-  ASSIGN_OR_RETURN(HeadInfo info, state_->client->OptimizerStep(state_->spec.head_id, options));
+  OptimizerStepOptions resolved = options;
+  const DataParallel& dp = state_->data_parallel;
+  if (dp.world_size > 1) {
+    // Pinned to the version this rank holds: a rank that missed a step (or attached to a head
+    // that moved on) makes the ranks disagree, and the server refuses the step rather than
+    // apply it to weights some rank's dW was not computed against.
+    if (!resolved.expected_weight_version.has_value()) {
+      resolved.expected_weight_version = state_->info.weight_version;
+    }
+    if (!resolved.synchronous.has_value()) {
+      resolved.synchronous =
+          SynchronousStep{.step = step(), .rank = dp.rank, .world_size = dp.world_size};
+    }
+  }
+  ASSIGN_OR_RETURN(HeadInfo info, state_->client->OptimizerStep(state_->spec.head_id, resolved));
+  state_->info = info;
   BeginStep(step() + 1);
   return info;
 }
@@ -289,6 +323,8 @@ int64_t RemoteHead::step() const {
 
 const HeadInfo& RemoteHead::info() const { return state_->info; }
 const StepSpec& RemoteHead::spec() const { return state_->spec; }
+const DataParallel& RemoteHead::data_parallel() const { return state_->data_parallel; }
+const std::string& RemoteHead::trainer() const { return state_->trainer; }
 Client& RemoteHead::client() const { return *state_->client; }
 
 }  // namespace remotehead::client

@@ -155,13 +155,32 @@ struct AdamW {
   double weight_decay = 0.01;
 };
 
+// One rank's part of the optimizer step of `world_size` data-parallel trainer processes, each
+// of which added its own micro-batches' dW under its own GradientId::trainer. The server holds
+// the call until every rank in [0, world_size) asked for `step`, checks that they all asked
+// for the same step (INVALID_ARGUMENT naming the field otherwise, nothing applied), applies it
+// once with the summed dW scaled by grad_scale / world_size (as DDP averages gradients) and
+// answers every rank with the same HeadInfo. A rank that does not come within the server's
+// --sync_step_timeout_seconds fails every waiting rank with ABORTED naming the missing ranks.
+struct SynchronousStep {
+  int64_t step = 0;    // the trainers' global step, >= 0
+  int rank = 0;        // this trainer's rank, in [0, world_size)
+  int world_size = 1;  // the trainers that step together, >= 1
+};
+
 struct OptimizerStepOptions {
   std::variant<Sgd, AdamW> optimizer;
-  std::optional<double> grad_scale;  // multiplies the accumulated gradient (e.g. 1 / ranks)
-  bool zero_gradients = false;       // zero the accumulators (and the ledger) after the step
+  // Multiplies the accumulated gradient. A synchronous step divides it by world_size on top.
+  std::optional<double> grad_scale;
+  bool zero_gradients = false;  // zero the accumulators (and the ledger) after the step
   // HeadInfo::incarnation seen by the trainer: FAILED_PRECONDITION once the server restarted
   // (its dW is gone). Empty: unchecked.
   std::string expected_incarnation;
+  // HeadInfo::weight_version the trainer holds: FAILED_PRECONDITION, nothing applied, if the
+  // head is at another. Unset: unchecked.
+  std::optional<int64_t> expected_weight_version;
+  // Set: this call is one rank's part of a synchronous step (SynchronousStep).
+  std::optional<SynchronousStep> synchronous;
 };
 
 // What an export must be of (ExportWeights): unset / empty fields are unchecked.
@@ -307,10 +326,15 @@ class Client {
   absl::StatusOr<HeadGradients> FetchGradients(const std::string& head_id,
                                                std::optional<torch::ScalarType> dtype = {});
   absl::StatusOr<HeadInfo> ZeroGradients(const std::string& head_id);
-  // An optimizer step is not idempotent, so before retrying one the client asks the server
-  // whether the failed attempt took effect (the head's weight_version moved past the version
-  // read before the first attempt) and, if it did, returns that state instead of stepping
-  // twice. This costs one DescribeHead round trip per call.
+  // A single caller's optimizer step is not idempotent, so before retrying one the client asks
+  // the server whether the failed attempt took effect (the head's weight_version moved past the
+  // version read before the first attempt) and, if it did, returns that state instead of
+  // stepping twice. This costs one DescribeHead round trip per call.
+  // A synchronous step (options.synchronous) is retried as it is: the server answers a retry of
+  // a step it applied with that step's HeadInfo. It returns once every rank came, so
+  // ClientOptions::deadline, when set, must leave room for the slowest rank (up to the server's
+  // --sync_step_timeout_seconds); a step whose call ran out of time may still be applied when
+  // the last rank comes, and calling it again returns its answer.
   absl::StatusOr<HeadInfo> OptimizerStep(const std::string& head_id,
                                          const OptimizerStepOptions& options);
 

@@ -30,6 +30,11 @@
 // (BeginStep, or advanced by OptimizerStep); micro_batch counts the calls within the step. A
 // retried call keeps its identity, so the server adds each contribution at most once.
 //
+// Data-parallel trainers (DataParallel, world_size > 1): each rank attaches with its rank; its
+// trainer identity ends in "/rank-<rank>" so that no two ranks share one (the server would take
+// the second rank's dW for a replay of the first's), and OptimizerStep is the ranks' synchronous
+// step (SynchronousStep): applied once when every rank asked for it, dW averaged over the ranks.
+//
 // Errors: loss() / token_outputs() and their backward throw StatusError (a std::runtime_error
 // carrying the absl::Status: the server's code and message) — autograd has no other channel.
 // hidden may be [..., D] with targets [...]: both are flattened to rows and dX is reshaped back.
@@ -70,6 +75,13 @@ class StatusError : public std::runtime_error {
 // tests/data/upstream_scale_cases.json.
 bool UpstreamMatchesDeclared(double declared, double got);
 
+// This trainer's place among the data-parallel processes that train one head together (e.g.
+// torchrun's RANK and WORLD_SIZE, or the trainer's own flags).
+struct DataParallel {
+  int rank = 0;        // in [0, world_size)
+  int world_size = 1;  // 1: a single trainer, whose optimizer steps are its own
+};
+
 // Per-call additions to the RemoteHead's spec.
 struct HeadCall {
   torch::Tensor weights;                     // [...] per-token weights (weighted_sum)
@@ -83,8 +95,11 @@ struct HeadCall {
 class RemoteHead {
  public:
   // `spec` holds the defaults of every call (head_id required). Describes the head once: hidden
-  // states are sent in the head's dtype, and dX comes back in the caller's.
-  static absl::StatusOr<RemoteHead> Attach(std::shared_ptr<Client> client, StepSpec spec);
+  // states are sent in the head's dtype, and dX comes back in the caller's. With
+  // data_parallel.world_size > 1 the trainer identity (spec.gradient_id's trainer, or a random
+  // one) gets "/rank-<rank>" appended unless it already ends so.
+  static absl::StatusOr<RemoteHead> Attach(std::shared_ptr<Client> client, StepSpec spec,
+                                           DataParallel data_parallel = {});
 
   // Fused scalar loss (the spec's function and reduction; NONE is refused). Differentiable
   // w.r.t. hidden. A 0-d float32 tensor (float64 for float64 hidden) on hidden's device.
@@ -98,13 +113,20 @@ class RemoteHead {
 
   // Starts optimizer step `step`: later calls are micro-batches 0, 1, … of it.
   void BeginStep(int64_t step);
-  // The server-side optimizer step on this head, then BeginStep(step + 1).
+  // The server-side optimizer step on this head, then BeginStep(step + 1); info() becomes the
+  // HeadInfo it returns. With world_size > 1 it is the ranks' synchronous step
+  // {step(), rank, world_size} pinned to the weight version info() holds (every rank must hold
+  // the same; the server checks that they agree), unless `options` sets synchronous /
+  // expected_weight_version itself; it returns once every rank asked for it.
   absl::StatusOr<HeadInfo> OptimizerStep(const OptimizerStepOptions& options);
 
   // The summary of the last completed call (loss, valid_tokens, extras, replayed, …).
   StepSummary last_summary() const;
+  // The head as this trainer last left it: described at Attach, then each OptimizerStep's.
   const HeadInfo& info() const;
   const StepSpec& spec() const;
+  const DataParallel& data_parallel() const;
+  const std::string& trainer() const;  // the GradientId::trainer of this RemoteHead's calls
   Client& client() const;
   int64_t step() const;
 
