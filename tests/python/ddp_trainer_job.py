@@ -13,17 +13,7 @@ import transformers
 
 import remotehead
 import remotehead.hf
-
-VOCAB, SEQ = 257, 12
-
-
-def tiny_llama():
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float()
+from test_hf_trainer import SEQ, VOCAB, tiny_llama  # the one-process tests' tiny Llama
 
 
 def dataset(rows, seed=2):
@@ -51,7 +41,7 @@ def main():
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
 
-    model = tiny_llama()
+    model = tiny_llama(tied=False)
     callbacks = []
     client = None
     if args.server:

@@ -18,6 +18,14 @@ largest per-step loss difference against the local run, the trainer's peak memor
 in training, tokens/s; then the saving. The vocabulary is a model's, larger than what the BPE
 tokenizer learns from this small corpus: the unused rows cost what they cost in any model, and
 the head's memory is what this compares.
+
+--trainers W (W > 1): the cluster. The local and remote runs again with W data-parallel trainer
+processes (torchrun, gloo, CPU; --batch stays the global micro-batch, each rank takes 1/W of it,
+so every W sees the same global batches and, with transformers' average_tokens_across_devices,
+the same global-token mean loss). The local head's memory — W, its gradient, its AdamW state,
+the logits — is paid once per trainer; the remote head's once, on the server. A second table
+(cluster_memory.py) sums the trainers' peaks and adds the server's, for W = 1 and W; each remote
+run gets a fresh server, so its VmHWM is that run's.
 """
 
 from __future__ import annotations
@@ -58,10 +66,19 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--plot", default="remotehead-main-job.png",
                    help="where the picture goes (PNG); empty: no picture")
-    # Internal: one run in this process (the parent starts one process per variant).
+    p.add_argument("--trainers", type=int, default=1,
+                   help="W > 1: also run the local and remote heads with W data-parallel "
+                        "trainers (torchrun) and print the memory of all trainers and the server "
+                        "for W = 1 and W (--batch stays the global micro-batch)")
+    # Internal: one run in this process (the parent starts one process per variant; under
+    # torchrun each rank writes its result to --result-dir).
     p.add_argument("--variant", choices=list(COLUMN), help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--result-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.trainers < 1 or args.batch % args.trainers:
+        p.error(f"--trainers: expected a divisor of --batch ({args.batch}); got {args.trainers}")
+    return args
 
 
 def status_mib(pid, field: str) -> float:
@@ -164,6 +181,9 @@ def run_one(args) -> dict:
     import remotehead
     import remotehead.hf
 
+    # Under torchrun: this rank's share of the global micro-batch (--batch).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     data = corpus_token_windows(args)
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
@@ -185,8 +205,9 @@ def run_one(args) -> dict:
 
     class Progress(transformers.TrainerCallback):
         def on_train_begin(self, targs, state, control, **kwargs):
-            self.bar = tqdm(total=state.max_steps, desc=f"{COLUMN[args.variant]:>13}",
-                            unit="step", file=sys.stderr, dynamic_ncols=True)
+            desc = COLUMN[args.variant] + (f" x{world}" if world > 1 else "")
+            self.bar = tqdm(total=state.max_steps, desc=f"{desc:>13}", unit="step",
+                            file=sys.stderr, dynamic_ncols=True, disable=rank != 0)
 
         def on_step_begin(self, targs, state, control, **kwargs):
             step_starts.append(time.perf_counter() - sampler.start_time)
@@ -204,9 +225,10 @@ def run_one(args) -> dict:
 
     training_args = transformers.TrainingArguments(
         output_dir=f"/tmp/remotehead-main-job-{args.variant}", max_steps=args.steps,
-        per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accumulation,
-        learning_rate=args.lr, weight_decay=0.01, max_grad_norm=0.0, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+        per_device_train_batch_size=args.batch // world,
+        gradient_accumulation_steps=args.accumulation, learning_rate=args.lr, weight_decay=0.01,
+        max_grad_norm=0.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+        seed=0, disable_tqdm=True, **({"ddp_backend": "gloo"} if world > 1 else {}))
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=data,
                                    callbacks=[*callbacks, Progress()])
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
@@ -219,13 +241,47 @@ def run_one(args) -> dict:
     sampler.stop()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if client is not None:
-        client.drop_head("tiny-llama")
+        if world > 1:  # every rank is done with the head before rank 0 drops it
+            torch.distributed.barrier()
+        if rank == 0:
+            client.drop_head("tiny-llama")
         client.close()
     tokens = args.steps * args.accumulation * args.batch * args.seq
-    return {"variant": args.variant, "losses": losses, "seconds": seconds,
+    return {"variant": args.variant, "world_size": world, "rank": rank,
+            "losses": losses, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "peak_mib": peak,
             "rss_before_training_mib": before,
             "memory_by_step": samples_by_step(sampler.samples, step_starts, end)}
+
+
+def run_variant(args, variant: str, target: str = "", world: int = 1) -> list:
+    """One run of `variant` in its own process (world > 1: `world` trainer processes under
+    torchrun); each process's result, by rank."""
+    flags = [f"--variant={variant}", f"--target={target}",
+             *[f"--{k}={getattr(args, k)}" for k in
+               ("steps", "batch", "accumulation", "seq", "vocab", "hidden", "lr")]]
+    if world == 1:
+        child = [sys.executable, __file__, *flags]
+        out = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True).stdout
+        return [json.loads(out.split("RESULT ", 1)[1])]
+    import cluster_memory
+    return cluster_memory.torchrun_ranks(__file__, flags, world)
+
+
+def relative_difference(losses, reference) -> float:
+    """The largest per-step relative difference of `losses` against `reference`."""
+    if len(losses) != len(reference):
+        return float("inf")
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+def add_loss_deviations(results) -> dict:
+    local = results["local"]["losses"]
+    for variant in COLUMN:
+        results[variant]["loss_deviation"] = relative_difference(results[variant]["losses"],
+                                                                 local)
+    results["loss_deviation"] = max(results[v]["loss_deviation"] for v in COLUMN)
+    return results
 
 
 def compare(args) -> dict:
@@ -236,21 +292,36 @@ def compare(args) -> dict:
     with LocalServer(args.server_binary) as server:
         print(f"remotehead-server started on {server.target}", flush=True)
         for variant in COLUMN:
-            child = [sys.executable, __file__, f"--variant={variant}", f"--target={server.target}",
-                     *[f"--{k}={getattr(args, k)}" for k in
-                       ("steps", "batch", "accumulation", "seq", "vocab", "hidden", "lr")]]
-            out = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True).stdout
-            results[variant] = json.loads(out.split("RESULT ", 1)[1])
+            results[variant] = run_variant(args, variant, server.target)[0]
         # The head's memory moved there: the server's own peak (W, its AdamW state, the
         # engine's chunks), for the record.
         results["server_peak_mib"] = status_mib(server.process.pid, "VmHWM:")
         results["server_exit_code"] = server.stop()
-    local = results["local"]["losses"]
-    for variant in COLUMN:
-        results[variant]["loss_deviation"] = max(
-            abs(a - b) / abs(b) for a, b in zip(results[variant]["losses"], local))
-    results["loss_deviation"] = max(results[v]["loss_deviation"] for v in COLUMN)
-    return results
+    return add_loss_deviations(results)
+
+
+def compare_cluster(args) -> dict:
+    """--trainers W: the three variants with one trainer (the first table and the picture), and
+    the local and remote heads with W trainers; every remote run against a fresh server whose
+    peak (VmHWM, read after the run) is that run's. results["runs"][(variant, W)]: the ranks'
+    results; results["servers"][W]: (server peak MiB, exit code)."""
+    from remotehead.local_server import LocalServer
+
+    runs, servers = {}, {}
+    for world in (1, args.trainers):
+        for variant in ("local", "torch-lce") if world == 1 else ("local",):
+            runs[variant, world] = run_variant(args, variant, world=world)
+        with LocalServer(args.server_binary) as server:
+            print(f"remotehead-server started on {server.target} (W = {world})", flush=True)
+            runs["remote", world] = run_variant(args, "remote", server.target, world)
+            peak = status_mib(server.process.pid, "VmHWM:")
+            servers[world] = (peak, server.stop())
+        print(f"remotehead-server stopped (exit code {servers[world][1]})", flush=True)
+    results = {variant: runs[variant, 1][0] for variant in COLUMN}
+    results["server_peak_mib"] = servers[1][0]
+    results["server_exit_code"] = next((code for _, code in servers.values() if code), 0)
+    results["runs"], results["servers"] = runs, servers
+    return add_loss_deviations(results)
 
 
 def print_table(results) -> None:
@@ -327,20 +398,33 @@ def plot(results, args, path: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.variant:
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        result = run_one(args)
+        if args.result_dir:
+            path = pathlib.Path(args.result_dir) / f"rank{result['rank']}.json"
+            path.write_text(json.dumps(result))
+        else:
+            print("RESULT " + json.dumps(result), flush=True)
         return 0
     tokens = args.batch * args.seq
     print(f"main job: tiny Llama (2 layers, hidden {args.hidden}, vocab {args.vocab:,}), "
           f"{args.steps} steps of {args.accumulation} micro-batches x {tokens:,} tokens; "
           f"local logits: {tokens * args.vocab * 4 / 2**30:.2f} GiB per micro-batch (fp32); CPU",
           flush=True)
-    results = compare(args)
-    print(f"remotehead-server stopped (exit code {results['server_exit_code']})")
+    if args.trainers > 1:
+        import cluster_memory
+        results = compare_cluster(args)
+        cluster = cluster_memory.summarize(results["runs"], results["servers"], args,
+                                           relative_difference)
+    else:
+        results = compare(args)
+        print(f"remotehead-server stopped (exit code {results['server_exit_code']})")
     print_table(results)
+    agree = results["loss_deviation"] <= 1e-4
+    if args.trainers > 1:
+        agree = cluster_memory.print_table(cluster) and agree
     if args.plot:
         plot(results, args, args.plot)
         print(f"picture: {args.plot}")
-    agree = results["loss_deviation"] <= 1e-4
     if not agree:
         print("FAILED: the per-step losses differ by more than 1e-4 (relative)", file=sys.stderr)
     return 0 if results["server_exit_code"] == 0 and agree else 1
