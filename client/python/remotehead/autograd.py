@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import uuid
 from typing import Mapping, Optional
 
 import grpc
@@ -163,9 +162,9 @@ class RemoteHead:
     Each call is one micro-batch of gradient identity (trainer, step, micro_batch): replays
     (client retries) are recognised by the server and not added twice. `next_step()` (called by
     `optimizer_step()`) moves to the next step. The trainer is `trainer`, else
-    options.gradient_id's, else, among several data-parallel processes, the rank's
-    (cluster.trainer_id()), else a random one; options.gradient_id also gives the first step
-    and micro-batch.
+    options.gradient_id's, else a random one — among several data-parallel processes
+    suffixed with the rank (Cluster.rank_trainer), since each rank's dW must keep its own
+    identity; options.gradient_id also gives the first step and micro-batch.
 
     `cluster` (default: remotehead.cluster.detect(): torch.distributed, else torchrun's
     environment) is the data-parallel trainer processes this one is a rank of: with more than
@@ -196,9 +195,8 @@ class RemoteHead:
                 "processes (the head is trained by the server's synchronous optimizer steps; "
                 "offload with gradients=\"server\"); got the trainer's lm_head parameter")
         start = options.gradient_id
-        self.trainer = trainer or (start.trainer if start is not None and start.trainer
-                                   else self.cluster.trainer_id() if self.cluster.distributed
-                                   else f"py-{uuid.uuid4().hex[:12]}")
+        self.trainer = self.cluster.rank_trainer(
+            trainer or (start.trainer if start is not None and start.trainer else None))
         self.step = start.step if start is not None else 0
         self.micro_batch = start.micro_batch if start is not None else 0
         # Identities are handed out per call; the server computes in the head's dtype.

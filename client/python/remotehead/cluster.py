@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import uuid
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -37,11 +38,19 @@ class Cluster:
         """Whether several trainer processes share the head."""
         return self.world_size > 1
 
-    def trainer_id(self) -> str:
-        """This rank's gradient identity (GradientId.trainer): the same for a rank restarted
-        within its run (torchrun's TORCHELASTIC_RUN_ID), so that its replays are recognised."""
-        run = os.environ.get("TORCHELASTIC_RUN_ID") or "ddp"
-        return f"{run}/rank-{self.rank}"
+    def rank_trainer(self, trainer: Optional[str]) -> str:
+        """This rank's gradient identity (GradientId.trainer) from the one the user named (None:
+        none). One process: that name, else a random one. Several: the name with
+        "/rank-<r>" appended (unless it ends so already) — ranks sharing a name would have all
+        but the first rank's micro-batches dropped as replays —, else "<run>/rank-<r>", the same
+        for a rank restarted within its run (torchrun's TORCHELASTIC_RUN_ID), so that its
+        replays are recognised."""
+        if not self.distributed:
+            return trainer or f"py-{uuid.uuid4().hex[:12]}"
+        suffix = f"/rank-{self.rank}"
+        if trainer:
+            return trainer if trainer.endswith(suffix) else trainer + suffix
+        return (os.environ.get("TORCHELASTIC_RUN_ID") or "ddp") + suffix
 
 
 def _process_group_ready() -> bool:
