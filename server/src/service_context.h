@@ -25,6 +25,7 @@ struct ServiceContext {
         group_steps(registry, options.group, options.device),
         sync_steps([this](const std::string& id,
                           const OptimizerStepSpec& spec) { return operations.OptimizerStep(id, spec); },
+                   [this](const std::string& id) { return operations.Describe(id); },
                    std::chrono::milliseconds(
                        static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
                    options.metrics),

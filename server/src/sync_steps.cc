@@ -60,9 +60,12 @@ absl::Status CheckRequest(const SyncStepRequest& r) {
 
 }  // namespace
 
-SynchronousSteps::SynchronousSteps(Apply apply, std::chrono::milliseconds timeout,
-                                   ServerMetrics* metrics)
-    : apply_(std::move(apply)), timeout_(timeout), metrics_(metrics) {
+SynchronousSteps::SynchronousSteps(Apply apply, Describe describe,
+                                   std::chrono::milliseconds timeout, ServerMetrics* metrics)
+    : apply_(std::move(apply)),
+      describe_(std::move(describe)),
+      timeout_(timeout),
+      metrics_(metrics) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -105,14 +108,18 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
     Send({{waiter, bad}});
     return;
   }
+  // Read before the lock: the head's own lock is never taken under ours.
+  const absl::StatusOr<HeadDescription> now = describe_(request.head_id);
   Replies replies;
   bool last = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // A step applied already: its answer again (a rank whose reply was lost).
-    if (auto it = applied_.find(request.head_id); it != applied_.end()) {
+    // A step applied already: its answer again (a rank whose reply was lost), if nothing has
+    // moved the head since.
+    if (auto it = applied_.find(request.head_id); it != applied_.end() && now.ok()) {
       for (const Applied& a : it->second) {
-        if (a.step == request.step && a.world_size == request.world_size) {
+        if (a.step == request.step && a.world_size == request.world_size &&
+            a.result.weight_version == now->weight_version) {
           replies.push_back({waiter, a.result});
           break;
         }

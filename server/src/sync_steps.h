@@ -43,17 +43,23 @@ class SynchronousSteps {
   // on every rank).
   using Apply = std::function<absl::StatusOr<HeadDescription>(const std::string& head_id,
                                                               const OptimizerStepSpec& spec)>;
+  // The head as it is now (HeadOperations::Describe): a step's answer is given again only
+  // while the head is still at the version that step made.
+  using Describe = std::function<absl::StatusOr<HeadDescription>(const std::string& head_id)>;
 
   // `timeout`: how long the ranks that came wait for the others, from the first arrival.
   // `metrics` (nullptr: none) gets the wait times, the ranks waiting and the aborted steps.
-  SynchronousSteps(Apply apply, std::chrono::milliseconds timeout, ServerMetrics* metrics);
+  SynchronousSteps(Apply apply, Describe describe, std::chrono::milliseconds timeout,
+                   ServerMetrics* metrics);
   // Fails the steps still waiting (UNAVAILABLE) and stops the timer.
   ~SynchronousSteps();
   SynchronousSteps(const SynchronousSteps&) = delete;
   SynchronousSteps& operator=(const SynchronousSteps&) = delete;
 
   // Calls `reply` exactly once. A bad request (rank, world size, step) is INVALID_ARGUMENT at
-  // once; a retry of a step applied recently gets its answer again.
+  // once; a retry of a step applied recently gets its answer again — while the head is still
+  // at the version that step made (after a restore, a re-upload or a new head of the same id,
+  // the same step number is a new step).
   void Arrive(SyncStepRequest request, Reply reply);
   // Fails every waiting caller with `status` (the server is draining); nothing applied.
   void AbortAll(const absl::Status& status);
@@ -90,6 +96,7 @@ class SynchronousSteps {
   void UpdateWaitingLocked();
 
   const Apply apply_;
+  const Describe describe_;
   const std::chrono::milliseconds timeout_;
   ServerMetrics* const metrics_;
   std::mutex mu_;

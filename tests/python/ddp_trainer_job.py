@@ -37,6 +37,9 @@ def main():
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--average-tokens", type=int, default=1)
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument("--resume", default="", help="a checkpoint directory to resume from "
+                        "(the head is on the server already: not uploaded)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
@@ -46,18 +49,21 @@ def main():
     client = None
     if args.server:
         client = remotehead.Client(args.server)
-        head = remotehead.hf.offload_lm_head(model, client, args.head_id)
+        head = remotehead.hf.offload_lm_head(model, client, args.head_id,
+                                             upload=not args.resume)
         callbacks.append(remotehead.hf.RemoteHeadCallback(head))
     training = transformers.TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accumulation, learning_rate=3e-3, weight_decay=0.01,
         lr_scheduler_type="linear", max_grad_norm=0.0, adam_epsilon=1e-6, logging_steps=1, report_to="none",
-        use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no",
+        use_cpu=True, seed=0, disable_tqdm=True,
+        **(dict(save_strategy="steps", save_steps=args.save_steps) if args.save_steps
+           else dict(save_strategy="no")),
         average_tokens_across_devices=bool(args.average_tokens),
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset(args.rows),
                                    eval_dataset=dataset(12, seed=5), callbacks=callbacks)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume or None)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     # Evaluation: every rank its share of the rows, the losses gathered (a Forward each).
     eval_loss = trainer.evaluate()["eval_loss"]

@@ -88,6 +88,37 @@ TEST_F(SyncStepTest, EveryRankWaitsTheStepIsAppliedOnceAveragedLikeDdpAndRetries
   EXPECT_EQ(next1.info.weight_version(), 2);
 }
 
+TEST_F(SyncStepTest, AStepNumberSeenBeforeIsANewStepOnceTheHeadMovedBack) {
+  Start();
+  AccumulateTwoRanks();
+  std::future<Answer> r0 = CallAsync(SyncRequest(0, 0, 2));
+  ASSERT_TRUE(Call(SyncRequest(0, 1, 2)).status.ok());
+  ASSERT_EQ(r0.get().info.weight_version(), 1);
+  // The trainers start over on a new head of the same id (as after a restore of an earlier
+  // state, or a re-upload): step 0 again is a new step, not a retry of the old one.
+  ASSERT_TRUE(Drop("lm").ok());
+  v1::CreateHeadRequest create;
+  create.set_head_id("lm");
+  create.mutable_init()->set_vocab_size(kVocab);
+  create.mutable_init()->set_hidden_size(kHidden);
+  create.mutable_init()->set_bias(true);
+  create.mutable_init()->set_seed(9);
+  grpc::ClientContext context;
+  v1::HeadInfo created;
+  ASSERT_TRUE(stub_->CreateHead(&context, create, &created).ok());
+  entry_ = *registry().Get("lm");
+  AccumulateTwoRanks();
+  const torch::Tensor w = Weight();
+  const torch::Tensor dw = HeadWeightGrad();
+  std::future<Answer> again0 = CallAsync(SyncRequest(0, 0, 2));
+  EXPECT_EQ(again0.wait_for(300ms), std::future_status::timeout);  // waits for rank 1
+  const Answer again1 = Call(SyncRequest(0, 1, 2));
+  ASSERT_TRUE(again1.status.ok()) << again1.status.error_message();
+  EXPECT_EQ(again0.get().info.weight_version(), 1);
+  EXPECT_TRUE(torch::allclose(Weight(), w - 0.1 * dw / 2, 1e-6, 1e-7));
+  EXPECT_EQ(MicroBatches(), 0);
+}
+
 TEST_F(SyncStepTest, AMissingRankAbortsEveryWaitingRankNamingItAndNothingIsApplied) {
   Start(/*timeout_seconds=*/0.5);
   AccumulateTwoRanks();

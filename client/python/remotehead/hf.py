@@ -128,8 +128,13 @@ class OffloadedHead(RemoteHead):
             return
         if tuple(value.shape) != tuple(weight.shape):
             return  # load_state_dict reports the shape mismatch itself
-        # The new version is the one the trainer holds now (checkpoints are pinned to it).
-        self.info = self.client.upload_head(self.head_id, value.detach().float(), replace=True)
+        # The new version is the one the trainer holds now (checkpoints are pinned to it). Among
+        # several ranks (each loads the checkpoint) rank 0 uploads and the others take its
+        # version, so that their synchronous steps agree on it.
+        self.info = cluster_lib.share(
+            self.cluster,
+            lambda: self.client.upload_head(self.head_id, value.detach().float(), replace=True),
+            lambda: self.client.describe_head(self.head_id))
         state_dict[key] = weight.detach()  # the same view: loading copies nothing
 
 
