@@ -82,3 +82,19 @@ def test_torch_linear_cross_entropy_column_matches_the_models_own_loss():
         torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(dw, ref_dw, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(demb, ref_demb, rtol=1e-5, atol=1e-6)
+
+
+def test_main_job_with_two_data_parallel_trainers_prints_the_cluster_table(capsys, tmp_path):
+    # scripts/demo --trainers 2 at a tiny shape: W = 1 and 2 runs (torchrun), every remote run
+    # against its own server, the losses of W = 2 equal W = 1's and the local run's.
+    binary = os.environ.get("REMOTEHEAD_SERVER_BINARY",
+                            str(ROOT / "build" / "server" / "remotehead-server"))
+    code = train_tiny_llama.main([f"--server-binary={binary}", "--steps=2", "--batch=2",
+                                  "--seq=32", "--vocab=4096", "--hidden=32", "--trainers=2",
+                                  "--plot="])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "cluster: W data-parallel trainers" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]
+    assert [row[0] for row in rows[-2:]] == ["1", "2"], out
+    assert "per-step losses, largest relative difference" in out

@@ -42,14 +42,17 @@ def torchrun_ranks(script: str, flags, world: int) -> list:
         command = [*launcher, f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
                    f"--master_port={free_port()}", script, *flags, f"--result-dir={out}"]
         # torchrun's and the ranks' output to stderr: stdout holds the tables alone.
-        subprocess.run(command, stdout=sys.stderr, env=env, check=True)
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=env, text=True)
+        sys.stderr.write(done.stdout)
+        done.check_returncode()
         return [json.loads((pathlib.Path(out) / f"rank{rank}.json").read_text())
                 for rank in range(world)]
 
 
 def summarize(runs, servers, args, relative_difference) -> dict:
     """The cluster table's rows from compare_cluster's runs[(variant, W)] (results by rank) and
-    servers[W] = (peak MiB, exit code)."""
+    servers[W] = (peak MiB, exit code, RSS at start MiB)."""
     rows = []
     for world in sorted(servers):
         local, remote = runs["local", world], runs["remote", world]
@@ -64,6 +67,11 @@ def summarize(runs, servers, args, relative_difference) -> dict:
             row["vs_one"] = (
                 relative_difference(local[0]["losses"], runs["local", 1][0]["losses"]),
                 relative_difference(remote[0]["losses"], runs["remote", 1][0]["losses"]))
+        # What training added to each process: its peak less its RSS before training (the
+        # server's: less its RSS when it started listening).
+        row["local_growth"] = sum(r["peak_mib"] - r["rss_before_training_mib"] for r in local)
+        row["remote_growth"] = sum(r["peak_mib"] - r["rss_before_training_mib"] for r in remote)
+        row["server_growth"] = servers[world][0] - servers[world][2]
         row["local_total"] = sum(row["local_peaks"])
         row["remote_trainers"] = sum(row["remote_peaks"])
         row["remote_total"] = row["remote_trainers"] + row["server_peak"]
@@ -113,6 +121,10 @@ def print_table(cluster) -> bool:
               f"trainer, local minus remote peak: "
               + ", ".join(f"{a - b:,.0f}" for a, b in zip(row["local_peaks"],
                                                          row["remote_peaks"])) + " MiB")
+    print("growth in training (each process's peak less its memory before training), summed: "
+          + "; ".join(f"W = {row['world']}: local {row['local_growth']:,.0f}, remote "
+                      f"{row['remote_growth']:,.0f} + server {row['server_growth']:,.0f} MiB"
+                      for row in rows))
     remote_vs_local = max(row["remote_vs_local"] for row in rows)
     vs_one = max(max(row["vs_one"]) for row in rows[1:])
     print(f"per-step losses, largest relative difference: remote vs local at the same W "

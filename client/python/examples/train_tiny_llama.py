@@ -313,13 +313,14 @@ def compare_cluster(args) -> dict:
             runs[variant, world] = run_variant(args, variant, world=world)
         with LocalServer(args.server_binary) as server:
             print(f"remotehead-server started on {server.target} (W = {world})", flush=True)
+            started = status_mib(server.process.pid, "VmRSS:")
             runs["remote", world] = run_variant(args, "remote", server.target, world)
             peak = status_mib(server.process.pid, "VmHWM:")
-            servers[world] = (peak, server.stop())
+            servers[world] = (peak, server.stop(), started)
         print(f"remotehead-server stopped (exit code {servers[world][1]})", flush=True)
     results = {variant: runs[variant, 1][0] for variant in COLUMN}
     results["server_peak_mib"] = servers[1][0]
-    results["server_exit_code"] = next((code for _, code in servers.values() if code), 0)
+    results["server_exit_code"] = next((s[1] for s in servers.values() if s[1]), 0)
     results["runs"], results["servers"] = runs, servers
     return add_loss_deviations(results)
 
