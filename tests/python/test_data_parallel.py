@@ -14,6 +14,10 @@ model's own lm_head.
   the fp32 summation order of dW (the server adds the ranks' micro-batches in arrival order,
   DDP sums each rank's, then all-reduces) showed at 1.3e-5–1.6e-4 in 1–4 elements of 8224 —
   as it does between the local DDP run and one local process (7e-5).
+- TRL's GRPOTrainer with 2 processes (tests/python/trl_grpo_job.py), RemoteHeadGRPOTrainer
+  against TRL with a local head, for dapo, grpo, bnpo, dr_grpo (fused) and sapo (two-phase):
+  losses to 1e-5, rewards and completions equal, kl / entropy / clip metrics to 1e-5, head
+  to 1e-5, body to 1e-4, head version = optimizer steps.
 - The synchronous step itself, ranks as separate processes (tests/python/sync_step_rank.py): a
   rank killed before the step makes the others ABORTED naming it within the timeout, nothing
   applied; after its restart (its replayed micro-batch adds nothing) the step goes through
@@ -100,8 +104,9 @@ def test_a_ddp_loop_with_the_head_offloaded_equals_the_local_head_ddp_run(server
 
 # ----- transformers' Trainer -----
 
-def trainer_run(world, out, *args, launcher=None):
-    job = [f"--out={out}", f"--output-dir={out.parent / (out.stem + '-trainer')}", *args]
+def trainer_run(world, out, *args, launcher=None, output_dir=None):
+    output_dir = output_dir or out.parent / (out.stem + "-trainer")
+    job = [f"--out={out}", f"--output-dir={output_dir}", *args]
     if launcher is None:
         torchrun(world, HERE / "ddp_trainer_job.py", *job)
     else:
@@ -160,6 +165,27 @@ def test_trainer_under_accelerate_launch_equals_the_local_head_ddp_run(server, t
     local = trainer_run(2, tmp_path / "local.pt", *flags)
     assert remote["world_size"] == 2 and remote["version"] == 4
     assert_same_run(remote, local)
+
+
+def test_trainer_under_torchrun_resumes_with_the_head_restored_once(tmp_path):
+    # A server with durable state: each trainer checkpoint records the head's saved state.
+    state_dir = tmp_path / "state"
+    with LocalServer(BINARY, ["--device=cpu", "--torch_threads=1",
+                              f"--state_dir={state_dir}"]) as s:
+        flags = ["--steps=4", "--accumulation=2", "--batch=2", f"--server={s.target}",
+                 "--head-id=resumed", "--save-steps=2"]
+        out_dir = tmp_path / "trainer"
+        full = trainer_run(2, tmp_path / "full.pt", *flags, output_dir=out_dir)
+        # Resume at step 2 (the head is at version 4 on the server by now): rank 0 restores the
+        # head's state of step 2 once; both ranks continue from it.
+        resumed = trainer_run(2, tmp_path / "resumed.pt", *flags,
+                              f"--resume={out_dir / 'checkpoint-2'}", output_dir=out_dir)
+    restores = [line for line in s.log if "head state restored" in line]
+    assert len(restores) == 1, restores
+    assert resumed["version"] == 4
+    # Trainer's log history: steps 1–2 from the checkpoint, 3–4 trained again.
+    assert_losses_equal(resumed["losses"], full["losses"])
+    assert numerics.close(resumed["head"], full["head"], 1e-5)
 
 
 # ----- the synchronous step, rank by rank -----
@@ -278,3 +304,47 @@ def test_a_retried_step_gets_the_same_version_and_applies_nothing(server):
                                  synchronous=(0, 1, 2))
     assert info.weight_version == 1
     assert torch.equal(client.export_weights("retried")[0], weight)
+
+
+# ----- TRL's GRPOTrainer -----
+
+GRPO_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")
+
+
+# The clipped token-level objectives are the server's fused "grpo" pass (per-token weights and
+# a normalizer: per sequence, per rank, or over the generation batch's gathered count / W);
+# sapo takes the two-phase path with TRL's own loss code.
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo", "sapo"])
+def test_trl_grpo_with_two_processes_equals_the_local_head_run(server, loss_type, tmp_path):
+    # tests/python/trl_grpo_job.py: 3 optimizer steps of 2 micro-batches per rank, one
+    # generation per 2 steps (steps_per_generation 4: each step holds part of the groups, so
+    # the logged loss is no cancelling sum of a group's advantages, and every second step is
+    # off-policy and clips), completions ending at different lengths, beta > 0 (the reference
+    # head on the server), AdamW eps 1e-6, no gradient clipping (GRPOConfig's default 1.0 clips
+    # the local run's head with the body; the remote head is not clipped).
+    import trl_grpo_job as job
+    flags = ["--steps=3", f"--loss-type={loss_type}", "--beta=0.04"]
+    torchrun(2, HERE / "trl_grpo_job.py", *flags, f"--server={server}",
+             f"--head-id=grpo-{loss_type}", f"--out={tmp_path / 'remote.pt'}")
+    torchrun(2, HERE / "trl_grpo_job.py", *flags, f"--out={tmp_path / 'local.pt'}")
+    remote, local = torch.load(tmp_path / "remote.pt"), torch.load(tmp_path / "local.pt")
+    assert remote["world_size"] == local["world_size"] == 2
+    assert remote["version"] == 3  # one synchronous step per optimizer step, not one per rank
+    assert_losses_equal(remote["losses"], local["losses"])
+    for r, l in zip(remote["logs"], local["logs"]):
+        # The same completions (rewards, lengths), then the same loss metrics, reduced over
+        # the ranks (relative, values below 1 held to 1e-5 absolute).
+        for key in l:
+            if key.startswith(("reward", "completions/")):
+                assert r[key] == pytest.approx(l[key], rel=1e-6), key
+        assert r.keys() == l.keys()
+        for key in (k for k in GRPO_METRICS if k in l):  # sapo: no clip ratios
+            assert numerics.close(r[key], l[key], 1e-5, floor=1.0), (key, r[key], l[key])
+    # The EOS row is scaled up (early ends): the others are held to their own magnitude.
+    eos = job.EOS_TOKEN
+    others = [i for i in range(remote["head"].shape[0]) if i != eos]
+    assert numerics.close(remote["head"][others], local["head"][others], 1e-5)
+    assert numerics.close(remote["head"][eos], local["head"][eos], 1e-5)
+    for name, p in local["body"].items():
+        assert numerics.close(remote["body"][name], p, 1e-4), name

@@ -311,13 +311,6 @@ class RemoteHead:
         self.info = self.client.optimizer_step(self.head_id, **optimizer)
         self.next_step()
 
-    def declare_upstream_scale(self, scale: float) -> None:
-        """Sets the dL/dloss that backward will bring (upstream_scale) for the calls to come —
-        e.g. W under transformers' average_tokens_across_devices, which multiplies each rank's
-        loss by the number of processes."""
-        _check_declared_upstream(scale, "upstream_scale")
-        self.options = self.options.replace(upstream_scale=scale)
-
     # ----- durable training state (a server started with --state_dir) -----
 
     def save_state(self) -> HeadInfo:

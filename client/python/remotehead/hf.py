@@ -61,6 +61,10 @@ class OffloadedHead(RemoteHead):
         # embeddings); False once release_local_copy() freed it.
         self.has_local_copy = True
         self._checkpoints_from_server = False
+        # dL/dloss that transformers' Trainer brings to a loss normalised by num_items_in_batch:
+        # W under average_tokens_across_devices with W processes (RemoteHeadCallback sets it),
+        # else 1. A loss without num_items_in_batch is never scaled.
+        self.trainer_loss_scale = 1.0
 
     @property
     def lm_head(self) -> torch.nn.Module:
@@ -261,7 +265,8 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
         pull = accumulation_window_ends()
         if num_items_in_batch is not None:
             return head.loss(hidden, shifted, reduction="sum",
-                             normalizer=float(num_items_in_batch), pull_gradients=pull)
+                             normalizer=float(num_items_in_batch), pull_gradients=pull,
+                             upstream_scale=head.trainer_loss_scale)
         return head.loss(hidden, shifted, reduction="mean", pull_gradients=pull)
 
     route_causal_lm_loss(model, loss)
@@ -444,11 +449,16 @@ class RemoteHeadCallback(TrainerCallback):
 
     def _declare_loss_scale(self, args) -> None:
         """Under average_tokens_across_devices (transformers' default with several processes)
-        Trainer multiplies each rank's loss by the number of processes, so that DDP's average
-        is the global token mean: backward brings dL/dloss = W, declared here up front."""
+        Trainer.compute_loss multiplies each rank's num_items_in_batch-normalised loss by the
+        number of processes, so that DDP's average is the global token mean: backward brings
+        dL/dloss = W to those losses, declared here up front (OffloadedHead.trainer_loss_scale,
+        which offload_lm_head's loss uses only with num_items_in_batch, as Trainer scales only
+        then; trainers with a compute_loss of their own, e.g. TRL's GRPOTrainer, route their
+        loss elsewhere and are not scaled)."""
         cluster = self.head.cluster
-        if cluster.distributed and getattr(args, "average_tokens_across_devices", False):
-            self.head.declare_upstream_scale(float(cluster.world_size))
+        if hasattr(self.head, "trainer_loss_scale"):
+            average = cluster.distributed and getattr(args, "average_tokens_across_devices", False)
+            self.head.trainer_loss_scale = float(cluster.world_size) if average else 1.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._declare_loss_scale(args)

@@ -30,9 +30,21 @@ checkpoints stream the head from it — with keep_local_copy=True the local lm_h
 is refreshed from the server before the next generation or save; `max_grad_norm` clips the local
 parameters only) or `gradients="local"` (dW
 pulled into the lm_head parameter, which the trainer's optimizer and clipping see; needed for
-tied embeddings); a head that PEFT froze gets dX only. Refused: several processes, vLLM
-generation, an entropy bonus (entropies have no gradient here), an MoE router loss,
-sync_ref_model, logit scales other than temperature and softcap, adapters on the head.
+tied embeddings); a head that PEFT froze gets dX only. Refused: vLLM generation, an entropy
+bonus (entropies have no gradient here), an MoE router loss, sync_ref_model, logit scales
+other than temperature and softcap, adapters on the head.
+
+Several processes (torchrun, accelerate launch; DDP): every rank runs this trainer with the
+same client and head_id — rank 0 uploads, the others attach (`offload_lm_head`), each rank's dW
+accumulates under its own trainer id and `optimizer_step` is the server's synchronous step
+(one step with the ranks' summed dW × 1/W, as DDP averages the body's gradients). TRL's
+per-rank loss needs nothing more: grpo, bnpo and dr_grpo normalise over the rank's own
+micro-batch, dapo by the token count gathered over the generation batch / num_processes
+(`_loss_weights` uses the same gathered count), and GRPOTrainer.compute_loss does not
+multiply the loss by the number of processes (as Trainer's does under
+average_tokens_across_devices), so the upstream gradient stays 1 (RemoteHeadCallback's
+trainer_loss_scale is offload_lm_head's loss route only, not this one). The logged kl,
+entropy and clip-ratio metrics are reduced over the ranks as TRL's are.
 """
 
 from __future__ import annotations
@@ -185,9 +197,6 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
 
     def _refuse_unsupported(self) -> None:
         args = self.args
-        if self.accelerator.num_processes != 1:
-            raise ValueError(f"accelerator.num_processes: expected 1 (one trainer process owns "
-                             f"the server's head); got {self.accelerator.num_processes}")
         if self.use_vllm:
             raise ValueError("use_vllm: expected False (vLLM generates with weights the server "
                              "does not update); got True")
@@ -255,7 +264,9 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
 
     def _loss_weights(self, mask: torch.Tensor, inputs, mode: str):
         """TRL's loss-type normalisation as per-token weights w and a normalizer:
-        loss = Σ w·ℓ / normalizer (see GRPOTrainer._compute_loss)."""
+        loss = Σ w·ℓ / normalizer (see GRPOTrainer._compute_loss). Per rank, as TRL's: under
+        W processes grpo, bnpo and dr_grpo see only this rank's micro-batch, and dapo's
+        num_items_in_batch is the count gathered over all ranks' generation batch, / W."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         mask = mask.float()
         if self.loss_type == "grpo":  # mean over sequences of each sequence's token mean
@@ -310,29 +321,40 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
         return out.loss
 
     def _log_fused_metrics(self, mode, out, logits_to_keep, mask, advantages, old_logps):
-        """TRL's loss metrics (kl, entropy, clip ratios) for one process, from the server's
-        outputs: the KL sum is a diagnostic of the fused pass itself."""
+        """TRL's loss metrics (kl, entropy, clip ratios) from the server's outputs, reduced
+        over the processes as TRL's are (sums and counts; the per-sequence clip ratios
+        gathered): the KL sum is a diagnostic of the fused pass itself. Every rank calls the
+        same collectives in the same order."""
         metrics = self._metrics[mode]
-        count = mask.sum().clamp(min=1.0).item()
+        mask = mask.float()
+        count = mask.sum()
 
-        def masked_mean(x):
-            return ((x * mask).sum() / count).item()
+        def global_mean(local_sum):
+            totals = self.accelerator.reduce(torch.stack([local_sum.float().reshape(()), count]),
+                                             reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def masked_sum(x):
+            return (x * mask).sum()
 
         def masked_seq_mean(x):
             return (x * mask).sum(-1) / mask.sum(-1)
 
-        if self.beta != 0.0:  # no tokens: no server call, and TRL's masked mean is 0
+        if self.beta != 0.0:  # no tokens: no server call, and the rank adds 0
             kl = self.remote_head.last_result.summary.extras["kl"] if mask.any() else 0.0
-            metrics["kl"].append(kl / count)
-        metrics["entropy"].append(masked_mean(out.entropy[:, -logits_to_keep:]))
+            metrics["kl"].append(global_mean(torch.tensor(float(kl), device=mask.device)))
+        metrics["entropy"].append(global_mean(masked_sum(out.entropy[:, -logits_to_keep:])))
         if old_logps is None:
             coef_1 = torch.ones_like(advantages)
         else:
             coef_1 = torch.exp(out.log_probs[:, -logits_to_keep:] - old_logps)
         is_low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
         is_high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
-        metrics["clip_ratio/low_mean"].append(masked_mean(is_low))
-        metrics["clip_ratio/high_mean"].append(masked_mean(is_high))
-        metrics["clip_ratio/region_mean"].append(masked_mean(torch.maximum(is_low, is_high)))
-        metrics["clip_ratio/low_min"].append(nanmin(masked_seq_mean(is_low)).item())
-        metrics["clip_ratio/high_max"].append(nanmax(masked_seq_mean(is_high)).item())
+        metrics["clip_ratio/low_mean"].append(global_mean(masked_sum(is_low)))
+        metrics["clip_ratio/high_mean"].append(global_mean(masked_sum(is_high)))
+        metrics["clip_ratio/region_mean"].append(
+            global_mean(masked_sum(torch.maximum(is_low, is_high))))
+        low = self.accelerator.gather(masked_seq_mean(is_low))
+        metrics["clip_ratio/low_min"].append(nanmin(low).item())
+        high = self.accelerator.gather(masked_seq_mean(is_high))
+        metrics["clip_ratio/high_max"].append(nanmax(high).item())
