@@ -31,6 +31,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -65,10 +66,23 @@ def torchrun(world: int, script: pathlib.Path, *args: str, timeout: float = 600)
 
 
 @pytest.fixture(scope="module")
-def server():
-    with LocalServer(BINARY, ["--device=cpu", "--torch_threads=1",
+def server_process():
+    with LocalServer(BINARY, ["--device=cpu", "--torch_threads=1", "--metrics_address=127.0.0.1:0",
                               f"--sync_step_timeout_seconds={SYNC_TIMEOUT}"]) as s:
-        yield s.target
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    return server_process.target
+
+
+def sync_step_metrics(server_process) -> dict:
+    """The synchronous-step samples of the server's /metrics, by name with labels."""
+    url = f"http://127.0.0.1:{server_process.metrics_port}/metrics"
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in body.splitlines() if line.startswith("remotehead_sync_step")}
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +237,9 @@ def ddp_sgd(weight, ranks, lr):
 
 
 def test_a_rank_killed_before_the_step_aborts_the_others_and_after_its_restart_the_step_goes_through(
-        server):
+        server_process):
+    server = server_process.target
+    before = sync_step_metrics(server_process)
     client = remotehead.Client(server)
     w0 = new_head(client, "killed")
     start = time.monotonic()
@@ -246,6 +262,17 @@ def test_a_rank_killed_before_the_step_aborts_the_others_and_after_its_restart_t
     assert [a["replayed"] for a in answers] == [True, True]
     weight = client.export_weights("killed")[0]
     assert numerics.close(weight, ddp_sgd(w0, [0, 1], 0.5), 1e-5)
+    # The metrics saw it: one step aborted for a missing rank, one applied, three waits.
+    after = sync_step_metrics(server_process)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('remotehead_sync_steps_aborted_total{reason="timeout"}') == 1
+    assert delta("remotehead_sync_steps_applied_total") == 1
+    assert delta("remotehead_sync_step_wait_seconds_count") == 3
+    assert delta("remotehead_sync_step_wait_seconds_sum") >= SYNC_TIMEOUT * 0.9
+    assert after["remotehead_sync_step_ranks_waiting"] == 0
 
 
 @pytest.mark.parametrize("flag,field,values", [
