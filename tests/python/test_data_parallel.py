@@ -4,7 +4,7 @@ model's own lm_head.
 
 - The plain DDP loop (client/python/examples/ddp_train.py), W = 2 and 4, gradient accumulation
   2: per-step losses to 1e-5 relative, version = steps.
-- transformers' Trainer (tests/python/ddp_trainer_job.py), W = 2, gradient accumulation 2,
+- transformers' Trainer (tests/python/ddp_trainer_job.py), W = 2 (and 4), gradient accumulation 2,
   average_tokens_across_devices on and off; with it on the run also equals one process with
   the same global batch; against one server and against a head group of 2. Losses to 1e-5
   relative.
@@ -157,6 +157,15 @@ def test_trainer_under_torchrun_with_the_head_offloaded_equals_the_local_head_dd
         # The exact global-token mean: one process with the same global batch.
         one = trainer_run(1, tmp_path / "one.pt", "--steps=4", "--accumulation=2", "--batch=4")
         assert_same_run(remote, one, same_eval_batches=False)
+
+
+def test_trainer_with_four_processes_equals_the_local_head_ddp_run(server, tmp_path):
+    flags = ["--steps=3", "--accumulation=2", "--batch=1"]
+    remote = trainer_run(4, tmp_path / "remote.pt", *flags, f"--server={server}",
+                         "--head-id=trainer-four")
+    local = trainer_run(4, tmp_path / "local.pt", *flags)
+    assert remote["world_size"] == 4 and remote["version"] == 3
+    assert_same_run(remote, local)
 
 
 def test_trainer_under_torchrun_against_a_head_group_equals_the_local_head_ddp_run(
