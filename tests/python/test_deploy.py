@@ -39,6 +39,10 @@ EXPORTED = {
     "remotehead_device_memory_reserved_bytes", "remotehead_device_memory_peak_bytes",
     "remotehead_logits_chunk_max_bytes", "remotehead_heads", "remotehead_head_weight_version",
     "remotehead_head_accumulated_micro_batches", "remotehead_head_last_loss",
+    # Synchronous optimizer steps of data-parallel trainers (the aborted counter appears with
+    # its first abort, labelled by reason).
+    "remotehead_sync_step_wait_seconds", "remotehead_sync_step_ranks_waiting",
+    "remotehead_sync_steps_applied_total",
 }
 # What a head group's rank exports besides (README.md lists them too).
 GROUP_EXPORTED = {

@@ -286,7 +286,8 @@ def _keep_out_of_ddp(model, weight: torch.nn.Parameter) -> None:
 
 def _share_head(client: Client, head_id: str, weight: torch.Tensor, cluster, upload: bool):
     """Puts the model's head on the server once: rank 0 uploads it (with upload=True); every
-    other rank waits until it is there and checks that it is the model's shape."""
+    other rank waits until it is there and checks that it is the model's shape (the uploaded
+    head, so the ranks train one model)."""
 
     def present() -> bool:
         try:
@@ -308,7 +309,9 @@ def _share_head(client: Client, head_id: str, weight: torch.Tensor, cluster, upl
     def on_main():
         if upload:
             return client.upload_head(head_id, weight.detach().float())
-        return check()
+        # As for one process: a head of another shape is refused when a checkpoint is
+        # verified (hf_checkpoint), not here.
+        return client.describe_head(head_id)
 
     cluster_lib.share(cluster, on_main, check, wait_until=present)
 
