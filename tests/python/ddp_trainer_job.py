@@ -84,5 +84,16 @@ def main():
                     "world_size": int(os.environ.get("WORLD_SIZE", "1"))}, args.out)
 
 
+
+def end_process_group():
+    """Every rank done, then the process group torn down before the interpreter exits: a gloo
+    group left to the interpreter's exit has aborted a rank ("terminate called without an
+    active exception", SIGABRT) after a complete run."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    end_process_group()

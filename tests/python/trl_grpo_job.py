@@ -92,5 +92,8 @@ def main():
                     "world_size": world}, args.out)
 
 
+
 if __name__ == "__main__":
     main()
+    from ddp_trainer_job import end_process_group
+    end_process_group()
