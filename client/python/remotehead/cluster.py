@@ -4,7 +4,7 @@ initialised, else from torchrun's environment (RANK, WORLD_SIZE; accelerate laun
 too), else one process.
 
 What changes between 1 and W processes is decided here and nowhere else:
-- each rank adds its own micro-batches' dW under its own gradient identity (`trainer_id`), so a
+- each rank adds its own micro-batches' dW under its own gradient identity (`rank_trainer`), so a
   restarted rank's replays are dropped for that rank only;
 - the optimizer step is synchronous (the server waits for every rank and applies it once, with
   the summed dW divided by W, as DDP averages gradients);
@@ -107,8 +107,3 @@ def share(cluster: Cluster, on_main: Callable[[], T], on_others: Callable[[], T]
         time.sleep(0.2)
     return on_others()
 
-
-def barrier(cluster: Cluster) -> None:
-    """Waits for every rank (torch.distributed), when there are several and a process group."""
-    if cluster.distributed and _process_group_ready():
-        torch.distributed.barrier()
