@@ -2,14 +2,17 @@
 with Debian's docker-compose for both profiles and mounts files that exist; Prometheus' config
 passes promtool; every PromQL expression of the Grafana dashboard parses (promtool check rules)
 and every metric it uses is one a live server exports (read from /metrics after a workload);
-the Dockerfiles are multi-stage, run as a non-root user, expose the gRPC and metrics ports,
-copy only what exists and health-check through docker/healthcheck.py, which itself answers 0
-for a serving server and non-zero for a closed port."""
+the one Dockerfile, rendered for each of its variants (VARIANT=cuda, the default, and cpu; compose
+builds each profile's), is multi-stage, runs as a non-root user, exposes the gRPC and metrics
+ports, takes the variant's runtime image and device (FLAGS_device, which the server reads with
+--fromenv=device), copies only what exists and health-checks through docker/healthcheck.py,
+which itself answers 0 for a serving server and non-zero for a closed port."""
 
 import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -192,26 +195,74 @@ def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group)
             "remotehead_group_up", "remotehead_group_command_seconds"} <= used
 
 
-def dockerfile_stages(path: pathlib.Path):
-    """Instructions per stage, continuation lines joined."""
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+# The images docker/Dockerfile builds, by its build argument VARIANT: the runtime stage's base
+# image and the server's device (the environment variable FLAGS_device, read by --fromenv).
+VARIANTS = {"cuda": ("nvidia/cuda:13.0.1-base-ubuntu24.04", "auto"),
+            "cpu": ("ubuntu:24.04", "cpu")}
+# The variant each compose profile's servers build.
+PROFILE_VARIANTS = {"cpu": "cpu", "gpu": "cuda", "cpu-group": "cpu"}
+
+
+def dockerfile_instructions(path: pathlib.Path):
+    """(INSTRUCTION, rest) in order, continuation lines joined, comments dropped."""
     text = re.sub(r"\\\n", " ", path.read_text())
-    stages = []
+    instructions = []
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        word, _, rest = line.partition(" ")
-        if word.upper() == "FROM":
-            stages.append([])
-        if stages:
-            stages[-1].append((word.upper(), rest.strip()))
-    return stages
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            instructions.append((word.upper(), rest.strip()))
+    return instructions
 
 
-@pytest.mark.parametrize("profile,server,dockerfile",
-                         [("cpu", "remotehead-cpu", "Dockerfile.cpu"),
-                          ("gpu", "remotehead-gpu", "Dockerfile.cuda")])
-def test_server_keeps_checkpoints_and_state_on_named_volumes(profile, server, dockerfile):
+def substitute(text: str, variables: dict) -> str:
+    def value(match):
+        name = match.group(1) or match.group(2)
+        assert name in variables, f"${name}: not a declared ARG"
+        return variables[name]
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, text)
+
+
+def render_dockerfile(path: pathlib.Path, build_args: dict):
+    """What `docker build --build-arg K=V …` builds from `path`: the build stages, each
+    {"name", "base", "instructions"} (FROM's image or stage name with the global ARGs
+    substituted), and the final image's instructions: those of the last stage after those of
+    the stages it is built FROM, in order."""
+    variables, stages = {}, []
+    for word, rest in dockerfile_instructions(path):
+        if word == "FROM":
+            image, _, name = rest.partition(" AS ")
+            stages.append({"name": name.strip() or None,
+                           "base": substitute(image.strip(), variables), "instructions": []})
+        elif stages:
+            stages[-1]["instructions"].append((word, rest))
+        else:
+            assert word == "ARG", f"{word} before the first FROM"
+            name, _, default = rest.partition("=")
+            variables[name] = build_args.get(name, substitute(default, variables))
+    assert set(build_args) <= set(variables), f"undeclared build arguments: {build_args}"
+    by_name = {stage["name"]: stage for stage in stages[:-1] if stage["name"]}
+    final, stage = [], stages[-1]
+    while True:
+        final[:0] = stage["instructions"]
+        if stage["base"] not in by_name:
+            return stages, stage["base"], final
+        stage = by_name[stage["base"]]
+
+
+def environment(instructions) -> dict:
+    """The ENV the instructions set (ENV K=V …)."""
+    env = {}
+    for word, rest in instructions:
+        if word == "ENV":
+            env.update(item.split("=", 1) for item in shlex.split(rest))
+    return env
+
+
+@pytest.mark.parametrize("profile,server",
+                         [("cpu", "remotehead-cpu"), ("gpu", "remotehead-gpu")])
+def test_server_keeps_checkpoints_and_state_on_named_volumes(profile, server):
     """--checkpoint_dir and --state_dir are directories the image creates for its non-root user,
     mounted from named volumes, so saved weights and training state outlive the container."""
     result = subprocess.run([tool("docker-compose"), "-f", str(DEPLOY / "docker-compose.yml"),
@@ -224,22 +275,47 @@ def test_server_keeps_checkpoints_and_state_on_named_volumes(profile, server, do
         source, target = ((volume["source"], volume["target"]) if isinstance(volume, dict)
                           else volume.split(":")[:2])
         mounts[target] = source
-    final_stage = dockerfile_stages(ROOT / "docker" / dockerfile)[-1]
-    created = " ".join(rest for word, rest in final_stage if word == "RUN")
+    build = config["services"][server]["build"]
+    _, _, final = render_dockerfile(ROOT / build["dockerfile"], build.get("args", {}))
+    created = " ".join(rest for word, rest in final if word == "RUN")
     for flag in ("--checkpoint_dir", "--state_dir"):
         assert flag in flags, f"{server} runs without {flag}"
         directory = flags[flag]
         assert mounts.get(directory) in config.get("volumes", {}), \
             f"{flag}={directory} is not a named volume of {server}: {mounts}"
         assert re.search(r"install -d -o remotehead\b[^&]*" + re.escape(directory), created), \
-            f"{dockerfile} does not create {directory} for the user remotehead"
+            f"{build['dockerfile']} does not create {directory} for the user remotehead"
     assert int(flags["--checkpoint_every_steps"]) > 0
 
-@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
-def test_dockerfile_is_multi_stage_non_root_with_health_check(name):
-    stages = dockerfile_stages(ROOT / "docker" / name)
+
+@pytest.mark.parametrize("profile", sorted(PROFILE_SERVERS))
+def test_compose_builds_the_one_dockerfile_with_the_profiles_variant(profile):
+    result = subprocess.run([tool("docker-compose"), "-f", str(DEPLOY / "docker-compose.yml"),
+                             "--profile", profile, "config"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    builds = [services[s]["build"] for s in PROFILE_SERVERS[profile] if "build" in services[s]]
+    assert builds, f"no server of the {profile} profile builds its image"
+    for build in builds:
+        assert build["dockerfile"] == "docker/Dockerfile"
+        assert build["args"] == {"VARIANT": PROFILE_VARIANTS[profile]}
+    # And a server that builds nothing runs an image of its profile's variant that one builds.
+    images = {services[s]["image"] for s in PROFILE_SERVERS[profile]}
+    assert images == {"remotehead:" + PROFILE_VARIANTS[profile]}
+
+
+def test_the_dockerfile_is_the_one_there_is():
+    assert sorted(p.name for p in (ROOT / "docker").glob("Dockerfile*")) == ["Dockerfile"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_dockerfile_is_multi_stage_non_root_with_health_check(variant):
+    stages, base, final = render_dockerfile(DOCKERFILE, {"VARIANT": variant})
     assert len(stages) >= 2
-    final = stages[-1]
+    # The variant's own runtime image and device; the build stage is the same for both.
+    assert (base, environment(final)["FLAGS_device"]) == VARIANTS[variant]
+    assert ("NVIDIA_DRIVER_CAPABILITIES" in environment(final)) == (variant == "cuda")
+    assert stages[0]["base"] == "nvidia/cuda:13.0.1-devel-ubuntu24.04"
     users = [rest for word, rest in final if word == "USER"]
     assert users and users[-1] not in ("root", "0")
     exposed = {p for word, rest in final if word == "EXPOSE" for p in rest.split()}
@@ -249,11 +325,33 @@ def test_dockerfile_is_multi_stage_non_root_with_health_check(name):
     entrypoint = json.loads(next(rest for word, rest in final if word == "ENTRYPOINT"))
     assert "--metrics_address=0.0.0.0:9464" in entrypoint
     assert "--listen=0.0.0.0:50051" in entrypoint
+    assert "--fromenv=device" in entrypoint
     for stage in stages:
-        for word, rest in stage:
+        for word, rest in stage["instructions"]:
             if word == "COPY" and not rest.startswith("--from"):
                 source = rest.split()[0]
                 assert (ROOT / source).exists(), f"COPY {source}: missing"
+
+
+def test_dockerfile_defaults_to_the_cuda_variant_and_has_no_other():
+    assert render_dockerfile(DOCKERFILE, {})[1:] == render_dockerfile(DOCKERFILE,
+                                                                      {"VARIANT": "cuda"})[1:]
+    stages, _, _ = render_dockerfile(DOCKERFILE, {})
+    assert {s["name"] for s in stages if (s["name"] or "").startswith("runtime-")} == {
+        "runtime-" + variant for variant in VARIANTS}
+
+
+def test_the_server_takes_its_device_from_flags_device_and_a_later_flag_overrides_it():
+    """The images' ENTRYPOINT reads --device from FLAGS_device (--fromenv=device); a --device
+    after the image name, as `docker run IMAGE --device=…` appends it, wins."""
+    def device_error(env_device, *args):
+        result = subprocess.run([BINARY, "--listen=127.0.0.1:0", "--metrics_address=",
+                                 "--fromenv=device", *args], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "FLAGS_device": env_device})
+        assert result.returncode != 0
+        return result.stderr
+    assert 'got "from-env"' in device_error("from-env")
+    assert 'got "from-flag"' in device_error("from-env", "--device=from-flag")
 
 
 def test_healthcheck_script_reports_serving_and_down(live_server):

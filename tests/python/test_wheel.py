@@ -1,6 +1,7 @@
 """The installable Python client: `python -m build` on a copy of client/python and proto/ alone
 (no C++ build, no stubs in the tree: they are generated at build time by setup.py) makes an
-sdist that carries the .proto and, from that sdist, a wheel; the wheel installs
+sdist that carries the .proto (and the requirements files the build reads) and, from that sdist, a
+wheel, whose dependencies are client/python/requirements.txt's; the wheel installs
 into a fresh virtual environment, whose `remotehead` entry point and `import remotehead` then
 work against the real server binary, including a step. The environment is offline: the wheel
 is installed with --no-index --no-deps, and the dependencies (torch, grpcio, protobuf, numpy,
@@ -40,13 +41,17 @@ def wheel(tmp_path_factory):
     shutil.copytree(ROOT / "client" / "python", source / "client" / "python",
                     ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
     shutil.rmtree(source / "client" / "python" / "remotehead" / "v1", ignore_errors=True)
-    # Offline: --no-isolation builds with the environment's setuptools and grpcio-tools.
+    # Offline: --no-isolation builds with the environment's setuptools and grpcio-tools (which
+    # build checks is the pin of requirements-build.txt, setup.py's setup_requires).
     run([sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp / "dist",
          source / "client" / "python"])
     (sdist,) = (tmp / "dist").glob("remotehead-*.tar.gz")
     with tarfile.open(sdist) as archive:
         assert any(n.endswith("proto/remotehead/v1/head_service.proto")
                    for n in archive.getnames()), archive.getnames()
+        # The requirements the wheel's build reads: its dependencies and its build's.
+        for name in ("requirements.txt", "requirements-build.txt"):
+            assert any(n.endswith(f"-0.1.0/{name}") for n in archive.getnames()), name
     (built,) = (tmp / "dist").glob("remotehead-*.whl")
     return built
 
@@ -58,6 +63,13 @@ def test_the_wheel_holds_the_generated_stubs_and_the_entry_point(wheel):
     assert "remotehead/cli.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "remotehead = remotehead.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    # Its dependencies are client/python/requirements.txt's, the pins' one home.
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    depends = [line.split(":", 1)[1].strip()
+               for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+               if line.startswith("Requires-Dist:")]
+    lines = (ROOT / "client" / "python" / "requirements.txt").read_text().splitlines()
+    assert depends == [r for r in (line.split("#", 1)[0].strip() for line in lines) if r]
 
 
 def test_installed_into_a_fresh_environment_it_steps_against_the_server(wheel, tmp_path):
