@@ -508,7 +508,8 @@ int main(int argc, char** argv) {
   // is counted.
   rh::core::InstallCpuMemoryTracker();
   absl::SetProgramUsageMessage(
-      "remote fused step through remotehead-server on loopback vs in-process; see README.md");
+      "remote fused step through remotehead-server on loopback vs in-process; see "
+      "docs/benchmarks.md");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_threads) > 0) torch::set_num_threads(absl::GetFlag(FLAGS_threads));
   std::vector<Shape> shapes;

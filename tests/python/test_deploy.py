@@ -1,7 +1,8 @@
 """deploy/ and docker/, checked without a Docker engine (none here): the compose file validates
 with Debian's docker-compose for both profiles and mounts files that exist; Prometheus' config
 passes promtool; every PromQL expression of the Grafana dashboard parses (promtool check rules)
-and every metric it uses is one a live server exports (read from /metrics after a workload);
+and every metric it uses is one a live server exports (read from /metrics after a workload),
+which are exactly the metrics docs/metrics.md lists;
 the one Dockerfile, rendered for each of its variants (VARIANT=cuda, the default, and cpu; compose
 builds each profile's), is multi-stage, runs as a non-root user, exposes the gRPC and metrics
 ports, takes the variant's runtime image and device (FLAGS_device, which the server reads with
@@ -31,7 +32,7 @@ DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "remotehead.json"
 BINARY = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                         str(ROOT / "build" / "server" / "remotehead-server"))
-# The metrics README.md lists (and the dashboard may use).
+# The metrics docs/metrics.md lists (and the dashboard may use).
 EXPORTED = {
     "remotehead_requests_total", "remotehead_request_duration_seconds",
     "remotehead_step_phase_seconds", "remotehead_tokens_total",
@@ -47,11 +48,15 @@ EXPORTED = {
     "remotehead_sync_step_wait_seconds", "remotehead_sync_step_ranks_waiting",
     "remotehead_sync_steps_applied_total",
 }
-# What a head group's rank exports besides (README.md lists them too).
+# What a head group's rank exports besides (docs/metrics.md lists them too).
 GROUP_EXPORTED = {
     "remotehead_group_info", "remotehead_group_up", "remotehead_group_collective_bytes_total",
     "remotehead_group_collectives_total", "remotehead_group_command_seconds",
 }
+# Listed in docs/metrics.md but exported only once something happens: the aborted counter
+# appears with its first abort (no workload here aborts a synchronous step).
+EXPORTED_ONCE_SEEN = {"remotehead_sync_steps_aborted_total"}
+METRICS_DOC = ROOT / "docs" / "metrics.md"
 # The servers each compose profile starts (with Prometheus and Grafana).
 PROFILE_SERVERS = {"cpu": ["remotehead-cpu"], "gpu": ["remotehead-gpu"],
                    "cpu-group": ["remotehead-rank0", "remotehead-rank1"]}
@@ -161,6 +166,14 @@ def run_workload(target):
         client.forward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)))
         with pytest.raises(remotehead.RemoteheadError):
             client.describe_head("missing")
+
+
+def test_the_metrics_doc_lists_exactly_the_exported_metrics():
+    """docs/metrics.md's table (the operators' reference) names every metric the test below finds
+    a live server and a live group exporting, and nothing else."""
+    documented = re.findall(r"^\| `(remotehead_[a-z0-9_]+)` \|", METRICS_DOC.read_text(), re.M)
+    assert len(documented) == len(set(documented)), f"listed twice in {METRICS_DOC}: {documented}"
+    assert set(documented) == EXPORTED | GROUP_EXPORTED | EXPORTED_ONCE_SEEN
 
 
 def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group):
