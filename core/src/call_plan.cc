@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 
@@ -218,10 +219,12 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
   CallPlan plan;
   ASSIGN_OR_RETURN(plan.function, registry.Find(options.function));
   if (options.shard != nullptr && !plan.function->vocab_decomposable) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "function: expected a vocabulary-decomposable function on a head group of ",
-        options.shard->ranges.size(), " ranks; got \"", plan.function->name,
-        "\", which reduces over the whole vocabulary itself (run it on a single server)"));
+    return WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "function: expected a vocabulary-decomposable function on a head group of ",
+            options.shard->ranges.size(), " ranks; got \"", plan.function->name,
+            "\", which reduces over the whole vocabulary itself (run it on a single server)")),
+        reason::kNotOnGroup, {{"field", "function"}, {"function", plan.function->name}});
   }
   ASSIGN_OR_RETURN(plan.params, registry.ResolveParams(*plan.function, options.params));
   RETURN_IF_ERROR(CheckChunkOptions(options));

@@ -631,10 +631,11 @@ absl::StatusOr<ForwardResult> RunGenerationChunks(const Head& head, const TokenB
   const bool logits = plan.fn().output == OutputKind::kLogits;
   const torch::TensorOptions opts = head.weight().options();
   ForwardResult result;
+  const torch::ScalarType out = OutputDtype(plan.fn().output, head.dtype(), logits_dtype);
   if (logits) {
-    result.output = torch::empty({plan.rows, head.vocab_size()}, opts.dtype(logits_dtype));
+    result.output = torch::empty({plan.rows, head.vocab_size()}, opts.dtype(out));
   } else {
-    result.output = torch::empty({plan.rows}, opts.dtype(LogitsDtype(head)));
+    result.output = torch::empty({plan.rows}, opts.dtype(out));
     result.token_ids = torch::empty({plan.rows}, opts.dtype(torch::kLong));
   }
   ChunkOutputs counts;

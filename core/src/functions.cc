@@ -165,7 +165,9 @@ std::vector<TransformFunction> BuiltinFunctions() {
   };
 }
 
-const std::vector<ParamSpec>& CommonParams() {
+}  // namespace
+
+const std::vector<ParamSpec>& FunctionRegistry::CommonParams() {
   static const auto* specs = new std::vector<ParamSpec>{
       {kTemperatureParam, 1.0, 1e-6, kInf, "logits are divided by this"},
       {kSoftcapParam, 0.0, 0.0, kInf, "if > 0: logits <- softcap * tanh(logits / softcap)"},
@@ -173,7 +175,11 @@ const std::vector<ParamSpec>& CommonParams() {
   return *specs;
 }
 
-}  // namespace
+torch::ScalarType OutputDtype(OutputKind kind, torch::ScalarType head_dtype,
+                              torch::ScalarType logits_dtype) {
+  if (kind == OutputKind::kLogits) return logits_dtype;
+  return head_dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
 
 FunctionRegistry::FunctionRegistry(std::vector<TransformFunction> functions) {
   for (TransformFunction& fn : functions) {
@@ -200,6 +206,12 @@ std::vector<std::string> FunctionRegistry::Names() const {
   std::vector<std::string> names;
   for (const auto& [name, fn] : functions_) names.push_back(name);
   return names;
+}
+
+std::vector<const TransformFunction*> FunctionRegistry::Functions() const {
+  std::vector<const TransformFunction*> functions;
+  for (const auto& [name, fn] : functions_) functions.push_back(&fn);
+  return functions;
 }
 
 absl::StatusOr<FunctionParams> FunctionRegistry::ResolveParams(const TransformFunction& fn,

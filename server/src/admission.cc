@@ -3,9 +3,19 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/memory_stats.h"
 
 namespace remotehead::server {
+namespace {
+
+// RESOURCE_EXHAUSTED with its reason; `resource` is "memory" or "queue".
+absl::Status Exhausted(const char* resource, const std::string& message) {
+  return core::WithReason(absl::ResourceExhaustedError(message), core::reason::kResourceExhausted,
+                          {{"resource", resource}});
+}
+
+}  // namespace
 
 uint64_t AdmissionController::NewTicket() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -23,7 +33,7 @@ absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
                                         std::function<void()> on_admitted) {
   std::lock_guard<std::mutex> lock(mu_);
   if (options_.memory_budget_bytes > 0 && bytes > options_.memory_budget_bytes - head_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return Exhausted("memory", absl::StrCat(
         "admission: expected a request within the server's memory budget of ",
         core::FormatMiB(options_.memory_budget_bytes), " (--memory_budget_bytes)",
         head_bytes_ > 0
@@ -42,7 +52,7 @@ absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
     return absl::OkStatus();
   }
   if (static_cast<int>(waiting_.size()) >= options_.max_queued) {
-    return absl::ResourceExhaustedError(
+    return Exhausted("queue", 
         absl::StrCat("admission: expected at most ", options_.max_queued,
                      " queued requests (--max_queued_requests); got one more while ", active_,
                      " run and ", core::FormatMiB(bytes_in_use_), " are in use. Retry later"));
@@ -55,7 +65,7 @@ absl::Status AdmissionController::Reserve(uint64_t ticket, int64_t bytes,
                                           const std::string& breakdown) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return Exhausted("memory", absl::StrCat(
         "admission: expected ", core::FormatMiB(bytes), " (", breakdown,
         ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
         " (--memory_budget_bytes); got ", core::FormatMiB(bytes_in_use_ + head_bytes_),
@@ -74,7 +84,7 @@ absl::Status AdmissionController::Grow(uint64_t ticket, int64_t bytes,
     return absl::InternalError(absl::StrCat("admission: ticket ", ticket, " is not admitted"));
   }
   if (bytes > 0 && !FitsLocked(bytes, /*counts_as_active=*/false)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return Exhausted("memory", absl::StrCat(
         "admission: expected ", core::FormatMiB(bytes), " more (", breakdown,
         ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
         " (--memory_budget_bytes); got ", core::FormatMiB(bytes_in_use_ + head_bytes_),
@@ -90,7 +100,7 @@ absl::Status AdmissionController::ReserveHead(uint64_t ticket, int64_t bytes,
                                               const std::string& breakdown) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return Exhausted("memory", absl::StrCat(
         "admission: expected ", core::FormatMiB(bytes), " (", breakdown,
         ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
         " (--memory_budget_bytes); got ", core::FormatMiB(head_bytes_), " held by heads and ",

@@ -15,9 +15,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -25,6 +27,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/process_group.h"
 
@@ -45,16 +48,27 @@ absl::StatusOr<int> ParseInt(const std::string& text, const std::string& field) 
   return value;
 }
 
-// A failed c10d call as a status: a timeout is DEADLINE_EXCEEDED, anything else (a peer that
-// closed its connection, a transport error) UNAVAILABLE; both name the operation and this rank.
-absl::Status FromException(const std::exception& e, const std::string& op, int rank, int size) {
+// A failed c10d call as a status naming the operation and this rank. c10d reports a timeout
+// and a lost peer with the same exception types, so the time the call took tells them apart:
+// a call that failed after (nearly) the whole --group_timeout_seconds timed out
+// (DEADLINE_EXCEEDED), anything sooner (a peer that closed its connection, a transport error) is
+// UNAVAILABLE.
+absl::Status FromException(const std::exception& e, const std::string& op,
+                           const GroupConfig& config, std::chrono::milliseconds timeout,
+                           std::chrono::steady_clock::time_point start) {
   const std::string what = e.what();
-  const std::string message = absl::StrCat("head group: ", op, " failed on rank ", rank, " of ",
-                                           size, ": ", what.substr(0, what.find('\n')));
-  if (absl::StrContains(what, "imed out") || absl::StrContains(what, "imeout")) {
-    return absl::DeadlineExceededError(message);
+  const std::string message = absl::StrCat("head group: ", op, " failed on rank ", config.rank,
+                                           " of ", config.size, ": ",
+                                           what.substr(0, what.find('\n')));
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  const std::map<std::string, std::string> metadata = {{"op", op},
+                                                       {"rank", absl::StrCat(config.rank)}};
+  if (elapsed >= timeout * 9 / 10) {
+    return core::WithReason(absl::DeadlineExceededError(message), core::reason::kGroupTimeout,
+                            metadata);
   }
-  return absl::UnavailableError(message);
+  return core::WithReason(absl::UnavailableError(message), core::reason::kGroupUnavailable,
+                          metadata);
 }
 
 // c10d's log below ERROR muted while it lives (c10d logs at FLAGS_caffe2_log_level, a global
@@ -137,14 +151,14 @@ class C10dGroup final : public ProcessGroup {
   }
 
   absl::Status Set(const std::string& key, const std::string& value) override {
-    return StoreCall("set", key,
+    return StoreCall("set", key, config_.timeout,
                      [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
   }
 
   absl::StatusOr<std::string> Get(const std::string& key,
                                   std::chrono::milliseconds timeout) override {
     std::string value;
-    RETURN_IF_ERROR(StoreCall("get", key, [&] {
+    RETURN_IF_ERROR(StoreCall("get", key, timeout, [&] {
       // A wait that times out is how a following rank polls for the next command: c10d's
       // warning for each (and for a store that went away, which the status reports) is muted.
       const QuietC10dLog quiet;
@@ -156,12 +170,12 @@ class C10dGroup final : public ProcessGroup {
   }
 
   absl::Status Delete(const std::string& key) override {
-    return StoreCall("delete", key, [&] { store_->deleteKey(key); });
+    return StoreCall("delete", key, config_.timeout, [&] { store_->deleteKey(key); });
   }
 
   absl::StatusOr<bool> Exists(const std::string& key) override {
     bool exists = false;
-    RETURN_IF_ERROR(StoreCall("check", key, [&] { exists = store_->check({key}); }));
+    RETURN_IF_ERROR(StoreCall("check", key, config_.timeout, [&] { exists = store_->check({key}); }));
     return exists;
   }
 
@@ -171,26 +185,29 @@ class C10dGroup final : public ProcessGroup {
   }
 
  private:
-  // Runs one store call; an exception (a timeout, a store that is gone) becomes a status naming
-  // the call and the key.
+  // Runs one store call that may wait up to `timeout`; an exception (a timeout, a store that is
+  // gone) becomes a status naming the call and the key.
   template <typename Call>
-  absl::Status StoreCall(const char* verb, const std::string& key, Call&& call) {
+  absl::Status StoreCall(const char* verb, const std::string& key,
+                         std::chrono::milliseconds timeout, Call&& call) {
+    const auto start = std::chrono::steady_clock::now();
     try {
       call();
       return absl::OkStatus();
     } catch (const std::exception& e) {
-      return FromException(e, absl::StrCat("store ", verb, " \"", key, "\""), config_.rank,
-                           config_.size);
+      return FromException(e, absl::StrCat("store ", verb, " \"", key, "\""), config_, timeout,
+                           start);
     }
   }
 
   // Runs one collective to completion (wait() throws on a timeout or a lost peer) and counts it.
   template <typename Launch>
   absl::Status Run(const std::string& op, int64_t sent, int64_t received, Launch&& launch) {
+    const auto start = std::chrono::steady_clock::now();
     try {
       launch()->wait();
     } catch (const std::exception& e) {
-      return FromException(e, op, config_.rank, config_.size);
+      return FromException(e, op, config_, config_.timeout, start);
     }
     std::lock_guard<std::mutex> lock(mu_);
     CollectiveBytes& b = bytes_[op];
@@ -366,6 +383,7 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
 }
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConfig& config) {
+  const auto start = std::chrono::steady_clock::now();
   try {
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(config.store_port);
@@ -389,7 +407,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
   } catch (const std::exception& e) {
     return FromException(
         e, absl::StrCat("joining the group at ", config.store_host, ":", config.store_port),
-        config.rank, config.size);
+        config, config.timeout, start);
   }
 }
 

@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/server/status_mapping.h"
 
 namespace remotehead::server {
 namespace {
@@ -112,8 +113,8 @@ bool ConstantTimeEquals(std::string_view given, std::string_view expected) {
 std::string_view View(const grpc::string_ref& s) { return std::string_view(s.data(), s.size()); }
 
 grpc::Status Unauthenticated(std::string_view got) {
-  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                      absl::StrCat(std::string(kExpectedToken), "; got ", std::string(got)));
+  return ToGrpcStatus(absl::UnauthenticatedError(
+      absl::StrCat(std::string(kExpectedToken), "; got ", std::string(got))));
 }
 
 bool HasBearerScheme(std::string_view value) {

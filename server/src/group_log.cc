@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
@@ -97,29 +98,40 @@ absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const s
 
 }  // namespace
 
-// "<code>:<message length>:<message><payload>"
+// "<code>:<message length>:<message><reason length>:<reason><payload>": the status whole, its
+// reason (core/error_reason.h) included, so that the front answers with the rank's reason.
 std::string EncodeReply(const GroupReply& reply) {
   const std::string message(reply.status.message());
+  const std::string reason = core::SerializeReason(reply.status);
   return absl::StrCat(static_cast<int>(reply.status.code()), ":", message.size(), ":", message,
-                      reply.payload);
+                      reason.size(), ":", reason, reply.payload);
 }
 
 absl::StatusOr<GroupReply> DecodeReply(const std::string& bytes) {
-  const size_t first = bytes.find(':');
-  const size_t second = first == std::string::npos ? first : bytes.find(':', first + 1);
-  int code = 0;
-  size_t length = 0;
-  if (second == std::string::npos || !absl::SimpleAtoi(bytes.substr(0, first), &code) ||
-      !absl::SimpleAtoi(bytes.substr(first + 1, second - first - 1), &length) || code < 0 ||
-      code > static_cast<int>(absl::StatusCode::kUnauthenticated) ||
-      length > bytes.size() - second - 1) {
-    return absl::DataLossError(absl::StrCat("head group: a reply that is not code:length:message (",
-                                            bytes.size(), " bytes)"));
+  const absl::Status bad = absl::DataLossError(absl::StrCat(
+      "head group: a reply that is not code:length:message length:reason (", bytes.size(),
+      " bytes)"));
+  // "<number>:" at `at`: the number, and `at` moved past the colon.
+  auto number = [&bytes](size_t& at, size_t& value) {
+    const size_t colon = bytes.find(':', at);
+    if (colon == std::string::npos || !absl::SimpleAtoi(bytes.substr(at, colon - at), &value)) {
+      return false;
+    }
+    at = colon + 1;
+    return true;
+  };
+  size_t at = 0, code = 0, message_length = 0, reason_length = 0;
+  if (!number(at, code) || code > static_cast<size_t>(absl::StatusCode::kUnauthenticated) ||
+      !number(at, message_length) || message_length > bytes.size() - at) {
+    return bad;
   }
+  const std::string message = bytes.substr(at, message_length);
+  at += message_length;
+  if (!number(at, reason_length) || reason_length > bytes.size() - at) return bad;
   GroupReply reply;
-  reply.status =
-      absl::Status(static_cast<absl::StatusCode>(code), bytes.substr(second + 1, length));
-  reply.payload = bytes.substr(second + 1 + length);
+  reply.status = core::WithSerializedReason(
+      absl::Status(static_cast<absl::StatusCode>(code), message), bytes.substr(at, reason_length));
+  reply.payload = bytes.substr(at + reason_length);
   return reply;
 }
 
@@ -251,8 +263,10 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
     }
     ASSIGN_OR_RETURN(GroupReply reply, DecodeReply(entry->body.substr(kReplyHeadBytes)));
     if (!reply.status.ok() && first_error.ok()) {
-      first_error = absl::Status(reply.status.code(), absl::StrCat("head group rank ", rank, ": ",
-                                                                   reply.status.message()));
+      first_error = core::WithSerializedReason(
+          absl::Status(reply.status.code(),
+                       absl::StrCat("head group rank ", rank, ": ", reply.status.message())),
+          core::SerializeReason(reply.status));
     }
     payloads.push_back(std::move(reply.payload));
   }

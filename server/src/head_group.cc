@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
 
@@ -15,6 +16,12 @@ constexpr std::chrono::milliseconds kFollowPoll{200};
 // `t` as a flat byte tensor sharing its storage (a contiguous tensor), so that any dtype
 // travels through the transport's byte type.
 torch::Tensor Bytes(const torch::Tensor& t) { return t.reshape({-1}).view(torch::kByte); }
+
+// UNAVAILABLE with its reason: the group (or its front) is down.
+absl::Status GroupUnavailable(const std::string& message, int rank) {
+  return core::WithReason(absl::UnavailableError(message), core::reason::kGroupUnavailable,
+                          {{"rank", absl::StrCat(rank)}});
+}
 
 }  // namespace
 
@@ -75,8 +82,8 @@ absl::Status HeadGroup::CheckFront() {
   if (declared.ok() && !declared->has_value()) return absl::OkStatus();
   const std::string why = declared.ok() ? absl::StrCat("it declared the group down: ", **declared)
                                         : std::string(declared.status().message());
-  const absl::Status gone = absl::UnavailableError(
-      absl::StrCat("head group rank ", rank(), ": the front (rank 0) is gone: ", why));
+  const absl::Status gone = GroupUnavailable(
+      absl::StrCat("head group rank ", rank(), ": the front (rank 0) is gone: ", why), rank());
   Check(gone).IgnoreError();  // health reports it
   return gone;
 }
@@ -97,9 +104,9 @@ absl::StatusOr<HeadGroup::Lane> HeadGroup::Enter() {
   auto down = [this]() -> absl::Status {
     const absl::Status failure = health();
     if (failure.ok()) return failure;
-    return absl::UnavailableError(absl::StrCat("head group of ", size(),
+    return GroupUnavailable(absl::StrCat("head group of ", size(),
                                                " is down since: ", failure.message(),
-                                               " — restart every rank of the group"));
+                                               " — restart every rank of the group"), rank());
   };
   RETURN_IF_ERROR(down());
   std::unique_lock<std::mutex> lock(lane_);
@@ -138,8 +145,8 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupC
     }
     if (!bytes.ok()) {
       Check(bytes.status()).IgnoreError();  // health reports it
-      return absl::UnavailableError(absl::StrCat(
-          "head group rank ", rank(), ": the front (rank 0) is gone: ", bytes.status().message()));
+      return GroupUnavailable(absl::StrCat(
+          "head group rank ", rank(), ": the front (rank 0) is gone: ", bytes.status().message()), rank());
     }
     // A command taken late (this rank was stopped, or slow) may be one the front gave up on.
     RETURN_IF_ERROR(CheckFront());
@@ -147,8 +154,8 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupC
     absl::Status status = health();
     if (!status.ok()) {
       // Down: c10d cannot resume, so nothing more runs here; the front learns it at once.
-      status = absl::UnavailableError(
-          absl::StrCat("head group rank ", rank(), " is down since: ", status.message()));
+      status = GroupUnavailable(
+          absl::StrCat("head group rank ", rank(), " is down since: ", status.message()), rank());
     } else if (!command.ParseFromString(*bytes)) {
       status = absl::DataLossError(
           absl::StrCat("head group: a command that does not parse (", bytes->size(), " bytes)"));
@@ -161,8 +168,8 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupC
     }
     if (const absl::Status sent = log_.Reply({.status = status}); !sent.ok()) {
       Check(sent).IgnoreError();
-      return absl::UnavailableError(absl::StrCat("head group rank ", rank(),
-                                                 ": the front (rank 0) is gone: ", sent.message()));
+      return GroupUnavailable(absl::StrCat("head group rank ", rank(),
+                                                 ": the front (rank 0) is gone: ", sent.message()), rank());
     }
   }
   return absl::OkStatus();

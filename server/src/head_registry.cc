@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
@@ -17,9 +18,10 @@ std::string ShapeOf(const core::Head& h) {
 
 // Only the id asked for: the ids of other tenants' heads are not this caller's business.
 absl::Status UnknownHead(const std::string& id) {
-  return absl::NotFoundError(
-      absl::StrCat("head_id: expected the id of a head on this server; got \"", id,
-                   "\", which it does not have"));
+  return core::WithReason(
+      absl::NotFoundError(absl::StrCat("head_id: expected the id of a head on this server; got \"",
+                                       id, "\", which it does not have")),
+      core::reason::kHeadNotFound, {{"head", id}});
 }
 
 }  // namespace
@@ -196,8 +198,9 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& 
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (heads_.contains(id)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("head_id: expected a new id; got \"", id, "\", which already exists"));
+    return core::WithReason(absl::AlreadyExistsError(absl::StrCat(
+                                "head_id: expected a new id; got \"", id, "\", which already exists")),
+                            core::reason::kHeadExists, {{"head", id}});
   }
   auto entry = std::make_shared<HeadEntry>(id, std::move(head), reservation, std::move(shards));
   heads_.emplace(id, entry);

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "protocol.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/status_mapping.h"
 #include "service_context.h"
@@ -161,6 +162,12 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     });
   }
 
+  grpc::ServerUnaryReactor* ListFunctions(grpc::CallbackServerContext* context,
+                                          const v1::ListFunctionsRequest*,
+                                          v1::ListFunctionsResponse* response) override {
+    return Unary(context, [&] { return ToWire(core::FunctionRegistry::Builtin(), response); });
+  }
+
   grpc::ServerUnaryReactor* RestoreHeadState(grpc::CallbackServerContext* context,
                                              const v1::RestoreHeadStateRequest* request,
                                              v1::HeadInfo* response) override {
@@ -195,8 +202,10 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   }
 
   void Drain() override {
-    context_->sync_steps.AbortAll(absl::UnavailableError(
-        "synchronous optimizer step: the server is draining; nothing applied"));
+    context_->sync_steps.AbortAll(core::WithReason(
+        absl::UnavailableError(
+            "synchronous optimizer step: the server is draining; nothing applied"),
+        core::reason::kServerDraining));
   }
 
  private:

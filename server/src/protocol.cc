@@ -1,6 +1,7 @@
 #include "protocol.h"
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
 
@@ -27,10 +28,61 @@ absl::Status ToWire(const HeadDescription& d, v1::HeadInfo* info) {
   return absl::OkStatus();
 }
 
+namespace {
+
+v1::OutputKind ToWire(core::OutputKind kind) {
+  switch (kind) {
+    case core::OutputKind::kPerToken:
+      return v1::OUTPUT_KIND_PER_TOKEN;
+    case core::OutputKind::kLogits:
+      return v1::OUTPUT_KIND_LOGITS;
+    case core::OutputKind::kSample:
+      return v1::OUTPUT_KIND_SAMPLE;
+  }
+  return v1::OUTPUT_KIND_UNSPECIFIED;
+}
+
+void ToWire(const core::ParamSpec& spec, bool common, v1::FunctionParameter* param) {
+  param->set_name(spec.name);
+  param->set_default_value(spec.default_value);
+  param->set_min_value(spec.min_value);
+  param->set_max_value(spec.max_value);
+  param->set_help(spec.help);
+  param->set_common(common);
+}
+
+}  // namespace
+
+absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsResponse* response) {
+  for (const core::TransformFunction* fn : registry.Functions()) {
+    v1::FunctionDescription* d = response->add_functions();
+    d->set_name(fn->name);
+    d->set_help(fn->help);
+    d->set_needs_targets(fn->needs_targets);
+    for (const std::string& name : fn->required_aux) d->add_required_aux(name);
+    for (const std::string& name : fn->optional_aux) d->add_optional_aux(name);
+    for (const core::ParamSpec& spec : fn->params) ToWire(spec, false, d->add_params());
+    for (const core::ParamSpec& spec : core::FunctionRegistry::CommonParams()) {
+      ToWire(spec, true, d->add_params());
+    }
+    d->set_output_kind(ToWire(fn->output));
+    // The rule of core::OutputDtype, read off it: the dtype on a float32 head (the logits'
+    // default dtype), and whether a float64 head changes it.
+    const torch::ScalarType usual = core::OutputDtype(fn->output, torch::kFloat, torch::kFloat);
+    ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(usual, "output_dtype"));
+    d->set_output_dtype(dtype);
+    d->set_output_float64_on_float64_heads(
+        core::OutputDtype(fn->output, torch::kDouble, torch::kFloat) == torch::kDouble);
+    d->set_differentiable(fn->output == core::OutputKind::kPerToken);
+    d->set_vocab_decomposable(fn->vocab_decomposable);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckIncarnation(const std::string& expected, const std::string& field,
                               const HeadDescription& head) {
   if (expected.empty() || expected == ServerIncarnation()) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
+  const absl::Status status = absl::FailedPreconditionError(absl::StrCat(
       field, ": expected the server process \"", expected, "\"; got \"", ServerIncarnation(),
       "\": the server restarted, and the dW and gradient ids accumulated before are gone. Head \"",
       head.id, "\" is at version ", head.weight_version,
@@ -39,17 +91,30 @@ absl::Status CheckIncarnation(const std::string& expected, const std::string& fi
                          *head.restored_version, ")")
           : std::string(" (not restored: the server has no saved state of it)"),
       ". Resume from the trainer checkpoint of that version"));
+  return core::WithReason(status, core::reason::kServerRestarted,
+                          {{"head", head.id},
+                           {"field", field},
+                           {"expected_incarnation", expected},
+                           {"incarnation", ServerIncarnation()},
+                           {"weight_version", absl::StrCat(head.weight_version)}});
 }
 
 absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::string& field,
                                 const HeadDescription& head) {
   if (!expected.has_value() || *expected == head.weight_version) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      field, ": expected the head's current version ", head.weight_version, "; got ", *expected,
-      head.restored_version.has_value()
-          ? absl::StrCat(" (the server restarted and restored head \"", head.id,
-                         "\" from its saved state at version ", *head.restored_version, ")")
-          : std::string()));
+  return core::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          field, ": expected the head's current version ", head.weight_version, "; got ",
+          *expected,
+          head.restored_version.has_value()
+              ? absl::StrCat(" (the server restarted and restored head \"", head.id,
+                             "\" from its saved state at version ", *head.restored_version, ")")
+              : std::string())),
+      core::reason::kWeightVersionMismatch,
+      {{"head", head.id},
+       {"field", field},
+       {"expected", absl::StrCat(*expected)},
+       {"actual", absl::StrCat(head.weight_version)}});
 }
 
 absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "head_operations.h"
+#include "remotehead/core/functions.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
 
@@ -15,6 +16,9 @@ namespace remotehead::server {
 
 // The HeadInfo every handler that reports a head's state answers with.
 absl::Status ToWire(const HeadDescription& description, v1::HeadInfo* info);
+
+// Every function of `registry` as ListFunctions describes it.
+absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsResponse* response);
 
 // A request's expected_incarnation (`field`; empty: unchecked) against this server process:
 // FAILED_PRECONDITION saying that the server restarted, and at which version `head` now is.

@@ -58,7 +58,7 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     if (finished_) return;
     if (!ok) {
       if (context_->IsCancelled()) {
-        FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+        FinishLocked(ToGrpcStatus(absl::CancelledError("cancelled by the client")));
         return;
       }
       client_done_ = true;
@@ -80,7 +80,7 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     writing_ = false;
     if (finished_) return;
     if (!ok) {
-      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+      FinishLocked(ToGrpcStatus(absl::CancelledError("the client stopped reading")));
       return;
     }
     pending_bytes_ -= static_cast<int64_t>(outbox_.front().ByteSizeLong());
@@ -96,8 +96,8 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
   void OnCancel() override {
     stop_.store(true);
     std::lock_guard<std::mutex> lock(mu_);
-    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED,
-                              "cancelled by the client, or its deadline expired"));
+    FinishLocked(
+        ToGrpcStatus(absl::CancelledError("cancelled by the client, or its deadline expired")));
   }
 
   void OnDone() override {
@@ -176,7 +176,7 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
       return work;
     }
     if (context_->IsCancelled()) {
-      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+      FinishLocked(ToGrpcStatus(absl::CancelledError("cancelled by the client")));
       return std::nullopt;
     }
     work.end = true;

@@ -46,7 +46,7 @@ class SnapshotStreamReactor final : public grpc::ServerWriteReactor<Response> {
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      this->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+      this->Finish(ToGrpcStatus(absl::CancelledError("the client stopped reading")));
       return;
     }
     WriteNext();
@@ -131,7 +131,7 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
 
   void OnReadDone(bool ok) override {
     if (!ok && context_->IsCancelled()) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+      Finish(ToGrpcStatus(absl::CancelledError("cancelled by the client")));
       return;
     }
     absl::Status status;

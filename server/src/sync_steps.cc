@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/server/metrics.h"
 
 namespace remotehead::server {
@@ -42,6 +43,15 @@ std::vector<std::pair<std::string, std::string>> AgreedFields(const SyncStepRequ
   return fields;
 }
 
+// INVALID_ARGUMENT for ranks that disagree on `field`, with its reason.
+absl::Status Disagreement(const std::string& field, const SyncStepRequest& first,
+                          const std::string& message) {
+  return core::WithReason(absl::InvalidArgumentError(message), core::reason::kRanksDisagree,
+                          {{"head", first.head_id},
+                           {"step", absl::StrCat(first.step)},
+                           {"field", field}});
+}
+
 absl::Status CheckRequest(const SyncStepRequest& r) {
   if (r.world_size < 1) {
     return absl::InvalidArgumentError(
@@ -70,8 +80,10 @@ SynchronousSteps::SynchronousSteps(Apply apply, Describe describe,
 }
 
 SynchronousSteps::~SynchronousSteps() {
-  AbortAll(absl::UnavailableError(
-      "synchronous optimizer step: the server is shutting down; nothing applied"));
+  AbortAll(core::WithReason(
+      absl::UnavailableError(
+          "synchronous optimizer step: the server is shutting down; nothing applied"),
+      core::reason::kServerDraining));
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -83,20 +95,25 @@ SynchronousSteps::~SynchronousSteps() {
 absl::Status SynchronousSteps::Agree(const SyncStepRequest& first,
                                      const SyncStepRequest& request) {
   if (request.step != first.step) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "synchronous.step: every rank of a synchronous step must ask for the same step; rank ",
-        first.rank, " waits at step ", first.step, ", rank ", request.rank, " asked for step ",
-        request.step, " (head \"", first.head_id, "\"): nothing applied"));
+    return Disagreement("synchronous.step", first,
+                        absl::StrCat("synchronous.step: every rank of a synchronous step must ask "
+                                     "for the same step; rank ",
+                                     first.rank, " waits at step ", first.step, ", rank ",
+                                     request.rank, " asked for step ", request.step, " (head \"",
+                                     first.head_id, "\"): nothing applied"));
   }
   const auto expected = AgreedFields(first);
   const auto got = AgreedFields(request);
   for (size_t i = 0; i < expected.size() && i < got.size(); ++i) {
     if (expected[i] != got[i]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          got[i].first == expected[i].first ? got[i].first : std::string("optimizer"),
-          ": every rank of a synchronous step must agree; rank ", first.rank, " asked for ",
-          expected[i].second, ", rank ", request.rank, " for ", got[i].second, " (head \"",
-          first.head_id, "\", step ", first.step, "): nothing applied"));
+      const std::string field =
+          got[i].first == expected[i].first ? got[i].first : std::string("optimizer");
+      return Disagreement(
+          field, first,
+          absl::StrCat(field, ": every rank of a synchronous step must agree; rank ", first.rank,
+                       " asked for ", expected[i].second, ", rank ", request.rank, " for ",
+                       got[i].second, " (head \"", first.head_id, "\", step ", first.step,
+                       "): nothing applied"));
     }
   }
   return absl::OkStatus();
@@ -234,12 +251,16 @@ void SynchronousSteps::TimerLoop() {
       for (int r = 0; r < p.first.world_size; ++r) {
         (p.ranks.count(r) != 0 ? came : missing).push_back(r);
       }
-      const absl::Status aborted = absl::AbortedError(absl::StrCat(
+      const absl::Status aborted = core::WithReason(absl::AbortedError(absl::StrCat(
           "synchronous optimizer step ", p.first.step, " of head \"", it->first,
           "\": expected all ", p.first.world_size, " ranks within ",
           absl::FormatDuration(absl::FromChrono(timeout_)), "; got ranks [",
           absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "),
-          "]: nothing applied, the accumulated dW is kept (ask again once every rank runs)"));
+          "]: nothing applied, the accumulated dW is kept (ask again once every rank runs)")),
+          core::reason::kRanksMissing,
+          {{"head", it->first},
+           {"step", absl::StrCat(p.first.step)},
+           {"missing_ranks", absl::StrJoin(missing, ",")}});
       TakeAll(p, aborted, &replies);
       if (metrics_ != nullptr) metrics_->CountSyncStepAborted("timeout");
       it = pending_.erase(it);

@@ -3,6 +3,7 @@
 // result equals one engine on the whole head. Also: the group's ordered command log (GroupLog),
 // the group flags and their torchrun-style environment, a rank that never comes, a rank that
 // dies mid-step or mid-log, and a one-rank NCCL group on CUDA (skipped without a GPU).
+#include "remotehead/core/error_reason.h"
 #include "remotehead/server/process_group.h"
 
 #include <gtest/gtest.h>
@@ -310,7 +311,16 @@ TEST(GroupLogTest, RepliesRoundTrip) {
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_EQ(decoded->status, reply.status);
   EXPECT_EQ(decoded->payload, reply.payload);
-  for (const std::string bad : {"", "3", "3:", "x:1:a", "3:9:abc", "99:0:"}) {
+  // The reason (core/error_reason.h) crosses too: the front answers with the rank's reason.
+  const server::GroupReply timed_out{
+      core::WithReason(absl::DeadlineExceededError("collective timed out"),
+                       core::reason::kGroupTimeout, {{"rank", "2"}}),
+      ""};
+  auto decoded_reason = server::DecodeReply(server::EncodeReply(timed_out));
+  ASSERT_TRUE(decoded_reason.ok()) << decoded_reason.status();
+  EXPECT_EQ(decoded_reason->status, timed_out.status);
+  EXPECT_EQ(core::ReasonOf(decoded_reason->status).metadata.at("rank"), "2");
+  for (const std::string bad : {"", "3", "3:", "x:1:a", "3:9:abc", "99:0:", "3:0:", "3:0:5:ab"}) {
     EXPECT_EQ(server::DecodeReply(bad).status().code(), absl::StatusCode::kDataLoss) << bad;
   }
 }

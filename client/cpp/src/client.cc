@@ -1,3 +1,4 @@
+#include "remotehead/core/error_reason.h"
 #include "remotehead/client/client.h"
 
 #include <grpcpp/grpcpp.h>
@@ -21,11 +22,26 @@ namespace {
 using Clock = std::chrono::system_clock;
 using Stub = v1::HeadService::Stub;
 
-// absl::StatusCode and grpc::StatusCode both follow google.rpc.Code: the code maps 1:1 and the
-// server's message is kept as it is.
+// absl::StatusCode and grpc::StatusCode both follow google.rpc.Code: the code maps 1:1, the
+// server's message is kept as it is, and the reason it sent (a google.rpc.ErrorInfo in the
+// status details) is attached, for core::ReasonOf / core::GetReason.
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  absl::Status result(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  v1::RpcStatus details;
+  if (status.error_details().empty() || !details.ParseFromString(status.error_details())) {
+    return result;
+  }
+  for (const google::protobuf::Any& detail : details.details()) {
+    v1::ErrorInfo info;
+    if (detail.type_url() != "type.googleapis.com/google.rpc.ErrorInfo" ||
+        !info.ParseFromString(detail.value()) || info.domain() != core::kErrorDomain) {
+      continue;
+    }
+    return core::WithReason(std::move(result), info.reason(),
+                            {info.metadata().begin(), info.metadata().end()});
+  }
+  return result;
 }
 
 // The server's bytes failed the wire codec's checks: a broken response (INTERNAL), not a bad

@@ -1,29 +1,119 @@
-"""The client's exceptions (apart from client.py so that _wire.py can raise them too)."""
+"""The client's exceptions (apart from client.py so that _wire.py can raise them too).
+
+A failed call's kind travels as data: the server sends a google.rpc.ErrorInfo (reason, domain
+"remotehead.dev", metadata such as the field, the head, the missing ranks) in the status
+details, and `from_rpc_error` raises the exception class registered for that reason. Programs
+catch the class or read `error.reason` / `error.metadata`; none matches message text."""
+
+from typing import Dict, Optional
 
 import grpc
+
+# The trailer gRPC's richer error model uses, and the type URL of the detail we read from it.
+_DETAILS_KEY = "grpc-status-details-bin"
+_ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
+ERROR_DOMAIN = "remotehead.dev"
 
 
 class RemoteheadError(Exception):
     """A failed call: `code` is the grpc.StatusCode, `details` the server's message (or the
-    client's, for a call it refused before sending anything)."""
+    client's, for a call it refused before sending anything), `reason` and `metadata` the
+    machine-readable kind the server sent (google.rpc.ErrorInfo; the code's name when none)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: Optional[str] = None,
+                 metadata: Optional[Dict[str, str]] = None):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.reason = reason or code.name
+        self.metadata = dict(metadata or {})
 
 
 class InvalidArgumentError(RemoteheadError, ValueError):
-    """A call the client refuses before sending it (code INVALID_ARGUMENT, as the C++ client's
-    absl::InvalidArgumentError); also a ValueError, Python's name for a bad argument."""
+    """A bad argument (code INVALID_ARGUMENT, reason INVALID_FIELD; metadata "field" names it):
+    refused by the client before sending, or by the server. Also a ValueError, Python's name for
+    a bad argument."""
 
-    def __init__(self, details: str):
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, details)
+    def __init__(self, details: str, reason: Optional[str] = None,
+                 metadata: Optional[Dict[str, str]] = None):
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, details, reason or "INVALID_FIELD",
+                         metadata)
 
 
 class ServerRestartedError(RemoteheadError):
-    """The server restarted since this client learned its incarnation (code
-    FAILED_PRECONDITION): the dW accumulated and the gradient ids sent before are gone, and the
-    head is at the version restored from its saved state (the message names it). Resume from
-    the trainer checkpoint of that version (with transformers' Trainer: resume_from_checkpoint,
-    and RemoteHeadCallback restores the head's state saved with it)."""
+    """The server restarted since this client learned its incarnation (reason SERVER_RESTARTED,
+    code FAILED_PRECONDITION): the dW accumulated and the gradient ids sent before are gone, and
+    the head is at the version restored from its saved state (metadata "weight_version"). Resume
+    from the trainer checkpoint of that version (with transformers' Trainer:
+    resume_from_checkpoint, and RemoteHeadCallback restores the head's state saved with it)."""
+
+
+class HeadNotFoundError(RemoteheadError, KeyError):
+    """No head of that id on the server (reason HEAD_NOT_FOUND; metadata "head")."""
+
+    __str__ = Exception.__str__  # KeyError's would quote the message
+
+
+class HeadExistsError(RemoteheadError):
+    """A head of that id exists already (reason HEAD_EXISTS; metadata "head")."""
+
+
+class WeightVersionMismatchError(RemoteheadError):
+    """The head is at another weight version than the caller holds (reason
+    WEIGHT_VERSION_MISMATCH; metadata "expected", "actual")."""
+
+
+class RanksMissingError(RemoteheadError):
+    """A synchronous optimizer step timed out waiting for ranks (reason RANKS_MISSING; metadata
+    "missing_ranks", comma-separated): nothing was applied, the dW is kept."""
+
+
+class RanksDisagreeError(RemoteheadError, ValueError):
+    """The ranks of a synchronous optimizer step disagree (reason RANKS_DISAGREE; metadata
+    "field"): nothing was applied."""
+
+
+class GroupUnavailableError(RemoteheadError):
+    """A head group is down or timed out (reason GROUP_UNAVAILABLE or GROUP_TIMEOUT; metadata
+    "rank"): restart the group's ranks."""
+
+
+# The one table from a reason to its exception class; any other reason is a RemoteheadError
+# carrying it.
+_BY_REASON = {
+    "INVALID_FIELD": InvalidArgumentError,
+    "SERVER_RESTARTED": ServerRestartedError,
+    "HEAD_NOT_FOUND": HeadNotFoundError,
+    "HEAD_EXISTS": HeadExistsError,
+    "WEIGHT_VERSION_MISMATCH": WeightVersionMismatchError,
+    "RANKS_MISSING": RanksMissingError,
+    "RANKS_DISAGREE": RanksDisagreeError,
+    "GROUP_UNAVAILABLE": GroupUnavailableError,
+    "GROUP_TIMEOUT": GroupUnavailableError,
+}
+
+
+def error_info(error: grpc.RpcError):
+    """The (reason, metadata) of a failed call's google.rpc.ErrorInfo; (None, {}) without one
+    (a status made by gRPC itself, e.g. a deadline or an unreachable server)."""
+    from remotehead.v1 import head_service_pb2 as pb
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key != _DETAILS_KEY:
+            continue
+        status = pb.RpcStatus.FromString(value)
+        for detail in status.details:
+            if detail.type_url == _ERROR_INFO_TYPE:
+                info = pb.ErrorInfo.FromString(detail.value)
+                if info.domain == ERROR_DOMAIN:
+                    return info.reason, dict(info.metadata)
+    return None, {}
+
+
+def from_rpc_error(error: grpc.RpcError) -> RemoteheadError:
+    """The exception for a failed call, typed by its reason."""
+    reason, metadata = error_info(error)
+    cls = _BY_REASON.get(reason, RemoteheadError)
+    if cls is InvalidArgumentError:
+        return InvalidArgumentError(error.details() or "", reason, metadata)
+    return cls(error.code(), error.details() or "", reason, metadata)

@@ -8,16 +8,18 @@
                         --checkpoint_dir)
     drop ID             remove it (its dW and optimizer state are lost)
     zero ID             zero its dW and forget its gradient ids
+    functions           every function the server computes: parameters (default, range,
+                        meaning), aux inputs, output, whether a head group runs it
     health              the server's grpc.health.v1 status
 
 Exit codes follow the server's statuses: 0 when the call succeeded, else the gRPC status code
 (3 INVALID_ARGUMENT, 5 NOT_FOUND, 9 FAILED_PRECONDITION, 14 UNAVAILABLE, 16 UNAUTHENTICATED,
-…) with the server's message on stderr; `health` exits 0 for SERVING and 14 otherwise. Bad
+…) with the server's message and its reason on stderr; `health` exits 0 for SERVING and 14 otherwise. Bad
 input (the command line, $REMOTEHEAD_SERVER, a file it names: missing, unreadable, not a
 regular file, not the PEM or token expected, text that is not UTF-8) exits 64 with one line on
 stderr naming the argument and what was expected, before any call. --json prints the result
-as one JSON document (errors too, on stderr: {"code": "NOT_FOUND", "message": "..."}, and
-"USAGE" for bad input).
+as one JSON document (errors too, on stderr: {"code": "NOT_FOUND", "reason": "HEAD_NOT_FOUND",
+"metadata": {"head": "..."}, "message": "..."}; code and reason "USAGE" for bad input).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     save.add_argument("path", metavar="PATH", help="relative to the server's --checkpoint_dir")
     save.add_argument("--weight-name", default="", help="default lm_head.weight")
     save.add_argument("--bias-name", default="", help="default lm_head.bias")
+    sub.add_parser("functions", help="the functions the server computes")
     sub.add_parser("health", help="the server's grpc.health.v1 status")
     return p
 
@@ -242,6 +245,33 @@ def _table(heads: List[dict]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def _functions_text(functions: List[dict]) -> str:
+    """One paragraph per function: what it is, its output, its aux inputs and parameters."""
+    blocks = []
+    for f in functions:
+        output = f["output_kind"] + f" ({f['output_dtype']}"
+        output += ", float64 on float64 heads)" if f["output_float64_on_float64_heads"] else ")"
+        lines = [f"{f['name']}: {f['help']}",
+                 f"  output: {output}; "
+                 f"{'loss and gradients' if f['differentiable'] else 'Forward, reduction none only'}"
+                 f"; {'runs on head groups' if f['vocab_decomposable'] else 'one server only'}"
+                 f"{'; needs targets' if f['needs_targets'] else ''}"]
+        if f["required_aux"] or f["optional_aux"]:
+            lines.append(f"  aux: required {list(f['required_aux'])}, "
+                         f"optional {list(f['optional_aux'])}")
+        for p in f["params"]:
+            if not p["common"]:
+                lines.append(f"  {p['name']} = {p['default']:g} in [{p['min']:g}, {p['max']:g}]: "
+                             f"{p['help']}")
+        blocks.append("\n".join(lines))
+    common = [p for p in functions[0]["params"] if p["common"]] if functions else []
+    if common:
+        blocks.append("every function also takes: " + "; ".join(
+            f"{p['name']} = {p['default']:g} in [{p['min']:g}, {p['max']:g}] ({p['help']})"
+            for p in common))
+    return "\n\n".join(blocks)
+
+
 def _run(args, client, server: str) -> tuple:
     """(what to print as text, what to print as JSON, exit code)."""
     if args.command == "heads":
@@ -262,15 +292,18 @@ def _run(args, client, server: str) -> tuple:
         head = _head_dict(client.zero_gradients(args.head_id))
         return (f"zeroed the gradients of head \"{args.head_id}\" (version "
                 f"{head['weight_version']})", head, 0)
+    if args.command == "functions":
+        functions = [f.to_dict() for f in client.functions().values()]
+        return _functions_text(functions), functions, 0
     status = client.health()
     return status, {"server": server, "status": status}, 0 if status == "SERVING" \
         else UNAVAILABLE
 
 
-def _report(args, code: str, message: str, line: str) -> None:
+def _report(args, code: str, reason: str, metadata: dict, message: str, line: str) -> None:
     """An error on stderr: `line` after the program's name, or with --json one document."""
-    print(json.dumps({"code": code, "message": message}) if args.json else f"remotehead: {line}",
-          file=sys.stderr)
+    document = {"code": code, "reason": reason, "metadata": metadata, "message": message}
+    print(json.dumps(document) if args.json else f"remotehead: {line}", file=sys.stderr)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -280,13 +313,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server = _server(args)
         client = _client(args, server)
     except BadInput as e:
-        _report(args, "USAGE", str(e), str(e))
+        _report(args, "USAGE", "USAGE", {}, str(e), str(e))
         return USAGE_ERROR
     from remotehead import RemoteheadError
     try:
         text, document, code = _run(args, client, server)
     except RemoteheadError as e:
-        _report(args, e.code.name, e.details, f"{args.command}: {e.code.name}: {e.details}")
+        _report(args, e.code.name, e.reason, e.metadata, e.details,
+                f"{args.command}: {e.code.name} ({e.reason}): {e.details}")
         return e.code.value[0]
     finally:
         client.close()

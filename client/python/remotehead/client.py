@@ -24,7 +24,9 @@ import grpc
 import torch
 
 from remotehead import _safetensors, _wire
+from remotehead import _errors
 from remotehead._errors import InvalidArgumentError, RemoteheadError, ServerRestartedError
+from remotehead.functions import FunctionInfo, function_info
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
 
@@ -486,6 +488,7 @@ class Client:
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
         self.retries = 0  # attempts repeated after UNAVAILABLE, over this client's life
+        self._functions: Optional[Dict[str, FunctionInfo]] = None  # functions(), once
 
     def close(self) -> None:
         self._channel.close()
@@ -506,12 +509,11 @@ class Client:
             try:
                 return attempt()
             except grpc.RpcError as e:
-                if (e.code() == grpc.StatusCode.FAILED_PRECONDITION
-                        and "the server restarted" in (e.details() or "")):
-                    raise ServerRestartedError(e.code(), e.details()) from None
+                # A reason says what no retry fixes (a group that is down, a draining server
+                # is retried: another attempt may reach a healthy process).
                 if (not retry or e.code() != grpc.StatusCode.UNAVAILABLE
                         or attempt_number == self._max_attempts):
-                    raise RemoteheadError(e.code(), e.details()) from None
+                    raise _errors.from_rpc_error(e) from None
             self.retries += 1
             time.sleep(backoff * random.uniform(0.9, 1.1))
             backoff = min(backoff * 2, self._max_backoff)
@@ -574,6 +576,14 @@ class Client:
 
     def describe_head(self, head_id: str) -> HeadInfo:
         return _info(self._unary(self._stub.DescribeHead, pb.HeadRef(head_id=head_id)))
+
+    def functions(self) -> Dict[str, FunctionInfo]:
+        """Every function the server computes, by name (ListFunctions), asked once per
+        Client."""
+        if self._functions is None:
+            response = self._unary(self._stub.ListFunctions, pb.ListFunctionsRequest())
+            self._functions = {f.name: function_info(f) for f in response.functions}
+        return self._functions
 
     def list_heads(self) -> List[HeadInfo]:
         return [_info(h) for h in self._unary(self._stub.ListHeads, pb.ListHeadsRequest()).heads]
@@ -835,6 +845,8 @@ class Client:
         rpc = {_FORWARD_BACKWARD: self._stub.ForwardBackward, _FORWARD: self._stub.Forward,
                _BACKWARD: self._stub.Backward}[mode]
         per_token = mode == _FORWARD and o.reduction == "none"
+        # What the rows come back as is the function's, as the server lists it.
+        fn = self.functions().get(o.function) if per_token else None
 
         def attempt():
             # Every attempt fills fresh results: a failed one may have sent some rows.
@@ -843,15 +855,11 @@ class Client:
                 grad_hidden = _RowAssembler(
                     torch.empty((p.rows, p.hidden_size), dtype=p.result_dtype), "grad_hidden")
             token_ids = None
-            if per_token:
-                # The server computes per-token outputs in float32 (float64 for float64), and
-                # rows of logits in output_dtype.
-                out = torch.float64 if p.result_dtype == torch.float64 else torch.float32
-                if o.function == "logits":
-                    out = o.output_dtype or torch.float32
-                outputs = _RowAssembler(torch.empty((p.rows,), dtype=out), "outputs",
-                                        trailing_from_first=o.function == "logits")
-                if o.function == "sample":
+            if fn is not None:  # (an unknown function: the server refuses it, naming it)
+                outputs = _RowAssembler(
+                    torch.empty((p.rows,), dtype=fn.outputs_dtype(p.result_dtype, o.output_dtype)),
+                    "outputs", trailing_from_first=fn.output_kind == "logits")
+                if fn.output_kind == "sample":
                     token_ids = _RowAssembler(torch.empty((p.rows,), dtype=torch.int64),
                                               "token_ids")
             summary = None

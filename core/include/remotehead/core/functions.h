@@ -107,6 +107,11 @@ enum class OutputKind {
               // top-k, top-p; seeded) and its log-probability (sampling.h)
 };
 
+// The dtype of a Forward's outputs with reduction none: the head's compute dtype (float64 on a
+// float64 head, else float32); for kLogits the requested logits_dtype.
+torch::ScalarType OutputDtype(OutputKind kind, torch::ScalarType head_dtype,
+                              torch::ScalarType logits_dtype);
+
 struct TransformFunction {
   std::string name;
   std::string help;
@@ -143,6 +148,10 @@ class FunctionRegistry {
 
   absl::StatusOr<const TransformFunction*> Find(const std::string& name) const;
   std::vector<std::string> Names() const;
+  // Every function, by name (ListFunctions).
+  std::vector<const TransformFunction*> Functions() const;
+  // The options every function accepts besides its own (temperature, softcap).
+  static const std::vector<ParamSpec>& CommonParams();
 
   // Checks every given param is known, finite and in range; returns the complete set with
   // defaults filled in (the common temperature / softcap included).
