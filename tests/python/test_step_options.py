@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import remotehead
-from remotehead.client import _prepare_step, framing_bytes
+from remotehead._steps import prepare_step
+from remotehead.client import framing_bytes
 from remotehead.v1 import head_service_pb2 as pb
 
 OPTIONS = [f.name for f in dataclasses.fields(remotehead.StepOptions)]
@@ -62,9 +63,9 @@ def prepare(mode, n=10, d=16, options=None, targets=True, weights=False, aux=(),
     if targets:
         t = torch.arange(n) % 5
         t[torch.arange(n) % 3 == 0] = -100
-    return _prepare_step(mode, "lm", hidden, t, torch.ones(n) if weights else None,
-                         {name: torch.zeros(n) for name in aux} or None, grad_output,
-                         options or remotehead.StepOptions(), chunk_bytes)
+    return prepare_step(mode, "lm", hidden, t, torch.ones(n) if weights else None,
+                        {name: torch.zeros(n) for name in aux} or None, grad_output,
+                        options or remotehead.StepOptions(), chunk_bytes)
 
 
 def test_header_fields_follow_the_cpp_client():

@@ -57,6 +57,17 @@ def decode(msg: pb.Tensor) -> torch.Tensor:
     return raw.view(dtype).reshape(shape)
 
 
+def shape_text(t: torch.Tensor) -> str:
+    return str(list(t.shape))  # "[2, 3]", as the C++ client's c10::str(sizes)
+
+
+# Protobuf framing of one request message beyond its tensor bytes (tags, lengths, dtype and
+# shape fields, map keys); generous, so that chunk_bytes bounds the whole message. The C++
+# client's FramingBytes: both clients must plan the same row messages.
+def framing_bytes(tensors: int, name_bytes: int) -> int:
+    return 64 + 64 * tensors + name_bytes
+
+
 def plan_row_chunks(rows: int, bytes_per_row: int, overhead_bytes: int,
                     max_message_bytes: int) -> List[Tuple[int, int]]:
     """[offset, count) pieces whose messages stay within `max_message_bytes` once

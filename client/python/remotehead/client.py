@@ -1,41 +1,37 @@
-"""The Python client of a remotehead server: one method per RPC, torch tensors in and out.
+"""The Python client of a remotehead server: one method per RPC, torch tensors in and out, and
+the retries around them (`Client._call`).
 
 Step calls stream: gRPC sends the header and X's row chunks from its own thread while this one
 receives dX chunks as the server produces them. Server errors surface as RemoteheadError with
 the gRPC status code and the server's message (which names the field, expected and actual).
 
-The step calls follow the C++ client's rules (client/cpp/src/client.cc, PrepareStep) to the
-byte: for the same call both clients send the same StepHeader and split the rows into the same
-messages (tests/python/test_conformance.py runs one list of calls through both and compares
-what reached the server).
+What a step sends and how its answer is read is _steps.py's (StepOptions, StepResult, and the
+C++ client's PrepareStep to the byte); tensors on the wire and the row-chunk rule, _wire.py's;
+the functions a server lists, functions.py's; the exceptions, _errors.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 import os
 import random
 import time
-from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import grpc
 import torch
 
-from remotehead import _safetensors, _wire
-from remotehead import _errors
-from remotehead._errors import InvalidArgumentError, RemoteheadError, ServerRestartedError
+from remotehead import _errors, _safetensors, _steps, _wire
+# Re-exported: remotehead.client.X is where these have always been imported from.
+from remotehead._errors import (InvalidArgumentError, RemoteheadError,  # noqa: F401
+                                ServerRestartedError)
+from remotehead._steps import (GradientId, StepOptions, StepResult, StepSummary,  # noqa: F401
+                               StepTimings, check_option_names)
+from remotehead._wire import framing_bytes, shape_text
 from remotehead.functions import FunctionInfo, function_info
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
-
-_REDUCTIONS = {
-    "none": pb.REDUCTION_NONE,
-    "sum": pb.REDUCTION_SUM,
-    "mean": pb.REDUCTION_MEAN,
-    "weighted_sum": pb.REDUCTION_WEIGHTED_SUM,
-}
 
 
 @dataclasses.dataclass
@@ -55,152 +51,6 @@ class HeadInfo:
     shards: Tuple[Tuple[int, int], ...] = ()
 
 
-class GradientId(NamedTuple):
-    """Identity of one gradient contribution: the server adds a given identity's dW at most once
-    between two zeroings of the head's gradients. A plain (trainer, step, micro_batch) tuple is
-    accepted wherever a GradientId is."""
-
-    trainer: str  # e.g. "run-7/rank-3"
-    step: int = 0  # optimizer step
-    micro_batch: int = 0  # micro-batch within the step
-
-
-@dataclasses.dataclass
-class StepOptions:
-    """What a step computes: the StepHeader of the wire contract (the C++ client's StepSpec).
-
-    Per-token inputs (weights, aux, grad_output) are arguments of the step calls, not options.
-    The step calls also take any of these fields as keyword arguments, applied over `options`.
-
-    Attributes:
-        function: the server's transformation function: "cross_entropy", "token_logprobs",
-            "entropy", "grpo", "mse_onehot" or "sigmoid_sum"; or, for generation (forward,
-            reduction "none", no targets), "logits" or "sample" (Client.logits, Client.sample).
-        params: the function's scalar options by name, e.g. {"label_smoothing": 0.1},
-            {"temperature": 0.7}, GRPO's {"beta": 0.04, "epsilon_low": 0.2}.
-        reduction: "none" (per-token outputs: Forward and Backward only), "sum", "mean" (over
-            targets != ignore_index) or "weighted_sum" (Σ weight·y; needs per-token weights).
-        ignore_index: targets equal to it are ignored (no loss, no gradient).
-        normalizer: divides the reduced sum when set, e.g. the valid tokens of a whole
-            accumulated batch across micro-batches and ranks (num_items_in_batch).
-        valid_tokens: for a "mean" without normalizer the server needs the number of
-            targets != ignore_index over all rows up front. None: the client counts it from the
-            targets (all rows when there are none).
-        chunk_rows: rows per chunk inside the server. 0 (with memory_budget_bytes 0): the
-            server's default memory budget.
-        memory_budget_bytes: the server sizes its chunks to this many bytes (0: its default).
-        upstream_scale: forward_backward: dL/d(loss), e.g. a loss scale; dX and dW come back
-            multiplied by it. (backward takes dL/d(loss) as its grad_output instead.)
-        accumulate: forward_backward / backward: add dW on the server (False: dX only, e.g. a
-            frozen head). forward never accumulates.
-        gradient_id: (trainer, step, micro_batch) of this contribution; required when
-            accumulating (the server refuses an accumulating step without one). Retries of one
-            call keep it, so the server adds the contribution at most once.
-        expected_weight_version: the step fails with FAILED_PRECONDITION unless the head is at
-            this version (None: any version).
-        wire_dtype: hidden is converted to this dtype before it is sent: the head's dtype, in
-            which the server computes. None: sent as it is. dX comes back in hidden's own dtype.
-        retain_inputs_seconds: forward only: the server keeps the rows (hidden, targets,
-            weights, aux) for at most this many seconds, so that backward can name them by
-            summary.inputs_handle instead of sending X again. 0: keep nothing.
-        inputs_handle: backward only: a forward's summary.inputs_handle. Only grad_output then
-            travels (nothing at all for a scalar reduction); hidden still gives N, D and dX's
-            dtype, and targets (or valid_tokens) the count a "mean" without normalizer needs.
-            The handle is refused once the head's weights moved on, and forgotten after a
-            successful backward (NOT_FOUND).
-        expected_incarnation: the server process (HeadInfo.incarnation) this step belongs to;
-            a restarted server refuses it (ServerRestartedError) instead of adding dW to a
-            window it no longer has. "": unchecked. RemoteHead sets it.
-        output_dtype: forward with function "logits" only: the dtype of the returned logits
-            rows (None: float32). Client.logits() sets it.
-    """
-
-    function: str = "cross_entropy"
-    params: Dict[str, float] = dataclasses.field(default_factory=dict)
-    reduction: str = "mean"
-    ignore_index: int = -100
-    normalizer: Optional[float] = None
-    valid_tokens: Optional[int] = None
-    chunk_rows: int = 0
-    memory_budget_bytes: int = 0
-    upstream_scale: float = 1.0
-    accumulate: bool = True
-    gradient_id: Optional[GradientId] = None
-    expected_weight_version: Optional[int] = None
-    wire_dtype: Optional[torch.dtype] = None
-    retain_inputs_seconds: float = 0.0
-    inputs_handle: str = ""
-    expected_incarnation: str = ""
-    output_dtype: Optional[torch.dtype] = None
-
-    def __post_init__(self):
-        if self.reduction not in _REDUCTIONS:
-            raise InvalidArgumentError(f"reduction: expected one of {list(_REDUCTIONS)}; got "
-                                       f"{self.reduction!r}")
-        self.params = dict(self.params or {})
-        if self.gradient_id is not None and not isinstance(self.gradient_id, GradientId):
-            self.gradient_id = GradientId(*self.gradient_id)
-
-    def replace(self, **overrides) -> "StepOptions":
-        """A copy with `overrides` applied; TypeError for a name that is not an option."""
-        check_option_names(overrides)
-        return dataclasses.replace(self, **overrides) if overrides else self
-
-
-_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(StepOptions))
-
-
-def check_option_names(names) -> None:
-    """TypeError naming the first of `names` that is not a StepOptions field."""
-    unknown = [n for n in names if n not in _OPTION_NAMES]
-    if unknown:
-        raise TypeError(f"unknown step option {unknown[0]!r}; expected one of: "
-                        f"{', '.join(_OPTION_NAMES)} (per-token inputs weights, aux and "
-                        f"grad_output are arguments of their own)")
-
-
-@dataclasses.dataclass
-class StepTimings:
-    """Where a step's time went on the server (seconds). The phases overlap (rows arrive while
-    earlier rows are computed and their results sent), so they need not add up to total."""
-
-    queue_seconds: float = 0.0  # waiting for admission
-    receive_wait_seconds: float = 0.0  # compute idle, waiting for rows from the client
-    compute_seconds: float = 0.0  # engine time
-    send_wait_seconds: float = 0.0  # compute paused: the client had not taken the results
-    total_seconds: float = 0.0  # first message to summary, on the server
-
-
-@dataclasses.dataclass
-class StepSummary:
-    """The server's summary of a step (the C++ client's StepSummary)."""
-
-    loss: float = 0.0  # the reduced loss (fused, scalar forward); not × upstream_scale
-    valid_tokens: int = 0
-    denominator: float = 1.0
-    extras: Dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. "nll", "kl"
-    weight_version: int = 0  # the head version the result was computed against
-    replayed: bool = False  # the gradient id had already been applied: nothing was added
-    chunk_rows: int = 0
-    num_chunks: int = 0
-    inputs_handle: str = ""  # forward with retain_inputs_seconds: pass to backward
-    incarnation: str = ""  # the server process that computed it (HeadInfo.incarnation)
-    timings: StepTimings = dataclasses.field(default_factory=StepTimings)
-
-
-@dataclasses.dataclass
-class StepResult:
-    loss: float  # the reduced loss (fused / scalar forward)
-    # dX [N, D] in hidden's dtype (forward_backward, backward); × upstream_scale.
-    grad_hidden: Optional[torch.Tensor]
-    # forward: per-token outputs [N] for reduction "none" (float32; float64 for float64
-    # hidden), else the 0-d float64 loss. Function "logits": [N, V] in output_dtype; "sample":
-    # the drawn tokens' log-probabilities [N].
-    outputs: Optional[torch.Tensor]
-    summary: StepSummary
-    token_ids: Optional[torch.Tensor] = None  # function "sample": the drawn tokens [N] int64
-
-
 def _info(msg: pb.HeadInfo) -> HeadInfo:
     return HeadInfo(msg.head_id, msg.vocab_size, msg.hidden_size, _wire._FROM_WIRE[msg.dtype],
                     msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches,
@@ -208,244 +58,9 @@ def _info(msg: pb.HeadInfo) -> HeadInfo:
                     tuple((r.offset, r.rows) for r in msg.shards))
 
 
-def _summary(msg: pb.StepSummary) -> StepSummary:
-    t = msg.timings
-    return StepSummary(
-        loss=msg.loss, valid_tokens=msg.valid_tokens, denominator=msg.denominator,
-        extras=dict(msg.extras), weight_version=msg.weight_version, replayed=msg.replayed,
-        chunk_rows=msg.chunk_rows, num_chunks=msg.num_chunks, inputs_handle=msg.inputs_handle,
-        incarnation=msg.incarnation, timings=StepTimings(t.queue_seconds, t.receive_wait_seconds, t.compute_seconds,
-                            t.send_wait_seconds, t.total_seconds))
-
-
 def _assemble(pieces) -> Optional[torch.Tensor]:
     """Row chunks (offset, tensor) as one tensor, in row order; None if there were none."""
     return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]) if pieces else None
-
-
-def _shape(t: torch.Tensor) -> str:
-    return str(list(t.shape))  # "[2, 3]", as the C++ client's c10::str(sizes)
-
-
-# Protobuf framing of one request message beyond its tensor bytes (tags, lengths, dtype and
-# shape fields, map keys); generous, so that chunk_bytes bounds the whole message. The C++
-# client's FramingBytes: both clients must plan the same row messages.
-def framing_bytes(tensors: int, name_bytes: int) -> int:
-    return 64 + 64 * tensors + name_bytes
-
-
-_FORWARD_BACKWARD, _FORWARD, _BACKWARD = "ForwardBackward", "Forward", "Backward"
-
-
-@dataclasses.dataclass
-class _PreparedStep:
-    """A step's header, its inputs in wire layout (CPU, contiguous, wire dtypes) and its row
-    plan: built once, sent by every attempt."""
-
-    header: pb.StepHeader
-    rows: int
-    hidden_size: int
-    result_dtype: torch.dtype  # the caller's hidden dtype: dX comes back in it
-    # What travels with the rows; all None but grad_output for a backward by inputs handle.
-    hidden: Optional[torch.Tensor] = None
-    targets: Optional[torch.Tensor] = None
-    weights: Optional[torch.Tensor] = None
-    grad_output: Optional[torch.Tensor] = None
-    aux: List[Tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
-    chunks: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    def messages(self) -> Iterator[pb.StepRequest]:
-        yield pb.StepRequest(header=self.header)
-        for offset, count in self.chunks:
-            m = pb.StepRequest()
-            r = m.rows
-            r.row_offset = offset
-            for name in ("hidden", "targets", "weights", "grad_output"):
-                t = getattr(self, name)
-                if t is not None:
-                    _wire.encode(t[offset:offset + count], getattr(r, name))
-            for name, t in self.aux:
-                _wire.encode(t[offset:offset + count], r.aux[name])
-            yield m
-
-
-def _per_token(t, rows: int, field: str, integral: bool) -> torch.Tensor:
-    """A per-token input checked against the rows (any shape of `rows` elements, flattened),
-    converted to a wire dtype (integers to int64 unless int64/int32; floating kept) and laid
-    out for the wire. The C++ client's PreparePerToken (which takes [N] only)."""
-    if not isinstance(t, torch.Tensor) or t.numel() != rows:
-        got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise InvalidArgumentError(f"{field}: expected shape [{rows}]; got {got}")
-    t = t.detach().reshape(-1)
-    if integral:
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise InvalidArgumentError(f"{field}: expected integer token ids; got {t.dtype}")
-        dtype = t.dtype if t.dtype in (torch.int64, torch.int32) else torch.int64
-        return _wire.to_wire_layout(t, dtype)
-    if not t.dtype.is_floating_point:
-        raise InvalidArgumentError(f"{field}: expected a floating tensor; got {t.dtype}")
-    _wire.wire_dtype(t.dtype, field)
-    return _wire.to_wire_layout(t)
-
-
-def _prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
-                  targets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                  aux: Optional[Mapping[str, torch.Tensor]], grad_output,
-                  o: StepOptions, chunk_bytes: int) -> _PreparedStep:
-    """The Python twin of the C++ client's PrepareStep: the same header fields, set under the
-    same conditions, and the same row plan."""
-    if (not isinstance(hidden, torch.Tensor) or hidden.dim() < 1
-            or not hidden.dtype.is_floating_point):
-        got = (f"{hidden.dtype} {_shape(hidden)}" if isinstance(hidden, torch.Tensor)
-               else "none" if hidden is None else type(hidden).__name__)
-        raise InvalidArgumentError(f"hidden: expected a floating [..., D] tensor; got {got}")
-    x = hidden.detach().reshape(-1, hidden.shape[-1])
-    n, d = x.shape
-    send_dtype = o.wire_dtype if o.wire_dtype is not None else x.dtype
-    _wire.wire_dtype(send_dtype, "wire_dtype")
-    result_dtype = x.dtype
-    p = _PreparedStep(pb.StepHeader(), n, d, result_dtype)
-    wire_result_dtype = _wire.wire_dtype(result_dtype, "hidden")
-    if targets is not None:
-        p.targets = _per_token(targets, n, "targets", integral=True)
-    # A backward by inputs handle sends none of the inputs: they are not even copied.
-    by_handle = mode == _BACKWARD and bool(o.inputs_handle)
-    if not by_handle:
-        p.hidden = _wire.to_wire_layout(x, send_dtype)
-        if weights is not None:
-            p.weights = _per_token(weights, n, "weights", integral=False)
-        for name, t in (aux or {}).items():
-            p.aux.append((name, _per_token(t, n, f'aux["{name}"]', integral=False)))
-
-    h = p.header
-    h.head_id = head_id
-    h.function.name = o.function
-    for k, v in o.params.items():
-        h.function.params[k] = float(v)
-    h.function.reduction = _REDUCTIONS[o.reduction]
-    h.function.ignore_index = o.ignore_index
-    if o.normalizer is not None:
-        h.function.normalizer = float(o.normalizer)
-    h.chunking.chunk_rows = o.chunk_rows
-    h.chunking.memory_budget_bytes = o.memory_budget_bytes
-    h.chunking.SetInParent()  # always present, as the C++ client's mutable_chunking()
-    h.rows = n
-    if o.expected_weight_version is not None:
-        h.expected_weight_version = o.expected_weight_version
-    if o.expected_incarnation:
-        h.expected_incarnation = o.expected_incarnation
-    if o.reduction == "mean" and o.normalizer is None:
-        if by_handle and o.valid_tokens is None and p.targets is None:
-            raise InvalidArgumentError(
-                "targets: a backward by inputs_handle with reduction \"mean\" and no normalizer "
-                "needs the targets (or the valid_tokens option) to count the valid tokens; got "
-                "neither")
-        # The server scales each chunk's dX by 1 / valid_tokens before the later rows arrive,
-        # so it needs the count up front.
-        h.valid_tokens = (o.valid_tokens if o.valid_tokens is not None
-                          else int((p.targets != o.ignore_index).sum()) if p.targets is not None
-                          else n)
-    if mode != _FORWARD:
-        h.accumulate_weight_grad = o.accumulate
-        h.grad_hidden_dtype = wire_result_dtype
-        if o.gradient_id is not None:
-            h.gradient_id.trainer = o.gradient_id.trainer
-            h.gradient_id.step = o.gradient_id.step
-            h.gradient_id.micro_batch = o.gradient_id.micro_batch
-    if mode == _FORWARD_BACKWARD:
-        h.upstream_scale = o.upstream_scale
-    if mode == _BACKWARD:
-        if o.reduction == "none":
-            if grad_output is None:
-                raise InvalidArgumentError(
-                    "grad_output: backward with reduction \"none\" needs dL/dy for every row; "
-                    "got none")
-            p.grad_output = _per_token(grad_output, n, "grad_output", integral=False)
-        else:
-            # A scalar reduction's dL/d(loss) travels as the header's upstream_scale; a
-            # grad_output in the rows would be ignored by the server.
-            h.upstream_scale = _scalar_upstream(grad_output)
-    if o.output_dtype is not None:
-        h.output_dtype = _wire.wire_dtype(o.output_dtype, "output_dtype")
-    if mode == _FORWARD and o.retain_inputs_seconds > 0:
-        h.retain_inputs_seconds = o.retain_inputs_seconds
-    if by_handle:
-        # The server has the inputs: only dL/dy goes with the rows, and a scalar reduction
-        # sends no rows at all.
-        h.inputs_handle = o.inputs_handle
-        p.targets = None  # read above for the valid-token count only
-        if p.grad_output is None:
-            return p
-
-    bytes_per_row = d * p.hidden.element_size() if p.hidden is not None else 0
-    tensors = 1 if p.hidden is not None else 0
-    name_bytes = 0
-    for t in (p.targets, p.weights, p.grad_output):
-        if t is not None:
-            bytes_per_row += t.element_size()
-            tensors += 1
-    for name, t in p.aux:
-        bytes_per_row += t.element_size()
-        tensors += 1
-        name_bytes += len(name.encode())
-    p.chunks = _wire.plan_row_chunks(n, bytes_per_row, framing_bytes(tensors, name_bytes),
-                                     chunk_bytes)
-    return p
-
-
-def _scalar_upstream(g) -> float:
-    """dL/d(loss) of a scalar-reduction backward: one floating value (a number, or a tensor of
-    one element)."""
-    if isinstance(g, numbers.Real) and not isinstance(g, bool):
-        return float(g)
-    if isinstance(g, torch.Tensor) and g.numel() == 1 and g.dtype.is_floating_point:
-        return float(g.detach().reshape(()).item())
-    got = _shape(g) if isinstance(g, torch.Tensor) else "none" if g is None else type(g).__name__
-    raise InvalidArgumentError(
-        f"grad_output: expected one floating value (dL/d(loss)) for a scalar reduction; got "
-        f"{got}")
-
-
-class _RowAssembler:
-    """Streamed rows of one result, checked and copied into a preallocated tensor as they
-    arrive (in order, no gaps, dst's trailing shape; converted to dst's dtype). Anything else
-    is a broken server response: INTERNAL naming the field, as the C++ client's RowAssembler.
-    `trailing_from_first`: dst is [rows] now and takes the first chunk's trailing shape (rows
-    of logits, whose V the caller need not know)."""
-
-    def __init__(self, dst: torch.Tensor, field: str, trailing_from_first: bool = False):
-        self.dst, self.field, self.next_row = dst, field, 0
-        self.trailing_from_first = trailing_from_first
-
-    def add(self, chunk: pb.TensorChunk) -> None:
-        values = _wire.decode(chunk.values)
-        if self.trailing_from_first and values.dim() >= 1:
-            self.dst = self.dst.new_empty((self.dst.shape[0], *values.shape[1:]))
-            self.trailing_from_first = False
-        rows = values.shape[0] if values.dim() else -1
-        if (chunk.row_offset != self.next_row or rows < 0
-                or tuple(values.shape[1:]) != tuple(self.dst.shape[1:])
-                or self.next_row + rows > self.dst.shape[0]):
-            trailing = "".join(f", {s}" for s in self.dst.shape[1:])
-            raise RemoteheadError(
-                grpc.StatusCode.INTERNAL,
-                f"{self.field}: expected rows from {self.next_row} shaped [rows{trailing}] "
-                f"within {self.dst.shape[0]} rows; the server sent {_shape(values)} at row "
-                f"{chunk.row_offset}")
-        self.dst[self.next_row:self.next_row + rows] = values
-        self.next_row += rows
-
-    def check_complete(self) -> None:
-        if self.next_row != self.dst.shape[0]:
-            raise RemoteheadError(grpc.StatusCode.INTERNAL,
-                                  f"{self.field}: expected {self.dst.shape[0]} rows; the server "
-                                  f"sent {self.next_row}")
-
-
-def _resolve(options: Optional[StepOptions], overrides, default: StepOptions) -> StepOptions:
-    check_option_names(overrides)
-    base = options if options is not None else default
-    return dataclasses.replace(base, **overrides) if overrides else base
 
 
 class Client:
@@ -541,14 +156,14 @@ class Client:
         gradients must be zero; its optimizer state is reset; its version goes up by one), or a
         new head if there is none."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            got = _shape(weight) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            got = shape_text(weight) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise InvalidArgumentError(f"weight: expected a floating [V, D] tensor; got {got}")
         w = _wire.to_wire_layout(weight)
         vocab, hidden_size = w.shape
         # The server stores the bias in the head's (weight's) dtype.
         b = _wire.to_wire_layout(bias, w.dtype) if bias is not None else None
         if b is not None and tuple(b.shape) != (vocab,):
-            raise InvalidArgumentError(f"bias: expected shape [{vocab}]; got {_shape(b)}")
+            raise InvalidArgumentError(f"bias: expected shape [{vocab}]; got {shape_text(b)}")
         # Planned before anything is sent, by the C++ client's rule (one tensor per message).
         parts = [("weight_rows", w, _wire.plan_row_chunks(
             vocab, hidden_size * w.element_size(), framing_bytes(1, 0), self._chunk_bytes))]
@@ -725,8 +340,8 @@ class Client:
         each. weights [N]: per-token weights ("weighted_sum"); aux: extra per-token inputs by
         name, e.g. GRPO's {"advantages": ..., "old_logprobs": ..., "ref_logprobs": ...}.
         """
-        o = _resolve(options, overrides, StepOptions())
-        return self._step(_FORWARD_BACKWARD, head_id, hidden, targets, weights, aux, None, o)
+        o = _steps.resolve(options, overrides, StepOptions())
+        return self._step(_steps.FORWARD_BACKWARD, head_id, hidden, targets, weights, aux, None, o)
 
     def forward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
                 options: Optional[StepOptions] = None, *,
@@ -739,8 +354,8 @@ class Client:
         forward_backward. retain_inputs_seconds > 0 keeps the rows on the server for a
         backward by summary.inputs_handle.
         """
-        o = _resolve(options, overrides, StepOptions(reduction="none"))
-        return self._step(_FORWARD, head_id, hidden, targets, weights, aux, None, o)
+        o = _steps.resolve(options, overrides, StepOptions(reduction="none"))
+        return self._step(_steps.FORWARD, head_id, hidden, targets, weights, aux, None, o)
 
     def backward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
                  grad_output: Union[torch.Tensor, float], options: Optional[StepOptions] = None,
@@ -759,8 +374,8 @@ class Client:
         forward_backward. inputs_handle: a forward's summary.inputs_handle (X is then not
         sent; hidden still gives N, D and dX's dtype).
         """
-        o = _resolve(options, overrides, StepOptions(reduction="none"))
-        return self._step(_BACKWARD, head_id, hidden, targets, weights, aux, grad_output, o)
+        o = _steps.resolve(options, overrides, StepOptions(reduction="none"))
+        return self._step(_steps.BACKWARD, head_id, hidden, targets, weights, aux, grad_output, o)
 
     # ----- generation -----
 
@@ -770,10 +385,10 @@ class Client:
         server a few rows at a time (a Forward of the function "logits"). Ask only for the rows
         you need (e.g. the last position of each sequence when decoding): the result is V values
         per row. params: the common "temperature" and "softcap" (default: the raw logits)."""
-        o = _resolve(None, {**overrides, "function": "logits", "reduction": "none",
+        o = _steps.resolve(None, {**overrides, "function": "logits", "reduction": "none",
                             "params": dict(params or {}), "output_dtype": dtype},
                      StepOptions())
-        result = self._step(_FORWARD, head_id, hidden, None, None, None, None, o)
+        result = self._step(_steps.FORWARD, head_id, hidden, None, None, None, None, o)
         return result.outputs.to(hidden.device).reshape(*hidden.shape[:-1], -1)
 
     def sample(self, head_id: str, hidden: torch.Tensor, *, greedy: bool = False,
@@ -787,11 +402,12 @@ class Client:
         then row r of the request draws torch.multinomial(p, 1) with a CPU generator seeded with
         seed + r. greedy: the argmax instead. The log-probability is the token's under
         softmax(logits / temperature) before top-k / top-p (token_logprobs' value for it)."""
-        o = _resolve(None, {**overrides, "function": "sample", "reduction": "none", "params": {
-            "greedy": 1.0 if greedy else 0.0, "temperature": float(temperature),
-            "top_k": float(top_k), "top_p": float(top_p), "seed": float(seed),
-            "softcap": float(softcap)}}, StepOptions())
-        result = self._step(_FORWARD, head_id, hidden, None, None, None, None, o)
+        params = {"greedy": 1.0 if greedy else 0.0, "temperature": float(temperature),
+                  "top_k": float(top_k), "top_p": float(top_p), "seed": float(seed),
+                  "softcap": float(softcap)}
+        o = _steps.resolve(None, {**overrides, "function": "sample", "reduction": "none",
+                                  "params": params}, StepOptions())
+        result = self._step(_steps.FORWARD, head_id, hidden, None, None, None, None, o)
         shape = hidden.shape[:-1]
         return (result.token_ids.to(hidden.device).reshape(shape),
                 result.outputs.to(hidden.device).reshape(shape))
@@ -840,52 +456,14 @@ class Client:
 
     def _step(self, mode: str, head_id: str, hidden, targets, weights, aux, grad_output,
               o: StepOptions) -> StepResult:
-        p = _prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
-                          self._chunk_bytes)
-        rpc = {_FORWARD_BACKWARD: self._stub.ForwardBackward, _FORWARD: self._stub.Forward,
-               _BACKWARD: self._stub.Backward}[mode]
-        per_token = mode == _FORWARD and o.reduction == "none"
+        p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
+                                self._chunk_bytes)
+        rpc = {_steps.FORWARD_BACKWARD: self._stub.ForwardBackward,
+               _steps.FORWARD: self._stub.Forward, _steps.BACKWARD: self._stub.Backward}[mode]
+        per_token = mode == _steps.FORWARD and o.reduction == "none"
         # What the rows come back as is the function's, as the server lists it.
         fn = self.functions().get(o.function) if per_token else None
-
-        def attempt():
-            # Every attempt fills fresh results: a failed one may have sent some rows.
-            grad_hidden = outputs = None
-            if mode != _FORWARD:
-                grad_hidden = _RowAssembler(
-                    torch.empty((p.rows, p.hidden_size), dtype=p.result_dtype), "grad_hidden")
-            token_ids = None
-            if fn is not None:  # (an unknown function: the server refuses it, naming it)
-                outputs = _RowAssembler(
-                    torch.empty((p.rows,), dtype=fn.outputs_dtype(p.result_dtype, o.output_dtype)),
-                    "outputs", trailing_from_first=fn.output_kind == "logits")
-                if fn.output_kind == "sample":
-                    token_ids = _RowAssembler(torch.empty((p.rows,), dtype=torch.int64),
-                                              "token_ids")
-            summary = None
-            for response in rpc(p.messages(), timeout=self._timeout):
-                part = response.WhichOneof("part")
-                if part == "summary":
-                    summary = response.summary
-                    continue
-                target = {"grad_hidden": grad_hidden, "outputs": outputs,
-                          "token_ids": token_ids}.get(part)
-                if target is None:
-                    raise RemoteheadError(grpc.StatusCode.INTERNAL,
-                                          f"{part}: not expected from {mode}")
-                target.add(getattr(response, part))
-            if summary is None:
-                raise RemoteheadError(grpc.StatusCode.INTERNAL,
-                                      "summary: the stream ended without one")
-            for assembler in (grad_hidden, outputs, token_ids):
-                if assembler is not None:
-                    assembler.check_complete()
-            return grad_hidden, outputs, token_ids, summary
-
-        grad_hidden, outputs, token_ids, summary = self._call(attempt)
-        result_outputs = (outputs.dst if per_token
-                          else torch.tensor(summary.loss, dtype=torch.float64)
-                          if mode == _FORWARD else None)
-        return StepResult(summary.loss, grad_hidden.dst if grad_hidden is not None else None,
-                          result_outputs, _summary(summary),
-                          token_ids.dst if token_ids is not None else None)
+        # Every attempt fills fresh results: a failed one may have sent some rows.
+        received = self._call(lambda: _steps.receive(
+            p, mode, fn, o.output_dtype, rpc(p.messages(), timeout=self._timeout)))
+        return _steps.step_result(mode, per_token, received)
