@@ -1,0 +1,326 @@
+// The calls on a head as a whole: its lifecycle (create, upload, describe, list, drop), its
+// weights and gradients streamed out or saved on the server, and the server-side optimizer step.
+#include <algorithm>
+#include <variant>
+
+#include "absl/strings/str_cat.h"
+#include "client_impl.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/wire/tensor_codec.h"
+#include "stream.h"
+
+namespace remotehead::client {
+namespace {
+
+using internal::BrokenResponse;
+using internal::FromGrpc;
+using internal::ReadStream;
+using internal::ResponseRows;
+using internal::ShapeOf;
+using internal::Stub;
+
+absl::StatusOr<HeadInfo> FromWire(const v1::HeadInfo& wire) {
+  HeadInfo info;
+  info.head_id = wire.head_id();
+  info.vocab_size = wire.vocab_size();
+  info.hidden_size = wire.hidden_size();
+  ASSIGN_OR_RETURN(info.dtype, BrokenResponse(wire::FromWireDtype(wire.dtype(), "info")));
+  info.has_bias = wire.has_bias();
+  info.device = wire.device();
+  info.weight_version = wire.weight_version();
+  info.accumulated_micro_batches = wire.accumulated_micro_batches();
+  info.incarnation = wire.incarnation();
+  info.state_id = wire.state_id();
+  info.group_size = std::max(1, wire.group_size());
+  for (const v1::ShardRange& shard : wire.shards()) {
+    info.shards.emplace_back(shard.offset(), shard.rows());
+  }
+  return info;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::HeadInfo> Client::Impl::DescribeForStream(
+    const grpc::ClientContext& attempt_context, const std::string& head_id) {
+  grpc::ClientContext context;
+  context.set_deadline(attempt_context.deadline());
+  v1::HeadRef ref;
+  ref.set_head_id(head_id);
+  v1::HeadInfo info;
+  RETURN_IF_ERROR(FromGrpc(stub->DescribeHead(&context, ref, &info)));
+  return info;
+}
+
+absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id, const InitSpec& init) {
+  v1::CreateHeadRequest request;
+  request.set_head_id(head_id);
+  ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(init.dtype, "init.dtype"));
+  request.set_dtype(dtype);
+  v1::CreateHeadRequest::FromInit* wire_init = request.mutable_init();
+  wire_init->set_vocab_size(init.vocab_size);
+  wire_init->set_hidden_size(init.hidden_size);
+  wire_init->set_bias(init.bias);
+  wire_init->set_seed(init.seed);
+  wire_init->set_init_std(init.init_std);
+  v1::HeadInfo info;
+  RETURN_IF_ERROR(impl_->Unary("CreateHead", &Stub::CreateHead, request, &info));
+  return FromWire(info);
+}
+
+absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id,
+                                            const SafetensorsSource& source) {
+  v1::CreateHeadRequest request;
+  request.set_head_id(head_id);
+  if (source.dtype.has_value()) {
+    ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(*source.dtype, "source.dtype"));
+    request.set_dtype(dtype);
+  }
+  request.mutable_safetensors()->set_path(source.path);
+  request.mutable_safetensors()->set_weight_name(source.weight_name);
+  request.mutable_safetensors()->set_bias_name(source.bias_name);
+  v1::HeadInfo info;
+  RETURN_IF_ERROR(impl_->Unary("CreateHead", &Stub::CreateHead, request, &info));
+  return FromWire(info);
+}
+
+absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const torch::Tensor& weight,
+                                            const torch::Tensor& bias) {
+  if (!weight.defined() || weight.dim() != 2 || !c10::isFloatingType(weight.scalar_type())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight: expected a floating [V, D] tensor; got ",
+                     weight.defined() ? ShapeOf(weight) : "none"));
+  }
+  ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(weight.scalar_type(), "weight"));
+  const int64_t vocab = weight.size(0);
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != vocab)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bias: expected shape [", vocab, "]; got ", ShapeOf(bias)));
+  }
+  const torch::Tensor w = wire::ToWireLayout(weight);
+  // The server stores the bias in the head's (weight's) dtype.
+  const torch::Tensor b = bias.defined() ? wire::ToWireLayout(bias, w.scalar_type()) : bias;
+  ASSIGN_OR_RETURN(const auto weight_chunks,
+                   wire::PlanRequestChunks(vocab, w.size(1) * w.element_size(),
+                                           wire::FramingBytes(1, 0), options_.chunk_bytes));
+  std::vector<wire::RowRange> bias_chunks;
+  if (b.defined()) {
+    ASSIGN_OR_RETURN(bias_chunks,
+                     wire::PlanRequestChunks(vocab, b.element_size(), wire::FramingBytes(1, 0),
+                                             options_.chunk_bytes));
+  }
+  v1::UploadHeadRequest header;
+  header.mutable_header()->set_head_id(head_id);
+  header.mutable_header()->set_vocab_size(vocab);
+  header.mutable_header()->set_hidden_size(w.size(1));
+  header.mutable_header()->set_dtype(dtype);
+  header.mutable_header()->set_has_bias(b.defined());
+  v1::HeadInfo info;
+  RETURN_IF_ERROR(impl_->WithRetries("UploadHead", [&](grpc::ClientContext* context) {
+    info.Clear();
+    auto writer = impl_->stub->UploadHead(context, &info);
+    bool ok = writer->Write(header);
+    for (const auto& [offset, count] : weight_chunks) {
+      if (!ok) break;
+      v1::UploadHeadRequest m;
+      m.mutable_weight_rows()->set_row_offset(offset);
+      wire::EncodeRows(w, offset, count, m.mutable_weight_rows()->mutable_values());
+      ok = writer->Write(m);
+    }
+    for (const auto& [offset, count] : bias_chunks) {
+      if (!ok) break;
+      v1::UploadHeadRequest m;
+      m.mutable_bias_rows()->set_row_offset(offset);
+      wire::EncodeRows(b, offset, count, m.mutable_bias_rows()->mutable_values());
+      ok = writer->Write(m);
+    }
+    if (ok) writer->WritesDone();
+    return FromGrpc(writer->Finish());
+  }));
+  return FromWire(info);
+}
+
+absl::StatusOr<HeadInfo> Client::DescribeHead(const std::string& head_id) {
+  v1::HeadRef ref;
+  ref.set_head_id(head_id);
+  v1::HeadInfo info;
+  RETURN_IF_ERROR(impl_->Unary("DescribeHead", &Stub::DescribeHead, ref, &info));
+  return FromWire(info);
+}
+
+absl::StatusOr<std::vector<HeadInfo>> Client::ListHeads() {
+  v1::ListHeadsResponse response;
+  RETURN_IF_ERROR(impl_->Unary("ListHeads", &Stub::ListHeads, v1::ListHeadsRequest(), &response));
+  std::vector<HeadInfo> heads;
+  for (const v1::HeadInfo& wire_info : response.heads()) {
+    ASSIGN_OR_RETURN(HeadInfo info, FromWire(wire_info));
+    heads.push_back(std::move(info));
+  }
+  return heads;
+}
+
+absl::Status Client::DropHead(const std::string& head_id) {
+  v1::HeadRef ref;
+  ref.set_head_id(head_id);
+  v1::DropHeadResponse response;
+  return impl_->Unary("DropHead", &Stub::DropHead, ref, &response);
+}
+
+absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
+                                                  std::optional<torch::ScalarType> dtype,
+                                                  const ExportPin& pin) {
+  v1::ExportWeightsRequest request;
+  request.set_head_id(head_id);
+  request.set_expected_incarnation(pin.expected_incarnation);
+  if (pin.expected_weight_version.has_value()) {
+    request.set_expected_weight_version(*pin.expected_weight_version);
+  }
+  if (dtype.has_value()) {
+    ASSIGN_OR_RETURN(const v1::DType wire_dtype, wire::ToWireDtype(*dtype, "dtype"));
+    request.set_dtype(wire_dtype);
+  }
+  HeadWeights weights;
+  RETURN_IF_ERROR(
+      impl_->WithRetries("ExportWeights", [&](grpc::ClientContext* context) -> absl::Status {
+        ASSIGN_OR_RETURN(const v1::HeadInfo wire_info, impl_->DescribeForStream(*context, head_id));
+        ASSIGN_OR_RETURN(const HeadInfo info, FromWire(wire_info));
+        const torch::ScalarType out = dtype.value_or(info.dtype);
+        weights.weight = torch::empty({info.vocab_size, info.hidden_size}, out);
+        weights.bias = info.has_bias ? torch::empty({info.vocab_size}, out) : torch::Tensor();
+        ResponseRows w(weights.weight, "weight_rows"), b(weights.bias, "bias_rows");
+        auto reader = impl_->stub->ExportWeights(context, request);
+        RETURN_IF_ERROR(ReadStream<v1::ExportWeightsResponse>(
+            context, *reader, [&](const v1::ExportWeightsResponse& response) {
+              if (response.has_weight_rows()) return w.Add(response.weight_rows());
+              if (response.has_bias_rows() && info.has_bias) return b.Add(response.bias_rows());
+              return absl::InternalError("response: expected weight_rows or bias_rows");
+            }));
+        RETURN_IF_ERROR(w.CheckComplete());
+        if (info.has_bias) RETURN_IF_ERROR(b.CheckComplete());
+        return absl::OkStatus();
+      }));
+  return weights;
+}
+
+absl::StatusOr<int64_t> Client::SaveWeights(const std::string& head_id, const std::string& path,
+                                            const std::string& weight_name,
+                                            const std::string& bias_name) {
+  v1::SaveWeightsRequest request;
+  request.set_head_id(head_id);
+  request.set_path(path);
+  request.set_weight_name(weight_name);
+  request.set_bias_name(bias_name);
+  v1::SaveWeightsResponse response;
+  RETURN_IF_ERROR(impl_->Unary("SaveWeights", &Stub::SaveWeights, request, &response));
+  return response.bytes_written();
+}
+
+absl::StatusOr<HeadGradients> Client::FetchGradients(const std::string& head_id,
+                                                     std::optional<torch::ScalarType> dtype) {
+  v1::FetchGradientsRequest request;
+  request.set_head_id(head_id);
+  if (dtype.has_value()) {
+    ASSIGN_OR_RETURN(const v1::DType wire_dtype, wire::ToWireDtype(*dtype, "dtype"));
+    request.set_dtype(wire_dtype);
+  }
+  HeadGradients grads;
+  RETURN_IF_ERROR(
+      impl_->WithRetries("FetchGradients", [&](grpc::ClientContext* context) -> absl::Status {
+        ASSIGN_OR_RETURN(const v1::HeadInfo wire_info, impl_->DescribeForStream(*context, head_id));
+        ASSIGN_OR_RETURN(const HeadInfo described, FromWire(wire_info));
+        // The server accumulates in float32 unless asked for another dtype.
+        const torch::ScalarType out = dtype.value_or(torch::kFloat);
+        grads.weight_grad = torch::empty({described.vocab_size, described.hidden_size}, out);
+        grads.bias_grad =
+            described.has_bias ? torch::empty({described.vocab_size}, out) : torch::Tensor();
+        ResponseRows w(grads.weight_grad, "weight_grad_rows"), b(grads.bias_grad, "bias_grad_rows");
+        auto reader = impl_->stub->FetchGradients(context, request);
+        bool have_info = false;
+        RETURN_IF_ERROR(ReadStream<v1::FetchGradientsResponse>(
+            context, *reader, [&](const v1::FetchGradientsResponse& response) -> absl::Status {
+              if (response.has_weight_grad_rows()) return w.Add(response.weight_grad_rows());
+              if (response.has_bias_grad_rows() && described.has_bias) {
+                return b.Add(response.bias_grad_rows());
+              }
+              if (!response.has_info()) {
+                return absl::InternalError(
+                    "response: expected weight_grad_rows, bias_grad_rows or info");
+              }
+              ASSIGN_OR_RETURN(grads.info, FromWire(response.info()));
+              have_info = true;
+              return absl::OkStatus();
+            }));
+        RETURN_IF_ERROR(w.CheckComplete());
+        if (described.has_bias) RETURN_IF_ERROR(b.CheckComplete());
+        if (!have_info) return absl::InternalError("info: the stream ended without one");
+        return absl::OkStatus();
+      }));
+  return grads;
+}
+
+absl::StatusOr<HeadInfo> Client::ZeroGradients(const std::string& head_id) {
+  v1::HeadRef ref;
+  ref.set_head_id(head_id);
+  v1::ZeroGradientsResponse response;
+  RETURN_IF_ERROR(impl_->Unary("ZeroGradients", &Stub::ZeroGradients, ref, &response));
+  return FromWire(response.info());
+}
+
+absl::StatusOr<HeadInfo> Client::OptimizerStep(const std::string& head_id,
+                                               const OptimizerStepOptions& options) {
+  v1::OptimizerStepRequest request;
+  request.set_head_id(head_id);
+  if (const Sgd* sgd = std::get_if<Sgd>(&options.optimizer)) {
+    request.mutable_sgd()->set_lr(sgd->lr);
+    request.mutable_sgd()->set_momentum(sgd->momentum);
+    request.mutable_sgd()->set_weight_decay(sgd->weight_decay);
+  } else {
+    const AdamW& adamw = std::get<AdamW>(options.optimizer);
+    request.mutable_adamw()->set_lr(adamw.lr);
+    request.mutable_adamw()->set_beta1(adamw.beta1);
+    request.mutable_adamw()->set_beta2(adamw.beta2);
+    request.mutable_adamw()->set_eps(adamw.eps);
+    request.mutable_adamw()->set_weight_decay(adamw.weight_decay);
+  }
+  if (options.grad_scale.has_value()) request.set_grad_scale(*options.grad_scale);
+  request.set_zero_gradients(options.zero_gradients);
+  request.set_expected_incarnation(options.expected_incarnation);
+  if (options.expected_weight_version.has_value()) {
+    request.set_expected_weight_version(*options.expected_weight_version);
+  }
+  if (options.synchronous.has_value()) {
+    v1::SynchronousStep* sync = request.mutable_synchronous();
+    sync->set_step(options.synchronous->step);
+    sync->set_rank(options.synchronous->rank);
+    sync->set_world_size(options.synchronous->world_size);
+  }
+
+  v1::OptimizerStepResponse response;
+  Impl::AlreadyDone already_done;
+  int64_t version_before = 0;
+  // A synchronous step needs no check before a retry: the server answers a retry of a step it
+  // applied with that step's own HeadInfo, the same as every rank got — which a DescribeHead
+  // after the fact is not (the other ranks may have added the next step's dW meanwhile).
+  if (options_.retry.max_attempts > 1 && !options.synchronous.has_value()) {
+    ASSIGN_OR_RETURN(const HeadInfo before, DescribeHead(head_id));
+    version_before = before.weight_version;
+    already_done = [&](grpc::ClientContext* context) -> absl::StatusOr<bool> {
+      v1::HeadRef ref;
+      ref.set_head_id(head_id);
+      v1::HeadInfo now;
+      RETURN_IF_ERROR(FromGrpc(impl_->stub->DescribeHead(context, ref, &now)));
+      if (now.weight_version() <= version_before) return false;
+      *response.mutable_info() = now;
+      return true;
+    };
+  }
+  RETURN_IF_ERROR(impl_->WithRetries(
+      "OptimizerStep",
+      [&](grpc::ClientContext* context) {
+        response.Clear();
+        return FromGrpc(impl_->stub->OptimizerStep(context, request, &response));
+      },
+      already_done));
+  return FromWire(response.info());
+}
+
+}  // namespace remotehead::client

@@ -1,0 +1,214 @@
+#include "prepare_step.h"
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/core/token_batch.h"
+#include "status.h"
+
+namespace remotehead::client::internal {
+
+v1::StepRequest PreparedStep::RowsMessage(int64_t offset, int64_t count) const {
+  v1::StepRequest message;
+  v1::StepRows* r = message.mutable_rows();
+  r->set_row_offset(offset);
+  if (hidden.defined()) wire::EncodeRows(hidden, offset, count, r->mutable_hidden());
+  if (targets.defined()) wire::EncodeRows(targets, offset, count, r->mutable_targets());
+  if (weights.defined()) wire::EncodeRows(weights, offset, count, r->mutable_weights());
+  if (grad_output.defined()) {
+    wire::EncodeRows(grad_output, offset, count, r->mutable_grad_output());
+  }
+  for (const auto& [name, t] : aux) wire::EncodeRows(t, offset, count, &(*r->mutable_aux())[name]);
+  return message;
+}
+
+namespace {
+
+v1::Reduction ToWire(Reduction reduction) {
+  switch (reduction) {
+    case Reduction::kNone:
+      return v1::REDUCTION_NONE;
+    case Reduction::kSum:
+      return v1::REDUCTION_SUM;
+    case Reduction::kWeightedSum:
+      return v1::REDUCTION_WEIGHTED_SUM;
+    case Reduction::kMean:
+      break;
+  }
+  return v1::REDUCTION_MEAN;
+}
+
+// A per-token [N] input: checked, converted to a wire dtype (integers to int64/int32 for
+// targets, anything floating kept as it is) and laid out for the wire.
+absl::StatusOr<torch::Tensor> PreparePerToken(const torch::Tensor& t, int64_t rows,
+                                              const std::string& field, bool integral) {
+  if (t.dim() != 1 || t.size(0) != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected shape [", rows, "]; got ", ShapeOf(t)));
+  }
+  const torch::ScalarType dtype = t.scalar_type();
+  if (integral) {
+    if (!c10::isIntegralType(dtype, /*includeBool=*/false)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": expected integer token ids; got ",
+                                                     std::string(c10::toString(dtype))));
+    }
+    const bool on_wire = dtype == torch::kLong || dtype == torch::kInt;
+    return wire::ToWireLayout(t, on_wire ? dtype : torch::kLong);
+  }
+  if (!c10::isFloatingType(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected a floating tensor; got ",
+                                                   std::string(c10::toString(dtype))));
+  }
+  RETURN_IF_ERROR(wire::ToWireDtype(dtype, field).status());
+  return wire::ToWireLayout(t);
+}
+
+// Checks the caller's inputs and lays out what travels with the rows. A Backward by inputs
+// handle sends none of them (they are not even copied), but its targets still count the valid
+// tokens of a MEAN.
+absl::Status PrepareInputs(const StepSpec& spec, const StepInputs& inputs, PreparedStep& p) {
+  const torch::Tensor& x = inputs.hidden;
+  if (!x.defined() || x.dim() != 2 || !c10::isFloatingType(x.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs.hidden: expected a floating [N, D] tensor; got ",
+        x.defined() ? absl::StrCat(std::string(c10::toString(x.scalar_type())), " ", ShapeOf(x))
+                    : "none"));
+  }
+  p.rows = x.size(0);
+  p.hidden_size = x.size(1);
+  p.result_dtype = x.scalar_type();
+  const torch::ScalarType send_dtype = spec.wire_dtype.value_or(x.scalar_type());
+  RETURN_IF_ERROR(wire::ToWireDtype(send_dtype, "spec.wire_dtype").status());
+  RETURN_IF_ERROR(wire::ToWireDtype(p.result_dtype, "inputs.hidden").status());
+  if (inputs.targets.defined()) {
+    ASSIGN_OR_RETURN(p.targets, PreparePerToken(inputs.targets, p.rows, "inputs.targets", true));
+  }
+  if (p.by_handle()) return absl::OkStatus();
+  p.hidden = wire::ToWireLayout(x, send_dtype);
+  if (inputs.weights.defined()) {
+    ASSIGN_OR_RETURN(p.weights, PreparePerToken(inputs.weights, p.rows, "inputs.weights", false));
+  }
+  for (const auto& [name, t] : inputs.aux) {
+    ASSIGN_OR_RETURN(torch::Tensor prepared,
+                     PreparePerToken(t, p.rows, absl::StrCat("inputs.aux[\"", name, "\"]"), false));
+    p.aux.emplace_back(name, std::move(prepared));
+  }
+  return absl::OkStatus();
+}
+
+// The header fields every step call sends: what to compute, how many rows, and the count of
+// valid tokens a MEAN without normalizer divides by — the server scales each chunk's dX by it
+// before the later rows arrive, so it needs the count up front.
+absl::Status WriteHeader(const StepSpec& spec, const PreparedStep& p, v1::StepHeader* h) {
+  h->set_head_id(spec.head_id);
+  v1::FunctionSpec* fn = h->mutable_function();
+  fn->set_name(spec.function);
+  for (const auto& [name, value] : spec.params) (*fn->mutable_params())[name] = value;
+  fn->set_reduction(ToWire(spec.reduction));
+  fn->set_ignore_index(spec.ignore_index);
+  if (spec.normalizer.has_value()) fn->set_normalizer(*spec.normalizer);
+  h->mutable_chunking()->set_chunk_rows(spec.chunk_rows);
+  h->mutable_chunking()->set_memory_budget_bytes(spec.memory_budget_bytes);
+  h->set_rows(p.rows);
+  if (spec.expected_weight_version.has_value()) {
+    h->set_expected_weight_version(*spec.expected_weight_version);
+  }
+  if (!spec.expected_incarnation.empty()) h->set_expected_incarnation(spec.expected_incarnation);
+  if (spec.reduction == Reduction::kMean && !spec.normalizer.has_value()) {
+    if (p.by_handle() && !spec.valid_tokens.has_value() && !p.targets.defined()) {
+      return absl::InvalidArgumentError(
+          "inputs.targets: a Backward by inputs_handle with reduction MEAN and no normalizer "
+          "needs the targets (or spec.valid_tokens) to count the valid tokens; got neither");
+    }
+    h->set_valid_tokens(spec.valid_tokens.has_value()
+                            ? *spec.valid_tokens
+                            : core::CountValidTokens(p.targets, spec.ignore_index, p.rows));
+  }
+  if (p.mode == core::CallMode::kForward && spec.retain_inputs_seconds > 0) {
+    h->set_retain_inputs_seconds(spec.retain_inputs_seconds);
+  }
+  if (p.by_handle()) h->set_inputs_handle(spec.inputs_handle);
+  return absl::OkStatus();
+}
+
+// What a gradient call adds to the header: whether and under which identity dW accumulates,
+// dX's dtype, and the upstream gradient — up front for ForwardBackward (upstream_scale); for a
+// Backward, dL/dy per row (reduction NONE) or dL/d(loss) as the header's upstream_scale.
+absl::Status PrepareGradient(const StepSpec& spec, const torch::Tensor& grad_output,
+                             PreparedStep& p, v1::StepHeader* h) {
+  if (p.mode == core::CallMode::kForward) return absl::OkStatus();
+  h->set_accumulate_weight_grad(spec.accumulate_weight_grad);
+  ASSIGN_OR_RETURN(const v1::DType dx_dtype, wire::ToWireDtype(p.result_dtype, "inputs.hidden"));
+  h->set_grad_hidden_dtype(dx_dtype);
+  if (spec.gradient_id.has_value()) {
+    h->mutable_gradient_id()->set_trainer(spec.gradient_id->trainer);
+    h->mutable_gradient_id()->set_step(spec.gradient_id->step);
+    h->mutable_gradient_id()->set_micro_batch(spec.gradient_id->micro_batch);
+  }
+  if (p.mode == core::CallMode::kFused) {
+    h->set_upstream_scale(spec.upstream_scale);
+    return absl::OkStatus();
+  }
+  if (spec.reduction == Reduction::kNone) {
+    if (!grad_output.defined()) {
+      return absl::InvalidArgumentError(
+          "grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
+    }
+    ASSIGN_OR_RETURN(p.grad_output,
+                     PreparePerToken(grad_output, p.rows, "grad_output", /*integral=*/false));
+    return absl::OkStatus();
+  }
+  if (!grad_output.defined() || grad_output.numel() != 1 ||
+      !c10::isFloatingType(grad_output.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grad_output: expected one floating value (dL/d(loss)) for a scalar reduction; got ",
+        grad_output.defined() ? ShapeOf(grad_output) : "none"));
+  }
+  h->set_upstream_scale(grad_output.item<double>());
+  return absl::OkStatus();
+}
+
+// Row messages sized on all the bytes of a row — hidden, targets, weights, grad_output, aux —
+// plus their framing, so that no message exceeds chunk_bytes.
+absl::Status PlanRows(int64_t chunk_bytes, PreparedStep& p) {
+  int64_t bytes_per_row =
+      p.hidden.defined() ? p.hidden_size * static_cast<int64_t>(p.hidden.element_size()) : 0;
+  int64_t tensors = p.hidden.defined() ? 1 : 0, name_bytes = 0;
+  for (const torch::Tensor* t : {&p.targets, &p.weights, &p.grad_output}) {
+    if (!t->defined()) continue;
+    bytes_per_row += t->element_size();
+    ++tensors;
+  }
+  for (const auto& [name, t] : p.aux) {
+    bytes_per_row += t.element_size();
+    ++tensors;
+    name_bytes += static_cast<int64_t>(name.size());
+  }
+  ASSIGN_OR_RETURN(p.chunks,
+                   wire::PlanRequestChunks(p.rows, bytes_per_row,
+                                           wire::FramingBytes(tensors, name_bytes), chunk_bytes));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
+                                         core::CallMode mode, const torch::Tensor& grad_output,
+                                         int64_t chunk_bytes) {
+  PreparedStep p;
+  p.mode = mode;
+  p.inputs_handle = mode == core::CallMode::kBackward ? spec.inputs_handle : "";
+  RETURN_IF_ERROR(PrepareInputs(spec, inputs, p));
+  v1::StepHeader* h = p.header.mutable_header();
+  RETURN_IF_ERROR(WriteHeader(spec, p, h));
+  RETURN_IF_ERROR(PrepareGradient(spec, grad_output, p, h));
+  if (p.by_handle()) {
+    // The server has the inputs: only dL/dy goes with the rows, and a scalar reduction sends no
+    // rows at all.
+    p.targets = torch::Tensor();  // read for the valid-token count only
+    if (!p.grad_output.defined()) return p;
+  }
+  RETURN_IF_ERROR(PlanRows(chunk_bytes, p));
+  return p;
+}
+
+}  // namespace remotehead::client::internal

@@ -1,0 +1,48 @@
+// A step call's preparation: the caller's inputs checked and laid out for the wire, the header
+// and the row plan. The rules are shared byte-for-byte with the Python client
+// (client/python/remotehead/client.py); tests/python/test_conformance.py compares both clients'
+// messages.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "remotehead/client/client.h"
+#include "remotehead/core/call_plan.h"
+#include "remotehead/v1/head_service.pb.h"
+#include "remotehead/wire/tensor_codec.h"
+
+namespace remotehead::client::internal {
+
+// A step's inputs in wire layout (CPU, contiguous, wire dtypes), its header and its row plan:
+// built once, sent by every attempt.
+struct PreparedStep {
+  core::CallMode mode = core::CallMode::kFused;
+  std::string inputs_handle;  // a Backward by a Forward's retained inputs
+  bool by_handle() const { return !inputs_handle.empty(); }
+  v1::StepRequest header;
+  int64_t rows = 0;
+  int64_t hidden_size = 0;
+  torch::ScalarType result_dtype = torch::kFloat;  // the caller's hidden dtype: dX comes back in it
+  // What travels with the rows; all undefined but grad_output for a Backward by inputs handle.
+  torch::Tensor hidden, targets, weights, grad_output;
+  std::vector<std::pair<std::string, torch::Tensor>> aux;
+  std::vector<wire::RowRange> chunks;
+
+  // The message carrying rows [offset, offset + count) of every tensor above.
+  v1::StepRequest RowsMessage(int64_t offset, int64_t count) const;
+};
+
+// Checks the inputs of a step call in `mode` (INVALID_ARGUMENT naming the field), writes its
+// header and plans its row messages, none over chunk_bytes. grad_output: a Backward's dL/dy
+// (reduction NONE) or dL/d(loss); ignored otherwise.
+absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
+                                         core::CallMode mode, const torch::Tensor& grad_output,
+                                         int64_t chunk_bytes);
+
+}  // namespace remotehead::client::internal

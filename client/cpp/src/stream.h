@@ -1,0 +1,53 @@
+// Reading what a server stream sends: the messages to the stream's end, and the rows of a result
+// assembled into a preallocated tensor.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/v1/head_service.pb.h"
+#include "remotehead/wire/tensor_codec.h"
+#include "status.h"
+
+namespace remotehead::client::internal {
+
+// Reads a server stream to its end, handing each message to `handle`. The first error — a
+// message `handle` refuses, or (with `finish`) the call's status — is returned; after a refused
+// message the call is cancelled and drained, so the stream always ends cleanly. Without
+// `finish` the caller calls Finish itself (after joining its writer).
+template <typename Response, typename Reader, typename Handle>
+absl::Status ReadStream(grpc::ClientContext* context, Reader& reader, Handle&& handle,
+                        bool finish = true) {
+  Response response;
+  absl::Status received;
+  while (received.ok() && reader.Read(&response)) received = handle(response);
+  if (!received.ok()) {
+    context->TryCancel();
+    while (reader.Read(&response)) {
+    }
+  }
+  if (!finish) return received;
+  const grpc::Status finished = reader.Finish();
+  RETURN_IF_ERROR(received);
+  return FromGrpc(finished);
+}
+
+// The rows of a result the server streams, assembled by the wire codec; anything it refuses is
+// a broken response (INTERNAL).
+class ResponseRows {
+ public:
+  ResponseRows(torch::Tensor dst, std::string field)
+      : rows_(std::move(dst), std::move(field), /*convert_dtype=*/true) {}
+  absl::Status Add(const v1::TensorChunk& chunk) { return BrokenResponse(rows_.Add(chunk)); }
+  absl::Status CheckComplete() const { return BrokenResponse(rows_.CheckComplete()); }
+
+ private:
+  wire::RowAssembler rows_;
+};
+
+}  // namespace remotehead::client::internal
