@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
+#include "step_header.h"
 
 namespace remotehead::server {
 namespace {
@@ -18,22 +19,6 @@ v1::GroupPin ToWire(const HeadPin& pin) {
 
 HeadPin FromWire(const v1::GroupPin& pin) {
   return {.weight_version = pin.weight_version(), .gradient_window = pin.gradient_window()};
-}
-
-// The step options the front resolved, as the command carries them (should_stop, the
-// workspace and the shard are each rank's own).
-core::StepOptions OptionsFrom(const v1::GroupStepBatch& b) {
-  core::StepOptions options;
-  options.function = b.function();
-  options.params = core::FunctionParams(b.params().begin(), b.params().end());
-  options.reduction = static_cast<core::Reduction>(b.reduction());
-  if (b.has_normalizer()) options.normalizer = b.normalizer();
-  options.ignore_index = b.ignore_index();
-  options.chunk_rows = b.chunk_rows();
-  options.memory_budget_bytes = b.memory_budget_bytes();
-  options.upstream_scale = b.upstream_scale();
-  options.first_row = b.first_row();
-  return options;
 }
 
 }  // namespace
@@ -85,26 +70,19 @@ std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,
   return tensors;
 }
 
-v1::GroupCommand StepBatchCommand(int64_t session, const std::string& head_id, core::CallMode mode,
-                                  bool accumulate, const HeadPin& pin,
-                                  const core::StepOptions& options, const core::TokenBatch& batch,
+v1::GroupCommand StepBatchCommand(int64_t session, const v1::StepHeader& header,
+                                  core::CallMode mode, bool accumulate, const HeadPin& pin,
+                                  int64_t first_row, const core::TokenBatch& batch,
                                   const torch::Tensor& grad_output) {
   v1::GroupCommand command;
   v1::GroupStepBatch* b = command.mutable_step_batch();
   b->set_session(session);
-  b->set_head_id(head_id);
+  b->set_head_id(header.head_id());
   b->set_mode(static_cast<int32_t>(mode));
   b->set_accumulate(accumulate);
   *b->mutable_pin() = ToWire(pin);
-  b->set_function(options.function);
-  for (const auto& [name, value] : options.params) (*b->mutable_params())[name] = value;
-  b->set_reduction(static_cast<int32_t>(options.reduction));
-  if (options.normalizer.has_value()) b->set_normalizer(*options.normalizer);
-  b->set_ignore_index(options.ignore_index);
-  b->set_chunk_rows(options.chunk_rows);
-  b->set_memory_budget_bytes(options.memory_budget_bytes);
-  b->set_upstream_scale(options.upstream_scale);
-  b->set_first_row(options.first_row);
+  *b->mutable_header() = header;
+  b->set_first_row(first_row);
   // In BatchTensors' order.
   *b->add_tensors() = DescribeTensor("hidden", batch.hidden);
   if (batch.targets.defined()) *b->add_tensors() = DescribeTensor("targets", batch.targets);
@@ -154,7 +132,12 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
     }
     grads = &it->second;
   }
-  core::StepOptions options = OptionsFrom(b);
+  // The request's options as the front read them, from the same header by the same function
+  // (should_stop, the workspace and the shard are each rank's own).
+  ASSIGN_OR_RETURN(StepHeaderOptions read,
+                   ReadStepHeader(b.header(), static_cast<core::CallMode>(b.mode())));
+  core::StepOptions options = std::move(read.options);
+  options.first_row = b.first_row();
   const core::VocabShard shard{.group = &group_->collectives(), .ranges = entry->shards()};
   options.shard = &shard;
   std::optional<HeadPin> pin = FromWire(b.pin());

@@ -38,9 +38,9 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
 
 // The front: the command of one engine call of request `session`, and the tensors its broadcast
 // carries, in the command's order.
-v1::GroupCommand StepBatchCommand(int64_t session, const std::string& head_id, core::CallMode mode,
-                                  bool accumulate, const HeadPin& pin,
-                                  const core::StepOptions& options, const core::TokenBatch& batch,
+v1::GroupCommand StepBatchCommand(int64_t session, const v1::StepHeader& header,
+                                  core::CallMode mode, bool accumulate, const HeadPin& pin,
+                                  int64_t first_row, const core::TokenBatch& batch,
                                   const torch::Tensor& grad_output);
 std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,
                                         const torch::Tensor& grad_output);

@@ -8,6 +8,7 @@
 #include "group_commands.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
+#include "request_memory.h"
 
 namespace remotehead::server {
 namespace {
@@ -82,14 +83,10 @@ absl::StatusOr<uint64_t> HeadOperations::ReserveHead(const std::string& id, int6
                                                      int64_t hidden_size, torch::ScalarType dtype,
                                                      bool bias, const std::string& field_prefix) {
   RETURN_IF_ERROR(CheckNewHeadId(id, field_prefix == "--head " ? "--head" : "head_id"));
-  ASSIGN_OR_RETURN(const int64_t bytes, core::HeadMemoryBytes(vocab_size, hidden_size, dtype, bias,
-                                                              torch::kFloat, field_prefix));
+  ASSIGN_OR_RETURN(const MemoryEstimate head,
+                   HeadMemory(id, vocab_size, hidden_size, dtype, bias, field_prefix));
   const uint64_t ticket = admission_->NewTicket();
-  RETURN_IF_ERROR(admission_->ReserveHead(
-      ticket, bytes,
-      absl::StrCat("head \"", id, "\" of ", field_prefix, "vocab_size ", vocab_size, " × ",
-                   field_prefix, "hidden_size ", hidden_size, " ", core::DtypeName(dtype),
-                   bias ? " with bias" : "", ": weights and float32 gradients")));
+  RETURN_IF_ERROR(admission_->ReserveHead(ticket, head.bytes, head.breakdown));
   return ticket;
 }
 
@@ -419,10 +416,10 @@ absl::StatusOr<HeadDescription> HeadOperations::OptimizerStepHere(const std::str
       [&](core::Head& head, core::OptimizerState& state) {
         if (spec.expected_weight_version.has_value() &&
             *spec.expected_weight_version != head.version()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "expected_weight_version: expected the head's current version ", head.version(),
-              "; got ", *spec.expected_weight_version, " (head \"", id,
-              "\" moved on since this trainer saw it: nothing applied)"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("expected_weight_version: expected the head's current version ",
+                           head.version(), "; got ", *spec.expected_weight_version, " (head \"", id,
+                           "\" moved on since this trainer saw it: nothing applied)"));
         }
         return std::visit(
             [&](const auto& options) -> absl::Status {

@@ -283,8 +283,8 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
   // What this call may buffer: the rows read ahead (messages of up to 4 MiB assumed) and the
   // results waiting to be sent.
   int64_t PipelineBytes() const {
-    return (service_.options.read_ahead_messages + 1) * (int64_t{4} << 20) +
-           service_.options.max_pending_response_bytes;
+    return StepPipelineBytes(service_.options.read_ahead_messages,
+                             service_.options.max_pending_response_bytes);
   }
 
   v1::StepTimings TimingsLocked() const {

@@ -9,6 +9,7 @@
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
+#include "step_header.h"
 
 namespace remotehead::server {
 namespace {
@@ -17,23 +18,6 @@ namespace {
 // call, no ragged tail), capped at kMaxBatchBytes of X so that compute starts — and dX streams
 // back — while later rows are still arriving.
 constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
-
-absl::StatusOr<core::Reduction> FromWireReduction(v1::Reduction r) {
-  switch (r) {
-    case v1::REDUCTION_UNSPECIFIED:
-    case v1::REDUCTION_MEAN:
-      return core::Reduction::kMean;
-    case v1::REDUCTION_SUM:
-      return core::Reduction::kSum;
-    case v1::REDUCTION_WEIGHTED_SUM:
-      return core::Reduction::kWeightedSum;
-    case v1::REDUCTION_NONE:
-      return core::Reduction::kNone;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.function.reduction: expected NONE, SUM, MEAN or WEIGHTED_SUM; got ", r));
-  }
-}
 
 // Decodes a per-token tensor field if present (an absent message field stays undefined).
 absl::Status DecodeOptional(bool present, const v1::Tensor& wire, const std::string& field,
@@ -123,15 +107,13 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
     options_.shard = &shard_;
     group_session_ = group_->NewSession();
   }
-  if (header.rows() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header.rows: expected >= 0; got ", header.rows()));
-  }
-  RETURN_IF_ERROR(ReadFunction(header));
-  RETURN_IF_ERROR(CheckModeFields(header));
-  options_.chunk_rows = header.chunking().chunk_rows();
-  options_.memory_budget_bytes = header.chunking().memory_budget_bytes();
-  if (header.has_upstream_scale()) options_.upstream_scale = header.upstream_scale();
+  // The options the header states: the same conversion every rank of a group makes.
+  ASSIGN_OR_RETURN(StepHeaderOptions read, ReadStepHeader(header, mode_));
+  // This process's own: its shard of a group, and when to stop (set before the header).
+  read.options.shard = options_.shard;
+  read.options.should_stop = std::move(options_.should_stop);
+  options_ = std::move(read.options);
+  grad_hidden_dtype_ = read.grad_hidden_dtype;
   // The engine's plan for these options: the function and params resolved once, the chunk
   // size the rows are batched to, and the memory model admission uses.
   ASSIGN_OR_RETURN(plan_, entry_->Read([&](const core::Head& head) {
@@ -159,88 +141,8 @@ absl::Status StepSession::OnHeader(const v1::StepHeader& header) {
   if (!header.inputs_handle().empty()) RETURN_IF_ERROR(CheckRetainedInputs(header));
   RETURN_IF_ERROR(CheckVersionAndIdentity(header));
   header_ = header;
-  kept_reserved_ = RetainedAllowance(header);
-  return absl::OkStatus();
-}
-
-// What admission reserves up front for the inputs a Forward retains: X and int64 targets.
-int64_t StepSession::RetainedAllowance(const v1::StepHeader& header) const {
-  if (header.retain_inputs_seconds() <= 0) return 0;
-  return header.rows() * (plan_.hidden_size * plan_.head_elem_bytes + 8);
-}
-
-// What to compute: the function, its params, the reduction and what it divides by.
-absl::Status StepSession::ReadFunction(const v1::StepHeader& header) {
-  const v1::FunctionSpec& fn = header.function();
-  options_.function = fn.name().empty() ? "cross_entropy" : fn.name();
-  options_.params = core::FunctionParams(fn.params().begin(), fn.params().end());
-  ASSIGN_OR_RETURN(options_.reduction, FromWireReduction(fn.reduction()));
-  if (options_.reduction == core::Reduction::kNone && mode_ == core::CallMode::kFused) {
-    return absl::InvalidArgumentError(
-        "header.function.reduction: ForwardBackward needs a scalar loss (SUM, MEAN or "
-        "WEIGHTED_SUM); got NONE — use Forward and Backward for per-token outputs");
-  }
-  if (fn.has_ignore_index()) options_.ignore_index = fn.ignore_index();
-  if (fn.has_normalizer()) {
-    options_.normalizer = fn.normalizer();
-  } else if (options_.reduction == core::Reduction::kMean) {
-    if (!header.has_valid_tokens() || header.valid_tokens() < 0) {
-      return absl::InvalidArgumentError(
-          "header.valid_tokens: reduction MEAN without a normalizer needs the number of "
-          "targets != ignore_index over all rows; got none");
-    }
-    // A mean over zero tokens is 0 with zero gradients (the engine's convention).
-    options_.normalizer = std::max<int64_t>(header.valid_tokens(), 1);
-  }
-  return absl::OkStatus();
-}
-
-// The fields that only some of the three RPCs take.
-absl::Status StepSession::CheckModeFields(const v1::StepHeader& header) {
-  const bool forward = mode_ == core::CallMode::kForward;
-  if (forward && header.accumulate_weight_grad()) {
-    return absl::InvalidArgumentError(
-        "header.accumulate_weight_grad: Forward computes no gradients; got true");
-  }
-  if (header.retain_inputs_seconds() != 0 && (!forward || !(header.retain_inputs_seconds() > 0))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header.retain_inputs_seconds: expected 0, or > 0 on a Forward; got ",
-                     header.retain_inputs_seconds(), forward ? "" : " on a gradient call"));
-  }
-  if (!header.inputs_handle().empty() && mode_ != core::CallMode::kBackward) {
-    return absl::InvalidArgumentError(
-        "header.inputs_handle: expected none (only Backward takes retained inputs); got one");
-  }
-  if (header.grad_hidden_dtype() != v1::DTYPE_UNSPECIFIED) {
-    ASSIGN_OR_RETURN(const torch::ScalarType dtype,
-                     wire::FromWireDtype(header.grad_hidden_dtype(), "header.grad_hidden_dtype"));
-    if (!torch::isFloatingType(dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.grad_hidden_dtype: expected a floating dtype; got ", c10::toString(dtype)));
-    }
-    grad_hidden_dtype_ = dtype;
-  }
-  return ReadOutputDtype(header);
-}
-
-// The dtype of a "logits" Forward's rows (float32 unless asked).
-absl::Status StepSession::ReadOutputDtype(const v1::StepHeader& header) {
-  if (header.output_dtype() == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();
-  ASSIGN_OR_RETURN(const core::TransformFunction* fn,
-                   core::FunctionRegistry::Builtin().Find(options_.function));
-  if (fn->output != core::OutputKind::kLogits) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.output_dtype: expected unset (only function \"logits\" returns rows in a chosen "
-        "dtype); got ",
-        v1::DType_Name(header.output_dtype()), " with function \"", options_.function, "\""));
-  }
-  ASSIGN_OR_RETURN(const torch::ScalarType dtype,
-                   wire::FromWireDtype(header.output_dtype(), "header.output_dtype"));
-  if (!torch::isFloatingType(dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header.output_dtype: expected a floating dtype; got ", c10::toString(dtype)));
-  }
-  options_.logits_dtype = dtype;
+  kept_reserved_ =
+      header.retain_inputs_seconds() > 0 ? RetainedInputsBytes(plan_, header.rows()) : 0;
   return absl::OkStatus();
 }
 
@@ -294,25 +196,13 @@ absl::Status StepSession::CheckVersionAndIdentity(const v1::StepHeader& header) 
 }
 
 MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
-  const int64_t rows = header_->rows();
-  // The engine runs one batch at a time; core's memory model says what one call holds.
-  const core::CallMemory engine = plan_.Memory(std::min(rows, batch_rows_), mode_);
-  const int64_t scratch = key_.has_value() ? scratch_.nbytes() : 0;
-  const int64_t x_bytes = rows * plan_.hidden_size * plan_.head_elem_bytes;
-  // In flight: rows received but not computed and results not yet sent (X-sized each), plus
-  // the whole X (and int64 targets) when a Forward keeps its inputs for the Backward.
-  // A Forward's results may outweigh X (rows of logits): X plus the results then.
-  const int64_t result_bytes =
-      mode_ == core::CallMode::kForward ? rows * plan_.output_row_bytes : x_bytes;
-  const int64_t pipeline = std::min(std::max(2 * x_bytes, x_bytes + result_bytes), pipeline_bytes);
-  const int64_t kept = RetainedAllowance(*header_);
-  MemoryEstimate e;
-  e.bytes = engine.total() + scratch + pipeline + kept;
-  e.breakdown = absl::StrCat("engine workspace ", core::FormatMiB(engine.total()), " (",
-                             engine.Breakdown(), ") + scratch dW ", core::FormatMiB(scratch),
-                             " + rows in flight ", core::FormatMiB(pipeline));
-  if (kept > 0) absl::StrAppend(&e.breakdown, " + retained inputs ", core::FormatMiB(kept));
-  return e;
+  return StepMemory({.plan = &plan_,
+                     .mode = mode_,
+                     .rows = header_->rows(),
+                     .batch_rows = batch_rows_,
+                     .scratch_bytes = key_.has_value() ? scratch_.nbytes() : 0,
+                     .pipeline_bytes = pipeline_bytes,
+                     .retains_inputs = header_->retain_inputs_seconds() > 0});
 }
 
 // ----- rows -----
@@ -482,8 +372,8 @@ absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Te
   return entry_->ReadPinned(&pin_, [&](const core::Head& head) {
     const bool accumulate = key_.has_value();
     group_open_ = group_open_ || accumulate;
-    return lane.Run(StepBatchCommand(group_session_, header_->head_id(), mode_, accumulate, *pin_,
-                                     options_, batch, grad_output),
+    return lane.Run(StepBatchCommand(group_session_, *header_, mode_, accumulate, *pin_,
+                                     options_.first_row, batch, grad_output),
                     [&]() -> absl::Status {
                       std::vector<torch::Tensor> tensors = BatchTensors(batch, grad_output);
                       RETURN_IF_ERROR(group_->Share(tensors));

@@ -27,15 +27,10 @@
 #include "remotehead/server/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
+#include "request_memory.h"
 #include "retained_inputs.h"
 
 namespace remotehead::server {
-
-// What a request will hold in memory while it runs, for admission control.
-struct MemoryEstimate {
-  int64_t bytes = 0;
-  std::string breakdown;  // e.g. "engine (logits 4 MiB + …) + scratch dW 122 MiB + …"
-};
 
 class StepSession {
  public:
@@ -98,13 +93,11 @@ class StepSession {
   };
 
   // The header, in the order it is validated.
+  // The header's options (step_header.h), then what needs the head: the engine's plan, the
+  // retained inputs, the version and the identity.
   absl::Status OnHeader(const v1::StepHeader& header);
-  absl::Status ReadFunction(const v1::StepHeader& header);
-  absl::Status CheckModeFields(const v1::StepHeader& header);
-  absl::Status ReadOutputDtype(const v1::StepHeader& header);
   absl::Status CheckRetainedInputs(const v1::StepHeader& header);
   absl::Status CheckVersionAndIdentity(const v1::StepHeader& header);
-  int64_t RetainedAllowance(const v1::StepHeader& header) const;
 
   // Rows.
   absl::Status OnRows(std::shared_ptr<const v1::StepRequest> message,

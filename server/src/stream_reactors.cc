@@ -8,6 +8,7 @@
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/status_mapping.h"
 #include "remotehead/wire/tensor_codec.h"
+#include "request_memory.h"
 
 namespace remotehead::server {
 namespace {
@@ -188,13 +189,10 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
     RETURN_IF_ERROR(core::HeadMemoryBytes(h.vocab_size(), h.hidden_size(), dtype, h.has_bias(),
                                           torch::kFloat, "header.")
                         .status());
-    const int64_t buffer_bytes = h.vocab_size() * (h.hidden_size() + (h.has_bias() ? 1 : 0)) *
-                                 static_cast<int64_t>(c10::elementSize(dtype));
+    const MemoryEstimate buffer =
+        UploadBufferMemory(h.head_id(), h.vocab_size(), h.hidden_size(), h.has_bias(), dtype);
     buffer_ticket_ = service_.admission.NewTicket();
-    RETURN_IF_ERROR(service_.admission.Reserve(
-        buffer_ticket_, buffer_bytes,
-        absl::StrCat("the upload buffer of head \"", h.head_id(), "\", header.vocab_size ",
-                     h.vocab_size(), " × header.hidden_size ", h.hidden_size())));
+    RETURN_IF_ERROR(service_.admission.Reserve(buffer_ticket_, buffer.bytes, buffer.breakdown));
     header_ = h;
     weight_.emplace(torch::empty({h.vocab_size(), h.hidden_size()}, torch::TensorOptions(dtype)),
                     "weight_rows", /*convert_dtype=*/false);

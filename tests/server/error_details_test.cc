@@ -3,7 +3,6 @@
 // attach (core/error_reason.h); and ListFunctions describes every registered function from the
 // registry. Checked on the seam alone and over a real gRPC channel.
 #include "remotehead/core/error_reason.h"
-
 #include "remotehead/core/functions.h"
 #include "remotehead/server/status_mapping.h"
 #include "service_fixture.h"
@@ -41,9 +40,9 @@ TEST(ErrorReason, AttachedReasonsAndTheCodesDefaults) {
   EXPECT_EQ(core::ReasonOf(absl::InternalError("x")).reason, "INTERNAL");
   EXPECT_EQ(core::ReasonOf(absl::DeadlineExceededError("x")).reason, "DEADLINE_EXCEEDED");
 
-  const absl::Status tagged = core::WithReason(absl::AbortedError("rank 1 missing"),
-                                               core::reason::kRanksMissing,
-                                               {{"missing_ranks", "1,3"}, {"head", std::string("a\0:b", 4)}});
+  const absl::Status tagged =
+      core::WithReason(absl::AbortedError("rank 1 missing"), core::reason::kRanksMissing,
+                       {{"missing_ranks", "1,3"}, {"head", std::string("a\0:b", 4)}});
   EXPECT_EQ(tagged.message(), "rank 1 missing");
   EXPECT_EQ(core::ReasonOf(tagged).reason, "RANKS_MISSING");
   EXPECT_EQ(core::ReasonOf(tagged).metadata.at("missing_ranks"), "1,3");
@@ -60,8 +59,8 @@ TEST(ErrorReason, TheSeamSendsAnErrorInfoWithEveryFailedStatus) {
   for (const absl::Status& s :
        {absl::InvalidArgumentError("targets[3]: expected a token id; got 40"),
         absl::NotFoundError("x"), absl::InternalError("y"), absl::CancelledError("z"),
-        core::WithReason(absl::FailedPreconditionError("restarted"),
-                         core::reason::kServerRestarted, {{"head", "lm"}})}) {
+        core::WithReason(absl::FailedPreconditionError("restarted"), core::reason::kServerRestarted,
+                         {{"head", "lm"}})}) {
     const grpc::Status g = server::ToGrpcStatus(s);
     EXPECT_EQ(static_cast<int>(g.error_code()), static_cast<int>(s.code()));
     EXPECT_EQ(g.error_message(), s.message());
@@ -151,9 +150,8 @@ TEST_F(ErrorDetailsServiceTest, ListFunctionsDescribesEveryRegisteredFunction) {
     const auto& common = core::FunctionRegistry::CommonParams();
     ASSERT_EQ(d.params_size(), static_cast<int>(fn->params.size() + common.size()));
     for (int i = 0; i < d.params_size(); ++i) {
-      const core::ParamSpec& spec = i < static_cast<int>(fn->params.size())
-                                        ? fn->params[i]
-                                        : common[i - fn->params.size()];
+      const core::ParamSpec& spec =
+          i < static_cast<int>(fn->params.size()) ? fn->params[i] : common[i - fn->params.size()];
       EXPECT_EQ(d.params(i).name(), spec.name);
       EXPECT_EQ(d.params(i).default_value(), spec.default_value);
       EXPECT_EQ(d.params(i).min_value(), spec.min_value);
@@ -164,7 +162,7 @@ TEST_F(ErrorDetailsServiceTest, ListFunctionsDescribesEveryRegisteredFunction) {
     EXPECT_EQ(d.vocab_decomposable(), fn->vocab_decomposable);
     const bool per_token = fn->output == core::OutputKind::kPerToken;
     EXPECT_EQ(d.differentiable(), per_token);
-    EXPECT_EQ(d.output_kind(), per_token ? v1::OUTPUT_KIND_PER_TOKEN
+    EXPECT_EQ(d.output_kind(), per_token                                 ? v1::OUTPUT_KIND_PER_TOKEN
                                : fn->output == core::OutputKind::kLogits ? v1::OUTPUT_KIND_LOGITS
                                                                          : v1::OUTPUT_KIND_SAMPLE);
     EXPECT_EQ(d.output_dtype(), v1::DTYPE_FLOAT32);

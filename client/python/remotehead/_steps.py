@@ -1,7 +1,7 @@
 """A step call without its transport: what it computes (StepOptions), the messages it sends
 and what comes back (StepResult, StepSummary, StepTimings).
 
-`prepare_step` is the Python twin of the C++ client's PrepareStep (client/cpp/src/client.cc):
+`prepare_step` is the Python twin of the C++ client's PrepareStep (client/cpp/src/prepare_step.cc):
 for the same call both clients send the same StepHeader and split the rows into the same
 messages (tests/python/test_conformance.py runs one list of calls through both and compares
 what reached the server). `receive` reads one attempt's response stream into preallocated

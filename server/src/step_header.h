@@ -1,0 +1,29 @@
+// A step's header read into the engine's types: the one conversion from the wire's StepHeader
+// to core::StepOptions. The front of a request calls it (StepSession), and so does every other
+// rank of a head group, which receives the request's own header in each step command
+// (group_steps.h): an option added to the header reaches every rank through this function.
+//
+// Protobuf-facing and stateless: it checks what the header alone determines (the reduction and
+// the mode's fields, the dtypes asked for); what needs the head (the function and its params,
+// the version, the identity) is checked by the engine's plan and the session.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/v1/head_service.pb.h"
+
+namespace remotehead::server {
+
+struct StepHeaderOptions {
+  core::StepOptions options;  // function … logits_dtype (not first_row, shard, should_stop)
+  std::optional<torch::ScalarType> grad_hidden_dtype;  // dX's dtype when asked
+};
+
+// The header of a call in `mode` (kFused: ForwardBackward, kForward, kBackward).
+absl::StatusOr<StepHeaderOptions> ReadStepHeader(const v1::StepHeader& header, core::CallMode mode);
+
+}  // namespace remotehead::server
