@@ -1,4 +1,5 @@
-// Engine vs the naive full-logits reference (float64 autograd on the CPU), for every function ×
+// Engine vs the naive full-logits reference (float64 autograd on the CPU), for every function
+// (with its defaults, each own param, softcap + temperature, all options: function_cases.h) ×
 // reduction × mode × bias × dtype × device (CPU, and CUDA when the machine has a GPU), each at
 // chunk sizes {1, 7, 64, N, N+5} with N = 67 (not a multiple of any of them), function blocks
 // smaller than, equal to and larger than the chunk, and ~20% of the targets set to ignore_index.
@@ -8,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/function_cases.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
 #include "support/devices.h"
@@ -17,31 +19,14 @@ namespace {
 
 using core::Reduction;
 
-struct FunctionCase {
-  std::string label;
-  std::string function;
-  core::FunctionParams params;
-};
+using reference::FunctionCase;
 
+// Every registered function with its defaults, each own param, softcap + temperature, and all
+// options together (function_cases.h).
 const std::vector<FunctionCase>& Cases() {
-  static const auto* cases = new std::vector<FunctionCase>{
-      {"ce", "cross_entropy", {}},
-      {"ce_smooth_zloss_softcap_temp",
-       "cross_entropy",
-       {{"label_smoothing", 0.1}, {"z_loss", 1e-3}, {"softcap", 2.5}, {"temperature", 0.7}}},
-      {"logprobs", "token_logprobs", {{"temperature", 0.9}}},
-      {"entropy", "entropy", {}},
-      {"grpo", "grpo", {{"epsilon_low", 0.2}, {"epsilon_high", 0.28}, {"beta", 0.04}}},
-      {"grpo_bias_corrected_kl",
-       "grpo",
-       {{"epsilon_low", 0.2}, {"epsilon_high", 0.28}, {"beta", 0.04}, {"bias_correction_kl", 1}}},
-      {"mse_onehot", "mse_onehot", {}},
-      {"sigmoid_sum", "sigmoid_sum", {}},
-  };
+  static const auto* cases = new std::vector<FunctionCase>(reference::DerivedCases());
   return *cases;
 }
-
-void PrintTo(const FunctionCase& c, std::ostream* os) { *os << c.label; }
 
 enum class Mode { kFused, kTwoPhase };
 

@@ -3,18 +3,14 @@
 // sharing the same formula could not.
 #include <gtest/gtest.h>
 
+#include "core/function_cases.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
 
 namespace remotehead {
 namespace {
 
-struct FdCase {
-  std::string function;
-  core::FunctionParams params;
-};
-
-void PrintTo(const FdCase& c, std::ostream* os) { *os << c.function; }
+using FdCase = reference::FunctionCase;
 
 class FiniteDifference : public ::testing::TestWithParam<FdCase> {};
 
@@ -62,16 +58,13 @@ TEST_P(FiniteDifference, GradientsMatchCentralDifferences) {
   check(head->mutable_bias(), head->grads().bias, "db");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllFunctions, FiniteDifference,
-    ::testing::Values(
-        FdCase{
-            "cross_entropy",
-            {{"label_smoothing", 0.1}, {"z_loss", 0.01}, {"softcap", 1.5}, {"temperature", 0.8}}},
-        FdCase{"token_logprobs", {}}, FdCase{"entropy", {}},
-        FdCase{"grpo", {{"beta", 0.1}, {"epsilon_low", 0.2}, {"epsilon_high", 0.3}}},
-        FdCase{"mse_onehot", {}}, FdCase{"sigmoid_sum", {}}),
-    [](const ::testing::TestParamInfo<FdCase>& info) { return info.param.function; });
+// Every registered function with its defaults, each own param, softcap + temperature, and all
+// options together (function_cases.h).
+INSTANTIATE_TEST_SUITE_P(AllFunctions, FiniteDifference,
+                         ::testing::ValuesIn(reference::DerivedCases()),
+                         [](const ::testing::TestParamInfo<FdCase>& info) {
+                           return info.param.label;
+                         });
 
 }  // namespace
 }  // namespace remotehead

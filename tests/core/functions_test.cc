@@ -1,9 +1,17 @@
-// The function registry: names, parameter resolution and range checks, and the seed's "other
-// functions" (sigmoid-sum, MSE to one-hot) checked against their literal PyTorch definitions.
+// The function registry: every function has a reference and the reference table no other
+// function, the cases the suites derive from the registry are valid, parameter resolution and
+// range checks, and the seed's "other functions" (sigmoid-sum, MSE to one-hot) checked against
+// their literal PyTorch definitions.
 #include "remotehead/core/functions.h"
 
 #include <gtest/gtest.h>
 
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_join.h"
+#include "core/function_cases.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
 
@@ -12,16 +20,78 @@ namespace {
 
 using core::FunctionRegistry;
 
-TEST(FunctionRegistry, HasEveryBuiltinFunction) {
-  const std::vector<std::string> expected = {"cross_entropy", "entropy",       "grpo",
-                                             "logits",        "mse_onehot",    "sample",
-                                             "sigmoid_sum",   "token_logprobs"};
-  EXPECT_EQ(FunctionRegistry::Builtin().Names(), expected);
+// The reference table (reference.h) and the registry name the same functions: a function
+// registered without a reference, or a reference left after its function, fails here. A per-token
+// function's entry has a per-token reference; a generation output's has none (generation_test).
+TEST(FunctionRegistry, EveryFunctionHasAReferenceAndEveryReferenceAFunction) {
+  const auto& registry = FunctionRegistry::Builtin();
+  const auto& references = reference::ReferenceFunctions();
+  for (const core::TransformFunction* fn : registry.Functions()) {
+    const auto entry = references.find(fn->name);
+    if (entry == references.end()) {
+      ADD_FAILURE() << fn->name << ": registered without a reference; add its entry to "
+                    << "ReferenceFunctions() in tests/core/reference.cc";
+      continue;
+    }
+    EXPECT_EQ(static_cast<bool>(entry->second.per_token), fn->output == core::OutputKind::kPerToken)
+        << fn->name << ": a per-token function needs a per_token reference, a generation output "
+        << "none";
+    for (const auto& [param, value] : entry->second.test_values) {
+      bool own = false;
+      for (const core::ParamSpec& spec : fn->params) own = own || spec.name == param;
+      EXPECT_TRUE(own) << fn->name << ": test_values names " << param << ", not one of its params";
+    }
+  }
+  for (const auto& [name, entry] : references) {
+    EXPECT_TRUE(registry.Find(name).ok()) << name << ": a reference for no registered function";
+  }
+}
+
+TEST(FunctionRegistry, AnUnknownNameIsRefusedNamingTheKnownOnes) {
+  std::vector<std::string> known;
+  for (const auto& [name, entry] : reference::ReferenceFunctions()) known.push_back(name);
   auto missing = FunctionRegistry::Builtin().Find("softmax_xyz");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(missing.status().message(),
-            "function: expected one of cross_entropy, entropy, grpo, logits, mse_onehot, sample, "
-            "sigmoid_sum, token_logprobs; got \"softmax_xyz\"");
+            "function: expected one of " + absl::StrJoin(known, ", ") + "; got \"softmax_xyz\"");
+}
+
+// The cases the engine's suites derive (function_cases.h) are valid calls that test what they
+// say: every param they set resolves, every own param of every function has a case of its own
+// with a value other than its default, and the function's validate accepts each case with the
+// aux inputs MakeTestBatch gives it (which include every required one).
+TEST(FunctionRegistry, DerivedCasesAreValidAndCoverEveryParam) {
+  const auto& registry = FunctionRegistry::Builtin();
+  auto head = reference::MakeTestHead(11, 4, torch::kFloat, false);
+  const std::vector<reference::FunctionCase> cases = reference::DerivedCases();
+  std::set<std::string> labels;
+  for (const reference::FunctionCase& c : cases) {
+    SCOPED_TRACE(c.label);
+    EXPECT_TRUE(labels.insert(c.label).second) << "two cases named " << c.label;
+    const core::TransformFunction* fn = *registry.Find(c.function);
+    auto params = registry.ResolveParams(*fn, c.params);
+    ASSERT_TRUE(params.ok()) << params.status();
+    const core::TokenBatch batch =
+        reference::MakeTestBatch(*head, 6, c.function, core::Reduction::kMean);
+    for (const std::string& aux : fn->required_aux) EXPECT_TRUE(batch.aux.contains(aux)) << aux;
+    if (fn->validate) {
+      const absl::Status valid = fn->validate(*params, batch.aux);
+      EXPECT_TRUE(valid.ok()) << valid;
+    }
+  }
+  for (const core::TransformFunction* fn : registry.Functions()) {
+    if (fn->output != core::OutputKind::kPerToken) continue;
+    EXPECT_TRUE(labels.contains(fn->name)) << fn->name << ": no case with the defaults";
+    EXPECT_TRUE(labels.contains(fn->name + "_softcap_temp")) << fn->name;
+    for (const core::ParamSpec& spec : fn->params) {
+      SCOPED_TRACE(fn->name + "." + spec.name);
+      const double value = reference::TestValue(fn->name, spec);
+      EXPECT_NE(value, spec.default_value);
+      EXPECT_GE(value, spec.min_value);
+      EXPECT_LE(value, spec.max_value);
+      EXPECT_TRUE(labels.contains(fn->name + "_" + spec.name));
+    }
+  }
 }
 
 TEST(FunctionRegistry, ResolveParamsFillsDefaultsAndKeepsGivenValues) {

@@ -4,6 +4,7 @@
 // number of rows N.
 #include <gtest/gtest.h>
 
+#include "core/function_cases.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/memory_stats.h"
@@ -60,14 +61,9 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
   return {core::GetMemoryStats(device)->peak_allocated_bytes - before, plan->chunk_rows};
 }
 
-struct BudgetCase {
-  std::string function;
-  core::FunctionParams params;
-};
+using reference::FunctionCase;
 
-void PrintTo(const BudgetCase& c, std::ostream* os) { *os << c.function; }
-
-class MemoryBudget : public ::testing::TestWithParam<std::tuple<BudgetCase, std::string>> {};
+class MemoryBudget : public ::testing::TestWithParam<std::tuple<FunctionCase, std::string>> {};
 
 TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
   const auto& [c, device_name] = GetParam();
@@ -97,24 +93,15 @@ TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
     }
 }
 
+// Every registered function with its defaults and, if it has own params, with all options
+// (function_cases.h).
 INSTANTIATE_TEST_SUITE_P(
     AllFunctions, MemoryBudget,
-    ::testing::Combine(::testing::Values(BudgetCase{"cross_entropy", {}},
-                                         BudgetCase{"cross_entropy",
-                                                    {{"label_smoothing", 0.1},
-                                                     {"z_loss", 1e-4},
-                                                     {"softcap", 30},
-                                                     {"temperature", 0.7}}},
-                                         BudgetCase{"token_logprobs", {}},
-                                         BudgetCase{"entropy", {}},
-                                         BudgetCase{"grpo", {{"beta", 0.04}}},
-                                         BudgetCase{"mse_onehot", {}},
-                                         BudgetCase{"sigmoid_sum", {}}),
-                       ::testing::ValuesIn(testing::TestDevices())),
-    [](const ::testing::TestParamInfo<std::tuple<BudgetCase, std::string>>& info) {
-      const BudgetCase& c = std::get<0>(info.param);
-      return c.function + (c.params.empty() ? "" : "_with_options") + "_" +
-             testing::DeviceLabel(std::get<1>(info.param));
+    ::testing::Combine(
+        ::testing::ValuesIn(reference::DerivedCases(reference::CaseSet::kDefaultsAndAllOptions)),
+        ::testing::ValuesIn(testing::TestDevices())),
+    [](const ::testing::TestParamInfo<std::tuple<FunctionCase, std::string>>& info) {
+      return std::get<0>(info.param).label + "_" + testing::DeviceLabel(std::get<1>(info.param));
     });
 
 // A caller-owned logits workspace (a server reusing one across a request's batches) replaces

@@ -7,7 +7,9 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
+#include "core/function_cases.h"
 #include "core/reference.h"
 #include "remotehead/core/call_plan.h"
 #include "remotehead/core/engine.h"
@@ -26,14 +28,15 @@ constexpr int64_t kHidden = 128;
 // function's autograd graph are alive at once).
 constexpr double kMaxOverestimate = 3.0;
 
-struct FunctionCase {
-  std::string label;
-  std::string function;
-  core::FunctionParams params;
+// A derived case (function_cases.h) and the reduction it is measured with.
+struct MemoryCase {
+  reference::FunctionCase fcase;
   Reduction reduction = Reduction::kMean;
 };
 
-void PrintTo(const FunctionCase& c, std::ostream* os) { *os << c.label; }
+void PrintTo(const MemoryCase& c, std::ostream* os) {
+  *os << c.fcase.label << "_" << core::ReductionName(c.reduction);
+}
 
 // How the chunk size is chosen: from a memory budget, as given, or larger than the call.
 struct Chunking {
@@ -45,18 +48,19 @@ struct Chunking {
 
 void PrintTo(const Chunking& c, std::ostream* os) { *os << c.label; }
 
-using Param = std::tuple<FunctionCase, CallMode, torch::ScalarType, Chunking>;
+using Param = std::tuple<MemoryCase, CallMode, torch::ScalarType, Chunking>;
 
 class MemoryModel : public ::testing::TestWithParam<Param> {};
 
 TEST_P(MemoryModel, EstimateBoundsTheMeasuredPeak) {
-  const auto& [fcase, mode, dtype, chunking] = GetParam();
+  const auto& [mcase, mode, dtype, chunking] = GetParam();
+  const reference::FunctionCase& fcase = mcase.fcase;
   core::InstallCpuMemoryTracker();
   torch::manual_seed(0);
   auto head = reference::MakeTestHead(kVocab, kHidden, dtype, /*bias=*/true);
-  const Reduction reduction = mode == CallMode::kFused && fcase.reduction == Reduction::kNone
+  const Reduction reduction = mode == CallMode::kFused && mcase.reduction == Reduction::kNone
                                   ? Reduction::kSum
-                                  : fcase.reduction;
+                                  : mcase.reduction;
   const core::TokenBatch batch =
       reference::MakeTestBatch(*head, chunking.rows, fcase.function, reduction);
   core::StepOptions options{.function = fcase.function,
@@ -96,17 +100,18 @@ TEST_P(MemoryModel, EstimateBoundsTheMeasuredPeak) {
                  std::to_string(static_cast<double>(estimate.total()) / measured));
 }
 
-const FunctionCase kFunctions[] = {
-    {"ce", "cross_entropy", {}},
-    {"ce_all_options",
-     "cross_entropy",
-     {{"label_smoothing", 0.1}, {"z_loss", 1e-4}, {"softcap", 30}, {"temperature", 0.7}}},
-    {"logprobs_none", "token_logprobs", {}, Reduction::kNone},
-    {"entropy", "entropy", {}, Reduction::kSum},
-    {"grpo", "grpo", {{"beta", 0.04}}, Reduction::kWeightedSum},
-    {"mse_onehot", "mse_onehot", {}},
-    {"sigmoid_sum", "sigmoid_sum", {}, Reduction::kSum},
-};
+// Every registered function with its defaults and, if it has own params, with all options
+// (function_cases.h), the reductions taken in turn so that each is measured.
+std::vector<MemoryCase> Cases() {
+  const Reduction reductions[] = {Reduction::kMean, Reduction::kNone, Reduction::kSum,
+                                  Reduction::kWeightedSum};
+  std::vector<MemoryCase> cases;
+  for (reference::FunctionCase& c :
+       reference::DerivedCases(reference::CaseSet::kDefaultsAndAllOptions)) {
+    cases.push_back({std::move(c), reductions[cases.size() % std::size(reductions)]});
+  }
+  return cases;
+}
 
 const Chunking kChunkings[] = {
     {"budget", 0, int64_t{3} << 20, 700},  // the budget forces several chunks
@@ -115,14 +120,15 @@ const Chunking kChunkings[] = {
 };
 
 std::string Name(const ::testing::TestParamInfo<Param>& info) {
-  const auto& [fcase, mode, dtype, chunking] = info.param;
+  const auto& [mcase, mode, dtype, chunking] = info.param;
   const char* modes[] = {"fused", "forward", "backward"};
-  return fcase.label + "_" + modes[static_cast<int>(mode)] + "_" +
-         (dtype == torch::kFloat ? "fp32" : "bf16") + "_" + chunking.label;
+  return mcase.fcase.label + "_" + std::string(core::ReductionName(mcase.reduction)) + "_" +
+         modes[static_cast<int>(mode)] + "_" + (dtype == torch::kFloat ? "fp32" : "bf16") + "_" +
+         chunking.label;
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryFunctionModeAndDtype, MemoryModel,
-                         ::testing::Combine(::testing::ValuesIn(kFunctions),
+                         ::testing::Combine(::testing::ValuesIn(Cases()),
                                             ::testing::Values(CallMode::kFused, CallMode::kForward,
                                                               CallMode::kBackward),
                                             ::testing::Values(torch::kFloat, torch::kBFloat16),

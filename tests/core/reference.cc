@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <stdexcept>
+#include <string>
 
 namespace remotehead::reference {
 namespace F = torch::nn::functional;
@@ -14,57 +17,111 @@ double Param(const core::FunctionParams& params, const std::string& name, double
   return it == params.end() ? fallback : it->second;
 }
 
-torch::Tensor Aux(const core::TokenBatch& batch, const std::string& name) {
-  const auto it = batch.aux.find(name);
-  return it == batch.aux.end() ? torch::Tensor() : it->second.to(torch::kDouble);
+torch::Tensor Aux(const core::AuxTensors& aux, const std::string& name) {
+  const auto it = aux.find(name);
+  return it == aux.end() ? torch::Tensor() : it->second;
+}
+
+torch::Tensor TargetLogprob(const torch::Tensor& z, const torch::Tensor& t) {
+  return torch::log_softmax(z, 1).gather(1, t.unsqueeze(1)).squeeze(1);
+}
+
+torch::Tensor CrossEntropy(const torch::Tensor& z, const torch::Tensor& t, const core::AuxTensors&,
+                           const core::FunctionParams& params) {
+  torch::Tensor y = F::cross_entropy(z, t,
+                                     F::CrossEntropyFuncOptions()
+                                         .reduction(torch::kNone)
+                                         .label_smoothing(params.at("label_smoothing")));
+  const double zc = params.at("z_loss");
+  if (zc > 0) y = y + zc * torch::logsumexp(z, 1).pow(2);
+  return y;
+}
+
+// As TRL's GRPOTrainer._compute_loss writes it.
+torch::Tensor Grpo(const torch::Tensor& z, const torch::Tensor& t, const core::AuxTensors& aux,
+                   const core::FunctionParams& params) {
+  const torch::Tensor logp = TargetLogprob(z, t);
+  torch::Tensor old = Aux(aux, "old_logprobs");
+  if (!old.defined()) old = logp.detach();
+  const torch::Tensor adv = Aux(aux, "advantages");
+  const torch::Tensor coef_1 = torch::exp(logp - old);
+  const torch::Tensor coef_2 =
+      torch::clamp(coef_1, 1 - params.at("epsilon_low"), 1 + params.at("epsilon_high"));
+  torch::Tensor loss = -torch::min(coef_1 * adv, coef_2 * adv);
+  const double beta = params.at("beta");
+  if (beta != 0) {
+    const torch::Tensor ref = Aux(aux, "ref_logprobs");
+    torch::Tensor kl = torch::exp(ref - logp) - (ref - logp) - 1;
+    if (params.at("bias_correction_kl") != 0) kl = kl * coef_1;  // TRL's default
+    loss = loss + beta * kl;
+  }
+  return loss;
+}
+
+// grpo's inputs: advantages ~ N(0, 1); old and ref log-probs the head's true log-probs (of the
+// logits without softcap or temperature) plus N(0, 0.3²) noise.
+void GrpoAux(const core::Head& head, at::Generator& gen, core::TokenBatch* batch) {
+  const int64_t rows = batch->hidden.size(0);
+  batch->aux["advantages"] = at::normal(0.0, 1.0, {rows}, gen);
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
+  torch::Tensor z = torch::mm(batch->hidden.to(f64), head.weight().to(f64).t());
+  if (head.has_bias()) z = z + head.bias().to(f64);
+  const torch::Tensor targets = batch->targets.clamp_min(0);
+  const torch::Tensor logp = TargetLogprob(z, targets).to(torch::kFloat);
+  batch->aux["old_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
+  batch->aux["ref_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
+}
+
+std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
+  std::map<std::string, ReferenceFunction> table;
+  table["cross_entropy"] = {.per_token = CrossEntropy,
+                            .test_values = {{"label_smoothing", 0.1}, {"z_loss", 1e-3}}};
+  table["token_logprobs"] = {
+      .per_token = [](const torch::Tensor& z, const torch::Tensor& t, const core::AuxTensors&,
+                      const core::FunctionParams&) { return TargetLogprob(z, t); }};
+  table["entropy"] = {.per_token = [](const torch::Tensor& z, const torch::Tensor&,
+                                      const core::AuxTensors&, const core::FunctionParams&) {
+    return -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
+  }};
+  table["grpo"] = {
+      .per_token = Grpo,
+      .make_aux = GrpoAux,
+      .test_values = {
+          {"epsilon_low", 0.1}, {"epsilon_high", 0.28}, {"beta", 0.04}, {"bias_correction_kl", 1}}};
+  table["mse_onehot"] = {.per_token = [](const torch::Tensor& z, const torch::Tensor& t,
+                                         const core::AuxTensors&, const core::FunctionParams&) {
+    const torch::Tensor one_hot = F::one_hot(t, z.size(1)).to(torch::kDouble);
+    return (z - one_hot).pow(2).mean(1);
+  }};
+  table["sigmoid_sum"] = {
+      .per_token = [](const torch::Tensor& z, const torch::Tensor&, const core::AuxTensors&,
+                      const core::FunctionParams&) { return torch::sigmoid(z).sum(1); }};
+  // Generation outputs: no per-token reference here (generation_test checks them).
+  table["logits"] = {};
+  table["sample"] = {};
+  return table;
 }
 
 }  // namespace
 
+const std::map<std::string, ReferenceFunction>& ReferenceFunctions() {
+  static const auto* table = new std::map<std::string, ReferenceFunction>(MakeReferenceFunctions());
+  return *table;
+}
+
 torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& z,
                                 const core::TokenBatch& batch, const torch::Tensor& t,
                                 const core::FunctionParams& params) {
-  if (function == "cross_entropy") {
-    const double eps = Param(params, "label_smoothing", 0.0);
-    torch::Tensor y = F::cross_entropy(
-        z, t, F::CrossEntropyFuncOptions().reduction(torch::kNone).label_smoothing(eps));
-    const double zc = Param(params, "z_loss", 0.0);
-    if (zc > 0) y = y + zc * torch::logsumexp(z, 1).pow(2);
-    return y;
+  const auto entry = ReferenceFunctions().find(function);
+  if (entry == ReferenceFunctions().end() || !entry->second.per_token) {
+    throw std::runtime_error("reference: no per-token reference for function " + function);
   }
-  if (function == "token_logprobs") {
-    return torch::log_softmax(z, 1).gather(1, t.unsqueeze(1)).squeeze(1);
-  }
-  if (function == "entropy") {
-    return -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
-  }
-  if (function == "grpo") {
-    // As TRL's GRPOTrainer._compute_loss writes it.
-    const torch::Tensor logp = torch::log_softmax(z, 1).gather(1, t.unsqueeze(1)).squeeze(1);
-    torch::Tensor old = Aux(batch, "old_logprobs");
-    if (!old.defined()) old = logp.detach();
-    const torch::Tensor adv = Aux(batch, "advantages");
-    const torch::Tensor coef_1 = torch::exp(logp - old);
-    const torch::Tensor coef_2 = torch::clamp(coef_1, 1 - Param(params, "epsilon_low", 0.2),
-                                              1 + Param(params, "epsilon_high", 0.2));
-    torch::Tensor loss = -torch::min(coef_1 * adv, coef_2 * adv);
-    const double beta = Param(params, "beta", 0.0);
-    if (beta != 0) {
-      const torch::Tensor ref = Aux(batch, "ref_logprobs");
-      torch::Tensor kl = torch::exp(ref - logp) - (ref - logp) - 1;
-      if (Param(params, "bias_correction_kl", 0.0) != 0) kl = kl * coef_1;  // TRL's default
-      loss = loss + beta * kl;
-    }
-    return loss;
-  }
-  if (function == "mse_onehot") {
-    const torch::Tensor one_hot = F::one_hot(t, z.size(1)).to(torch::kDouble);
-    return (z - one_hot).pow(2).mean(1);
-  }
-  if (function == "sigmoid_sum") {
-    return torch::sigmoid(z).sum(1);
-  }
-  throw std::runtime_error("reference: unknown function " + function);
+  const core::FunctionRegistry& registry = core::FunctionRegistry::Builtin();
+  auto resolved = registry.ResolveParams(**registry.Find(function), params);
+  if (!resolved.ok()) throw std::runtime_error(std::string(resolved.status().message()));
+  core::AuxTensors aux;
+  for (const auto& [name, tensor] : batch.aux) aux[name] = tensor.to(torch::kCPU, torch::kDouble);
+  return entry->second.per_token(z, t, aux, *resolved);
 }
 
 ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& batch,
@@ -186,15 +243,14 @@ core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::
   if (reduction == core::Reduction::kWeightedSum) {
     batch.weights = at::rand({rows}, gen) + 0.5;
   }
-  if (function == "grpo") {
-    batch.aux["advantages"] = at::normal(0.0, 1.0, {rows}, gen);
-    const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
-    torch::Tensor z = torch::mm(batch.hidden.to(f64), head.weight().to(f64).t());
-    if (head.has_bias()) z = z + head.bias().to(f64);
-    const torch::Tensor logp =
-        torch::log_softmax(z, 1).gather(1, targets.unsqueeze(1)).squeeze(1).to(torch::kFloat);
-    batch.aux["old_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
-    batch.aux["ref_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
+  const auto entry = ReferenceFunctions().find(function);
+  const auto fn = core::FunctionRegistry::Builtin().Find(function);
+  if (entry != ReferenceFunctions().end() && entry->second.make_aux) {
+    entry->second.make_aux(head, gen, &batch);
+  } else if (fn.ok()) {
+    for (const auto* names : {&(*fn)->required_aux, &(*fn)->optional_aux}) {
+      for (const std::string& name : *names) batch.aux[name] = at::normal(0.0, 1.0, {rows}, gen);
+    }
   }
   return batch.To(head.device());
 }

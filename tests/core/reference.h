@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -35,10 +37,41 @@ ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& b
                                const core::StepOptions& options,
                                const torch::Tensor& grad_output = {});
 
-// Per-token values of the function alone on float64 logits (the reference's definitions).
+// Per-token values of the function alone on float64 logits (the reference's definitions), with
+// `params` completed by the registry's defaults (FunctionRegistry::ResolveParams).
 torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& logits,
                                 const core::TokenBatch& batch, const torch::Tensor& safe_targets,
                                 const core::FunctionParams& params);
+
+// The reference of one registered function: one entry per name in ReferenceFunctions().
+// What a function is (its aux inputs, whether it needs targets, its params, their defaults and
+// ranges) is read from the registry's TransformFunction; an entry holds only what the registry
+// cannot give: an independent definition, and the test data the tests feed it.
+struct ReferenceFunction {
+  // z: float64 logits [N, V] (softcap and temperature applied); targets: [N] int64 with ignored
+  // positions set to 0; aux: the batch's per-token inputs, float64 on the CPU; params: every
+  // param of the function, defaults filled in. Returns the per-token values [N].
+  using PerToken =
+      std::function<torch::Tensor(const torch::Tensor& z, const torch::Tensor& targets,
+                                  const core::AuxTensors& aux, const core::FunctionParams& params)>;
+  // Adds the function's aux inputs to a batch of MakeTestBatch (hidden and targets drawn, on the
+  // CPU), drawing from `gen`. Empty: each required and optional aux drawn from N(0, 1).
+  using MakeAux =
+      std::function<void(const core::Head& head, at::Generator& gen, core::TokenBatch* batch)>;
+
+  // Empty for a generation output (OutputKind other than kPerToken): generation_test has their
+  // references (X·Wᵀ for logits, torch::multinomial for sample).
+  PerToken per_token;
+  MakeAux make_aux;
+  // Values the derived cases (function_cases.h) give the function's own params: in range and
+  // not the default. A param not named here gets a value derived from its ParamSpec.
+  core::FunctionParams test_values;
+};
+
+// Every registered function's reference, by name. functions_test fails when a registered
+// function has no entry, or an entry names no registered function: adding a function is one
+// registration in core/src/functions.cc plus one entry here.
+const std::map<std::string, ReferenceFunction>& ReferenceFunctions();
 
 // max |a − b| as a double (tensors converted to float64 on the CPU).
 double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b);
@@ -65,8 +98,10 @@ std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::S
                                          torch::Device device = torch::kCPU);
 
 // Random hidden states, targets with ~20% ignore_index (-100), and whatever the function and
-// reduction need: weights for weighted_sum; advantages, old / ref log-probs for grpo (old and
-// ref are the head's true log-probs plus noise, so both clip sides and the KL are exercised).
+// reduction need: weights for weighted_sum; the function's aux inputs, required and optional, as
+// its ReferenceFunction::make_aux draws them (for grpo: advantages, and old / ref log-probs that
+// are the head's true log-probs plus noise, so both clip sides and the KL are exercised). A name
+// the registry does not know gets no aux.
 // Drawn on the CPU (the same values whatever the device), then moved to the head's device.
 core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::string& function,
                                core::Reduction reduction, uint64_t seed = 2);

@@ -1,9 +1,10 @@
 // A head split by vocabulary over K ranks (an in-process group: one thread per rank, each with
 // its own shard of W) against the same head on one engine and against the naive full-logits
-// reference: every function × {plain, label smoothing + z-loss, softcap + temperature} × K ∈
-// {1, 2, 3} with uneven shards × every reduction × fused and two-phase × chunk sizes {1, 7, N},
-// with ~20% of the targets ignored and others on the shards' edge columns. float64 within 1e-12,
-// fp32 within 1e-5 (relative to the reference's magnitude).
+// reference: every function × {defaults, each own param, softcap + temperature, all options}
+// (the cases derived from the registry, function_cases.h) × K ∈ {1, 2, 3} with uneven shards ×
+// every reduction × fused and two-phase × chunk sizes {1, 7, N}, with ~20% of the targets ignored
+// and others on the shards' edge columns. float64 within 1e-12, fp32 within 1e-5 (relative to the
+// reference's magnitude).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/function_cases.h"
 #include "core/in_process_group.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
@@ -28,30 +30,14 @@ constexpr int64_t kHidden = 8;
 constexpr int64_t kRows = 23;
 constexpr double kFloor = 1e-6;  // magnitudes below this count as this (reference::RelativeError)
 
-struct FunctionCase {
-  std::string label;
-  std::string function;
-  core::FunctionParams params;
-};
+using reference::FunctionCase;
 
-void PrintTo(const FunctionCase& c, std::ostream* os) { *os << c.label; }
-
+// Every vocabulary-decomposable function (a group refuses the others) with its defaults, each
+// own param, softcap + temperature, and all options together (function_cases.h).
 const std::vector<FunctionCase>& Cases() {
-  static const auto* cases = new std::vector<FunctionCase>{
-      {"ce", "cross_entropy", {}},
-      {"ce_smooth_zloss", "cross_entropy", {{"label_smoothing", 0.1}, {"z_loss", 1e-3}}},
-      {"ce_softcap_temp", "cross_entropy", {{"softcap", 2.5}, {"temperature", 0.7}}},
-      {"logprobs", "token_logprobs", {}},
-      {"logprobs_softcap_temp", "token_logprobs", {{"softcap", 2.5}, {"temperature", 0.7}}},
-      {"entropy", "entropy", {}},
-      {"entropy_softcap_temp", "entropy", {{"softcap", 2.5}, {"temperature", 0.7}}},
-      {"grpo_kl", "grpo", {{"epsilon_high", 0.28}, {"beta", 0.04}, {"bias_correction_kl", 1}}},
-      {"grpo_softcap_temp", "grpo", {{"beta", 0.04}, {"softcap", 2.5}, {"temperature", 0.7}}},
-      {"mse_onehot", "mse_onehot", {}},
-      {"mse_onehot_softcap_temp", "mse_onehot", {{"softcap", 2.5}, {"temperature", 0.7}}},
-      {"sigmoid_sum", "sigmoid_sum", {}},
-      {"sigmoid_sum_softcap_temp", "sigmoid_sum", {{"softcap", 2.5}, {"temperature", 0.7}}},
-  };
+  static const auto* cases = new std::vector<FunctionCase>(reference::DerivedCases(
+      reference::CaseSet::kEveryOption,
+      [](const core::TransformFunction& fn) { return fn.vocab_decomposable; }));
   return *cases;
 }
 

@@ -4,12 +4,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "fuzz_input.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/checkpoint_dir.h"
+#include "remotehead/core/functions.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/head_state.h"
 #include "remotehead/wire/tensor_codec.h"
@@ -40,7 +42,14 @@ v1::Tensor Wire(const torch::Tensor& t) {
 constexpr uint8_t kNew = 0x80, kQueued = 0x01, kAbandon = 0x04, kStop = 0x08;
 constexpr uint8_t kFused = 0x00, kForward = 0x10, kBackward = 0x20;
 
+// The functions some seed has a fused call of (Part records them): every other registered
+// per-token function gets one of its own at the end of StepSessionSeeds.
+std::set<std::string> g_fused_functions;
+
 std::string Part(uint8_t ctl, const v1::StepRequest& r) {
+  if ((ctl & kNew) != 0 && (ctl & (kForward | kBackward)) == 0 && r.has_header()) {
+    g_fused_functions.insert(r.header().function().name());
+  }
   return std::string(1, static_cast<char>(ctl)) + r.SerializeAsString();
 }
 
@@ -67,6 +76,7 @@ struct RowsSpec {
   bool grpo = false;
   bool grad_output = false;
   bool hidden = true;
+  std::vector<std::string> aux;  // other per-token inputs, each row - 1
 };
 
 v1::StepRequest Rows(int64_t offset, int64_t n, const RowsSpec& spec) {
@@ -86,6 +96,7 @@ v1::StepRequest Rows(int64_t offset, int64_t n, const RowsSpec& spec) {
     (*rows->mutable_aux())["advantages"] = Wire(range - 1);
     (*rows->mutable_aux())["old_logprobs"] = Wire(torch::full({n}, -2.5));
   }
+  for (const std::string& name : spec.aux) (*rows->mutable_aux())[name] = Wire(range - 1);
   if (spec.grad_output) *rows->mutable_grad_output() = Wire(torch::full({n}, 0.25));
   return r;
 }
@@ -125,12 +136,6 @@ void StepSessionSeeds() {
     Save(t, "fused-grpo-replay",
          JoinParts({Part(kNew | kFused, h), Part(0, Rows(0, 3, {.grpo = true})),
                     Part(kNew | kFused, h), Part(0, Rows(0, 3, {.grpo = true}))}));
-  }
-  // Entropy, MSE, sigmoid-sum: other functions.
-  for (const char* fn : {"entropy", "mse_onehot", "sigmoid_sum"}) {
-    v1::StepRequest h = Header("h", fn, v1::REDUCTION_SUM, 2, true);
-    Save(t, std::string("fused-") + fn,
-         JoinParts({Part(kNew | kFused, h), Part(0, Rows(0, 2, {}))}));
   }
   // Forward per token, retaining the inputs; then Backward by handle with dL/dy.
   {
@@ -174,6 +179,16 @@ void StepSessionSeeds() {
     Save(t, "refusals",
          JoinParts({Part(kNew | kFused, Rows(0, 1, {})), Part(kNew | kFused, h),
                     Part(0, Rows(0, 3, {})), Part(kNew | kForward, unknown)}));
+  }
+  // Every registered per-token function without a fused seed above (entropy, MSE, sigmoid-sum,
+  // ...), fused with a sum, its required aux inputs given.
+  for (const core::TransformFunction* fn : core::FunctionRegistry::Builtin().Functions()) {
+    if (fn->output != core::OutputKind::kPerToken || g_fused_functions.contains(fn->name)) {
+      continue;
+    }
+    v1::StepRequest h = Header("h", fn->name, v1::REDUCTION_SUM, 2, true);
+    Save(t, "fused-" + fn->name,
+         JoinParts({Part(kNew | kFused, h), Part(0, Rows(0, 2, {.aux = fn->required_aux}))}));
   }
 }
 
