@@ -546,7 +546,7 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("serves LM heads over gRPC; see README.md");
+  absl::SetProgramUsageMessage("serves LM heads over gRPC; see docs/operators.md");
   const std::vector<std::string> heads = RepeatedFlagValues(argc, argv, "head");
   absl::ParseCommandLine(argc, argv);
   if (!heads.empty()) absl::SetFlag(&FLAGS_head, heads);

@@ -2,7 +2,7 @@
 // and status code, latency, bytes, in-flight calls) come from one gRPC interceptor, so no
 // handler counts its own calls; step metrics (tokens, latency by phase, logits chunk) are
 // reported by the step reactor; state (device memory, admission, per-head version, micro-
-// batches and last loss) is read at scrape time. Every name is listed in the README. The
+// batches and last loss) is read at scrape time. Every name is listed in docs/metrics.md. The
 // exposition over HTTP is metrics_http.h's.
 #pragma once
 
