@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "group_commands.h"
+#include "group/group_commands.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
 #include "request_memory.h"
@@ -145,8 +145,9 @@ absl::StatusOr<HeadOperations::Rows> HeadOperations::RowsOf(int64_t vocab_size,
   return Rows{.offset = mine.offset, .rows = mine.rows, .shards = std::move(shards)};
 }
 
-absl::Status HeadOperations::OnEveryRank(const v1::GroupCommand& command,
-                                         const std::function<absl::Status()>& here, bool creates) {
+absl::Status HeadOperations::RunOnEveryRank(const v1::GroupCommand& command,
+                                            const std::function<absl::Status()>& here,
+                                            bool creates) {
   if (group_ == nullptr) return here();
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
   const absl::Status status = lane.Run(command, here);
@@ -162,15 +163,8 @@ absl::Status HeadOperations::OnEveryRank(const v1::GroupCommand& command,
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string& id,
                                                                const core::HeadInit& init) {
-  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
-  RETURN_IF_ERROR(OnEveryRank(
-      CreateCommand(id, init),
-      [&] {
-        d = CreateFromSeedHere(id, init);
-        return d.status();
-      },
-      /*creates=*/true));
-  return d;
+  return OnEveryRank<HeadDescription>(
+      CreateCommand(id, init), [&] { return CreateFromSeedHere(id, init); }, /*creates=*/true);
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeedHere(const std::string& id,
@@ -189,15 +183,9 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeedHere(const std::st
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
     const std::string& id, const SafetensorsSource& source) {
-  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
-  RETURN_IF_ERROR(OnEveryRank(
-      CreateCommand(id, source),
-      [&] {
-        d = CreateFromSafetensorsHere(id, source);
-        return d.status();
-      },
-      /*creates=*/true));
-  return d;
+  return OnEveryRank<HeadDescription>(
+      CreateCommand(id, source), [&] { return CreateFromSafetensorsHere(id, source); },
+      /*creates=*/true);
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensorsHere(
@@ -236,15 +224,9 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
                                                             const torch::Tensor& bias,
                                                             bool replace) {
   const bool creates = !(replace && registry_->Get(id).ok());
-  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
-  RETURN_IF_ERROR(OnEveryRank(
+  return OnEveryRank<HeadDescription>(
       UploadCommand(id, weight, bias, replace),
-      [&] {
-        d = UploadHere(id, weight, bias, replace);
-        return d.status();
-      },
-      creates));
-  return d;
+      [&] { return UploadHere(id, weight, bias, replace); }, creates);
 }
 
 absl::StatusOr<HeadOperations::Rows> HeadOperations::ShareUploadedRows(torch::Tensor* weight,
@@ -316,12 +298,8 @@ absl::StatusOr<int64_t> HeadOperations::Save(const std::string& id, const std::s
 absl::StatusOr<HeadSnapshot> HeadOperations::Snapshot(const std::string& id,
                                                       std::optional<torch::ScalarType> dtype,
                                                       bool gradients) {
-  absl::StatusOr<HeadSnapshot> snapshot = absl::UnknownError("not run");
-  RETURN_IF_ERROR(OnEveryRank(GatherCommand(id, dtype, gradients), [&] {
-    snapshot = SnapshotHere(id, dtype, gradients);
-    return snapshot.status();
-  }));
-  return snapshot;
+  return OnEveryRank<HeadSnapshot>(GatherCommand(id, dtype, gradients),
+                                   [&] { return SnapshotHere(id, dtype, gradients); });
 }
 
 absl::StatusOr<HeadSnapshot> HeadOperations::SnapshotHere(const std::string& id,
@@ -366,7 +344,7 @@ std::vector<HeadDescription> HeadOperations::List() const {
 }
 
 absl::Status HeadOperations::Drop(const std::string& id) {
-  return OnEveryRank(HeadCommand(HeadCommandKind::kDrop, id), [&] { return DropHere(id); });
+  return RunOnEveryRank(HeadCommand(HeadCommandKind::kDrop, id), [&] { return DropHere(id); });
 }
 
 absl::Status HeadOperations::UndoCreateHere(const std::string& id) {
@@ -383,12 +361,8 @@ absl::Status HeadOperations::DropHere(const std::string& id) {
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::ZeroGradients(const std::string& id) {
-  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
-  RETURN_IF_ERROR(OnEveryRank(HeadCommand(HeadCommandKind::kZeroGradients, id), [&] {
-    d = ZeroGradientsHere(id);
-    return d.status();
-  }));
-  return d;
+  return OnEveryRank<HeadDescription>(HeadCommand(HeadCommandKind::kZeroGradients, id),
+                                      [&] { return ZeroGradientsHere(id); });
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::ZeroGradientsHere(const std::string& id) {
@@ -400,12 +374,8 @@ absl::StatusOr<HeadDescription> HeadOperations::ZeroGradientsHere(const std::str
 
 absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string& id,
                                                               const OptimizerStepSpec& spec) {
-  absl::StatusOr<HeadDescription> d = absl::UnknownError("not run");
-  RETURN_IF_ERROR(OnEveryRank(OptimizerStepCommand(id, spec), [&] {
-    d = OptimizerStepHere(id, spec);
-    return d.status();
-  }));
-  return d;
+  return OnEveryRank<HeadDescription>(OptimizerStepCommand(id, spec),
+                                      [&] { return OptimizerStepHere(id, spec); });
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::OptimizerStepHere(const std::string& id,

@@ -4,10 +4,10 @@
 // lifecycle log line. The RPC handlers (head_service.cc, stream_reactors.cc) translate
 // protobuf ⇄ these types and statuses, and nothing else.
 //
-// On a head group (head_group.h) the same calls on the front run on every rank: each operation
-// is a group command (built in group_commands.cc, the one home of their encoding) whose local
-// part — the "…Here" methods, shard-aware — every rank runs on its own rows; the other ranks
-// reach them through Follow.
+// On a head group (group/head_group.h) the same calls on the front run on every rank: each
+// operation is a group command (built in group/group_commands.cc, the one home of their
+// encoding) whose local part — the "…Here" methods, shard-aware — every rank runs on its own
+// rows; the other ranks reach them through the group's follower (group/group_follower.h).
 #pragma once
 
 #include <torch/torch.h>
@@ -22,41 +22,16 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "head_requests.h"
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/admission.h"
-#include "remotehead/server/head_group.h"
+#include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/state_store.h"
 
 namespace remotehead::server {
-
-// A head's tensors in a safetensors checkpoint on the server (a file or a sharded checkpoint's
-// *.safetensors.index.json).
-struct SafetensorsSource {
-  std::string path;  // relative to the checkpoint directory
-  std::string weight_name = "lm_head.weight";
-  std::string bias_name;                   // empty: no bias
-  std::optional<torch::ScalarType> dtype;  // unset: the file's
-};
-
-// A copy of a head's [V, D] matrix and optional [V] vector (weights or gradients) on the CPU,
-// taken under the head's lock, with the head's state at that moment.
-struct HeadSnapshot {
-  torch::Tensor matrix;
-  torch::Tensor vector;  // undefined without bias
-  HeadDescription description;
-};
-
-struct OptimizerStepSpec {
-  std::variant<core::SgdOptions, core::AdamWOptions> optimizer;
-  double grad_scale = 1.0;      // multiplies the accumulated gradient
-  bool zero_gradients = false;  // zero dW and the ledger after the step
-  // Set: the version the caller holds; another is FAILED_PRECONDITION, checked under the
-  // head's lock together with the step (nothing applied).
-  std::optional<int64_t> expected_weight_version;
-};
 
 class HeadOperations {
  public:
@@ -113,9 +88,24 @@ class HeadOperations {
   // Saves every head's state, each on its own; INTERNAL naming every head not saved.
   absl::Status SaveAllStates();
 
-  // A rank other than the front: runs a head command of the group's log on this rank's rows
-  // (group_commands.cc).
-  absl::Status Follow(const v1::GroupCommand& command);
+  // The local parts of the operations: what every rank of a head group runs on its own rows
+  // (the front within the operations above; the other ranks for the commands of the group's
+  // log, group/group_follower.h).
+  absl::StatusOr<HeadDescription> CreateFromSeedHere(const std::string& id,
+                                                     const core::HeadInit& init);
+  absl::StatusOr<HeadDescription> CreateFromSafetensorsHere(const std::string& id,
+                                                            const SafetensorsSource& source);
+  // `weight` / `bias`: the whole head's, on the front; on the other ranks tensors of the same
+  // shape that the front's values are shared into.
+  absl::StatusOr<HeadDescription> UploadHere(const std::string& id, torch::Tensor weight,
+                                             torch::Tensor bias, bool replace);
+  absl::StatusOr<HeadSnapshot> SnapshotHere(const std::string& id,
+                                            std::optional<torch::ScalarType> dtype, bool gradients);
+  absl::Status DropHere(const std::string& id);
+  absl::Status UndoCreateHere(const std::string& id);  // drops it if this rank has it
+  absl::StatusOr<HeadDescription> ZeroGradientsHere(const std::string& id);
+  absl::StatusOr<HeadDescription> OptimizerStepHere(const std::string& id,
+                                                    const OptimizerStepSpec& spec);
 
  private:
   // This rank's rows of a head of `vocab_size` rows, and every rank's (empty off a group).
@@ -126,28 +116,28 @@ class HeadOperations {
   };
   absl::StatusOr<Rows> RowsOf(int64_t vocab_size, const std::string& field) const;
   // Runs `here` on this process alone, or, on a group's front, as `command` on every rank (a
-  // failed creation is undone on every rank, so that no rank keeps a head the others lack).
-  absl::Status OnEveryRank(const v1::GroupCommand& command,
-                           const std::function<absl::Status()>& here, bool creates = false);
-  // The local parts of the operations: what every rank runs on its own rows.
-  absl::StatusOr<HeadDescription> CreateFromSeedHere(const std::string& id,
-                                                     const core::HeadInit& init);
-  absl::StatusOr<HeadDescription> CreateFromSafetensorsHere(const std::string& id,
-                                                            const SafetensorsSource& source);
-  // `weight` / `bias`: the whole head's, on the front; on the other ranks tensors of the same
-  // shape that the front's values are shared into.
-  absl::StatusOr<HeadDescription> UploadHere(const std::string& id, torch::Tensor weight,
-                                             torch::Tensor bias, bool replace);
+  // failed creation is undone on every rank, so that no rank keeps a head the others lack),
+  // and returns what `here` returned on this process.
+  template <typename T>
+  absl::StatusOr<T> OnEveryRank(const v1::GroupCommand& command,
+                                const std::function<absl::StatusOr<T>()>& here,
+                                bool creates = false) {
+    absl::StatusOr<T> result = absl::UnknownError("not run");
+    const absl::Status status = RunOnEveryRank(
+        command,
+        [&] {
+          result = here();
+          return result.status();
+        },
+        creates);
+    if (!status.ok()) return status;
+    return result;
+  }
+  absl::Status RunOnEveryRank(const v1::GroupCommand& command,
+                              const std::function<absl::Status()>& here, bool creates = false);
   // On a group: the front's uploaded W (and b) shared into every rank's `weight` / `bias`,
   // which are then narrowed to this rank's rows.
   absl::StatusOr<Rows> ShareUploadedRows(torch::Tensor* weight, torch::Tensor* bias);
-  absl::StatusOr<HeadSnapshot> SnapshotHere(const std::string& id,
-                                            std::optional<torch::ScalarType> dtype, bool gradients);
-  absl::Status DropHere(const std::string& id);
-  absl::Status UndoCreateHere(const std::string& id);  // drops it if this rank has it
-  absl::StatusOr<HeadDescription> ZeroGradientsHere(const std::string& id);
-  absl::StatusOr<HeadDescription> OptimizerStepHere(const std::string& id,
-                                                    const OptimizerStepSpec& spec);
 
   void LogEvent(const std::string& line) const;
   // Reserves the bytes of head `id` of this shape (core::HeadMemoryBytes) before it is

@@ -13,7 +13,7 @@
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/status_mapping.h"
 #include "service_context.h"
-#include "step_reactor.h"
+#include "step/step_reactor.h"
 #include "stream_reactors.h"
 
 namespace remotehead::server {
@@ -61,13 +61,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     if (group == nullptr || group->is_front()) {
       return absl::FailedPreconditionError("FollowGroup: expected a head group rank other than 0");
     }
-    return group->Follow(
-        [this](const v1::GroupCommand& command) {
-          return command.has_step_batch() || command.has_step_end()
-                     ? context_->group_steps.Follow(command)
-                     : Ops().Follow(command);
-        },
-        stop);
+    return context_->follower.Run(stop);
   }
 
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
@@ -202,10 +196,10 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   }
 
   void Drain() override {
-    context_->sync_steps.AbortAll(core::WithReason(
-        absl::UnavailableError(
-            "synchronous optimizer step: the server is draining; nothing applied"),
-        core::reason::kServerDraining));
+    context_->sync_steps.AbortAll(
+        core::WithReason(absl::UnavailableError(
+                             "synchronous optimizer step: the server is draining; nothing applied"),
+                         core::reason::kServerDraining));
   }
 
  private:

@@ -30,7 +30,7 @@
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/credentials.h"
-#include "remotehead/server/head_group.h"
+#include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_service.h"
 #include "remotehead/server/metrics.h"
 #include "remotehead/server/metrics_http.h"

@@ -18,7 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/memory_stats.h"
-#include "remotehead/server/head_group.h"
+#include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
 

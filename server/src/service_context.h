@@ -4,12 +4,12 @@
 #pragma once
 
 #include "compute_pool.h"
-#include "group_steps.h"
+#include "group/group_follower.h"
 #include "head_operations.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/head_service.h"
-#include "retained_inputs.h"
+#include "step/retained_inputs.h"
 #include "sync_steps.h"
 
 namespace remotehead::server {
@@ -22,13 +22,15 @@ struct ServiceContext {
         retained(&admission, options.max_retain_seconds),
         operations(registry, &admission, options.device, options.event_log, options.checkpoint_dir,
                    options.state_store, options.checkpoint_every_steps, options.group),
-        group_steps(registry, options.group, options.device),
-        sync_steps([this](const std::string& id,
-                          const OptimizerStepSpec& spec) { return operations.OptimizerStep(id, spec); },
-                   [this](const std::string& id) { return operations.Describe(id); },
-                   std::chrono::milliseconds(
-                       static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
-                   options.metrics),
+        follower(&operations, registry, options.group, options.device),
+        sync_steps(
+            [this](const std::string& id, const OptimizerStepSpec& spec) {
+              return operations.OptimizerStep(id, spec);
+            },
+            [this](const std::string& id) { return operations.Describe(id); },
+            std::chrono::milliseconds(
+                static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
+            options.metrics),
         compute(options.compute_threads) {}
 
   HeadRegistry* const registry;
@@ -36,8 +38,8 @@ struct ServiceContext {
   AdmissionController admission;
   RetainedInputStore retained;
   HeadOperations operations;
-  GroupStepFollower group_steps;  // a head group's other ranks: the front's requests
-  SynchronousSteps sync_steps;    // the optimizer steps of data-parallel trainers
+  GroupFollower follower;       // a head group's other ranks: every command of the log
+  SynchronousSteps sync_steps;  // the optimizer steps of data-parallel trainers
   // Last, so destroyed first: the pool's threads finish their tasks while the rest is alive.
   ComputePool compute;
 };

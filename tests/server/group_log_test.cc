@@ -7,7 +7,7 @@
 // others and a forged one is refused. The store is an in-memory one shared by threads (the
 // collectives are not used); process_group_test and group_plane_test run the same log over c10d's
 // TCPStore.
-#include "remotehead/server/group_log.h"
+#include "remotehead/server/group/group_log.h"
 
 #include <gtest/gtest.h>
 

@@ -1,9 +1,10 @@
-#include "group_steps.h"
+#include "group/group_steps.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
-#include "step_header.h"
+#include "step/engine_call.h"
+#include "step/step_header.h"
 
 namespace remotehead::server {
 namespace {
@@ -22,43 +23,6 @@ HeadPin FromWire(const v1::GroupPin& pin) {
 }
 
 }  // namespace
-
-absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& head,
-                                        const core::TokenBatch& batch,
-                                        const core::StepOptions& options,
-                                        const torch::Tensor& grad_output,
-                                        core::GradientBuffers* grads) {
-  EngineOutputs out;
-  switch (mode) {
-    case core::CallMode::kFused: {
-      ASSIGN_OR_RETURN(core::FusedResult r,
-                       core::FusedForwardBackward(head, batch, options, grads));
-      out.loss = r.loss;
-      out.grad_hidden = std::move(r.grad_hidden);
-      out.stats = std::move(r.stats);
-      return out;
-    }
-    case core::CallMode::kForward: {
-      ASSIGN_OR_RETURN(core::ForwardResult r, core::Forward(head, batch, options));
-      if (options.reduction == core::Reduction::kNone) {
-        out.outputs = std::move(r.output);
-        out.token_ids = std::move(r.token_ids);
-      } else {
-        out.loss = r.output.item<double>();
-      }
-      out.stats = std::move(r.stats);
-      return out;
-    }
-    case core::CallMode::kBackward: {
-      ASSIGN_OR_RETURN(core::BackwardResult r,
-                       core::Backward(head, batch, options, grad_output, grads));
-      out.grad_hidden = std::move(r.grad_hidden);
-      out.stats = std::move(r.stats);
-      return out;
-    }
-  }
-  return absl::InternalError("unknown step mode");
-}
 
 std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,
                                         const torch::Tensor& grad_output) {

@@ -9,7 +9,7 @@
 // are read. Any error, cancellation or expired deadline finishes the call at once; the session
 // then commits nothing. The reactor is deleted by whichever of OnDone and a running compute
 // task comes last.
-#include "step_reactor.h"
+#include "step/step_reactor.h"
 
 #include <atomic>
 #include <chrono>
@@ -20,7 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/server/status_mapping.h"
-#include "step_session.h"
+#include "step/step_session.h"
 
 namespace remotehead::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "remotehead/server/group_log.h"
+#include "remotehead/server/group/group_log.h"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>

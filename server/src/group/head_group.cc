@@ -1,4 +1,4 @@
-#include "remotehead/server/head_group.h"
+#include "remotehead/server/group/head_group.h"
 
 #include <algorithm>
 

@@ -1,15 +1,15 @@
-#include "step_session.h"
+#include "step/step_session.h"
 
 #include <algorithm>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "group_steps.h"
+#include "group/group_steps.h"
 #include "protocol.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
-#include "step_header.h"
+#include "step/step_header.h"
 
 namespace remotehead::server {
 namespace {

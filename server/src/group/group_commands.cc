@@ -1,4 +1,4 @@
-#include "group_commands.h"
+#include "group/group_commands.h"
 
 #include <variant>
 
@@ -106,51 +106,6 @@ v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::Scala
   gather->set_gradients(gradients);
   if (dtype.has_value()) gather->set_dtype(WireDtype(*dtype));
   return command;
-}
-
-absl::Status HeadOperations::Follow(const v1::GroupCommand& command) {
-  switch (command.op_case()) {
-    case v1::GroupCommand::kCreate: {
-      const v1::CreateHeadRequest& create = command.create();
-      ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
-                       OptionalDtype(create.dtype(), "dtype"));
-      if (create.has_init()) {
-        return CreateFromSeedHere(create.head_id(),
-                                  FromWire(create.init(), dtype.value_or(torch::kFloat)))
-            .status();
-      }
-      return CreateFromSafetensorsHere(create.head_id(), FromWire(create.safetensors(), dtype))
-          .status();
-    }
-    case v1::GroupCommand::kUpload: {
-      const v1::GroupUpload& upload = command.upload();
-      ASSIGN_OR_RETURN(torch::Tensor weight, EmptyTensor(upload.weight(), device_));
-      torch::Tensor bias;
-      if (upload.has_bias()) {
-        ASSIGN_OR_RETURN(bias, EmptyTensor(upload.bias(), device_));
-      }
-      return UploadHere(upload.head_id(), weight, bias, upload.replace()).status();
-    }
-    case v1::GroupCommand::kDrop:
-      return DropHere(command.drop().head_id());
-    case v1::GroupCommand::kUndoCreate:
-      return UndoCreateHere(command.undo_create().head_id());
-    case v1::GroupCommand::kZeroGradients:
-      return ZeroGradientsHere(command.zero_gradients().head_id()).status();
-    case v1::GroupCommand::kOptimizerStep: {
-      ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(command.optimizer_step()));
-      return OptimizerStepHere(command.optimizer_step().head_id(), spec).status();
-    }
-    case v1::GroupCommand::kGather: {
-      const v1::GroupGather& gather = command.gather();
-      ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
-                       OptionalDtype(gather.dtype(), "dtype"));
-      return SnapshotHere(gather.head_id(), dtype, gather.gradients()).status();
-    }
-    default:
-      return absl::InternalError(absl::StrCat(
-          "head group: command ", static_cast<int>(command.op_case()), " is not a head operation"));
-  }
 }
 
 }  // namespace remotehead::server

@@ -15,26 +15,11 @@
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/head_group.h"
+#include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"
 
 namespace remotehead::server {
-
-// What one engine call produced.
-struct EngineOutputs {
-  double loss = 0;            // fused, or a forward with a scalar reduction
-  torch::Tensor grad_hidden;  // fused / backward (a group: on the front only)
-  torch::Tensor outputs;      // forward with reduction NONE
-  torch::Tensor token_ids;    // forward with function "sample"
-  core::StepStats stats;
-};
-// One engine call in `mode` (core/engine.h); what every rank runs on a group.
-absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& head,
-                                        const core::TokenBatch& batch,
-                                        const core::StepOptions& options,
-                                        const torch::Tensor& grad_output,
-                                        core::GradientBuffers* grads);
 
 // The front: the command of one engine call of request `session`, and the tensors its broadcast
 // carries, in the command's order.

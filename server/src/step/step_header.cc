@@ -1,4 +1,4 @@
-#include "step_header.h"
+#include "step/step_header.h"
 
 #include <algorithm>
 

@@ -22,13 +22,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "group_steps.h"
+#include "group/group_steps.h"
+#include "step/engine_call.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/head_group.h"
+#include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "request_memory.h"
-#include "retained_inputs.h"
+#include "step/retained_inputs.h"
 
 namespace remotehead::server {
 

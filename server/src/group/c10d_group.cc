@@ -29,7 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
-#include "remotehead/server/process_group.h"
+#include "remotehead/server/group/process_group.h"
 
 namespace remotehead::server {
 namespace {

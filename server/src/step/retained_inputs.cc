@@ -1,4 +1,4 @@
-#include "retained_inputs.h"
+#include "step/retained_inputs.h"
 
 #include <algorithm>
 #include <random>

@@ -36,7 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "remotehead/server/process_group.h"
+#include "remotehead/server/group/process_group.h"
 
 namespace remotehead::server {
 

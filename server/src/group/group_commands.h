@@ -1,6 +1,6 @@
 // The head commands of a head group (remotehead/v1/head_group.proto): built on the front from
 // the operations' own arguments, turned back into the same calls on the other ranks
-// (HeadOperations::Follow). The one home of their encoding; a request's engine calls are
+// (group_follower.h). The one home of their encoding; a request's engine calls are
 // group_steps.h's.
 #pragma once
 
@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "head_operations.h"
+#include "head_requests.h"
 #include "remotehead/core/head.h"
 #include "remotehead/v1/head_group.pb.h"
 

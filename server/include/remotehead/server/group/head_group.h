@@ -35,8 +35,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "remotehead/core/vocab_group.h"
-#include "remotehead/server/group_log.h"
-#include "remotehead/server/process_group.h"
+#include "remotehead/server/group/group_log.h"
+#include "remotehead/server/group/process_group.h"
 #include "remotehead/v1/head_group.pb.h"
 
 namespace remotehead::server {

@@ -1,0 +1,65 @@
+#include "group/group_follower.h"
+
+#include "absl/strings/str_cat.h"
+#include "protocol.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::server {
+
+absl::Status GroupFollower::Run(const std::atomic<bool>& stop) {
+  return group_->Follow([this](const v1::GroupCommand& command) { return Follow(command); }, stop);
+}
+
+absl::Status GroupFollower::Follow(const v1::GroupCommand& command) {
+  if (command.has_step_batch() || command.has_step_end()) return steps_.Follow(command);
+  return FollowHeadCommand(command);
+}
+
+absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
+  switch (command.op_case()) {
+    case v1::GroupCommand::kCreate: {
+      const v1::CreateHeadRequest& create = command.create();
+      ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
+                       OptionalDtype(create.dtype(), "dtype"));
+      if (create.has_init()) {
+        return operations_
+            ->CreateFromSeedHere(create.head_id(),
+                                 FromWire(create.init(), dtype.value_or(torch::kFloat)))
+            .status();
+      }
+      return operations_
+          ->CreateFromSafetensorsHere(create.head_id(), FromWire(create.safetensors(), dtype))
+          .status();
+    }
+    case v1::GroupCommand::kUpload: {
+      const v1::GroupUpload& upload = command.upload();
+      ASSIGN_OR_RETURN(torch::Tensor weight, EmptyTensor(upload.weight(), device_));
+      torch::Tensor bias;
+      if (upload.has_bias()) {
+        ASSIGN_OR_RETURN(bias, EmptyTensor(upload.bias(), device_));
+      }
+      return operations_->UploadHere(upload.head_id(), weight, bias, upload.replace()).status();
+    }
+    case v1::GroupCommand::kDrop:
+      return operations_->DropHere(command.drop().head_id());
+    case v1::GroupCommand::kUndoCreate:
+      return operations_->UndoCreateHere(command.undo_create().head_id());
+    case v1::GroupCommand::kZeroGradients:
+      return operations_->ZeroGradientsHere(command.zero_gradients().head_id()).status();
+    case v1::GroupCommand::kOptimizerStep: {
+      ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(command.optimizer_step()));
+      return operations_->OptimizerStepHere(command.optimizer_step().head_id(), spec).status();
+    }
+    case v1::GroupCommand::kGather: {
+      const v1::GroupGather& gather = command.gather();
+      ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
+                       OptionalDtype(gather.dtype(), "dtype"));
+      return operations_->SnapshotHere(gather.head_id(), dtype, gather.gradients()).status();
+    }
+    default:
+      return absl::InternalError(absl::StrCat(
+          "head group: command ", static_cast<int>(command.op_case()), " is not a head operation"));
+  }
+}
+
+}  // namespace remotehead::server

@@ -1,0 +1,44 @@
+// The arguments and results of head operations that cross a boundary: the RPC handlers build
+// them from protobuf (protocol.h), the head operations run them (head_operations.h), and a head
+// group's commands carry them to the other ranks (group/group_commands.h).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <variant>
+
+#include "remotehead/core/optimizer.h"
+#include "remotehead/server/head_registry.h"
+
+namespace remotehead::server {
+
+// A head's tensors in a safetensors checkpoint on the server (a file or a sharded checkpoint's
+// *.safetensors.index.json).
+struct SafetensorsSource {
+  std::string path;  // relative to the checkpoint directory
+  std::string weight_name = "lm_head.weight";
+  std::string bias_name;                   // empty: no bias
+  std::optional<torch::ScalarType> dtype;  // unset: the file's
+};
+
+// A copy of a head's [V, D] matrix and optional [V] vector (weights or gradients) on the CPU,
+// taken under the head's lock, with the head's state at that moment.
+struct HeadSnapshot {
+  torch::Tensor matrix;
+  torch::Tensor vector;  // undefined without bias
+  HeadDescription description;
+};
+
+struct OptimizerStepSpec {
+  std::variant<core::SgdOptions, core::AdamWOptions> optimizer;
+  double grad_scale = 1.0;      // multiplies the accumulated gradient
+  bool zero_gradients = false;  // zero dW and the ledger after the step
+  // Set: the version the caller holds; another is FAILED_PRECONDITION, checked under the
+  // head's lock together with the step (nothing applied).
+  std::optional<int64_t> expected_weight_version;
+};
+
+}  // namespace remotehead::server

@@ -1,0 +1,28 @@
+// One engine call of a step request (core/engine.h) in one of the three modes, and what it
+// produced: what StepSession runs for each batch of rows, and what every rank of a head group
+// runs on its shard for the front's step commands (group/group_steps.h).
+#pragma once
+
+#include <torch/torch.h>
+
+#include "absl/status/statusor.h"
+#include "remotehead/core/engine.h"
+
+namespace remotehead::server {
+
+// What one engine call produced.
+struct EngineOutputs {
+  double loss = 0;            // fused, or a forward with a scalar reduction
+  torch::Tensor grad_hidden;  // fused / backward (a group: on the front only)
+  torch::Tensor outputs;      // forward with reduction NONE
+  torch::Tensor token_ids;    // forward with function "sample"
+  core::StepStats stats;
+};
+// One engine call in `mode` (core/engine.h); what every rank runs on a group.
+absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& head,
+                                        const core::TokenBatch& batch,
+                                        const core::StepOptions& options,
+                                        const torch::Tensor& grad_output,
+                                        core::GradientBuffers* grads);
+
+}  // namespace remotehead::server
