@@ -546,6 +546,10 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A peer that closed its socket (a head group's rank or store gone, a metrics scraper that
+  // hung up) makes a write fail with EPIPE, which the transport reports as a status; the default
+  // SIGPIPE would instead end the process without a word (seen: a continued rank of a group).
+  std::signal(SIGPIPE, SIG_IGN);
   absl::SetProgramUsageMessage("serves LM heads over gRPC; see docs/operators.md");
   const std::vector<std::string> heads = RepeatedFlagValues(argc, argv, "head");
   absl::ParseCommandLine(argc, argv);
