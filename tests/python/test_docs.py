@@ -27,6 +27,40 @@ def documents():
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 
 
+def slug(heading):
+    """GitHub's anchor for a heading (github-slugger): the heading's text lower-cased, every
+    character removed that is not a letter, a mark, a digit, a space, a hyphen or connector
+    punctuation (the underscore), then each space turned into a hyphen."""
+    text = re.sub(r"!\[([^\]]*)\]\([^)]*\)", r"\1", heading)     # images: their alt text
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)         # links: their text
+    text = re.sub(r"<[^>]+>", "", text)                          # inline HTML tags
+    text = text.strip().lower()
+    kept = []
+    for char in text:
+        category = unicodedata.category(char)
+        if char in " -" or category[0] in "LMN" or category == "Pc":
+            kept.append(char)
+    return "".join(kept).replace(" ", "-")
+
+
+def anchors(path):
+    """Every anchor of a markdown file: its headings' slugs, a repeated slug numbered -1, -2, …
+    as GitHub does, plus explicit <a name=…> / id=… anchors."""
+    seen = {}
+    result = set()
+    text = path.read_text(encoding="utf-8")
+    for _, line in prose_lines_raw(text):
+        match = re.match(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$", line)
+        if match:
+            base = slug(match.group(2))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            result.add(base if count == 0 else f"{base}-{count}")
+        for explicit in re.findall(r"<a\s+(?:name|id)=\"([^\"]+)\"", line):
+            result.add(explicit)
+    return result
+
+
 def prose_lines_raw(text):
     """The lines outside fenced code blocks, with their 1-based numbers, inline code kept
     (headings' slugs include code spans' text)."""
