@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "remotehead/core/engine.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
@@ -109,8 +108,7 @@ void SetGemmWorkspace(const Head& head, CallPlan& plan) {
   const int64_t columns = std::min<int64_t>(plan.hidden_size, kMaxColumnsPerThread);
   const int64_t k_chunk = std::min<int64_t>((plan.vocab_size + threads - 1) / threads, kMaxKChunk);
   plan.gemm.row_bytes = static_cast<double>(threads * 4 * columns);
-  plan.gemm.fixed_bytes =
-      threads * (2 * (columns + kPackPadding) * k_chunk + kTileConfigBytes);
+  plan.gemm.fixed_bytes = threads * (2 * (columns + kPackPadding) * k_chunk + kTileConfigBytes);
 }
 
 // Chunk and block rows: as given, or the largest that fit the budget (blocks take at most a
@@ -148,26 +146,14 @@ absl::Status SetChunkSizes(const StepOptions& options, CallPlan& plan) {
 
 }  // namespace
 
-const char* CallModeName(CallMode mode) {
-  switch (mode) {
-    case CallMode::kFused:
-      return "ForwardBackward";
-    case CallMode::kForward:
-      return "Forward";
-    case CallMode::kBackward:
-      break;
-  }
-  return "Backward";
-}
-
 torch::ScalarType LogitsDtype(const Head& head) {
   return head.dtype() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
 
 std::string CallMemory::Breakdown() const {
-  std::string text = absl::StrCat(
-      "logits ", FormatMiB(logits_bytes), " + function block ", FormatMiB(block_bytes),
-      " + per-token ", FormatMiB(token_bytes), " + output ", FormatMiB(output_bytes));
+  std::string text =
+      absl::StrCat("logits ", FormatMiB(logits_bytes), " + function block ", FormatMiB(block_bytes),
+                   " + per-token ", FormatMiB(token_bytes), " + output ", FormatMiB(output_bytes));
   if (gemm_bytes > 0) absl::StrAppend(&text, " + GEMM workspace ", FormatMiB(gemm_bytes));
   return text;
 }

@@ -675,33 +675,6 @@ absl::StatusOr<torch::Tensor> PrepareGradHidden(const Head& head, const Plan& pl
   return torch::empty({plan.rows, head.hidden_size()}, head.weight().options());
 }
 
-}  // namespace
-
-absl::StatusOr<Reduction> ParseReduction(std::string_view name) {
-  if (name == "none") return Reduction::kNone;
-  if (name == "sum") return Reduction::kSum;
-  if (name == "mean") return Reduction::kMean;
-  if (name == "weighted_sum") return Reduction::kWeightedSum;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "reduction: expected one of none, sum, mean, weighted_sum; got \"", std::string(name), "\""));
-}
-
-std::string_view ReductionName(Reduction reduction) {
-  switch (reduction) {
-    case Reduction::kNone:
-      return "none";
-    case Reduction::kSum:
-      return "sum";
-    case Reduction::kMean:
-      return "mean";
-    case Reduction::kWeightedSum:
-      return "weighted_sum";
-  }
-  return "unknown";
-}
-
-namespace {
-
 // LibTorch reports failures during compute (allocation failures above all) as exceptions; the
 // engine's callers get a status instead. Out-of-memory maps to RESOURCE_EXHAUSTED.
 template <typename Fn>

@@ -9,7 +9,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "remotehead/core/sampling.h"
 
 namespace remotehead::core {
 namespace {
@@ -154,14 +153,7 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .workspace_logit_buffers = 0,
        .vocab_decomposable = false,
        .output = OutputKind::kLogits},
-      {.name = "sample",
-       .help = "a token drawn from each row's distribution, with its log-probability",
-       .needs_targets = false,
-       .params = SamplingParams(),
-       .workspace_logit_buffers = kSamplingWorkspaceBuffers,
-       .vocab_decomposable = false,
-       .output = OutputKind::kSample,
-       .validate = ValidateSamplingParams},
+      SampleFunction(),
   };
 }
 

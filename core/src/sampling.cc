@@ -59,6 +59,17 @@ absl::Status ValidateSamplingParams(const FunctionParams& params, const AuxTenso
   return CheckWhole(params, "seed");
 }
 
+TransformFunction SampleFunction() {
+  return {.name = "sample",
+          .help = "a token drawn from each row's distribution, with its log-probability",
+          .needs_targets = false,
+          .params = SamplingParams(),
+          .workspace_logit_buffers = kSamplingWorkspaceBuffers,
+          .vocab_decomposable = false,
+          .output = OutputKind::kSample,
+          .validate = ValidateSamplingParams};
+}
+
 SampledTokens SampleTokens(const torch::Tensor& logits, const FunctionParams& params,
                            int64_t first_row) {
   torch::NoGradGuard no_grad;

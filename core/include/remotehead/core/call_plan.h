@@ -14,18 +14,12 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/call_mode.h"
 #include "remotehead/core/functions.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/step_options.h"
 
 namespace remotehead::core {
-
-struct StepOptions;    // engine.h
-enum class Reduction;  // engine.h
-
-// The engine's three entry points: FusedForwardBackward, Forward, Backward.
-enum class CallMode { kFused, kForward, kBackward };
-// The mode as the service's RPCs name it: "ForwardBackward", "Forward", "Backward".
-const char* CallModeName(CallMode mode);
 
 // The dtype the functions see: fp32, or fp64 for a float64 (verification) head.
 torch::ScalarType LogitsDtype(const Head& head);

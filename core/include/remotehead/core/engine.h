@@ -28,64 +28,18 @@
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <functional>
 #include <map>
-#include <optional>
 #include <string>
-#include <string_view>
 
 #include "absl/status/statusor.h"
-#include "remotehead/core/call_plan.h"
+#include "remotehead/core/call_plan.h"  // PlanCall: what a call will hold, for its callers
 #include "remotehead/core/functions.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/step_options.h"
 #include "remotehead/core/token_batch.h"
 #include "remotehead/core/vocab_group.h"
 
 namespace remotehead::core {
-
-enum class Reduction { kNone, kSum, kMean, kWeightedSum };
-absl::StatusOr<Reduction> ParseReduction(std::string_view name);
-std::string_view ReductionName(Reduction reduction);
-
-// Used when neither chunk_rows nor memory_budget_bytes is given.
-inline constexpr int64_t kDefaultMemoryBudgetBytes = int64_t{96} << 20;
-// fp32 logits per function block: small enough that the upcast copy, the function's
-// temporaries and their gradients stay in the CPU's caches (or a GPU's L2).
-inline constexpr int64_t kFunctionBlockBytes = int64_t{2} << 20;
-
-struct StepOptions {
-  std::string function = "cross_entropy";
-  FunctionParams params;  // function options, plus the common temperature / softcap
-  Reduction reduction = Reduction::kMean;
-  std::optional<double> normalizer;  // > 0; see the reduction table above
-  int64_t ignore_index = -100;
-  int64_t chunk_rows = 0;           // rows per chunk; 0 = derive from memory_budget_bytes
-  int64_t block_rows = 0;           // rows per function block; 0 = cache-sized (see below)
-  int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = kDefaultMemoryBudgetBytes
-  double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
-  // Asked before every chunk; returning true abandons the call with CANCELLED (a server's
-  // cancelled or expired request stops within one chunk). `grads` may then hold a partial
-  // addition, like any failure during compute.
-  std::function<bool()> should_stop;
-  // Optional [rows ≥ chunk_rows, V] buffer in the head's dtype and device for the chunk logits,
-  // reused across calls (a server computing one request batch by batch); undefined or too
-  // small: the engine allocates its own for the call.
-  torch::Tensor logits_workspace;
-  // Index, in the caller's request, of this call's first row: error messages name a bad row by
-  // first_row + its index in the call (a server computing one request batch by batch).
-  int64_t first_row = 0;
-  // Function "logits" (a generation output): the dtype of the returned rows (floating).
-  torch::ScalarType logits_dtype = torch::kFloat;
-  // Where `function` is looked up; null: FunctionRegistry::Builtin().
-  const FunctionRegistry* registry = nullptr;
-  // Set when the head is one shard of a head group (vocab_group.h): targets are global token
-  // ids in [0, shard->vocab_size()), the function's vocabulary reductions are combined across
-  // the group, dX is summed to rank 0 (the only rank whose result holds it), and dW / db
-  // accumulate this shard's rows. Every rank calls with the same batch and options (X included).
-  // Chunks and blocks are sized for the largest shard, so all ranks run the same ones; any
-  // rank's should_stop stops every rank at the same chunk.
-  const VocabShard* shard = nullptr;
-};
 
 struct StepStats {
   int64_t valid_tokens = 0;

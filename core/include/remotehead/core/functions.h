@@ -138,6 +138,10 @@ struct TransformFunction {
 inline constexpr char kTemperatureParam[] = "temperature";
 inline constexpr char kSoftcapParam[] = "softcap";
 
+// The generation output "sample" as a registry entry: defined with the sampling it runs
+// (sampling.cc, its params and checks in sampling.h) and appended by Builtin().
+TransformFunction SampleFunction();
+
 class FunctionRegistry {
  public:
   // The built-in functions: cross_entropy, token_logprobs, entropy, grpo, mse_onehot,
