@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "remotehead/client/client.h"
-#include "remotehead/core/call_plan.h"
+#include "remotehead/core/call_mode.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "remotehead/wire/tensor_codec.h"
 

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "client_impl.h"
 #include "prepare_step.h"
-#include "remotehead/core/call_plan.h"
+#include "remotehead/core/call_mode.h"
 #include "remotehead/core/status_macros.h"
 #include "stream.h"
 
