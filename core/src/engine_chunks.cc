@@ -1,0 +1,304 @@
+// The one chunk loop behind every mode (RunChunks, engine_internal.h): per chunk the logits
+// GEMM, the function a block of rows at a time under autograd, then dX and dW; on a head group,
+// the collectives that combine the shards.
+#include <torch/version.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "engine_internal.h"
+
+namespace remotehead::core::engine_internal {
+namespace {
+
+// addmm.dtype_out (half-precision inputs, fp32 output) is in LibTorch from 2.8.
+#define REMOTEHEAD_HAS_ADDMM_OUT_DTYPE \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
+
+// Whether this LibTorch's CUDA addmm takes half-precision inputs with an fp32 `self` and `out`
+// (addmm.dtype_out, a cuBLAS GEMM with an fp32 C). Its first releases wanted `self` in the
+// inputs' dtype, so it is tried once, on a 2×2 product, before it is used.
+bool CudaAddmmAccumulatesIntoFloat(const torch::Tensor& accumulator) {
+#if REMOTEHEAD_HAS_ADDMM_OUT_DTYPE
+  static const bool accepted = [options = accumulator.options()] {
+    try {
+      torch::Tensor acc = torch::ones({2, 2}, options.dtype(torch::kFloat));
+      const torch::Tensor a = torch::ones({2, 3}, options.dtype(torch::kBFloat16));
+      at::addmm_out(acc, acc, a, a.t(), torch::kFloat);
+      return acc.eq(4).all().item<bool>();
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return accepted;
+#else
+  (void)accumulator;
+  return false;
+#endif
+}
+
+// dW += dzᵀ·X_c into the accumulator's dtype.
+void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
+                          const torch::Tensor& dz_head, const torch::Tensor& x_chunk) {
+  if (dw.scalar_type() == x_chunk.scalar_type()) {
+    dw.addmm_(dz_head.t(), x_chunk);
+#if REMOTEHEAD_HAS_ADDMM_OUT_DTYPE
+  } else if (dw.is_cuda() && CudaAddmmAccumulatesIntoFloat(dw)) {
+    // fp32 accumulators of a half-precision head on CUDA: the GEMM reads the head-dtype dz
+    // and X_c on tensor cores and accumulates into dW in fp32 (no fp32 copy of anything).
+    at::addmm_out(dw, dw, dz_head.t(), x_chunk, torch::kFloat);
+#endif
+  } else {
+    // fp32 accumulators of a half-precision head: the GEMM runs in fp32 on the unrounded
+    // logits gradient, so each micro-batch adds its exact (to fp32) contribution.
+    dw.addmm_(dz_logits.to(dw.scalar_type()).t(), x_chunk.to(dw.scalar_type()));
+  }
+}
+
+// The per-token inputs of one chunk, prepared once per chunk and sliced per block.
+struct ChunkTokens {
+  torch::Tensor targets;        // [rows] int64, ignored positions replaced by 0; or undefined
+  torch::Tensor valid;          // [rows] bool; undefined when every token is valid
+  torch::Tensor token_weights;  // [rows] valid × weights, in the logits dtype
+  AuxTensors aux;               // [rows] each, in the logits dtype
+
+  ChunkTokens Slice(int64_t start, int64_t rows) const {
+    ChunkTokens s;
+    if (targets.defined()) s.targets = targets.narrow(0, start, rows);
+    if (valid.defined()) s.valid = valid.narrow(0, start, rows);
+    s.token_weights = token_weights.narrow(0, start, rows);
+    for (const auto& [name, t] : aux) s.aux[name] = t.narrow(0, start, rows);
+    return s;
+  }
+};
+
+// `chunk`: the call's batch sliced to one chunk's rows.
+ChunkTokens PrepareChunkTokens(const TokenBatch& chunk, const Plan& plan,
+                               const torch::TensorOptions& logits_opts) {
+  ChunkTokens tokens;
+  if (chunk.targets.defined()) {
+    const torch::Tensor t = chunk.targets.to(torch::kLong);
+    tokens.valid = t != plan.ignore_index;
+    tokens.targets = t.masked_fill(tokens.valid.logical_not(), 0);
+    tokens.token_weights = tokens.valid.to(logits_opts.dtype());
+  } else {
+    tokens.token_weights = torch::ones({chunk.rows()}, logits_opts);
+  }
+  if (plan.reduction == Reduction::kWeightedSum) tokens.token_weights.mul_(chunk.weights);
+  for (const auto& [name, tensor] : chunk.aux) tokens.aux[name] = tensor.to(logits_opts.dtype());
+  return tokens;
+}
+
+struct BlockResult {
+  torch::Tensor y;                              // [rows] per-token outputs (detached)
+  std::map<std::string, torch::Tensor> extras;  // [rows] each (detached)
+  torch::Tensor dz;                             // [rows, V] dL/dz when `dy` is given
+};
+
+// Runs the function on one block of logits rows (`z_head`, the head's dtype) and, when `dy`
+// (dL/dy of the block's tokens) is defined, differentiates it with autograd.
+BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
+                             const torch::Tensor& z_head, const torch::Tensor& dy,
+                             torch::ScalarType logits_dtype) {
+  const bool want_grad = dy.defined();
+  ChunkInputs in;
+  in.params = &plan.params();
+  in.vocab = plan.vocab.get();
+  in.targets = tokens.targets;
+  in.aux = tokens.aux;
+  // A leaf of its own (for an fp32 head, a view of the chunk buffer: no copy).
+  torch::Tensor z = z_head.to(logits_dtype).detach();
+  if (want_grad) z.requires_grad_(true);
+  BlockResult result;
+  torch::Tensor y;
+  {
+    torch::AutoGradMode grad_mode(want_grad);
+    in.logits = TransformLogits(z, plan.params());
+    FunctionOutput fo = plan.fn().forward(in);
+    y = std::move(fo.per_token);
+    result.extras = std::move(fo.extras);
+  }
+  in.logits.reset();  // only autograd's saved tensors keep block buffers alive now
+  result.y = y.detach();
+  if (want_grad) result.dz = torch::autograd::grad({y}, {z}, {dy})[0];
+  return result;
+}
+
+// Adds Σ over valid tokens of `values` ([rows]) into the 0-d fp64 `sum`. Masked with where
+// (not a multiply) so a non-finite value at an ignored position stays out.
+void AddMaskedSum(const torch::Tensor& values, const ChunkTokens& tokens,
+                  const torch::Tensor& weights, torch::Tensor& sum) {
+  torch::Tensor v = tokens.valid.defined() ? torch::where(tokens.valid, values, 0.0) : values;
+  v = v.to(torch::kDouble);
+  if (weights.defined()) v = v * weights;
+  sum += v.sum();
+}
+
+// The function's per-token values of one chunk.
+struct ChunkValues {
+  torch::Tensor y;                              // [rows]
+  std::map<std::string, torch::Tensor> extras;  // [rows] each
+};
+
+// Runs the function over one chunk's logits `z`, one block at a time; with `dy` defined, writes
+// dL/dz into `dz` ([rows, V], the logits dtype).
+ChunkValues RunFunctionBlocks(const Plan& plan, const ChunkTokens& tokens, const torch::Tensor& z,
+                              const torch::Tensor& dy, torch::Tensor& dz,
+                              const torch::TensorOptions& logits_opts) {
+  const int64_t rows = z.size(0);
+  ChunkValues values;
+  values.y = torch::empty({rows}, logits_opts);
+  for (int64_t b = 0; b < rows; b += plan.block_rows) {
+    const int64_t block = std::min(plan.block_rows, rows - b);
+    BlockResult r = RunFunctionBlock(plan, tokens.Slice(b, block), z.narrow(0, b, block),
+                                     dy.defined() ? dy.narrow(0, b, block) : torch::Tensor(),
+                                     logits_opts.dtype().toScalarType());
+    values.y.narrow(0, b, block).copy_(r.y);
+    for (auto& [name, extra] : r.extras) {
+      auto [it, inserted] = values.extras.try_emplace(name, torch::Tensor());
+      if (inserted) it->second = torch::empty({rows}, logits_opts);
+      it->second.narrow(0, b, block).copy_(extra);
+    }
+    if (r.dz.defined()) dz.narrow(0, b, block).copy_(r.dz);
+  }
+  return values;
+}
+
+// A group's dX_c: this shard's partial dz_r·W_r, summed over the ranks into rank 0's rows of
+// `grad_hidden` (the other ranks hold no dX). The sum is taken in the logits dtype, so the
+// partials of a half-precision head are added in fp32 and rounded once.
+void GroupGradHidden(const Head& head, const Plan& plan, const torch::Tensor& dz_head,
+                     int64_t start, const torch::Tensor& grad_hidden) {
+  const bool here = plan.holds_grad_hidden();
+  torch::Tensor partial;
+  if (head.dtype() == LogitsDtype(head) && here) {
+    partial = grad_hidden.narrow(0, start, dz_head.size(0));
+    torch::mm_out(partial, dz_head, head.weight());
+  } else {
+    partial = torch::mm(dz_head, head.weight()).to(LogitsDtype(head));
+  }
+  const absl::Status reduced = plan.shard->group->ReduceSum(partial, /*root=*/0);
+  if (!reduced.ok()) throw GroupFailure(reduced);
+  if (here && head.dtype() != LogitsDtype(head)) {
+    grad_hidden.narrow(0, start, dz_head.size(0)).copy_(partial);
+  }
+}
+
+// dX_c = dz·W into the pass's dX rows and dW += dzᵀ·X_c (db += Σ dz) for one chunk. `z` (the
+// chunk's logits buffer, dead by now) holds dz rounded to the head's dtype when that is not
+// the logits dtype.
+void BackpropagateChunk(const Head& head, const Plan& plan, const torch::Tensor& x_chunk,
+                        torch::Tensor& z, const torch::Tensor& dz, int64_t start,
+                        const ChunkPass& pass) {
+  torch::Tensor dz_head = dz;
+  if (head.dtype() != LogitsDtype(head)) dz_head = z.copy_(dz);
+  if (plan.shard != nullptr) {
+    GroupGradHidden(head, plan, dz_head, start, pass.grad_hidden);
+  } else if (pass.grad_hidden.defined()) {
+    torch::Tensor dx_chunk = pass.grad_hidden.narrow(0, start, x_chunk.size(0));
+    torch::mm_out(dx_chunk, dz_head, head.weight());
+  }
+  if (pass.grads != nullptr) {
+    AccumulateWeightGrad(pass.grads->weight, dz, dz_head, x_chunk);
+    if (pass.grads->bias.defined()) pass.grads->bias.add_(dz.sum(0));
+  }
+}
+
+}  // namespace
+
+void ChunkLogits(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& out) {
+  if (head.has_bias()) {
+    torch::addmm_out(out, head.bias(), x_chunk, head.weight().t());
+  } else {
+    torch::mm_out(out, x_chunk, head.weight().t());
+  }
+}
+
+torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params) {
+  const double cap = params.at(kSoftcapParam);
+  if (cap > 0) z = torch::tanh(z / cap) * cap;
+  const double temperature = params.at(kTemperatureParam);
+  if (temperature != 1.0) z = z / temperature;
+  return z;
+}
+
+ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradients) {
+  const torch::Tensor& w = plan.logits_workspace;
+  ChunkBuffers buffers;
+  buffers.logits =
+      w.defined() && w.dim() == 2 && w.size(0) >= plan.chunk_rows &&
+              w.size(1) == head.vocab_size() && w.is_contiguous() &&
+              w.scalar_type() == head.dtype() && w.device() == head.device()
+          ? w.narrow(0, 0, plan.chunk_rows)
+          : torch::empty({plan.chunk_rows, head.vocab_size()}, head.weight().options());
+  if (gradients) {
+    buffers.grad = head.dtype() == LogitsDtype(head)
+                       ? buffers.logits
+                       : torch::empty(buffers.logits.sizes(),
+                                      buffers.logits.options().dtype(LogitsDtype(head)));
+  }
+  return buffers;
+}
+
+bool StopBeforeChunk(const Plan& plan) {
+  const bool mine = plan.should_stop && plan.should_stop();
+  if (plan.shard == nullptr) return mine;
+  absl::StatusOr<torch::Tensor> all =
+      plan.shard->group->AllGather(torch::full({1}, mine ? 1 : 0, torch::kInt));
+  if (!all.ok()) throw GroupFailure(std::move(all).status());
+  return all->any().item<bool>();
+}
+
+ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
+                       const ChunkPass& pass) {
+  torch::NoGradGuard no_grad;
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(head.device());
+  const auto logits_opts = f64.dtype(LogitsDtype(head));
+  const bool weighted = plan.reduction == Reduction::kWeightedSum;
+  ChunkOutputs out;
+  out.loss_sum = torch::zeros({}, f64);
+  if (pass.keep_per_token) out.per_token = torch::zeros({plan.rows}, logits_opts);
+  if (plan.rows == 0) return out;
+
+  const ChunkBuffers buffers = AllocateChunkBuffers(head, plan, pass.upstream != nullptr);
+  for (int64_t start = 0; start < plan.rows; start += plan.chunk_rows) {
+    const int64_t rows = std::min(plan.chunk_rows, plan.rows - start);
+    if (StopBeforeChunk(plan)) throw StopRequested();
+    ++out.num_chunks;
+    const TokenBatch chunk = batch.Slice(start, rows);
+    torch::Tensor z = buffers.logits.narrow(0, 0, rows);
+    ChunkLogits(head, chunk.hidden, z);
+    const ChunkTokens tokens = PrepareChunkTokens(chunk, plan, logits_opts);
+    torch::Tensor dy;  // [rows] dL/dy
+    if (pass.upstream != nullptr) dy = (*pass.upstream)(start, rows, tokens.token_weights);
+    torch::Tensor dz = dy.defined() ? buffers.grad.narrow(0, 0, rows) : torch::Tensor();
+
+    const ChunkValues values = RunFunctionBlocks(plan, tokens, z, dy, dz, logits_opts);
+    AddMaskedSum(values.y, tokens, weighted ? chunk.weights : torch::Tensor(), out.loss_sum);
+    for (const auto& [name, extra] : values.extras) {
+      auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));
+      AddMaskedSum(extra, tokens, {}, it->second);
+    }
+    if (pass.keep_per_token) {
+      out.per_token.narrow(0, start, rows)
+          .copy_(tokens.valid.defined() ? torch::where(tokens.valid, values.y, 0.0) : values.y);
+    }
+    if (dy.defined()) BackpropagateChunk(head, plan, chunk.hidden, z, dz, start, pass);
+  }
+  return out;
+}
+
+StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs) {
+  StepStats stats;
+  stats.valid_tokens = plan.valid_tokens;
+  stats.denominator = plan.denominator;
+  stats.chunk_rows = plan.chunk_rows;
+  stats.block_rows = plan.block_rows;
+  stats.num_chunks = outputs.num_chunks;
+  for (const auto& [name, sum] : outputs.extras) stats.extras[name] = sum.item<double>();
+  return stats;
+}
+
+}  // namespace remotehead::core::engine_internal

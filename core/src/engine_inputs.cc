@@ -1,0 +1,213 @@
+// Every input of an engine call checked against the head, the function and the options before
+// any state is touched, and the call's Plan (engine_internal.h).
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine_internal.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::core::engine_internal {
+namespace {
+
+absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan& plan) {
+  RETURN_IF_ERROR(
+      CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true, plan.first_row));
+  const torch::Tensor t = batch.targets;
+  const torch::Tensor bad =
+      (t != plan.ignore_index).logical_and((t < 0).logical_or(t >= plan.vocab_size));
+  if (bad.any().item<bool>()) {
+    const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets[", plan.first_row + i, "]: expected a token id in [0, ", plan.vocab_size,
+        ") or ignore_index (", plan.ignore_index, "); got ", t[i].item<int64_t>()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& plan) {
+  const TransformFunction& fn = plan.fn();
+  for (const auto& [name, tensor] : batch.aux) {
+    const bool known = std::count(fn.required_aux.begin(), fn.required_aux.end(), name) +
+                           std::count(fn.optional_aux.begin(), fn.optional_aux.end(), name) >
+                       0;
+    if (!known) {
+      std::vector<std::string> accepted = fn.required_aux;
+      accepted.insert(accepted.end(), fn.optional_aux.begin(), fn.optional_aux.end());
+      return absl::InvalidArgumentError(
+          absl::StrCat("aux[\"", name, "\"]: function ", fn.name, " accepts ",
+                       accepted.empty() ? std::string("no per-token inputs")
+                                        : absl::StrCat("only ", absl::StrJoin(accepted, ", "))));
+    }
+    RETURN_IF_ERROR(CheckPerToken(tensor, absl::StrCat("aux[\"", name, "\"]"), plan.rows,
+                                  head.device(), false, plan.first_row));
+  }
+  for (const std::string& name : fn.required_aux) {
+    if (!batch.aux.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("aux[\"", name, "\"]: function ", fn.name,
+                                                     " needs this per-token input; got none"));
+    }
+  }
+  if (fn.validate) RETURN_IF_ERROR(fn.validate(plan.params(), batch.aux));
+  return absl::OkStatus();
+}
+
+absl::Status CheckHidden(const Head& head, const TokenBatch& batch) {
+  const torch::Tensor& x = batch.hidden;
+  if (!x.defined() || x.dim() != 2 || x.size(1) != head.hidden_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden: expected shape [N, ", head.hidden_size(), "]; got ", ShapeOf(x)));
+  }
+  if (x.scalar_type() != head.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden.dtype: expected ",
+                                                   DtypeName(head.dtype()), " (the head's); got ",
+                                                   DtypeName(x.scalar_type())));
+  }
+  if (x.device() != head.device()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden: expected device ", head.device().str(), "; got ", x.device().str()));
+  }
+  return absl::OkStatus();
+}
+
+// Row-chunked so that the check's own memory stays within one chunk.
+absl::Status CheckHiddenFinite(const torch::Tensor& x, int64_t chunk_rows, int64_t first_row) {
+  torch::NoGradGuard no_grad;
+  for (int64_t start = 0; start < x.size(0); start += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, x.size(0) - start);
+    const int64_t bad = FirstNonFiniteRow(x.narrow(0, start, rows));
+    if (bad >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("hidden[", first_row + start + bad,
+                                                     "]: expected finite values; got NaN or Inf"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Checks the per-token inputs against the head and the function: targets, weights and aux.
+absl::Status CheckTokenInputs(const Head& head, const TokenBatch& batch, const StepOptions& options,
+                              const Plan& plan) {
+  if (batch.targets.defined() && plan.fn().output != OutputKind::kPerToken) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets: function ", plan.fn().name,
+        " takes none (it is computed from hidden alone); got ", ShapeOf(batch.targets)));
+  }
+  if (batch.targets.defined()) {
+    RETURN_IF_ERROR(CheckTargets(head, batch, plan));
+  } else if (plan.fn().needs_targets) {
+    return absl::InvalidArgumentError(absl::StrCat("targets: function ", plan.fn().name,
+                                                   " needs per-token targets [", plan.rows,
+                                                   "]; got none"));
+  }
+  if (options.reduction == Reduction::kWeightedSum) {
+    if (!batch.weights.defined()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weights: reduction weighted_sum needs per-token weights [", plan.rows, "]; got none"));
+    }
+    RETURN_IF_ERROR(
+        CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false, plan.first_row));
+  } else if (batch.weights.defined()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights: only used by reduction weighted_sum; got weights with reduction ",
+                     std::string(ReductionName(options.reduction))));
+  }
+  return CheckAux(head, batch, plan);
+}
+
+absl::Status CheckScalarOptions(const StepOptions& options) {
+  if (options.normalizer.has_value() &&
+      (!std::isfinite(*options.normalizer) || *options.normalizer <= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("normalizer: expected a finite value > 0; got ", *options.normalizer));
+  }
+  if (!std::isfinite(options.upstream_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("upstream_scale: expected a finite value; got ", options.upstream_scale));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool IsFloating(torch::ScalarType t) {
+  return t == torch::kFloat || t == torch::kDouble || t == torch::kBFloat16 || t == torch::kHalf;
+}
+
+std::string ShapeOf(const torch::Tensor& t) {
+  return t.defined() ? c10::str(t.sizes()) : std::string("no tensor");
+}
+
+int64_t FirstNonFiniteRow(const torch::Tensor& t) {
+  const torch::Tensor bad = torch::isfinite(t).logical_not();
+  const torch::Tensor rows = t.dim() == 1 ? bad : bad.any(1);
+  if (!rows.any().item<bool>()) return -1;
+  return rows.nonzero()[0][0].item<int64_t>();
+}
+
+absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int64_t n,
+                           const torch::Device& device, bool integral, int64_t first_row) {
+  if (t.dim() != 1 || t.size(0) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected shape [", n,
+                                                   "] (one per row of hidden); got ", ShapeOf(t)));
+  }
+  if (t.device() != device) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected device ", device.str(), "; got ", t.device().str()));
+  }
+  const torch::ScalarType dt = t.scalar_type();
+  if (integral ? (dt != torch::kLong && dt != torch::kInt) : !IsFloating(dt)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected dtype ",
+                                                   integral ? "int64 or int32" : "a floating dtype",
+                                                   "; got ", DtypeName(dt)));
+  }
+  if (!integral) {
+    const int64_t bad = FirstNonFiniteRow(t);
+    if (bad >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", first_row + bad, "]: expected a finite value; got ", t[bad].item<double>()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const StepOptions& options,
+                              CallMode mode) {
+  Plan plan;
+  if (options.shard != nullptr) RETURN_IF_ERROR(CheckVocabShard(*options.shard, head.vocab_size()));
+  ASSIGN_OR_RETURN(plan.call, PlanCall(head, options));
+  RETURN_IF_ERROR(CheckCallMode(plan.call, mode, options.reduction));
+  plan.shard = options.shard;
+  plan.vocab_size = options.shard != nullptr ? options.shard->vocab_size() : head.vocab_size();
+  if (options.shard != nullptr && options.shard->ranges.size() > 1) {
+    plan.vocab = std::make_unique<ShardVocabOps>(*options.shard);
+  } else {
+    plan.vocab = std::make_unique<LocalVocabOps>(head.vocab_size());
+  }
+  plan.reduction = options.reduction;
+  plan.should_stop = options.should_stop;
+  plan.logits_workspace = options.logits_workspace;
+  plan.first_row = options.first_row;
+  plan.ignore_index = options.ignore_index;
+  RETURN_IF_ERROR(CheckHidden(head, batch));
+  plan.rows = batch.rows();
+
+  torch::NoGradGuard no_grad;
+  RETURN_IF_ERROR(CheckTokenInputs(head, batch, options, plan));
+  RETURN_IF_ERROR(CheckScalarOptions(options));
+  plan.chunk_rows = plan.call.ChunkRowsFor(plan.rows);
+  plan.block_rows = plan.call.BlockRowsFor(plan.rows);
+  RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, plan.chunk_rows, plan.first_row));
+
+  plan.valid_tokens = CountValidTokens(batch.targets, options.ignore_index, plan.rows);
+  if (options.normalizer.has_value()) {
+    plan.denominator = *options.normalizer;
+  } else if (options.reduction == Reduction::kMean) {
+    plan.denominator = std::max<int64_t>(plan.valid_tokens, 1);  // Σ over 0 tokens is 0
+  }
+  return plan;
+}
+
+}  // namespace remotehead::core::engine_internal

@@ -1,0 +1,137 @@
+// The engine's own shared declarations (private to core/src): a call's validated Plan and the
+// chunk loops that engine.cc's entry points run. By concern:
+//   engine_inputs.cc      every input checked against the head and the options; the Plan
+//   engine_chunks.cc      the one chunk loop behind the three modes (GEMMs, function blocks,
+//                         autograd, dX / dW), and a head group's collectives within it
+//   engine_generation.cc  the generation outputs' loop: logits rows, drawn tokens
+//   engine.cc             the entry points (engine.h): exceptions to statuses, dX buffers
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "remotehead/core/call_plan.h"
+#include "remotehead/core/engine.h"
+#include "vocab_ops.h"
+
+namespace remotehead::core::engine_internal {
+
+// Everything a call needs, decided and validated before the first chunk is computed.
+struct Plan {
+  CallPlan call;  // function, params, chunk sizes: the memory model's plan (call_plan.h)
+  Reduction reduction = Reduction::kMean;
+  int64_t rows = 0;        // N
+  int64_t chunk_rows = 0;  // rows per GEMM chunk, never above max(N, 1)
+  int64_t block_rows = 0;  // rows per function block, never above chunk_rows
+  int64_t valid_tokens = 0;
+  double denominator = 1.0;
+  int64_t ignore_index = -100;
+  std::function<bool()> should_stop;  // StepOptions::should_stop
+  torch::Tensor logits_workspace;     // StepOptions::logits_workspace
+  int64_t first_row = 0;              // StepOptions::first_row
+  const VocabShard* shard = nullptr;  // StepOptions::shard
+  int64_t vocab_size = 0;             // V of the whole head (all shards of a group)
+  std::unique_ptr<VocabOps> vocab;    // the functions' vocabulary reductions (functions.h)
+
+  const TransformFunction& fn() const { return *call.function; }
+  // Whether this call's dX is summed here: always on one server, on rank 0 of a group.
+  bool holds_grad_hidden() const { return shard == nullptr || shard->group->rank() == 0; }
+  const FunctionParams& params() const { return call.params; }
+};
+
+// Thrown between chunks when Plan::should_stop says so; StatusFromExceptions makes it CANCELLED.
+struct StopRequested : std::exception {
+  const char* what() const noexcept override { return "stop requested"; }
+};
+
+// --- engine_inputs.cc
+
+bool IsFloating(torch::ScalarType t);
+// "[2, 3]", or "no tensor" for an undefined one (error messages).
+std::string ShapeOf(const torch::Tensor& t);
+
+// First row of `t` ([N] or [N, D]) holding NaN or Inf, or -1 if all values are finite.
+int64_t FirstNonFiniteRow(const torch::Tensor& t);
+
+// Checks a per-token input: [N], on `device`, floating (or integral when `integral`).
+absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int64_t n,
+                           const torch::Device& device, bool integral, int64_t first_row);
+
+// Validates every input and fixes the chunk size and the reduction's denominator.
+absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const StepOptions& options,
+                              CallMode mode);
+
+// --- engine_chunks.cc
+
+// z = X_c·Wᵀ (+ b) in the head's dtype, written into `out` ([rows, V]). RunFunctionBlock
+// upcasts it to fp32 block by block: the upcast keeps softmax and its gradient numerically
+// sound; blocking keeps it affordable.
+void ChunkLogits(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& out);
+
+// The common params on fp32 logits: softcap (z ← softcap·tanh(z / softcap)), then temperature.
+torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params);
+
+// dL/dy for the `rows` tokens from `start`, given their token weights (valid × weights).
+using UpstreamFn =
+    std::function<torch::Tensor(int64_t start, int64_t rows, const torch::Tensor& token_weights)>;
+
+struct ChunkOutputs {
+  torch::Tensor loss_sum;  // 0-d fp64: Σ w_i·y_i (before division by the denominator)
+  std::map<std::string, torch::Tensor> extras;  // 0-d fp64 sums over valid tokens
+  torch::Tensor per_token;                      // [N] when requested
+  int64_t num_chunks = 0;
+};
+
+// What a pass over the chunks computes besides the outputs, and where it writes them.
+struct ChunkPass {
+  const UpstreamFn* upstream = nullptr;  // dL/dy of each token; null: outputs only (Forward)
+  GradientBuffers* grads = nullptr;      // dW / db += (with upstream; null: dX only)
+  torch::Tensor grad_hidden;             // dX [N, D] written here (with upstream), if defined
+  bool keep_per_token = false;           // fill ChunkOutputs::per_token
+};
+
+// The [chunk_rows, V] buffers of one pass, allocated once (or taken from the caller's
+// workspace): a fresh buffer per chunk would cost page faults.
+struct ChunkBuffers {
+  torch::Tensor logits;  // z in the head's dtype
+  // dL/dz: for an fp32 head the logits buffer itself (each block's logits are dead once its
+  // gradient exists); otherwise a separate fp32 buffer, so dW accumulates the unrounded
+  // gradient. Undefined without gradients.
+  torch::Tensor grad;
+};
+
+ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradients);
+
+// Whether the call stops before this chunk: its own should_stop, or on a group any rank's (one
+// small collective per chunk, so that every rank stops at the same chunk).
+bool StopBeforeChunk(const Plan& plan);
+
+// The one chunk loop behind every mode. Two levels:
+//  - a chunk of `chunk_rows` rows is what the three GEMMs see (large, so W and dW stream
+//    through memory few times per step); its logits live in one [rows, V] buffer of the
+//    head's dtype, allocated once per call, which each block's gradient overwrites;
+//  - a block of `block_rows` rows is what the function and autograd see (small, so the fp32
+//    upcast and the function's temporaries stay in cache).
+ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
+                       const ChunkPass& pass);
+
+// The call's StepStats: the plan's sizes and denominator, the chunks run, the extras' sums.
+StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs);
+
+// --- engine_generation.cc
+
+// The generation outputs (OutputKind): per chunk z = X_c·Wᵀ (+ b), then per block the fp32
+// upcast with softcap and temperature, copied out as the rows' logits (function "logits") or
+// turned into a drawn token and its log-probability ("sample", sampling.h). No autograd.
+absl::StatusOr<ForwardResult> RunGenerationChunks(const Head& head, const TokenBatch& batch,
+                                                  const Plan& plan, torch::ScalarType logits_dtype);
+
+}  // namespace remotehead::core::engine_internal
