@@ -11,21 +11,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
+#include "safetensors_dtypes.h"
 
 namespace remotehead::core {
 namespace {
 
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; this reader copies it as it is");
-
-constexpr std::pair<const char*, torch::ScalarType> kDtypes[] = {
-    {"F32", torch::kFloat},  {"BF16", torch::kBFloat16}, {"F16", torch::kHalf},
-    {"F64", torch::kDouble}, {"I64", torch::kLong},      {"I32", torch::kInt},
-};
-// safetensors dtypes that remotehead does not read: named in messages (they are our constants,
-// not the file's bytes); any other string is "an unknown dtype".
-constexpr const char* kOtherDtypes[] = {"BOOL", "U8",  "I8",      "I16",     "U16",
-                                        "U32",  "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0"};
 
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;  // as the reference implementation
 constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
@@ -113,15 +105,10 @@ absl::StatusOr<TensorLocation> LocateTensor(const CheckpointFile& file, const st
     return absl::DataLossError(absl::StrCat(where, ".dtype: expected a string; got none"));
   }
   const std::string& dtype_name = dtype_it->get_ref<const std::string&>();
-  std::optional<torch::ScalarType> dtype;
-  for (const auto& [wire, t] : kDtypes) {
-    if (dtype_name == wire) dtype = t;
-  }
+  const std::optional<torch::ScalarType> dtype = SafetensorsDtype(dtype_name);
   if (!dtype) {
-    std::string got = "an unknown one";
-    for (const char* other : kOtherDtypes) {
-      if (dtype_name == other) got = other;
-    }
+    const char* other = UnreadSafetensorsDtype(dtype_name);
+    const std::string got = other != nullptr ? other : "an unknown one";
     return absl::InvalidArgumentError(
         absl::StrCat(where, ".dtype: expected F32, BF16, F16, F64, I64 or I32; got ", got));
   }
@@ -316,10 +303,7 @@ absl::StatusOr<int64_t> WriteSafetensors(const CheckpointDir& dir, const std::st
   std::vector<torch::Tensor> data;
   uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    const char* dtype = nullptr;
-    for (const auto& [wire, t] : kDtypes) {
-      if (t == tensor.scalar_type()) dtype = wire;
-    }
+    const char* dtype = SafetensorsDtypeName(tensor.scalar_type());
     if (dtype == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": dtype ",
                                                      c10::toString(tensor.scalar_type()),

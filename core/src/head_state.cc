@@ -3,6 +3,8 @@
 #include <bit>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -10,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "remotehead/core/status_macros.h"
+#include "safetensors_dtypes.h"
 
 namespace remotehead::core {
 namespace {
@@ -21,10 +24,12 @@ constexpr char kFormat[] = "remotehead-head-state";
 constexpr char kFormatVersion[] = "1";
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
-constexpr std::pair<const char*, torch::ScalarType> kDtypes[] = {{"F32", torch::kFloat},
-                                                                 {"BF16", torch::kBFloat16},
-                                                                 {"F16", torch::kHalf},
-                                                                 {"F64", torch::kDouble}};
+// The head state keeps to the floating safetensors dtypes: F32, BF16, F16, F64.
+std::optional<torch::ScalarType> StateDtype(std::string_view name) {
+  const std::optional<torch::ScalarType> t = SafetensorsDtype(name);
+  if (!t || !c10::isFloatingType(*t)) return std::nullopt;
+  return t;
+}
 
 // The state's tensors under their names in the file (undefined ones are left out).
 std::vector<std::pair<std::string, torch::Tensor>> NamedTensors(const HeadState& s) {
@@ -102,10 +107,7 @@ absl::StatusOr<torch::Tensor> DecodeTensor(const nlohmann::json& entry, const ch
       !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
     return Corrupt(source, "a malformed tensor entry");
   }
-  std::optional<torch::ScalarType> dtype;
-  for (const auto& [wire, t] : kDtypes) {
-    if (entry["dtype"].get<std::string>() == wire) dtype = t;
-  }
+  const std::optional<torch::ScalarType> dtype = StateDtype(entry["dtype"].get<std::string>());
   if (!dtype) return Corrupt(source, "a tensor of an unsupported dtype");
   std::vector<int64_t> shape;
   uint64_t bytes = c10::elementSize(*dtype);
@@ -235,10 +237,9 @@ absl::StatusOr<std::string> EncodeHeadState(const HeadState& state) {
   std::vector<torch::Tensor> data;
   uint64_t offset = 0;
   for (const auto& [name, tensor] : NamedTensors(state)) {
-    const char* dtype = nullptr;
-    for (const auto& [wire, t] : kDtypes) {
-      if (t == tensor.scalar_type()) dtype = wire;
-    }
+    const char* dtype = c10::isFloatingType(tensor.scalar_type())
+                            ? SafetensorsDtypeName(tensor.scalar_type())
+                            : nullptr;
     if (dtype == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": expected float32, bfloat16, float16 or float64; got ",
