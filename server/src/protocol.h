@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "head_expectations.h"
 #include "head_operations.h"
 #include "remotehead/core/functions.h"
 #include "remotehead/server/head_registry.h"
@@ -19,16 +20,6 @@ absl::Status ToWire(const HeadDescription& description, v1::HeadInfo* info);
 
 // Every function of `registry` as ListFunctions describes it.
 absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsResponse* response);
-
-// A request's expected_incarnation (`field`; empty: unchecked) against this server process:
-// FAILED_PRECONDITION saying that the server restarted, and at which version `head` now is.
-absl::Status CheckIncarnation(const std::string& expected, const std::string& field,
-                              const HeadDescription& head);
-
-// A request's optional expected_weight_version (`field`; unset: unchecked) against the version
-// `head` describes: FAILED_PRECONDITION naming both (and a restore at start, if there was one).
-absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::string& field,
-                                const HeadDescription& head);
 
 // A request's optional dtype field (DTYPE_UNSPECIFIED: unset), named `field` in errors.
 absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,

@@ -1,5 +1,5 @@
-// libFuzzer target: streams of StepRequest messages (header + rows) through StepSession, the
-// protocol-free seam every ForwardBackward / Forward / Backward goes through, against two tiny
+// libFuzzer target: streams of StepRequest messages (header + rows) through StepStream and its
+// StepSession, the transport-free seam every ForwardBackward / Forward / Backward goes through, against two tiny
 // heads (fp32 with bias, bf16 without; V = 17, D = 4) in a HeadRegistry.
 //
 // Input: parts separated by fuzz_input.h's separator; each part is one control byte and a
@@ -28,7 +28,7 @@
 #include "remotehead/server/head_registry.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "step/retained_inputs.h"
-#include "step/step_session.h"
+#include "step/step_stream.h"
 
 namespace remotehead::fuzz {
 namespace {
@@ -99,7 +99,7 @@ class Session {
         mode_(((ctl >> 4) & 3) == 1   ? core::CallMode::kForward
               : ((ctl >> 4) & 3) == 2 ? core::CallMode::kBackward
                                       : core::CallMode::kFused),
-        session_(&world->registry, &world->retained, mode_, /*response_chunk_bytes=*/64),
+        stream_(&world->registry, &world->retained, mode_, /*response_chunk_bytes=*/64),
         before_(Snapshot(*world, /*with_grads=*/true)) {}
 
   bool open() const { return open_; }
@@ -111,15 +111,17 @@ class Session {
     }
     if ((ctl & 0x08) != 0) {
       cancelled_ = true;
-      session_.set_should_stop([] { return true; });
+      stream_.session().set_should_stop([] { return true; });
     }
-    const bool had_header = session_.has_header();
+    const bool had_header = stream_.session().has_begun();
     std::vector<v1::StepResponse> responses;
-    const absl::Status s = session_.OnRequest(std::move(request), &responses, (ctl & 0x01) != 0);
+    const absl::Status s = stream_.OnRequest(std::move(request), &responses, (ctl & 0x01) != 0);
     CheckResponses(responses);
     if (!s.ok()) return End(/*failed=*/true);
     // What the reactor asks right after the header, before admission.
-    if (!had_header && session_.has_header()) (void)session_.EstimateMemory(int64_t{1} << 20);
+    if (!had_header && stream_.session().has_begun()) {
+      (void)stream_.session().EstimateMemory(int64_t{1} << 20);
+    }
     if ((ctl & 0x04) != 0) End(/*failed=*/true);
   }
 
@@ -127,7 +129,7 @@ class Session {
   void Finish(std::string* last_handle) {
     if (!open_) return;
     std::vector<v1::StepResponse> responses;
-    const absl::Status s = session_.OnClientDone(&responses);
+    const absl::Status s = stream_.OnClientDone(&responses);
     CheckResponses(responses);
     if (s.ok()) {
       if (responses.empty() || !responses.back().has_summary()) {
@@ -155,7 +157,7 @@ class Session {
 
   World* world_;
   core::CallMode mode_;
-  server::StepSession session_;
+  server::StepStream stream_;
   std::vector<std::string> before_;
   bool open_ = true;
   bool cancelled_ = false;

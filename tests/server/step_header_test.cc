@@ -127,22 +127,78 @@ TEST(StepHeaderOnTheGroupWire, EveryRankReadsTheOptionsTheFrontRead) {
        {std::pair{fused, core::CallMode::kFused}, std::pair{logits, core::CallMode::kForward},
         std::pair{backward, core::CallMode::kBackward}}) {
     SCOPED_TRACE(header.ShortDebugString());
-    const absl::StatusOr<server::StepHeaderOptions> front = server::ReadStepHeader(header, mode);
+    const absl::StatusOr<server::StepCall> front = server::ReadStepHeader(header, mode);
     ASSERT_TRUE(front.ok()) << front.status();
     const v1::GroupStepBatch b = ThroughTheGroupWire(header, mode);
-    const absl::StatusOr<server::StepHeaderOptions> rank =
+    const absl::StatusOr<server::StepCall> rank =
         server::ReadStepHeader(b.header(), static_cast<core::CallMode>(b.mode()));
     ASSERT_TRUE(rank.ok()) << rank.status();
     ExpectSameOptions(front->options, rank->options);
   }
   // What the header asked for is what was read (not only the same on both sides).
-  const server::StepHeaderOptions read = *server::ReadStepHeader(fused, core::CallMode::kFused);
+  const server::StepCall read = *server::ReadStepHeader(fused, core::CallMode::kFused);
   EXPECT_EQ(read.options.normalizer, 6);
   EXPECT_EQ(read.options.ignore_index, -7);
   EXPECT_EQ(read.options.chunk_rows, 3);
   EXPECT_EQ(read.options.upstream_scale, 0.5);
   EXPECT_EQ(server::ReadStepHeader(logits, core::CallMode::kForward)->options.logits_dtype,
             torch::kBFloat16);
+}
+
+// The call's own fields (what the session checks against the head) are read into the StepCall,
+// the session's only view of the header.
+TEST(StepHeaderRead, TheCallsFieldsReachTheSession) {
+  v1::StepHeader header;
+  header.set_head_id("lm");
+  header.set_rows(12);
+  header.mutable_function()->set_reduction(v1::REDUCTION_SUM);
+  header.set_valid_tokens(10);
+  header.set_expected_incarnation("inc-1");
+  header.set_expected_weight_version(4);
+  header.set_accumulate_weight_grad(true);
+  header.mutable_gradient_id()->set_trainer("t0");
+  header.mutable_gradient_id()->set_step(3);
+  header.mutable_gradient_id()->set_micro_batch(2);
+  header.set_grad_hidden_dtype(v1::DTYPE_BFLOAT16);
+  const absl::StatusOr<server::StepCall> call =
+      server::ReadStepHeader(header, core::CallMode::kFused);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_TRUE(call->accumulate_weight_grad);
+  EXPECT_EQ(call->head_id, "lm");
+  EXPECT_EQ(call->rows, 12);
+  EXPECT_EQ(call->valid_tokens, 10);
+  EXPECT_EQ(call->expected_incarnation, "inc-1");
+  EXPECT_EQ(call->expected_weight_version, 4);
+  ASSERT_TRUE(call->gradient.has_value());
+  EXPECT_EQ(*call->gradient, (server::GradientKey{"t0", 3, 2}));
+  EXPECT_EQ(call->grad_hidden_dtype, torch::kBFloat16);
+  EXPECT_TRUE(call->inputs_handle.empty());
+  EXPECT_EQ(call->retain_inputs_seconds, 0);
+
+  v1::StepHeader forward = header;
+  forward.set_accumulate_weight_grad(false);  // its gradient_id, still set, names nothing
+  forward.set_retain_inputs_seconds(30);
+  const absl::StatusOr<server::StepCall> kept =
+      server::ReadStepHeader(forward, core::CallMode::kForward);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_FALSE(kept->accumulate_weight_grad);
+  EXPECT_FALSE(kept->gradient.has_value());
+  EXPECT_EQ(kept->retain_inputs_seconds, 30);
+
+  v1::StepHeader backward = forward;
+  backward.set_retain_inputs_seconds(0);
+  backward.set_inputs_handle("h-1");
+  EXPECT_EQ(server::ReadStepHeader(backward, core::CallMode::kBackward)->inputs_handle, "h-1");
+
+  // An identity without a trainer is none (the session refuses it on an accumulating call,
+  // after the incarnation and version checks).
+  v1::StepHeader anonymous = header;
+  anonymous.mutable_gradient_id()->clear_trainer();
+  const absl::StatusOr<server::StepCall> read =
+      server::ReadStepHeader(anonymous, core::CallMode::kFused);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(read->accumulate_weight_grad);
+  EXPECT_FALSE(read->gradient.has_value());
 }
 
 }  // namespace

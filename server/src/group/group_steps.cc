@@ -76,6 +76,57 @@ v1::GroupCommand StepEndCommand(int64_t session, const std::string& head_id, boo
   return command;
 }
 
+GroupStepFront::~GroupStepFront() {
+  if (!open_) return;
+  // Best effort: a group that is down discards nothing, and has nothing to keep either.
+  absl::StatusOr<HeadGroup::Lane> lane = group_->Enter();
+  if (!lane.ok()) return;
+  lane->Run(StepEndCommand(session_, header_.head_id(), /*commit=*/false, std::nullopt,
+                           std::nullopt, std::nullopt),
+            [] { return absl::OkStatus(); })
+      .IgnoreError();
+}
+
+const core::VocabShard* GroupStepFront::Shard(const std::vector<core::ShardRange>& ranges) {
+  shard_ = {.group = &group_->collectives(), .ranges = ranges};
+  return &shard_;
+}
+
+absl::Status GroupStepFront::RunBatch(const Batch& call, const HeadEntry& entry,
+                                      std::optional<HeadPin>* pin,
+                                      const std::function<absl::Status(const core::Head&)>& here) {
+  // The lane first (every group operation takes it before any head's lock), then the pin is
+  // checked here before any other rank is asked to compute.
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
+  return entry.ReadPinned(pin, [&](const core::Head& head) {
+    open_ = open_ || call.accumulate;
+    return lane.Run(StepBatchCommand(session_, header_, call.mode, call.accumulate, **pin,
+                                     call.first_row, *call.batch, *call.grad_output),
+                    [&]() -> absl::Status {
+                      std::vector<torch::Tensor> tensors =
+                          BatchTensors(*call.batch, *call.grad_output);
+                      RETURN_IF_ERROR(group_->Share(tensors));
+                      return here(head);
+                    });
+  });
+}
+
+absl::StatusOr<CommitResult> GroupStepFront::Commit(
+    const StepCommit& commit, const std::function<absl::StatusOr<CommitResult>()>& here) {
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
+  absl::StatusOr<CommitResult> result = absl::UnknownError("not run");
+  open_ = false;  // committed or not, the other ranks let go of the scratch
+  RETURN_IF_ERROR(lane.Run(
+      StepEndCommand(session_, header_.head_id(), /*commit=*/true, commit.pin, commit.key,
+                     commit.loss),
+      [&] {
+        result = here();
+        return result.status();
+      },
+      /*local_last=*/true));
+  return result;
+}
+
 absl::Status GroupStepFollower::Follow(const v1::GroupCommand& command) {
   if (command.has_step_batch()) return Batch(command.step_batch());
   if (command.has_step_end()) return End(command.step_end());
@@ -98,7 +149,7 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
   }
   // The request's options as the front read them, from the same header by the same function
   // (should_stop, the workspace and the shard are each rank's own).
-  ASSIGN_OR_RETURN(StepHeaderOptions read,
+  ASSIGN_OR_RETURN(StepCall read,
                    ReadStepHeader(b.header(), static_cast<core::CallMode>(b.mode())));
   core::StepOptions options = std::move(read.options);
   options.first_row = b.first_row();

@@ -2,7 +2,8 @@
 // step options it resolved, the pin, the batch's shapes), every rank joins the broadcast of the
 // batch and runs the engine on its shard (core::StepOptions::shard), and a last command commits
 // or discards every rank's scratch dW. The one home of the step commands' encoding; the
-// front's side is StepSession's, the other ranks' GroupStepFollower.
+// front's side is GroupStepFront (the StepFanout a StepSession runs its calls through), the
+// other ranks' GroupStepFollower.
 #pragma once
 
 #include <torch/torch.h>
@@ -18,6 +19,8 @@
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"
+#include "remotehead/v1/head_service.pb.h"
+#include "step/step_call.h"
 
 namespace remotehead::server {
 
@@ -33,6 +36,31 @@ std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,
 v1::GroupCommand StepEndCommand(int64_t session, const std::string& head_id, bool commit,
                                 const std::optional<HeadPin>& pin,
                                 const std::optional<GradientKey>& key, std::optional<double> loss);
+
+// The front's side of one request: its engine calls and its end, sent to every rank with the
+// request's own header (which every rank reads as the front did, step_header.h).
+class GroupStepFront final : public StepFanout {
+ public:
+  GroupStepFront(HeadGroup* group, v1::StepHeader header)
+      : group_(group), header_(std::move(header)), session_(group->NewSession()) {}
+  // A request that ends without committing: the other ranks' scratch is freed, not committed.
+  ~GroupStepFront() override;
+  GroupStepFront(const GroupStepFront&) = delete;
+  GroupStepFront& operator=(const GroupStepFront&) = delete;
+
+  const core::VocabShard* Shard(const std::vector<core::ShardRange>& ranges) override;
+  absl::Status RunBatch(const Batch& call, const HeadEntry& entry, std::optional<HeadPin>* pin,
+                        const std::function<absl::Status(const core::Head&)>& here) override;
+  absl::StatusOr<CommitResult> Commit(
+      const StepCommit& commit, const std::function<absl::StatusOr<CommitResult>()>& here) override;
+
+ private:
+  HeadGroup* const group_;
+  const v1::StepHeader header_;
+  const int64_t session_;  // this request's id in the step commands
+  core::VocabShard shard_;
+  bool open_ = false;  // the other ranks hold scratch for it
+};
 
 // The other ranks: the requests the front is computing, each with this rank's scratch dW.
 class GroupStepFollower {

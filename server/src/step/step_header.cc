@@ -99,11 +99,23 @@ absl::Status CheckModeFields(const v1::StepHeader& header, core::CallMode mode) 
   return absl::OkStatus();
 }
 
+// The identity an accumulating call's dW is applied under (once: a replay adds nothing), when
+// the header names one. Its absence is refused by the session, after the incarnation and version
+// checks: a trainer talking to a restarted server hears that first.
+std::optional<GradientKey> ReadGradientId(const v1::StepHeader& header) {
+  if (!header.has_gradient_id() || header.gradient_id().trainer().empty()) return std::nullopt;
+  return GradientKey{header.gradient_id().trainer(), header.gradient_id().step(),
+                     header.gradient_id().micro_batch()};
+}
+
 }  // namespace
 
-absl::StatusOr<StepHeaderOptions> ReadStepHeader(const v1::StepHeader& header,
-                                                 core::CallMode mode) {
-  StepHeaderOptions read;
+absl::StatusOr<StepCall> ReadStepHeader(const v1::StepHeader& header, core::CallMode mode) {
+  StepCall read{.head_id = header.head_id(),
+                .rows = header.rows(),
+                .expected_incarnation = header.expected_incarnation(),
+                .inputs_handle = header.inputs_handle(),
+                .retain_inputs_seconds = header.retain_inputs_seconds()};
   core::StepOptions& options = read.options;
   if (header.rows() < 0) {
     return absl::InvalidArgumentError(
@@ -119,6 +131,12 @@ absl::StatusOr<StepHeaderOptions> ReadStepHeader(const v1::StepHeader& header,
   options.chunk_rows = header.chunking().chunk_rows();
   options.memory_budget_bytes = header.chunking().memory_budget_bytes();
   if (header.has_upstream_scale()) options.upstream_scale = header.upstream_scale();
+  if (header.has_valid_tokens()) read.valid_tokens = header.valid_tokens();
+  if (header.has_expected_weight_version()) {
+    read.expected_weight_version = header.expected_weight_version();
+  }
+  read.accumulate_weight_grad = header.accumulate_weight_grad();
+  if (read.accumulate_weight_grad) read.gradient = ReadGradientId(header);
   return read;
 }
 

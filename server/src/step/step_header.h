@@ -4,8 +4,9 @@
 // (group_steps.h): an option added to the header reaches every rank through this function.
 //
 // Protobuf-facing and stateless: it checks what the header alone determines (the reduction and
-// the mode's fields, the dtypes asked for); what needs the head (the function and its params,
-// the version, the identity) is checked by the engine's plan and the session.
+// the mode's fields, the dtypes asked for); what needs the head (the function's params, the
+// incarnation, the version, the identity) is checked by the engine's plan and the session, on
+// the StepCall this returns.
 #pragma once
 
 #include <torch/torch.h>
@@ -13,17 +14,13 @@
 #include <optional>
 
 #include "absl/status/statusor.h"
-#include "remotehead/core/engine.h"
+#include "remotehead/core/call_mode.h"
 #include "remotehead/v1/head_service.pb.h"
+#include "step/step_call.h"
 
 namespace remotehead::server {
 
-struct StepHeaderOptions {
-  core::StepOptions options;  // function … logits_dtype (not first_row, shard, should_stop)
-  std::optional<torch::ScalarType> grad_hidden_dtype;  // dX's dtype when asked
-};
-
 // The header of a call in `mode` (kFused: ForwardBackward, kForward, kBackward).
-absl::StatusOr<StepHeaderOptions> ReadStepHeader(const v1::StepHeader& header, core::CallMode mode);
+absl::StatusOr<StepCall> ReadStepHeader(const v1::StepHeader& header, core::CallMode mode);
 
 }  // namespace remotehead::server

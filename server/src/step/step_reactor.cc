@@ -1,7 +1,7 @@
 // One ForwardBackward / Forward / Backward call, pipelined: gRPC's callback threads only move
 // messages — reading up to `read_ahead_messages` ahead and writing results as they are produced
 // (one write in flight; back-pressure through OnWriteDone) — while a ComputePool thread runs the
-// StepSession on one message at a time, in order. So rows k+1 arrive and the results of k−1 go
+// StepStream (the call read into a StepSession) on one message at a time, in order. So rows k+1 arrive and the results of k−1 go
 // out while k is computed.
 //
 // Lifecycle: the header is read and validated first, then the request waits for admission
@@ -20,7 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/server/status_mapping.h"
-#include "step/step_session.h"
+#include "step/step_stream.h"
 
 namespace remotehead::server {
 namespace {
@@ -31,15 +31,15 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
       : context_(context),
         service_(*service),
         mode_(mode),
-        session_(service->registry, &service->retained, mode, service->options.response_chunk_bytes,
-                 service->options.group),
+        stream_(service->registry, &service->retained, mode, service->options.response_chunk_bytes,
+                service->options.group),
         ticket_(service->admission.NewTicket()),
         deadline_(context->deadline()),
         started_(Clock::now()) {
-    session_.set_reserve_more([this](int64_t bytes, const std::string& why) {
+    stream_.session().set_reserve_more([this](int64_t bytes, const std::string& why) {
       return service_.admission.Grow(ticket_, bytes, why);
     });
-    session_.set_should_stop([this] {
+    stream_.session().set_should_stop([this] {
       return stop_.load(std::memory_order_relaxed) || std::chrono::system_clock::now() > deadline_;
     });
     std::lock_guard<std::mutex> lock(mu_);
@@ -181,7 +181,7 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     }
     work.end = true;
     work.timings = TimingsLocked();
-    session_.set_timings(work.timings);
+    stream_.set_timings(work.timings);
     return work;
   }
 
@@ -201,7 +201,7 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     absl::Status status = RunSession(*work, &produced);
     const Clock::duration spent = Clock::now() - t0;
     if (work->end && status.ok()) OnSessionComplete(work->timings);
-    const bool admitting = status.ok() && work->phase == Phase::kHeader && session_.has_header();
+    const bool admitting = status.ok() && work->phase == Phase::kHeader && stream_.session().has_begun();
     if (admitting) status = StartAdmission();
 
     lock.lock();
@@ -218,8 +218,8 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
   // becomes INTERNAL with its message.
   absl::Status RunSession(Work& work, std::vector<v1::StepResponse>* produced) {
     try {
-      return work.end ? session_.OnClientDone(produced)
-                      : session_.OnRequest(std::move(*work.request), produced, work.more_queued);
+      return work.end ? stream_.OnClientDone(produced)
+                      : stream_.OnRequest(std::move(*work.request), produced, work.more_queued);
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
     }
@@ -231,8 +231,8 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
     service_.admission.Release(ticket_);
     if (service_.options.metrics == nullptr) return;
     service_.options.metrics->ObserveStep(
-        std::string(core::CallModeName(mode_)), session_.head_id(), session_.function(),
-        session_.valid_tokens(), timings, session_.logits_chunk_bytes());
+        std::string(core::CallModeName(mode_)), session().head_id(), session().function(),
+        session().valid_tokens(), timings, session().logits_chunk_bytes());
   }
 
   // After the header: the request waits for admission before any rows are read.
@@ -243,7 +243,7 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
       phase_ = Phase::kAdmitting;
       queued_since_ = Clock::now();
     }
-    const MemoryEstimate need = session_.EstimateMemory(PipelineBytes());
+    const MemoryEstimate need = stream_.session().EstimateMemory(PipelineBytes());
     return service_.admission.Admit(ticket_, need.bytes, need.breakdown, [this] { OnAdmitted(); });
   }
 
@@ -308,7 +308,9 @@ class StepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::St
   grpc::CallbackServerContext* context_;  // valid until OnDone
   ServiceContext& service_;
   const core::CallMode mode_;
-  StepSession session_;  // used by one compute task at a time
+  const StepSession& session() const { return stream_.session(); }
+
+  StepStream stream_;  // used by one compute task at a time
   const uint64_t ticket_;
   const std::chrono::system_clock::time_point deadline_;
   const Clock::time_point started_;

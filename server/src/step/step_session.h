@@ -1,14 +1,15 @@
-// One ForwardBackward / Forward / Backward call, independent of gRPC: validates the header,
-// turns the StepRows messages into engine calls whose dX (or per-token outputs) go back to the
-// trainer, accumulates dW into scratch buffers, and commits them to the head only when the
-// whole request succeeded — so a failed, cancelled or disconnected request leaves the head's
-// gradients bit-identical, and a replayed gradient id is recognised and not added twice.
+// One ForwardBackward / Forward / Backward call, in the server's own types (step_call.h):
+// validates the call against its head, turns its rows into engine calls whose dX (or per-token
+// outputs) go back to the trainer, accumulates dW into scratch buffers, and commits them to the
+// head only when the whole request succeeded — so a failed, cancelled or disconnected request
+// leaves the head's gradients bit-identical, and a replayed gradient id is recognised and not
+// added twice.
 //
-// The path of one call: StepReactor (step_reactor.cc, gRPC) hands each message to OnRequest:
-// the header → OnHeader (validation, the engine's CallPlan, admission's EstimateMemory); rows →
-// OnRows, batched to the engine's chunk size → ComputeRows → core::FusedForwardBackward /
-// Forward / Backward (core/src/engine.cc); the end of the stream → OnClientDone (commit,
-// summary).
+// The path of one call: StepReactor (step_reactor.cc, gRPC) hands each message to StepStream
+// (step_stream.cc, the protobuf side), which reads it into core types: the header → Begin (the
+// engine's CallPlan, the version and identity, admission's EstimateMemory); rows → AddRows,
+// batched to the engine's chunk size → ComputeRows → core::FusedForwardBackward / Forward /
+// Backward (core/src/engine.cc); the end of the stream → Finish (commit, summary).
 //
 // Not thread-safe: the reactor hands it one message at a time, in order.
 #pragma once
@@ -22,14 +23,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "group/group_steps.h"
-#include "step/engine_call.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
-#include "remotehead/v1/head_service.pb.h"
 #include "request_memory.h"
+#include "step/engine_call.h"
 #include "step/retained_inputs.h"
+#include "step/step_call.h"
 
 namespace remotehead::server {
 
@@ -37,38 +36,30 @@ class StepSession {
  public:
   // kFused: ForwardBackward; kForward: outputs only, nothing accumulated; kBackward: the
   // two-phase backward (dL/dy per row for reduction NONE; for a scalar reduction dL/dloss is
-  // header.upstream_scale), with X re-sent or taken from a Forward's retained inputs.
-  // With `group` (the front of a head group), every engine call and the commit run on every
-  // rank (group_steps.h).
-  StepSession(HeadRegistry* registry, RetainedInputStore* retained, core::CallMode mode,
-              int64_t response_chunk_bytes, HeadGroup* group = nullptr)
-      : registry_(registry),
-        retained_(retained),
-        mode_(mode),
-        response_chunk_bytes_(response_chunk_bytes),
-        group_(group) {}
-  // On a group, a request that ends without committing discards the other ranks' scratch.
-  ~StepSession();
+  // the options' upstream_scale), with X re-sent or taken from a Forward's retained inputs.
+  StepSession(HeadRegistry* registry, RetainedInputStore* retained, core::CallMode mode)
+      : registry_(registry), retained_(retained), mode_(mode) {}
   StepSession(const StepSession&) = delete;
   StepSession& operator=(const StepSession&) = delete;
 
-  // Handles one client message; appends what goes back to the client to `responses`.
-  // Takes the message: the rows it carries are computed from its bytes without a copy. Rows
-  // are batched up to the engine's chunk size while `more_queued` (the transport holds further
-  // messages); otherwise everything received is computed now, so a client that waits for dX
-  // before sending more rows is never left waiting.
-  absl::Status OnRequest(v1::StepRequest request, std::vector<v1::StepResponse>* responses,
-                         bool more_queued = false);
-  // The client has sent everything: checks completeness, commits, appends the summary.
-  absl::Status OnClientDone(std::vector<v1::StepResponse>* responses);
+  // The call's header, once, before any rows (the transport keeps that order). With `fanout` (the front of a head group), every engine call and the
+  // commit run on every rank through it.
+  absl::Status Begin(StepCall call, std::unique_ptr<StepFanout> fanout = nullptr);
+  // The rows of one message; each computed batch's results go to `sink`. Rows are batched up to
+  // the engine's chunk size while `more_queued` (the transport holds further messages);
+  // otherwise everything received is computed now, so a client that waits for dX before sending
+  // more rows is never left waiting.
+  absl::Status AddRows(StepRowsIn rows, const StepResultSink& sink, bool more_queued = false);
+  // The client has sent everything: computes what is left, checks completeness, commits.
+  absl::StatusOr<StepOutcome> Finish(const StepResultSink& sink);
 
-  bool has_header() const { return header_.has_value(); }
-  // After OnClientDone succeeded (metrics): what was computed, and the largest logits chunk.
-  const std::string& head_id() const { return header_->head_id(); }
-  const std::string& function() const { return options_.function; }
+  bool has_begun() const { return begun_; }
+  // After Begin: what is computed; after Finish: how much, and the largest logits chunk.
+  const std::string& head_id() const { return call_.head_id; }
+  const std::string& function() const { return call_.options.function; }
   int64_t valid_tokens() const { return valid_tokens_; }
   int64_t logits_chunk_bytes() const { return logits_chunk_bytes_; }
-  // After the header: the bytes this request will hold while it runs — one engine call on a
+  // After Begin: the bytes this request will hold while it runs — one engine call on a
   // batch (core's memory model, CallPlan::Memory), the scratch dW, the rows and results the
   // transport may buffer for it (`pipeline_bytes`), the inputs a Forward retains.
   MemoryEstimate EstimateMemory(int64_t pipeline_bytes) const;
@@ -81,41 +72,36 @@ class StepSession {
   void set_reserve_more(std::function<absl::Status(int64_t bytes, const std::string& why)> f) {
     reserve_more_ = std::move(f);
   }
-  // Reported in the summary.
-  void set_timings(const v1::StepTimings& timings) { timings_ = timings; }
 
  private:
   // Rows received and not yet computed: the engine runs on batches of batch_rows_ rows (its
   // own chunk size, capped), whatever the size of the client's messages.
   struct PendingRows {
-    std::shared_ptr<const v1::StepRequest> message;  // owns the bytes the tensors alias
+    std::shared_ptr<const void> owner;  // owns the bytes the tensors alias
     core::TokenBatch batch;
     torch::Tensor grad_output;  // Backward with reduction NONE
   };
 
-  // The header, in the order it is validated.
-  // The header's options (step_header.h), then what needs the head: the engine's plan, the
-  // retained inputs, the version and the identity.
-  absl::Status OnHeader(const v1::StepHeader& header);
-  absl::Status CheckRetainedInputs(const v1::StepHeader& header);
-  absl::Status CheckVersionAndIdentity(const v1::StepHeader& header);
+  // The call against its head, in the order it is checked: the engine's plan, the retained
+  // inputs, the version and the identity.
+  absl::Status PlanBatches();
+  absl::Status CheckRetainedInputs();
+  absl::Status CheckVersionAndIdentity();
 
   // Rows.
-  absl::Status OnRows(std::shared_ptr<const v1::StepRequest> message,
-                      std::vector<v1::StepResponse>* responses);
-  absl::StatusOr<torch::Tensor> DecodeGradOutput(const v1::StepRows& rows) const;
-  // The rows of a message: its tensors (views of its bytes, on the head's device), or the
-  // retained inputs' rows for a Backward by handle.
-  absl::StatusOr<core::TokenBatch> DecodeInputs(const v1::StepRows& rows,
-                                                const torch::Tensor& grad_output) const;
+  absl::StatusOr<torch::Tensor> GradOutputOf(const StepRowsIn& rows) const;
+  // The inputs of a message (on the head's device), or none for a Backward by handle, whose
+  // rows are the retained inputs'.
+  absl::StatusOr<core::TokenBatch> InputsOf(StepRowsIn& rows,
+                                            const torch::Tensor& grad_output) const;
   bool WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const;
   // Queues a part for batching, or computes it now when it cannot be batched.
-  absl::Status Enqueue(PendingRows part, std::vector<v1::StepResponse>* responses);
+  absl::Status Enqueue(PendingRows part, const StepResultSink& sink);
   // Computes the first `rows` pending rows.
-  absl::Status FlushPending(int64_t rows, std::vector<v1::StepResponse>* responses);
-  // Computes rows [next_row_, next_row_ + rows of batch) and appends their results.
+  absl::Status FlushPending(int64_t rows, const StepResultSink& sink);
+  // Computes rows [next_row_, next_row_ + rows of batch) and hands their results to `sink`.
   absl::Status ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
-                           std::vector<v1::StepResponse>* responses);
+                           const StepResultSink& sink);
   // Runs the engine for one batch in this session's mode; fills dX / outputs / token ids.
   absl::Status Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
                        EngineOutputs* results);
@@ -127,31 +113,26 @@ class StepSession {
   absl::StatusOr<CommitResult> Commit();
 
   // The end.
-  absl::Status ComputeRemaining(std::vector<v1::StepResponse>* responses);
+  absl::Status ComputeRemaining(const StepResultSink& sink);
   absl::Status CheckComplete() const;
-  absl::Status RetainInputs(const CommitResult& commit, v1::StepSummary* summary);
-  void FillSummary(const CommitResult& commit, v1::StepSummary* summary);
+  absl::StatusOr<std::string> RetainInputs(const CommitResult& commit);
+  StepOutcome Outcome(const CommitResult& commit);
 
   HeadRegistry* registry_;
   RetainedInputStore* retained_;
   const core::CallMode mode_;
-  const int64_t response_chunk_bytes_;
-  HeadGroup* const group_;
-  core::VocabShard shard_;     // on a group: this head's shards (options_.shard points here)
-  int64_t group_session_ = 0;  // on a group: this request's id in the step commands
-  bool group_open_ = false;    // the other ranks hold scratch for it
+  std::unique_ptr<StepFanout> fanout_;  // on a group: the other ranks
   std::shared_ptr<HeadEntry> entry_;
   // The head's version and gradient window the request computes on: fixed at the header when
   // it pins a version (expected_weight_version, inputs_handle), else at its first computation.
   std::optional<HeadPin> pin_;
-  std::optional<v1::StepHeader> header_;
-  core::StepOptions options_;
+  bool begun_ = false;
+  StepCall call_;
+  core::StepOptions& options_ = call_.options;  // the engine's options, this process's own set
   core::CallPlan plan_;                 // the engine's plan for these options (chunk sizes, memory)
   torch::Device device_ = torch::kCPU;  // the head's (fixed for its lifetime)
   torch::ScalarType head_dtype_ = torch::kFloat;
-  std::optional<torch::ScalarType> grad_hidden_dtype_;
-  std::optional<GradientKey> key_;
-  core::GradientBuffers scratch_;
+  core::GradientBuffers scratch_;  // with call_.gradient
   std::shared_ptr<const RetainedInputs> inputs_;  // Backward by handle
   std::vector<core::TokenBatch> kept_rows_;       // Forward that retains its inputs
   int64_t kept_bytes_ = 0;                        // their bytes so far
@@ -168,7 +149,6 @@ class StepSession {
   int64_t num_chunks_ = 0;
   int64_t logits_chunk_bytes_ = 0;
   std::map<std::string, double> extras_;
-  v1::StepTimings timings_;
 };
 
 }  // namespace remotehead::server
