@@ -12,8 +12,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -66,9 +68,20 @@ struct Client::Impl {
   // One attempt of a step call: a writer thread sends the header and the row chunks while this
   // thread assembles the streamed dX / outputs; then the summary. `grad_hidden` / `outputs`
   // (preallocated, or undefined when the call returns none) are overwritten by every attempt.
+  // `token_ids`: a sampling Forward's drawn tokens.
   absl::Status StepAttempt(grpc::ClientContext* context, const internal::PreparedStep& p,
                            const torch::Tensor& grad_hidden, const torch::Tensor& outputs,
-                           v1::StepSummary* summary);
+                           v1::StepSummary* summary, const torch::Tensor& token_ids = {});
+
+  // The server's functions, read by the first call that needs them and kept (functions.cc);
+  // Function: one of them by name, nullopt when the server lists none of that name.
+  absl::StatusOr<std::vector<FunctionInfo>> Functions();
+  absl::StatusOr<std::optional<FunctionInfo>> Function(const std::string& name);
+  std::mutex functions_mu;
+  std::optional<std::vector<FunctionInfo>> functions;
+  // A per-row Forward's result buffers, shaped and typed as its function's listing says.
+  absl::Status AllocateForwardOutputs(const StepSpec& spec, const internal::PreparedStep& p,
+                                      ForwardResult* result);
 
   // The shape and dtype of a head, read inside an attempt (with that attempt's deadline) before
   // its weights or gradients are streamed into preallocated tensors.

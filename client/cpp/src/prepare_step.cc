@@ -127,6 +127,10 @@ absl::Status WriteHeader(const StepSpec& spec, const PreparedStep& p, v1::StepHe
     h->set_retain_inputs_seconds(spec.retain_inputs_seconds);
   }
   if (p.by_handle()) h->set_inputs_handle(spec.inputs_handle);
+  if (spec.output_dtype.has_value()) {
+    ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(*spec.output_dtype, "spec.output_dtype"));
+    h->set_output_dtype(dtype);
+  }
   return absl::OkStatus();
 }
 

@@ -60,7 +60,7 @@ std::unique_ptr<StepStream> OpenStep(internal::Stub& stub, grpc::ClientContext* 
 // What a step call streams back, assembled as it arrives.
 struct StepReceiver {
   core::CallMode mode;
-  std::optional<ResponseRows> dx, out;
+  std::optional<ResponseRows> dx, out, ids;
   v1::StepSummary* summary;
   bool have_summary = false;
 
@@ -74,6 +74,10 @@ struct StepReceiver {
         if (out) return out->Add(response.outputs());
         return absl::InternalError(absl::StrCat(
             "outputs: not expected from ", core::CallModeName(mode), " with a scalar reduction"));
+      case v1::StepResponse::kTokenIds:
+        if (ids) return ids->Add(response.token_ids());
+        return absl::InternalError(absl::StrCat(
+            "token_ids: not expected from ", core::CallModeName(mode), " of this function"));
       case v1::StepResponse::kSummary:
         *summary = response.summary();
         have_summary = true;
@@ -87,6 +91,7 @@ struct StepReceiver {
     if (!have_summary) return absl::InternalError("summary: the stream ended without one");
     if (dx) RETURN_IF_ERROR(dx->CheckComplete());
     if (out) RETURN_IF_ERROR(out->CheckComplete());
+    if (ids) RETURN_IF_ERROR(ids->CheckComplete());
     return absl::OkStatus();
   }
 };
@@ -95,11 +100,13 @@ struct StepReceiver {
 
 absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const PreparedStep& p,
                                        const torch::Tensor& grad_hidden,
-                                       const torch::Tensor& outputs, v1::StepSummary* summary) {
+                                       const torch::Tensor& outputs, v1::StepSummary* summary,
+                                       const torch::Tensor& token_ids) {
   const std::unique_ptr<StepStream> stream = OpenStep(*stub, context, p.mode);
   StepReceiver receiver{.mode = p.mode, .summary = summary};
   if (grad_hidden.defined()) receiver.dx.emplace(grad_hidden, "grad_hidden");
   if (outputs.defined()) receiver.out.emplace(outputs, "outputs");
+  if (token_ids.defined()) receiver.ids.emplace(token_ids, "token_ids");
 
   // A failed Write means the call is over (the server finished it, or it was cancelled):
   // Finish below reports why.
@@ -140,17 +147,46 @@ absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& sp
   return result;
 }
 
+// A per-row Forward's outputs, preallocated as the function's listing says: per-token values
+// [N], logits rows [N, V] or a drawn token's log-probability [N] (with token ids [N]), in the
+// listed dtype — float64 on a float64 head where the listing says so. A function the server does
+// not list gets per-token float32 buffers: the server's refusal of its name is what the caller
+// sees.
+absl::Status Client::Impl::AllocateForwardOutputs(const StepSpec& spec, const PreparedStep& p,
+                                                  ForwardResult* result) {
+  ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, Function(spec.function));
+  const bool float64_head = p.result_dtype == torch::kDouble;
+  torch::ScalarType dtype = torch::kFloat;
+  if (fn.has_value()) {
+    dtype = fn->output_float64_on_float64_heads && float64_head ? torch::kDouble
+                                                                : fn->output_dtype;
+  }
+  if (!fn.has_value() || fn->output_kind == OutputKind::kPerToken) {
+    result->outputs = torch::empty({p.rows}, dtype);
+    return absl::OkStatus();
+  }
+  if (fn->output_kind == OutputKind::kSample) {
+    result->outputs = torch::empty({p.rows}, dtype);
+    result->token_ids = torch::empty({p.rows}, torch::kLong);
+    return absl::OkStatus();
+  }
+  v1::HeadRef ref;
+  ref.set_head_id(spec.head_id);
+  v1::HeadInfo head;
+  RETURN_IF_ERROR(Unary("DescribeHead", &Stub::DescribeHead, ref, &head));
+  result->outputs = torch::empty({p.rows, head.vocab_size()}, spec.output_dtype.value_or(dtype));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ForwardResult> Client::Forward(const StepSpec& spec, const StepInputs& inputs) {
   ASSIGN_OR_RETURN(const PreparedStep p,
                    PrepareStep(spec, inputs, core::CallMode::kForward, {}, options_.chunk_bytes));
   ForwardResult result;
   const bool per_token = spec.reduction == Reduction::kNone;
-  // The server computes per-token outputs in float32 (float64 for a float64 head).
-  const torch::ScalarType out = p.result_dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
-  if (per_token) result.outputs = torch::empty({p.rows}, out);
+  if (per_token) RETURN_IF_ERROR(impl_->AllocateForwardOutputs(spec, p, &result));
   v1::StepSummary summary;
   RETURN_IF_ERROR(impl_->WithRetries("Forward", [&](grpc::ClientContext* context) {
-    return impl_->StepAttempt(context, p, {}, result.outputs, &summary);
+    return impl_->StepAttempt(context, p, {}, result.outputs, &summary, result.token_ids);
   }));
   result.summary = FromWire(summary);
   if (!per_token) result.outputs = torch::tensor(summary.loss(), torch::kDouble);

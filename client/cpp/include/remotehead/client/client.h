@@ -232,6 +232,9 @@ struct StepSpec {
   // (or valid_tokens) the count a MEAN without normalizer needs. The server refuses the handle
   // once the head's weights moved on, and forgets it after a successful Backward (NOT_FOUND).
   std::string inputs_handle;
+  // Forward of a function whose outputs are logits rows (FunctionInfo::output_kind kLogits):
+  // their dtype. Unset: the function's listed default (float32).
+  std::optional<torch::ScalarType> output_dtype;
   // HeadInfo::incarnation seen by the trainer: FAILED_PRECONDITION once the server restarted,
   // instead of adding dW to a window it no longer has. Empty: unchecked.
   std::string expected_incarnation;
@@ -278,10 +281,42 @@ struct ForwardBackwardResult {
 };
 
 struct ForwardResult {
-  // reduction NONE: per-token outputs [N] (float32, 0 at ignored positions); otherwise the
-  // 0-d reduced loss (float64).
+  // reduction NONE: what the function's listing says it returns (FunctionInfo::output_kind):
+  // per-token outputs [N] (0 at ignored positions), logits rows [N, V], or a drawn token's
+  // log-probability [N]; in the listed dtype. Otherwise the 0-d reduced loss (float64).
   torch::Tensor outputs;
+  torch::Tensor token_ids;  // kSample: the drawn tokens [N] (int64); otherwise undefined
   StepSummary summary;
+};
+
+// What a Forward with reduction NONE returns per row.
+enum class OutputKind { kPerToken, kLogits, kSample };
+
+// A scalar option of a function (StepSpec::params).
+struct FunctionParameter {
+  std::string name;
+  double default_value = 0;
+  double min_value = 0;  // inclusive
+  double max_value = 0;  // inclusive (may be +inf)
+  std::string help;
+  bool common = false;  // accepted by every function (temperature, softcap)
+};
+
+// A function the server computes, as ListFunctions describes it.
+struct FunctionInfo {
+  std::string name;
+  std::string help;
+  bool needs_targets = false;
+  std::vector<std::string> required_aux;  // StepInputs::aux names
+  std::vector<std::string> optional_aux;
+  std::vector<FunctionParameter> params;  // its own, then the common ones
+  OutputKind output_kind = OutputKind::kPerToken;
+  // The dtype of its outputs on a head of any dtype but float64 (kLogits: the default of
+  // StepSpec::output_dtype), and whether a float64 head gives float64 outputs.
+  torch::ScalarType output_dtype = torch::kFloat;
+  bool output_float64_on_float64_heads = false;
+  bool differentiable = false;      // false: a generation output (Forward, reduction NONE only)
+  bool vocab_decomposable = false;  // runs on a head group
 };
 
 struct BackwardResult {
@@ -337,6 +372,10 @@ class Client {
   // the last rank comes, and calling it again returns its answer.
   absl::StatusOr<HeadInfo> OptimizerStep(const std::string& head_id,
                                          const OptimizerStepOptions& options);
+
+  // Every function the server computes (read once per Client and kept: a Forward with
+  // reduction NONE shapes its outputs from it).
+  absl::StatusOr<std::vector<FunctionInfo>> ListFunctions();
 
   // Fused: loss, dX and (spec.accumulate_weight_grad) dW on the server in one pass.
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const StepSpec& spec,

@@ -1,0 +1,79 @@
+// The server's function listing (ListFunctions), read once per Client: the public call, and what
+// a Forward with reduction NONE looks up in it to shape and type its outputs — so the client
+// matches no function by name.
+#include "absl/strings/str_cat.h"
+#include "client_impl.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/wire/tensor_codec.h"
+
+namespace remotehead::client {
+namespace {
+
+absl::StatusOr<OutputKind> FromWire(v1::OutputKind kind, const std::string& function) {
+  switch (kind) {
+    case v1::OUTPUT_KIND_PER_TOKEN:
+      return OutputKind::kPerToken;
+    case v1::OUTPUT_KIND_LOGITS:
+      return OutputKind::kLogits;
+    case v1::OUTPUT_KIND_SAMPLE:
+      return OutputKind::kSample;
+    default:
+      return absl::InternalError(absl::StrCat("functions[\"", function,
+                                              "\"].output_kind: expected PER_TOKEN, LOGITS or "
+                                              "SAMPLE; got ",
+                                              static_cast<int>(kind)));
+  }
+}
+
+absl::StatusOr<FunctionInfo> FromWire(const v1::FunctionDescription& d) {
+  FunctionInfo info{.name = d.name(),
+                    .help = d.help(),
+                    .needs_targets = d.needs_targets(),
+                    .required_aux = {d.required_aux().begin(), d.required_aux().end()},
+                    .optional_aux = {d.optional_aux().begin(), d.optional_aux().end()},
+                    .output_float64_on_float64_heads = d.output_float64_on_float64_heads(),
+                    .differentiable = d.differentiable(),
+                    .vocab_decomposable = d.vocab_decomposable()};
+  for (const v1::FunctionParameter& p : d.params()) {
+    info.params.push_back({.name = p.name(),
+                           .default_value = p.default_value(),
+                           .min_value = p.min_value(),
+                           .max_value = p.max_value(),
+                           .help = p.help(),
+                           .common = p.common()});
+  }
+  ASSIGN_OR_RETURN(info.output_kind, FromWire(d.output_kind(), d.name()));
+  ASSIGN_OR_RETURN(info.output_dtype,
+                   wire::FromWireDtype(d.output_dtype(),
+                                       absl::StrCat("functions[\"", d.name(), "\"].output_dtype")));
+  return info;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<FunctionInfo>> Client::Impl::Functions() {
+  std::lock_guard<std::mutex> lock(functions_mu);
+  if (functions.has_value()) return *functions;
+  v1::ListFunctionsResponse response;
+  RETURN_IF_ERROR(
+      Unary("ListFunctions", &Stub::ListFunctions, v1::ListFunctionsRequest(), &response));
+  std::vector<FunctionInfo> listed;
+  for (const v1::FunctionDescription& d : response.functions()) {
+    ASSIGN_OR_RETURN(FunctionInfo info, FromWire(d));
+    listed.push_back(std::move(info));
+  }
+  functions = listed;
+  return listed;
+}
+
+absl::StatusOr<std::optional<FunctionInfo>> Client::Impl::Function(const std::string& name) {
+  ASSIGN_OR_RETURN(const std::vector<FunctionInfo> listed, Functions());
+  for (const FunctionInfo& f : listed) {
+    if (f.name == name) return f;
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<std::vector<FunctionInfo>> Client::ListFunctions() { return impl_->Functions(); }
+
+}  // namespace remotehead::client
