@@ -105,13 +105,23 @@ def server_flags():
 
 @functools.lru_cache(maxsize=None)
 def dockerfile():
-    """The image's paths: the server (ENTRYPOINT), the Python of its venv (HEALTHCHECK) and the
-    user's uid."""
+    """The image's paths: the server (ENTRYPOINT), the Python of its venv and the health check
+    (HEALTHCHECK, a copy of docker/healthcheck.py), and the user's uid."""
     text = (ROOT / "docker" / "Dockerfile").read_text()
     binary = re.search(r'^ENTRYPOINT \["([^"]+)"', text, re.M)[1]
-    python = re.search(r'^\s*CMD \["([^"]+python[^"]*)"', text, re.M)[1]
+    python, healthcheck = re.search(r'^\s*CMD \["([^"]+python[^"]*)", "([^"]+)"', text,
+                                    re.M).groups()
+    directory = re.search(r"cp docker/healthcheck\.py (\S+)/ ", text)[1]
+    assert healthcheck == f"{directory}/healthcheck.py", (healthcheck, directory)
     uid = int(re.search(r"useradd [^\n]*--uid (\d+)[^\n]* remotehead", text)[1])
-    return binary, python, uid
+    return binary, python, healthcheck, uid
+
+
+# The image's files the tests run from the clone.
+def image_programs():
+    binary, python, healthcheck, _ = dockerfile()
+    return {binary: BINARY, python: sys.executable,
+            healthcheck: str(ROOT / "docker" / "healthcheck.py")}
 
 
 def pod_labels(statefulset, ordinal: int):
@@ -133,7 +143,7 @@ def test_every_document_validates_against_the_pinned_kubernetes(folder):
     documents = render(folder)
     kinds = sorted(d["kind"] for d in documents)
     expected = (["ConfigMap", "Job", "Service"] if folder == "trainer" else
-                ["ConfigMap", "PodDisruptionBudget", "Service", "Service", "StatefulSet"])
+                ["PodDisruptionBudget", "Service", "Service", "StatefulSet"])
     assert kinds == expected
     for document in documents:
         assert kubernetes_validate.validate(document, KUBERNETES, strict=True) == KUBERNETES
@@ -169,7 +179,7 @@ def test_the_statefulset_matches_the_server(overlay):
     spec = statefulset["spec"]
     pod = spec["template"]["spec"]
     [container] = pod["containers"]
-    binary, python, uid = dockerfile()
+    binary, python, healthcheck, uid = dockerfile()
 
     # Every flag is the server's; every $(VAR) is defined by the container's environment.
     assert container["command"] == [binary]
@@ -240,15 +250,13 @@ def test_the_statefulset_matches_the_server(overlay):
         assert kind == "secret" and key in SECRETS[secret], (flag, secret, key)
     assert {v["secret"]["secretName"] for v in volumes.values() if "secret" in v} == set(SECRETS)
 
-    # The probes: the TLS health check on the gRPC port, with the image's Python and the
-    # probe script from the rendered ConfigMap.
+    # The probes: the image's health check, over TLS on the gRPC port.
     probes = [container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
     for probe in probes:
         command = probe["exec"]["command"]
         assert command == probes[0]["exec"]["command"]
         assert command[0] == python
-        kind, configmap, key = source(command[1])
-        assert kind == "configMap" and key in find(documents, "ConfigMap", configmap)["data"]
+        assert command[1] == healthcheck
         options = dict(c.split("=", 1) for c in command[2:-1])
         assert source(options["--ca"])[2] == "ca.crt"
         assert host_port(command[-1]) == ("127.0.0.1", ports["grpc"])
@@ -492,8 +500,7 @@ def start_statefulset(documents, root: pathlib.Path):
         "remotehead-token": {"token": token + "\n"},
         "remotehead-group-secret": {"secret": secrets.token_hex(32)}})
     cluster.add_documents(documents)
-    binary, python, _ = dockerfile()
-    programs = {binary: BINARY, python: sys.executable}
+    programs = image_programs()
     template = statefulset["spec"]["template"]
     [container] = template["spec"]["containers"]
     names = [f"{statefulset['metadata']['name']}-{r}"
@@ -509,7 +516,7 @@ def start_statefulset(documents, root: pathlib.Path):
         for name in names:
             process, log, volumes, env = pods[name]
             probe = [expand(a, env) for a in container["readinessProbe"]["exec"]["command"]]
-            probe = [programs[probe[0]]] + cluster.localize(name, probe[1:], volumes)
+            probe = [programs.get(a, a) for a in cluster.localize(name, probe, volumes)]
             while True:
                 assert process.poll() is None, f"{name} exited {process.returncode}:\n" \
                     + log.read_text()
@@ -541,7 +548,7 @@ def test_the_single_server_keeps_its_state_on_its_claim(tmp_path):
     _, log, volumes, env = pods[names[0]]
     [container] = find(documents, "StatefulSet")["spec"]["template"]["spec"]["containers"]
     probe = [expand(a, env) for a in container["livenessProbe"]["exec"]["command"]]
-    probe = [sys.executable] + cluster.localize(names[0], probe[1:], volumes)
+    probe = [image_programs().get(a, a) for a in cluster.localize(names[0], probe, volumes)]
     try:
         assert subprocess.run(probe, capture_output=True).returncode == 0
         # The probe checks the certificate's name: another name fails.
