@@ -305,7 +305,7 @@ absl::Status StepSession::ComputeHere(const core::Head& head, const core::TokenB
                                               call_.gradient ? &scratch_ : nullptr));
   if (mode_ == core::CallMode::kFused ||
       (mode_ == core::CallMode::kForward && options_.reduction != core::Reduction::kNone)) {
-    loss_ += r.loss;
+    outcome_.loss += r.loss;
   }
   AddStats(r.stats);
   *results = std::move(r);
@@ -313,10 +313,10 @@ absl::Status StepSession::ComputeHere(const core::Head& head, const core::TokenB
 }
 
 void StepSession::AddStats(const core::StepStats& stats) {
-  valid_tokens_ += stats.valid_tokens;
-  chunk_rows_ = std::max(chunk_rows_, stats.chunk_rows);
-  num_chunks_ += stats.num_chunks;
-  for (const auto& [name, value] : stats.extras) extras_[name] += value;
+  outcome_.valid_tokens += stats.valid_tokens;
+  outcome_.chunk_rows = std::max(outcome_.chunk_rows, stats.chunk_rows);
+  outcome_.num_chunks += stats.num_chunks;
+  for (const auto& [name, value] : stats.extras) outcome_.extras[name] += value;
 }
 
 // ----- the end -----
@@ -335,7 +335,7 @@ absl::StatusOr<StepOutcome> StepSession::Finish(const StepResultSink& sink) {
 
 absl::StatusOr<CommitResult> StepSession::Commit() {
   const std::optional<double> loss =
-      mode_ == core::CallMode::kFused ? std::optional<double>(loss_) : std::nullopt;
+      mode_ == core::CallMode::kFused ? std::optional<double>(outcome_.loss) : std::nullopt;
   const StepCommit commit{.pin = pin_, .key = call_.gradient, .scratch = &scratch_, .loss = loss};
   auto here = [&] { return entry_->Commit(commit); };
   // Only a request that accumulates changes the other ranks' heads.
@@ -364,10 +364,10 @@ absl::Status StepSession::CheckComplete() const {
     return absl::InvalidArgumentError(
         absl::StrCat("rows: expected ", call_.rows, " rows (header.rows); got ", next_row_));
   }
-  if (call_.valid_tokens.has_value() && *call_.valid_tokens != valid_tokens_) {
+  if (call_.valid_tokens.has_value() && *call_.valid_tokens != outcome_.valid_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.valid_tokens: expected the number of targets != ignore_index in the rows, ",
-        valid_tokens_, "; got ", *call_.valid_tokens));
+        outcome_.valid_tokens, "; got ", *call_.valid_tokens));
   }
   return absl::OkStatus();
 }
@@ -389,15 +389,12 @@ StepOutcome StepSession::Outcome(const CommitResult& commit) {
   // The columns this process computes: its shard's on a head group.
   const int64_t columns =
       options_.shard != nullptr ? options_.shard->mine().rows : plan_.vocab_size;
-  logits_chunk_bytes_ = chunk_rows_ * columns * plan_.head_elem_bytes;
-  return {.replayed = commit.replayed,
-          .weight_version = commit.weight_version,
-          .loss = loss_,
-          .valid_tokens = valid_tokens_,
-          .denominator = options_.normalizer.value_or(1.0),
-          .chunk_rows = chunk_rows_,
-          .num_chunks = num_chunks_,
-          .extras = extras_};
+  logits_chunk_bytes_ = outcome_.chunk_rows * columns * plan_.head_elem_bytes;
+  StepOutcome outcome = outcome_;
+  outcome.replayed = commit.replayed;
+  outcome.weight_version = commit.weight_version;
+  outcome.denominator = options_.normalizer.value_or(1.0);
+  return outcome;
 }
 
 }  // namespace remotehead::server

@@ -57,7 +57,7 @@ class StepSession {
   // After Begin: what is computed; after Finish: how much, and the largest logits chunk.
   const std::string& head_id() const { return call_.head_id; }
   const std::string& function() const { return call_.options.function; }
-  int64_t valid_tokens() const { return valid_tokens_; }
+  int64_t valid_tokens() const { return outcome_.valid_tokens; }
   int64_t logits_chunk_bytes() const { return logits_chunk_bytes_; }
   // After Begin: the bytes this request will hold while it runs — one engine call on a
   // batch (core's memory model, CallPlan::Memory), the scratch dW, the rows and results the
@@ -143,12 +143,8 @@ class StepSession {
   int64_t batch_rows_ = 1;
   int64_t received_rows_ = 0;  // rows taken from the client (or the retained inputs)
   int64_t next_row_ = 0;       // rows computed, whose results have been produced
-  int64_t valid_tokens_ = 0;
-  double loss_ = 0;
-  int64_t chunk_rows_ = 0;
-  int64_t num_chunks_ = 0;
+  StepOutcome outcome_;  // the summary's sums so far (loss, tokens, chunks, extras)
   int64_t logits_chunk_bytes_ = 0;
-  std::map<std::string, double> extras_;
 };
 
 }  // namespace remotehead::server
