@@ -69,13 +69,23 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   // for the dW GEMM and the half-precision GEMMs' fp32 scratch for dX.
   plan.chunk_row_bytes = vocab * elem + 2.0 * hidden * elem;
   plan.chunk_row_bytes_forward = vocab * elem;
+  // A generation output on a head group works on whole rows: each chunk's shards all-gathered
+  // (every rank's columns padded to the largest) and put back together (engine_generation.cc),
+  // then transformed over the whole vocabulary.
+  const bool gathers = options.shard != nullptr && plan.function->output != OutputKind::kPerToken;
+  const int64_t row_columns = gathers ? options.shard->vocab_size() : plan.vocab_size;
+  if (gathers) {
+    const double ranks = static_cast<double>(options.shard->ranges.size());
+    plan.chunk_row_bytes_forward += (ranks * vocab + static_cast<double>(row_columns)) * elem;
+    plan.block_row_bytes = static_cast<double>(row_columns) * logits_elem * block_buffers;
+  }
   switch (plan.function->output) {
     case OutputKind::kPerToken:
       plan.output_row_bytes = plan.logits_elem_bytes;
       break;
     case OutputKind::kLogits:
       plan.output_row_bytes =
-          plan.vocab_size * static_cast<int64_t>(c10::elementSize(options.logits_dtype));
+          row_columns * static_cast<int64_t>(c10::elementSize(options.logits_dtype));
       break;
     case OutputKind::kSample:
       plan.output_row_bytes = int64_t{8} + plan.logits_elem_bytes;  // int64 id + log-prob

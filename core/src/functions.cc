@@ -151,7 +151,6 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .help = "the rows' logits [rows, V] (softcap and temperature applied), for generation",
        .needs_targets = false,
        .workspace_logit_buffers = 0,
-       .vocab_decomposable = false,
        .output = OutputKind::kLogits},
       SampleFunction(),
   };

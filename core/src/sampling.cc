@@ -65,7 +65,6 @@ TransformFunction SampleFunction() {
           .needs_targets = false,
           .params = SamplingParams(),
           .workspace_logit_buffers = kSamplingWorkspaceBuffers,
-          .vocab_decomposable = false,
           .output = OutputKind::kSample,
           .validate = ValidateSamplingParams};
 }

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/function_cases.h"
 #include "core/in_process_group.h"
 #include "core/reference.h"
@@ -228,14 +229,70 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 INSTANTIATE_TEST_SUITE_P(AllFunctions, VocabParallel, ::testing::ValuesIn(AllParams()), ParamName);
 
 // Every registered function has cases above: a new function is tested on a group by construction.
-// (The generation outputs, logits and sample, are not vocabulary-decomposable: a group refuses
-// them, which generation_test checks.)
+// (The generation outputs, logits and sample, have no loss: VocabParallelGeneration below.)
 TEST(VocabParallelCoverage, EveryBuiltinFunctionHasACase) {
   for (const std::string& name : core::FunctionRegistry::Builtin().Names()) {
-    if (!(*core::FunctionRegistry::Builtin().Find(name))->vocab_decomposable) continue;
+    const core::TransformFunction& fn = **core::FunctionRegistry::Builtin().Find(name);
+    if (!fn.vocab_decomposable || fn.output != core::OutputKind::kPerToken) continue;
     int cases = 0;
     for (const FunctionCase& c : Cases()) cases += c.function == name ? 1 : 0;
     EXPECT_GE(cases, 2) << name << ": add a plain and a softcap + temperature case";
+  }
+}
+
+// The generation outputs on a group: each chunk's rows gathered over the whole vocabulary, so
+// every rank returns what one engine returns — the logits (softcap and temperature applied, in
+// the asked dtype) to fp32 rounding of the GEMM, the drawn tokens and their log-probs exactly
+// for greedy and for seeded top-k / top-p draws — whatever the chunking.
+TEST(VocabParallelGeneration, LogitsAndSampleOnAGroupEqualOneEngine) {
+  const auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/true);
+  torch::manual_seed(4);
+  const core::TokenBatch batch{.hidden = torch::randn({13, kHidden})};
+  struct Case {
+    std::string function;
+    core::FunctionParams params;
+    torch::ScalarType logits_dtype = torch::kFloat;
+  };
+  const std::vector<Case> cases = {
+      {"logits", {{"softcap", 2.5}, {"temperature", 0.7}}},
+      {"logits", {}, torch::kBFloat16},
+      {"sample", {{"greedy", 1.0}}},
+      {"sample", {{"top_k", 5.0}, {"seed", 9.0}, {"temperature", 0.8}}},
+      {"sample", {{"top_p", 0.9}, {"seed", 3.0}}}};
+  for (const Case& c : cases) {
+    for (const int64_t chunk_rows : {int64_t{0}, int64_t{4}}) {
+      core::StepOptions options;
+      options.function = c.function;
+      options.reduction = Reduction::kNone;
+      options.params = c.params;
+      options.logits_dtype = c.logits_dtype;
+      options.chunk_rows = chunk_rows;
+      auto one = core::Forward(*head, batch, options);
+      ASSERT_TRUE(one.ok()) << one.status();
+      for (const int k : {1, 2, 3}) {
+        SCOPED_TRACE(absl::StrCat(c.function, " chunk_rows ", chunk_rows, " K ", k));
+        std::vector<core::ForwardResult> by_rank(static_cast<size_t>(k));
+        testing::InProcessGroup group(k);
+        OnShards(group, *head, Ranges(k), options,
+                 [&](int rank, const core::Head& shard, core::StepOptions opts) {
+                   auto r = core::Forward(shard, batch, opts);
+                   ASSERT_TRUE(r.ok()) << "rank " << rank << ": " << r.status();
+                   by_rank[static_cast<size_t>(rank)] = *std::move(r);
+                 });
+        for (const core::ForwardResult& r : by_rank) {
+          ASSERT_EQ(r.output.sizes(), one->output.sizes());
+          EXPECT_EQ(r.output.scalar_type(), one->output.scalar_type());
+          EXPECT_LE(reference::RelativeError(r.output.to(torch::kDouble),
+                                             one->output.to(torch::kDouble), kFloor),
+                    c.logits_dtype == torch::kBFloat16 ? 1e-2 : 1e-5);
+          if (one->token_ids.defined()) {
+            EXPECT_TRUE(torch::equal(r.token_ids, one->token_ids));
+          }
+          // Every rank answers the same bits as the front.
+          EXPECT_TRUE(torch::equal(r.output, by_rank[0].output));
+        }
+      }
+    }
   }
 }
 

@@ -118,7 +118,7 @@ def test_list_functions_and_the_cli_describe_every_function(server):
     assert (beta.default, beta.min, beta.max, beta.common) == (0.0, 0.0, float("inf"), False)
     assert grpo.output_kind == "per_token" and grpo.differentiable and grpo.vocab_decomposable
     assert functions["logits"].output_kind == "logits" and not functions["logits"].differentiable
-    assert not functions["sample"].vocab_decomposable
+    assert functions["sample"].vocab_decomposable  # the generation loop gathers rows on a group
     assert functions["token_logprobs"].outputs_dtype(torch.float64) == torch.float64
     assert functions["logits"].outputs_dtype(torch.float64) == torch.float32
     assert functions["logits"].outputs_dtype(torch.float32, torch.bfloat16) == torch.bfloat16

@@ -51,3 +51,38 @@ def test_group_of_two_trains_like_one_server(server_target, group_target):
         assert (w_group - w_single).abs().max().item() <= 1e-5
         group.drop_head("llama-group")
         single.drop_head("llama-single")
+
+
+def test_generation_through_a_group_equals_one_server(server_target, group_target):
+    """Logits and sampling on a head group (each chunk's rows all-gathered over the vocabulary on
+    every rank): the front answers what one server answers for the same weights: the logits to
+    fp32 rounding, the drawn tokens and their log-probabilities for greedy and seeded top-k /
+    top-p draws; the CLI's listing says both run on groups."""
+    import torch
+    torch.manual_seed(5)
+    weight, bias = torch.randn(257, 24) * 0.5, torch.randn(257) * 0.1
+    hidden = torch.randn(3, 7, 24)
+    with remotehead.Client(server_target) as single, remotehead.Client(group_target) as group:
+        single.upload_head("gen", weight, bias)
+        group.upload_head("gen", weight, bias)
+        assert group.describe_head("gen").shards == ((0, 129), (129, 128))
+        assert group.functions()["logits"].vocab_decomposable
+        expected = hidden @ weight.double().t().float() + bias
+        for params in ({}, {"softcap": 3.0, "temperature": 0.7}):
+            a = group.logits("gen", hidden, params=params)
+            b = single.logits("gen", hidden, params=params)
+            assert a.shape == (3, 7, 257) and a.dtype == torch.float32
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+            if not params:
+                assert torch.allclose(a, expected, rtol=1e-4, atol=1e-4)
+        half = group.logits("gen", hidden, dtype=torch.bfloat16)
+        assert half.dtype == torch.bfloat16
+        for kwargs in ({"greedy": True}, {"top_k": 20, "seed": 4, "temperature": 0.9},
+                       {"top_p": 0.8, "seed": 11}):
+            ids_group, logp_group = group.sample("gen", hidden, **kwargs)
+            ids_single, logp_single = single.sample("gen", hidden, **kwargs)
+            assert torch.equal(ids_group, ids_single), kwargs
+            assert torch.allclose(logp_group, logp_single, rtol=1e-5, atol=1e-6), kwargs
+        assert torch.equal(group.sample("gen", hidden, greedy=True)[0], expected.argmax(-1))
+        group.drop_head("gen")
+        single.drop_head("gen")

@@ -25,7 +25,9 @@
 // Two built-in entries are not transformation functions but generation outputs (OutputKind
 // below): "logits" returns the rows' logits and "sample" draws a token from each row. They have
 // no forward, no loss and no gradient: only a Forward with reduction none computes them, in the
-// engine's own chunk loop (engine.cc), never holding more than one chunk's logits.
+// engine's own chunk loop (engine_generation.cc), never holding more than one chunk's logits. On a
+// head group that loop all-gathers each chunk's rows over the whole vocabulary, so both run on
+// groups too.
 #pragma once
 
 #include <torch/torch.h>
