@@ -29,6 +29,7 @@
 #include "remotehead/core/head.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
+#include "group/front_address.h"
 #include "remotehead/server/credentials.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_service.h"
@@ -101,6 +102,10 @@ ABSL_FLAG(std::string, group_secret_file, "",
 ABSL_FLAG(bool, group_trusted_network, false,
           "accept a head group beyond loopback without --group_secret_file: only the group's "
           "ranks can reach its store (a private network)");
+ABSL_FLAG(std::string, group_front_address, "",
+          "the address clients dial for the head group (its front's, e.g. a Kubernetes Service); "
+          "other ranks name it to a caller that dialled them (reason NOT_THE_FRONT). Empty: "
+          "--listen's host (or, for a wildcard, --group_store's) with the front's port");
 ABSL_FLAG(double, group_timeout_seconds, 60,
           "how long a head group's collectives and commands wait for a rank before the group "
           "is declared down");
@@ -309,18 +314,22 @@ rh::server::ServiceOptions MakeServiceOptions(
 
 // The gRPC server with the HeadService, health checking, reflection and (optionally) the
 // metrics interceptor; nullptr when it cannot listen.
-// A head group's rank other than the front serves health (and metrics) only: calls go to the
-// front.
+// A head group's rank other than the front serves health (and metrics) only: `not_the_front`
+// tells a HeadService caller to dial the front.
 std::unique_ptr<grpc::Server> StartServer(
     const std::shared_ptr<grpc::ServerCredentials>& credentials, rh::server::HeadService& service,
-    bool serve_heads, rh::server::ServerMetrics* metrics, int* port) {
+    grpc::CallbackGenericService* not_the_front, rh::server::ServerMetrics* metrics, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), credentials, port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
-  if (serve_heads) builder.RegisterService(&service.service());
+  if (not_the_front == nullptr) {
+    builder.RegisterService(&service.service());
+  } else {
+    builder.RegisterCallbackGenericService(not_the_front);
+  }
   if (metrics != nullptr) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
     creators.push_back(metrics->InterceptorFactory());
@@ -328,6 +337,19 @@ std::unique_ptr<grpc::Server> StartServer(
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   return server != nullptr && *port != 0 ? std::move(server) : nullptr;
+}
+
+// The front of a head group tells the other ranks where clients dial it (front_address.h).
+void AnnounceFront(rh::server::HeadGroup& group, const std::string& store_host, int port) {
+  const std::string address = rh::server::FrontAddress(
+      absl::GetFlag(FLAGS_group_front_address), absl::GetFlag(FLAGS_listen), store_host, port);
+  if (const absl::Status s = rh::server::AnnounceFront(group, address); !s.ok()) {
+    std::cerr << "remotehead-server: head group: the front's address " << address
+              << " was not announced: " << s.message() << std::endl;
+    return;
+  }
+  std::cout << "remotehead-server: head group: clients dial the front at " << address
+            << std::endl;
 }
 
 // From here on SIGTERM / SIGINT ask for a drain instead of ending the process. Installed before
@@ -491,12 +513,15 @@ int Run() {
   int port = 0;
   DrainOnSignal();
   const bool front = *group == nullptr || (*group)->is_front();
+  const std::unique_ptr<grpc::CallbackGenericService> not_the_front =
+      front ? nullptr : rh::server::NewNotTheFrontService(group->get());
   std::unique_ptr<grpc::Server> server =
-      StartServer(*credentials, *service, front, metrics->metrics.get(), &port);
+      StartServer(*credentials, *service, not_the_front.get(), metrics->metrics.get(), &port);
   if (server == nullptr) {
     std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
     return 1;
   }
+  if (*group != nullptr && front) AnnounceFront(**group, group_config->store_host, port);
   if (metrics->http != nullptr) {
     std::cout << "remotehead-server: metrics on port " << metrics->http->port() << " (/metrics, "
               << (metrics_options->bearer_token.empty() ? "no auth" : "bearer token required")

@@ -22,12 +22,17 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def group_target():
+def group():
     binary = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                             str(ROOT / "build" / "server" / "remotehead-server"))
     group = LocalHeadGroup(binary, size=2, args=("--device=cpu", "--torch_threads=1")).start()
-    yield group.target
+    yield group
     assert group.stop() == [0, 0], "".join(group.ranks[0].log + group.ranks[1].log)
+
+
+@pytest.fixture(scope="module")
+def group_target(group):
+    return group.target
 
 
 def test_group_of_two_trains_like_one_server(server_target, group_target):
@@ -86,3 +91,38 @@ def test_generation_through_a_group_equals_one_server(server_target, group_targe
         assert torch.equal(group.sample("gen", hidden, greedy=True)[0], expected.argmax(-1))
         group.drop_head("gen")
         single.drop_head("gen")
+
+
+def test_a_rank_that_is_not_the_front_names_the_front(group):
+    """A client that dials rank 1 is told where the front is (NotTheFrontError, reason
+    NOT_THE_FRONT, metadata "front" = the address the front announced through the group's log)
+    instead of gRPC's bare UNIMPLEMENTED; rank 1 still answers health; following the address
+    works; the CLI prints the reason and the address with --json."""
+    import json
+    import subprocess
+    import sys
+    import time
+    rank1 = group.ranks[1].target
+    deadline = time.monotonic() + 10
+    with remotehead.Client(rank1) as client:
+        assert client.health() == "SERVING"
+        while True:
+            with pytest.raises(remotehead.NotTheFrontError) as refused:
+                client.list_heads()
+            if refused.value.front or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)  # the front announces its address once it listens
+    error = refused.value
+    assert error.reason == "NOT_THE_FRONT" and error.code.name == "FAILED_PRECONDITION"
+    assert error.front == group.target, error
+    assert error.metadata["rank"] == "1"
+    assert error.metadata["method"] == "/remotehead.v1.HeadService/ListHeads"
+    assert group.target in error.details
+    with remotehead.Client(error.front) as front:
+        assert isinstance(front.list_heads(), list)
+    cli = subprocess.run([sys.executable, "-m", "remotehead.cli", "--server", rank1, "--json",
+                          "heads"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "client" / "python")})
+    assert cli.returncode != 0
+    printed = json.loads(cli.stderr.strip().splitlines()[-1])
+    assert printed["reason"] == "NOT_THE_FRONT" and printed["metadata"]["front"] == group.target

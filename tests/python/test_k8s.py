@@ -619,6 +619,18 @@ def test_the_cpu_group_of_two_runs_as_its_manifests_say_and_trains(tmp_path):
             exported, _ = client.export_weights("k8s")
             torch.testing.assert_close(exported.double(), reference, rtol=1e-4, atol=1e-5)
 
+        # A client that dials rank 1 is told to use the front Service (--group_front_address).
+        rank1 = f"127.0.0.1:{cluster.pods[names[1]]['ports'][50051]}"
+        deadline = time.monotonic() + 10
+        with remotehead.Client(rank1, root_certificates=cert, token=token) as client:
+            while True:
+                with pytest.raises(remotehead.NotTheFrontError) as refused:
+                    client.list_heads()
+                if refused.value.front or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        assert refused.value.front == target
+
         # The trainer Job: its two pods run torchrun against the front, as job.yaml says.
         job_documents = render("trainer")
         cluster.add_documents(job_documents)

@@ -11,15 +11,16 @@ as keyword arguments, and return a StepResult whose summary is a StepSummary.
 """
 
 from remotehead._errors import (GroupUnavailableError, HeadExistsError, HeadNotFoundError,
-                                InvalidArgumentError, RanksDisagreeError, RanksMissingError,
-                                RemoteheadError, ServerRestartedError, WeightVersionMismatchError)
+                                InvalidArgumentError, NotTheFrontError, RanksDisagreeError,
+                                RanksMissingError, RemoteheadError, ServerRestartedError,
+                                WeightVersionMismatchError)
 from remotehead.client import (Client, GradientId, HeadInfo, StepOptions, StepResult, StepSummary,
                                StepTimings)
 from remotehead.functions import FunctionInfo, ParamInfo
 from remotehead.autograd import RemoteHead, upstream_matches_declared
 
 __all__ = ["Client", "FunctionInfo", "GradientId", "GroupUnavailableError", "HeadExistsError",
-           "HeadInfo", "HeadNotFoundError", "InvalidArgumentError", "ParamInfo",
+           "HeadInfo", "HeadNotFoundError", "InvalidArgumentError", "NotTheFrontError", "ParamInfo",
            "RanksDisagreeError", "RanksMissingError", "RemoteHead", "RemoteheadError",
            "ServerRestartedError", "StepOptions", "StepResult", "StepSummary", "StepTimings",
            "WeightVersionMismatchError", "upstream_matches_declared"]

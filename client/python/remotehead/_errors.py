@@ -78,6 +78,16 @@ class GroupUnavailableError(RemoteheadError):
     "rank"): restart the group's ranks."""
 
 
+class NotTheFrontError(RemoteheadError):
+    """The call reached a rank of a head group that is not its front (reason NOT_THE_FRONT, code
+    FAILED_PRECONDITION): only the front serves the head calls. `front` is the address to dial
+    instead (metadata "front"; "" while the front has not announced it yet)."""
+
+    @property
+    def front(self) -> str:
+        return self.metadata.get("front", "")
+
+
 # The one table from a reason to its exception class; any other reason is a RemoteheadError
 # carrying it.
 _BY_REASON = {
@@ -90,6 +100,7 @@ _BY_REASON = {
     "RANKS_DISAGREE": RanksDisagreeError,
     "GROUP_UNAVAILABLE": GroupUnavailableError,
     "GROUP_TIMEOUT": GroupUnavailableError,
+    "NOT_THE_FRONT": NotTheFrontError,
 }
 
 

@@ -12,6 +12,10 @@ absl::Status GroupFollower::Run(const std::atomic<bool>& stop) {
 
 absl::Status GroupFollower::Follow(const v1::GroupCommand& command) {
   if (command.has_step_batch() || command.has_step_end()) return steps_.Follow(command);
+  if (command.has_front()) {
+    group_->set_front_address(command.front().address());
+    return absl::OkStatus();
+  }
   return FollowHeadCommand(command);
 }
 

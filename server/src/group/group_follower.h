@@ -1,7 +1,7 @@
 // A head group's ranks other than the front: the one follower that takes every command of the
 // group's log (HeadGroup::Follow) and runs it on this rank — a head command (group_commands.h)
 // through the head operations' local parts, a request's engine call or end (group_steps.h)
-// through GroupStepFollower.
+// through GroupStepFollower, the front's address (front_address.h) into the group.
 #pragma once
 
 #include <torch/torch.h>

@@ -57,6 +57,16 @@ absl::Status HeadGroup::health() const {
   return down_;
 }
 
+std::string HeadGroup::front_address() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return front_address_;
+}
+
+void HeadGroup::set_front_address(std::string address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  front_address_ = std::move(address);
+}
+
 absl::Status HeadGroup::Check(absl::Status failure) {
   if (!IsGroupFailure(failure)) return failure;
   {

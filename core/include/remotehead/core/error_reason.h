@@ -49,6 +49,9 @@ inline constexpr char kGroupUnavailable[] = "GROUP_UNAVAILABLE";
 inline constexpr char kServerDraining[] = "SERVER_DRAINING";
 // The function cannot run on a head group (not vocabulary-decomposable); metadata "function".
 inline constexpr char kNotOnGroup[] = "FUNCTION_NOT_ON_GROUP";
+// The call reached a rank of a head group that is not its front; metadata "front" (the address
+// to dial instead; "" while the front has not announced it yet), "rank", "method".
+inline constexpr char kNotTheFront[] = "NOT_THE_FRONT";
 }  // namespace reason
 
 struct ErrorReason {

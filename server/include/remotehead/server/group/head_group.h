@@ -62,6 +62,11 @@ class HeadGroup {
   // OK while the group works; the failure that took it down otherwise.
   absl::Status health() const;
 
+  // The address clients dial for this group: its front's, set on the front when it listens and
+  // on the other ranks by its announcement (front_address.h); "" until then.
+  std::string front_address() const;
+  void set_front_address(std::string address);
+
   // Called with each command's name ("step_batch", "optimizer_step", …) and the seconds this
   // rank spent on its own part of it (metrics). Set before the group serves.
   using CommandObserver = std::function<void(const std::string& command, double seconds)>;
@@ -121,7 +126,8 @@ class HeadGroup {
   std::atomic<int64_t> next_session_{1};
   CommandObserver observer_;
   mutable std::mutex mu_;
-  absl::Status down_;  // guarded by mu_
+  absl::Status down_;          // guarded by mu_
+  std::string front_address_;  // guarded by mu_
 };
 
 // A tensor's name, dtype and shape, for a command whose broadcast (Share) carries it.
