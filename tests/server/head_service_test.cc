@@ -354,6 +354,12 @@ TEST_P(HeadServiceTest, BadInputsGetPreciseStatusesAndChangeNothing) {
          }
        },
        grpc::StatusCode::INVALID_ARGUMENT, "hidden: expected shape [N, 32]; got [17, 33]"},
+      {"rows without hidden",
+       [](v1::StepRequest& m) {
+         if (m.has_rows() && m.rows().row_offset() == 17) m.mutable_rows()->clear_hidden();
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "rows.hidden: expected the rows' hidden states [n, D] in every rows message; got none"},
       {"byte count",
        [](v1::StepRequest& m) {
          if (m.has_rows()) m.mutable_rows()->mutable_hidden()->mutable_data()->resize(12);

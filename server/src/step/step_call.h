@@ -38,10 +38,15 @@ struct StepCall {
 // The rows of one message: views of its bytes, which `owner` keeps alive.
 struct StepRowsIn {
   int64_t row_offset = 0;
-  core::TokenBatch batch;  // hidden undefined when the message carries none
-  bool has_inputs = false;  // any of hidden, targets, weights, aux was sent
+  core::TokenBatch batch;     // each tensor undefined when the message carries none
   torch::Tensor grad_output;  // dL/dy per row, undefined when not sent
   std::shared_ptr<const void> owner;
+
+  // Any of hidden, targets, weights, aux was sent.
+  bool has_inputs() const {
+    return batch.hidden.defined() || batch.targets.defined() || batch.weights.defined() ||
+           !batch.aux.empty();
+  }
 };
 
 // What rows [first_row, first_row + n) give back: dX (ForwardBackward, Backward) or a Forward's

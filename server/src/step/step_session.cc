@@ -176,10 +176,10 @@ absl::StatusOr<torch::Tensor> StepSession::GradOutputOf(const StepRowsIn& rows) 
   return rows.grad_output.to(device_);
 }
 
-absl::StatusOr<core::TokenBatch> StepSession::InputsOf(StepRowsIn& rows,
+absl::StatusOr<core::TokenBatch> StepSession::InputsOf(const StepRowsIn& rows,
                                                        const torch::Tensor& grad_output) const {
   if (inputs_ != nullptr) {
-    if (rows.has_inputs) {
+    if (rows.has_inputs()) {
       return absl::InvalidArgumentError(
           "rows: expected only grad_output (header.inputs_handle supplies hidden, targets, "
           "weights and aux); got input tensors");
@@ -190,6 +190,10 @@ absl::StatusOr<core::TokenBatch> StepSession::InputsOf(StepRowsIn& rows,
           "got rows");
     }
     return core::TokenBatch();  // sliced from the retained inputs by the caller
+  }
+  if (!rows.batch.hidden.defined()) {
+    return absl::InvalidArgumentError(
+        "rows.hidden: expected the rows' hidden states [n, D] in every rows message; got none");
   }
   return rows.batch.To(device_);
 }

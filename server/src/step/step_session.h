@@ -92,7 +92,7 @@ class StepSession {
   absl::StatusOr<torch::Tensor> GradOutputOf(const StepRowsIn& rows) const;
   // The inputs of a message (on the head's device), or none for a Backward by handle, whose
   // rows are the retained inputs'.
-  absl::StatusOr<core::TokenBatch> InputsOf(StepRowsIn& rows,
+  absl::StatusOr<core::TokenBatch> InputsOf(const StepRowsIn& rows,
                                             const torch::Tensor& grad_output) const;
   bool WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const;
   // Queues a part for batching, or computes it now when it cannot be batched.

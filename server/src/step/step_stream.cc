@@ -25,9 +25,7 @@ absl::Status DecodeOptional(bool present, const v1::Tensor& wire, const std::str
 // The rows of a message, as views of its bytes (which the result keeps alive).
 absl::StatusOr<StepRowsIn> ReadRows(std::shared_ptr<const v1::StepRequest> message) {
   const v1::StepRows& rows = message->rows();
-  StepRowsIn in{.row_offset = rows.row_offset(),
-                .has_inputs = rows.has_hidden() || rows.has_targets() || rows.has_weights() ||
-                              rows.aux_size() > 0};
+  StepRowsIn in{.row_offset = rows.row_offset()};
   core::TokenBatch& batch = in.batch;
   RETURN_IF_ERROR(DecodeOptional(rows.has_hidden(), rows.hidden(), "rows.hidden", &batch.hidden));
   RETURN_IF_ERROR(
