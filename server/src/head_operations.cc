@@ -147,7 +147,33 @@ absl::StatusOr<HeadOperations::Rows> HeadOperations::RowsOf(int64_t vocab_size,
 
 absl::Status HeadOperations::RunOnEveryRank(const v1::GroupCommand& command,
                                             const std::function<absl::Status()>& here,
-                                            bool creates) {
+                                            bool creates, Reach reach) {
+  if (reach == Reach::kReplica || mesh_ == nullptr || !mesh_->is_front()) {
+    return RunInReplica(command, here, creates);
+  }
+  if (!mesh_->is_leader()) {
+    const auto* op = command.GetDescriptor()->FindFieldByNumber(command.op_case());
+    return mesh_->NotTheLeader(absl::StrCat("the operation \"", op != nullptr ? op->name() : "?",
+                                            "\""));
+  }
+  // Every replica's front runs the same command on its own replica (MeshFollower).
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
+  const absl::Status status =
+      lane.Run(command, [&] { return RunInReplica(command, here, /*creates=*/false); });
+  if (creates && !status.ok() && !IsGroupFailure(status)) {
+    const std::string id =
+        command.has_create() ? command.create().head_id() : command.upload().head_id();
+    const v1::GroupCommand undo = UndoCreateCommand(id);
+    const absl::Status undone = lane.Run(
+        undo, [&] { return RunInReplica(undo, [&] { return UndoCreateHere(id); }, false); });
+    if (!undone.ok()) return undone;
+  }
+  return status;
+}
+
+absl::Status HeadOperations::RunInReplica(const v1::GroupCommand& command,
+                                          const std::function<absl::Status()>& here,
+                                          bool creates) {
   if (group_ == nullptr) return here();
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
   const absl::Status status = lane.Run(command, here);
@@ -245,6 +271,14 @@ absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id
                                                            bool replace) {
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
   std::vector<core::ShardRange> shards;
+  if (mesh_ != nullptr && mesh_->is_front()) {
+    // The leader's W (and b) to every replica's front first, which shares them in its replica.
+    std::vector<torch::Tensor> shared = {weight.to(device_)};
+    if (bias.defined()) shared.push_back(bias.to(device_));
+    RETURN_IF_ERROR(mesh_->fronts()->Share(shared));
+    weight = shared[0];
+    if (bias.defined()) bias = shared[1];
+  }
   if (group_ != nullptr) {
     const int64_t vocab_size = weight.size(0);
     ASSIGN_OR_RETURN(Rows rows, ShareUploadedRows(&weight, &bias));
@@ -298,8 +332,10 @@ absl::StatusOr<int64_t> HeadOperations::Save(const std::string& id, const std::s
 absl::StatusOr<HeadSnapshot> HeadOperations::Snapshot(const std::string& id,
                                                       std::optional<torch::ScalarType> dtype,
                                                       bool gradients) {
-  return OnEveryRank<HeadSnapshot>(GatherCommand(id, dtype, gradients),
-                                   [&] { return SnapshotHere(id, dtype, gradients); });
+  // A replica's own: its weights are every replica's, its dW its own trainers' part.
+  return OnEveryRank<HeadSnapshot>(
+      GatherCommand(id, dtype, gradients), [&] { return SnapshotHere(id, dtype, gradients); },
+      false, Reach::kReplica);
 }
 
 absl::StatusOr<HeadSnapshot> HeadOperations::SnapshotHere(const std::string& id,
@@ -378,8 +414,33 @@ absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string&
                                       [&] { return OptimizerStepHere(id, spec); });
 }
 
-absl::StatusOr<HeadDescription> HeadOperations::OptimizerStepHere(const std::string& id,
-                                                                  const OptimizerStepSpec& spec) {
+absl::StatusOr<HeadDescription> HeadOperations::ReduceStep(const std::string& id,
+                                                           const OptimizerStepSpec& spec) {
+  v1::GroupCommand command;
+  *command.mutable_reduce_step() = OptimizerStepCommand(id, spec).optimizer_step();
+  return OnEveryRank<HeadDescription>(
+      command, [&] { return ReduceStepHere(id, spec); }, false, Reach::kReplica);
+}
+
+absl::StatusOr<core::GradientBuffers> HeadOperations::SumGradientsOverReplicas(core::Head& head,
+                                                                              bool keep_own) {
+  core::GradientBuffers& grads = head.grads();
+  core::GradientBuffers own;
+  if (keep_own) {
+    own.weight = grads.weight.clone();
+    if (grads.bias.defined()) own.bias = grads.bias.clone();
+  }
+  RETURN_IF_ERROR(mesh_->SumOverReplicas(grads.weight));
+  if (grads.bias.defined()) RETURN_IF_ERROR(mesh_->SumOverReplicas(grads.bias));
+  return own;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::StepHere(const std::string& id,
+                                                         const OptimizerStepSpec& spec,
+                                                         bool over_replicas) {
+  if (over_replicas && mesh_ == nullptr) {
+    return absl::FailedPreconditionError("reduce_step: this server is not a replica of a mesh");
+  }
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   const bool sgd = std::holds_alternative<core::SgdOptions>(spec.optimizer);
   RETURN_IF_ERROR(entry->OptimizerStep(
@@ -396,10 +457,24 @@ absl::StatusOr<HeadDescription> HeadOperations::OptimizerStepHere(const std::str
               // A bad step is refused for what is wrong with it before any memory is asked
               // for; the buffers the first step creates are reserved before they exist.
               RETURN_IF_ERROR(core::CheckOptimizerStep(state, options, spec.grad_scale));
-              return ChangeOptimizerState(
+              core::GradientBuffers own;
+              if (over_replicas) {
+                ASSIGN_OR_RETURN(own, SumGradientsOverReplicas(head, !spec.zero_gradients));
+              }
+              RETURN_IF_ERROR(ChangeOptimizerState(
                   state, core::OptimizerStateBytesAfterStep(head, state, options),
                   ResizeOf(*entry, absl::StrCat(StateBuffers(options), " of head \"", id, "\"")),
-                  [&] { return Step(head, options, spec.grad_scale, &state); });
+                  [&] { return Step(head, options, spec.grad_scale, &state); }));
+              if (own.weight.defined()) head.grads().weight.copy_(own.weight);
+              if (own.bias.defined()) head.grads().bias.copy_(own.bias);
+              const int every = mesh_ != nullptr ? mesh_->options().checksum_every_steps : 0;
+              if (over_replicas && every > 0 && head.version() % every == 0) {
+                return mesh_->CompareAcrossReplicas({head.weight(), head.bias()},
+                                                    absl::StrCat("the weights of head \"", id,
+                                                                 "\" at version ",
+                                                                 head.version()));
+              }
+              return absl::OkStatus();
             },
             spec.optimizer);
       },

@@ -28,6 +28,7 @@
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/head_mesh.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/state_store.h"
 
@@ -41,11 +42,14 @@ class HeadOperations {
   // file operations are FAILED_PRECONDITION). With `state_store`, OptimizerStep saves a head's
   // state every `checkpoint_every_steps` versions and DropHead deletes its states.
   // With `group`, this process is one rank of a head group: its heads hold its rows, and on
-  // the front every operation runs on every rank.
+  // the front every operation runs on every rank. With `mesh`, the group (or this server) is
+  // one replica of a mesh (head_mesh.h): on the leader every operation that changes the head
+  // runs on every replica, another front refuses them (NOT_THE_LEADER), and the optimizer step
+  // is the mesh's (MeshSteps, which calls ReduceStep on every replica).
   HeadOperations(HeadRegistry* registry, AdmissionController* admission, torch::Device device,
                  std::ostream* event_log, std::shared_ptr<const core::CheckpointDir> checkpoint_dir,
                  StateStore* state_store = nullptr, int checkpoint_every_steps = 0,
-                 HeadGroup* group = nullptr)
+                 HeadGroup* group = nullptr, HeadMesh* mesh = nullptr)
       : registry_(registry),
         admission_(admission),
         device_(device),
@@ -53,7 +57,8 @@ class HeadOperations {
         checkpoint_dir_(std::move(checkpoint_dir)),
         state_store_(state_store),
         checkpoint_every_steps_(checkpoint_every_steps),
-        group_(group) {}
+        group_(group),
+        mesh_(mesh) {}
 
   absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init);
   absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
@@ -82,6 +87,9 @@ class HeadOperations {
   absl::StatusOr<HeadDescription> ZeroGradients(const std::string& id);
   absl::StatusOr<HeadDescription> OptimizerStep(const std::string& id,
                                                 const OptimizerStepSpec& spec);
+  // On a mesh: this replica's part of the mesh's step, on every rank of the replica: dW summed
+  // over the replicas (HeadMesh::SumOverReplicas), then the step.
+  absl::StatusOr<HeadDescription> ReduceStep(const std::string& id, const OptimizerStepSpec& spec);
   // Durable training state: FAILED_PRECONDITION without a state store.
   absl::StatusOr<HeadDescription> SaveState(const std::string& id);
   absl::StatusOr<HeadDescription> RestoreState(const std::string& id, const std::string& state_id);
@@ -105,7 +113,13 @@ class HeadOperations {
   absl::Status UndoCreateHere(const std::string& id);  // drops it if this rank has it
   absl::StatusOr<HeadDescription> ZeroGradientsHere(const std::string& id);
   absl::StatusOr<HeadDescription> OptimizerStepHere(const std::string& id,
-                                                    const OptimizerStepSpec& spec);
+                                                    const OptimizerStepSpec& spec) {
+    return StepHere(id, spec, /*over_replicas=*/false);
+  }
+  absl::StatusOr<HeadDescription> ReduceStepHere(const std::string& id,
+                                                 const OptimizerStepSpec& spec) {
+    return StepHere(id, spec, /*over_replicas=*/true);
+  }
 
  private:
   // This rank's rows of a head of `vocab_size` rows, and every rank's (empty off a group).
@@ -115,13 +129,17 @@ class HeadOperations {
     std::vector<core::ShardRange> shards;
   };
   absl::StatusOr<Rows> RowsOf(int64_t vocab_size, const std::string& field) const;
+  // Which ranks an operation runs on: every rank of every replica (what changes the head), or
+  // every rank of this replica only (what reads it, this replica's part of a mesh's step).
+  enum class Reach { kMesh, kReplica };
   // Runs `here` on this process alone, or, on a group's front, as `command` on every rank (a
   // failed creation is undone on every rank, so that no rank keeps a head the others lack),
-  // and returns what `here` returned on this process.
+  // and returns what `here` returned on this process. On a mesh with kMesh: on the leader, as
+  // a command of the mesh's log that every replica runs so; on another front, NOT_THE_LEADER.
   template <typename T>
   absl::StatusOr<T> OnEveryRank(const v1::GroupCommand& command,
                                 const std::function<absl::StatusOr<T>()>& here,
-                                bool creates = false) {
+                                bool creates = false, Reach reach = Reach::kMesh) {
     absl::StatusOr<T> result = absl::UnknownError("not run");
     const absl::Status status = RunOnEveryRank(
         command,
@@ -129,12 +147,22 @@ class HeadOperations {
           result = here();
           return result.status();
         },
-        creates);
+        creates, reach);
     if (!status.ok()) return status;
     return result;
   }
   absl::Status RunOnEveryRank(const v1::GroupCommand& command,
-                              const std::function<absl::Status()>& here, bool creates = false);
+                              const std::function<absl::Status()>& here, bool creates = false,
+                              Reach reach = Reach::kMesh);
+  absl::Status RunInReplica(const v1::GroupCommand& command,
+                            const std::function<absl::Status()>& here, bool creates);
+  // The optimizer step on this rank's rows; `over_replicas`: dW summed over a mesh's replicas
+  // first (this replica's own dW is what stays accumulated if the step does not zero it).
+  absl::StatusOr<HeadDescription> StepHere(const std::string& id, const OptimizerStepSpec& spec,
+                                           bool over_replicas);
+  // dW (and db) summed over the mesh's replicas, in place; returns this replica's own when
+  // `keep_own` (a step that does not zero dW puts them back after it).
+  absl::StatusOr<core::GradientBuffers> SumGradientsOverReplicas(core::Head& head, bool keep_own);
   // On a group: the front's uploaded W (and b) shared into every rank's `weight` / `bias`,
   // which are then narrowed to this rank's rows.
   absl::StatusOr<Rows> ShareUploadedRows(torch::Tensor* weight, torch::Tensor* bias);
@@ -166,6 +194,7 @@ class HeadOperations {
   StateStore* state_store_;
   const int checkpoint_every_steps_;
   HeadGroup* const group_;
+  HeadMesh* const mesh_;
 };
 
 }  // namespace remotehead::server

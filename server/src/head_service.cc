@@ -63,6 +63,14 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     }
     return context_->follower.Run(stop);
   }
+  absl::Status FollowMesh(const std::atomic<bool>& stop) override {
+    HeadMesh* mesh = context_->options.mesh;
+    if (mesh == nullptr || !mesh->is_front() || mesh->is_leader()) {
+      return absl::FailedPreconditionError(
+          "FollowMesh: expected the front of a mesh's replica other than the leader");
+    }
+    return context_->mesh_follower.Run(stop);
+  }
 
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
                                        const v1::CreateHeadRequest* request,
@@ -141,7 +149,8 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
       ASSIGN_OR_RETURN(const HeadDescription head, Ops().Describe(request->head_id()));
       RETURN_IF_ERROR(
           CheckIncarnation(request->expected_incarnation(), "expected_incarnation", head));
-      return Answer(Ops().OptimizerStep(request->head_id(), spec), response->mutable_info());
+      return Answer(context_->StepOptimizer(request->head_id(), std::nullopt, spec),
+                    response->mutable_info());
     });
   }
 

@@ -31,6 +31,7 @@
 #include "remotehead/core/status_macros.h"
 #include "group/front_address.h"
 #include "remotehead/server/credentials.h"
+#include "group/join.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_service.h"
 #include "remotehead/server/metrics.h"
@@ -106,6 +107,16 @@ ABSL_FLAG(std::string, group_front_address, "",
           "the address clients dial for the head group (its front's, e.g. a Kubernetes Service); "
           "other ranks name it to a caller that dialled them (reason NOT_THE_FRONT). Empty: "
           "--listen's host (or, for a wildcard, --group_store's) with the front's port");
+ABSL_FLAG(int32_t, group_replicas, 1,
+          "replicas of every head on a mesh: the --group_size (or WORLD_SIZE) processes form "
+          "this many replicas of size / replicas ranks each (global rank g: rank g mod K of "
+          "replica g / K); trainer t dials replica t mod R's front; 1 = one replica");
+ABSL_FLAG(std::string, mesh_reduce_dtype, "float32",
+          "on a mesh: the dtype dW travels in when it is summed over the replicas at an "
+          "optimizer step (float32: exact; bfloat16: half the bytes, rounded sums)");
+ABSL_FLAG(int32_t, mesh_checksum_every_steps, 100,
+          "on a mesh: every this many weight versions the replicas compare a checksum of their "
+          "weights (a mismatch fails the step with DATA_LOSS, reason REPLICAS_DIVERGED); 0 = never");
 ABSL_FLAG(double, group_timeout_seconds, 60,
           "how long a head group's collectives and commands wait for a rank before the group "
           "is declared down");
@@ -287,7 +298,8 @@ absl::StatusOr<std::shared_ptr<const rh::core::CheckpointDir>> OpenCheckpointDir
 rh::server::ServiceOptions MakeServiceOptions(
     const torch::Device& device, int64_t budget, rh::server::ServerMetrics* metrics,
     rh::server::StateStore* state_store,
-    std::shared_ptr<const rh::core::CheckpointDir> checkpoint_dir, rh::server::HeadGroup* group) {
+    std::shared_ptr<const rh::core::CheckpointDir> checkpoint_dir,
+    const rh::server::Cluster& cluster) {
   const rh::server::ServiceOptions options{
       .device = device,
       .compute_threads = absl::GetFlag(FLAGS_compute_threads),
@@ -301,7 +313,8 @@ rh::server::ServiceOptions MakeServiceOptions(
       .state_store = state_store,
       .checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps),
       .checkpoint_dir = std::move(checkpoint_dir),
-      .group = group,
+      .group = cluster.group.get(),
+      .mesh = cluster.mesh.get(),
       .sync_step_timeout_seconds = absl::GetFlag(FLAGS_sync_step_timeout_seconds)};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
@@ -365,12 +378,12 @@ void DrainOnSignal() {
 // then up to --shutdown_grace_seconds for the calls in flight. On a head group, health turns
 // NOT_SERVING as soon as the group is down.
 void ServeUntilSignal(grpc::Server& server, rh::server::HeadService& service,
-                      rh::server::HeadGroup* group, const std::function<bool()>& done) {
+                      const rh::server::Cluster& cluster, const std::function<bool()>& done) {
   bool serving = true;
   while (!g_stop.load() && !done()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    if (group == nullptr || !serving) continue;
-    if (const absl::Status down = group->health(); !down.ok()) {
+    if (!serving) continue;
+    if (const absl::Status down = cluster.health(); !down.ok()) {
       serving = false;
       server.GetHealthCheckService()->SetServingStatus(false);
       std::cerr << "remotehead-server: NOT_SERVING: the head group is down: " << down.message()
@@ -404,7 +417,8 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
                                       .rank = absl::GetFlag(FLAGS_group_rank),
                                       .store = absl::GetFlag(FLAGS_group_store),
                                       .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds),
-                                      .store_bind = absl::GetFlag(FLAGS_group_store_bind)},
+                                      .store_bind = absl::GetFlag(FLAGS_group_store_bind),
+                                      .replicas = absl::GetFlag(FLAGS_group_replicas)},
                                      env));
   config.device = device;
   if (config.size > 1 && !absl::GetFlag(FLAGS_group_secret_file).empty()) {
@@ -421,29 +435,23 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
   return config;
 }
 
-// Joins the head group (every rank waits for the others, up to --group_timeout_seconds).
-absl::StatusOr<std::unique_ptr<rh::server::HeadGroup>> JoinGroup(
-    const rh::server::GroupConfig& config) {
-  if (config.size <= 1) return nullptr;
-  std::cout << "remotehead-server: joining head group as rank " << config.rank << " of "
-            << config.size << " at " << config.store_host << ":" << config.store_port << " ("
-            << (config.device.is_cuda() ? "NCCL" : "Gloo") << ")" << std::endl;
-  ASSIGN_OR_RETURN(std::unique_ptr<rh::server::ProcessGroup> group,
-                   rh::server::ProcessGroup::Join(config));
-  auto head_group =
-      std::make_unique<rh::server::HeadGroup>(std::move(group), config.secret, &std::cerr);
-  RETURN_IF_ERROR(head_group->Open());
-  std::cout << "remotehead-server: head group joined: rank " << config.rank << " of " << config.size
-            << (config.rank == 0 ? " (the front: serves HeadService)"
-                                 : " (follows the front's commands)")
-            << "; command log "
-            << (!config.secret.empty() ? "sealed with the group's secret"
-                                       : "NOT authenticated (no --group_secret_file)")
-            << (config.rank == 0 ? absl::StrCat("; store listening on ", config.listen_host(), ":",
-                                                config.store_port)
-                                 : std::string())
-            << std::endl;
-  return head_group;
+// --mesh_* flags; INVALID_ARGUMENT naming the flag.
+absl::StatusOr<rh::server::MeshOptions> MeshOptionsFromFlags() {
+  rh::server::MeshOptions options;
+  const std::string dtype = absl::GetFlag(FLAGS_mesh_reduce_dtype);
+  if (dtype == "bfloat16") {
+    options.reduce_dtype = torch::kBFloat16;
+  } else if (dtype != "float32") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--mesh_reduce_dtype: expected float32 or bfloat16; got \"", dtype, "\""));
+  }
+  options.checksum_every_steps = absl::GetFlag(FLAGS_mesh_checksum_every_steps);
+  if (options.checksum_every_steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mesh_checksum_every_steps: expected >= 0; got ",
+                     options.checksum_every_steps));
+  }
+  return options;
 }
 
 int Run() {
@@ -478,12 +486,17 @@ int Run() {
       return Refuse(s);
     }
   }
-  absl::StatusOr<std::unique_ptr<rh::server::HeadGroup>> group = JoinGroup(*group_config);
-  if (!group.ok()) {
-    std::cerr << "remotehead-server: " << group.status().message() << std::endl;
+  const absl::StatusOr<rh::server::MeshOptions> mesh_options = MeshOptionsFromFlags();
+  if (!mesh_options.ok()) return Refuse(mesh_options.status());
+  absl::StatusOr<rh::server::Cluster> cluster =
+      rh::server::JoinCluster(*group_config, *mesh_options);
+  if (!cluster.ok()) {
+    std::cerr << "remotehead-server: " << cluster.status().message() << std::endl;
     return 1;
   }
-  if (const absl::Status s = LoadHeads(*device, group->get(), &registry); !s.ok()) {
+  rh::server::HeadGroup* group = cluster->group.get();
+  rh::server::HeadMesh* mesh = cluster->mesh.get();
+  if (const absl::Status s = LoadHeads(*device, group, &registry); !s.ok()) {
     return Refuse(s);
   }
   if (absl::GetFlag(FLAGS_torch_threads) > 0) {
@@ -495,33 +508,36 @@ int Run() {
   if (!checkpoint_dir.ok()) return Refuse(checkpoint_dir.status());
   absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
-  if (metrics->metrics != nullptr && *group != nullptr) {
+  if (metrics->metrics != nullptr && group != nullptr) {
     rh::server::ServerMetrics* m = metrics->metrics.get();
-    m->set_group(group->get());
-    (*group)->set_observer([m](const std::string& command, double seconds) {
+    m->set_group(group);
+    group->set_observer([m](const std::string& command, double seconds) {
       m->ObserveGroupCommand(command, seconds);
     });
   }
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
       &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get(),
-                                    *std::move(checkpoint_dir), group->get()));
+                                    *std::move(checkpoint_dir), *cluster));
   if (const absl::Status s = service->ReserveLoadedHeads(); !s.ok()) {
     return Refuse(absl::Status(
         s.code(), absl::StrCat("--head, --memory_budget_bytes: ", std::string(s.message()))));
   }
   int port = 0;
   DrainOnSignal();
-  const bool front = *group == nullptr || (*group)->is_front();
+  const bool front = cluster->serves();
   const std::unique_ptr<grpc::CallbackGenericService> not_the_front =
-      front ? nullptr : rh::server::NewNotTheFrontService(group->get());
+      front ? nullptr : rh::server::NewNotTheFrontService(group);
   std::unique_ptr<grpc::Server> server =
       StartServer(*credentials, *service, not_the_front.get(), metrics->metrics.get(), &port);
   if (server == nullptr) {
     std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
     return 1;
   }
-  if (*group != nullptr && front) AnnounceFront(**group, group_config->store_host, port);
+  if (group != nullptr && front) AnnounceFront(*group, group_config->store_host, port);
+  if (mesh != nullptr && mesh->is_leader()) {
+    AnnounceFront(*mesh->fronts(), group_config->store_host, port);
+  }
   if (metrics->http != nullptr) {
     std::cout << "remotehead-server: metrics on port " << metrics->http->port() << " (/metrics, "
               << (metrics_options->bearer_token.empty() ? "no auth" : "bearer token required")
@@ -536,13 +552,14 @@ int Run() {
   std::atomic<bool> followed{false};
   absl::Status follow_status;
   std::thread follower;
-  if (!front) {
+  // A replica's front other than the mesh's leader follows the leader's commands likewise.
+  if (!front || (mesh != nullptr && !mesh->is_leader())) {
     follower = std::thread([&] {
-      follow_status = service->FollowGroup(g_stop);
+      follow_status = front ? service->FollowMesh(g_stop) : service->FollowGroup(g_stop);
       followed.store(true);
     });
   }
-  ServeUntilSignal(*server, *service, group->get(), [&] { return followed.load(); });
+  ServeUntilSignal(*server, *service, *cluster, [&] { return followed.load(); });
   const bool signalled = g_stop.load();
   if (follower.joinable()) {
     g_stop.store(true);

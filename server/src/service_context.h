@@ -5,6 +5,7 @@
 
 #include "compute_pool.h"
 #include "group/group_follower.h"
+#include "group/mesh_steps.h"
 #include "head_operations.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
@@ -21,17 +22,41 @@ struct ServiceContext {
         admission(options.admission),
         retained(&admission, options.max_retain_seconds),
         operations(registry, &admission, options.device, options.event_log, options.checkpoint_dir,
-                   options.state_store, options.checkpoint_every_steps, options.group),
+                   options.state_store, options.checkpoint_every_steps, options.group,
+                   options.mesh),
         follower(&operations, registry, options.group, options.device),
+        mesh_steps(&operations, options.mesh, options.group, MeshWait(options)),
+        mesh_follower(options.mesh, options.group, &follower, &mesh_steps),
         sync_steps(
-            [this](const std::string& id, const OptimizerStepSpec& spec) {
-              return operations.OptimizerStep(id, spec);
+            [this](const SyncStepRequest& first, const OptimizerStepSpec& spec) {
+              return StepOptimizer(first.head_id, first, spec);
             },
             [this](const std::string& id) { return operations.Describe(id); },
             std::chrono::milliseconds(
                 static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
-            options.metrics),
+            options.metrics, options.mesh != nullptr ? options.mesh->replica() : 0,
+            options.mesh != nullptr ? options.mesh->replicas() : 1),
         compute(options.compute_threads) {}
+
+  // An optimizer step agreed by this server's trainers (`first`: a synchronous step's first
+  // rank; unset: one caller's): on a mesh, the mesh's step (every replica, dW summed over them).
+  absl::StatusOr<HeadDescription> StepOptimizer(const std::string& head_id,
+                                                const std::optional<SyncStepRequest>& first,
+                                                const OptimizerStepSpec& spec) {
+    if (options.mesh != nullptr) return mesh_steps.Step(head_id, first, spec);
+    return operations.OptimizerStep(head_id, spec);
+  }
+
+  // How long a replica's front waits for its own trainers once the leader's step came: the
+  // synchronous step's timeout, within half the mesh log's (whose replies wait that long).
+  static std::chrono::milliseconds MeshWait(const ServiceOptions& options) {
+    auto wait = std::chrono::milliseconds(
+        static_cast<int64_t>(options.sync_step_timeout_seconds * 1000));
+    if (options.mesh != nullptr && options.mesh->fronts() != nullptr) {
+      wait = std::min(wait, options.mesh->fronts()->collectives().config().timeout / 2);
+    }
+    return wait;
+  }
 
   HeadRegistry* const registry;
   const ServiceOptions options;
@@ -39,6 +64,8 @@ struct ServiceContext {
   RetainedInputStore retained;
   HeadOperations operations;
   GroupFollower follower;       // a head group's other ranks: every command of the log
+  MeshSteps mesh_steps;         // a mesh's optimizer steps (unused off a mesh)
+  MeshFollower mesh_follower;   // a mesh's fronts other than the leader: the mesh's log
   SynchronousSteps sync_steps;  // the optimizer steps of data-parallel trainers
   // Last, so destroyed first: the pool's threads finish their tasks while the rest is alive.
   ComputePool compute;

@@ -52,7 +52,7 @@ absl::Status Disagreement(const std::string& field, const SyncStepRequest& first
                            {"field", field}});
 }
 
-absl::Status CheckRequest(const SyncStepRequest& r) {
+absl::Status CheckRequest(const SyncStepRequest& r, int replica, int replicas) {
   if (r.world_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("synchronous.world_size: expected >= 1; got ", r.world_size));
@@ -65,17 +65,30 @@ absl::Status CheckRequest(const SyncStepRequest& r) {
     return absl::InvalidArgumentError(
         absl::StrCat("synchronous.step: expected >= 0; got ", r.step));
   }
+  if (r.rank % replicas != replica) {
+    return core::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "synchronous.rank: expected a trainer of replica ", replica, " of ", replicas,
+            " (rank mod ", replicas, " = ", replica, "); got rank ", r.rank, ", which replica ",
+            r.rank % replicas, "'s front serves: each trainer dials fronts[rank mod ", replicas,
+            "]")),
+        core::reason::kWrongReplica,
+        {{"rank", absl::StrCat(r.rank)}, {"replica", absl::StrCat(r.rank % replicas)}});
+  }
   return absl::OkStatus();
 }
 
 }  // namespace
 
 SynchronousSteps::SynchronousSteps(Apply apply, Describe describe,
-                                   std::chrono::milliseconds timeout, ServerMetrics* metrics)
+                                   std::chrono::milliseconds timeout, ServerMetrics* metrics,
+                                   int replica, int replicas)
     : apply_(std::move(apply)),
       describe_(std::move(describe)),
       timeout_(timeout),
-      metrics_(metrics) {
+      metrics_(metrics),
+      replica_(replica),
+      replicas_(replicas) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -90,6 +103,12 @@ SynchronousSteps::~SynchronousSteps() {
   }
   wake_.notify_all();
   timer_.join();
+}
+
+std::vector<int> SynchronousSteps::ReplicaRanks(int world_size, int replica, int replicas) {
+  std::vector<int> ranks;
+  for (int t = replica; t < world_size; t += replicas) ranks.push_back(t);
+  return ranks;
 }
 
 absl::Status SynchronousSteps::Agree(const SyncStepRequest& first,
@@ -121,7 +140,7 @@ absl::Status SynchronousSteps::Agree(const SyncStepRequest& first,
 
 void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
   const Waiter waiter{std::move(reply), Clock::now()};
-  if (absl::Status bad = CheckRequest(request); !bad.ok()) {
+  if (absl::Status bad = CheckRequest(request, replica_, replicas_); !bad.ok()) {
     Send({{waiter, bad}});
     return;
   }
@@ -162,7 +181,8 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
       if (replies.empty()) {
         pending.ranks[request.rank].push_back(waiter);
         last = !pending.applying &&
-               static_cast<int>(pending.ranks.size()) == pending.first.world_size;
+               pending.ranks.size() ==
+                   ReplicaRanks(pending.first.world_size, replica_, replicas_).size();
         if (last) pending.applying = true;
       }
     }
@@ -173,15 +193,15 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
 }
 
 void SynchronousSteps::ApplyAndAnswer(const std::string& head_id) {
-  OptimizerStepSpec spec;
+  SyncStepRequest first;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const Pending& pending = pending_.at(head_id);
-    spec = pending.first.spec;
-    spec.grad_scale = pending.first.spec.grad_scale / pending.first.world_size;
+    first = pending_.at(head_id).first;
   }
+  OptimizerStepSpec spec = first.spec;
+  spec.grad_scale = first.spec.grad_scale / first.world_size;
   // Applied outside the lock: other heads' steps and this one's retries go on meanwhile.
-  const absl::StatusOr<HeadDescription> result = apply_(head_id, spec);
+  const absl::StatusOr<HeadDescription> result = apply_(first, spec);
   Replies replies;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -248,12 +268,12 @@ void SynchronousSteps::TimerLoop() {
         continue;
       }
       std::vector<int> came, missing;
-      for (int r = 0; r < p.first.world_size; ++r) {
-        (p.ranks.count(r) != 0 ? came : missing).push_back(r);
-      }
+      const std::vector<int> expected = ReplicaRanks(p.first.world_size, replica_, replicas_);
+      for (int r : expected) (p.ranks.count(r) != 0 ? came : missing).push_back(r);
       const absl::Status aborted = core::WithReason(absl::AbortedError(absl::StrCat(
           "synchronous optimizer step ", p.first.step, " of head \"", it->first,
-          "\": expected all ", p.first.world_size, " ranks within ",
+          "\": expected all ", expected.size(), " ranks",
+          replicas_ > 1 ? absl::StrCat(" of replica ", replica_) : std::string(), " within ",
           absl::FormatDuration(absl::FromChrono(timeout_)), "; got ranks [",
           absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "),
           "]: nothing applied, the accumulated dW is kept (ask again once every rank runs)")),

@@ -39,9 +39,10 @@ struct SyncStepRequest {
 class SynchronousSteps {
  public:
   using Reply = std::function<void(const absl::StatusOr<HeadDescription>&)>;
-  // Applies a step that every rank agreed on (HeadOperations::OptimizerStep: on a head group,
-  // on every rank).
-  using Apply = std::function<absl::StatusOr<HeadDescription>(const std::string& head_id,
+  // Applies a step that every rank agreed on: `first`, the first rank's request, and `spec`,
+  // its step with grad_scale already divided by the world size (HeadOperations::OptimizerStep:
+  // on a head group, on every rank; on a mesh, the replicas' step, head_mesh.h).
+  using Apply = std::function<absl::StatusOr<HeadDescription>(const SyncStepRequest& first,
                                                               const OptimizerStepSpec& spec)>;
   // The head as it is now (HeadOperations::Describe): a step's answer is given again only
   // while the head is still at the version that step made.
@@ -49,8 +50,10 @@ class SynchronousSteps {
 
   // `timeout`: how long the ranks that came wait for the others, from the first arrival.
   // `metrics` (nullptr: none) gets the wait times, the ranks waiting and the aborted steps.
+  // On a mesh of `replicas` replicas this is replica `replica`'s front, and waits only for its
+  // own trainers: the ranks t of the world with t mod replicas = replica (ReplicaRanks).
   SynchronousSteps(Apply apply, Describe describe, std::chrono::milliseconds timeout,
-                   ServerMetrics* metrics);
+                   ServerMetrics* metrics, int replica = 0, int replicas = 1);
   // Fails the steps still waiting (UNAVAILABLE) and stops the timer.
   ~SynchronousSteps();
   SynchronousSteps(const SynchronousSteps&) = delete;
@@ -63,6 +66,13 @@ class SynchronousSteps {
   void Arrive(SyncStepRequest request, Reply reply);
   // Fails every waiting caller with `status` (the server is draining); nothing applied.
   void AbortAll(const absl::Status& status);
+
+  // The refusal of `request` against `first` (the rank that came first, or on a mesh the
+  // leader's), naming the field and both values; OK if they agree.
+  static absl::Status Agree(const SyncStepRequest& first, const SyncStepRequest& request);
+  // The trainer ranks of a world of `world_size` that replica `replica` of `replicas` serves:
+  // t mod replicas = replica (trainer t dials replica t mod R's front).
+  static std::vector<int> ReplicaRanks(int world_size, int replica, int replicas);
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -85,8 +95,6 @@ class SynchronousSteps {
   };
   using Replies = std::vector<std::pair<Waiter, absl::StatusOr<HeadDescription>>>;
 
-  // The refusal of `request` against the rank that came first, or OK.
-  static absl::Status Agree(const SyncStepRequest& first, const SyncStepRequest& request);
   // Applies the step of `head_id` (its last rank came) and answers every rank.
   void ApplyAndAnswer(const std::string& head_id);
   // Moves every waiter of `pending` into `out`, to be answered with `status`.
@@ -99,6 +107,8 @@ class SynchronousSteps {
   const Describe describe_;
   const std::chrono::milliseconds timeout_;
   ServerMetrics* const metrics_;
+  const int replica_;
+  const int replicas_;
   std::mutex mu_;
   std::condition_variable wake_;
   bool stopping_ = false;

@@ -11,16 +11,18 @@ as keyword arguments, and return a StepResult whose summary is a StepSummary.
 """
 
 from remotehead._errors import (GroupUnavailableError, HeadExistsError, HeadNotFoundError,
-                                InvalidArgumentError, NotTheFrontError, RanksDisagreeError,
-                                RanksMissingError, RemoteheadError, ServerRestartedError,
-                                WeightVersionMismatchError)
+                                InvalidArgumentError, NotTheFrontError, NotTheLeaderError,
+                                RanksDisagreeError, RanksMissingError, RemoteheadError,
+                                ReplicasDivergedError, ServerRestartedError,
+                                WeightVersionMismatchError, WrongReplicaError)
 from remotehead.client import (Client, GradientId, HeadInfo, StepOptions, StepResult, StepSummary,
                                StepTimings)
 from remotehead.functions import FunctionInfo, ParamInfo
 from remotehead.autograd import RemoteHead, upstream_matches_declared
 
 __all__ = ["Client", "FunctionInfo", "GradientId", "GroupUnavailableError", "HeadExistsError",
-           "HeadInfo", "HeadNotFoundError", "InvalidArgumentError", "NotTheFrontError", "ParamInfo",
-           "RanksDisagreeError", "RanksMissingError", "RemoteHead", "RemoteheadError",
-           "ServerRestartedError", "StepOptions", "StepResult", "StepSummary", "StepTimings",
-           "WeightVersionMismatchError", "upstream_matches_declared"]
+           "HeadInfo", "HeadNotFoundError", "InvalidArgumentError", "NotTheFrontError",
+           "NotTheLeaderError", "ParamInfo", "RanksDisagreeError", "RanksMissingError",
+           "RemoteHead", "RemoteheadError", "ReplicasDivergedError", "ServerRestartedError",
+           "StepOptions", "StepResult", "StepSummary", "StepTimings",
+           "WeightVersionMismatchError", "WrongReplicaError", "upstream_matches_declared"]

@@ -88,6 +88,28 @@ class NotTheFrontError(RemoteheadError):
         return self.metadata.get("front", "")
 
 
+class NotTheLeaderError(RemoteheadError):
+    """An operation that changes every replica of a mesh (create, upload, drop, zero, an
+    unsynchronized optimizer step, restore) reached a replica's front other than the mesh's
+    leader (reason NOT_THE_LEADER, code FAILED_PRECONDITION). `leader` is the address to dial
+    (metadata "leader"; "" while the leader has not announced it). The Client follows it by
+    itself once."""
+
+    @property
+    def leader(self) -> str:
+        return self.metadata.get("leader", "")
+
+
+class WrongReplicaError(RemoteheadError, ValueError):
+    """A synchronous step's trainer dialled another replica's front than its own (reason
+    WRONG_REPLICA; metadata "replica": the one to dial, rank mod R)."""
+
+
+class ReplicasDivergedError(RemoteheadError):
+    """A mesh's replicas hold different weights or versions (reason REPLICAS_DIVERGED, metadata
+    "replicas"): restore every replica from one state."""
+
+
 # The one table from a reason to its exception class; any other reason is a RemoteheadError
 # carrying it.
 _BY_REASON = {
@@ -101,6 +123,9 @@ _BY_REASON = {
     "GROUP_UNAVAILABLE": GroupUnavailableError,
     "GROUP_TIMEOUT": GroupUnavailableError,
     "NOT_THE_FRONT": NotTheFrontError,
+    "NOT_THE_LEADER": NotTheLeaderError,
+    "WRONG_REPLICA": WrongReplicaError,
+    "REPLICAS_DIVERGED": ReplicasDivergedError,
 }
 
 

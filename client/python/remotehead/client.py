@@ -17,7 +17,7 @@ import dataclasses
 import os
 import random
 import time
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import torch
@@ -58,6 +58,16 @@ def _info(msg: pb.HeadInfo) -> HeadInfo:
                     tuple((r.offset, r.rows) for r in msg.shards))
 
 
+def trainer_rank(rank: Optional[int] = None) -> int:
+    """This trainer's rank: `rank` if given, else torch.distributed's (once initialised), else
+    torchrun's RANK, else 0. A client given a mesh's fronts dials fronts[rank mod R]."""
+    if rank is not None:
+        return rank
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def _assemble(pieces) -> Optional[torch.Tensor]:
     """Row chunks (offset, tensor) as one tensor, in row order; None if there were none."""
     return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]) if pieces else None
@@ -66,6 +76,13 @@ def _assemble(pieces) -> Optional[torch.Tensor]:
 class Client:
     """A connection to one remotehead server. Thread-safe, like the gRPC channel under it.
 
+    `target`: the server's (or a head group's front's) address, or the list of a mesh's
+    replica fronts [replica 0's, replica 1's, …]: this trainer then dials fronts[rank mod R]
+    (`rank`, else torch.distributed's, else RANK; `self.target` says which) for its steps, and
+    the operations that change every replica (create, upload, drop, zero, an unsynchronized
+    optimizer step, restore) go to the leader, fronts[0]. Given one front that is not the
+    leader, the client follows the leader's address that the front names (NotTheLeaderError).
+
     TLS: pass `root_certificates` (PEM bytes; plus `private_key` and `certificate_chain` for
     mTLS). `token` is sent as `authorization: Bearer <token>`, only over TLS.
     `chunk_bytes` (>= 1024): the largest request message; rows of X (with their targets,
@@ -73,7 +90,8 @@ class Client:
     it, by the same rule as the C++ client (same chunk_bytes, same row messages).
     """
 
-    def __init__(self, target: str, *, root_certificates: Optional[bytes] = None,
+    def __init__(self, target: Union[str, Sequence[str]], *, rank: Optional[int] = None,
+                 root_certificates: Optional[bytes] = None,
                  private_key: Optional[bytes] = None, certificate_chain: Optional[bytes] = None,
                  token: Optional[str] = None, chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 64 << 20, timeout: Optional[float] = None,
@@ -87,16 +105,28 @@ class Client:
                    ("grpc.initial_reconnect_backoff_ms", int(initial_backoff * 1000)),
                    ("grpc.min_reconnect_backoff_ms", int(initial_backoff * 1000)),
                    ("grpc.max_reconnect_backoff_ms", int(max_backoff * 1000))]
+        credentials = None
         if root_certificates is not None or token is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
                                                        certificate_chain)
             if token is not None:
                 credentials = grpc.composite_channel_credentials(
                     credentials, grpc.access_token_call_credentials(token))
-            self._channel = grpc.secure_channel(target, credentials, options)
-        else:
-            self._channel = grpc.insecure_channel(target, options)
+        self._open = lambda address: (grpc.secure_channel(address, credentials, options)
+                                      if credentials is not None
+                                      else grpc.insecure_channel(address, options))
+        fronts = [target] if isinstance(target, str) else list(target)
+        if not fronts:
+            raise InvalidArgumentError("target: expected an address or a list of replica fronts")
+        # A mesh's replica fronts: this trainer dials fronts[rank mod R]; what changes every
+        # replica goes to the leader, fronts[0].
+        self.target = fronts[trainer_rank(rank) % len(fronts)]
+        self._channel = self._open(self.target)
         self._stub = pb_grpc.HeadServiceStub(self._channel)
+        self._leader_channel = None
+        self._leader_stub = None
+        if self.target != fronts[0]:
+            self._connect_leader(fronts[0])
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
         self._max_attempts = max(1, max_attempts)
@@ -107,6 +137,26 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        if self._leader_channel is not None:
+            self._leader_channel.close()
+
+    def _connect_leader(self, address: str) -> None:
+        if self._leader_channel is not None:
+            self._leader_channel.close()
+        self._leader_channel = self._open(address)
+        self._leader_stub = pb_grpc.HeadServiceStub(self._leader_channel)
+
+    def _to_leader(self, call):
+        """`call(stub)` for an operation that changes every replica of a mesh: on the leader's
+        stub once known; a replica's front that says it is not the leader names it
+        (NotTheLeaderError), and the call goes there once."""
+        try:
+            return call(self._leader_stub or self._stub)
+        except _errors.NotTheLeaderError as e:
+            if not e.leader or self._leader_stub is not None:
+                raise
+            self._connect_leader(e.leader)
+            return call(self._leader_stub)
 
     def __enter__(self) -> "Client":
         return self
@@ -147,7 +197,7 @@ class Client:
         request.init.bias = bias
         request.init.seed = seed
         request.init.init_std = init_std
-        return _info(self._unary(self._stub.CreateHead, request))
+        return _info(self._to_leader(lambda stub: self._unary(stub.CreateHead, request)))
 
     def upload_head(self, head_id: str, weight: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, *, replace: bool = False) -> HeadInfo:
@@ -187,7 +237,8 @@ class Client:
                     _wire.encode(t[offset:offset + n], chunk.values)
                     yield m
 
-        return _info(self._call(lambda: self._stub.UploadHead(requests(), timeout=self._timeout)))
+        return _info(self._to_leader(lambda stub: self._call(
+            lambda: stub.UploadHead(requests(), timeout=self._timeout))))
 
     def describe_head(self, head_id: str) -> HeadInfo:
         return _info(self._unary(self._stub.DescribeHead, pb.HeadRef(head_id=head_id)))
@@ -204,7 +255,7 @@ class Client:
         return [_info(h) for h in self._unary(self._stub.ListHeads, pb.ListHeadsRequest()).heads]
 
     def drop_head(self, head_id: str) -> None:
-        self._unary(self._stub.DropHead, pb.HeadRef(head_id=head_id))
+        self._to_leader(lambda stub: self._unary(stub.DropHead, pb.HeadRef(head_id=head_id)))
 
     def save_weights(self, head_id: str, path: str, *, weight_name: str = "",
                      bias_name: str = "") -> int:
@@ -267,7 +318,8 @@ class Client:
                 parts.get("info"))
 
     def zero_gradients(self, head_id: str) -> HeadInfo:
-        return _info(self._unary(self._stub.ZeroGradients, pb.HeadRef(head_id=head_id)).info)
+        return _info(self._to_leader(
+            lambda stub: self._unary(stub.ZeroGradients, pb.HeadRef(head_id=head_id))).info)
 
     def optimizer_step(self, head_id: str, *, sgd: Optional[dict] = None,
                        adamw: Optional[dict] = None, grad_scale: Optional[float] = None,
@@ -302,8 +354,10 @@ class Client:
             request.adamw.CopyFrom(pb.OptimizerStepRequest.AdamW(**adamw))
         # A single caller's step is not idempotent: never retried (a lost answer may hide a step
         # that happened). A synchronous one is: the server answers a retry of an applied step.
-        return _info(self._unary(self._stub.OptimizerStep, request,
-                                 retry=synchronous is not None).info)
+        if synchronous is not None:  # at this trainer's own replica
+            return _info(self._unary(self._stub.OptimizerStep, request, retry=True).info)
+        return _info(self._to_leader(
+            lambda stub: self._unary(stub.OptimizerStep, request, retry=False)).info)
 
     # ----- durable training state (a server started with --state_dir) -----
 
@@ -315,8 +369,8 @@ class Client:
     def restore_head_state(self, head_id: str, state_id: str) -> HeadInfo:
         """Puts the head back to a saved state (weights, optimizer state, version); its
         gradients are zeroed."""
-        return _info(self._unary(self._stub.RestoreHeadState,
-                                 pb.RestoreHeadStateRequest(head_id=head_id, state_id=state_id)))
+        request = pb.RestoreHeadStateRequest(head_id=head_id, state_id=state_id)
+        return _info(self._to_leader(lambda stub: self._unary(stub.RestoreHeadState, request)))
 
     # ----- steps -----
     #

@@ -86,12 +86,16 @@ def free_port() -> int:
 
 class LocalHeadGroup:
     """`size` remotehead-server processes forming one head group on loopback (Gloo); `target`
-    is the front's address, the only one clients use. The group's command log is sealed with a
+    is the front's address, the only one clients use. With `replicas` R > 1 they form a mesh of
+    R replicas of size / R ranks each (--group_replicas); `fronts` lists the replicas' fronts
+    (a Client takes that list) and `target` is the leader's. The group's command log is sealed with a
     fresh secret (a file readable by this user only, removed with the group) unless
     `secret_file` names one, or is "" for none."""
 
     def __init__(self, binary: str, size: int, args: Sequence[str] = ("--device=cpu",),
-                 timeout_seconds: float = 30.0, secret_file: Optional[str] = None):
+                 timeout_seconds: float = 30.0, secret_file: Optional[str] = None,
+                 replicas: int = 1):
+        self.replicas = replicas
         self.store_port = free_port()
         store = f"127.0.0.1:{self.store_port}"
         self._secret_dir = None
@@ -104,9 +108,10 @@ class LocalHeadGroup:
         self.ranks = [LocalServer(binary, [*args, f"--group_size={size}", f"--group_rank={r}",
                                            f"--group_store={store}",
                                            f"--group_timeout_seconds={timeout_seconds}",
-                                           *secret])
+                                           f"--group_replicas={replicas}", *secret])
                       for r in range(size)]
         self.target = ""
+        self.fronts: List[str] = []
 
     def start(self) -> "LocalHeadGroup":
         for rank in self.ranks:
@@ -114,6 +119,8 @@ class LocalHeadGroup:
         for rank in self.ranks:
             rank.wait_listening()
         self.target = self.ranks[0].target
+        per_replica = len(self.ranks) // self.replicas
+        self.fronts = [self.ranks[r * per_replica].target for r in range(self.replicas)]
         return self
 
     def stop(self, timeout: float = 60.0) -> List[int]:

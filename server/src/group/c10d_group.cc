@@ -374,6 +374,13 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
   }
   config.store_port = port;
   config.store_bind = flags.store_bind;
+  if (flags.replicas < 1 || config.size % flags.replicas != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--group_replicas: expected a number of replicas that divides the mesh's ", config.size,
+        " processes (--group_size or WORLD_SIZE = replicas x ranks per replica); got ",
+        flags.replicas));
+  }
+  config.replicas = flags.replicas;
   if (!(flags.timeout_seconds > 0) || flags.timeout_seconds > 86400) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--group_timeout_seconds: expected a value in (0, 86400]; got ", flags.timeout_seconds));
@@ -382,31 +389,85 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
   return config;
 }
 
+namespace {
+
+// The TCPStore every group of this process uses: served by global rank 0 (on the store's bind
+// address only), dialled by every other rank.
+c10::intrusive_ptr<c10d::TCPStore> ConnectStore(const GroupConfig& config, absl::Status* failed) {
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(config.store_port);
+  store_options.isServer = config.rank == 0;
+  if (store_options.isServer) {
+    absl::StatusOr<int> fd =
+        ListenOn(config.listen_host(), config.store_port,
+                 config.store_bind.empty() ? "--group_store" : "--group_store_bind");
+    if (!fd.ok()) {
+      *failed = fd.status();
+      return {};
+    }
+    store_options.masterListenFd = *fd;
+  }
+  store_options.numWorkers = config.size;
+  store_options.waitWorkers = false;
+  store_options.timeout = config.timeout;
+  store_options.useLibUV = false;
+  return c10::make_intrusive<c10d::TCPStore>(config.store_host, store_options);
+}
+
+// The group of `member` (its size, rank and key prefix) on `tcp`: the backend's rendezvous keys
+// and our commands under prefixes of their own.
+std::unique_ptr<ProcessGroup> GroupOn(const c10::intrusive_ptr<c10d::TCPStore>& tcp,
+                                      const GroupConfig& member) {
+  auto backend = MakeBackend(
+      member, c10::make_intrusive<c10d::PrefixStore>(member.prefix + "/backend", tcp));
+  auto commands = c10::make_intrusive<c10d::PrefixStore>(member.prefix + "/commands", tcp);
+  return std::make_unique<C10dGroup>(member, commands, backend);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConfig& config) {
   const auto start = std::chrono::steady_clock::now();
   try {
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<uint16_t>(config.store_port);
-    store_options.isServer = config.rank == 0;
-    if (store_options.isServer) {
-      ASSIGN_OR_RETURN(
-          store_options.masterListenFd,
-          ListenOn(config.listen_host(), config.store_port,
-                   config.store_bind.empty() ? "--group_store" : "--group_store_bind"));
-    }
-    store_options.numWorkers = config.size;
-    store_options.waitWorkers = false;
-    store_options.timeout = config.timeout;
-    store_options.useLibUV = false;
-    auto tcp = c10::make_intrusive<c10d::TCPStore>(config.store_host, store_options);
-    // The backend's rendezvous keys and our commands under prefixes of their own.
-    auto backend = MakeBackend(
-        config, c10::make_intrusive<c10d::PrefixStore>(config.prefix + "/backend", tcp));
-    auto commands = c10::make_intrusive<c10d::PrefixStore>(config.prefix + "/commands", tcp);
-    return std::make_unique<C10dGroup>(config, commands, backend);
+    absl::Status failed;
+    auto tcp = ConnectStore(config, &failed);
+    RETURN_IF_ERROR(failed);
+    return GroupOn(tcp, config);
   } catch (const std::exception& e) {
     return FromException(
         e, absl::StrCat("joining the group at ", config.store_host, ":", config.store_port),
+        config, config.timeout, start);
+  }
+}
+
+absl::StatusOr<ProcessGroup::Mesh> ProcessGroup::JoinMesh(const GroupConfig& config) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    absl::Status failed;
+    auto tcp = ConnectStore(config, &failed);
+    RETURN_IF_ERROR(failed);
+    Mesh mesh;
+    // Every rank joins its replica's group first, then its shard's: the rendezvous of each
+    // group waits only for its own members, so the order cannot deadlock.
+    const int k = config.ranks_per_replica();
+    if (k > 1) {
+      GroupConfig replica = config;
+      replica.size = k;
+      replica.rank = config.rank_in_replica();
+      replica.replicas = 1;
+      replica.prefix = absl::StrCat(config.prefix, "/replica/", config.replica());
+      mesh.replica = GroupOn(tcp, replica);
+    }
+    GroupConfig shard = config;
+    shard.size = config.replicas;
+    shard.rank = config.replica();
+    shard.replicas = 1;
+    shard.prefix = absl::StrCat(config.prefix, "/shard/", config.rank_in_replica());
+    mesh.shard = GroupOn(tcp, shard);
+    return mesh;
+  } catch (const std::exception& e) {
+    return FromException(
+        e, absl::StrCat("joining the mesh at ", config.store_host, ":", config.store_port),
         config, config.timeout, start);
   }
 }

@@ -54,6 +54,10 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
       ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(command.optimizer_step()));
       return operations_->OptimizerStepHere(command.optimizer_step().head_id(), spec).status();
     }
+    case v1::GroupCommand::kReduceStep: {
+      ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(command.reduce_step()));
+      return operations_->ReduceStepHere(command.reduce_step().head_id(), spec).status();
+    }
     case v1::GroupCommand::kGather: {
       const v1::GroupGather& gather = command.gather();
       ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,

@@ -52,6 +52,15 @@ inline constexpr char kNotOnGroup[] = "FUNCTION_NOT_ON_GROUP";
 // The call reached a rank of a head group that is not its front; metadata "front" (the address
 // to dial instead; "" while the front has not announced it yet), "rank", "method".
 inline constexpr char kNotTheFront[] = "NOT_THE_FRONT";
+// An operation that changes every replica of a mesh reached a replica's front other than the
+// leader's (replica 0); metadata "leader" (the address to dial; "" until it announced it),
+// "replica", "method".
+inline constexpr char kNotTheLeader[] = "NOT_THE_LEADER";
+// A synchronous step's trainer dialled the front of another replica than its own (rank mod R);
+// metadata "rank", "replica" (the one to dial).
+inline constexpr char kWrongReplica[] = "WRONG_REPLICA";
+// The replicas of a mesh hold different weights (a checksum differs); metadata "replicas".
+inline constexpr char kReplicasDiverged[] = "REPLICAS_DIVERGED";
 }  // namespace reason
 
 struct ErrorReason {

@@ -36,6 +36,9 @@ class HeadService {
   // A head group's rank other than the front: executes the group's commands on this service's
   // heads, in order, until `stop` is set (OK) or the front is gone (UNAVAILABLE).
   virtual absl::Status FollowGroup(const std::atomic<bool>& stop) = 0;
+  // A mesh's replica front other than the leader: runs the mesh's commands on its replica, in
+  // order, until `stop` is set (OK) or the leader is gone (UNAVAILABLE).
+  virtual absl::Status FollowMesh(const std::atomic<bool>& stop) = 0;
   // The server begins to drain: the ranks waiting at synchronous optimizer steps get
   // UNAVAILABLE now (nothing applied) instead of holding the drain until their timeout.
   virtual void Drain() = 0;

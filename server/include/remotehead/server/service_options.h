@@ -12,6 +12,7 @@
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/head_mesh.h"
 #include "remotehead/server/metrics.h"
 #include "remotehead/server/state_store.h"
 
@@ -42,6 +43,8 @@ struct ServiceOptions {
   // vocabulary; rank 0 serves the calls and runs each on every rank, the others FollowGroup.
   // nullptr: a server on its own.
   HeadGroup* group = nullptr;
+  // This process (its group, or itself) is one replica of a mesh (head_mesh.h); nullptr: none.
+  HeadMesh* mesh = nullptr;
   // How long the ranks of a synchronous optimizer step wait for the missing ones (from the
   // first arrival) before every waiting rank gets ABORTED naming them.
   double sync_step_timeout_seconds = 300;

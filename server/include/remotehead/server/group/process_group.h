@@ -18,8 +18,14 @@
 namespace remotehead::server {
 
 struct GroupConfig {
-  int size = 1;
+  int size = 1;  // every process of the group (on a mesh, of every replica: R·K)
   int rank = 0;
+  // The head's replicas on a mesh [R, K] (head_mesh.h): R of them, each a group of size / R
+  // ranks; global rank g is rank g mod K of replica g / K.
+  int replicas = 1;
+  int ranks_per_replica() const { return size / replicas; }
+  int replica() const { return rank / ranks_per_replica(); }
+  int rank_in_replica() const { return rank % ranks_per_replica(); }
   std::string store_host = "127.0.0.1";  // rank 0 serves the TCPStore here; the others dial it
   int store_port = 29500;
   // The address rank 0's store listens on (empty: store_host's); never every interface unless
@@ -47,6 +53,7 @@ struct GroupFlags {
   std::string store;  // host:port; empty: MASTER_ADDR:MASTER_PORT
   double timeout_seconds = 60;
   std::string store_bind;  // --group_store_bind (empty: the host of the store's address)
+  int replicas = 1;        // --group_replicas: must divide the size
 };
 absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
                                                const std::map<std::string, std::string>& env);
@@ -72,6 +79,16 @@ class ProcessGroup : public core::GroupCollectives {
   // DEADLINE_EXCEEDED naming what did not answer; UNAVAILABLE naming --group_store(_bind) when
   // rank 0 cannot listen there.
   static absl::StatusOr<std::unique_ptr<ProcessGroup>> Join(const GroupConfig& config);
+
+  // The two groups of this rank on a mesh of config.replicas replicas (one store, served by
+  // global rank 0): `replica`, the K ranks of its replica (its rank: config.rank_in_replica();
+  // nullptr when K = 1), and `shard`, the R ranks that hold the same vocabulary shard in every
+  // replica (its rank: config.replica()). Same errors as Join.
+  struct Mesh {
+    std::unique_ptr<ProcessGroup> replica;
+    std::unique_ptr<ProcessGroup> shard;
+  };
+  static absl::StatusOr<Mesh> JoinMesh(const GroupConfig& config);
   ~ProcessGroup() override = default;
 
   virtual const GroupConfig& config() const = 0;

@@ -1,0 +1,96 @@
+// A head's replicas on a 2-D mesh [R, K]: R replicas, each one server (K = 1) or a head group of
+// K ranks (head_group.h), all R·K processes in one c10d world (one store, served by global rank
+// 0). Vocabulary collectives run along K inside a replica (its HeadGroup); dW is summed along R
+// among the ranks that hold the same vocabulary shard (the "shard peers", one process group per
+// shard). Replica r's front is global rank r·K; replica 0's front is the mesh's leader.
+//
+// The rules the mesh follows, kept here in one place:
+//   - the replica fronts form a group of their own (the shard peers of shard 0) whose ordered,
+//     sealed command log (group_log.h) is the mesh's: the leader appends, every other front
+//     follows. Operations that change every replica (create, upload, drop, zero, restore, an
+//     optimizer step) are mesh commands, taken by the leader only; another front refuses them
+//     with NOT_THE_LEADER naming the leader's address. Training calls (steps, forward) stay in
+//     the replica that took them: each replica's trainers add into its own dW;
+//   - every collective along R happens inside a mesh command, so they pair up by order;
+//   - at an optimizer step every replica checks that it agrees with the leader's step (its own
+//     trainers' request, the head's version and shape), the fronts exchange their verdicts, and
+//     only if all agree every rank sums dW over the replicas (reduce on replica 0, then broadcast:
+//     the same bits everywhere) and applies the same step. Weights and versions stay identical
+//     across replicas; every --mesh_checksum_every_steps versions the shard peers compare a
+//     checksum of their weights (a mismatch fails the step with DATA_LOSS);
+//   - failure domain = the mesh: a transport failure on the fronts' log takes it down as it
+//     takes a group down (every front's health turns NOT_SERVING).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/process_group.h"
+
+namespace remotehead::server {
+
+struct MeshOptions {
+  // The dtype dW travels in along R: float (exact sums of fp32 dW) or bfloat16 (half the bytes,
+  // rounded sums); the sum lands back in dW's own dtype.
+  torch::ScalarType reduce_dtype = torch::kFloat;
+  int checksum_every_steps = 1;  // 0: never
+};
+
+class HeadMesh {
+ public:
+  // `fronts`: on a replica's front (rank 0 of its replica), the fronts' group whose collectives
+  // are this rank's shard peers; nullptr elsewhere, with `shard_peers` given instead.
+  HeadMesh(int replica, int replicas, MeshOptions options, std::unique_ptr<HeadGroup> fronts,
+           std::unique_ptr<ProcessGroup> shard_peers);
+
+  int replica() const { return replica_; }
+  int replicas() const { return replicas_; }
+  bool is_front() const { return fronts_ != nullptr; }
+  bool is_leader() const { return replica_ == 0 && fronts_ != nullptr; }
+  const MeshOptions& options() const { return options_; }
+  // The fronts' group (the mesh's log); nullptr off a replica's front.
+  HeadGroup* fronts() { return fronts_.get(); }
+  const HeadGroup* fronts() const { return fronts_.get(); }
+  // OK while the mesh's log works (always OK off a front).
+  absl::Status health() const;
+
+  // A front other than the leader: `method` (an operation that changes every replica) refused
+  // with FAILED_PRECONDITION, reason NOT_THE_LEADER, naming the leader's address.
+  absl::Status NotTheLeader(const std::string& method) const;
+
+  // `t` summed over every replica's `t` (the same shape everywhere), written back into `t` with
+  // the same bits on every replica.
+  absl::Status SumOverReplicas(torch::Tensor& t);
+  // OK if every replica's `tensors` hash alike; DATA_LOSS naming the replicas that differ.
+  absl::Status CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
+                                     const std::string& what);
+  // Every front's verdict on the current mesh command, by replica (fronts only): OK, or its
+  // error (code and message).
+  absl::StatusOr<std::vector<absl::Status>> ExchangeVerdicts(const absl::Status& mine);
+
+  // The bytes summed over replicas so far (metrics: the all-reduce's traffic).
+  int64_t reduced_bytes() const { return reduced_bytes_; }
+
+ private:
+  ProcessGroup& peers();
+
+  const int replica_;
+  const int replicas_;
+  const MeshOptions options_;
+  std::unique_ptr<HeadGroup> fronts_;
+  std::unique_ptr<ProcessGroup> shard_peers_;
+  std::atomic<int64_t> reduced_bytes_{0};
+};
+
+// An order-sensitive 64-bit hash of `tensors`' bytes (as stored, on the CPU).
+uint64_t HashTensors(const std::vector<torch::Tensor>& tensors);
+
+}  // namespace remotehead::server

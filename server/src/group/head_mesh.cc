@@ -1,0 +1,158 @@
+#include "remotehead/server/group/head_mesh.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "remotehead/core/error_reason.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::server {
+namespace {
+
+// A verdict on the wire: its status code, its reason (core::SerializeReason) and as much of its
+// message as fits, each text with its length first.
+constexpr int64_t kVerdictBytes = 2048;
+
+torch::Tensor EncodeVerdict(const absl::Status& status) {
+  torch::Tensor t = torch::zeros({kVerdictBytes}, torch::kUInt8);
+  auto* out = t.data_ptr<uint8_t>();
+  size_t at = 0;
+  auto put = [&](const void* data, size_t n) {
+    n = std::min<size_t>(n, kVerdictBytes - at);
+    std::memcpy(out + at, data, n);
+    at += n;
+  };
+  const int32_t code = static_cast<int32_t>(status.code());
+  put(&code, sizeof(code));
+  std::string reason = core::SerializeReason(status);
+  if (reason.size() > kVerdictBytes / 2) reason.clear();
+  const uint32_t reason_size = static_cast<uint32_t>(reason.size());
+  put(&reason_size, sizeof(reason_size));
+  put(reason.data(), reason.size());
+  const absl::string_view message = status.message();
+  const uint32_t message_size =
+      static_cast<uint32_t>(std::min<size_t>(message.size(), kVerdictBytes - at - 4));
+  put(&message_size, sizeof(message_size));
+  put(message.data(), message_size);
+  return t;
+}
+
+absl::Status DecodeVerdict(const torch::Tensor& t) {
+  const torch::Tensor cpu = t.contiguous().cpu();
+  const auto* in = cpu.data_ptr<uint8_t>();
+  size_t at = 0;
+  auto take = [&](void* data, size_t n) {
+    n = std::min<size_t>(n, kVerdictBytes - at);
+    std::memcpy(data, in + at, n);
+    at += n;
+  };
+  int32_t code = 0;
+  take(&code, sizeof(code));
+  uint32_t n = 0;
+  take(&n, sizeof(n));
+  std::string reason(std::min<size_t>(n, kVerdictBytes - at), '\0');
+  take(reason.data(), reason.size());
+  take(&n, sizeof(n));
+  std::string message(std::min<size_t>(n, kVerdictBytes - at), '\0');
+  take(message.data(), message.size());
+  return core::WithSerializedReason(absl::Status(static_cast<absl::StatusCode>(code), message),
+                                    reason);
+}
+
+}  // namespace
+
+uint64_t HashTensors(const std::vector<torch::Tensor>& tensors) {
+  // FNV-1a over 64-bit words (then the tail's bytes): any changed bit changes the hash; not
+  // meant against adversaries, only to prove that replicas hold the same bytes.
+  constexpr uint64_t kPrime = 1099511628211ULL;
+  uint64_t h = 1469598103934665603ULL;
+  for (const torch::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    const torch::Tensor cpu = t.contiguous().cpu();
+    const auto* bytes = static_cast<const uint8_t*>(cpu.data_ptr());
+    const size_t n = cpu.nbytes();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t word = 0;
+      std::memcpy(&word, bytes + i, 8);
+      h = (h ^ word) * kPrime;
+    }
+    for (; i < n; ++i) h = (h ^ bytes[i]) * kPrime;
+  }
+  return h;
+}
+
+HeadMesh::HeadMesh(int replica, int replicas, MeshOptions options,
+                   std::unique_ptr<HeadGroup> fronts, std::unique_ptr<ProcessGroup> shard_peers)
+    : replica_(replica),
+      replicas_(replicas),
+      options_(options),
+      fronts_(std::move(fronts)),
+      shard_peers_(std::move(shard_peers)) {}
+
+ProcessGroup& HeadMesh::peers() {
+  return fronts_ != nullptr ? fronts_->collectives() : *shard_peers_;
+}
+
+absl::Status HeadMesh::health() const {
+  return fronts_ != nullptr ? fronts_->health() : absl::OkStatus();
+}
+
+absl::Status HeadMesh::NotTheLeader(const std::string& method) const {
+  const std::string leader = fronts_ != nullptr ? fronts_->front_address() : std::string();
+  return core::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          "this server is the front of replica ", replica_, " of a mesh of ", replicas_,
+          ", which takes the training calls of its own trainers; ", method,
+          " changes every replica and is taken by the mesh's leader (replica 0's front) only: ",
+          leader.empty() ? std::string("its address is not known here yet; retry shortly")
+                         : absl::StrCat("dial ", leader))),
+      core::reason::kNotTheLeader,
+      {{"leader", leader}, {"replica", absl::StrCat(replica_)}, {"method", method}});
+}
+
+absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t) {
+  torch::Tensor wire = t.scalar_type() == options_.reduce_dtype
+                           ? t
+                           : t.to(options_.reduce_dtype).contiguous();
+  // Reduced on replica 0, then broadcast from it: every replica ends with replica 0's bits
+  // (an all-reduce's result may differ in the last bit between ranks).
+  RETURN_IF_ERROR(peers().ReduceSum(wire, 0));
+  RETURN_IF_ERROR(peers().Broadcast(wire, 0));
+  if (!wire.is_same(t)) t.copy_(wire);
+  reduced_bytes_.fetch_add(static_cast<int64_t>(wire.nbytes()));
+  return absl::OkStatus();
+}
+
+absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
+                                             const std::string& what) {
+  const uint64_t mine = HashTensors(tensors);
+  torch::Tensor h = torch::empty({1}, torch::kInt64);
+  std::memcpy(h.data_ptr<int64_t>(), &mine, sizeof(mine));
+  if (peers().config().device.is_cuda()) h = h.to(peers().config().device);
+  ASSIGN_OR_RETURN(torch::Tensor all, peers().AllGather(h));
+  all = all.cpu();
+  std::vector<int> differ;
+  for (int r = 1; r < replicas_; ++r) {
+    if (all[r].item<int64_t>() != all[0].item<int64_t>()) differ.push_back(r);
+  }
+  if (differ.empty()) return absl::OkStatus();
+  return core::WithReason(absl::DataLossError(absl::StrCat(
+      "head mesh: ", what, " of replica(s) ", absl::StrJoin(differ, ", "),
+      " differ from replica 0's (checksums of shard ", peers().config().prefix,
+      "): the replicas diverged; restore every replica from one state")),
+                          core::reason::kReplicasDiverged, {{"replicas", absl::StrJoin(differ, ",")}});
+}
+
+absl::StatusOr<std::vector<absl::Status>> HeadMesh::ExchangeVerdicts(const absl::Status& mine) {
+  torch::Tensor verdict = EncodeVerdict(mine);
+  if (peers().config().device.is_cuda()) verdict = verdict.to(peers().config().device);
+  ASSIGN_OR_RETURN(const torch::Tensor all, peers().AllGather(verdict));
+  std::vector<absl::Status> verdicts;
+  for (int r = 0; r < replicas_; ++r) verdicts.push_back(DecodeVerdict(all[r]));
+  return verdicts;
+}
+
+}  // namespace remotehead::server

@@ -1,0 +1,79 @@
+#include "group/join.h"
+
+#include <iostream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::server {
+namespace {
+
+std::string Sealing(const GroupConfig& config) {
+  return !config.secret.empty() ? "sealed with the group's secret"
+                                : "NOT authenticated (no --group_secret_file)";
+}
+
+absl::StatusOr<std::unique_ptr<HeadGroup>> OpenGroup(std::unique_ptr<ProcessGroup> group,
+                                                     const GroupConfig& config) {
+  auto head_group = std::make_unique<HeadGroup>(std::move(group), config.secret, &std::cerr);
+  RETURN_IF_ERROR(head_group->Open());
+  return head_group;
+}
+
+}  // namespace
+
+absl::Status Cluster::health() const {
+  if (group != nullptr) RETURN_IF_ERROR(group->health());
+  if (mesh != nullptr) RETURN_IF_ERROR(mesh->health());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options) {
+  Cluster cluster;
+  if (config.size <= 1) return cluster;
+  const std::string transport = config.device.is_cuda() ? "NCCL" : "Gloo";
+  const std::string store = absl::StrCat(config.store_host, ":", config.store_port);
+  const std::string listening =
+      config.rank == 0 ? absl::StrCat("; store listening on ", config.listen_host(), ":",
+                                      config.store_port)
+                       : std::string();
+  if (config.replicas <= 1) {
+    std::cout << "remotehead-server: joining head group as rank " << config.rank << " of "
+              << config.size << " at " << store << " (" << transport << ")" << std::endl;
+    ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> group, ProcessGroup::Join(config));
+    ASSIGN_OR_RETURN(cluster.group, OpenGroup(std::move(group), config));
+    std::cout << "remotehead-server: head group joined: rank " << config.rank << " of "
+              << config.size
+              << (config.rank == 0 ? " (the front: serves HeadService)"
+                                   : " (follows the front's commands)")
+              << "; command log " << Sealing(config) << listening << std::endl;
+    return cluster;
+  }
+  const int k = config.ranks_per_replica();
+  std::cout << "remotehead-server: joining a mesh of " << config.replicas << " replicas x " << k
+            << " ranks as rank " << config.rank << " (replica " << config.replica() << ", shard "
+            << config.rank_in_replica() << ") at " << store << " (" << transport << ")"
+            << std::endl;
+  ASSIGN_OR_RETURN(ProcessGroup::Mesh joined, ProcessGroup::JoinMesh(config));
+  if (joined.replica != nullptr) {
+    ASSIGN_OR_RETURN(cluster.group, OpenGroup(std::move(joined.replica), config));
+  }
+  std::unique_ptr<HeadGroup> fronts;
+  if (config.rank_in_replica() == 0) {
+    ASSIGN_OR_RETURN(fronts, OpenGroup(std::move(joined.shard), config));
+  }
+  cluster.mesh = std::make_unique<HeadMesh>(config.replica(), config.replicas, mesh_options,
+                                            std::move(fronts), std::move(joined.shard));
+  std::cout << "remotehead-server: mesh joined: replica " << config.replica() << " of "
+            << config.replicas << ", rank " << config.rank_in_replica() << " of " << k
+            << (config.rank_in_replica() != 0 ? " (follows its replica's front)"
+                : config.replica() == 0       ? " (the leader: serves HeadService and leads the "
+                                                "mesh)"
+                                              : " (a replica's front: serves HeadService, follows "
+                                                "the leader)")
+            << "; logs " << Sealing(config) << listening << std::endl;
+  return cluster;
+}
+
+}  // namespace remotehead::server

@@ -1,0 +1,27 @@
+// Joining what this process is part of: nothing (a server on its own), a head group of K ranks,
+// or a replica of a mesh [R, K] (head_mesh.h), from the resolved --group_* flags. The one place
+// that builds the groups and the mesh, opens their logs and says so on stdout.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/head_mesh.h"
+#include "remotehead/server/group/process_group.h"
+
+namespace remotehead::server {
+
+struct Cluster {
+  std::unique_ptr<HeadGroup> group;  // this replica's group of K > 1 ranks; nullptr: K = 1
+  std::unique_ptr<HeadMesh> mesh;    // R > 1 replicas; nullptr: none
+  // Whether this process serves HeadService: rank 0 of its replica (group).
+  bool serves() const { return group == nullptr || group->is_front(); }
+  // OK while the group and the mesh work; else the first failure.
+  absl::Status health() const;
+};
+
+// Joins (every rank waits for the others, up to config.timeout) and opens the logs.
+absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options);
+
+}  // namespace remotehead::server

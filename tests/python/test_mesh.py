@@ -1,0 +1,203 @@
+"""Replicas of a head on a mesh, with real server processes (Gloo on loopback): R replicas, each
+one server or a head group of K ranks (--group_replicas), all R·K processes in one c10d world.
+
+- 2 replicas of 1 and 2 replicas of groups of 2, fed different micro-batches by 4 different
+  trainers (trainer t dials fronts[t mod 2]), then 3 synchronous AdamW steps: every replica's
+  weights bit-identical to the other's (torch.equal), versions equal, and equal to one server
+  fed all the micro-batches (fp32, 1e-5 relative) and to the same run in float64 (1e-5 of the
+  weights' magnitude: AdamW amplifies fp32 rounding where a gradient is ~0, hence eps = 1e-6).
+- Replicas that disagree (a learning rate) are refused everywhere naming the field, nothing
+  applied on any replica; a replica whose trainers never come makes the step ABORTED on every
+  replica, nothing applied.
+- Operations that change every replica go to the leader: a client given only another front is
+  redirected by the NOT_THE_LEADER it gets (the leader's address), and the head exists on
+  every replica afterwards; a trainer at the wrong replica gets WRONG_REPLICA.
+"""
+
+import concurrent.futures
+import os
+import pathlib
+
+import pytest
+import torch
+
+import remotehead
+from remotehead.local_server import LocalHeadGroup
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BINARY = os.environ.get("REMOTEHEAD_SERVER_BINARY",
+                        str(ROOT / "build" / "server" / "remotehead-server"))
+VOCAB, HIDDEN, ROWS, WORLD, STEPS = 37, 16, 12, 4, 3
+ADAMW = dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
+SYNC_TIMEOUT = 4.0
+
+
+def start_mesh(replicas: int, per_replica: int) -> LocalHeadGroup:
+    return LocalHeadGroup(BINARY, size=replicas * per_replica, replicas=replicas,
+                          args=("--device=cpu", "--torch_threads=1",
+                                f"--sync_step_timeout_seconds={SYNC_TIMEOUT}",
+                                "--mesh_checksum_every_steps=1"),
+                          timeout_seconds=20).start()
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (2, 2)], ids=["2x1", "2x2"])
+def mesh(request):
+    replicas, per_replica = request.param
+    mesh = start_mesh(replicas, per_replica)
+    yield mesh
+    codes = mesh.stop()
+    assert codes == [0] * len(codes), "".join(line for r in mesh.ranks for line in r.log)
+
+
+def batch(trainer: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + trainer)
+    return torch.randn(ROWS, HIDDEN, generator=g), torch.randint(0, VOCAB, (ROWS,), generator=g)
+
+
+def train(target, head_id: str, steps: int = STEPS, lr: float = ADAMW["lr"]):
+    """WORLD trainers, each a client of `target` (a server, or a mesh's fronts) with its own
+    rank, each adding its own micro-batch, then the synchronous step; the versions seen."""
+    def trainer(rank: int, step: int):
+        with remotehead.Client(target, rank=rank) as client:
+            hidden, targets = batch(rank, step)
+            client.forward_backward(head_id, hidden, targets, reduction="sum", accumulate=True,
+                                    gradient_id=remotehead.GradientId(f"run/rank-{rank}", step, 0))
+            return client.optimizer_step(head_id, adamw=dict(ADAMW, lr=lr), zero_gradients=True,
+                                         synchronous=(step, rank, WORLD)).weight_version
+    versions = []
+    with concurrent.futures.ThreadPoolExecutor(WORLD) as pool:
+        for step in range(steps):
+            versions.append(list(pool.map(lambda r: trainer(r, step), range(WORLD))))
+    return versions
+
+
+def float64_run(w0: torch.Tensor) -> torch.Tensor:
+    """The same steps in float64 with PyTorch's AdamW: the mean over trainers of each one's
+    summed cross-entropy gradient (DDP's average)."""
+    w = w0.double().clone().requires_grad_(True)
+    opt = torch.optim.AdamW([w], lr=ADAMW["lr"], betas=(ADAMW["beta1"], ADAMW["beta2"]),
+                            eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = 0
+        for rank in range(WORLD):
+            hidden, targets = batch(rank, step)
+            loss = loss + torch.nn.functional.cross_entropy(hidden.double() @ w.T, targets,
+                                                            reduction="sum")
+        (loss / WORLD).backward()
+        opt.step()
+    return w.detach()
+
+
+def replica_weights(mesh, head_id):
+    out = []
+    for front in mesh.fronts:
+        with remotehead.Client(front) as client:
+            weight, _ = client.export_weights(head_id)
+            out.append((weight, client.describe_head(head_id).weight_version))
+    return out
+
+
+def test_replicas_fed_different_trainers_stay_identical_and_equal_one_server(mesh,
+                                                                             server_target):
+    head = f"mesh-train-{len(mesh.ranks)}"
+    with remotehead.Client(mesh.fronts, rank=0) as leader, \
+            remotehead.Client(server_target) as single:
+        leader.create_head(head, VOCAB, HIDDEN, seed=7)
+        single.create_head(head, VOCAB, HIDDEN, seed=7)
+        w0, _ = single.export_weights(head)
+        try:
+            mesh_versions = train(mesh.fronts, head)
+            single_versions = train(server_target, head)
+            assert mesh_versions == single_versions == [[s + 1] * WORLD for s in range(STEPS)]
+            (w_a, v_a), (w_b, v_b) = replica_weights(mesh, head)
+            assert v_a == v_b == STEPS
+            assert torch.equal(w_a, w_b), "the replicas' weights differ"
+            w_single, _ = single.export_weights(head)
+            scale = w_single.abs().max().item()
+            assert (w_a - w_single).abs().max().item() <= 1e-5 * scale
+            w64 = float64_run(w0)
+            assert (w_a.double() - w64).abs().max().item() <= 1e-5 * scale
+            assert (w_a.double() - w0.double()).abs().max().item() > 1e-3  # it did train
+        finally:
+            leader.drop_head(head)
+            single.drop_head(head)
+
+
+def test_replicas_that_disagree_are_refused_everywhere_and_nothing_is_applied(mesh):
+    head = "mesh-disagree"
+    with remotehead.Client(mesh.fronts) as leader:
+        leader.create_head(head, VOCAB, HIDDEN, seed=3)
+        try:
+            def trainer(rank):
+                with remotehead.Client(mesh.fronts, rank=rank) as client:
+                    hidden, targets = batch(rank, 0)
+                    client.forward_backward(head, hidden, targets, reduction="sum",
+                                            accumulate=True,
+                                            gradient_id=(f"run/rank-{rank}", 0, 0))
+                    lr = 0.05 if rank % 2 == 0 else 0.07  # replica 1's trainers differ
+                    with pytest.raises(remotehead.RemoteheadError) as refused:
+                        client.optimizer_step(head, adamw=dict(ADAMW, lr=lr),
+                                              zero_gradients=True, synchronous=(0, rank, WORLD))
+                    return refused.value
+            with concurrent.futures.ThreadPoolExecutor(WORLD) as pool:
+                errors = list(pool.map(trainer, range(WORLD)))
+            for e in errors:
+                assert isinstance(e, remotehead.RanksDisagreeError), e
+                assert "replica 1 disagrees with replica 0" in e.details, e.details
+                assert e.metadata.get("field") == "adamw.lr", e.metadata
+            for _, version in replica_weights(mesh, head):
+                assert version == 0
+        finally:
+            leader.drop_head(head)
+
+
+def test_a_replica_whose_trainers_never_come_aborts_the_step_everywhere(mesh):
+    head = "mesh-missing"
+    with remotehead.Client(mesh.fronts) as leader:
+        leader.create_head(head, VOCAB, HIDDEN, seed=5)
+        try:
+            def trainer(rank):
+                with remotehead.Client(mesh.fronts, rank=rank) as client:
+                    with pytest.raises(remotehead.RemoteheadError) as aborted:
+                        client.optimizer_step(head, adamw=ADAMW, zero_gradients=True,
+                                              synchronous=(0, rank, WORLD))
+                    return aborted.value
+            # Replica 0's trainers (0, 2) come; replica 1's (1, 3) never do.
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                errors = list(pool.map(trainer, [0, 2]))
+            for e in errors:
+                assert e.code.name == "ABORTED", e
+                assert "replica 1's trainers did not all ask for it" in e.details, e.details
+            for _, version in replica_weights(mesh, head):
+                assert version == 0
+        finally:
+            leader.drop_head(head)
+
+
+def test_changes_go_to_the_leader_and_reach_every_replica(mesh):
+    head = "mesh-redirect"
+    # A client that knows only replica 1's front: its create is refused there with the
+    # leader's address, and the client follows it.
+    with remotehead.Client(mesh.fronts[1]) as other:
+        with pytest.raises(remotehead.NotTheLeaderError) as refused:
+            other._unary(other._stub.CreateHead, remotehead.client.pb.CreateHeadRequest(
+                head_id=head, init=dict(vocab_size=VOCAB, hidden_size=HIDDEN, seed=1)))
+        assert refused.value.leader == mesh.fronts[0]
+        assert refused.value.code.name == "FAILED_PRECONDITION"
+        info = other.create_head(head, VOCAB, HIDDEN, seed=1)
+        assert info.vocab_size == VOCAB
+        weights = [w for w, _ in replica_weights(mesh, head)]
+        assert torch.equal(weights[0], weights[1])
+        with pytest.raises(remotehead.WrongReplicaError) as wrong:
+            other.optimizer_step(head, sgd=dict(lr=0.1), synchronous=(0, 0, 2))
+        assert wrong.value.metadata["replica"] == "0"
+        upload = torch.randn(VOCAB, HIDDEN)
+        other.upload_head(head, upload, replace=True)
+        for w, _ in replica_weights(mesh, head):
+            assert torch.equal(w, upload)
+        other.drop_head(head)
+    for front in mesh.fronts:
+        with remotehead.Client(front) as client:
+            with pytest.raises(remotehead.HeadNotFoundError):
+                client.describe_head(head)
