@@ -4,6 +4,10 @@
 // compares the two (and what reached the server).
 //
 //   remotehead-conformance-driver --target=HOST:PORT --calls=FILE --out=FILE
+//                                 [--fronts=HOST:PORT,HOST:PORT… --rank=N]
+//
+// --fronts: a mesh's replica fronts (ClientOptions::fronts; with --rank, the trainer's rank):
+// test_mesh.py runs calls through them.
 //
 // Inputs are generated from the formula in the calls file's comment, so no tensor is shipped.
 // Exit code: 0 when every call ran (failed calls included: they are results), 2 on bad usage
@@ -19,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "remotehead/client/client.h"
 
@@ -178,6 +183,13 @@ json Run(const json& call, rh::Client& client, std::map<std::string, std::string
     auto info = client.CreateHead(head_id, init);
     if (!info.ok()) return Error(info.status());
     result["info"] = Info(*info);
+  } else if (rpc == "OptimizerStep") {  // SGD, unsynchronized
+    rh::OptimizerStepOptions options;
+    options.optimizer = rh::Sgd{.lr = call["lr"].get<double>()};
+    options.zero_gradients = call.value("zero_gradients", false);
+    auto info = client.OptimizerStep(head_id, options);
+    if (!info.ok()) return Error(info.status());
+    result["info"] = Info(*info);
   } else if (rpc == "DropHead") {
     const absl::Status status = client.DropHead(head_id);
     if (!status.ok()) return Error(status);
@@ -255,7 +267,12 @@ int main(int argc, char** argv) {
   for (const json& call : calls) {
     const int64_t chunk_bytes = call.value("chunk_bytes", int64_t{1} << 20);
     if (!clients.count(chunk_bytes)) {
-      auto client = rh::Client::Create({.target = flags["target"], .chunk_bytes = chunk_bytes});
+      rh::ClientOptions options{.target = flags["target"], .chunk_bytes = chunk_bytes};
+      if (flags.count("fronts")) {
+        options.fronts = absl::StrSplit(flags["fronts"], ',');
+        options.rank = std::stoi(flags.count("rank") ? flags["rank"] : "-1");
+      }
+      auto client = rh::Client::Create(options);
       if (!client.ok()) {
         std::cerr << "Client::Create: " << client.status() << "\n";
         return 2;

@@ -30,7 +30,8 @@ def dataset(rows, seed=2):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--server", default="")
+    parser.add_argument("--server", default="",
+                        help="a server's address, or a mesh's replica fronts, comma-separated")
     parser.add_argument("--head-id", default="ddp-trainer")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
@@ -48,7 +49,8 @@ def main():
     callbacks = []
     client = None
     if args.server:
-        client = remotehead.Client(args.server)
+        fronts = args.server.split(",")
+        client = remotehead.Client(fronts if len(fronts) > 1 else args.server)
         head = remotehead.hf.offload_lm_head(model, client, args.head_id,
                                              upload=not args.resume)
         callbacks.append(remotehead.hf.RemoteHeadCallback(head))

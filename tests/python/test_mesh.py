@@ -9,20 +9,29 @@ one server or a head group of K ranks (--group_replicas), all R·K processes in 
 - Replicas that disagree (a learning rate) are refused everywhere naming the field, nothing
   applied on any replica; a replica whose trainers never come makes the step ABORTED on every
   replica, nothing applied.
+- transformers' Trainer with 4 data-parallel processes (torchrun) on 2 replicas equals 1 process
+  with the same global batch on one server: losses and head to 1e-5 relative, body to 1e-4.
+- The C++ client takes the fronts list (trainer rank 1 dials replica 1) or follows the
+  NOT_THE_LEADER it gets, and every replica ends with the same weights.
 - Operations that change every replica go to the leader: a client given only another front is
   redirected by the NOT_THE_LEADER it gets (the leader's address), and the head exists on
   every replica afterwards; a trainer at the wrong replica gets WRONG_REPLICA.
 """
 
 import concurrent.futures
+import json
 import os
 import pathlib
+import subprocess
 
 import pytest
 import torch
 
 import remotehead
 from remotehead.local_server import LocalHeadGroup
+
+from test_conformance import generate
+from test_data_parallel import assert_same_run, trainer_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BINARY = os.environ.get("REMOTEHEAD_SERVER_BINARY",
@@ -201,3 +210,72 @@ def test_changes_go_to_the_leader_and_reach_every_replica(mesh):
         with remotehead.Client(front) as client:
             with pytest.raises(remotehead.HeadNotFoundError):
                 client.describe_head(head)
+
+
+def test_trainer_with_four_processes_on_two_replicas_equals_one_process_on_one_server(
+        server_target, tmp_path):
+    mesh = start_mesh(2, 1)
+    try:
+        remote = trainer_run(4, tmp_path / "mesh.pt", "--steps=3", "--accumulation=2",
+                             "--batch=1", f"--server={','.join(mesh.fronts)}",
+                             "--head-id=trainer-mesh")
+    finally:
+        assert mesh.stop() == [0, 0], "".join(line for r in mesh.ranks for line in r.log)
+    one = trainer_run(1, tmp_path / "one.pt", "--steps=3", "--accumulation=2", "--batch=4",
+                      f"--server={server_target}", "--head-id=trainer-mesh-one")
+    assert remote["world_size"] == 4 and remote["version"] == one["version"] == 3
+    assert_same_run(remote, one, same_eval_batches=False)
+
+
+DRIVER = os.environ.get("REMOTEHEAD_CONFORMANCE_DRIVER",
+                        str(ROOT / "build" / "tests" / "remotehead-conformance-driver"))
+
+
+@pytest.mark.parametrize("how", ["fronts", "redirect"])
+def test_the_cpp_client_takes_the_fronts_and_follows_the_leader(mesh, how, server_target,
+                                                               tmp_path):
+    """The C++ client (through the conformance driver): given the fronts list as trainer rank
+    1 it dials replica 1 and sends the creation and the step to the leader; given replica 1's
+    front only, it follows the NOT_THE_LEADER it gets. Either way every replica ends with the
+    same weights at version 1, which the dW of the ForwardBackward on replica 1 moved."""
+    head = f"mesh-cpp-{how}"
+    fb = {"name": "fb", "rpc": "ForwardBackward", "head_id": head,
+          "inputs": {"rows": 8, "hidden_size": HIDDEN, "seed": 1, "hidden_dtype": "float32",
+                     "targets": {"vocab_size": VOCAB, "ignore_every": 0, "ignore_value": -1}},
+          "options": {"reduction": "sum", "gradient_id": ["cpp", 0, 0]}}
+    calls = [{"name": "create", "rpc": "CreateHead", "head_id": head, "vocab_size": VOCAB,
+              "hidden_size": HIDDEN, "seed": 9, "dtype": "float32", "bias": False},
+             fb,
+             {"name": "step", "rpc": "OptimizerStep", "head_id": head, "lr": 0.5,
+              "zero_gradients": True}]
+    (tmp_path / "calls.json").write_text(json.dumps({"calls": calls}))
+    target = ([f"--target={mesh.fronts[0]}", f"--fronts={','.join(mesh.fronts)}", "--rank=1"]
+              if how == "fronts" else [f"--target={mesh.fronts[1]}"])
+    done = subprocess.run([DRIVER, *target, f"--calls={tmp_path / 'calls.json'}",
+                           f"--out={tmp_path / 'out.json'}"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    results = {r["name"]: r for r in json.loads((tmp_path / "out.json").read_text())["calls"]}
+    assert all(r["ok"] for r in results.values()), results
+    with remotehead.Client(mesh.fronts[0]) as leader:
+        try:
+            (w_a, v_a), (w_b, v_b) = replica_weights(mesh, head)
+            assert v_a == v_b == 1
+            assert torch.equal(w_a, w_b)
+            with remotehead.Client(mesh.fronts[1]) as replica1:
+                # Replica 1 took the ForwardBackward: its dW (zeroed by the step) was there.
+                assert replica1.describe_head(head).accumulated_micro_batches == 0
+            # The same calls on one server (the Python client, the same generated inputs).
+            with remotehead.Client(server_target) as single:
+                single.create_head(head, VOCAB, HIDDEN, seed=9)
+                try:
+                    g, _ = generate(fb["inputs"])
+                    single.forward_backward(head, g["hidden"], g["targets"], reduction="sum",
+                                            accumulate=True, gradient_id=("cpp", 0, 0))
+                    single.optimizer_step(head, sgd=dict(lr=0.5), zero_gradients=True)
+                    w_single, _ = single.export_weights(head)
+                finally:
+                    single.drop_head(head)
+            assert (w_a - w_single).abs().max().item() <= 1e-6 * w_single.abs().max().item()
+        finally:
+            leader.drop_head(head)

@@ -6,7 +6,11 @@
 #include <optional>
 #include <thread>
 
+#include <cstdlib>
+
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
 #include "client_impl.h"
 #include "remotehead/core/status_macros.h"
 
@@ -16,7 +20,13 @@ namespace {
 using Clock = std::chrono::system_clock;
 
 absl::Status CheckOptions(const ClientOptions& o) {
-  if (o.target.empty()) {
+  for (const std::string& front : o.fronts) {
+    if (front.empty()) {
+      return absl::InvalidArgumentError(
+          "fronts: expected every replica front's host:port; got an empty one");
+    }
+  }
+  if (o.target.empty() && o.fronts.empty()) {
     return absl::InvalidArgumentError("target: expected host:port (or any gRPC target); got \"\"");
   }
   if (!o.bearer_token.empty() && !o.tls.has_value()) {
@@ -61,6 +71,23 @@ absl::Status CheckOptions(const ClientOptions& o) {
                      o.max_receive_message_bytes));
   }
   return absl::OkStatus();
+}
+
+// This trainer's rank for ClientOptions::fronts: `rank`, else RANK from the environment, else 0.
+absl::StatusOr<int> TrainerRank(int rank) {
+  if (rank >= 0) return rank;
+  if (rank != -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: expected >= 0, or -1 (RANK from the environment); got ", rank));
+  }
+  const char* env = std::getenv("RANK");
+  int parsed = 0;
+  if (env == nullptr || *env == '\0') return 0;
+  if (!absl::SimpleAtoi(env, &parsed) || parsed < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RANK: expected a rank >= 0 in the environment; got \"", env, "\""));
+  }
+  return parsed;
 }
 
 }  // namespace
@@ -119,6 +146,31 @@ absl::Status Client::Impl::WithRetries(const char* rpc, const Attempt& attempt,
   }
 }
 
+void Client::Impl::ConnectLeader(const std::string& address) {
+  std::lock_guard<std::mutex> lock(leader_mu);
+  leader_channel = open(address);
+  leader_stub = v1::HeadService::NewStub(leader_channel);
+}
+
+absl::Status Client::Impl::ToLeader(const std::function<absl::Status(Stub*)>& call) {
+  std::shared_ptr<Stub> leader;
+  {
+    std::lock_guard<std::mutex> lock(leader_mu);
+    leader = leader_stub;
+  }
+  const absl::Status status = call(leader != nullptr ? leader.get() : stub.get());
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  if (leader != nullptr || !reason.has_value() || reason->reason != core::reason::kNotTheLeader) {
+    return status;
+  }
+  const auto address = reason->metadata.find("leader");
+  if (address == reason->metadata.end() || address->second.empty()) return status;
+  ConnectLeader(address->second);
+  std::lock_guard<std::mutex> lock(leader_mu);
+  leader = leader_stub;
+  return call(leader.get());
+}
+
 Client::Client(ClientOptions options, std::unique_ptr<Impl> impl)
     : options_(std::move(options)), impl_(std::move(impl)) {}
 
@@ -152,10 +204,20 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Create(ClientOptions options) {
               static_cast<int>(std::max<int64_t>(options.retry.initial_backoff.count(), 1)));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(std::max<int64_t>(options.retry.max_backoff.count(), 1)));
+  std::string leader;
+  if (!options.fronts.empty()) {
+    ASSIGN_OR_RETURN(const int rank, TrainerRank(options.rank));
+    options.target = options.fronts[static_cast<size_t>(rank) % options.fronts.size()];
+    if (options.target != options.fronts[0]) leader = options.fronts[0];
+  }
   std::shared_ptr<Client> client(new Client(std::move(options), nullptr));
   client->impl_ = std::make_unique<Impl>(client->options_);
-  client->impl_->channel = grpc::CreateCustomChannel(client->options_.target, credentials, args);
+  client->impl_->open = [credentials, args](const std::string& address) {
+    return grpc::CreateCustomChannel(address, credentials, args);
+  };
+  client->impl_->channel = client->impl_->open(client->options_.target);
   client->impl_->stub = v1::HeadService::NewStub(client->impl_->channel);
+  if (!leader.empty()) client->impl_->ConnectLeader(leader);
   return client;
 }
 

@@ -37,6 +37,13 @@ struct Client::Impl {
   const ClientOptions& options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<Stub> stub;
+  // A channel to `address` with the client's credentials and arguments.
+  std::function<std::shared_ptr<grpc::Channel>(const std::string& address)> open;
+  // A mesh's leader, when it is not `stub`'s server (known from ClientOptions::fronts or from
+  // a NOT_THE_LEADER): the operations that change every replica go there.
+  std::mutex leader_mu;
+  std::shared_ptr<grpc::Channel> leader_channel;
+  std::shared_ptr<Stub> leader_stub;
   std::atomic<int64_t> calls{0}, attempts{0}, retries{0};
   std::mutex rng_mu;
   std::mt19937_64 rng{std::random_device{}()};
@@ -58,12 +65,18 @@ struct Client::Impl {
   template <typename Request, typename Response>
   absl::Status Unary(const char* rpc,
                      grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
-                     const Request& request, Response* response) {
+                     const Request& request, Response* response, Stub* on = nullptr) {
+    Stub* target = on != nullptr ? on : stub.get();
     return WithRetries(rpc, [&](grpc::ClientContext* context) {
       response->Clear();
-      return internal::FromGrpc((stub.get()->*method)(context, request, response));
+      return internal::FromGrpc((target->*method)(context, request, response));
     });
   }
+  // Connects the mesh's leader at `address` (the operations that change every replica).
+  void ConnectLeader(const std::string& address);
+  // `call` on the leader's stub (the client's own when no other is known); after a
+  // NOT_THE_LEADER that names the leader, connected to it and run once more there.
+  absl::Status ToLeader(const std::function<absl::Status(Stub*)>& call);
 
   // One attempt of a step call: a writer thread sends the header and the row chunks while this
   // thread assembles the streamed dX / outputs; then the summary. `grad_hidden` / `outputs`

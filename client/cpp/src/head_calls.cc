@@ -63,7 +63,9 @@ absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id, const In
   wire_init->set_seed(init.seed);
   wire_init->set_init_std(init.init_std);
   v1::HeadInfo info;
-  RETURN_IF_ERROR(impl_->Unary("CreateHead", &Stub::CreateHead, request, &info));
+  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
+    return impl_->Unary("CreateHead", &Stub::CreateHead, request, &info, on);
+  }));
   return FromWire(info);
 }
 
@@ -79,7 +81,9 @@ absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id,
   request.mutable_safetensors()->set_weight_name(source.weight_name);
   request.mutable_safetensors()->set_bias_name(source.bias_name);
   v1::HeadInfo info;
-  RETURN_IF_ERROR(impl_->Unary("CreateHead", &Stub::CreateHead, request, &info));
+  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
+    return impl_->Unary("CreateHead", &Stub::CreateHead, request, &info, on);
+  }));
   return FromWire(info);
 }
 
@@ -115,9 +119,10 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const to
   header.mutable_header()->set_dtype(dtype);
   header.mutable_header()->set_has_bias(b.defined());
   v1::HeadInfo info;
-  RETURN_IF_ERROR(impl_->WithRetries("UploadHead", [&](grpc::ClientContext* context) {
+  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
+  return impl_->WithRetries("UploadHead", [&](grpc::ClientContext* context) {
     info.Clear();
-    auto writer = impl_->stub->UploadHead(context, &info);
+    auto writer = on->UploadHead(context, &info);
     bool ok = writer->Write(header);
     for (const auto& [offset, count] : weight_chunks) {
       if (!ok) break;
@@ -135,6 +140,7 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const to
     }
     if (ok) writer->WritesDone();
     return FromGrpc(writer->Finish());
+  });
   }));
   return FromWire(info);
 }
@@ -162,7 +168,9 @@ absl::Status Client::DropHead(const std::string& head_id) {
   v1::HeadRef ref;
   ref.set_head_id(head_id);
   v1::DropHeadResponse response;
-  return impl_->Unary("DropHead", &Stub::DropHead, ref, &response);
+  return impl_->ToLeader([&](Stub* on) {
+    return impl_->Unary("DropHead", &Stub::DropHead, ref, &response, on);
+  });
 }
 
 absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
@@ -261,7 +269,9 @@ absl::StatusOr<HeadInfo> Client::ZeroGradients(const std::string& head_id) {
   v1::HeadRef ref;
   ref.set_head_id(head_id);
   v1::ZeroGradientsResponse response;
-  RETURN_IF_ERROR(impl_->Unary("ZeroGradients", &Stub::ZeroGradients, ref, &response));
+  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
+    return impl_->Unary("ZeroGradients", &Stub::ZeroGradients, ref, &response, on);
+  }));
   return FromWire(response.info());
 }
 
@@ -295,31 +305,37 @@ absl::StatusOr<HeadInfo> Client::OptimizerStep(const std::string& head_id,
   }
 
   v1::OptimizerStepResponse response;
-  Impl::AlreadyDone already_done;
-  int64_t version_before = 0;
-  // A synchronous step needs no check before a retry: the server answers a retry of a step it
-  // applied with that step's own HeadInfo, the same as every rank got — which a DescribeHead
-  // after the fact is not (the other ranks may have added the next step's dW meanwhile).
-  if (options_.retry.max_attempts > 1 && !options.synchronous.has_value()) {
-    ASSIGN_OR_RETURN(const HeadInfo before, DescribeHead(head_id));
-    version_before = before.weight_version;
-    already_done = [&](grpc::ClientContext* context) -> absl::StatusOr<bool> {
-      v1::HeadRef ref;
-      ref.set_head_id(head_id);
-      v1::HeadInfo now;
-      RETURN_IF_ERROR(FromGrpc(impl_->stub->DescribeHead(context, ref, &now)));
-      if (now.weight_version() <= version_before) return false;
-      *response.mutable_info() = now;
-      return true;
-    };
-  }
-  RETURN_IF_ERROR(impl_->WithRetries(
-      "OptimizerStep",
-      [&](grpc::ClientContext* context) {
-        response.Clear();
-        return FromGrpc(impl_->stub->OptimizerStep(context, request, &response));
-      },
-      already_done));
+  // A synchronous step goes to this trainer's own replica; a single caller's, which changes
+  // every replica of a mesh, to the leader.
+  const auto run = [&](Stub* on) -> absl::Status {
+    Impl::AlreadyDone already_done;
+    int64_t version_before = 0;
+    // A synchronous step needs no check before a retry: the server answers a retry of a step
+    // it applied with that step's own HeadInfo, the same as every rank got — which a
+    // DescribeHead after the fact is not (the other ranks may have added the next step's dW
+    // meanwhile).
+    if (options_.retry.max_attempts > 1 && !options.synchronous.has_value()) {
+      ASSIGN_OR_RETURN(const HeadInfo before, DescribeHead(head_id));
+      version_before = before.weight_version;
+      already_done = [&](grpc::ClientContext* context) -> absl::StatusOr<bool> {
+        v1::HeadRef ref;
+        ref.set_head_id(head_id);
+        v1::HeadInfo now;
+        RETURN_IF_ERROR(FromGrpc(on->DescribeHead(context, ref, &now)));
+        if (now.weight_version() <= version_before) return false;
+        *response.mutable_info() = now;
+        return true;
+      };
+    }
+    return impl_->WithRetries(
+        "OptimizerStep",
+        [&](grpc::ClientContext* context) {
+          response.Clear();
+          return FromGrpc(on->OptimizerStep(context, request, &response));
+        },
+        already_done);
+  };
+  RETURN_IF_ERROR(options.synchronous.has_value() ? run(impl_->stub.get()) : impl_->ToLeader(run));
   return FromWire(response.info());
 }
 

@@ -65,6 +65,13 @@ struct RetryEvent {
 
 struct ClientOptions {
   std::string target = "127.0.0.1:50051";  // anything grpc::CreateChannel accepts
+  // A mesh's replica fronts [replica 0's, replica 1's, …] (head-groups.md): when set, the client
+  // dials fronts[rank mod R] (`target` is set to it) for its calls, and sends the operations
+  // that change every replica (CreateHead, UploadHead, DropHead, ZeroGradients, an
+  // unsynchronized OptimizerStep) to the leader, fronts[0]. A front that is not the leader
+  // names the leader (reason NOT_THE_LEADER), and the client follows it once by itself.
+  std::vector<std::string> fronts;
+  int rank = -1;  // this trainer's rank for `fronts`; -1: RANK from the environment, else 0
   std::optional<TlsOptions> tls;           // unset: an insecure (plaintext) channel
   // Sent as `authorization: Bearer <token>` on every call. Only over TLS: Client::Create
   // refuses a token on an insecure channel rather than send it in clear text.
