@@ -279,3 +279,110 @@ def test_the_cpp_client_takes_the_fronts_and_follows_the_leader(mesh, how, serve
             assert (w_a - w_single).abs().max().item() <= 1e-6 * w_single.abs().max().item()
         finally:
             leader.drop_head(head)
+
+
+def forged_create(head_id: str) -> bytes:
+    """A GroupCommand{create = CreateHeadRequest} as a stranger would encode it (field 1)."""
+    request = remotehead.client.pb.CreateHeadRequest(head_id=head_id)
+    request.init.vocab_size = VOCAB
+    request.init.hidden_size = HIDDEN
+    body = request.SerializeToString()
+    return b"\x0a" + bytes([len(body)]) + body
+
+
+def test_a_strangers_writes_into_the_mesh_store_change_nothing(server_target):
+    """A stranger who reaches the store writes forged commands, OK replies and garbage at the
+    next places of every log of a mesh of 2 groups of 2 (the fronts' log and each replica's):
+    nothing is executed, the refusals are logged, and the mesh trains on in step with one
+    server, every rank SERVING."""
+    from torch.distributed import TCPStore
+    import datetime
+    import time
+    head = "mesh-forged"
+    mesh = start_mesh(2, 2)
+    try:
+        with remotehead.Client(mesh.fronts) as leader, \
+                remotehead.Client(server_target) as single:
+            leader.create_head(head, VOCAB, HIDDEN, seed=11)
+            single.create_head(head, VOCAB, HIDDEN, seed=11)
+            stranger = TCPStore("127.0.0.1", mesh.store_port, is_master=False,
+                                wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+            for log in ["remotehead/shard/0/commands", "remotehead/replica/0/commands",
+                        "remotehead/replica/1/commands"]:
+                for seq in range(64):
+                    value = forged_create("evil") if seq % 2 == 0 else os.urandom(40)
+                    stranger.set(f"{log}/cmd/{seq}", value)
+                    stranger.set(f"{log}/reply/{seq}/1", b"0:0:")
+            time.sleep(1.0)  # the followers poll every 200 ms: they have seen the entries
+            assert train(mesh.fronts, head, steps=2) == train(server_target, head, steps=2)
+            (w_a, v_a), (w_b, v_b) = replica_weights(mesh, head)
+            w_single, _ = single.export_weights(head)
+            single.drop_head(head)
+            assert v_a == v_b == 2 and torch.equal(w_a, w_b)
+            assert (w_a - w_single).abs().max().item() <= 1e-5 * w_single.abs().max().item()
+            for front in mesh.fronts:
+                with remotehead.Client(front) as c:
+                    with pytest.raises(remotehead.HeadNotFoundError):
+                        c.describe_head("evil")
+            for rank in mesh.ranks:
+                with remotehead.Client(rank.target) as c:
+                    assert c.health() == "SERVING"
+    finally:
+        codes = mesh.stop()
+    logs = ["".join(r.log) for r in mesh.ranks]
+    assert codes == [0, 0, 0, 0], "".join(logs)
+    for rank in (1, 2, 3):  # every follower: of replica 0's front, of the leader, of replica 1's
+        assert "not executed" in logs[rank] and '"evil"' not in logs[rank], logs[rank][-3000:]
+
+
+def test_a_rank_killed_before_the_step_aborts_it_everywhere_with_nothing_applied():
+    """A mesh of 2 groups of 2: trainers add their micro-batches, then replica 1's second rank
+    is killed (SIGKILL) and the trainers ask for the step. Replica 1's front finds its rank gone
+    before anything is summed over the replicas: the step fails on every replica, no weight
+    moved anywhere (replica 0's version and weights as before), and the mesh is down (health
+    NOT_SERVING on the leader): it restarts as a whole."""
+    import signal
+    import time
+    head = "mesh-killed"
+    mesh = LocalHeadGroup(BINARY, size=4, replicas=2,
+                          args=("--device=cpu", "--torch_threads=1",
+                                f"--sync_step_timeout_seconds={SYNC_TIMEOUT}"),
+                          timeout_seconds=4).start()
+    try:
+        with remotehead.Client(mesh.fronts) as leader:
+            leader.create_head(head, VOCAB, HIDDEN, seed=13)
+            w0, _ = leader.export_weights(head)
+            for rank in range(WORLD):
+                with remotehead.Client(mesh.fronts, rank=rank) as client:
+                    hidden, targets = batch(rank, 0)
+                    client.forward_backward(head, hidden, targets, reduction="sum",
+                                            accumulate=True,
+                                            gradient_id=(f"run/rank-{rank}", 0, 0))
+            mesh.ranks[3].process.send_signal(signal.SIGKILL)
+            mesh.ranks[3].process.wait()
+
+            def trainer(rank):
+                with remotehead.Client(mesh.fronts, rank=rank, max_attempts=1) as client:
+                    with pytest.raises(remotehead.RemoteheadError) as failed:
+                        client.optimizer_step(head, adamw=ADAMW, zero_gradients=True,
+                                              synchronous=(0, rank, WORLD))
+                    return failed.value
+            with concurrent.futures.ThreadPoolExecutor(WORLD) as pool:
+                errors = list(pool.map(trainer, range(WORLD)))
+            for e in errors:
+                assert e.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"), e
+            # Replica 0's group is whole: its weights read as they were, at version 0.
+            with remotehead.Client(mesh.fronts[0]) as replica0:
+                info = replica0.describe_head(head)
+                assert info.weight_version == 0
+                w, _ = replica0.export_weights(head)
+                assert torch.equal(w, w0), "a weight moved although the step failed"
+                deadline = time.monotonic() + 5
+                while replica0.health() != "NOT_SERVING" and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert replica0.health() == "NOT_SERVING"
+    finally:
+        for r in mesh.ranks:
+            if r.process is not None and r.process.poll() is None:
+                r.process.kill()
+        mesh.stop()

@@ -16,6 +16,7 @@ absl::Status GroupFollower::Follow(const v1::GroupCommand& command) {
     group_->set_front_address(command.front().address());
     return absl::OkStatus();
   }
+  if (command.has_ping()) return absl::OkStatus();
   return FollowHeadCommand(command);
 }
 

@@ -138,9 +138,16 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
   const std::string& head_id = step.step().head_id();
   const std::string who = absl::StrCat("replica ", mesh_->replica());
   if (replica_group_ != nullptr) {
-    if (absl::Status down = replica_group_->health(); !down.ok()) {
-      return Prefixed(down, absl::StrCat(who, " is down: "));
+    // Every rank of this replica answers before anything is summed over the replicas: a rank
+    // that is gone refuses the step here, on every replica, with nothing applied anywhere.
+    v1::GroupCommand ping;
+    ping.mutable_ping();
+    absl::Status alive = replica_group_->health();
+    if (alive.ok()) {
+      absl::StatusOr<HeadGroup::Lane> lane = replica_group_->Enter();
+      alive = lane.ok() ? lane->Run(ping, [] { return absl::OkStatus(); }) : lane.status();
     }
+    if (!alive.ok()) return Prefixed(alive, absl::StrCat(who, " is down: "));
   }
   ASSIGN_OR_RETURN(const std::optional<SyncStepRequest> leaders, LeadersRequest(step));
   if (leaders.has_value() &&
