@@ -435,25 +435,6 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
   return config;
 }
 
-// --mesh_* flags; INVALID_ARGUMENT naming the flag.
-absl::StatusOr<rh::server::MeshOptions> MeshOptionsFromFlags() {
-  rh::server::MeshOptions options;
-  const std::string dtype = absl::GetFlag(FLAGS_mesh_reduce_dtype);
-  if (dtype == "bfloat16") {
-    options.reduce_dtype = torch::kBFloat16;
-  } else if (dtype != "float32") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--mesh_reduce_dtype: expected float32 or bfloat16; got \"", dtype, "\""));
-  }
-  options.checksum_every_steps = absl::GetFlag(FLAGS_mesh_checksum_every_steps);
-  if (options.checksum_every_steps < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--mesh_checksum_every_steps: expected >= 0; got ",
-                     options.checksum_every_steps));
-  }
-  return options;
-}
-
 int Run() {
   auto credentials = Security();
   if (!credentials.ok()) return Refuse(credentials.status());
@@ -486,7 +467,8 @@ int Run() {
       return Refuse(s);
     }
   }
-  const absl::StatusOr<rh::server::MeshOptions> mesh_options = MeshOptionsFromFlags();
+  const absl::StatusOr<rh::server::MeshOptions> mesh_options = rh::server::ResolveMeshOptions(
+      absl::GetFlag(FLAGS_mesh_reduce_dtype), absl::GetFlag(FLAGS_mesh_checksum_every_steps));
   if (!mesh_options.ok()) return Refuse(mesh_options.status());
   absl::StatusOr<rh::server::Cluster> cluster =
       rh::server::JoinCluster(*group_config, *mesh_options);
@@ -508,6 +490,7 @@ int Run() {
   if (!checkpoint_dir.ok()) return Refuse(checkpoint_dir.status());
   absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
+  if (metrics->metrics != nullptr && mesh != nullptr) metrics->metrics->set_mesh(mesh);
   if (metrics->metrics != nullptr && group != nullptr) {
     rh::server::ServerMetrics* m = metrics->metrics.get();
     m->set_group(group);

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/head_mesh.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
 
@@ -184,7 +185,61 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     CollectAdmission(out);
     CollectHeads(out);
     CollectGroup(out);
+    CollectMesh(out);
     return out;
+  }
+
+  // A mesh's rank: its replica, whether the mesh is up, dW summed over the replicas (the
+  // all-reduce's payload and what it moved on the wire), the weight checksums compared.
+  void CollectMesh(std::vector<prometheus::MetricFamily>& out) const {
+    const HeadMesh* mesh = mesh_.load();
+    if (mesh == nullptr) return;
+    auto info = Gauges("remotehead_mesh_info",
+                       "1, labelled with this process's replica and the mesh's replicas");
+    AddGauge(info,
+             {{"replica", std::to_string(mesh->replica())},
+              {"replicas", std::to_string(mesh->replicas())}},
+             1);
+    out.push_back(std::move(info));
+    auto up = Gauges("remotehead_mesh_up", "1 while the mesh's log works, 0 once it is down");
+    AddGauge(up, {}, mesh->health().ok() ? 1 : 0);
+    out.push_back(std::move(up));
+    prometheus::MetricFamily reduced{
+        .name = "remotehead_mesh_reduced_bytes_total",
+        .help = "Bytes of dW (and db) this rank summed over the replicas at optimizer steps",
+        .type = prometheus::MetricType::Counter,
+        .metric = {}};
+    prometheus::ClientMetric r;
+    r.counter.value = double(mesh->reduced_bytes());
+    reduced.metric.push_back(std::move(r));
+    out.push_back(std::move(reduced));
+    prometheus::MetricFamily wire{
+        .name = "remotehead_mesh_collective_bytes_total",
+        .help = "Bytes this rank's collectives with its shard peers in the other replicas sent "
+                "and received, by operation",
+        .type = prometheus::MetricType::Counter,
+        .metric = {}};
+    for (const auto& [op, b] : mesh->PeerBytes()) {
+      for (const auto& [direction, value] : {std::pair{"sent", b.sent}, {"received", b.received}}) {
+        prometheus::ClientMetric m;
+        m.label = {{"op", op}, {"direction", direction}};
+        m.counter.value = double(value);
+        wire.metric.push_back(std::move(m));
+      }
+    }
+    out.push_back(std::move(wire));
+    prometheus::MetricFamily checks{
+        .name = "remotehead_mesh_checksums_total",
+        .help = "Weight checksums compared across the replicas, by result",
+        .type = prometheus::MetricType::Counter,
+        .metric = {}};
+    for (const bool matched : {true, false}) {
+      prometheus::ClientMetric m;
+      m.label = {{"result", matched ? "match" : "mismatch"}};
+      m.counter.value = double(mesh->checksums(matched));
+      checks.metric.push_back(std::move(m));
+    }
+    out.push_back(std::move(checks));
   }
 
   // A head group's rank: which one, whether the group is up, what its collectives moved.
@@ -287,6 +342,7 @@ class ServerMetrics::Impl : public prometheus::Collectable {
   const int64_t budget_;
   std::atomic<const AdmissionController*> admission_{nullptr};
   std::atomic<HeadGroup*> group_{nullptr};
+  std::atomic<const HeadMesh*> mesh_{nullptr};
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& duration_;
@@ -397,6 +453,7 @@ void ServerMetrics::set_admission(const AdmissionController* admission) {
 }
 
 void ServerMetrics::set_group(HeadGroup* group) { impl_->group_.store(group); }
+void ServerMetrics::set_mesh(const HeadMesh* mesh) { impl_->mesh_.store(mesh); }
 
 void ServerMetrics::ObserveGroupCommand(const std::string& command, double seconds) {
   impl_->group_commands_.Add({{"command", command}}, LatencyBuckets()).Observe(seconds);

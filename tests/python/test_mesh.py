@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import subprocess
+import urllib.request
 
 import pytest
 import torch
@@ -45,7 +46,8 @@ def start_mesh(replicas: int, per_replica: int) -> LocalHeadGroup:
     return LocalHeadGroup(BINARY, size=replicas * per_replica, replicas=replicas,
                           args=("--device=cpu", "--torch_threads=1",
                                 f"--sync_step_timeout_seconds={SYNC_TIMEOUT}",
-                                "--mesh_checksum_every_steps=1"),
+                                "--mesh_checksum_every_steps=1",
+                                "--metrics_address=127.0.0.1:0"),
                           timeout_seconds=20).start()
 
 
@@ -98,6 +100,14 @@ def float64_run(w0: torch.Tensor) -> torch.Tensor:
     return w.detach()
 
 
+def mesh_metrics(rank) -> dict:
+    """The remotehead_mesh_* samples of one rank's /metrics, by name with labels."""
+    url = f"http://127.0.0.1:{rank.metrics_port}/metrics"
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in body.splitlines() if line.startswith("remotehead_mesh")}
+
+
 def replica_weights(mesh, head_id):
     out = []
     for front in mesh.fronts:
@@ -110,6 +120,7 @@ def replica_weights(mesh, head_id):
 def test_replicas_fed_different_trainers_stay_identical_and_equal_one_server(mesh,
                                                                              server_target):
     head = f"mesh-train-{len(mesh.ranks)}"
+    before = [mesh_metrics(r) for r in mesh.ranks]
     with remotehead.Client(mesh.fronts, rank=0) as leader, \
             remotehead.Client(server_target) as single:
         leader.create_head(head, VOCAB, HIDDEN, seed=7)
@@ -128,6 +139,21 @@ def test_replicas_fed_different_trainers_stay_identical_and_equal_one_server(mes
             w64 = float64_run(w0)
             assert (w_a.double() - w64).abs().max().item() <= 1e-5 * scale
             assert (w_a.double() - w0.double()).abs().max().item() > 1e-3  # it did train
+            # Every rank summed its shard's dW (fp32) over the replicas once per step, and the
+            # replicas compared their weights' checksums once per step (every 1), all alike.
+            per_replica = len(mesh.ranks) // len(mesh.fronts)
+            for rank, was in zip(mesh.ranks, before):
+                shard_rows = -(-VOCAB // per_replica) if rank is mesh.ranks[0] else None
+                now = mesh_metrics(rank)
+                reduced = (now["remotehead_mesh_reduced_bytes_total"]
+                           - was["remotehead_mesh_reduced_bytes_total"])
+                if shard_rows is not None:
+                    assert reduced == STEPS * shard_rows * HIDDEN * 4, reduced
+                assert reduced > 0
+                matched = 'remotehead_mesh_checksums_total{result="match"}'
+                assert now[matched] - was[matched] == STEPS
+                assert now['remotehead_mesh_checksums_total{result="mismatch"}'] == 0
+                assert now["remotehead_mesh_up"] == 1
         finally:
             leader.drop_head(head)
             single.drop_head(head)

@@ -96,6 +96,12 @@ ProcessGroup& HeadMesh::peers() {
   return fronts_ != nullptr ? fronts_->collectives() : *shard_peers_;
 }
 
+const ProcessGroup& HeadMesh::peers() const {
+  return fronts_ != nullptr ? fronts_->collectives() : *shard_peers_;
+}
+
+std::map<std::string, CollectiveBytes> HeadMesh::PeerBytes() const { return peers().Bytes(); }
+
 absl::Status HeadMesh::health() const {
   return fronts_ != nullptr ? fronts_->health() : absl::OkStatus();
 }
@@ -138,6 +144,7 @@ absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& t
   for (int r = 1; r < replicas_; ++r) {
     if (all[r].item<int64_t>() != all[0].item<int64_t>()) differ.push_back(r);
   }
+  (differ.empty() ? matched_ : mismatched_).fetch_add(1);
   if (differ.empty()) return absl::OkStatus();
   return core::WithReason(absl::DataLossError(absl::StrCat(
       "head mesh: ", what, " of replica(s) ", absl::StrJoin(differ, ", "),

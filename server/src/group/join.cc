@@ -23,6 +23,23 @@ absl::StatusOr<std::unique_ptr<HeadGroup>> OpenGroup(std::unique_ptr<ProcessGrou
 
 }  // namespace
 
+absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
+                                               int checksum_every_steps) {
+  MeshOptions options;
+  if (reduce_dtype == "bfloat16") {
+    options.reduce_dtype = torch::kBFloat16;
+  } else if (reduce_dtype != "float32") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--mesh_reduce_dtype: expected float32 or bfloat16; got \"", reduce_dtype, "\""));
+  }
+  if (checksum_every_steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--mesh_checksum_every_steps: expected >= 0; got ", checksum_every_steps));
+  }
+  options.checksum_every_steps = checksum_every_steps;
+  return options;
+}
+
 absl::Status Cluster::health() const {
   if (group != nullptr) RETURN_IF_ERROR(group->health());
   if (mesh != nullptr) RETURN_IF_ERROR(mesh->health());

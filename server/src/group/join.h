@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "remotehead/server/group/head_group.h"
@@ -20,6 +21,10 @@ struct Cluster {
   // OK while the group and the mesh work; else the first failure.
   absl::Status health() const;
 };
+
+// The --mesh_* flags as options; INVALID_ARGUMENT naming the flag.
+absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
+                                               int checksum_every_steps);
 
 // Joins (every rank waits for the others, up to config.timeout) and opens the logs.
 absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options);

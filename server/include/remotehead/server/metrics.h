@@ -27,6 +27,7 @@ class StepTimings;
 namespace remotehead::server {
 
 class HeadGroup;
+class HeadMesh;
 class HeadRegistry;
 
 class ServerMetrics {
@@ -42,6 +43,9 @@ class ServerMetrics {
   // A head group's rank: its rank, whether the group is up, and the bytes its collectives
   // moved are read at scrape time (`group` must outlive this object).
   void set_group(HeadGroup* group);
+  // A mesh's rank: its replica, whether the mesh is up, the bytes summed over the replicas, the
+  // weight checksums compared.
+  void set_mesh(const HeadMesh* mesh);
 
   // What an Exposer serves: the metrics recorded here and the scrape-time state.
   std::vector<std::weak_ptr<prometheus::Collectable>> Collectables() const;

@@ -55,6 +55,7 @@ class HeadGroup {
   int size() const { return group_->size(); }
   bool is_front() const { return group_->rank() == 0; }
   ProcessGroup& collectives() { return *group_; }
+  const ProcessGroup& collectives() const { return *group_; }
 
   // Every rank's rows of a head of `vocab_size` rows (core::SplitVocabulary).
   absl::StatusOr<std::vector<core::ShardRange>> Ranges(int64_t vocab_size) const;

@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,11 +77,15 @@ class HeadMesh {
   // error (code and message).
   absl::StatusOr<std::vector<absl::Status>> ExchangeVerdicts(const absl::Status& mine);
 
-  // The bytes summed over replicas so far (metrics: the all-reduce's traffic).
+  // Metrics: the bytes of dW summed over the replicas so far (in the reduce dtype), what this
+  // rank's collectives with its shard peers moved, and the weight checksums compared.
   int64_t reduced_bytes() const { return reduced_bytes_; }
+  std::map<std::string, CollectiveBytes> PeerBytes() const;
+  int64_t checksums(bool matched) const { return matched ? matched_ : mismatched_; }
 
  private:
   ProcessGroup& peers();
+  const ProcessGroup& peers() const;
 
   const int replica_;
   const int replicas_;
@@ -88,6 +93,8 @@ class HeadMesh {
   std::unique_ptr<HeadGroup> fronts_;
   std::unique_ptr<ProcessGroup> shard_peers_;
   std::atomic<int64_t> reduced_bytes_{0};
+  std::atomic<int64_t> matched_{0};
+  std::atomic<int64_t> mismatched_{0};
 };
 
 // An order-sensitive 64-bit hash of `tensors`' bytes (as stored, on the CPU).
