@@ -189,6 +189,22 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     return out;
   }
 
+  // Bytes sent and received by collective operation, as one counter family.
+  static prometheus::MetricFamily BytesByOp(const std::string& name, const std::string& help,
+                                            const std::map<std::string, CollectiveBytes>& moved) {
+    prometheus::MetricFamily family{
+        .name = name, .help = help, .type = prometheus::MetricType::Counter, .metric = {}};
+    for (const auto& [op, b] : moved) {
+      for (const auto& [direction, value] : {std::pair{"sent", b.sent}, {"received", b.received}}) {
+        prometheus::ClientMetric m;
+        m.label = {{"op", op}, {"direction", direction}};
+        m.counter.value = double(value);
+        family.metric.push_back(std::move(m));
+      }
+    }
+    return family;
+  }
+
   // A mesh's rank: its replica, whether the mesh is up, dW summed over the replicas (the
   // all-reduce's payload and what it moved on the wire), the weight checksums compared.
   void CollectMesh(std::vector<prometheus::MetricFamily>& out) const {
@@ -213,21 +229,10 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     r.counter.value = double(mesh->reduced_bytes());
     reduced.metric.push_back(std::move(r));
     out.push_back(std::move(reduced));
-    prometheus::MetricFamily wire{
-        .name = "remotehead_mesh_collective_bytes_total",
-        .help = "Bytes this rank's collectives with its shard peers in the other replicas sent "
-                "and received, by operation",
-        .type = prometheus::MetricType::Counter,
-        .metric = {}};
-    for (const auto& [op, b] : mesh->PeerBytes()) {
-      for (const auto& [direction, value] : {std::pair{"sent", b.sent}, {"received", b.received}}) {
-        prometheus::ClientMetric m;
-        m.label = {{"op", op}, {"direction", direction}};
-        m.counter.value = double(value);
-        wire.metric.push_back(std::move(m));
-      }
-    }
-    out.push_back(std::move(wire));
+    out.push_back(BytesByOp("remotehead_mesh_collective_bytes_total",
+                            "Bytes this rank's collectives with its shard peers in the other "
+                            "replicas sent and received, by operation",
+                            mesh->PeerBytes()));
     prometheus::MetricFamily checks{
         .name = "remotehead_mesh_checksums_total",
         .help = "Weight checksums compared across the replicas, by result",
@@ -252,22 +257,15 @@ class ServerMetrics::Impl : public prometheus::Collectable {
              {{"rank", std::to_string(group->rank())}, {"size", std::to_string(group->size())}}, 1);
     auto up = Gauges("remotehead_group_up", "1 while the head group works, 0 once it is down");
     AddGauge(up, {}, group->health().ok() ? 1 : 0);
-    prometheus::MetricFamily bytes{
-        .name = "remotehead_group_collective_bytes_total",
-        .help = "Bytes this rank's collectives sent and received, by operation",
-        .type = prometheus::MetricType::Counter,
-        .metric = {}};
+    const std::map<std::string, CollectiveBytes> moved = group->collectives().Bytes();
+    prometheus::MetricFamily bytes =
+        BytesByOp("remotehead_group_collective_bytes_total",
+                  "Bytes this rank's collectives sent and received, by operation", moved);
     prometheus::MetricFamily calls{.name = "remotehead_group_collectives_total",
                                    .help = "Collectives this rank ran, by operation",
                                    .type = prometheus::MetricType::Counter,
                                    .metric = {}};
-    for (const auto& [op, b] : group->collectives().Bytes()) {
-      for (const auto& [direction, value] : {std::pair{"sent", b.sent}, {"received", b.received}}) {
-        prometheus::ClientMetric m;
-        m.label = {{"op", op}, {"direction", direction}};
-        m.counter.value = double(value);
-        bytes.metric.push_back(std::move(m));
-      }
+    for (const auto& [op, b] : moved) {
       prometheus::ClientMetric m;
       m.label = {{"op", op}};
       m.counter.value = double(b.calls);

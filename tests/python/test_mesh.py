@@ -159,24 +159,34 @@ def test_replicas_fed_different_trainers_stay_identical_and_equal_one_server(mes
             single.drop_head(head)
 
 
+def failed_steps(fronts, head, ranks, add_batches=False, lr_of=lambda rank: ADAMW["lr"],
+                 max_attempts=5):
+    """Trainers `ranks` of WORLD (each its own client of `fronts`), each adding its micro-batch
+    first with `add_batches`, ask for synchronous step 0 with learning rate lr_of(rank); every
+    one must fail: their errors, by rank."""
+    def trainer(rank):
+        with remotehead.Client(fronts, rank=rank, max_attempts=max_attempts) as client:
+            if add_batches:
+                hidden, targets = batch(rank, 0)
+                client.forward_backward(head, hidden, targets, reduction="sum", accumulate=True,
+                                        gradient_id=(f"run/rank-{rank}", 0, 0))
+            with pytest.raises(remotehead.RemoteheadError) as failed:
+                client.optimizer_step(head, adamw=dict(ADAMW, lr=lr_of(rank)),
+                                      zero_gradients=True, synchronous=(0, rank, WORLD))
+            return failed.value
+    ranks = list(ranks)
+    with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
+        return list(pool.map(trainer, ranks))
+
+
 def test_replicas_that_disagree_are_refused_everywhere_and_nothing_is_applied(mesh):
     head = "mesh-disagree"
     with remotehead.Client(mesh.fronts) as leader:
         leader.create_head(head, VOCAB, HIDDEN, seed=3)
         try:
-            def trainer(rank):
-                with remotehead.Client(mesh.fronts, rank=rank) as client:
-                    hidden, targets = batch(rank, 0)
-                    client.forward_backward(head, hidden, targets, reduction="sum",
-                                            accumulate=True,
-                                            gradient_id=(f"run/rank-{rank}", 0, 0))
-                    lr = 0.05 if rank % 2 == 0 else 0.07  # replica 1's trainers differ
-                    with pytest.raises(remotehead.RemoteheadError) as refused:
-                        client.optimizer_step(head, adamw=dict(ADAMW, lr=lr),
-                                              zero_gradients=True, synchronous=(0, rank, WORLD))
-                    return refused.value
-            with concurrent.futures.ThreadPoolExecutor(WORLD) as pool:
-                errors = list(pool.map(trainer, range(WORLD)))
+            # Replica 1's trainers (odd ranks) ask for another learning rate.
+            errors = failed_steps(mesh.fronts, head, range(WORLD), add_batches=True,
+                                  lr_of=lambda rank: 0.05 if rank % 2 == 0 else 0.07)
             for e in errors:
                 assert isinstance(e, remotehead.RanksDisagreeError), e
                 assert "replica 1 disagrees with replica 0" in e.details, e.details
@@ -192,15 +202,8 @@ def test_a_replica_whose_trainers_never_come_aborts_the_step_everywhere(mesh):
     with remotehead.Client(mesh.fronts) as leader:
         leader.create_head(head, VOCAB, HIDDEN, seed=5)
         try:
-            def trainer(rank):
-                with remotehead.Client(mesh.fronts, rank=rank) as client:
-                    with pytest.raises(remotehead.RemoteheadError) as aborted:
-                        client.optimizer_step(head, adamw=ADAMW, zero_gradients=True,
-                                              synchronous=(0, rank, WORLD))
-                    return aborted.value
             # Replica 0's trainers (0, 2) come; replica 1's (1, 3) never do.
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                errors = list(pool.map(trainer, [0, 2]))
+            errors = failed_steps(mesh.fronts, head, [0, 2])
             for e in errors:
                 assert e.code.name == "ABORTED", e
                 assert "replica 1's trainers did not all ask for it" in e.details, e.details
@@ -387,14 +390,7 @@ def test_a_rank_killed_before_the_step_aborts_it_everywhere_with_nothing_applied
             mesh.ranks[3].process.send_signal(signal.SIGKILL)
             mesh.ranks[3].process.wait()
 
-            def trainer(rank):
-                with remotehead.Client(mesh.fronts, rank=rank, max_attempts=1) as client:
-                    with pytest.raises(remotehead.RemoteheadError) as failed:
-                        client.optimizer_step(head, adamw=ADAMW, zero_gradients=True,
-                                              synchronous=(0, rank, WORLD))
-                    return failed.value
-            with concurrent.futures.ThreadPoolExecutor(WORLD) as pool:
-                errors = list(pool.map(trainer, range(WORLD)))
+            errors = failed_steps(mesh.fronts, head, range(WORLD), max_attempts=1)
             for e in errors:
                 assert e.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"), e
             # Replica 0's group is whole: its weights read as they were, at version 0.
