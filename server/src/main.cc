@@ -105,8 +105,10 @@ ABSL_FLAG(bool, group_trusted_network, false,
           "ranks can reach its store (a private network)");
 ABSL_FLAG(std::string, group_front_address, "",
           "the address clients dial for the head group (its front's, e.g. a Kubernetes Service); "
-          "other ranks name it to a caller that dialled them (reason NOT_THE_FRONT). Empty: "
-          "--listen's host (or, for a wildcard, --group_store's) with the front's port");
+          "other ranks name it to a caller that dialled them (reason NOT_THE_FRONT). On a mesh, "
+          "\"{replica}\" in it is this process's replica (one Service per replica front, e.g. "
+          "remotehead-replica-{replica}:50051). Empty: --listen's host (or, for a wildcard, "
+          "--group_store's) with the front's port");
 ABSL_FLAG(int32_t, group_replicas, 1,
           "replicas of every head on a mesh: the --group_size (or WORLD_SIZE) processes form "
           "this many replicas of size / replicas ranks each (global rank g: rank g mod K of "
@@ -352,10 +354,13 @@ std::unique_ptr<grpc::Server> StartServer(
   return server != nullptr && *port != 0 ? std::move(server) : nullptr;
 }
 
-// The front of a head group tells the other ranks where clients dial it (front_address.h).
-void AnnounceFront(rh::server::HeadGroup& group, const std::string& store_host, int port) {
-  const std::string address = rh::server::FrontAddress(
-      absl::GetFlag(FLAGS_group_front_address), absl::GetFlag(FLAGS_listen), store_host, port);
+// The front of a head group (of a mesh's replica) tells the other ranks (the other fronts)
+// where clients dial it (front_address.h).
+void AnnounceFront(rh::server::HeadGroup& group, const rh::server::GroupConfig& config,
+                   int port) {
+  const std::string address =
+      rh::server::FrontAddress(absl::GetFlag(FLAGS_group_front_address), config.replica(),
+                               absl::GetFlag(FLAGS_listen), config.store_host, port);
   if (const absl::Status s = rh::server::AnnounceFront(group, address); !s.ok()) {
     std::cerr << "remotehead-server: head group: the front's address " << address
               << " was not announced: " << s.message() << std::endl;
@@ -517,10 +522,8 @@ int Run() {
     std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
     return 1;
   }
-  if (group != nullptr && front) AnnounceFront(*group, group_config->store_host, port);
-  if (mesh != nullptr && mesh->is_leader()) {
-    AnnounceFront(*mesh->fronts(), group_config->store_host, port);
-  }
+  if (group != nullptr && front) AnnounceFront(*group, *group_config, port);
+  if (mesh != nullptr && mesh->is_leader()) AnnounceFront(*mesh->fronts(), *group_config, port);
   if (metrics->http != nullptr) {
     std::cout << "remotehead-server: metrics on port " << metrics->http->port() << " (/metrics, "
               << (metrics_options->bearer_token.empty() ? "no auth" : "bearer token required")

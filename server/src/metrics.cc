@@ -229,6 +229,15 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     r.counter.value = double(mesh->reduced_bytes());
     reduced.metric.push_back(std::move(r));
     out.push_back(std::move(reduced));
+    prometheus::MetricFamily reduce_time{
+        .name = "remotehead_mesh_reduce_seconds_total",
+        .help = "Time this rank spent summing dW over the replicas (both collectives)",
+        .type = prometheus::MetricType::Counter,
+        .metric = {}};
+    prometheus::ClientMetric t;
+    t.counter.value = mesh->reduce_seconds();
+    reduce_time.metric.push_back(std::move(t));
+    out.push_back(std::move(reduce_time));
     out.push_back(BytesByOp("remotehead_mesh_collective_bytes_total",
                             "Bytes this rank's collectives with its shard peers in the other "
                             "replicas sent and received, by operation",

@@ -28,6 +28,15 @@ came, and writes them to a JSON file the parent reads. Reported per W:
                before each step, untimed), zero_gradients on
   added        (sync cost − optimizer) / step: what the synchronous step adds to a global step
 
+With --replicas R (and --ranks-per-replica K) the head lives on a mesh of R replicas of K
+server processes each (docs/meshes.md) instead of one server: trainer t dials replica t mod R's
+front, and each run also reports, from the leader's /metrics around it:
+
+  reduce/step  the bytes of dW rank 0 summed over the replicas per global step
+               (remotehead_mesh_reduced_bytes_total), against the model ceil(V/K)·D·4
+  reduce ms    the time rank 0 spent summing them per global step
+               (remotehead_mesh_reduce_seconds_total), and its share of the global step
+
 The acceptance criterion (at 2048:1024:32000, W = 2): the synchronous step adds at most 5 % to
 a global step, printed as PASS/FAIL. The trainers and the server share this machine's cores, so
 tokens/s does not scale with W here; the criterion compares coordination overhead, which does
@@ -91,7 +100,8 @@ def trainer(args) -> None:
     remotehead = import_remotehead()
     n, d, v = args.shape
     rank, world = args.rank, args.world
-    client = remotehead.Client(args.target)
+    fronts = args.target.split(",")
+    client = remotehead.Client(fronts if len(fronts) > 1 else args.target, rank=rank)
     generator = torch.Generator().manual_seed(1000 + rank)
     hidden = torch.randn(n, d, generator=generator)
     targets = torch.randint(0, v, (n,), generator=generator)
@@ -167,9 +177,22 @@ class SingleCallerStep:
                          "each run's ratios use the rounds on either side of it")
 
 
-def run_trainers(client, head_id, world, args, tmp) -> dict:
+def mesh_counters(metrics_port) -> dict:
+    """The leader's remotehead_mesh_* counters (none off a mesh)."""
+    if metrics_port is None:
+        return {}
+    import urllib.request
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+            if line.startswith(("remotehead_mesh_reduced_bytes_total",
+                                "remotehead_mesh_reduce_seconds_total"))}
+
+
+def run_trainers(client, head_id, world, args, tmp, metrics_port=None) -> dict:
     n, d, v = args.shape
     info = client.create_head(head_id, v, d, seed=args.seed)
+    counters_before = mesh_counters(metrics_port)
     version_before = info.weight_version
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(
@@ -189,6 +212,7 @@ def run_trainers(client, head_id, world, args, tmp) -> dict:
         with open(path) as f:
             ranks.append(json.load(f)["steps"])
     version_after = client.describe_head(head_id).weight_version
+    counters_after = mesh_counters(metrics_port)
     client.drop_head(head_id)
 
     per_step = []
@@ -206,7 +230,15 @@ def run_trainers(client, head_id, world, args, tmp) -> dict:
     first = [rank[args.warmup] for rank in ranks]
     last = [rank[-1] for rank in ranks]
     wall = max(x["answer"] for x in last) - min(x["fb_start"] for x in first)
-    return dict(
+    mesh = {}
+    if counters_after:
+        total = args.warmup + args.steps
+        delta = {k: counters_after[k] - counters_before.get(k, 0.0) for k in counters_after}
+        mesh = dict(
+            reduced_bytes_per_step=delta["remotehead_mesh_reduced_bytes_total"] / total,
+            model_bytes_per_step=-(-v // args.ranks_per_replica) * d * 4,
+            reduce_seconds_per_step=delta["remotehead_mesh_reduce_seconds_total"] / total)
+    return dict(**mesh,
         trainers=world, head_id=head_id, rows_per_trainer=n,
         wall_seconds=wall, tokens_per_second=world * n * args.steps / wall,
         global_step_seconds=median([p["global_step"] for p in timed]),
@@ -238,6 +270,9 @@ def check(report, args) -> None:
             for s in rank:
                 assert s["fb_start"] <= s["fb_end"] <= s["call"] <= s["answer"], (w, s)
         assert run["added_fraction"] == run["added_fraction"], run  # not NaN
+        if args.replicas > 1:  # every step summed rank 0's shard of dW once over the replicas
+            assert run["reduced_bytes_per_step"] == run["model_bytes_per_step"], run
+            assert run["reduce_seconds_per_step"] > 0, run
     print("data-parallel bench check: ok")
 
 
@@ -259,6 +294,10 @@ def main():
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra server flag, e.g. --server-arg=--torch_threads=2 "
                              "(repeatable)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="R replicas of the head on a mesh (default 1: one server)")
+    parser.add_argument("--ranks-per-replica", type=int, default=1,
+                        help="K server processes per replica (default 1)")
     parser.add_argument("--json", metavar="PATH", help="write the numbers here")
     parser.add_argument("--check", action="store_true",
                         help="assert the numbers are sane (positive times, versions), for CI")
@@ -276,20 +315,32 @@ def main():
         return trainer(args)
 
     remotehead = import_remotehead()
-    from remotehead.local_server import LocalServer
+    from remotehead.local_server import LocalHeadGroup, LocalServer
 
     n, d, v = args.shape
-    server = LocalServer(args.server_binary, ["--device=cpu", *args.server_arg]).start()
-    args.target = server.target
+    size = args.replicas * args.ranks_per_replica
+    if args.replicas < 1 or args.ranks_per_replica < 1:
+        parser.error("--replicas and --ranks-per-replica must be >= 1")
+    metrics_port = None
+    if size > 1:
+        server = LocalHeadGroup(args.server_binary, size=size, replicas=args.replicas,
+                                args=["--device=cpu", "--metrics_address=127.0.0.1:0",
+                                      *args.server_arg]).start()
+        args.target = ",".join(server.fronts) if args.replicas > 1 else server.target
+        if args.replicas > 1:
+            metrics_port = server.ranks[0].metrics_port
+    else:
+        server = LocalServer(args.server_binary, ["--device=cpu", *args.server_arg]).start()
+        args.target = server.target
     try:
-        client = remotehead.Client(server.target)
+        client = remotehead.Client(server.ranks[0].target if size > 1 else server.target)
         single = SingleCallerStep(client, remotehead, "dp-single", args.shape, args.seed)
         repeats = max(3, args.steps)
         runs = []
         with tempfile.TemporaryDirectory(prefix="remotehead-dp-bench-") as tmp:
             for w in args.trainers:
                 single.round(repeats)
-                runs.append(run_trainers(client, f"dp-w{w}", w, args, tmp))
+                runs.append(run_trainers(client, f"dp-w{w}", w, args, tmp, metrics_port))
         single.round(repeats)
         for i, run in enumerate(runs):
             run["optimizer_step_seconds"] = single.around(i)
@@ -297,9 +348,11 @@ def main():
         client.close()
     finally:
         code = server.stop()
-    if code != 0:
-        raise SystemExit(f"the server did not drain cleanly (exit {code}):\n"
-                         + "".join(server.log))
+    codes = code if isinstance(code, list) else [code]
+    if any(codes):
+        logs = server.ranks if size > 1 else [server]
+        raise SystemExit(f"the server(s) did not drain cleanly (exit {codes}):\n"
+                         + "".join(line for s in logs for line in s.log))
 
     for run in runs:
         opt = run["optimizer_step_seconds"]
@@ -319,7 +372,9 @@ def main():
         acceptance["reason"] = (f"needs --shape 2048:1024:32000 and W={ACCEPTANCE_TRAINERS} "
                                 f"in --trainers")
 
-    print(f"data-parallel trainers on one server (CPU, {cores} cores): N={n} rows per trainer, "
+    where = ("one server" if size == 1 else
+             f"a mesh of {args.replicas} replica(s) x {args.ranks_per_replica} rank(s)")
+    print(f"data-parallel trainers on {where} (CPU, {cores} cores): N={n} rows per trainer, "
           f"D={d}, V={v}, fp32, AdamW; {args.steps} timed global steps after {args.warmup} "
           f"warm-up")
     print(f"note: the {max(args.trainers)} trainer process(es) and the server share this "
@@ -339,6 +394,13 @@ def main():
               f"{r['forward_backward_seconds'] * 1e3:>11.1f} "
               f"{r['sync_cost_seconds'] * 1e3:>9.1f} {r['wait_seconds'] * 1e3:>9.1f} "
               f"{r['optimizer_step_seconds'] * 1e3:>8.1f} {r['sync_over_optimizer']:>9.2f} {r['added_fraction']:>8.2%}")
+    for r in runs:
+        if "reduced_bytes_per_step" in r:
+            print(f"W={r['trainers']}: dW summed over the replicas per step (rank 0): "
+                  f"{r['reduced_bytes_per_step'] / 2**20:.2f} MiB (model ceil(V/K)*D*4 = "
+                  f"{r['model_bytes_per_step'] / 2**20:.2f} MiB), "
+                  f"{r['reduce_seconds_per_step'] * 1e3:.1f} ms = "
+                  f"{r['reduce_seconds_per_step'] / r['global_step_seconds']:.1%} of the step")
     print()
     print("step: median global step (first start to last answer); fwd+bwd: median "
           "forward_backward of one rank; sync: last call to last answer; wait: first call to "
@@ -352,6 +414,7 @@ def main():
     print(line)
 
     report = dict(shape=dict(rows_per_trainer=n, hidden_size=d, vocab_size=v, dtype="float32"),
+                  replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
                   steps=args.steps, warmup=args.warmup, cpu_cores=cores, device="cpu",
                   optimizer=dict(name="adamw", **ADAMW), optimizer_step=optimizer,
                   runs=runs, acceptance=acceptance,

@@ -13,6 +13,7 @@ head is trained through the front Service against a local torch reference, and t
 two pods run torchrun and train through the same front."""
 
 import copy
+import concurrent.futures
 import functools
 import os
 import pathlib
@@ -37,11 +38,14 @@ K8S = ROOT / "deploy" / "k8s"
 BINARY = os.path.abspath(os.environ.get("REMOTEHEAD_SERVER_BINARY",
                                         str(ROOT / "build" / "server" / "remotehead-server")))
 KUBERNETES = "1.31"  # the Kubernetes version the manifests are validated against
-# Every overlay: its device, whether it requests a GPU, its image tag and K.
-OVERLAYS = {"cpu": ("cpu", False, "remotehead:cpu", 1),
-            "gpu": ("cuda:0", True, "remotehead:cuda", 1),
-            "cpu-k2": ("cpu", False, "remotehead:cpu", 2),
-            "gpu-k2": ("cuda:0", True, "remotehead:cuda", 2)}
+# Every overlay: its device, whether it requests a GPU, its image tag, its processes (R·K) and R.
+OVERLAYS = {"cpu": ("cpu", False, "remotehead:cpu", 1, 1),
+            "gpu": ("cuda:0", True, "remotehead:cuda", 1, 1),
+            "cpu-k2": ("cpu", False, "remotehead:cpu", 2, 1),
+            "gpu-k2": ("cuda:0", True, "remotehead:cuda", 2, 1),
+            "cpu-r2": ("cpu", False, "remotehead:cpu", 2, 2),
+            "cpu-r2-k2": ("cpu", False, "remotehead:cpu", 4, 2),
+            "gpu-r2-k2": ("cuda:0", True, "remotehead:cuda", 4, 2)}
 # What the operator creates (docs/kubernetes.md): Secret name -> its keys.
 SECRETS = {"remotehead-tls": {"tls.crt", "tls.key", "ca.crt"},
            "remotehead-token": {"token"}, "remotehead-group-secret": {"secret"}}
@@ -142,8 +146,11 @@ def selects(selector: dict, labels: dict) -> bool:
 def test_every_document_validates_against_the_pinned_kubernetes(folder):
     documents = render(folder)
     kinds = sorted(d["kind"] for d in documents)
+    # A mesh adds a Service per replica front.
+    replicas = OVERLAYS[folder.split("/")[1]][4] if folder.startswith("overlays/") else 1
+    services = ["Service"] * (2 + (replicas if replicas > 1 else 0))
     expected = (["ConfigMap", "Job", "Service"] if folder == "trainer" else
-                ["PodDisruptionBudget", "Service", "Service", "StatefulSet"])
+                ["PodDisruptionBudget", *services, "StatefulSet"])
     assert kinds == expected
     for document in documents:
         assert kubernetes_validate.validate(document, KUBERNETES, strict=True) == KUBERNETES
@@ -172,7 +179,7 @@ def test_the_validation_is_real_and_offline(monkeypatch):
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_the_statefulset_matches_the_server(overlay):
-    device, gpu, image, size = OVERLAYS[overlay]
+    device, gpu, image, size, replicas = OVERLAYS[overlay]
     documents = render(f"overlays/{overlay}")
     statefulset = find(documents, "StatefulSet")
     name = statefulset["metadata"]["name"]
@@ -226,6 +233,19 @@ def test_the_statefulset_matches_the_server(overlay):
     assert [r for r in range(size) if selects(front["selector"], pod_labels(statefulset, r))] \
         == [0]
     assert [p["targetPort"] for p in front["ports"]] == ["grpc"]
+
+    # R replicas (a mesh): R divides the processes; each replica's front (global rank r·K) has
+    # a Service of its own, which is what that front announces (--group_front_address with
+    # "{replica}" filled in); with R = 1 the front announces the front Service.
+    assert int(resolved["--group_replicas"]) == replicas and size % replicas == 0
+    per_replica = size // replicas
+    for r in range(replicas):
+        announced = resolved["--group_front_address"].replace("{replica}", str(r))
+        host, port = host_port(announced)
+        service = find(documents, "Service", host)["spec"]
+        assert [g for g in range(size)
+                if selects(service["selector"], pod_labels(statefulset, g))] == [r * per_replica]
+        assert {p["port"]: p["targetPort"] for p in service["ports"]} == {port: "grpc"}
 
     # Prometheus scrapes the metrics port.
     annotations = spec["template"]["metadata"]["annotations"]
@@ -663,3 +683,56 @@ def test_the_cpu_group_of_two_runs_as_its_manifests_say_and_trains(tmp_path):
         codes = cluster.stop()
         logs = "".join(f"--- {log}\n{log.read_text()}" for _, log, _, _ in pods.values())
     assert codes[:len(names)] == [0] * len(names), logs
+
+
+def test_the_cpu_mesh_of_two_groups_runs_as_its_manifests_say_and_trains(tmp_path):
+    """overlays/cpu-r2-k2: 4 pods, 2 replicas of groups of 2. Every pod ready by its probe, each
+    knows its replica and shard; two trainers, each at its own replica front's Service (trainer
+    t at remotehead-replica-(t mod 2)), add their micro-batches and take synchronous SGD steps:
+    both replicas hold the same weights, equal to a float64 torch reference of the average."""
+    documents = render("overlays/cpu-r2-k2")
+    cluster, names, pods, cert, token = start_statefulset(documents, tmp_path)
+    assert len(names) == 4
+    try:
+        logs = {name: pods[name][1].read_text() for name in names}
+        assert "replica 0 of 2, rank 0 of 2 (the leader" in logs[names[0]], logs[names[0]]
+        assert "replica 1 of 2, rank 0 of 2 (a replica's front" in logs[names[2]]
+        assert "replica 1 of 2, rank 1 of 2 (follows" in logs[names[3]]
+        fronts = [cluster.localize(names[0], [f"remotehead-replica-{r}:50051"], {})[0]
+                  for r in range(2)]
+        assert fronts[0] == front_target(cluster, documents, names)  # the leader
+        vocab, hidden_size, lr, world = 37, 8, 0.5, 2
+        torch.manual_seed(5)
+        weight = torch.randn(vocab, hidden_size) * 0.3
+        reference = weight.clone().double()
+        with remotehead.Client(fronts, rank=0, root_certificates=cert, token=token) as leader:
+            leader.upload_head("mesh", weight)
+            for step in range(2):
+                batches = [(torch.randn(9, hidden_size), torch.randint(0, vocab, (9,)))
+                           for _ in range(world)]
+                w = reference.clone().requires_grad_(True)
+                sum(torch.nn.functional.cross_entropy(x.double() @ w.T, t)
+                    for x, t in batches).backward()
+                reference -= lr * w.grad / world
+
+                def trainer(rank):
+                    with remotehead.Client(fronts, rank=rank, root_certificates=cert,
+                                           token=token) as client:
+                        x, t = batches[rank]
+                        client.forward_backward("mesh", x, t, accumulate=True,
+                                                gradient_id=(f"k8s/rank-{rank}", step, 0))
+                        return client.optimizer_step("mesh", sgd=dict(lr=lr),
+                                                     zero_gradients=True,
+                                                     synchronous=(step, rank, world))
+                with concurrent.futures.ThreadPoolExecutor(world) as pool:
+                    infos = list(pool.map(trainer, range(world)))
+                assert [i.weight_version for i in infos] == [step + 1] * world
+            exported = []
+            for front in fronts:
+                with remotehead.Client(front, root_certificates=cert, token=token) as client:
+                    exported.append(client.export_weights("mesh")[0])
+            assert torch.equal(exported[0], exported[1])
+            torch.testing.assert_close(exported[0].double(), reference, rtol=1e-4, atol=1e-5)
+    finally:
+        codes = cluster.stop()
+    assert codes == [0, 0, 0, 0], "".join(p[1].read_text() for p in pods.values())

@@ -364,12 +364,15 @@ def test_a_strangers_writes_into_the_mesh_store_change_nothing(server_target):
         assert "not executed" in logs[rank] and '"evil"' not in logs[rank], logs[rank][-3000:]
 
 
-def test_a_rank_killed_before_the_step_aborts_it_everywhere_with_nothing_applied():
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_rank_lost_before_the_step_aborts_it_everywhere_with_nothing_applied(how):
     """A mesh of 2 groups of 2: trainers add their micro-batches, then replica 1's second rank
-    is killed (SIGKILL) and the trainers ask for the step. Replica 1's front finds its rank gone
-    before anything is summed over the replicas: the step fails on every replica, no weight
+    is killed (SIGKILL) or hung (SIGSTOP: treated as lost once --group_timeout_seconds passed)
+    and the trainers ask for the step. Replica 1's front finds its rank gone before anything is
+    summed over the replicas: the step fails on every replica within two timeouts, no weight
     moved anywhere (replica 0's version and weights as before), and the mesh is down (health
-    NOT_SERVING on the leader): it restarts as a whole."""
+    NOT_SERVING on the leader): it restarts as a whole. A hung rank continued later runs
+    nothing more: it leaves (exit 1)."""
     import signal
     import time
     head = "mesh-killed"
@@ -387,10 +390,13 @@ def test_a_rank_killed_before_the_step_aborts_it_everywhere_with_nothing_applied
                     client.forward_backward(head, hidden, targets, reduction="sum",
                                             accumulate=True,
                                             gradient_id=(f"run/rank-{rank}", 0, 0))
-            mesh.ranks[3].process.send_signal(signal.SIGKILL)
-            mesh.ranks[3].process.wait()
-
+            lost = mesh.ranks[3].process
+            lost.send_signal(getattr(signal, how))
+            if how == "SIGKILL":
+                lost.wait()
+            started = time.monotonic()
             errors = failed_steps(mesh.fronts, head, range(WORLD), max_attempts=1)
+            assert time.monotonic() - started < 2 * 4 + 3, "not reported within two timeouts"
             for e in errors:
                 assert e.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"), e
             # Replica 0's group is whole: its weights read as they were, at version 0.
@@ -403,6 +409,9 @@ def test_a_rank_killed_before_the_step_aborts_it_everywhere_with_nothing_applied
                 while replica0.health() != "NOT_SERVING" and time.monotonic() < deadline:
                     time.sleep(0.1)
                 assert replica0.health() == "NOT_SERVING"
+            if how == "SIGSTOP":
+                lost.send_signal(signal.SIGCONT)
+                assert lost.wait(timeout=30) == 1
     finally:
         for r in mesh.ranks:
             if r.process is not None and r.process.poll() is None:

@@ -2,6 +2,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/server/status_mapping.h"
 
@@ -55,9 +56,9 @@ class NotTheFrontService final : public grpc::CallbackGenericService {
 
 }  // namespace
 
-std::string FrontAddress(const std::string& given, const std::string& listen,
+std::string FrontAddress(const std::string& given, int replica, const std::string& listen,
                          const std::string& store_host, int port) {
-  if (!given.empty()) return given;
+  if (!given.empty()) return absl::StrReplaceAll(given, {{"{replica}", absl::StrCat(replica)}});
   std::string host = HostOf(listen);
   if (IsWildcard(host)) host = store_host;
   if (absl::StrContains(host, ':') && host.front() != '[') host = absl::StrCat("[", host, "]");

@@ -14,10 +14,11 @@
 
 namespace remotehead::server {
 
-// The address the front is dialled at: `given` (--group_front_address, e.g. a Kubernetes
-// Service) when set; else the host of `listen` with the port the server bound, where that host
-// is a wildcard (0.0.0.0, [::], empty) `store_host` (rank 0's host, where the store runs).
-std::string FrontAddress(const std::string& given, const std::string& listen,
+// The address the front of replica `replica` is dialled at: `given` (--group_front_address, e.g.
+// a Kubernetes Service; "{replica}" in it replaced by `replica`) when set; else the host of
+// `listen` with the port the server bound, where that host is a wildcard (0.0.0.0, [::], empty)
+// `store_host` (rank 0's host, where the store runs).
+std::string FrontAddress(const std::string& given, int replica, const std::string& listen,
                          const std::string& store_host, int port);
 
 // The front: records `address` as the group's and sends it to every other rank.

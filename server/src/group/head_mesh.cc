@@ -1,6 +1,7 @@
 #include "remotehead/server/group/head_mesh.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -120,6 +121,7 @@ absl::Status HeadMesh::NotTheLeader(const std::string& method) const {
 }
 
 absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t) {
+  const auto start = std::chrono::steady_clock::now();
   torch::Tensor wire = t.scalar_type() == options_.reduce_dtype
                            ? t
                            : t.to(options_.reduce_dtype).contiguous();
@@ -129,6 +131,9 @@ absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t) {
   RETURN_IF_ERROR(peers().Broadcast(wire, 0));
   if (!wire.is_same(t)) t.copy_(wire);
   reduced_bytes_.fetch_add(static_cast<int64_t>(wire.nbytes()));
+  reduce_nanoseconds_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now() - start)
+                                    .count());
   return absl::OkStatus();
 }
 

@@ -77,9 +77,11 @@ class HeadMesh {
   // error (code and message).
   absl::StatusOr<std::vector<absl::Status>> ExchangeVerdicts(const absl::Status& mine);
 
-  // Metrics: the bytes of dW summed over the replicas so far (in the reduce dtype), what this
+  // Metrics: the bytes of dW summed over the replicas so far (in the reduce dtype) and the time
+  // it took (conversions and both collectives), what this
   // rank's collectives with its shard peers moved, and the weight checksums compared.
   int64_t reduced_bytes() const { return reduced_bytes_; }
+  double reduce_seconds() const { return reduce_nanoseconds_ * 1e-9; }
   std::map<std::string, CollectiveBytes> PeerBytes() const;
   int64_t checksums(bool matched) const { return matched ? matched_ : mismatched_; }
 
@@ -93,6 +95,7 @@ class HeadMesh {
   std::unique_ptr<HeadGroup> fronts_;
   std::unique_ptr<ProcessGroup> shard_peers_;
   std::atomic<int64_t> reduced_bytes_{0};
+  std::atomic<int64_t> reduce_nanoseconds_{0};
   std::atomic<int64_t> matched_{0};
   std::atomic<int64_t> mismatched_{0};
 };
