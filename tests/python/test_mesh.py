@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -417,3 +418,59 @@ def test_a_rank_lost_before_the_step_aborts_it_everywhere_with_nothing_applied(h
             if r.process is not None and r.process.poll() is None:
                 r.process.kill()
         mesh.stop()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--group_size=4", "--group_rank=0", "--group_replicas=3"], "--group_replicas"),
+    (["--group_size=2", "--group_rank=0", "--group_replicas=0"], "--group_replicas"),
+    (["--mesh_reduce_dtype=float8"], "--mesh_reduce_dtype"),
+    (["--mesh_checksum_every_steps=-1"], "--mesh_checksum_every_steps"),
+])
+def test_bad_mesh_flags_are_refused_naming_the_flag(flags, named):
+    done = subprocess.run([BINARY, "--listen=127.0.0.1:0", "--device=cpu", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert named in done.stderr and "expected" in done.stderr and "got" in done.stderr, \
+        done.stderr
+
+
+def test_dw_summed_in_bfloat16_keeps_the_replicas_identical_and_close():
+    """--mesh_reduce_dtype=bfloat16: dW travels in bf16 along R. The replicas stay bit-identical
+    (replica 0's sums are broadcast), and one SGD step lands within bf16 rounding of dW
+    (2^-8 relative) of the fp32 step on one server."""
+    head = "mesh-bf16"
+    mesh = LocalHeadGroup(BINARY, size=2, replicas=2,
+                          args=("--device=cpu", "--torch_threads=1",
+                                "--mesh_reduce_dtype=bfloat16")).start()
+    try:
+        with remotehead.Client(mesh.fronts) as leader:
+            leader.create_head(head, VOCAB, HIDDEN, seed=17)
+            w0, _ = leader.export_weights(head)
+            grads = []
+            for rank in range(2):
+                with remotehead.Client(mesh.fronts, rank=rank) as client:
+                    hidden, targets = batch(rank, 0)
+                    client.forward_backward(head, hidden, targets, reduction="sum",
+                                            accumulate=True, gradient_id=(f"bf16/{rank}", 0, 0))
+                    w = w0.double().clone().requires_grad_(True)
+                    torch.nn.functional.cross_entropy(hidden.double() @ w.T, targets,
+                                                      reduction="sum").backward()
+                    grads.append(w.grad)
+            leader.optimizer_step(head, sgd=dict(lr=0.01), zero_gradients=True)
+            (w_a, v_a), (w_b, v_b) = replica_weights(mesh, head)
+            assert v_a == v_b == 1 and torch.equal(w_a, w_b)
+            step = 0.01 * (grads[0] + grads[1])
+            moved = w0.double() - w_a.double()
+            assert (moved - step).abs().max().item() <= 2 ** -7 * step.abs().max().item()
+            # Rounded to bf16 on the way, far beyond fp32's rounding (~1e-7 of the step).
+            assert (moved - step).abs().max().item() > 1e-5 * step.abs().max().item()
+            leader.drop_head(head)
+    finally:
+        assert mesh.stop() == [0, 0]
+
+
+def test_the_sizing_table_in_the_docs_is_the_cost_models():
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "bench" / "sizing.py")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() in (ROOT / "docs" / "meshes.md").read_text()
