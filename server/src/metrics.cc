@@ -189,6 +189,17 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     return out;
   }
 
+  // One unlabelled counter.
+  static prometheus::MetricFamily Counter(const std::string& name, const std::string& help,
+                                          double value) {
+    prometheus::MetricFamily family{
+        .name = name, .help = help, .type = prometheus::MetricType::Counter, .metric = {}};
+    prometheus::ClientMetric m;
+    m.counter.value = value;
+    family.metric.push_back(std::move(m));
+    return family;
+  }
+
   // Bytes sent and received by collective operation, as one counter family.
   static prometheus::MetricFamily BytesByOp(const std::string& name, const std::string& help,
                                             const std::map<std::string, CollectiveBytes>& moved) {
@@ -220,24 +231,13 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     auto up = Gauges("remotehead_mesh_up", "1 while the mesh's log works, 0 once it is down");
     AddGauge(up, {}, mesh->health().ok() ? 1 : 0);
     out.push_back(std::move(up));
-    prometheus::MetricFamily reduced{
-        .name = "remotehead_mesh_reduced_bytes_total",
-        .help = "Bytes of dW (and db) this rank summed over the replicas at optimizer steps",
-        .type = prometheus::MetricType::Counter,
-        .metric = {}};
-    prometheus::ClientMetric r;
-    r.counter.value = double(mesh->reduced_bytes());
-    reduced.metric.push_back(std::move(r));
-    out.push_back(std::move(reduced));
-    prometheus::MetricFamily reduce_time{
-        .name = "remotehead_mesh_reduce_seconds_total",
-        .help = "Time this rank spent summing dW over the replicas (both collectives)",
-        .type = prometheus::MetricType::Counter,
-        .metric = {}};
-    prometheus::ClientMetric t;
-    t.counter.value = mesh->reduce_seconds();
-    reduce_time.metric.push_back(std::move(t));
-    out.push_back(std::move(reduce_time));
+    out.push_back(Counter("remotehead_mesh_reduced_bytes_total",
+                          "Bytes of dW (and db) this rank summed over the replicas at optimizer "
+                          "steps",
+                          double(mesh->reduced_bytes())));
+    out.push_back(Counter("remotehead_mesh_reduce_seconds_total",
+                          "Time this rank spent summing dW over the replicas (both collectives)",
+                          mesh->reduce_seconds()));
     out.push_back(BytesByOp("remotehead_mesh_collective_bytes_total",
                             "Bytes this rank's collectives with its shard peers in the other "
                             "replicas sent and received, by operation",
