@@ -53,6 +53,12 @@ GROUP_EXPORTED = {
     "remotehead_group_info", "remotehead_group_up", "remotehead_group_collective_bytes_total",
     "remotehead_group_collectives_total", "remotehead_group_command_seconds",
 }
+# A mesh's ranks export these too (docs/meshes.md).
+MESH_EXPORTED = {
+    "remotehead_mesh_info", "remotehead_mesh_up", "remotehead_mesh_reduced_bytes_total",
+    "remotehead_mesh_reduce_seconds_total", "remotehead_mesh_collective_bytes_total",
+    "remotehead_mesh_checksums_total",
+}
 # Listed in docs/metrics.md but exported only once something happens: the aborted counter
 # appears with its first abort (no workload here aborts a synchronous step).
 EXPORTED_ONCE_SEEN = {"remotehead_sync_steps_aborted_total"}
@@ -173,7 +179,25 @@ def test_the_metrics_doc_lists_exactly_the_exported_metrics():
     a live server and a live group exporting, and nothing else."""
     documented = re.findall(r"^\| `(remotehead_[a-z0-9_]+)` \|", METRICS_DOC.read_text(), re.M)
     assert len(documented) == len(set(documented)), f"listed twice in {METRICS_DOC}: {documented}"
-    assert set(documented) == EXPORTED | GROUP_EXPORTED | EXPORTED_ONCE_SEEN
+    assert set(documented) == EXPORTED | GROUP_EXPORTED | MESH_EXPORTED | EXPORTED_ONCE_SEEN
+
+
+def test_a_mesh_exports_the_server_metrics_and_its_own():
+    """The leader of a mesh of 2 replicas of 1 (no group inside) after the same workload and an
+    optimizer step: the server's metrics and the mesh's, with its replica."""
+    with LocalHeadGroup(BINARY, size=2, replicas=2,
+                        args=["--device=cpu", "--metrics_address=127.0.0.1:0"]) as mesh:
+        torch.manual_seed(0)
+        run_workload(mesh.fronts[0])
+        with remotehead.Client(mesh.fronts) as client:
+            client.optimizer_step("deploy", sgd=dict(lr=0.1), zero_gradients=True)
+        exported, _ = exported_metrics(mesh.ranks[0].metrics_port)
+        assert exported == EXPORTED | MESH_EXPORTED, exported ^ (EXPORTED | MESH_EXPORTED)
+        for replica, rank in enumerate(mesh.ranks):  # replica 1 took no step: the mesh's own
+            exported, body = exported_metrics(rank.metrics_port)
+            assert MESH_EXPORTED <= exported, MESH_EXPORTED - exported
+            assert f'remotehead_mesh_info{{replica="{replica}",replicas="2"}} 1' in body, body
+            assert "remotehead_mesh_up 1" in body
 
 
 def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group):
