@@ -255,14 +255,22 @@ absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& i
       [&] { return UploadHere(id, weight, bias, replace); }, creates);
 }
 
-absl::StatusOr<HeadOperations::Rows> HeadOperations::ShareUploadedRows(torch::Tensor* weight,
-                                                                       torch::Tensor* bias) {
+absl::Status HeadOperations::ShareUploaded(HeadGroup& group, torch::Tensor* weight,
+                                           torch::Tensor* bias) {
   std::vector<torch::Tensor> shared = {weight->to(device_)};
   if (bias->defined()) shared.push_back(bias->to(device_));
-  RETURN_IF_ERROR(group_->Share(shared));
+  RETURN_IF_ERROR(group.Share(shared));
+  *weight = shared[0];
+  if (bias->defined()) *bias = shared[1];
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HeadOperations::Rows> HeadOperations::ShareUploadedRows(torch::Tensor* weight,
+                                                                       torch::Tensor* bias) {
+  RETURN_IF_ERROR(ShareUploaded(*group_, weight, bias));
   ASSIGN_OR_RETURN(Rows rows, RowsOf(weight->size(0), "header.vocab_size"));
-  *weight = shared[0].narrow(0, rows.offset, rows.rows);
-  if (bias->defined()) *bias = shared[1].narrow(0, rows.offset, rows.rows);
+  *weight = weight->narrow(0, rows.offset, rows.rows);
+  if (bias->defined()) *bias = bias->narrow(0, rows.offset, rows.rows);
   return rows;
 }
 
@@ -273,11 +281,7 @@ absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id
   std::vector<core::ShardRange> shards;
   if (mesh_ != nullptr && mesh_->is_front()) {
     // The leader's W (and b) to every replica's front first, which shares them in its replica.
-    std::vector<torch::Tensor> shared = {weight.to(device_)};
-    if (bias.defined()) shared.push_back(bias.to(device_));
-    RETURN_IF_ERROR(mesh_->fronts()->Share(shared));
-    weight = shared[0];
-    if (bias.defined()) bias = shared[1];
+    RETURN_IF_ERROR(ShareUploaded(*mesh_->fronts(), &weight, &bias));
   }
   if (group_ != nullptr) {
     const int64_t vocab_size = weight.size(0);

@@ -166,6 +166,9 @@ class HeadOperations {
   // On a group: the front's uploaded W (and b) shared into every rank's `weight` / `bias`,
   // which are then narrowed to this rank's rows.
   absl::StatusOr<Rows> ShareUploadedRows(torch::Tensor* weight, torch::Tensor* bias);
+  // `group`'s front's W (and b), on this device, written into every member's `weight` / `bias`
+  // (a group's ranks; a mesh's replica fronts).
+  absl::Status ShareUploaded(HeadGroup& group, torch::Tensor* weight, torch::Tensor* bias);
 
   void LogEvent(const std::string& line) const;
   // Reserves the bytes of head `id` of this shape (core::HeadMemoryBytes) before it is

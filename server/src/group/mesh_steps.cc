@@ -21,6 +21,15 @@ absl::StatusOr<std::optional<SyncStepRequest>> LeadersRequest(const v1::MeshStep
                          .expected_incarnation = ""};
 }
 
+// Whether this replica has trainers to wait for at `step`: a synchronous step of a world in
+// which some trainer's rank mod R is this replica.
+bool WaitsForTrainers(const v1::MeshStep& step, const HeadMesh& mesh) {
+  return step.step().has_synchronous() &&
+         !SynchronousSteps::ReplicaRanks(step.step().synchronous().world_size(), mesh.replica(),
+                                         mesh.replicas())
+              .empty();
+}
+
 // The step every replica applies: as sent, with grad_scale divided by the world size for a
 // synchronous step (as SynchronousSteps does for one server).
 absl::StatusOr<OptimizerStepSpec> AppliedSpec(const v1::MeshStep& step) {
@@ -82,12 +91,7 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
 absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
   const Key key{step.step().head_id(), step.step().synchronous().step()};
   std::optional<SyncStepRequest> mine;
-  const bool waits =
-      step.step().has_synchronous() &&
-      !SynchronousSteps::ReplicaRanks(step.step().synchronous().world_size(), mesh_->replica(),
-                                      mesh_->replicas())
-           .empty();
-  if (waits) {
+  if (WaitsForTrainers(step, *mesh_)) {
     std::unique_lock<std::mutex> lock(mu_);
     changed_.wait_for(lock, wait_, [&] {
       auto it = ready_.find(key);
@@ -150,9 +154,7 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
     if (!alive.ok()) return Prefixed(alive, absl::StrCat(who, " is down: "));
   }
   ASSIGN_OR_RETURN(const std::optional<SyncStepRequest> leaders, LeadersRequest(step));
-  if (leaders.has_value() &&
-      !SynchronousSteps::ReplicaRanks(leaders->world_size, mesh_->replica(), mesh_->replicas())
-           .empty()) {
+  if (leaders.has_value() && WaitsForTrainers(step, *mesh_)) {
     if (!mine.has_value()) {
       return core::WithReason(
           absl::AbortedError(absl::StrCat(
