@@ -172,6 +172,12 @@ absl::StatusOr<HeadState> DecodeChecked(const std::string& bytes, const std::str
   ASSIGN_OR_RETURN(state.head_id, MetadataString(metadata, "head_id", source));
   ASSIGN_OR_RETURN(state.state_id, MetadataString(metadata, "state_id", source));
   ASSIGN_OR_RETURN(state.weight_version, MetadataInt(metadata, "weight_version", source));
+  for (auto [key, slot] : {std::pair{"vocab_offset", &state.vocab_offset},
+                           std::pair{"vocab_size", &state.vocab_size}}) {
+    if (metadata.contains(key)) {  // absent in the states of one server
+      ASSIGN_OR_RETURN(*slot, MetadataInt(metadata, key, source));
+    }
+  }
   ASSIGN_OR_RETURN(state.optimizer.kind, MetadataString(metadata, "optimizer.kind", source));
   ASSIGN_OR_RETURN(state.optimizer.steps, MetadataInt(metadata, "optimizer.steps", source));
   ASSIGN_OR_RETURN(const std::string hyper,
@@ -193,6 +199,11 @@ absl::StatusOr<HeadState> DecodeChecked(const std::string& bytes, const std::str
   if (!state.weight.defined() || state.weight.dim() != 2 || state.weight.size(0) < 1 ||
       state.weight.size(1) < 1) {
     return Corrupt(source, "no weight matrix");
+  }
+  if (state.vocab_offset < 0 || state.vocab_size < 0 ||
+      (state.vocab_size > 0 && state.vocab_offset + state.weight.size(0) > state.vocab_size) ||
+      (state.vocab_size == 0 && state.vocab_offset != 0)) {
+    return Corrupt(source, "rows outside the head they are a shard of");
   }
   const bool bias_ok = !state.bias.defined() ||
                        (state.bias.dim() == 1 && state.bias.size(0) == state.weight.size(0));
@@ -264,6 +275,8 @@ absl::StatusOr<std::string> EncodeHeadState(const HeadState& state) {
                             {"head_id", state.head_id},
                             {"state_id", state.state_id},
                             {"weight_version", absl::StrCat(state.weight_version)},
+                            {"vocab_offset", absl::StrCat(state.vocab_offset)},
+                            {"vocab_size", absl::StrCat(state.vocab_size)},
                             {"optimizer.kind", state.optimizer.kind},
                             {"optimizer.steps", absl::StrCat(state.optimizer.steps)},
                             {"optimizer.hyper_parameters", hyper.dump()}};
@@ -287,16 +300,34 @@ absl::StatusOr<HeadState> DecodeHeadState(const std::string& bytes, const std::s
   }
 }
 
-absl::Status ApplyHeadState(const HeadState& state, Head* head, OptimizerState* optimizer) {
-  torch::NoGradGuard no_grad;
-  if (state.weight.sizes() != head->weight().sizes() ||
-      state.weight.scalar_type() != head->dtype() || state.bias.defined() != head->has_bias()) {
+absl::Status CheckHeadStateRows(const HeadState& state, int64_t vocab_size, int64_t offset) {
+  const int64_t rows = state.weight.size(0);
+  const int64_t saved_size = state.vocab_size > 0 ? state.vocab_size : rows;
+  if (saved_size != vocab_size || state.vocab_offset != offset) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state_id: expected rows [", offset, ", ", offset + rows, ") of head \"", state.head_id,
+        "\" of ", vocab_size, " rows (this rank's shard); got the state of rows [",
+        state.vocab_offset, ", ", state.vocab_offset + rows, ") of a head of ", saved_size,
+        " rows (saved by another layout of the head group)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckHeadStateFits(const HeadState& state, const Head& head) {
+  if (state.weight.sizes() != head.weight().sizes() ||
+      state.weight.scalar_type() != head.dtype() || state.bias.defined() != head.has_bias()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "state_id: expected a state of head \"", state.head_id, "\"'s shape ",
-        c10::str(head->weight().sizes()), " ", DtypeName(head->dtype()),
-        head->has_bias() ? " with bias" : " without bias", "; got ", c10::str(state.weight.sizes()),
+        c10::str(head.weight().sizes()), " ", DtypeName(head.dtype()),
+        head.has_bias() ? " with bias" : " without bias", "; got ", c10::str(state.weight.sizes()),
         " ", DtypeName(state.weight.scalar_type()), state.bias.defined() ? " with bias" : ""));
   }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyHeadState(const HeadState& state, Head* head, OptimizerState* optimizer) {
+  torch::NoGradGuard no_grad;
+  RETURN_IF_ERROR(CheckHeadStateFits(state, *head));
   head->mutable_weight().copy_(state.weight);
   if (head->has_bias()) head->mutable_bias().copy_(state.bias);
   head->RestoreVersion(state.weight_version);

@@ -1,4 +1,33 @@
 #include "vocab_ops.h"
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <functional>
+#include <ATen/Parallel.h>
+namespace {  // DBG-TEMP
+void DbgLse(const char* what, const torch::Tensor& z, const torch::Tensor& r) {
+  const char* path = std::getenv("RH_DBG");
+  if (path == nullptr) return;
+  torch::NoGradGuard g;
+  torch::Tensor zc = z.detach().clone();
+  torch::Tensor r2 = torch::logsumexp(zc, 1);
+  torch::Tensor r3 = torch::logsumexp(zc.to(torch::kDouble), 1);
+  FILE* f = std::fopen(path, "a");
+  std::fprintf(f, "%s tid=%zu nthr=%d inpar=%d ptr=%p sizes=%ld,%ld strides=%ld,%ld zsum=%.17g r=%.17g r2=%.17g r3=%.17g maxdiff=%.9g\n",
+               what, std::hash<std::thread::id>()(std::this_thread::get_id()), at::get_num_threads(),
+               (int)at::in_parallel_region(), z.data_ptr(), (long)z.size(0), (long)z.size(1),
+               (long)z.stride(0), (long)z.stride(1), zc.to(torch::kDouble).sum().item<double>(),
+               r.detach().to(torch::kDouble).sum().item<double>(), r2.to(torch::kDouble).sum().item<double>(),
+               r3.sum().item<double>(), (r.detach() - r2).abs().max().item<double>());
+  if (!torch::equal(r.detach(), r2)) {
+    torch::Tensor d = r.detach() - r2;
+    for (int64_t i = 0; i < d.size(0); ++i) {
+      std::fprintf(f, "  row %ld r=%.9g r2=%.9g r3=%.12g\n", (long)i, r[i].item<double>(), r2[i].item<double>(), r3[i].item<double>());
+    }
+  }
+  std::fclose(f);
+}
+}  // namespace
 
 namespace remotehead::core {
 namespace {
@@ -12,7 +41,9 @@ torch::Tensor ColumnsSoftmaxMean(const torch::Tensor& e, const torch::Tensor& z,
 }  // namespace
 
 torch::Tensor LocalVocabOps::LogSumExp(const torch::Tensor& z) const {
-  return torch::logsumexp(z, 1);
+  torch::Tensor r = torch::logsumexp(z, 1);
+  DbgLse("lse", z, r);
+  return r;
 }
 
 torch::Tensor LocalVocabOps::Sum(const torch::Tensor& e) const { return e.sum(1); }
@@ -24,7 +55,9 @@ torch::Tensor LocalVocabOps::AtTarget(const torch::Tensor& e, const torch::Tenso
 // log_softmax's fused kernels (one pass forward, one backward) rather than logsumexp's several.
 torch::Tensor LocalVocabOps::LogSoftmaxAtTarget(const torch::Tensor& z,
                                                 const torch::Tensor& targets) const {
-  return AtTarget(torch::log_softmax(z, 1), targets);
+  torch::Tensor ls = torch::log_softmax(z, 1);
+  if (std::getenv("RH_DBG")) { torch::NoGradGuard g; DbgLse("lsm", z, (z.detach() - ls.detach()).select(1, 0)); }
+  return AtTarget(ls, targets);
 }
 
 torch::Tensor LocalVocabOps::SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const {

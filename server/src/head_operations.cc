@@ -485,14 +485,18 @@ absl::StatusOr<HeadDescription> HeadOperations::StepHere(const std::string& id,
       spec.zero_gradients));
   LogEvent(
       absl::StrCat("optimizer step (", sgd ? "sgd" : "adamw", "): ", Summary(entry->Describe())));
-  if (state_store_ != nullptr && checkpoint_every_steps_ > 0 &&
-      entry->Describe().weight_version % checkpoint_every_steps_ == 0) {
-    // The step itself happened: failing it now would make a retrying client step twice.
-    if (const auto saved = SaveState(id); !saved.ok()) {
-      LogEvent(absl::StrCat("head state NOT saved: \"", id, "\": ", saved.status().ToString()));
-    }
-  }
   return entry->Describe();
+}
+
+void HeadOperations::SaveAfterStep(const std::string& id, int64_t version) {
+  if (state_store_ == nullptr || checkpoint_every_steps_ <= 0 ||
+      version % checkpoint_every_steps_ != 0) {
+    return;
+  }
+  if (mesh_ != nullptr && !mesh_->is_leader()) return;  // the leader saves every replica's
+  if (const auto saved = SaveState(id); !saved.ok()) {
+    LogEvent(absl::StrCat("head state NOT saved: \"", id, "\": ", saved.status().ToString()));
+  }
 }
 
 absl::StatusOr<StateStore*> HeadOperations::Store() const {
@@ -503,12 +507,28 @@ absl::StatusOr<StateStore*> HeadOperations::Store() const {
   return state_store_;
 }
 
+int64_t HeadOperations::OwnOffset(const HeadDescription& d) const {
+  return group_ != nullptr ? d.shards.at(static_cast<size_t>(group_->rank())).offset : 0;
+}
+
 absl::StatusOr<HeadDescription> HeadOperations::SaveState(const std::string& id) {
+  RETURN_IF_ERROR(Store().status());
+  RETURN_IF_ERROR(registry_->Get(id).status());
+  const std::string state_id = StateStore::NewStateId();
+  return OnEveryRank<HeadDescription>(SaveStateCommand(id, state_id),
+                                      [&] { return SaveStateHere(id, state_id); });
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::SaveStateHere(const std::string& id,
+                                                              const std::string& state_id) {
   ASSIGN_OR_RETURN(StateStore* const store, Store());
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
-  const core::HeadState state = entry->CaptureState(StateStore::NewStateId());
-  RETURN_IF_ERROR(store->Save(state));
+  core::HeadState state = entry->CaptureState(state_id);
   const HeadDescription d = entry->Describe();
+  // Which rows of which head this is: a restore at start checks them against its own.
+  state.vocab_size = d.vocab_size;
+  state.vocab_offset = OwnOffset(d);
+  RETURN_IF_ERROR(store->Save(state));
   LogEvent(absl::StrCat("head state saved: \"", id, "\" version ", state.weight_version, " as ",
                         state.state_id));
   return d;
@@ -516,9 +536,31 @@ absl::StatusOr<HeadDescription> HeadOperations::SaveState(const std::string& id)
 
 absl::StatusOr<HeadDescription> HeadOperations::RestoreState(const std::string& id,
                                                              const std::string& state_id) {
+  RETURN_IF_ERROR(Store().status());
+  RETURN_IF_ERROR(StateStore::CheckStateId(state_id));
+  RETURN_IF_ERROR(registry_->Get(id).status());
+  if (group_ != nullptr || mesh_ != nullptr) {
+    RETURN_IF_ERROR(RunOnEveryRank(RestoreStateCommand(id, state_id, /*check_only=*/true), [&] {
+      return RestoreStateHere(id, state_id, /*check_only=*/true).status();
+    }));
+  }
+  return OnEveryRank<HeadDescription>(RestoreStateCommand(id, state_id, /*check_only=*/false),
+                                      [&] { return RestoreStateHere(id, state_id, false); });
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::RestoreStateHere(const std::string& id,
+                                                                 const std::string& state_id,
+                                                                 bool check_only) {
   ASSIGN_OR_RETURN(StateStore* const store, Store());
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   ASSIGN_OR_RETURN(const core::HeadState state, store->Load(id, state_id));
+  const HeadDescription before = entry->Describe();
+  RETURN_IF_ERROR(core::CheckHeadStateRows(state, before.vocab_size, OwnOffset(before)));
+  if (check_only) {
+    RETURN_IF_ERROR(entry->Read(
+        [&](const core::Head& head) { return core::CheckHeadStateFits(state, head); }));
+    return before;
+  }
   RETURN_IF_ERROR(entry->RestoreState(
       state, /*at_start=*/false,
       ResizeOf(*entry, absl::StrCat("the optimizer state of head \"", id, "\" in ", state_id))));
@@ -529,6 +571,11 @@ absl::StatusOr<HeadDescription> HeadOperations::RestoreState(const std::string& 
 
 absl::Status HeadOperations::SaveAllStates() {
   if (state_store_ == nullptr) return absl::OkStatus();
+  if (group_ != nullptr || mesh_ != nullptr) {
+    LogEvent("head states not saved at shutdown: a head group's are saved at its steps "
+             "(--checkpoint_every_steps) and on request");
+    return absl::OkStatus();
+  }
   // Each head on its own: one that cannot be saved never keeps the others from being saved.
   const auto entries = registry_->List();
   std::vector<std::string> failed;

@@ -90,10 +90,20 @@ class HeadOperations {
   // On a mesh: this replica's part of the mesh's step, on every rank of the replica: dW summed
   // over the replicas (HeadMesh::SumOverReplicas), then the step.
   absl::StatusOr<HeadDescription> ReduceStep(const std::string& id, const OptimizerStepSpec& spec);
-  // Durable training state: FAILED_PRECONDITION without a state store.
+  // Durable training state: FAILED_PRECONDITION without a state store. On a head group or a
+  // mesh every rank saves (restores) its own shard under one state id, chosen here: a state is
+  // whole only where every rank has it (state_restore.h). A restore is checked on every rank
+  // before any rank applies it, so a rank that lacks the file changes nothing anywhere.
   absl::StatusOr<HeadDescription> SaveState(const std::string& id);
   absl::StatusOr<HeadDescription> RestoreState(const std::string& id, const std::string& state_id);
-  // Saves every head's state, each on its own; INTERNAL naming every head not saved.
+  // After an optimizer step that brought head `id` to `version`: its state saved every
+  // --checkpoint_every_steps versions. On a mesh only the leader saves (for every replica, in
+  // the mesh's log); a failed save is logged, never the step's failure (the step happened: a
+  // retrying client would step twice).
+  void SaveAfterStep(const std::string& id, int64_t version);
+  // At shutdown: saves every head's state, each on its own; INTERNAL naming every head not
+  // saved. Nothing on a head group or a mesh: its ranks stop each on its own signal, so no
+  // state could be saved by all of them (theirs are saved at steps and on request).
   absl::Status SaveAllStates();
 
   // The local parts of the operations: what every rank of a head group runs on its own rows
@@ -120,6 +130,11 @@ class HeadOperations {
                                                  const OptimizerStepSpec& spec) {
     return StepHere(id, spec, /*over_replicas=*/true);
   }
+  // This rank's shard of head `id` saved as `state_id`; restored from it (with `check_only`,
+  // only loaded and checked against the head).
+  absl::StatusOr<HeadDescription> SaveStateHere(const std::string& id, const std::string& state_id);
+  absl::StatusOr<HeadDescription> RestoreStateHere(const std::string& id,
+                                                   const std::string& state_id, bool check_only);
 
  private:
   // This rank's rows of a head of `vocab_size` rows, and every rank's (empty off a group).
@@ -186,6 +201,8 @@ class HeadOperations {
       std::vector<core::ShardRange> shards = {});
 
   absl::StatusOr<StateStore*> Store() const;
+  // The first row of this rank's shard of a head described as `d` (0 off a group).
+  int64_t OwnOffset(const HeadDescription& d) const;
   // The checkpoint directory, or FAILED_PRECONDITION naming `field` when there is none.
   absl::StatusOr<const core::CheckpointDir*> CheckpointDirFor(const std::string& field) const;
 

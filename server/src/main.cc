@@ -32,6 +32,7 @@
 #include "group/front_address.h"
 #include "remotehead/server/credentials.h"
 #include "group/join.h"
+#include "state_restore.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_service.h"
 #include "remotehead/server/metrics.h"
@@ -187,22 +188,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Security() {
   std::cout << "remotehead-server: security: " << rh::server::DescribeSecurityMode(tls)
             << std::endl;
   return credentials;
-}
-
-// Every head of the state store, back at its saved version with its optimizer state.
-absl::Status RestoreHeads(const rh::server::StateStore& store, const torch::Device& device,
-                          rh::server::HeadRegistry* registry) {
-  ASSIGN_OR_RETURN(const std::vector<rh::core::HeadState> states, store.LoadNewest());
-  for (const rh::core::HeadState& state : states) {
-    ASSIGN_OR_RETURN(auto head,
-                     rh::core::Head::FromTensors(state.weight, state.bias, {.device = device}));
-    ASSIGN_OR_RETURN(auto entry, registry->Add(state.head_id, std::move(head)));
-    RETURN_IF_ERROR(entry->RestoreState(state, /*at_start=*/true));
-    std::cout << "remotehead-server: head restored: \"" << state.head_id << "\" version "
-              << state.weight_version << " from " << store.dir() << " (state " << state.state_id
-              << ")" << std::endl;
-  }
-  return absl::OkStatus();
 }
 
 absl::Status LoadHeads(const torch::Device& device, rh::server::HeadGroup* group,
@@ -432,11 +417,6 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
   }
   config.trusted_network = absl::GetFlag(FLAGS_group_trusted_network);
   RETURN_IF_ERROR(rh::server::CheckGroupPlane(config));
-  if (config.size > 1 && !absl::GetFlag(FLAGS_state_dir).empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--state_dir: expected none on a head group (durable state is per server for now); got \"",
-        absl::GetFlag(FLAGS_state_dir), "\" with --group_size ", config.size));
-  }
   return config;
 }
 
@@ -460,16 +440,14 @@ int Run() {
   rh::server::HeadRegistry registry;
   std::unique_ptr<rh::server::StateStore> state_store;
   if (!absl::GetFlag(FLAGS_state_dir).empty()) {
-    auto opened = rh::server::StateStore::Open(absl::GetFlag(FLAGS_state_dir),
-                                               absl::GetFlag(FLAGS_state_keep));
+    auto opened = rh::server::StateStore::Open(
+        rh::server::RankStateDir(absl::GetFlag(FLAGS_state_dir), *group_config),
+        absl::GetFlag(FLAGS_state_keep));
     if (!opened.ok()) return Refuse(opened.status());
     state_store = *std::move(opened);
     if (state_store->removed_temporary_files() > 0) {
       std::cout << "remotehead-server: state: removed " << state_store->removed_temporary_files()
                 << " temporary file(s) of saves interrupted by a crash" << std::endl;
-    }
-    if (const absl::Status s = RestoreHeads(*state_store, *device, &registry); !s.ok()) {
-      return Refuse(s);
     }
   }
   const absl::StatusOr<rh::server::MeshOptions> mesh_options = rh::server::ResolveMeshOptions(
@@ -483,6 +461,13 @@ int Run() {
   }
   rh::server::HeadGroup* group = cluster->group.get();
   rh::server::HeadMesh* mesh = cluster->mesh.get();
+  if (state_store != nullptr) {
+    if (const absl::Status s =
+            rh::server::RestoreHeadsAtStart(*state_store, *cluster, *device, &registry, std::cout);
+        !s.ok()) {
+      return Refuse(s);
+    }
+  }
   if (const absl::Status s = LoadHeads(*device, group, &registry); !s.ok()) {
     return Refuse(s);
   }

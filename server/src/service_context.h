@@ -43,8 +43,11 @@ struct ServiceContext {
   absl::StatusOr<HeadDescription> StepOptimizer(const std::string& head_id,
                                                 const std::optional<SyncStepRequest>& first,
                                                 const OptimizerStepSpec& spec) {
-    if (options.mesh != nullptr) return mesh_steps.Step(head_id, first, spec);
-    return operations.OptimizerStep(head_id, spec);
+    absl::StatusOr<HeadDescription> stepped = options.mesh != nullptr
+                                                  ? mesh_steps.Step(head_id, first, spec)
+                                                  : operations.OptimizerStep(head_id, spec);
+    if (stepped.ok()) operations.SaveAfterStep(head_id, stepped->weight_version);
+    return stepped;
   }
 
   // How long a replica's front waits for its own trainers once the leader's step came: the

@@ -140,13 +140,16 @@ absl::Status StateStore::Save(const core::HeadState& state) {
   return absl::OkStatus();
 }
 
+absl::Status StateStore::CheckStateId(const std::string& state_id) {
+  if (IsStateId(state_id)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "state_id: expected an id from SaveHeadState (20 digits, '-', 16 hex digits); got \"",
+      state_id, "\""));
+}
+
 absl::StatusOr<core::HeadState> StateStore::Load(const std::string& head_id,
                                                  const std::string& state_id) const {
-  if (!IsStateId(state_id)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "state_id: expected an id from SaveHeadState (20 digits, '-', 16 hex digits); got \"",
-        state_id, "\""));
-  }
+  RETURN_IF_ERROR(CheckStateId(state_id));
   // No lock: saves publish whole files by rename and a pruned file stays readable while open.
   // A client's request: files are named relative to the directory, never by the server's path.
   const std::string relative = StateFile(EscapeId(head_id), state_id);
@@ -166,8 +169,8 @@ absl::StatusOr<core::HeadState> StateStore::Load(const std::string& head_id,
   return state;
 }
 
-absl::StatusOr<std::vector<core::HeadState>> StateStore::LoadNewest() const {
-  std::vector<core::HeadState> states;
+absl::StatusOr<std::map<std::string, std::vector<std::string>>> StateStore::Listing() const {
+  std::map<std::string, std::vector<std::string>> listing;
   ASSIGN_OR_RETURN(const std::vector<DirEntry> heads, root_->List("", "--state_dir"));
   for (const DirEntry& head_dir : heads) {
     if (head_dir.kind == DirEntry::Kind::kLink) {
@@ -177,21 +180,24 @@ absl::StatusOr<std::vector<core::HeadState>> StateStore::LoadNewest() const {
           "states must be files in it)"));
     }
     if (head_dir.kind != DirEntry::Kind::kDirectory) continue;  // not a head's
-    ASSIGN_OR_RETURN(const std::vector<std::string> ids, StateIds(head_dir.name));
-    if (ids.empty()) continue;
-    // The operator's start: the file by its whole path.
-    const std::string relative = StateFile(head_dir.name, ids.back());
-    ASSIGN_OR_RETURN(core::HeadState state,
-                     Read(relative, "--state_dir", absl::StrCat(dir_, "/", relative)));
-    if (EscapeId(state.head_id) != head_dir.name) {
-      return absl::DataLossError(absl::StrCat("--state_dir: \"", head_dir.name, "/", ids.back(),
-                                              kSuffix,
-                                              "\": expected a state of the head this directory "
-                                              "is named after"));
-    }
-    states.push_back(std::move(state));
+    ASSIGN_OR_RETURN(std::vector<std::string> ids, StateIds(head_dir.name));
+    if (!ids.empty()) listing[head_dir.name] = std::move(ids);
   }
-  return states;
+  return listing;
+}
+
+absl::StatusOr<core::HeadState> StateStore::LoadAtStart(const std::string& head_dir,
+                                                        const std::string& state_id) const {
+  // The operator's start: the file by its whole path.
+  const std::string relative = StateFile(head_dir, state_id);
+  ASSIGN_OR_RETURN(core::HeadState state,
+                   Read(relative, "--state_dir", absl::StrCat(dir_, "/", relative)));
+  if (EscapeId(state.head_id) != head_dir || state.state_id != state_id) {
+    return absl::DataLossError(absl::StrCat("--state_dir: \"", relative,
+                                            "\": expected the state this file is named after, "
+                                            "of the head its directory is named after"));
+  }
+  return state;
 }
 
 void StateStore::Remove(const std::string& head_id) {

@@ -96,5 +96,38 @@ TEST(HeadState, AStateOfAnotherShapeChangesNothing) {
   EXPECT_EQ(head->version(), 0);
 }
 
+// A head group's rank saves its shard: the file says which rows of which head they are, and a
+// rank restores only its own rows of a head of the same size.
+TEST(HeadState, AShardSaysWhichRowsItHoldsAndOnlyThoseAreRestored) {
+  std::unique_ptr<Head> head = NewHead(5);  // rows [40, 80) of a head of 120
+  HeadState state = CaptureHeadState("lm", "s1", *head, {});
+  state.vocab_offset = 40;
+  state.vocab_size = 120;
+  auto bytes = EncodeHeadState(state);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto decoded = DecodeHeadState(*bytes, "/state/rank-1/lm/s1.safetensors");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->vocab_offset, 40);
+  EXPECT_EQ(decoded->vocab_size, 120);
+  EXPECT_TRUE(CheckHeadStateRows(*decoded, 120, 40).ok());
+  for (const auto& [size, offset] : {std::pair{120, 0}, std::pair{121, 40}, std::pair{40, 0}}) {
+    const absl::Status s = CheckHeadStateRows(*decoded, size, offset);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("got the state of rows [40, 80) of a head of 120 rows"),
+              std::string::npos)
+        << s;
+  }
+  // One server's state: the whole head.
+  const HeadState whole = CaptureHeadState("lm", "s2", *head, {});
+  EXPECT_TRUE(CheckHeadStateRows(whole, 40, 0).ok());
+  EXPECT_FALSE(CheckHeadStateRows(whole, 80, 0).ok());
+  // Rows outside the head they claim to be a shard of: never decoded.
+  state.vocab_size = 60;
+  auto outside = EncodeHeadState(state);
+  ASSERT_TRUE(outside.ok());
+  const auto refused = DecodeHeadState(*outside, "f");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
+}
+
 }  // namespace
 }  // namespace remotehead::core

@@ -7,6 +7,7 @@ logged losses, the head (from the server, or the local lm_head) and the body's p
 
 import argparse
 import os
+import signal
 
 import torch
 import transformers
@@ -28,6 +29,24 @@ def dataset(rows, seed=2):
     return out
 
 
+class Killed(Exception):
+    pass
+
+
+class KillAt(transformers.TrainerCallback):
+    """SIGKILL to a server process at the end of step `step` (by rank 0), then this run ends:
+    a rank of the head's mesh lost mid-run."""
+
+    def __init__(self, step, pid):
+        self.step, self.pid = step, pid
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            if state.is_world_process_zero:
+                os.kill(self.pid, signal.SIGKILL)
+            raise Killed(f"killed server process {self.pid} at step {self.step}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--server", default="",
@@ -41,6 +60,8 @@ def main():
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--resume", default="", help="a checkpoint directory to resume from "
                         "(the head is on the server already: not uploaded)")
+    parser.add_argument("--kill-at", default="", help="STEP:PID: rank 0 sends SIGKILL to PID "
+                        "(a server process) at the end of that step, then stops this run")
     parser.add_argument("--out", required=True)
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
@@ -54,6 +75,9 @@ def main():
         head = remotehead.hf.offload_lm_head(model, client, args.head_id,
                                              upload=not args.resume)
         callbacks.append(remotehead.hf.RemoteHeadCallback(head))
+    if args.kill_at:
+        step, pid = (int(x) for x in args.kill_at.split(":"))
+        callbacks.append(KillAt(step, pid))
     training = transformers.TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accumulation, learning_rate=3e-3, weight_decay=0.01,

@@ -282,12 +282,13 @@ def test_the_statefulset_matches_the_server(overlay):
         assert host_port(command[-1]) == ("127.0.0.1", ports["grpc"])
     assert probes[0]["failureThreshold"] * probes[0]["periodSeconds"] >= 120
 
-    # Durable state: the claim is mounted on every rank; --state_dir only on a single server.
+    # Durable state: the claim is mounted on every rank, and --state_dir is it on every rank
+    # (a group's rank keeps its shard's states there, in rank-<g>).
     [claim] = spec["volumeClaimTemplates"]
     state_mount = [m["mountPath"] for m in container["volumeMounts"]
                    if m["name"] == claim["metadata"]["name"]]
     assert state_mount == ["/var/lib/remotehead/state"]
-    assert resolved["--state_dir"] == ("" if size > 1 else state_mount[0])
+    assert resolved["--state_dir"] == state_mount[0]
 
     # The image's user; a PodDisruptionBudget over every rank that lets none go.
     assert pod["securityContext"]["runAsUser"] == uid
@@ -689,7 +690,8 @@ def test_the_cpu_mesh_of_two_groups_runs_as_its_manifests_say_and_trains(tmp_pat
     """overlays/cpu-r2-k2: 4 pods, 2 replicas of groups of 2. Every pod ready by its probe, each
     knows its replica and shard; two trainers, each at its own replica front's Service (trainer
     t at remotehead-replica-(t mod 2)), add their micro-batches and take synchronous SGD steps:
-    both replicas hold the same weights, equal to a float64 torch reference of the average."""
+    both replicas hold the same weights, equal to a float64 torch reference of the average; a
+    saved state lands on every pod's claim, as that rank's shard, under one state id."""
     documents = render("overlays/cpu-r2-k2")
     cluster, names, pods, cert, token = start_statefulset(documents, tmp_path)
     assert len(names) == 4
@@ -733,6 +735,11 @@ def test_the_cpu_mesh_of_two_groups_runs_as_its_manifests_say_and_trains(tmp_pat
                     exported.append(client.export_weights("mesh")[0])
             assert torch.equal(exported[0], exported[1])
             torch.testing.assert_close(exported[0].double(), reference, rtol=1e-4, atol=1e-5)
+            # Durable state: every pod saves its shard on its own claim, under one state id.
+            state_id = leader.save_head_state("mesh").state_id
+        for g, name in enumerate(names):
+            claim = pods[name][2]["/var/lib/remotehead/state"]
+            assert (claim / f"rank-{g}" / "mesh" / f"{state_id}.safetensors").is_file(), name
     finally:
         codes = cluster.stop()
     assert codes == [0, 0, 0, 0], "".join(p[1].read_text() for p in pods.values())

@@ -390,7 +390,6 @@ TEST(HeadGroupFlagsTest, BadFlagsExitTwoNamingTheFlag) {
       {{"--group_size=2", "--group_rank=0", "--group_store=nohost"}, "--group_store"},
       {{"--group_size=2", "--group_rank=0", "--group_timeout_seconds=0"},
        "--group_timeout_seconds"},
-      {{"--group_size=2", "--group_rank=0", "--state_dir=/tmp/x"}, "--state_dir"},
   };
   for (const auto& [flags, named] : cases) {
     std::vector<std::string> argv = {REMOTEHEAD_SERVER_BINARY, "--listen=127.0.0.1:0",

@@ -363,8 +363,10 @@ class Client:
 
     def save_head_state(self, head_id: str) -> HeadInfo:
         """Writes the head's whole training state (weights, optimizer state, version) on the
-        server now; the returned info's state_id names it for restore_head_state."""
-        return _info(self._unary(self._stub.SaveHeadState, pb.HeadRef(head_id=head_id)).info)
+        server now (on a head group or a mesh: every rank its shard, under one state id); the
+        returned info's state_id names it for restore_head_state."""
+        return _info(self._to_leader(
+            lambda stub: self._unary(stub.SaveHeadState, pb.HeadRef(head_id=head_id))).info)
 
     def restore_head_state(self, head_id: str, state_id: str) -> HeadInfo:
         """Puts the head back to a saved state (weights, optimizer state, version); its

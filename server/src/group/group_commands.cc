@@ -73,6 +73,23 @@ v1::GroupCommand HeadCommand(HeadCommandKind kind, const std::string& id) {
   return command;
 }
 
+v1::GroupCommand SaveStateCommand(const std::string& id, const std::string& state_id) {
+  v1::GroupCommand command;
+  command.mutable_save_state()->set_head_id(id);
+  command.mutable_save_state()->set_state_id(state_id);
+  return command;
+}
+
+v1::GroupCommand RestoreStateCommand(const std::string& id, const std::string& state_id,
+                                     bool check_only) {
+  v1::GroupCommand command;
+  v1::GroupHeadState* restore = command.mutable_restore_state();
+  restore->set_head_id(id);
+  restore->set_state_id(state_id);
+  restore->set_check_only(check_only);
+  return command;
+}
+
 v1::GroupCommand OptimizerStepCommand(const std::string& id, const OptimizerStepSpec& spec) {
   v1::GroupCommand command;
   v1::OptimizerStepRequest* step = command.mutable_optimizer_step();

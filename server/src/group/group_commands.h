@@ -26,6 +26,11 @@ v1::GroupCommand UploadCommand(const std::string& id, const torch::Tensor& weigh
 v1::GroupCommand UndoCreateCommand(const std::string& id);
 v1::GroupCommand HeadCommand(HeadCommandKind kind, const std::string& id);
 v1::GroupCommand OptimizerStepCommand(const std::string& id, const OptimizerStepSpec& spec);
+// A head's state saved (restored) on every rank under `state_id`; `check_only`: every rank only
+// checks that it could restore it.
+v1::GroupCommand SaveStateCommand(const std::string& id, const std::string& state_id);
+v1::GroupCommand RestoreStateCommand(const std::string& id, const std::string& state_id,
+                                     bool check_only);
 v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::ScalarType> dtype,
                                bool gradients);
 

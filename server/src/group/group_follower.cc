@@ -59,6 +59,16 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
       ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(command.reduce_step()));
       return operations_->ReduceStepHere(command.reduce_step().head_id(), spec).status();
     }
+    case v1::GroupCommand::kSaveState:
+      return operations_
+          ->SaveStateHere(command.save_state().head_id(), command.save_state().state_id())
+          .status();
+    case v1::GroupCommand::kRestoreState: {
+      const v1::GroupHeadState& restore = command.restore_state();
+      return operations_
+          ->RestoreStateHere(restore.head_id(), restore.state_id(), restore.check_only())
+          .status();
+    }
     case v1::GroupCommand::kGather: {
       const v1::GroupGather& gather = command.gather();
       ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,

@@ -6,63 +6,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "group/exchange.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
-namespace {
-
-// A verdict on the wire: its status code, its reason (core::SerializeReason) and as much of its
-// message as fits, each text with its length first.
-constexpr int64_t kVerdictBytes = 2048;
-
-torch::Tensor EncodeVerdict(const absl::Status& status) {
-  torch::Tensor t = torch::zeros({kVerdictBytes}, torch::kUInt8);
-  auto* out = t.data_ptr<uint8_t>();
-  size_t at = 0;
-  auto put = [&](const void* data, size_t n) {
-    n = std::min<size_t>(n, kVerdictBytes - at);
-    std::memcpy(out + at, data, n);
-    at += n;
-  };
-  const int32_t code = static_cast<int32_t>(status.code());
-  put(&code, sizeof(code));
-  std::string reason = core::SerializeReason(status);
-  if (reason.size() > kVerdictBytes / 2) reason.clear();
-  const uint32_t reason_size = static_cast<uint32_t>(reason.size());
-  put(&reason_size, sizeof(reason_size));
-  put(reason.data(), reason.size());
-  const absl::string_view message = status.message();
-  const uint32_t message_size =
-      static_cast<uint32_t>(std::min<size_t>(message.size(), kVerdictBytes - at - 4));
-  put(&message_size, sizeof(message_size));
-  put(message.data(), message_size);
-  return t;
-}
-
-absl::Status DecodeVerdict(const torch::Tensor& t) {
-  const torch::Tensor cpu = t.contiguous().cpu();
-  const auto* in = cpu.data_ptr<uint8_t>();
-  size_t at = 0;
-  auto take = [&](void* data, size_t n) {
-    n = std::min<size_t>(n, kVerdictBytes - at);
-    std::memcpy(data, in + at, n);
-    at += n;
-  };
-  int32_t code = 0;
-  take(&code, sizeof(code));
-  uint32_t n = 0;
-  take(&n, sizeof(n));
-  std::string reason(std::min<size_t>(n, kVerdictBytes - at), '\0');
-  take(reason.data(), reason.size());
-  take(&n, sizeof(n));
-  std::string message(std::min<size_t>(n, kVerdictBytes - at), '\0');
-  take(message.data(), message.size());
-  return core::WithSerializedReason(absl::Status(static_cast<absl::StatusCode>(code), message),
-                                    reason);
-}
-
-}  // namespace
 
 uint64_t HashTensors(const std::vector<torch::Tensor>& tensors) {
   // FNV-1a over 64-bit words (then the tail's bytes): any changed bit changes the hash; not
@@ -159,11 +107,9 @@ absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& t
 }
 
 absl::StatusOr<std::vector<absl::Status>> HeadMesh::ExchangeVerdicts(const absl::Status& mine) {
-  torch::Tensor verdict = EncodeVerdict(mine);
-  if (peers().config().device.is_cuda()) verdict = verdict.to(peers().config().device);
-  ASSIGN_OR_RETURN(const torch::Tensor all, peers().AllGather(verdict));
+  ASSIGN_OR_RETURN(const std::vector<std::string> all, AllGatherStrings(peers(), EncodeStatus(mine)));
   std::vector<absl::Status> verdicts;
-  for (int r = 0; r < replicas_; ++r) verdicts.push_back(DecodeVerdict(all[r]));
+  for (const std::string& verdict : all) verdicts.push_back(DecodeStatus(verdict));
   return verdicts;
 }
 

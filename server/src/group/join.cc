@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "group/exchange.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
@@ -44,6 +45,22 @@ absl::Status Cluster::health() const {
   if (group != nullptr) RETURN_IF_ERROR(group->health());
   if (mesh != nullptr) RETURN_IF_ERROR(mesh->health());
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> Cluster::AllGather(const std::string& mine) const {
+  std::vector<std::string> replica = {mine};
+  if (group != nullptr) {
+    ASSIGN_OR_RETURN(replica, AllGatherStrings(group->collectives(), mine));
+  }
+  if (mesh == nullptr) return replica;
+  ASSIGN_OR_RETURN(const std::vector<std::string> replicas,
+                   AllGatherStrings(mesh->peers(), PackStrings(replica)));
+  std::vector<std::string> world;
+  for (const std::string& packed : replicas) {
+    ASSIGN_OR_RETURN(const std::vector<std::string> ranks, UnpackStrings(packed));
+    world.insert(world.end(), ranks.begin(), ranks.end());
+  }
+  return world;
 }
 
 absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options) {

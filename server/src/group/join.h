@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "remotehead/server/group/head_group.h"
@@ -20,6 +21,9 @@ struct Cluster {
   bool serves() const { return group == nullptr || group->is_front(); }
   // OK while the group and the mesh work; else the first failure.
   absl::Status health() const;
+  // Every process's `mine`, by global rank (replica r's rank k at r·K + k), on every process:
+  // along the replica's group, then along the shard peers. {mine} for a server on its own.
+  absl::StatusOr<std::vector<std::string>> AllGather(const std::string& mine) const;
 };
 
 // The --mesh_* flags as options; INVALID_ARGUMENT naming the flag.

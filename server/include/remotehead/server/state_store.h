@@ -12,6 +12,7 @@
 // absolute path.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,10 +45,18 @@ class StateStore {
   // file) for a truncated or corrupted one.
   absl::StatusOr<core::HeadState> Load(const std::string& head_id,
                                        const std::string& state_id) const;
-  // The newest state of every head in the directory: what a starting server restores.
-  // DATA_LOSS naming the file if one of them cannot be loaded whole; PERMISSION_DENIED /
-  // INVALID_ARGUMENT naming the entry for a link or a file that is not a regular one.
-  absl::StatusOr<std::vector<core::HeadState>> LoadNewest() const;
+  // INVALID_ARGUMENT naming state_id unless it is an id NewStateId could have made.
+  static absl::Status CheckStateId(const std::string& state_id);
+  // Every head's state ids, oldest first, by the head's directory (its id, %-escaped): what a
+  // starting server chooses from (state_restore.h). PERMISSION_DENIED naming the entry for a
+  // link.
+  absl::StatusOr<std::map<std::string, std::vector<std::string>>> Listing() const;
+  // The state `state_id` of the head directory `head_dir` (a name from Listing), read as a
+  // start reads it: DATA_LOSS naming the file by its path if it cannot be loaded whole or is
+  // not the state its names say; PERMISSION_DENIED / INVALID_ARGUMENT naming a link or a file
+  // that is not a regular one.
+  absl::StatusOr<core::HeadState> LoadAtStart(const std::string& head_dir,
+                                              const std::string& state_id) const;
   // Deletes every state of the head (it was dropped).
   void Remove(const std::string& head_id);
 

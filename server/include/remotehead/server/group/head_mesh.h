@@ -84,10 +84,11 @@ class HeadMesh {
   double reduce_seconds() const { return reduce_nanoseconds_ * 1e-9; }
   std::map<std::string, CollectiveBytes> PeerBytes() const;
   int64_t checksums(bool matched) const { return matched ? matched_ : mismatched_; }
-
- private:
+  // This rank's shard peers: the R ranks that hold its rows in every replica, by replica.
   ProcessGroup& peers();
   const ProcessGroup& peers() const;
+
+ private:
 
   const int replica_;
   const int replicas_;

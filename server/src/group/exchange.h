@@ -1,0 +1,28 @@
+// Byte strings and statuses exchanged among the ranks of a group over its collectives (the data
+// plane): what a mesh's fronts say of a step (HeadMesh::ExchangeVerdicts) and what every rank of
+// a head group or mesh holds in its state directory at start (state_restore.h).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "remotehead/server/group/process_group.h"
+
+namespace remotehead::server {
+
+// Every rank's `mine`, by rank, identical on every rank (lengths first, then the bytes padded to
+// the longest). A failed collective's status otherwise.
+absl::StatusOr<std::vector<std::string>> AllGatherStrings(ProcessGroup& group,
+                                                          const std::string& mine);
+
+// Strings packed into one (each with its length first), and back; Unpack is INTERNAL for bytes
+// Pack did not make.
+std::string PackStrings(const std::vector<std::string>& strings);
+absl::StatusOr<std::vector<std::string>> UnpackStrings(const std::string& packed);
+
+// A status as bytes: its code, its reason (core::SerializeReason) and its message, and back.
+std::string EncodeStatus(const absl::Status& status);
+absl::Status DecodeStatus(const std::string& bytes);
+
+}  // namespace remotehead::server
