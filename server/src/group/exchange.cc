@@ -48,10 +48,9 @@ absl::StatusOr<std::vector<std::string>> UnpackStrings(const std::string& packed
     uint64_t n = 0;
     if (packed.size() - at < sizeof(n)) break;
     std::memcpy(&n, packed.data() + at, sizeof(n));
-    at += sizeof(n);
-    if (n > packed.size() - at) break;
-    out.push_back(packed.substr(at, n));
-    at += n;
+    if (n > packed.size() - at - sizeof(n)) break;
+    out.push_back(packed.substr(at + sizeof(n), n));
+    at += sizeof(n) + n;
   }
   if (at != packed.size()) {
     return absl::InternalError(absl::StrCat("group exchange: expected packed strings; got ",
