@@ -20,6 +20,7 @@ every rank holds.
   uninterrupted run on the same layout (losses of steps 4-6 and the head, relative 1e-6).
 """
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -48,6 +49,18 @@ def start(state_dir, replicas, per_replica, *flags):
                                 "--sync_step_timeout_seconds=4", f"--state_dir={state_dir}",
                                 *flags),
                           timeout_seconds=10).start()
+
+
+@contextlib.contextmanager
+def running(state_dir, replicas=2, per_replica=2, *flags):
+    """A mesh (a group for replicas=1) with a head "h", stopped cleanly at the end."""
+    mesh = start(state_dir, replicas, per_replica, *flags)
+    try:
+        with remotehead.Client(mesh.fronts, rank=0) as client:
+            client.create_head("h", VOCAB, HIDDEN, seed=3)
+            yield mesh, client
+    finally:
+        stop(mesh)
 
 
 def logs(mesh):
@@ -97,50 +110,40 @@ def state_files(state_dir, size, head_id):
 @pytest.mark.parametrize("replicas,per_replica", [(1, 2), (2, 2)], ids=["group2", "mesh2x2"])
 def test_save_and_restore_run_on_every_rank_under_one_state_id(tmp_path, replicas, per_replica):
     state_dir = tmp_path / "state"
-    mesh = start(state_dir, replicas, per_replica)
-    try:
-        with remotehead.Client(mesh.fronts, rank=0) as client:
-            client.create_head("h", VOCAB, HIDDEN, seed=3)
-            train_step(mesh.fronts, "h", 0)
-            saved = client.save_head_state("h")
-            assert saved.weight_version == 1
-            files = state_files(state_dir, replicas * per_replica, "h")
-            assert files == [[saved.state_id + ".safetensors"]] * len(files), files
-            at_save = replica_weights(mesh, "h")
-            train_step(mesh.fronts, "h", 1)
-            after_first = replica_weights(mesh, "h")
-            train_step(mesh.fronts, "h", 2)
+    with running(state_dir, replicas, per_replica) as (mesh, client):
+        train_step(mesh.fronts, "h", 0)
+        saved = client.save_head_state("h")
+        assert saved.weight_version == 1
+        files = state_files(state_dir, replicas * per_replica, "h")
+        assert files == [[saved.state_id + ".safetensors"]] * len(files), files
+        at_save = replica_weights(mesh, "h")
+        train_step(mesh.fronts, "h", 1)
+        after_first = replica_weights(mesh, "h")
+        train_step(mesh.fronts, "h", 2)
 
-            restored = client.restore_head_state("h", saved.state_id)
-            assert restored.weight_version == 1
-            for (w, version), (w_saved, _) in zip(replica_weights(mesh, "h"), at_save):
-                assert version == 1 and torch.equal(w, w_saved)
-            # The optimizer state came back too: the same step again gives the same weights.
-            train_step(mesh.fronts, "h", 1)
-            for (w, version), (w_then, _) in zip(replica_weights(mesh, "h"), after_first):
-                assert version == 2 and torch.equal(w, w_then)
-    finally:
-        stop(mesh)
+        restored = client.restore_head_state("h", saved.state_id)
+        assert restored.weight_version == 1
+        for (w, version), (w_saved, _) in zip(replica_weights(mesh, "h"), at_save):
+            assert version == 1 and torch.equal(w, w_saved)
+        # The optimizer state came back too: the same step again gives the same weights.
+        train_step(mesh.fronts, "h", 1)
+        for (w, version), (w_then, _) in zip(replica_weights(mesh, "h"), after_first):
+            assert version == 2 and torch.equal(w, w_then)
 
 
 def test_a_restore_that_one_rank_cannot_do_changes_no_rank(tmp_path):
     state_dir = tmp_path / "state"
-    mesh = start(state_dir, 2, 2)
-    try:
-        with remotehead.Client(mesh.fronts, rank=0) as client:
-            client.create_head("h", VOCAB, HIDDEN, seed=3)
-            saved = client.save_head_state("h")
-            train_step(mesh.fronts, "h", 0)
-            before = replica_weights(mesh, "h")
-            (state_dir / "rank-3" / "h" / f"{saved.state_id}.safetensors").unlink()
-            with pytest.raises(remotehead.RemoteheadError) as refused:
-                client.restore_head_state("h", saved.state_id)
-            assert refused.value.code.name == "NOT_FOUND", refused.value
-            assert saved.state_id in refused.value.details
-            for (w, version), (w_before, _) in zip(replica_weights(mesh, "h"), before):
-                assert version == 1 and torch.equal(w, w_before)
-    finally:
-        stop(mesh)
+    with running(state_dir) as (mesh, client):
+        saved = client.save_head_state("h")
+        train_step(mesh.fronts, "h", 0)
+        before = replica_weights(mesh, "h")
+        (state_dir / "rank-3" / "h" / f"{saved.state_id}.safetensors").unlink()
+        with pytest.raises(remotehead.RemoteheadError) as refused:
+            client.restore_head_state("h", saved.state_id)
+        assert refused.value.code.name == "NOT_FOUND", refused.value
+        assert saved.state_id in refused.value.details
+        for (w, version), (w_before, _) in zip(replica_weights(mesh, "h"), before):
+            assert version == 1 and torch.equal(w, w_before)
 
 
 def test_a_mesh_that_lost_a_rank_restarts_at_the_newest_state_every_rank_saved(tmp_path):
@@ -184,13 +187,8 @@ def test_a_mesh_that_lost_a_rank_restarts_at_the_newest_state_every_rank_saved(t
 
 def test_states_saved_by_another_layout_are_refused_by_every_rank(tmp_path):
     state_dir = tmp_path / "state"
-    mesh = start(state_dir, 2, 2)
-    try:
-        with remotehead.Client(mesh.fronts, rank=0) as client:
-            client.create_head("h", VOCAB, HIDDEN, seed=3)
-            client.save_head_state("h")
-    finally:
-        stop(mesh)
+    with running(state_dir) as (_, client):
+        client.save_head_state("h")
     other = LocalHeadGroup(BINARY, size=4, replicas=4,
                            args=("--device=cpu", f"--state_dir={state_dir}"), timeout_seconds=10)
     for rank in other.ranks:
