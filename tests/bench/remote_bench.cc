@@ -25,9 +25,10 @@
 // token, measured from the ranks' own counters (remotehead_group_collective_bytes_total,
 // scraped from each rank's /metrics before and after one step), next to the cost model's bytes
 // for cross-entropy (GroupBytesModel) and the statistics' share of them.
-#include <arpa/inet.h>
+//
+// With --replicas R (≥ 2) it runs the mesh bench instead (remote_bench_mesh.h): W trainers on R
+// replicas against the same trainers on one replica, and the dW sum's bytes and time per step.
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -54,6 +55,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_measure.h"
+#include "bench/bench_metrics.h"
+#include "bench/remote_bench_mesh.h"
 #include "bench/bench_plot.h"
 #include "remotehead/client/client.h"
 #include "remotehead/core/engine.h"
@@ -175,29 +178,10 @@ std::unique_ptr<Group> StartGroup(int size) {
   return group;
 }
 
-// GET http://127.0.0.1:port/metrics.
-std::string ScrapeMetrics(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string body;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[65536];
-      for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) body.append(buffer, n);
-    }
-  }
-  close(fd);
-  return body;
-}
-
 // A rank's collective bytes so far, by "op/direction", from its /metrics.
 std::map<std::string, double> CollectiveBytes(int port) {
   std::map<std::string, double> bytes;
-  std::istringstream lines(ScrapeMetrics(port));
+  std::istringstream lines(bench::ScrapeMetrics(port));
   const std::string family = "remotehead_group_collective_bytes_total{";
   for (std::string line; std::getline(lines, line);) {
     if (line.rfind(family, 0) != 0) continue;
@@ -523,6 +507,16 @@ int main(int argc, char** argv) {
       return 2;
     }
     shapes.push_back(s);
+  }
+  if (absl::GetFlag(FLAGS_replicas) > 1) {
+    return bench::RunMeshBench({.n = shapes.front().n,
+                                .d = shapes.front().d,
+                                .v = shapes.front().v,
+                                .ranks_per_replica = std::max(1, absl::GetFlag(FLAGS_group_size)),
+                                .server = absl::GetFlag(FLAGS_server),
+                                .server_args = absl::GetFlag(FLAGS_server_args),
+                                .chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes),
+                                .json = absl::GetFlag(FLAGS_json)});
   }
   std::vector<std::string> args = {absl::GetFlag(FLAGS_server), "--listen=127.0.0.1:0",
                                    "--device=cpu", "--memory_budget_bytes=0"};

@@ -154,7 +154,8 @@ inline std::vector<std::unique_ptr<ChildProcess>> StartHeadGroup(
     args.push_back(store);
     args.push_back("--group_secret_file=" + GroupSecretFile());
     ranks.push_back(std::make_unique<ChildProcess>(args, [](const std::string& line) {
-      return line.find("joining head group") != std::string::npos;
+      return line.find("joining head group") != std::string::npos ||
+             line.find("joining a mesh") != std::string::npos;
     }));
   }
   for (auto& rank : ranks) {
