@@ -154,9 +154,34 @@ absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& 
 }  // namespace
 }  // namespace engine_internal
 
+// Seen without it: the first logsumexp after a server start split its 24 rows over the two
+// OpenMP threads, and one thread's half was computed by VML's AVX2 "enhanced performance" exp
+// (VML_EP, ~5e-5 relative error) instead of the AVX-512 VML_HA one LibTorch asks for — about
+// one start in 40, so the first call's loss and z-loss differed in the 6th digit. One serial
+// call of each function LibTorch runs on VML (ATen/cpu/vml.h, IMPLEMENT_VML_MKL), for fp32 and
+// fp64, on a one-element tensor (below the grain size, so on this thread only), makes the
+// choice before any parallel call can race with it.
+void WarmUpCpuMath() {
+  static const bool ready = [] {
+    torch::NoGradGuard no_grad;
+    for (const torch::ScalarType dtype : {torch::kFloat, torch::kDouble}) {
+      const torch::Tensor x = torch::full({1}, 0.5, torch::TensorOptions().dtype(dtype));
+      for (torch::Tensor (*op)(const torch::Tensor&) :
+           {&torch::exp, &torch::log, &torch::log10, &torch::log2, &torch::sqrt, &torch::tanh,
+            &torch::sin, &torch::cos, &torch::tan, &torch::asin, &torch::acos, &torch::atan,
+            &torch::erf, &torch::erfc, &torch::erfinv, &torch::trunc}) {
+        (void)op(x);
+      }
+    }
+    return true;
+  }();
+  (void)ready;
+}
+
 absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBatch& batch,
                                                  const StepOptions& options, GradientBuffers* grads,
                                                  torch::Tensor grad_hidden_out) {
+  WarmUpCpuMath();
   return engine_internal::StatusFromExceptions([&] {
     return engine_internal::FusedForwardBackwardImpl(head, batch, options, grads, grad_hidden_out);
   });
@@ -164,6 +189,7 @@ absl::StatusOr<FusedResult> FusedForwardBackward(const Head& head, const TokenBa
 
 absl::StatusOr<ForwardResult> Forward(const Head& head, const TokenBatch& batch,
                                       const StepOptions& options) {
+  WarmUpCpuMath();
   return engine_internal::StatusFromExceptions(
       [&] { return engine_internal::ForwardImpl(head, batch, options); });
 }
@@ -172,6 +198,7 @@ absl::StatusOr<BackwardResult> Backward(const Head& head, const TokenBatch& batc
                                         const StepOptions& options,
                                         const torch::Tensor& grad_output, GradientBuffers* grads,
                                         torch::Tensor grad_hidden_out) {
+  WarmUpCpuMath();
   return engine_internal::StatusFromExceptions([&] {
     return engine_internal::BackwardImpl(head, batch, options, grad_output, grads, grad_hidden_out);
   });

@@ -1,33 +1,4 @@
 #include "vocab_ops.h"
-#include <cstdio>
-#include <cstdlib>
-#include <thread>
-#include <functional>
-#include <ATen/Parallel.h>
-namespace {  // DBG-TEMP
-void DbgLse(const char* what, const torch::Tensor& z, const torch::Tensor& r) {
-  const char* path = "/tmp/zq/dbg/all.log";
-  torch::NoGradGuard g;
-  torch::Tensor r2 = torch::logsumexp(z.detach(), 1);
-  if (torch::equal(r.detach(), r2)) return;
-  torch::Tensor zc = z.detach().clone();
-  torch::Tensor r3 = torch::logsumexp(zc.to(torch::kDouble), 1);
-  FILE* f = std::fopen(path, "a");
-  std::fprintf(f, "%s tid=%zu nthr=%d inpar=%d ptr=%p sizes=%ld,%ld strides=%ld,%ld zsum=%.17g r=%.17g r2=%.17g r3=%.17g maxdiff=%.9g\n",
-               what, std::hash<std::thread::id>()(std::this_thread::get_id()), at::get_num_threads(),
-               (int)at::in_parallel_region(), z.data_ptr(), (long)z.size(0), (long)z.size(1),
-               (long)z.stride(0), (long)z.stride(1), zc.to(torch::kDouble).sum().item<double>(),
-               r.detach().to(torch::kDouble).sum().item<double>(), r2.to(torch::kDouble).sum().item<double>(),
-               r3.sum().item<double>(), (r.detach() - r2).abs().max().item<double>());
-  if (!torch::equal(r.detach(), r2)) {
-    torch::Tensor d = r.detach() - r2;
-    for (int64_t i = 0; i < d.size(0); ++i) {
-      std::fprintf(f, "  row %ld r=%.9g r2=%.9g r3=%.12g\n", (long)i, r[i].item<double>(), r2[i].item<double>(), r3[i].item<double>());
-    }
-  }
-  std::fclose(f);
-}
-}  // namespace
 
 namespace remotehead::core {
 namespace {
@@ -41,9 +12,7 @@ torch::Tensor ColumnsSoftmaxMean(const torch::Tensor& e, const torch::Tensor& z,
 }  // namespace
 
 torch::Tensor LocalVocabOps::LogSumExp(const torch::Tensor& z) const {
-  torch::Tensor r = torch::logsumexp(z, 1);
-  DbgLse("lse", z, r);
-  return r;
+  return torch::logsumexp(z, 1);
 }
 
 torch::Tensor LocalVocabOps::Sum(const torch::Tensor& e) const { return e.sum(1); }

@@ -2,9 +2,14 @@
 
 #include <algorithm>
 
+#include "remotehead/core/engine.h"
+
 namespace remotehead::server {
 
 ComputePool::ComputePool(int threads) {
+  // Before any request can run LibTorch in parallel (here or on gRPC's threads: optimizer steps,
+  // head creation), so that no first call races with MKL's one-time choice of kernels.
+  core::WarmUpCpuMath();
   for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Run(); });
 }
 

@@ -91,4 +91,12 @@ absl::StatusOr<BackwardResult> Backward(const Head& head, const TokenBatch& batc
                                         const torch::Tensor& grad_output, GradientBuffers* grads,
                                         torch::Tensor grad_hidden_out = {});
 
+// Makes LibTorch's CPU vector math (the elementwise exp, log, tanh, sqrt, ... that it runs on
+// MKL's VML) ready in this process, once, on the calling thread; later calls return at once.
+// VML picks its kernels on its first call in a process, and that is not thread-safe: when the
+// first call comes from several OpenMP threads at once (any tensor above LibTorch's grain size),
+// a thread that enters while another is still choosing can compute with the wrong kernel. The
+// engine's entry points call this first; a server calls it at start, before any request runs.
+void WarmUpCpuMath();
+
 }  // namespace remotehead::core
