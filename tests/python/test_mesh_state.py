@@ -18,6 +18,9 @@ every rank holds.
 - transformers' Trainer with 2 processes (torchrun) on a 2 x 2 mesh, rank 3 killed at the end of
   step 4: the mesh restarted on its state and the Trainer resumed from checkpoint-3 equal an
   uninterrupted run on the same layout (losses of steps 4-6 and the head, relative 1e-6).
+- Replica 1 restored from a valid state of the same id whose weights differ (a re-sealed file):
+  the next step's weight checksum fails it with REPLICAS_DIVERGED (DATA_LOSS) and counts a
+  mismatch.
 """
 
 import contextlib
@@ -245,3 +248,59 @@ def test_trainer_resumes_on_a_mesh_restarted_after_a_rank_was_killed(tmp_path):
         assert abs(a - e) <= 1e-6 * abs(e), (step + 1, a, e)
     scale = full["head"].abs().max().item()
     assert (resumed["head"] - full["head"]).abs().max().item() <= 1e-6 * scale
+
+
+def forge_weight(path: pathlib.Path, delta: float) -> None:
+    """Adds `delta` to the first weight of a saved state and re-seals the file (the checksum of
+    core/head_state.cc: FNV-1a over 64-bit words of the canonical header, then of the data), as a
+    restored disk of another run would be: a valid state whose weights differ."""
+    import json
+    import struct
+
+    def fnv(data: bytes) -> int:
+        h, mask = 0xcbf29ce484222325, (1 << 64) - 1
+        words = len(data) // 8 * 8
+        for (word,) in struct.iter_unpack("<Q", data[:words]):
+            h = ((h ^ word) * 0x100000001b3) & mask
+        for byte in data[words:]:
+            h = ((h ^ byte) * 0x100000001b3) & mask
+        return h
+
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    body = bytearray(raw[8 + size:])
+    start = header["weight"]["data_offsets"][0]
+    struct.pack_into("<f", body, start, struct.unpack_from("<f", body, start)[0] + delta)
+    del header["__metadata__"]["checksum"]
+    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    header["__metadata__"]["checksum"] = f"{fnv(canonical):016x}-{fnv(bytes(body)):016x}"
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
+
+
+def test_replicas_restored_from_states_that_differ_are_caught_by_the_checksum(tmp_path):
+    """Replica 1's disk holds a state of the same id whose weights differ (a valid file: another
+    run's, a mixed-up volume): the mesh restores it, and the next step's weight checksum
+    (--mesh_checksum_every_steps=1) fails it with REPLICAS_DIVERGED on every trainer and counts a
+    mismatch."""
+    state_dir = tmp_path / "state"
+    flags = ("--mesh_checksum_every_steps=1", "--metrics_address=127.0.0.1:0")
+    with running(state_dir, 2, 1, *flags) as (mesh, client):
+        state_id = client.save_head_state("h").state_id
+    forge_weight(state_dir / "rank-1" / "h" / f"{state_id}.safetensors", 0.25)
+
+    restarted = start(state_dir, 2, 1, *flags)
+    try:
+        (w0, _), (w1, _) = replica_weights(restarted, "h")
+        assert not torch.equal(w0, w1) and (w1 - w0).abs().max().item() == 0.25
+        with pytest.raises(remotehead.ReplicasDivergedError) as diverged:
+            train_step(restarted.fronts, "h", 0)
+        assert diverged.value.code.name == "DATA_LOSS", diverged.value
+        import urllib.request
+        body = urllib.request.urlopen(
+            f"http://127.0.0.1:{restarted.ranks[0].metrics_port}/metrics", timeout=5).read()
+        assert b'remotehead_mesh_checksums_total{result="mismatch"} 1' in body, body
+    finally:
+        restarted.stop()
