@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 
@@ -236,6 +237,11 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
   const auto deadline = Clock::now() + wait;
   std::vector<std::string> payloads;
   absl::Status first_error;
+  // Every rank's reply is read up to the same deadline, and every rank that missed it is named:
+  // a rank killed mid-command and a live one slowed by the failure it meets both miss a short
+  // grace, and the message must name the dead one too, not only the first in rank order.
+  std::vector<std::string> missing;
+  std::string missing_detail;
   for (int rank = 1; rank < group_->size(); ++rank) {
     // A reply verifies only for this command (its seq, this rank, the command's seal).
     absl::Status diverged;
@@ -257,9 +263,9 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
         ReadValid(ReplyKey(seq, rank), static_cast<char>(Kind::kReply), deadline, check, &refused);
     if (!diverged.ok()) return diverged;
     if (!entry.ok()) {
-      return absl::UnavailableError(absl::StrCat(
-          "head group: rank ", rank, " of ", group_->size(), " did not reply to command ", seq,
-          " within ", wait.count() / 1000.0, " s (", entry.status().message(), ")"));
+      missing.push_back(absl::StrCat("rank ", rank));
+      if (missing_detail.empty()) missing_detail = std::string(entry.status().message());
+      continue;
     }
     ASSIGN_OR_RETURN(GroupReply reply, DecodeReply(entry->body.substr(kReplyHeadBytes)));
     if (!reply.status.ok() && first_error.ok()) {
@@ -269,6 +275,12 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
           core::SerializeReason(reply.status));
     }
     payloads.push_back(std::move(reply.payload));
+  }
+  if (!missing.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "head group: ", absl::StrJoin(missing, " and "), " of ", group_->size(),
+        " did not reply to command ", seq, " within ", wait.count() / 1000.0, " s (",
+        missing_detail, ")"));
   }
   // Every rank has taken and answered the command: its keys are no longer needed.
   RETURN_IF_ERROR(group_->Delete(CommandKey(seq)));
