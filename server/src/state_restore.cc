@@ -1,8 +1,6 @@
 #include "state_restore.h"
 
-#include <algorithm>
 #include <map>
-#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -21,7 +19,8 @@ using Listing = std::map<std::string, std::vector<std::string>>;  // head dir ->
 // '\t' nor ',' (%-escaped head ids, StateStore's ids).
 std::string EncodeListing(const Listing& listing) {
   std::vector<std::string> heads;
-  for (const auto& [dir, ids] : listing) heads.push_back(absl::StrCat(dir, "\t", absl::StrJoin(ids, ",")));
+  for (const auto& [dir, ids] : listing)
+    heads.push_back(absl::StrCat(dir, "\t", absl::StrJoin(ids, ",")));
   return PackStrings(heads);
 }
 
@@ -48,9 +47,9 @@ absl::StatusOr<std::vector<std::string>> Exchange(const Cluster& cluster, const 
     if (parts.size() != 2) return absl::InternalError("--state_dir: a malformed exchange");
     const absl::Status status = DecodeStatus(parts[0]);
     if (!status.ok()) {
-      return all.size() == 1 ? status
-                             : absl::Status(status.code(), absl::StrCat("rank ", rank, ": ",
-                                                                        status.message()));
+      return all.size() == 1
+                 ? status
+                 : absl::Status(status.code(), absl::StrCat("rank ", rank, ": ", status.message()));
     }
     payloads.push_back(parts[1]);
   }
@@ -60,32 +59,19 @@ absl::StatusOr<std::vector<std::string>> Exchange(const Cluster& cluster, const 
 // For each head any rank holds: the newest state id every rank holds ("" if there is none).
 absl::StatusOr<std::map<std::string, std::string>> NewestCommon(
     const std::vector<std::string>& listings) {
-  std::vector<Listing> all;
-  std::set<std::string> heads;
+  std::map<std::string, std::map<std::string, size_t>> holders;  // head dir -> id -> ranks
   for (const std::string& bytes : listings) {
-    ASSIGN_OR_RETURN(Listing listing, DecodeListing(bytes));
-    for (const auto& [dir, ids] : listing) heads.insert(dir);
-    all.push_back(std::move(listing));
+    ASSIGN_OR_RETURN(const Listing listing, DecodeListing(bytes));
+    for (const auto& [dir, ids] : listing) {
+      for (const std::string& id : ids) ++holders[dir][id];
+    }
   }
   std::map<std::string, std::string> chosen;
-  for (const std::string& dir : heads) {
-    std::set<std::string> common;
-    bool first = true;
-    for (const Listing& listing : all) {
-      const auto it = listing.find(dir);
-      const std::set<std::string> ids =
-          it == listing.end() ? std::set<std::string>() : std::set<std::string>(it->second.begin(), it->second.end());
-      if (first) {
-        common = ids;
-        first = false;
-      } else {
-        std::set<std::string> both;
-        std::set_intersection(common.begin(), common.end(), ids.begin(), ids.end(),
-                              std::inserter(both, both.begin()));
-        common = std::move(both);
-      }
+  for (const auto& [dir, ids] : holders) {
+    std::string& newest = chosen[dir];
+    for (const auto& [id, ranks] : ids) {  // ids begin with their creation time: in order
+      if (ranks == listings.size()) newest = id;
     }
-    chosen[dir] = common.empty() ? "" : *common.rbegin();  // ids begin with their creation time
   }
   return chosen;
 }
@@ -103,9 +89,11 @@ absl::Status RestoreOne(const core::HeadState& state, const std::string& file,
     offset = shards.at(static_cast<size_t>(cluster.group->rank())).offset;
   }
   if (const absl::Status rows = core::CheckHeadStateRows(state, vocab_size, offset); !rows.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat("--state_dir: \"", file, "\": ", rows.message()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("--state_dir: \"", file, "\": ", rows.message()));
   }
-  ASSIGN_OR_RETURN(auto head, core::Head::FromTensors(state.weight, state.bias, {.device = device}));
+  ASSIGN_OR_RETURN(auto head,
+                   core::Head::FromTensors(state.weight, state.bias, {.device = device}));
   ASSIGN_OR_RETURN(auto entry, registry->Add(state.head_id, std::move(head), 0, std::move(shards)));
   return entry->RestoreState(state, /*at_start=*/true);
 }
@@ -120,8 +108,9 @@ absl::Status RestoreHeadsAtStart(const StateStore& store, const Cluster& cluster
                                  const torch::Device& device, HeadRegistry* registry,
                                  std::ostream& log) {
   const absl::StatusOr<Listing> listing = store.Listing();
-  ASSIGN_OR_RETURN(const std::vector<std::string> listings,
-                   Exchange(cluster, listing.status(), listing.ok() ? EncodeListing(*listing) : ""));
+  ASSIGN_OR_RETURN(
+      const std::vector<std::string> listings,
+      Exchange(cluster, listing.status(), listing.ok() ? EncodeListing(*listing) : ""));
   ASSIGN_OR_RETURN(const auto chosen, NewestCommon(listings));
   absl::Status restored = absl::OkStatus();
   std::vector<std::string> lines;
@@ -134,15 +123,16 @@ absl::Status RestoreHeadsAtStart(const StateStore& store, const Cluster& cluster
     if (!listing->contains(dir)) continue;  // cannot be: every rank holds a common state
     absl::StatusOr<core::HeadState> state = store.LoadAtStart(dir, state_id);
     if (state.ok()) {
-      restored = RestoreOne(*state, absl::StrCat(store.dir(), "/", dir, "/", state_id, ".safetensors"), cluster,
-                            device, registry);
+      restored =
+          RestoreOne(*state, absl::StrCat(store.dir(), "/", dir, "/", state_id, ".safetensors"),
+                     cluster, device, registry);
     } else {
       restored = state.status();
     }
     if (!restored.ok()) break;
     lines.push_back(absl::StrCat("head restored: \"", state->head_id, "\" version ",
-                                 state->weight_version, " from ", store.dir(), " (state ",
-                                 state_id, ")"));
+                                 state->weight_version, " from ", store.dir(), " (state ", state_id,
+                                 ")"));
   }
   // Every rank refuses if one cannot restore what they chose: no rank serves a head the others
   // lack or hold at another version.

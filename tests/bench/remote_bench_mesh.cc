@@ -4,8 +4,9 @@
 // (R = 1: a server, or a group of K), then on the mesh of R replicas, each started here on
 // loopback. Reported: aggregate tokens/s of both and their ratio, and, from the leader's
 // /metrics, the dW bytes it summed over the replicas per step (against its shard of W, V/K·D·4
-// bytes: the whole model for K = 1) and that sum's time as a share of the step. On a machine where trainers and servers share the
-// cores the ratio says what the mesh costs here, not what R machines gain.
+// bytes: the whole model for K = 1) and that sum's time as a share of the step. On a machine where
+// trainers and servers share the cores the ratio says what the mesh costs here, not what R machines
+// gain.
 #include "bench/remote_bench_mesh.h"
 
 #include <torch/torch.h>
@@ -55,8 +56,11 @@ Replicas Start(const MeshBenchSetup& setup, int replicas) {
   Replicas out;
   const int size = replicas * setup.ranks_per_replica;
   auto argv = [&](int) {
-    std::vector<std::string> args = {setup.server, "--listen=127.0.0.1:0", "--device=cpu",
-                                     "--memory_budget_bytes=0", "--metrics_address=127.0.0.1:0",
+    std::vector<std::string> args = {setup.server,
+                                     "--listen=127.0.0.1:0",
+                                     "--device=cpu",
+                                     "--memory_budget_bytes=0",
+                                     "--metrics_address=127.0.0.1:0",
                                      "--sync_step_timeout_seconds=600"};
     for (const auto& a : setup.server_args) args.push_back(a);
     if (size > 1) args.push_back(absl::StrCat("--group_replicas=", replicas));
@@ -71,7 +75,8 @@ Replicas Start(const MeshBenchSetup& setup, int replicas) {
   };
   if (size == 1) {
     out.single = std::make_unique<rh::testing::ServerProcess>(argv(0));
-    if (out.single->port() == 0) Die("the server did not start", absl::UnknownError(out.single->log()));
+    if (out.single->port() == 0)
+      Die("the server did not start", absl::UnknownError(out.single->log()));
     out.fronts = {out.single->target()};
     out.leader_metrics_port = metrics_port(out.single->log());
     return out;
@@ -105,8 +110,8 @@ Run Train(const MeshBenchSetup& setup, const Replicas& replicas, int trainers, i
     if (!client.ok()) Die("Client::Create", client.status());
     clients.push_back(*std::move(client));
   }
-  auto created = clients[0]->CreateHead(kHead, {.vocab_size = setup.v, .hidden_size = setup.d,
-                                                .seed = 1});
+  auto created =
+      clients[0]->CreateHead(kHead, {.vocab_size = setup.v, .hidden_size = setup.d, .seed = 1});
   if (!created.ok()) Die("CreateHead", created.status());
   std::vector<rh::client::StepInputs> inputs;
   for (int t = 0; t < trainers; ++t) {
@@ -128,12 +133,14 @@ Run Train(const MeshBenchSetup& setup, const Replicas& replicas, int trainers, i
           failed[t] = fb.status();
           return;
         }
-        failed[t] = clients[t]
-                        ->OptimizerStep(kHead, {.optimizer = rh::client::Sgd{.lr = 1e-3},
-                                                .zero_gradients = true,
-                                                .synchronous = rh::client::SynchronousStep{
-                                                    .step = s, .rank = t, .world_size = trainers}})
-                        .status();
+        failed[t] =
+            clients[t]
+                ->OptimizerStep(kHead, {.optimizer = rh::client::Sgd{.lr = 1e-3},
+                                        .zero_gradients = true,
+                                        .synchronous =
+                                            rh::client::SynchronousStep{
+                                                .step = s, .rank = t, .world_size = trainers}})
+                .status();
       });
     }
     for (auto& thread : threads) thread.join();
@@ -160,8 +167,8 @@ Run Train(const MeshBenchSetup& setup, const Replicas& replicas, int trainers, i
 
 int RunMeshBench(const MeshBenchSetup& setup) {
   const int replicas = absl::GetFlag(FLAGS_replicas);
-  const int trainers = absl::GetFlag(FLAGS_trainers) > 0 ? absl::GetFlag(FLAGS_trainers)
-                                                         : 2 * replicas;
+  const int trainers =
+      absl::GetFlag(FLAGS_trainers) > 0 ? absl::GetFlag(FLAGS_trainers) : 2 * replicas;
   const int steps = absl::GetFlag(FLAGS_steps);
   if (trainers < replicas || steps < 1) {
     std::cerr << "--trainers, --steps: expected at least one trainer per replica and one step; "
@@ -201,11 +208,10 @@ int RunMeshBench(const MeshBenchSetup& setup) {
       "  dW summed     %10.2f MiB/step  (%.2fx the leader's shard of W, %.2f MiB)\n"
       "  sum's time    %10.1f ms/step   (%.1f%% of the step's %.1f ms)\n",
       replicas, setup.ranks_per_replica, trainers, report["shape"].get<std::string>(), steps,
-      one.tokens_per_second, mesh.tokens_per_second,
-      mesh.tokens_per_second / one.tokens_per_second, mesh.reduced_bytes_per_step / (1 << 20),
-      mesh.reduced_bytes_per_step / shard_bytes, shard_bytes / (1 << 20),
-      mesh.reduce_seconds_per_step * 1e3, 100 * mesh.reduce_seconds_per_step / mesh.step_seconds,
-      mesh.step_seconds * 1e3);
+      one.tokens_per_second, mesh.tokens_per_second, mesh.tokens_per_second / one.tokens_per_second,
+      mesh.reduced_bytes_per_step / (1 << 20), mesh.reduced_bytes_per_step / shard_bytes,
+      shard_bytes / (1 << 20), mesh.reduce_seconds_per_step * 1e3,
+      100 * mesh.reduce_seconds_per_step / mesh.step_seconds, mesh.step_seconds * 1e3);
   return 0;
 }
 

@@ -13,9 +13,9 @@ ABSL_DECLARE_FLAG(int32_t, replicas);
 namespace remotehead::bench {
 
 struct MeshBenchSetup {
-  int64_t n = 0, d = 0, v = 0;          // tokens per trainer per step, hidden size, vocabulary
-  int ranks_per_replica = 1;            // K
-  std::string server;                   // the remotehead-server binary
+  int64_t n = 0, d = 0, v = 0;  // tokens per trainer per step, hidden size, vocabulary
+  int ranks_per_replica = 1;    // K
+  std::string server;           // the remotehead-server binary
   std::vector<std::string> server_args;
   int64_t chunk_bytes = 1 << 20;
   bool json = false;

@@ -3,10 +3,9 @@
 // message; a start's listings keep every name), and bytes that are not packed strings are
 // refused, never half-read. AllGatherStrings itself runs in the multi-process tests
 // (tests/python/test_mesh.py, test_mesh_state.py).
-#include "group/exchange.h"
-
 #include <gtest/gtest.h>
 
+#include "group/exchange.h"
 #include "remotehead/core/error_reason.h"
 
 namespace remotehead::server {

@@ -25,8 +25,9 @@ absl::StatusOr<std::vector<std::string>> AllGatherStrings(ProcessGroup& group,
   std::vector<std::string> out;
   for (int64_t r = 0; r < all.size(0); ++r) {
     const auto* row = all[r].data_ptr<uint8_t>();
-    out.emplace_back(reinterpret_cast<const char*>(row),
-                     static_cast<size_t>(std::clamp<int64_t>(sizes[r].item<int64_t>(), 0, longest)));
+    out.emplace_back(
+        reinterpret_cast<const char*>(row),
+        static_cast<size_t>(std::clamp<int64_t>(sizes[r].item<int64_t>(), 0, longest)));
   }
   return out;
 }
@@ -60,8 +61,8 @@ absl::StatusOr<std::vector<std::string>> UnpackStrings(const std::string& packed
 }
 
 std::string EncodeStatus(const absl::Status& status) {
-  return PackStrings({absl::StrCat(static_cast<int>(status.code())),
-                      core::SerializeReason(status), std::string(status.message())});
+  return PackStrings({absl::StrCat(static_cast<int>(status.code())), core::SerializeReason(status),
+                      std::string(status.message())});
 }
 
 absl::Status DecodeStatus(const std::string& bytes) {
