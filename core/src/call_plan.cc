@@ -63,12 +63,23 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   if (half) block_buffers += 1;
   if (plan.params.at(kSoftcapParam) > 0) block_buffers += 2;
   if (plan.params.at(kTemperatureParam) != 1.0) block_buffers += 1;
+  if (plan.params.at(kLogitScaleParam) != 1.0) block_buffers += 1;
+  const bool teacher = plan.function->needs_teacher && options.teacher != nullptr;
+  // A two-head function's teacher: its fp32 logits (alive for the whole block) and one
+  // temporary while they are formed (the upcast or a transform's result); no autograd.
+  if (teacher) block_buffers += 2;
   plan.block_row_bytes = vocab * logits_elem * block_buffers;
   // Per chunk row: the logits buffer in the head's dtype (which the gradient overwrites) and the
   // X / dX rows; for a half-precision head also a separate fp32 gradient, the fp32 copy of X_c
   // for the dW GEMM and the half-precision GEMMs' fp32 scratch for dX.
   plan.chunk_row_bytes = vocab * elem + 2.0 * hidden * elem;
   plan.chunk_row_bytes_forward = vocab * elem;
+  // …and a two-head function's second logits buffer, the teacher's, in the teacher's dtype.
+  if (teacher) {
+    const double teacher_row = vocab * static_cast<double>(c10::elementSize(options.teacher->dtype()));
+    plan.chunk_row_bytes += teacher_row;
+    plan.chunk_row_bytes_forward += teacher_row;
+  }
   // A generation output on a head group works on whole rows: each chunk's shards all-gathered
   // (every rank's columns padded to the largest) and put back together (engine_generation.cc),
   // then transformed over the whole vocabulary.
@@ -127,7 +138,10 @@ absl::Status SetChunkSizes(const StepOptions& options, CallPlan& plan) {
   const int64_t cache_block_rows =
       options.block_rows > 0
           ? options.block_rows
-          : std::max<int64_t>(1, kFunctionBlockBytes / (plan.vocab_size * plan.logits_elem_bytes));
+          : std::max<int64_t>(
+                1, std::min(kFunctionBlockBytes / (plan.vocab_size * plan.logits_elem_bytes),
+                            static_cast<int64_t>(kFunctionBlockWorkingSetBytes /
+                                                 plan.block_row_bytes)));
   if (options.chunk_rows > 0) {
     plan.chunk_rows = options.chunk_rows;
     plan.block_rows = std::min(cache_block_rows, options.chunk_rows);

@@ -87,7 +87,10 @@ ChunkTokens PrepareChunkTokens(const TokenBatch& chunk, const Plan& plan,
     tokens.token_weights = torch::ones({chunk.rows()}, logits_opts);
   }
   if (plan.reduction == Reduction::kWeightedSum) tokens.token_weights.mul_(chunk.weights);
-  for (const auto& [name, tensor] : chunk.aux) tokens.aux[name] = tensor.to(logits_opts.dtype());
+  for (const auto& [name, tensor] : chunk.aux) {
+    const bool ids = plan.fn().aux_kind(name) == AuxKind::kTopkIds;
+    tokens.aux[name] = tensor.to(ids ? torch::kLong : logits_opts.dtype().toScalarType());
+  }
   return tokens;
 }
 
@@ -99,15 +102,19 @@ struct BlockResult {
 
 // Runs the function on one block of logits rows (`z_head`, the head's dtype) and, when `dy`
 // (dL/dy of the block's tokens) is defined, differentiates it with autograd.
+// `zt_head`: the teacher's logits rows of a two-head function (else undefined).
 BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
-                             const torch::Tensor& z_head, const torch::Tensor& dy,
-                             torch::ScalarType logits_dtype) {
+                             const torch::Tensor& z_head, const torch::Tensor& zt_head,
+                             const torch::Tensor& dy, torch::ScalarType logits_dtype) {
   const bool want_grad = dy.defined();
   ChunkInputs in;
   in.params = &plan.params();
   in.vocab = plan.vocab.get();
   in.targets = tokens.targets;
   in.aux = tokens.aux;
+  if (zt_head.defined()) {
+    in.teacher_logits = TransformTeacherLogits(zt_head.to(logits_dtype), plan.params());
+  }
   // A leaf of its own (for an fp32 head, a view of the chunk buffer: no copy).
   torch::Tensor z = z_head.to(logits_dtype).detach();
   if (want_grad) z.requires_grad_(true);
@@ -144,8 +151,9 @@ struct ChunkValues {
 
 // Runs the function over one chunk's logits `z`, one block at a time; with `dy` defined, writes
 // dL/dz into `dz` ([rows, V], the logits dtype).
+// `zt`: the teacher's logits of the chunk (two-head functions; else undefined).
 ChunkValues RunFunctionBlocks(const Plan& plan, const ChunkTokens& tokens, const torch::Tensor& z,
-                              const torch::Tensor& dy, torch::Tensor& dz,
+                              const torch::Tensor& zt, const torch::Tensor& dy, torch::Tensor& dz,
                               const torch::TensorOptions& logits_opts) {
   const int64_t rows = z.size(0);
   ChunkValues values;
@@ -153,6 +161,7 @@ ChunkValues RunFunctionBlocks(const Plan& plan, const ChunkTokens& tokens, const
   for (int64_t b = 0; b < rows; b += plan.block_rows) {
     const int64_t block = std::min(plan.block_rows, rows - b);
     BlockResult r = RunFunctionBlock(plan, tokens.Slice(b, block), z.narrow(0, b, block),
+                                     zt.defined() ? zt.narrow(0, b, block) : torch::Tensor(),
                                      dy.defined() ? dy.narrow(0, b, block) : torch::Tensor(),
                                      logits_opts.dtype().toScalarType());
     values.y.narrow(0, b, block).copy_(r.y);
@@ -216,12 +225,26 @@ void ChunkLogits(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& 
   }
 }
 
-torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params) {
-  const double cap = params.at(kSoftcapParam);
+namespace {
+
+torch::Tensor ScaleCapAndTemper(torch::Tensor z, double scale, double cap, double temperature) {
+  if (scale != 1.0) z = z * scale;
   if (cap > 0) z = torch::tanh(z / cap) * cap;
-  const double temperature = params.at(kTemperatureParam);
   if (temperature != 1.0) z = z / temperature;
   return z;
+}
+
+}  // namespace
+
+torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params) {
+  return ScaleCapAndTemper(std::move(z), params.at(kLogitScaleParam), params.at(kSoftcapParam),
+                           params.at(kTemperatureParam));
+}
+
+torch::Tensor TransformTeacherLogits(torch::Tensor z, const FunctionParams& params) {
+  torch::NoGradGuard no_grad;  // the teacher is a constant
+  return ScaleCapAndTemper(std::move(z), params.at(kTeacherLogitScaleParam),
+                           params.at(kTeacherSoftcapParam), params.at(kTemperatureParam));
 }
 
 ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradients) {
@@ -238,6 +261,10 @@ ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradi
                        ? buffers.logits
                        : torch::empty(buffers.logits.sizes(),
                                       buffers.logits.options().dtype(LogitsDtype(head)));
+  }
+  if (plan.teacher != nullptr) {
+    buffers.teacher_logits =
+        torch::empty({plan.chunk_rows, plan.teacher->vocab_size()}, plan.teacher->weight().options());
   }
   return buffers;
 }
@@ -270,12 +297,17 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
     const TokenBatch chunk = batch.Slice(start, rows);
     torch::Tensor z = buffers.logits.narrow(0, 0, rows);
     ChunkLogits(head, chunk.hidden, z);
+    torch::Tensor zt;
+    if (plan.teacher != nullptr) {
+      zt = buffers.teacher_logits.narrow(0, 0, rows);
+      ChunkLogits(*plan.teacher, chunk.teacher_hidden, zt);
+    }
     const ChunkTokens tokens = PrepareChunkTokens(chunk, plan, logits_opts);
     torch::Tensor dy;  // [rows] dL/dy
     if (pass.upstream != nullptr) dy = (*pass.upstream)(start, rows, tokens.token_weights);
     torch::Tensor dz = dy.defined() ? buffers.grad.narrow(0, 0, rows) : torch::Tensor();
 
-    const ChunkValues values = RunFunctionBlocks(plan, tokens, z, dy, dz, logits_opts);
+    const ChunkValues values = RunFunctionBlocks(plan, tokens, z, zt, dy, dz, logits_opts);
     AddMaskedSum(values.y, tokens, weighted ? chunk.weights : torch::Tensor(), out.loss_sum);
     for (const auto& [name, extra] : values.extras) {
       auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));

@@ -28,8 +28,58 @@ absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan&
   return absl::OkStatus();
 }
 
+// A top-k aux input: [N, k] with the same k as every other top-k input of the call; ids in
+// [0, V) and distinct within their row, values finite.
+absl::Status CheckTopkAux(const torch::Tensor& t, const std::string& field, AuxKind kind,
+                          const Head& head, const Plan& plan, int64_t* k) {
+  if (t.dim() != 2 || t.size(0) != plan.rows || (*k >= 0 && t.size(1) != *k)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": expected shape [", plan.rows, ", ", *k >= 0 ? absl::StrCat(*k) : "k",
+        "] (k per row of hidden", *k >= 0 ? ", as the other top-k inputs" : "", "); got ",
+        ShapeOf(t)));
+  }
+  *k = t.size(1);
+  const bool ids = kind == AuxKind::kTopkIds;
+  if (t.device() != head.device()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected device ", head.device().str(), "; got ", t.device().str()));
+  }
+  const torch::ScalarType dt = t.scalar_type();
+  if (ids ? (dt != torch::kLong && dt != torch::kInt) : !IsFloating(dt)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected dtype ",
+                                                   ids ? "int64 or int32" : "a floating dtype",
+                                                   "; got ", DtypeName(dt)));
+  }
+  if (!ids) {
+    const int64_t bad = FirstNonFiniteRow(t);
+    if (bad < 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, "[", plan.first_row + bad, "]: expected finite values; got NaN or Inf"));
+  }
+  const torch::Tensor out_of_range = ((t < 0).logical_or(t >= plan.vocab_size)).any(1);
+  if (out_of_range.any().item<bool>()) {
+    const int64_t row = out_of_range.nonzero()[0][0].item<int64_t>();
+    return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.first_row + row,
+                                                   "]: expected token ids in [0, ",
+                                                   plan.vocab_size, "); got ", c10::str(t[row])));
+  }
+  if (t.size(1) > 1) {
+    const torch::Tensor sorted = std::get<0>(t.sort(1));
+    const torch::Tensor repeated =
+        (sorted.narrow(1, 1, t.size(1) - 1) == sorted.narrow(1, 0, t.size(1) - 1)).any(1);
+    if (repeated.any().item<bool>()) {
+      const int64_t row = repeated.nonzero()[0][0].item<int64_t>();
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.first_row + row,
+                                                     "]: expected distinct token ids; got ",
+                                                     c10::str(t[row])));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& plan) {
   const TransformFunction& fn = plan.fn();
+  int64_t k = -1;  // the top-k inputs' k, once one is seen
   for (const auto& [name, tensor] : batch.aux) {
     const bool known = std::count(fn.required_aux.begin(), fn.required_aux.end(), name) +
                            std::count(fn.optional_aux.begin(), fn.optional_aux.end(), name) >
@@ -42,8 +92,14 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
                        accepted.empty() ? std::string("no per-token inputs")
                                         : absl::StrCat("only ", absl::StrJoin(accepted, ", "))));
     }
-    RETURN_IF_ERROR(CheckPerToken(tensor, absl::StrCat("aux[\"", name, "\"]"), plan.rows,
-                                  head.device(), false, plan.first_row));
+    const std::string field = absl::StrCat("aux[\"", name, "\"]");
+    const AuxKind kind = fn.aux_kind(name);
+    if (kind == AuxKind::kPerToken) {
+      RETURN_IF_ERROR(
+          CheckPerToken(tensor, field, plan.rows, head.device(), false, plan.first_row));
+    } else {
+      RETURN_IF_ERROR(CheckTopkAux(tensor, field, kind, head, plan, &k));
+    }
   }
   for (const std::string& name : fn.required_aux) {
     if (!batch.aux.contains(name)) {
@@ -51,7 +107,60 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
                                                      " needs this per-token input; got none"));
     }
   }
-  if (fn.validate) RETURN_IF_ERROR(fn.validate(plan.params(), batch.aux));
+  if (fn.validate) {
+    RETURN_IF_ERROR(fn.validate(plan.params(), batch.aux, batch.targets.defined()));
+  }
+  return absl::OkStatus();
+}
+
+// A two-head function's teacher and its hidden states; neither for any other function.
+absl::Status CheckTeacher(const Head& head, const TokenBatch& batch, const StepOptions& options,
+                          const Plan& plan) {
+  const TransformFunction& fn = plan.fn();
+  if (!fn.needs_teacher) {
+    if (options.teacher != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "teacher: function ", fn.name, " takes no teacher head (only two-head functions do)"));
+    }
+    if (batch.teacher_hidden.defined()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("teacher_hidden: function ", fn.name, " takes no teacher hidden states; got ",
+                       ShapeOf(batch.teacher_hidden)));
+    }
+    return absl::OkStatus();
+  }
+  const Head* teacher = options.teacher;
+  if (teacher == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "teacher: function ", fn.name, " compares the head with a teacher head; got none"));
+  }
+  if (teacher->vocab_size() != head.vocab_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("teacher.vocab_size: expected ", head.vocab_size(),
+                     " (the student head's rows); got ", teacher->vocab_size()));
+  }
+  if (teacher->device() != head.device()) {
+    return absl::InvalidArgumentError(absl::StrCat("teacher: expected device ",
+                                                   head.device().str(), " (the student's); got ",
+                                                   teacher->device().str()));
+  }
+  const torch::Tensor& xt = batch.teacher_hidden;
+  if (!xt.defined() || xt.dim() != 2 || xt.size(0) != plan.rows ||
+      xt.size(1) != teacher->hidden_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("teacher_hidden: expected shape [", plan.rows,
+                                                   ", ", teacher->hidden_size(),
+                                                   "] (rows of hidden, the teacher's D); got ",
+                                                   ShapeOf(xt)));
+  }
+  if (xt.scalar_type() != teacher->dtype()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("teacher_hidden.dtype: expected ", DtypeName(teacher->dtype()),
+                     " (the teacher head's); got ", DtypeName(xt.scalar_type())));
+  }
+  if (xt.device() != teacher->device()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "teacher_hidden: expected device ", teacher->device().str(), "; got ", xt.device().str()));
+  }
   return absl::OkStatus();
 }
 
@@ -74,13 +183,14 @@ absl::Status CheckHidden(const Head& head, const TokenBatch& batch) {
 }
 
 // Row-chunked so that the check's own memory stays within one chunk.
-absl::Status CheckHiddenFinite(const torch::Tensor& x, int64_t chunk_rows, int64_t first_row) {
+absl::Status CheckHiddenFinite(const torch::Tensor& x, const std::string& field,
+                               int64_t chunk_rows, int64_t first_row) {
   torch::NoGradGuard no_grad;
   for (int64_t start = 0; start < x.size(0); start += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, x.size(0) - start);
     const int64_t bad = FirstNonFiniteRow(x.narrow(0, start, rows));
     if (bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("hidden[", first_row + start + bad,
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", first_row + start + bad,
                                                      "]: expected finite values; got NaN or Inf"));
     }
   }
@@ -114,6 +224,7 @@ absl::Status CheckTokenInputs(const Head& head, const TokenBatch& batch, const S
         absl::StrCat("weights: only used by reduction weighted_sum; got weights with reduction ",
                      std::string(ReductionName(options.reduction))));
   }
+  RETURN_IF_ERROR(CheckTeacher(head, batch, options, plan));
   return CheckAux(head, batch, plan);
 }
 
@@ -196,10 +307,15 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const S
 
   torch::NoGradGuard no_grad;
   RETURN_IF_ERROR(CheckTokenInputs(head, batch, options, plan));
+  plan.teacher = plan.fn().needs_teacher ? options.teacher : nullptr;
   RETURN_IF_ERROR(CheckScalarOptions(options));
   plan.chunk_rows = plan.call.ChunkRowsFor(plan.rows);
   plan.block_rows = plan.call.BlockRowsFor(plan.rows);
-  RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, plan.chunk_rows, plan.first_row));
+  RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, "hidden", plan.chunk_rows, plan.first_row));
+  if (plan.teacher != nullptr) {
+    RETURN_IF_ERROR(CheckHiddenFinite(batch.teacher_hidden, "teacher_hidden", plan.chunk_rows,
+                                      plan.first_row));
+  }
 
   plan.valid_tokens = CountValidTokens(batch.targets, options.ignore_index, plan.rows);
   if (options.normalizer.has_value()) {

@@ -38,6 +38,7 @@ struct Plan {
   torch::Tensor logits_workspace;     // StepOptions::logits_workspace
   int64_t first_row = 0;              // StepOptions::first_row
   const VocabShard* shard = nullptr;  // StepOptions::shard
+  const Head* teacher = nullptr;      // StepOptions::teacher (two-head functions)
   int64_t vocab_size = 0;             // V of the whole head (all shards of a group)
   std::unique_ptr<VocabOps> vocab;    // the functions' vocabulary reductions (functions.h)
 
@@ -76,8 +77,11 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const S
 // sound; blocking keeps it affordable.
 void ChunkLogits(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& out);
 
-// The common params on fp32 logits: softcap (z ← softcap·tanh(z / softcap)), then temperature.
+// The common params on fp32 logits: logit scale (z ← z·s), softcap (z ← softcap·tanh(z /
+// softcap)), then temperature.
 torch::Tensor TransformLogits(torch::Tensor z, const FunctionParams& params);
+// The same for a two-head function's teacher: its own scale and softcap, the shared temperature.
+torch::Tensor TransformTeacherLogits(torch::Tensor z, const FunctionParams& params);
 
 // dL/dy for the `rows` tokens from `start`, given their token weights (valid × weights).
 using UpstreamFn =
@@ -106,6 +110,8 @@ struct ChunkBuffers {
   // gradient exists); otherwise a separate fp32 buffer, so dW accumulates the unrounded
   // gradient. Undefined without gradients.
   torch::Tensor grad;
+  // A two-head function's teacher logits [chunk_rows, V] in the teacher's dtype.
+  torch::Tensor teacher_logits;
 };
 
 ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradients);

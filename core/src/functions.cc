@@ -84,7 +84,7 @@ FunctionOutput Grpo(const ChunkInputs& in) {
   return out;
 }
 
-absl::Status ValidateGrpo(const FunctionParams& params, const AuxTensors& aux) {
+absl::Status ValidateGrpo(const FunctionParams& params, const AuxTensors& aux, bool) {
   if (params.at("beta") > 0 && !aux.contains("ref_logprobs")) {
     return absl::InvalidArgumentError(absl::StrCat(
         "aux[\"ref_logprobs\"]: expected per-token reference log-probs because beta = ",
@@ -109,7 +109,7 @@ FunctionOutput SigmoidSum(const ChunkInputs& in) {
 }
 
 std::vector<TransformFunction> BuiltinFunctions() {
-  return {
+  std::vector<TransformFunction> functions = {
       {.name = "cross_entropy",
        .help = "next-token cross-entropy with label smoothing and z-loss",
        .params = {{"label_smoothing", 0.0, 0.0, 1.0, "ε of torch's label smoothing"},
@@ -154,6 +154,8 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .output = OutputKind::kLogits},
       SampleFunction(),
   };
+  for (TransformFunction& fn : DistillationFunctions()) functions.push_back(std::move(fn));
+  return functions;
 }
 
 }  // namespace
@@ -162,6 +164,8 @@ const std::vector<ParamSpec>& FunctionRegistry::CommonParams() {
   static const auto* specs = new std::vector<ParamSpec>{
       {kTemperatureParam, 1.0, 1e-6, kInf, "logits are divided by this"},
       {kSoftcapParam, 0.0, 0.0, kInf, "if > 0: logits <- softcap * tanh(logits / softcap)"},
+      {kLogitScaleParam, 1.0, 1e-6, kInf,
+       "logits are first multiplied by this (Cohere's logit_scale, Granite's 1 / logits_scaling)"},
   };
   return *specs;
 }

@@ -178,6 +178,10 @@ absl::StatusOr<HeadState> DecodeChecked(const std::string& bytes, const std::str
       ASSIGN_OR_RETURN(*slot, MetadataInt(metadata, key, source));
     }
   }
+  if (metadata.contains("frozen")) {  // absent in states saved before frozen heads existed
+    ASSIGN_OR_RETURN(const int64_t frozen, MetadataInt(metadata, "frozen", source));
+    state.frozen = frozen != 0;
+  }
   ASSIGN_OR_RETURN(state.optimizer.kind, MetadataString(metadata, "optimizer.kind", source));
   ASSIGN_OR_RETURN(state.optimizer.steps, MetadataInt(metadata, "optimizer.steps", source));
   ASSIGN_OR_RETURN(const std::string hyper,
@@ -277,6 +281,7 @@ absl::StatusOr<std::string> EncodeHeadState(const HeadState& state) {
                             {"weight_version", absl::StrCat(state.weight_version)},
                             {"vocab_offset", absl::StrCat(state.vocab_offset)},
                             {"vocab_size", absl::StrCat(state.vocab_size)},
+                            {"frozen", state.frozen ? "1" : "0"},
                             {"optimizer.kind", state.optimizer.kind},
                             {"optimizer.steps", absl::StrCat(state.optimizer.steps)},
                             {"optimizer.hyper_parameters", hyper.dump()}};

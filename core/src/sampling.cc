@@ -49,7 +49,7 @@ std::vector<ParamSpec> SamplingParams() {
   };
 }
 
-absl::Status ValidateSamplingParams(const FunctionParams& params, const AuxTensors&) {
+absl::Status ValidateSamplingParams(const FunctionParams& params, const AuxTensors&, bool) {
   const double greedy = params.at("greedy");
   if (greedy != 0.0 && greedy != 1.0) {
     return absl::InvalidArgumentError(

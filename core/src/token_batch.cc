@@ -12,6 +12,7 @@ TokenBatch Map(const TokenBatch& b, Fn&& fn) {
   out.targets = apply(b.targets);
   out.weights = apply(b.weights);
   for (const auto& [name, t] : b.aux) out.aux[name] = apply(t);
+  out.teacher_hidden = apply(b.teacher_hidden);
   return out;
 }
 
@@ -23,7 +24,7 @@ int64_t TokenBatch::rows() const {
 
 int64_t TokenBatch::nbytes() const {
   int64_t bytes = 0;
-  for (const torch::Tensor* t : {&hidden, &targets, &weights}) {
+  for (const torch::Tensor* t : {&hidden, &targets, &weights, &teacher_hidden}) {
     if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
   }
   for (const auto& [name, t] : aux) bytes += static_cast<int64_t>(t.nbytes());
@@ -47,7 +48,7 @@ bool TokenBatch::SameInputs(const TokenBatch& other) const {
     return x.defined() == y.defined() && (!x.defined() || x.scalar_type() == y.scalar_type());
   };
   if (!same(targets, other.targets) || !same(weights, other.weights) ||
-      aux.size() != other.aux.size()) {
+      !same(teacher_hidden, other.teacher_hidden) || aux.size() != other.aux.size()) {
     return false;
   }
   for (const auto& [name, t] : aux) {
@@ -68,6 +69,7 @@ TokenBatch TokenBatch::Concat(const std::vector<TokenBatch>& parts) {
   b.hidden = cat([](const TokenBatch& p) { return p.hidden; });
   b.targets = cat([](const TokenBatch& p) { return p.targets; });
   b.weights = cat([](const TokenBatch& p) { return p.weights; });
+  b.teacher_hidden = cat([](const TokenBatch& p) { return p.teacher_hidden; });
   if (!parts.empty()) {
     for (const auto& entry : parts.front().aux) {
       const std::string& name = entry.first;  // (clang 14 cannot capture a structured binding)

@@ -7,6 +7,7 @@
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "remotehead/core/functions.h"
@@ -34,6 +35,9 @@ class LocalVocabOps final : public VocabOps {
   torch::Tensor LogSoftmaxAtTarget(const torch::Tensor& z,
                                    const torch::Tensor& targets) const override;
   torch::Tensor SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const override;
+  std::vector<torch::Tensor> SumsOfLogSoftmaxPair(const std::vector<PairTerm>& terms,
+                                                  const torch::Tensor& a,
+                                                  const torch::Tensor& b) const override;
 
  private:
   int64_t vocab_size_;
@@ -55,12 +59,15 @@ class ShardVocabOps final : public VocabOps {
   torch::Tensor LogSoftmaxAtTarget(const torch::Tensor& z,
                                    const torch::Tensor& targets) const override;
   torch::Tensor SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const override;
+  std::vector<torch::Tensor> SumsOfLogSoftmaxPair(const std::vector<PairTerm>& terms,
+                                                  const torch::Tensor& a,
+                                                  const torch::Tensor& b) const override;
 
  private:
   // Every rank's `partial` stacked by rank ([K, partial.shape…]), this rank's row being
   // `partial` itself. Throws GroupFailure when the collective fails.
   torch::Tensor GatherWithMine(const torch::Tensor& partial) const;
-  // This rank's e at the targets it holds, 0 at the others.
+  // This rank's e at the targets it holds ([n] or [n, k] like the targets), 0 at the others.
   torch::Tensor HeldTargetValues(const torch::Tensor& e, const torch::Tensor& targets) const;
 
   const VocabShard& shard_;

@@ -13,12 +13,6 @@
 namespace remotehead::server {
 namespace {
 
-std::string Summary(const HeadDescription& d) {
-  return absl::StrCat("\"", d.id, "\" [", d.vocab_size, ", ", d.hidden_size, "] ",
-                      core::DtypeName(d.dtype), d.has_bias ? " with bias" : "", " on ", d.device,
-                      ", version ", d.weight_version);
-}
-
 struct HeadTensors {
   torch::Tensor weight;
   torch::Tensor bias;  // undefined without source.bias_name
@@ -67,6 +61,12 @@ absl::Status Step(core::Head& head, const core::AdamWOptions& options, double gr
 
 }  // namespace
 
+std::string HeadOperations::Summary(const HeadDescription& d) {
+  return absl::StrCat("\"", d.id, "\" [", d.vocab_size, ", ", d.hidden_size, "] ",
+                      core::DtypeName(d.dtype), d.has_bias ? " with bias" : "", " on ", d.device,
+                      ", version ", d.weight_version, d.frozen ? ", frozen" : "");
+}
+
 void HeadOperations::LogEvent(const std::string& line) const {
   if (event_log_ == nullptr) return;
   static std::mutex mu;
@@ -98,9 +98,9 @@ HeadEntry::ResizeState HeadOperations::ResizeOf(const HeadEntry& entry, const st
 
 absl::StatusOr<std::shared_ptr<HeadEntry>> HeadOperations::AddReserved(
     const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket,
-    std::vector<core::ShardRange> shards) {
+    std::vector<core::ShardRange> shards, bool frozen) {
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry =
-      head.ok() ? registry_->Add(id, *std::move(head), ticket, std::move(shards))
+      head.ok() ? registry_->Add(id, *std::move(head), ticket, std::move(shards), frozen)
                 : absl::StatusOr<std::shared_ptr<HeadEntry>>(head.status());
   if (!entry.ok()) admission_->Release(ticket);
   return entry;
@@ -188,34 +188,37 @@ absl::Status HeadOperations::RunInReplica(const v1::GroupCommand& command,
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string& id,
-                                                               const core::HeadInit& init) {
+                                                               const core::HeadInit& init,
+                                                               bool frozen) {
   return OnEveryRank<HeadDescription>(
-      CreateCommand(id, init), [&] { return CreateFromSeedHere(id, init); }, /*creates=*/true);
+      CreateCommand(id, init, frozen), [&] { return CreateFromSeedHere(id, init, frozen); },
+      /*creates=*/true);
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeedHere(const std::string& id,
-                                                                   const core::HeadInit& init) {
+                                                                   const core::HeadInit& init,
+                                                                   bool frozen) {
   ASSIGN_OR_RETURN(const Rows rows, RowsOf(init.vocab_size, "init.vocab_size"));
   ASSIGN_OR_RETURN(const uint64_t ticket,
                    ReserveHead(id, rows.rows, init.hidden_size, init.dtype, init.bias, "init."));
   ASSIGN_OR_RETURN(
       auto entry,
       AddReserved(id, core::Head::InitializeRows(init, {.device = device_}, rows.offset, rows.rows),
-                  ticket, rows.shards));
+                  ticket, rows.shards, frozen));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head created from seed ", init.seed, ": ", Summary(d)));
   return d;
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
-    const std::string& id, const SafetensorsSource& source) {
+    const std::string& id, const SafetensorsSource& source, bool frozen) {
   return OnEveryRank<HeadDescription>(
-      CreateCommand(id, source), [&] { return CreateFromSafetensorsHere(id, source); },
-      /*creates=*/true);
+      CreateCommand(id, source, frozen),
+      [&] { return CreateFromSafetensorsHere(id, source, frozen); }, /*creates=*/true);
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensorsHere(
-    const std::string& id, const SafetensorsSource& source) {
+    const std::string& id, const SafetensorsSource& source, bool frozen) {
   const std::string field = "safetensors.path";
   ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor(field));
   // The shape from the file's header first: the head's bytes are reserved (and its size
@@ -238,7 +241,7 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensorsHere(
                      ReadHeadTensors(*dir, source, field, rows.offset, rows.rows));
     return core::Head::FromTensors(tensors.weight, tensors.bias, {.device = device_});
   }();
-  ASSIGN_OR_RETURN(auto entry, AddReserved(id, std::move(head), ticket, rows.shards));
+  ASSIGN_OR_RETURN(auto entry, AddReserved(id, std::move(head), ticket, rows.shards, frozen));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head created from ", dir->root(), "/", source.path, " (",
                         source.weight_name, "): ", Summary(d)));
@@ -247,12 +250,24 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensorsHere(
 
 absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& id,
                                                             const torch::Tensor& weight,
-                                                            const torch::Tensor& bias,
-                                                            bool replace) {
+                                                            const torch::Tensor& bias, bool replace,
+                                                            bool frozen) {
   const bool creates = !(replace && registry_->Get(id).ok());
+  // Refused here before any rank is asked (each rank checks it again: all refuse alike).
+  if (replace) RETURN_IF_ERROR(CheckReplaceKeepsFrozen(id, frozen));
   return OnEveryRank<HeadDescription>(
-      UploadCommand(id, weight, bias, replace),
-      [&] { return UploadHere(id, weight, bias, replace); }, creates);
+      UploadCommand(id, weight, bias, replace, frozen),
+      [&] { return UploadHere(id, weight, bias, replace, frozen); }, creates);
+}
+
+absl::Status HeadOperations::CheckReplaceKeepsFrozen(const std::string& id, bool frozen) const {
+  const absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
+  if (!entry.ok() || (*entry)->frozen() == frozen) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("header.frozen: expected ", (*entry)->frozen() ? "true" : "false", " (head \"",
+                   id, "\" is ", (*entry)->frozen() ? "" : "not ",
+                   "frozen, and a replace keeps that: drop and upload it to change it); got ",
+                   frozen ? "true" : "false"));
 }
 
 absl::Status HeadOperations::ShareUploaded(HeadGroup& group, torch::Tensor* weight,
@@ -276,7 +291,9 @@ absl::StatusOr<HeadOperations::Rows> HeadOperations::ShareUploadedRows(torch::Te
 
 absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id,
                                                            torch::Tensor weight, torch::Tensor bias,
-                                                           bool replace) {
+                                                           bool replace, bool frozen) {
+  // Before any tensor is shared: every rank holds the same flag, so all refuse alike.
+  if (replace) RETURN_IF_ERROR(CheckReplaceKeepsFrozen(id, frozen));
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
   std::vector<core::ShardRange> shards;
   if (mesh_ != nullptr && mesh_->is_front()) {
@@ -305,7 +322,7 @@ absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id
                      ReserveHead(id, weight.size(0), weight.size(1), weight.scalar_type(),
                                  bias.defined(), "header."));
     entry = AddReserved(id, core::Head::FromTensors(weight, bias, {.device = device_}), ticket,
-                        std::move(shards));
+                        std::move(shards), frozen);
     RETURN_IF_ERROR(entry.status());
   }
   const HeadDescription d = (*entry)->Describe();
@@ -414,6 +431,9 @@ absl::StatusOr<HeadDescription> HeadOperations::ZeroGradientsHere(const std::str
 
 absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string& id,
                                                               const OptimizerStepSpec& spec) {
+  // A frozen head is refused before any rank is asked (each rank's entry refuses it too).
+  ASSIGN_OR_RETURN(const std::shared_ptr<HeadEntry> entry, registry_->Get(id));
+  if (entry->frozen()) return HeadFrozenError(id, "head_id", "an optimizer step");
   return OnEveryRank<HeadDescription>(OptimizerStepCommand(id, spec),
                                       [&] { return OptimizerStepHere(id, spec); });
 }
@@ -486,109 +506,6 @@ absl::StatusOr<HeadDescription> HeadOperations::StepHere(const std::string& id,
   LogEvent(
       absl::StrCat("optimizer step (", sgd ? "sgd" : "adamw", "): ", Summary(entry->Describe())));
   return entry->Describe();
-}
-
-void HeadOperations::SaveAfterStep(const std::string& id, int64_t version) {
-  if (state_store_ == nullptr || checkpoint_every_steps_ <= 0 ||
-      version % checkpoint_every_steps_ != 0) {
-    return;
-  }
-  if (mesh_ != nullptr && !mesh_->is_leader()) return;  // the leader saves every replica's
-  if (const auto saved = SaveState(id); !saved.ok()) {
-    LogEvent(absl::StrCat("head state NOT saved: \"", id, "\": ", saved.status().ToString()));
-  }
-}
-
-absl::StatusOr<StateStore*> HeadOperations::Store() const {
-  if (state_store_ == nullptr) {
-    return absl::FailedPreconditionError(
-        "head state: expected a server started with --state_dir; got none");
-  }
-  return state_store_;
-}
-
-int64_t HeadOperations::OwnOffset(const HeadDescription& d) const {
-  return group_ != nullptr ? d.shards.at(static_cast<size_t>(group_->rank())).offset : 0;
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::SaveState(const std::string& id) {
-  RETURN_IF_ERROR(Store().status());
-  RETURN_IF_ERROR(registry_->Get(id).status());
-  const std::string state_id = StateStore::NewStateId();
-  return OnEveryRank<HeadDescription>(SaveStateCommand(id, state_id),
-                                      [&] { return SaveStateHere(id, state_id); });
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::SaveStateHere(const std::string& id,
-                                                              const std::string& state_id) {
-  ASSIGN_OR_RETURN(StateStore* const store, Store());
-  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
-  core::HeadState state = entry->CaptureState(state_id);
-  const HeadDescription d = entry->Describe();
-  // Which rows of which head this is: a restore at start checks them against its own.
-  state.vocab_size = d.vocab_size;
-  state.vocab_offset = OwnOffset(d);
-  RETURN_IF_ERROR(store->Save(state));
-  LogEvent(absl::StrCat("head state saved: \"", id, "\" version ", state.weight_version, " as ",
-                        state.state_id));
-  return d;
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::RestoreState(const std::string& id,
-                                                             const std::string& state_id) {
-  RETURN_IF_ERROR(Store().status());
-  RETURN_IF_ERROR(StateStore::CheckStateId(state_id));
-  RETURN_IF_ERROR(registry_->Get(id).status());
-  if (group_ != nullptr || mesh_ != nullptr) {
-    RETURN_IF_ERROR(RunOnEveryRank(RestoreStateCommand(id, state_id, /*check_only=*/true), [&] {
-      return RestoreStateHere(id, state_id, /*check_only=*/true).status();
-    }));
-  }
-  return OnEveryRank<HeadDescription>(RestoreStateCommand(id, state_id, /*check_only=*/false),
-                                      [&] { return RestoreStateHere(id, state_id, false); });
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::RestoreStateHere(const std::string& id,
-                                                                 const std::string& state_id,
-                                                                 bool check_only) {
-  ASSIGN_OR_RETURN(StateStore* const store, Store());
-  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
-  ASSIGN_OR_RETURN(const core::HeadState state, store->Load(id, state_id));
-  const HeadDescription before = entry->Describe();
-  RETURN_IF_ERROR(core::CheckHeadStateRows(state, before.vocab_size, OwnOffset(before)));
-  if (check_only) {
-    RETURN_IF_ERROR(entry->Read(
-        [&](const core::Head& head) { return core::CheckHeadStateFits(state, head); }));
-    return before;
-  }
-  RETURN_IF_ERROR(entry->RestoreState(
-      state, /*at_start=*/false,
-      ResizeOf(*entry, absl::StrCat("the optimizer state of head \"", id, "\" in ", state_id))));
-  const HeadDescription d = entry->Describe();
-  LogEvent(absl::StrCat("head state restored: ", Summary(d), " from ", state_id));
-  return d;
-}
-
-absl::Status HeadOperations::SaveAllStates() {
-  if (state_store_ == nullptr) return absl::OkStatus();
-  if (group_ != nullptr || mesh_ != nullptr) {
-    LogEvent("head states not saved at shutdown: a head group's are saved at its steps "
-             "(--checkpoint_every_steps) and on request");
-    return absl::OkStatus();
-  }
-  // Each head on its own: one that cannot be saved never keeps the others from being saved.
-  const auto entries = registry_->List();
-  std::vector<std::string> failed;
-  for (const auto& entry : entries) {
-    if (const auto saved = SaveState(entry->id()); !saved.ok()) {
-      LogEvent(
-          absl::StrCat("head state NOT saved: \"", entry->id(), "\": ", saved.status().ToString()));
-      failed.push_back(absl::StrCat("\"", entry->id(), "\" (", saved.status().message(), ")"));
-    }
-  }
-  if (failed.empty()) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(failed.size(), " of ", entries.size(),
-                                          " head states not saved: ", absl::StrJoin(failed, "; ")));
 }
 
 }  // namespace remotehead::server

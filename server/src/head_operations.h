@@ -60,13 +60,22 @@ class HeadOperations {
         group_(group),
         mesh_(mesh) {}
 
-  absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init);
+  // `frozen` (every creation): the head refuses dW and optimizer steps (HeadEntry), on every
+  // rank of a group or mesh alike.
+  absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init,
+                                                 bool frozen = false);
   absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
-                                                        const SafetensorsSource& source);
+                                                        const SafetensorsSource& source,
+                                                        bool frozen = false);
   // A head made of uploaded W [V, D] (and b [V]); with `replace`, new weights for the existing
-  // head `id` (HeadEntry::ReplaceWeights), or a new head if there is none.
+  // head `id` (HeadEntry::ReplaceWeights; INVALID_ARGUMENT naming header.frozen unless `frozen`
+  // is the head's), or a new head if there is none.
   absl::StatusOr<HeadDescription> AddUploaded(const std::string& id, const torch::Tensor& weight,
-                                              const torch::Tensor& bias, bool replace);
+                                              const torch::Tensor& bias, bool replace,
+                                              bool frozen = false);
+  // A replace of head `id` (with `frozen`) keeps the head's frozen flag: INVALID_ARGUMENT
+  // naming header.frozen otherwise (OK when there is no such head: the upload creates it).
+  absl::Status CheckReplaceKeepsFrozen(const std::string& id, bool frozen) const;
   // Reserves the bytes of the heads already in the registry that hold none (those loaded or
   // restored at start, optimizer state included); RESOURCE_EXHAUSTED if they do not fit.
   absl::Status ReserveLoadedHeads();
@@ -110,13 +119,14 @@ class HeadOperations {
   // (the front within the operations above; the other ranks for the commands of the group's
   // log, group/group_follower.h).
   absl::StatusOr<HeadDescription> CreateFromSeedHere(const std::string& id,
-                                                     const core::HeadInit& init);
+                                                     const core::HeadInit& init, bool frozen);
   absl::StatusOr<HeadDescription> CreateFromSafetensorsHere(const std::string& id,
-                                                            const SafetensorsSource& source);
+                                                            const SafetensorsSource& source,
+                                                            bool frozen);
   // `weight` / `bias`: the whole head's, on the front; on the other ranks tensors of the same
   // shape that the front's values are shared into.
   absl::StatusOr<HeadDescription> UploadHere(const std::string& id, torch::Tensor weight,
-                                             torch::Tensor bias, bool replace);
+                                             torch::Tensor bias, bool replace, bool frozen);
   absl::StatusOr<HeadSnapshot> SnapshotHere(const std::string& id,
                                             std::optional<torch::ScalarType> dtype, bool gradients);
   absl::Status DropHere(const std::string& id);
@@ -186,6 +196,8 @@ class HeadOperations {
   absl::Status ShareUploaded(HeadGroup& group, torch::Tensor* weight, torch::Tensor* bias);
 
   void LogEvent(const std::string& line) const;
+  // A head in a log line: id, shape, dtype, device, version (and "frozen").
+  static std::string Summary(const HeadDescription& d);
   // Reserves the bytes of head `id` of this shape (core::HeadMemoryBytes) before it is
   // allocated; returns the admission ticket. INVALID_ARGUMENT (sizes, named with
   // `field_prefix`) or RESOURCE_EXHAUSTED (budget).
@@ -198,7 +210,7 @@ class HeadOperations {
   // Registers `head` under `id` holding `ticket`; releases the ticket if that fails.
   absl::StatusOr<std::shared_ptr<HeadEntry>> AddReserved(
       const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket,
-      std::vector<core::ShardRange> shards = {});
+      std::vector<core::ShardRange> shards, bool frozen);
 
   absl::StatusOr<StateStore*> Store() const;
   // The first row of this rank's shard of a head described as `d` (0 off a group).

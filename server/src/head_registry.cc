@@ -26,6 +26,16 @@ absl::Status UnknownHead(const std::string& id) {
 
 }  // namespace
 
+absl::Status HeadFrozenError(const std::string& id, const std::string& field,
+                             const std::string& what) {
+  return core::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          field, ": expected a head that is not frozen for ", what, "; got head \"", id,
+          "\", which is frozen (created or uploaded with frozen: it is read only — a teacher or a "
+          "reference model — and takes neither dW nor optimizer steps)")),
+      core::reason::kHeadFrozen, {{"head", id}, {"field", field}});
+}
+
 const std::string& ServerIncarnation() {
   static const std::string incarnation = [] {
     std::mt19937_64 rng{std::random_device{}()};
@@ -48,7 +58,14 @@ HeadDescription HeadEntry::Describe() const {
           .last_loss = last_loss_,
           .state_id = state_id_,
           .restored_version = restored_version_,
-          .shards = shards_};
+          .shards = shards_,
+          .frozen = frozen_,
+          .teacher_of = {students_.begin(), students_.end()}};
+}
+
+void HeadEntry::AddStudent(const std::string& student) {
+  std::lock_guard<std::mutex> lock(mu_);
+  students_.insert(student);
 }
 
 HeadPin HeadEntry::Pin() const {
@@ -58,6 +75,13 @@ HeadPin HeadEntry::Pin() const {
 
 HeadPin HeadEntry::PinLocked() const {
   return {.weight_version = head_->version(), .gradient_window = gradient_window_};
+}
+
+absl::Status HeadEntry::CheckNotDroppedLocked() const {
+  if (!dropped_) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat("header.teacher_head_id: head \"", id_,
+                                         "\" was dropped while this request ran; nothing was "
+                                         "committed"));
 }
 
 absl::Status HeadEntry::CheckPinLocked(const HeadPin& pin, bool gradient) const {
@@ -90,6 +114,9 @@ absl::StatusOr<CommitResult> HeadEntry::Commit(const StepCommit& commit) {
     return CheckPinLocked(PinLocked(), false);
   }
   CommitResult result;
+  if (commit.key.has_value() && frozen_) {
+    return HeadFrozenError(id_, "header.accumulate_weight_grad", "accumulating dW");
+  }
   if (commit.key.has_value()) {
     if (applied_.insert(*commit.key).second) {
       head_->grads().weight.add_(commit.scratch->weight);
@@ -118,6 +145,7 @@ absl::Status HeadEntry::OptimizerStep(
     const std::function<absl::Status(core::Head&, core::OptimizerState&)>& step,
     bool zero_gradients) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (frozen_) return HeadFrozenError(id_, "head_id", "an optimizer step");
   if (absl::Status s = step(*head_, optimizer_); !s.ok()) return s;
   if (zero_gradients) ZeroGradientsLocked();
   return absl::OkStatus();
@@ -137,7 +165,9 @@ void HeadEntry::ZeroGradientsLocked() {
 core::HeadState HeadEntry::CaptureState(const std::string& state_id) {
   std::lock_guard<std::mutex> lock(mu_);
   state_id_ = state_id;
-  return core::CaptureHeadState(id_, state_id, *head_, optimizer_);
+  core::HeadState state = core::CaptureHeadState(id_, state_id, *head_, optimizer_);
+  state.frozen = frozen_;
+  return state;
 }
 
 int64_t HeadEntry::OptimizerStateBytes() const {
@@ -192,7 +222,8 @@ absl::Status HeadEntry::ReplaceWeights(const core::Head& head, const ResizeState
 absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& id,
                                                              std::unique_ptr<core::Head> head,
                                                              uint64_t reservation,
-                                                             std::vector<core::ShardRange> shards) {
+                                                             std::vector<core::ShardRange> shards,
+                                                             bool frozen) {
   if (id.empty()) {
     return absl::InvalidArgumentError("head_id: expected a non-empty id; got \"\"");
   }
@@ -202,7 +233,8 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& 
                                 "head_id: expected a new id; got \"", id, "\", which already exists")),
                             core::reason::kHeadExists, {{"head", id}});
   }
-  auto entry = std::make_shared<HeadEntry>(id, std::move(head), reservation, std::move(shards));
+  auto entry =
+      std::make_shared<HeadEntry>(id, std::move(head), reservation, std::move(shards), frozen);
   heads_.emplace(id, entry);
   return entry;
 }

@@ -34,6 +34,11 @@ grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, Fn&& fn) {
   return reactor;
 }
 
+// An optimizer step (plain or synchronous) of a frozen head: refused at once, nothing applied.
+absl::Status CheckNotFrozen(const HeadDescription& head) {
+  return head.frozen ? HeadFrozenError(head.id, "head_id", "an optimizer step") : absl::OkStatus();
+}
+
 // The answer of a handler that reports a head's state.
 absl::Status Answer(const absl::StatusOr<HeadDescription>& result, v1::HeadInfo* info) {
   if (!result.ok()) return result.status();
@@ -80,13 +85,15 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
                        OptionalDtype(request->dtype(), "dtype"));
       switch (request->source_case()) {
         case v1::CreateHeadRequest::kSafetensors:
-          return Answer(Ops().CreateFromSafetensors(request->head_id(),
-                                                    FromWire(request->safetensors(), dtype)),
-                        response);
+          return Answer(
+              Ops().CreateFromSafetensors(
+                  request->head_id(), FromWire(request->safetensors(), dtype), request->frozen()),
+              response);
         case v1::CreateHeadRequest::kInit:
           return Answer(
               Ops().CreateFromSeed(request->head_id(),
-                                   FromWire(request->init(), dtype.value_or(torch::kFloat))),
+                                   FromWire(request->init(), dtype.value_or(torch::kFloat)),
+                                   request->frozen()),
               response);
         default:
           return absl::InvalidArgumentError("source: expected safetensors or init; got none");
@@ -147,6 +154,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     return Unary(context, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(*request));
       ASSIGN_OR_RETURN(const HeadDescription head, Ops().Describe(request->head_id()));
+      RETURN_IF_ERROR(CheckNotFrozen(head));
       RETURN_IF_ERROR(
           CheckIncarnation(request->expected_incarnation(), "expected_incarnation", head));
       return Answer(context_->StepOptimizer(request->head_id(), std::nullopt, spec),
@@ -226,6 +234,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     absl::StatusOr<OptimizerStepSpec> spec = FromWire(request);
     absl::StatusOr<HeadDescription> head = Ops().Describe(request.head_id());
     absl::Status refused = !spec.ok() ? spec.status() : head.status();
+    if (refused.ok()) refused = CheckNotFrozen(*head);
     if (refused.ok()) {
       refused = CheckIncarnation(request.expected_incarnation(), "expected_incarnation", *head);
     }

@@ -25,6 +25,8 @@ absl::Status ToWire(const HeadDescription& d, v1::HeadInfo* info) {
     shard->set_offset(range.offset);
     shard->set_rows(range.rows);
   }
+  info->set_frozen(d.frozen);
+  for (const std::string& student : d.teacher_of) info->add_teacher_of(student);
   return absl::OkStatus();
 }
 
@@ -75,6 +77,16 @@ absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsRes
         core::OutputDtype(fn->output, torch::kDouble, torch::kFloat) == torch::kDouble);
     d->set_differentiable(fn->output == core::OutputKind::kPerToken);
     d->set_vocab_decomposable(fn->vocab_decomposable);
+    d->set_needs_teacher(fn->needs_teacher);
+    // Aux inputs of k values per row (a sparse teacher's top-k), and those of an integer dtype,
+    // in the order the function lists its aux.
+    std::vector<std::string> aux = fn->required_aux;
+    aux.insert(aux.end(), fn->optional_aux.begin(), fn->optional_aux.end());
+    for (const std::string& name : aux) {
+      const core::AuxKind kind = fn->aux_kind(name);
+      if (kind != core::AuxKind::kPerToken) d->add_topk_aux(name);
+      if (kind == core::AuxKind::kTopkIds) d->add_integral_aux(name);
+    }
   }
   return absl::OkStatus();
 }

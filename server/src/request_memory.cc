@@ -16,12 +16,15 @@ MemoryEstimate StepMemory(const StepMemoryInputs& in) {
   const int64_t x_bytes = in.rows * plan.hidden_size * plan.head_elem_bytes;
   // In flight: rows received but not computed and results not yet sent (X-sized each), plus
   // the whole X (and int64 targets) when a Forward keeps its inputs for the Backward.
-  // A Forward's results may outweigh X (rows of logits): X plus the results then.
+  // A Forward's results may outweigh X (rows of logits): X plus the results then. A two-head
+  // call's rows carry the teacher's hidden states with X.
   const int64_t result_bytes =
       in.mode == core::CallMode::kForward ? in.rows * plan.output_row_bytes : x_bytes;
+  const int64_t in_bytes = x_bytes + in.rows * in.teacher_row_bytes;
   const int64_t pipeline =
-      std::min(std::max(2 * x_bytes, x_bytes + result_bytes), in.pipeline_bytes);
-  const int64_t kept = in.retains_inputs ? RetainedInputsBytes(plan, in.rows) : 0;
+      std::min(std::max(2 * in_bytes, in_bytes + result_bytes), in.pipeline_bytes);
+  const int64_t kept =
+      in.retains_inputs ? RetainedInputsBytes(plan, in.rows, in.teacher_row_bytes) : 0;
   MemoryEstimate e;
   e.bytes = engine.total() + in.scratch_bytes + pipeline + kept;
   e.breakdown =
@@ -32,8 +35,8 @@ MemoryEstimate StepMemory(const StepMemoryInputs& in) {
   return e;
 }
 
-int64_t RetainedInputsBytes(const core::CallPlan& plan, int64_t rows) {
-  return rows * (plan.hidden_size * plan.head_elem_bytes + 8);
+int64_t RetainedInputsBytes(const core::CallPlan& plan, int64_t rows, int64_t teacher_row_bytes) {
+  return rows * (plan.hidden_size * plan.head_elem_bytes + 8 + teacher_row_bytes);
 }
 
 int64_t StepPipelineBytes(int read_ahead_messages, int64_t max_pending_response_bytes) {

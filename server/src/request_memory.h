@@ -28,12 +28,15 @@ struct StepMemoryInputs {
   int64_t scratch_bytes = 0;    // the scratch dW it accumulates into (0: none)
   int64_t pipeline_bytes = 0;   // what the transport may buffer for it (StepPipelineBytes)
   bool retains_inputs = false;  // a Forward that keeps its inputs for the Backward
+  int64_t teacher_row_bytes = 0;  // a two-head call: a row of the teacher's hidden states
 };
 MemoryEstimate StepMemory(const StepMemoryInputs& in);
 
-// What admission reserves up front for the inputs a Forward retains: X and int64 targets (the
-// per-token weights and aux are asked for as they arrive).
-int64_t RetainedInputsBytes(const core::CallPlan& plan, int64_t rows);
+// What admission reserves up front for the inputs a Forward retains: X, int64 targets and a
+// two-head call's teacher hidden states (the per-token weights and aux are asked for as they
+// arrive).
+int64_t RetainedInputsBytes(const core::CallPlan& plan, int64_t rows,
+                            int64_t teacher_row_bytes = 0);
 
 // What the transport may hold for one step call: the request messages read ahead (4 MiB each
 // at most, plus the one being handled) and the responses not yet taken by the client.

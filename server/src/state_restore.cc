@@ -94,7 +94,8 @@ absl::Status RestoreOne(const core::HeadState& state, const std::string& file,
   }
   ASSIGN_OR_RETURN(auto head,
                    core::Head::FromTensors(state.weight, state.bias, {.device = device}));
-  ASSIGN_OR_RETURN(auto entry, registry->Add(state.head_id, std::move(head), 0, std::move(shards)));
+  ASSIGN_OR_RETURN(auto entry, registry->Add(state.head_id, std::move(head), 0, std::move(shards),
+                                             state.frozen));
   return entry->RestoreState(state, /*at_start=*/true);
 }
 

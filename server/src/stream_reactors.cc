@@ -183,6 +183,10 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
       return absl::InvalidArgumentError("header: expected exactly one header; got a second");
     }
     RETURN_IF_ERROR(service_.operations.CheckNewHeadId(h.head_id(), "header.head_id"));
+    // Before the rows travel (checked again when they are in: the head may change meanwhile).
+    if (h.replace()) {
+      RETURN_IF_ERROR(service_.operations.CheckReplaceKeepsFrozen(h.head_id(), h.frozen()));
+    }
     ASSIGN_OR_RETURN(const torch::ScalarType dtype, wire::FromWireDtype(h.dtype(), "header"));
     // Sizes checked, and the CPU buffer the rows are assembled in reserved in the memory budget,
     // before anything is allocated.
@@ -213,7 +217,7 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
     ASSIGN_OR_RETURN(const HeadDescription d,
                      service_.operations.AddUploaded(header_->head_id(), weight_->tensor(),
                                                      bias_ ? bias_->tensor() : torch::Tensor(),
-                                                     header_->replace()));
+                                                     header_->replace(), header_->frozen()));
     return ToWire(d, response_);
   }
 

@@ -114,4 +114,39 @@ inline double NaiveStep(const torch::Tensor& x, const torch::Tensor& w, const to
   return loss.item<double>();
 }
 
+// One naive distillation step, as a trainer with both heads writes it: the teacher's [N, V]
+// logits under no_grad (it is frozen), the student's with autograd, both upcast to fp32, the
+// divergence of TRL's definition (beta 0: forward KL(t || s), 1: reverse, else the generalized
+// JSD) per token from the full log-softmaxes, masked like the targets, and loss.backward() into
+// x, w (and b). Returns the loss.
+inline double NaiveDistillStep(const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b, const torch::Tensor& teacher_x,
+                               const torch::Tensor& teacher_w, const torch::Tensor& targets,
+                               double beta, core::Reduction reduction, int64_t valid_count) {
+  torch::Tensor zt;
+  {
+    torch::NoGradGuard no_grad;
+    zt = torch::mm(teacher_x, teacher_w.t()).to(torch::kFloat);
+  }
+  torch::Tensor zs = b.defined() ? torch::addmm(b, x, w.t()) : torch::mm(x, w.t());
+  zs = zs.to(torch::kFloat);
+  const torch::Tensor ls = torch::log_softmax(zs, 1);
+  const torch::Tensor lt = torch::log_softmax(zt, 1);
+  torch::Tensor per_token;
+  if (beta == 0) {
+    per_token = (torch::exp(lt) * (lt - ls)).sum(1);
+  } else if (beta == 1) {
+    per_token = (torch::exp(ls) * (ls - lt)).sum(1);
+  } else {
+    const torch::Tensor lm = torch::logaddexp(ls + std::log1p(-beta), lt + std::log(beta));
+    per_token = (beta * torch::exp(lt) * (lt - lm) + (1 - beta) * torch::exp(ls) * (ls - lm)).sum(1);
+  }
+  torch::Tensor loss = torch::where(targets != kIgnoreIndex, per_token, 0.0).sum();
+  if (reduction == core::Reduction::kMean) {
+    loss = loss / static_cast<double>(std::max<int64_t>(valid_count, 1));
+  }
+  loss.backward();
+  return loss.item<double>();
+}
+
 }  // namespace remotehead::bench

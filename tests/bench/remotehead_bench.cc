@@ -5,6 +5,11 @@
 //   two_phase  Forward, then Backward with dL/dloss = 1 (recomputes the logits: four GEMMs)
 //   gemm       just the three GEMMs of the step at full size (X·Wᵀ, dZ·W, dZᵀ·X): the floor
 //
+// A two-head (distillation) function (--function distill_kl, distill_reverse_kl, distill_jsd)
+// adds a frozen teacher head of the same V (width --teacher_d): naive forms both [N, V] logits
+// (the teacher's under no_grad) and the divergence from their full log-softmaxes; gemm adds the
+// teacher's logits GEMM (four GEMMs, 8·N·D·V FLOPs at D_teacher = D).
+//
 // step_seconds is the median over --repeats after --warmup untimed steps. peak_bytes is the
 // transient memory of a warm step: the peak allocated during it minus what was allocated just
 // before it, with weights, inputs and gradient buffers already in place (CPU memory is measured
@@ -58,9 +63,13 @@ ABSL_FLAG(double, softcap, 0,
           "cap·tanh(z/cap) on the logits before the function (Gemma 2's 30); 0 = none");
 ABSL_FLAG(int64_t, chunk_rows, 0, "rows per chunk; 0 = derived from --memory_budget_bytes");
 ABSL_FLAG(int64_t, memory_budget_bytes, 0, "engine transient budget per chunk; 0 = default");
+ABSL_FLAG(int64_t, block_rows, 0, "rows per function block; 0 = cache-sized (the default)");
 ABSL_FLAG(int32_t, repeats, 3, "timed repetitions (the median is reported)");
 ABSL_FLAG(int32_t, warmup, 1, "untimed repetitions before the timed ones");
 ABSL_FLAG(bool, bias, false, "give the head a bias");
+ABSL_FLAG(int64_t, teacher_d, 0,
+          "two-head functions: the teacher's hidden size (0 = D); its V is the student's");
+ABSL_FLAG(double, beta, 0.5, "distill_jsd: TRL's beta (0 forward KL, 1 reverse KL)");
 ABSL_FLAG(bool, json, false, "print one JSON object on stdout instead of the table");
 ABSL_FLAG(int64_t, skip_naive_above_bytes, int64_t{8} << 30,
           "skip naive (and gemm) when its estimated logits memory N*V*4*3 exceeds this");
@@ -85,12 +94,22 @@ using bench::kIgnoredFraction;
 using bench::kIgnoreIndex;
 // Functions whose only per-token input is the targets; the others (grpo) need aux inputs
 // whose choice would change what is being measured.
-const std::vector<std::string> kSupportedFunctions = {"cross_entropy", "token_logprobs",
-                                                      "mse_onehot", "entropy", "sigmoid_sum"};
+const std::vector<std::string> kSupportedFunctions = {
+    "cross_entropy", "token_logprobs", "mse_onehot",        "entropy",
+    "sigmoid_sum",   "distill_kl",     "distill_reverse_kl", "distill_jsd"};
+
+// TRL's beta of a two-head function: what the naive step computes.
+double DistillBeta(const std::string& function, double jsd_beta) {
+  if (function == "distill_kl") return 0.0;
+  if (function == "distill_reverse_kl") return 1.0;
+  return jsd_beta;
+}
 
 struct Config {
   std::vector<int64_t> ns;
   int64_t d = 0, v = 0;
+  int64_t teacher_d = 0;  // > 0: a two-head function's teacher width
+  double beta = 0.5;      // distill_jsd
   torch::ScalarType dtype = torch::kFloat;
   torch::Device device = torch::kCPU;
   std::string function;
@@ -147,6 +166,18 @@ absl::StatusOr<Config> ConfigFromFlags() {
                      absl::StrJoin(kSupportedFunctions, ", "), "; got ", c.function,
                      " (which needs other per-token inputs)"));
   }
+  if ((*rh::FunctionRegistry::Builtin().Find(c.function))->needs_teacher) {
+    c.teacher_d = absl::GetFlag(FLAGS_teacher_d) > 0 ? absl::GetFlag(FLAGS_teacher_d) : c.d;
+  }
+  if (c.teacher_d > 0 && c.softcap > 0) {
+    return absl::InvalidArgumentError(
+        "--softcap: the naive distillation step applies none; got a softcap with a two-head "
+        "function");
+  }
+  c.beta = absl::GetFlag(FLAGS_beta);
+  if (!(c.beta >= 0 && c.beta <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--beta: expected [0, 1]; got ", c.beta));
+  }
   ASSIGN_OR_RETURN(c.reduction, rh::ParseReduction(absl::GetFlag(FLAGS_reduction)));
   if (c.reduction != rh::Reduction::kMean && c.reduction != rh::Reduction::kSum) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -194,6 +225,7 @@ double MaxAbsDiff(const torch::Tensor& a, const torch::Tensor& b) {
 
 absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
                                const rh::StepOptions& options, int64_t n) {
+  const rh::Head* teacher = options.teacher;
   NResult r;
   r.n = n;
   const int64_t d = cfg.d, v = cfg.v;
@@ -207,6 +239,9 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
   targets.masked_fill_(torch::rand({n}) < kIgnoredFraction, kIgnoreIndex);
   batch.hidden = torch::randn({n, d}).to(head_opts);
   batch.targets = targets.to(cfg.device);
+  if (teacher != nullptr) {
+    batch.teacher_hidden = torch::randn({n, cfg.teacher_d}).to(teacher->weight().options());
+  }
   const int64_t valid_count = (targets != kIgnoreIndex).sum().item<int64_t>();
 
   // 1. naive. Its X.grad / W.grad are reset to undefined before each step, so autograd
@@ -228,8 +263,12 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
         },
         [&]() -> absl::Status {
           r.naive.loss =
-              bench::NaiveStep(x, w, b, batch.targets, cfg.function, cfg.reduction, valid_count,
-                               cfg.softcap);
+              teacher != nullptr
+                  ? bench::NaiveDistillStep(x, w, b, batch.teacher_hidden, teacher->weight(),
+                                            batch.targets, DistillBeta(cfg.function, cfg.beta),
+                                            cfg.reduction, valid_count)
+                  : bench::NaiveStep(x, w, b, batch.targets, cfg.function, cfg.reduction,
+                                     valid_count, cfg.softcap);
           return absl::OkStatus();
         },
         &r.naive));
@@ -277,9 +316,9 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
   compare(r.two_phase);
   naive_dx = naive_dw = torch::Tensor();
 
-  // 4. gemm: the step's three GEMMs at full size into preallocated buffers. The dW GEMM runs
-  // in the accumulator's dtype, as the engine's does (fp32 for a half-precision head), with
-  // its operands converted outside the clock.
+  // 4. gemm: the step's three GEMMs at full size into preallocated buffers (and a teacher's
+  // logits GEMM). The dW GEMM runs in the accumulator's dtype, as the engine's does (fp32 for a
+  // half-precision head), with its operands converted outside the clock.
   const bool fp32_dw = grads.weight.scalar_type() != head.dtype();
   const int64_t gemm_bytes = n * v * (c10::elementSize(head.dtype()) + (fp32_dw ? 4 : 0));
   if (gemm_bytes <= cfg.skip_naive_above_bytes) {
@@ -288,9 +327,12 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
     torch::Tensor dx = torch::empty({n, d}, head_opts);
     torch::Tensor dz_dw = fp32_dw ? torch::randn({n, v}, grads.weight.options()) : z;
     torch::Tensor x_dw = fp32_dw ? batch.hidden.to(torch::kFloat) : batch.hidden;
+    torch::Tensor zt = teacher != nullptr ? torch::empty({n, v}, teacher->weight().options())
+                                          : torch::Tensor();
     RETURN_IF_ERROR(Measure(
         cfg, zero_grads,
         [&]() -> absl::Status {
+          if (zt.defined()) torch::mm_out(zt, batch.teacher_hidden, teacher->weight().t());
           torch::mm_out(z, batch.hidden, head.weight().t());
           torch::mm_out(dx, z, head.weight());
           grads.weight.addmm_(dz_dw.t(), x_dw);
@@ -367,6 +409,8 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
        {{"n", cfg.ns},
         {"d", cfg.d},
         {"v", cfg.v},
+        {"teacher_d", cfg.teacher_d > 0 ? nlohmann::json(cfg.teacher_d) : nlohmann::json(nullptr)},
+        {"beta", cfg.beta},
         {"dtype", rh::DtypeName(cfg.dtype)},
         {"device", cfg.device.str()},
         {"function", cfg.function},
@@ -460,12 +504,24 @@ absl::Status Run() {
                                                                         {.device = cfg.device}));
   rh::FunctionParams params;
   if (cfg.softcap > 0) params["softcap"] = cfg.softcap;
+  if (cfg.function == "distill_jsd") params["beta"] = cfg.beta;
+  // A two-head function's frozen teacher: the same V, its own width and weights.
+  std::unique_ptr<rh::Head> teacher;
+  if (cfg.teacher_d > 0) {
+    ASSIGN_OR_RETURN(teacher, rh::Head::Initialize({.vocab_size = cfg.v,
+                                                    .hidden_size = cfg.teacher_d,
+                                                    .dtype = cfg.dtype,
+                                                    .seed = cfg.seed + 1},
+                                                   {.device = cfg.device}));
+  }
   const rh::StepOptions options{.function = cfg.function,
                                 .params = params,
                                 .reduction = cfg.reduction,
                                 .ignore_index = kIgnoreIndex,
                                 .chunk_rows = cfg.chunk_rows,
-                                .memory_budget_bytes = cfg.memory_budget_bytes};
+                                .block_rows = absl::GetFlag(FLAGS_block_rows),
+                                .memory_budget_bytes = cfg.memory_budget_bytes,
+                                .teacher = teacher.get()};
   ASSIGN_OR_RETURN(const rh::CallPlan plan, rh::PlanCall(*head, options));
   const int64_t chunk_rows = plan.chunk_rows;
 

@@ -57,6 +57,7 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
 
   core::StepOptions options;
   options.function = fcase.function;
+  options.teacher = reference::TestTeacher(*head, fcase.function);
   options.params = fcase.params;
   options.reduction = reduction;
   options.upstream_scale = 0.5;  // the fused mode's known upstream gradient (e.g. a loss scale)

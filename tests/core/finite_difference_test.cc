@@ -24,7 +24,8 @@ TEST_P(FiniteDifference, GradientsMatchCentralDifferences) {
   core::StepOptions options{.function = c.function,
                             .params = c.params,
                             .reduction = core::Reduction::kWeightedSum,
-                            .chunk_rows = 2};
+                            .chunk_rows = 2,
+                            .teacher = reference::TestTeacher(*head, c.function)};
 
   auto fused = core::FusedForwardBackward(*head, batch, options, &head->grads());
   ASSERT_TRUE(fused.ok()) << fused.status();

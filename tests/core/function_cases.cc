@@ -26,7 +26,8 @@ double TestValue(const std::string& function, const core::ParamSpec& spec) {
 }
 
 std::vector<FunctionCase> DerivedCases(CaseSet set, const FunctionFilter& filter) {
-  const core::FunctionParams softcap_temp = {{core::kSoftcapParam, kTestSoftcap},
+  const core::FunctionParams softcap_temp = {{core::kLogitScaleParam, kTestLogitScale},
+                                             {core::kSoftcapParam, kTestSoftcap},
                                              {core::kTemperatureParam, kTestTemperature}};
   std::vector<FunctionCase> cases;
   for (const core::TransformFunction* fn : core::FunctionRegistry::Builtin().Functions()) {

@@ -16,11 +16,12 @@ namespace remotehead::reference {
 // The common options of the softcap + temperature cases (and of the all-options cases).
 inline constexpr double kTestSoftcap = 2.5;
 inline constexpr double kTestTemperature = 0.7;
+inline constexpr double kTestLogitScale = 1.3;
 
 struct FunctionCase {
   // A gtest name: "<function>" (defaults), "<function>_<param>" (one own param not at its
-  // default), "<function>_softcap_temp", "<function>_all_options" (every own param not at its
-  // default, with softcap and temperature).
+  // default), "<function>_softcap_temp" (with the logit scale too), "<function>_all_options"
+  // (every own param not at its default, with logit scale, softcap and temperature).
   std::string label;
   std::string function;
   core::FunctionParams params;

@@ -33,9 +33,12 @@ TEST(FunctionRegistry, EveryFunctionHasAReferenceAndEveryReferenceAFunction) {
                     << "ReferenceFunctions() in tests/core/reference.cc";
       continue;
     }
-    EXPECT_EQ(static_cast<bool>(entry->second.per_token), fn->output == core::OutputKind::kPerToken)
+    EXPECT_EQ(static_cast<bool>(entry->second.per_token),
+              fn->output == core::OutputKind::kPerToken && !fn->needs_teacher)
         << fn->name << ": a per-token function needs a per_token reference, a generation output "
         << "none";
+    EXPECT_EQ(static_cast<bool>(entry->second.two_head), fn->needs_teacher)
+        << fn->name << ": a two-head function needs a two_head reference (and only it)";
     for (const auto& [param, value] : entry->second.test_values) {
       bool own = false;
       for (const core::ParamSpec& spec : fn->params) own = own || spec.name == param;
@@ -75,7 +78,7 @@ TEST(FunctionRegistry, DerivedCasesAreValidAndCoverEveryParam) {
         reference::MakeTestBatch(*head, 6, c.function, core::Reduction::kMean);
     for (const std::string& aux : fn->required_aux) EXPECT_TRUE(batch.aux.contains(aux)) << aux;
     if (fn->validate) {
-      const absl::Status valid = fn->validate(*params, batch.aux);
+      const absl::Status valid = fn->validate(*params, batch.aux, batch.targets.defined());
       EXPECT_TRUE(valid.ok()) << valid;
     }
   }
@@ -111,7 +114,7 @@ TEST(FunctionRegistry, UnknownOrOutOfRangeParamsAreRejected) {
   const core::TransformFunction* ce = *registry.Find("cross_entropy");
   EXPECT_EQ(registry.ResolveParams(*ce, {{"beta", 1.0}}).status().message(),
             "params[\"beta\"]: function cross_entropy expects only label_smoothing, z_loss, "
-            "temperature, softcap");
+            "temperature, softcap, logit_scale");
   EXPECT_EQ(registry.ResolveParams(*ce, {{"label_smoothing", 1.5}}).status().message(),
             "params[\"label_smoothing\"]: expected a finite value in [0, 1]; got 1.5");
   EXPECT_EQ(registry.ResolveParams(*ce, {{"temperature", 0.0}}).status().message(),

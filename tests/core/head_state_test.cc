@@ -98,6 +98,21 @@ TEST(HeadState, AStateOfAnotherShapeChangesNothing) {
 
 // A head group's rank saves its shard: the file says which rows of which head they are, and a
 // rank restores only its own rows of a head of the same size.
+// A frozen head (a distillation teacher) is saved and restored frozen; a state saved before
+// frozen heads existed (no "frozen" metadata) decodes as not frozen.
+TEST(HeadState, AFrozenHeadIsRestoredFrozen) {
+  std::unique_ptr<Head> head = NewHead(6);
+  for (const bool frozen : {true, false}) {
+    HeadState state = CaptureHeadState("teacher", "s1", *head, {});
+    state.frozen = frozen;
+    auto bytes = EncodeHeadState(state);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    auto decoded = DecodeHeadState(*bytes, "/state/teacher/s1.safetensors");
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(decoded->frozen, frozen);
+  }
+}
+
 TEST(HeadState, AShardSaysWhichRowsItHoldsAndOnlyThoseAreRestored) {
   std::unique_ptr<Head> head = NewHead(5);  // rows [40, 80) of a head of 120
   HeadState state = CaptureHeadState("lm", "s1", *head, {});

@@ -37,7 +37,10 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
   core::GradientBuffers grads = head.NewGradientBuffers();
   torch::Tensor grad_hidden = torch::empty({rows, kHidden}, head.weight().options());
   const torch::Tensor grad_output = torch::ones({}, torch::TensorOptions().device(device));
-  core::StepOptions options{.function = function, .params = params, .memory_budget_bytes = kBudget};
+  core::StepOptions options{.function = function,
+                            .params = params,
+                            .memory_budget_bytes = kBudget,
+                            .teacher = reference::TestTeacher(head, function)};
   auto plan = core::PlanCall(head, options);
   EXPECT_TRUE(plan.ok()) << plan.status();
   auto call = [&] {

@@ -67,7 +67,8 @@ TEST_P(MemoryModel, EstimateBoundsTheMeasuredPeak) {
                             .params = fcase.params,
                             .reduction = reduction,
                             .chunk_rows = chunking.chunk_rows,
-                            .memory_budget_bytes = chunking.memory_budget_bytes};
+                            .memory_budget_bytes = chunking.memory_budget_bytes,
+                            .teacher = reference::TestTeacher(*head, fcase.function)};
   core::GradientBuffers grads = head->NewGradientBuffers();
   const torch::Tensor grad_output = reduction == Reduction::kNone ? torch::randn({chunking.rows})
                                                                   : torch::ones({}, torch::kDouble);

@@ -4,8 +4,11 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+
+#include "absl/strings/str_cat.h"
 
 namespace remotehead::reference {
 namespace F = torch::nn::functional;
@@ -72,6 +75,88 @@ void GrpoAux(const core::Head& head, at::Generator& gen, core::TokenBatch* batch
   batch->aux["ref_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
 }
 
+// The hard-label cross-entropy a distillation mixes in: of the student's logits at temperature 1.
+torch::Tensor MixCrossEntropy(const torch::Tensor& divergence, const torch::Tensor& z,
+                              const torch::Tensor& t, const core::FunctionParams& params) {
+  const double alpha = params.at("alpha");
+  if (alpha == 0) return divergence;
+  const torch::Tensor ce = F::cross_entropy(z * params.at("temperature"), t,
+                                            F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  return (1 - alpha) * divergence + alpha * ce;
+}
+
+// TRL's generalized_jsd_loss (trl/experimental/gkd): torch's kl_div with log targets, the
+// mixture as a logsumexp of the two weighted log-probabilities.
+torch::Tensor GeneralizedJsd(const torch::Tensor& zs, const torch::Tensor& zt, double beta) {
+  const auto kl = [](const torch::Tensor& input, const torch::Tensor& target) {
+    return F::kl_div(input, target, F::KLDivFuncOptions().reduction(torch::kNone).log_target(true))
+        .sum(1);
+  };
+  const torch::Tensor ls = torch::log_softmax(zs, 1);
+  const torch::Tensor lt = torch::log_softmax(zt, 1);
+  if (beta == 0) return kl(ls, lt);
+  if (beta == 1) return kl(lt, ls);
+  const torch::Tensor mixture =
+      torch::logsumexp(torch::stack({ls + std::log(1 - beta), lt + std::log(beta)}), 0);
+  return beta * kl(mixture, lt) + (1 - beta) * kl(mixture, ls);
+}
+
+ReferenceFunction TwoHeadReference(double fixed_beta, bool with_beta) {
+  return {.two_head =
+              [fixed_beta, with_beta](const torch::Tensor& z, const torch::Tensor& zt,
+                                      const torch::Tensor& t, const core::FunctionParams& params) {
+                const double beta = with_beta ? params.at("beta") : fixed_beta;
+                return MixCrossEntropy(GeneralizedJsd(z, zt, beta), z, t, params);
+              },
+          .test_values = with_beta ? core::FunctionParams{{"alpha", 0.3},
+                                                          {"beta", 0.3},
+                                                          {"teacher_softcap", 3.0},
+                                                          {"teacher_logit_scale", 1.4}}
+                                   : core::FunctionParams{{"alpha", 0.3},
+                                                          {"teacher_softcap", 3.0},
+                                                          {"teacher_logit_scale", 1.4}}};
+}
+
+// The sparse divergences written directly: the (k+1)-bucket distributions (tail = 0) or the
+// renormalised k ids (tail = 1).
+torch::Tensor SparseKlReference(const torch::Tensor& lp, const torch::Tensor& lq, bool renormalise) {
+  if (renormalise) {
+    const torch::Tensor p = torch::softmax(lp, 1);
+    return (p * (torch::log(p) - torch::log_softmax(lq, 1))).sum(1);
+  }
+  const torch::Tensor p_tail = 1 - torch::exp(lp).sum(1);
+  const torch::Tensor q_tail = 1 - torch::exp(lq).sum(1);
+  return (torch::exp(lp) * (lp - lq)).sum(1) + p_tail * torch::log(p_tail / q_tail);
+}
+
+ReferenceFunction SparseReference(bool reverse) {
+  return {.per_token =
+              [reverse](const torch::Tensor& z, const torch::Tensor& t,
+                        const core::AuxTensors& aux, const core::FunctionParams& params) {
+                const torch::Tensor ls =
+                    torch::log_softmax(z, 1).gather(1, aux.at("teacher_topk_ids"));
+                const torch::Tensor& lt = aux.at("teacher_topk_logprobs");
+                const bool renormalise = params.at("tail") != 0;
+                const torch::Tensor d = reverse ? SparseKlReference(ls, lt, renormalise)
+                                                : SparseKlReference(lt, ls, renormalise);
+                return MixCrossEntropy(d, z, t, params);
+              },
+          // k = 4 distinct ids per row and their log-probabilities under a random teacher
+          // distribution over the whole vocabulary (so the tail holds real mass).
+          .make_aux =
+              [](const core::Head& head, at::Generator& gen, core::TokenBatch* batch) {
+                const int64_t rows = batch->hidden.size(0);
+                const int64_t v = head.vocab_size();
+                const torch::Tensor ids =
+                    at::rand({rows, v}, gen).argsort(int64_t{1}).narrow(1, 0, std::min<int64_t>(4, v));
+                const torch::Tensor teacher =
+                    torch::log_softmax(2.0 * at::normal(0.0, 1.0, {rows, v}, gen), 1);
+                batch->aux["teacher_topk_ids"] = ids.contiguous();
+                batch->aux["teacher_topk_logprobs"] = teacher.gather(1, ids).contiguous();
+              },
+          .test_values = {{"alpha", 0.3}, {"tail", 1.0}}};
+}
+
 std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
   std::map<std::string, ReferenceFunction> table;
   table["cross_entropy"] = {.per_token = CrossEntropy,
@@ -96,6 +181,11 @@ std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
   table["sigmoid_sum"] = {
       .per_token = [](const torch::Tensor& z, const torch::Tensor&, const core::AuxTensors&,
                       const core::FunctionParams&) { return torch::sigmoid(z).sum(1); }};
+  table["distill_kl"] = TwoHeadReference(0.0, false);
+  table["distill_reverse_kl"] = TwoHeadReference(1.0, false);
+  table["distill_jsd"] = TwoHeadReference(0.0, true);
+  table["distill_topk_kl"] = SparseReference(false);
+  table["distill_topk_reverse_kl"] = SparseReference(true);
   // Generation outputs: no per-token reference here (generation_test checks them).
   table["logits"] = {};
   table["sample"] = {};
@@ -111,18 +201,43 @@ const std::map<std::string, ReferenceFunction>& ReferenceFunctions() {
 
 torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& z,
                                 const core::TokenBatch& batch, const torch::Tensor& t,
-                                const core::FunctionParams& params) {
+                                const core::FunctionParams& params, const torch::Tensor& teacher_z) {
   const auto entry = ReferenceFunctions().find(function);
-  if (entry == ReferenceFunctions().end() || !entry->second.per_token) {
+  if (entry == ReferenceFunctions().end() ||
+      !(entry->second.per_token || entry->second.two_head)) {
     throw std::runtime_error("reference: no per-token reference for function " + function);
   }
   const core::FunctionRegistry& registry = core::FunctionRegistry::Builtin();
   auto resolved = registry.ResolveParams(**registry.Find(function), params);
   if (!resolved.ok()) throw std::runtime_error(std::string(resolved.status().message()));
+  if (entry->second.two_head) {
+    if (!teacher_z.defined()) throw std::runtime_error("reference: " + function + " needs a teacher");
+    return entry->second.two_head(z, teacher_z, t, *resolved);
+  }
   core::AuxTensors aux;
-  for (const auto& [name, tensor] : batch.aux) aux[name] = tensor.to(torch::kCPU, torch::kDouble);
+  for (const auto& [name, tensor] : batch.aux) {
+    aux[name] = tensor.to(torch::kCPU, torch::isFloatingType(tensor.scalar_type())
+                                           ? torch::kDouble
+                                           : torch::kLong);
+  }
   return entry->second.per_token(z, t, aux, *resolved);
 }
+
+namespace {
+
+// A head's float64 logits of `hidden` with the given scale, softcap and temperature, as
+// transformers and TRL apply them: (X·Wᵀ + b)·scale, softcap·tanh(z / softcap), z / T.
+torch::Tensor TransformedLogits(const torch::Tensor& x, const torch::Tensor& w,
+                                const torch::Tensor& b, double scale, double cap,
+                                double temperature) {
+  torch::Tensor z = torch::mm(x, w.t());
+  if (b.defined()) z = z + b;
+  z = z * scale;
+  if (cap > 0) z = cap * torch::tanh(z / cap);
+  return z / temperature;
+}
+
+}  // namespace
 
 ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& batch,
                                const core::StepOptions& options, const torch::Tensor& grad_output) {
@@ -131,14 +246,20 @@ ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& b
   torch::Tensor x = batch.hidden.to(f64).detach().requires_grad_(true);
   torch::Tensor w = head.weight().to(f64).detach().requires_grad_(true);
   torch::Tensor b;
-  torch::Tensor z = torch::mm(x, w.t());
-  if (head.has_bias()) {
-    b = head.bias().to(f64).detach().requires_grad_(true);
-    z = z + b;
+  if (head.has_bias()) b = head.bias().to(f64).detach().requires_grad_(true);
+  const double temperature = Param(options.params, "temperature", 1.0);
+  const torch::Tensor z =
+      TransformedLogits(x, w, b, Param(options.params, "logit_scale", 1.0),
+                        Param(options.params, "softcap", 0.0), temperature);
+  torch::Tensor teacher_z;
+  if (options.teacher != nullptr) {
+    const core::Head& t = *options.teacher;
+    teacher_z = TransformedLogits(batch.teacher_hidden.to(f64), t.weight().to(f64),
+                                  t.has_bias() ? t.bias().to(f64) : torch::Tensor(),
+                                  Param(options.params, "teacher_logit_scale", 1.0),
+                                  Param(options.params, "teacher_softcap", 0.0), temperature)
+                    .detach();
   }
-  const double cap = Param(options.params, "softcap", 0.0);
-  if (cap > 0) z = cap * torch::tanh(z / cap);
-  z = z / Param(options.params, "temperature", 1.0);
 
   const int64_t n = x.size(0);
   torch::Tensor valid = torch::ones({n}, f64.dtype(torch::kBool));
@@ -151,7 +272,8 @@ ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& b
   core::TokenBatch cpu_batch = batch;
   for (auto& [name, tensor] : cpu_batch.aux) tensor = tensor.to(torch::kCPU);
   const torch::Tensor y = torch::where(
-      valid, ReferencePerToken(options.function, z, cpu_batch, safe_targets, options.params),
+      valid,
+      ReferencePerToken(options.function, z, cpu_batch, safe_targets, options.params, teacher_z),
       torch::zeros({n}, f64));
 
   ReferenceResult r;
@@ -252,7 +374,28 @@ core::TokenBatch MakeTestBatch(const core::Head& head, int64_t rows, const std::
       for (const std::string& name : *names) batch.aux[name] = at::normal(0.0, 1.0, {rows}, gen);
     }
   }
+  if (const core::Head* teacher = TestTeacher(head, function); teacher != nullptr) {
+    batch.teacher_hidden =
+        at::normal(0.0, 1.0, {rows, teacher->hidden_size()}, gen).to(teacher->dtype());
+  }
   return batch.To(head.device());
+}
+
+const core::Head* TestTeacher(const core::Head& student, const std::string& function) {
+  const auto fn = core::FunctionRegistry::Builtin().Find(function);
+  if (!fn.ok() || !(*fn)->needs_teacher) return nullptr;
+  static std::mutex mu;
+  static auto* teachers = new std::map<std::string, std::unique_ptr<core::Head>>();
+  const std::string key =
+      absl::StrCat(student.vocab_size(), "x", student.hidden_size(), " ",
+                   core::DtypeName(student.dtype()), " ", student.device().str());
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<core::Head>& teacher = (*teachers)[key];
+  if (teacher == nullptr) {
+    teacher = MakeTestHead(student.vocab_size(), student.hidden_size() + 5, student.dtype(),
+                           /*bias=*/true, /*seed=*/77, torch::kFloat, student.device());
+  }
+  return teacher.get();
 }
 
 }  // namespace remotehead::reference

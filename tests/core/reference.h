@@ -33,27 +33,36 @@ struct ReferenceResult {
 
 // Computes in float64 from the head's (exactly representable) values. The upstream gradient
 // is `grad_output` when defined ([N] for none, scalar otherwise), else options.upstream_scale.
+// A two-head function's teacher is options.teacher, fed batch.teacher_hidden (no gradient).
 ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& batch,
                                const core::StepOptions& options,
                                const torch::Tensor& grad_output = {});
 
 // Per-token values of the function alone on float64 logits (the reference's definitions), with
-// `params` completed by the registry's defaults (FunctionRegistry::ResolveParams).
+// `params` completed by the registry's defaults (FunctionRegistry::ResolveParams); `teacher_z`
+// the teacher's transformed logits for a two-head function.
 torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& logits,
                                 const core::TokenBatch& batch, const torch::Tensor& safe_targets,
-                                const core::FunctionParams& params);
+                                const core::FunctionParams& params,
+                                const torch::Tensor& teacher_z = {});
 
 // The reference of one registered function: one entry per name in ReferenceFunctions().
 // What a function is (its aux inputs, whether it needs targets, its params, their defaults and
 // ranges) is read from the registry's TransformFunction; an entry holds only what the registry
 // cannot give: an independent definition, and the test data the tests feed it.
 struct ReferenceFunction {
-  // z: float64 logits [N, V] (softcap and temperature applied); targets: [N] int64 with ignored
-  // positions set to 0; aux: the batch's per-token inputs, float64 on the CPU; params: every
-  // param of the function, defaults filled in. Returns the per-token values [N].
+  // z: float64 logits [N, V] (logit scale, softcap and temperature applied); targets: [N] int64
+  // with ignored positions set to 0; aux: the batch's per-token inputs, float64 on the CPU
+  // (integral ones int64); params: every param of the function, defaults filled in. Returns
+  // the per-token values [N].
   using PerToken =
       std::function<torch::Tensor(const torch::Tensor& z, const torch::Tensor& targets,
                                   const core::AuxTensors& aux, const core::FunctionParams& params)>;
+  // A two-head function's reference: as PerToken, with the teacher's float64 logits [N, V]
+  // (its own scale and softcap, the shared temperature applied) as a constant.
+  using TwoHeadPerToken = std::function<torch::Tensor(
+      const torch::Tensor& z, const torch::Tensor& teacher_z, const torch::Tensor& targets,
+      const core::FunctionParams& params)>;
   // Adds the function's aux inputs to a batch of MakeTestBatch (hidden and targets drawn, on the
   // CPU), drawing from `gen`. Empty: each required and optional aux drawn from N(0, 1).
   using MakeAux =
@@ -62,6 +71,7 @@ struct ReferenceFunction {
   // Empty for a generation output (OutputKind other than kPerToken): generation_test has their
   // references (X·Wᵀ for logits, torch::multinomial for sample).
   PerToken per_token;
+  TwoHeadPerToken two_head;  // instead of per_token, for a function that needs_teacher
   MakeAux make_aux;
   // Values the derived cases (function_cases.h) give the function's own params: in range and
   // not the default. A param not named here gets a value derived from its ParamSpec.
@@ -97,8 +107,14 @@ std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::S
                                          torch::ScalarType grad_dtype = torch::kFloat,
                                          torch::Device device = torch::kCPU);
 
+// The teacher head the tests give a two-head function (TransformFunction::needs_teacher) of a
+// student head: the same V, dtype and device, another width (D + 5), a bias, other weights;
+// one per student shape, kept for the process. Null for every other function.
+const core::Head* TestTeacher(const core::Head& student, const std::string& function);
+
 // Random hidden states, targets with ~20% ignore_index (-100), and whatever the function and
-// reduction need: weights for weighted_sum; the function's aux inputs, required and optional, as
+// reduction need: weights for weighted_sum; a two-head function's teacher_hidden (for
+// TestTeacher's width); the function's aux inputs, required and optional, as
 // its ReferenceFunction::make_aux draws them (for grpo: advantages, and old / ref log-probs that
 // are the head's true log-probs plus noise, so both clip sides and the KL are exercised). A name
 // the registry does not know gets no aux.

@@ -74,11 +74,12 @@ TEST_F(Validation, BadInputsAreRejectedWithPreciseMessagesAndNoStateChange) {
   using O = core::StepOptions;
   const std::vector<BadCase> cases = {
       {"unknown function", [](B&, O& o) { o.function = "softmax"; },
-       "function: expected one of cross_entropy, entropy, grpo, logits, mse_onehot, sample, "
+       "function: expected one of cross_entropy, distill_jsd, distill_kl, distill_reverse_kl, "
+       "distill_topk_kl, distill_topk_reverse_kl, entropy, grpo, logits, mse_onehot, sample, "
        "sigmoid_sum, token_logprobs; got \"softmax\""},
       {"unknown param", [](B&, O& o) { o.params["epsilon"] = 0.1; },
        "params[\"epsilon\"]: function cross_entropy expects only label_smoothing, z_loss, "
-       "temperature, softcap"},
+       "temperature, softcap, logit_scale"},
       {"param out of range", [](B&, O& o) { o.params["label_smoothing"] = -0.5; },
        "params[\"label_smoothing\"]: expected a finite value in [0, 1]; got -0.5"},
       {"wrong hidden size",

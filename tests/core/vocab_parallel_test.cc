@@ -65,7 +65,8 @@ std::unique_ptr<core::Head> ShardOf(const core::Head& head, const ShardRange& ra
 }
 
 // Runs fn(rank, shard, options) on one thread per rank of `group`: each rank gets its shard of
-// `head` (rows ranges[rank]) and a copy of `options` pointing at the group.
+// `head` (rows ranges[rank]) and a copy of `options` pointing at the group (and at the same rows
+// of a two-head function's teacher).
 using ShardFn = std::function<void(int rank, const core::Head& shard, core::StepOptions options)>;
 void OnShards(testing::InProcessGroup& group, const core::Head& head,
               const std::vector<ShardRange>& ranges, const core::StepOptions& options,
@@ -75,6 +76,11 @@ void OnShards(testing::InProcessGroup& group, const core::Head& head,
     const core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
     core::StepOptions opts = options;
     opts.shard = &vocab_shard;
+    std::unique_ptr<core::Head> teacher_shard;
+    if (options.teacher != nullptr) {
+      teacher_shard = ShardOf(*options.teacher, ranges[static_cast<size_t>(rank)]);
+      opts.teacher = teacher_shard.get();
+    }
     fn(rank, *shard, opts);
   });
 }
@@ -182,6 +188,7 @@ TEST_P(VocabParallel, GroupEqualsOneEngineAndTheNaiveReference) {
 
     core::StepOptions options;
     options.function = fcase.function;
+    options.teacher = reference::TestTeacher(*head, fcase.function);
     options.params = fcase.params;
     options.reduction = reduction;
     options.upstream_scale = 0.5;
@@ -305,6 +312,7 @@ TEST(VocabParallelGroupOfOne, EqualsTheUnshardedEngineBitForBit) {
         reference::MakeTestBatch(*head, kRows, c.function, Reduction::kMean);
     core::StepOptions options;
     options.function = c.function;
+    options.teacher = reference::TestTeacher(*head, c.function);
     options.params = c.params;
     options.chunk_rows = 7;
     const Outcome single = RunCall(*head, batch, options, Mode::kFused, {}, {});
@@ -327,6 +335,7 @@ TEST(VocabParallelHalfPrecision, Bfloat16GroupMatchesTheReference) {
         reference::MakeTestBatch(*head, kRows, c.function, Reduction::kMean), Ranges(3));
     core::StepOptions options;
     options.function = c.function;
+    options.teacher = reference::TestTeacher(*head, c.function);
     options.params = c.params;
     options.chunk_rows = 7;
     const reference::ReferenceResult ref = reference::NaiveReference(*head, batch, options);

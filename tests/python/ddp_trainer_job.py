@@ -111,6 +111,25 @@ def main():
 
 
 
+def save_trainer_outcome(trainer, client, args, world: int) -> None:
+    """What a TRL trainer job (trl_grpo_job.py, trl_distillation_job.py) hands its test, written
+    by rank 0 to args.out: the logged losses, the head (the server's, or the local lm_head) and
+    its version, the body's parameters and the world size."""
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if client is not None:
+        head_weight, _ = client.export_weights(args.head_id)
+        version = client.describe_head(args.head_id).weight_version
+    else:
+        head_weight, version = model.lm_head.weight.detach().clone(), args.steps
+    if trainer.is_world_process_zero():
+        body = {n: p.detach().clone() for n, p in model.named_parameters()
+                if n != "lm_head.weight"}
+        torch.save({"losses": [log["loss"] for log in logs], "logs": logs,
+                    "head": head_weight, "version": version, "body": body,
+                    "world_size": world}, args.out)
+
+
 def end_process_group():
     """Every rank done, then the process group torn down before the interpreter exits: a gloo
     group left to the interpreter's exit has aborted a rank ("terminate called without an

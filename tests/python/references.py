@@ -7,7 +7,8 @@ server's registry's (ListFunctions, the `registry` fixture of conftest.py), not 
 tests/python/test_functions.py runs every function the server lists against its entry in
 REFERENCES and fails for a listed per-token function without one. Adding a function is its
 registration in C++ plus its entry here (and, for an aux input of a new name, its maker in
-AUX_INPUTS).
+AUX_INPUTS). The distillation functions (a teacher head, or [N, k] top-k aux inputs) have theirs
+in tests/python/distill_reference.py, run by test_distillation.py.
 """
 
 import dataclasses
@@ -87,10 +88,11 @@ REFERENCES: Dict[str, Reference] = {
 # The parameters every function accepts (listed with common=True), applied to the logits in
 # this order before the function, each with a value other than its default to run with.
 COMMON_PARAMS: Dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "logit_scale": lambda z, scale: z * scale,
     "softcap": lambda z, cap: cap * torch.tanh(z / cap) if cap > 0 else z,
     "temperature": lambda z, temperature: z / temperature,
 }
-COMMON_PARAM_VALUES = {"softcap": 3.0, "temperature": 0.7}
+COMMON_PARAM_VALUES = {"logit_scale": 1.3, "softcap": 3.0, "temperature": 0.7}
 
 # An aux input's values by its name, from the rows' current log-probabilities of their targets
 # (logp [N]) and a generator: the sampling and reference policies' log-probabilities near the

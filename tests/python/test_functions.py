@@ -14,6 +14,7 @@ magnitude (tests/python/numerics.py).
 import pytest
 import torch
 
+import distill_reference
 import numerics
 import references
 import remotehead
@@ -22,8 +23,15 @@ V, D, N = 300, 32, 57
 REL = 1e-5
 
 
+def distillation(fn) -> bool:
+    """A function of a teacher (a second head, or [N, k] top-k inputs): test_distillation.py
+    runs it against tests/python/distill_reference.py."""
+    return fn.needs_teacher or bool(fn.topk_aux)
+
+
 def per_token_functions(registry):
-    functions = [f for f in registry.values() if f.output_kind == "per_token"]
+    functions = [f for f in registry.values()
+                 if f.output_kind == "per_token" and not distillation(f)]
     assert functions, f"the server lists no per-token function; it lists {sorted(registry)}"
     return functions
 
@@ -55,6 +63,11 @@ def test_every_listed_function_has_a_reference(registry):
             if name not in references.AUX_INPUTS:
                 problems.append(f"{fn.name}: aux input {name!r} has no maker in "
                                 f"references.AUX_INPUTS")
+    for fn in registry.values():
+        if distillation(fn) and fn.name not in (distill_reference.TWO_HEAD
+                                                + distill_reference.SPARSE):
+            problems.append(f"{fn.name}: a distillation function (needs_teacher or topk_aux) "
+                            f"with no reference in tests/python/distill_reference.py")
     for name in references.REFERENCES:
         if registry.get(name) is None or registry[name].output_kind != "per_token":
             problems.append(f"{name}: has a reference but the server lists no per-token function "

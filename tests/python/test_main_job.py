@@ -98,3 +98,28 @@ def test_main_job_with_two_data_parallel_trainers_prints_the_cluster_table(capsy
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]
     assert [row[0] for row in rows[-2:]] == ["1", "2"], out
     assert "per-step losses, largest relative difference" in out
+
+
+def test_distillation_main_job_runs_three_ways_and_they_agree(capsys):
+    # scripts/demo --distill (distill_main_job.py) at a small vocabulary: both heads local, TRL's
+    # chunked loss, both heads on the server, each in its own process; per-step losses agree
+    # (1e-4 relative), the remote run holds no lm_head bytes (a released W keeps one element per
+    # model), and the table prints. The memory bar is what the full run (V = 128,256) shows.
+    import distill_main_job
+
+    binary = os.environ.get("REMOTEHEAD_SERVER_BINARY",
+                            str(ROOT / "build" / "server" / "remotehead-server"))
+    args = distill_main_job.parse_args([f"--server-binary={binary}", "--vocab=4096", "--seq=128",
+                                        "--steps=3", "--peak-share=1.5"])
+    results = distill_main_job.run_all(args)
+    for name in ("local", "trl", "remote"):
+        assert len(results[name]["losses"]) == 3, name
+        assert results[name]["loss_diff"] <= 1e-4, name
+    assert results["remote"]["trainer_head_bytes"] <= 8
+    assert results["local"]["trainer_head_bytes"] == 4096 * (32 + 64) * 4
+    assert results["remote"]["losses"][-1] < results["remote"]["losses"][0]
+    assert distill_main_job.print_table(args, results)
+    table = capsys.readouterr().out
+    for heading in ("local heads", "TRL chunked", "remote heads", "trainer peak memory (MiB)",
+                    "largest step loss diff", "lm_head bytes on the trainer"):
+        assert heading in table

@@ -105,9 +105,10 @@ def client(server_target):
         yield c
 
 
-def batch(local: GRPOTrainer, beta: float, on_policy: bool):
-    """What GRPOTrainer._compute_loss receives for one micro-batch of 4 completions."""
-    g = torch.Generator().manual_seed(3)
+def prompts_and_completions(g: torch.Generator) -> dict:
+    """A micro-batch of BATCH left-padded prompts and completions as TRL's trainers hand them to
+    _compute_loss (GRPO's and the DistillationTrainer's): two completions end early with EOS and
+    are padded after it."""
     prompt_ids = torch.randint(3, VOCAB, (BATCH, PROMPT), generator=g)
     prompt_mask = torch.ones(BATCH, PROMPT, dtype=torch.long)
     prompt_mask[1, :2] = prompt_mask[3, :1] = 0  # left padding
@@ -117,10 +118,16 @@ def batch(local: GRPOTrainer, beta: float, on_policy: bool):
     for row, length in ((0, 3), (2, 6)):  # ended early with EOS, then padding
         completion_ids[row, length - 1], completion_ids[row, length:] = 1, 0
         completion_mask[row, length:] = 0
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-              "completion_ids": completion_ids, "completion_mask": completion_mask,
-              "advantages": torch.randn(BATCH, generator=g),
-              "num_items_in_batch": completion_mask.sum()}
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids, "completion_mask": completion_mask}
+
+
+def batch(local: GRPOTrainer, beta: float, on_policy: bool):
+    """What GRPOTrainer._compute_loss receives for one micro-batch of 4 completions."""
+    g = torch.Generator().manual_seed(3)
+    inputs = prompts_and_completions(g)
+    inputs.update(advantages=torch.randn(BATCH, generator=g),
+                  num_items_in_batch=inputs["completion_mask"].sum())
     with torch.no_grad():
         logps, _, _ = local._get_per_token_logps_and_entropies(
             local.model, *joined(inputs), COMPLETION)

@@ -15,6 +15,7 @@ import transformers
 from trl import GRPOConfig, GRPOTrainer
 
 import remotehead
+from ddp_trainer_job import end_process_group, save_trainer_outcome
 from remotehead.trl import RemoteHeadGRPOTrainer
 from test_trl_grpo import VOCAB, char_tokenizer, prompts, reward_early_characters
 
@@ -77,23 +78,10 @@ def main():
     else:
         trainer = GRPOTrainer(**kwargs)
     trainer.train()
-    logs = [log for log in trainer.state.log_history if "loss" in log]
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if client is not None:
-        head_weight, _ = client.export_weights(args.head_id)
-        version = client.describe_head(args.head_id).weight_version
-    else:
-        head_weight, version = model.lm_head.weight.detach().clone(), args.steps
-    if trainer.is_world_process_zero():
-        body = {n: p.detach().clone() for n, p in model.named_parameters()
-                if n != "lm_head.weight"}
-        torch.save({"losses": [log["loss"] for log in logs], "logs": logs,
-                    "head": head_weight, "version": version, "body": body,
-                    "world_size": world}, args.out)
+    save_trainer_outcome(trainer, client, args, world)
 
 
 
 if __name__ == "__main__":
     main()
-    from ddp_trainer_job import end_process_group
     end_process_group()

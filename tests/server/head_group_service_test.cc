@@ -233,6 +233,91 @@ TEST_P(HeadGroupServiceTest, EqualsOneServer) {
   EXPECT_TRUE(g.CreateHead("up", init).ok()) << group.logs();
 }
 
+// Distillation on a group: a frozen teacher (of its own hidden size) split like its student;
+// every rank computes its shard of both heads' logits. Fused, and Forward then Backward by a
+// retained inputs handle: equal to one server. The teacher is frozen on every rank.
+TEST_P(HeadGroupServiceTest, DistillationFromAFrozenTeacherEqualsOneServer) {
+  const int size = GetParam();
+  Servers group(size, dir_.string());
+  Servers single(1, dir_.string());
+  ASSERT_TRUE(group.started()) << group.logs();
+  ASSERT_TRUE(single.started()) << single.logs();
+  client::Client& g = group.client();
+  client::Client& s = single.client();
+  constexpr int64_t kTeacherHidden = 12;
+  const client::InitSpec student{
+      .vocab_size = kVocab, .hidden_size = kHidden, .bias = true, .seed = 7};
+  const client::InitSpec teacher{.vocab_size = kVocab,
+                                 .hidden_size = kTeacherHidden,
+                                 .bias = true,
+                                 .seed = 8,
+                                 .init_std = 0.5,
+                                 .frozen = true};
+  for (client::Client* c : {&g, &s}) {
+    ASSERT_TRUE(c->CreateHead("s", student).ok()) << group.logs();
+    auto info = c->CreateHead("t", teacher);
+    ASSERT_TRUE(info.ok()) << info.status() << group.logs();
+    EXPECT_TRUE(info->frozen);
+  }
+  // Every rank created it frozen (its lifecycle line says so), and refuses dW and steps.
+  for (int r = 0; r < size; ++r) {
+    ASSERT_TRUE(group.rank(r).WaitFor([](const std::string& line) {
+      return line.find("head created from seed 8: \"t\"") != std::string::npos;
+    })) << group.logs();
+    EXPECT_NE(group.rank(r).ready_line().find("version 0, frozen"), std::string::npos)
+        << "rank " << r << ": " << group.rank(r).ready_line();
+  }
+  auto step = g.OptimizerStep("t", {.optimizer = client::Sgd{.lr = 0.1}});
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kFailedPrecondition) << step.status();
+
+  const Batch b = MakeBatch(3);
+  torch::manual_seed(4);
+  const client::StepInputs inputs{.hidden = b.hidden,
+                                  .targets = b.targets,
+                                  .teacher_hidden = torch::randn({kRows, kTeacherHidden})};
+  client::StepSpec spec{.head_id = "s",
+                        .function = "distill_kl",
+                        .params = {{"alpha", 0.5}, {"temperature", 2.0}},
+                        .chunk_rows = 7,
+                        .teacher_head_id = "t"};
+  spec.gradient_id = client::GradientId{"t", 0, 0};
+  auto rg = g.ForwardBackward(spec, inputs);
+  auto rs = s.ForwardBackward(spec, inputs);
+  ASSERT_TRUE(rg.ok()) << rg.status() << group.logs();
+  ASSERT_TRUE(rs.ok()) << rs.status();
+  EXPECT_GT(rs->loss, 0.1);
+  EXPECT_NEAR(rg->loss, rs->loss, kTol);
+  ExpectClose(rg->grad_hidden, rs->grad_hidden, "distillation dX");
+  const auto dg = g.FetchGradients("s");
+  const auto ds = s.FetchGradients("s");
+  ASSERT_TRUE(dg.ok() && ds.ok());
+  ExpectClose(dg->weight_grad, ds->weight_grad, "distillation dW");
+  ExpectClose(dg->bias_grad, ds->bias_grad, "distillation db");
+  const auto tg = g.FetchGradients("t");
+  ASSERT_TRUE(tg.ok()) << tg.status();
+  EXPECT_EQ(tg->weight_grad.abs().sum().item<double>(), 0) << "the teacher got dW";
+  EXPECT_EQ(g.DescribeHead("t")->teacher_of, std::vector<std::string>{"s"});
+
+  // Forward retaining the inputs (teacher_hidden with them), then Backward by the handle.
+  client::StepSpec forward = spec;
+  forward.function = "distill_jsd";
+  forward.params = {{"beta", 0.3}};
+  forward.retain_inputs_seconds = 60;
+  auto fg = g.Forward(forward, inputs);
+  auto fs = s.Forward(forward, inputs);
+  ASSERT_TRUE(fg.ok() && fs.ok()) << fg.status() << fs.status() << group.logs();
+  EXPECT_NEAR(fg->summary.loss, fs->summary.loss, kTol);
+  client::StepSpec backward = forward;
+  backward.retain_inputs_seconds = 0;
+  backward.gradient_id = client::GradientId{"t", 0, 1};
+  backward.inputs_handle = fg->summary.inputs_handle;
+  auto bg = g.Backward(backward, inputs, torch::ones({}));
+  backward.inputs_handle = fs->summary.inputs_handle;
+  auto bs = s.Backward(backward, inputs, torch::ones({}));
+  ASSERT_TRUE(bg.ok() && bs.ok()) << bg.status() << bs.status() << group.logs();
+  ExpectClose(bg->grad_hidden, bs->grad_hidden, "two-phase distillation dX");
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, HeadGroupServiceTest, ::testing::Values(2, 3),
                          [](const auto& info) { return absl::StrCat("K", info.param); });
 

@@ -33,7 +33,10 @@ absl::StatusOr<FunctionInfo> FromWire(const v1::FunctionDescription& d) {
                     .optional_aux = {d.optional_aux().begin(), d.optional_aux().end()},
                     .output_float64_on_float64_heads = d.output_float64_on_float64_heads(),
                     .differentiable = d.differentiable(),
-                    .vocab_decomposable = d.vocab_decomposable()};
+                    .vocab_decomposable = d.vocab_decomposable(),
+                    .needs_teacher = d.needs_teacher(),
+                    .topk_aux = {d.topk_aux().begin(), d.topk_aux().end()},
+                    .integral_aux = {d.integral_aux().begin(), d.integral_aux().end()}};
   for (const v1::FunctionParameter& p : d.params()) {
     info.params.push_back({.name = p.name(),
                            .default_value = p.default_value(),

@@ -35,6 +35,8 @@ absl::StatusOr<HeadInfo> FromWire(const v1::HeadInfo& wire) {
   for (const v1::ShardRange& shard : wire.shards()) {
     info.shards.emplace_back(shard.offset(), shard.rows());
   }
+  info.frozen = wire.frozen();
+  info.teacher_of.assign(wire.teacher_of().begin(), wire.teacher_of().end());
   return info;
 }
 
@@ -62,6 +64,7 @@ absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id, const In
   wire_init->set_bias(init.bias);
   wire_init->set_seed(init.seed);
   wire_init->set_init_std(init.init_std);
+  request.set_frozen(init.frozen);
   v1::HeadInfo info;
   RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
     return impl_->Unary("CreateHead", &Stub::CreateHead, request, &info, on);
@@ -80,6 +83,7 @@ absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id,
   request.mutable_safetensors()->set_path(source.path);
   request.mutable_safetensors()->set_weight_name(source.weight_name);
   request.mutable_safetensors()->set_bias_name(source.bias_name);
+  request.set_frozen(source.frozen);
   v1::HeadInfo info;
   RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
     return impl_->Unary("CreateHead", &Stub::CreateHead, request, &info, on);
@@ -88,7 +92,8 @@ absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id,
 }
 
 absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const torch::Tensor& weight,
-                                            const torch::Tensor& bias) {
+                                            const torch::Tensor& bias,
+                                            const UploadOptions& options) {
   if (!weight.defined() || weight.dim() != 2 || !c10::isFloatingType(weight.scalar_type())) {
     return absl::InvalidArgumentError(
         absl::StrCat("weight: expected a floating [V, D] tensor; got ",
@@ -118,6 +123,8 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const to
   header.mutable_header()->set_hidden_size(w.size(1));
   header.mutable_header()->set_dtype(dtype);
   header.mutable_header()->set_has_bias(b.defined());
+  header.mutable_header()->set_frozen(options.frozen);
+  header.mutable_header()->set_replace(options.replace);
   v1::HeadInfo info;
   RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
   return impl_->WithRetries("UploadHead", [&](grpc::ClientContext* context) {

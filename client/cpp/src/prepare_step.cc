@@ -17,6 +17,9 @@ v1::StepRequest PreparedStep::RowsMessage(int64_t offset, int64_t count) const {
   if (grad_output.defined()) {
     wire::EncodeRows(grad_output, offset, count, r->mutable_grad_output());
   }
+  if (teacher_hidden.defined()) {
+    wire::EncodeRows(teacher_hidden, offset, count, r->mutable_teacher_hidden());
+  }
   for (const auto& [name, t] : aux) wire::EncodeRows(t, offset, count, &(*r->mutable_aux())[name]);
   return message;
 }
@@ -62,6 +65,44 @@ absl::StatusOr<torch::Tensor> PreparePerToken(const torch::Tensor& t, int64_t ro
   return wire::ToWireLayout(t);
 }
 
+// An aux input: [N] or [N, k] (a function's topk_aux), floating, or integer token ids (its
+// integral_aux: int64 / int32 as they are, other integer dtypes as int64); laid out for the wire.
+// Which shape and dtype each name needs is the server's to check.
+absl::StatusOr<torch::Tensor> PrepareAux(const torch::Tensor& t, int64_t rows,
+                                         const std::string& field) {
+  if ((t.dim() != 1 && t.dim() != 2) || t.size(0) != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected shape [", rows, "] or [", rows, ", k]; got ", ShapeOf(t)));
+  }
+  const torch::ScalarType dtype = t.scalar_type();
+  if (c10::isIntegralType(dtype, /*includeBool=*/false)) {
+    const bool on_wire = dtype == torch::kLong || dtype == torch::kInt;
+    return wire::ToWireLayout(t, on_wire ? dtype : torch::kLong);
+  }
+  if (!c10::isFloatingType(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": expected a floating or integer tensor; got ", std::string(c10::toString(dtype))));
+  }
+  RETURN_IF_ERROR(wire::ToWireDtype(dtype, field).status());
+  return wire::ToWireLayout(t);
+}
+
+// A two-head call's teacher hidden states: [N, D_teacher], floating, sent in their own dtype.
+absl::StatusOr<torch::Tensor> PrepareTeacherHidden(const StepSpec& spec, const torch::Tensor& t,
+                                                   int64_t rows) {
+  if (spec.teacher_head_id.empty()) {
+    return absl::InvalidArgumentError(
+        "inputs.teacher_hidden: expected none without spec.teacher_head_id; got a tensor");
+  }
+  if (t.dim() != 2 || t.size(0) != rows || !c10::isFloatingType(t.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs.teacher_hidden: expected a floating [", rows, ", D_teacher] tensor; got ",
+        std::string(c10::toString(t.scalar_type())), " ", ShapeOf(t)));
+  }
+  RETURN_IF_ERROR(wire::ToWireDtype(t.scalar_type(), "inputs.teacher_hidden").status());
+  return wire::ToWireLayout(t);
+}
+
 // Checks the caller's inputs and lays out what travels with the rows. A Backward by inputs
 // handle sends none of them (they are not even copied), but its targets still count the valid
 // tokens of a MEAN.
@@ -89,8 +130,15 @@ absl::Status PrepareInputs(const StepSpec& spec, const StepInputs& inputs, Prepa
   }
   for (const auto& [name, t] : inputs.aux) {
     ASSIGN_OR_RETURN(torch::Tensor prepared,
-                     PreparePerToken(t, p.rows, absl::StrCat("inputs.aux[\"", name, "\"]"), false));
+                     PrepareAux(t, p.rows, absl::StrCat("inputs.aux[\"", name, "\"]")));
     p.aux.emplace_back(name, std::move(prepared));
+  }
+  if (inputs.teacher_hidden.defined()) {
+    ASSIGN_OR_RETURN(p.teacher_hidden, PrepareTeacherHidden(spec, inputs.teacher_hidden, p.rows));
+  } else if (!spec.teacher_head_id.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs.teacher_hidden: expected the teacher's hidden states [", p.rows,
+        ", D_teacher] with spec.teacher_head_id \"", spec.teacher_head_id, "\"; got none"));
   }
   return absl::OkStatus();
 }
@@ -127,6 +175,7 @@ absl::Status WriteHeader(const StepSpec& spec, const PreparedStep& p, v1::StepHe
     h->set_retain_inputs_seconds(spec.retain_inputs_seconds);
   }
   if (p.by_handle()) h->set_inputs_handle(spec.inputs_handle);
+  if (!spec.teacher_head_id.empty()) h->set_teacher_head_id(spec.teacher_head_id);
   if (spec.output_dtype.has_value()) {
     ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(*spec.output_dtype, "spec.output_dtype"));
     h->set_output_dtype(dtype);
@@ -183,9 +232,14 @@ absl::Status PlanRows(int64_t chunk_bytes, PreparedStep& p) {
     ++tensors;
   }
   for (const auto& [name, t] : p.aux) {
-    bytes_per_row += t.element_size();
+    bytes_per_row += t.element_size() * (t.dim() == 2 ? t.size(1) : 1);
     ++tensors;
     name_bytes += static_cast<int64_t>(name.size());
+  }
+  if (p.teacher_hidden.defined()) {
+    bytes_per_row +=
+        p.teacher_hidden.size(1) * static_cast<int64_t>(p.teacher_hidden.element_size());
+    ++tensors;
   }
   ASSIGN_OR_RETURN(p.chunks,
                    wire::PlanRequestChunks(p.rows, bytes_per_row,

@@ -31,6 +31,7 @@ struct PreparedStep {
   torch::ScalarType result_dtype = torch::kFloat;  // the caller's hidden dtype: dX comes back in it
   // What travels with the rows; all undefined but grad_output for a Backward by inputs handle.
   torch::Tensor hidden, targets, weights, grad_output;
+  torch::Tensor teacher_hidden;  // a two-head call's [N, D_teacher]
   std::vector<std::pair<std::string, torch::Tensor>> aux;
   std::vector<wire::RowRange> chunks;
 

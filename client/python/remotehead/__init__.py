@@ -6,23 +6,30 @@
     loss = head.loss(hidden, labels)   # the [N, V] logits are never built here
     loss.backward()                    # hidden.grad from the server's dX; dW accumulates there
 
+Distillation: a frozen teacher head beside the student's (docs/distillation.md):
+
+    client.upload_head("teacher", teacher.lm_head.weight, frozen=True)
+    loss = head.distill(hidden, teacher_hidden, labels, teacher="teacher", function="distill_kl")
+
 Step calls take a StepOptions (help(remotehead.StepOptions) lists every option) or its fields
 as keyword arguments, and return a StepResult whose summary is a StepSummary.
 """
 
-from remotehead._errors import (GroupUnavailableError, HeadExistsError, HeadNotFoundError,
-                                InvalidArgumentError, NotTheFrontError, NotTheLeaderError,
-                                RanksDisagreeError, RanksMissingError, RemoteheadError,
-                                ReplicasDivergedError, ServerRestartedError,
-                                WeightVersionMismatchError, WrongReplicaError)
+from remotehead._errors import (GroupUnavailableError, HeadExistsError, HeadFrozenError,
+                                HeadNotFoundError, InvalidArgumentError, NotTheFrontError,
+                                NotTheLeaderError, RanksDisagreeError, RanksMissingError,
+                                RemoteheadError, ReplicasDivergedError, ServerRestartedError,
+                                TeacherIncompatibleError, WeightVersionMismatchError,
+                                WrongReplicaError)
 from remotehead.client import (Client, GradientId, HeadInfo, StepOptions, StepResult, StepSummary,
                                StepTimings)
 from remotehead.functions import FunctionInfo, ParamInfo
 from remotehead.autograd import RemoteHead, upstream_matches_declared
 
 __all__ = ["Client", "FunctionInfo", "GradientId", "GroupUnavailableError", "HeadExistsError",
-           "HeadInfo", "HeadNotFoundError", "InvalidArgumentError", "NotTheFrontError",
-           "NotTheLeaderError", "ParamInfo", "RanksDisagreeError", "RanksMissingError",
-           "RemoteHead", "RemoteheadError", "ReplicasDivergedError", "ServerRestartedError",
-           "StepOptions", "StepResult", "StepSummary", "StepTimings",
-           "WeightVersionMismatchError", "WrongReplicaError", "upstream_matches_declared"]
+           "HeadFrozenError", "HeadInfo", "HeadNotFoundError", "InvalidArgumentError",
+           "NotTheFrontError", "NotTheLeaderError", "ParamInfo", "RanksDisagreeError",
+           "RanksMissingError", "RemoteHead", "RemoteheadError", "ReplicasDivergedError",
+           "ServerRestartedError", "StepOptions", "StepResult", "StepSummary", "StepTimings",
+           "TeacherIncompatibleError", "WeightVersionMismatchError", "WrongReplicaError",
+           "upstream_matches_declared"]

@@ -110,6 +110,19 @@ class ReplicasDivergedError(RemoteheadError):
     "replicas"): restore every replica from one state."""
 
 
+class HeadFrozenError(RemoteheadError):
+    """A frozen head (created or uploaded with frozen=True: a distillation teacher, a
+    reference) was asked to accumulate dW or to take an optimizer step (reason HEAD_FROZEN;
+    metadata "head"). Step it with accumulate=False, or use a head that is not frozen."""
+
+
+class TeacherIncompatibleError(RemoteheadError):
+    """A step's teacher head (StepOptions.teacher) cannot be its student's teacher (reason
+    TEACHER_INCOMPATIBLE): not frozen, another vocabulary size or layout, or the student itself.
+    metadata "teacher", "field" ("frozen", "vocab_size", "shards", "teacher_head_id"),
+    "expected", "actual"."""
+
+
 # The one table from a reason to its exception class; any other reason is a RemoteheadError
 # carrying it.
 _BY_REASON = {
@@ -126,6 +139,8 @@ _BY_REASON = {
     "NOT_THE_LEADER": NotTheLeaderError,
     "WRONG_REPLICA": WrongReplicaError,
     "REPLICAS_DIVERGED": ReplicasDivergedError,
+    "HEAD_FROZEN": HeadFrozenError,
+    "TEACHER_INCOMPATIBLE": TeacherIncompatibleError,
 }
 
 

@@ -90,6 +90,11 @@ class StepOptions:
             window it no longer has. "": unchecked. RemoteHead sets it.
         output_dtype: forward with function "logits" only: the dtype of the returned logits
             rows (None: float32). Client.logits() sets it.
+        teacher: a two-head (distillation) function's teacher (FunctionInfo.needs_teacher,
+            e.g. "distill_kl"): the id of a frozen head on the same server (or group) with the
+            student's vocabulary (StepHeader.teacher_head_id); the step call's teacher_hidden
+            are its hidden states. The teacher gets no gradient. "": none (refused by the
+            server for a function that needs one, and for every other function when set).
     """
 
     function: str = "cross_entropy"
@@ -109,6 +114,7 @@ class StepOptions:
     inputs_handle: str = ""
     expected_incarnation: str = ""
     output_dtype: Optional[torch.dtype] = None
+    teacher: str = ""
 
     def __post_init__(self):
         if self.reduction not in _REDUCTIONS:
@@ -207,6 +213,7 @@ class PreparedStep:
     weights: Optional[torch.Tensor] = None
     grad_output: Optional[torch.Tensor] = None
     aux: List[Tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    teacher_hidden: Optional[torch.Tensor] = None  # [N, D_teacher], two-head functions
     chunks: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def messages(self) -> Iterator[pb.StepRequest]:
@@ -221,6 +228,8 @@ class PreparedStep:
                     _wire.encode(t[offset:offset + count], getattr(r, name))
             for name, t in self.aux:
                 _wire.encode(t[offset:offset + count], r.aux[name])
+            if self.teacher_hidden is not None:
+                _wire.encode(self.teacher_hidden[offset:offset + count], r.teacher_hidden)
             yield m
 
 
@@ -243,10 +252,51 @@ def _per_token(t, rows: int, field: str, integral: bool) -> torch.Tensor:
     return _wire.to_wire_layout(t)
 
 
+def _aux_input(t, hidden: torch.Tensor, rows: int, field: str) -> torch.Tensor:
+    """An aux input laid out for the wire: [rows, k] when shaped like hidden with k in place of
+    D ([..., k]: k values per row, a function's topk_aux), else one value per row ([rows], any
+    shape of `rows` elements). Floating, or integer (int64 / int32 kept, other integers sent as
+    int64: a function's integral_aux, e.g. token ids)."""
+    where = {"field": field}
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{field}: expected a tensor of shape [{rows}] or "
+                                   f"[{rows}, k]; got {type(t).__name__}", None, where)
+    if t.dtype.is_floating_point:
+        dtype = t.dtype
+        _wire.wire_dtype(dtype, field)
+    elif t.dtype.is_complex or t.dtype == torch.bool:
+        raise InvalidArgumentError(f"{field}: expected a floating or integer tensor; got "
+                                   f"{t.dtype}", None, where)
+    else:
+        dtype = t.dtype if t.dtype in (torch.int64, torch.int32) else torch.int64
+    t = t.detach()
+    if hidden.dim() >= 1 and t.dim() == hidden.dim() and t.shape[:-1] == hidden.shape[:-1]:
+        return _wire.to_wire_layout(t.reshape(rows, t.shape[-1]), dtype)
+    if t.numel() != rows:
+        raise InvalidArgumentError(f"{field}: expected shape [{rows}] or [{rows}, k]; got "
+                                   f"{shape_text(t)}", None, where)
+    return _wire.to_wire_layout(t.reshape(-1), dtype)
+
+
+def _teacher_rows(t, rows: int) -> torch.Tensor:
+    """The teacher's hidden states [..., D_teacher] as [rows, D_teacher] (the rows must match
+    hidden's, to travel with them), floating, sent in their own dtype."""
+    if (not isinstance(t, torch.Tensor) or t.dim() < 1 or not t.dtype.is_floating_point
+            or t.shape[-1] == 0 or t.numel() != rows * t.shape[-1]):
+        got = (f"{t.dtype} {shape_text(t)}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise InvalidArgumentError(f"teacher_hidden: expected a floating [..., D_teacher] "
+                                   f"tensor of {rows} rows (hidden's); got {got}", None,
+                                   {"field": "teacher_hidden"})
+    _wire.wire_dtype(t.dtype, "teacher_hidden")
+    return _wire.to_wire_layout(t.detach().reshape(rows, t.shape[-1]))
+
+
 def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
                  targets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  aux: Optional[Mapping[str, torch.Tensor]], grad_output,
-                 o: StepOptions, chunk_bytes: int) -> PreparedStep:
+                 o: StepOptions, chunk_bytes: int,
+                 teacher_hidden: Optional[torch.Tensor] = None) -> PreparedStep:
     """The Python twin of the C++ client's PrepareStep: the same header fields, set under the
     same conditions, and the same row plan."""
     if (not isinstance(hidden, torch.Tensor) or hidden.dim() < 1
@@ -270,7 +320,9 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
         if weights is not None:
             p.weights = _per_token(weights, n, "weights", integral=False)
         for name, t in (aux or {}).items():
-            p.aux.append((name, _per_token(t, n, f'aux["{name}"]', integral=False)))
+            p.aux.append((name, _aux_input(t, hidden, n, f'aux["{name}"]')))
+        if teacher_hidden is not None:
+            p.teacher_hidden = _teacher_rows(teacher_hidden, n)
 
     h = p.header
     h.head_id = head_id
@@ -289,6 +341,8 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
         h.expected_weight_version = o.expected_weight_version
     if o.expected_incarnation:
         h.expected_incarnation = o.expected_incarnation
+    if o.teacher:
+        h.teacher_head_id = o.teacher
     if o.reduction == "mean" and o.normalizer is None:
         if by_handle and o.valid_tokens is None and p.targets is None:
             raise InvalidArgumentError(
@@ -340,9 +394,12 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
             bytes_per_row += t.element_size()
             tensors += 1
     for name, t in p.aux:
-        bytes_per_row += t.element_size()
+        bytes_per_row += t.element_size() * (t.shape[1] if t.dim() == 2 else 1)
         tensors += 1
         name_bytes += len(name.encode())
+    if p.teacher_hidden is not None:
+        bytes_per_row += p.teacher_hidden.shape[1] * p.teacher_hidden.element_size()
+        tensors += 1
     p.chunks = _wire.plan_row_chunks(n, bytes_per_row, framing_bytes(tensors, name_bytes),
                                      chunk_bytes)
     return p

@@ -11,6 +11,12 @@ Where the head's parameter lives in the trainer (`local_weight`: tied input embe
 local optimizer that must see every gradient, e.g. for clipping), the server is a stateless
 accelerator for it: the parameter is pushed to the server whenever it changed, and after a
 backward the accumulated dW is pulled into `local_weight.grad` (then zeroed on the server).
+
+Distillation (`RemoteHead.distill`, or `loss` / `token_outputs` of a two-head function with a
+`teacher` and `teacher_hidden`): the teacher's hidden states travel with the student's rows and
+the frozen teacher head on the server turns them into logits; dX comes back for the student's
+hidden states only, and dW accumulates on the student's head only — teacher_hidden is data,
+never an input of the autograd graph (it gets no gradient, detached or not).
 """
 
 from __future__ import annotations
@@ -64,13 +70,15 @@ class _Inputs:
 
     weights: Optional[torch.Tensor] = None
     aux: Optional[Mapping[str, torch.Tensor]] = None
+    teacher_hidden: Optional[torch.Tensor] = None  # a two-head function's teacher rows
 
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, head, options, inputs, pull):
         result = head.client.forward_backward(head.head_id, hidden, targets, options,
-                                              weights=inputs.weights, aux=inputs.aux)
+                                              weights=inputs.weights, aux=inputs.aux,
+                                              teacher_hidden=inputs.teacher_hidden)
         head.last_result = result
         ctx.save_for_backward(result.grad_hidden.to(hidden.device, hidden.dtype)
                               .reshape(hidden.shape))
@@ -109,7 +117,8 @@ class _TwoPhaseOutputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, head, options, inputs, pull):
         result = head.client.forward(head.head_id, hidden, targets, options,
-                                     weights=inputs.weights, aux=inputs.aux)
+                                     weights=inputs.weights, aux=inputs.aux,
+                                     teacher_hidden=inputs.teacher_hidden)
         head.last_result = result
         ctx.head, ctx.options, ctx.inputs, ctx.targets, ctx.pull = (head, options, inputs,
                                                                     targets, pull)
@@ -130,7 +139,8 @@ class _TwoPhaseOutputs(torch.autograd.Function):
 
         def backward(o):
             return head.client.backward(head.head_id, hidden, ctx.targets, grad, o,
-                                        weights=inputs.weights, aux=inputs.aux)
+                                        weights=inputs.weights, aux=inputs.aux,
+                                        teacher_hidden=inputs.teacher_hidden)
 
         if ctx.handle:
             try:
@@ -212,6 +222,7 @@ class RemoteHead:
         # None after a pull (the optimizer step that follows may change the weights without
         # bumping the version counter: fused AdamW does not).
         self._pushed = self._local_state()
+        self._teacher_dtypes = {}  # teacher head id -> its dtype (teacher_hidden is sent in it)
 
     @property
     def accumulate(self) -> bool:
@@ -242,36 +253,94 @@ class RemoteHead:
         self.micro_batch += 1
         return gradient_id
 
-    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, *,
+    def _teacher_rows(self, options: StepOptions,
+                      teacher_hidden: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """teacher_hidden in the dtype of the teacher head the options name (described once per
+        teacher), detached: the server computes the teacher's logits in its head's dtype."""
+        if teacher_hidden is None or not options.teacher:
+            return teacher_hidden
+        dtype = self._teacher_dtypes.get(options.teacher)
+        if dtype is None:
+            dtype = self.client.describe_head(options.teacher).dtype
+            self._teacher_dtypes[options.teacher] = dtype
+        if not teacher_hidden.dtype.is_floating_point:
+            return teacher_hidden  # refused by the client, naming teacher_hidden
+        return teacher_hidden.detach().to(dtype)
+
+    def loss(self, hidden: torch.Tensor, labels: Optional[torch.Tensor], *,
              weights: Optional[torch.Tensor] = None,
-             aux: Optional[Mapping[str, torch.Tensor]] = None, pull_gradients: bool = True,
+             aux: Optional[Mapping[str, torch.Tensor]] = None,
+             teacher_hidden: Optional[torch.Tensor] = None, pull_gradients: bool = True,
              **overrides) -> torch.Tensor:
         """The reduced loss of the head's function over `hidden` [..., D] and `labels` [...]
         (one ForwardBackward; a Forward, nothing accumulated, under torch.no_grad() or when
         hidden does not require grad). weights / aux: per-token inputs shaped like labels;
-        overrides: StepOptions fields for this call. With a local_weight, pull_gradients=False
-        defers the pull of dW into local_weight.grad (e.g. until the last micro-batch of a
-        gradient-accumulation window)."""
+        teacher_hidden: a two-head function's teacher rows (see distill()); overrides:
+        StepOptions fields for this call. With a local_weight, pull_gradients=False defers the
+        pull of dW into local_weight.grad (e.g. until the last micro-batch of a
+        gradient-accumulation window). labels None: a function that needs no targets, every
+        row counted."""
         self.push_weights()
         gradients = torch.is_grad_enabled() and hidden.requires_grad
         options = self._call_options(overrides, gradients, two_phase=False)
+        teacher_hidden = self._teacher_rows(options, teacher_hidden)
         if options.reduction == "none":
             raise InvalidArgumentError(
                 'reduction: loss() needs a scalar reduction ("sum", "mean" or "weighted_sum"); '
                 'got "none" — use token_outputs() for per-token outputs')
         if not gradients:
             result = self.client.forward(self.head_id, hidden, labels, options, weights=weights,
-                                         aux=aux)
+                                         aux=aux, teacher_hidden=teacher_hidden)
             self.last_result = result
             return _loss_tensor(result.loss, hidden)
-        return _FusedHeadLoss.apply(hidden, labels, self, options, _Inputs(weights, aux),
+        return _FusedHeadLoss.apply(hidden, labels, self, options,
+                                    _Inputs(weights, aux, teacher_hidden),
                                     self._pulls_after_backward(options.accumulate,
                                                                pull_gradients))
 
-    def token_outputs(self, hidden: torch.Tensor, targets: torch.Tensor, *,
+    def distill(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor,
+                targets: Optional[torch.Tensor] = None, *, mask: Optional[torch.Tensor] = None,
+                function: Optional[str] = None, teacher: Optional[str] = None,
+                pull_gradients: bool = True, **overrides) -> torch.Tensor:
+        """A distillation loss of this (student) head against a frozen teacher head on the same
+        server: the reduced divergence between the two heads' next-token distributions over
+        the rows of `hidden` [..., D] (the student's last hidden states) and `teacher_hidden`
+        [..., D_teacher] (the teacher's, for the same tokens; D_teacher may differ from D, the
+        vocabulary must not). One ForwardBackward (a Forward under no_grad): loss.backward()
+        gives hidden its dX; dW accumulates on this head only.
+
+        function: a two-head function the server lists (FunctionInfo.needs_teacher):
+            "distill_kl" (forward KL(teacher ‖ student)), "distill_reverse_kl", "distill_jsd"
+            (params beta); default: the head's function if it is one, else "distill_kl".
+        teacher: the teacher head's id (default: the head's `teacher` option).
+        targets [...]: token ids, needed with params alpha > 0 (the CE mix); ignore_index rows
+            are left out. mask [...] (1 = in the loss, e.g. a completion mask): rows where it is 0
+            are left out (targets set to ignore_index there; 0 elsewhere when targets is None).
+        overrides: StepOptions fields (params: alpha, beta, temperature, logit_scale, softcap,
+            teacher_logit_scale, teacher_softcap; reduction, normalizer, …). The summary of the
+            call (self.last_result.summary.extras: "divergence", "entropy", "nll") holds the
+            sums over the valid rows.
+        """
+        if function is None:
+            current = self.client.functions().get(self.options.function)
+            function = (self.options.function if current is not None and current.needs_teacher
+                        else "distill_kl")
+        if teacher is not None:
+            overrides["teacher"] = teacher
+        if mask is not None:
+            ignore = overrides.get("ignore_index", self.options.ignore_index)
+            keep = mask.to(hidden.device if targets is None else targets.device) != 0
+            base = targets if targets is not None else torch.zeros(keep.shape, dtype=torch.long,
+                                                                    device=keep.device)
+            targets = base.masked_fill(~keep, ignore)
+        return self.loss(hidden, targets, teacher_hidden=teacher_hidden,
+                         pull_gradients=pull_gradients, function=function, **overrides)
+
+    def token_outputs(self, hidden: torch.Tensor, targets: Optional[torch.Tensor], *,
                       function: str = "token_logprobs",
                       weights: Optional[torch.Tensor] = None,
                       aux: Optional[Mapping[str, torch.Tensor]] = None,
+                      teacher_hidden: Optional[torch.Tensor] = None,
                       pull_gradients: bool = True, **overrides) -> torch.Tensor:
         """Per-token outputs of `function` (default token_logprobs, whatever the head's
         function for loss() is; [...] like targets), differentiable on the two-phase path: the
@@ -282,12 +351,14 @@ class RemoteHead:
         gradients = torch.is_grad_enabled() and hidden.requires_grad
         overrides = {**overrides, "function": function, "reduction": "none"}
         options = self._call_options(overrides, gradients, two_phase=True)
+        teacher_hidden = self._teacher_rows(options, teacher_hidden)
         if not gradients:
             result = self.client.forward(self.head_id, hidden, targets, options,
-                                         weights=weights, aux=aux)
+                                         weights=weights, aux=aux, teacher_hidden=teacher_hidden)
             self.last_result = result
             return result.outputs.to(hidden.device).reshape(hidden.shape[:-1])
-        return _TwoPhaseOutputs.apply(hidden, targets, self, options, _Inputs(weights, aux),
+        return _TwoPhaseOutputs.apply(hidden, targets, self, options,
+                                      _Inputs(weights, aux, teacher_hidden),
                                       self._pulls_after_backward(options.accumulate,
                                                                  pull_gradients))
 

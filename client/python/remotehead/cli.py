@@ -2,14 +2,16 @@
 
     remotehead [--server HOST:PORT] [TLS / token options] [--json] COMMAND
 
-    heads               every head: id, shape, dtype, device, version, micro-batches
+    heads               every head: id, shape, dtype, device, version, micro-batches; then
+                        the frozen heads and the heads each is the teacher of
     describe ID         one head, every field
     save ID PATH        its weights to PATH (safetensors, relative to the server's
                         --checkpoint_dir)
     drop ID             remove it (its dW and optimizer state are lost)
     zero ID             zero its dW and forget its gradient ids
     functions           every function the server computes: parameters (default, range,
-                        meaning), aux inputs, output, whether a head group runs it
+                        meaning), aux inputs, output, whether a head group runs it,
+                        whether it compares two heads (a distillation: needs a teacher)
     health              the server's grpc.health.v1 status
 
 Exit codes follow the server's statuses: 0 when the call succeeded, else the gRPC status code
@@ -233,6 +235,10 @@ def _head_dict(info) -> dict:
     d = dataclasses.asdict(info)
     d["dtype"] = str(info.dtype).replace("torch.", "")
     d["shards"] = [list(s) for s in info.shards]
+    # A frozen head (a distillation teacher, a reference) and the heads whose steps named it
+    # as their teacher.
+    d["frozen"] = bool(getattr(info, "frozen", False))
+    d["teacher_of"] = list(getattr(info, "teacher_of", ()) or ())
     return d
 
 
@@ -242,7 +248,30 @@ def _table(heads: List[dict]) -> str:
     titles = ["ID", "VOCAB", "HIDDEN", "DTYPE", "DEVICE", "VERSION", "MICRO_BATCHES", "RANKS"]
     rows = [titles] + [[str(h[c]) for c in columns] for h in heads]
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+    table = "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+    frozen = [h for h in heads if h["frozen"]]
+    if not frozen:
+        return table
+    lines = [f"  {h['head_id']}: teacher of "
+             f"{', '.join(h['teacher_of']) if h['teacher_of'] else '(no student yet)'}"
+             for h in frozen]
+    return "\n".join([table, "", "frozen (read only: no dW, no optimizer step):"] + lines)
+
+
+def _describe_text(head: dict) -> str:
+    def shown(key, value):
+        if key == "teacher_of":
+            return ", ".join(value) if value else "-"
+        return value
+    return "\n".join(f"{k}: {shown(k, v)}" for k, v in head.items())
+
+
+def _aux_names(f: dict, names) -> List[str]:
+    """Aux input names, each marked with its shape when it is not [n]: "[n, k] int" for token
+    ids, "[n, k]" for their values."""
+    topk, integral = set(f.get("topk_aux", ())), set(f.get("integral_aux", ()))
+    return [name + (" [n, k]" if name in topk else "") + (" int" if name in integral else "")
+            for name in names]
 
 
 def _functions_text(functions: List[dict]) -> str:
@@ -256,9 +285,12 @@ def _functions_text(functions: List[dict]) -> str:
                  f"{'loss and gradients' if f['differentiable'] else 'Forward, reduction none only'}"
                  f"; {'runs on head groups' if f['vocab_decomposable'] else 'one server only'}"
                  f"{'; needs targets' if f['needs_targets'] else ''}"]
+        if f.get("needs_teacher"):
+            lines.append("  two heads: the step's head and a frozen teacher head "
+                         "(teacher_head_id; the rows carry its teacher_hidden)")
         if f["required_aux"] or f["optional_aux"]:
-            lines.append(f"  aux: required {list(f['required_aux'])}, "
-                         f"optional {list(f['optional_aux'])}")
+            lines.append(f"  aux: required {_aux_names(f, f['required_aux'])}, "
+                         f"optional {_aux_names(f, f['optional_aux'])}")
         for p in f["params"]:
             if not p["common"]:
                 lines.append(f"  {p['name']} = {p['default']:g} in [{p['min']:g}, {p['max']:g}]: "
@@ -272,6 +304,15 @@ def _functions_text(functions: List[dict]) -> str:
     return "\n\n".join(blocks)
 
 
+def _function_dict(info) -> dict:
+    d = info.to_dict()
+    # Two-head (distillation) functions, and the aux inputs that are [n, k] / integer.
+    d["needs_teacher"] = bool(getattr(info, "needs_teacher", False))
+    d["topk_aux"] = list(getattr(info, "topk_aux", ()) or ())
+    d["integral_aux"] = list(getattr(info, "integral_aux", ()) or ())
+    return d
+
+
 def _run(args, client, server: str) -> tuple:
     """(what to print as text, what to print as JSON, exit code)."""
     if args.command == "heads":
@@ -279,7 +320,7 @@ def _run(args, client, server: str) -> tuple:
         return _table(heads) if heads else "no heads", heads, 0
     if args.command == "describe":
         head = _head_dict(client.describe_head(args.head_id))
-        return "\n".join(f"{k}: {v}" for k, v in head.items()), head, 0
+        return _describe_text(head), head, 0
     if args.command == "save":
         written = client.save_weights(args.head_id, args.path, weight_name=args.weight_name,
                                       bias_name=args.bias_name)
@@ -293,7 +334,7 @@ def _run(args, client, server: str) -> tuple:
         return (f"zeroed the gradients of head \"{args.head_id}\" (version "
                 f"{head['weight_version']})", head, 0)
     if args.command == "functions":
-        functions = [f.to_dict() for f in client.functions().values()]
+        functions = [_function_dict(f) for f in client.functions().values()]
         return _functions_text(functions), functions, 0
     status = client.health()
     return status, {"server": server, "status": status}, 0 if status == "SERVING" \

@@ -49,13 +49,19 @@ class HeadInfo:
     # A head group: its processes, and each one's (offset, rows) of the vocabulary by rank.
     group_size: int = 1
     shards: Tuple[Tuple[int, int], ...] = ()
+    # A frozen head (create_head / upload_head with frozen=True): no dW, no optimizer step; the
+    # only kind that may be a distillation teacher. teacher_of: the heads whose steps named it
+    # as their teacher (StepOptions.teacher) on this server, sorted.
+    frozen: bool = False
+    teacher_of: Tuple[str, ...] = ()
 
 
 def _info(msg: pb.HeadInfo) -> HeadInfo:
     return HeadInfo(msg.head_id, msg.vocab_size, msg.hidden_size, _wire._FROM_WIRE[msg.dtype],
                     msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches,
                     msg.incarnation, msg.state_id, max(1, msg.group_size),
-                    tuple((r.offset, r.rows) for r in msg.shards))
+                    tuple((r.offset, r.rows) for r in msg.shards), msg.frozen,
+                    tuple(msg.teacher_of))
 
 
 def trainer_rank(rank: Optional[int] = None) -> int:
@@ -190,8 +196,11 @@ class Client:
 
     def create_head(self, head_id: str, vocab_size: int, hidden_size: int, *,
                     dtype: torch.dtype = torch.float32, bias: bool = False, seed: int = 0,
-                    init_std: float = 0.02) -> HeadInfo:
-        request = pb.CreateHeadRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype))
+                    init_std: float = 0.02, frozen: bool = False) -> HeadInfo:
+        """A new head initialised on the server (normal(0, init_std) from `seed`). frozen=True:
+        no dW, no optimizer step (HeadInfo.frozen; a distillation teacher)."""
+        request = pb.CreateHeadRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype),
+                                       frozen=frozen)
         request.init.vocab_size = vocab_size
         request.init.hidden_size = hidden_size
         request.init.bias = bias
@@ -200,11 +209,14 @@ class Client:
         return _info(self._to_leader(lambda stub: self._unary(stub.CreateHead, request)))
 
     def upload_head(self, head_id: str, weight: torch.Tensor,
-                    bias: Optional[torch.Tensor] = None, *, replace: bool = False) -> HeadInfo:
+                    bias: Optional[torch.Tensor] = None, *, replace: bool = False,
+                    frozen: bool = False) -> HeadInfo:
         """Streams W [V, D] (and b [V]) to the server as head `head_id`, in W's dtype.
-        replace=True: new weights for an existing head of the same shape, dtype and bias (its
-        gradients must be zero; its optimizer state is reset; its version goes up by one), or a
-        new head if there is none."""
+        replace=True: new weights for an existing head of the same shape, dtype, bias and
+        frozen flag (its gradients must be zero; its optimizer state is reset; its version goes
+        up by one), or a new head if there is none. frozen=True: a head that never accumulates
+        dW nor takes an optimizer step (HeadInfo.frozen): a distillation teacher, a reference
+        model."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             got = shape_text(weight) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise InvalidArgumentError(f"weight: expected a floating [V, D] tensor; got {got}")
@@ -228,6 +240,7 @@ class Client:
             header.header.dtype = _wire.wire_dtype(w.dtype, "weight")
             header.header.has_bias = b is not None
             header.header.replace = replace
+            header.header.frozen = frozen
             yield header
             for name, t, chunks in parts:
                 for offset, n in chunks:
@@ -377,12 +390,17 @@ class Client:
     # ----- steps -----
     #
     # hidden is [..., D] (flattened to N rows); targets, weights, aux and grad_output hold one
-    # value per row, in any shape of N elements. Tensors may live on any device.
+    # value per row, in any shape of N elements; an aux input shaped [..., k] like hidden
+    # (hidden's leading dimensions, then k) holds k values per row (a function's topk_aux).
+    # teacher_hidden ([..., D_teacher], N rows) goes with a two-head function's rows: the
+    # hidden states of the teacher head named by the `teacher` option, sent as they are (the
+    # server expects the teacher head's dtype). Tensors may live on any device.
 
     def forward_backward(self, head_id: str, hidden: torch.Tensor,
                          targets: Optional[torch.Tensor], options: Optional[StepOptions] = None,
                          *, weights: Optional[torch.Tensor] = None,
                          aux: Optional[Mapping[str, torch.Tensor]] = None,
+                         teacher_hidden: Optional[torch.Tensor] = None,
                          **overrides) -> StepResult:
         """Fused step: the loss, dX [N, D] (× upstream_scale) and, with accumulate, dW added on
         the server, in one pass. Needs a scalar reduction and, when accumulating, a
@@ -391,18 +409,23 @@ class Client:
         options: a StepOptions (default StepOptions()); any of its fields may also be passed
         as a keyword argument (function, params, reduction, ignore_index, normalizer,
         valid_tokens, chunk_rows, memory_budget_bytes, upstream_scale, accumulate,
-        gradient_id, expected_weight_version, wire_dtype), applied over it; an unknown
-        keyword is a TypeError listing the valid ones. help(remotehead.StepOptions) explains
-        each. weights [N]: per-token weights ("weighted_sum"); aux: extra per-token inputs by
-        name, e.g. GRPO's {"advantages": ..., "old_logprobs": ..., "ref_logprobs": ...}.
+        gradient_id, expected_weight_version, wire_dtype, teacher), applied over it; an
+        unknown keyword is a TypeError listing the valid ones. help(remotehead.StepOptions)
+        explains each. weights [N]: per-token weights ("weighted_sum"); aux: extra per-token
+        inputs by name, e.g. GRPO's {"advantages": ..., "old_logprobs": ..., "ref_logprobs":
+        ...}, a sparse teacher's {"teacher_topk_ids": [N, k] int64, "teacher_topk_logprobs":
+        [N, k]}; teacher_hidden: the teacher's hidden states for a two-head function
+        (function="distill_kl", teacher="<frozen head>").
         """
         o = _steps.resolve(options, overrides, StepOptions())
-        return self._step(_steps.FORWARD_BACKWARD, head_id, hidden, targets, weights, aux, None, o)
+        return self._step(_steps.FORWARD_BACKWARD, head_id, hidden, targets, weights, aux, None, o,
+                          teacher_hidden)
 
     def forward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
                 options: Optional[StepOptions] = None, *,
                 weights: Optional[torch.Tensor] = None,
-                aux: Optional[Mapping[str, torch.Tensor]] = None, **overrides) -> StepResult:
+                aux: Optional[Mapping[str, torch.Tensor]] = None,
+                teacher_hidden: Optional[torch.Tensor] = None, **overrides) -> StepResult:
         """Outputs only, nothing accumulated (the accumulate and gradient_id options are not
         sent): per-token outputs [N] for reduction "none", else the reduced loss.
 
@@ -411,12 +434,14 @@ class Client:
         backward by summary.inputs_handle.
         """
         o = _steps.resolve(options, overrides, StepOptions(reduction="none"))
-        return self._step(_steps.FORWARD, head_id, hidden, targets, weights, aux, None, o)
+        return self._step(_steps.FORWARD, head_id, hidden, targets, weights, aux, None, o,
+                          teacher_hidden)
 
     def backward(self, head_id: str, hidden: torch.Tensor, targets: Optional[torch.Tensor],
                  grad_output: Union[torch.Tensor, float], options: Optional[StepOptions] = None,
                  *, weights: Optional[torch.Tensor] = None,
                  aux: Optional[Mapping[str, torch.Tensor]] = None,
+                 teacher_hidden: Optional[torch.Tensor] = None,
                  **overrides) -> StepResult:
         """Two-phase backward: the server recomputes the logits, returns dX [N, D] and (with
         accumulate) adds dW, exactly once per gradient_id.
@@ -428,10 +453,11 @@ class Client:
 
         options: a StepOptions, default StepOptions(reduction="none"); keyword overrides as in
         forward_backward. inputs_handle: a forward's summary.inputs_handle (X is then not
-        sent; hidden still gives N, D and dX's dtype).
+        sent, nor teacher_hidden; hidden still gives N, D and dX's dtype).
         """
         o = _steps.resolve(options, overrides, StepOptions(reduction="none"))
-        return self._step(_steps.BACKWARD, head_id, hidden, targets, weights, aux, grad_output, o)
+        return self._step(_steps.BACKWARD, head_id, hidden, targets, weights, aux, grad_output, o,
+                          teacher_hidden)
 
     # ----- generation -----
 
@@ -511,9 +537,9 @@ class Client:
         return written
 
     def _step(self, mode: str, head_id: str, hidden, targets, weights, aux, grad_output,
-              o: StepOptions) -> StepResult:
+              o: StepOptions, teacher_hidden=None) -> StepResult:
         p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
-                                self._chunk_bytes)
+                                self._chunk_bytes, teacher_hidden)
         rpc = {_steps.FORWARD_BACKWARD: self._stub.ForwardBackward,
                _steps.FORWARD: self._stub.Forward, _steps.BACKWARD: self._stub.Backward}[mode]
         per_token = mode == _steps.FORWARD and o.reduction == "none"

@@ -1,6 +1,7 @@
 """The functions a server computes, as it lists them (the ListFunctions RPC): names, parameters
 with their defaults and ranges, aux inputs, what a Forward with reduction "none" returns and in
-which dtype, whether a head group runs it. Clients decide from this data, never from a
+which dtype, whether a head group runs it, whether it compares two heads (a distillation's
+teacher) and which aux inputs are [N, k] or integral. Clients decide from this data, never from a
 function's name (`Client.functions()`, `remotehead functions`)."""
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class FunctionInfo:
     output_float64_on_float64_heads: bool
     differentiable: bool  # False: a generation output (Forward, reduction "none" only)
     vocab_decomposable: bool  # True: runs on a head group
+    # A two-head (distillation) function: the step names a frozen teacher head
+    # (StepOptions.teacher) and sends the teacher's hidden states (teacher_hidden).
+    needs_teacher: bool = False
+    topk_aux: Tuple[str, ...] = ()  # aux inputs that are [N, k] (k per token), not [N]
+    integral_aux: Tuple[str, ...] = ()  # aux inputs of an integer dtype (e.g. token ids)
 
     def outputs_dtype(self, head_dtype: torch.dtype,
                       requested: Optional[torch.dtype] = None) -> torch.dtype:
@@ -69,4 +75,6 @@ def function_info(msg: pb.FunctionDescription) -> FunctionInfo:
         output_kind=_OUTPUT_KINDS.get(msg.output_kind, "per_token"),
         output_dtype=_wire._FROM_WIRE[msg.output_dtype],
         output_float64_on_float64_heads=msg.output_float64_on_float64_heads,
-        differentiable=msg.differentiable, vocab_decomposable=msg.vocab_decomposable)
+        differentiable=msg.differentiable, vocab_decomposable=msg.vocab_decomposable,
+        needs_teacher=msg.needs_teacher, topk_aux=tuple(msg.topk_aux),
+        integral_aux=tuple(msg.integral_aux))

@@ -135,9 +135,11 @@ class OffloadedHead(RemoteHead):
         # The new version is the one the trainer holds now (checkpoints are pinned to it). Among
         # several ranks (each loads the checkpoint) rank 0 uploads and the others take its
         # version, so that their synchronous steps agree on it.
+        frozen = self.info.frozen  # replace keeps the head's frozen flag
         self.info = cluster_lib.share(
             self.cluster,
-            lambda: self.client.upload_head(self.head_id, value.detach().float(), replace=True),
+            lambda: self.client.upload_head(self.head_id, value.detach().float(), replace=True,
+                                            frozen=frozen),
             lambda: self.client.describe_head(self.head_id))
         state_dict[key] = weight.detach()  # the same view: loading copies nothing
 
@@ -203,8 +205,8 @@ def accumulation_window_ends() -> bool:
 
 def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = True,
                     gradients: str = "server", trainer: Optional[str] = None,
-                    upload: bool = True, keep_local_copy: Optional[bool] = None
-                    ) -> OffloadedHead:
+                    upload: bool = True, keep_local_copy: Optional[bool] = None,
+                    frozen: bool = False) -> OffloadedHead:
     """Uploads the model's lm_head to the server as `head_id` and makes the model's training
     loss go through it.
 
@@ -212,6 +214,9 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
         restored it after a restart; resuming the Trainer from a checkpoint then puts it back
         to the state saved with that checkpoint (RemoteHeadCallback).
     trainable=False: a frozen head (e.g. under LoRA): dX only, no dW.
+    frozen=True: uploaded as a frozen head (HeadInfo.frozen: the server refuses dW and
+        optimizer steps for it; the only kind a distillation step may name as its teacher);
+        implies trainable=False.
     gradients="server": dW stays on the server, trained by server-side optimizer steps
         (`head.optimizer_step(...)`, or RemoteHeadCallback under Trainer). The trainer keeps no
         copy of W (see the module's documentation) unless keep_local_copy=True: then the local
@@ -232,6 +237,7 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     """
     if gradients not in ("server", "local"):
         raise ValueError(f'gradients: expected "server" or "local"; got {gradients!r}')
+    trainable = trainable and not frozen
     lm_head = model.get_output_embeddings()
     tied = lm_head.weight is model.get_input_embeddings().weight
     if tied and trainable and gradients == "server":
@@ -242,7 +248,7 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("lm_head.bias: expected none (causal LMs have no head bias); got one")
     cluster = cluster_lib.detect()
-    _share_head(client, head_id, lm_head.weight, cluster, upload)
+    _share_head(client, head_id, lm_head.weight, cluster, upload, frozen)
     local = trainable and gradients == "local"
     head = OffloadedHead(model, client, head_id, trainer=trainer, accumulate=trainable,
                          local_weight=lm_head.weight if local else None, cluster=cluster)
@@ -284,7 +290,8 @@ def _keep_out_of_ddp(model, weight: torch.nn.Parameter) -> None:
     model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
 
 
-def _share_head(client: Client, head_id: str, weight: torch.Tensor, cluster, upload: bool):
+def _share_head(client: Client, head_id: str, weight: torch.Tensor, cluster, upload: bool,
+                frozen: bool = False):
     """Puts the model's head on the server once: rank 0 uploads it (with upload=True); every
     other rank waits until it is there and checks that it is the model's shape (the uploaded
     head, so the ranks train one model)."""
@@ -308,7 +315,7 @@ def _share_head(client: Client, head_id: str, weight: torch.Tensor, cluster, upl
 
     def on_main():
         if upload:
-            return client.upload_head(head_id, weight.detach().float())
+            return client.upload_head(head_id, weight.detach().float(), frozen=frozen)
         # As for one process: a head of another shape is refused when a checkpoint is
         # verified (hf_checkpoint), not here.
         return client.describe_head(head_id)

@@ -1,4 +1,18 @@
-"""TRL's GRPOTrainer with the policy's LM head on a remotehead server.
+"""TRL's GRPOTrainer and DistillationTrainer with their LM heads on a remotehead server.
+
+DistillationTrainer (on-policy distillation, generalized JSD): one call moves both heads,
+
+    from remotehead.trl import offload_distillation_heads
+    trainer = DistillationTrainer(model=student, teacher_model=teacher,
+                                  args=DistillationConfig(...), train_dataset=prompts,
+                                  processing_class=tokenizer)
+    offload_distillation_heads(trainer, remotehead.Client("head-server:50051"), "student")
+    trainer.train()
+
+(or `RemoteHeadDistillationTrainer(..., client=..., head_id="student")`): see
+`offload_distillation_heads` below and docs/distillation.md.
+
+GRPOTrainer:
 
     from remotehead.trl import RemoteHeadGRPOTrainer
     trainer = RemoteHeadGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
@@ -51,14 +65,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import types
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import is_peft_model
-from trl import GRPOTrainer
+from trl import DistillationTrainer, GRPOTrainer
+from trl.trainer import distillation_trainer as _distillation
 from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 
 from remotehead.autograd import RemoteHead
@@ -358,3 +374,155 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
         metrics["clip_ratio/low_min"].append(nanmin(low).item())
         high = self.accelerator.gather(masked_seq_mean(is_high))
         metrics["clip_ratio/high_max"].append(nanmax(high).item())
+
+
+# ----- DistillationTrainer -----
+
+# The attribute that marks an offloaded lm_head weight for TRL's divergence loss: the student's
+# carries its _DistillationRoute, the teacher's its OffloadedHead.
+_ROUTE = "_remotehead_distillation"
+_TEACHER = "_remotehead_teacher"
+
+
+class _DistillationRoute:
+    """TRL's `_chunked_divergence_loss` computed by the server: the student's head (this route's)
+    against the frozen teacher head, same arguments, same results (loss, the student's entropy
+    summed over the valid tokens, their count)."""
+
+    def __init__(self, student: OffloadedHead, teacher: OffloadedHead):
+        self.student, self.teacher = student, teacher
+
+    def __call__(self, a) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if getattr(a["teacher_lm_head_weight"], _TEACHER, None) is not self.teacher:
+            raise ValueError("teacher lm_head: expected the teacher whose head "
+                             "offload_distillation_heads put on the server with this student's; "
+                             "got another")
+        for side in ("student", "teacher"):
+            if a[f"{side}_lm_head_bias"] is not None:  # offload_lm_head refuses a bias already
+                raise ValueError(f"{side}_lm_head_bias: expected none; got one")
+        beta = float(a["beta"])
+        if beta == 0.0:
+            function, params = "distill_kl", {}
+        elif beta == 1.0:
+            function, params = "distill_reverse_kl", {}
+        else:
+            function, params = "distill_jsd", {"beta": beta}
+        # TRL's transform on each side: z · logit_scale, softcap (None: off), / temperature.
+        params.update(temperature=float(a["temperature"]),
+                      logit_scale=float(a["student_logit_scale"]),
+                      softcap=float(a["student_final_logit_softcapping"] or 0.0),
+                      teacher_logit_scale=float(a["teacher_logit_scale"]),
+                      teacher_softcap=float(a["teacher_final_logit_softcapping"] or 0.0))
+        student_hidden, teacher_hidden = a["student_hidden_states"], a["teacher_hidden_states"]
+        valid = a["completion_mask"].reshape(-1) != 0
+        n_valid = valid.sum()
+        # Only the valid positions travel (TRL projects only those too, where it can).
+        rows = student_hidden.reshape(-1, student_hidden.shape[-1])[valid]
+        teacher_rows = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[valid]
+        if rows.shape[0] == 0:
+            # Nothing to compare: a zero still connected to the student, as TRL's 0 / clamp(1).
+            zero = student_hidden.sum() * 0.0
+            return zero, zero.detach(), n_valid
+        num_items = a["num_items_in_batch"]
+        spec = (dict(reduction="mean") if num_items is None
+                else dict(reduction="sum", normalizer=float(num_items)))
+        loss = self.student.loss(rows, None, teacher_hidden=teacher_rows, function=function,
+                                 params=params, teacher=self.teacher.head_id,
+                                 pull_gradients=accumulation_window_ends(), **spec)
+        entropy = self.student.last_result.summary.extras.get("entropy", 0.0)
+        return loss, torch.tensor(entropy, dtype=loss.dtype, device=loss.device), n_valid
+
+
+def _install_divergence_route() -> None:
+    """Replaces TRL's module-level `_chunked_divergence_loss` (which DistillationTrainer's
+    _compute_loss calls) by one that sends the call to the server when the student's lm_head
+    weight is an offloaded one, and to TRL's own function otherwise (a trainer with local heads
+    in the same process is unchanged). Once per process."""
+    original = _distillation._chunked_divergence_loss
+    if getattr(original, _ROUTE, False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def chunked_divergence_loss(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        route = getattr(bound.arguments["student_lm_head_weight"], _ROUTE, None)
+        if route is None:
+            return original(*args, **kwargs)
+        return route(bound.arguments)
+
+    setattr(chunked_divergence_loss, _ROUTE, True)
+    _distillation._chunked_divergence_loss = chunked_divergence_loss
+
+
+def offload_distillation_heads(trainer: DistillationTrainer, client: Client,
+                               head_id: str = "student", teacher_head_id: Optional[str] = None,
+                               *, gradients: str = "server",
+                               keep_local_copy: Optional[bool] = None
+                               ) -> Tuple[OffloadedHead, OffloadedHead]:
+    """Moves a TRL DistillationTrainer's two LM heads to the server behind `client`: the
+    student's as `head_id` (trained there), the teacher's as `teacher_head_id` (default
+    "<head_id>-teacher"), uploaded frozen. Returns (student head, teacher head); also
+    `trainer.remote_head` and `trainer.remote_teacher_head`.
+
+    Afterwards the trainer's distillation loss (TRL's `_chunked_divergence_loss`: beta's forward
+    KL / JSD / reverse KL, temperature, each model's logit scale and softcap, num_items_in_batch
+    or the mean, the logged entropy) is one ForwardBackward of the server's "distill_kl",
+    "distill_jsd" or "distill_reverse_kl" over the valid completion positions: both hidden
+    states go up, dX comes back for the student's, dW accumulates on the student's head only.
+
+    gradients / keep_local_copy: as in `remotehead.hf.offload_lm_head`. In server mode (the
+    default) the student's head takes a server-side AdamW step after each of the trainer's
+    optimizer steps, with its hyper-parameters and current learning rate (RemoteHeadCallback),
+    and neither model keeps a copy of its W: the teacher's is released too (it is frozen on the
+    server), the student's on-policy generation gets each step's last-position logits from the
+    server, and checkpoints stream the head from it. Tied input embeddings keep their matrix
+    (the student then needs gradients="local").
+
+    Several processes (torchrun, accelerate launch): every rank makes the same call; rank 0
+    uploads, every rank adds its own dW, and the optimizer steps are synchronous (DDP's
+    averaging). TRL's loss needs no scaling: its num_items_in_batch is the global count / the
+    number of processes, and DistillationTrainer.compute_loss does not multiply the loss.
+
+    Refused: vLLM generation (it would generate with weights the server does not update), a
+    trainer without a local teacher model, heads with a bias, adapters on the head.
+    """
+    if trainer.use_vllm:
+        raise ValueError("use_vllm: expected False (vLLM generates with weights the server does "
+                         "not update); got True")
+    if trainer.teacher_model is None:
+        raise ValueError("teacher_model: expected the teacher model whose head goes to the "
+                         "server; got None")
+    student = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    for name, model in (("student", student), ("teacher", teacher)):
+        lm_head = model.get_output_embeddings()
+        if not isinstance(lm_head, torch.nn.Linear):
+            raise ValueError(f"{name} lm_head: expected a torch.nn.Linear (adapters on the head "
+                             f"are not supported); got {type(lm_head).__name__}")
+    trainable = student.get_output_embeddings().weight.requires_grad
+    student_head = offload_lm_head(student, client, head_id, trainable=trainable,
+                                   gradients=gradients, keep_local_copy=keep_local_copy)
+    teacher_head = offload_lm_head(teacher, client, teacher_head_id or f"{head_id}-teacher",
+                                   frozen=True)
+    setattr(student.get_output_embeddings().weight, _ROUTE,
+            _DistillationRoute(student_head, teacher_head))
+    setattr(teacher.get_output_embeddings().weight, _TEACHER, teacher_head)
+    _install_divergence_route()
+    trainer.add_callback(RemoteHeadCallback(student_head))
+    trainer.remote_head, trainer.remote_teacher_head = student_head, teacher_head
+    return student_head, teacher_head
+
+
+class RemoteHeadDistillationTrainer(DistillationTrainer):
+    """DistillationTrainer whose student and teacher LM heads are `head_id` and
+    `teacher_head_id` on the server behind `client` (offload_distillation_heads, at the end of
+    the constructor). `remote_head` / `remote_teacher_head` are their OffloadedHeads."""
+
+    def __init__(self, *args, client: Client, head_id: str = "student",
+                 teacher_head_id: Optional[str] = None, gradients: str = "server",
+                 keep_local_copy: Optional[bool] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        offload_distillation_heads(self, client, head_id, teacher_head_id, gradients=gradients,
+                                   keep_local_copy=keep_local_copy)

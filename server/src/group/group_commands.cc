@@ -17,10 +17,11 @@ v1::DType WireDtype(torch::ScalarType dtype) {
 
 }  // namespace
 
-v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init) {
+v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init, bool frozen) {
   v1::GroupCommand command;
   v1::CreateHeadRequest* create = command.mutable_create();
   create->set_head_id(id);
+  create->set_frozen(frozen);
   create->set_dtype(WireDtype(init.dtype));
   v1::CreateHeadRequest::FromInit* from = create->mutable_init();
   from->set_vocab_size(init.vocab_size);
@@ -31,10 +32,12 @@ v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init
   return command;
 }
 
-v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& source) {
+v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& source,
+                               bool frozen) {
   v1::GroupCommand command;
   v1::CreateHeadRequest* create = command.mutable_create();
   create->set_head_id(id);
+  create->set_frozen(frozen);
   if (source.dtype.has_value()) create->set_dtype(WireDtype(*source.dtype));
   v1::CreateHeadRequest::FromSafetensors* from = create->mutable_safetensors();
   from->set_path(source.path);
@@ -44,11 +47,12 @@ v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& s
 }
 
 v1::GroupCommand UploadCommand(const std::string& id, const torch::Tensor& weight,
-                               const torch::Tensor& bias, bool replace) {
+                               const torch::Tensor& bias, bool replace, bool frozen) {
   v1::GroupCommand command;
   v1::GroupUpload* upload = command.mutable_upload();
   upload->set_head_id(id);
   upload->set_replace(replace);
+  upload->set_frozen(frozen);
   *upload->mutable_weight() = DescribeTensor("weight", weight);
   if (bias.defined()) *upload->mutable_bias() = DescribeTensor("bias", bias);
   return command;

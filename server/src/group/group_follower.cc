@@ -29,11 +29,13 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
       if (create.has_init()) {
         return operations_
             ->CreateFromSeedHere(create.head_id(),
-                                 FromWire(create.init(), dtype.value_or(torch::kFloat)))
+                                 FromWire(create.init(), dtype.value_or(torch::kFloat)),
+                                 create.frozen())
             .status();
       }
       return operations_
-          ->CreateFromSafetensorsHere(create.head_id(), FromWire(create.safetensors(), dtype))
+          ->CreateFromSafetensorsHere(create.head_id(), FromWire(create.safetensors(), dtype),
+                                      create.frozen())
           .status();
     }
     case v1::GroupCommand::kUpload: {
@@ -43,7 +45,9 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
       if (upload.has_bias()) {
         ASSIGN_OR_RETURN(bias, EmptyTensor(upload.bias(), device_));
       }
-      return operations_->UploadHere(upload.head_id(), weight, bias, upload.replace()).status();
+      return operations_
+          ->UploadHere(upload.head_id(), weight, bias, upload.replace(), upload.frozen())
+          .status();
     }
     case v1::GroupCommand::kDrop:
       return operations_->DropHere(command.drop().head_id());

@@ -30,6 +30,7 @@ std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,
   if (batch.targets.defined()) tensors.push_back(batch.targets);
   if (batch.weights.defined()) tensors.push_back(batch.weights);
   for (const auto& [name, t] : batch.aux) tensors.push_back(t);
+  if (batch.teacher_hidden.defined()) tensors.push_back(batch.teacher_hidden);
   if (grad_output.defined()) tensors.push_back(grad_output);
   return tensors;
 }
@@ -53,6 +54,9 @@ v1::GroupCommand StepBatchCommand(int64_t session, const v1::StepHeader& header,
   if (batch.weights.defined()) *b->add_tensors() = DescribeTensor("weights", batch.weights);
   for (const auto& [name, t] : batch.aux) {
     *b->add_tensors() = DescribeTensor(absl::StrCat(kAuxPrefix, name), t);
+  }
+  if (batch.teacher_hidden.defined()) {
+    *b->add_tensors() = DescribeTensor("teacher_hidden", batch.teacher_hidden);
   }
   if (grad_output.defined()) *b->add_tensors() = DescribeTensor("grad_output", grad_output);
   return command;
@@ -93,12 +97,12 @@ const core::VocabShard* GroupStepFront::Shard(const std::vector<core::ShardRange
 }
 
 absl::Status GroupStepFront::RunBatch(const Batch& call, const HeadEntry& entry,
-                                      std::optional<HeadPin>* pin,
-                                      const std::function<absl::Status(const core::Head&)>& here) {
+                                      const HeadEntry* teacher, std::optional<HeadPin>* pin,
+                                      const Here& here) {
   // The lane first (every group operation takes it before any head's lock), then the pin is
   // checked here before any other rank is asked to compute.
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
-  return entry.ReadPinned(pin, [&](const core::Head& head) {
+  auto run = [&](const core::Head& head, const core::Head* teacher_head) {
     open_ = open_ || call.accumulate;
     return lane.Run(StepBatchCommand(session_, header_, call.mode, call.accumulate, **pin,
                                      call.first_row, *call.batch, *call.grad_output),
@@ -106,9 +110,10 @@ absl::Status GroupStepFront::RunBatch(const Batch& call, const HeadEntry& entry,
                       std::vector<torch::Tensor> tensors =
                           BatchTensors(*call.batch, *call.grad_output);
                       RETURN_IF_ERROR(group_->Share(tensors));
-                      return here(head);
+                      return here(head, teacher_head);
                     });
-  });
+  };
+  return entry.ReadPinnedWith(teacher, pin, run);
 }
 
 absl::StatusOr<CommitResult> GroupStepFront::Commit(
@@ -155,8 +160,15 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
   options.first_row = b.first_row();
   const core::VocabShard shard{.group = &group_->collectives(), .ranges = entry->shards()};
   options.shard = &shard;
+  // A two-head call's teacher: this rank's shard of it (the front checked it against the
+  // student: the same rows on every rank).
+  std::shared_ptr<HeadEntry> teacher;
+  if (!read.teacher_head_id.empty()) {
+    ASSIGN_OR_RETURN(teacher, registry_->Get(read.teacher_head_id));
+  }
   std::optional<HeadPin> pin = FromWire(b.pin());
-  return entry->ReadPinned(&pin, [&](const core::Head& head) -> absl::Status {
+  auto run = [&](const core::Head& head, const core::Head* teacher_head) -> absl::Status {
+    options.teacher = teacher_head;
     std::vector<torch::Tensor> tensors;
     for (const v1::GroupTensor& spec : b.tensors()) {
       ASSIGN_OR_RETURN(torch::Tensor t, EmptyTensor(spec, device_));
@@ -176,6 +188,8 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
         batch.weights = t;
       } else if (name == "grad_output") {
         grad_output = t;
+      } else if (name == "teacher_hidden") {
+        batch.teacher_hidden = t;
       } else if (absl::StartsWith(name, kAuxPrefix)) {
         batch.aux[name.substr(sizeof(kAuxPrefix) - 1)] = t;
       }
@@ -183,7 +197,8 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
     return RunEngine(static_cast<core::CallMode>(b.mode()), head, batch, options, grad_output,
                      grads)
         .status();
-  });
+  };
+  return entry->ReadPinnedWith(teacher.get(), &pin, run);
 }
 
 absl::Status GroupStepFollower::End(const v1::GroupStepEnd& end) {

@@ -49,8 +49,8 @@ class GroupStepFront final : public StepFanout {
   GroupStepFront& operator=(const GroupStepFront&) = delete;
 
   const core::VocabShard* Shard(const std::vector<core::ShardRange>& ranges) override;
-  absl::Status RunBatch(const Batch& call, const HeadEntry& entry, std::optional<HeadPin>* pin,
-                        const std::function<absl::Status(const core::Head&)>& here) override;
+  absl::Status RunBatch(const Batch& call, const HeadEntry& entry, const HeadEntry* teacher,
+                        std::optional<HeadPin>* pin, const Here& here) override;
   absl::StatusOr<CommitResult> Commit(
       const StepCommit& commit, const std::function<absl::StatusOr<CommitResult>()>& here) override;
 

@@ -22,7 +22,9 @@ namespace remotehead::server {
 struct RetainedInputs {
   std::string head_id;
   int64_t weight_version = 0;  // the head's version when the Forward ran
-  core::TokenBatch batch;      // all rows, on the head's device
+  core::TokenBatch batch;      // all rows, on the head's device (teacher_hidden included)
+  std::string teacher_head_id;  // a two-head Forward's teacher (empty: none)
+  int64_t teacher_version = 0;  // the teacher's version when the Forward ran
 };
 
 class RetainedInputStore {

@@ -33,6 +33,9 @@ struct StepCall {
   std::optional<GradientKey> gradient;  // with accumulate_weight_grad, when named (has a trainer)
   std::string inputs_handle;                           // a Backward on a Forward's inputs
   double retain_inputs_seconds = 0;                    // > 0: a Forward that retains its inputs
+  // A two-head function's frozen teacher head (empty: none); checked against the function by
+  // the header's reading, against the registry and the student by the session (step_teacher.h).
+  std::string teacher_head_id;
 };
 
 // The rows of one message: views of its bytes, which `owner` keeps alive.
@@ -42,10 +45,10 @@ struct StepRowsIn {
   torch::Tensor grad_output;  // dL/dy per row, undefined when not sent
   std::shared_ptr<const void> owner;
 
-  // Any of hidden, targets, weights, aux was sent.
+  // Any of hidden, targets, weights, aux, teacher_hidden was sent.
   bool has_inputs() const {
     return batch.hidden.defined() || batch.targets.defined() || batch.weights.defined() ||
-           !batch.aux.empty();
+           !batch.aux.empty() || batch.teacher_hidden.defined();
   }
 };
 
@@ -76,13 +79,15 @@ struct StepOutcome {
 
 // A request's engine calls on the other ranks of a head group (group_steps.h: GroupStepFront).
 // Both calls take the group's lane before any head's lock, and run `here` — this process's part —
-// when every rank has the command.
+// when every rank has the command. A two-head call reads its teacher under the teacher's lock
+// too (HeadEntry::ReadPinnedWith), on every rank.
 class StepFanout {
  public:
   virtual ~StepFanout() = default;
   // This head's vocabulary shards on the group (set into the options of every engine call).
   virtual const core::VocabShard* Shard(const std::vector<core::ShardRange>& ranges) = 0;
-  // One engine call on `entry`'s head at `*pin` (pinned here when unset), on every rank.
+  // One engine call on `entry`'s head at `*pin` (pinned here when unset), with `teacher`'s head
+  // (null: none) read as well, on every rank: here(head, teacher head or null).
   struct Batch {
     core::CallMode mode;
     bool accumulate = false;
@@ -90,9 +95,9 @@ class StepFanout {
     const core::TokenBatch* batch = nullptr;
     const torch::Tensor* grad_output = nullptr;
   };
-  virtual absl::Status RunBatch(const Batch& call, const HeadEntry& entry,
-                                std::optional<HeadPin>* pin,
-                                const std::function<absl::Status(const core::Head&)>& here) = 0;
+  using Here = std::function<absl::Status(const core::Head&, const core::Head*)>;
+  virtual absl::Status RunBatch(const Batch& call, const HeadEntry& entry, const HeadEntry* teacher,
+                                std::optional<HeadPin>* pin, const Here& here) = 0;
   // The end of a request that accumulated: every rank commits its scratch dW, this process last.
   virtual absl::StatusOr<CommitResult> Commit(
       const StepCommit& commit, const std::function<absl::StatusOr<CommitResult>()>& here) = 0;

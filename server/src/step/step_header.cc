@@ -80,6 +80,29 @@ absl::Status ReadOutputDtype(const v1::StepHeader& header, core::StepOptions* op
   return absl::OkStatus();
 }
 
+// A two-head function's teacher: named for such a function (FunctionDescription.needs_teacher),
+// and only for one. An unknown function is left to the plan, which names it.
+absl::Status ReadTeacher(const v1::StepHeader& header, const core::StepOptions& options,
+                         std::string* teacher_head_id) {
+  const core::FunctionRegistry& registry =
+      options.registry != nullptr ? *options.registry : core::FunctionRegistry::Builtin();
+  const absl::StatusOr<const core::TransformFunction*> fn = registry.Find(options.function);
+  if (!fn.ok()) return absl::OkStatus();
+  const std::string& teacher = header.teacher_head_id();
+  if ((*fn)->needs_teacher && teacher.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.teacher_head_id: expected the id of a frozen teacher head (function \"",
+        options.function, "\" compares the student's logits with a teacher's); got none"));
+  }
+  if (!(*fn)->needs_teacher && !teacher.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.teacher_head_id: expected none (function \"", options.function,
+        "\" uses one head; the two-head functions list needs_teacher); got \"", teacher, "\""));
+  }
+  *teacher_head_id = teacher;
+  return absl::OkStatus();
+}
+
 // The fields that only some of the three RPCs take.
 absl::Status CheckModeFields(const v1::StepHeader& header, core::CallMode mode) {
   const bool forward = mode == core::CallMode::kForward;
@@ -128,6 +151,7 @@ absl::StatusOr<StepCall> ReadStepHeader(const v1::StepHeader& header, core::Call
                      FloatingDtype(header.grad_hidden_dtype(), "header.grad_hidden_dtype"));
   }
   RETURN_IF_ERROR(ReadOutputDtype(header, &options));
+  RETURN_IF_ERROR(ReadTeacher(header, options, &read.teacher_head_id));
   options.chunk_rows = header.chunking().chunk_rows();
   options.memory_budget_bytes = header.chunking().memory_budget_bytes();
   if (header.has_upstream_scale()) options.upstream_scale = header.upstream_scale();

@@ -7,6 +7,7 @@
 #include "head_expectations.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
+#include "step/step_teacher.h"
 
 namespace remotehead::server {
 namespace {
@@ -16,9 +17,23 @@ namespace {
 // back — while later rows are still arriving.
 constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
 
+// Whether two well-formed parts' rows have the same shape beyond their first dimension (the k
+// of [n, k] aux), so that they can be concatenated.
+bool SameRowShapes(const core::TokenBatch& a, const core::TokenBatch& b) {
+  for (const auto& [name, t] : a.aux) {
+    const auto it = b.aux.find(name);
+    if (it == b.aux.end() || it->second.dim() != t.dim() ||
+        (t.dim() == 2 && it->second.size(1) != t.size(1))) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
-// [n, D] hidden in the head's dtype with [n] per-token tensors: what can be concatenated.
+// [n, D] hidden in the head's dtype with [n] per-token tensors ([n] or [n, k] aux, a two-head
+// call's [n, D_teacher] teacher hidden states in the teacher's dtype): what can be concatenated.
 bool StepSession::WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const {
   if (b.hidden.dim() != 2 || b.hidden.size(1) != plan_.hidden_size ||
       b.hidden.scalar_type() != head_dtype_) {
@@ -30,38 +45,76 @@ bool StepSession::WellFormed(const core::TokenBatch& b, const torch::Tensor& gra
   };
   if (!per_token(b.targets) || !per_token(b.weights) || !per_token(grad_output)) return false;
   for (const auto& [name, t] : b.aux) {
-    if (!per_token(t)) return false;
+    // [n], or [n, k] (a sparse teacher's top-k)
+    if (!per_token(t) && !(t.dim() == 2 && t.size(0) == n)) return false;
   }
-  return true;
+  const torch::Tensor& th = b.teacher_hidden;
+  return !th.defined() ||
+         (teacher_ != nullptr && th.dim() == 2 && th.size(0) == n &&
+          th.size(1) == teacher_hidden_size_ && th.scalar_type() == teacher_dtype_);
+}
+
+absl::Status StepSession::CheckTeacherRows(const core::TokenBatch& b) {
+  const torch::Tensor& th = b.teacher_hidden;
+  if (!th.defined() || !b.hidden.defined() || b.hidden.dim() < 1) return absl::OkStatus();
+  const int64_t rows = th.dim() >= 1 ? th.size(0) : 1;
+  if (rows == b.hidden.size(0) && th.dim() >= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("rows.teacher_hidden: expected ", b.hidden.size(0),
+                   " rows (as many as rows.hidden in the same message); got ",
+                   th.dim() >= 1 ? absl::StrCat(rows, " rows") : std::string("a 0-d tensor")));
 }
 
 absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanout) {
   ASSIGN_OR_RETURN(entry_, registry_->Get(call.head_id));
+  if (call.accumulate_weight_grad && entry_->frozen()) {
+    return HeadFrozenError(call.head_id, "header.accumulate_weight_grad", "accumulating dW");
+  }
   // This process's own options: when to stop (set before or after Begin), its shard of a group.
   std::function<bool()> should_stop = std::move(options_.should_stop);
   call_ = std::move(call);
   options_.should_stop = std::move(should_stop);
   fanout_ = std::move(fanout);
   if (fanout_ != nullptr) options_.shard = fanout_->Shard(entry_->shards());
+  RETURN_IF_ERROR(ResolveTeacher());
   RETURN_IF_ERROR(PlanBatches());
   if (!call_.inputs_handle.empty()) RETURN_IF_ERROR(CheckRetainedInputs());
   RETURN_IF_ERROR(CheckVersionAndIdentity());
   begun_ = true;
-  kept_reserved_ =
-      call_.retain_inputs_seconds > 0 ? RetainedInputsBytes(plan_, call_.rows) : 0;
+  kept_reserved_ = call_.retain_inputs_seconds > 0
+                       ? RetainedInputsBytes(plan_, call_.rows, teacher_row_bytes_)
+                       : 0;
+  return absl::OkStatus();
+}
+
+absl::Status StepSession::ResolveTeacher() {
+  ASSIGN_OR_RETURN(teacher_, server::ResolveTeacher(*registry_, *entry_, call_.teacher_head_id));
+  if (teacher_ == nullptr) return absl::OkStatus();
+  teacher_->Read([&](const core::Head& teacher) {
+    teacher_version_ = teacher.version();
+    teacher_hidden_size_ = teacher.hidden_size();
+    teacher_dtype_ = teacher.dtype();
+    teacher_device_ = teacher.device();
+    teacher_row_bytes_ =
+        teacher.hidden_size() * static_cast<int64_t>(c10::elementSize(teacher.dtype()));
+  });
   return absl::OkStatus();
 }
 
 // The engine's plan for these options: the function and params resolved once, the chunk size
 // the rows are batched to, and the memory model admission uses.
 absl::Status StepSession::PlanBatches() {
-  ASSIGN_OR_RETURN(plan_, entry_->Read([&](const core::Head& head) {
+  // With the teacher set: the engine's memory model counts its logits too.
+  auto plan = [&](const core::Head& head, const core::Head* teacher) {
     device_ = head.device();
     head_dtype_ = head.dtype();
+    options_.teacher = teacher;
     return core::PlanCall(head, options_);
-  }));
+  };
+  ASSIGN_OR_RETURN(plan_, entry_->ReadWith(teacher_.get(), plan));
   RETURN_IF_ERROR(core::CheckCallMode(plan_, mode_, options_.reduction));
-  const int64_t row_bytes = plan_.hidden_size * plan_.head_elem_bytes;
+  // What a row brings: X, and a two-head call's teacher hidden states.
+  const int64_t row_bytes = plan_.hidden_size * plan_.head_elem_bytes + teacher_row_bytes_;
   // What a row returns: dX, or a Forward's outputs (a row of logits is V values).
   const int64_t result_row_bytes =
       std::max<int64_t>(1, mode_ == core::CallMode::kForward ? plan_.output_row_bytes : row_bytes);
@@ -92,6 +145,18 @@ absl::Status StepSession::CheckRetainedInputs() {
     return absl::InvalidArgumentError(
         absl::StrCat("header.rows: expected the ", retained_rows,
                      " rows retained under header.inputs_handle; got ", call_.rows));
+  }
+  if (inputs_->teacher_head_id != call_.teacher_head_id) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.teacher_head_id: expected \"", inputs_->teacher_head_id,
+                     "\", the teacher of the Forward that retained header.inputs_handle; got \"",
+                     call_.teacher_head_id, "\""));
+  }
+  if (teacher_ != nullptr && inputs_->teacher_version != teacher_version_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.inputs_handle: expected teacher head \"", call_.teacher_head_id,
+        "\" at the version its Forward ran against, ", inputs_->teacher_version, "; got version ",
+        teacher_version_, " (its weights were replaced in between)"));
   }
   return absl::OkStatus();
 }
@@ -134,7 +199,8 @@ MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
                      .batch_rows = batch_rows_,
                      .scratch_bytes = call_.gradient.has_value() ? scratch_.nbytes() : 0,
                      .pipeline_bytes = pipeline_bytes,
-                     .retains_inputs = call_.retain_inputs_seconds > 0});
+                     .retains_inputs = call_.retain_inputs_seconds > 0,
+                     .teacher_row_bytes = teacher_row_bytes_});
 }
 
 // ----- rows -----
@@ -195,7 +261,13 @@ absl::StatusOr<core::TokenBatch> StepSession::InputsOf(const StepRowsIn& rows,
     return absl::InvalidArgumentError(
         "rows.hidden: expected the rows' hidden states [n, D] in every rows message; got none");
   }
-  return rows.batch.To(device_);
+  RETURN_IF_ERROR(CheckTeacherRows(rows.batch));
+  core::TokenBatch batch = rows.batch.To(device_);
+  // The teacher's hidden states on the teacher's device (a server's heads share one).
+  if (batch.teacher_hidden.defined() && teacher_ != nullptr && teacher_device_ != device_) {
+    batch.teacher_hidden = batch.teacher_hidden.to(teacher_device_);
+  }
+  return batch;
 }
 
 absl::Status StepSession::Enqueue(PendingRows part, const StepResultSink& sink) {
@@ -207,7 +279,8 @@ absl::Status StepSession::Enqueue(PendingRows part, const StepResultSink& sink) 
     return ComputeRows(std::move(part.batch), part.grad_output, sink);
   }
   // Parts are concatenated only with parts that carry the same inputs.
-  if (!pending_.empty() && !pending_.front().batch.SameInputs(part.batch)) {
+  if (!pending_.empty() && (!pending_.front().batch.SameInputs(part.batch) ||
+                            !SameRowShapes(pending_.front().batch, part.batch))) {
     RETURN_IF_ERROR(FlushPending(pending_rows_, sink));
   }
   pending_rows_ += part.batch.rows();
@@ -283,22 +356,33 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
 
 absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
                                   EngineOutputs* results) {
-  auto here = [&](const core::Head& head) {
-    return ComputeHere(head, batch, grad_output, results);
+  auto here = [&](const core::Head& head, const core::Head* teacher) {
+    return ComputeHere(head, teacher, batch, grad_output, results);
   };
-  // Under the head's lock, on the version the request began with: its weights must not change
-  // under a running computation, nor between two of its batches.
-  if (fanout_ == nullptr) return entry_->ReadPinned(&pin_, here);
+  // Under the head's lock (and a two-head call's teacher's), on the version the request began
+  // with: its weights must not change under a running computation, nor between two of its
+  // batches.
+  if (fanout_ == nullptr) return entry_->ReadPinnedWith(teacher_.get(), &pin_, here);
   return fanout_->RunBatch({.mode = mode_,
                             .accumulate = call_.gradient.has_value(),
                             .first_row = options_.first_row,
                             .batch = &batch,
                             .grad_output = &grad_output},
-                           *entry_, &pin_, here);
+                           *entry_, teacher_.get(), &pin_, here);
 }
 
-absl::Status StepSession::ComputeHere(const core::Head& head, const core::TokenBatch& batch,
+absl::Status StepSession::ComputeHere(const core::Head& head, const core::Head* teacher,
+                                      const core::TokenBatch& batch,
                                       const torch::Tensor& grad_output, EngineOutputs* results) {
+  if (teacher != nullptr && teacher->version() != teacher_version_) {
+    return absl::AbortedError(
+        absl::StrCat("header.teacher_head_id: expected teacher head \"", call_.teacher_head_id,
+                     "\" at weight version ", teacher_version_,
+                     ", the one this request began with; got version ", teacher->version(),
+                     " (its weights were replaced meanwhile). Nothing was committed; send "
+                     "the request again"));
+  }
+  options_.teacher = teacher;
   // One logits buffer for the whole request (a new one per batch would cost page faults),
   // allocated once the request has been admitted.
   if (!options_.logits_workspace.defined() && batch_rows_ > 1 && call_.rows > 0) {
@@ -329,6 +413,7 @@ absl::StatusOr<StepOutcome> StepSession::Finish(const StepResultSink& sink) {
   RETURN_IF_ERROR(ComputeRemaining(sink));
   RETURN_IF_ERROR(CheckComplete());
   ASSIGN_OR_RETURN(const CommitResult commit, Commit());
+  if (teacher_ != nullptr) teacher_->AddStudent(call_.head_id);
   if (inputs_ != nullptr) retained_->Release(call_.inputs_handle);
   StepOutcome outcome = Outcome(commit);
   if (call_.retain_inputs_seconds > 0) {
@@ -379,12 +464,18 @@ absl::Status StepSession::CheckComplete() const {
 absl::StatusOr<std::string> StepSession::RetainInputs(const CommitResult& commit) {
   RetainedInputs kept{.head_id = call_.head_id,
                       .weight_version = commit.weight_version,
-                      .batch = core::TokenBatch::Concat(kept_rows_)};
+                      .batch = core::TokenBatch::Concat(kept_rows_),
+                      .teacher_head_id = call_.teacher_head_id,
+                      .teacher_version = teacher_version_};
   kept_rows_.clear();
   if (!kept.batch.hidden.defined()) {  // zero rows
     kept.batch.hidden = entry_->Read([&](const core::Head& head) {
       return torch::empty({0, head.hidden_size()}, head.weight().options());
     });
+  }
+  if (teacher_ != nullptr && !kept.batch.teacher_hidden.defined()) {  // zero rows
+    kept.batch.teacher_hidden = torch::empty(
+        {0, teacher_hidden_size_}, torch::TensorOptions(teacher_dtype_).device(teacher_device_));
   }
   return retained_->Put(std::move(kept), call_.retain_inputs_seconds);
 }

@@ -85,6 +85,8 @@ class StepSession {
   // The call against its head, in the order it is checked: the engine's plan, the retained
   // inputs, the version and the identity.
   absl::Status PlanBatches();
+  // A two-head call's teacher (step_teacher.h), read where it is planned and computed.
+  absl::Status ResolveTeacher();
   absl::Status CheckRetainedInputs();
   absl::Status CheckVersionAndIdentity();
 
@@ -95,6 +97,8 @@ class StepSession {
   absl::StatusOr<core::TokenBatch> InputsOf(const StepRowsIn& rows,
                                             const torch::Tensor& grad_output) const;
   bool WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const;
+  // rows.teacher_hidden: as many rows as rows.hidden (the engine checks the rest).
+  static absl::Status CheckTeacherRows(const core::TokenBatch& b);
   // Queues a part for batching, or computes it now when it cannot be batched.
   absl::Status Enqueue(PendingRows part, const StepResultSink& sink);
   // Computes the first `rows` pending rows.
@@ -106,8 +110,9 @@ class StepSession {
   absl::Status Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
                        EngineOutputs* results);
   // The engine call on this process's head (on a group, its part of the call on every rank).
-  absl::Status ComputeHere(const core::Head& head, const core::TokenBatch& batch,
-                           const torch::Tensor& grad_output, EngineOutputs* results);
+  absl::Status ComputeHere(const core::Head& head, const core::Head* teacher,
+                           const core::TokenBatch& batch, const torch::Tensor& grad_output,
+                           EngineOutputs* results);
   void AddStats(const core::StepStats& stats);
   // Adds the scratch dW to the head (on a group: on every rank, the front last).
   absl::StatusOr<CommitResult> Commit();
@@ -123,6 +128,13 @@ class StepSession {
   const core::CallMode mode_;
   std::unique_ptr<StepFanout> fanout_;  // on a group: the other ranks
   std::shared_ptr<HeadEntry> entry_;
+  std::shared_ptr<HeadEntry> teacher_;  // a two-head call's teacher (null: none)
+  // The teacher as planned: the version every batch must still see, and its rows' layout.
+  int64_t teacher_version_ = 0;
+  int64_t teacher_hidden_size_ = 0;
+  torch::ScalarType teacher_dtype_ = torch::kFloat;
+  torch::Device teacher_device_ = torch::kCPU;
+  int64_t teacher_row_bytes_ = 0;
   // The head's version and gradient window the request computes on: fixed at the header when
   // it pins a version (expected_weight_version, inputs_handle), else at its first computation.
   std::optional<HeadPin> pin_;

@@ -38,6 +38,8 @@ absl::StatusOr<StepRowsIn> ReadRows(std::shared_ptr<const v1::StepRequest> messa
   }
   RETURN_IF_ERROR(DecodeOptional(rows.has_grad_output(), rows.grad_output(), "rows.grad_output",
                                  &in.grad_output));
+  RETURN_IF_ERROR(DecodeOptional(rows.has_teacher_hidden(), rows.teacher_hidden(),
+                                 "rows.teacher_hidden", &batch.teacher_hidden));
   in.owner = std::move(message);
   return in;
 }

@@ -61,6 +61,13 @@ inline constexpr char kNotTheLeader[] = "NOT_THE_LEADER";
 inline constexpr char kWrongReplica[] = "WRONG_REPLICA";
 // The replicas of a mesh hold different weights (a checksum differs); metadata "replicas".
 inline constexpr char kReplicasDiverged[] = "REPLICAS_DIVERGED";
+// A frozen head (a teacher, a reference) was asked to accumulate dW or to take an optimizer
+// step; metadata "head".
+inline constexpr char kHeadFrozen[] = "HEAD_FROZEN";
+// A step's teacher head (StepHeader.teacher_head_id) cannot serve as its student's teacher: not
+// frozen, another vocabulary or layout, the student itself; metadata "teacher", "field"
+// ("frozen", "vocab_size", "shards", "teacher_head_id"), "expected", "actual".
+inline constexpr char kTeacherIncompatible[] = "TEACHER_INCOMPATIBLE";
 }  // namespace reason
 
 struct ErrorReason {

@@ -71,6 +71,18 @@ class VocabOps {
                                            const torch::Tensor& targets) const = 0;
   // Σ_j softmax(z)_ij · e_ij: the softmax-weighted mean of e.
   virtual torch::Tensor SoftmaxMean(const torch::Tensor& e, const torch::Tensor& z) const = 0;
+  // Σ_j f(log softmax(a)_ij, log softmax(b)_ij) for element-wise terms f of two
+  // log-probability rows (a divergence between two distributions over the vocabulary, e.g. a
+  // JSD's mixture), one [n] result per term, from one pair of log-softmaxes. The first term is
+  // differentiable; the others are diagnostics (detached, e.g. an entropy). The one operation
+  // whose terms depend on a combined value (both log-sum-exps): on a group it also gathers each
+  // rank's dΣ/dlse so that the gradient through the other ranks' terms is exact (rule 3 holds
+  // for what a function gives it: a and b are element-wise in the logits).
+  using PairTerm =
+      std::function<torch::Tensor(const torch::Tensor& log_p, const torch::Tensor& log_q)>;
+  virtual std::vector<torch::Tensor> SumsOfLogSoftmaxPair(const std::vector<PairTerm>& terms,
+                                                          const torch::Tensor& a,
+                                                          const torch::Tensor& b) const = 0;
 };
 
 struct ChunkInputs {
@@ -79,7 +91,11 @@ struct ChunkInputs {
   torch::Tensor targets;  // [n] int64 global token ids in [0, V): ignored positions hold 0
                           // (the engine masks them out afterwards); undefined if the batch
                           // carries no targets
-  AuxTensors aux;         // [n] fp32 slices of the per-token inputs
+  AuxTensors aux;         // [n] fp32 slices of the per-token inputs ([n, k] for topk_aux;
+                          // int64 for integral aux)
+  // Two-head functions: the teacher's logits [n, columns] in the logits dtype, with its own
+  // logit scale, softcap and bias and the shared temperature applied; a constant (no grad).
+  torch::Tensor teacher_logits;
   const FunctionParams* params = nullptr;
   const VocabOps* vocab = nullptr;  // every reduction over the vocabulary goes through this
 
@@ -114,12 +130,24 @@ enum class OutputKind {
 torch::ScalarType OutputDtype(OutputKind kind, torch::ScalarType head_dtype,
                               torch::ScalarType logits_dtype);
 
+// The shape of an aux input: one value per token, or k per token (a sparse teacher's top-k).
+enum class AuxKind {
+  kPerToken,    // [N] floating
+  kTopkIds,     // [N, k] int64 / int32 token ids in [0, V), distinct within a row
+  kTopkValues,  // [N, k] floating, the same k as the ids
+};
+
 struct TransformFunction {
   std::string name;
   std::string help;
   bool needs_targets = true;
+  // A two-head (distillation) function: StepOptions::teacher and TokenBatch::teacher_hidden are
+  // required (and refused for every other function); ChunkInputs::teacher_logits is set.
+  bool needs_teacher = false;
   std::vector<std::string> required_aux;
   std::vector<std::string> optional_aux;
+  // Aux inputs that are not kPerToken (absent: kPerToken).
+  std::map<std::string, AuxKind> aux_kinds;
   std::vector<ParamSpec> params;
   // How many fp32 [n, V] buffers the forward plus its autograd backward keep alive at the peak
   // (logits and their gradient not included); used to derive chunk rows from a memory budget.
@@ -131,23 +159,37 @@ struct TransformFunction {
   // Not kPerToken: a generation output (no forward; Forward with reduction none only).
   OutputKind output = OutputKind::kPerToken;
   std::function<FunctionOutput(const ChunkInputs&)> forward;
-  // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs).
-  std::function<absl::Status(const FunctionParams&, const AuxTensors&)> validate;
+  // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs;
+  // a distillation's alpha > 0 needs targets).
+  std::function<absl::Status(const FunctionParams&, const AuxTensors&, bool has_targets)> validate;
+  AuxKind aux_kind(const std::string& aux_name) const {
+    const auto it = aux_kinds.find(aux_name);
+    return it == aux_kinds.end() ? AuxKind::kPerToken : it->second;
+  }
 };
 
-// Options every function accepts; the engine applies them to the logits before the function:
+// Options every function accepts; the engine applies them to the logits before the function,
+// in this order (TRL's and transformers' order): z ← z · logit_scale (Cohere, Granite),
 // softcap > 0 gives z ← softcap·tanh(z / softcap) (Gemma-style), then z ← z / temperature.
 inline constexpr char kTemperatureParam[] = "temperature";
 inline constexpr char kSoftcapParam[] = "softcap";
+inline constexpr char kLogitScaleParam[] = "logit_scale";
+// A two-head function's teacher side: its own scale and softcap (the temperature is shared).
+inline constexpr char kTeacherSoftcapParam[] = "teacher_softcap";
+inline constexpr char kTeacherLogitScaleParam[] = "teacher_logit_scale";
 
 // The generation output "sample" as a registry entry: defined with the sampling it runs
 // (sampling.cc, its params and checks in sampling.h) and appended by Builtin().
 TransformFunction SampleFunction();
+// The distillation functions (distillation.cc): two-head divergences between the student (this
+// head) and a frozen teacher head, and the sparse ones against a teacher's top-k log-probs.
+std::vector<TransformFunction> DistillationFunctions();
 
 class FunctionRegistry {
  public:
   // The built-in functions: cross_entropy, token_logprobs, entropy, grpo, mse_onehot,
-  // sigmoid_sum; and the generation outputs logits and sample.
+  // sigmoid_sum; the distillation functions (distillation.h); and the generation outputs logits
+  // and sample.
   static const FunctionRegistry& Builtin();
   // A registry of the given functions (tests and embedders; StepOptions::registry).
   explicit FunctionRegistry(std::vector<TransformFunction> functions);

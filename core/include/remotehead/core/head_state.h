@@ -28,6 +28,9 @@ struct HeadState {
   // whole head (one server; also what a file without them means).
   int64_t vocab_offset = 0;
   int64_t vocab_size = 0;
+  // A frozen head (a distillation teacher, a reference): restored frozen. Absent in files
+  // written before frozen heads existed: false.
+  bool frozen = false;
   torch::Tensor weight;  // [V, D] on the CPU
   torch::Tensor bias;    // [V], undefined without bias
   OptimizerState optimizer;

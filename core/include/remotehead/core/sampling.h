@@ -30,7 +30,8 @@ namespace remotehead::core {
 // seed.
 std::vector<ParamSpec> SamplingParams();
 // greedy is 0 or 1; top_k and seed are whole numbers.
-absl::Status ValidateSamplingParams(const FunctionParams& params, const AuxTensors& aux);
+absl::Status ValidateSamplingParams(const FunctionParams& params, const AuxTensors& aux,
+                                    bool has_targets = false);
 // fp32 [n, V] buffers one block of sampling keeps alive at its peak beyond its input logits
 // (the sort's values and int64 indices, probabilities, cumulative sums, masks, log-softmax).
 inline constexpr double kSamplingWorkspaceBuffers = 8.0;

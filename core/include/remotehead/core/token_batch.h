@@ -20,7 +20,10 @@ struct TokenBatch {
   torch::Tensor targets;  // [N] int64 or int32 in [0, V) or ignore_index; optional for
                           // functions that need none (then every token is valid)
   torch::Tensor weights;  // [N] floating; required by (and only allowed with) weighted_sum
-  AuxTensors aux;         // [N] floating per-token inputs the function names (e.g. advantages)
+  AuxTensors aux;         // [N] floating per-token inputs the function names (e.g. advantages);
+                          // [N, k] for a function's topk_aux (TransformFunction::aux_kinds)
+  torch::Tensor teacher_hidden;  // [N, D_teacher] in the teacher head's dtype: the hidden states
+                                 // of a two-head function's teacher (StepOptions::teacher)
 
   // N: hidden's first dimension (0 when hidden is undefined or 0-d).
   int64_t rows() const;

@@ -46,7 +46,14 @@ struct HeadDescription {
   std::string state_id;                     // last saved to / restored from ("" if none)
   std::optional<int64_t> restored_version;  // restored at start by this server process
   std::vector<core::ShardRange> shards;     // a head group's rows by rank; empty: one server
+  bool frozen = false;                      // no dW, no optimizer step (a teacher, a reference)
+  std::vector<std::string> teacher_of;      // sorted: the students whose steps named it teacher
 };
+
+// FAILED_PRECONDITION, reason HEAD_FROZEN: frozen head `id` was asked, by `field`, for `what`
+// (dW, an optimizer step), which a frozen head never does.
+absl::Status HeadFrozenError(const std::string& id, const std::string& field,
+                             const std::string& what);
 
 // This server process's random id (HeadInfo / StepSummary.incarnation): a restarted server has
 // a new one, so a client can tell that the dW it accumulated is gone.
@@ -77,16 +84,22 @@ class HeadEntry {
  public:
   // `reservation`: the admission ticket holding this head's bytes (0: none). `shards`: on a head
   // group, every rank's rows of the head (this process holds its own rank's); empty: the head
-  // is whole.
+  // is whole. `frozen`: the head never accumulates dW nor takes an optimizer step (fixed for
+  // its lifetime; a weight replace keeps it).
   HeadEntry(std::string id, std::unique_ptr<core::Head> head, uint64_t reservation = 0,
-            std::vector<core::ShardRange> shards = {})
+            std::vector<core::ShardRange> shards = {}, bool frozen = false)
       : id_(std::move(id)),
         shards_(std::move(shards)),
+        frozen_(frozen),
         reservation_(reservation),
         head_(std::move(head)) {}
 
   const std::string& id() const { return id_; }
   const std::vector<core::ShardRange>& shards() const { return shards_; }
+  bool frozen() const { return frozen_; }
+  // Records that a step of head `student` named this head as its teacher and succeeded
+  // (HeadDescription::teacher_of).
+  void AddStudent(const std::string& student);
   uint64_t reservation() const { return reservation_.load(); }
   // For a head registered without one (loaded at start): takes `ticket` as its reservation.
   void set_reservation(uint64_t ticket) { reservation_.store(ticket); }
@@ -111,6 +124,40 @@ class HeadEntry {
     if (!pin->has_value()) *pin = PinLocked();
     if (absl::Status s = CheckPinLocked(**pin, /*gradient=*/false); !s.ok()) return s;
     return fn(static_cast<const core::Head&>(*head_));
+  }
+  // ReadPinned with a second head read under its own lock too: fn(const core::Head&, const
+  // core::Head* other_head) (other_head null when `other` is). Both locks are taken in one fixed
+  // order (by the entries' addresses), so two requests that each read the other's head as their
+  // second one cannot deadlock. ABORTED, naming it, if `other` was dropped.
+  template <typename Fn>
+  absl::Status ReadPinnedWith(const HeadEntry* other, std::optional<HeadPin>* pin, Fn&& fn) const {
+    if (other == nullptr || other == this) {
+      return ReadPinned(pin, [&](const core::Head& head) {
+        return fn(head, other == nullptr ? nullptr : &head);
+      });
+    }
+    const bool this_first = std::less<const HeadEntry*>()(this, other);
+    std::lock_guard<std::mutex> first(this_first ? mu_ : other->mu_);
+    std::lock_guard<std::mutex> second(this_first ? other->mu_ : mu_);
+    if (!pin->has_value()) *pin = PinLocked();
+    if (absl::Status s = CheckPinLocked(**pin, /*gradient=*/false); !s.ok()) return s;
+    if (absl::Status s = other->CheckNotDroppedLocked(); !s.ok()) return s;
+    return fn(static_cast<const core::Head&>(*head_),
+              static_cast<const core::Head*>(other->head_.get()));
+  }
+  // Runs fn(const core::Head&, const core::Head* other_head) under both entries' locks, taken
+  // as ReadPinnedWith takes them (other_head null when `other` is): snapshots of two heads.
+  template <typename Fn>
+  decltype(auto) ReadWith(const HeadEntry* other, Fn&& fn) const {
+    if (other == nullptr || other == this) {
+      return Read(
+          [&](const core::Head& head) { return fn(head, other == nullptr ? nullptr : &head); });
+    }
+    const bool this_first = std::less<const HeadEntry*>()(this, other);
+    std::lock_guard<std::mutex> first(this_first ? mu_ : other->mu_);
+    std::lock_guard<std::mutex> second(this_first ? other->mu_ : mu_);
+    return fn(static_cast<const core::Head&>(*head_),
+              static_cast<const core::Head*>(other->head_.get()));
   }
   // Runs fn(core::Head&) under the lock, for changes without a method of their own.
   template <typename Fn>
@@ -156,10 +203,12 @@ class HeadEntry {
  private:
   HeadPin PinLocked() const;
   absl::Status CheckPinLocked(const HeadPin& pin, bool gradient) const;
+  absl::Status CheckNotDroppedLocked() const;
   void ZeroGradientsLocked();
 
   const std::string id_;
   const std::vector<core::ShardRange> shards_;
+  const bool frozen_;
   std::atomic<uint64_t> reservation_;
   mutable std::mutex mu_;  // guards everything below
   std::unique_ptr<core::Head> head_;
@@ -172,6 +221,7 @@ class HeadEntry {
   std::set<GradientKey> applied_;
   core::OptimizerState optimizer_;  // created by the first OptimizerStep
   std::optional<double> last_loss_;
+  std::set<std::string> students_;  // teacher_of
 };
 
 // Runs `change`, which may resize `state`, with the growth reserved first: the bytes beyond
@@ -185,11 +235,13 @@ absl::Status ChangeOptimizerState(const core::OptimizerState& state, int64_t exp
 class HeadRegistry {
  public:
   // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for an empty id. `reservation`: the
-  // admission ticket holding the head's bytes, released by whoever drops it.
+  // admission ticket holding the head's bytes, released by whoever drops it. `frozen`: see
+  // HeadEntry.
   absl::StatusOr<std::shared_ptr<HeadEntry>> Add(const std::string& id,
                                                  std::unique_ptr<core::Head> head,
                                                  uint64_t reservation = 0,
-                                                 std::vector<core::ShardRange> shards = {});
+                                                 std::vector<core::ShardRange> shards = {},
+                                                 bool frozen = false);
   // NOT_FOUND naming the id asked for (and no other head's).
   absl::StatusOr<std::shared_ptr<HeadEntry>> Get(const std::string& id) const;
   // Removes the head and returns it (requests still holding it then fail to commit).

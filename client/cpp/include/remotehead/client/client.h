@@ -114,6 +114,11 @@ struct HeadInfo {
   // rank (1 and empty for a head on one server).
   int group_size = 1;
   std::vector<std::pair<int64_t, int64_t>> shards;
+  // A frozen head takes no dW and no optimizer step (a distillation teacher, a reference model);
+  // teacher_of: the heads whose steps named it as their teacher (StepSpec::teacher_head_id) on
+  // this server, sorted.
+  bool frozen = false;
+  std::vector<std::string> teacher_of;
 };
 
 // A head initialised on the server: W ~ N(0, init_std²), bias 0.
@@ -124,6 +129,7 @@ struct InitSpec {
   uint64_t seed = 0;
   double init_std = 0.02;
   torch::ScalarType dtype = torch::kFloat;
+  bool frozen = false;  // HeadInfo::frozen: read only, may serve as a teacher
 };
 
 // A head read from a safetensors file on the server (single file or a sharded checkpoint's
@@ -133,6 +139,15 @@ struct SafetensorsSource {
   std::string weight_name = "lm_head.weight";  // "model.embed_tokens.weight" for tied models
   std::string bias_name;                       // empty: no bias
   std::optional<torch::ScalarType> dtype;      // unset: the file's dtype
+  bool frozen = false;                         // HeadInfo::frozen: read only, may be a teacher
+};
+
+// How UploadHead stores the uploaded weights.
+struct UploadOptions {
+  bool frozen = false;  // HeadInfo::frozen; with replace, must equal the existing head's
+  // New weights for the existing head (same shape, dtype and bias; no accumulated dW): its
+  // optimizer state is reset and its weight_version goes up by one. Creates it if it is absent.
+  bool replace = false;
 };
 
 struct HeadWeights {
@@ -245,16 +260,26 @@ struct StepSpec {
   // HeadInfo::incarnation seen by the trainer: FAILED_PRECONDITION once the server restarted,
   // instead of adding dW to a window it no longer has. Empty: unchecked.
   std::string expected_incarnation;
+  // A two-head (distillation) function (FunctionInfo::needs_teacher): the frozen teacher head
+  // whose logits, from StepInputs::teacher_hidden, the student's (head_id) are compared with.
+  // It gets no gradient. Empty: none (refused for a function that needs one).
+  std::string teacher_head_id;
 };
 
-// The per-token inputs of a step. hidden is [N, D]; every other tensor is [N]. Tensors may
-// live on any device: they are copied to the CPU for the wire.
+// The per-token inputs of a step. hidden is [N, D]; every other tensor is [N] (or as noted).
+// Tensors may live on any device: they are copied to the CPU for the wire.
 struct StepInputs {
   torch::Tensor hidden;
   torch::Tensor targets;  // int64 / int32 token ids or ignore_index; optional for some functions
   torch::Tensor weights;  // weighted_sum only
-  // Extra per-token inputs by name, e.g. GRPO's "advantages", "old_logprobs", "ref_logprobs".
+  // Extra per-token inputs by name, e.g. GRPO's "advantages", "old_logprobs", "ref_logprobs":
+  // floating [N]; [N, k] for the function's FunctionInfo::topk_aux (e.g. a sparse teacher's
+  // "teacher_topk_logprobs"), integer for its integral_aux ("teacher_topk_ids").
   std::map<std::string, torch::Tensor> aux;
+  // With StepSpec::teacher_head_id: the teacher's hidden states [N, D_teacher] (D_teacher may
+  // differ from D), floating, sent as they are (the teacher head's dtype: the server computes in
+  // it), in the same row messages as hidden.
+  torch::Tensor teacher_hidden;
 };
 
 // Where a step's time went on the server (seconds). The phases overlap — rows arrive while
@@ -324,6 +349,11 @@ struct FunctionInfo {
   bool output_float64_on_float64_heads = false;
   bool differentiable = false;      // false: a generation output (Forward, reduction NONE only)
   bool vocab_decomposable = false;  // runs on a head group
+  // A two-head (distillation) function: StepSpec::teacher_head_id and
+  // StepInputs::teacher_hidden are required.
+  bool needs_teacher = false;
+  std::vector<std::string> topk_aux;      // aux inputs of [N, k] (the same k for all of them)
+  std::vector<std::string> integral_aux;  // aux inputs of an integer dtype (int64 / int32)
 };
 
 struct BackwardResult {
@@ -347,7 +377,8 @@ class Client {
   absl::StatusOr<HeadInfo> CreateHead(const std::string& head_id, const SafetensorsSource& source);
   // Streams weight [V, D] (then bias [V]) rows; the head takes weight's dtype.
   absl::StatusOr<HeadInfo> UploadHead(const std::string& head_id, const torch::Tensor& weight,
-                                      const torch::Tensor& bias = {});
+                                      const torch::Tensor& bias = {},
+                                      const UploadOptions& options = {});
   absl::StatusOr<HeadInfo> DescribeHead(const std::string& head_id);
   absl::StatusOr<std::vector<HeadInfo>> ListHeads();
   absl::Status DropHead(const std::string& head_id);
