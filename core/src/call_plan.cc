@@ -90,6 +90,8 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
     plan.chunk_row_bytes_forward += (ranks * vocab + static_cast<double>(row_columns)) * elem;
     plan.block_row_bytes = static_cast<double>(row_columns) * logits_elem * block_buffers;
   }
+  plan.token_extra_row_bytes =
+      static_cast<int64_t>(options.token_extras.size()) * plan.logits_elem_bytes;
   switch (plan.function->output) {
     case OutputKind::kPerToken:
       plan.output_row_bytes = plan.logits_elem_bytes;
@@ -201,8 +203,9 @@ CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
   // …and, with gradients, db's column sums of the chunk's dz ([V]).
   if (mode != CallMode::kForward) m.block_bytes += vocab_size * logits_elem_bytes;
   m.token_bytes = kTokenBytesPerChunkRow * chunk + kTokenBytesPerRow * rows;
-  m.output_bytes =
-      mode == CallMode::kForward ? rows * output_row_bytes : rows * hidden_size * head_elem_bytes;
+  m.output_bytes = (mode == CallMode::kForward ? rows * output_row_bytes
+                                               : rows * hidden_size * head_elem_bytes) +
+                   rows * token_extra_row_bytes;
   if (mode != CallMode::kForward) m.gemm_bytes = gemm.BytesFor(chunk);
   return m;
 }
@@ -237,6 +240,8 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
         reason::kNotOnGroup, {{"field", "function"}, {"function", plan.function->name}});
   }
   ASSIGN_OR_RETURN(plan.params, registry.ResolveParams(*plan.function, options.params));
+  // The aux inputs are not known yet: the engine checks their conditions with the rows.
+  RETURN_IF_ERROR(CheckTokenExtras(*plan.function, plan.params, nullptr, options.token_extras));
   RETURN_IF_ERROR(CheckChunkOptions(options));
   if (!torch::isFloatingType(options.logits_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("logits_dtype: expected a floating dtype; got ",

@@ -176,6 +176,15 @@ absl::Status ValidateSparse(const FunctionParams& params, const AuxTensors& aux,
   return absl::OkStatus();
 }
 
+// What every distillation function reports (MixWithCrossEntropy).
+std::vector<ExtraSpec> DistillationExtras() {
+  return {{"divergence", "the per-token divergence, before the alpha mix"},
+          {"entropy", "the student's entropy at the temperature (what TRL logs)"},
+          {.name = "nll",
+           .help = "the hard-label cross-entropy at temperature 1",
+           .when_param = "alpha"}};
+}
+
 const ParamSpec kAlpha = {"alpha", 0.0, 0.0, 1.0,
                           "weight of the hard-label cross-entropy (temperature 1): loss = "
                           "(1 - alpha) * divergence + alpha * CE; > 0 needs targets"};
@@ -201,6 +210,7 @@ TransformFunction TwoHead(std::string name, std::string help, bool with_beta, do
           .needs_targets = false,
           .needs_teacher = true,
           .params = TwoHeadParams(with_beta),
+          .extras = DistillationExtras(),
           .workspace_logit_buffers = with_beta ? 11.0 : 6.0,
           .forward = TwoHeadDivergence(with_beta ? "beta" : "", beta),
           .validate = [](const FunctionParams& params, const AuxTensors&, bool has_targets) {
@@ -218,6 +228,7 @@ TransformFunction Sparse(std::string name, std::string help, bool reverse) {
                      {"tail", 0.0, 0.0, 1.0,
                       "0: the mass outside the top k is one more bucket on both sides; 1: both "
                       "distributions renormalised over the k ids"}},
+          .extras = DistillationExtras(),
           .workspace_logit_buffers = 3,
           .forward = SparseDivergence(reverse),
           .validate = ValidateSparse};

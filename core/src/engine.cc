@@ -96,6 +96,7 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
   result.loss = outputs.loss_sum.item<double>() / plan.denominator;
   result.grad_hidden = std::move(grad_hidden);
   result.stats = MakeStats(plan, outputs);
+  result.token_extras = outputs.token_extras;
   return result;
 }
 
@@ -111,6 +112,7 @@ absl::StatusOr<ForwardResult> ForwardImpl(const Head& head, const TokenBatch& ba
   result.output =
       per_token ? outputs.per_token : (outputs.loss_sum / plan.denominator).to(LogitsDtype(head));
   result.stats = MakeStats(plan, outputs);
+  result.token_extras = outputs.token_extras;
   return result;
 }
 
@@ -148,6 +150,7 @@ absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& 
   BackwardResult result;
   result.grad_hidden = std::move(grad_hidden);
   result.stats = MakeStats(plan, outputs);
+  result.token_extras = outputs.token_extras;
   return result;
 }
 

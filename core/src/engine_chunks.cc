@@ -5,9 +5,13 @@
 
 #include <algorithm>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "engine_internal.h"
 
 namespace remotehead::core::engine_internal {
@@ -175,6 +179,24 @@ ChunkValues RunFunctionBlocks(const Plan& plan, const ChunkTokens& tokens, const
   return values;
 }
 
+// Per-token values with 0 at the ignored positions (where: a non-finite value there stays out).
+torch::Tensor ValidOnly(const torch::Tensor& values, const ChunkTokens& tokens) {
+  return tokens.valid.defined() ? torch::where(tokens.valid, values, 0.0) : values;
+}
+
+// A function reports exactly the extras its declaration says this call reports (ExtraSpec):
+// what ListFunctions tells clients and what StepOptions::token_extras is checked against. A
+// mismatch is a bug in the function's entry, reported as INTERNAL naming both lists.
+void CheckReportedExtras(const Plan& plan, const ChunkValues& values) {
+  std::vector<std::string> got;
+  for (const auto& [name, extra] : values.extras) got.push_back(name);  // a map: sorted
+  if (got != plan.reported_extras) {
+    throw std::logic_error(absl::StrCat("function ", plan.fn().name, " reported the extras [",
+                                        absl::StrJoin(got, ", "), "]; its declaration says [",
+                                        absl::StrJoin(plan.reported_extras, ", "), "]"));
+  }
+}
+
 // A group's dX_c: this shard's partial dz_r·W_r, summed over the ranks into rank 0's rows of
 // `grad_hidden` (the other ranks hold no dX). The sum is taken in the logits dtype, so the
 // partials of a half-precision head are added in fp32 and rounded once.
@@ -287,6 +309,9 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
   ChunkOutputs out;
   out.loss_sum = torch::zeros({}, f64);
   if (pass.keep_per_token) out.per_token = torch::zeros({plan.rows}, logits_opts);
+  for (const std::string& name : plan.token_extras) {
+    out.token_extras[name] = torch::zeros({plan.rows}, logits_opts);
+  }
   if (plan.rows == 0) return out;
 
   const ChunkBuffers buffers = AllocateChunkBuffers(head, plan, pass.upstream != nullptr);
@@ -308,14 +333,18 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
     torch::Tensor dz = dy.defined() ? buffers.grad.narrow(0, 0, rows) : torch::Tensor();
 
     const ChunkValues values = RunFunctionBlocks(plan, tokens, z, zt, dy, dz, logits_opts);
+    CheckReportedExtras(plan, values);
     AddMaskedSum(values.y, tokens, weighted ? chunk.weights : torch::Tensor(), out.loss_sum);
     for (const auto& [name, extra] : values.extras) {
       auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));
       AddMaskedSum(extra, tokens, {}, it->second);
     }
-    if (pass.keep_per_token) {
-      out.per_token.narrow(0, start, rows)
-          .copy_(tokens.valid.defined() ? torch::where(tokens.valid, values.y, 0.0) : values.y);
+    if (pass.keep_per_token)
+      out.per_token.narrow(0, start, rows).copy_(ValidOnly(values.y, tokens));
+    for (const std::string& name : plan.token_extras) {
+      out.token_extras[name]
+          .narrow(0, start, rows)
+          .copy_(ValidOnly(values.extras.at(name), tokens));
     }
     if (dy.defined()) BackpropagateChunk(head, plan, chunk.hidden, z, dz, start, pass);
   }

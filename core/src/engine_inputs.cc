@@ -307,6 +307,9 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const S
 
   torch::NoGradGuard no_grad;
   RETURN_IF_ERROR(CheckTokenInputs(head, batch, options, plan));
+  RETURN_IF_ERROR(CheckTokenExtras(plan.fn(), plan.params(), &batch.aux, options.token_extras));
+  plan.reported_extras = plan.fn().ReportedExtras(plan.params(), batch.aux);
+  plan.token_extras = options.token_extras;
   plan.teacher = plan.fn().needs_teacher ? options.teacher : nullptr;
   RETURN_IF_ERROR(CheckScalarOptions(options));
   plan.chunk_rows = plan.call.ChunkRowsFor(plan.rows);

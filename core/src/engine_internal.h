@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -40,6 +41,10 @@ struct Plan {
   const VocabShard* shard = nullptr;  // StepOptions::shard
   const Head* teacher = nullptr;      // StepOptions::teacher (two-head functions)
   int64_t vocab_size = 0;             // V of the whole head (all shards of a group)
+  // The extras this call's function reports (its params and aux inputs), sorted: RunChunks
+  // checks each block against them; and those returned per token (StepOptions::token_extras).
+  std::vector<std::string> reported_extras;
+  std::vector<std::string> token_extras;
   std::unique_ptr<VocabOps> vocab;    // the functions' vocabulary reductions (functions.h)
 
   const TransformFunction& fn() const { return *call.function; }
@@ -91,6 +96,7 @@ struct ChunkOutputs {
   torch::Tensor loss_sum;  // 0-d fp64: Σ w_i·y_i (before division by the denominator)
   std::map<std::string, torch::Tensor> extras;  // 0-d fp64 sums over valid tokens
   torch::Tensor per_token;                      // [N] when requested
+  TokenExtras token_extras;                     // [N] each: Plan::token_extras
   int64_t num_chunks = 0;
 };
 

@@ -4,6 +4,7 @@
 // provides every derivative. To add a function, append one entry to BuiltinFunctions() below.
 #include "remotehead/core/functions.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -114,6 +115,10 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .help = "next-token cross-entropy with label smoothing and z-loss",
        .params = {{"label_smoothing", 0.0, 0.0, 1.0, "ε of torch's label smoothing"},
                   {"z_loss", 0.0, 0.0, kInf, "coefficient of lse² (PaLM z-loss)"}},
+       .extras = {{"nll", "−log p(target), without smoothing or z-loss"},
+                  {.name = "z_loss",
+                   .help = "z_loss·lse², the auxiliary term",
+                   .when_param = "z_loss"}},
        .workspace_logit_buffers = 3,
        .forward = CrossEntropy},
       {.name = "token_logprobs",
@@ -134,6 +139,11 @@ std::vector<TransformFunction> BuiltinFunctions() {
                   {"beta", 0.0, 0.0, kInf, "KL coefficient (needs ref_logprobs when > 0)"},
                   {"bias_correction_kl", 0.0, 0.0, 1.0,
                    "1: the KL is multiplied by the ratio (TRL's use_bias_correction_kl)"}},
+       .extras = {{.name = "kl",
+                   .help =
+                       "the k3 KL to the reference policy (× the ratio with bias_correction_kl)",
+                   .when_aux = "ref_logprobs"},
+                  {"clipped", "1 where the ratio was clipped, else 0"}},
        .workspace_logit_buffers = 3,
        .forward = Grpo,
        .validate = ValidateGrpo},
@@ -159,6 +169,67 @@ std::vector<TransformFunction> BuiltinFunctions() {
 }
 
 }  // namespace
+
+bool ExtraSpec::ReportedWith(const FunctionParams& params, const AuxTensors& aux) const {
+  if (!when_param.empty() && !(params.at(when_param) > 0)) return false;
+  return when_aux.empty() || aux.contains(when_aux);
+}
+
+std::vector<std::string> TransformFunction::ReportedExtras(const FunctionParams& params,
+                                                           const AuxTensors& aux) const {
+  std::vector<std::string> names;
+  for (const ExtraSpec& extra : extras) {
+    if (extra.ReportedWith(params, aux)) names.push_back(extra.name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+namespace {
+
+// Why `extra` is not reported by a call that does not meet its condition.
+std::string ConditionText(const ExtraSpec& extra) {
+  if (!extra.when_param.empty()) {
+    return absl::StrCat("reported only with params[\"", extra.when_param, "\"] > 0");
+  }
+  return absl::StrCat("reported only with aux[\"", extra.when_aux, "\"]");
+}
+
+}  // namespace
+
+absl::Status CheckTokenExtras(const TransformFunction& fn, const FunctionParams& params,
+                              const AuxTensors* aux, const std::vector<std::string>& token_extras) {
+  const AuxTensors none;
+  for (size_t i = 0; i < token_extras.size(); ++i) {
+    const std::string& name = token_extras[i];
+    const std::string field = absl::StrCat("token_extras[", i, "]");
+    for (size_t j = 0; j < i; ++j) {
+      if (token_extras[j] == name) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": expected distinct names; got \"",
+                                                       name, "\" again (token_extras[", j, "])"));
+      }
+    }
+    const auto spec = std::find_if(fn.extras.begin(), fn.extras.end(),
+                                   [&](const ExtraSpec& e) { return e.name == name; });
+    const std::vector<std::string> reported = fn.ReportedExtras(params, aux ? *aux : none);
+    const std::string expected =
+        reported.empty() ? absl::StrCat("no name: function ", fn.name, " reports no extras")
+                         : absl::StrCat("one of the extras function ", fn.name, " reports (",
+                                        absl::StrJoin(reported, ", "), ")");
+    if (spec == fn.extras.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected ", expected, "; got \"", name, "\""));
+    }
+    const bool param_unmet = !spec->when_param.empty() && !(params.at(spec->when_param) > 0);
+    const bool aux_unmet =
+        aux != nullptr && !spec->when_aux.empty() && !aux->contains(spec->when_aux);
+    if (param_unmet || aux_unmet) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, "; got \"",
+                                                     name, "\", ", ConditionText(*spec)));
+    }
+  }
+  return absl::OkStatus();
+}
 
 const std::vector<ParamSpec>& FunctionRegistry::CommonParams() {
   static const auto* specs = new std::vector<ParamSpec>{

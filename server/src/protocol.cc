@@ -87,6 +87,13 @@ absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsRes
       if (kind != core::AuxKind::kPerToken) d->add_topk_aux(name);
       if (kind == core::AuxKind::kTopkIds) d->add_integral_aux(name);
     }
+    for (const core::ExtraSpec& extra : fn->extras) {
+      v1::FunctionExtra* e = d->add_extras();
+      e->set_name(extra.name);
+      e->set_help(extra.help);
+      e->set_when_param(extra.when_param);
+      e->set_when_aux(extra.when_aux);
+    }
   }
   return absl::OkStatus();
 }

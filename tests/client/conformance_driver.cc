@@ -128,6 +128,8 @@ rh::StepSpec Spec(const json& call, const std::map<std::string, std::string>& ha
   if (o.contains("wire_dtype")) spec.wire_dtype = Dtype(o["wire_dtype"]);
   spec.retain_inputs_seconds = o.value("retain_inputs_seconds", spec.retain_inputs_seconds);
   spec.inputs_handle = o.value("inputs_handle", spec.inputs_handle);
+  if (o.contains("token_extras"))
+    spec.token_extras = o["token_extras"].get<std::vector<std::string>>();
   if (call.contains("inputs_handle_from")) {
     spec.inputs_handle = handles.at(call["inputs_handle_from"].get<std::string>());
   }
@@ -138,6 +140,12 @@ json Flat(const torch::Tensor& t) {
   if (!t.defined()) return nullptr;
   const torch::Tensor d = t.to(torch::kDouble).contiguous().reshape({-1});
   return std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+}
+
+json Extras(const rh::TokenExtras& extras) {
+  json out = json::object();
+  for (const auto& [name, values] : extras) out[name] = Flat(values);
+  return out;
 }
 
 json Summary(const rh::StepSummary& s) {
@@ -209,6 +217,7 @@ json Run(const json& call, rh::Client& client, std::map<std::string, std::string
       result["grad_hidden"] = Flat(r->grad_hidden);
       result["outputs"] = nullptr;
       result["summary"] = Summary(r->summary);
+      result["token_extras"] = Extras(r->token_extras);
     } else if (rpc == "Forward") {
       auto r = client.Forward(spec, g.inputs);
       if (!r.ok()) return Error(r.status());
@@ -217,6 +226,7 @@ json Run(const json& call, rh::Client& client, std::map<std::string, std::string
       result["grad_hidden"] = nullptr;
       result["outputs"] = Flat(r->outputs);
       result["summary"] = Summary(r->summary);
+      result["token_extras"] = Extras(r->token_extras);
     } else if (rpc == "Backward") {
       const json& go = call["grad_output"];
       const torch::Tensor grad_output = go.value("per_token", false)
@@ -228,6 +238,7 @@ json Run(const json& call, rh::Client& client, std::map<std::string, std::string
       result["grad_hidden"] = Flat(r->grad_hidden);
       result["outputs"] = nullptr;
       result["summary"] = Summary(r->summary);
+      result["token_extras"] = Extras(r->token_extras);
     } else {
       throw std::invalid_argument("unknown rpc " + rpc);
     }

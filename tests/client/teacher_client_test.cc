@@ -1,8 +1,9 @@
 // The C++ client's distillation calls against an in-process server: frozen heads created and
 // uploaded (HeadInfo::frozen, teacher_of), a two-head step whose teacher hidden states travel in
 // the same row messages as X (StepSpec::teacher_head_id, StepInputs::teacher_hidden), and a
-// sparse teacher's [N, k] aux (integer ids and their log-probs) sliced by rows — every request
-// split into many messages (4 KiB each at most), the results equal to the engine's.
+// sparse teacher's [N, k] aux (integer ids and their log-probs) sliced by rows, per-token extras
+// back row by row (StepSpec::token_extras) — every request split into many messages (4 KiB each
+// at most), the results equal to the engine's.
 #include <gtest/gtest.h>
 
 #include "remotehead/client/client.h"
@@ -132,6 +133,65 @@ TEST_F(TeacherClientTest, FrozenHeadsAndATwoHeadStep) {
       EXPECT_EQ(f.topk_aux.size(), 2u);
     }
   }
+}
+
+// The per-token extras a step asks for (StepSpec::token_extras) come back row by row in every
+// mode, in many messages, equal to the engine's; the listing says which a function reports.
+TEST_F(TeacherClientTest, TokenExtrasComeBackRowByRowInEveryMode) {
+  torch::manual_seed(2);
+  ASSERT_TRUE(client_
+                  ->UploadHead("teacher", torch::randn({kVocab, kTeacherHidden}) * 0.3, {},
+                               {.frozen = true})
+                  .ok());
+  const torch::Tensor teacher_hidden = torch::randn({kRows, kTeacherHidden});
+  const std::vector<std::string> names = {"entropy", "nll", "divergence"};
+  rc::StepSpec spec{.head_id = "lm",
+                    .function = "distill_kl",
+                    .params = {{"alpha", 0.2}, {"temperature", 1.5}},
+                    .accumulate_weight_grad = false,
+                    .teacher_head_id = "teacher",
+                    .token_extras = names};
+  const rc::StepInputs inputs{
+      .hidden = hidden_, .targets = targets_, .teacher_hidden = teacher_hidden};
+  auto fused = client_->ForwardBackward(spec, inputs);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  spec.reduction = rc::Reduction::kNone;
+  auto forward = client_->Forward(spec, inputs);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  auto backward = client_->Backward(spec, inputs, torch::ones({kRows}));
+  ASSERT_TRUE(backward.ok()) << backward.status();
+
+  core::StepOptions options{.function = "distill_kl",
+                            .params = {{"alpha", 0.2}, {"temperature", 1.5}},
+                            .reduction = core::Reduction::kNone};
+  options.teacher = &HeadNamed("teacher");
+  options.token_extras = names;
+  auto want = core::Forward(
+      HeadNamed("lm"), {.hidden = hidden_, .targets = targets_, .teacher_hidden = teacher_hidden},
+      options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const std::string& name : names) {
+    ExpectClose(fused->token_extras.at(name), want->token_extras.at(name), "fused " + name);
+    ExpectClose(forward->token_extras.at(name), want->token_extras.at(name), "forward " + name);
+    ExpectClose(backward->token_extras.at(name), want->token_extras.at(name), "backward " + name);
+  }
+  EXPECT_NEAR(fused->summary.extras.at("entropy"),
+              want->token_extras.at("entropy").sum().item<double>(), 1e-4);
+
+  auto listed = client_->ListFunctions();
+  ASSERT_TRUE(listed.ok());
+  for (const rc::FunctionInfo& f : *listed) {
+    if (f.name != "distill_kl") continue;
+    std::vector<std::string> conditions;
+    for (const rc::FunctionExtra& e : f.extras) conditions.push_back(e.name + ":" + e.when_param);
+    EXPECT_EQ(conditions, (std::vector<std::string>{"divergence:", "entropy:", "nll:alpha"}));
+  }
+  // A name the call does not report: refused by the server, naming it.
+  spec.params.erase("alpha");
+  auto refused = client_->Forward(spec, inputs);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("token_extras[1]"), std::string::npos)
+      << refused.status();
 }
 
 TEST_F(TeacherClientTest, SparseTeacherAuxTravelAsRowsOfK) {

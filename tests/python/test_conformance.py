@@ -246,7 +246,8 @@ def run_python_call(client, call, handles):
         r = client.backward(*args, grad_output, options, **kwargs)
     return {"loss": r.summary.loss if rpc != "ForwardBackward" else r.loss,
             "grad_hidden": flat(r.grad_hidden), "outputs": flat(r.outputs),
-            "summary": summary_dict(r.summary)}
+            "summary": summary_dict(r.summary),
+            "token_extras": {name: flat(t) for name, t in r.token_extras.items()}}
 
 
 # ----- the comparison -----
@@ -286,6 +287,11 @@ def compare_results(call, py, cpp):
                 assert close(py[key], cpp[key]), (
                     f"{name}: {key} differs: relative error "
                     f"{numerics.relative_error(torch.tensor(py[key]), torch.tensor(cpp[key]))}")
+    if "token_extras" in py:
+        assert sorted(py["token_extras"]) == sorted(cpp["token_extras"]) == sorted(
+            call["options"].get("token_extras", [])), (name, py["token_extras"], cpp["token_extras"])
+        for extra, values in py["token_extras"].items():
+            assert close(values, cpp["token_extras"][extra]), (name, extra)
     if "loss" in py:
         assert close(py["loss"], cpp["loss"]), (name, py["loss"], cpp["loss"])
     if "info" in py:

@@ -2,7 +2,8 @@
 Gloo on loopback) against one server: the student and its frozen teacher uploaded to both, every
 distillation function the server lists (two-head and sparse top-k), non-default params and alpha
 with targets: a Forward's per-token outputs and extras, a fused sum's loss, dX and dW (fetched
-from the group, every rank's rows), and a two-phase Backward by inputs handle — float64 heads,
+from the group, every rank's rows) with every extra row by row (token_extras), and a two-phase
+Backward by inputs handle — float64 heads,
 to 1e-12 relative (dW, an fp32 accumulator, to 1e-6), and against the full-logits reference.
 The teacher accumulates nothing on any rank and lists the student in teacher_of."""
 
@@ -62,8 +63,10 @@ def run(client, function, fn, x, xt, t, ids, lp, grad_output, tag):
     else:
         common["aux"] = {"teacher_topk_ids": ids, "teacher_topk_logprobs": lp}
     forward = client.forward("student", x, t, reduction="none", **common)
+    # Every extra the call reports, row by row (the group's front returns its combined values).
+    names = [e.name for e in fn.extras if not e.when_param or PARAMS[function].get(e.when_param)]
     fused = client.forward_backward("student", x, t, reduction="sum",
-                                    gradient_id=(tag, 0, 0), **common)
+                                    gradient_id=(tag, 0, 0), token_extras=names, **common)
     dw, db, _ = client.fetch_gradients("student")
     client.zero_gradients("student")
     first = client.forward("student", x, t, reduction="none", retain_inputs_seconds=60, **common)
@@ -73,7 +76,8 @@ def run(client, function, fn, x, xt, t, ids, lp, grad_output, tag):
     dw2, _, _ = client.fetch_gradients("student")
     client.zero_gradients("student")
     return dict(outputs=forward.outputs, extras=forward.summary.extras, loss=fused.loss,
-                dx=fused.grad_hidden, dw=dw, db=db, dx2=back.grad_hidden, dw2=dw2)
+                dx=fused.grad_hidden, dw=dw, db=db, dx2=back.grad_hidden, dw2=dw2,
+                token_extras=fused.token_extras)
 
 
 def test_every_distillation_function_on_a_group_equals_one_server(server_target, group_target):
@@ -98,7 +102,7 @@ def test_every_distillation_function_on_a_group_equals_one_server(server_target,
                 # The reference, for the single server's (and so the group's) numbers.
                 x64 = x.clone().requires_grad_()
                 w64 = ws.clone().requires_grad_()
-                y, _ = ref.per_token(fn.name, PARAMS[fn.name], ref.logits(x64, w64, bs),
+                y, ref_extras = ref.per_token(fn.name, PARAMS[fn.name], ref.logits(x64, w64, bs),
                                      ref.logits(xt, wt), t,
                                      {"teacher_topk_ids": ids, "teacher_topk_logprobs": lp})
                 gx, gw = torch.autograd.grad(y.sum(), (x64, w64))
@@ -113,6 +117,14 @@ def test_every_distillation_function_on_a_group_equals_one_server(server_target,
                           ("reference dW", a["dw"], gw, 1e-6)]
                 for key in a["extras"]:
                     checks.append((f"extras[{key}]", b["extras"].get(key), a["extras"][key],
+                                   1e-12))
+                if sorted(a["token_extras"]) != sorted(ref_extras):
+                    failures.append(f"{fn.name} token_extras {sorted(a['token_extras'])} != "
+                                    f"the reference's {sorted(ref_extras)}")
+                for key, values in a["token_extras"].items():
+                    checks.append((f"token_extras[{key}]", b["token_extras"].get(key), values,
+                                   1e-12))
+                    checks.append((f"reference token_extras[{key}]", values, ref_extras[key],
                                    1e-12))
                 for what, actual, expected, rel in checks:
                     error = numerics.relative_error(actual, expected)

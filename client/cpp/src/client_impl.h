@@ -84,7 +84,8 @@ struct Client::Impl {
   // `token_ids`: a sampling Forward's drawn tokens.
   absl::Status StepAttempt(grpc::ClientContext* context, const internal::PreparedStep& p,
                            const torch::Tensor& grad_hidden, const torch::Tensor& outputs,
-                           v1::StepSummary* summary, const torch::Tensor& token_ids = {});
+                           v1::StepSummary* summary, const torch::Tensor& token_ids = {},
+                           const TokenExtras& token_extras = {});
 
   // The server's functions, read by the first call that needs them and kept (functions.cc);
   // Function: one of them by name, nullopt when the server lists none of that name.

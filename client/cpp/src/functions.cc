@@ -45,6 +45,12 @@ absl::StatusOr<FunctionInfo> FromWire(const v1::FunctionDescription& d) {
                            .help = p.help(),
                            .common = p.common()});
   }
+  for (const v1::FunctionExtra& e : d.extras()) {
+    info.extras.push_back({.name = e.name(),
+                           .help = e.help(),
+                           .when_param = e.when_param(),
+                           .when_aux = e.when_aux()});
+  }
   ASSIGN_OR_RETURN(info.output_kind, FromWire(d.output_kind(), d.name()));
   ASSIGN_OR_RETURN(info.output_dtype,
                    wire::FromWireDtype(d.output_dtype(),

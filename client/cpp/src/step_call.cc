@@ -61,6 +61,7 @@ std::unique_ptr<StepStream> OpenStep(internal::Stub& stub, grpc::ClientContext* 
 struct StepReceiver {
   core::CallMode mode;
   std::optional<ResponseRows> dx, out, ids;
+  std::map<std::string, ResponseRows> extras;  // StepSpec::token_extras by name
   v1::StepSummary* summary;
   bool have_summary = false;
 
@@ -78,6 +79,12 @@ struct StepReceiver {
         if (ids) return ids->Add(response.token_ids());
         return absl::InternalError(absl::StrCat(
             "token_ids: not expected from ", core::CallModeName(mode), " of this function"));
+      case v1::StepResponse::kTokenExtra: {
+        const auto it = extras.find(response.token_extra().name());
+        if (it != extras.end()) return it->second.Add(response.token_extra());
+        return absl::InternalError(
+            absl::StrCat("token_extra: \"", response.token_extra().name(), "\" was not asked for"));
+      }
       case v1::StepResponse::kSummary:
         *summary = response.summary();
         have_summary = true;
@@ -92,21 +99,34 @@ struct StepReceiver {
     if (dx) RETURN_IF_ERROR(dx->CheckComplete());
     if (out) RETURN_IF_ERROR(out->CheckComplete());
     if (ids) RETURN_IF_ERROR(ids->CheckComplete());
+    for (const auto& [name, rows] : extras) RETURN_IF_ERROR(rows.CheckComplete());
     return absl::OkStatus();
   }
 };
+
+// Buffers for the token extras a step asks for: [N] each, float64 for float64 hidden.
+TokenExtras AllocateTokenExtras(const StepSpec& spec, const PreparedStep& p) {
+  TokenExtras extras;
+  const torch::ScalarType dtype = p.result_dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+  for (const std::string& name : spec.token_extras) extras[name] = torch::empty({p.rows}, dtype);
+  return extras;
+}
 
 }  // namespace
 
 absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const PreparedStep& p,
                                        const torch::Tensor& grad_hidden,
                                        const torch::Tensor& outputs, v1::StepSummary* summary,
-                                       const torch::Tensor& token_ids) {
+                                       const torch::Tensor& token_ids,
+                                       const TokenExtras& token_extras) {
   const std::unique_ptr<StepStream> stream = OpenStep(*stub, context, p.mode);
   StepReceiver receiver{.mode = p.mode, .summary = summary};
   if (grad_hidden.defined()) receiver.dx.emplace(grad_hidden, "grad_hidden");
   if (outputs.defined()) receiver.out.emplace(outputs, "outputs");
   if (token_ids.defined()) receiver.ids.emplace(token_ids, "token_ids");
+  for (const auto& [name, dst] : token_extras) {
+    receiver.extras.emplace(name, ResponseRows(dst, absl::StrCat("token_extras[\"", name, "\"]")));
+  }
 
   // A failed Write means the call is over (the server finished it, or it was cancelled):
   // Finish below reports why.
@@ -138,9 +158,11 @@ absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& sp
                    PrepareStep(spec, inputs, core::CallMode::kFused, {}, options_.chunk_bytes));
   ForwardBackwardResult result;
   result.grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
+  result.token_extras = AllocateTokenExtras(spec, p);
   v1::StepSummary summary;
   RETURN_IF_ERROR(impl_->WithRetries("ForwardBackward", [&](grpc::ClientContext* context) {
-    return impl_->StepAttempt(context, p, result.grad_hidden, {}, &summary);
+    return impl_->StepAttempt(context, p, result.grad_hidden, {}, &summary, {},
+                              result.token_extras);
   }));
   result.summary = FromWire(summary);
   result.loss = summary.loss();
@@ -184,9 +206,11 @@ absl::StatusOr<ForwardResult> Client::Forward(const StepSpec& spec, const StepIn
   ForwardResult result;
   const bool per_token = spec.reduction == Reduction::kNone;
   if (per_token) RETURN_IF_ERROR(impl_->AllocateForwardOutputs(spec, p, &result));
+  result.token_extras = AllocateTokenExtras(spec, p);
   v1::StepSummary summary;
   RETURN_IF_ERROR(impl_->WithRetries("Forward", [&](grpc::ClientContext* context) {
-    return impl_->StepAttempt(context, p, {}, result.outputs, &summary, result.token_ids);
+    return impl_->StepAttempt(context, p, {}, result.outputs, &summary, result.token_ids,
+                              result.token_extras);
   }));
   result.summary = FromWire(summary);
   if (!per_token) result.outputs = torch::tensor(summary.loss(), torch::kDouble);
@@ -199,9 +223,11 @@ absl::StatusOr<BackwardResult> Client::Backward(const StepSpec& spec, const Step
                                                      grad_output, options_.chunk_bytes));
   BackwardResult result;
   result.grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
+  result.token_extras = AllocateTokenExtras(spec, p);
   v1::StepSummary summary;
   RETURN_IF_ERROR(impl_->WithRetries("Backward", [&](grpc::ClientContext* context) {
-    return impl_->StepAttempt(context, p, result.grad_hidden, {}, &summary);
+    return impl_->StepAttempt(context, p, result.grad_hidden, {}, &summary, {},
+                              result.token_extras);
   }));
   result.summary = FromWire(summary);
   return result;

@@ -44,6 +44,9 @@ class ResponseRows {
   ResponseRows(torch::Tensor dst, std::string field)
       : rows_(std::move(dst), std::move(field), /*convert_dtype=*/true) {}
   absl::Status Add(const v1::TensorChunk& chunk) { return BrokenResponse(rows_.Add(chunk)); }
+  absl::Status Add(const v1::TokenExtraChunk& chunk) {
+    return BrokenResponse(rows_.Add(chunk.row_offset(), chunk.values()));
+  }
   absl::Status CheckComplete() const { return BrokenResponse(rows_.CheckComplete()); }
 
  private:

@@ -95,6 +95,10 @@ class StepOptions:
             student's vocabulary (StepHeader.teacher_head_id); the step call's teacher_hidden
             are its hidden states. The teacher gets no gradient. "": none (refused by the
             server for a function that needs one, and for every other function when set).
+        token_extras: names of the function's extras (FunctionInfo.extras, e.g. a
+            distillation's "entropy") to return per token as well as summed, in any call:
+            StepResult.token_extras[name] is [N] (0 at ignored rows). Only extras the call
+            reports (their condition met) may be named; the server refuses any other.
     """
 
     function: str = "cross_entropy"
@@ -115,12 +119,16 @@ class StepOptions:
     expected_incarnation: str = ""
     output_dtype: Optional[torch.dtype] = None
     teacher: str = ""
+    token_extras: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.reduction not in _REDUCTIONS:
             raise InvalidArgumentError(f"reduction: expected one of {list(_REDUCTIONS)}; got "
                                        f"{self.reduction!r}")
         self.params = dict(self.params or {})
+        if isinstance(self.token_extras, str):
+            self.token_extras = (self.token_extras,)
+        self.token_extras = tuple(self.token_extras or ())
         if self.gradient_id is not None and not isinstance(self.gradient_id, GradientId):
             self.gradient_id = GradientId(*self.gradient_id)
 
@@ -182,6 +190,9 @@ class StepResult:
     outputs: Optional[torch.Tensor]
     summary: StepSummary
     token_ids: Optional[torch.Tensor] = None  # function "sample": the drawn tokens [N] int64
+    # StepOptions.token_extras by name: [N] each (float32; float64 for float64 hidden), 0 at
+    # ignored rows.
+    token_extras: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def decode_summary(msg: pb.StepSummary) -> StepSummary:
@@ -343,6 +354,7 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
         h.expected_incarnation = o.expected_incarnation
     if o.teacher:
         h.teacher_head_id = o.teacher
+    h.token_extras.extend(o.token_extras)
     if o.reduction == "mean" and o.normalizer is None:
         if by_handle and o.valid_tokens is None and p.targets is None:
             raise InvalidArgumentError(
@@ -464,7 +476,8 @@ def resolve(options: Optional[StepOptions], overrides, default: StepOptions) -> 
 def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
             output_dtype: Optional[torch.dtype], responses: Iterable[pb.StepResponse]):
     """One attempt's response stream read into fresh results: (grad_hidden, outputs, token_ids)
-    as RowAssemblers (None where the call returns none) and the wire summary. `fn`: the
+    as RowAssemblers (None where the call returns none), the wire summary and the token extras
+    the header asked for (RowAssemblers by name). `fn`: the
     function as the server lists it, for a Forward with reduction "none" (what its rows are and
     in which dtype); None otherwise, or for a function the server does not list (it refuses
     it, naming it)."""
@@ -478,11 +491,22 @@ def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
             "outputs", trailing_from_first=fn.output_kind == "logits")
         if fn.output_kind == "sample":
             token_ids = RowAssembler(torch.empty((p.rows,), dtype=torch.int64), "token_ids")
+    extras_dtype = torch.float64 if p.result_dtype == torch.float64 else torch.float32
+    extras = {name: RowAssembler(torch.empty((p.rows,), dtype=extras_dtype),
+                                 f'token_extras["{name}"]') for name in p.header.token_extras}
     summary = None
     for response in responses:
         part = response.WhichOneof("part")
         if part == "summary":
             summary = response.summary
+            continue
+        if part == "token_extra":
+            target = extras.get(response.token_extra.name)
+            if target is None:
+                raise RemoteheadError(grpc.StatusCode.INTERNAL,
+                                      f'token_extra: "{response.token_extra.name}" was not '
+                                      f'asked for (token_extras {list(extras)})')
+            target.add(response.token_extra)
             continue
         target = {"grad_hidden": grad_hidden, "outputs": outputs,
                   "token_ids": token_ids}.get(part)
@@ -491,19 +515,20 @@ def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
         target.add(getattr(response, part))
     if summary is None:
         raise RemoteheadError(grpc.StatusCode.INTERNAL, "summary: the stream ended without one")
-    for assembler in (grad_hidden, outputs, token_ids):
+    for assembler in (grad_hidden, outputs, token_ids, *extras.values()):
         if assembler is not None:
             assembler.check_complete()
-    return grad_hidden, outputs, token_ids, summary
+    return grad_hidden, outputs, token_ids, summary, extras
 
 
 def step_result(mode: str, per_token: bool, received) -> StepResult:
     """The StepResult of what `receive` read: per-token outputs for a Forward with reduction
     "none", a Forward's reduced loss as a 0-d float64 tensor."""
-    grad_hidden, outputs, token_ids, summary = received
+    grad_hidden, outputs, token_ids, summary, extras = received
     result_outputs = (outputs.dst if per_token
                       else torch.tensor(summary.loss, dtype=torch.float64)
                       if mode == FORWARD else None)
     return StepResult(summary.loss, grad_hidden.dst if grad_hidden is not None else None,
                       result_outputs, decode_summary(summary),
-                      token_ids.dst if token_ids is not None else None)
+                      token_ids.dst if token_ids is not None else None,
+                      {name: a.dst for name, a in extras.items()})

@@ -11,7 +11,8 @@
     zero ID             zero its dW and forget its gradient ids
     functions           every function the server computes: parameters (default, range,
                         meaning), aux inputs, output, whether a head group runs it,
-                        whether it compares two heads (a distillation: needs a teacher)
+                        whether it compares two heads (a distillation: needs a teacher),
+                        the per-token extras it reports (token_extras)
     health              the server's grpc.health.v1 status
 
 Exit codes follow the server's statuses: 0 when the call succeeded, else the gRPC status code
@@ -295,6 +296,10 @@ def _functions_text(functions: List[dict]) -> str:
             if not p["common"]:
                 lines.append(f"  {p['name']} = {p['default']:g} in [{p['min']:g}, {p['max']:g}]: "
                              f"{p['help']}")
+        for e in f.get("extras", ()):
+            when = (f" (when {e['when_param']} > 0)" if e["when_param"]
+                    else f" (with aux {e['when_aux']})" if e["when_aux"] else "")
+            lines.append(f"  extra {e['name']}{when}: {e['help']}")
         blocks.append("\n".join(lines))
     common = [p for p in functions[0]["params"] if p["common"]] if functions else []
     if common:
@@ -310,6 +315,7 @@ def _function_dict(info) -> dict:
     d["needs_teacher"] = bool(getattr(info, "needs_teacher", False))
     d["topk_aux"] = list(getattr(info, "topk_aux", ()) or ())
     d["integral_aux"] = list(getattr(info, "integral_aux", ()) or ())
+    d["extras"] = [dataclasses.asdict(e) for e in getattr(info, "extras", ()) or ()]
     return d
 
 

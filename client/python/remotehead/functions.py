@@ -1,7 +1,7 @@
 """The functions a server computes, as it lists them (the ListFunctions RPC): names, parameters
 with their defaults and ranges, aux inputs, what a Forward with reduction "none" returns and in
 which dtype, whether a head group runs it, whether it compares two heads (a distillation's
-teacher) and which aux inputs are [N, k] or integral. Clients decide from this data, never from a
+teacher), which aux inputs are [N, k] or integral, and the per-token diagnostics it reports. Clients decide from this data, never from a
 function's name (`Client.functions()`, `remotehead functions`)."""
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ class ParamInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExtraInfo:
+    """A per-token diagnostic a function reports: summed in StepSummary.extras, and returned per
+    token when a step names it (StepOptions.token_extras)."""
+
+    name: str
+    help: str
+    when_param: str = ""  # reported only when this param is > 0 ("": always)
+    when_aux: str = ""  # reported only when this aux input is sent ("": always)
+
+
+@dataclasses.dataclass(frozen=True)
 class FunctionInfo:
     name: str
     help: str
@@ -49,6 +60,7 @@ class FunctionInfo:
     needs_teacher: bool = False
     topk_aux: Tuple[str, ...] = ()  # aux inputs that are [N, k] (k per token), not [N]
     integral_aux: Tuple[str, ...] = ()  # aux inputs of an integer dtype (e.g. token ids)
+    extras: Tuple[ExtraInfo, ...] = ()  # its per-token diagnostics (StepOptions.token_extras)
 
     def outputs_dtype(self, head_dtype: torch.dtype,
                       requested: Optional[torch.dtype] = None) -> torch.dtype:
@@ -77,4 +89,5 @@ def function_info(msg: pb.FunctionDescription) -> FunctionInfo:
         output_float64_on_float64_heads=msg.output_float64_on_float64_heads,
         differentiable=msg.differentiable, vocab_decomposable=msg.vocab_decomposable,
         needs_teacher=msg.needs_teacher, topk_aux=tuple(msg.topk_aux),
-        integral_aux=tuple(msg.integral_aux))
+        integral_aux=tuple(msg.integral_aux),
+        extras=tuple(ExtraInfo(e.name, e.help, e.when_param, e.when_aux) for e in msg.extras))

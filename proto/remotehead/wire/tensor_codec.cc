@@ -145,12 +145,10 @@ absl::StatusOr<std::vector<RowRange>> PlanRequestChunks(int64_t rows, int64_t by
   return PlanRowChunks(rows, bytes_per_row, room);
 }
 
-absl::Status RowAssembler::Add(const v1::TensorChunk& chunk) {
-  const v1::Tensor& values = chunk.values();
-  if (chunk.row_offset() != next_row_) {
+absl::Status RowAssembler::Add(int64_t row_offset, const v1::Tensor& values) {
+  if (row_offset != next_row_) {
     return absl::InvalidArgumentError(absl::StrCat(field_, ".row_offset: expected ", next_row_,
-                                                   " (rows arrive in order); got ",
-                                                   chunk.row_offset()));
+                                                   " (rows arrive in order); got ", row_offset));
   }
   // The values as a view of the message (checks dtype, shape and byte count), then the trailing
   // shape and the rows left.

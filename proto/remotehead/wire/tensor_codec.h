@@ -85,7 +85,9 @@ class RowAssembler {
  public:
   RowAssembler(torch::Tensor dst, std::string field, bool convert_dtype)
       : dst_(std::move(dst)), field_(std::move(field)), convert_dtype_(convert_dtype) {}
-  absl::Status Add(const v1::TensorChunk& chunk);
+  absl::Status Add(const v1::TensorChunk& chunk) { return Add(chunk.row_offset(), chunk.values()); }
+  // The rows `values` from `row_offset` (a chunk of another message type, e.g. a token extra's).
+  absl::Status Add(int64_t row_offset, const v1::Tensor& values);
   // INVALID_ARGUMENT unless every row arrived.
   absl::Status CheckComplete() const;
   int64_t rows_received() const { return next_row_; }

@@ -16,6 +16,7 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
                        core::FusedForwardBackward(head, batch, options, grads));
       out.loss = r.loss;
       out.grad_hidden = std::move(r.grad_hidden);
+      out.token_extras = std::move(r.token_extras);
       out.stats = std::move(r.stats);
       return out;
     }
@@ -27,6 +28,7 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
       } else {
         out.loss = r.output.item<double>();
       }
+      out.token_extras = std::move(r.token_extras);
       out.stats = std::move(r.stats);
       return out;
     }
@@ -34,6 +36,7 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
       ASSIGN_OR_RETURN(core::BackwardResult r,
                        core::Backward(head, batch, options, grad_output, grads));
       out.grad_hidden = std::move(r.grad_hidden);
+      out.token_extras = std::move(r.token_extras);
       out.stats = std::move(r.stats);
       return out;
     }

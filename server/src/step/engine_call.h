@@ -16,6 +16,7 @@ struct EngineOutputs {
   torch::Tensor grad_hidden;  // fused / backward (a group: on the front only)
   torch::Tensor outputs;      // forward with reduction NONE
   torch::Tensor token_ids;    // forward with function "sample"
+  core::TokenExtras token_extras;  // StepOptions::token_extras, any mode
   core::StepStats stats;
 };
 // One engine call in `mode` (core/engine.h); what every rank runs on a group.

@@ -59,6 +59,7 @@ struct StepRowResults {
   torch::Tensor grad_hidden;
   torch::Tensor outputs;
   torch::Tensor token_ids;
+  core::TokenExtras token_extras;  // StepCall::options.token_extras, by name
 };
 // Where the session hands each batch's results as soon as they exist (the transport encodes and
 // queues them, so dX streams back while later rows are computed).

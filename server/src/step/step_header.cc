@@ -155,6 +155,8 @@ absl::StatusOr<StepCall> ReadStepHeader(const v1::StepHeader& header, core::Call
   options.chunk_rows = header.chunking().chunk_rows();
   options.memory_budget_bytes = header.chunking().memory_budget_bytes();
   if (header.has_upstream_scale()) options.upstream_scale = header.upstream_scale();
+  // Checked against the function by the plan (core::CheckTokenExtras), naming token_extras[i].
+  options.token_extras.assign(header.token_extras().begin(), header.token_extras().end());
   if (header.has_valid_tokens()) read.valid_tokens = header.valid_tokens();
   if (header.has_expected_weight_version()) {
     read.expected_weight_version = header.expected_weight_version();

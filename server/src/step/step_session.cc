@@ -333,7 +333,8 @@ absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tenso
   RETURN_IF_ERROR(sink({.first_row = next_row_,
                         .grad_hidden = std::move(dx),
                         .outputs = std::move(results.outputs),
-                        .token_ids = std::move(results.token_ids)}));
+                        .token_ids = std::move(results.token_ids),
+                        .token_extras = std::move(results.token_extras)}));
   // Owned copies: the batch may alias request messages that are about to be freed. They are
   // bounded by the budget as they arrive: beyond what the estimate reserved (X and targets),
   // admission is asked for more, and the request fails if the budget has none.

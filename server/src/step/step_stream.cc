@@ -61,6 +61,21 @@ absl::Status AppendRowChunks(const torch::Tensor& t, int64_t first_row, int64_t 
   return absl::OkStatus();
 }
 
+// The same for one per-token diagnostic (StepHeader.token_extras): TokenExtraChunk responses.
+absl::Status AppendTokenExtra(const std::string& name, const torch::Tensor& t, int64_t first_row,
+                              int64_t chunk_bytes, std::vector<v1::StepResponse>* responses) {
+  const int64_t bytes_per_row = static_cast<int64_t>(t.element_size());
+  for (const auto& [offset, count] : wire::PlanRowChunks(t.size(0), bytes_per_row, chunk_bytes)) {
+    v1::StepResponse response;
+    v1::TokenExtraChunk* chunk = response.mutable_token_extra();
+    chunk->set_name(name);
+    chunk->set_row_offset(first_row + offset);
+    RETURN_IF_ERROR(wire::EncodeTensor(t.narrow(0, offset, count), chunk->mutable_values()));
+    responses->push_back(std::move(response));
+  }
+  return absl::OkStatus();
+}
+
 void ToWire(const StepOutcome& outcome, v1::StepSummary* summary) {
   summary->set_replayed(outcome.replayed);
   summary->set_weight_version(outcome.weight_version);
@@ -126,8 +141,13 @@ StepResultSink StepStream::SinkInto(std::vector<v1::StepResponse>* responses) co
                                     &v1::StepResponse::mutable_grad_hidden, responses));
     RETURN_IF_ERROR(AppendRowChunks(r.outputs, r.first_row, response_chunk_bytes_,
                                     &v1::StepResponse::mutable_outputs, responses));
-    return AppendRowChunks(r.token_ids, r.first_row, response_chunk_bytes_,
-                           &v1::StepResponse::mutable_token_ids, responses);
+    RETURN_IF_ERROR(AppendRowChunks(r.token_ids, r.first_row, response_chunk_bytes_,
+                                    &v1::StepResponse::mutable_token_ids, responses));
+    for (const auto& [name, values] : r.token_extras) {
+      RETURN_IF_ERROR(
+          AppendTokenExtra(name, values, r.first_row, response_chunk_bytes_, responses));
+    }
+    return absl::OkStatus();
   };
 }
 

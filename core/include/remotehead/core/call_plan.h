@@ -33,7 +33,8 @@ struct CallMemory {
                              // function and the logit transforms keep for autograd
   int64_t token_bytes = 0;   // O(N) bookkeeping: masks, per-token values, row checks
   int64_t output_bytes = 0;  // what the call returns: dX [N, D], per-token outputs [N] (or the
-                             // generation outputs' rows: [N, V] logits, [N] ids and log-probs)
+                             // generation outputs' rows: [N, V] logits, [N] ids and log-probs),
+                             // and the token extras asked for ([N] each)
   int64_t gemm_bytes = 0;    // the GEMM library's own workspace (see GemmWorkspace)
   int64_t total() const {
     return logits_bytes + block_bytes + token_bytes + output_bytes + gemm_bytes;
@@ -74,6 +75,7 @@ struct CallPlan {
   double block_row_bytes = 0;          // one function-block row
   int64_t output_row_bytes = 0;        // what a Forward returns per row: a per-token value, a
                                        // row of logits (function logits), id + log-prob (sample)
+  int64_t token_extra_row_bytes = 0;   // the StepOptions::token_extras of a row, any mode
   GemmWorkspace gemm;                  // the dX GEMM's library workspace, gradient calls
 };
 

@@ -52,15 +52,20 @@ struct StepStats {
   std::map<std::string, double> extras;
 };
 
+// StepOptions::token_extras, by name: [N] each, in the outputs' dtype, 0 at ignored positions.
+using TokenExtras = std::map<std::string, torch::Tensor>;
+
 struct FusedResult {
   double loss = 0.0;          // the reduced loss (not multiplied by upstream_scale)
   torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype (a group: undefined off rank 0)
   StepStats stats;
+  TokenExtras token_extras;
 };
 
 struct BackwardResult {
   torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype (a group: undefined off rank 0)
   StepStats stats;
+  TokenExtras token_extras;
 };
 
 struct ForwardResult {
@@ -69,6 +74,7 @@ struct ForwardResult {
   torch::Tensor output;
   torch::Tensor token_ids;  // function "sample": the drawn tokens [N] int64
   StepStats stats;
+  TokenExtras token_extras;
 };
 
 // Fused mode: the scalar loss, dX and (if `grads` is not null) dW/db += in one pass, three

@@ -137,6 +137,19 @@ enum class AuxKind {
   kTopkValues,  // [N, k] floating, the same k as the ids
 };
 
+// A per-token diagnostic a function reports beside its output (FunctionOutput::extras): summed
+// over the valid tokens into StepStats::extras, and returned row by row when a call asks for it
+// (StepOptions::token_extras). Some are reported only under a condition of the call.
+struct ExtraSpec {
+  std::string name;
+  std::string help;
+  std::string when_param;  // reported only when this param is > 0 (e.g. "z_loss"); empty: always
+  std::string when_aux;    // reported only when this aux input is sent; empty: always
+
+  // Whether a call with these (resolved) params and aux inputs reports it.
+  bool ReportedWith(const FunctionParams& params, const AuxTensors& aux) const;
+};
+
 struct TransformFunction {
   std::string name;
   std::string help;
@@ -149,6 +162,9 @@ struct TransformFunction {
   // Aux inputs that are not kPerToken (absent: kPerToken).
   std::map<std::string, AuxKind> aux_kinds;
   std::vector<ParamSpec> params;
+  // Every per-token diagnostic the forward may report, and when (ExtraSpec). The forward reports
+  // exactly those whose condition the call meets: the engine checks it on every block.
+  std::vector<ExtraSpec> extras;
   // How many fp32 [n, V] buffers the forward plus its autograd backward keep alive at the peak
   // (logits and their gradient not included); used to derive chunk rows from a memory budget.
   // Measured, not guessed: tests/core/memory_budget_test.cc fails if the real peak exceeds it.
@@ -166,7 +182,16 @@ struct TransformFunction {
     const auto it = aux_kinds.find(aux_name);
     return it == aux_kinds.end() ? AuxKind::kPerToken : it->second;
   }
+  // The names of the extras a call with these params and aux inputs reports, sorted.
+  std::vector<std::string> ReportedExtras(const FunctionParams& params,
+                                          const AuxTensors& aux) const;
 };
+
+// Checks a call's StepOptions::token_extras against the function: distinct names, each one of
+// its extras and reported under `params` and, when known (not null), the `aux` inputs sent.
+// INVALID_ARGUMENT naming token_extras[i], the extras the call reports and the name given.
+absl::Status CheckTokenExtras(const TransformFunction& fn, const FunctionParams& params,
+                              const AuxTensors* aux, const std::vector<std::string>& token_extras);
 
 // Options every function accepts; the engine applies them to the logits before the function,
 // in this order (TRL's and transformers' order): z ← z · logit_scale (Cohere, Granite),

@@ -9,6 +9,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "remotehead/core/call_mode.h"
 #include "remotehead/core/functions.h"
@@ -38,6 +39,10 @@ struct StepOptions {
   int64_t block_rows = 0;  // rows per function block; 0 = cache-sized (kFunctionBlock*Bytes)
   int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = kDefaultMemoryBudgetBytes
   double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
+  // Per-token diagnostics to return row by row (the result's token_extras), in every mode:
+  // names of the function's extras (TransformFunction::extras) that this call reports. Their
+  // sums are in StepStats::extras whether asked or not.
+  std::vector<std::string> token_extras;
   // Asked before every chunk; returning true abandons the call with CANCELLED (a server's
   // cancelled or expired request stops within one chunk). `grads` may then hold a partial
   // addition, like any failure during compute.

@@ -264,7 +264,15 @@ struct StepSpec {
   // whose logits, from StepInputs::teacher_hidden, the student's (head_id) are compared with.
   // It gets no gradient. Empty: none (refused for a function that needs one).
   std::string teacher_head_id;
+  // Names of the function's extras (FunctionInfo::extras, e.g. a distillation's "entropy") to
+  // return per token as well as summed, in any call: the result's token_extras. Only extras the
+  // call reports (their condition met) may be named; the server refuses any other.
+  std::vector<std::string> token_extras;
 };
+
+// StepSpec::token_extras by name: [N] each (float32; float64 for float64 hidden), 0 at ignored
+// rows, on the CPU.
+using TokenExtras = std::map<std::string, torch::Tensor>;
 
 // The per-token inputs of a step. hidden is [N, D]; every other tensor is [N] (or as noted).
 // Tensors may live on any device: they are copied to the CPU for the wire.
@@ -310,6 +318,7 @@ struct ForwardBackwardResult {
   double loss = 0;
   torch::Tensor grad_hidden;  // dX [N, D] in hidden's dtype, on the CPU; × upstream_scale
   StepSummary summary;
+  TokenExtras token_extras;
 };
 
 struct ForwardResult {
@@ -319,6 +328,7 @@ struct ForwardResult {
   torch::Tensor outputs;
   torch::Tensor token_ids;  // kSample: the drawn tokens [N] (int64); otherwise undefined
   StepSummary summary;
+  TokenExtras token_extras;
 };
 
 // What a Forward with reduction NONE returns per row.
@@ -332,6 +342,15 @@ struct FunctionParameter {
   double max_value = 0;  // inclusive (may be +inf)
   std::string help;
   bool common = false;  // accepted by every function (temperature, softcap)
+};
+
+// A per-token diagnostic a function reports: summed in StepSummary::extras, and returned per
+// token when a step names it (StepSpec::token_extras).
+struct FunctionExtra {
+  std::string name;
+  std::string help;
+  std::string when_param;  // reported only when this param is > 0 (empty: always)
+  std::string when_aux;    // reported only when this aux input is sent (empty: always)
 };
 
 // A function the server computes, as ListFunctions describes it.
@@ -354,11 +373,13 @@ struct FunctionInfo {
   bool needs_teacher = false;
   std::vector<std::string> topk_aux;      // aux inputs of [N, k] (the same k for all of them)
   std::vector<std::string> integral_aux;  // aux inputs of an integer dtype (int64 / int32)
+  std::vector<FunctionExtra> extras;      // its per-token diagnostics
 };
 
 struct BackwardResult {
   torch::Tensor grad_hidden;  // dX [N, D] in hidden's dtype, on the CPU
   StepSummary summary;
+  TokenExtras token_extras;
 };
 
 class Client {
