@@ -27,7 +27,12 @@ void SetEveryField(pb::Message* message) {
       continue;
     }
     if (f->is_repeated()) {
-      ADD_FAILURE() << f->full_name() << ": a repeated field; extend SetEveryField";
+      if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_STRING) {
+        r->AddString(message, f, "x-" + f->name());
+        r->AddString(message, f, "y-" + f->name());
+      } else {
+        ADD_FAILURE() << f->full_name() << ": a repeated field; extend SetEveryField";
+      }
       continue;
     }
     switch (f->cpp_type()) {
@@ -74,7 +79,10 @@ TEST(StepHeaderOnTheGroupWire, EveryFieldOfTheHeaderIsCarried) {
   SetEveryField(&header);
   const pb::Descriptor* d = v1::StepHeader::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
-    EXPECT_TRUE(header.GetReflection()->HasField(header, d->field(i))) << d->field(i)->name();
+    const pb::FieldDescriptor* f = d->field(i);
+    EXPECT_TRUE(f->is_repeated() ? header.GetReflection()->FieldSize(header, f) > 0
+                                 : header.GetReflection()->HasField(header, f))
+        << f->name();
   }
   const v1::GroupStepBatch b = ThroughTheGroupWire(header, core::CallMode::kFused);
   std::string difference;
@@ -96,6 +104,7 @@ void ExpectSameOptions(const core::StepOptions& a, const core::StepOptions& b) {
   EXPECT_EQ(a.memory_budget_bytes, b.memory_budget_bytes);
   EXPECT_EQ(a.upstream_scale, b.upstream_scale);
   EXPECT_EQ(a.logits_dtype, b.logits_dtype);
+  EXPECT_EQ(a.token_extras, b.token_extras);
 }
 
 TEST(StepHeaderOnTheGroupWire, EveryRankReadsTheOptionsTheFrontRead) {
@@ -112,6 +121,7 @@ TEST(StepHeaderOnTheGroupWire, EveryRankReadsTheOptionsTheFrontRead) {
   fused.mutable_chunking()->set_chunk_rows(3);
   fused.mutable_chunking()->set_memory_budget_bytes(1 << 20);
   fused.set_upstream_scale(0.5);
+  fused.add_token_extras("nll");
 
   v1::StepHeader logits;
   logits.set_head_id("lm");
@@ -141,6 +151,7 @@ TEST(StepHeaderOnTheGroupWire, EveryRankReadsTheOptionsTheFrontRead) {
   EXPECT_EQ(read.options.ignore_index, -7);
   EXPECT_EQ(read.options.chunk_rows, 3);
   EXPECT_EQ(read.options.upstream_scale, 0.5);
+  EXPECT_EQ(read.options.token_extras, std::vector<std::string>{"nll"});
   EXPECT_EQ(server::ReadStepHeader(logits, core::CallMode::kForward)->options.logits_dtype,
             torch::kBFloat16);
 }
