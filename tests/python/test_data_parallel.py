@@ -305,10 +305,14 @@ def test_ranks_that_disagree_are_all_refused_naming_the_field_and_nothing_is_app
     assert torch.equal(client.export_weights(head_id)[0], w0)
 
 
-def test_generation_and_evaluation_work_while_ranks_wait_at_a_step(server):
+def test_generation_and_evaluation_work_while_ranks_wait_at_a_step(server, tmp_path):
     client = remotehead.Client(server)
     import sync_step_rank as r
     new_head(client, "busy")
+    # Rank 1 starts now and waits for `go`: started later, its Python and torch start-up (5 s
+    # on a slow machine) would outlast rank 0's wait at the step (SYNC_TIMEOUT).
+    go = tmp_path / "go"
+    rank1 = start_rank(server, "busy", 1, 2, f"--wait-for={go}")
     waiting = start_rank(server, "busy", 0, 2)
     hidden, targets = r.batch(7)
     deadline = time.monotonic() + 30
@@ -325,7 +329,7 @@ def test_generation_and_evaluation_work_while_ranks_wait_at_a_step(server):
     assert torch.equal(tokens, (hidden @ w.t()).argmax(-1))
     reference = torch.nn.functional.cross_entropy(hidden.double() @ w.double().t(), targets)
     assert abs(evaluated.loss - reference.item()) <= 1e-5 * reference.item()
-    rank1 = start_rank(server, "busy", 1, 2)
+    go.touch()
     assert [answer(waiting)["version"], answer(rank1)["version"]] == [1, 1]
 
 

@@ -3,7 +3,7 @@ through the Python client and the real server.
 
 - What the server lists (FunctionInfo.extras, with their conditions) is what a call reports:
   for every listed function with extras, a fused sum asking for each one the call reports
-  returns [N] tensors whose sums are the summary's extras, in several response messages.
+  returns [N] tensors whose sums are the summary's extras.
 - A distillation's per-token divergence, student entropy (what TRL logs) and nll: float64 heads
   against the full-logits reference (tests/python/distill_reference.py) to 1e-12 in the three
   modes (fused, Forward, Backward by inputs handle), and through RemoteHead.distill; float32
@@ -32,8 +32,8 @@ V, D, DT, N = 97, 12, 20, 41
 
 @pytest.fixture(scope="module")
 def client(server_target):
-    # Small messages: the rows and the extras come back in several messages each.
-    with remotehead.Client(server_target, chunk_bytes=512) as c:
+    # Small messages: each call's rows travel in several, and come back batch by batch.
+    with remotehead.Client(server_target, chunk_bytes=1024) as c:
         yield c
 
 
