@@ -1,0 +1,538 @@
+"""scripts/gpu-check: the one command of a GPU run, from a GPU kit (scripts/gpu-kit).
+
+Phases, each under its own time limit (and all under --budget): what the machine is; the kit
+installed into a prefix (no registry, no root changes); the CMake configuration against the
+prefix's packages and this Python's torch, for the GPU's own architecture only; the build (all
+cores); the CUDA twin suites and the NCCL group of one; scripts/bench-gpu's contenders at Cut
+Cross-Entropy's and Liger-Kernel's shapes. `--device cpu` is the dry run: the same phases on the
+CPU twins and small shapes (tests/python/test_gpu_kit.py runs it offline in a clean root).
+
+Writes DIR/report.md (the tables), DIR/report.json (the same as data) and DIR/logs.tar.gz (every
+phase's log). The exit status is a bit set: 1 install, configure or build failed; 2 a test
+failed; 4 the benchmark failed; 8 a phase was cut by its time limit (0: everything ran and
+passed). Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+INSTALL, TESTS, BENCH, CUT = 1, 2, 4, 8
+
+# Seconds per phase on the GPU machine (16 cores; the whole check within 9 minutes) and in the
+# CPU dry run (2 cores, no compiler cache: the build is most of it).
+LIMITS = {
+    "cuda": dict(machine=20, install=40, configure=60, build=240, tests=90, bench=150),
+    "cpu": dict(machine=60, install=120, configure=180, build=1800, tests=600, bench=300),
+}
+BUDGET = {"cuda": 540, "cpu": 3000}
+
+# The suites a GPU run checks: (name, binary, gtest filter on CUDA, gtest filter in the dry
+# run, shards on CUDA, shards in the dry run (of which the first runs: a small, fixed sample)).
+# The CUDA filters select each suite's CUDA twin (tests/support/devices.h names the device last).
+SUITES = [
+    ("engine parity", "engine_parity_test", "*_cuda", "*_cpu", 8, (15, 1)),
+    ("memory budget", "memory_budget_test", "*_cuda:MemoryStats.*Cuda*", "*_cpu", 2, (5, 1)),
+    ("head service", "head_service_test", "*/cuda", "*/cpu", 1, (1, 1)),
+    ("server binary", "server_binary_test", "*/cuda:*Cuda*", "*/cpu", 1, (1, 1)),
+    ("generation", "generation_test", "*", "*", 1, (1, 1)),
+    ("NCCL group of one", "process_group_test", "CudaProcessGroup.*", "CudaProcessGroup.*", 1,
+     (1, 1)),
+]
+# The C++ client against the server in the same build: a CPU suite, run in the dry run (the
+# torch range's proof that the client builds and runs against the machine's torch).
+CPU_ONLY_SUITES = [("C++ client", "client_test", "*", 1, (1, 1))]
+# The Python client against the server just built (CPU heads: the client's side is what differs
+# with the machine's torch), run by pytest with a JUnit report.
+PYTHON_SUITES = ["tests/python/test_client.py", "tests/python/test_two_phase_and_grpo.py",
+                 "tests/python/test_generation_wire.py"]
+BENCH_SHAPES = {"cuda": ["cce", "liger"], "cpu": ["256:64:2048:float32", "128:32:1000:bfloat16:30"]}
+BENCH_STEPS = {"cuda": ("1", "3"), "cpu": ("1", "2")}
+
+
+@dataclasses.dataclass
+class Phase:
+    name: str
+    status: str = "not run"  # ok, failed, cut (time limit), skipped, not run
+    seconds: float = 0.0
+    limit: float = 0.0
+    detail: str = ""
+
+
+class Check:
+    def __init__(self, args):
+        self.args = args
+        self.device = args.device
+        self.out = pathlib.Path(args.out).resolve()
+        self.prefix = pathlib.Path(args.prefix).resolve()
+        self.logs = self.prefix / "logs"
+        self.build = self.prefix / "build"
+        self.start = time.monotonic()
+        self.phases: dict[str, Phase] = {}
+        self.report: dict = {"device": self.device, "phases": [], "machine": {}, "suites": [],
+                             "bench": [], "source": str(ROOT)}
+        self.env = dict(os.environ)
+
+    # --- running things -------------------------------------------------------------------
+    def left(self) -> float:
+        return self.args.budget - (time.monotonic() - self.start)
+
+    def limit(self, name: str) -> float:
+        return max(0.0, min(LIMITS[self.limit_set()][name], self.left()))
+
+    def limit_set(self) -> str:
+        return "cuda" if self.device == "cuda" else "cpu"
+
+    def run(self, argv, log: str, timeout: float, env=None, cwd=None) -> tuple[int | None, str]:
+        """Runs argv with its output in logs/LOG; (exit code or None when cut, output)."""
+        path = self.logs / log
+        with open(path, "a") as f:
+            f.write(f"$ {' '.join(shlex.quote(str(a)) for a in argv)}\n")
+            f.flush()
+            try:
+                p = subprocess.run([str(a) for a in argv], stdout=f, stderr=subprocess.STDOUT,
+                                   timeout=max(timeout, 1), env=env or self.env, cwd=cwd,
+                                   start_new_session=True)
+                code = p.returncode
+            except subprocess.TimeoutExpired:
+                code = None
+                f.write(f"\n[gpu-check: cut after {timeout:.0f} s]\n")
+        return code, path.read_text(errors="replace")
+
+    def phase(self, name: str, fn) -> Phase:
+        ph = Phase(name, limit=self.limit(name))
+        self.phases[name] = ph
+        print(f"gpu-check: {name} (limit {ph.limit:.0f} s)", flush=True)
+        began = time.monotonic()
+        if ph.limit <= 1:
+            ph.status, ph.detail = "cut", "no time left in the budget"
+        else:
+            try:
+                ph.status, ph.detail = fn(ph.limit)
+            except Exception as e:  # a phase's own failure is reported, the others still run
+                ph.status, ph.detail = "failed", f"{type(e).__name__}: {e}"
+        ph.seconds = time.monotonic() - began
+        print(f"gpu-check: {name}: {ph.status} in {ph.seconds:.0f} s"
+              f"{' — ' + ph.detail if ph.detail else ''}", flush=True)
+        return ph
+
+    def py(self, code: str) -> str:
+        return subprocess.run([self.args.python, "-c", code], capture_output=True, text=True,
+                              env=self.env, timeout=120).stdout.strip()
+
+    # --- phases ----------------------------------------------------------------------------
+    def machine(self, limit):
+        m = self.report["machine"]
+        info = json.loads(self.py(
+            "import json, sys, torch\n"
+            "c = torch.cuda.is_available()\n"
+            "print(json.dumps({'python': sys.version.split()[0], 'torch': torch.__version__,\n"
+            " 'torch_cuda': torch.version.cuda, 'cuda_available': c,\n"
+            " 'gpu': torch.cuda.get_device_name(0) if c else None,\n"
+            " 'capability': '%d.%d' % torch.cuda.get_device_capability(0) if c else None}))")
+            or "{}")
+        m.update(info)
+        m["cores"] = os.cpu_count()
+        m["platform"] = platform.platform()
+        m["driver"] = None
+        if info.get("cuda_available"):
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total",
+                                  "--format=csv,noheader"], capture_output=True, text=True)
+            m["driver"] = smi.stdout.strip() or None
+        m["packages"] = json.loads(self.py(
+            "import json, importlib.metadata as md\n"
+            "names = ['torch', 'triton', 'numpy', 'grpcio', 'protobuf', 'transformers', "
+            "'accelerate', 'safetensors', 'pytest', 'setuptools', 'liger-kernel', "
+            "'cut-cross-entropy', 'grpcio-tools']\n"
+            "out = {}\n"
+            "for n in names:\n"
+            "    try: out[n] = md.version(n)\n"
+            "    except md.PackageNotFoundError: out[n] = None\n"
+            "print(json.dumps(out))") or "{}")
+        for tool in ("cmake", "ninja", "g++", "nvcc"):
+            v = subprocess.run(f"{tool} --version 2>/dev/null | grep -m1 -iE 'version|release|g\\+\\+|^[0-9]'",
+                               shell=True, capture_output=True, text=True).stdout.strip()
+            m[tool] = v or None
+        if self.device == "cuda" and not info.get("cuda_available"):
+            return "failed", "--device cuda: torch sees no CUDA device"
+        return "ok", f"{info.get('gpu') or 'CPU'}, torch {info.get('torch')}"
+
+    def install(self, limit):
+        kit = pathlib.Path(self.args.kit).resolve()
+        script = (f"source {shlex.quote(str(ROOT / 'scripts/lib/kit-install.sh'))} && "
+                  f"kit_install {shlex.quote(str(kit))} {shlex.quote(str(self.prefix))} "
+                  f"{shlex.quote(self.args.python)}")
+        code, _ = self.run(["bash", "-c", script], "install.log", limit)
+        if code is None:
+            return "cut", ""
+        if code != 0:
+            return "failed", "see install.log"
+        deps = self.prefix / "deps"
+        multiarch = next((deps / "usr" / "lib").glob("*-linux-gnu"), None)
+        self.env["PATH"] = f"{deps / 'usr' / 'bin'}:{self.env.get('PATH', '')}"
+        if multiarch:
+            self.env["LD_LIBRARY_PATH"] = f"{multiarch}:{self.env.get('LD_LIBRARY_PATH', '')}"
+        self.env["PYTHONPATH"] = (f"{self.prefix / 'python'}:{ROOT / 'client' / 'python'}:"
+                                  f"{self.env.get('PYTHONPATH', '')}")
+        n = len(list((kit / "debs").glob("*.deb")))
+        w = len(list((kit / "wheels").glob("*.whl")))
+        return "ok", f"{n} packages, {w} wheels into {self.prefix}"
+
+    def configure(self, limit):
+        args = []
+        if self.device == "cuda":
+            arch = self.report["machine"].get("capability") or "9.0"
+            args.append(f"-DTORCH_CUDA_ARCH_LIST={arch}")  # the GPU's own architecture only
+        if self.args.unity:
+            args.append("-DCMAKE_UNITY_BUILD=ON")
+        script = (f"source {shlex.quote(str(ROOT / 'scripts/lib/kit-install.sh'))} && "
+                  f"kit_configure {shlex.quote(str(ROOT))} {shlex.quote(str(self.build))} "
+                  f"{shlex.quote(str(self.prefix))} {shlex.quote(self.args.python)} "
+                  + " ".join(shlex.quote(a) for a in args))
+        code, _ = self.run(["bash", "-c", script], "configure.log", limit)
+        if code is None:
+            return "cut", ""
+        if code != 0:
+            log = (self.prefix / "configure.log").read_text(errors="replace")
+            (self.logs / "configure.log").write_text(log)
+            return "failed", "see configure.log"
+        return "ok", " ".join(args)
+
+    def targets(self) -> list[str]:
+        t = [s[1] for s in SUITES] + ["remotehead_server_bin", "remotehead_bench",
+                                      "remotehead_python_stubs"]
+        if self.device == "cpu":
+            t += [s[1] for s in CPU_ONLY_SUITES]
+        return t
+
+    def build_phase(self, limit):
+        argv = ["cmake", "--build", self.build, "-j", str(self.args.jobs)]
+        for t in self.targets():
+            argv += ["--target", t]
+        code, log = self.run(argv, "build.log", limit)
+        steps = re.findall(r"^\[(\d+)/(\d+)\]", log, re.M)
+        done = f"{steps[-1][0]}/{steps[-1][1]} steps" if steps else ""
+        if code is None:
+            return "cut", done
+        if code != 0:
+            return "failed", f"{done}; see build.log"
+        return self.stubs_load(done)
+
+    def stubs_load(self, done):
+        """The stubs the kit's generator wrote, loaded by this Python's protobuf; if they are
+        not, the kit's pinned fallback runtime (wheels/fallback) goes first on the path."""
+        probe = [self.args.python, "-c", "import remotehead.v1.head_service_pb2_grpc"]
+        if subprocess.run(probe, env=self.env, capture_output=True).returncode == 0:
+            self.report["stubs_runtime"] = "the machine's own protobuf"
+            return "ok", done
+        fallback = pathlib.Path(self.args.kit).resolve() / "wheels" / "fallback"
+        target = self.prefix / "python-fallback"
+        reqs = fallback / "requirements.txt"
+        if reqs.is_file():
+            code, _ = self.run([self.args.python, "-m", "pip", "install", "-q", "--no-index",
+                                "--no-deps", "--target", target, "--find-links", fallback,
+                                "-r", reqs], "install.log", 120)
+            self.env["PYTHONPATH"] = f"{target}:{self.env['PYTHONPATH']}"
+            if code == 0 and subprocess.run(probe, env=self.env).returncode == 0:
+                self.report["stubs_runtime"] = "the kit's fallback: " + ", ".join(
+                    l for l in reqs.read_text().split() if l)
+                return "ok", done + "; stubs load with the kit's fallback protobuf"
+        return "failed", done + "; the generated stubs do not load (see install.log)"
+
+    def tests(self, limit):
+        cuda = self.device == "cuda"
+        jobs = []
+        for name, binary, fcuda, fcpu, shards_cuda, (shards_cpu, run_cpu) in SUITES:
+            if cuda:
+                jobs += [(name, binary, fcuda, shards_cuda, i) for i in range(shards_cuda)]
+            else:
+                jobs += [(name, binary, fcpu, shards_cpu, i) for i in range(run_cpu)]
+        if not cuda:
+            for name, binary, f, shards, (total, run_n) in CPU_ONLY_SUITES:
+                jobs += [(name, binary, f, total, i) for i in range(run_n)]
+        deadline = time.monotonic() + limit
+        results: dict[str, dict] = {}
+        for name, *_ in jobs:
+            results.setdefault(name, dict(suite=name, passed=0, failed=0, skipped=0,
+                                          status="ok", failures=[], shards=0))
+        env = dict(self.env, OMP_WAIT_POLICY="PASSIVE")
+
+        def one(job):
+            name, binary, gfilter, total, index = job
+            exe = self.build / "tests" / binary
+            report = self.prefix / f"gtest-{binary}-{index}.json"
+            if not exe.exists():
+                return name, None, "not built"
+            e = dict(env, GTEST_TOTAL_SHARDS=str(total), GTEST_SHARD_INDEX=str(index))
+            code, _ = self.run([exe, f"--gtest_filter={gfilter}", f"--gtest_output=json:{report}"],
+                               f"test-{binary}-{index}.log", deadline - time.monotonic(), env=e)
+            if code is None:
+                return name, None, "cut"
+            if not report.exists():
+                return name, None, f"exited {code} without a report"
+            return name, json.loads(report.read_text()), None
+
+        def python_suites():
+            report = self.prefix / "pytest.xml"
+            e = dict(env, REMOTEHEAD_SERVER_BINARY=str(self.build / "server" / "remotehead-server"))
+            code, log = self.run([self.args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  f"--junitxml={report}", *PYTHON_SUITES], "test-python.log",
+                                 deadline - time.monotonic(), env=e, cwd=ROOT)
+            r = dict(suite="Python client", passed=0, failed=0, skipped=0, status="ok",
+                     failures=[], shards=1)
+            if code is None or not report.exists():
+                r["status"] = "cut" if code is None else "failed"
+                r["failures"].append("cut" if code is None else f"exited {code} without a report")
+                return r
+            import xml.etree.ElementTree as ET
+            for case in ET.parse(report).getroot().iter("testcase"):
+                if case.find("failure") is not None or case.find("error") is not None:
+                    r["failed"] += 1
+                    r["failures"].append(f"{case.get('classname')}.{case.get('name')}")
+                elif case.find("skipped") is not None:
+                    r["skipped"] += 1
+                else:
+                    r["passed"] += 1
+            r["status"] = "failed" if r["failed"] or code not in (0,) else "ok"
+            return r
+
+        workers = max(1, min(self.args.jobs, 8) if cuda else self.args.jobs)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            python_job = pool.submit(python_suites)
+            for name, data, problem in pool.map(one, jobs):
+                r = results[name]
+                r["shards"] += 1
+                if problem:
+                    r["status"] = "cut" if problem == "cut" else "failed"
+                    r["failures"].append(problem)
+                    continue
+                for suite in data.get("testsuites", []):
+                    for t in suite.get("testsuite", []):
+                        full = f"{suite['name']}.{t['name']}"
+                        if t.get("failures"):
+                            r["failed"] += 1
+                            r["failures"].append(full)
+                        elif t.get("result") == "SKIPPED":
+                            r["skipped"] += 1
+                        else:
+                            r["passed"] += 1
+                if r["failed"]:
+                    r["status"] = "failed"
+        self.report["suites"] = list(results.values()) + [python_job.result()]
+        results = {r["suite"]: r for r in self.report["suites"]}
+        passed = sum(r["passed"] for r in results.values())
+        failed = sum(r["failed"] for r in results.values())
+        skipped = sum(r["skipped"] for r in results.values())
+        detail = f"{passed} passed, {failed} failed, {skipped} skipped"
+        if any(r["status"] == "cut" for r in results.values()):
+            return "cut", detail
+        if failed or any(r["status"] == "failed" for r in results.values()):
+            return "failed", detail
+        if passed == 0:
+            return "failed", detail + ": nothing ran"
+        return "ok", detail
+
+    def bench(self, limit):
+        deadline = time.monotonic() + limit
+        shapes = BENCH_SHAPES[self.limit_set()]
+        warmup, repeats = BENCH_STEPS[self.limit_set()]
+        status, details = "ok", []
+        for i, shape in enumerate(shapes):
+            # Each shape its own share of what is left, so a slow first one leaves the second time.
+            share = (deadline - time.monotonic()) / (len(shapes) - i)
+            out = self.prefix / f"bench-{i}.json"
+            code, log = self.run(
+                [self.args.python, ROOT / "tests" / "bench" / "bench_peers.py", "--build",
+                 self.build, "--device", "cuda:0" if self.device == "cuda" else "cpu",
+                 "--shapes", shape, "--warmup", warmup, "--repeats", repeats, "--json", out],
+                f"bench-{i}.log", share)
+            if code == 0 and out.exists():
+                data = json.loads(out.read_text())
+                for s in data.get("shapes", []):
+                    self.report["bench"].append(summarise_shape(s))
+                details.append(f"{shape}: ok")
+            else:
+                status = "cut" if code is None else "failed"
+                self.report["bench"].append({"shape": shape, "status": status,
+                                             "rows": rows_from_log(log)})
+                details.append(f"{shape}: {status}")
+        return status, "; ".join(details)
+
+    # --- the whole check ---------------------------------------------------------------------
+    def main(self) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for f in self.logs.glob("*.log"):
+            f.unlink()
+        self.phase("machine", self.machine)
+        if self.phase("install", self.install).status == "ok":
+            if self.phase("configure", self.configure).status == "ok":
+                self.phase("build", self.build_phase)
+        built = self.phases.get("build") and self.phases["build"].status in ("ok", "cut")
+        self.phase("tests", self.tests) if built else None
+        if built and self.phases["build"].status == "ok":
+            self.phase("bench", self.bench)
+        return self.write()
+
+    def write(self) -> int:
+        for name in ("machine", "install", "configure", "build", "tests", "bench"):
+            ph = self.phases.get(name) or Phase(name, status="not run",
+                                                detail="an earlier phase failed")
+            self.report["phases"].append(dataclasses.asdict(ph))
+        self.report["seconds"] = time.monotonic() - self.start
+        status = 0
+        for ph in self.report["phases"]:
+            if ph["status"] == "cut":
+                status |= CUT
+            elif ph["status"] in ("failed", "not run"):
+                status |= {"tests": TESTS, "bench": BENCH}.get(ph["name"], INSTALL)
+        self.report["exit_status"] = status
+        (self.out / "report.json").write_text(json.dumps(self.report, indent=2))
+        (self.out / "report.md").write_text(markdown(self.report))
+        with tarfile.open(self.out / "logs.tar.gz", "w:gz") as tar:
+            tar.add(self.logs, arcname="logs")
+            if (self.prefix / "configure.log").exists():
+                tar.add(self.prefix / "configure.log", arcname="logs/cmake-configure.log")
+        print(markdown(self.report))
+        counts = [sum(s[k] for s in self.report["suites"]) for k in ("passed", "failed",
+                                                                     "skipped")]
+        print(f"gpu-check: {counts[0]} passed, {counts[1]} failed, {counts[2]} skipped")
+        print(f"gpu-check: report in {self.out} (report.md, report.json, logs.tar.gz); "
+              f"exit status {status}")
+        return status
+
+
+def summarise_shape(s: dict) -> dict:
+    shape, rows = s["shape"], s["results"]
+    out = {"shape": shape["name"], "status": "ok", "n": shape["n"], "d": shape["d"],
+           "v": shape["v"], "dtype": shape["dtype"], "softcap": shape["softcap"], "rows": {}}
+    for peer, r in rows.items():
+        if "skipped" in r:
+            out["rows"][peer] = {"skipped": r["skipped"][-160:]}
+        else:
+            out["rows"][peer] = {k: r.get(k) for k in ("seconds", "peak_bytes",
+                                                      "peak_with_grads_bytes", "d_loss",
+                                                      "d_hidden")}
+    timed = {k: r for k, r in out["rows"].items() if "seconds" in r}
+    ours = timed.get("remotehead")
+    peers = {k: r for k, r in timed.items() if not k.startswith("remotehead")}
+    flops = 6 * shape["n"] * shape["d"] * shape["v"]
+    if ours:
+        out["tflops_in_process"] = flops / ours["seconds"] / 1e12
+    if ours and peers:
+        fastest = min(peers, key=lambda k: peers[k]["seconds"])
+        out["vs_fastest_peer"] = {"peer": fastest,
+                                  "time_ratio": ours["seconds"] / peers[fastest]["seconds"]}
+    if ours and "cce" in timed:
+        out["peak_vs_cce"] = ours["peak_with_grads_bytes"] / timed["cce"]["peak_with_grads_bytes"]
+    if ours and "remotehead_server" in timed:
+        out["server_vs_in_process"] = timed["remotehead_server"]["seconds"] / ours["seconds"]
+    return out
+
+
+def rows_from_log(log: str) -> list[str]:
+    """A cut or failed benchmark's printed rows (bench_peers.py prints each as it finishes)."""
+    return [l for l in log.splitlines() if re.match(r"^\s+[a-z_]+\s{2}", l)]
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = ["# remotehead GPU check", "",
+             f"- device: {r['device']}; GPU: {m.get('gpu') or 'none'} (capability "
+             f"{m.get('capability') or '-'}); driver: {m.get('driver') or '-'}",
+             f"- torch {m.get('torch')} (CUDA {m.get('torch_cuda') or '-'}); Python "
+             f"{m.get('python')}; {m.get('cores')} cores; {m.get('platform')}",
+             f"- nvcc: {m.get('nvcc') or '-'}; cmake: {m.get('cmake') or '-'}; "
+             f"g++: {m.get('g++') or '-'}",
+             f"- packages: " + ", ".join(f"{k} {v}" for k, v in (m.get("packages") or {}).items()
+                                         if v),
+             f"- generated stubs loaded with: {r.get('stubs_runtime', '-')}", "",
+             "| phase | status | seconds | limit | detail |", "|---|---|---:|---:|---|"]
+    for ph in r["phases"]:
+        lines.append(f"| {ph['name']} | {ph['status']} | {ph['seconds']:.0f} | "
+                     f"{ph['limit']:.0f} | {ph['detail']} |")
+    if r["suites"]:
+        lines += ["", "| suite | status | passed | failed | skipped | failures |",
+                  "|---|---|---:|---:|---:|---|"]
+        for s in r["suites"]:
+            lines.append(f"| {s['suite']} | {s['status']} | {s['passed']} | {s['failed']} | "
+                         f"{s['skipped']} | {', '.join(s['failures'][:5])} |")
+    for b in r["bench"]:
+        lines += ["", f"**{b['shape']}**" + (f" (N={b['n']}, D={b['d']}, V={b['v']}, "
+                                             f"{b['dtype']}, softcap {b['softcap']:g})"
+                                             if "n" in b else f": {b['status']}")]
+        if isinstance(b.get("rows"), list):
+            lines += ["```", *b["rows"], "```"]
+            continue
+        lines += ["", "| contender | step ms | step peak MiB | +grads MiB | abs dloss | "
+                  "max abs ddX |", "|---|---:|---:|---:|---:|---:|"]
+        for peer, row in b["rows"].items():
+            if "skipped" in row:
+                lines.append(f"| {peer} | skipped: {row['skipped']} | | | | |")
+                continue
+            f = lambda v, s="{:.2e}": "-" if v is None else s.format(v)
+            lines.append(f"| {peer} | {row['seconds'] * 1e3:.2f} | "
+                         f"{row['peak_bytes'] / 2**20:.0f} | "
+                         f"{row['peak_with_grads_bytes'] / 2**20:.0f} | {f(row['d_loss'])} | "
+                         f"{f(row['d_hidden'])} |")
+        ratios = []
+        if "vs_fastest_peer" in b:
+            v = b["vs_fastest_peer"]
+            ratios.append(f"in-process / fastest peer ({v['peer']}): {v['time_ratio']:.3f}x "
+                          f"time (target <= 1)")
+        if "peak_vs_cce" in b:
+            ratios.append(f"peak / CCE's (+grads): {b['peak_vs_cce']:.3f}x (target <= 1.2)")
+        if "server_vs_in_process" in b:
+            ratios.append(f"server on loopback / in-process: {b['server_vs_in_process']:.3f}x "
+                          f"(target <= 1.15)")
+        if "tflops_in_process" in b:
+            ratios.append(f"6NDV / in-process step: {b['tflops_in_process']:.1f} TFLOP/s")
+        lines += [""] + [f"- {x}" for x in ratios]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="gpu-check-report", help="where the report goes")
+    p.add_argument("--kit", default=os.environ.get("REMOTEHEAD_GPU_KIT", ""),
+                   help="the unpacked kit (default: the kit this source came from)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--python", default=sys.executable,
+                   help="the Python whose torch the build links (default: this one)")
+    p.add_argument("--prefix", default="", help="where the kit is installed and built "
+                   "(default: /tmp/remotehead-gpu-check)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds for the whole check (default: 540 on CUDA, 3000 on the CPU)")
+    p.add_argument("--unity", action="store_true",
+                   help="a unity build (CMAKE_UNITY_BUILD): fewer, larger compilations")
+    args = p.parse_args(argv)
+    if not args.kit:
+        raise SystemExit("gpu-check: --kit: expected the kit's directory (scripts/gpu-kit OUT)")
+    if not (pathlib.Path(args.kit) / "debs").is_dir():
+        raise SystemExit(f"gpu-check: --kit: expected a kit (a debs/ folder); got {args.kit}")
+    if args.device == "auto":
+        probe = subprocess.run([args.python, "-c", "import torch; print(torch.cuda.is_available())"],
+                               capture_output=True, text=True)
+        args.device = "cuda" if probe.stdout.strip() == "True" else "cpu"
+    args.prefix = args.prefix or "/tmp/remotehead-gpu-check"
+    args.budget = args.budget or BUDGET["cuda" if args.device == "cuda" else "cpu"]
+    return Check(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
