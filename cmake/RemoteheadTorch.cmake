@@ -66,7 +66,13 @@ add_library(remotehead::torch ALIAS remotehead_torch)
 foreach(_d ${_torch_include_dirs})
   target_compile_options(remotehead_torch INTERFACE "-idirafter${_d}")
 endforeach()
-target_link_libraries(remotehead_torch INTERFACE ${TORCH_LIBRARIES})
+# The C++ runtime before LibTorch in every binary's search order: torch 2.11's libtorch.so
+# exports a partial copy of std::filesystem (64 symbols; none from 2.12 on) whose remove_all
+# jumps to a null pointer, and a library listed first wins the binary's lookups. So libstdc++ is
+# made a needed library ahead of it (tests/core/torch_linkage_test.cc checks where the symbols
+# come from).
+target_link_libraries(remotehead_torch INTERFACE
+  "-Wl,--push-state,--no-as-needed" stdc++ "-Wl,--pop-state" ${TORCH_LIBRARIES})
 foreach(_d ${_wheel_cuda_lib_dirs})
   target_link_options(remotehead_torch INTERFACE "LINKER:-rpath-link,${_d}")
 endforeach()
@@ -75,5 +81,13 @@ set(CMAKE_BUILD_RPATH ${_wheel_cuda_lib_dirs} ${CMAKE_BUILD_RPATH})
 if(TARGET torch_cuda)
   set(REMOTEHEAD_TORCH_HAS_CUDA ON)
   target_compile_definitions(remotehead_torch INTERFACE REMOTEHEAD_TORCH_HAS_CUDA=1)
+endif()
+# The torch range the project builds and passes against: from the GPU machine's 2.11 (CI builds
+# and tests against it: tests/python/test_gpu_kit.py) to the pinned one (requirements.txt). An API
+# that differs inside the range gets one seam here or in core/, never #ifs through the code.
+set(REMOTEHEAD_TORCH_OLDEST 2.11)
+if(Torch_VERSION VERSION_LESS REMOTEHEAD_TORCH_OLDEST)
+  message(FATAL_ERROR "remotehead: LibTorch ${Torch_VERSION} from ${_torch_prefix} is older than "
+                      "${REMOTEHEAD_TORCH_OLDEST}, the oldest torch remotehead builds against")
 endif()
 message(STATUS "remotehead: LibTorch ${Torch_VERSION} from ${_torch_prefix} (CUDA build: ${REMOTEHEAD_TORCH_HAS_CUDA})")

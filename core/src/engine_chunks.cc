@@ -17,15 +17,11 @@
 namespace remotehead::core::engine_internal {
 namespace {
 
-// addmm.dtype_out (half-precision inputs, fp32 output) is in LibTorch from 2.8.
-#define REMOTEHEAD_HAS_ADDMM_OUT_DTYPE \
-  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
-
 // Whether this LibTorch's CUDA addmm takes half-precision inputs with an fp32 `self` and `out`
-// (addmm.dtype_out, a cuBLAS GEMM with an fp32 C). Its first releases wanted `self` in the
-// inputs' dtype, so it is tried once, on a 2×2 product, before it is used.
+// (addmm.dtype_out, a cuBLAS GEMM with an fp32 C; in every LibTorch of the supported range,
+// cmake/RemoteheadTorch.cmake). Its first releases wanted `self` in the inputs' dtype, so it is
+// tried once, on a 2×2 product, before it is used.
 bool CudaAddmmAccumulatesIntoFloat(const torch::Tensor& accumulator) {
-#if REMOTEHEAD_HAS_ADDMM_OUT_DTYPE
   static const bool accepted = [options = accumulator.options()] {
     try {
       torch::Tensor acc = torch::ones({2, 2}, options.dtype(torch::kFloat));
@@ -37,10 +33,6 @@ bool CudaAddmmAccumulatesIntoFloat(const torch::Tensor& accumulator) {
     }
   }();
   return accepted;
-#else
-  (void)accumulator;
-  return false;
-#endif
 }
 
 // dW += dzᵀ·X_c into the accumulator's dtype.

@@ -52,6 +52,20 @@ def requirements(path: pathlib.Path) -> dict[str, str | None]:
     return out
 
 
+def machine_packages() -> dict[str, str | None]:
+    """NAME -> version (None: there, version not read) of the machine's package lines."""
+    out: dict[str, str | None] = {}
+    for raw in FACTS.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) > 2 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", parts[0]):
+            raise SystemExit(f"{FACTS}: expected NAME or NAME VERSION; got {raw!r}")
+        out[canonical(parts[0])] = parts[1] if len(parts) == 2 else None
+    return out
+
+
 def facts() -> dict[str, str]:
     """The header facts ('# key: value' lines before the package list)."""
     out = {}
@@ -87,7 +101,7 @@ def pinned(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    machine = requirements(FACTS)
+    machine = machine_packages()
     command = argv[0] if argv else ""
     if command == "kit-requirements":
         lines = [pinned(n) for n in needed() if n not in machine]

@@ -81,8 +81,8 @@ def test_the_kit_for_the_gpu_machine_fits_one_carry(tmp_path):
         wheel = next((w for w in wheels if w.startswith(name + "-")), None)
         assert wheel, (name, wheels)
         assert "py3-none-any" in wheel or tag in wheel, wheel
-    has = {line.split("==")[0] for line in (ROOT / "scripts/lib/gpu-machine.txt").read_text()
-           .splitlines() if line and not line.startswith("#")}
+    has = {line.split()[0].replace("_", "-").lower() for line in (ROOT / "scripts/lib/gpu-machine.txt").read_text()
+           .splitlines() if line.strip() and not line.startswith("#")}
     assert not any(w.split("-")[0].replace("_", "-") in has for w in wheels), wheels
     fallback = (kit / "wheels" / "fallback" / "requirements.txt").read_text().split()
     assert fallback == machine(["fallback-requirements"])
