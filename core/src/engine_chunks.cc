@@ -40,12 +40,10 @@ void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
                           const torch::Tensor& dz_head, const torch::Tensor& x_chunk) {
   if (dw.scalar_type() == x_chunk.scalar_type()) {
     dw.addmm_(dz_head.t(), x_chunk);
-#if REMOTEHEAD_HAS_ADDMM_OUT_DTYPE
   } else if (dw.is_cuda() && CudaAddmmAccumulatesIntoFloat(dw)) {
     // fp32 accumulators of a half-precision head on CUDA: the GEMM reads the head-dtype dz
     // and X_c on tensor cores and accumulates into dW in fp32 (no fp32 copy of anything).
     at::addmm_out(dw, dw, dz_head.t(), x_chunk, torch::kFloat);
-#endif
   } else {
     // fp32 accumulators of a half-precision head: the GEMM runs in fp32 on the unrounded
     // logits gradient, so each micro-batch adds its exact (to fp32) contribution.
