@@ -55,9 +55,14 @@ SUITES = [
     # Where the binary's C++ runtime comes from (a LibTorch that exports std:: symbols).
     ("torch linkage", "torch_linkage_test", "*", "*", 1, (1, 1)),
 ]
-# The C++ client against the server in the same build: a CPU suite, run in the dry run (the
-# torch range's proof that the client builds and runs against the machine's torch).
-CPU_ONLY_SUITES = [("C++ client", "client_test", "*", 1, (1, 1))]
+# CPU suites the dry run adds (the torch range's proof that every layer builds and runs against
+# the machine's torch): the C++ client against the server, the wire codec with protobuf and
+# LibTorch in one process, the checkpoint directory's file operations (std::filesystem), the
+# optimizers against torch::optim.
+CPU_ONLY_SUITES = [("C++ client", "client_test", "*", 1, (1, 1)),
+                   ("wire codec", "tensor_codec_test", "*", 1, (1, 1)),
+                   ("checkpoint directory", "checkpoint_dir_test", "*", 1, (1, 1)),
+                   ("optimizers", "optimizer_test", "*", 1, (1, 1))]
 # The Python client against the server just built (CPU heads: the client's side is what differs
 # with the machine's torch), run by pytest with a JUnit report.
 PYTHON_SUITES = ["tests/python/test_client.py", "tests/python/test_two_phase_and_grpo.py",

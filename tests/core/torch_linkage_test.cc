@@ -29,13 +29,17 @@ void ExpectFromTheCxxRuntime(const char* name, const void* address) {
       << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "): expected libstdc++";
 }
 
+// Functions the library defines (not inline in the header), each one torch 2.11 exports too.
 TEST(TorchLinkage, StdFilesystemComesFromTheCxxRuntime) {
   using RemoveAll = std::uintmax_t (*)(const std::filesystem::path&);
-  using Exists = bool (*)(const std::filesystem::path&);
+  using Status = std::filesystem::file_status (*)(const std::filesystem::path&);
+  using CreateDirectories = bool (*)(const std::filesystem::path&);
   const RemoveAll remove_all = &std::filesystem::remove_all;
-  const Exists exists = &std::filesystem::exists;
+  const Status status = &std::filesystem::status;
+  const CreateDirectories create_directories = &std::filesystem::create_directories;
   ExpectFromTheCxxRuntime("remove_all", reinterpret_cast<const void*>(remove_all));
-  ExpectFromTheCxxRuntime("exists", reinterpret_cast<const void*>(exists));
+  ExpectFromTheCxxRuntime("status", reinterpret_cast<const void*>(status));
+  ExpectFromTheCxxRuntime("create_directories", reinterpret_cast<const void*>(create_directories));
 }
 
 TEST(TorchLinkage, RemoveAllWorksInAProcessWithLibTorch) {

@@ -119,7 +119,8 @@ def test_the_dry_run_builds_against_the_machines_torch_offline_in_a_clean_room(c
     assert report["machine"]["torch"].startswith(torch_version)
     assert {s["suite"] for s in report["suites"]} >= {
         "engine parity", "memory budget", "head service", "server binary", "generation",
-        "C++ client"}
+        "torch linkage", "C++ client", "wire codec", "checkpoint directory", "optimizers",
+        "Python client"}
     for s in report["suites"]:
         assert s["failed"] == 0, s
         if s["suite"] != "NCCL group of one":  # CUDA only: skipped on the CPU, saying so
