@@ -3,13 +3,14 @@
 Phases, each under its own time limit (and all under --budget): what the machine is; the kit
 installed into a prefix (no registry, no root changes); the CMake configuration against the
 prefix's packages and this Python's torch, for the GPU's own architecture only; the build (all
-cores); the CUDA twin suites and the NCCL group of one; scripts/bench-gpu's contenders at Cut
+cores); the CUDA twin suites and the NCCL group of one; the wire against the loopback TCP
+limit; scripts/bench-gpu's contenders at Cut
 Cross-Entropy's and Liger-Kernel's shapes. `--device cpu` is the dry run: the same phases on the
 CPU twins and small shapes (tests/python/test_gpu_kit.py runs it offline in a clean root).
 
 Writes DIR/report.md (the tables), DIR/report.json (the same as data) and DIR/logs.tar.gz (every
 phase's log). The exit status is a bit set: 1 install, configure or build failed; 2 a test
-failed; 4 the benchmark failed; 8 a phase was cut by its time limit (0: everything ran and
+failed; 4 the wire or the benchmark failed; 8 a phase was cut by its time limit (0: everything ran and
 passed). Standard library only.
 """
 
@@ -36,8 +37,9 @@ INSTALL, TESTS, BENCH, CUT = 1, 2, 4, 8
 # caps every phase, so what the build leaves goes to the benchmark, which comes last) and in the
 # CPU dry run (2 cores, no compiler cache: the build is most of it).
 LIMITS = {
-    "cuda": dict(machine=20, install=40, configure=60, build=240, tests=120, bench=400),
-    "cpu": dict(machine=60, install=120, configure=180, build=1800, tests=600, bench=300),
+    "cuda": dict(machine=20, install=40, configure=60, build=240, tests=120, wire=60, bench=400),
+    "cpu": dict(machine=60, install=120, configure=180, build=1800, tests=600, wire=120,
+                bench=300),
 }
 BUDGET = {"cuda": 540, "cpu": 3000}
 
@@ -69,6 +71,10 @@ PYTHON_SUITES = ["tests/python/test_client.py", "tests/python/test_two_phase_and
                  "tests/python/test_generation_wire.py"]
 BENCH_SHAPES = {"cuda": ["cce", "liger"], "cpu": ["256:64:2048:float32", "128:32:1000:bfloat16:30"]}
 BENCH_STEPS = {"cuda": ("1", "3"), "cpu": ("1", "2")}
+# The wire: one step stream's goodput (X up, dX down, through the client and server alone) at a
+# shape whose bytes dominate, next to the loopback TCP limit measured in the same run
+# (remotehead-remote-bench; its server computes on the CPU, the wire is what is read here).
+WIRE_SHAPE = {"cuda": "8192:4096:64", "cpu": "1024:256:64"}
 
 
 @dataclasses.dataclass
@@ -224,7 +230,7 @@ class Check:
 
     def targets(self) -> list[str]:
         t = [s[1] for s in SUITES] + ["remotehead_server_bin", "remotehead_bench",
-                                      "remotehead_python_stubs"]
+                                      "remotehead_remote_bench", "remotehead_python_stubs"]
         if self.device == "cpu":
             t += [s[1] for s in CPU_ONLY_SUITES]
         return t
@@ -359,6 +365,31 @@ class Check:
             return "failed", detail + ": nothing ran"
         return "ok", detail
 
+    def wire(self, limit):
+        exe = self.build / "tests" / "bench" / "remotehead-remote-bench"
+        out = self.prefix / "wire.json"
+        with open(out, "w") as f:
+            try:
+                code = subprocess.run([exe, "--json", f"--shapes={WIRE_SHAPE[self.limit_set()]}",
+                                       "--repeats=3", "--warmup=1", "--loopback_bytes=1073741824"],
+                                      stdout=f, stderr=open(self.logs / "wire.log", "w"),
+                                      env=self.env, timeout=limit, start_new_session=True).returncode
+            except subprocess.TimeoutExpired:
+                return "cut", ""
+        if code != 0:
+            return "failed", f"exited {code}; see wire.log"
+        data = json.loads(out.read_text())
+        shape = data["shapes"][0]
+        w = {"shape": WIRE_SHAPE[self.limit_set()], "streams": 1,
+             "wire_gb_per_s": shape["wire_goodput_gb_per_s"],
+             "step_gb_per_s": shape["remote_goodput_gb_per_s"],
+             "loopback_tcp_gb_per_s": data["loopback_tcp_gb_per_s"],
+             "wire_vs_loopback": shape["wire_vs_loopback"], "echo_exact": shape["echo_exact"]}
+        self.report["wire"] = w
+        return ("ok" if w["echo_exact"] else "failed"), (
+            f"one stream {w['wire_gb_per_s']:.2f} GB/s = {w['wire_vs_loopback']:.2f} of the "
+            f"loopback TCP limit ({w['loopback_tcp_gb_per_s']:.2f} GB/s)")
+
     def bench(self, limit):
         deadline = time.monotonic() + limit
         shapes = BENCH_SHAPES[self.limit_set()]
@@ -398,11 +429,12 @@ class Check:
         built = self.phases.get("build") and self.phases["build"].status in ("ok", "cut")
         self.phase("tests", self.tests) if built else None
         if built and self.phases["build"].status == "ok":
+            self.phase("wire", self.wire)
             self.phase("bench", self.bench)
         return self.write()
 
     def write(self) -> int:
-        for name in ("machine", "install", "configure", "build", "tests", "bench"):
+        for name in ("machine", "install", "configure", "build", "tests", "wire", "bench"):
             ph = self.phases.get(name) or Phase(name, status="not run",
                                                 detail="an earlier phase failed")
             self.report["phases"].append(dataclasses.asdict(ph))
@@ -412,7 +444,7 @@ class Check:
             if ph["status"] == "cut":
                 status |= CUT
             elif ph["status"] in ("failed", "not run"):
-                status |= {"tests": TESTS, "bench": BENCH}.get(ph["name"], INSTALL)
+                status |= {"tests": TESTS, "wire": BENCH, "bench": BENCH}.get(ph["name"], INSTALL)
         self.report["exit_status"] = status
         (self.out / "report.json").write_text(json.dumps(self.report, indent=2))
         (self.out / "report.md").write_text(markdown(self.report))
@@ -484,6 +516,13 @@ def markdown(r: dict) -> str:
         for s in r["suites"]:
             lines.append(f"| {s['suite']} | {s['status']} | {s['passed']} | {s['failed']} | "
                          f"{s['skipped']} | {', '.join(s['failures'][:5])} |")
+    if r.get("wire"):
+        w = r["wire"]
+        lines += ["", f"**The wire** ({w['shape']}, {w['streams']} stream): X up and dX down "
+                  f"through the client and server alone {w['wire_gb_per_s']:.2f} GB/s; the whole "
+                  f"step {w['step_gb_per_s']:.2f} GB/s; loopback TCP limit (one connection, "
+                  f"same run) {w['loopback_tcp_gb_per_s']:.2f} GB/s; wire / limit "
+                  f"{w['wire_vs_loopback']:.2f}"]
     for b in r["bench"]:
         lines += ["", f"**{b['shape']}**" + (f" (N={b['n']}, D={b['d']}, V={b['v']}, "
                                              f"{b['dtype']}, softcap {b['softcap']:g})"

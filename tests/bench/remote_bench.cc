@@ -56,6 +56,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_measure.h"
 #include "bench/bench_metrics.h"
+#include "bench/loopback_limit.h"
 #include "bench/remote_bench_mesh.h"
 #include "bench/bench_plot.h"
 #include "remotehead/client/client.h"
@@ -74,6 +75,8 @@ ABSL_FLAG(std::vector<std::string>, server_args, {},
 ABSL_FLAG(int64_t, chunk_bytes, int64_t{1} << 20, "client request message size");
 ABSL_FLAG(int32_t, threads, 0, "torch::set_num_threads in this process when > 0");
 ABSL_FLAG(bool, json, false, "print one JSON object on stdout instead of the table");
+ABSL_FLAG(int64_t, loopback_bytes, int64_t{256} << 20,
+          "bytes sent through one loopback TCP connection to measure its limit (0: not measured)");
 ABSL_FLAG(int32_t, group_size, 0,
           "also run the step on a head group of this many server processes (0: none)");
 ABSL_FLAG(std::string, plot, "",
@@ -443,6 +446,10 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
 
 void PrintTable(const nlohmann::json& report) {
   std::cout << absl::StrFormat("# server: %s\n", report["server_log"].get<std::string>());
+  if (report.contains("loopback_tcp_gb_per_s")) {
+    std::cout << absl::StrFormat("# loopback TCP limit (one connection): %.2f GB/s\n",
+                                 report["loopback_tcp_gb_per_s"].get<double>());
+  }
   std::cout << absl::StrFormat("%-18s %9s %9s %7s %8s %8s %9s %7s %9s %9s %9s %9s\n", "N:D:V",
                                "in_proc_s", "remote_s", "ratio", "up_s", "down_s", "serial_s",
                                "overlap", "wire_GB/s", "srv_comp", "srv_recvw", "srv_sendw");
@@ -542,6 +549,14 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_group_size) >= 2) group = StartGroup(absl::GetFlag(FLAGS_group_size));
   for (const Shape& s : shapes) {
     report["shapes"].push_back(RunShape(s, *client, server.pid(), group.get()));
+  }
+  // The wire read against the loopback TCP limit, measured in the same run.
+  if (const int64_t bytes = absl::GetFlag(FLAGS_loopback_bytes); bytes > 0) {
+    const double limit = OrDie(bench::LoopbackTcpBytesPerSecond(bytes), "loopback limit") / 1e9;
+    report["loopback_tcp_gb_per_s"] = limit;
+    for (auto& r : report["shapes"]) {
+      r["wire_vs_loopback"] = r["wire_goodput_gb_per_s"].get<double>() / limit;
+    }
   }
   report["bench"] = "remotehead-remote-bench";
   report["repeats"] = absl::GetFlag(FLAGS_repeats);
