@@ -46,9 +46,11 @@ BUDGET = {"cuda": 540, "cpu": 3000}
 # The suites a GPU run checks: (name, binary, gtest filter on CUDA, gtest filter in the dry
 # run, shards on CUDA, shards in the dry run (of which the first runs: a small, fixed sample)).
 # The CUDA filters select each suite's CUDA twin (tests/support/devices.h names the device last).
+# The suites in ALONE read the device's free memory (cudaMemGetInfo: the auto budget), which
+# other processes' allocations move: they run after the others, one at a time.
 SUITES = [
     ("engine parity", "engine_parity_test", "*_cuda", "*_cpu", 8, (15, 1)),
-    ("memory budget", "memory_budget_test", "*_cuda:MemoryStats.*Cuda*", "*_cpu", 2, (5, 1)),
+    ("memory budget", "memory_budget_test", "*_cuda:MemoryStats.*Cuda*", "*_cpu", 1, (5, 1)),
     ("head service", "head_service_test", "*/cuda", "*/cpu", 1, (1, 1)),
     ("server binary", "server_binary_test", "*/cuda:*Cuda*", "*/cpu", 1, (1, 1)),
     ("generation", "generation_test", "*", "*", 1, (1, 1)),
@@ -57,6 +59,7 @@ SUITES = [
     # Where the binary's C++ runtime comes from (a LibTorch that exports std:: symbols).
     ("torch linkage", "torch_linkage_test", "*", "*", 1, (1, 1)),
 ]
+ALONE = {"memory budget", "server binary"}
 # CPU suites the dry run adds (the torch range's proof that every layer builds and runs against
 # the machine's torch): the C++ client against the server, the wire codec with protobuf and
 # LibTorch in one process, the checkpoint directory's file operations (std::filesystem), the
@@ -329,28 +332,35 @@ class Check:
             r["status"] = "failed" if r["failed"] or code not in (0,) else "ok"
             return r
 
+        def record(name, data, problem):
+            r = results[name]
+            r["shards"] += 1
+            if problem:
+                r["status"] = "cut" if problem == "cut" else "failed"
+                r["failures"].append(problem)
+                return
+            for suite in data.get("testsuites", []):
+                for t in suite.get("testsuite", []):
+                    full = f"{suite['name']}.{t['name']}"
+                    if t.get("failures"):
+                        r["failed"] += 1
+                        r["failures"].append(full)
+                    elif t.get("result") == "SKIPPED":
+                        r["skipped"] += 1
+                    else:
+                        r["passed"] += 1
+            if r["failed"]:
+                r["status"] = "failed"
+
         workers = max(1, min(self.args.jobs, 8) if cuda else self.args.jobs)
+        together = [j for j in jobs if not (cuda and j[0] in ALONE)]
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             python_job = pool.submit(python_suites)
-            for name, data, problem in pool.map(one, jobs):
-                r = results[name]
-                r["shards"] += 1
-                if problem:
-                    r["status"] = "cut" if problem == "cut" else "failed"
-                    r["failures"].append(problem)
-                    continue
-                for suite in data.get("testsuites", []):
-                    for t in suite.get("testsuite", []):
-                        full = f"{suite['name']}.{t['name']}"
-                        if t.get("failures"):
-                            r["failed"] += 1
-                            r["failures"].append(full)
-                        elif t.get("result") == "SKIPPED":
-                            r["skipped"] += 1
-                        else:
-                            r["passed"] += 1
-                if r["failed"]:
-                    r["status"] = "failed"
+            for result in pool.map(one, together):
+                record(*result)
+        for job in jobs:
+            if job not in together:
+                record(*one(job))
         self.report["suites"] = list(results.values()) + [python_job.result()]
         results = {r["suite"]: r for r in self.report["suites"]}
         passed = sum(r["passed"] for r in results.values())
