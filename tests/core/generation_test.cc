@@ -7,6 +7,10 @@
 //   probabilities with a CPU generator seeded seed + row, whatever the chunking; top-k / top-p
 //   draw only inside their sets; the log-prob is log_softmax of the transformed logits;
 // - refusals: a gradient mode, a scalar reduction, targets, bad params.
+// The logits, their dtype and greedy sampling run on every device (tests/support/devices.h:
+// the CUDA twin skipped, saying so, without a GPU). On CUDA a chunk's GEMM may sum in another
+// order than the whole product's (cuBLAS picks its algorithm by shape): fp32 within 1e-5, bf16
+// within one bf16 rounding, and greedy picks a largest logit (ties within that tolerance).
 // (On a head group both run too: vocab_parallel_test.cc.)
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -19,6 +23,7 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/sampling.h"
 #include "remotehead/core/vocab_group.h"
+#include "support/devices.h"
 
 namespace remotehead {
 namespace {
@@ -32,7 +37,7 @@ constexpr int64_t kRows = 11;
 core::TokenBatch Hidden(const core::Head& head, int64_t rows = kRows, uint64_t seed = 3) {
   torch::manual_seed(seed);
   core::TokenBatch batch;
-  batch.hidden = torch::randn({rows, head.hidden_size()}).to(head.dtype());
+  batch.hidden = torch::randn({rows, head.hidden_size()}).to(head.device(), head.dtype());
   return batch;
 }
 
@@ -56,37 +61,78 @@ torch::Tensor NaiveLogits(const core::Head& head, const torch::Tensor& x, double
   return z / temperature;
 }
 
-TEST(GenerationLogits, EqualTheNaiveProductWhateverTheChunking) {
+class GenerationOnDevice : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { REMOTEHEAD_SKIP_UNLESS_ON_MACHINE(device()); }
+  torch::Device device() const { return torch::Device(GetParam()); }
+  std::unique_ptr<core::Head> Head(torch::ScalarType dtype, bool bias) const {
+    return reference::MakeTestHead(kVocab, kHidden, dtype, bias, /*seed=*/1, torch::kFloat,
+                                   device());
+  }
+  // fp32: the same sums on the CPU; another GEMM order on CUDA.
+  double Tolerance() const { return device().is_cuda() ? 1e-5 : 1e-6; }
+};
+
+TEST_P(GenerationOnDevice, LogitsEqualTheNaiveProductWhateverTheChunking) {
   for (const bool bias : {false, true}) {
-    auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, bias);
+    auto head = Head(torch::kFloat, bias);
     const core::TokenBatch batch = Hidden(*head);
-    const torch::Tensor expected = NaiveLogits(*head, batch.hidden, 2.5, 0.7);
+    const torch::Tensor expected = NaiveLogits(*head, batch.hidden, 2.5, 0.7).cpu();
     for (const int64_t chunk : {0, 1, 4, 64}) {
       auto r = core::Forward(*head, batch,
                              Generation("logits", {{"softcap", 2.5}, {"temperature", 0.7}}, chunk));
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->output.sizes(), (std::vector<int64_t>{kRows, kVocab}));
       EXPECT_EQ(r->output.scalar_type(), torch::kFloat);
-      EXPECT_TRUE(torch::allclose(r->output, expected, 1e-6, 1e-6)) << "chunk_rows " << chunk;
+      EXPECT_TRUE(torch::allclose(r->output.cpu(), expected, Tolerance(), Tolerance()))
+          << "chunk_rows " << chunk;
       EXPECT_FALSE(r->token_ids.defined());
     }
   }
 }
 
-TEST(GenerationLogits, ComeInTheRequestedDtype) {
-  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kBFloat16, false);
+TEST_P(GenerationOnDevice, LogitsComeInTheRequestedDtype) {
+  auto head = Head(torch::kBFloat16, false);
   const core::TokenBatch batch = Hidden(*head);
   core::StepOptions options = Generation("logits");
   options.logits_dtype = torch::kBFloat16;
   auto r = core::Forward(*head, batch, options);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->output.scalar_type(), torch::kBFloat16);
-  EXPECT_TRUE(torch::equal(r->output, NaiveLogits(*head, batch.hidden).to(torch::kBFloat16)));
+  const torch::Tensor naive = NaiveLogits(*head, batch.hidden).to(torch::kBFloat16).cpu();
+  if (device().is_cuda()) {  // one bf16 rounding apart at most
+    EXPECT_TRUE(torch::allclose(r->output.cpu().to(torch::kFloat), naive.to(torch::kFloat),
+                                1.0 / 128, 1e-3));
+  } else {
+    EXPECT_TRUE(torch::equal(r->output.cpu(), naive));
+  }
   options.logits_dtype = torch::kLong;
   auto bad = core::Forward(*head, batch, options);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.status().message(), "logits_dtype: expected a floating dtype; got Long");
 }
+
+TEST_P(GenerationOnDevice, GreedyIsTheArgmaxWithItsLogProb) {
+  auto head = Head(torch::kFloat, true);
+  const core::TokenBatch batch = Hidden(*head);
+  auto r =
+      core::Forward(*head, batch, Generation("sample", {{"greedy", 1}, {"temperature", 0.5}}, 4));
+  ASSERT_TRUE(r.ok()) << r.status();
+  const torch::Tensor z = NaiveLogits(*head, batch.hidden, 0, 0.5).cpu();
+  const torch::Tensor ids = r->token_ids.cpu();
+  if (device().is_cuda()) {  // a largest logit, to the GEMM's rounding
+    const torch::Tensor picked = z.gather(1, ids.unsqueeze(1)).squeeze(1);
+    EXPECT_TRUE((picked >= std::get<0>(z.max(1)) - 1e-4).all().item<bool>());
+  } else {
+    EXPECT_TRUE(torch::equal(ids, z.argmax(1)));
+  }
+  EXPECT_TRUE(torch::allclose(r->output.cpu(),
+                              z.log_softmax(1).gather(1, ids.unsqueeze(1)).squeeze(1),
+                              Tolerance(), Tolerance()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, GenerationOnDevice, ::testing::ValuesIn(testing::TestDevices()),
+                         [](const auto& info) { return testing::DeviceLabel(info.param); });
 
 // Hugging Face's warpers, written out: top-k then top-p on the transformed logits.
 torch::Tensor WarpedProbabilities(torch::Tensor z, int64_t top_k, double top_p) {
@@ -102,18 +148,6 @@ torch::Tensor WarpedProbabilities(torch::Tensor z, int64_t top_k, double top_p) 
     z = z.masked_fill(remove.scatter(1, idx, remove), -inf);
   }
   return z.softmax(1);
-}
-
-TEST(GenerationSample, GreedyIsTheArgmaxWithItsLogProb) {
-  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, true);
-  const core::TokenBatch batch = Hidden(*head);
-  auto r =
-      core::Forward(*head, batch, Generation("sample", {{"greedy", 1}, {"temperature", 0.5}}, 4));
-  ASSERT_TRUE(r.ok()) << r.status();
-  const torch::Tensor z = NaiveLogits(*head, batch.hidden, 0, 0.5);
-  EXPECT_TRUE(torch::equal(r->token_ids, z.argmax(1)));
-  EXPECT_TRUE(torch::allclose(
-      r->output, z.log_softmax(1).gather(1, z.argmax(1).unsqueeze(1)).squeeze(1), 1e-6, 1e-6));
 }
 
 TEST(GenerationSample, SeededDrawIsMultinomialWithOneGeneratorPerRow) {
