@@ -218,8 +218,6 @@ class Check:
             # The machine's compiler is not the one the project is checked with: its new
             # warnings are counted in the report, not fatal to the whole run.
             args.append("-DREMOTEHEAD_WERROR=OFF")
-        if self.args.unity:
-            args.append("-DCMAKE_UNITY_BUILD=ON")
         script = (f"source {shlex.quote(str(ROOT / 'scripts/lib/kit-install.sh'))} && "
                   f"kit_configure {shlex.quote(str(ROOT))} {shlex.quote(str(self.build))} "
                   f"{shlex.quote(str(self.prefix))} {shlex.quote(self.args.python)} "
@@ -487,8 +485,6 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.add_argument("--budget", type=float, default=0,
                    help="seconds for the whole check (default: 540 on CUDA, 3000 on the CPU)")
-    p.add_argument("--unity", action="store_true",
-                   help="a unity build (CMAKE_UNITY_BUILD): fewer, larger compilations")
     args = p.parse_args(argv)
     if not args.kit:
         raise SystemExit("gpu-check: --kit: expected the kit's directory (scripts/gpu-kit OUT)")
