@@ -56,9 +56,10 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_measure.h"
 #include "bench/bench_metrics.h"
+#include "bench/bench_plot.h"
 #include "bench/loopback_limit.h"
 #include "bench/remote_bench_mesh.h"
-#include "bench/bench_plot.h"
+#include "bench/remote_bench_table.h"
 #include "remotehead/client/client.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
@@ -444,54 +445,6 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
   return out;
 }
 
-void PrintTable(const nlohmann::json& report) {
-  std::cout << absl::StrFormat("# server: %s\n", report["server_log"].get<std::string>());
-  if (report.contains("loopback_tcp_gb_per_s")) {
-    std::cout << absl::StrFormat("# loopback TCP limit (one connection): %.2f GB/s\n",
-                                 report["loopback_tcp_gb_per_s"].get<double>());
-  }
-  std::cout << absl::StrFormat("%-18s %9s %9s %7s %8s %8s %9s %7s %9s %9s %9s %9s\n", "N:D:V",
-                               "in_proc_s", "remote_s", "ratio", "up_s", "down_s", "serial_s",
-                               "overlap", "wire_GB/s", "srv_comp", "srv_recvw", "srv_sendw");
-  for (const auto& r : report["shapes"]) {
-    std::cout << absl::StrFormat(
-        "%-18s %9.3f %9.3f %7.3f %8.3f %8.3f %9.3f %7.3f %9.2f %9.3f %9.3f %9.3f\n",
-        absl::StrFormat("%d:%d:%d", r["n"].get<int64_t>(), r["d"].get<int64_t>(),
-                        r["v"].get<int64_t>()),
-        r["in_process_seconds"].get<double>(), r["remote_seconds"].get<double>(),
-        r["remote_vs_in_process"].get<double>(), r["up_seconds"].get<double>(),
-        r["down_seconds"].get<double>(), r["serial_seconds"].get<double>(),
-        r["overlap_ratio"].get<double>(), r["wire_goodput_gb_per_s"].get<double>(),
-        r["server_compute_seconds"].get<double>(), r["server_receive_wait_seconds"].get<double>(),
-        r["server_send_wait_seconds"].get<double>());
-    std::cout << absl::StrFormat(
-        "%-18s remote step: %.3f CPU-s in both processes = %.0f%% of %d cores; |loss diff| "
-        "%.2e, max |dX diff| %.2e, echo exact: %s\n",
-        "", r["remote_cpu_seconds"].get<double>(), 100 * r["remote_cpu_utilisation"].get<double>(),
-        report["cores"].get<int>(), r["loss_abs_diff"].get<double>(),
-        r["dx_max_abs_diff"].get<double>(), r["echo_exact"].get<bool>() ? "yes" : "NO");
-    if (!r.contains("group")) continue;
-    const auto& g = r["group"];
-    std::cout << absl::StrFormat(
-        "%-18s head group of %d: %.3f s = %.2f× the single server (ranks share this machine's "
-        "cores); |loss diff| %.2e, max |dX diff| %.2e, max |dW diff| %.2e\n",
-        "", g["size"].get<int>(), g["seconds"].get<double>(), g["vs_single_server"].get<double>(),
-        g["loss_abs_diff"].get<double>(), g["dx_max_abs_diff"].get<double>(),
-        g["dw_max_abs_diff"].get<double>());
-    for (const auto& rank : g["ranks"]) {
-      std::cout << absl::StrFormat(
-          "%-18s   rank %d bytes/token: sent %.1f received %.1f (model %.1f / %.1f, measured / "
-          "model %.3f); statistics %.1f (model %.1f)\n",
-          "", rank["rank"].get<int>(), rank["sent_bytes_per_token"].get<double>(),
-          rank["received_bytes_per_token"].get<double>(),
-          rank["model_sent_bytes_per_token"].get<double>(),
-          rank["model_received_bytes_per_token"].get<double>(),
-          rank["measured_vs_model"].get<double>(), rank["statistics_bytes_per_token"].get<double>(),
-          rank["model_statistics_bytes_per_token"].get<double>());
-    }
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -564,7 +517,7 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << report.dump(2) << std::endl;
   } else {
-    PrintTable(report);
+    bench::PrintRemoteBenchTable(report, std::cout);
   }
   int failures = 0;
   if (!absl::GetFlag(FLAGS_plot).empty()) {

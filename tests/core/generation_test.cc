@@ -127,8 +127,8 @@ TEST_P(GenerationOnDevice, GreedyIsTheArgmaxWithItsLogProb) {
     EXPECT_TRUE(torch::equal(ids, z.argmax(1)));
   }
   EXPECT_TRUE(torch::allclose(r->output.cpu(),
-                              z.log_softmax(1).gather(1, ids.unsqueeze(1)).squeeze(1),
-                              Tolerance(), Tolerance()));
+                              z.log_softmax(1).gather(1, ids.unsqueeze(1)).squeeze(1), Tolerance(),
+                              Tolerance()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, GenerationOnDevice, ::testing::ValuesIn(testing::TestDevices()),

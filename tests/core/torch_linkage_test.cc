@@ -5,9 +5,9 @@
 // client's suite did; the server's state store calls it too). cmake/RemoteheadTorch.cmake puts
 // libstdc++ first; this checks the result with the loader's own answer (dladdr).
 #include <dlfcn.h>
-#include <unistd.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -45,8 +45,8 @@ TEST(TorchLinkage, StdFilesystemComesFromTheCxxRuntime) {
 TEST(TorchLinkage, RemoveAllWorksInAProcessWithLibTorch) {
   // LibTorch loaded and used, then the call that crashed.
   EXPECT_EQ(torch::ones({2}).sum().item<float>(), 2.0f);
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    ("remotehead-linkage-" + std::to_string(::getpid()));
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("remotehead-linkage-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir / "a");
   std::ofstream(dir / "a" / "f") << "x";
   EXPECT_EQ(std::filesystem::remove_all(dir), 3u);
