@@ -199,13 +199,12 @@ class Check:
             return "cut", ""
         if code != 0:
             return "failed", "see install.log"
-        deps = self.prefix / "deps"
-        multiarch = next((deps / "usr" / "lib").glob("*-linux-gnu"), None)
-        self.env["PATH"] = f"{deps / 'usr' / 'bin'}:{self.env.get('PATH', '')}"
-        if multiarch:
-            self.env["LD_LIBRARY_PATH"] = f"{multiarch}:{self.env.get('LD_LIBRARY_PATH', '')}"
-        self.env["PYTHONPATH"] = (f"{self.prefix / 'python'}:{ROOT / 'client' / 'python'}:"
-                                  f"{self.env.get('PYTHONPATH', '')}")
+        # The prefix's environment as kit_install wrote it (env.sh: its one home), and the
+        # Python client of this source.
+        dumped = subprocess.run(["bash", "-c", f"source {shlex.quote(str(self.prefix / 'env.sh'))}"
+                                 " && env -0"], env=self.env, capture_output=True, check=True)
+        self.env = dict(kv.split("=", 1) for kv in dumped.stdout.decode().split("\0") if "=" in kv)
+        self.env["PYTHONPATH"] = f"{ROOT / 'client' / 'python'}:{self.env['PYTHONPATH']}"
         n = len(list((kit / "debs").glob("*.deb")))
         w = len(list((kit / "wheels").glob("*.whl")))
         return "ok", f"{n} packages, {w} wheels into {self.prefix}"
