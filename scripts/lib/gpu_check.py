@@ -71,13 +71,14 @@ CPU_ONLY_SUITES = [("C++ client", "client_test", "*", 1, (1, 1)),
                    ("checkpoint directory", "checkpoint_dir_test", "*", 1, (1, 1)),
                    ("optimizers", "optimizer_test", "*", 1, (1, 1))]
 # The Python client against the server just built (CPU heads: the client's side is what differs
-# with the machine's torch), run by pytest with a JUnit report.
+# with the machine's torch and grpcio; striping's threads and channels included), run by pytest
+# with a JUnit report.
 PYTHON_SUITES = ["tests/python/test_client.py", "tests/python/test_two_phase_and_grpo.py",
-                 "tests/python/test_generation_wire.py"]
+                 "tests/python/test_generation_wire.py", "tests/python/test_striping.py"]
 BENCH_SHAPES = {"cuda": ["cce", "liger"], "cpu": ["256:64:2048:float32", "128:32:1000:bfloat16:30"]}
 BENCH_STEPS = {"cuda": ("1", "3"), "cpu": ("1", "2")}
-# The wire: one step stream's goodput (X up, dX down, through the client and server alone) at a
-# shape whose bytes dominate, next to the loopback TCP limit measured in the same run
+# The wire: a step's goodput over 1 and 4 streams (StepHeader.stripe; X up, dX down on a one-token
+# head) at a shape whose bytes dominate, next to the loopback TCP limit measured in the same run
 # (remotehead-remote-bench; its server computes on the CPU, the wire is what is read here).
 WIRE_SHAPE = {"cuda": "8192:4096:64", "cpu": "1024:256:64"}
 
@@ -380,7 +381,8 @@ class Check:
         with open(out, "w") as f:
             try:
                 code = subprocess.run([exe, "--json", f"--shapes={WIRE_SHAPE[self.limit_set()]}",
-                                       "--repeats=3", "--warmup=1", "--loopback_bytes=1073741824"],
+                                       "--repeats=3", "--warmup=1", "--loopback_bytes=1073741824",
+                                       "--streams=1,4"],
                                       stdout=f, stderr=open(self.logs / "wire.log", "w"),
                                       env=self.env, timeout=limit, start_new_session=True).returncode
             except subprocess.TimeoutExpired:
@@ -389,15 +391,24 @@ class Check:
             return "failed", f"exited {code}; see wire.log"
         data = json.loads(out.read_text())
         shape = data["shapes"][0]
-        w = {"shape": WIRE_SHAPE[self.limit_set()], "streams": 1,
+        striped = {str(x["streams"]): x for x in shape.get("striped_wire", [])}
+        w = {"shape": WIRE_SHAPE[self.limit_set()],
              "wire_gb_per_s": shape["wire_goodput_gb_per_s"],
              "step_gb_per_s": shape["remote_goodput_gb_per_s"],
              "loopback_tcp_gb_per_s": data["loopback_tcp_gb_per_s"],
-             "wire_vs_loopback": shape["wire_vs_loopback"], "echo_exact": shape["echo_exact"]}
+             "wire_vs_loopback": shape["wire_vs_loopback"], "echo_exact": shape["echo_exact"],
+             # The step's own path over C streams (StepHeader.stripe), X up and dX down.
+             "streams": {c: {"gb_per_s": x["gb_per_s"], "vs_loopback": x["vs_loopback"],
+                             "dx_max_rel_diff": x["dx_max_rel_diff"]}
+                         for c, x in striped.items()}}
         self.report["wire"] = w
-        return ("ok" if w["echo_exact"] else "failed"), (
-            f"one stream {w['wire_gb_per_s']:.2f} GB/s = {w['wire_vs_loopback']:.2f} of the "
-            f"loopback TCP limit ({w['loopback_tcp_gb_per_s']:.2f} GB/s)")
+        exact = w["echo_exact"] and set(w["streams"]) == {"1", "4"} and all(
+            x["dx_max_rel_diff"] <= 1e-6 for x in w["streams"].values())
+        by_streams = "; ".join(f"{c} stream{'s' * (c != '1')} {x['gb_per_s']:.2f} GB/s = "
+                               f"{x['vs_loopback']:.2f}" for c, x in w["streams"].items())
+        return ("ok" if exact else "failed"), (
+            f"{by_streams} of the loopback TCP limit ({w['loopback_tcp_gb_per_s']:.2f} GB/s); "
+            f"X and dX alone {w['wire_gb_per_s']:.2f} GB/s")
 
     def bench(self, limit):
         deadline = time.monotonic() + limit

@@ -63,11 +63,13 @@ def markdown(r: dict) -> str:
                          f"{s['skipped']} | {', '.join(s['failures'][:5])} |")
     if r.get("wire"):
         w = r["wire"]
-        lines += ["", f"**The wire** ({w['shape']}, {w['streams']} stream): X up and dX down "
-                  f"through the client and server alone {w['wire_gb_per_s']:.2f} GB/s; the whole "
-                  f"step {w['step_gb_per_s']:.2f} GB/s; loopback TCP limit (one connection, "
-                  f"same run) {w['loopback_tcp_gb_per_s']:.2f} GB/s; wire / limit "
-                  f"{w['wire_vs_loopback']:.2f}"]
+        streams = "; ".join(f"{c} stream{'s' * (c != '1')} {x['gb_per_s']:.2f} GB/s "
+                            f"({x['vs_loopback']:.2f} of the limit)"
+                            for c, x in w["streams"].items())
+        lines += ["", f"**The wire** ({w['shape']}): a step's X up and dX down over {streams}; "
+                  f"X and dX through the client and server alone {w['wire_gb_per_s']:.2f} GB/s; "
+                  f"the whole step {w['step_gb_per_s']:.2f} GB/s; loopback TCP limit (one "
+                  f"connection, same run) {w['loopback_tcp_gb_per_s']:.2f} GB/s"]
     for b in r["bench"]:
         lines += ["", f"**{b['shape']}**" + (f" (N={b['n']}, D={b['d']}, V={b['v']}, "
                                              f"{b['dtype']}, softcap {b['softcap']:g})"

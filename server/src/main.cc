@@ -56,6 +56,9 @@ ABSL_FLAG(int32_t, torch_threads, 0,
           "LibTorch intra-op threads per engine call (0 = LibTorch's default: all cores)");
 ABSL_FLAG(int32_t, read_ahead_messages, 4,
           "rows messages a streaming call reads ahead of the one being computed");
+ABSL_FLAG(double, stripe_join_seconds, 30,
+          "how long the streams of a striped step (StepHeader.stripe) may take to join after its "
+          "first; then the step fails (ABORTED), nothing committed");
 ABSL_FLAG(double, max_retain_seconds, 600,
           "longest a Forward's inputs are kept for a Backward (StepHeader.retain_inputs_seconds)");
 ABSL_FLAG(double, sync_step_timeout_seconds, 300,
@@ -291,6 +294,7 @@ rh::server::ServiceOptions MakeServiceOptions(
       .device = device,
       .compute_threads = absl::GetFlag(FLAGS_compute_threads),
       .read_ahead_messages = std::max(1, absl::GetFlag(FLAGS_read_ahead_messages)),
+      .stripe_join_seconds = absl::GetFlag(FLAGS_stripe_join_seconds),
       .admission = {.memory_budget_bytes = budget,
                     .max_active = absl::GetFlag(FLAGS_max_active_requests),
                     .max_queued = absl::GetFlag(FLAGS_max_queued_requests)},

@@ -38,9 +38,11 @@ MemoryEstimate StepMemory(const StepMemoryInputs& in);
 int64_t RetainedInputsBytes(const core::CallPlan& plan, int64_t rows,
                             int64_t teacher_row_bytes = 0);
 
-// What the transport may hold for one step call: the request messages read ahead (4 MiB each
-// at most, plus the one being handled) and the responses not yet taken by the client.
-int64_t StepPipelineBytes(int read_ahead_messages, int64_t max_pending_response_bytes);
+// What the transport may hold for one step call over `streams` streams (StepHeader.stripe): the
+// request messages each reads ahead (4 MiB each at most, plus the one being handled) and the
+// responses not yet taken by the client.
+int64_t StepPipelineBytes(int streams, int read_ahead_messages,
+                          int64_t max_pending_response_bytes);
 
 // The CPU buffer an upload assembles the head's rows in.
 MemoryEstimate UploadBufferMemory(const std::string& head_id, int64_t vocab_size,

@@ -3,6 +3,9 @@
 // service, created by HeadService::Create and passed to every reactor.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
+
 #include "compute_pool.h"
 #include "group/group_follower.h"
 #include "group/mesh_steps.h"
@@ -11,6 +14,7 @@
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/head_service.h"
 #include "step/retained_inputs.h"
+#include "step/stripe_joins.h"
 #include "sync_steps.h"
 
 namespace remotehead::server {
@@ -21,6 +25,8 @@ struct ServiceContext {
         options(options),
         admission(options.admission),
         retained(&admission, options.max_retain_seconds),
+        stripes(std::chrono::milliseconds(
+            static_cast<int64_t>(std::max(options.stripe_join_seconds, 0.001) * 1000))),
         operations(registry, &admission, options.device, options.event_log, options.checkpoint_dir,
                    options.state_store, options.checkpoint_every_steps, options.group,
                    options.mesh),
@@ -65,6 +71,7 @@ struct ServiceContext {
   const ServiceOptions options;
   AdmissionController admission;
   RetainedInputStore retained;
+  StripeJoins stripes;  // the streams of striped steps, joining by key
   HeadOperations operations;
   GroupFollower follower;       // a head group's other ranks: every command of the log
   MeshSteps mesh_steps;         // a mesh's optimizer steps (unused off a mesh)

@@ -60,6 +60,7 @@
 #include "bench/loopback_limit.h"
 #include "bench/remote_bench_mesh.h"
 #include "bench/remote_bench_table.h"
+#include "bench/striped_wire.h"
 #include "remotehead/client/client.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
@@ -78,6 +79,9 @@ ABSL_FLAG(int32_t, threads, 0, "torch::set_num_threads in this process when > 0"
 ABSL_FLAG(bool, json, false, "print one JSON object on stdout instead of the table");
 ABSL_FLAG(int64_t, loopback_bytes, int64_t{256} << 20,
           "bytes sent through one loopback TCP connection to measure its limit (0: not measured)");
+ABSL_FLAG(std::vector<std::string>, streams, std::vector<std::string>({"1", "4"}),
+          "stream counts of the striped wire probe (X up, dX down on a two-token head); empty: "
+          "not measured");
 ABSL_FLAG(int32_t, group_size, 0,
           "also run the step on a head group of this many server processes (0: none)");
 ABSL_FLAG(std::string, plot, "",
@@ -339,8 +343,8 @@ nlohmann::json PlotSeries(const Shape& s, const rh::core::Head& head,
           {"two_phase_remote_trainer_peak_bytes", two_phase.peak_bytes}};
 }
 
-nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server_pid,
-                        Group* group) {
+nlohmann::json RunShape(const Shape& s, rh::client::Client& client, const std::string& target,
+                        pid_t server_pid, Group* group) {
   torch::NoGradGuard no_grad;
   // The same head on both sides: Head::Initialize is deterministic in the seed.
   auto head = OrDie(
@@ -409,6 +413,26 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
   const double down =
       TimeIt([&] { echoed = OrDie(client.ExportWeights("probe_down"), "ExportWeights").weight; });
   for (const char* id : {"probe_up", "probe_down", "bench"}) (void)client.DropHead(id);
+  // The step's own path over C parallel streams (X up, dX down, next to no compute).
+  std::vector<int> counts;
+  for (const std::string& c : absl::GetFlag(FLAGS_streams)) {
+    int count = 0;
+    if (!absl::SimpleAtoi(c, &count) || count < 1) {
+      std::cerr << "--streams: expected positive integers; got \"" << c << "\"" << std::endl;
+      std::exit(2);
+    }
+    counts.push_back(count);
+  }
+  nlohmann::json striped = nlohmann::json::array();
+  for (const bench::StripedWire& w : OrDie(
+           bench::MeasureStripedWire(target, batch.hidden, counts, absl::GetFlag(FLAGS_chunk_bytes),
+                                     absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_repeats)),
+           "striped wire")) {
+    striped.push_back({{"streams", w.streams},
+                       {"seconds", w.seconds},
+                       {"gb_per_s", w.gb_per_s},
+                       {"dx_max_rel_diff", w.dx_max_rel_diff}});
+  }
   torch::set_num_threads(threads);
 
   const double bytes = 2.0 * s.n * s.d * 4;  // X up + dX down
@@ -440,6 +464,7 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, pid_t server
       {"loss", local.loss},
       {"echo_exact", torch::equal(echoed, batch.hidden)},
   };
+  if (!striped.empty()) out["striped_wire"] = striped;
   if (group != nullptr) out["group"] = group_report;
   if (!plot_series.is_null()) out["plot"] = plot_series;
   return out;
@@ -501,7 +526,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<Group> group;
   if (absl::GetFlag(FLAGS_group_size) >= 2) group = StartGroup(absl::GetFlag(FLAGS_group_size));
   for (const Shape& s : shapes) {
-    report["shapes"].push_back(RunShape(s, *client, server.pid(), group.get()));
+    report["shapes"].push_back(RunShape(s, *client, server.target(), server.pid(), group.get()));
   }
   // The wire read against the loopback TCP limit, measured in the same run.
   if (const int64_t bytes = absl::GetFlag(FLAGS_loopback_bytes); bytes > 0) {
@@ -509,6 +534,8 @@ int main(int argc, char** argv) {
     report["loopback_tcp_gb_per_s"] = limit;
     for (auto& r : report["shapes"]) {
       r["wire_vs_loopback"] = r["wire_goodput_gb_per_s"].get<double>() / limit;
+      if (!r.contains("striped_wire")) continue;
+      for (auto& w : r["striped_wire"]) w["vs_loopback"] = w["gb_per_s"].get<double>() / limit;
     }
   }
   report["bench"] = "remotehead-remote-bench";

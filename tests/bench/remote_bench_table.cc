@@ -33,6 +33,20 @@ void PrintRemoteBenchTable(const nlohmann::json& report, std::ostream& out) {
         "", r["remote_cpu_seconds"].get<double>(), 100 * r["remote_cpu_utilisation"].get<double>(),
         report["cores"].get<int>(), r["loss_abs_diff"].get<double>(),
         r["dx_max_abs_diff"].get<double>(), r["echo_exact"].get<bool>() ? "yes" : "NO");
+    if (r.contains("striped_wire")) {
+      // X up and dX down through the step's path, next to no compute, by stream count.
+      std::string line;
+      for (const auto& w : r["striped_wire"]) {
+        line +=
+            absl::StrFormat(" %d stream%s %.2f GB/s", w["streams"].get<int>(),
+                            w["streams"].get<int>() == 1 ? "" : "s", w["gb_per_s"].get<double>());
+        if (w.contains("vs_loopback")) {
+          line += absl::StrFormat(" (%.2f of loopback)", w["vs_loopback"].get<double>());
+        }
+        line += absl::StrFormat(", dX vs 1 stream %.1e;", w["dx_max_rel_diff"].get<double>());
+      }
+      out << absl::StrFormat("%-18s striped step wire:%s\n", "", line);
+    }
     if (!r.contains("group")) continue;
     const auto& g = r["group"];
     out << absl::StrFormat(

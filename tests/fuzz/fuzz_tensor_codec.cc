@@ -7,10 +7,12 @@
 // dtype (ctl & 7, of the six wire dtypes), rows ((ctl >> 3) & 7), 3 columns, or 1-D when
 // ctl & 0x40; conversion allowed when ctl & 0x80.
 //
+// The same chunks also go to a RowAssembler in any order (a striped step's results).
+//
 // Checked, beyond "no crash, no exception, no sanitizer report": a decoded tensor has exactly
 // the wire's dtype, shape and bytes, the copy equals the view, and encoding it again gives the
-// same message; the assembler never takes more rows than its destination has, and CheckComplete
-// agrees with the rows it took.
+// same message; neither assembler takes more rows than its destination has, the one in any
+// order never takes a row twice, and CheckComplete agrees with the rows each took.
 #include <cstring>
 #include <string>
 #include <vector>
@@ -86,6 +88,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const torch::Tensor dst =
       (ctl & 0x40) != 0 ? torch::zeros({rows}, dtype) : torch::zeros({rows, 3}, dtype);
   wire::RowAssembler assembler(dst, "rows", /*convert_dtype=*/(ctl & 0x80) != 0);
+  wire::RowAssembler any_order(dst.clone(), "rows", (ctl & 0x80) != 0,
+                               wire::RowAssembler::Order::kAnyOrder);
+  std::vector<bool> taken(static_cast<size_t>(rows), false);
   for (size_t i = 1; i < parts.size(); ++i) {
     v1::TensorChunk chunk;
     if (!chunk.ParseFromString(parts[i])) continue;
@@ -97,6 +102,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     if (!s.ok() && assembler.rows_received() != before) Fail("a refused chunk counted rows");
     if (assembler.rows_received() > rows) Fail("the assembler took more rows than it has");
+
+    const int64_t any_before = any_order.rows_received();
+    const absl::Status a = any_order.Add(chunk);
+    if (!a.ok() && a.code() != absl::StatusCode::kInvalidArgument) {
+      Fail("RowAssembler::Add (any order): not INVALID_ARGUMENT: " + a.ToString());
+    }
+    if (!a.ok()) {
+      if (any_order.rows_received() != any_before) Fail("a refused chunk counted rows");
+      continue;
+    }
+    const int64_t took = any_order.rows_received() - any_before;
+    for (int64_t r = chunk.row_offset(); r < chunk.row_offset() + took; ++r) {
+      if (r < 0 || r >= rows || taken[static_cast<size_t>(r)]) Fail("a row taken twice or outside");
+      taken[static_cast<size_t>(r)] = true;
+    }
+  }
+  if (any_order.CheckComplete().ok() != (any_order.rows_received() == rows)) {
+    Fail("CheckComplete (any order) disagrees with the rows received");
   }
   if (assembler.CheckComplete().ok() != (assembler.rows_received() == rows)) {
     Fail("CheckComplete disagrees with the rows received");

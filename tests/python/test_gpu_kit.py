@@ -122,12 +122,17 @@ def test_the_dry_run_builds_against_the_machines_torch_offline_in_a_clean_room(c
     for package in ("gRPC_DIR", "absl_DIR", "prometheus-cpp_DIR"):
         line = next(l for l in cache.splitlines() if l.startswith(package + ":"))
         assert str(work / "prefix" / "deps") in line, line
-    # The wire: one stream's goodput next to the loopback TCP limit of the same run.
+    # The wire: a step over 1 and 4 streams (the same dX), next to the loopback TCP limit of the
+    # same run.
     wire = report["wire"]
-    assert wire["echo_exact"] and wire["streams"] == 1, wire
+    assert wire["echo_exact"] and set(wire["streams"]) == {"1", "4"}, wire
     assert wire["wire_gb_per_s"] > 0 and wire["loopback_tcp_gb_per_s"] > 0, wire
     assert abs(wire["wire_vs_loopback"] * wire["loopback_tcp_gb_per_s"]
                - wire["wire_gb_per_s"]) < 1e-6 * wire["wire_gb_per_s"], wire
+    for streams in wire["streams"].values():
+        assert streams["gb_per_s"] > 0 and streams["dx_max_rel_diff"] <= 1e-6, wire
+        assert abs(streams["vs_loopback"] * wire["loopback_tcp_gb_per_s"]
+                   - streams["gb_per_s"]) < 1e-6 * streams["gb_per_s"], wire
     # The benchmark's contenders that run on the CPU, each with a time, and the ratios.
     assert report["bench"], report
     for shape in report["bench"]:

@@ -114,16 +114,11 @@ class ServiceFixture : public ::testing::Test {
 
   enum class Rpc { kForwardBackward, kForward, kBackward };
 
-  // Sends the header then the rows in pieces of `piece` rows; `corrupt` may alter messages;
-  // `grad_output` ([N]) is sent with the rows (Backward with reduction NONE).
-  StepOutcome Step(const std::string& trainer, int64_t micro_batch, int64_t piece = 17,
-                   std::function<void(v1::StepRequest&)> corrupt = nullptr,
-                   Rpc rpc = Rpc::kForwardBackward, const torch::Tensor& grad_output = {}) {
-    grpc::ClientContext context;
-    if (step_deadline_) context.set_deadline(std::chrono::system_clock::now() + *step_deadline_);
-    auto stream = rpc == Rpc::kForward    ? stub_->Forward(&context)
-                  : rpc == Rpc::kBackward ? stub_->Backward(&context)
-                                          : stub_->ForwardBackward(&context);
+  // The messages of a step on the test batch: the header, then the rows in pieces of `piece`
+  // rows; `grad_output` ([N]) is sent with the rows (Backward with reduction NONE).
+  std::vector<v1::StepRequest> StepMessages(const std::string& trainer, int64_t micro_batch,
+                                            int64_t piece, Rpc rpc,
+                                            const torch::Tensor& grad_output = {}) {
     v1::StepRequest header;
     v1::StepHeader* h = header.mutable_header();
     h->set_head_id("lm");
@@ -153,6 +148,20 @@ class ServiceFixture : public ::testing::Test {
       }
       messages.push_back(std::move(rows));
     }
+    return messages;
+  }
+
+  // Sends StepMessages on one stream; `corrupt` may alter messages.
+  StepOutcome Step(const std::string& trainer, int64_t micro_batch, int64_t piece = 17,
+                   std::function<void(v1::StepRequest&)> corrupt = nullptr,
+                   Rpc rpc = Rpc::kForwardBackward, const torch::Tensor& grad_output = {}) {
+    grpc::ClientContext context;
+    if (step_deadline_) context.set_deadline(std::chrono::system_clock::now() + *step_deadline_);
+    auto stream = rpc == Rpc::kForward    ? stub_->Forward(&context)
+                  : rpc == Rpc::kBackward ? stub_->Backward(&context)
+                                          : stub_->ForwardBackward(&context);
+    std::vector<v1::StepRequest> messages =
+        StepMessages(trainer, micro_batch, piece, rpc, grad_output);
     StepOutcome outcome;
     outcome.grad_hidden = torch::full({kRows, kHidden}, NAN);
     outcome.outputs = torch::full({kRows}, NAN);

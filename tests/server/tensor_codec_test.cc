@@ -152,6 +152,34 @@ TEST(TensorCodec, RowAssemblerTakesRowsInOrderAndRefusesTheRest) {
   EXPECT_TRUE(torch::equal(converting.tensor(), torch::tensor({1.5, -2.0, 3.25}, torch::kDouble)));
 }
 
+// A striped step's results come back on any of its streams: in any order, each row once.
+TEST(TensorCodec, RowAssemblerInAnyOrderTakesEachRowOnceAndRefusesOverlaps) {
+  const torch::Tensor source = torch::arange(24, torch::kFloat).reshape({6, 4});
+  wire::RowAssembler rows(torch::empty({6, 4}), "grad_hidden", /*convert_dtype=*/false,
+                          wire::RowAssembler::Order::kAnyOrder);
+  auto chunk = [&](int64_t offset, int64_t n) {
+    v1::TensorChunk c;
+    c.set_row_offset(offset);
+    EXPECT_TRUE(EncodeTensor(source.narrow(0, offset, n), c.mutable_values()).ok());
+    return c;
+  };
+  ASSERT_TRUE(rows.Add(chunk(4, 2)).ok()) << rows.Add(chunk(4, 2));
+  ASSERT_TRUE(rows.Add(chunk(0, 1)).ok());
+  EXPECT_EQ(rows.CheckComplete().message(), "grad_hidden: expected 6 rows; got 3");
+  // Rows 3..4 overlap the chunk at 4; rows 0.. were taken already.
+  EXPECT_EQ(rows.Add(chunk(3, 2)).message(),
+            "grad_hidden.values: expected Float [rows, 4] within the 1 rows not yet received of "
+            "6; got Float [2, 4] at row 3");
+  EXPECT_EQ(rows.Add(chunk(0, 1)).code(), absl::StatusCode::kInvalidArgument);
+  v1::TensorChunk outside = chunk(0, 1);
+  outside.set_row_offset(7);
+  EXPECT_EQ(rows.Add(outside).message(), "grad_hidden.row_offset: expected 0 to 6; got 7");
+  ASSERT_TRUE(rows.Add(chunk(1, 3)).ok());
+  EXPECT_TRUE(rows.CheckComplete().ok());
+  EXPECT_EQ(rows.rows_received(), 6);
+  EXPECT_TRUE(torch::equal(rows.tensor(), source));
+}
+
 std::string FromHex(const std::string& hex) {
   std::string bytes;
   for (size_t i = 0; i + 1 < hex.size(); i += 2) {

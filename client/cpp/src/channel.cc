@@ -39,6 +39,9 @@ absl::Status CheckOptions(const ClientOptions& o) {
         "tls.client_cert_pem, tls.client_key_pem: expected both (mutual TLS) or neither; got "
         "only one");
   }
+  if (o.streams < 1 || o.streams > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("streams: expected 1 to 64; got ", o.streams));
+  }
   const RetryPolicy& r = o.retry;
   if (r.max_attempts < 1) {
     return absl::InvalidArgumentError(
@@ -217,6 +220,14 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Create(ClientOptions options) {
   };
   client->impl_->channel = client->impl_->open(client->options_.target);
   client->impl_->stub = v1::HeadService::NewStub(client->impl_->channel);
+  // A striped step's other streams, each on a connection of its own (a channel that shares no
+  // subchannel), so that they do not queue behind one another on one socket.
+  grpc::ChannelArguments own_connection = args;
+  own_connection.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  for (int i = 1; i < client->options_.streams; ++i) {
+    client->impl_->stripe_stubs.push_back(v1::HeadService::NewStub(
+        grpc::CreateCustomChannel(client->options_.target, credentials, own_connection)));
+  }
   if (!leader.empty()) client->impl_->ConnectLeader(leader);
   return client;
 }

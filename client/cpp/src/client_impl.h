@@ -37,6 +37,8 @@ struct Client::Impl {
   const ClientOptions& options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<Stub> stub;
+  // Streams 1..C-1 of a striped step (ClientOptions::streams), each on its own connection.
+  std::vector<std::unique_ptr<Stub>> stripe_stubs;
   // A channel to `address` with the client's credentials and arguments.
   std::function<std::shared_ptr<grpc::Channel>(const std::string& address)> open;
   // A mesh's leader, when it is not `stub`'s server (known from ClientOptions::fronts or from
@@ -78,14 +80,17 @@ struct Client::Impl {
   // NOT_THE_LEADER that names the leader, connected to it and run once more there.
   absl::Status ToLeader(const std::function<absl::Status(Stub*)>& call);
 
-  // One attempt of a step call: a writer thread sends the header and the row chunks while this
-  // thread assembles the streamed dX / outputs; then the summary. `grad_hidden` / `outputs`
+  // One attempt of a step call, on ClientOptions::streams streams: a writer thread per stream
+  // sends its header and row chunks while a reader per stream (this thread reads the first)
+  // assembles the streamed dX / outputs; then the summary. `grad_hidden` / `outputs`
   // (preallocated, or undefined when the call returns none) are overwritten by every attempt.
   // `token_ids`: a sampling Forward's drawn tokens.
   absl::Status StepAttempt(grpc::ClientContext* context, const internal::PreparedStep& p,
                            const torch::Tensor& grad_hidden, const torch::Tensor& outputs,
                            v1::StepSummary* summary, const torch::Tensor& token_ids = {},
                            const TokenExtras& token_extras = {});
+  // A new key naming one striped attempt's streams (empty for one stream).
+  std::string StripeKey();
 
   // The server's functions, read by the first call that needs them and kept (functions.cc);
   // Function: one of them by name, nullopt when the server lists none of that name.

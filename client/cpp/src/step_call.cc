@@ -1,9 +1,14 @@
 // The step calls (ForwardBackward, Forward, Backward): each prepared once (prepare_step.h), then
 // every attempt streams it — a writer thread sends the header and the rows while the calling
 // thread assembles dX / per-token outputs as they arrive, then the summary.
+#include <chrono>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client_impl.h"
@@ -112,43 +117,116 @@ TokenExtras AllocateTokenExtras(const StepSpec& spec, const PreparedStep& p) {
   return extras;
 }
 
+// Each stream's first message: stream 0's is the step's header, the others' state only their
+// stripe (StepHeader.stripe); one stream sends the header as it is.
+std::vector<v1::StepRequest> StripeHeaders(const v1::StepRequest& header, int count,
+                                           const std::string& key) {
+  std::vector<v1::StepRequest> headers(count);
+  headers[0] = header;
+  if (count == 1) return headers;
+  for (int i = 0; i < count; ++i) {
+    v1::StripeSpec* stripe = headers[i].mutable_header()->mutable_stripe();
+    stripe->set_key(key);
+    stripe->set_count(count);
+    stripe->set_index(i);
+  }
+  return headers;
+}
+
+// The failure a striped attempt reports: the first that is not the CANCELLED of a stream the
+// failure of another ended, else the first.
+absl::Status FirstFailure(const std::vector<absl::Status>& statuses) {
+  const absl::Status* first = nullptr;
+  for (const absl::Status& s : statuses) {
+    if (s.ok()) continue;
+    if (s.code() != absl::StatusCode::kCancelled) return s;
+    if (first == nullptr) first = &s;
+  }
+  return first == nullptr ? absl::OkStatus() : *first;
+}
+
 }  // namespace
+
+std::string Client::Impl::StripeKey() {
+  if (options.streams == 1) return "";
+  std::lock_guard<std::mutex> lock(rng_mu);
+  return absl::StrCat(absl::Hex(rng(), absl::kZeroPad16), absl::Hex(rng(), absl::kZeroPad16));
+}
 
 absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const PreparedStep& p,
                                        const torch::Tensor& grad_hidden,
                                        const torch::Tensor& outputs, v1::StepSummary* summary,
                                        const torch::Tensor& token_ids,
                                        const TokenExtras& token_extras) {
-  const std::unique_ptr<StepStream> stream = OpenStep(*stub, context, p.mode);
+  const int count = options.streams;
+  const auto order =
+      count == 1 ? wire::RowAssembler::Order::kInOrder : wire::RowAssembler::Order::kAnyOrder;
   StepReceiver receiver{.mode = p.mode, .summary = summary};
-  if (grad_hidden.defined()) receiver.dx.emplace(grad_hidden, "grad_hidden");
-  if (outputs.defined()) receiver.out.emplace(outputs, "outputs");
-  if (token_ids.defined()) receiver.ids.emplace(token_ids, "token_ids");
+  if (grad_hidden.defined()) receiver.dx.emplace(grad_hidden, "grad_hidden", order);
+  if (outputs.defined()) receiver.out.emplace(outputs, "outputs", order);
+  if (token_ids.defined()) receiver.ids.emplace(token_ids, "token_ids", order);
   for (const auto& [name, dst] : token_extras) {
-    receiver.extras.emplace(name, ResponseRows(dst, absl::StrCat("token_extras[\"", name, "\"]")));
+    receiver.extras.emplace(name,
+                            ResponseRows(dst, absl::StrCat("token_extras[\"", name, "\"]"), order));
   }
 
-  // A failed Write means the call is over (the server finished it, or it was cancelled):
-  // Finish below reports why.
-  std::thread writer([&] {
-    try {
-      if (!stream->Write(p.header)) return;
-      for (const auto& [offset, count] : p.chunks) {
-        if (!stream->Write(p.RowsMessage(offset, count))) return;
-      }
-      stream->WritesDone();
-    } catch (...) {
-      context->TryCancel();  // e.g. out of memory building a message: the reader sees CANCELLED
+  // Stream i's context: the attempt's, or one with its deadline.
+  std::vector<std::unique_ptr<grpc::ClientContext>> own(count);
+  std::vector<grpc::ClientContext*> contexts(count, context);
+  for (int i = 1; i < count; ++i) {
+    own[i] = std::make_unique<grpc::ClientContext>();
+    if (context->deadline() != std::chrono::system_clock::time_point::max()) {
+      own[i]->set_deadline(context->deadline());
     }
-  });
-  // A response the receiver refuses cancels the call; the stream is then drained.
-  const absl::Status received = ReadStream<v1::StepResponse>(
-      context, *stream, [&](const v1::StepResponse& r) { return receiver.Add(r); },
-      /*finish=*/false);
-  writer.join();
-  const grpc::Status finished = stream->Finish();
-  RETURN_IF_ERROR(received);
-  RETURN_IF_ERROR(FromGrpc(finished));
+    contexts[i] = own[i].get();
+  }
+  std::vector<std::unique_ptr<StepStream>> streams;
+  for (int i = 0; i < count; ++i) {
+    streams.push_back(OpenStep(i == 0 ? *stub : *stripe_stubs[i - 1], contexts[i], p.mode));
+  }
+  const std::vector<v1::StepRequest> headers = StripeHeaders(p.header, count, StripeKey());
+  auto cancel_all = [&] {
+    for (grpc::ClientContext* c : contexts) c->TryCancel();
+  };
+
+  // A failed Write means the call is over (the server finished it, or it was cancelled):
+  // Finish below reports why. Row message j goes on stream j mod count.
+  std::vector<std::thread> writers;
+  for (int i = 0; i < count; ++i) {
+    writers.emplace_back([&, i] {
+      try {
+        if (!streams[i]->Write(headers[i])) return;
+        for (size_t j = static_cast<size_t>(i); j < p.chunks.size(); j += count) {
+          if (!streams[i]->Write(p.RowsMessage(p.chunks[j].offset, p.chunks[j].count))) return;
+        }
+        streams[i]->WritesDone();
+      } catch (...) {
+        cancel_all();  // e.g. out of memory building a message: the readers see CANCELLED
+      }
+    });
+  }
+  // A response the receiver refuses cancels every stream; each is then drained.
+  std::mutex receiver_mu;
+  std::vector<absl::Status> received(count);
+  auto read = [&](int i) {
+    received[i] = ReadStream<v1::StepResponse>(
+        contexts[i], *streams[i],
+        [&](const v1::StepResponse& r) {
+          std::lock_guard<std::mutex> lock(receiver_mu);
+          return receiver.Add(r);
+        },
+        /*finish=*/false);
+    if (!received[i].ok()) cancel_all();
+  };
+  std::vector<std::thread> readers;
+  for (int i = 1; i < count; ++i) readers.emplace_back(read, i);
+  read(0);
+  for (std::thread& t : readers) t.join();
+  for (std::thread& t : writers) t.join();
+  std::vector<absl::Status> finished;
+  for (int i = 0; i < count; ++i) finished.push_back(FromGrpc(streams[i]->Finish()));
+  for (const absl::Status& s : received) RETURN_IF_ERROR(s);
+  RETURN_IF_ERROR(FirstFailure(finished));
   return receiver.CheckComplete();
 }
 

@@ -41,8 +41,10 @@ absl::Status ReadStream(grpc::ClientContext* context, Reader& reader, Handle&& h
 // a broken response (INTERNAL).
 class ResponseRows {
  public:
-  ResponseRows(torch::Tensor dst, std::string field)
-      : rows_(std::move(dst), std::move(field), /*convert_dtype=*/true) {}
+  // kAnyOrder: the rows of a step striped over several streams, which come on any of them.
+  ResponseRows(torch::Tensor dst, std::string field,
+               wire::RowAssembler::Order order = wire::RowAssembler::Order::kInOrder)
+      : rows_(std::move(dst), std::move(field), /*convert_dtype=*/true, order) {}
   absl::Status Add(const v1::TensorChunk& chunk) { return BrokenResponse(rows_.Add(chunk)); }
   absl::Status Add(const v1::TokenExtraChunk& chunk) {
     return BrokenResponse(rows_.Add(chunk.row_offset(), chunk.values()));

@@ -227,21 +227,36 @@ class PreparedStep:
     teacher_hidden: Optional[torch.Tensor] = None  # [N, D_teacher], two-head functions
     chunks: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
 
-    def messages(self) -> Iterator[pb.StepRequest]:
-        yield pb.StepRequest(header=self.header)
-        for offset, count in self.chunks:
-            m = pb.StepRequest()
-            r = m.rows
-            r.row_offset = offset
-            for name in ("hidden", "targets", "weights", "grad_output"):
-                t = getattr(self, name)
-                if t is not None:
-                    _wire.encode(t[offset:offset + count], getattr(r, name))
-            for name, t in self.aux:
-                _wire.encode(t[offset:offset + count], r.aux[name])
-            if self.teacher_hidden is not None:
-                _wire.encode(self.teacher_hidden[offset:offset + count], r.teacher_hidden)
-            yield m
+    def messages(self, stripe: Optional[Tuple[str, int, int]] = None
+                 ) -> Iterator[pb.StepRequest]:
+        """One stream's messages. `stripe` (key, count, index): stream `index` of a step striped
+        over `count` streams (StepHeader.stripe) — stream 0 sends the header, the others a
+        header stating only their stripe, and row message j goes on stream j mod count."""
+        key, count, index = stripe if stripe is not None else ("", 1, 0)
+        if count == 1:
+            yield pb.StepRequest(header=self.header)
+        else:
+            header = pb.StepHeader()
+            if index == 0:
+                header.CopyFrom(self.header)
+            header.stripe.key, header.stripe.count, header.stripe.index = key, count, index
+            yield pb.StepRequest(header=header)
+        for offset, rows in self.chunks[index::count]:
+            yield self._rows_message(offset, rows)
+
+    def _rows_message(self, offset: int, count: int) -> pb.StepRequest:
+        m = pb.StepRequest()
+        r = m.rows
+        r.row_offset = offset
+        for name in ("hidden", "targets", "weights", "grad_output"):
+            t = getattr(self, name)
+            if t is not None:
+                _wire.encode(t[offset:offset + count], getattr(r, name))
+        for name, t in self.aux:
+            _wire.encode(t[offset:offset + count], r.aux[name])
+        if self.teacher_hidden is not None:
+            _wire.encode(self.teacher_hidden[offset:offset + count], r.teacher_hidden)
+        return m
 
 
 def _per_token(t, rows: int, field: str, integral: bool) -> torch.Tensor:
@@ -433,14 +448,18 @@ def _scalar_upstream(g) -> float:
 
 class RowAssembler:
     """Streamed rows of one result, checked and copied into a preallocated tensor as they
-    arrive (in order, no gaps, dst's trailing shape; converted to dst's dtype). Anything else
-    is a broken server response: INTERNAL naming the field, as the C++ client's RowAssembler.
-    `trailing_from_first`: dst is [rows] now and takes the first chunk's trailing shape (rows
-    of logits, whose V the caller need not know)."""
+    arrive (dst's trailing shape, within its rows, none twice; converted to dst's dtype): in
+    order without gaps, or with `any_order` in any order (a step striped over several streams,
+    whose results come back on any of them). Anything else is a broken server response:
+    INTERNAL naming the field, as the C++ client's RowAssembler. `trailing_from_first`: dst is
+    [rows] now and takes the first chunk's trailing shape (rows of logits, whose V the caller
+    need not know)."""
 
-    def __init__(self, dst: torch.Tensor, field: str, trailing_from_first: bool = False):
-        self.dst, self.field, self.next_row = dst, field, 0
+    def __init__(self, dst: torch.Tensor, field: str, trailing_from_first: bool = False,
+                 any_order: bool = False):
+        self.dst, self.field, self.received = dst, field, 0
         self.trailing_from_first = trailing_from_first
+        self.seen = torch.zeros(dst.shape[0], dtype=torch.bool) if any_order else None
 
     def add(self, chunk: pb.TensorChunk) -> None:
         values = _wire.decode(chunk.values)
@@ -448,23 +467,31 @@ class RowAssembler:
             self.dst = self.dst.new_empty((self.dst.shape[0], *values.shape[1:]))
             self.trailing_from_first = False
         rows = values.shape[0] if values.dim() else -1
-        if (chunk.row_offset != self.next_row or rows < 0
-                or tuple(values.shape[1:]) != tuple(self.dst.shape[1:])
-                or self.next_row + rows > self.dst.shape[0]):
+        offset, total = chunk.row_offset, self.dst.shape[0]
+        if self.seen is None:
+            placed = offset == self.received
+            expected = f"rows from {self.received}"
+        else:
+            placed = (0 <= offset <= total and rows >= 0
+                      and not bool(self.seen[offset:offset + rows].any()))
+            expected = "rows not received yet"
+        if (not placed or rows < 0 or tuple(values.shape[1:]) != tuple(self.dst.shape[1:])
+                or offset + rows > total):
             trailing = "".join(f", {s}" for s in self.dst.shape[1:])
             raise RemoteheadError(
                 grpc.StatusCode.INTERNAL,
-                f"{self.field}: expected rows from {self.next_row} shaped [rows{trailing}] "
-                f"within {self.dst.shape[0]} rows; the server sent {shape_text(values)} at row "
-                f"{chunk.row_offset}")
-        self.dst[self.next_row:self.next_row + rows] = values
-        self.next_row += rows
+                f"{self.field}: expected {expected} shaped [rows{trailing}] within {total} "
+                f"rows; the server sent {shape_text(values)} at row {offset}")
+        self.dst[offset:offset + rows] = values
+        if self.seen is not None:
+            self.seen[offset:offset + rows] = True
+        self.received += rows
 
     def check_complete(self) -> None:
-        if self.next_row != self.dst.shape[0]:
+        if self.received != self.dst.shape[0]:
             raise RemoteheadError(grpc.StatusCode.INTERNAL,
                                   f"{self.field}: expected {self.dst.shape[0]} rows; the server "
-                                  f"sent {self.next_row}")
+                                  f"sent {self.received}")
 
 
 def resolve(options: Optional[StepOptions], overrides, default: StepOptions) -> StepOptions:
@@ -474,26 +501,31 @@ def resolve(options: Optional[StepOptions], overrides, default: StepOptions) -> 
 
 
 def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
-            output_dtype: Optional[torch.dtype], responses: Iterable[pb.StepResponse]):
+            output_dtype: Optional[torch.dtype], responses: Iterable[pb.StepResponse],
+            any_order: bool = False):
     """One attempt's response stream read into fresh results: (grad_hidden, outputs, token_ids)
     as RowAssemblers (None where the call returns none), the wire summary and the token extras
     the header asked for (RowAssemblers by name). `fn`: the
     function as the server lists it, for a Forward with reduction "none" (what its rows are and
     in which dtype); None otherwise, or for a function the server does not list (it refuses
-    it, naming it)."""
+    it, naming it). `any_order`: the responses of several streams, merged (rows in any order;
+    a summary from each)."""
     grad_hidden = outputs = token_ids = None
     if mode != FORWARD:
         grad_hidden = RowAssembler(
-            torch.empty((p.rows, p.hidden_size), dtype=p.result_dtype), "grad_hidden")
+            torch.empty((p.rows, p.hidden_size), dtype=p.result_dtype), "grad_hidden",
+            any_order=any_order)
     if fn is not None:
         outputs = RowAssembler(
             torch.empty((p.rows,), dtype=fn.outputs_dtype(p.result_dtype, output_dtype)),
-            "outputs", trailing_from_first=fn.output_kind == "logits")
+            "outputs", trailing_from_first=fn.output_kind == "logits", any_order=any_order)
         if fn.output_kind == "sample":
-            token_ids = RowAssembler(torch.empty((p.rows,), dtype=torch.int64), "token_ids")
+            token_ids = RowAssembler(torch.empty((p.rows,), dtype=torch.int64), "token_ids",
+                                     any_order=any_order)
     extras_dtype = torch.float64 if p.result_dtype == torch.float64 else torch.float32
     extras = {name: RowAssembler(torch.empty((p.rows,), dtype=extras_dtype),
-                                 f'token_extras["{name}"]') for name in p.header.token_extras}
+                                 f'token_extras["{name}"]', any_order=any_order)
+              for name in p.header.token_extras}
     summary = None
     for response in responses:
         part = response.WhichOneof("part")

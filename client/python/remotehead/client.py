@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import secrets
 import time
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -23,6 +24,7 @@ import grpc
 import torch
 
 from remotehead import _errors, _safetensors, _steps, _wire
+from remotehead._striping import merged_responses
 # Re-exported: remotehead.client.X is where these have always been imported from.
 from remotehead._errors import (InvalidArgumentError, RemoteheadError,  # noqa: F401
                                 ServerRestartedError)
@@ -94,6 +96,10 @@ class Client:
     `chunk_bytes` (>= 1024): the largest request message; rows of X (with their targets,
     weights, aux, grad_output) and uploaded weight rows are split so that no message exceeds
     it, by the same rule as the C++ client (same chunk_bytes, same row messages).
+    `streams` (1 to 64): the parallel streams each step call is striped over
+    (StepHeader.stripe): row message i goes on stream i mod `streams`, each stream after the
+    first on a connection of its own, and results come back on all of them — exactly those of
+    one stream. A failed or cancelled stream fails the attempt, which is retried as a whole.
     """
 
     def __init__(self, target: Union[str, Sequence[str]], *, rank: Optional[int] = None,
@@ -102,9 +108,11 @@ class Client:
                  token: Optional[str] = None, chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 64 << 20, timeout: Optional[float] = None,
                  max_attempts: int = 5, initial_backoff: float = 0.05,
-                 max_backoff: float = 2.0):
+                 max_backoff: float = 2.0, streams: int = 1):
         if chunk_bytes < 1024:
             raise InvalidArgumentError(f"chunk_bytes: expected >= 1024; got {chunk_bytes}")
+        if not 1 <= streams <= 64:
+            raise InvalidArgumentError(f"streams: expected 1 to 64; got {streams}")
         # Reconnect as fast as calls are retried (gRPC's default first reconnect waits 1 s).
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes),
@@ -118,9 +126,9 @@ class Client:
             if token is not None:
                 credentials = grpc.composite_channel_credentials(
                     credentials, grpc.access_token_call_credentials(token))
-        self._open = lambda address: (grpc.secure_channel(address, credentials, options)
-                                      if credentials is not None
-                                      else grpc.insecure_channel(address, options))
+        self._open = lambda address, extra=(): (
+            grpc.secure_channel(address, credentials, options + list(extra))
+            if credentials is not None else grpc.insecure_channel(address, options + list(extra)))
         fronts = [target] if isinstance(target, str) else list(target)
         if not fronts:
             raise InvalidArgumentError("target: expected an address or a list of replica fronts")
@@ -133,6 +141,11 @@ class Client:
         self._leader_stub = None
         if self.target != fronts[0]:
             self._connect_leader(fronts[0])
+        # A striped step's streams after the first, each on a connection of its own (a channel
+        # that shares no subchannel), so that they do not queue behind one another on one socket.
+        self._stripe_channels = [self._open(self.target, [("grpc.use_local_subchannel_pool", 1)])
+                                 for _ in range(streams - 1)]
+        self._stripe_stubs = [pb_grpc.HeadServiceStub(c) for c in self._stripe_channels]
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
         self._max_attempts = max(1, max_attempts)
@@ -143,6 +156,8 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        for channel in self._stripe_channels:
+            channel.close()
         if self._leader_channel is not None:
             self._leader_channel.close()
 
@@ -540,12 +555,21 @@ class Client:
               o: StepOptions, teacher_hidden=None) -> StepResult:
         p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
                                 self._chunk_bytes, teacher_hidden)
-        rpc = {_steps.FORWARD_BACKWARD: self._stub.ForwardBackward,
-               _steps.FORWARD: self._stub.Forward, _steps.BACKWARD: self._stub.Backward}[mode]
         per_token = mode == _steps.FORWARD and o.reduction == "none"
         # What the rows come back as is the function's, as the server lists it.
         fn = self.functions().get(o.function) if per_token else None
-        # Every attempt fills fresh results: a failed one may have sent some rows.
-        received = self._call(lambda: _steps.receive(
-            p, mode, fn, o.output_dtype, rpc(p.messages(), timeout=self._timeout)))
+        stubs = [self._stub, *self._stripe_stubs]
+
+        def attempt():
+            # Every attempt fills fresh results (a failed one may have sent some rows), a striped
+            # one under a key of its own.
+            if len(stubs) == 1:
+                call = getattr(self._stub, mode)(p.messages(), timeout=self._timeout)
+                return _steps.receive(p, mode, fn, o.output_dtype, call)
+            key = secrets.token_hex(16)
+            calls = [getattr(stub, mode)(p.messages((key, len(stubs), i)), timeout=self._timeout)
+                     for i, stub in enumerate(stubs)]
+            return _steps.receive(p, mode, fn, o.output_dtype, merged_responses(calls), any_order=True)
+
+        received = self._call(attempt)
         return _steps.step_result(mode, per_token, received)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -146,39 +147,52 @@ absl::StatusOr<std::vector<RowRange>> PlanRequestChunks(int64_t rows, int64_t by
 }
 
 absl::Status RowAssembler::Add(int64_t row_offset, const v1::Tensor& values) {
-  if (row_offset != next_row_) {
-    return absl::InvalidArgumentError(absl::StrCat(field_, ".row_offset: expected ", next_row_,
+  const bool in_order = order_ == Order::kInOrder;
+  if (in_order && row_offset != received_) {
+    return absl::InvalidArgumentError(absl::StrCat(field_, ".row_offset: expected ", received_,
                                                    " (rows arrive in order); got ", row_offset));
   }
+  if (!in_order && (row_offset < 0 || row_offset > dst_.size(0))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_, ".row_offset: expected 0 to ", dst_.size(0), "; got ", row_offset));
+  }
   // The values as a view of the message (checks dtype, shape and byte count), then the trailing
-  // shape and the rows left.
+  // shape and the rows from row_offset: within dst, none of them received already.
   auto decoded = DecodeTensorView(values, field_ + ".values");
   if (!decoded.ok()) return decoded.status();
   std::vector<int64_t> expected = dst_.sizes().vec();
   const int64_t rows = decoded->dim() >= 1 ? decoded->size(0) : -1;
   if (!expected.empty()) expected[0] = rows;
   const bool dtype_ok = convert_dtype_ || decoded->scalar_type() == dst_.scalar_type();
-  if (!dtype_ok || rows < 0 || decoded->sizes().vec() != expected ||
-      next_row_ + rows > dst_.size(0)) {
-    std::vector<int64_t> wanted = dst_.sizes().vec();
+  const int64_t room =
+      in_order ? dst_.size(0) - received_ : FirstReceivedFrom(row_offset) - row_offset;
+  if (!dtype_ok || rows < 0 || decoded->sizes().vec() != expected || rows > room) {
     return absl::InvalidArgumentError(absl::StrCat(
         field_, ".values: expected ",
         convert_dtype_ ? "" : absl::StrCat(std::string(c10::toString(dst_.scalar_type())), " "),
         "[rows",
         dst_.dim() > 1 ? absl::StrCat(", ", absl::StrJoin(dst_.sizes().slice(1), ", ")) : "",
-        "] within the ", dst_.size(0) - next_row_, " rows left of ", dst_.size(0), "; got ",
-        std::string(c10::toString(decoded->scalar_type())), " ", ShapeString(values), " at row ",
-        next_row_));
+        "] within the ", room, in_order ? " rows left of " : " rows not yet received of ",
+        dst_.size(0), "; got ", std::string(c10::toString(decoded->scalar_type())), " ",
+        ShapeString(values), " at row ", row_offset));
   }
-  if (rows > 0) dst_.narrow(0, next_row_, rows).copy_(*decoded);
-  next_row_ += rows;
+  if (rows > 0) dst_.narrow(0, row_offset, rows).copy_(*decoded);
+  if (!in_order && rows > 0) ranges_[row_offset] = row_offset + rows;
+  received_ += rows;
   return absl::OkStatus();
 }
 
+int64_t RowAssembler::FirstReceivedFrom(int64_t from) const {
+  // The range starting before `from` may reach past it; else the next range's first row.
+  auto next = ranges_.upper_bound(from);
+  if (next != ranges_.begin() && std::prev(next)->second > from) return from;
+  return next == ranges_.end() ? dst_.size(0) : next->first;
+}
+
 absl::Status RowAssembler::CheckComplete() const {
-  if (next_row_ == dst_.size(0)) return absl::OkStatus();
+  if (received_ == dst_.size(0)) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat(field_, ": expected ", dst_.size(0), " rows; got ", next_row_));
+      absl::StrCat(field_, ": expected ", dst_.size(0), " rows; got ", received_));
 }
 
 }  // namespace remotehead::wire

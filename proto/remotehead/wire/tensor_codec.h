@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -78,26 +79,38 @@ absl::StatusOr<std::vector<RowRange>> PlanRequestChunks(int64_t rows, int64_t by
 // ----- assembly of streamed rows -----
 
 // The rows of one tensor, streamed as TensorChunks, checked and copied into `dst` as they
-// arrive: chunks come in order, without gaps or overlaps, with dst's trailing shape and within
-// its rows. Errors name `field` (e.g. "weight_rows"); a chunk of another dtype is converted to
-// dst's when `convert_dtype`, refused otherwise.
+// arrive: chunks come without overlaps, with dst's trailing shape and within its rows — in
+// order and without gaps (kInOrder: one stream), or in any order (kAnyOrder: a step striped over
+// several streams, StepHeader.stripe, whose results come back on any of them). Errors name
+// `field` (e.g. "weight_rows"); a chunk of another dtype is converted to dst's when
+// `convert_dtype`, refused otherwise.
 class RowAssembler {
  public:
-  RowAssembler(torch::Tensor dst, std::string field, bool convert_dtype)
-      : dst_(std::move(dst)), field_(std::move(field)), convert_dtype_(convert_dtype) {}
+  enum class Order { kInOrder, kAnyOrder };
+  RowAssembler(torch::Tensor dst, std::string field, bool convert_dtype,
+               Order order = Order::kInOrder)
+      : dst_(std::move(dst)),
+        field_(std::move(field)),
+        convert_dtype_(convert_dtype),
+        order_(order) {}
   absl::Status Add(const v1::TensorChunk& chunk) { return Add(chunk.row_offset(), chunk.values()); }
   // The rows `values` from `row_offset` (a chunk of another message type, e.g. a token extra's).
   absl::Status Add(int64_t row_offset, const v1::Tensor& values);
   // INVALID_ARGUMENT unless every row arrived.
   absl::Status CheckComplete() const;
-  int64_t rows_received() const { return next_row_; }
+  int64_t rows_received() const { return received_; }
   const torch::Tensor& tensor() const { return dst_; }
 
  private:
+  // kAnyOrder: the first row at or after `from` that has arrived (dst's rows: none).
+  int64_t FirstReceivedFrom(int64_t from) const;
+
   torch::Tensor dst_;
   std::string field_;
   bool convert_dtype_;
-  int64_t next_row_ = 0;
+  Order order_;
+  int64_t received_ = 0;
+  std::map<int64_t, int64_t> ranges_;  // kAnyOrder: the rows received, [first, end) by first
 };
 
 }  // namespace remotehead::wire

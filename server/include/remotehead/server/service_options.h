@@ -26,6 +26,9 @@ struct ServiceOptions {
   // before compute pauses for a slow reader. Together they bound a call's in-flight bytes.
   int read_ahead_messages = 4;
   int64_t max_pending_response_bytes = int64_t{16} << 20;
+  // A step striped over several streams (StepHeader.stripe) fails when its streams have not all
+  // joined within this many seconds of its first: one lost before its header never comes.
+  double stripe_join_seconds = 30;
   AdmissionOptions admission;       // memory budget and request limits
   double max_retain_seconds = 600;  // cap on StepHeader.retain_inputs_seconds
   // One line per head lifecycle event (created, uploaded, dropped, saved, gradients zeroed,

@@ -85,6 +85,12 @@ struct ClientOptions {
   int64_t chunk_bytes = int64_t{1} << 20;
   // Largest response message accepted (the server's streamed chunks are 1 MiB by default).
   int max_receive_message_bytes = 16 << 20;
+  // Parallel streams each step call is striped over (StepHeader.stripe), 1 to 64: row message
+  // i goes on stream i mod `streams`, and results come back on all of them, so one step is not
+  // bound to what one HTTP/2 stream moves. Streams after the first each have a connection of
+  // their own. Results are exactly those of one stream; a failed or cancelled stream fails the
+  // whole attempt, which is retried as a whole.
+  int streams = 1;
   // Called before each retry wait (logging, metrics, tests). May be called from any thread
   // that issues calls.
   std::function<void(const RetryEvent&)> on_retry;
