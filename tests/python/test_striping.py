@@ -2,7 +2,9 @@
 real server: for C = 1, 2, 4 the fused loss, dX and dW, per-token outputs, rows of logits,
 sampled tokens and a two-phase backward equal one stream's and a local PyTorch head's; a replay
 under the same gradient id adds nothing; one stream's bad rows or its cancellation fail the
-whole step with the gRPC status and commit nothing, and the retry is then the only contribution.
+whole step with the gRPC status and commit nothing, and the retry is then the only contribution;
+the merged streams report the failure, not the cancellations it caused, and leave no reader
+running.
 
 Tolerances: fp32 on both sides, relative 1e-5 (the server sums chunk by chunk in another order);
 C streams against one: relative 1e-6.
@@ -163,3 +165,61 @@ def test_streams_out_of_range_are_refused():
         with pytest.raises(remotehead.RemoteheadError) as e:
             remotehead.Client("127.0.0.1:1", streams=streams)
         assert e.value.details == f"streams: expected 1 to 64; got {streams}"
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+class _FakeCall:
+    """A response stream that yields `responses`, then fails with `error` (None: ends), or —
+    `hold` — waits until cancelled and then fails CANCELLED, as a stream the server keeps open."""
+
+    def __init__(self, responses=(), error=None, hold=False):
+        self.responses, self.error, self.hold = list(responses), error, hold
+        self.cancelled = threading.Event()
+
+    def __iter__(self):
+        yield from self.responses
+        if self.hold:
+            self.cancelled.wait(30)
+            raise _Failed(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+def test_merged_streams_report_the_failure_not_the_cancellations_it_caused():
+    from remotehead._striping import merged_responses
+    from remotehead.v1 import head_service_pb2 as pb
+
+    row = pb.StepResponse()
+    row.grad_hidden.row_offset = 3
+    # Stream 1 fails; stream 0 is held open until the failure cancels it; stream 2 ends.
+    calls = [_FakeCall([row], hold=True),
+             _FakeCall(error=_Failed(grpc.StatusCode.INVALID_ARGUMENT, "targets[7]: bad")),
+             _FakeCall([row])]
+    got = []
+    with pytest.raises(grpc.RpcError) as e:
+        for response in merged_responses(calls):
+            got.append(response.grad_hidden.row_offset)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == \
+        "targets[7]: bad"
+    assert got == [3, 3] and all(c.cancelled.is_set() for c in calls)
+    # A reader that stops early cancels every stream and leaves no thread behind.
+    calls = [_FakeCall([row], hold=True), _FakeCall([row], hold=True)]
+    stream = merged_responses(calls)
+    next(stream)
+    stream.close()
+    assert all(c.cancelled.is_set() for c in calls)
+    assert not [t for t in threading.enumerate()
+                if t.name.startswith("remotehead-stripe-")], "a stream's reader was left running"

@@ -27,7 +27,8 @@ def merged_responses(calls) -> Iterator[pb.StepResponse]:
         except grpc.RpcError as e:
             arrived.put((None, e))
 
-    threads = [threading.Thread(target=pump, args=(c,), daemon=True) for c in calls]
+    threads = [threading.Thread(target=pump, args=(c,), daemon=True,
+                                name=f"remotehead-stripe-{i}") for i, c in enumerate(calls)]
     for t in threads:
         t.start()
     failure = None
