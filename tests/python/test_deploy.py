@@ -370,6 +370,18 @@ def test_dockerfile_is_multi_stage_non_root_with_health_check(variant):
                 assert (ROOT / source).exists(), f"COPY {source}: missing"
 
 
+def test_the_base_images_are_build_arguments_whose_defaults_are_the_published_images():
+    # A mirror, a registry of one's own, or a locally made base (no registry) replaces them.
+    stages, base, _ = render_dockerfile(DOCKERFILE, {"VARIANT": "cpu",
+                                                     "BUILD_BASE": "local/base:bookworm",
+                                                     "CPU_RUNTIME_BASE": "local/base:runtime"})
+    assert (stages[0]["base"], base) == ("local/base:bookworm", "local/base:runtime")
+    _, base, _ = render_dockerfile(DOCKERFILE, {"CUDA_RUNTIME_BASE": "mirror/cuda:base"})
+    assert base == "mirror/cuda:base"
+    stages, _, _ = render_dockerfile(DOCKERFILE, {})
+    assert stages[0]["base"] == "nvidia/cuda:13.0.1-devel-ubuntu24.04"
+
+
 def test_dockerfile_defaults_to_the_cuda_variant_and_has_no_other():
     assert render_dockerfile(DOCKERFILE, {})[1:] == render_dockerfile(DOCKERFILE,
                                                                       {"VARIANT": "cuda"})[1:]
