@@ -1,6 +1,5 @@
 #include "step/step_pipeline.h"
 
-#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -62,6 +61,10 @@ std::string StepPipeline::StreamName(int index) const {
   return streams_ == 1 ? "the stream" : absl::StrCat("stream ", index, " of ", streams_);
 }
 
+absl::Status StepPipeline::CancelledByClient(int index) const {
+  return absl::CancelledError(absl::StrCat(StreamName(index), " was cancelled by the client"));
+}
+
 void StepPipeline::Attach(int index, int count, core::CallMode mode,
                           std::chrono::system_clock::time_point deadline, StepPort* port,
                           std::optional<v1::StepRequest> first) {
@@ -111,8 +114,7 @@ void StepPipeline::OnReadDone(int index, bool ok) {
   if (failed_ || lane.finished) return;
   if (!ok) {
     if (lane.port->IsCancelled()) {
-      FailLocked(
-          absl::CancelledError(absl::StrCat(StreamName(index), " was cancelled by the client")));
+      FailLocked(CancelledByClient(index));
       return;
     }
     lane.client_done = true;
@@ -302,7 +304,7 @@ std::optional<StepPipeline::Work> StepPipeline::TakeWorkLocked() {
   }
   for (int i = 0; i < streams_; ++i) {
     if (lanes_[i].port != nullptr && lanes_[i].port->IsCancelled()) {
-      FailLocked(absl::CancelledError(absl::StrCat(StreamName(i), " was cancelled by the client")));
+      FailLocked(CancelledByClient(i));
       return std::nullopt;
     }
   }

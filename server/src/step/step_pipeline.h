@@ -97,6 +97,7 @@ class StepPipeline : public std::enable_shared_from_this<StepPipeline> {
   // Ends every stream with `status` (the first failure wins).
   void FailLocked(const absl::Status& status);
   std::string StreamName(int index) const;
+  absl::Status CancelledByClient(int index) const;
 
   ServiceContext& service_;
   const core::CallMode mode_;
