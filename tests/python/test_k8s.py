@@ -115,7 +115,7 @@ def dockerfile():
     binary = re.search(r'^ENTRYPOINT \["([^"]+)"', text, re.M)[1]
     python, healthcheck = re.search(r'^\s*CMD \["([^"]+python[^"]*)", "([^"]+)"', text,
                                     re.M).groups()
-    directory = re.search(r"cp docker/healthcheck\.py (\S+)/ ", text)[1]
+    directory = re.search(r"cp docker/healthcheck\.py (\S+?)/?[;\s]", text)[1]
     assert healthcheck == f"{directory}/healthcheck.py", (healthcheck, directory)
     uid = int(re.search(r"useradd [^\n]*--uid (\d+)[^\n]* remotehead", text)[1])
     return binary, python, healthcheck, uid
