@@ -8,3 +8,20 @@ build_packages=(
   zlib1g-dev
   libgloo-dev  # c10d's Gloo header compiles against it (never linked)
 )
+
+# Installs those of the given Debian packages that are not installed (apt-get, through sudo when
+# not root), saying which on stderr after `who:`. scripts/bootstrap and scripts/test-deploy.
+install_missing_packages() {
+  local who=$1 p sudo=""
+  shift
+  local missing=()
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  ((${#missing[@]})) || return 0
+  echo "$who: installing Debian packages: ${missing[*]}" >&2
+  [ "$(id -u)" -eq 0 ] || sudo=sudo
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+}
