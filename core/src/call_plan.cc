@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
@@ -21,7 +22,7 @@ constexpr int64_t kTokenBytesPerRow = 16;
 // measured here, entropy, peaks at 0.98 of the declared block).
 constexpr double kBlockMargin = 1.1;
 
-absl::Status CheckChunkOptions(const StepOptions& options) {
+absl::Status CheckChunkOptions(const Head& head, const StepOptions& options) {
   if (options.chunk_rows < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got ",
@@ -30,11 +31,12 @@ absl::Status CheckChunkOptions(const StepOptions& options) {
   if (options.memory_budget_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory_budget_bytes: expected >= 1 (or 0 for the default ",
-                     kDefaultMemoryBudgetBytes, "); got ", options.memory_budget_bytes));
+                     DefaultMemoryBudgetBytes(head.weight().device()), "); got ",
+                     options.memory_budget_bytes));
   }
   if (options.block_rows < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "block_rows: expected >= 1 (or 0 for cache-sized blocks); got ", options.block_rows));
+        "block_rows: expected >= 1 (or 0 for the default); got ", options.block_rows));
   }
   return absl::OkStatus();
 }
@@ -134,25 +136,30 @@ void SetGemmWorkspace(const Head& head, CallPlan& plan) {
   plan.gemm.fixed_bytes = threads * (2 * (columns + kPackPadding) * k_chunk + kTileConfigBytes);
 }
 
+// Rows per function block before the budget's say: as given; on a CPU, what keeps the block in
+// the caches; on a GPU no limit (the budget's quarter, below, is the only one).
+int64_t BlockRowsWanted(const Head& head, const StepOptions& options, const CallPlan& plan) {
+  if (options.block_rows > 0) return options.block_rows;
+  if (!head.weight().device().is_cpu()) return std::numeric_limits<int64_t>::max();
+  return std::max<int64_t>(
+      1, std::min(kFunctionBlockBytes / (plan.vocab_size * plan.logits_elem_bytes),
+                  static_cast<int64_t>(kFunctionBlockWorkingSetBytes / plan.block_row_bytes)));
+}
+
 // Chunk and block rows: as given, or the largest that fit the budget (blocks take at most a
 // quarter of it; chunks get the rest).
-absl::Status SetChunkSizes(const StepOptions& options, CallPlan& plan) {
-  const int64_t cache_block_rows =
-      options.block_rows > 0
-          ? options.block_rows
-          : std::max<int64_t>(
-                1, std::min(kFunctionBlockBytes / (plan.vocab_size * plan.logits_elem_bytes),
-                            static_cast<int64_t>(kFunctionBlockWorkingSetBytes /
-                                                 plan.block_row_bytes)));
+absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPlan& plan) {
+  const int64_t wanted_block_rows = BlockRowsWanted(head, options, plan);
   if (options.chunk_rows > 0) {
     plan.chunk_rows = options.chunk_rows;
-    plan.block_rows = std::min(cache_block_rows, options.chunk_rows);
+    plan.block_rows = std::min(wanted_block_rows, options.chunk_rows);
     return absl::OkStatus();
   }
-  const int64_t budget =
-      options.memory_budget_bytes > 0 ? options.memory_budget_bytes : kDefaultMemoryBudgetBytes;
+  const int64_t budget = options.memory_budget_bytes > 0
+                             ? options.memory_budget_bytes
+                             : DefaultMemoryBudgetBytes(head.weight().device());
   plan.block_rows = std::min<int64_t>(
-      cache_block_rows,
+      wanted_block_rows,
       static_cast<int64_t>(0.25 * static_cast<double>(budget) / plan.block_row_bytes));
   const double rest =
       static_cast<double>(budget) -
@@ -242,14 +249,14 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
   ASSIGN_OR_RETURN(plan.params, registry.ResolveParams(*plan.function, options.params));
   // The aux inputs are not known yet: the engine checks their conditions with the rows.
   RETURN_IF_ERROR(CheckTokenExtras(*plan.function, plan.params, nullptr, options.token_extras));
-  RETURN_IF_ERROR(CheckChunkOptions(options));
+  RETURN_IF_ERROR(CheckChunkOptions(head, options));
   if (!torch::isFloatingType(options.logits_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("logits_dtype: expected a floating dtype; got ",
                                                    c10::toString(options.logits_dtype)));
   }
   SetRowCosts(head, options, plan);
   SetGemmWorkspace(head, plan);
-  RETURN_IF_ERROR(SetChunkSizes(options, plan));
+  RETURN_IF_ERROR(SetChunkSizes(head, options, plan));
   return plan;
 }
 

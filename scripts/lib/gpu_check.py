@@ -53,6 +53,8 @@ BUDGET = {"cuda": 540, "cpu": 3000}
 SUITES = [
     ("engine parity", "engine_parity_test", "*_cuda", "*_cpu", 8, (15, 1)),
     ("memory budget", "memory_budget_test", "*_cuda:MemoryStats.*Cuda*", "*_cpu", 1, (5, 1)),
+    # The engine's defaults on the device (budget, chunk and block rows): no data, a plan.
+    ("default plan", "memory_budget_test", "*DefaultPlan*/cuda", "*DefaultPlan*/cpu", 1, (1, 1)),
     ("head service", "head_service_test", "*/cuda", "*/cpu", 1, (1, 1)),
     ("server binary", "server_binary_test", "*/cuda:*Cuda*", "*/cpu", 1, (1, 1)),
     ("generation", "generation_test", "*", "*", 1, (1, 1)),
@@ -231,11 +233,21 @@ class Check:
             return "failed", "see configure.log"
         return "ok", " ".join(args)
 
+    def suites(self, table):
+        """The rows of a suite table that --suites selects (all of them by default)."""
+        wanted = [w for w in self.args.suites.split(",") if w]
+        return [row for row in table if not wanted or any(w in row[0] for w in wanted)]
+
     def targets(self) -> list[str]:
-        t = [s[1] for s in SUITES] + ["remotehead_server_bin", "remotehead_bench",
-                                      "remotehead_remote_bench", "remotehead_python_stubs"]
-        if self.device == "cpu":
-            t += [s[1] for s in CPU_ONLY_SUITES]
+        t = ["remotehead_server_bin", "remotehead_python_stubs"]
+        if "tests" in self.args.only:
+            t += [s[1] for s in self.suites(SUITES)]
+            if self.device == "cpu":
+                t += [s[1] for s in self.suites(CPU_ONLY_SUITES)]
+        if "wire" in self.args.only:
+            t += ["remotehead_remote_bench"]
+        if "bench" in self.args.only:
+            t += ["remotehead_bench"]
         return t
 
     def build_phase(self, limit):
@@ -278,13 +290,13 @@ class Check:
     def tests(self, limit):
         cuda = self.device == "cuda"
         jobs = []
-        for name, binary, fcuda, fcpu, shards_cuda, (shards_cpu, run_cpu) in SUITES:
+        for name, binary, fcuda, fcpu, shards_cuda, (shards_cpu, run_cpu) in self.suites(SUITES):
             if cuda:
                 jobs += [(name, binary, fcuda, shards_cuda, i) for i in range(shards_cuda)]
             else:
                 jobs += [(name, binary, fcpu, shards_cpu, i) for i in range(run_cpu)]
         if not cuda:
-            for name, binary, f, shards, (total, run_n) in CPU_ONLY_SUITES:
+            for name, binary, f, shards, (total, run_n) in self.suites(CPU_ONLY_SUITES):
                 jobs += [(name, binary, f, total, i) for i in range(run_n)]
         deadline = time.monotonic() + limit
         results: dict[str, dict] = {}
@@ -296,12 +308,14 @@ class Check:
         def one(job):
             name, binary, gfilter, total, index = job
             exe = self.build / "tests" / binary
-            report = self.prefix / f"gtest-{binary}-{index}.json"
+            label = re.sub(r"\W+", "_", name)  # two suites may run one binary at once
+            report = self.prefix / f"gtest-{binary}-{label}-{index}.json"
             if not exe.exists():
                 return name, None, "not built"
             e = dict(env, GTEST_TOTAL_SHARDS=str(total), GTEST_SHARD_INDEX=str(index))
             code, _ = self.run([exe, f"--gtest_filter={gfilter}", f"--gtest_output=json:{report}"],
-                               f"test-{binary}-{index}.log", deadline - time.monotonic(), env=e)
+                               f"test-{binary}-{label}-{index}.log", deadline - time.monotonic(),
+                               env=e)
             if code is None:
                 return name, None, "cut"
             if not report.exists():
@@ -355,13 +369,14 @@ class Check:
         workers = max(1, min(self.args.jobs, 8) if cuda else self.args.jobs)
         together = [j for j in jobs if not (cuda and j[0] in ALONE)]
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            python_job = pool.submit(python_suites)
+            python_job = pool.submit(python_suites) if self.suites([("Python client",)]) else None
             for result in pool.map(one, together):
                 record(*result)
         for job in jobs:
             if job not in together:
                 record(*one(job))
-        self.report["suites"] = list(results.values()) + [python_job.result()]
+        self.report["suites"] = list(results.values()) + ([python_job.result()] if python_job
+                                                          else [])
         results = {r["suite"]: r for r in self.report["suites"]}
         passed = sum(r["passed"] for r in results.values())
         failed = sum(r["failed"] for r in results.values())
@@ -422,7 +437,8 @@ class Check:
             code, log = self.run(
                 [self.args.python, ROOT / "tests" / "bench" / "bench_peers.py", "--build",
                  self.build, "--device", "cuda:0" if self.device == "cuda" else "cpu",
-                 "--shapes", shape, "--warmup", warmup, "--repeats", repeats, "--json", out],
+                 "--shapes", shape, "--warmup", warmup, "--repeats", repeats, "--json", out,
+                 *(["--peers", self.args.peers] if self.args.peers else [])],
                 f"bench-{i}.log", share)
             if code == 0 and out.exists():
                 data = json.loads(out.read_text())
@@ -447,16 +463,20 @@ class Check:
             if self.phase("configure", self.configure).status == "ok":
                 self.phase("build", self.build_phase)
         built = self.phases.get("build") and self.phases["build"].status in ("ok", "cut")
-        self.phase("tests", self.tests) if built else None
+        if built and "tests" in self.args.only:
+            self.phase("tests", self.tests)
         if built and self.phases["build"].status == "ok":
-            self.phase("wire", self.wire)
-            self.phase("bench", self.bench)
+            for name, fn in (("wire", self.wire), ("bench", self.bench)):
+                if name in self.args.only:
+                    self.phase(name, fn)
         return self.write()
 
     def write(self) -> int:
         for name in ("machine", "install", "configure", "build", "tests", "wire", "bench"):
-            ph = self.phases.get(name) or Phase(name, status="not run",
-                                                detail="an earlier phase failed")
+            ph = self.phases.get(name) or (
+                Phase(name, status="skipped", detail="not asked for (--only)")
+                if name not in self.args.only else
+                Phase(name, status="not run", detail="an earlier phase failed"))
             self.report["phases"].append(dataclasses.asdict(ph))
         self.report["seconds"] = time.monotonic() - self.start
         status = 0
@@ -495,7 +515,20 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.add_argument("--budget", type=float, default=0,
                    help="seconds for the whole check (default: 540 on CUDA, 3000 on the CPU)")
+    # A second, shorter call on a machine (what the first one found, rerun): fewer phases,
+    # suites and contenders, and the build of only what they need.
+    p.add_argument("--only", default="tests,wire,bench",
+                   help="the phases after the build to run (comma-separated; default: all)")
+    p.add_argument("--suites", default="",
+                   help="the suites to run: names or parts of names, comma-separated (default: "
+                        "all), e.g. 'memory budget,torch linkage'")
+    p.add_argument("--peers", default="",
+                   help="the benchmark's contenders, in this order (default: bench_peers.py's)")
     args = p.parse_args(argv)
+    args.only = [o for o in args.only.split(",") if o]
+    for o in args.only:
+        if o not in ("tests", "wire", "bench"):
+            raise SystemExit(f"gpu-check: --only: expected tests, wire or bench; got {o!r}")
     if not args.kit:
         raise SystemExit("gpu-check: --kit: expected the kit's directory (scripts/gpu-kit OUT)")
     if not (pathlib.Path(args.kit) / "debs").is_dir():

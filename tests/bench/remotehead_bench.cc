@@ -420,7 +420,8 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
         {"threads", torch::get_num_threads()},
         {"chunk_rows", chunk_rows},
         {"memory_budget_bytes",
-         cfg.memory_budget_bytes > 0 ? cfg.memory_budget_bytes : rh::kDefaultMemoryBudgetBytes},
+         cfg.memory_budget_bytes > 0 ? cfg.memory_budget_bytes
+                                     : rh::DefaultMemoryBudgetBytes(cfg.device)},
         {"repeats", cfg.repeats},
         {"warmup", cfg.warmup},
         {"seed", cfg.seed},

@@ -107,6 +107,42 @@ INSTANTIATE_TEST_SUITE_P(
       return std::get<0>(info.param).label + "_" + testing::DeviceLabel(std::get<1>(info.param));
     });
 
+// The default plan of each device (no chunk_rows, budget or block_rows given), at a large
+// vocabulary: on a CPU, blocks of at most 2 MiB of fp32 logits (they stay in the caches) within
+// the CPU's 96 MiB; on a GPU, the 1 GiB budget and blocks as large as its quarter allows (a GPU
+// kernel over a few rows costs its launch: the CPU's rules made a GPU step 30x slower).
+class DefaultPlan : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DefaultPlan, BlocksAndChunksSuitTheDevice) {
+  const torch::Device device(GetParam());
+  REMOTEHEAD_SKIP_UNLESS_ON_MACHINE(device);
+  constexpr int64_t kLargeVocab = 128000;
+  auto head = reference::MakeTestHead(kLargeVocab, 64, torch::kBFloat16, /*bias=*/false,
+                                      /*seed=*/1, torch::kFloat, device);
+  core::StepOptions options;
+  options.params[core::kSoftcapParam] = 30.0;
+  auto plan = core::PlanCall(*head, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const double budget = static_cast<double>(core::DefaultMemoryBudgetBytes(device));
+  const double block = static_cast<double>(plan->block_rows) * plan->block_row_bytes;
+  EXPECT_LE(block, 0.25 * budget);
+  if (device.is_cuda()) {
+    EXPECT_EQ(core::DefaultMemoryBudgetBytes(device), core::kDefaultCudaMemoryBudgetBytes);
+    EXPECT_GT(block + plan->block_row_bytes, 0.25 * budget) << "the quarter is the only limit";
+    EXPECT_GE(plan->block_rows, 32);
+    EXPECT_GE(plan->chunk_rows, 256);
+  } else {
+    EXPECT_EQ(core::DefaultMemoryBudgetBytes(device), core::kDefaultMemoryBudgetBytes);
+    EXPECT_LE(plan->block_rows * kLargeVocab * 4, core::kFunctionBlockBytes);
+    EXPECT_GE(plan->chunk_rows, plan->block_rows);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, DefaultPlan, ::testing::ValuesIn(testing::TestDevices()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return testing::DeviceLabel(info.param);
+                         });
+
 // A caller-owned logits workspace (a server reusing one across a request's batches) replaces
 // the [chunk_rows, V] buffer the call would allocate: the transient peak drops by about that
 // buffer, and the results are the same.

@@ -141,7 +141,7 @@ TEST_F(Validation, BadInputsAreRejectedWithPreciseMessagesAndNoStateChange) {
       {"negative chunk_rows", [](B&, O& o) { o.chunk_rows = -3; },
        "chunk_rows: expected >= 1 (or 0 to derive it from memory_budget_bytes); got -3"},
       {"negative block_rows", [](B&, O& o) { o.block_rows = -1; },
-       "block_rows: expected >= 1 (or 0 for cache-sized blocks); got -1"},
+       "block_rows: expected >= 1 (or 0 for the default); got -1"},
       {"budget below one row", [](B&, O& o) { o.memory_budget_bytes = 100; },
        "memory_budget_bytes: expected at least 2784 (one row of cross_entropy at V=40); got 100"},
       {"negative budget", [](B&, O& o) { o.memory_budget_bytes = -1; },

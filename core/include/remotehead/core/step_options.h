@@ -17,10 +17,20 @@
 
 namespace remotehead::core {
 
-// Used when neither chunk_rows nor memory_budget_bytes is given.
+// Used when neither chunk_rows nor memory_budget_bytes is given, on a CPU head.
 inline constexpr int64_t kDefaultMemoryBudgetBytes = int64_t{96} << 20;
-// fp32 logits per function block: small enough that the upcast copy, the function's
-// temporaries and their gradients stay in the CPU's caches (or a GPU's L2).
+// …and on a CUDA head. A GPU runs a chunk's GEMMs efficiently only with hundreds of rows (at
+// V = 256,000 this is ~500 rows of a bf16 head), and a kernel over a few rows costs its launch,
+// not its bytes: the first GPU run, with the CPU's 96 MiB and cache-sized blocks, took 2.9 s for
+// a step that takes 90 ms as naive full logits (N = 8192, D = 2304, V = 256,000).
+inline constexpr int64_t kDefaultCudaMemoryBudgetBytes = int64_t{1} << 30;
+// The default for a head on `device`.
+inline int64_t DefaultMemoryBudgetBytes(const torch::Device& device) {
+  return device.is_cuda() ? kDefaultCudaMemoryBudgetBytes : kDefaultMemoryBudgetBytes;
+}
+// fp32 logits per function block on a CPU head: small enough that the upcast copy, the
+// function's temporaries and their gradients stay in the CPU's caches. A GPU's blocks are sized
+// by the budget alone (call_plan.cc): there, fewer and larger kernels are what pays.
 inline constexpr int64_t kFunctionBlockBytes = int64_t{2} << 20;
 // …and at most this much of the block's whole working set (the logits, their gradient and the
 // function's own buffers, CallPlan::block_row_bytes): a function with many buffers (a two-head
@@ -36,8 +46,9 @@ struct StepOptions {
   std::optional<double> normalizer;  // > 0; see the reduction table in engine.h
   int64_t ignore_index = -100;
   int64_t chunk_rows = 0;  // rows per chunk; 0 = derive from memory_budget_bytes
-  int64_t block_rows = 0;  // rows per function block; 0 = cache-sized (kFunctionBlock*Bytes)
-  int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = kDefaultMemoryBudgetBytes
+  int64_t block_rows = 0;  // rows per function block; 0 = cache-sized on a CPU (kFunctionBlock*Bytes),
+                           // a quarter of the budget on a GPU
+  int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = DefaultMemoryBudgetBytes
   double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
   // Per-token diagnostics to return row by row (the result's token_extras), in every mode:
   // names of the function's extras (TransformFunction::extras) that this call reports. Their
