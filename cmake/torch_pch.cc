@@ -1,3 +1,3 @@
-// The source of remotehead_torch_pch_library and remotehead_torch_pch_executable
-// (cmake/RemoteheadPch.cmake): they exist to compile <torch/torch.h> once into the precompiled
-// header every other target reuses.
+// The source of the remotehead_torch_pch_* holders (cmake/RemoteheadPch.cmake): they exist to
+// compile the project's LibTorch subset (and, for some, gRPC and GoogleTest) once into the
+// precompiled header that every other target reuses.

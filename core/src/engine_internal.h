@@ -7,8 +7,6 @@
 //   engine.cc             the entry points (engine.h): exceptions to statuses, dX buffers
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -21,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "remotehead/core/call_plan.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/torch_api.h"
 #include "vocab_ops.h"
 
 namespace remotehead::core::engine_internal {

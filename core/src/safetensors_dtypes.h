@@ -3,10 +3,10 @@
 // which keeps to the floating ones). Element sizes are c10::elementSize of the type.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <optional>
 #include <string_view>
+
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

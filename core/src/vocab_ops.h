@@ -2,8 +2,6 @@
 // shard's columns combined across a head group. Private to the engine.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <exception>
 #include <string>
 #include <utility>
@@ -11,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "remotehead/core/functions.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 
 namespace remotehead::core {

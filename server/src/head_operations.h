@@ -10,8 +10,6 @@
 // rows; the other ranks reach them through the group's follower (group/group_follower.h).
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,6 +24,7 @@
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/optimizer.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"

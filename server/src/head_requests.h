@@ -3,14 +3,13 @@
 // group's commands carry them to the other ranks (group/group_commands.h).
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <variant>
 
 #include "remotehead/core/optimizer.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/head_registry.h"
 
 namespace remotehead::server {

@@ -4,13 +4,12 @@
 // buffer, a loaded head's weights and gradients.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/call_plan.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::server {
 

@@ -2,8 +2,7 @@
 // transient memory of a warm step, and the naive full-logits reference step.
 #pragma once
 
-#include <torch/torch.h>
-
+#include <torch/nn/functional.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -16,6 +15,7 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::bench {
 

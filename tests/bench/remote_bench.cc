@@ -29,7 +29,6 @@
 // With --replicas R (≥ 2) it runs the mesh bench instead (remote_bench_mesh.h): W trainers on R
 // replicas against the same trainers on one replica, and the dW sum's bytes and time per step.
 #include <sys/resource.h>
-#include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -64,6 +63,7 @@
 #include "remotehead/client/client.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/torch_api.h"
 #include "support/child_process.h"
 
 ABSL_FLAG(std::vector<std::string>, shapes,

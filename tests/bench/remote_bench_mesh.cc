@@ -9,8 +9,6 @@
 // gain.
 #include "bench/remote_bench_mesh.h"
 
-#include <torch/torch.h>
-
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
@@ -23,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "bench/bench_metrics.h"
 #include "remotehead/client/client.h"
+#include "remotehead/core/torch_api.h"
 #include "support/child_process.h"
 
 ABSL_FLAG(int32_t, replicas, 0,

@@ -16,7 +16,6 @@
 // by the engine's counting allocator, CUDA by the caching allocator's statistics). Accuracy is
 // the max |difference| of the loss, dX and dW from naive, from the last timed repetition (each
 // repetition starts from zeroed gradients, so that is one step's result).
-#include <torch/torch.h>
 
 #include <algorithm>
 #include <cctype>
@@ -47,6 +46,7 @@
 #include "remotehead/core/head.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/core/torch_api.h"
 
 // Flag names are snake_case for Abseil; main() also accepts the kebab-case spelling
 // (--chunk-rows), which is how the documentation writes them.

@@ -5,13 +5,12 @@
 // the loopback TCP limit measured in the same run.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::bench {
 

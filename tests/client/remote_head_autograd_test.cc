@@ -2,6 +2,7 @@
 // gets the loss, hidden.grad, the body's gradients and the server's dW that the same model with
 // a local head gets (torch's cross_entropy / log_softmax on the full logits); and the example
 // trainer, run against the real remotehead-server binary, learns.
+#include <torch/nn.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 

@@ -5,6 +5,7 @@
 // average). A synchronous step whose answer was lost is retried and answered without stepping
 // twice; a bad rank is refused; and the example trainer runs as two ranks against the real
 // server binary.
+#include <torch/nn/functional.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 

@@ -4,6 +4,7 @@
 // their literal PyTorch definitions.
 #include "remotehead/core/functions.h"
 
+#include <torch/nn/functional.h>
 #include <gtest/gtest.h>
 
 #include <set>

@@ -4,8 +4,6 @@
 // numerics of every function on a group are tested here without sockets.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -13,6 +11,7 @@
 #include <mutex>
 #include <vector>
 
+#include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 
 namespace remotehead::testing {

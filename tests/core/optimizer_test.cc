@@ -2,6 +2,7 @@
 // over several steps with changing gradients, bias included.
 #include "remotehead/core/optimizer.h"
 
+#include <torch/optim.h>
 #include <gtest/gtest.h>
 
 #include "core/reference.h"

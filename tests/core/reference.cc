@@ -1,5 +1,6 @@
 #include "core/reference.h"
 
+#include <torch/nn/functional.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -3,8 +3,6 @@
 // log_softmax, an explicit one-hot, …) and differentiated by LibTorch autograd in one piece.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -14,6 +12,7 @@
 
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/torch_api.h"
 
 // gtest would print Debian's absl::string_view (not std::string_view) as a list of chars.
 namespace absl {

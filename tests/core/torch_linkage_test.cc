@@ -11,13 +11,14 @@
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <link.h>
-#include <torch/torch.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
+
+#include "remotehead/core/torch_api.h"
 
 namespace {
 

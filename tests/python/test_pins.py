@@ -7,9 +7,9 @@ constrained in two places — not in pyproject.toml, setup.py, the scripts, the 
 And the package's metadata does come from those files: its build requirements, as the frontend
 asks setup.py for them, and its runtime dependencies."""
 
-import os
 import pathlib
 import re
+import subprocess
 import shutil
 
 import build
@@ -20,7 +20,6 @@ CLIENT = ROOT / "client" / "python"
 # A version constraint: name, operator, version (no space between, as in requirements files
 # and pyproject strings; `$x == 1` in a script is not one).
 SPEC = re.compile(r"(?<![\w$./-])([A-Za-z][A-Za-z0-9._-]*)(===|==|~=|>=|<=|!=)\s*(\d[\w.*+!-]*)")
-SKIPPED_DIRS = {".git", "__pycache__", "node_modules", ".pytest_cache"}
 
 
 def normalized(name: str) -> str:
@@ -28,14 +27,13 @@ def normalized(name: str) -> str:
 
 
 def where_pins_could_live():
-    """The files a pin could hide in: requirements files anywhere, the package's build files,
-    the scripts, the Dockerfile and deploy/, CI."""
-    files = []
-    for directory, subdirs, names in os.walk(ROOT):
-        subdirs[:] = [d for d in subdirs if d not in SKIPPED_DIRS and not d.startswith("build")
-                      and not d.endswith(".egg-info")]
-        here = pathlib.Path(directory)
-        files += [here / n for n in names if re.fullmatch(r"requirements.*\.txt", n)]
+    """The files a pin could hide in: requirements files anywhere in the project (tracked or
+    new, not what git ignores: a build tree, a GPU kit's copies of the pins), the package's
+    build files, the scripts, the Dockerfile and deploy/, CI."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    files = [ROOT / f for f in listed
+             if f and re.fullmatch(r"requirements.*\.txt", pathlib.PurePath(f).name)]
     files += [CLIENT / "pyproject.toml", CLIENT / "setup.py", CLIENT / "MANIFEST.in"]
     for folder in ("scripts", "docker", "deploy", ".ci"):
         files += [p for p in (ROOT / folder).rglob("*") if p.is_file()

@@ -3,6 +3,7 @@
 // hundreds of slow clients that trickle their requests and reconnect when dropped (a scrape is
 // still answered within Prometheus' timeout), the connection limit, a prompt stop, 404 / 405,
 // the bearer token, and the exposure rule next to TLS.
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/metrics_http.h"
 
 #include <fcntl.h>
@@ -12,7 +13,6 @@
 #include <prometheus/counter.h>
 #include <prometheus/registry.h>
 #include <sys/socket.h>
-#include <torch/torch.h>
 #include <unistd.h>
 
 #include <atomic>

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <torch/serialize.h>
 #include <unistd.h>
 
 #include <chrono>

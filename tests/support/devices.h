@@ -4,10 +4,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <torch/torch.h>
 
 #include <string>
 #include <vector>
+
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::testing {
 

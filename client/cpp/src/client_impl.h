@@ -4,7 +4,6 @@
 #pragma once
 
 #include <grpcpp/grpcpp.h>
-#include <torch/torch.h>
 
 #include <atomic>
 #include <chrono>
@@ -20,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "remotehead/client/client.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
 #include "status.h"
 

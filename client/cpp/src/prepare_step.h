@@ -4,8 +4,6 @@
 // messages.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -14,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "remotehead/client/client.h"
 #include "remotehead/core/call_mode.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "remotehead/wire/tensor_codec.h"
 

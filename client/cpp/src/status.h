@@ -3,12 +3,12 @@
 #pragma once
 
 #include <grpcpp/grpcpp.h>
-#include <torch/torch.h>
 
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::client::internal {
 

@@ -3,13 +3,13 @@
 #pragma once
 
 #include <grpcpp/grpcpp.h>
-#include <torch/torch.h>
 
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "status.h"

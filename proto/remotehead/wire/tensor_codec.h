@@ -10,7 +10,7 @@
 // responses) maps them to its own code.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <map>

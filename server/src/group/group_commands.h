@@ -4,14 +4,13 @@
 // group_steps.h's.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "head_requests.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/v1/head_group.pb.h"
 
 namespace remotehead::server {

@@ -4,13 +4,12 @@
 // through GroupStepFollower, the front's address (front_address.h) into the group.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <atomic>
 
 #include "absl/status/status.h"
 #include "group/group_steps.h"
 #include "head_operations.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"

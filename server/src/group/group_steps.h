@@ -6,8 +6,6 @@
 // other ranks' GroupStepFollower.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -16,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"

@@ -3,10 +3,9 @@
 // runs on its shard for the front's step commands (group/group_steps.h).
 #pragma once
 
-#include <torch/torch.h>
-
 #include "absl/status/statusor.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::server {
 

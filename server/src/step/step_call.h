@@ -3,8 +3,6 @@
 // step_stream.cc, the session's protobuf-facing side; the session itself includes no protobuf.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -14,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/head_registry.h"
 
 namespace remotehead::server {

@@ -9,12 +9,11 @@
 // the StepCall this returns.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <optional>
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/call_mode.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "step/step_call.h"
 

@@ -6,8 +6,6 @@
 // every function, mode and dtype.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -18,6 +16,7 @@
 #include "remotehead/core/functions.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/step_options.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

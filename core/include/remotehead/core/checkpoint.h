@@ -5,14 +5,13 @@
 // data_offsets: [begin, end]}, "__metadata__": {...}}, then the raw little-endian data.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/checkpoint_dir.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

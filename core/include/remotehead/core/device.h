@@ -2,12 +2,11 @@
 // server, the benchmarks) and checked against the machine before anything is allocated there.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

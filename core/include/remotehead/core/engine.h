@@ -25,8 +25,6 @@
 // and add them to the head's only on success.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <map>
 #include <string>
@@ -37,6 +35,7 @@
 #include "remotehead/core/head.h"
 #include "remotehead/core/step_options.h"
 #include "remotehead/core/token_batch.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 
 namespace remotehead::core {

@@ -30,8 +30,6 @@
 // groups too.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <functional>
 #include <map>
 #include <string>
@@ -40,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "remotehead/core/token_batch.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

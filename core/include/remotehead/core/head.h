@@ -2,14 +2,13 @@
 // with the gradient accumulators that every gradient-producing call adds into.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

@@ -7,8 +7,6 @@
 // refused whole, never half-loaded.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -16,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/optimizer.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

@@ -2,12 +2,11 @@
 // reserved from the system, and the peak of the former since the last ResetPeak.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

@@ -2,14 +2,13 @@
 // decay) and AdamW, with fp32 state, following torch.optim's update rules exactly.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <map>
 #include <string>
 
 #include "absl/status/status.h"
 #include "remotehead/core/head.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

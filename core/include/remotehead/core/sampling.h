@@ -16,13 +16,12 @@
 // (the policy's log-probability that RL trainers keep as old_logprobs).
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "remotehead/core/functions.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

@@ -3,8 +3,6 @@
 // including each other.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -13,6 +11,7 @@
 
 #include "remotehead/core/call_mode.h"
 #include "remotehead/core/functions.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 
 namespace remotehead::core {

@@ -3,12 +3,12 @@
 // a batch lives here, so the engine and the server's step session cannot disagree on it.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
+
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

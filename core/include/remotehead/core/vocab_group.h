@@ -12,14 +12,13 @@
 // pair up by order, as in torch.distributed.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 

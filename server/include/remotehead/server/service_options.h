@@ -3,13 +3,12 @@
 // durable state and checkpoint directory, the head group this process is a rank of.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <memory>
 #include <ostream>
 
 #include "remotehead/core/checkpoint_dir.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"

@@ -15,8 +15,6 @@
 // context and stream on a shared channel).
 #pragma once
 
-#include <torch/torch.h>
-
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -30,6 +28,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::client {
 

@@ -42,8 +42,6 @@
 // calls would interleave micro-batch numbers).
 #pragma once
 
-#include <torch/torch.h>
-
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -54,6 +52,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "remotehead/client/client.h"
+#include "remotehead/core/torch_api.h"
 
 namespace remotehead::client {
 

@@ -21,8 +21,6 @@
 //     runs nothing more: it answers every command UNAVAILABLE.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -34,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 #include "remotehead/server/group/group_log.h"
 #include "remotehead/server/group/process_group.h"

@@ -22,8 +22,6 @@
 //     takes a group down (every front's health turns NOT_SERVING).
 #pragma once
 
-#include <torch/torch.h>
-
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -33,6 +31,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/process_group.h"
 

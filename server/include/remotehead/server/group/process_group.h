@@ -4,8 +4,6 @@
 // this interface is Abseil and LibTorch only.
 #pragma once
 
-#include <torch/torch.h>
-
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -13,6 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 
 namespace remotehead::server {
