@@ -110,7 +110,8 @@ def test_the_dry_run_builds_against_the_machines_torch_offline_in_a_clean_room(c
     assert all(p["status"] == "ok" for p in report["phases"]), report["phases"]
     assert report["machine"]["torch"].startswith(torch_version)
     assert {s["suite"] for s in report["suites"]} >= {
-        "engine parity", "memory budget", "head service", "server binary", "generation",
+        "engine parity", "memory budget", "memory statistics", "default plan", "head service",
+        "server binary", "generation",
         "torch linkage", "C++ client", "wire codec", "checkpoint directory", "optimizers",
         "Python client"}
     for s in report["suites"]:
