@@ -1,7 +1,7 @@
 // A head group's processes joined on torch.distributed's C++ layer (c10d): a TCPStore for the
 // rendezvous and the group's ordered command log, ProcessGroupGloo for tensors on the CPU and
-// ProcessGroupNCCL for tensors on CUDA. Everything c10d is confined to server/src/group/c10d_group.cc;
-// this interface is Abseil and LibTorch only.
+// ProcessGroupNCCL for tensors on CUDA. Everything c10d is confined to
+// server/src/group/c10d_group.cc; this interface is Abseil and LibTorch only.
 #pragma once
 
 #include <chrono>
