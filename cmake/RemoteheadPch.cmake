@@ -16,9 +16,10 @@ option(REMOTEHEAD_PCH "Precompile the LibTorch headers once and reuse them in ev
 
 # remotehead_add_torch_pch(<kind> PIC|PIE [HEADERS h...] [LINK target...] [OPTIONS opt...]):
 # the holder remotehead_torch_pch_<kind>, whose precompiled header is the project's LibTorch
-# subset (remotehead/core/torch_api.h) and the HEADERS after it, compiled with the LINK targets' usage requirements and the OPTIONS. Position
-# independence is part of it: libraries compile with -fPIC, executables with -fPIE
-# (CMAKE_POSITION_INDEPENDENT_CODE), and GCC refuses a header precompiled with the other.
+# subset (remotehead/core/torch_api.h) and the HEADERS after it, compiled with the LINK targets'
+# usage requirements and the OPTIONS. Position independence is part of it: libraries compile
+# with -fPIC, executables with -fPIE (CMAKE_POSITION_INDEPENDENT_CODE), and GCC refuses a header
+# precompiled with the other.
 function(remotehead_add_torch_pch kind position)
   if(NOT REMOTEHEAD_PCH)
     return()
@@ -79,9 +80,9 @@ function(_remotehead_links_torch target out)
 endfunction()
 
 # The holder `target` reuses: test executables (marked REMOTEHEAD_TEST_PCH by tests/) the test
-# one, libraries that link the generated protocol code the grpc_library one, others by their
-# position independence. Each holder must exist (a holder's headers are a superset of what the
-# plain one holds, so the choice only saves parsing).
+# one, libraries that link the generated protocol code (or the wire codec over it) the
+# grpc_library one, others by their position independence. Where the richer holder is not
+# defined the plain one serves: its headers are a subset, so the choice only saves parsing.
 function(_remotehead_pch_holder target type out)
   get_target_property(test ${target} REMOTEHEAD_TEST_PCH)
   if(type STREQUAL "EXECUTABLE")
