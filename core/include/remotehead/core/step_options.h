@@ -45,8 +45,9 @@ struct StepOptions {
   std::optional<double> normalizer;  // > 0; see the reduction table in engine.h
   int64_t ignore_index = -100;
   int64_t chunk_rows = 0;  // rows per chunk; 0 = derive from memory_budget_bytes
-  int64_t block_rows = 0;  // rows per function block; 0 = cache-sized on a CPU (kFunctionBlock*Bytes),
-                           // a quarter of the budget on a GPU
+  // Rows per function block; 0 = cache-sized on a CPU (kFunctionBlock*Bytes), a quarter of the
+  // budget on a GPU.
+  int64_t block_rows = 0;
   int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = DefaultMemoryBudgetBytes
   double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
   // Per-token diagnostics to return row by row (the result's token_extras), in every mode:
