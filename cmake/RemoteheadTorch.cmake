@@ -83,7 +83,7 @@ if(TARGET torch_cuda)
   target_compile_definitions(remotehead_torch INTERFACE REMOTEHEAD_TORCH_HAS_CUDA=1)
 endif()
 # The torch range the project builds and passes against: from the GPU machine's 2.11 (CI builds
-# and tests against it: tests/python/test_gpu_kit.py) to the pinned one (requirements.txt). An API
+# and tests against it: tests/system/test_gpu_kit.py) to the pinned one (requirements.txt). An API
 # that differs inside the range gets one seam here or in core/, never #ifs through the code.
 set(REMOTEHEAD_TORCH_OLDEST 2.11)
 if(Torch_VERSION VERSION_LESS REMOTEHEAD_TORCH_OLDEST)

@@ -13,6 +13,31 @@
 namespace remotehead::core::engine_internal {
 namespace {
 
+// The checks a per-token input ([N], CheckPerToken) and a top-k aux input ([N, k], CheckTopkAux)
+// share once their shape is right: on `device`; int64 / int32 when `integral`, else a floating
+// dtype with finite values — a bad row of [N] names its value, one of [N, k] says NaN or Inf.
+absl::Status CheckValues(const torch::Tensor& t, const std::string& field,
+                         const torch::Device& device, bool integral, int64_t first_row) {
+  if (t.device() != device) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected device ", device.str(), "; got ", t.device().str()));
+  }
+  const torch::ScalarType dt = t.scalar_type();
+  if (integral ? (dt != torch::kLong && dt != torch::kInt) : !IsFloating(dt)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected dtype ",
+                                                   integral ? "int64 or int32" : "a floating dtype",
+                                                   "; got ", DtypeName(dt)));
+  }
+  const int64_t bad = integral ? -1 : FirstNonFiniteRow(t);
+  if (bad < 0) return absl::OkStatus();
+  if (t.dim() == 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, "[", first_row + bad, "]: expected a finite value; got ", t[bad].item<double>()));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, "[", first_row + bad, "]: expected finite values; got NaN or Inf"));
+}
+
 absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan& plan) {
   RETURN_IF_ERROR(
       CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true, plan.first_row));
@@ -40,22 +65,8 @@ absl::Status CheckTopkAux(const torch::Tensor& t, const std::string& field, AuxK
   }
   *k = t.size(1);
   const bool ids = kind == AuxKind::kTopkIds;
-  if (t.device() != head.device()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected device ", head.device().str(), "; got ", t.device().str()));
-  }
-  const torch::ScalarType dt = t.scalar_type();
-  if (ids ? (dt != torch::kLong && dt != torch::kInt) : !IsFloating(dt)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": expected dtype ",
-                                                   ids ? "int64 or int32" : "a floating dtype",
-                                                   "; got ", DtypeName(dt)));
-  }
-  if (!ids) {
-    const int64_t bad = FirstNonFiniteRow(t);
-    if (bad < 0) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, "[", plan.first_row + bad, "]: expected finite values; got NaN or Inf"));
-  }
+  RETURN_IF_ERROR(CheckValues(t, field, head.device(), ids, plan.first_row));
+  if (!ids) return absl::OkStatus();
   const torch::Tensor out_of_range = ((t < 0).logical_or(t >= plan.vocab_size)).any(1);
   if (out_of_range.any().item<bool>()) {
     const int64_t row = out_of_range.nonzero()[0][0].item<int64_t>();
@@ -264,24 +275,7 @@ absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int
     return absl::InvalidArgumentError(absl::StrCat(field, ": expected shape [", n,
                                                    "] (one per row of hidden); got ", ShapeOf(t)));
   }
-  if (t.device() != device) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected device ", device.str(), "; got ", t.device().str()));
-  }
-  const torch::ScalarType dt = t.scalar_type();
-  if (integral ? (dt != torch::kLong && dt != torch::kInt) : !IsFloating(dt)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": expected dtype ",
-                                                   integral ? "int64 or int32" : "a floating dtype",
-                                                   "; got ", DtypeName(dt)));
-  }
-  if (!integral) {
-    const int64_t bad = FirstNonFiniteRow(t);
-    if (bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, "[", first_row + bad, "]: expected a finite value; got ", t[bad].item<double>()));
-    }
-  }
-  return absl::OkStatus();
+  return CheckValues(t, field, device, integral, first_row);
 }
 
 absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const StepOptions& options,

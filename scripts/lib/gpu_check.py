@@ -6,7 +6,7 @@ prefix's packages and this Python's torch, for the GPU's own architecture only; 
 cores); the CUDA twin suites and the NCCL group of one; the wire against the loopback TCP
 limit; scripts/bench-gpu's contenders at Cut
 Cross-Entropy's and Liger-Kernel's shapes. `--device cpu` is the dry run: the same phases on the
-CPU twins and small shapes (tests/python/test_gpu_kit.py runs it offline in a clean root).
+CPU twins and small shapes (tests/system/test_gpu_kit.py runs it offline in a clean root).
 
 Writes DIR/report.md (the tables), DIR/report.json (the same as data) and DIR/logs.tar.gz (every
 phase's log). The exit status is a bit set: 1 install, configure or build failed; 2 a test

@@ -19,8 +19,10 @@ kit_source() {
   stage=$(mktemp -d)
   git -C "$kit_root" archive --format=tar --prefix=source/ HEAD | tar -x -C "$stage"
   # The working tree's changes (a kit made to try an uncommitted change): tracked files as they
-  # are there, and files git does not ignore but has not been told of yet.
-  { git -C "$kit_root" diff --name-only HEAD; git -C "$kit_root" ls-files --others --exclude-standard; } |
+  # are there, and files git does not ignore but has not been told of yet. --no-renames: a moved
+  # file is its old path (removed here) and its new one, not the new one alone.
+  { git -C "$kit_root" diff --name-only --no-renames HEAD
+    git -C "$kit_root" ls-files --others --exclude-standard; } |
     while read -r f; do
       if [ -f "$kit_root/$f" ]; then
         mkdir -p "$stage/source/$(dirname "$f")" && cp -p "$kit_root/$f" "$stage/source/$f"

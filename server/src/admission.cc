@@ -28,6 +28,16 @@ bool AdmissionController::FitsLocked(int64_t bytes, bool counts_as_active) const
          bytes <= options_.memory_budget_bytes - head_bytes_ - bytes_in_use_;
 }
 
+absl::Status AdmissionController::OverBudget(int64_t bytes, absl::string_view more,
+                                             const std::string& breakdown,
+                                             const std::string& in_use) const {
+  return Exhausted("memory",
+                   absl::StrCat("admission: expected ", core::FormatMiB(bytes), more, " (",
+                                breakdown, ") to fit the memory budget of ",
+                                core::FormatMiB(options_.memory_budget_bytes),
+                                " (--memory_budget_bytes); got ", in_use));
+}
+
 absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
                                         const std::string& breakdown,
                                         std::function<void()> on_admitted) {
@@ -65,11 +75,8 @@ absl::Status AdmissionController::Reserve(uint64_t ticket, int64_t bytes,
                                           const std::string& breakdown) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
-    return Exhausted("memory", absl::StrCat(
-        "admission: expected ", core::FormatMiB(bytes), " (", breakdown,
-        ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
-        " (--memory_budget_bytes); got ", core::FormatMiB(bytes_in_use_ + head_bytes_),
-        " already in use"));
+    return OverBudget(bytes, "", breakdown,
+                      absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_), " already in use"));
   }
   held_[ticket] = {bytes, false};
   bytes_in_use_ += bytes;
@@ -84,11 +91,8 @@ absl::Status AdmissionController::Grow(uint64_t ticket, int64_t bytes,
     return absl::InternalError(absl::StrCat("admission: ticket ", ticket, " is not admitted"));
   }
   if (bytes > 0 && !FitsLocked(bytes, /*counts_as_active=*/false)) {
-    return Exhausted("memory", absl::StrCat(
-        "admission: expected ", core::FormatMiB(bytes), " more (", breakdown,
-        ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
-        " (--memory_budget_bytes); got ", core::FormatMiB(bytes_in_use_ + head_bytes_),
-        " already in use"));
+    return OverBudget(bytes, " more", breakdown,
+                      absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_), " already in use"));
   }
   it->second.bytes += bytes;
   (it->second.head ? head_bytes_ : bytes_in_use_) += bytes;
@@ -100,11 +104,9 @@ absl::Status AdmissionController::ReserveHead(uint64_t ticket, int64_t bytes,
                                               const std::string& breakdown) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
-    return Exhausted("memory", absl::StrCat(
-        "admission: expected ", core::FormatMiB(bytes), " (", breakdown,
-        ") to fit the memory budget of ", core::FormatMiB(options_.memory_budget_bytes),
-        " (--memory_budget_bytes); got ", core::FormatMiB(head_bytes_), " held by heads and ",
-        core::FormatMiB(bytes_in_use_), " by requests already"));
+    return OverBudget(bytes, "", breakdown,
+                      absl::StrCat(core::FormatMiB(head_bytes_), " held by heads and ",
+                                   core::FormatMiB(bytes_in_use_), " by requests already"));
   }
   held_[ticket] = {bytes, false, true};
   head_bytes_ += bytes;

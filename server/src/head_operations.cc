@@ -1,11 +1,11 @@
 #include "head_operations.h"
 
+#include <map>
 #include <mutex>
 #include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "group/group_commands.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
 #include "request_memory.h"
@@ -50,11 +50,11 @@ std::string StateBuffers(const core::AdamWOptions&) {
   return "adamw optimizer state (float32 exp_avg and exp_avg_sq for every parameter)";
 }
 
-absl::Status Step(core::Head& head, const core::SgdOptions& options, double grad_scale,
+absl::Status ApplyStep(core::Head& head, const core::SgdOptions& options, double grad_scale,
                   core::OptimizerState* state) {
   return core::SgdStep(head, options, grad_scale, state);
 }
-absl::Status Step(core::Head& head, const core::AdamWOptions& options, double grad_scale,
+absl::Status ApplyStep(core::Head& head, const core::AdamWOptions& options, double grad_scale,
                   core::OptimizerState* state) {
   return core::AdamWStep(head, options, grad_scale, state);
 }
@@ -145,57 +145,7 @@ absl::StatusOr<HeadOperations::Rows> HeadOperations::RowsOf(int64_t vocab_size,
   return Rows{.offset = mine.offset, .rows = mine.rows, .shards = std::move(shards)};
 }
 
-absl::Status HeadOperations::RunOnEveryRank(const v1::GroupCommand& command,
-                                            const std::function<absl::Status()>& here,
-                                            bool creates, Reach reach) {
-  if (reach == Reach::kReplica || mesh_ == nullptr || !mesh_->is_front()) {
-    return RunInReplica(command, here, creates);
-  }
-  if (!mesh_->is_leader()) {
-    const auto* op = command.GetDescriptor()->FindFieldByNumber(command.op_case());
-    return mesh_->NotTheLeader(absl::StrCat("the operation \"", op != nullptr ? op->name() : "?",
-                                            "\""));
-  }
-  // Every replica's front runs the same command on its own replica (MeshFollower).
-  ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
-  const absl::Status status =
-      lane.Run(command, [&] { return RunInReplica(command, here, /*creates=*/false); });
-  if (creates && !status.ok() && !IsGroupFailure(status)) {
-    const std::string id =
-        command.has_create() ? command.create().head_id() : command.upload().head_id();
-    const v1::GroupCommand undo = UndoCreateCommand(id);
-    const absl::Status undone = lane.Run(
-        undo, [&] { return RunInReplica(undo, [&] { return UndoCreateHere(id); }, false); });
-    if (!undone.ok()) return undone;
-  }
-  return status;
-}
-
-absl::Status HeadOperations::RunInReplica(const v1::GroupCommand& command,
-                                          const std::function<absl::Status()>& here,
-                                          bool creates) {
-  if (group_ == nullptr) return here();
-  ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
-  const absl::Status status = lane.Run(command, here);
-  if (creates && !status.ok() && !IsGroupFailure(status)) {
-    // Some ranks may have created the head (another's budget refused it): undone everywhere.
-    const std::string id =
-        command.has_create() ? command.create().head_id() : command.upload().head_id();
-    const absl::Status undone = lane.Run(UndoCreateCommand(id), [&] { return UndoCreateHere(id); });
-    if (!undone.ok()) return undone;
-  }
-  return status;
-}
-
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string& id,
-                                                               const core::HeadInit& init,
-                                                               bool frozen) {
-  return OnEveryRank<HeadDescription>(
-      CreateCommand(id, init, frozen), [&] { return CreateFromSeedHere(id, init, frozen); },
-      /*creates=*/true);
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeedHere(const std::string& id,
                                                                    const core::HeadInit& init,
                                                                    bool frozen) {
   ASSIGN_OR_RETURN(const Rows rows, RowsOf(init.vocab_size, "init.vocab_size"));
@@ -211,13 +161,6 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeedHere(const std::st
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
-    const std::string& id, const SafetensorsSource& source, bool frozen) {
-  return OnEveryRank<HeadDescription>(
-      CreateCommand(id, source, frozen),
-      [&] { return CreateFromSafetensorsHere(id, source, frozen); }, /*creates=*/true);
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensorsHere(
     const std::string& id, const SafetensorsSource& source, bool frozen) {
   const std::string field = "safetensors.path";
   ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor(field));
@@ -246,18 +189,6 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensorsHere(
   LogEvent(absl::StrCat("head created from ", dir->root(), "/", source.path, " (",
                         source.weight_name, "): ", Summary(d)));
   return d;
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::AddUploaded(const std::string& id,
-                                                            const torch::Tensor& weight,
-                                                            const torch::Tensor& bias, bool replace,
-                                                            bool frozen) {
-  const bool creates = !(replace && registry_->Get(id).ok());
-  // Refused here before any rank is asked (each rank checks it again: all refuse alike).
-  if (replace) RETURN_IF_ERROR(CheckReplaceKeepsFrozen(id, frozen));
-  return OnEveryRank<HeadDescription>(
-      UploadCommand(id, weight, bias, replace, frozen),
-      [&] { return UploadHere(id, weight, bias, replace, frozen); }, creates);
 }
 
 absl::Status HeadOperations::CheckReplaceKeepsFrozen(const std::string& id, bool frozen) const {
@@ -289,7 +220,7 @@ absl::StatusOr<HeadOperations::Rows> HeadOperations::ShareUploadedRows(torch::Te
   return rows;
 }
 
-absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id,
+absl::StatusOr<HeadDescription> HeadOperations::Upload(const std::string& id,
                                                            torch::Tensor weight, torch::Tensor bias,
                                                            bool replace, bool frozen) {
   // Before any tensor is shared: every rank holds the same flag, so all refuse alike.
@@ -332,13 +263,18 @@ absl::StatusOr<HeadDescription> HeadOperations::UploadHere(const std::string& id
   return d;
 }
 
-absl::StatusOr<int64_t> HeadOperations::Save(const std::string& id, const std::string& path,
-                                             const std::string& weight_name,
-                                             const std::string& bias_name) {
-  ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor("path"));
-  RETURN_IF_ERROR(core::CheckpointDir::CheckRelative(path, "path"));
-  // The whole head (gathered from every rank on a group).
-  ASSIGN_OR_RETURN(const HeadSnapshot snapshot, Snapshot(id, std::nullopt, /*gradients=*/false));
+absl::Status HeadOperations::CheckCheckpointPath(const std::string& path) const {
+  RETURN_IF_ERROR(CheckpointDirFor("path").status());
+  return core::CheckpointDir::CheckRelative(path, "path");
+}
+
+absl::StatusOr<int64_t> HeadOperations::WriteCheckpoint(const std::string& id,
+                                                        const HeadSnapshot& snapshot,
+                                                        const std::string& path,
+                                                        const std::string& weight_name,
+                                                        const std::string& bias_name) {
+  RETURN_IF_ERROR(CheckCheckpointPath(path));
+  const core::CheckpointDir* dir = checkpoint_dir_.get();
   std::map<std::string, torch::Tensor> tensors;
   tensors[weight_name.empty() ? "lm_head.weight" : weight_name] = snapshot.matrix;
   if (snapshot.vector.defined()) {
@@ -351,15 +287,6 @@ absl::StatusOr<int64_t> HeadOperations::Save(const std::string& id, const std::s
 }
 
 absl::StatusOr<HeadSnapshot> HeadOperations::Snapshot(const std::string& id,
-                                                      std::optional<torch::ScalarType> dtype,
-                                                      bool gradients) {
-  // A replica's own: its weights are every replica's, its dW its own trainers' part.
-  return OnEveryRank<HeadSnapshot>(
-      GatherCommand(id, dtype, gradients), [&] { return SnapshotHere(id, dtype, gradients); },
-      false, Reach::kReplica);
-}
-
-absl::StatusOr<HeadSnapshot> HeadOperations::SnapshotHere(const std::string& id,
                                                           std::optional<torch::ScalarType> dtype,
                                                           bool gradients) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
@@ -400,16 +327,12 @@ std::vector<HeadDescription> HeadOperations::List() const {
   return out;
 }
 
-absl::Status HeadOperations::Drop(const std::string& id) {
-  return RunOnEveryRank(HeadCommand(HeadCommandKind::kDrop, id), [&] { return DropHere(id); });
-}
-
-absl::Status HeadOperations::UndoCreateHere(const std::string& id) {
+absl::Status HeadOperations::UndoCreate(const std::string& id) {
   if (!registry_->Get(id).ok()) return absl::OkStatus();  // never created on this rank
-  return DropHere(id);
+  return Drop(id);
 }
 
-absl::Status HeadOperations::DropHere(const std::string& id) {
+absl::Status HeadOperations::Drop(const std::string& id) {
   ASSIGN_OR_RETURN(const std::shared_ptr<HeadEntry> dropped, registry_->Drop(id));
   admission_->Release(dropped->reservation());
   if (state_store_ != nullptr) state_store_->Remove(id);  // it must not come back at a restart
@@ -418,32 +341,10 @@ absl::Status HeadOperations::DropHere(const std::string& id) {
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::ZeroGradients(const std::string& id) {
-  return OnEveryRank<HeadDescription>(HeadCommand(HeadCommandKind::kZeroGradients, id),
-                                      [&] { return ZeroGradientsHere(id); });
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::ZeroGradientsHere(const std::string& id) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   entry->ZeroGradients();
   LogEvent(absl::StrCat("gradients zeroed: \"", id, "\""));
   return entry->Describe();
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string& id,
-                                                              const OptimizerStepSpec& spec) {
-  // A frozen head is refused before any rank is asked (each rank's entry refuses it too).
-  ASSIGN_OR_RETURN(const std::shared_ptr<HeadEntry> entry, registry_->Get(id));
-  if (entry->frozen()) return HeadFrozenError(id, "head_id", "an optimizer step");
-  return OnEveryRank<HeadDescription>(OptimizerStepCommand(id, spec),
-                                      [&] { return OptimizerStepHere(id, spec); });
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::ReduceStep(const std::string& id,
-                                                           const OptimizerStepSpec& spec) {
-  v1::GroupCommand command;
-  *command.mutable_reduce_step() = OptimizerStepCommand(id, spec).optimizer_step();
-  return OnEveryRank<HeadDescription>(
-      command, [&] { return ReduceStepHere(id, spec); }, false, Reach::kReplica);
 }
 
 absl::StatusOr<core::GradientBuffers> HeadOperations::SumGradientsOverReplicas(core::Head& head,
@@ -459,7 +360,7 @@ absl::StatusOr<core::GradientBuffers> HeadOperations::SumGradientsOverReplicas(c
   return own;
 }
 
-absl::StatusOr<HeadDescription> HeadOperations::StepHere(const std::string& id,
+absl::StatusOr<HeadDescription> HeadOperations::Step(const std::string& id,
                                                          const OptimizerStepSpec& spec,
                                                          bool over_replicas) {
   if (over_replicas && mesh_ == nullptr) {
@@ -488,7 +389,7 @@ absl::StatusOr<HeadDescription> HeadOperations::StepHere(const std::string& id,
               RETURN_IF_ERROR(ChangeOptimizerState(
                   state, core::OptimizerStateBytesAfterStep(head, state, options),
                   ResizeOf(*entry, absl::StrCat(StateBuffers(options), " of head \"", id, "\"")),
-                  [&] { return Step(head, options, spec.grad_scale, &state); }));
+                  [&] { return ApplyStep(head, options, spec.grad_scale, &state); }));
               if (own.weight.defined()) head.grads().weight.copy_(own.weight);
               if (own.bias.defined()) head.grads().bias.copy_(own.bias);
               const int every = mesh_ != nullptr ? mesh_->options().checksum_every_steps : 0;

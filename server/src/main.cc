@@ -24,19 +24,20 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "group/join.h"
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/device.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
-#include "group/front_address.h"
-#include "remotehead/server/credentials.h"
-#include "group/join.h"
-#include "state_restore.h"
 #include "remotehead/server/group/head_group.h"
-#include "remotehead/server/head_service.h"
 #include "remotehead/server/metrics.h"
 #include "remotehead/server/metrics_http.h"
+#include "remotehead/server/rpc/credentials.h"
+#include "remotehead/server/rpc/head_service.h"
+#include "rpc/front_address.h"
+#include "rpc/metrics_interceptor.h"
+#include "state_restore.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
 ABSL_FLAG(std::string, device, "auto", "auto (cuda:0 if available, else cpu), cpu or cuda:N");
@@ -336,7 +337,7 @@ std::unique_ptr<grpc::Server> StartServer(
   }
   if (metrics != nullptr) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back(metrics->InterceptorFactory());
+    creators.push_back(rh::server::NewMetricsInterceptorFactory(metrics));
     builder.experimental().SetInterceptorCreators(std::move(creators));
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -484,14 +485,14 @@ int Run() {
   if (!checkpoint_dir.ok()) return Refuse(checkpoint_dir.status());
   absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
-  if (metrics->metrics != nullptr && mesh != nullptr) metrics->metrics->set_mesh(mesh);
   if (metrics->metrics != nullptr && group != nullptr) {
     rh::server::ServerMetrics* m = metrics->metrics.get();
-    m->set_group(group);
+    m->AddSource(group);
     group->set_observer([m](const std::string& command, double seconds) {
       m->ObserveGroupCommand(command, seconds);
     });
   }
+  if (metrics->metrics != nullptr && mesh != nullptr) metrics->metrics->AddSource(mesh);
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
       &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get(),

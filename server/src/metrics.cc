@@ -1,7 +1,5 @@
 #include "remotehead/server/metrics.h"
 
-#include <google/protobuf/message_lite.h>
-#include <grpcpp/support/byte_buffer.h>
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
@@ -18,10 +16,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/memory_stats.h"
-#include "remotehead/server/group/head_group.h"
-#include "remotehead/server/group/head_mesh.h"
+#include "remotehead/server/group/metric_source.h"
 #include "remotehead/server/head_registry.h"
-#include "remotehead/v1/head_service.pb.h"
 
 namespace remotehead::server {
 namespace {
@@ -37,17 +33,10 @@ const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
   return buckets;
 }
 
-// "/remotehead.v1.HeadService/ForwardBackward" -> "ForwardBackward": low cardinality.
-std::string RpcName(const char* method) {
-  const std::string full = method != nullptr ? method : "";
-  const size_t slash = full.rfind('/');
-  return slash == std::string::npos ? full : full.substr(slash + 1);
-}
-
 // gRPC's canonical code names (INVALID_ARGUMENT, …): absl::StatusCode shares the codes and
 // absl::StatusCodeToString spells them the same way; codes outside the canonical range are
 // reported as UNKNOWN.
-std::string CodeName(grpc::StatusCode code) {
+std::string CodeName(int code) {
   const std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
   return name.empty() ? "UNKNOWN" : name;
 }
@@ -67,14 +56,16 @@ void AddGauge(prometheus::MetricFamily& family, std::vector<prometheus::ClientMe
 }  // namespace
 
 // The recorded metrics, with references cached per RPC, and the scrape-time state.
+struct ServerMetrics::RpcObservation::Counters {
+  prometheus::Histogram* duration;
+  prometheus::Gauge* inflight;
+  prometheus::Counter* received_bytes;
+  prometheus::Counter* sent_bytes;
+};
+
 class ServerMetrics::Impl : public prometheus::Collectable {
  public:
-  struct RpcMetrics {
-    prometheus::Histogram* duration;
-    prometheus::Gauge* inflight;
-    prometheus::Counter* received_bytes;
-    prometheus::Counter* sent_bytes;
-  };
+  using RpcMetrics = RpcObservation::Counters;
 
   Impl(const HeadRegistry* heads, torch::Device device, int64_t budget)
       : heads_(heads),
@@ -154,17 +145,15 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     return it->second;
   }
 
-  void CountRequest(const std::string& rpc, grpc::StatusCode code) {
+  void CountRequest(const std::string& rpc, int code) {
     requests_.Add({{"rpc", rpc}, {"code", CodeName(code)}}).Increment();
   }
 
   void ObserveStep(const std::string& rpc, const std::string& head, const std::string& function,
-                   int64_t valid_tokens, const v1::StepTimings& t, int64_t logits_chunk_bytes) {
+                   int64_t valid_tokens, const StepPhaseSeconds& t, int64_t logits_chunk_bytes) {
     tokens_.Add({{"head", head}, {"function", function}}).Increment(double(valid_tokens));
-    const std::pair<const char*, double> phases[] = {{"queue", t.queue_seconds()},
-                                                     {"receive", t.receive_wait_seconds()},
-                                                     {"compute", t.compute_seconds()},
-                                                     {"send", t.send_wait_seconds()}};
+    const std::pair<const char*, double> phases[] = {
+        {"queue", t.queue}, {"receive", t.receive}, {"compute", t.compute}, {"send", t.send}};
     for (const auto& [phase, seconds] : phases) {
       phases_.Add({{"rpc", rpc}, {"phase", phase}}, LatencyBuckets()).Observe(seconds);
     }
@@ -184,103 +173,34 @@ class ServerMetrics::Impl : public prometheus::Collectable {
     out.push_back(std::move(chunk));
     CollectAdmission(out);
     CollectHeads(out);
-    CollectGroup(out);
-    CollectMesh(out);
+    CollectSources(out);
     return out;
   }
 
-  // One unlabelled counter.
-  static prometheus::MetricFamily Counter(const std::string& name, const std::string& help,
-                                          double value) {
-    prometheus::MetricFamily family{
-        .name = name, .help = help, .type = prometheus::MetricType::Counter, .metric = {}};
-    prometheus::ClientMetric m;
-    m.counter.value = value;
-    family.metric.push_back(std::move(m));
-    return family;
-  }
-
-  // Bytes sent and received by collective operation, as one counter family.
-  static prometheus::MetricFamily BytesByOp(const std::string& name, const std::string& help,
-                                            const std::map<std::string, CollectiveBytes>& moved) {
-    prometheus::MetricFamily family{
-        .name = name, .help = help, .type = prometheus::MetricType::Counter, .metric = {}};
-    for (const auto& [op, b] : moved) {
-      for (const auto& [direction, value] : {std::pair{"sent", b.sent}, {"received", b.received}}) {
-        prometheus::ClientMetric m;
-        m.label = {{"op", op}, {"direction", direction}};
-        m.counter.value = double(value);
-        family.metric.push_back(std::move(m));
+  // The families of the sources (a head group's rank, a mesh's), as they are now.
+  void CollectSources(std::vector<prometheus::MetricFamily>& out) const {
+    std::lock_guard<std::mutex> lock(sources_mu_);
+    for (const MetricSource* source : sources_) {
+      for (const MetricFamilySamples& f : source->Metrics()) {
+        prometheus::MetricFamily family{
+            .name = f.name,
+            .help = f.help,
+            .type = f.counter ? prometheus::MetricType::Counter : prometheus::MetricType::Gauge,
+            .metric = {}};
+        for (const MetricSample& sample : f.samples) {
+          prometheus::ClientMetric m;
+          for (const auto& [name, value] : sample.labels) m.label.push_back({name, value});
+          (f.counter ? m.counter.value : m.gauge.value) = sample.value;
+          family.metric.push_back(std::move(m));
+        }
+        out.push_back(std::move(family));
       }
     }
-    return family;
   }
 
-  // A mesh's rank: its replica, whether the mesh is up, dW summed over the replicas (the
-  // all-reduce's payload and what it moved on the wire), the weight checksums compared.
-  void CollectMesh(std::vector<prometheus::MetricFamily>& out) const {
-    const HeadMesh* mesh = mesh_.load();
-    if (mesh == nullptr) return;
-    auto info = Gauges("remotehead_mesh_info",
-                       "1, labelled with this process's replica and the mesh's replicas");
-    AddGauge(info,
-             {{"replica", std::to_string(mesh->replica())},
-              {"replicas", std::to_string(mesh->replicas())}},
-             1);
-    out.push_back(std::move(info));
-    auto up = Gauges("remotehead_mesh_up", "1 while the mesh's log works, 0 once it is down");
-    AddGauge(up, {}, mesh->health().ok() ? 1 : 0);
-    out.push_back(std::move(up));
-    out.push_back(Counter("remotehead_mesh_reduced_bytes_total",
-                          "Bytes of dW (and db) this rank summed over the replicas at optimizer "
-                          "steps",
-                          double(mesh->reduced_bytes())));
-    out.push_back(Counter("remotehead_mesh_reduce_seconds_total",
-                          "Time this rank spent summing dW over the replicas (both collectives)",
-                          mesh->reduce_seconds()));
-    out.push_back(BytesByOp("remotehead_mesh_collective_bytes_total",
-                            "Bytes this rank's collectives with its shard peers in the other "
-                            "replicas sent and received, by operation",
-                            mesh->PeerBytes()));
-    prometheus::MetricFamily checks{
-        .name = "remotehead_mesh_checksums_total",
-        .help = "Weight checksums compared across the replicas, by result",
-        .type = prometheus::MetricType::Counter,
-        .metric = {}};
-    for (const bool matched : {true, false}) {
-      prometheus::ClientMetric m;
-      m.label = {{"result", matched ? "match" : "mismatch"}};
-      m.counter.value = double(mesh->checksums(matched));
-      checks.metric.push_back(std::move(m));
-    }
-    out.push_back(std::move(checks));
-  }
-
-  // A head group's rank: which one, whether the group is up, what its collectives moved.
-  void CollectGroup(std::vector<prometheus::MetricFamily>& out) const {
-    HeadGroup* group = group_.load();
-    if (group == nullptr) return;
-    auto info = Gauges("remotehead_group_info",
-                       "1, labelled with this process's rank in its head group and the group size");
-    AddGauge(info,
-             {{"rank", std::to_string(group->rank())}, {"size", std::to_string(group->size())}}, 1);
-    auto up = Gauges("remotehead_group_up", "1 while the head group works, 0 once it is down");
-    AddGauge(up, {}, group->health().ok() ? 1 : 0);
-    const std::map<std::string, CollectiveBytes> moved = group->collectives().Bytes();
-    prometheus::MetricFamily bytes =
-        BytesByOp("remotehead_group_collective_bytes_total",
-                  "Bytes this rank's collectives sent and received, by operation", moved);
-    prometheus::MetricFamily calls{.name = "remotehead_group_collectives_total",
-                                   .help = "Collectives this rank ran, by operation",
-                                   .type = prometheus::MetricType::Counter,
-                                   .metric = {}};
-    for (const auto& [op, b] : moved) {
-      prometheus::ClientMetric m;
-      m.label = {{"op", op}};
-      m.counter.value = double(b.calls);
-      calls.metric.push_back(std::move(m));
-    }
-    for (auto* family : {&info, &up, &bytes, &calls}) out.push_back(std::move(*family));
+  void AddSource(const MetricSource* source) {
+    std::lock_guard<std::mutex> lock(sources_mu_);
+    sources_.push_back(source);
   }
 
   void CollectMemory(std::vector<prometheus::MetricFamily>& out) const {
@@ -348,8 +268,8 @@ class ServerMetrics::Impl : public prometheus::Collectable {
   const torch::Device device_;
   const int64_t budget_;
   std::atomic<const AdmissionController*> admission_{nullptr};
-  std::atomic<HeadGroup*> group_{nullptr};
-  std::atomic<const HeadMesh*> mesh_{nullptr};
+  mutable std::mutex sources_mu_;
+  std::vector<const MetricSource*> sources_;  // guarded by sources_mu_
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& duration_;
@@ -368,86 +288,38 @@ class ServerMetrics::Impl : public prometheus::Collectable {
   std::map<std::string, RpcMetrics> rpcs_;
 };
 
-namespace {
+ServerMetrics::RpcObservation::RpcObservation(std::shared_ptr<Impl> metrics,
+                                              const std::string& rpc)
+    : metrics_(std::move(metrics)),
+      rpc_(rpc),
+      counters_(&metrics_->ForRpc(rpc)),
+      start_(Clock::now()) {
+  counters_->inflight->Increment();
+}
 
-// One per RPC: counts it when its status goes out (or, if none does, when it is destroyed).
-class MetricsInterceptor final : public grpc::experimental::Interceptor {
- public:
-  MetricsInterceptor(std::shared_ptr<ServerMetrics::Impl> metrics, const std::string& rpc,
-                     bool protobuf_messages)
-      : metrics_(std::move(metrics)),
-        rpc_(rpc),
-        protobuf_messages_(protobuf_messages),
-        m_(metrics_->ForRpc(rpc)),
-        start_(Clock::now()) {
-    m_.inflight->Increment();
-  }
+ServerMetrics::RpcObservation::~RpcObservation() {
+  if (!done_) Finish(static_cast<int>(absl::StatusCode::kCancelled));
+}
 
-  ~MetricsInterceptor() override {
-    if (!done_) Done(grpc::StatusCode::CANCELLED);
-  }
+void ServerMetrics::RpcObservation::Received(int64_t bytes) {
+  counters_->received_bytes->Increment(double(bytes));
+}
 
-  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    using grpc::experimental::InterceptionHookPoints;
-    // remotehead.v1's messages are protobuf messages, whose MessageLite base sits at offset 0
-    // (single inheritance). Other services may pass raw ByteBuffers (gRPC's default health
-    // service does): their bytes are not counted.
-    if (protobuf_messages_ &&
-        methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
-      if (const void* message = methods->GetRecvMessage(); message != nullptr) {
-        m_.received_bytes->Increment(
-            double(static_cast<const google::protobuf::MessageLite*>(message)->ByteSizeLong()));
-      }
-    }
-    if (protobuf_messages_ &&
-        methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
-      if (const void* message = methods->GetSendMessage(); message != nullptr) {
-        m_.sent_bytes->Increment(
-            double(static_cast<const google::protobuf::MessageLite*>(message)->ByteSizeLong()));
-      } else if (grpc::ByteBuffer* buffer = methods->GetSerializedSendMessage();
-                 buffer != nullptr) {
-        m_.sent_bytes->Increment(double(buffer->Length()));
-      }
-    }
-    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
-      Done(methods->GetSendStatus().error_code());
-    }
-    methods->Proceed();
-  }
+void ServerMetrics::RpcObservation::Sent(int64_t bytes) {
+  counters_->sent_bytes->Increment(double(bytes));
+}
 
- private:
-  void Done(grpc::StatusCode code) {
-    done_ = true;
-    m_.inflight->Decrement();
-    m_.duration->Observe(std::chrono::duration<double>(Clock::now() - start_).count());
-    metrics_->CountRequest(rpc_, code);
-  }
+void ServerMetrics::RpcObservation::Finish(int code) {
+  if (done_) return;
+  done_ = true;
+  counters_->inflight->Decrement();
+  counters_->duration->Observe(std::chrono::duration<double>(Clock::now() - start_).count());
+  metrics_->CountRequest(rpc_, code);
+}
 
-  std::shared_ptr<ServerMetrics::Impl> metrics_;
-  const std::string rpc_;
-  const bool protobuf_messages_;
-  ServerMetrics::Impl::RpcMetrics& m_;  // stable: std::map nodes do not move
-  const Clock::time_point start_;
-  bool done_ = false;
-};
-
-class MetricsInterceptorFactory final
-    : public grpc::experimental::ServerInterceptorFactoryInterface {
- public:
-  explicit MetricsInterceptorFactory(std::shared_ptr<ServerMetrics::Impl> metrics)
-      : metrics_(std::move(metrics)) {}
-  grpc::experimental::Interceptor* CreateServerInterceptor(
-      grpc::experimental::ServerRpcInfo* info) override {
-    const std::string method = info->method() != nullptr ? info->method() : "";
-    return new MetricsInterceptor(metrics_, RpcName(info->method()),
-                                  absl::StartsWith(method, "/remotehead.v1.HeadService/"));
-  }
-
- private:
-  std::shared_ptr<ServerMetrics::Impl> metrics_;
-};
-
-}  // namespace
+std::unique_ptr<ServerMetrics::RpcObservation> ServerMetrics::StartRpc(const std::string& rpc) {
+  return std::make_unique<RpcObservation>(impl_, rpc);
+}
 
 ServerMetrics::ServerMetrics(const HeadRegistry* registry, torch::Device device,
                              int64_t memory_budget_bytes)
@@ -459,8 +331,7 @@ void ServerMetrics::set_admission(const AdmissionController* admission) {
   impl_->admission_.store(admission);
 }
 
-void ServerMetrics::set_group(HeadGroup* group) { impl_->group_.store(group); }
-void ServerMetrics::set_mesh(const HeadMesh* mesh) { impl_->mesh_.store(mesh); }
+void ServerMetrics::AddSource(const MetricSource* source) { impl_->AddSource(source); }
 
 void ServerMetrics::ObserveGroupCommand(const std::string& command, double seconds) {
   impl_->group_commands_.Add({{"command", command}}, LatencyBuckets()).Observe(seconds);
@@ -482,15 +353,10 @@ std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::Collectables(
   return {impl_->registry_, impl_};
 }
 
-std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
-ServerMetrics::InterceptorFactory() {
-  return std::make_unique<MetricsInterceptorFactory>(impl_);
-}
-
 void ServerMetrics::ObserveStep(const std::string& rpc, const std::string& head,
                                 const std::string& function, int64_t valid_tokens,
-                                const v1::StepTimings& timings, int64_t logits_chunk_bytes) {
-  impl_->ObserveStep(rpc, head, function, valid_tokens, timings, logits_chunk_bytes);
+                                const StepPhaseSeconds& phases, int64_t logits_chunk_bytes) {
+  impl_->ObserveStep(rpc, head, function, valid_tokens, phases, logits_chunk_bytes);
 }
 
 }  // namespace remotehead::server

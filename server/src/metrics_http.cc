@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "remotehead/core/status_macros.h"
-#include "remotehead/server/credentials.h"
+#include "remotehead/server/operator_files.h"
 
 namespace remotehead::server {
 namespace {

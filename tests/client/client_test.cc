@@ -20,7 +20,7 @@
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/optimizer.h"
-#include "remotehead/server/head_service.h"
+#include "remotehead/server/rpc/head_service.h"
 #include "support/head_access.h"
 #include "support/in_process_server.h"
 

@@ -10,8 +10,8 @@
 #include <sstream>
 
 #include "remotehead/client/client.h"
-#include "remotehead/server/credentials.h"
-#include "remotehead/server/head_service.h"
+#include "remotehead/server/rpc/credentials.h"
+#include "remotehead/server/rpc/head_service.h"
 
 namespace remotehead {
 namespace {

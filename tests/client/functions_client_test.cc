@@ -8,7 +8,7 @@
 
 #include "remotehead/client/client.h"
 #include "remotehead/core/functions.h"
-#include "remotehead/server/head_service.h"
+#include "remotehead/server/rpc/head_service.h"
 #include "support/head_access.h"
 #include "support/in_process_server.h"
 

@@ -12,7 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "core/reference.h"
 #include "remotehead/client/remote_head.h"
-#include "remotehead/server/head_service.h"
+#include "remotehead/server/rpc/head_service.h"
 #include "support/child_process.h"
 #include "support/in_process_server.h"
 

@@ -17,7 +17,7 @@
 #include "remotehead/client/client.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/optimizer.h"
-#include "remotehead/server/head_service.h"
+#include "remotehead/server/rpc/head_service.h"
 #include "support/head_access.h"
 
 namespace remotehead {

@@ -27,8 +27,8 @@
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/wire/tensor_codec.h"
+#include "rpc/step_stream.h"
 #include "step/retained_inputs.h"
-#include "step/step_stream.h"
 
 namespace remotehead::fuzz {
 namespace {

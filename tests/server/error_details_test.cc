@@ -4,7 +4,7 @@
 // registry. Checked on the seam alone and over a real gRPC channel.
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/functions.h"
-#include "remotehead/server/status_mapping.h"
+#include "remotehead/server/rpc/status_mapping.h"
 #include "service_fixture.h"
 
 namespace remotehead {

@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/head_service.h"
+#include "remotehead/server/rpc/head_service.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "support/head_access.h"
 #include "support/in_process_server.h"

@@ -3,12 +3,12 @@
 // so an option added to the header reaches every rank. The test sets every field of the
 // header (by reflection: a field added later is set too) and checks that the group command
 // carries it unchanged and that the other ranks read the options the front read.
-#include "step/step_header.h"
+#include "translate/step_header.h"
 
 #include <google/protobuf/util/message_differencer.h>
 #include <gtest/gtest.h>
 
-#include "group/group_steps.h"
+#include "replication/group_steps.h"
 
 namespace remotehead {
 namespace {

@@ -17,7 +17,7 @@
 
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/status_mapping.h"
+#include "remotehead/server/rpc/status_mapping.h"
 
 namespace remotehead {
 namespace {

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "core/reference.h"
-#include "remotehead/server/credentials.h"
+#include "remotehead/server/rpc/credentials.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "support/child_process.h"

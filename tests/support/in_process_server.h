@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "remotehead/server/head_service.h"
+#include "remotehead/server/rpc/head_service.h"
 
 namespace remotehead::testing {
 

@@ -1,6 +1,6 @@
 // What a Client holds behind its public header: the channel and stub, the retry loop every call
-// runs in (channel.cc), and the attempts the calls share — a step call's stream (step_call.cc)
-// and the head description read before streaming weights or gradients (head_calls.cc).
+// runs in (channel.cc), and what the step calls share (step_call.cc): one call's run and one
+// attempt's streams.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "remotehead/client/client.h"
+#include "remotehead/core/call_mode.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
 #include "status.h"
@@ -28,6 +29,20 @@ namespace internal {
 
 using Stub = v1::HeadService::Stub;
 struct PreparedStep;  // prepare_step.h
+
+// Where a step call's attempts write its results: dX, per-row outputs, a sampling Forward's
+// drawn token ids (each undefined when the call returns none) and the token extras asked for.
+struct StepBuffers {
+  torch::Tensor grad_hidden, outputs, token_ids;
+  TokenExtras token_extras;
+};
+
+// What a step call returns: its buffers, as the attempt that succeeded filled them, and the
+// summary.
+struct StepResults {
+  StepBuffers buffers;
+  StepSummary summary;
+};
 
 }  // namespace internal
 
@@ -80,15 +95,23 @@ struct Client::Impl {
   // NOT_THE_LEADER that names the leader, connected to it and run once more there.
   absl::Status ToLeader(const std::function<absl::Status(Stub*)>& call);
 
+  // A step call in `mode`, as ForwardBackward, Forward and Backward all run it: its inputs
+  // prepared once (PrepareStep; `grad_output`: a Backward's), its buffers allocated — `allocate`
+  // those of its kind (dX, a Forward's outputs), the token extras the spec asks for here — then
+  // every attempt streamed into them (WithRetries, the call named by its mode) and the summary
+  // read back.
+  using AllocateStepBuffers =
+      std::function<absl::Status(const internal::PreparedStep&, internal::StepBuffers*)>;
+  absl::StatusOr<internal::StepResults> RunStep(core::CallMode mode, const StepSpec& spec,
+                                                const StepInputs& inputs,
+                                                const torch::Tensor& grad_output,
+                                                const AllocateStepBuffers& allocate);
   // One attempt of a step call, on ClientOptions::streams streams: a writer thread per stream
   // sends its header and row chunks while a reader per stream (this thread reads the first)
-  // assembles the streamed dX / outputs; then the summary. `grad_hidden` / `outputs`
-  // (preallocated, or undefined when the call returns none) are overwritten by every attempt.
-  // `token_ids`: a sampling Forward's drawn tokens.
+  // assembles the streamed dX / outputs; then the summary. The defined tensors of `buffers`
+  // (preallocated) are overwritten by every attempt.
   absl::Status StepAttempt(grpc::ClientContext* context, const internal::PreparedStep& p,
-                           const torch::Tensor& grad_hidden, const torch::Tensor& outputs,
-                           v1::StepSummary* summary, const torch::Tensor& token_ids = {},
-                           const TokenExtras& token_extras = {});
+                           const internal::StepBuffers& buffers, v1::StepSummary* summary);
   // A new key naming one striped attempt's streams (empty for one stream).
   std::string StripeKey();
 
@@ -100,12 +123,7 @@ struct Client::Impl {
   std::optional<std::vector<FunctionInfo>> functions;
   // A per-row Forward's result buffers, shaped and typed as its function's listing says.
   absl::Status AllocateForwardOutputs(const StepSpec& spec, const internal::PreparedStep& p,
-                                      ForwardResult* result);
-
-  // The shape and dtype of a head, read inside an attempt (with that attempt's deadline) before
-  // its weights or gradients are streamed into preallocated tensors.
-  absl::StatusOr<v1::HeadInfo> DescribeForStream(const grpc::ClientContext& attempt_context,
-                                                 const std::string& head_id);
+                                      internal::StepBuffers* buffers);
 };
 
 }  // namespace remotehead::client

@@ -1,6 +1,8 @@
 // The calls on a head as a whole: its lifecycle (create, upload, describe, list, drop), its
 // weights and gradients streamed out or saved on the server, and the server-side optimizer step.
 #include <algorithm>
+#include <memory>
+#include <optional>
 #include <variant>
 
 #include "absl/strings/str_cat.h"
@@ -40,18 +42,64 @@ absl::StatusOr<HeadInfo> FromWire(const v1::HeadInfo& wire) {
   return info;
 }
 
-}  // namespace
+// Asks `request` for its rows in `dtype`; nullopt leaves the server's default.
+template <typename Request>
+absl::Status RequestDtype(std::optional<torch::ScalarType> dtype, Request* request) {
+  if (!dtype.has_value()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const v1::DType wire_dtype, wire::ToWireDtype(*dtype, "dtype"));
+  request->set_dtype(wire_dtype);
+  return absl::OkStatus();
+}
 
-absl::StatusOr<v1::HeadInfo> Client::Impl::DescribeForStream(
-    const grpc::ClientContext& attempt_context, const std::string& head_id) {
+// The shape and dtype of a head, read inside an attempt (with that attempt's deadline) before
+// its weights or gradients are streamed into tensors allocated from them.
+absl::StatusOr<HeadInfo> DescribeForStream(Stub& stub, const grpc::ClientContext& attempt_context,
+                                           const std::string& head_id) {
   grpc::ClientContext context;
   context.set_deadline(attempt_context.deadline());
   v1::HeadRef ref;
   ref.set_head_id(head_id);
   v1::HeadInfo info;
-  RETURN_IF_ERROR(FromGrpc(stub->DescribeHead(&context, ref, &info)));
-  return info;
+  RETURN_IF_ERROR(FromGrpc(stub.DescribeHead(&context, ref, &info)));
+  return FromWire(info);
 }
+
+// Where a stream of a head's rows goes: its [V, D] matrix and its [V] bias (undefined for a head
+// without one), each with the field that its messages' rows are named by.
+struct HeadRowsInto {
+  torch::Tensor* weight;
+  const char* weight_field;
+  torch::Tensor* bias;
+  const char* bias_field;
+};
+
+// One attempt of a stream of a head's rows (ExportWeights: its weights; FetchGradients: dW and
+// db): the head described, `into` allocated from that in `dtype` (the head's own when nullopt),
+// then the stream that `method` answers `request` with read to its end — `handle` hands each
+// message's rows to the weight's or the bias's assembler (nullptr for a head without a bias) —
+// and the rows checked complete.
+template <typename Request, typename Response, typename Handle>
+absl::Status ReadHeadRows(Stub& stub,
+                          std::unique_ptr<grpc::ClientReader<Response>> (Stub::*method)(
+                              grpc::ClientContext*, const Request&),
+                          const Request& request, grpc::ClientContext* context,
+                          std::optional<torch::ScalarType> dtype, const HeadRowsInto& into,
+                          Handle&& handle) {
+  ASSIGN_OR_RETURN(const HeadInfo info, DescribeForStream(stub, *context, request.head_id()));
+  const torch::ScalarType out = dtype.value_or(info.dtype);
+  *into.weight = torch::empty({info.vocab_size, info.hidden_size}, out);
+  *into.bias = info.has_bias ? torch::empty({info.vocab_size}, out) : torch::Tensor();
+  ResponseRows w(*into.weight, into.weight_field), b(*into.bias, into.bias_field);
+  ResponseRows* const bias_rows = info.has_bias ? &b : nullptr;
+  auto reader = (stub.*method)(context, request);
+  RETURN_IF_ERROR(ReadStream<Response>(
+      context, *reader, [&](const Response& response) { return handle(response, w, bias_rows); }));
+  RETURN_IF_ERROR(w.CheckComplete());
+  if (info.has_bias) RETURN_IF_ERROR(b.CheckComplete());
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id, const InitSpec& init) {
   v1::CreateHeadRequest request;
@@ -189,30 +237,18 @@ absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
   if (pin.expected_weight_version.has_value()) {
     request.set_expected_weight_version(*pin.expected_weight_version);
   }
-  if (dtype.has_value()) {
-    ASSIGN_OR_RETURN(const v1::DType wire_dtype, wire::ToWireDtype(*dtype, "dtype"));
-    request.set_dtype(wire_dtype);
-  }
+  RETURN_IF_ERROR(RequestDtype(dtype, &request));
   HeadWeights weights;
-  RETURN_IF_ERROR(
-      impl_->WithRetries("ExportWeights", [&](grpc::ClientContext* context) -> absl::Status {
-        ASSIGN_OR_RETURN(const v1::HeadInfo wire_info, impl_->DescribeForStream(*context, head_id));
-        ASSIGN_OR_RETURN(const HeadInfo info, FromWire(wire_info));
-        const torch::ScalarType out = dtype.value_or(info.dtype);
-        weights.weight = torch::empty({info.vocab_size, info.hidden_size}, out);
-        weights.bias = info.has_bias ? torch::empty({info.vocab_size}, out) : torch::Tensor();
-        ResponseRows w(weights.weight, "weight_rows"), b(weights.bias, "bias_rows");
-        auto reader = impl_->stub->ExportWeights(context, request);
-        RETURN_IF_ERROR(ReadStream<v1::ExportWeightsResponse>(
-            context, *reader, [&](const v1::ExportWeightsResponse& response) {
-              if (response.has_weight_rows()) return w.Add(response.weight_rows());
-              if (response.has_bias_rows() && info.has_bias) return b.Add(response.bias_rows());
-              return absl::InternalError("response: expected weight_rows or bias_rows");
-            }));
-        RETURN_IF_ERROR(w.CheckComplete());
-        if (info.has_bias) RETURN_IF_ERROR(b.CheckComplete());
-        return absl::OkStatus();
-      }));
+  RETURN_IF_ERROR(impl_->WithRetries("ExportWeights", [&](grpc::ClientContext* context) {
+    return ReadHeadRows(
+        *impl_->stub, &Stub::ExportWeights, request, context, dtype,
+        {&weights.weight, "weight_rows", &weights.bias, "bias_rows"},
+        [](const v1::ExportWeightsResponse& response, ResponseRows& w, ResponseRows* b) {
+          if (response.has_weight_rows()) return w.Add(response.weight_rows());
+          if (response.has_bias_rows() && b != nullptr) return b->Add(response.bias_rows());
+          return absl::InternalError("response: expected weight_rows or bias_rows");
+        });
+  }));
   return weights;
 }
 
@@ -233,42 +269,31 @@ absl::StatusOr<HeadGradients> Client::FetchGradients(const std::string& head_id,
                                                      std::optional<torch::ScalarType> dtype) {
   v1::FetchGradientsRequest request;
   request.set_head_id(head_id);
-  if (dtype.has_value()) {
-    ASSIGN_OR_RETURN(const v1::DType wire_dtype, wire::ToWireDtype(*dtype, "dtype"));
-    request.set_dtype(wire_dtype);
-  }
+  RETURN_IF_ERROR(RequestDtype(dtype, &request));
   HeadGradients grads;
-  RETURN_IF_ERROR(
-      impl_->WithRetries("FetchGradients", [&](grpc::ClientContext* context) -> absl::Status {
-        ASSIGN_OR_RETURN(const v1::HeadInfo wire_info, impl_->DescribeForStream(*context, head_id));
-        ASSIGN_OR_RETURN(const HeadInfo described, FromWire(wire_info));
-        // The server accumulates in float32 unless asked for another dtype.
-        const torch::ScalarType out = dtype.value_or(torch::kFloat);
-        grads.weight_grad = torch::empty({described.vocab_size, described.hidden_size}, out);
-        grads.bias_grad =
-            described.has_bias ? torch::empty({described.vocab_size}, out) : torch::Tensor();
-        ResponseRows w(grads.weight_grad, "weight_grad_rows"), b(grads.bias_grad, "bias_grad_rows");
-        auto reader = impl_->stub->FetchGradients(context, request);
-        bool have_info = false;
-        RETURN_IF_ERROR(ReadStream<v1::FetchGradientsResponse>(
-            context, *reader, [&](const v1::FetchGradientsResponse& response) -> absl::Status {
-              if (response.has_weight_grad_rows()) return w.Add(response.weight_grad_rows());
-              if (response.has_bias_grad_rows() && described.has_bias) {
-                return b.Add(response.bias_grad_rows());
-              }
-              if (!response.has_info()) {
-                return absl::InternalError(
-                    "response: expected weight_grad_rows, bias_grad_rows or info");
-              }
-              ASSIGN_OR_RETURN(grads.info, FromWire(response.info()));
-              have_info = true;
-              return absl::OkStatus();
-            }));
-        RETURN_IF_ERROR(w.CheckComplete());
-        if (described.has_bias) RETURN_IF_ERROR(b.CheckComplete());
-        if (!have_info) return absl::InternalError("info: the stream ended without one");
-        return absl::OkStatus();
-      }));
+  RETURN_IF_ERROR(impl_->WithRetries("FetchGradients", [&](grpc::ClientContext* context) {
+    bool have_info = false;
+    // The server accumulates in float32 unless asked for another dtype.
+    RETURN_IF_ERROR(ReadHeadRows(
+        *impl_->stub, &Stub::FetchGradients, request, context, dtype.value_or(torch::kFloat),
+        {&grads.weight_grad, "weight_grad_rows", &grads.bias_grad, "bias_grad_rows"},
+        [&](const v1::FetchGradientsResponse& response, ResponseRows& w,
+            ResponseRows* b) -> absl::Status {
+          if (response.has_weight_grad_rows()) return w.Add(response.weight_grad_rows());
+          if (response.has_bias_grad_rows() && b != nullptr) {
+            return b->Add(response.bias_grad_rows());
+          }
+          if (!response.has_info()) {
+            return absl::InternalError(
+                "response: expected weight_grad_rows, bias_grad_rows or info");
+          }
+          ASSIGN_OR_RETURN(grads.info, FromWire(response.info()));
+          have_info = true;
+          return absl::OkStatus();
+        }));
+    if (!have_info) return absl::InternalError("info: the stream ended without one");
+    return absl::OkStatus();
+  }));
   return grads;
 }
 

@@ -1,6 +1,6 @@
 // A step call's preparation: the caller's inputs checked and laid out for the wire, the header
 // and the row plan. The rules are shared byte-for-byte with the Python client
-// (client/python/remotehead/client.py); tests/python/test_conformance.py compares both clients'
+// (client/python/remotehead/_steps.py); tests/python/test_conformance.py compares both clients'
 // messages.
 #pragma once
 

@@ -25,6 +25,8 @@ using internal::PreparedStep;
 using internal::PrepareStep;
 using internal::ReadStream;
 using internal::ResponseRows;
+using internal::StepBuffers;
+using internal::StepResults;
 
 StepSummary FromWire(const v1::StepSummary& wire) {
   StepSummary summary;
@@ -109,6 +111,12 @@ struct StepReceiver {
   }
 };
 
+// The dX buffer of a ForwardBackward or a Backward: [N, D] in the caller's hidden dtype.
+absl::Status AllocateGradHidden(const PreparedStep& p, StepBuffers* buffers) {
+  buffers->grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
+  return absl::OkStatus();
+}
+
 // Buffers for the token extras a step asks for: [N] each, float64 for float64 hidden.
 TokenExtras AllocateTokenExtras(const StepSpec& spec, const PreparedStep& p) {
   TokenExtras extras;
@@ -154,18 +162,15 @@ std::string Client::Impl::StripeKey() {
 }
 
 absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const PreparedStep& p,
-                                       const torch::Tensor& grad_hidden,
-                                       const torch::Tensor& outputs, v1::StepSummary* summary,
-                                       const torch::Tensor& token_ids,
-                                       const TokenExtras& token_extras) {
+                                       const StepBuffers& buffers, v1::StepSummary* summary) {
   const int count = options.streams;
   const auto order =
       count == 1 ? wire::RowAssembler::Order::kInOrder : wire::RowAssembler::Order::kAnyOrder;
   StepReceiver receiver{.mode = p.mode, .summary = summary};
-  if (grad_hidden.defined()) receiver.dx.emplace(grad_hidden, "grad_hidden", order);
-  if (outputs.defined()) receiver.out.emplace(outputs, "outputs", order);
-  if (token_ids.defined()) receiver.ids.emplace(token_ids, "token_ids", order);
-  for (const auto& [name, dst] : token_extras) {
+  if (buffers.grad_hidden.defined()) receiver.dx.emplace(buffers.grad_hidden, "grad_hidden", order);
+  if (buffers.outputs.defined()) receiver.out.emplace(buffers.outputs, "outputs", order);
+  if (buffers.token_ids.defined()) receiver.ids.emplace(buffers.token_ids, "token_ids", order);
+  for (const auto& [name, dst] : buffers.token_extras) {
     receiver.extras.emplace(name,
                             ResponseRows(dst, absl::StrCat("token_extras[\"", name, "\"]"), order));
   }
@@ -230,21 +235,20 @@ absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const Prepa
   return receiver.CheckComplete();
 }
 
-absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& spec,
-                                                              const StepInputs& inputs) {
+absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const StepSpec& spec,
+                                                  const StepInputs& inputs,
+                                                  const torch::Tensor& grad_output,
+                                                  const AllocateStepBuffers& allocate) {
   ASSIGN_OR_RETURN(const PreparedStep p,
-                   PrepareStep(spec, inputs, core::CallMode::kFused, {}, options_.chunk_bytes));
-  ForwardBackwardResult result;
-  result.grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
-  result.token_extras = AllocateTokenExtras(spec, p);
+                   PrepareStep(spec, inputs, mode, grad_output, options.chunk_bytes));
+  StepBuffers buffers;
+  RETURN_IF_ERROR(allocate(p, &buffers));
+  buffers.token_extras = AllocateTokenExtras(spec, p);
   v1::StepSummary summary;
-  RETURN_IF_ERROR(impl_->WithRetries("ForwardBackward", [&](grpc::ClientContext* context) {
-    return impl_->StepAttempt(context, p, result.grad_hidden, {}, &summary, {},
-                              result.token_extras);
+  RETURN_IF_ERROR(WithRetries(core::CallModeName(mode), [&](grpc::ClientContext* context) {
+    return StepAttempt(context, p, buffers, &summary);
   }));
-  result.summary = FromWire(summary);
-  result.loss = summary.loss();
-  return result;
+  return StepResults{.buffers = std::move(buffers), .summary = FromWire(summary)};
 }
 
 // A per-row Forward's outputs, preallocated as the function's listing says: per-token values
@@ -253,7 +257,7 @@ absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& sp
 // not list gets per-token float32 buffers: the server's refusal of its name is what the caller
 // sees.
 absl::Status Client::Impl::AllocateForwardOutputs(const StepSpec& spec, const PreparedStep& p,
-                                                  ForwardResult* result) {
+                                                  StepBuffers* buffers) {
   ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, Function(spec.function));
   const bool float64_head = p.result_dtype == torch::kDouble;
   torch::ScalarType dtype = torch::kFloat;
@@ -262,53 +266,55 @@ absl::Status Client::Impl::AllocateForwardOutputs(const StepSpec& spec, const Pr
                                                                 : fn->output_dtype;
   }
   if (!fn.has_value() || fn->output_kind == OutputKind::kPerToken) {
-    result->outputs = torch::empty({p.rows}, dtype);
+    buffers->outputs = torch::empty({p.rows}, dtype);
     return absl::OkStatus();
   }
   if (fn->output_kind == OutputKind::kSample) {
-    result->outputs = torch::empty({p.rows}, dtype);
-    result->token_ids = torch::empty({p.rows}, torch::kLong);
+    buffers->outputs = torch::empty({p.rows}, dtype);
+    buffers->token_ids = torch::empty({p.rows}, torch::kLong);
     return absl::OkStatus();
   }
   v1::HeadRef ref;
   ref.set_head_id(spec.head_id);
   v1::HeadInfo head;
   RETURN_IF_ERROR(Unary("DescribeHead", &Stub::DescribeHead, ref, &head));
-  result->outputs = torch::empty({p.rows, head.vocab_size()}, spec.output_dtype.value_or(dtype));
+  buffers->outputs = torch::empty({p.rows, head.vocab_size()}, spec.output_dtype.value_or(dtype));
   return absl::OkStatus();
 }
 
+absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& spec,
+                                                              const StepInputs& inputs) {
+  ASSIGN_OR_RETURN(StepResults r,
+                   impl_->RunStep(core::CallMode::kFused, spec, inputs, {}, AllocateGradHidden));
+  return ForwardBackwardResult{.loss = r.summary.loss,
+                               .grad_hidden = std::move(r.buffers.grad_hidden),
+                               .summary = std::move(r.summary),
+                               .token_extras = std::move(r.buffers.token_extras)};
+}
+
 absl::StatusOr<ForwardResult> Client::Forward(const StepSpec& spec, const StepInputs& inputs) {
-  ASSIGN_OR_RETURN(const PreparedStep p,
-                   PrepareStep(spec, inputs, core::CallMode::kForward, {}, options_.chunk_bytes));
-  ForwardResult result;
+  // Only a per-row Forward streams outputs back; a scalar one returns its summary's loss.
   const bool per_token = spec.reduction == Reduction::kNone;
-  if (per_token) RETURN_IF_ERROR(impl_->AllocateForwardOutputs(spec, p, &result));
-  result.token_extras = AllocateTokenExtras(spec, p);
-  v1::StepSummary summary;
-  RETURN_IF_ERROR(impl_->WithRetries("Forward", [&](grpc::ClientContext* context) {
-    return impl_->StepAttempt(context, p, {}, result.outputs, &summary, result.token_ids,
-                              result.token_extras);
-  }));
-  result.summary = FromWire(summary);
-  if (!per_token) result.outputs = torch::tensor(summary.loss(), torch::kDouble);
+  auto allocate = [&](const PreparedStep& p, StepBuffers* buffers) {
+    return per_token ? impl_->AllocateForwardOutputs(spec, p, buffers) : absl::OkStatus();
+  };
+  ASSIGN_OR_RETURN(StepResults r,
+                   impl_->RunStep(core::CallMode::kForward, spec, inputs, {}, allocate));
+  ForwardResult result{.outputs = std::move(r.buffers.outputs),
+                       .token_ids = std::move(r.buffers.token_ids),
+                       .summary = std::move(r.summary),
+                       .token_extras = std::move(r.buffers.token_extras)};
+  if (!per_token) result.outputs = torch::tensor(result.summary.loss, torch::kDouble);
   return result;
 }
 
 absl::StatusOr<BackwardResult> Client::Backward(const StepSpec& spec, const StepInputs& inputs,
                                                 const torch::Tensor& grad_output) {
-  ASSIGN_OR_RETURN(const PreparedStep p, PrepareStep(spec, inputs, core::CallMode::kBackward,
-                                                     grad_output, options_.chunk_bytes));
-  BackwardResult result;
-  result.grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
-  result.token_extras = AllocateTokenExtras(spec, p);
-  v1::StepSummary summary;
-  RETURN_IF_ERROR(impl_->WithRetries("Backward", [&](grpc::ClientContext* context) {
-    return impl_->StepAttempt(context, p, result.grad_hidden, {}, &summary, {},
-                              result.token_extras);
-  }));
-  result.summary = FromWire(summary);
-  return result;
+  ASSIGN_OR_RETURN(StepResults r, impl_->RunStep(core::CallMode::kBackward, spec, inputs,
+                                                 grad_output, AllocateGradHidden));
+  return BackwardResult{.grad_hidden = std::move(r.buffers.grad_hidden),
+                        .summary = std::move(r.summary),
+                        .token_extras = std::move(r.buffers.token_extras)};
 }
 
 }  // namespace remotehead::client

@@ -21,8 +21,8 @@ from remotehead._errors import (GroupUnavailableError, HeadExistsError, HeadFroz
                                 RemoteheadError, ReplicasDivergedError, ServerRestartedError,
                                 TeacherIncompatibleError, WeightVersionMismatchError,
                                 WrongReplicaError)
-from remotehead.client import (Client, GradientId, HeadInfo, StepOptions, StepResult, StepSummary,
-                               StepTimings)
+from remotehead.client import Client, HeadInfo, StepResult, StepSummary, StepTimings
+from remotehead.step_options import GradientId, StepOptions
 from remotehead.functions import FunctionInfo, ParamInfo
 from remotehead.autograd import RemoteHead, upstream_matches_declared
 

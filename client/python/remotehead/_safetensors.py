@@ -1,6 +1,6 @@
 """The .safetensors file format, as much of it as writing a head's weights needs: one tensor
-written row chunk by row chunk as a server streams it (never held whole), and a file's header
-read without its data.
+written row chunk by row chunk as a server streams it (never held whole) into a file that
+appears whole or not at all, and a file's header read without its data.
 
 Format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length, a
 JSON header {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}
@@ -9,10 +9,11 @@ padded with spaces to a multiple of 8, then the tensors' little-endian bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
-from typing import Iterable, Tuple
+from typing import Callable, Iterable, Tuple
 
 import grpc
 import torch
@@ -25,6 +26,28 @@ _MAX_HEADER_BYTES = 100_000_000
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+
+
+def write_file(path: str, name: str, dtype: torch.dtype, shape: Tuple[int, int],
+               rows: Callable[[], Iterable], call: Callable[[Callable[[], int]], int]) -> int:
+    """Writes the tensor `name` [rows, columns] of `dtype` into a new file `path` from the row
+    chunks of a stream that `rows()` opens (write_rows): to `path`.tmp, then renamed, so that
+    `path` never holds part of it; a failed write removes `path`.tmp. `call` runs the attempt
+    (Client._call: again after UNAVAILABLE). Returns the bytes written."""
+    partial = f"{path}.tmp"
+
+    def attempt() -> int:
+        # Every attempt writes the file from its start: a failed one may have written rows.
+        return write_rows(partial, name, dtype, shape, rows())
+
+    try:
+        written = call(attempt)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+        raise
+    os.replace(partial, path)
+    return written
 
 
 def write_rows(path: str, name: str, dtype: torch.dtype, shape: Tuple[int, int],

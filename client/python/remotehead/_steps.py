@@ -1,5 +1,5 @@
-"""A step call without its transport: what it computes (StepOptions), the messages it sends
-and what comes back (StepResult, StepSummary, StepTimings).
+"""A step call without its transport: the messages it sends and what comes back (StepResult,
+StepSummary, StepTimings). What it computes, StepOptions, is step_options.py's.
 
 `prepare_step` is the Python twin of the C++ client's PrepareStep (client/cpp/src/prepare_step.cc):
 for the same call both clients send the same StepHeader and split the rows into the same
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import grpc
 import torch
@@ -22,132 +22,8 @@ from remotehead import _wire
 from remotehead._errors import InvalidArgumentError, RemoteheadError
 from remotehead._wire import framing_bytes, shape_text
 from remotehead.functions import FunctionInfo
+from remotehead.step_options import _REDUCTIONS, StepOptions, check_option_names
 from remotehead.v1 import head_service_pb2 as pb
-
-_REDUCTIONS = {
-    "none": pb.REDUCTION_NONE,
-    "sum": pb.REDUCTION_SUM,
-    "mean": pb.REDUCTION_MEAN,
-    "weighted_sum": pb.REDUCTION_WEIGHTED_SUM,
-}
-
-
-class GradientId(NamedTuple):
-    """Identity of one gradient contribution: the server adds a given identity's dW at most once
-    between two zeroings of the head's gradients. A plain (trainer, step, micro_batch) tuple is
-    accepted wherever a GradientId is."""
-
-    trainer: str  # e.g. "run-7/rank-3"
-    step: int = 0  # optimizer step
-    micro_batch: int = 0  # micro-batch within the step
-
-
-@dataclasses.dataclass
-class StepOptions:
-    """What a step computes: the StepHeader of the wire contract (the C++ client's StepSpec).
-
-    Per-token inputs (weights, aux, grad_output) are arguments of the step calls, not options.
-    The step calls also take any of these fields as keyword arguments, applied over `options`.
-
-    Attributes:
-        function: the server's transformation function by name, one that Client.functions()
-            lists (e.g. "cross_entropy", "token_logprobs", "grpo"); for generation (forward,
-            reduction "none", no targets), "logits" or "sample" (Client.logits, Client.sample).
-        params: the function's scalar options by name, e.g. {"label_smoothing": 0.1},
-            {"temperature": 0.7}, GRPO's {"beta": 0.04, "epsilon_low": 0.2}.
-        reduction: "none" (per-token outputs: Forward and Backward only), "sum", "mean" (over
-            targets != ignore_index) or "weighted_sum" (Σ weight·y; needs per-token weights).
-        ignore_index: targets equal to it are ignored (no loss, no gradient).
-        normalizer: divides the reduced sum when set, e.g. the valid tokens of a whole
-            accumulated batch across micro-batches and ranks (num_items_in_batch).
-        valid_tokens: for a "mean" without normalizer the server needs the number of
-            targets != ignore_index over all rows up front. None: the client counts it from the
-            targets (all rows when there are none).
-        chunk_rows: rows per chunk inside the server. 0 (with memory_budget_bytes 0): the
-            server's default memory budget.
-        memory_budget_bytes: the server sizes its chunks to this many bytes (0: its default).
-        upstream_scale: forward_backward: dL/d(loss), e.g. a loss scale; dX and dW come back
-            multiplied by it. (backward takes dL/d(loss) as its grad_output instead.)
-        accumulate: forward_backward / backward: add dW on the server (False: dX only, e.g. a
-            frozen head). forward never accumulates.
-        gradient_id: (trainer, step, micro_batch) of this contribution; required when
-            accumulating (the server refuses an accumulating step without one). Retries of one
-            call keep it, so the server adds the contribution at most once.
-        expected_weight_version: the step fails with FAILED_PRECONDITION unless the head is at
-            this version (None: any version).
-        wire_dtype: hidden is converted to this dtype before it is sent: the head's dtype, in
-            which the server computes. None: sent as it is. dX comes back in hidden's own dtype.
-        retain_inputs_seconds: forward only: the server keeps the rows (hidden, targets,
-            weights, aux) for at most this many seconds, so that backward can name them by
-            summary.inputs_handle instead of sending X again. 0: keep nothing.
-        inputs_handle: backward only: a forward's summary.inputs_handle. Only grad_output then
-            travels (nothing at all for a scalar reduction); hidden still gives N, D and dX's
-            dtype, and targets (or valid_tokens) the count a "mean" without normalizer needs.
-            The handle is refused once the head's weights moved on, and forgotten after a
-            successful backward (NOT_FOUND).
-        expected_incarnation: the server process (HeadInfo.incarnation) this step belongs to;
-            a restarted server refuses it (ServerRestartedError) instead of adding dW to a
-            window it no longer has. "": unchecked. RemoteHead sets it.
-        output_dtype: forward with function "logits" only: the dtype of the returned logits
-            rows (None: float32). Client.logits() sets it.
-        teacher: a two-head (distillation) function's teacher (FunctionInfo.needs_teacher,
-            e.g. "distill_kl"): the id of a frozen head on the same server (or group) with the
-            student's vocabulary (StepHeader.teacher_head_id); the step call's teacher_hidden
-            are its hidden states. The teacher gets no gradient. "": none (refused by the
-            server for a function that needs one, and for every other function when set).
-        token_extras: names of the function's extras (FunctionInfo.extras, e.g. a
-            distillation's "entropy") to return per token as well as summed, in any call:
-            StepResult.token_extras[name] is [N] (0 at ignored rows). Only extras the call
-            reports (their condition met) may be named; the server refuses any other.
-    """
-
-    function: str = "cross_entropy"
-    params: Dict[str, float] = dataclasses.field(default_factory=dict)
-    reduction: str = "mean"
-    ignore_index: int = -100
-    normalizer: Optional[float] = None
-    valid_tokens: Optional[int] = None
-    chunk_rows: int = 0
-    memory_budget_bytes: int = 0
-    upstream_scale: float = 1.0
-    accumulate: bool = True
-    gradient_id: Optional[GradientId] = None
-    expected_weight_version: Optional[int] = None
-    wire_dtype: Optional[torch.dtype] = None
-    retain_inputs_seconds: float = 0.0
-    inputs_handle: str = ""
-    expected_incarnation: str = ""
-    output_dtype: Optional[torch.dtype] = None
-    teacher: str = ""
-    token_extras: Tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if self.reduction not in _REDUCTIONS:
-            raise InvalidArgumentError(f"reduction: expected one of {list(_REDUCTIONS)}; got "
-                                       f"{self.reduction!r}")
-        self.params = dict(self.params or {})
-        if isinstance(self.token_extras, str):
-            self.token_extras = (self.token_extras,)
-        self.token_extras = tuple(self.token_extras or ())
-        if self.gradient_id is not None and not isinstance(self.gradient_id, GradientId):
-            self.gradient_id = GradientId(*self.gradient_id)
-
-    def replace(self, **overrides) -> "StepOptions":
-        """A copy with `overrides` applied; TypeError for a name that is not an option."""
-        check_option_names(overrides)
-        return dataclasses.replace(self, **overrides) if overrides else self
-
-
-_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(StepOptions))
-
-
-def check_option_names(names) -> None:
-    """TypeError naming the first of `names` that is not a StepOptions field."""
-    unknown = [n for n in names if n not in _OPTION_NAMES]
-    if unknown:
-        raise TypeError(f"unknown step option {unknown[0]!r}; expected one of: "
-                        f"{', '.join(_OPTION_NAMES)} (per-token inputs weights, aux and "
-                        f"grad_output are arguments of their own)")
 
 
 @dataclasses.dataclass
@@ -325,82 +201,20 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
                  teacher_hidden: Optional[torch.Tensor] = None) -> PreparedStep:
     """The Python twin of the C++ client's PrepareStep: the same header fields, set under the
     same conditions, and the same row plan."""
-    if (not isinstance(hidden, torch.Tensor) or hidden.dim() < 1
-            or not hidden.dtype.is_floating_point):
-        got = (f"{hidden.dtype} {shape_text(hidden)}" if isinstance(hidden, torch.Tensor)
-               else "none" if hidden is None else type(hidden).__name__)
-        raise InvalidArgumentError(f"hidden: expected a floating [..., D] tensor; got {got}")
-    x = hidden.detach().reshape(-1, hidden.shape[-1])
+    x = _hidden_rows(hidden)
     n, d = x.shape
     send_dtype = o.wire_dtype if o.wire_dtype is not None else x.dtype
     _wire.wire_dtype(send_dtype, "wire_dtype")
-    result_dtype = x.dtype
-    p = PreparedStep(pb.StepHeader(), n, d, result_dtype)
-    wire_result_dtype = _wire.wire_dtype(result_dtype, "hidden")
-    if targets is not None:
-        p.targets = _per_token(targets, n, "targets", integral=True)
+    p = PreparedStep(pb.StepHeader(), n, d, x.dtype)
+    wire_result_dtype = _wire.wire_dtype(x.dtype, "hidden")
     # A backward by inputs handle sends none of the inputs: they are not even copied.
     by_handle = mode == BACKWARD and bool(o.inputs_handle)
-    if not by_handle:
-        p.hidden = _wire.to_wire_layout(x, send_dtype)
-        if weights is not None:
-            p.weights = _per_token(weights, n, "weights", integral=False)
-        for name, t in (aux or {}).items():
-            p.aux.append((name, _aux_input(t, hidden, n, f'aux["{name}"]')))
-        if teacher_hidden is not None:
-            p.teacher_hidden = _teacher_rows(teacher_hidden, n)
-
+    _add_inputs(p, x, send_dtype, hidden, targets, weights, aux, teacher_hidden, by_handle)
+    p.header.head_id = head_id
+    _set_computation(p.header, o, n)
+    _set_valid_tokens(p, o, by_handle)
+    _set_gradients(p, mode, o, wire_result_dtype, grad_output)
     h = p.header
-    h.head_id = head_id
-    h.function.name = o.function
-    for k, v in o.params.items():
-        h.function.params[k] = float(v)
-    h.function.reduction = _REDUCTIONS[o.reduction]
-    h.function.ignore_index = o.ignore_index
-    if o.normalizer is not None:
-        h.function.normalizer = float(o.normalizer)
-    h.chunking.chunk_rows = o.chunk_rows
-    h.chunking.memory_budget_bytes = o.memory_budget_bytes
-    h.chunking.SetInParent()  # always present, as the C++ client's mutable_chunking()
-    h.rows = n
-    if o.expected_weight_version is not None:
-        h.expected_weight_version = o.expected_weight_version
-    if o.expected_incarnation:
-        h.expected_incarnation = o.expected_incarnation
-    if o.teacher:
-        h.teacher_head_id = o.teacher
-    h.token_extras.extend(o.token_extras)
-    if o.reduction == "mean" and o.normalizer is None:
-        if by_handle and o.valid_tokens is None and p.targets is None:
-            raise InvalidArgumentError(
-                "targets: a backward by inputs_handle with reduction \"mean\" and no normalizer "
-                "needs the targets (or the valid_tokens option) to count the valid tokens; got "
-                "neither")
-        # The server scales each chunk's dX by 1 / valid_tokens before the later rows arrive,
-        # so it needs the count up front.
-        h.valid_tokens = (o.valid_tokens if o.valid_tokens is not None
-                          else int((p.targets != o.ignore_index).sum()) if p.targets is not None
-                          else n)
-    if mode != FORWARD:
-        h.accumulate_weight_grad = o.accumulate
-        h.grad_hidden_dtype = wire_result_dtype
-        if o.gradient_id is not None:
-            h.gradient_id.trainer = o.gradient_id.trainer
-            h.gradient_id.step = o.gradient_id.step
-            h.gradient_id.micro_batch = o.gradient_id.micro_batch
-    if mode == FORWARD_BACKWARD:
-        h.upstream_scale = o.upstream_scale
-    if mode == BACKWARD:
-        if o.reduction == "none":
-            if grad_output is None:
-                raise InvalidArgumentError(
-                    "grad_output: backward with reduction \"none\" needs dL/dy for every row; "
-                    "got none")
-            p.grad_output = _per_token(grad_output, n, "grad_output", integral=False)
-        else:
-            # A scalar reduction's dL/d(loss) travels as the header's upstream_scale; a
-            # grad_output in the rows would be ignored by the server.
-            h.upstream_scale = _scalar_upstream(grad_output)
     if o.output_dtype is not None:
         h.output_dtype = _wire.wire_dtype(o.output_dtype, "output_dtype")
     if mode == FORWARD and o.retain_inputs_seconds > 0:
@@ -412,8 +226,110 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
         p.targets = None  # read above for the valid-token count only
         if p.grad_output is None:
             return p
+    p.chunks = _row_plan(p, chunk_bytes)
+    return p
 
-    bytes_per_row = d * p.hidden.element_size() if p.hidden is not None else 0
+
+def _hidden_rows(hidden) -> torch.Tensor:
+    """hidden [..., D] as its rows [N, D] (detached); refused unless a floating tensor."""
+    if (not isinstance(hidden, torch.Tensor) or hidden.dim() < 1
+            or not hidden.dtype.is_floating_point):
+        got = (f"{hidden.dtype} {shape_text(hidden)}" if isinstance(hidden, torch.Tensor)
+               else "none" if hidden is None else type(hidden).__name__)
+        raise InvalidArgumentError(f"hidden: expected a floating [..., D] tensor; got {got}")
+    return hidden.detach().reshape(-1, hidden.shape[-1])
+
+
+def _add_inputs(p: PreparedStep, x: torch.Tensor, send_dtype: torch.dtype,
+                hidden: torch.Tensor, targets, weights, aux, teacher_hidden,
+                by_handle: bool) -> None:
+    """The row inputs in wire layout, checked against the rows: the targets always (a "mean"
+    counts its valid tokens from them), the rest unless a backward by inputs handle."""
+    n = p.rows
+    if targets is not None:
+        p.targets = _per_token(targets, n, "targets", integral=True)
+    if by_handle:
+        return
+    p.hidden = _wire.to_wire_layout(x, send_dtype)
+    if weights is not None:
+        p.weights = _per_token(weights, n, "weights", integral=False)
+    for name, t in (aux or {}).items():
+        p.aux.append((name, _aux_input(t, hidden, n, f'aux["{name}"]')))
+    if teacher_hidden is not None:
+        p.teacher_hidden = _teacher_rows(teacher_hidden, n)
+
+
+def _set_computation(h: pb.StepHeader, o: StepOptions, rows: int) -> None:
+    """What every step's header says whatever its mode: the function and its reduction, the
+    chunking, the rows, what the step is pinned to, the teacher and the extras asked for."""
+    h.function.name = o.function
+    for k, v in o.params.items():
+        h.function.params[k] = float(v)
+    h.function.reduction = _REDUCTIONS[o.reduction]
+    h.function.ignore_index = o.ignore_index
+    if o.normalizer is not None:
+        h.function.normalizer = float(o.normalizer)
+    h.chunking.chunk_rows = o.chunk_rows
+    h.chunking.memory_budget_bytes = o.memory_budget_bytes
+    h.chunking.SetInParent()  # always present, as the C++ client's mutable_chunking()
+    h.rows = rows
+    if o.expected_weight_version is not None:
+        h.expected_weight_version = o.expected_weight_version
+    if o.expected_incarnation:
+        h.expected_incarnation = o.expected_incarnation
+    if o.teacher:
+        h.teacher_head_id = o.teacher
+    h.token_extras.extend(o.token_extras)
+
+
+def _set_valid_tokens(p: PreparedStep, o: StepOptions, by_handle: bool) -> None:
+    """The valid-token count of a "mean" without normalizer (header.valid_tokens)."""
+    if o.reduction != "mean" or o.normalizer is not None:
+        return
+    if by_handle and o.valid_tokens is None and p.targets is None:
+        raise InvalidArgumentError(
+            "targets: a backward by inputs_handle with reduction \"mean\" and no normalizer "
+            "needs the targets (or the valid_tokens option) to count the valid tokens; got "
+            "neither")
+    # The server scales each chunk's dX by 1 / valid_tokens before the later rows arrive,
+    # so it needs the count up front.
+    p.header.valid_tokens = (o.valid_tokens if o.valid_tokens is not None
+                             else int((p.targets != o.ignore_index).sum())
+                             if p.targets is not None else p.rows)
+
+
+def _set_gradients(p: PreparedStep, mode: str, o: StepOptions, wire_result_dtype,
+                   grad_output) -> None:
+    """What a step with a gradient adds: dW's accumulation and identity, dX's dtype, and the
+    upstream gradient (a ForwardBackward's upstream_scale, a Backward's dL/dy or dL/d(loss))."""
+    h = p.header
+    if mode != FORWARD:
+        h.accumulate_weight_grad = o.accumulate
+        h.grad_hidden_dtype = wire_result_dtype
+        if o.gradient_id is not None:
+            h.gradient_id.trainer = o.gradient_id.trainer
+            h.gradient_id.step = o.gradient_id.step
+            h.gradient_id.micro_batch = o.gradient_id.micro_batch
+    if mode == FORWARD_BACKWARD:
+        h.upstream_scale = o.upstream_scale
+    if mode != BACKWARD:
+        return
+    if o.reduction == "none":
+        if grad_output is None:
+            raise InvalidArgumentError(
+                "grad_output: backward with reduction \"none\" needs dL/dy for every row; "
+                "got none")
+        p.grad_output = _per_token(grad_output, p.rows, "grad_output", integral=False)
+    else:
+        # A scalar reduction's dL/d(loss) travels as the header's upstream_scale; a
+        # grad_output in the rows would be ignored by the server.
+        h.upstream_scale = _scalar_upstream(grad_output)
+
+
+def _row_plan(p: PreparedStep, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """The rows' split into messages of at most chunk_bytes: the bytes of one row of every
+    input that travels, and the framing of their tensors (the C++ client's rule)."""
+    bytes_per_row = p.hidden_size * p.hidden.element_size() if p.hidden is not None else 0
     tensors = 1 if p.hidden is not None else 0
     name_bytes = 0
     for t in (p.targets, p.weights, p.grad_output):
@@ -427,9 +343,8 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
     if p.teacher_hidden is not None:
         bytes_per_row += p.teacher_hidden.shape[1] * p.teacher_hidden.element_size()
         tensors += 1
-    p.chunks = _wire.plan_row_chunks(n, bytes_per_row, framing_bytes(tensors, name_bytes),
-                                     chunk_bytes)
-    return p
+    return _wire.plan_row_chunks(p.rows, bytes_per_row, framing_bytes(tensors, name_bytes),
+                                 chunk_bytes)
 
 
 def _scalar_upstream(g) -> float:

@@ -7,10 +7,10 @@ default): while dW is accumulated, a backward with another dL/dloss is refused r
 leaving dW inconsistent with dX (upstream_matches_declared: the rule the C++ client's
 FusedLossFunction applies too).
 
-Where the head's parameter lives in the trainer (`local_weight`: tied input embeddings, or a
-local optimizer that must see every gradient, e.g. for clipping), the server is a stateless
-accelerator for it: the parameter is pushed to the server whenever it changed, and after a
-backward the accumulated dW is pulled into `local_weight.grad` (then zeroed on the server).
+Where the head's parameter lives in the trainer (`local_weight`), the server is a stateless
+accelerator for it (_local_weight.py: the parameter pushed when it changed, dW pulled into its
+.grad). The trainer's gradient identities, the head version it holds and its synchronous
+optimizer steps are _step_state.py's; RemoteHead composes them with the calls below.
 
 Distillation (`RemoteHead.distill`, or `loss` / `token_outputs` of a two-head function with a
 `teacher` and `teacher_hidden`): the teacher's hidden states travel with the student's rows and
@@ -29,8 +29,10 @@ import grpc
 import torch
 
 from remotehead import cluster as cluster_lib
-from remotehead.client import (Client, GradientId, HeadInfo, InvalidArgumentError,
-                               RemoteheadError, StepOptions, StepResult, check_option_names)
+from remotehead._local_weight import LocalWeightMirror
+from remotehead._step_state import StepState
+from remotehead.client import Client, HeadInfo, InvalidArgumentError, RemoteheadError, StepResult
+from remotehead.step_options import StepOptions, check_option_names
 
 # Relative tolerance of the upstream-gradient check (the C++ client's kUpstreamTolerance).
 UPSTREAM_RELATIVE_TOLERANCE = 1e-6
@@ -160,6 +162,13 @@ class _TwoPhaseOutputs(torch.autograd.Function):
             None, None, None, None
 
 
+def _kept_by(part: str, name: str, doc: str) -> property:
+    """A RemoteHead attribute that its part `part` keeps: read and set through the head, as
+    a plain attribute."""
+    return property(lambda head: getattr(getattr(head, part), name),
+                    lambda head, value: setattr(getattr(head, part), name, value), doc=doc)
+
+
 class RemoteHead:
     """The LM head `head_id` on a server, used as `loss = head.loss(hidden, labels)`.
 
@@ -182,6 +191,20 @@ class RemoteHead:
     over the ranks as DDP does).
     """
 
+    info = _kept_by("_state", "info", "HeadInfo: the head as this trainer last left it (its "
+                    "weight_version is the version the trainer holds).")
+    incarnation = _kept_by("_state", "incarnation",
+                           "The server process (HeadInfo.incarnation) this trainer's steps "
+                           "belong to.")
+    cluster = _kept_by("_state", "cluster", "The data-parallel processes this one is a rank of.")
+    trainer = _kept_by("_state", "trainer", "The trainer of this process's gradient identities.")
+    step = _kept_by("_state", "step", "The step of the next gradient identity.")
+    micro_batch = _kept_by("_state", "micro_batch",
+                           "The micro-batch of the next gradient identity.")
+    local_weight = _kept_by("_local", "weight",
+                            "The trainer's parameter the server mirrors (None: the head is "
+                            "trained by server-side optimizer steps).")
+
     def __init__(self, client: Client, head_id: str, options: Optional[StepOptions] = None, *,
                  trainer: Optional[str] = None,
                  local_weight: Optional[torch.nn.Parameter] = None,
@@ -191,37 +214,18 @@ class RemoteHead:
         _check_declared_upstream(options.upstream_scale, "upstream_scale")
         self.client = client
         self.head_id = head_id
-        # The head as this trainer last left it: info.weight_version is the version it holds
-        # (kept by every call here that moves it; a checkpoint's export is pinned to it).
-        self.info: HeadInfo = client.describe_head(head_id)
-        # Steps and optimizer steps carry the server process they belong to: once it restarted
-        # they fail with ServerRestartedError instead of adding dW to a window that is gone.
-        self.incarnation = self.info.incarnation
-        self.cluster = cluster if cluster is not None else cluster_lib.detect()
-        if local_weight is not None and self.cluster.distributed:
-            # The server's one accumulator holds every rank's dW: a pull would mix them.
-            raise InvalidArgumentError(
-                f"local_weight: expected none among {self.cluster.world_size} data-parallel "
-                "processes (the head is trained by the server's synchronous optimizer steps; "
-                "offload with gradients=\"server\"); got the trainer's lm_head parameter")
-        start = options.gradient_id
-        self.trainer = self.cluster.rank_trainer(
-            trainer or (start.trainer if start is not None and start.trainer else None))
-        self.step = start.step if start is not None else 0
-        self.micro_batch = start.micro_batch if start is not None else 0
+        info = client.describe_head(head_id)
+        cluster = cluster if cluster is not None else cluster_lib.detect()
+        self._local = LocalWeightMirror(local_weight, cluster)
+        self._state = StepState(info, cluster, trainer, options.gradient_id)
         # Identities are handed out per call; the server computes in the head's dtype.
         self.options = options.replace(
             gradient_id=None,
-            wire_dtype=options.wire_dtype if options.wire_dtype is not None else self.info.dtype)
-        self.local_weight = local_weight
+            wire_dtype=options.wire_dtype if options.wire_dtype is not None else info.dtype)
         self.last_result: Optional[StepResult] = None
         # How long a two-phase Forward's rows wait on the server for the Backward: the options'
         # retain_inputs_seconds when given (0: the Backward sends X again), else 600 s.
         self.retain_seconds = options.retain_inputs_seconds if explicit_retain else 600.0
-        # The local_weight the server holds: its identity and version counter when pushed, or
-        # None after a pull (the optimizer step that follows may change the weights without
-        # bumping the version counter: fused AdamW does not).
-        self._pushed = self._local_state()
         self._teacher_dtypes = {}  # teacher head id -> its dtype (teacher_hidden is sent in it)
 
     @property
@@ -242,16 +246,11 @@ class RemoteHead:
         accumulate = o.accumulate and gradients
         gradient_id = None
         if accumulate:
-            gradient_id = o.gradient_id or self._next_gradient_id()
+            gradient_id = o.gradient_id or self._state.next_gradient_id()
         return o.replace(accumulate=accumulate, gradient_id=gradient_id,
                          retain_inputs_seconds=retain if two_phase and gradients else 0.0,
                          expected_incarnation=overrides.get("expected_incarnation",
                                                             self.incarnation))
-
-    def _next_gradient_id(self) -> GradientId:
-        gradient_id = GradientId(self.trainer, self.step, self.micro_batch)
-        self.micro_batch += 1
-        return gradient_id
 
     def _teacher_rows(self, options: StepOptions,
                       teacher_hidden: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -295,8 +294,8 @@ class RemoteHead:
             return _loss_tensor(result.loss, hidden)
         return _FusedHeadLoss.apply(hidden, labels, self, options,
                                     _Inputs(weights, aux, teacher_hidden),
-                                    self._pulls_after_backward(options.accumulate,
-                                                               pull_gradients))
+                                    self._local.pulls_after_backward(options.accumulate,
+                                                                     pull_gradients))
 
     def distill(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor,
                 targets: Optional[torch.Tensor] = None, *, mask: Optional[torch.Tensor] = None,
@@ -359,12 +358,11 @@ class RemoteHead:
             return result.outputs.to(hidden.device).reshape(hidden.shape[:-1])
         return _TwoPhaseOutputs.apply(hidden, targets, self, options,
                                       _Inputs(weights, aux, teacher_hidden),
-                                      self._pulls_after_backward(options.accumulate,
-                                                                 pull_gradients))
+                                      self._local.pulls_after_backward(options.accumulate,
+                                                                       pull_gradients))
 
     def next_step(self) -> None:
-        self.step += 1
-        self.micro_batch = 0
+        self._state.next_step()
 
     def optimizer_step(self, **optimizer) -> None:
         """A server-side optimizer step on the accumulated dW (then zeroed), e.g.
@@ -372,14 +370,8 @@ class RemoteHead:
         processes it is their synchronous step `self.step`, pinned to the version this trainer
         holds: it returns once every rank asked for it, and dW is averaged over the ranks as DDP
         averages gradients."""
-        optimizer.setdefault("zero_gradients", True)
-        optimizer.setdefault("expected_incarnation", self.incarnation)
-        if self.cluster.distributed:
-            # Every rank must hold the same version: the server checks that they agree.
-            optimizer.setdefault("expected_weight_version", self.info.weight_version)
-            optimizer.setdefault("synchronous",
-                                 (self.step, self.cluster.rank, self.cluster.world_size))
-        self.info = self.client.optimizer_step(self.head_id, **optimizer)
+        self.info = self.client.optimizer_step(
+            self.head_id, **self._state.optimizer_step_arguments(optimizer))
         self.next_step()
 
     # ----- durable training state (a server started with --state_dir) -----
@@ -395,49 +387,22 @@ class RemoteHead:
         the trainer resumes from the checkpoint that state was saved with, after a server
         restart — and continues with this server process. `step`: the trainer's step to
         continue gradient identities from."""
-        self.info = self.client.restore_head_state(self.head_id, state_id)
-        self.incarnation = self.info.incarnation
-        if step is not None:
-            self.step, self.micro_batch = step, 0
+        self._state.restored(self.client.restore_head_state(self.head_id, state_id), step)
         return self.info
 
     # ----- a head whose parameter lives in the trainer (local_weight) -----
-
-    def _pulls_after_backward(self, accumulate: bool, pull_gradients: bool) -> bool:
-        """Whether this call's backward pulls dW into local_weight.grad."""
-        return accumulate and pull_gradients and self.local_weight is not None
-
-    def _local_state(self):
-        w = self.local_weight
-        return None if w is None else (w.data_ptr(), w._version)
 
     def push_weights(self) -> None:
         """Sends local_weight to the server if it may have changed since the last push (a pull
         of its gradient, hence an optimizer step; an in-place edit): the server then computes
         with exactly the trainer's parameter."""
-        state = self._local_state()
-        if state is None or state == self._pushed:
-            return
-        self.info = self.client.upload_head(self.head_id, self.local_weight.detach().float(),
-                                            replace=True)
-        self._pushed = self._local_state()
+        info = self._local.push(self.client, self.head_id)
+        if info is not None:
+            self.info = info
 
     def pull_gradients(self) -> None:
         """Adds the server's accumulated dW into local_weight.grad and zeroes it on the server,
         so the local optimizer (and gradient clipping) sees the head's gradient like any other.
         """
-        w = self.local_weight
-        if w is None:
-            raise ValueError("local_weight: expected a parameter to pull dW into; got None "
-                             "(this head is trained by server-side optimizer steps)")
-        dw, _, info = self.client.fetch_gradients(self.head_id)
-        if info.accumulated_micro_batches == 0:
-            return
-        self.client.zero_gradients(self.head_id)
-        dw = dw.to(w.device, w.dtype)
-        if w.grad is None:
-            w.grad = dw
-        else:
-            w.grad.add_(dw)
-        self._pushed = None  # the optimizer step comes next
-        self.next_step()
+        if self._local.pull(self.client, self.head_id):
+            self.next_step()

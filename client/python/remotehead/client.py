@@ -5,14 +5,14 @@ Step calls stream: gRPC sends the header and X's row chunks from its own thread 
 receives dX chunks as the server produces them. Server errors surface as RemoteheadError with
 the gRPC status code and the server's message (which names the field, expected and actual).
 
-What a step sends and how its answer is read is _steps.py's (StepOptions, StepResult, and the
-C++ client's PrepareStep to the byte); tensors on the wire and the row-chunk rule, _wire.py's;
-the functions a server lists, functions.py's; the exceptions, _errors.py's.
+What a step computes is step_options.py's (StepOptions); what it sends and how its answer is
+read, _steps.py's (StepResult, and the C++ client's PrepareStep to the byte); tensors on the
+wire and the row-chunk rule, _wire.py's; the functions a server lists, functions.py's; the
+exceptions, _errors.py's; a .safetensors file written from a server's stream, _safetensors.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import random
@@ -28,8 +28,8 @@ from remotehead._striping import merged_responses
 # Re-exported: remotehead.client.X is where these have always been imported from.
 from remotehead._errors import (InvalidArgumentError, RemoteheadError,  # noqa: F401
                                 ServerRestartedError)
-from remotehead._steps import (GradientId, StepOptions, StepResult, StepSummary,  # noqa: F401
-                               StepTimings, check_option_names)
+from remotehead._steps import StepResult, StepSummary, StepTimings  # noqa: F401
+from remotehead.step_options import GradientId, StepOptions, check_option_names  # noqa: F401
 from remotehead._wire import framing_bytes, shape_text
 from remotehead.functions import FunctionInfo, function_info
 from remotehead.v1 import head_service_pb2 as pb
@@ -533,23 +533,13 @@ class Client:
                                           expected_incarnation=expected_incarnation)
         if expected_weight_version is not None:
             request.expected_weight_version = expected_weight_version
-        shape = (info.vocab_size, info.hidden_size)
-        partial = f"{path}.tmp"
 
-        def attempt() -> int:
-            # Every attempt writes the file from its start: a failed one may have written rows.
-            rows = (r.weight_rows for r in self._stub.ExportWeights(request, timeout=self._timeout)
+        def rows():
+            return (r.weight_rows for r in self._stub.ExportWeights(request, timeout=self._timeout)
                     if r.WhichOneof("part") == "weight_rows")
-            return _safetensors.write_rows(partial, name, dtype, shape, rows)
 
-        try:
-            written = self._call(attempt)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(partial)
-            raise
-        os.replace(partial, path)
-        return written
+        return _safetensors.write_file(path, name, dtype, (info.vocab_size, info.hidden_size),
+                                       rows, self._call)
 
     def _step(self, mode: str, head_id: str, hidden, targets, weights, aux, grad_output,
               o: StepOptions, teacher_hidden=None) -> StepResult:

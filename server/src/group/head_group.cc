@@ -5,7 +5,6 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
-#include "remotehead/wire/tensor_codec.h"
 
 namespace remotehead::server {
 namespace {
@@ -25,19 +24,24 @@ absl::Status GroupUnavailable(const std::string& message, int rank) {
 
 }  // namespace
 
-v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t) {
-  v1::GroupTensor spec;
-  spec.set_name(name);
-  spec.set_dtype(wire::ToWireDtype(t.scalar_type(), "dtype").value_or(v1::DTYPE_UNSPECIFIED));
-  for (const int64_t d : t.sizes()) spec.add_shape(d);
-  return spec;
-}
-
-absl::StatusOr<torch::Tensor> EmptyTensor(const v1::GroupTensor& spec, torch::Device device) {
-  ASSIGN_OR_RETURN(const torch::ScalarType dtype,
-                   wire::FromWireDtype(spec.dtype(), absl::StrCat("tensor ", spec.name())));
-  return torch::empty(std::vector<int64_t>(spec.shape().begin(), spec.shape().end()),
-                      torch::TensorOptions().dtype(dtype).device(device));
+std::vector<MetricFamilySamples> HeadGroup::Metrics() const {
+  const std::map<std::string, CollectiveBytes> moved = group_->Bytes();
+  MetricFamilySamples calls{.name = "remotehead_group_collectives_total",
+                            .help = "Collectives this rank ran, by operation",
+                            .counter = true};
+  for (const auto& [op, b] : moved) {
+    calls.samples.push_back({.labels = {{"op", op}}, .value = static_cast<double>(b.calls)});
+  }
+  return {
+      {.name = "remotehead_group_info",
+       .help = "1, labelled with this process's rank in its head group and the group size",
+       .samples = {{.labels = {{"rank", std::to_string(rank())}, {"size", std::to_string(size())}},
+                    .value = 1}}},
+      OneValue("remotehead_group_up", "1 while the head group works, 0 once it is down", false,
+               health().ok() ? 1 : 0),
+      CollectiveBytesByOp("remotehead_group_collective_bytes_total",
+                          "Bytes this rank's collectives sent and received, by operation", moved),
+      std::move(calls)};
 }
 
 bool IsGroupFailure(const absl::Status& status) {
@@ -98,14 +102,12 @@ absl::Status HeadGroup::CheckFront() {
   return gone;
 }
 
-absl::Status HeadGroup::Timed(const v1::GroupCommand& command,
+absl::Status HeadGroup::Timed(const std::string& command,
                               const std::function<absl::Status()>& part) {
   if (!observer_) return part();
   const auto start = std::chrono::steady_clock::now();
   absl::Status status = part();
-  const google::protobuf::FieldDescriptor* op =
-      v1::GroupCommand::descriptor()->FindFieldByNumber(command.op_case());
-  observer_(op != nullptr ? op->name() : "unknown",
+  observer_(command,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return status;
 }
@@ -124,13 +126,13 @@ absl::StatusOr<HeadGroup::Lane> HeadGroup::Enter() {
   return Lane(this, std::move(lock));
 }
 
-absl::Status HeadGroup::Lane::Run(const v1::GroupCommand& command,
+absl::Status HeadGroup::Lane::Run(const Command& command,
                                   const std::function<absl::Status()>& local, bool local_last) {
   HeadGroup& g = *group_;
-  const absl::StatusOr<int64_t> seq = g.log_.Append(command.SerializeAsString());
+  const absl::StatusOr<int64_t> seq = g.log_.Append(command.bytes);
   if (!seq.ok()) return g.Check(seq.status());
   absl::Status mine;
-  if (!local_last) mine = g.Check(g.Timed(command, local));
+  if (!local_last) mine = g.Check(g.Timed(command.name, local));
   // Once this rank's part failed on the transport (a collective timed out: a rank hung or
   // died), the failure is already one timeout old: the other ranks' replies, which name the
   // rank at fault, get a short grace instead of a fresh timeout.
@@ -138,14 +140,14 @@ absl::Status HeadGroup::Lane::Run(const v1::GroupCommand& command,
   const std::chrono::milliseconds wait =
       IsGroupFailure(mine) ? std::min(timeout / 5, std::chrono::milliseconds(2000)) : timeout;
   const absl::Status replies = g.Check(g.log_.AwaitReplies(*seq, wait).status());
-  if (local_last && replies.ok()) mine = g.Check(g.Timed(command, local));
+  if (local_last && replies.ok()) mine = g.Check(g.Timed(command.name, local));
   // An error of the request itself happens on every rank alike: this rank's says it. A
   // transport failure is best told by the replies, which name the rank that did not answer.
   if (!mine.ok() && !IsGroupFailure(mine)) return mine;
   return replies.ok() ? mine : replies;
 }
 
-absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupCommand&)>& execute,
+absl::Status HeadGroup::Follow(const std::function<absl::Status(const std::string&)>& execute,
                                const std::atomic<bool>& stop) {
   while (!stop.load()) {
     absl::StatusOr<std::string> bytes = log_.Next(kFollowPoll);
@@ -160,18 +162,14 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const v1::GroupC
     }
     // A command taken late (this rank was stopped, or slow) may be one the front gave up on.
     RETURN_IF_ERROR(CheckFront());
-    v1::GroupCommand command;
     absl::Status status = health();
     if (!status.ok()) {
       // Down: c10d cannot resume, so nothing more runs here; the front learns it at once.
       status = GroupUnavailable(
           absl::StrCat("head group rank ", rank(), " is down since: ", status.message()), rank());
-    } else if (!command.ParseFromString(*bytes)) {
-      status = absl::DataLossError(
-          absl::StrCat("head group: a command that does not parse (", bytes->size(), " bytes)"));
     } else {
       try {
-        status = Check(Timed(command, [&] { return execute(command); }));
+        status = Check(execute(*bytes));
       } catch (const std::exception& e) {
         status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
       }

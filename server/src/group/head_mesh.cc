@@ -113,4 +113,33 @@ absl::StatusOr<std::vector<absl::Status>> HeadMesh::ExchangeVerdicts(const absl:
   return verdicts;
 }
 
+std::vector<MetricFamilySamples> HeadMesh::Metrics() const {
+  MetricFamilySamples checks{.name = "remotehead_mesh_checksums_total",
+                             .help = "Weight checksums compared across the replicas, by result",
+                             .counter = true};
+  for (const bool matched : {true, false}) {
+    checks.samples.push_back({.labels = {{"result", matched ? "match" : "mismatch"}},
+                              .value = static_cast<double>(checksums(matched))});
+  }
+  return {
+      {.name = "remotehead_mesh_info",
+       .help = "1, labelled with this process's replica and the mesh's replicas",
+       .samples = {{.labels = {{"replica", std::to_string(replica_)},
+                               {"replicas", std::to_string(replicas_)}},
+                    .value = 1}}},
+      OneValue("remotehead_mesh_up", "1 while the mesh's log works, 0 once it is down", false,
+               health().ok() ? 1 : 0),
+      OneValue("remotehead_mesh_reduced_bytes_total",
+               "Bytes of dW (and db) this rank summed over the replicas at optimizer steps", true,
+               static_cast<double>(reduced_bytes())),
+      OneValue("remotehead_mesh_reduce_seconds_total",
+               "Time this rank spent summing dW over the replicas (both collectives)", true,
+               reduce_seconds()),
+      CollectiveBytesByOp("remotehead_mesh_collective_bytes_total",
+                          "Bytes this rank's collectives with its shard peers in the other "
+                          "replicas sent and received, by operation",
+                          PeerBytes()),
+      std::move(checks)};
+}
+
 }  // namespace remotehead::server

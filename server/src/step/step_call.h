@@ -1,6 +1,6 @@
 // A step call in the server's own types — what StepSession computes on and gives back. The wire
 // (v1::StepHeader, StepRows, StepResponse) is read into these and written from them by
-// step_stream.cc, the session's protobuf-facing side; the session itself includes no protobuf.
+// rpc/step_stream.cc, the session's protobuf-facing side; the session itself includes no protobuf.
 #pragma once
 
 #include <cstdint>

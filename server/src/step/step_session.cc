@@ -17,19 +17,6 @@ namespace {
 // back — while later rows are still arriving.
 constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
 
-// Whether two well-formed parts' rows have the same shape beyond their first dimension (the k
-// of [n, k] aux), so that they can be concatenated.
-bool SameRowShapes(const core::TokenBatch& a, const core::TokenBatch& b) {
-  for (const auto& [name, t] : a.aux) {
-    const auto it = b.aux.find(name);
-    if (it == b.aux.end() || it->second.dim() != t.dim() ||
-        (t.dim() == 2 && it->second.size(1) != t.size(1))) {
-      return false;
-    }
-  }
-  return true;
-}
-
 }  // namespace
 
 // [n, D] hidden in the head's dtype with [n] per-token tensors ([n] or [n, k] aux, a two-head
@@ -50,19 +37,8 @@ bool StepSession::WellFormed(const core::TokenBatch& b, const torch::Tensor& gra
   }
   const torch::Tensor& th = b.teacher_hidden;
   return !th.defined() ||
-         (teacher_ != nullptr && th.dim() == 2 && th.size(0) == n &&
-          th.size(1) == teacher_hidden_size_ && th.scalar_type() == teacher_dtype_);
-}
-
-absl::Status StepSession::CheckTeacherRows(const core::TokenBatch& b) {
-  const torch::Tensor& th = b.teacher_hidden;
-  if (!th.defined() || !b.hidden.defined() || b.hidden.dim() < 1) return absl::OkStatus();
-  const int64_t rows = th.dim() >= 1 ? th.size(0) : 1;
-  if (rows == b.hidden.size(0) && th.dim() >= 1) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("rows.teacher_hidden: expected ", b.hidden.size(0),
-                   " rows (as many as rows.hidden in the same message); got ",
-                   th.dim() >= 1 ? absl::StrCat(rows, " rows") : std::string("a 0-d tensor")));
+         (teacher_.entry != nullptr && th.dim() == 2 && th.size(0) == n &&
+          th.size(1) == teacher_.hidden_size && th.scalar_type() == teacher_.dtype);
 }
 
 absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanout) {
@@ -76,28 +52,14 @@ absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanou
   options_.should_stop = std::move(should_stop);
   fanout_ = std::move(fanout);
   if (fanout_ != nullptr) options_.shard = fanout_->Shard(entry_->shards());
-  RETURN_IF_ERROR(ResolveTeacher());
+  ASSIGN_OR_RETURN(teacher_, PlanTeacher(*registry_, *entry_, call_.teacher_head_id));
   RETURN_IF_ERROR(PlanBatches());
   if (!call_.inputs_handle.empty()) RETURN_IF_ERROR(CheckRetainedInputs());
   RETURN_IF_ERROR(CheckVersionAndIdentity());
   begun_ = true;
   kept_reserved_ = call_.retain_inputs_seconds > 0
-                       ? RetainedInputsBytes(plan_, call_.rows, teacher_row_bytes_)
+                       ? RetainedInputsBytes(plan_, call_.rows, teacher_.row_bytes)
                        : 0;
-  return absl::OkStatus();
-}
-
-absl::Status StepSession::ResolveTeacher() {
-  ASSIGN_OR_RETURN(teacher_, server::ResolveTeacher(*registry_, *entry_, call_.teacher_head_id));
-  if (teacher_ == nullptr) return absl::OkStatus();
-  teacher_->Read([&](const core::Head& teacher) {
-    teacher_version_ = teacher.version();
-    teacher_hidden_size_ = teacher.hidden_size();
-    teacher_dtype_ = teacher.dtype();
-    teacher_device_ = teacher.device();
-    teacher_row_bytes_ =
-        teacher.hidden_size() * static_cast<int64_t>(c10::elementSize(teacher.dtype()));
-  });
   return absl::OkStatus();
 }
 
@@ -111,10 +73,10 @@ absl::Status StepSession::PlanBatches() {
     options_.teacher = teacher;
     return core::PlanCall(head, options_);
   };
-  ASSIGN_OR_RETURN(plan_, entry_->ReadWith(teacher_.get(), plan));
+  ASSIGN_OR_RETURN(plan_, entry_->ReadWith(teacher_.entry.get(), plan));
   RETURN_IF_ERROR(core::CheckCallMode(plan_, mode_, options_.reduction));
   // What a row brings: X, and a two-head call's teacher hidden states.
-  const int64_t row_bytes = plan_.hidden_size * plan_.head_elem_bytes + teacher_row_bytes_;
+  const int64_t row_bytes = plan_.hidden_size * plan_.head_elem_bytes + teacher_.row_bytes;
   // What a row returns: dX, or a Forward's outputs (a row of logits is V values).
   const int64_t result_row_bytes =
       std::max<int64_t>(1, mode_ == core::CallMode::kForward ? plan_.output_row_bytes : row_bytes);
@@ -128,8 +90,9 @@ absl::Status StepSession::PlanBatches() {
                      " values per row; byte counts of more overflow); got ", call_.rows));
   }
   // Batches stay within kMaxBatchBytes of X and of results.
-  batch_rows_ = std::max<int64_t>(1, std::min({plan_.chunk_rows, kMaxBatchBytes / row_bytes,
-                                               kMaxBatchBytes / result_row_bytes}));
+  batcher_.set_batch_rows(std::max<int64_t>(
+      1, std::min({plan_.chunk_rows, kMaxBatchBytes / row_bytes,
+                   kMaxBatchBytes / result_row_bytes})));
   return absl::OkStatus();
 }
 
@@ -152,11 +115,11 @@ absl::Status StepSession::CheckRetainedInputs() {
                      "\", the teacher of the Forward that retained header.inputs_handle; got \"",
                      call_.teacher_head_id, "\""));
   }
-  if (teacher_ != nullptr && inputs_->teacher_version != teacher_version_) {
+  if (teacher_.entry != nullptr && inputs_->teacher_version != teacher_.version) {
     return absl::FailedPreconditionError(absl::StrCat(
         "header.inputs_handle: expected teacher head \"", call_.teacher_head_id,
         "\" at the version its Forward ran against, ", inputs_->teacher_version, "; got version ",
-        teacher_version_, " (its weights were replaced in between)"));
+        teacher_.version, " (its weights were replaced in between)"));
   }
   return absl::OkStatus();
 }
@@ -196,11 +159,11 @@ MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
   return StepMemory({.plan = &plan_,
                      .mode = mode_,
                      .rows = call_.rows,
-                     .batch_rows = batch_rows_,
+                     .batch_rows = batcher_.batch_rows(),
                      .scratch_bytes = call_.gradient.has_value() ? scratch_.nbytes() : 0,
                      .pipeline_bytes = pipeline_bytes,
                      .retains_inputs = call_.retain_inputs_seconds > 0,
-                     .teacher_row_bytes = teacher_row_bytes_});
+                     .teacher_row_bytes = teacher_.row_bytes});
 }
 
 // ----- rows -----
@@ -212,7 +175,7 @@ absl::Status StepSession::AddRows(StepRowsIn rows, const StepResultSink& sink,
                                                    " (rows arrive in order); got ",
                                                    rows.row_offset));
   }
-  PendingRows part{.owner = rows.owner};
+  RowBatcher::Part part{.owner = rows.owner};
   ASSIGN_OR_RETURN(part.grad_output, GradOutputOf(rows));
   ASSIGN_OR_RETURN(part.batch, InputsOf(rows, part.grad_output));
   // A Backward by handle counts rows by its grad_output (the engine checks its shape).
@@ -227,7 +190,8 @@ absl::Status StepSession::AddRows(StepRowsIn rows, const StepResultSink& sink,
   if (inputs_ != nullptr) part.batch = inputs_->batch.Slice(received_rows_, n);
   received_rows_ += n;
   RETURN_IF_ERROR(Enqueue(std::move(part), sink));
-  return more_queued ? absl::OkStatus() : FlushPending(pending_rows_, sink);
+  return more_queued ? absl::OkStatus()
+                     : batcher_.Flush(batcher_.pending_rows(), ComputeBatch(sink));
 }
 
 // dL/dy of each row: required by (and only used by) a Backward with reduction NONE.
@@ -264,61 +228,32 @@ absl::StatusOr<core::TokenBatch> StepSession::InputsOf(const StepRowsIn& rows,
   RETURN_IF_ERROR(CheckTeacherRows(rows.batch));
   core::TokenBatch batch = rows.batch.To(device_);
   // The teacher's hidden states on the teacher's device (a server's heads share one).
-  if (batch.teacher_hidden.defined() && teacher_ != nullptr && teacher_device_ != device_) {
-    batch.teacher_hidden = batch.teacher_hidden.to(teacher_device_);
+  if (batch.teacher_hidden.defined() && teacher_.entry != nullptr && teacher_.device != device_) {
+    batch.teacher_hidden = batch.teacher_hidden.to(teacher_.device);
   }
   return batch;
 }
 
-absl::Status StepSession::Enqueue(PendingRows part, const StepResultSink& sink) {
-  const bool well_formed = WellFormed(part.batch, part.grad_output);
+absl::Status StepSession::Enqueue(RowBatcher::Part part, const StepResultSink& sink) {
   // A malformed part (e.g. hidden that is not [n, D]) is not batched with others: the engine
   // checks it on its own and reports exactly what is wrong.
-  if (!well_formed) {
-    RETURN_IF_ERROR(FlushPending(pending_rows_, sink));
+  if (!WellFormed(part.batch, part.grad_output)) {
+    RETURN_IF_ERROR(batcher_.Flush(batcher_.pending_rows(), ComputeBatch(sink)));
     return ComputeRows(std::move(part.batch), part.grad_output, sink);
   }
-  // Parts are concatenated only with parts that carry the same inputs.
-  if (!pending_.empty() && (!pending_.front().batch.SameInputs(part.batch) ||
-                            !SameRowShapes(pending_.front().batch, part.batch))) {
-    RETURN_IF_ERROR(FlushPending(pending_rows_, sink));
-  }
-  pending_rows_ += part.batch.rows();
-  pending_.push_back(std::move(part));
-  while (pending_rows_ >= batch_rows_) RETURN_IF_ERROR(FlushPending(batch_rows_, sink));
-  return absl::OkStatus();
+  return batcher_.Add(std::move(part), ComputeBatch(sink));
 }
 
-absl::Status StepSession::FlushPending(int64_t rows, const StepResultSink& sink) {
-  if (rows <= 0) return absl::OkStatus();
-  std::vector<core::TokenBatch> parts;
-  std::vector<torch::Tensor> grads;
-  std::vector<std::shared_ptr<const void>> owners;  // alive until computed
-  for (int64_t need = rows; need > 0;) {
-    PendingRows& front = pending_.front();
-    const int64_t available = front.batch.rows();
-    const int64_t take = std::min(available, need);
-    parts.push_back(front.batch.Slice(0, take));
-    if (front.grad_output.defined()) grads.push_back(front.grad_output.narrow(0, 0, take));
-    owners.push_back(front.owner);
-    if (take == available) {
-      pending_.pop_front();
-    } else {
-      front.batch = front.batch.Slice(take, available - take);
-      if (front.grad_output.defined()) {
-        front.grad_output = front.grad_output.narrow(0, take, available - take);
-      }
+RowBatcher::Compute StepSession::ComputeBatch(const StepResultSink& sink) {
+  return [this, &sink](core::TokenBatch batch, torch::Tensor grads) {
+    torch::Tensor grad_output;
+    if (mode_ == core::CallMode::kBackward) {
+      grad_output = options_.reduction != core::Reduction::kNone
+                        ? torch::full({}, options_.upstream_scale, torch::kDouble)
+                        : std::move(grads);
     }
-    need -= take;
-  }
-  pending_rows_ -= rows;
-  torch::Tensor grad_output;
-  if (mode_ == core::CallMode::kBackward) {
-    grad_output = options_.reduction != core::Reduction::kNone
-                      ? torch::full({}, options_.upstream_scale, torch::kDouble)
-                      : torch::cat(grads);
-  }
-  return ComputeRows(core::TokenBatch::Concat(parts), grad_output, sink);
+    return ComputeRows(std::move(batch), grad_output, sink);
+  };
 }
 
 absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
@@ -363,22 +298,22 @@ absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Te
   // Under the head's lock (and a two-head call's teacher's), on the version the request began
   // with: its weights must not change under a running computation, nor between two of its
   // batches.
-  if (fanout_ == nullptr) return entry_->ReadPinnedWith(teacher_.get(), &pin_, here);
+  if (fanout_ == nullptr) return entry_->ReadPinnedWith(teacher_.entry.get(), &pin_, here);
   return fanout_->RunBatch({.mode = mode_,
                             .accumulate = call_.gradient.has_value(),
                             .first_row = options_.first_row,
                             .batch = &batch,
                             .grad_output = &grad_output},
-                           *entry_, teacher_.get(), &pin_, here);
+                           *entry_, teacher_.entry.get(), &pin_, here);
 }
 
 absl::Status StepSession::ComputeHere(const core::Head& head, const core::Head* teacher,
                                       const core::TokenBatch& batch,
                                       const torch::Tensor& grad_output, EngineOutputs* results) {
-  if (teacher != nullptr && teacher->version() != teacher_version_) {
+  if (teacher != nullptr && teacher->version() != teacher_.version) {
     return absl::AbortedError(
         absl::StrCat("header.teacher_head_id: expected teacher head \"", call_.teacher_head_id,
-                     "\" at weight version ", teacher_version_,
+                     "\" at weight version ", teacher_.version,
                      ", the one this request began with; got version ", teacher->version(),
                      " (its weights were replaced meanwhile). Nothing was committed; send "
                      "the request again"));
@@ -386,9 +321,9 @@ absl::Status StepSession::ComputeHere(const core::Head& head, const core::Head* 
   options_.teacher = teacher;
   // One logits buffer for the whole request (a new one per batch would cost page faults),
   // allocated once the request has been admitted.
-  if (!options_.logits_workspace.defined() && batch_rows_ > 1 && call_.rows > 0) {
+  if (!options_.logits_workspace.defined() && batcher_.batch_rows() > 1 && call_.rows > 0) {
     options_.logits_workspace =
-        core::NewLogitsWorkspace(head, plan_, std::min(batch_rows_, call_.rows));
+        core::NewLogitsWorkspace(head, plan_, std::min(batcher_.batch_rows(), call_.rows));
   }
   ASSIGN_OR_RETURN(EngineOutputs r, RunEngine(mode_, head, batch, options_, grad_output,
                                               call_.gradient ? &scratch_ : nullptr));
@@ -414,7 +349,7 @@ absl::StatusOr<StepOutcome> StepSession::Finish(const StepResultSink& sink) {
   RETURN_IF_ERROR(ComputeRemaining(sink));
   RETURN_IF_ERROR(CheckComplete());
   ASSIGN_OR_RETURN(const CommitResult commit, Commit());
-  if (teacher_ != nullptr) teacher_->AddStudent(call_.head_id);
+  if (teacher_.entry != nullptr) teacher_.entry->AddStudent(call_.head_id);
   if (inputs_ != nullptr) retained_->Release(call_.inputs_handle);
   StepOutcome outcome = Outcome(commit);
   if (call_.retain_inputs_seconds > 0) {
@@ -439,14 +374,10 @@ absl::Status StepSession::ComputeRemaining(const StepResultSink& sink) {
   if (inputs_ != nullptr && options_.reduction != core::Reduction::kNone &&
       received_rows_ < call_.rows) {
     const int64_t n = call_.rows - received_rows_;
-    pending_.push_back({.batch = inputs_->batch.Slice(received_rows_, n)});
-    pending_rows_ += n;
+    batcher_.Append({.batch = inputs_->batch.Slice(received_rows_, n)});
     received_rows_ += n;
   }
-  while (pending_rows_ > 0) {
-    RETURN_IF_ERROR(FlushPending(std::min(batch_rows_, pending_rows_), sink));
-  }
-  return absl::OkStatus();
+  return batcher_.FlushAll(ComputeBatch(sink));
 }
 
 absl::Status StepSession::CheckComplete() const {
@@ -467,16 +398,16 @@ absl::StatusOr<std::string> StepSession::RetainInputs(const CommitResult& commit
                       .weight_version = commit.weight_version,
                       .batch = core::TokenBatch::Concat(kept_rows_),
                       .teacher_head_id = call_.teacher_head_id,
-                      .teacher_version = teacher_version_};
+                      .teacher_version = teacher_.version};
   kept_rows_.clear();
   if (!kept.batch.hidden.defined()) {  // zero rows
     kept.batch.hidden = entry_->Read([&](const core::Head& head) {
       return torch::empty({0, head.hidden_size()}, head.weight().options());
     });
   }
-  if (teacher_ != nullptr && !kept.batch.teacher_hidden.defined()) {  // zero rows
+  if (teacher_.entry != nullptr && !kept.batch.teacher_hidden.defined()) {  // zero rows
     kept.batch.teacher_hidden = torch::empty(
-        {0, teacher_hidden_size_}, torch::TensorOptions(teacher_dtype_).device(teacher_device_));
+        {0, teacher_.hidden_size}, torch::TensorOptions(teacher_.dtype).device(teacher_.device));
   }
   return retained_->Put(std::move(kept), call_.retain_inputs_seconds);
 }

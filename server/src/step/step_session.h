@@ -5,8 +5,8 @@
 // leaves the head's gradients bit-identical, and a replayed gradient id is recognised and not
 // added twice.
 //
-// The path of one call: StepReactor (step_reactor.cc, gRPC) hands each message to StepStream
-// (step_stream.cc, the protobuf side), which reads it into core types: the header → Begin (the
+// The path of one call: StepReactor (rpc/step_reactor.cc, gRPC) hands each message to StepStream
+// (rpc/step_stream.cc, the protobuf side), which reads it into core types: the header → Begin (the
 // engine's CallPlan, the version and identity, admission's EstimateMemory); rows → AddRows,
 // batched to the engine's chunk size → ComputeRows → core::FusedForwardBackward / Forward /
 // Backward (core/src/engine.cc); the end of the stream → Finish (commit, summary).
@@ -14,7 +14,6 @@
 // Not thread-safe: the reactor hands it one message at a time, in order.
 #pragma once
 
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -28,7 +27,9 @@
 #include "request_memory.h"
 #include "step/engine_call.h"
 #include "step/retained_inputs.h"
+#include "step/row_batcher.h"
 #include "step/step_call.h"
+#include "step/step_teacher.h"
 
 namespace remotehead::server {
 
@@ -74,19 +75,9 @@ class StepSession {
   }
 
  private:
-  // Rows received and not yet computed: the engine runs on batches of batch_rows_ rows (its
-  // own chunk size, capped), whatever the size of the client's messages.
-  struct PendingRows {
-    std::shared_ptr<const void> owner;  // owns the bytes the tensors alias
-    core::TokenBatch batch;
-    torch::Tensor grad_output;  // Backward with reduction NONE
-  };
-
   // The call against its head, in the order it is checked: the engine's plan, the retained
   // inputs, the version and the identity.
   absl::Status PlanBatches();
-  // A two-head call's teacher (step_teacher.h), read where it is planned and computed.
-  absl::Status ResolveTeacher();
   absl::Status CheckRetainedInputs();
   absl::Status CheckVersionAndIdentity();
 
@@ -97,12 +88,10 @@ class StepSession {
   absl::StatusOr<core::TokenBatch> InputsOf(const StepRowsIn& rows,
                                             const torch::Tensor& grad_output) const;
   bool WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const;
-  // rows.teacher_hidden: as many rows as rows.hidden (the engine checks the rest).
-  static absl::Status CheckTeacherRows(const core::TokenBatch& b);
   // Queues a part for batching, or computes it now when it cannot be batched.
-  absl::Status Enqueue(PendingRows part, const StepResultSink& sink);
-  // Computes the first `rows` pending rows.
-  absl::Status FlushPending(int64_t rows, const StepResultSink& sink);
+  absl::Status Enqueue(RowBatcher::Part part, const StepResultSink& sink);
+  // How the batcher's batches are computed: ComputeRows with this mode's grad_output.
+  RowBatcher::Compute ComputeBatch(const StepResultSink& sink);
   // Computes rows [next_row_, next_row_ + rows of batch) and hands their results to `sink`.
   absl::Status ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
                            const StepResultSink& sink);
@@ -128,13 +117,7 @@ class StepSession {
   const core::CallMode mode_;
   std::unique_ptr<StepFanout> fanout_;  // on a group: the other ranks
   std::shared_ptr<HeadEntry> entry_;
-  std::shared_ptr<HeadEntry> teacher_;  // a two-head call's teacher (null: none)
-  // The teacher as planned: the version every batch must still see, and its rows' layout.
-  int64_t teacher_version_ = 0;
-  int64_t teacher_hidden_size_ = 0;
-  torch::ScalarType teacher_dtype_ = torch::kFloat;
-  torch::Device teacher_device_ = torch::kCPU;
-  int64_t teacher_row_bytes_ = 0;
+  PlannedTeacher teacher_;  // a two-head call's teacher (step_teacher.h)
   // The head's version and gradient window the request computes on: fixed at the header when
   // it pins a version (expected_weight_version, inputs_handle), else at its first computation.
   std::optional<HeadPin> pin_;
@@ -150,9 +133,7 @@ class StepSession {
   int64_t kept_bytes_ = 0;                        // their bytes so far
   int64_t kept_reserved_ = 0;                     // and what admission holds for them
   std::function<absl::Status(int64_t, const std::string&)> reserve_more_;
-  std::deque<PendingRows> pending_;
-  int64_t pending_rows_ = 0;
-  int64_t batch_rows_ = 1;
+  RowBatcher batcher_;  // the rows received and not yet computed
   int64_t received_rows_ = 0;  // rows taken from the client (or the retained inputs)
   int64_t next_row_ = 0;       // rows computed, whose results have been produced
   StepOutcome outcome_;  // the summary's sums so far (loss, tokens, chunks, extras)

@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "remotehead/core/error_reason.h"
+#include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
 namespace {
@@ -80,6 +81,33 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> ResolveTeacher(const HeadRegistry& re
         absl::StrCat("the student \"", s.id, "\"'s rows on every rank of the head group"));
   }
   return *std::move(teacher);
+}
+
+absl::StatusOr<PlannedTeacher> PlanTeacher(const HeadRegistry& registry, const HeadEntry& student,
+                                           const std::string& teacher_id) {
+  PlannedTeacher planned;
+  ASSIGN_OR_RETURN(planned.entry, ResolveTeacher(registry, student, teacher_id));
+  if (planned.entry == nullptr) return planned;
+  planned.entry->Read([&](const core::Head& teacher) {
+    planned.version = teacher.version();
+    planned.hidden_size = teacher.hidden_size();
+    planned.dtype = teacher.dtype();
+    planned.device = teacher.device();
+    planned.row_bytes =
+        teacher.hidden_size() * static_cast<int64_t>(c10::elementSize(teacher.dtype()));
+  });
+  return planned;
+}
+
+absl::Status CheckTeacherRows(const core::TokenBatch& b) {
+  const torch::Tensor& th = b.teacher_hidden;
+  if (!th.defined() || !b.hidden.defined() || b.hidden.dim() < 1) return absl::OkStatus();
+  const int64_t rows = th.dim() >= 1 ? th.size(0) : 1;
+  if (rows == b.hidden.size(0) && th.dim() >= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("rows.teacher_hidden: expected ", b.hidden.size(0),
+                   " rows (as many as rows.hidden in the same message); got ",
+                   th.dim() >= 1 ? absl::StrCat(rows, " rows") : std::string("a 0-d tensor")));
 }
 
 }  // namespace remotehead::server

@@ -11,6 +11,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/head_registry.h"
 
 namespace remotehead::server {
@@ -22,5 +24,23 @@ namespace remotehead::server {
 absl::StatusOr<std::shared_ptr<HeadEntry>> ResolveTeacher(const HeadRegistry& registry,
                                                           const HeadEntry& student,
                                                           const std::string& teacher_id);
+
+// The teacher as a step planned it: the version every batch must still see, and the layout of
+// its rows (rows.teacher_hidden).
+struct PlannedTeacher {
+  std::shared_ptr<HeadEntry> entry;  // null: a one-head step (every other field unused)
+  int64_t version = 0;
+  int64_t hidden_size = 0;
+  torch::ScalarType dtype = torch::kFloat;
+  torch::Device device = torch::kCPU;
+  int64_t row_bytes = 0;  // of one row of teacher hidden states
+};
+// ResolveTeacher, read once.
+absl::StatusOr<PlannedTeacher> PlanTeacher(const HeadRegistry& registry, const HeadEntry& student,
+                                           const std::string& teacher_id);
+
+// rows.teacher_hidden (if any): as many rows as rows.hidden in the same message (the engine
+// checks the rest); INVALID_ARGUMENT naming it otherwise.
+absl::Status CheckTeacherRows(const core::TokenBatch& b);
 
 }  // namespace remotehead::server

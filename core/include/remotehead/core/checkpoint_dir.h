@@ -15,7 +15,8 @@
 //   check accepts it. A crash can leave the temporary file: RemoveTemporaryFiles cleans them.
 //
 // Every status names the caller's field (e.g. "safetensors.path") and the relative path; none
-// carries bytes read from a file.
+// carries bytes read from a file. An opened file is a CheckpointFile (checkpoint_file.h); the
+// file-system operations below these rules are core/src/safe_file_ops.h.
 #pragma once
 
 #include <cstdint>
@@ -28,39 +29,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/checkpoint_file.h"
 
 namespace remotehead::core {
-
-// An open regular file (owned descriptor) inside a CheckpointDir.
-class CheckpointFile {
- public:
-  // `where`: how messages about the file begin, e.g. `safetensors.path: "model.safetensors"`.
-  CheckpointFile(int fd, int64_t size, std::string where)
-      : fd_(fd), size_(size), where_(std::move(where)) {}
-  ~CheckpointFile();
-  CheckpointFile(CheckpointFile&& other) noexcept;
-  CheckpointFile& operator=(CheckpointFile&&) = delete;
-  CheckpointFile(const CheckpointFile&) = delete;
-  CheckpointFile& operator=(const CheckpointFile&) = delete;
-
-  // The file's size when it was opened (fstat).
-  int64_t size() const { return size_; }
-  // The field and the path (`field: "relative"`): how messages about this file begin.
-  const std::string& where() const { return where_; }
-
-  // Reads exactly `bytes` bytes at `offset` (pread, retried on short reads). DATA_LOSS if the
-  // file ends before: offset + bytes is checked against size() without overflow.
-  absl::Status ReadAt(uint64_t offset, uint64_t bytes, void* dst) const;
-  // Appends `bytes` bytes at the current position (write, retried on short writes).
-  absl::Status Write(const void* data, uint64_t bytes);
-
-  int fd() const { return fd_; }
-
- private:
-  int fd_;
-  int64_t size_;
-  std::string where_;
-};
 
 // An entry of a directory as lstat sees it (a link is a link, never what it points to).
 struct DirEntry {

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace remotehead::server {
 
@@ -70,6 +71,10 @@ class AdmissionController {
     std::function<void()> on_admitted;
   };
   bool FitsLocked(int64_t bytes, bool counts_as_active) const;
+  // The one refusal of bytes the budget has no room for: RESOURCE_EXHAUSTED (resource memory)
+  // saying `bytes` (`more`: " more" for a growth) for `breakdown` and, after "got", `in_use`.
+  absl::Status OverBudget(int64_t bytes, absl::string_view more, const std::string& breakdown,
+                          const std::string& in_use) const;
   void AdmitWaitingLocked();
 
   const AdmissionOptions options_;

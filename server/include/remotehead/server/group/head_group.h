@@ -2,7 +2,9 @@
 // head's vocabulary rows, behaving together like one server. Rank 0 (the front) serves
 // HeadService and turns every operation into a command of the group's ordered log
 // (group_log.h); the other ranks follow the log and execute each command on their shard. The
-// tensors a command needs travel by c10d collectives right after it (process_group.h).
+// tensors a command needs travel by c10d collectives right after it (process_group.h). The
+// transport carries a command as bytes with a name: what a command means is the layers'
+// above (translate/group_commands.h encodes them, replication/ runs them).
 //
 // The rules every group operation follows, kept here in one place:
 //   - one at a time (the front's lane), in the same order on every rank, so that the
@@ -35,12 +37,12 @@
 #include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 #include "remotehead/server/group/group_log.h"
+#include "remotehead/server/group/metric_source.h"
 #include "remotehead/server/group/process_group.h"
-#include "remotehead/v1/head_group.pb.h"
 
 namespace remotehead::server {
 
-class HeadGroup {
+class HeadGroup : public MetricSource {
  public:
   // `secret`: the group's (GroupConfig::secret); refused log entries and the group going down
   // are logged to `log` (nullptr: not logged).
@@ -62,6 +64,10 @@ class HeadGroup {
   // OK while the group works; the failure that took it down otherwise.
   absl::Status health() const;
 
+  // Metrics: this rank and the group's size, whether the group is up, what its collectives
+  // moved (remotehead_group_*).
+  std::vector<MetricFamilySamples> Metrics() const override;
+
   // The address clients dial for this group: its front's, set on the front when it listens and
   // on the other ranks by its announcement (front_address.h); "" until then.
   std::string front_address() const;
@@ -72,6 +78,13 @@ class HeadGroup {
   using CommandObserver = std::function<void(const std::string& command, double seconds)>;
   void set_observer(CommandObserver observer) { observer_ = std::move(observer); }
 
+  // A command of the log as the transport carries it: its bytes, and its name ("step_batch",
+  // "optimizer_step", …) for the observer.
+  struct Command {
+    std::string name;
+    std::string bytes;
+  };
+
   // The front's right to run one group operation: held for the whole operation.
   class Lane {
    public:
@@ -80,7 +93,7 @@ class HeadGroup {
     // so that the front, whose state clients read, changes only after every other rank did).
     // The first error wins: this rank's, else a rank's reply (named). A transport failure in
     // any of it takes the group down.
-    absl::Status Run(const v1::GroupCommand& command, const std::function<absl::Status()>& local,
+    absl::Status Run(const Command& command, const std::function<absl::Status()>& local,
                      bool local_last = false);
 
    private:
@@ -95,11 +108,14 @@ class HeadGroup {
   // Front: a new id for a request whose engine calls run on every rank.
   int64_t NewSession() { return next_session_.fetch_add(1); }
 
-  // Other ranks: takes commands in order and runs `execute` on each, replying with its status,
-  // until `stop` is set (OK) or the front is gone or declared the group down (UNAVAILABLE
-  // saying so).
-  absl::Status Follow(const std::function<absl::Status(const v1::GroupCommand&)>& execute,
+  // Other ranks: takes commands in order and runs `execute` on each one's bytes, replying with
+  // its status, until `stop` is set (OK) or the front is gone or declared the group down
+  // (UNAVAILABLE saying so).
+  absl::Status Follow(const std::function<absl::Status(const std::string& bytes)>& execute,
                       const std::atomic<bool>& stop);
+  // Runs `part` (this rank's part of the command named `command`) and reports its time to the
+  // observer: Lane::Run on the front; on the other ranks `execute`, once it knows the name.
+  absl::Status Timed(const std::string& command, const std::function<absl::Status()>& part);
 
   // The front's `tensors` written into every other rank's (same shapes and dtypes; any dtype:
   // they travel as bytes), in order.
@@ -116,8 +132,6 @@ class HeadGroup {
   // Other ranks: UNAVAILABLE (and this rank down) once the front declared the group down or is
   // gone; OK otherwise.
   absl::Status CheckFront();
-  // Runs `part` (this rank's part of `command`) and reports its time to the observer.
-  absl::Status Timed(const v1::GroupCommand& command, const std::function<absl::Status()>& part);
 
   std::unique_ptr<ProcessGroup> group_;
   std::ostream* event_log_;
@@ -129,11 +143,6 @@ class HeadGroup {
   absl::Status down_;          // guarded by mu_
   std::string front_address_;  // guarded by mu_
 };
-
-// A tensor's name, dtype and shape, for a command whose broadcast (Share) carries it.
-v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t);
-// An uninitialised tensor as `spec` describes, on `device`: what Share fills.
-absl::StatusOr<torch::Tensor> EmptyTensor(const v1::GroupTensor& spec, torch::Device device);
 
 // Whether `status` is a transport failure of the group (a collective or the store failed: a
 // rank died, hung or left): UNAVAILABLE or DEADLINE_EXCEEDED from the group.

@@ -44,7 +44,7 @@ struct MeshOptions {
   int checksum_every_steps = 1;  // 0: never
 };
 
-class HeadMesh {
+class HeadMesh : public MetricSource {
  public:
   // `fronts`: on a replica's front (rank 0 of its replica), the fronts' group whose collectives
   // are this rank's shard peers; nullptr elsewhere, with `shard_peers` given instead.
@@ -83,6 +83,10 @@ class HeadMesh {
   double reduce_seconds() const { return reduce_nanoseconds_ * 1e-9; }
   std::map<std::string, CollectiveBytes> PeerBytes() const;
   int64_t checksums(bool matched) const { return matched ? matched_ : mismatched_; }
+  // Metrics: this replica and the mesh's replicas, whether the mesh is up, dW summed over the
+  // replicas (the payload and what it moved on the wire), the weight checksums compared
+  // (remotehead_mesh_*).
+  std::vector<MetricFamilySamples> Metrics() const override;
   // This rank's shard peers: the R ranks that hold its rows in every replica, by replica.
   ProcessGroup& peers();
   const ProcessGroup& peers() const;

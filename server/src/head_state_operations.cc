@@ -1,0 +1,58 @@
+// HeadOperations' durable training state (--state_dir): this rank's shard of a head saved and
+// restored (head_operations.h). Doing so on every rank of a group or mesh under one state id is
+// replication/head_states.cc's.
+#include "absl/strings/str_cat.h"
+#include "head_operations.h"
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::server {
+
+absl::StatusOr<StateStore*> HeadOperations::Store() const {
+  if (state_store_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "head state: expected a server started with --state_dir; got none");
+  }
+  return state_store_;
+}
+
+int64_t HeadOperations::OwnOffset(const HeadDescription& d) const {
+  return group_ != nullptr ? d.shards.at(static_cast<size_t>(group_->rank())).offset : 0;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::SaveState(const std::string& id,
+                                                          const std::string& state_id) {
+  ASSIGN_OR_RETURN(StateStore* const store, Store());
+  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
+  core::HeadState state = entry->CaptureState(state_id);
+  const HeadDescription d = entry->Describe();
+  // Which rows of which head this is: a restore at start checks them against its own.
+  state.vocab_size = d.vocab_size;
+  state.vocab_offset = OwnOffset(d);
+  RETURN_IF_ERROR(store->Save(state));
+  LogEvent(absl::StrCat("head state saved: \"", id, "\" version ", state.weight_version, " as ",
+                        state.state_id));
+  return d;
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::RestoreState(const std::string& id,
+                                                             const std::string& state_id,
+                                                             bool check_only) {
+  ASSIGN_OR_RETURN(StateStore* const store, Store());
+  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
+  ASSIGN_OR_RETURN(const core::HeadState state, store->Load(id, state_id));
+  const HeadDescription before = entry->Describe();
+  RETURN_IF_ERROR(core::CheckHeadStateRows(state, before.vocab_size, OwnOffset(before)));
+  if (check_only) {
+    RETURN_IF_ERROR(
+        entry->Read([&](const core::Head& head) { return core::CheckHeadStateFits(state, head); }));
+    return before;
+  }
+  RETURN_IF_ERROR(entry->RestoreState(
+      state, /*at_start=*/false,
+      ResizeOf(*entry, absl::StrCat("the optimizer state of head \"", id, "\" in ", state_id))));
+  const HeadDescription d = entry->Describe();
+  LogEvent(absl::StrCat("head state restored: ", Summary(d), " from ", state_id));
+  return d;
+}
+
+}  // namespace remotehead::server

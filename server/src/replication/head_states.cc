@@ -1,0 +1,70 @@
+// The durable training state of the heads (--state_dir) on every rank of a head group or mesh
+// (replicated_head_operations.h): one state id for every rank's shard, a restore checked
+// everywhere before it is applied anywhere, saves after steps and at shutdown. Each rank's own
+// part is HeadOperations' (head_state_operations.cc).
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "remotehead/core/status_macros.h"
+#include "replication/replicated_head_operations.h"
+#include "translate/group_commands.h"
+
+namespace remotehead::server {
+
+void ReplicatedHeadOperations::SaveAfterStep(const std::string& id, int64_t version) {
+  if (!local_->Store().ok() || checkpoint_every_steps_ <= 0 ||
+      version % checkpoint_every_steps_ != 0) {
+    return;
+  }
+  if (mesh_ != nullptr && !mesh_->is_leader()) return;  // the leader saves every replica's
+  if (const auto saved = SaveState(id); !saved.ok()) {
+    local_->LogEvent(
+        absl::StrCat("head state NOT saved: \"", id, "\": ", saved.status().ToString()));
+  }
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::SaveState(const std::string& id) {
+  RETURN_IF_ERROR(local_->Store().status());
+  RETURN_IF_ERROR(local_->Describe(id).status());
+  const std::string state_id = StateStore::NewStateId();
+  return OnEveryRank<HeadDescription>(SaveStateCommand(id, state_id),
+                                      [&] { return local_->SaveState(id, state_id); });
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::RestoreState(
+    const std::string& id, const std::string& state_id) {
+  RETURN_IF_ERROR(local_->Store().status());
+  RETURN_IF_ERROR(StateStore::CheckStateId(state_id));
+  RETURN_IF_ERROR(local_->Describe(id).status());
+  if (group_ != nullptr || mesh_ != nullptr) {
+    RETURN_IF_ERROR(RunOnEveryRank(RestoreStateCommand(id, state_id, /*check_only=*/true), [&] {
+      return local_->RestoreState(id, state_id, /*check_only=*/true).status();
+    }));
+  }
+  return OnEveryRank<HeadDescription>(RestoreStateCommand(id, state_id, /*check_only=*/false),
+                                      [&] { return local_->RestoreState(id, state_id, false); });
+}
+
+absl::Status ReplicatedHeadOperations::SaveAllStates() {
+  if (!local_->Store().ok()) return absl::OkStatus();
+  if (group_ != nullptr || mesh_ != nullptr) {
+    local_->LogEvent(
+        "head states not saved at shutdown: a head group's are saved at its steps "
+        "(--checkpoint_every_steps) and on request");
+    return absl::OkStatus();
+  }
+  // Each head on its own: one that cannot be saved never keeps the others from being saved.
+  const std::vector<HeadDescription> heads = local_->List();
+  std::vector<std::string> failed;
+  for (const HeadDescription& head : heads) {
+    if (const auto saved = SaveState(head.id); !saved.ok()) {
+      local_->LogEvent(
+          absl::StrCat("head state NOT saved: \"", head.id, "\": ", saved.status().ToString()));
+      failed.push_back(absl::StrCat("\"", head.id, "\" (", saved.status().message(), ")"));
+    }
+  }
+  if (failed.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(failed.size(), " of ", heads.size(),
+                                          " head states not saved: ", absl::StrJoin(failed, "; ")));
+}
+
+}  // namespace remotehead::server

@@ -1,0 +1,224 @@
+#include "replication/mesh_steps.h"
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
+#include "remotehead/core/status_macros.h"
+#include "replication/replicated_head_operations.h"
+#include "translate/group_commands.h"
+#include "translate/protocol.h"
+
+namespace remotehead::server {
+namespace {
+
+// The leader's trainers' request as the command carries it; unset for an unsynchronized step.
+absl::StatusOr<std::optional<SyncStepRequest>> LeadersRequest(const v1::MeshStep& step) {
+  if (!step.step().has_synchronous()) return std::nullopt;
+  ASSIGN_OR_RETURN(OptimizerStepSpec spec, FromWire(step.step()));
+  return SyncStepRequest{.head_id = step.step().head_id(),
+                         .step = step.step().synchronous().step(),
+                         .rank = step.step().synchronous().rank(),
+                         .world_size = step.step().synchronous().world_size(),
+                         .spec = std::move(spec),
+                         .expected_incarnation = ""};
+}
+
+// Whether this replica has trainers to wait for at `step`: a synchronous step of a world in
+// which some trainer's rank mod R is this replica.
+bool WaitsForTrainers(const v1::MeshStep& step, const HeadMesh& mesh) {
+  return step.step().has_synchronous() &&
+         !SynchronousSteps::ReplicaRanks(step.step().synchronous().world_size(), mesh.replica(),
+                                         mesh.replicas())
+              .empty();
+}
+
+// The step every replica applies: as sent, with grad_scale divided by the world size for a
+// synchronous step (as SynchronousSteps does for one server).
+absl::StatusOr<OptimizerStepSpec> AppliedSpec(const v1::MeshStep& step) {
+  ASSIGN_OR_RETURN(OptimizerStepSpec spec, FromWire(step.step()));
+  if (step.step().has_synchronous()) {
+    spec.grad_scale /= step.step().synchronous().world_size();
+  }
+  return spec;
+}
+
+// `status` with its message after `prefix`, its reason kept.
+absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
+  return core::WithSerializedReason(
+      absl::Status(status.code(), absl::StrCat(prefix, status.message())),
+      core::SerializeReason(status));
+}
+
+}  // namespace
+
+v1::MeshStep MeshStepCommand(const std::string& head_id,
+                             const std::optional<SyncStepRequest>& first,
+                             const OptimizerStepSpec& spec, const HeadDescription& head) {
+  v1::MeshStep step;
+  // The request as the trainers sent it: every replica divides by the world size alike.
+  *step.mutable_step() =
+      OptimizerStepCommand(head_id, first.has_value() ? first->spec : spec).optimizer_step();
+  if (first.has_value()) {
+    v1::SynchronousStep* sync = step.mutable_step()->mutable_synchronous();
+    sync->set_step(first->step);
+    sync->set_rank(first->rank);
+    sync->set_world_size(first->world_size);
+  }
+  step.set_weight_version(head.weight_version);
+  step.set_vocab_size(head.vocab_size);
+  step.set_hidden_size(head.hidden_size);
+  return step;
+}
+
+absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
+                                                const std::optional<SyncStepRequest>& first,
+                                                const OptimizerStepSpec& spec) {
+  if (!mesh_->is_leader()) {
+    if (!first.has_value()) return mesh_->NotTheLeader("an unsynchronized OptimizerStep");
+    return AwaitLeader(*first);
+  }
+  ASSIGN_OR_RETURN(const HeadDescription head, operations_->local().Describe(head_id));
+  v1::GroupCommand command;
+  *command.mutable_mesh_step() = MeshStepCommand(head_id, first, spec, head);
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
+  absl::StatusOr<HeadDescription> result = absl::UnknownError("not run");
+  const absl::Status status = RunCommand(lane, command, [&] {
+    result = RunOnThisReplica(command.mesh_step(), first);
+    return result.status();
+  });
+  if (!status.ok()) return status;
+  return result;
+}
+
+absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
+  const Key key{step.step().head_id(), step.step().synchronous().step()};
+  std::optional<SyncStepRequest> mine;
+  if (WaitsForTrainers(step, *mesh_)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_for(lock, wait_, [&] {
+      auto it = ready_.find(key);
+      return it != ready_.end() && !it->second.taken;
+    });
+    if (auto it = ready_.find(key); it != ready_.end() && !it->second.taken) {
+      it->second.taken = true;
+      mine = it->second.first;
+    }
+  }
+  const absl::StatusOr<HeadDescription> result = RunOnThisReplica(step, mine);
+  if (mine.has_value()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_[key].result = result;
+    changed_.notify_all();
+  }
+  return result.status();
+}
+
+absl::StatusOr<HeadDescription> MeshSteps::AwaitLeader(const SyncStepRequest& first) {
+  const Key key{first.head_id, first.step};
+  std::unique_lock<std::mutex> lock(mu_);
+  Ready& ready = ready_[key];
+  ready = Ready{.first = first};
+  changed_.notify_all();
+  // The leader's step comes once the leader's own trainers asked for it: up to this replica's
+  // wait for them, plus the time the mesh needs to run it once taken.
+  changed_.wait_for(lock, wait_ * 2, [&] { return ready.taken; });
+  if (!ready.taken) {
+    ready_.erase(key);
+    return core::WithReason(
+        absl::AbortedError(absl::StrCat(
+            "synchronous optimizer step ", first.step, " of head \"", first.head_id, "\": replica ",
+            mesh_->replica(), "'s trainers all asked for it, but the mesh's leader (replica 0) did "
+            "not start it within ", absl::FormatDuration(absl::FromChrono(wait_ * 2)),
+            " (its trainers did not all come, or it is down): nothing applied, dW is kept")),
+        core::reason::kRanksMissing,
+        {{"head", first.head_id}, {"step", absl::StrCat(first.step)}, {"missing_ranks", ""}});
+  }
+  changed_.wait(lock, [&] { return ready.result.has_value(); });
+  absl::StatusOr<HeadDescription> result = *ready.result;
+  ready_.erase(key);
+  return result;
+}
+
+absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
+                                const std::optional<SyncStepRequest>& mine) {
+  const std::string& head_id = step.step().head_id();
+  const std::string who = absl::StrCat("replica ", mesh_->replica());
+  if (replica_group_ != nullptr) {
+    // Every rank of this replica answers before anything is summed over the replicas: a rank
+    // that is gone refuses the step here, on every replica, with nothing applied anywhere.
+    v1::GroupCommand ping;
+    ping.mutable_ping();
+    absl::Status alive = replica_group_->health();
+    if (alive.ok()) {
+      absl::StatusOr<HeadGroup::Lane> lane = replica_group_->Enter();
+      alive = lane.ok() ? RunCommand(*lane, ping, [] { return absl::OkStatus(); }) : lane.status();
+    }
+    if (!alive.ok()) return Prefixed(alive, absl::StrCat(who, " is down: "));
+  }
+  ASSIGN_OR_RETURN(const std::optional<SyncStepRequest> leaders, LeadersRequest(step));
+  if (leaders.has_value() && WaitsForTrainers(step, *mesh_)) {
+    if (!mine.has_value()) {
+      return core::WithReason(
+          absl::AbortedError(absl::StrCat(
+              "synchronous optimizer step ", leaders->step, " of head \"", head_id, "\": ", who,
+              "'s trainers did not all ask for it within ",
+              absl::FormatDuration(absl::FromChrono(wait_)),
+              " of the leader's: nothing applied on any replica, dW is kept")),
+          core::reason::kRanksMissing,
+          {{"head", head_id}, {"step", absl::StrCat(leaders->step)}, {"missing_ranks", ""}});
+    }
+    SyncStepRequest theirs = *mine;
+    theirs.expected_incarnation = "";  // each replica checked its own trainers' already
+    if (absl::Status disagree = SynchronousSteps::Agree(*leaders, theirs); !disagree.ok()) {
+      return Prefixed(disagree, absl::StrCat(who, " disagrees with replica 0: "));
+    }
+  }
+  ASSIGN_OR_RETURN(const HeadDescription head, operations_->local().Describe(head_id));
+  if (head.weight_version != step.weight_version()) {
+    return core::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "weight_version: expected every replica of head \"", head_id,
+            "\" at replica 0's version ", step.weight_version(), "; ", who, " is at ",
+            head.weight_version, ": nothing applied")),
+        core::reason::kReplicasDiverged, {{"replicas", absl::StrCat(mesh_->replica())}});
+  }
+  if (head.vocab_size != step.vocab_size() || head.hidden_size != step.hidden_size()) {
+    return core::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "head: expected every replica of head \"", head_id, "\" shaped as replica 0's [",
+            step.vocab_size(), ", ", step.hidden_size(), "]; ", who, "'s is [", head.vocab_size,
+            ", ", head.hidden_size, "]: nothing applied")),
+        core::reason::kReplicasDiverged, {{"replicas", absl::StrCat(mesh_->replica())}});
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HeadDescription> MeshSteps::RunOnThisReplica(
+    const v1::MeshStep& step, const std::optional<SyncStepRequest>& mine) {
+  const absl::Status verdict = Verdict(step, mine);
+  ASSIGN_OR_RETURN(const std::vector<absl::Status> verdicts, mesh_->ExchangeVerdicts(verdict));
+  // Every replica refuses alike, with the first refusal (which names its replica).
+  for (const absl::Status& v : verdicts) {
+    if (!v.ok()) return v;
+  }
+  ASSIGN_OR_RETURN(const OptimizerStepSpec spec, AppliedSpec(step));
+  return operations_->ReduceStep(step.step().head_id(), spec);
+}
+
+absl::Status MeshFollower::Run(const std::atomic<bool>& stop) {
+  return FollowCommands(
+      *mesh_->fronts(), [this](const v1::GroupCommand& command) { return Follow(command); }, stop);
+}
+
+absl::Status MeshFollower::Follow(const v1::GroupCommand& command) {
+  if (command.has_mesh_step()) return steps_->Follow(command.mesh_step());
+  if (command.has_front()) {
+    mesh_->fronts()->set_front_address(command.front().address());
+    return absl::OkStatus();
+  }
+  // A head command: run on every rank of this replica, as the leader runs it on its own.
+  if (replica_group_ == nullptr) return local_->Follow(command);
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, replica_group_->Enter());
+  return RunCommand(lane, command, [&] { return local_->Follow(command); });
+}
+
+}  // namespace remotehead::server

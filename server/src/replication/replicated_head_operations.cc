@@ -1,0 +1,136 @@
+#include "replication/replicated_head_operations.h"
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+#include "translate/group_commands.h"
+
+namespace remotehead::server {
+namespace {
+
+// The head a create or upload command makes (its undo drops it wherever it was made).
+std::string CreatedHead(const v1::GroupCommand& command) {
+  return command.has_create() ? command.create().head_id() : command.upload().head_id();
+}
+
+}  // namespace
+
+absl::Status ReplicatedHeadOperations::RunOnEveryRank(const v1::GroupCommand& command,
+                                                      const std::function<absl::Status()>& here,
+                                                      bool creates, Reach reach) {
+  if (reach == Reach::kReplica || mesh_ == nullptr || !mesh_->is_front()) {
+    return RunInReplica(command, here, creates);
+  }
+  if (!mesh_->is_leader()) {
+    return mesh_->NotTheLeader(absl::StrCat("the operation \"", CommandName(command), "\""));
+  }
+  // Every replica's front runs the same command on its own replica (MeshFollower).
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
+  const absl::Status status =
+      RunCommand(lane, command, [&] { return RunInReplica(command, here, /*creates=*/false); });
+  if (creates && !status.ok() && !IsGroupFailure(status)) {
+    const std::string id = CreatedHead(command);
+    const v1::GroupCommand undo = UndoCreateCommand(id);
+    const absl::Status undone = RunCommand(lane, undo, [&] {
+      return RunInReplica(
+          undo, [&] { return local_->UndoCreate(id); }, false);
+    });
+    if (!undone.ok()) return undone;
+  }
+  return status;
+}
+
+absl::Status ReplicatedHeadOperations::RunInReplica(const v1::GroupCommand& command,
+                                                    const std::function<absl::Status()>& here,
+                                                    bool creates) {
+  if (group_ == nullptr) return here();
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
+  const absl::Status status = RunCommand(lane, command, here);
+  if (creates && !status.ok() && !IsGroupFailure(status)) {
+    // Some ranks may have created the head (another's budget refused it): undone everywhere.
+    const std::string id = CreatedHead(command);
+    const absl::Status undone =
+        RunCommand(lane, UndoCreateCommand(id), [&] { return local_->UndoCreate(id); });
+    if (!undone.ok()) return undone;
+  }
+  return status;
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::CreateFromSeed(const std::string& id,
+                                                                         const core::HeadInit& init,
+                                                                         bool frozen) {
+  return OnEveryRank<HeadDescription>(
+      CreateCommand(id, init, frozen), [&] { return local_->CreateFromSeed(id, init, frozen); },
+      /*creates=*/true);
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::CreateFromSafetensors(
+    const std::string& id, const SafetensorsSource& source, bool frozen) {
+  return OnEveryRank<HeadDescription>(
+      CreateCommand(id, source, frozen),
+      [&] { return local_->CreateFromSafetensors(id, source, frozen); }, /*creates=*/true);
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::AddUploaded(const std::string& id,
+                                                                      const torch::Tensor& weight,
+                                                                      const torch::Tensor& bias,
+                                                                      bool replace, bool frozen) {
+  const bool creates = !(replace && local_->Describe(id).ok());
+  // Refused here before any rank is asked (each rank checks it again: all refuse alike).
+  if (replace) RETURN_IF_ERROR(local_->CheckReplaceKeepsFrozen(id, frozen));
+  return OnEveryRank<HeadDescription>(
+      UploadCommand(id, weight, bias, replace, frozen),
+      [&] { return local_->Upload(id, weight, bias, replace, frozen); }, creates);
+}
+
+absl::StatusOr<int64_t> ReplicatedHeadOperations::Save(const std::string& id,
+                                                       const std::string& path,
+                                                       const std::string& weight_name,
+                                                       const std::string& bias_name) {
+  RETURN_IF_ERROR(local_->CheckCheckpointPath(path));
+  // The whole head (gathered from every rank on a group).
+  ASSIGN_OR_RETURN(const HeadSnapshot snapshot, Snapshot(id, std::nullopt, /*gradients=*/false));
+  return local_->WriteCheckpoint(id, snapshot, path, weight_name, bias_name);
+}
+
+absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::Snapshot(
+    const std::string& id, std::optional<torch::ScalarType> dtype, bool gradients) {
+  return OnEveryRank<HeadSnapshot>(
+      GatherCommand(id, dtype, gradients), [&] { return local_->Snapshot(id, dtype, gradients); },
+      false, Reach::kReplica);
+}
+
+absl::Status ReplicatedHeadOperations::Drop(const std::string& id) {
+  return RunOnEveryRank(HeadCommand(HeadCommandKind::kDrop, id), [&] { return local_->Drop(id); });
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::ZeroGradients(const std::string& id) {
+  return OnEveryRank<HeadDescription>(HeadCommand(HeadCommandKind::kZeroGradients, id),
+                                      [&] { return local_->ZeroGradients(id); });
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::OptimizerStep(
+    const std::string& id, const OptimizerStepSpec& spec) {
+  // A frozen head is refused before any rank is asked (each rank's entry refuses it too).
+  ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
+  if (head.frozen) return HeadFrozenError(id, "head_id", "an optimizer step");
+  return OnEveryRank<HeadDescription>(OptimizerStepCommand(id, spec),
+                                      [&] { return local_->OptimizerStep(id, spec); });
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::ReduceStep(
+    const std::string& id, const OptimizerStepSpec& spec) {
+  return OnEveryRank<HeadDescription>(
+      ReduceStepCommand(id, spec), [&] { return local_->ReduceStep(id, spec); }, false,
+      Reach::kReplica);
+}
+
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::StepOptimizer(
+    const std::string& id, const std::optional<SyncStepRequest>& first,
+    const OptimizerStepSpec& spec) {
+  absl::StatusOr<HeadDescription> stepped =
+      mesh_ != nullptr ? mesh_steps_.Step(id, first, spec) : OptimizerStep(id, spec);
+  if (stepped.ok()) SaveAfterStep(id, stepped->weight_version);
+  return stepped;
+}
+
+}  // namespace remotehead::server

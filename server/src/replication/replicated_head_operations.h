@@ -1,0 +1,132 @@
+// A head operation as the service runs it: on this process alone, on every rank of a head group,
+// or on every replica of a mesh. Each operation that changes or reads a head on several ranks is
+// a group command (translate/group_commands.h) appended to the group's log by the front; every
+// rank runs its own part of it through the local HeadOperations (the front here, the other ranks
+// through their GroupFollower). On a mesh, what changes the head is a command of the mesh's
+// log: the leader takes it, every replica's front runs it on its own replica (MeshFollower),
+// another front refuses it (NOT_THE_LEADER); the optimizer step is the mesh's (MeshSteps).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "head_operations.h"
+#include "head_requests.h"
+#include "remotehead/core/head.h"
+#include "remotehead/core/torch_api.h"
+#include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/head_mesh.h"
+#include "replication/mesh_steps.h"
+#include "sync_steps.h"
+
+namespace remotehead::v1 {
+class GroupCommand;
+}
+
+namespace remotehead::server {
+
+class ReplicatedHeadOperations {
+ public:
+  // `local`: this process's part of every operation. `group` / `mesh`: as HeadOperations'
+  // (nullptr: none). With a state store, an optimizer step saves the head's state every
+  // `checkpoint_every_steps` versions. `mesh_wait`: how long a replica's front waits for its own
+  // trainers once the leader's step came (MeshSteps).
+  ReplicatedHeadOperations(HeadOperations* local, HeadGroup* group, HeadMesh* mesh,
+                           int checkpoint_every_steps, std::chrono::milliseconds mesh_wait)
+      : local_(local),
+        group_(group),
+        mesh_(mesh),
+        checkpoint_every_steps_(checkpoint_every_steps),
+        mesh_steps_(this, mesh, group, mesh_wait) {}
+
+  HeadOperations& local() { return *local_; }
+  MeshSteps& mesh_steps() { return mesh_steps_; }
+
+  absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init,
+                                                 bool frozen = false);
+  absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
+                                                        const SafetensorsSource& source,
+                                                        bool frozen = false);
+  // HeadOperations::Upload on every rank (a replace's frozen flag is checked before any rank
+  // is asked).
+  absl::StatusOr<HeadDescription> AddUploaded(const std::string& id, const torch::Tensor& weight,
+                                              const torch::Tensor& bias, bool replace,
+                                              bool frozen = false);
+  // The whole head (gathered from every rank of this replica) written to `path`
+  // (HeadOperations::WriteCheckpoint); returns the bytes written.
+  absl::StatusOr<int64_t> Save(const std::string& id, const std::string& path,
+                               const std::string& weight_name, const std::string& bias_name);
+  // This replica's: its weights are every replica's, its dW its own trainers' part.
+  absl::StatusOr<HeadSnapshot> Snapshot(const std::string& id,
+                                        std::optional<torch::ScalarType> dtype, bool gradients);
+  absl::Status Drop(const std::string& id);
+  absl::StatusOr<HeadDescription> ZeroGradients(const std::string& id);
+  absl::StatusOr<HeadDescription> OptimizerStep(const std::string& id,
+                                                const OptimizerStepSpec& spec);
+  // On a mesh: this replica's part of the mesh's step, on every rank of the replica
+  // (HeadOperations::ReduceStep).
+  absl::StatusOr<HeadDescription> ReduceStep(const std::string& id, const OptimizerStepSpec& spec);
+  // An optimizer step agreed by this server's trainers (`first`: a synchronous step's first
+  // rank; unset: one caller's): on a mesh, the mesh's step (every replica, dW summed over
+  // them); then the head's state saved if one is due (SaveAfterStep).
+  absl::StatusOr<HeadDescription> StepOptimizer(const std::string& id,
+                                                const std::optional<SyncStepRequest>& first,
+                                                const OptimizerStepSpec& spec);
+
+  // Durable training state (head_states.cc): FAILED_PRECONDITION without a state store. On a
+  // head group or a mesh every rank saves (restores) its own shard under one state id, chosen
+  // here: a state is whole only where every rank has it (state_restore.h). A restore is checked
+  // on every rank before any rank applies it, so a rank that lacks the file changes nothing.
+  absl::StatusOr<HeadDescription> SaveState(const std::string& id);
+  absl::StatusOr<HeadDescription> RestoreState(const std::string& id, const std::string& state_id);
+  // After an optimizer step that brought head `id` to `version`: its state saved every
+  // --checkpoint_every_steps versions. On a mesh only the leader saves (for every replica, in
+  // the mesh's log); a failed save is logged, never the step's failure (the step happened: a
+  // retrying client would step twice).
+  void SaveAfterStep(const std::string& id, int64_t version);
+  // At shutdown: saves every head's state, each on its own; INTERNAL naming every head not
+  // saved. Nothing on a head group or a mesh: its ranks stop each on its own signal, so no
+  // state could be saved by all of them (theirs are saved at steps and on request).
+  absl::Status SaveAllStates();
+
+ private:
+  // Which ranks an operation runs on: every rank of every replica (what changes the head), or
+  // every rank of this replica only (what reads it, this replica's part of a mesh's step).
+  enum class Reach { kMesh, kReplica };
+  // Runs `here` on this process alone, or, on a group's front, as `command` on every rank (a
+  // failed creation is undone on every rank, so that no rank keeps a head the others lack),
+  // and returns what `here` returned on this process. On a mesh with kMesh: on the leader, as
+  // a command of the mesh's log that every replica runs so; on another front, NOT_THE_LEADER.
+  template <typename T>
+  absl::StatusOr<T> OnEveryRank(const v1::GroupCommand& command,
+                                const std::function<absl::StatusOr<T>()>& here,
+                                bool creates = false, Reach reach = Reach::kMesh) {
+    absl::StatusOr<T> result = absl::UnknownError("not run");
+    const absl::Status status = RunOnEveryRank(
+        command,
+        [&] {
+          result = here();
+          return result.status();
+        },
+        creates, reach);
+    if (!status.ok()) return status;
+    return result;
+  }
+  absl::Status RunOnEveryRank(const v1::GroupCommand& command,
+                              const std::function<absl::Status()>& here, bool creates = false,
+                              Reach reach = Reach::kMesh);
+  absl::Status RunInReplica(const v1::GroupCommand& command,
+                            const std::function<absl::Status()>& here, bool creates);
+
+  HeadOperations* const local_;
+  HeadGroup* const group_;
+  HeadMesh* const mesh_;
+  const int checkpoint_every_steps_;
+  MeshSteps mesh_steps_;  // a mesh's optimizer steps (unused off a mesh)
+};
+
+}  // namespace remotehead::server

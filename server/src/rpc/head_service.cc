@@ -1,0 +1,265 @@
+// The gRPC HeadService: one method per RPC of remotehead/v1/head_service.proto. Unary handlers
+// are here and do three things only: protobuf → the server's types, one HeadOperations call,
+// its result → protobuf (statuses through status_mapping). Streams are in step_reactor.cc
+// (ForwardBackward, Forward, Backward) and stream_reactors.cc (UploadHead, ExportWeights,
+// FetchGradients).
+#include "remotehead/server/rpc/head_service.h"
+
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/server/rpc/status_mapping.h"
+#include "rpc/service_context.h"
+#include "rpc/step_reactor.h"
+#include "rpc/stream_reactors.h"
+#include "translate/protocol.h"
+
+namespace remotehead::server {
+namespace {
+
+// Runs `fn` (returning absl::Status) and finishes a unary call with its status. No exception
+// escapes a handler: anything thrown becomes INTERNAL with its message.
+template <typename Fn>
+grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, Fn&& fn) {
+  absl::Status status;
+  try {
+    status = fn();
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+// An optimizer step (plain or synchronous) of a frozen head: refused at once, nothing applied.
+absl::Status CheckNotFrozen(const HeadDescription& head) {
+  return head.frozen ? HeadFrozenError(head.id, "head_id", "an optimizer step") : absl::OkStatus();
+}
+
+// The answer of a handler that reports a head's state.
+absl::Status Answer(const absl::StatusOr<HeadDescription>& result, v1::HeadInfo* info) {
+  if (!result.ok()) return result.status();
+  return ToWire(*result, info);
+}
+
+class HeadServiceImpl final : public HeadService, public v1::HeadService::CallbackService {
+ public:
+  HeadServiceImpl(HeadRegistry* registry, const ServiceOptions& options)
+      : context_(std::make_unique<ServiceContext>(registry, options)) {
+    if (options.metrics != nullptr) options.metrics->set_admission(&context_->admission);
+  }
+  ~HeadServiceImpl() override {
+    ServerMetrics* metrics = context_->options.metrics;
+    context_.reset();  // the compute threads finish their tasks first (ServiceContext)
+    if (metrics != nullptr) metrics->set_admission(nullptr);
+  }
+
+  v1::HeadService::CallbackService& service() override { return *this; }
+  AdmissionController& admission() override { return context_->admission; }
+  absl::Status ReserveLoadedHeads() override { return context_->local.ReserveLoadedHeads(); }
+  absl::Status SaveAllStates() override { return Ops().SaveAllStates(); }
+  absl::Status FollowGroup(const std::atomic<bool>& stop) override {
+    HeadGroup* group = context_->options.group;
+    if (group == nullptr || group->is_front()) {
+      return absl::FailedPreconditionError("FollowGroup: expected a head group rank other than 0");
+    }
+    return context_->follower.Run(stop);
+  }
+  absl::Status FollowMesh(const std::atomic<bool>& stop) override {
+    HeadMesh* mesh = context_->options.mesh;
+    if (mesh == nullptr || !mesh->is_front() || mesh->is_leader()) {
+      return absl::FailedPreconditionError(
+          "FollowMesh: expected the front of a mesh's replica other than the leader");
+    }
+    return context_->mesh_follower.Run(stop);
+  }
+
+  grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
+                                       const v1::CreateHeadRequest* request,
+                                       v1::HeadInfo* response) override {
+    return Unary(context, [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
+                       OptionalDtype(request->dtype(), "dtype"));
+      switch (request->source_case()) {
+        case v1::CreateHeadRequest::kSafetensors:
+          return Answer(
+              Ops().CreateFromSafetensors(
+                  request->head_id(), FromWire(request->safetensors(), dtype), request->frozen()),
+              response);
+        case v1::CreateHeadRequest::kInit:
+          return Answer(
+              Ops().CreateFromSeed(request->head_id(),
+                                   FromWire(request->init(), dtype.value_or(torch::kFloat)),
+                                   request->frozen()),
+              response);
+        default:
+          return absl::InvalidArgumentError("source: expected safetensors or init; got none");
+      }
+    });
+  }
+
+  grpc::ServerReadReactor<v1::UploadHeadRequest>* UploadHead(grpc::CallbackServerContext* context,
+                                                             v1::HeadInfo* response) override {
+    return NewUploadReactor(context, context_.get(), response);
+  }
+
+  grpc::ServerUnaryReactor* SaveWeights(grpc::CallbackServerContext* context,
+                                        const v1::SaveWeightsRequest* request,
+                                        v1::SaveWeightsResponse* response) override {
+    return Unary(context, [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(const int64_t bytes,
+                       Ops().Save(request->head_id(), request->path(), request->weight_name(),
+                                  request->bias_name()));
+      response->set_bytes_written(bytes);
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* DescribeHead(grpc::CallbackServerContext* context,
+                                         const v1::HeadRef* request,
+                                         v1::HeadInfo* response) override {
+    return Unary(context, [&] { return Answer(Local().Describe(request->head_id()), response); });
+  }
+
+  grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
+                                      const v1::ListHeadsRequest*,
+                                      v1::ListHeadsResponse* response) override {
+    return Unary(context, [&]() -> absl::Status {
+      for (const HeadDescription& d : Local().List())
+        RETURN_IF_ERROR(ToWire(d, response->add_heads()));
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* DropHead(grpc::CallbackServerContext* context,
+                                     const v1::HeadRef* request, v1::DropHeadResponse*) override {
+    return Unary(context, [&] { return Ops().Drop(request->head_id()); });
+  }
+
+  grpc::ServerUnaryReactor* ZeroGradients(grpc::CallbackServerContext* context,
+                                          const v1::HeadRef* request,
+                                          v1::ZeroGradientsResponse* response) override {
+    return Unary(context, [&] {
+      return Answer(Ops().ZeroGradients(request->head_id()), response->mutable_info());
+    });
+  }
+
+  grpc::ServerUnaryReactor* OptimizerStep(grpc::CallbackServerContext* context,
+                                          const v1::OptimizerStepRequest* request,
+                                          v1::OptimizerStepResponse* response) override {
+    if (request->has_synchronous()) return SynchronousStep(context, *request, response);
+    return Unary(context, [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(*request));
+      ASSIGN_OR_RETURN(const HeadDescription head, Local().Describe(request->head_id()));
+      RETURN_IF_ERROR(CheckNotFrozen(head));
+      RETURN_IF_ERROR(
+          CheckIncarnation(request->expected_incarnation(), "expected_incarnation", head));
+      return Answer(Ops().StepOptimizer(request->head_id(), std::nullopt, spec),
+                    response->mutable_info());
+    });
+  }
+
+  grpc::ServerUnaryReactor* SaveHeadState(grpc::CallbackServerContext* context,
+                                          const v1::HeadRef* request,
+                                          v1::HeadStateInfo* response) override {
+    return Unary(context, [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(const HeadDescription d, Ops().SaveState(request->head_id()));
+      response->set_state_id(d.state_id);
+      response->set_weight_version(d.weight_version);
+      return ToWire(d, response->mutable_info());
+    });
+  }
+
+  grpc::ServerUnaryReactor* ListFunctions(grpc::CallbackServerContext* context,
+                                          const v1::ListFunctionsRequest*,
+                                          v1::ListFunctionsResponse* response) override {
+    return Unary(context, [&] { return ToWire(core::FunctionRegistry::Builtin(), response); });
+  }
+
+  grpc::ServerUnaryReactor* RestoreHeadState(grpc::CallbackServerContext* context,
+                                             const v1::RestoreHeadStateRequest* request,
+                                             v1::HeadInfo* response) override {
+    return Unary(context, [&] {
+      return Answer(Ops().RestoreState(request->head_id(), request->state_id()), response);
+    });
+  }
+
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* ForwardBackward(
+      grpc::CallbackServerContext* context) override {
+    return NewStepReactor(context, core::CallMode::kFused, context_.get());
+  }
+
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Forward(
+      grpc::CallbackServerContext* context) override {
+    return NewStepReactor(context, core::CallMode::kForward, context_.get());
+  }
+
+  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Backward(
+      grpc::CallbackServerContext* context) override {
+    return NewStepReactor(context, core::CallMode::kBackward, context_.get());
+  }
+
+  grpc::ServerWriteReactor<v1::ExportWeightsResponse>* ExportWeights(
+      grpc::CallbackServerContext*, const v1::ExportWeightsRequest* request) override {
+    return NewExportReactor(context_.get(), *request);
+  }
+
+  grpc::ServerWriteReactor<v1::FetchGradientsResponse>* FetchGradients(
+      grpc::CallbackServerContext*, const v1::FetchGradientsRequest* request) override {
+    return NewFetchGradientsReactor(context_.get(), *request);
+  }
+
+  void Drain() override {
+    context_->sync_steps.AbortAll(
+        core::WithReason(absl::UnavailableError(
+                             "synchronous optimizer step: the server is draining; nothing applied"),
+                         core::reason::kServerDraining));
+  }
+
+ private:
+  ReplicatedHeadOperations& Ops() { return context_->operations; }
+  const HeadOperations& Local() const { return context_->local; }
+
+  // One rank's part of a synchronous step: answered when every rank came (sync_steps.h), from
+  // whichever thread that is; a request refused up front is answered at once.
+  grpc::ServerUnaryReactor* SynchronousStep(grpc::CallbackServerContext* context,
+                                            const v1::OptimizerStepRequest& request,
+                                            v1::OptimizerStepResponse* response) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    auto finish = [reactor, response](const absl::StatusOr<HeadDescription>& result) {
+      reactor->Finish(ToGrpcStatus(Answer(result, response->mutable_info())));
+    };
+    absl::StatusOr<OptimizerStepSpec> spec = FromWire(request);
+    absl::StatusOr<HeadDescription> head = Local().Describe(request.head_id());
+    absl::Status refused = !spec.ok() ? spec.status() : head.status();
+    if (refused.ok()) refused = CheckNotFrozen(*head);
+    if (refused.ok()) {
+      refused = CheckIncarnation(request.expected_incarnation(), "expected_incarnation", *head);
+    }
+    if (!refused.ok()) {
+      finish(refused);
+      return reactor;
+    }
+    context_->sync_steps.Arrive({.head_id = request.head_id(),
+                                 .step = request.synchronous().step(),
+                                 .rank = request.synchronous().rank(),
+                                 .world_size = request.synchronous().world_size(),
+                                 .spec = *std::move(spec),
+                                 .expected_incarnation = request.expected_incarnation()},
+                                finish);
+    return reactor;
+  }
+
+  std::unique_ptr<ServiceContext> context_;
+};
+
+}  // namespace
+
+std::unique_ptr<HeadService> HeadService::Create(HeadRegistry* registry, ServiceOptions options) {
+  return std::make_unique<HeadServiceImpl>(registry, options);
+}
+
+}  // namespace remotehead::server

@@ -1,0 +1,74 @@
+// What every call of one HeadService shares: the heads, the options, admission, the retained
+// inputs of two-phase steps, the head operations (this process's and as every rank and replica
+// runs them), the followers of a group's and a mesh's logs, and the threads that run the
+// engine. One per service, created by HeadService::Create and passed to every reactor.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+
+#include "compute_pool.h"
+#include "head_operations.h"
+#include "remotehead/server/admission.h"
+#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service_options.h"
+#include "replication/group_follower.h"
+#include "replication/mesh_steps.h"
+#include "replication/replicated_head_operations.h"
+#include "rpc/stripe_joins.h"
+#include "step/retained_inputs.h"
+#include "sync_steps.h"
+
+namespace remotehead::server {
+
+struct ServiceContext {
+  ServiceContext(HeadRegistry* registry, const ServiceOptions& options)
+      : registry(registry),
+        options(options),
+        admission(options.admission),
+        retained(&admission, options.max_retain_seconds),
+        stripes(std::chrono::milliseconds(
+            static_cast<int64_t>(std::max(options.stripe_join_seconds, 0.001) * 1000))),
+        local(registry, &admission, options.device, options.event_log, options.checkpoint_dir,
+              options.state_store, options.group, options.mesh),
+        operations(&local, options.group, options.mesh, options.checkpoint_every_steps,
+                   MeshWait(options)),
+        follower(&local, registry, options.group, options.device),
+        mesh_follower(options.mesh, options.group, &follower, &operations.mesh_steps()),
+        sync_steps(
+            [this](const SyncStepRequest& first, const OptimizerStepSpec& spec) {
+              return operations.StepOptimizer(first.head_id, first, spec);
+            },
+            [this](const std::string& id) { return local.Describe(id); },
+            std::chrono::milliseconds(
+                static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
+            options.metrics, options.mesh != nullptr ? options.mesh->replica() : 0,
+            options.mesh != nullptr ? options.mesh->replicas() : 1),
+        compute(options.compute_threads) {}
+
+  // How long a replica's front waits for its own trainers once the leader's step came: the
+  // synchronous step's timeout, within half the mesh log's (whose replies wait that long).
+  static std::chrono::milliseconds MeshWait(const ServiceOptions& options) {
+    auto wait = std::chrono::milliseconds(
+        static_cast<int64_t>(options.sync_step_timeout_seconds * 1000));
+    if (options.mesh != nullptr && options.mesh->fronts() != nullptr) {
+      wait = std::min(wait, options.mesh->fronts()->collectives().config().timeout / 2);
+    }
+    return wait;
+  }
+
+  HeadRegistry* const registry;
+  const ServiceOptions options;
+  AdmissionController admission;
+  RetainedInputStore retained;
+  StripeJoins stripes;  // the streams of striped steps, joining by key
+  HeadOperations local;                 // this process's part of every head operation
+  ReplicatedHeadOperations operations;  // every operation as the service runs it
+  GroupFollower follower;       // a head group's other ranks: every command of the log
+  MeshFollower mesh_follower;   // a mesh's fronts other than the leader: the mesh's log
+  SynchronousSteps sync_steps;  // the optimizer steps of data-parallel trainers
+  // Last, so destroyed first: the pool's threads finish their tasks while the rest is alive.
+  ComputePool compute;
+};
+
+}  // namespace remotehead::server

@@ -1,0 +1,466 @@
+#include "rpc/step_pipeline.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "remotehead/server/rpc/status_mapping.h"
+
+namespace remotehead::server {
+
+struct StepPipeline::Lane {
+  StepPort* port = nullptr;  // null until the stream joins, and again once it is done
+  bool attached = false;
+  v1::StepRequest incoming;             // target of the read in flight
+  std::deque<v1::StepRequest> inbox;    // read, not yet computed
+  std::deque<v1::StepResponse> outbox;  // produced, not yet written (front: in flight)
+  int64_t pending_bytes = 0;            // bytes in outbox
+  int64_t last_row_offset = -1;         // striped: each stream's rows come in increasing order
+  bool reading = false;
+  bool writing = false;
+  bool client_done = false;
+  bool finished = false;
+};
+
+struct StepPipeline::Work {
+  std::optional<v1::StepRequest> request;
+  bool end = false;
+  bool more_queued = false;  // a further message is ready: the session may batch
+  Phase phase = Phase::kHeader;
+  v1::StepTimings timings;  // at the end: what the summary and the metrics report
+};
+
+StepPipeline::StepPipeline(ServiceContext* service, core::CallMode mode, int streams,
+                           std::string key)
+    : service_(*service),
+      mode_(mode),
+      streams_(streams),
+      key_(std::move(key)),
+      stream_(service->registry, &service->retained, mode, service->options.response_chunk_bytes,
+              service->options.group),
+      ticket_(service->admission.NewTicket()),
+      started_(Clock::now()),
+      deadline_(std::chrono::system_clock::time_point::max().time_since_epoch().count()),
+      lanes_(streams) {
+  stream_.session().set_reserve_more([this](int64_t bytes, const std::string& why) {
+    return service_.admission.Grow(ticket_, bytes, why);
+  });
+  stream_.session().set_should_stop([this] {
+    const auto now = std::chrono::system_clock::now().time_since_epoch().count();
+    return stop_.load(std::memory_order_relaxed) || now > deadline_.load(std::memory_order_relaxed);
+  });
+}
+
+StepPipeline::~StepPipeline() {
+  // Frees the call's admitted bytes, or withdraws it from the queue. Waits for an admission
+  // callback running on another thread, which then sees failed_ and does nothing.
+  service_.admission.Release(ticket_);
+}
+
+std::string StepPipeline::StreamName(int index) const {
+  return streams_ == 1 ? "the stream" : absl::StrCat("stream ", index, " of ", streams_);
+}
+
+absl::Status StepPipeline::CancelledByClient(int index) const {
+  return absl::CancelledError(absl::StrCat(StreamName(index), " was cancelled by the client"));
+}
+
+void StepPipeline::Attach(int index, int count, core::CallMode mode,
+                          std::chrono::system_clock::time_point deadline, StepPort* port,
+                          std::optional<v1::StepRequest> first) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::Status fits;
+  if (count != streams_) {
+    fits = absl::InvalidArgumentError(absl::StrCat("header.stripe.count: expected ", streams_,
+                                                   " (the step's other streams); got ", count));
+  } else if (mode != mode_) {
+    fits = absl::InvalidArgumentError(
+        absl::StrCat("header.stripe: expected a ", core::CallModeName(mode_),
+                     " stream, as the step's other streams; got ", core::CallModeName(mode)));
+  } else if (lanes_[index].attached) {
+    fits = absl::InvalidArgumentError(
+        absl::StrCat("header.stripe.index: ", index, " has already joined the step"));
+  }
+  if (!fits.ok()) {
+    port->Finish(ToGrpcStatus(fits));
+    FailLocked(fits);
+    return;
+  }
+  Lane& lane = lanes_[index];
+  lane.attached = true;
+  lane.port = port;
+  if (failed_) {  // another stream failed the step before this one came
+    lane.finished = true;
+    port->Finish(failure_);
+    return;
+  }
+  const auto ticks = deadline.time_since_epoch().count();
+  if (ticks < deadline_.load()) deadline_.store(ticks);
+  if (index == 0) {
+    if (first.has_value()) {
+      header_ = std::move(first);
+    } else {
+      lane.client_done = true;
+    }
+  }
+  StartReadLocked(index);
+  ScheduleComputeLocked();
+}
+
+void StepPipeline::OnReadDone(int index, bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Lane& lane = lanes_[index];
+  lane.reading = false;
+  if (failed_ || lane.finished) return;
+  if (!ok) {
+    if (lane.port->IsCancelled()) {
+      FailLocked(CancelledByClient(index));
+      return;
+    }
+    lane.client_done = true;
+  } else {
+    v1::StepRequest message = std::move(lane.incoming);
+    lane.incoming.Clear();
+    if (absl::Status accepted = AcceptLocked(index, std::move(message)); !accepted.ok()) {
+      FailLocked(accepted);
+      return;
+    }
+  }
+  if (starved_) {
+    receive_wait_ += Clock::now() - starved_since_;
+    starved_ = false;
+  }
+  StartReadLocked(index);
+  ScheduleComputeLocked();
+}
+
+// One stream's message into its inbox. A striped stream carries rows only, in increasing
+// row_offset, so that the merge knows each stream's next row; one stream's messages go to the
+// session as they are (it names what is wrong with them).
+absl::Status StepPipeline::AcceptLocked(int index, v1::StepRequest message) {
+  Lane& lane = lanes_[index];
+  if (streams_ > 1) {
+    if (message.part_case() != v1::StepRequest::kRows) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "part: ", StreamName(index), " of a striped step carries rows after its header; got ",
+          message.part_case() == v1::StepRequest::kHeader ? "a second header"
+                                                          : "an empty message"));
+    }
+    const int64_t offset = message.rows().row_offset();
+    if (offset <= lane.last_row_offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rows.row_offset: ", StreamName(index), " sends its rows in increasing row_offset; got ",
+          offset, " after ", lane.last_row_offset));
+    }
+    lane.last_row_offset = offset;
+  }
+  lane.inbox.push_back(std::move(message));
+  return absl::OkStatus();
+}
+
+void StepPipeline::OnWriteDone(int index, bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Lane& lane = lanes_[index];
+  lane.writing = false;
+  if (failed_ || lane.finished) return;
+  if (!ok) {
+    FailLocked(
+        absl::CancelledError(absl::StrCat("the client stopped reading ", StreamName(index))));
+    return;
+  }
+  const auto bytes = static_cast<int64_t>(lane.outbox.front().ByteSizeLong());
+  lane.pending_bytes -= bytes;
+  pending_bytes_ -= bytes;
+  lane.outbox.pop_front();
+  if (summary_produced_ && lane.outbox.empty()) {
+    lane.finished = true;
+    lane.port->Finish(grpc::Status::OK);
+    return;
+  }
+  StartWriteLocked(index);
+  ScheduleComputeLocked();
+}
+
+void StepPipeline::OnCancel(int index) {
+  stop_.store(true);
+  std::lock_guard<std::mutex> lock(mu_);
+  FailLocked(absl::CancelledError(
+      absl::StrCat(StreamName(index), " was cancelled by the client, or its deadline expired")));
+}
+
+void StepPipeline::Fail(const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FailLocked(why);
+}
+
+void StepPipeline::FailUnlessJoined(std::chrono::milliseconds within) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> missing;
+  for (int i = 0; i < streams_; ++i) {
+    if (!lanes_[i].attached) missing.push_back(absl::StrCat(i));
+  }
+  if (missing.empty()) return;
+  FailLocked(absl::AbortedError(absl::StrCat(
+      "header.stripe: stream ", absl::StrJoin(missing, ", "), " of ", streams_,
+      " did not join the striped step within ", within.count() / 1000.0,
+      " s of its first stream (--stripe_join_seconds); nothing was committed. Send the step "
+      "again, all its streams under a new key")));
+}
+
+void StepPipeline::OnDone(int index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  lanes_[index].port = nullptr;
+}
+
+// Reads the next message if the pipeline has room: nothing before admission (the header came
+// with the stream), then up to read_ahead_messages not yet computed, per stream.
+void StepPipeline::StartReadLocked(int index) {
+  Lane& lane = lanes_[index];
+  if (phase_ != Phase::kRunning || lane.port == nullptr || lane.reading || lane.finished ||
+      lane.client_done || failed_) {
+    return;
+  }
+  if (static_cast<int>(lane.inbox.size()) >= service_.options.read_ahead_messages) return;
+  lane.reading = true;
+  lane.port->Read(&lane.incoming);
+}
+
+void StepPipeline::StartWriteLocked(int index) {
+  Lane& lane = lanes_[index];
+  if (lane.port == nullptr || lane.writing || lane.finished || lane.outbox.empty()) return;
+  lane.writing = true;
+  lane.port->Write(&lane.outbox.front());
+}
+
+// The merge of the streams in row order: the lowest row_offset at the front of an inbox, once
+// every stream has joined and shows its next message (or has ended). One stream: its next.
+StepPipeline::Next StepPipeline::NextLocked(int* lane) const {
+  int best = -1;
+  for (int i = 0; i < streams_; ++i) {
+    const Lane& l = lanes_[i];
+    if (!l.attached) return Next::kNotReady;
+    if (l.inbox.empty()) {
+      if (!l.client_done) return Next::kNotReady;
+      continue;
+    }
+    if (best < 0 ||
+        l.inbox.front().rows().row_offset() < lanes_[best].inbox.front().rows().row_offset()) {
+      best = i;
+    }
+  }
+  if (best < 0) return Next::kEnd;
+  *lane = best;
+  return Next::kMessage;
+}
+
+bool StepPipeline::HasWorkLocked() const {
+  int lane = 0;
+  switch (phase_) {
+    case Phase::kHeader:
+      return header_.has_value() || lanes_[0].client_done;
+    case Phase::kAdmitting:
+      return false;
+    case Phase::kRunning:
+      return !summary_produced_ && NextLocked(&lane) != Next::kNotReady;
+  }
+  return false;
+}
+
+void StepPipeline::ScheduleComputeLocked() {
+  if (computing_ || failed_ || !HasWorkLocked()) return;
+  if (pending_bytes_ >= service_.options.max_pending_response_bytes) {
+    if (!send_blocked_) send_blocked_since_ = Clock::now();
+    send_blocked_ = true;
+    return;  // OnWriteDone schedules again once the client has taken some results
+  }
+  if (send_blocked_) {
+    send_wait_ += Clock::now() - send_blocked_since_;
+    send_blocked_ = false;
+  }
+  computing_ = true;
+  service_.compute.Submit([self = shared_from_this()] { self->ComputeNext(); });
+}
+
+// The next work item, if there is one (a cancelled call fails instead).
+std::optional<StepPipeline::Work> StepPipeline::TakeWorkLocked() {
+  if (failed_ || !HasWorkLocked()) return std::nullopt;
+  Work work{.phase = phase_};
+  if (phase_ == Phase::kHeader) {
+    if (header_.has_value()) {
+      work.request = std::move(header_);
+      header_.reset();
+      return work;
+    }
+  } else {
+    int lane = 0;
+    if (NextLocked(&lane) == Next::kMessage) {
+      work.request = std::move(lanes_[lane].inbox.front());
+      lanes_[lane].inbox.pop_front();
+      int further = 0;
+      work.more_queued = NextLocked(&further) == Next::kMessage;
+      StartReadLocked(lane);
+      return work;
+    }
+  }
+  for (int i = 0; i < streams_; ++i) {
+    if (lanes_[i].port != nullptr && lanes_[i].port->IsCancelled()) {
+      FailLocked(CancelledByClient(i));
+      return std::nullopt;
+    }
+  }
+  work.end = true;
+  work.timings = TimingsLocked();
+  stream_.set_timings(work.timings);
+  return work;
+}
+
+// On a ComputePool thread: one message (or the end of the call), then reschedules itself, so
+// calls sharing the pool take turns message by message.
+void StepPipeline::ComputeNext() {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::optional<Work> work = TakeWorkLocked();
+  if (!work.has_value()) {
+    ReturnFromComputeLocked();
+    return;
+  }
+  lock.unlock();
+
+  std::vector<v1::StepResponse> produced;
+  const Clock::time_point t0 = Clock::now();
+  absl::Status status = RunSession(*work, &produced);
+  const Clock::duration spent = Clock::now() - t0;
+  if (work->end && status.ok()) OnSessionComplete(work->timings);
+  const bool admitting =
+      status.ok() && work->phase == Phase::kHeader && stream_.session().has_begun();
+  if (admitting) status = StartAdmission();
+
+  lock.lock();
+  compute_ += spent;
+  if (!status.ok()) {
+    FailLocked(status);
+  } else if (!admitting) {
+    DeliverLocked(std::move(produced), work->end);
+  }
+  ReturnFromComputeLocked();
+}
+
+// The session's handling of one work item. No exception escapes a handler: anything thrown
+// becomes INTERNAL with its message.
+absl::Status StepPipeline::RunSession(Work& work, std::vector<v1::StepResponse>* produced) {
+  try {
+    return work.end ? stream_.OnClientDone(produced)
+                    : stream_.OnRequest(std::move(*work.request), produced, work.more_queued);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
+}
+
+// Done computing: the memory goes back before the summary reaches the client, so a trainer that
+// sends its next request on seeing it is not refused for its own previous one.
+void StepPipeline::OnSessionComplete(const v1::StepTimings& timings) {
+  service_.admission.Release(ticket_);
+  if (service_.options.metrics == nullptr) return;
+  const StepSession& session = stream_.session();
+  service_.options.metrics->ObserveStep(std::string(core::CallModeName(mode_)), session.head_id(),
+                                        session.function(), session.valid_tokens(),
+                                        {.queue = timings.queue_seconds(),
+                                         .receive = timings.receive_wait_seconds(),
+                                         .compute = timings.compute_seconds(),
+                                         .send = timings.send_wait_seconds()},
+                                        session.logits_chunk_bytes());
+}
+
+// After the header: the call waits for admission before any rows are read. on_admitted may run
+// right here, or later on the thread that frees capacity.
+absl::Status StepPipeline::StartAdmission() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    phase_ = Phase::kAdmitting;
+    queued_since_ = Clock::now();
+  }
+  const MemoryEstimate need = stream_.session().EstimateMemory(PipelineBytes());
+  return service_.admission.Admit(ticket_, need.bytes, need.breakdown, [this] { OnAdmitted(); });
+}
+
+// Called by the AdmissionController, under its lock.
+void StepPipeline::OnAdmitted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_) return;
+  phase_ = Phase::kRunning;
+  queue_ += Clock::now() - queued_since_;
+  for (int i = 0; i < streams_; ++i) StartReadLocked(i);
+  ScheduleComputeLocked();
+}
+
+void StepPipeline::DeliverLocked(std::vector<v1::StepResponse> produced, bool end) {
+  auto queue = [&](int index, v1::StepResponse response) {
+    const auto bytes = static_cast<int64_t>(response.ByteSizeLong());
+    lanes_[index].pending_bytes += bytes;
+    pending_bytes_ += bytes;
+    lanes_[index].outbox.push_back(std::move(response));
+  };
+  for (v1::StepResponse& r : produced) {
+    if (r.part_case() == v1::StepResponse::kSummary) {
+      for (int i = 0; i < streams_; ++i) queue(i, r);
+      continue;
+    }
+    // The stream with the fewest bytes waiting, ties taken in turn: results spread over them
+    // all even when every write completes before the next result exists.
+    int least = next_lane_;
+    for (int k = 1; k < streams_; ++k) {
+      const int i = (next_lane_ + k) % streams_;
+      if (lanes_[i].pending_bytes < lanes_[least].pending_bytes) least = i;
+    }
+    next_lane_ = (least + 1) % streams_;
+    queue(least, std::move(r));
+  }
+  if (end) {
+    summary_produced_ = true;
+    if (streams_ > 1) service_.stripes.End(key_, absl::OkStatus());
+  }
+  for (int i = 0; i < streams_; ++i) StartWriteLocked(i);
+}
+
+void StepPipeline::ReturnFromComputeLocked() {
+  computing_ = false;
+  int lane = 0;
+  if (phase_ == Phase::kRunning && !failed_ && !starved_ && !summary_produced_ &&
+      NextLocked(&lane) == Next::kNotReady) {
+    starved_ = true;  // waiting for the client's next rows
+    starved_since_ = Clock::now();
+  }
+  ScheduleComputeLocked();
+}
+
+// What the call may buffer: the rows each stream reads ahead (messages of up to 4 MiB assumed)
+// and the results waiting to be sent.
+int64_t StepPipeline::PipelineBytes() const {
+  return StepPipelineBytes(streams_, service_.options.read_ahead_messages,
+                           service_.options.max_pending_response_bytes);
+}
+
+v1::StepTimings StepPipeline::TimingsLocked() const {
+  auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  v1::StepTimings t;
+  t.set_queue_seconds(seconds(queue_));
+  t.set_receive_wait_seconds(seconds(receive_wait_));
+  t.set_compute_seconds(seconds(compute_));
+  t.set_send_wait_seconds(seconds(send_wait_));
+  t.set_total_seconds(seconds(Clock::now() - started_));
+  return t;
+}
+
+void StepPipeline::FailLocked(const absl::Status& status) {
+  if (failed_) return;
+  failed_ = true;
+  stop_.store(true);
+  failure_ = ToGrpcStatus(status);
+  for (Lane& lane : lanes_) {
+    if (lane.port == nullptr || lane.finished) continue;
+    lane.finished = true;
+    lane.port->Finish(failure_);
+  }
+  if (streams_ > 1) service_.stripes.End(key_, status);
+}
+
+}  // namespace remotehead::server

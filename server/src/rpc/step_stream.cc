@@ -1,0 +1,154 @@
+#include "rpc/step_stream.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/wire/tensor_codec.h"
+#include "replication/group_steps.h"
+#include "translate/step_header.h"
+
+namespace remotehead::server {
+namespace {
+
+// Decodes a tensor field if present (an absent message field stays undefined): a view of the
+// message's bytes.
+absl::Status DecodeOptional(bool present, const v1::Tensor& wire, const std::string& field,
+                            torch::Tensor* out) {
+  if (!present) return absl::OkStatus();
+  ASSIGN_OR_RETURN(*out, wire::DecodeTensorView(wire, field));
+  return absl::OkStatus();
+}
+
+// The rows of a message, as views of its bytes (which the result keeps alive).
+absl::StatusOr<StepRowsIn> ReadRows(std::shared_ptr<const v1::StepRequest> message) {
+  const v1::StepRows& rows = message->rows();
+  StepRowsIn in{.row_offset = rows.row_offset()};
+  core::TokenBatch& batch = in.batch;
+  RETURN_IF_ERROR(DecodeOptional(rows.has_hidden(), rows.hidden(), "rows.hidden", &batch.hidden));
+  RETURN_IF_ERROR(
+      DecodeOptional(rows.has_targets(), rows.targets(), "rows.targets", &batch.targets));
+  RETURN_IF_ERROR(
+      DecodeOptional(rows.has_weights(), rows.weights(), "rows.weights", &batch.weights));
+  for (const auto& [name, wire_tensor] : rows.aux()) {
+    ASSIGN_OR_RETURN(batch.aux[name],
+                     wire::DecodeTensorView(wire_tensor, absl::StrCat("rows.aux[\"", name, "\"]")));
+  }
+  RETURN_IF_ERROR(DecodeOptional(rows.has_grad_output(), rows.grad_output(), "rows.grad_output",
+                                 &in.grad_output));
+  RETURN_IF_ERROR(DecodeOptional(rows.has_teacher_hidden(), rows.teacher_hidden(),
+                                 "rows.teacher_hidden", &batch.teacher_hidden));
+  in.owner = std::move(message);
+  return in;
+}
+
+// Appends the rows of `t` (if defined) as TensorChunk responses of at most `chunk_bytes`,
+// numbered from `first_row`, into the response field `field` (grad_hidden or outputs).
+absl::Status AppendRowChunks(const torch::Tensor& t, int64_t first_row, int64_t chunk_bytes,
+                             v1::TensorChunk* (v1::StepResponse::*field)(),
+                             std::vector<v1::StepResponse>* responses) {
+  if (!t.defined()) return absl::OkStatus();
+  const int64_t bytes_per_row = t.numel() == 0 ? 1 : t.nbytes() / t.size(0);
+  for (const auto& [offset, count] : wire::PlanRowChunks(t.size(0), bytes_per_row, chunk_bytes)) {
+    v1::StepResponse response;
+    v1::TensorChunk* chunk = (response.*field)();
+    chunk->set_row_offset(first_row + offset);
+    RETURN_IF_ERROR(wire::EncodeTensor(t.narrow(0, offset, count), chunk->mutable_values()));
+    responses->push_back(std::move(response));
+  }
+  return absl::OkStatus();
+}
+
+// The same for one per-token diagnostic (StepHeader.token_extras): TokenExtraChunk responses.
+absl::Status AppendTokenExtra(const std::string& name, const torch::Tensor& t, int64_t first_row,
+                              int64_t chunk_bytes, std::vector<v1::StepResponse>* responses) {
+  const int64_t bytes_per_row = static_cast<int64_t>(t.element_size());
+  for (const auto& [offset, count] : wire::PlanRowChunks(t.size(0), bytes_per_row, chunk_bytes)) {
+    v1::StepResponse response;
+    v1::TokenExtraChunk* chunk = response.mutable_token_extra();
+    chunk->set_name(name);
+    chunk->set_row_offset(first_row + offset);
+    RETURN_IF_ERROR(wire::EncodeTensor(t.narrow(0, offset, count), chunk->mutable_values()));
+    responses->push_back(std::move(response));
+  }
+  return absl::OkStatus();
+}
+
+void ToWire(const StepOutcome& outcome, v1::StepSummary* summary) {
+  summary->set_replayed(outcome.replayed);
+  summary->set_weight_version(outcome.weight_version);
+  summary->set_incarnation(ServerIncarnation());
+  summary->set_loss(outcome.loss);
+  summary->set_valid_tokens(outcome.valid_tokens);
+  summary->set_denominator(outcome.denominator);
+  summary->set_chunk_rows(outcome.chunk_rows);
+  summary->set_num_chunks(outcome.num_chunks);
+  for (const auto& [name, value] : outcome.extras) (*summary->mutable_extras())[name] = value;
+  if (!outcome.inputs_handle.empty()) summary->set_inputs_handle(outcome.inputs_handle);
+}
+
+}  // namespace
+
+absl::Status StepStream::OnRequest(v1::StepRequest request,
+                                   std::vector<v1::StepResponse>* responses, bool more_queued) {
+  switch (request.part_case()) {
+    case v1::StepRequest::kHeader:
+      return OnHeader(request.header());
+    case v1::StepRequest::kRows: {
+      if (!session_.has_begun()) {
+        return absl::InvalidArgumentError(
+            "header: expected the first message to be the header; got rows");
+      }
+      ASSIGN_OR_RETURN(StepRowsIn rows,
+                       ReadRows(std::make_shared<const v1::StepRequest>(std::move(request))));
+      return session_.AddRows(std::move(rows), SinkInto(responses), more_queued);
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("part: ForwardBackward expects a header then rows; got message part ",
+                       static_cast<int>(request.part_case())));
+  }
+}
+
+absl::Status StepStream::OnHeader(const v1::StepHeader& header) {
+  if (session_.has_begun()) {
+    return absl::InvalidArgumentError("header: expected exactly one header; got a second");
+  }
+  // The options the header states: the same conversion every rank of a group makes.
+  ASSIGN_OR_RETURN(StepCall call, ReadStepHeader(header, mode_));
+  std::unique_ptr<StepFanout> fanout;
+  if (group_ != nullptr) fanout = std::make_unique<GroupStepFront>(group_, header);
+  return session_.Begin(std::move(call), std::move(fanout));
+}
+
+absl::Status StepStream::OnClientDone(std::vector<v1::StepResponse>* responses) {
+  if (!session_.has_begun()) {
+    return absl::InvalidArgumentError("header: expected a header; the stream ended without one");
+  }
+  ASSIGN_OR_RETURN(const StepOutcome outcome, session_.Finish(SinkInto(responses)));
+  v1::StepResponse response;
+  ToWire(outcome, response.mutable_summary());
+  *response.mutable_summary()->mutable_timings() = timings_;
+  responses->push_back(std::move(response));
+  return absl::OkStatus();
+}
+
+StepResultSink StepStream::SinkInto(std::vector<v1::StepResponse>* responses) const {
+  return [this, responses](StepRowResults r) -> absl::Status {
+    RETURN_IF_ERROR(AppendRowChunks(r.grad_hidden, r.first_row, response_chunk_bytes_,
+                                    &v1::StepResponse::mutable_grad_hidden, responses));
+    RETURN_IF_ERROR(AppendRowChunks(r.outputs, r.first_row, response_chunk_bytes_,
+                                    &v1::StepResponse::mutable_outputs, responses));
+    RETURN_IF_ERROR(AppendRowChunks(r.token_ids, r.first_row, response_chunk_bytes_,
+                                    &v1::StepResponse::mutable_token_ids, responses));
+    for (const auto& [name, values] : r.token_extras) {
+      RETURN_IF_ERROR(
+          AppendTokenExtra(name, values, r.first_row, response_chunk_bytes_, responses));
+    }
+    return absl::OkStatus();
+  };
+}
+
+}  // namespace remotehead::server

@@ -1,0 +1,74 @@
+#include "step/row_batcher.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "remotehead/core/status_macros.h"
+
+namespace remotehead::server {
+namespace {
+
+// Whether two well-formed parts' rows have the same shape beyond their first dimension (the k
+// of [n, k] aux), so that they can be concatenated.
+bool SameRowShapes(const core::TokenBatch& a, const core::TokenBatch& b) {
+  for (const auto& [name, t] : a.aux) {
+    const auto it = b.aux.find(name);
+    if (it == b.aux.end() || it->second.dim() != t.dim() ||
+        (t.dim() == 2 && it->second.size(1) != t.size(1))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status RowBatcher::Add(Part part, const Compute& compute) {
+  // Parts are concatenated only with parts that carry the same inputs.
+  if (!pending_.empty() && (!pending_.front().batch.SameInputs(part.batch) ||
+                            !SameRowShapes(pending_.front().batch, part.batch))) {
+    RETURN_IF_ERROR(Flush(pending_rows_, compute));
+  }
+  Append(std::move(part));
+  while (pending_rows_ >= batch_rows_) RETURN_IF_ERROR(Flush(batch_rows_, compute));
+  return absl::OkStatus();
+}
+
+void RowBatcher::Append(Part part) {
+  pending_rows_ += part.batch.rows();
+  pending_.push_back(std::move(part));
+}
+
+absl::Status RowBatcher::Flush(int64_t rows, const Compute& compute) {
+  if (rows <= 0) return absl::OkStatus();
+  std::vector<core::TokenBatch> parts;
+  std::vector<torch::Tensor> grads;
+  std::vector<std::shared_ptr<const void>> owners;  // alive until computed
+  for (int64_t need = rows; need > 0;) {
+    Part& front = pending_.front();
+    const int64_t available = front.batch.rows();
+    const int64_t take = std::min(available, need);
+    parts.push_back(front.batch.Slice(0, take));
+    if (front.grad_output.defined()) grads.push_back(front.grad_output.narrow(0, 0, take));
+    owners.push_back(front.owner);
+    if (take == available) {
+      pending_.pop_front();
+    } else {
+      front.batch = front.batch.Slice(take, available - take);
+      if (front.grad_output.defined()) {
+        front.grad_output = front.grad_output.narrow(0, take, available - take);
+      }
+    }
+    need -= take;
+  }
+  pending_rows_ -= rows;
+  return compute(core::TokenBatch::Concat(parts),
+                 grads.empty() ? torch::Tensor() : torch::cat(grads));
+}
+
+absl::Status RowBatcher::FlushAll(const Compute& compute) {
+  while (pending_rows_ > 0) RETURN_IF_ERROR(Flush(std::min(batch_rows_, pending_rows_), compute));
+  return absl::OkStatus();
+}
+
+}  // namespace remotehead::server

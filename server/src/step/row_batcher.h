@@ -1,0 +1,49 @@
+// The rows of a step call received and not yet computed: whatever the size of the client's
+// messages, the engine runs on batches of `batch_rows` rows (its own chunk size, capped: see
+// StepSession::PlanBatches). Parts are concatenated only with parts that carry the same inputs
+// and row shapes; their bytes stay owned by the messages they alias until computed.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "remotehead/core/engine.h"
+#include "remotehead/core/torch_api.h"
+
+namespace remotehead::server {
+
+class RowBatcher {
+ public:
+  struct Part {
+    std::shared_ptr<const void> owner;  // owns the bytes the tensors alias
+    core::TokenBatch batch;
+    torch::Tensor grad_output;  // dL/dy per row (a Backward with reduction NONE), or undefined
+  };
+  // Computes one batch: its rows concatenated, with their grad_output rows concatenated
+  // (undefined when the parts have none).
+  using Compute = std::function<absl::Status(core::TokenBatch batch, torch::Tensor grad_output)>;
+
+  void set_batch_rows(int64_t rows) { batch_rows_ = rows; }
+  int64_t batch_rows() const { return batch_rows_; }
+  int64_t pending_rows() const { return pending_rows_; }
+
+  // Queues `part`, first computing what is pending if `part` cannot join it, then every full
+  // batch.
+  absl::Status Add(Part part, const Compute& compute);
+  // Queues `part` as it is (rows that join whatever is pending).
+  void Append(Part part);
+  // Computes the first `rows` pending rows as one batch.
+  absl::Status Flush(int64_t rows, const Compute& compute);
+  // Computes everything pending, in batches of at most batch_rows().
+  absl::Status FlushAll(const Compute& compute);
+
+ private:
+  std::deque<Part> pending_;
+  int64_t pending_rows_ = 0;
+  int64_t batch_rows_ = 1;
+};
+
+}  // namespace remotehead::server

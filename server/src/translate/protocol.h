@@ -1,0 +1,34 @@
+// Translations between protobuf messages and the server's own types that more than one handler
+// needs. Wire tensors are remotehead::wire's; statuses are status_mapping's.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "head_expectations.h"
+#include "head_requests.h"
+#include "remotehead/core/functions.h"
+#include "remotehead/server/head_registry.h"
+#include "remotehead/v1/head_service.pb.h"
+
+namespace remotehead::server {
+
+// The HeadInfo every handler that reports a head's state answers with.
+absl::Status ToWire(const HeadDescription& description, v1::HeadInfo* info);
+
+// Every function of `registry` as ListFunctions describes it.
+absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsResponse* response);
+
+// A request's optional dtype field (DTYPE_UNSPECIFIED: unset), named `field` in errors.
+absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
+                                                               const std::string& field);
+
+// The operations' arguments from their requests (the handlers', and a head group's commands').
+core::HeadInit FromWire(const v1::CreateHeadRequest::FromInit& init, torch::ScalarType dtype);
+SafetensorsSource FromWire(const v1::CreateHeadRequest::FromSafetensors& source,
+                           std::optional<torch::ScalarType> dtype);
+absl::StatusOr<OptimizerStepSpec> FromWire(const v1::OptimizerStepRequest& request);
+
+}  // namespace remotehead::server
