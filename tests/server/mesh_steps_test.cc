@@ -115,6 +115,19 @@ void ExpectSteppedAlike(Replicas& m, const std::vector<HeadState>& before, const
 
 std::string Replicas_(int r) { return absl::StrCat(r, " replicas"); }
 
+// After a refusal: every replica's trainers ask for the leader's step, and it goes through
+// everywhere from the state before (nothing of the refused one applied), the mesh still up.
+void ExpectAgreedStepGoesThrough(Replicas& m, const std::vector<HeadState>& before,
+                                 const Gradients& g) {
+  const int replicas = m.replicas();
+  const std::vector<Outcome> agreed = RunStep(m, EveryReplicasTrainers(replicas));
+  for (int r = 0; r < replicas; ++r) {
+    ASSERT_TRUE(agreed[r]->ok()) << r << ": " << agreed[r]->status();
+  }
+  ExpectSteppedAlike(m, before, g, kGradScale / (2 * replicas), 1, /*zeroed=*/true);
+  ExpectMeshStillUp(m);
+}
+
 TEST(MeshStepsTest, EveryReplicaAppliesTheSameStepWithDwSummedOverTheReplicas) {
   for (const int replicas : {2, 3}) {
     SCOPED_TRACE(Replicas_(replicas));
@@ -253,12 +266,7 @@ TEST(MeshStepsTest, AReplicaWhoseTrainersDisagreeWithTheLeadersRefusesTheStepOnE
       ExpectNothingApplied(m, before);
     }
     // Once its trainers ask for the leader's step, the same step goes through everywhere.
-    const std::vector<Outcome> agreed = RunStep(m, EveryReplicasTrainers(replicas));
-    for (int r = 0; r < replicas; ++r) {
-      ASSERT_TRUE(agreed[r]->ok()) << r << ": " << agreed[r]->status();
-    }
-    ExpectSteppedAlike(m, before, g, kGradScale / (2 * replicas), 1, /*zeroed=*/true);
-    ExpectMeshStillUp(m);
+    ExpectAgreedStepGoesThrough(m, before, g);
   }
 }
 
@@ -325,12 +333,7 @@ TEST(MeshStepsTest, AReplicaWhoseTrainersNeverComeAbortsTheStepOnEveryReplica) {
     ExpectNothingApplied(m, before);
 
     // Its trainers come for the same step now: it goes through everywhere.
-    const std::vector<Outcome> agreed = RunStep(m, EveryReplicasTrainers(replicas));
-    for (int r = 0; r < replicas; ++r) {
-      ASSERT_TRUE(agreed[r]->ok()) << r << ": " << agreed[r]->status();
-    }
-    ExpectSteppedAlike(m, before, g, kGradScale / (2 * replicas), 1, /*zeroed=*/true);
-    ExpectMeshStillUp(m);
+    ExpectAgreedStepGoesThrough(m, before, g);
   }
 }
 
