@@ -76,7 +76,8 @@ absl::Status AdmissionController::Reserve(uint64_t ticket, int64_t bytes,
   std::lock_guard<std::mutex> lock(mu_);
   if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
     return OverBudget(bytes, "", breakdown,
-                      absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_), " already in use"));
+                      absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_),
+                                   " already in use"));
   }
   held_[ticket] = {bytes, false};
   bytes_in_use_ += bytes;
@@ -92,7 +93,8 @@ absl::Status AdmissionController::Grow(uint64_t ticket, int64_t bytes,
   }
   if (bytes > 0 && !FitsLocked(bytes, /*counts_as_active=*/false)) {
     return OverBudget(bytes, " more", breakdown,
-                      absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_), " already in use"));
+                      absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_),
+                                   " already in use"));
   }
   it->second.bytes += bytes;
   (it->second.head ? head_bytes_ : bytes_in_use_) += bytes;

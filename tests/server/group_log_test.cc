@@ -4,9 +4,9 @@
 // stale reply is never the answer to the next command); an entry recorded from an earlier run of
 // the group never verifies; a command deleted before it was taken fails the front naming the rank;
 // ranks with different secrets do not open the log; the front's "down" declaration reaches the
-// others and a forged one is refused. The store is an in-memory one shared by threads (the
-// collectives are not used); process_group_test and group_plane_test run the same log over c10d's
-// TCPStore.
+// others and a forged one is refused. The store is an in-memory one shared by threads
+// (in_process_store.h; the collectives are not used); process_group_test and group_plane_test
+// run the same log over c10d's TCPStore.
 #include "remotehead/server/group/group_log.h"
 
 #include <gtest/gtest.h>
@@ -20,6 +20,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "server/in_process_store.h"
 
 namespace remotehead::server {
 namespace {
@@ -28,45 +29,10 @@ using std::chrono::milliseconds;
 
 constexpr char kSecret[] = "a-secret-of-the-group-0123456789";
 
-// The keys of one store, shared by every rank of a group and by the stranger.
-class MemoryStore {
- public:
-  void Set(const std::string& key, const std::string& value) {
-    std::lock_guard<std::mutex> lock(mu_);
-    values_[key] = value;
-    changed_.notify_all();
-  }
-  absl::StatusOr<std::string> Get(const std::string& key, milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!changed_.wait_for(lock, timeout, [&] { return values_.count(key) > 0; })) {
-      return absl::DeadlineExceededError(absl::StrCat("store get \"", key, "\": timed out"));
-    }
-    return values_.at(key);
-  }
-  std::optional<std::string> Peek(const std::string& key) {
-    std::lock_guard<std::mutex> lock(mu_);
-    const auto it = values_.find(key);
-    return it == values_.end() ? std::nullopt : std::optional<std::string>(it->second);
-  }
-  void Delete(const std::string& key) {
-    std::lock_guard<std::mutex> lock(mu_);
-    values_.erase(key);
-  }
-  bool Exists(const std::string& key) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return values_.count(key) > 0;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable changed_;
-  std::map<std::string, std::string> values_;
-};
-
 // One rank's view of the group: the store only (the log uses nothing else).
 class StoreOnlyGroup final : public ProcessGroup {
  public:
-  StoreOnlyGroup(MemoryStore* store, int rank, int size) : store_(store) {
+  StoreOnlyGroup(testing::InProcessStore* store, int rank, int size) : store_(store) {
     config_.rank = rank;
     config_.size = size;
     config_.timeout = milliseconds(2000);
@@ -75,16 +41,12 @@ class StoreOnlyGroup final : public ProcessGroup {
   int size() const override { return config_.size; }
   const GroupConfig& config() const override { return config_; }
   absl::Status Set(const std::string& key, const std::string& value) override {
-    store_->Set(key, value);
-    return absl::OkStatus();
+    return store_->Set(key, value);
   }
   absl::StatusOr<std::string> Get(const std::string& key, milliseconds timeout) override {
     return store_->Get(key, timeout);
   }
-  absl::Status Delete(const std::string& key) override {
-    store_->Delete(key);
-    return absl::OkStatus();
-  }
+  absl::Status Delete(const std::string& key) override { return store_->Delete(key); }
   absl::StatusOr<bool> Exists(const std::string& key) override { return store_->Exists(key); }
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor&) override { return Unused(); }
   absl::Status ReduceSum(torch::Tensor&, int) override { return Unused(); }
@@ -94,13 +56,13 @@ class StoreOnlyGroup final : public ProcessGroup {
 
  private:
   static absl::Status Unused() { return absl::UnimplementedError("no collectives here"); }
-  MemoryStore* store_;
+  testing::InProcessStore* store_;
   GroupConfig config_;
 };
 
 // A front (rank 0) and a follower (rank 1) on one store, their logs open.
 struct Pair {
-  explicit Pair(MemoryStore* store, const std::string& front_secret = kSecret,
+  explicit Pair(testing::InProcessStore* store, const std::string& front_secret = kSecret,
                 const std::string& follower_secret = kSecret)
       : front_group(store, 0, 2),
         follower_group(store, 1, 2),
@@ -120,7 +82,7 @@ struct Pair {
 };
 
 TEST(GroupLogTest, CommandsAndRepliesRoundTripInOrder) {
-  MemoryStore store;
+  testing::InProcessStore store;
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   for (int i = 0; i < 3; ++i) {
@@ -141,7 +103,7 @@ TEST(GroupLogTest, CommandsAndRepliesRoundTripInOrder) {
 }
 
 TEST(GroupLogTest, AStrangersCommandIsRefusedAndLoggedNeverTaken) {
-  MemoryStore store;
+  testing::InProcessStore store;
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   // What a stranger can write: garbage, and an unsealed command at the key the follower reads.
@@ -149,7 +111,7 @@ TEST(GroupLogTest, AStrangersCommandIsRefusedAndLoggedNeverTaken) {
                                     std::string("\x0a\x05\x0a\x03"
                                                 "evil",
                                                 9)}) {
-    store.Set("cmd/0", forged);
+    ASSERT_TRUE(store.Set("cmd/0", forged).ok());
     const auto taken = p.follower.Next(milliseconds(100));
     EXPECT_EQ(taken.status().code(), absl::StatusCode::kDeadlineExceeded) << taken.status();
   }
@@ -164,7 +126,7 @@ TEST(GroupLogTest, AStrangersCommandIsRefusedAndLoggedNeverTaken) {
 }
 
 TEST(GroupLogTest, AReplayedCommandIsRefused) {
-  MemoryStore store;
+  testing::InProcessStore store;
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   ASSERT_TRUE(p.front.Append("zero gradients").ok());
@@ -173,14 +135,14 @@ TEST(GroupLogTest, AReplayedCommandIsRefused) {
   ASSERT_TRUE(p.follower.Reply({}).ok());
   ASSERT_TRUE(p.front.AwaitReplies(0).ok());
   // The authentic command 0, copied where command 1 goes: refused, not run twice.
-  store.Set("cmd/1", recorded);
+  ASSERT_TRUE(store.Set("cmd/1", recorded).ok());
   EXPECT_EQ(p.follower.Next(milliseconds(100)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "a replay")) << p.follower_log.str();
 }
 
 TEST(GroupLogTest, AForgedOrStaleReplyIsNeverTheAnswer) {
-  MemoryStore store;
+  testing::InProcessStore store;
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   ASSERT_TRUE(p.front.Append("first").ok());
@@ -192,12 +154,12 @@ TEST(GroupLogTest, AForgedOrStaleReplyIsNeverTheAnswer) {
   // Command 1: before the follower answers, a stranger puts an OK reply there (unsealed), then
   // the follower's stale reply to command 0. Neither is taken: the front waits for the real one.
   ASSERT_TRUE(p.front.Append("second").ok());
-  store.Set("reply/1/1", "0:0:");
+  ASSERT_TRUE(store.Set("reply/1/1", "0:0:").ok());
   auto early = p.front.AwaitReplies(1, milliseconds(150));
   EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable) << early.status();
   EXPECT_TRUE(absl::StrContains(early.status().message(), "rank 1 of 2 did not reply"));
   ASSERT_TRUE(p.front.Append("third").ok());
-  store.Set("reply/2/1", stale);
+  ASSERT_TRUE(store.Set("reply/2/1", stale).ok());
   EXPECT_EQ(p.front.AwaitReplies(2, milliseconds(150)).status().code(),
             absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(p.front_log.str(), "refused the entry at \"reply/1/1\""));
@@ -205,11 +167,11 @@ TEST(GroupLogTest, AForgedOrStaleReplyIsNeverTheAnswer) {
 }
 
 TEST(GroupLogTest, TheRealReplyIsTakenAfterARefusedOne) {
-  MemoryStore store;
+  testing::InProcessStore store;
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   ASSERT_TRUE(p.front.Append("step").ok());
-  store.Set("reply/0/1", "0:0:forged");
+  ASSERT_TRUE(store.Set("reply/0/1", "0:0:forged").ok());
   auto replies = std::async(std::launch::async, [&] { return p.front.AwaitReplies(0); });
   std::this_thread::sleep_for(milliseconds(100));
   ASSERT_EQ(*p.follower.Next(milliseconds(500)), "step");
@@ -219,7 +181,7 @@ TEST(GroupLogTest, TheRealReplyIsTakenAfterARefusedOne) {
 }
 
 TEST(GroupLogTest, EntriesOfAnEarlierRunNeverVerify) {
-  MemoryStore earlier_store, store;
+  testing::InProcessStore earlier_store, store;
   Pair earlier(&earlier_store);
   ASSERT_EQ(earlier.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   ASSERT_TRUE(earlier.front.Append("create head").ok());
@@ -228,18 +190,18 @@ TEST(GroupLogTest, EntriesOfAnEarlierRunNeverVerify) {
   // The same group (same secret) started again: the recorded command 0 is refused.
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
-  store.Set("cmd/0", recorded);
+  ASSERT_TRUE(store.Set("cmd/0", recorded).ok());
   EXPECT_EQ(p.follower.Next(milliseconds(100)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "does not verify"));
 }
 
 TEST(GroupLogTest, ACommandDeletedBeforeTheFollowerTookItFailsTheFrontNamingTheRank) {
-  MemoryStore store;
+  testing::InProcessStore store;
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   ASSERT_TRUE(p.front.Append("zero gradients").ok());
-  store.Delete("cmd/0");  // the stranger's doing: the follower never sees it
+  ASSERT_TRUE(store.Delete("cmd/0").ok());  // the stranger's doing: the follower never sees it
   EXPECT_EQ(p.follower.Next(milliseconds(100)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   const auto replies = p.front.AwaitReplies(0, milliseconds(200));
@@ -250,7 +212,7 @@ TEST(GroupLogTest, ACommandDeletedBeforeTheFollowerTookItFailsTheFrontNamingTheR
 }
 
 TEST(GroupLogTest, RanksWithDifferentSecretsDoNotOpenTheLog) {
-  MemoryStore store;
+  testing::InProcessStore store;
   Pair p(&store, kSecret, "another-secret-0123456789abcdef");
   const auto [front, follower] = p.Open();
   EXPECT_EQ(front.code(), absl::StatusCode::kPermissionDenied) << front;
@@ -260,13 +222,13 @@ TEST(GroupLogTest, RanksWithDifferentSecretsDoNotOpenTheLog) {
 }
 
 TEST(GroupLogTest, TheFrontsDeclarationReachesTheOthersAndAForgedOneIsRefused) {
-  MemoryStore store;
+  testing::InProcessStore store;
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
   auto none = p.follower.DownDeclared();
   ASSERT_TRUE(none.ok());
   EXPECT_FALSE(none->has_value());
-  store.Set("down", "the stranger says so");
+  ASSERT_TRUE(store.Set("down", "the stranger says so").ok());
   none = p.follower.DownDeclared();
   ASSERT_TRUE(none.ok());
   EXPECT_FALSE(none->has_value());

@@ -1,6 +1,7 @@
-// A step call in the server's own types — what StepSession computes on and gives back. The wire
-// (v1::StepHeader, StepRows, StepResponse) is read into these and written from them by
-// rpc/step_stream.cc, the session's protobuf-facing side; the session itself includes no protobuf.
+// A step call in the server's own types — what StepSession computes on and gives back. The
+// wire's StepHeader, StepRows and StepResponse (remotehead.v1) are read into these and written
+// from them by rpc/step_stream.cc, the session's protobuf-facing side; the session itself
+// includes no protobuf.
 #pragma once
 
 #include <cstdint>
