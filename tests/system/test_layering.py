@@ -8,8 +8,8 @@ include/remotehead/server/ the same way. The rules, checked on every source and 
 
 - no include runs back up these layers (a layer includes its own and the ones below);
 - only rpc/ and main.cc include gRPC (<grpcpp/...> or a generated *.grpc.pb.h);
-- protobuf's remotehead.v1 types (``v1::``, "remotehead/v1/...") appear only in rpc/,
-  translate/ and replication/;
+- protobuf's remotehead.v1 types (``v1::``, "remotehead/v1/...", and the wire codec
+  "remotehead/wire/...", which speaks them) appear only in rpc/, translate/ and replication/;
 - group/ includes nothing of the server outside itself;
 - no source file is over 600 lines with its header (server/, core/, client/cpp/).
 
@@ -87,7 +87,8 @@ def violations(server):
             grpc = target.startswith("grpcpp/") or target.endswith(".grpc.pb.h")
             if grpc and layer not in GRPC_LAYERS:
                 found.append(f"{rel}: includes gRPC ({target}) outside rpc/")
-            if kind == '"' and target.startswith("remotehead/v1/") and layer not in V1_LAYERS:
+            protobuf = target.startswith(("remotehead/v1/", "remotehead/wire/"))
+            if kind == '"' and protobuf and layer not in V1_LAYERS:
                 found.append(f"{rel}: includes protobuf's {target} outside rpc/translate/"
                              "replication/")
             if kind != '"':
@@ -184,6 +185,8 @@ def test_a_clean_tree_passes(clean):
     ("src/group/head_group.cc", '#include "remotehead/v1/head_group.pb.h"\n',
      "includes protobuf's"),
     ("src/main.cc", "v1::GroupCommand command;\n", "names a v1:: type"),
+    ("src/group/head_group.cc", '#include "remotehead/wire/tensor_codec.h"\n',
+     "includes protobuf's"),
     ("src/misc/thing.cc", "", "is not a layer"),
 ])
 def test_each_rule_catches_its_break(clean, rel, text, expected):
