@@ -11,7 +11,8 @@ include/remotehead/server/ the same way. The rules, checked on every source and 
 - protobuf's remotehead.v1 types (``v1::``, "remotehead/v1/...", and the wire codec
   "remotehead/wire/...", which speaks them) appear only in rpc/, translate/ and replication/;
 - group/ includes nothing of the server outside itself;
-- no source file is over 600 lines with its header (server/, core/, client/cpp/).
+- no source file is over 600 lines with its header (server/, core/, client/cpp/), nor any
+  Python source, test or script (the generated stubs aside).
 
 Each rule is also run on a small tree that breaks it, so that a rule that could never fail
 fails this test.
@@ -140,6 +141,15 @@ def long_files(roots):
 
 def test_no_source_file_is_over_600_lines_with_its_header():
     assert long_files([ROOT / "server", ROOT / "core", ROOT / "client" / "cpp"]) == []
+
+
+def test_no_python_or_test_file_is_over_600_lines():
+    roots = [ROOT / "client" / "python" / "remotehead", ROOT / "client" / "python" / "examples",
+             ROOT / "tests", ROOT / "scripts"]
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for root in roots for p in sorted(root.rglob("*"))
+            if p.suffix in (".py", ".cc", ".h") and "v1" not in p.parts
+            and (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert long == []
 
 
 # ----- each rule can fail -----
