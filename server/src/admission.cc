@@ -38,6 +38,10 @@ absl::Status AdmissionController::OverBudget(int64_t bytes, absl::string_view mo
                                 " (--memory_budget_bytes); got ", in_use));
 }
 
+std::string AdmissionController::InUseLocked() const {
+  return absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_), " already in use");
+}
+
 absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
                                         const std::string& breakdown,
                                         std::function<void()> on_admitted) {
@@ -75,9 +79,7 @@ absl::Status AdmissionController::Reserve(uint64_t ticket, int64_t bytes,
                                           const std::string& breakdown) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!FitsLocked(bytes, /*counts_as_active=*/false)) {
-    return OverBudget(bytes, "", breakdown,
-                      absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_),
-                                   " already in use"));
+    return OverBudget(bytes, "", breakdown, InUseLocked());
   }
   held_[ticket] = {bytes, false};
   bytes_in_use_ += bytes;
@@ -92,9 +94,7 @@ absl::Status AdmissionController::Grow(uint64_t ticket, int64_t bytes,
     return absl::InternalError(absl::StrCat("admission: ticket ", ticket, " is not admitted"));
   }
   if (bytes > 0 && !FitsLocked(bytes, /*counts_as_active=*/false)) {
-    return OverBudget(bytes, " more", breakdown,
-                      absl::StrCat(core::FormatMiB(bytes_in_use_ + head_bytes_),
-                                   " already in use"));
+    return OverBudget(bytes, " more", breakdown, InUseLocked());
   }
   it->second.bytes += bytes;
   (it->second.head ? head_bytes_ : bytes_in_use_) += bytes;

@@ -27,16 +27,10 @@ absl::Status ReplicatedHeadOperations::RunOnEveryRank(const v1::GroupCommand& co
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
   const absl::Status status =
       RunCommand(lane, command, [&] { return RunInReplica(command, here, /*creates=*/false); });
-  if (creates && !status.ok() && !IsGroupFailure(status)) {
-    const std::string id = CreatedHead(command);
-    const v1::GroupCommand undo = UndoCreateCommand(id);
-    const absl::Status undone = RunCommand(lane, undo, [&] {
-      return RunInReplica(
-          undo, [&] { return local_->UndoCreate(id); }, false);
-    });
-    if (!undone.ok()) return undone;
-  }
-  return status;
+  return UndoFailedCreate(lane, command, creates, status, [&](const v1::GroupCommand& undo) {
+    return RunInReplica(
+        undo, [&] { return local_->UndoCreate(CreatedHead(command)); }, false);
+  });
 }
 
 absl::Status ReplicatedHeadOperations::RunInReplica(const v1::GroupCommand& command,
@@ -45,14 +39,20 @@ absl::Status ReplicatedHeadOperations::RunInReplica(const v1::GroupCommand& comm
   if (group_ == nullptr) return here();
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
   const absl::Status status = RunCommand(lane, command, here);
-  if (creates && !status.ok() && !IsGroupFailure(status)) {
-    // Some ranks may have created the head (another's budget refused it): undone everywhere.
-    const std::string id = CreatedHead(command);
-    const absl::Status undone =
-        RunCommand(lane, UndoCreateCommand(id), [&] { return local_->UndoCreate(id); });
-    if (!undone.ok()) return undone;
-  }
-  return status;
+  // Some ranks may have created the head (another's budget refused it): undone everywhere.
+  return UndoFailedCreate(lane, command, creates, status, [&](const v1::GroupCommand&) {
+    return local_->UndoCreate(CreatedHead(command));
+  });
+}
+
+absl::Status ReplicatedHeadOperations::UndoFailedCreate(
+    HeadGroup::Lane& lane, const v1::GroupCommand& command, bool creates,
+    const absl::Status& status,
+    const std::function<absl::Status(const v1::GroupCommand& undo)>& undo_here) {
+  if (!creates || status.ok() || IsGroupFailure(status)) return status;
+  const v1::GroupCommand undo = UndoCreateCommand(CreatedHead(command));
+  const absl::Status undone = RunCommand(lane, undo, [&] { return undo_here(undo); });
+  return undone.ok() ? status : undone;
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::CreateFromSeed(const std::string& id,

@@ -121,6 +121,13 @@ class ReplicatedHeadOperations {
                               Reach reach = Reach::kMesh);
   absl::Status RunInReplica(const v1::GroupCommand& command,
                             const std::function<absl::Status()>& here, bool creates);
+  // After `command` ran on `lane`'s group with `status`: a creation that failed for a reason of
+  // its own (not the transport's) undone on every rank (`undo_here`: this process's part of the
+  // undo command); returns `status`, or the undo's failure.
+  absl::Status UndoFailedCreate(
+      HeadGroup::Lane& lane, const v1::GroupCommand& command, bool creates,
+      const absl::Status& status,
+      const std::function<absl::Status(const v1::GroupCommand& undo)>& undo_here);
 
   HeadOperations* const local_;
   HeadGroup* const group_;

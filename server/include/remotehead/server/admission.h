@@ -73,6 +73,8 @@ class AdmissionController {
   bool FitsLocked(int64_t bytes, bool counts_as_active) const;
   // The one refusal of bytes the budget has no room for: RESOURCE_EXHAUSTED (resource memory)
   // saying `bytes` (`more`: " more" for a growth) for `breakdown` and, after "got", `in_use`.
+  // "… already in use": what the budget holds now, for a refusal.
+  std::string InUseLocked() const;
   absl::Status OverBudget(int64_t bytes, absl::string_view more, const std::string& breakdown,
                           const std::string& in_use) const;
   void AdmitWaitingLocked();
