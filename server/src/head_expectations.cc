@@ -1,6 +1,7 @@
 #include "head_expectations.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "remotehead/core/error_reason.h"
 
 namespace remotehead::server {
@@ -41,6 +42,40 @@ absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::stri
        {"field", field},
        {"expected", absl::StrCat(*expected)},
        {"actual", absl::StrCat(head.weight_version)}});
+}
+
+absl::Status CheckEmbeddingIds(const torch::Tensor& ids, int64_t vocab_size,
+                               const std::string& field) {
+  if (ids.dim() != 1 || ids.scalar_type() != torch::kLong) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected int64 token ids [n]; got ", ids.dim(), " dimensions of ",
+                     std::string(c10::toString(ids.scalar_type()))));
+  }
+  if (ids.numel() == 0) return absl::OkStatus();
+  const torch::Tensor outside = ((ids < 0) | (ids >= vocab_size)).nonzero();
+  if (outside.numel() > 0) {
+    const int64_t at = outside[0][0].item<int64_t>();
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected token ids in [0, ", vocab_size, ") (the head's vocab_size); got ",
+                     ids[at].item<int64_t>(), " at position ", at, " (", outside.size(0),
+                     " out of range in all)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckEmbeddingRows(const torch::Tensor& rows, int64_t ids, int64_t hidden_size,
+                                const std::string& field) {
+  if (rows.dim() != 2 || rows.size(0) != ids || rows.size(1) != hidden_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": expected [", ids, ", ", hidden_size,
+        "] (one row per id, the head's hidden_size); got [",
+        absl::StrJoin(rows.sizes().vec(), ", "), "]"));
+  }
+  if (!torch::isFloatingType(rows.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected a floating-point dtype; got ",
+                                                   std::string(c10::toString(rows.scalar_type()))));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace remotehead::server

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "remotehead/core/torch_api.h"
 #include "remotehead/server/head_registry.h"
 
 namespace remotehead::server {
@@ -21,5 +22,15 @@ absl::Status CheckIncarnation(const std::string& expected, const std::string& fi
 // `head` describes: FAILED_PRECONDITION naming both (and a restore at start, if there was one).
 absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::string& field,
                                 const HeadDescription& head);
+
+// A tied embedding's token ids (`field`) for a head of `vocab_size` rows: int64 [n], each in
+// [0, vocab_size); INVALID_ARGUMENT naming the field, the first id out of range and its position.
+absl::Status CheckEmbeddingIds(const torch::Tensor& ids, int64_t vocab_size,
+                               const std::string& field);
+
+// A tied embedding's gradient rows (`field`) for `ids` rows of a head of width `hidden_size`:
+// a floating-point [ids, hidden_size] tensor; INVALID_ARGUMENT naming the field otherwise.
+absl::Status CheckEmbeddingRows(const torch::Tensor& rows, int64_t ids, int64_t hidden_size,
+                                const std::string& field);
 
 }  // namespace remotehead::server

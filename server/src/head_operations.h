@@ -110,6 +110,22 @@ class HeadOperations {
   absl::StatusOr<HeadDescription> RestoreState(const std::string& id, const std::string& state_id,
                                                bool check_only);
 
+  // Tied embeddings (head_embedding_operations.cc), this rank's part. `ids`: int64 [n], checked
+  // by the caller (CheckEmbeddingIds) — on a group the front's, and on the other ranks an empty
+  // tensor of that shape that the front's ids are shared into (the gradient's `rows` too).
+  // The rows W[ids] in `dtype` (unset: the head's), on the CPU, at the version they were read at
+  // (description.weight_version): on a group each rank reads the rows it holds and the front
+  // sums them (Megatron's vocab-parallel embedding); nothing on the other ranks.
+  absl::StatusOr<HeadSnapshot> LookupEmbedding(const std::string& id, torch::Tensor ids,
+                                               std::optional<torch::ScalarType> dtype);
+  // dW[ids] += rows on this rank's rows, exactly once under `key` (use kEmbedding): the same
+  // accumulator, window and ledger as the head's steps. FAILED_PRECONDITION naming
+  // `version_field` unless the head is at `expected_weight_version` (when set), and for a frozen
+  // head.
+  absl::StatusOr<EmbeddingGradientOutcome> AddEmbeddingGradient(
+      const std::string& id, torch::Tensor ids, torch::Tensor rows, const GradientKey& key,
+      std::optional<int64_t> expected_weight_version, const std::string& version_field);
+
   // One line of the lifecycle log.
   void LogEvent(const std::string& line) const;
 

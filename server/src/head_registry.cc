@@ -54,13 +54,27 @@ HeadDescription HeadEntry::Describe() const {
           .has_bias = head_->has_bias(),
           .device = head_->device().str(),
           .weight_version = head_->version(),
-          .accumulated_micro_batches = static_cast<int64_t>(applied_.size()),
+          .accumulated_micro_batches = MicroBatchesLocked(),
           .last_loss = last_loss_,
           .state_id = state_id_,
           .restored_version = restored_version_,
           .shards = shards_,
           .frozen = frozen_,
           .teacher_of = {students_.begin(), students_.end()}};
+}
+
+int64_t HeadEntry::MicroBatchesLocked() const {
+  // Keys sort by trainer, step, micro-batch, then use: one micro-batch's keys are adjacent.
+  int64_t count = 0;
+  const GradientKey* previous = nullptr;
+  for (const GradientKey& key : applied_) {
+    if (previous == nullptr || previous->trainer != key.trainer || previous->step != key.step ||
+        previous->micro_batch != key.micro_batch) {
+      ++count;
+    }
+    previous = &key;
+  }
+  return count;
 }
 
 void HeadEntry::AddStudent(const std::string& student) {
@@ -119,8 +133,14 @@ absl::StatusOr<CommitResult> HeadEntry::Commit(const StepCommit& commit) {
   }
   if (commit.key.has_value()) {
     if (applied_.insert(*commit.key).second) {
-      head_->grads().weight.add_(commit.scratch->weight);
-      if (commit.scratch->bias.defined()) head_->grads().bias.add_(commit.scratch->bias);
+      if (commit.rows != nullptr) {
+        torch::Tensor& dw = head_->grads().weight;
+        dw.index_add_(0, commit.rows->index.to(dw.device()),
+                      commit.rows->values.to(dw.device(), dw.scalar_type()));
+      } else {
+        head_->grads().weight.add_(commit.scratch->weight);
+        if (commit.scratch->bias.defined()) head_->grads().bias.add_(commit.scratch->bias);
+      }
     } else {
       result.replayed = true;
     }
@@ -209,7 +229,7 @@ absl::Status HeadEntry::ReplaceWeights(const core::Head& head, const ResizeState
         absl::StrCat("header.replace: expected head \"", id_,
                      "\" to have no accumulated gradients (they were "
                      "computed with the weights being replaced); got ",
-                     applied_.size(), " micro-batches (fetch and zero them first)"));
+                     MicroBatchesLocked(), " micro-batches (fetch and zero them first)"));
   }
   current.mutable_weight().copy_(head.weight());
   if (current.has_bias()) current.mutable_bias().copy_(head.bias());

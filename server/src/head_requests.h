@@ -31,6 +31,12 @@ struct HeadSnapshot {
   HeadDescription description;
 };
 
+// What a tied embedding's gradient did (HeadOperations::AddEmbeddingGradient).
+struct EmbeddingGradientOutcome {
+  bool replayed = false;  // its gradient id had been applied already: nothing was added
+  HeadDescription description;
+};
+
 struct OptimizerStepSpec {
   std::variant<core::SgdOptions, core::AdamWOptions> optimizer;
   double grad_scale = 1.0;      // multiplies the accumulated gradient

@@ -54,6 +54,13 @@ MemoryEstimate UploadBufferMemory(const std::string& head_id, int64_t vocab_size
                                 vocab_size, " × header.hidden_size ", hidden_size)};
 }
 
+MemoryEstimate EmbeddingRowsMemory(const std::string& head_id, int64_t ids, int64_t hidden_size,
+                                   torch::ScalarType dtype, const std::string& field) {
+  return {.bytes = ids * hidden_size * static_cast<int64_t>(c10::elementSize(dtype)),
+          .breakdown = absl::StrCat("the embedding rows of head \"", head_id, "\", ", field, " ",
+                                    ids, " × hidden_size ", hidden_size)};
+}
+
 absl::StatusOr<MemoryEstimate> HeadMemory(const std::string& head_id, int64_t vocab_size,
                                           int64_t hidden_size, torch::ScalarType dtype, bool bias,
                                           const std::string& field_prefix) {

@@ -47,6 +47,11 @@ int64_t StepPipelineBytes(int streams, int read_ahead_messages,
 MemoryEstimate UploadBufferMemory(const std::string& head_id, int64_t vocab_size,
                                   int64_t hidden_size, bool bias, torch::ScalarType dtype);
 
+// A tied embedding's rows of `ids` ids (named by `field`) of a head of width `hidden_size`, in
+// `dtype`: a lookup's answer, a gradient's assembly buffer.
+MemoryEstimate EmbeddingRowsMemory(const std::string& head_id, int64_t ids, int64_t hidden_size,
+                                   torch::ScalarType dtype, const std::string& field);
+
 // A head on this server: its weights and float32 gradients. `field_prefix` names where the
 // sizes came from in messages ("init.", "--head ", "header.").
 absl::StatusOr<MemoryEstimate> HeadMemory(const std::string& head_id, int64_t vocab_size,

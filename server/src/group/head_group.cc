@@ -218,4 +218,16 @@ absl::StatusOr<torch::Tensor> HeadGroup::GatherRows(const torch::Tensor& mine,
   return torch::cat(parts);
 }
 
+absl::StatusOr<torch::Tensor> HeadGroup::SumToFront(const torch::Tensor& mine) {
+  if (mine.numel() == 0) return is_front() ? mine : torch::Tensor();
+  const torch::Tensor contiguous = mine.contiguous();
+  const absl::StatusOr<torch::Tensor> all = group_->Gather(Bytes(contiguous), /*root=*/0);
+  if (!all.ok()) return Check(all.status());
+  if (!is_front()) return torch::Tensor();
+  std::vector<int64_t> shape = mine.sizes().vec();
+  shape.insert(shape.begin(), all->size(0));
+  return all->contiguous().view(mine.scalar_type()).reshape(shape).sum(0, false,
+                                                                      mine.scalar_type());
+}
+
 }  // namespace remotehead::server

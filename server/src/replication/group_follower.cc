@@ -81,6 +81,25 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
                        OptionalDtype(gather.dtype(), "dtype"));
       return operations_->Snapshot(gather.head_id(), dtype, gather.gradients()).status();
     }
+    case v1::GroupCommand::kEmbeddingLookup: {
+      const v1::GroupEmbedding& lookup = command.embedding_lookup();
+      ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
+                       OptionalDtype(lookup.dtype(), "dtype"));
+      ASSIGN_OR_RETURN(torch::Tensor ids, EmptyTensor(lookup.ids(), device_));
+      return operations_->LookupEmbedding(lookup.head_id(), ids, dtype).status();
+    }
+    case v1::GroupCommand::kEmbeddingGradient: {
+      const v1::GroupEmbedding& gradient = command.embedding_gradient();
+      ASSIGN_OR_RETURN(torch::Tensor ids, EmptyTensor(gradient.ids(), device_));
+      ASSIGN_OR_RETURN(torch::Tensor rows, EmptyTensor(gradient.rows(), device_));
+      return operations_
+          ->AddEmbeddingGradient(gradient.head_id(), ids, rows, EmbeddingGradientKey(gradient),
+                                 gradient.has_expected_weight_version()
+                                     ? std::optional<int64_t>(gradient.expected_weight_version())
+                                     : std::nullopt,
+                                 "header.expected_weight_version")
+          .status();
+    }
     default:
       return absl::InternalError(absl::StrCat(
           "head group: command ", static_cast<int>(command.op_case()), " is not a head operation"));

@@ -1,6 +1,7 @@
 #include "replication/replicated_head_operations.h"
 
 #include "absl/strings/str_cat.h"
+#include "head_expectations.h"
 #include "remotehead/core/status_macros.h"
 #include "translate/group_commands.h"
 
@@ -35,10 +36,10 @@ absl::Status ReplicatedHeadOperations::RunOnEveryRank(const v1::GroupCommand& co
 
 absl::Status ReplicatedHeadOperations::RunInReplica(const v1::GroupCommand& command,
                                                     const std::function<absl::Status()>& here,
-                                                    bool creates) {
+                                                    bool creates, bool local_last) {
   if (group_ == nullptr) return here();
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
-  const absl::Status status = RunCommand(lane, command, here);
+  const absl::Status status = RunCommand(lane, command, here, local_last);
   // Some ranks may have created the head (another's budget refused it): undone everywhere.
   return UndoFailedCreate(lane, command, creates, status, [&](const v1::GroupCommand&) {
     return local_->UndoCreate(CreatedHead(command));
@@ -97,6 +98,40 @@ absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::Snapshot(
   return OnEveryRank<HeadSnapshot>(
       GatherCommand(id, dtype, gradients), [&] { return local_->Snapshot(id, dtype, gradients); },
       false, Reach::kReplica);
+}
+
+absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::LookupEmbedding(
+    const std::string& id, const torch::Tensor& ids, std::optional<torch::ScalarType> dtype,
+    const std::string& ids_field) {
+  ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
+  RETURN_IF_ERROR(CheckEmbeddingIds(ids, head.vocab_size, ids_field));
+  return OnEveryRank<HeadSnapshot>(
+      EmbeddingLookupCommand(id, ids, dtype),
+      [&] { return local_->LookupEmbedding(id, ids, dtype); }, false, Reach::kReplica);
+}
+
+absl::StatusOr<EmbeddingGradientOutcome> ReplicatedHeadOperations::AddEmbeddingGradient(
+    const std::string& id, const torch::Tensor& ids, const torch::Tensor& rows,
+    const GradientKey& key, std::optional<int64_t> expected_weight_version,
+    const std::string& ids_field, const std::string& rows_field,
+    const std::string& version_field) {
+  ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
+  RETURN_IF_ERROR(CheckEmbeddingIds(ids, head.vocab_size, ids_field));
+  RETURN_IF_ERROR(CheckEmbeddingRows(rows, ids.size(0), head.hidden_size, rows_field));
+  // Refused here before any rank is asked (each rank's part refuses them too).
+  if (head.frozen) return HeadFrozenError(id, "header.gradient_id", "accumulating dW");
+  RETURN_IF_ERROR(CheckWeightVersion(expected_weight_version, version_field, head));
+  absl::StatusOr<EmbeddingGradientOutcome> outcome = absl::UnknownError("not run");
+  const absl::Status status = RunInReplica(
+      EmbeddingGradientCommand(id, ids, rows, key, expected_weight_version),
+      [&] {
+        outcome = local_->AddEmbeddingGradient(id, ids, rows, key, expected_weight_version,
+                                               version_field);
+        return outcome.status();
+      },
+      /*creates=*/false, /*local_last=*/true);
+  if (!status.ok()) return status;
+  return outcome;
 }
 
 absl::Status ReplicatedHeadOperations::Drop(const std::string& id) {

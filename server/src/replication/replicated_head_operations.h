@@ -63,6 +63,18 @@ class ReplicatedHeadOperations {
   // This replica's: its weights are every replica's, its dW its own trainers' part.
   absl::StatusOr<HeadSnapshot> Snapshot(const std::string& id,
                                         std::optional<torch::ScalarType> dtype, bool gradients);
+  // Tied embeddings, on every rank of this replica (its weights are every replica's; its dW its
+  // own trainers' part, summed over the replicas at the mesh's step). `ids` are checked against
+  // the head first (INVALID_ARGUMENT naming `ids_field`), the gradient's `rows` too
+  // (`rows_field`), before any rank is asked; the gradient is committed on the front last.
+  absl::StatusOr<HeadSnapshot> LookupEmbedding(const std::string& id, const torch::Tensor& ids,
+                                               std::optional<torch::ScalarType> dtype,
+                                               const std::string& ids_field);
+  absl::StatusOr<EmbeddingGradientOutcome> AddEmbeddingGradient(
+      const std::string& id, const torch::Tensor& ids, const torch::Tensor& rows,
+      const GradientKey& key, std::optional<int64_t> expected_weight_version,
+      const std::string& ids_field, const std::string& rows_field,
+      const std::string& version_field);
   absl::Status Drop(const std::string& id);
   absl::StatusOr<HeadDescription> ZeroGradients(const std::string& id);
   absl::StatusOr<HeadDescription> OptimizerStep(const std::string& id,
@@ -119,8 +131,10 @@ class ReplicatedHeadOperations {
   absl::Status RunOnEveryRank(const v1::GroupCommand& command,
                               const std::function<absl::Status()>& here, bool creates = false,
                               Reach reach = Reach::kMesh);
+  // `local_last`: `here` runs after every other rank replied (a commit: HeadGroup::Lane::Run).
   absl::Status RunInReplica(const v1::GroupCommand& command,
-                            const std::function<absl::Status()>& here, bool creates);
+                            const std::function<absl::Status()>& here, bool creates,
+                            bool local_last = false);
   // After `command` ran on `lane`'s group with `status`: a creation that failed for a reason of
   // its own (not the transport's) undone on every rank (`undo_here`: this process's part of the
   // undo command); returns `status`, or the undo's failure.

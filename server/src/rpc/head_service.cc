@@ -11,6 +11,7 @@
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/rpc/status_mapping.h"
+#include "rpc/embedding_reactors.h"
 #include "rpc/service_context.h"
 #include "rpc/step_reactor.h"
 #include "rpc/stream_reactors.h"
@@ -210,6 +211,16 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerWriteReactor<v1::FetchGradientsResponse>* FetchGradients(
       grpc::CallbackServerContext*, const v1::FetchGradientsRequest* request) override {
     return NewFetchGradientsReactor(context_.get(), *request);
+  }
+
+  grpc::ServerWriteReactor<v1::EmbeddingLookupResponse>* EmbeddingLookup(
+      grpc::CallbackServerContext*, const v1::EmbeddingLookupRequest* request) override {
+    return NewEmbeddingLookupReactor(context_.get(), *request);
+  }
+
+  grpc::ServerReadReactor<v1::EmbeddingGradientRequest>* EmbeddingGradient(
+      grpc::CallbackServerContext* context, v1::EmbeddingGradientResponse* response) override {
+    return NewEmbeddingGradientReactor(context, context_.get(), response);
   }
 
   void Drain() override {

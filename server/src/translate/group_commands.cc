@@ -135,6 +135,40 @@ v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::Scala
   return command;
 }
 
+v1::GroupCommand EmbeddingLookupCommand(const std::string& id, const torch::Tensor& ids,
+                                        std::optional<torch::ScalarType> dtype) {
+  v1::GroupCommand command;
+  v1::GroupEmbedding* lookup = command.mutable_embedding_lookup();
+  lookup->set_head_id(id);
+  *lookup->mutable_ids() = DescribeTensor("ids", ids);
+  if (dtype.has_value()) lookup->set_dtype(WireDtype(*dtype));
+  return command;
+}
+
+v1::GroupCommand EmbeddingGradientCommand(const std::string& id, const torch::Tensor& ids,
+                                          const torch::Tensor& rows, const GradientKey& key,
+                                          std::optional<int64_t> expected_weight_version) {
+  v1::GroupCommand command;
+  v1::GroupEmbedding* gradient = command.mutable_embedding_gradient();
+  gradient->set_head_id(id);
+  *gradient->mutable_ids() = DescribeTensor("ids", ids);
+  *gradient->mutable_rows() = DescribeTensor("rows", rows);
+  gradient->mutable_gradient_id()->set_trainer(key.trainer);
+  gradient->mutable_gradient_id()->set_step(key.step);
+  gradient->mutable_gradient_id()->set_micro_batch(key.micro_batch);
+  if (expected_weight_version.has_value()) {
+    gradient->set_expected_weight_version(*expected_weight_version);
+  }
+  return command;
+}
+
+GradientKey EmbeddingGradientKey(const v1::GroupEmbedding& embedding) {
+  return GradientKey{.trainer = embedding.gradient_id().trainer(),
+                     .step = embedding.gradient_id().step(),
+                     .micro_batch = embedding.gradient_id().micro_batch(),
+                     .use = GradientUse::kEmbedding};
+}
+
 v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t) {
   v1::GroupTensor spec;
   spec.set_name(name);

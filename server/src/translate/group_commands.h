@@ -37,6 +37,15 @@ v1::GroupCommand ReduceStepCommand(const std::string& id, const OptimizerStepSpe
 v1::GroupCommand SaveStateCommand(const std::string& id, const std::string& state_id);
 v1::GroupCommand RestoreStateCommand(const std::string& id, const std::string& state_id,
                                      bool check_only);
+// A tied embedding's lookup of `ids` (in `dtype`; unset: the head's) and its gradient `rows`
+// under `key`, on every rank; `ids` and `rows` follow by broadcast (HeadGroup::Share).
+v1::GroupCommand EmbeddingLookupCommand(const std::string& id, const torch::Tensor& ids,
+                                        std::optional<torch::ScalarType> dtype);
+v1::GroupCommand EmbeddingGradientCommand(const std::string& id, const torch::Tensor& ids,
+                                          const torch::Tensor& rows, const GradientKey& key,
+                                          std::optional<int64_t> expected_weight_version);
+// What EmbeddingGradientCommand carries, read back on another rank.
+GradientKey EmbeddingGradientKey(const v1::GroupEmbedding& embedding);
 v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::ScalarType> dtype,
                                bool gradients);
 

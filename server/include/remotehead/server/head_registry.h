@@ -24,12 +24,24 @@
 
 namespace remotehead::server {
 
-// Identity of one gradient contribution (remotehead.v1.GradientId).
+// What a gradient contribution is of: a head step's (X·Wᵀ) or a tied embedding's (W[ids]). A
+// micro-batch of a tied model contributes both under one GradientId, each exactly once.
+enum class GradientUse { kHead, kEmbedding };
+
+// Identity of one gradient contribution (remotehead.v1.GradientId, and what it is of).
 struct GradientKey {
   std::string trainer;
   int64_t step = 0;
   int64_t micro_batch = 0;
+  GradientUse use = GradientUse::kHead;
   auto operator<=>(const GradientKey&) const = default;
+};
+
+// A gradient for some rows of W only: dW.index_add_(0, index, values) (a tied embedding's;
+// repeated indices add up). `index` int64 [n] of this process's rows, `values` [n, D].
+struct RowGradients {
+  torch::Tensor index;
+  torch::Tensor values;
 };
 
 // A head at one moment (DescribeHead, ListHeads, metrics).
@@ -71,7 +83,8 @@ struct HeadPin {
 struct StepCommit {
   std::optional<HeadPin> pin;                      // unset: the request computed nothing
   std::optional<GradientKey> key;                  // accumulate dW under this identity
-  const core::GradientBuffers* scratch = nullptr;  // the request's dW (with key)
+  const core::GradientBuffers* scratch = nullptr;  // the request's dW (with key), or
+  const RowGradients* rows = nullptr;               // its dW for some rows only (with key)
   std::optional<double> loss;                      // recorded as the head's last loss
 };
 
@@ -219,6 +232,9 @@ class HeadEntry {
   // Contributions already added since the last zeroing. A replay recomputes its answer (the
   // trainer needs dX again) and adds nothing, so only the identity is kept.
   std::set<GradientKey> applied_;
+  // The micro-batches among them: a tied model's micro-batch is one, its head and embedding
+  // contributions two keys.
+  int64_t MicroBatchesLocked() const;
   core::OptimizerState optimizer_;  // created by the first OptimizerStep
   std::optional<double> last_loss_;
   std::set<std::string> students_;  // teacher_of

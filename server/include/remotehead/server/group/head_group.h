@@ -124,6 +124,10 @@ class HeadGroup : public MetricSource {
   // undefined one on the other ranks.
   absl::StatusOr<torch::Tensor> GatherRows(const torch::Tensor& mine,
                                            const std::vector<core::ShardRange>& ranges);
+  // Every rank's `mine` (one shape and dtype on all ranks) summed on the front, in that dtype;
+  // an undefined tensor on the other ranks. For parts that are zero but on one rank (a tied
+  // embedding's rows, each held by one rank) the sum is exact in any dtype.
+  absl::StatusOr<torch::Tensor> SumToFront(const torch::Tensor& mine);
 
  private:
   // Takes the group down with `failure` if it is a transport failure (the front also declares
