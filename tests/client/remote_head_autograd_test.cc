@@ -315,6 +315,84 @@ TEST_F(RemoteHeadTest, ErrorsAreThrownAsStatusErrors) {
   }
 }
 
+// A tied model (Gemma-like: the input embedding is the head, scaled by sqrt(D), with a padding
+// row): RemoteHead::embed reads the rows from the server and sends their gradient back into the
+// same dW as the head's loss. The loss, the body's gradient and the server's dW (both uses summed)
+// equal the local model's, where one parameter serves both; the micro-batch counts once; a
+// replayed embedding gradient adds nothing; bad input and a stale version change nothing.
+TEST_F(RemoteHeadTest, TiedEmbeddingAndHeadAreOneServedMatrix) {
+  constexpr int64_t kPadding = 5;
+  const double scale = std::sqrt(static_cast<double>(kHidden));
+  const torch::Tensor weight = torch::randn({kVocab, kHidden}, torch::kDouble) * 0.4;
+  ASSERT_TRUE(client_->UploadHead("tied", weight).ok());
+  torch::Tensor ids = torch::randint(kVocab, {3, 7}, torch::kLong);
+  ids.index_put_({0, 0}, ids.index({1, 1}).item<int64_t>());  // a repeated id
+  ids.index_put_({2, 3}, kPadding);
+  labels_ = torch::randint(kVocab, {3, 7}, torch::kLong);
+  torch::nn::Linear body(kHidden, kHidden);
+  body->to(torch::kDouble);
+
+  rc::RemoteHead head = Attach({.head_id = "tied", .gradient_id = rc::GradientId{.trainer = "t"}});
+  const torch::Tensor embedded = head.embed(ids, {.padding_idx = kPadding, .scale = scale});
+  EXPECT_EQ(embedded.sizes(), (std::vector<int64_t>{3, 7, kHidden}));
+  const torch::Tensor loss = head.loss(body->forward(embedded), labels_);
+  loss.backward();
+
+  torch::nn::Linear local_body(kHidden, kHidden);
+  local_body->to(torch::kDouble);
+  {
+    torch::NoGradGuard copy;
+    local_body->weight.copy_(body->weight);
+    local_body->bias.copy_(body->bias);
+  }
+  const torch::Tensor w = weight.clone().requires_grad_();
+  const torch::Tensor local_embedded =
+      F::embedding(ids, w, F::EmbeddingFuncOptions().padding_idx(kPadding)) * scale;
+  const torch::Tensor local_loss = MeanCrossEntropy(
+      F::linear(local_body->forward(local_embedded), w).reshape({-1, kVocab}),
+      labels_.reshape({-1}));
+  local_loss.backward();
+
+  EXPECT_LE(reference::RelativeError(loss.item<double>(), local_loss.item<double>()), 1e-10);
+  EXPECT_LE(reference::RelativeError(body->weight.grad(), local_body->weight.grad()), 1e-10);
+  const rc::HeadGradients grads = ServerGradients("tied");
+  EXPECT_LE(reference::RelativeError(grads.weight_grad, w.grad()), kDwTolerance);
+  EXPECT_EQ(grads.info.accumulated_micro_batches, 1);  // the head's and the embedding's: one
+
+  // The embedding's gradient again under its id (micro-batch 0 of step 0): nothing is added.
+  const torch::Tensor some = torch::tensor({1, 2}, torch::kLong);
+  const torch::Tensor ones = torch::ones({2, kHidden}, torch::kDouble);
+  auto replay = client_->EmbeddingGradient(
+      "tied", some, ones, {.trainer = "t", .step = 0, .micro_batch = 0});
+  ASSERT_TRUE(replay.ok()) << replay.status();
+  EXPECT_TRUE(replay->replayed);
+
+  // Bad input: precise errors, nothing changed.
+  auto outside = client_->EmbeddingLookup("tied", torch::tensor({int64_t{3}, kVocab}, torch::kLong));
+  EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(outside.status().message(),
+            "ids: expected token ids in [0, 97) (the head's vocab_size); got 97 at position 1 (1 "
+            "out of range in all)");
+  auto unread = client_->EmbeddingGradient("tied", some, torch::ones({3, kHidden}),
+                                           {.trainer = "t", .micro_batch = 1});
+  EXPECT_EQ(unread.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unread.status().message(),
+            "grad: expected a floating [2, D] tensor (one row per id); got [3, 12]");
+  auto wider = client_->EmbeddingGradient("tied", some, torch::ones({2, kHidden + 1}),
+                                          {.trainer = "t", .micro_batch = 1});
+  EXPECT_EQ(wider.status().code(), absl::StatusCode::kInvalidArgument) << wider.status();
+  EXPECT_NE(wider.status().message().find("grad_rows"), std::string::npos) << wider.status();
+  ASSERT_TRUE(head.OptimizerStep({.optimizer = rc::Sgd{.lr = 0.1}}).ok());
+  auto stale = client_->EmbeddingGradient("tied", some, ones, {.trainer = "t", .micro_batch = 1},
+                                          /*expected_weight_version=*/0);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
+  EXPECT_NE(stale.status().message().find("header.expected_weight_version"), std::string::npos)
+      << stale.status();
+  const rc::HeadGradients after = ServerGradients("tied");
+  EXPECT_TRUE(torch::equal(after.weight_grad, grads.weight_grad));
+  EXPECT_EQ(after.info.accumulated_micro_batches, 1);
+}
+
 // The example trainer against the real server: it creates its head, trains body and head, and
 // the loss falls from about ln(V) (the head starts near uniform) to well below half of it.
 TEST(ExampleTrainer, LearnsAgainstTheRealServerBinary) {

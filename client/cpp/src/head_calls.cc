@@ -371,4 +371,95 @@ absl::StatusOr<HeadInfo> Client::OptimizerStep(const std::string& head_id,
   return FromWire(response.info());
 }
 
+namespace {
+
+// Token ids as the wire's repeated int64: INVALID_ARGUMENT naming `field` unless int64 [n].
+absl::Status SetIds(const torch::Tensor& ids, const char* field,
+                    google::protobuf::RepeatedField<int64_t>* out) {
+  if (!ids.defined() || ids.dim() != 1 || ids.scalar_type() != torch::kLong) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": expected int64 token ids [n]; got ", ids.defined() ? ShapeOf(ids) : "none"));
+  }
+  const torch::Tensor cpu = ids.cpu().contiguous();
+  out->Add(cpu.data_ptr<int64_t>(), cpu.data_ptr<int64_t>() + cpu.numel());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<EmbeddingRows> Client::EmbeddingLookup(const std::string& head_id,
+                                                      const torch::Tensor& ids,
+                                                      std::optional<torch::ScalarType> dtype,
+                                                      const ExportPin& pin) {
+  v1::EmbeddingLookupRequest request;
+  request.set_head_id(head_id);
+  RETURN_IF_ERROR(SetIds(ids, "ids", request.mutable_ids()));
+  request.set_expected_incarnation(pin.expected_incarnation);
+  if (pin.expected_weight_version.has_value()) {
+    request.set_expected_weight_version(*pin.expected_weight_version);
+  }
+  RETURN_IF_ERROR(RequestDtype(dtype, &request));
+  EmbeddingRows result;
+  RETURN_IF_ERROR(impl_->WithRetries("EmbeddingLookup", [&](grpc::ClientContext* context) {
+    ASSIGN_OR_RETURN(const HeadInfo head, DescribeForStream(*impl_->stub, *context, head_id));
+    result.rows = torch::empty({ids.size(0), head.hidden_size}, dtype.value_or(head.dtype));
+    ResponseRows rows(result.rows, "rows");
+    auto reader = impl_->stub->EmbeddingLookup(context, request);
+    RETURN_IF_ERROR(ReadStream<v1::EmbeddingLookupResponse>(
+        context, *reader, [&](const v1::EmbeddingLookupResponse& response) -> absl::Status {
+          if (response.has_rows()) return rows.Add(response.rows());
+          if (response.has_info()) {
+            result.weight_version = response.info().weight_version();
+            return absl::OkStatus();
+          }
+          return absl::InternalError("response: expected rows or info");
+        }));
+    return rows.CheckComplete();
+  }));
+  return result;
+}
+
+absl::StatusOr<EmbeddingGradientResult> Client::EmbeddingGradient(
+    const std::string& head_id, const torch::Tensor& ids, const torch::Tensor& grad,
+    const GradientId& gradient_id, std::optional<int64_t> expected_weight_version) {
+  v1::EmbeddingGradientRequest header;
+  v1::EmbeddingGradientRequest::Header* h = header.mutable_header();
+  h->set_head_id(head_id);
+  RETURN_IF_ERROR(SetIds(ids, "ids", h->mutable_ids()));
+  // A gradient for rows the lookup did not read is refused here, before anything travels.
+  if (!grad.defined() || grad.dim() != 2 || grad.size(0) != ids.size(0) ||
+      !c10::isFloatingType(grad.scalar_type())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad: expected a floating [", ids.size(0), ", D] tensor (one row per id); got ",
+                     grad.defined() ? ShapeOf(grad) : "none"));
+  }
+  h->mutable_gradient_id()->set_trainer(gradient_id.trainer);
+  h->mutable_gradient_id()->set_step(gradient_id.step);
+  h->mutable_gradient_id()->set_micro_batch(gradient_id.micro_batch);
+  if (expected_weight_version.has_value()) h->set_expected_weight_version(*expected_weight_version);
+  const torch::Tensor rows = wire::ToWireLayout(grad);
+  ASSIGN_OR_RETURN(const auto chunks,
+                   wire::PlanRequestChunks(rows.size(0), rows.size(1) * rows.element_size(),
+                                           wire::FramingBytes(1, 0), options_.chunk_bytes));
+  v1::EmbeddingGradientResponse response;
+  RETURN_IF_ERROR(impl_->WithRetries("EmbeddingGradient", [&](grpc::ClientContext* context) {
+    response.Clear();
+    auto writer = impl_->stub->EmbeddingGradient(context, &response);
+    bool ok = writer->Write(header);
+    for (const auto& [offset, count] : chunks) {
+      if (!ok) break;
+      v1::EmbeddingGradientRequest m;
+      m.mutable_grad_rows()->set_row_offset(offset);
+      wire::EncodeRows(rows, offset, count, m.mutable_grad_rows()->mutable_values());
+      ok = writer->Write(m);
+    }
+    if (ok) writer->WritesDone();
+    return FromGrpc(writer->Finish());
+  }));
+  EmbeddingGradientResult result;
+  result.replayed = response.replayed();
+  ASSIGN_OR_RETURN(result.info, FromWire(response.info()));
+  return result;
+}
+
 }  // namespace remotehead::client

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <mutex>
 #include <random>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -28,12 +29,19 @@ struct RemoteHead::State {
   std::mutex mu;  // guards the counters and the last summary
   int64_t step = 0;
   int64_t micro_batch = 0;
+  int64_t embedding_micro_batch = 0;  // embed() calls within the step
   StepSummary last_summary;
 
   GradientId NextGradientId(const HeadCall& call) {
     if (call.gradient_id.has_value()) return *call.gradient_id;
     std::lock_guard<std::mutex> lock(mu);
     return GradientId{.trainer = trainer, .step = step, .micro_batch = micro_batch++};
+  }
+
+  GradientId NextEmbeddingId(const EmbedCall& call) {
+    if (call.gradient_id.has_value()) return *call.gradient_id;
+    std::lock_guard<std::mutex> lock(mu);
+    return GradientId{.trainer = trainer, .step = step, .micro_batch = embedding_micro_batch++};
   }
 
   void Record(const StepSummary& summary) {
@@ -205,6 +213,55 @@ struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunct
   }
 };
 
+// One embed() call, shared with its autograd node.
+struct EmbedState {
+  std::shared_ptr<State> state;
+  torch::Tensor distinct;   // the distinct ids looked up, int64 [m] on the CPU
+  torch::Tensor inverse;    // each id's place among them, shaped like the ids
+  GradientId gradient_id;
+  int64_t version = 0;      // of the rows read
+  std::optional<int64_t> padding_idx;
+  double scale = 1.0;
+};
+
+struct EmbedHolder : torch::CustomClassHolder {
+  explicit EmbedHolder(std::shared_ptr<EmbedState> e) : embed(std::move(e)) {}
+  std::shared_ptr<EmbedState> embed;
+};
+
+// forward = the rows W[ids] * scale (already looked up); backward = dW[ids] sent to the server.
+// `anchor` is an empty tensor that requires grad: the only input autograd can track (ids are
+// integers, W is on the server), so that the result gets a backward at all.
+struct EmbedFunction : public torch::autograd::Function<EmbedFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& /*anchor*/,
+                               const torch::Tensor& rows, const std::shared_ptr<EmbedState>& e) {
+    ctx->saved_data["embed"] = c10::IValue::make_capsule(c10::make_intrusive<EmbedHolder>(e));
+    return rows;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const torch::Tensor& g = grad_outputs[0];
+    if (!g.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    const std::shared_ptr<EmbedState> e =
+        static_cast<EmbedHolder*>(ctx->saved_data["embed"].toCapsule().get())->embed;
+    const int64_t d = g.size(-1);
+    // Summed per distinct id in float32, as autograd's embedding backward sums repeats.
+    torch::Tensor grad = torch::zeros({e->distinct.size(0), d}, torch::kFloat)
+                             .index_add_(0, e->inverse.reshape({-1}).cpu(),
+                                         g.reshape({-1, d}).to(torch::kCPU, torch::kFloat));
+    if (e->scale != 1.0) grad.mul_(e->scale);
+    torch::Tensor ids = e->distinct;
+    if (e->padding_idx.has_value()) {
+      const torch::Tensor keep = (ids != *e->padding_idx).nonzero().reshape({-1});
+      ids = ids.index_select(0, keep);
+      grad = grad.index_select(0, keep);
+    }
+    ValueOrThrow(e->state->client->EmbeddingGradient(e->state->spec.head_id, ids, grad,
+                                                     e->gradient_id, e->version));
+    return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, StepSpec spec,
@@ -284,10 +341,37 @@ torch::Tensor RemoteHead::token_outputs(const torch::Tensor& hidden, const torch
   return TokenOutputsFunction::apply(hidden, c);
 }
 
+torch::Tensor RemoteHead::embed(const torch::Tensor& ids, const EmbedCall& call) {
+  if (!ids.defined() || ids.scalar_type() != torch::kLong) {
+    throw StatusError(absl::InvalidArgumentError(absl::StrCat(
+        "ids: expected int64 token ids; got ", ids.defined() ? c10::str(ids.scalar_type()) : "none")));
+  }
+  auto e = std::make_shared<EmbedState>();
+  e->state = state_;
+  std::tie(e->distinct, e->inverse, std::ignore) =
+      torch::_unique2(ids.reshape({-1}).cpu(), /*sorted=*/true, /*return_inverse=*/true);
+  e->inverse = e->inverse.reshape(ids.sizes());
+  e->padding_idx = call.padding_idx;
+  e->scale = call.scale;
+  const EmbeddingRows looked_up = ValueOrThrow(
+      state_->client->EmbeddingLookup(state_->spec.head_id, e->distinct, call.dtype));
+  e->version = looked_up.weight_version;
+  std::vector<int64_t> shape = ids.sizes().vec();
+  shape.push_back(looked_up.rows.size(1));
+  torch::Tensor rows = looked_up.rows.index_select(0, e->inverse.reshape({-1})).reshape(shape);
+  if (call.scale != 1.0) rows = rows * call.scale;
+  rows = rows.to(ids.device());
+  if (!(torch::GradMode::is_enabled() && state_->spec.accumulate_weight_grad)) return rows;
+  e->gradient_id = state_->NextEmbeddingId(call);
+  const torch::Tensor anchor = torch::empty({0}, torch::requires_grad());
+  return EmbedFunction::apply(anchor, rows, e);
+}
+
 void RemoteHead::BeginStep(int64_t step) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->step = step;
   state_->micro_batch = 0;
+  state_->embedding_micro_batch = 0;
 }
 
 absl::StatusOr<HeadInfo> RemoteHead::OptimizerStep(const OptimizerStepOptions& options) {

@@ -381,6 +381,17 @@ struct FunctionInfo {
   std::vector<FunctionExtra> extras;      // its per-token diagnostics
 };
 
+// A tied embedding's rows W[ids] (Client::EmbeddingLookup), on the CPU.
+struct EmbeddingRows {
+  torch::Tensor rows;          // [n, D]
+  int64_t weight_version = 0;  // the version they are of: the gradient's expected version
+};
+
+struct EmbeddingGradientResult {
+  bool replayed = false;  // the gradient id had been applied already: nothing was added
+  HeadInfo info;
+};
+
 struct BackwardResult {
   torch::Tensor grad_hidden;  // dX [N, D] in hidden's dtype, on the CPU
   StepSummary summary;
@@ -436,6 +447,21 @@ class Client {
   // the last rank comes, and calling it again returns its answer.
   absl::StatusOr<HeadInfo> OptimizerStep(const std::string& head_id,
                                          const OptimizerStepOptions& options);
+
+  // Tied embeddings (a model whose input embedding is this head; RemoteHead::embed is the
+  // differentiable form). The rows W[ids] (ids int64 [n], each in [0, V); repeats allowed) in
+  // `dtype` (unset: the head's); `pin` as ExportWeights'. On a group every rank reads its rows.
+  absl::StatusOr<EmbeddingRows> EmbeddingLookup(const std::string& head_id,
+                                                const torch::Tensor& ids,
+                                                std::optional<torch::ScalarType> dtype = {},
+                                                const ExportPin& pin = {});
+  // dW[ids] += grad ([n, D], any float dtype; repeated ids add up) on the server, exactly once
+  // per `gradient_id` (kept apart from the head steps' contributions under the same id, so one
+  // micro-batch's head step and embedding gradient share it). `expected_weight_version`: the
+  // version the lookup read (FAILED_PRECONDITION once the head moved on). Retried like a step.
+  absl::StatusOr<EmbeddingGradientResult> EmbeddingGradient(
+      const std::string& head_id, const torch::Tensor& ids, const torch::Tensor& grad,
+      const GradientId& gradient_id, std::optional<int64_t> expected_weight_version = {});
 
   // Every function the server computes (read once per Client and kept: a Forward with
   // reduction NONE shapes its outputs from it).

@@ -91,6 +91,19 @@ struct HeadCall {
   std::optional<GradientId> gradient_id;     // default: (trainer, step, next micro-batch)
 };
 
+// Per-call options of RemoteHead::embed (a tied input embedding served by the head).
+struct EmbedCall {
+  // Its rows get no gradient (torch::nn::Embedding's padding_idx).
+  std::optional<int64_t> padding_idx;
+  // Multiplies the rows, as the model's embedding does (Gemma's sqrt(hidden_size), computed by
+  // the caller in the model's own way and dtype).
+  double scale = 1.0;
+  std::optional<torch::ScalarType> dtype;  // of the rows (default: the head's)
+  // Default: (trainer, step, the step's next embedding micro-batch): the k-th embed() of a step
+  // shares its GradientId with the k-th loss() — the server keeps the two contributions apart.
+  std::optional<GradientId> gradient_id;
+};
+
 class RemoteHead {
  public:
   // `spec` holds the defaults of every call (head_id required). Describes the head once: hidden
@@ -109,6 +122,14 @@ class RemoteHead {
   // hidden's device; the function defaults to token_logprobs. Differentiable w.r.t. hidden.
   torch::Tensor token_outputs(const torch::Tensor& hidden, const torch::Tensor& targets,
                               const HeadCall& call = {});
+
+  // A tied input embedding served by this head: W[ids] * scale, shaped ids.shape + [D], on ids'
+  // device. Differentiable: its backward sends the gradient of the rows — summed per distinct
+  // id in float32, padding_idx's dropped — to be added into the head's dW (Client::
+  // EmbeddingGradient) under the call's gradient id, pinned to the version the lookup read.
+  // Only distinct ids travel. With accumulate_weight_grad off, or without gradients, only the
+  // lookup is made.
+  torch::Tensor embed(const torch::Tensor& ids, const EmbedCall& call = {});
 
   // Starts optimizer step `step`: later calls are micro-batches 0, 1, … of it.
   void BeginStep(int64_t step);
