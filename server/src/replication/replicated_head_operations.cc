@@ -36,10 +36,10 @@ absl::Status ReplicatedHeadOperations::RunOnEveryRank(const v1::GroupCommand& co
 
 absl::Status ReplicatedHeadOperations::RunInReplica(const v1::GroupCommand& command,
                                                     const std::function<absl::Status()>& here,
-                                                    bool creates, bool local_last) {
+                                                    bool creates) {
   if (group_ == nullptr) return here();
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
-  const absl::Status status = RunCommand(lane, command, here, local_last);
+  const absl::Status status = RunCommand(lane, command, here);
   // Some ranks may have created the head (another's budget refused it): undone everywhere.
   return UndoFailedCreate(lane, command, creates, status, [&](const v1::GroupCommand&) {
     return local_->UndoCreate(CreatedHead(command));
@@ -129,7 +129,10 @@ absl::StatusOr<EmbeddingGradientOutcome> ReplicatedHeadOperations::AddEmbeddingG
                                                version_field);
         return outcome.status();
       },
-      /*creates=*/false, /*local_last=*/true);
+      // The front's part is not last (as a step's commit is): every rank's part begins with the
+      // front's broadcast of the rows. The checks above are every rank's, on the same log, so
+      // the ranks commit alike.
+      /*creates=*/false);
   if (!status.ok()) return status;
   return outcome;
 }

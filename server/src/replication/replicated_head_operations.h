@@ -66,7 +66,7 @@ class ReplicatedHeadOperations {
   // Tied embeddings, on every rank of this replica (its weights are every replica's; its dW its
   // own trainers' part, summed over the replicas at the mesh's step). `ids` are checked against
   // the head first (INVALID_ARGUMENT naming `ids_field`), the gradient's `rows` too
-  // (`rows_field`), before any rank is asked; the gradient is committed on the front last.
+  // (`rows_field`), before any rank is asked.
   absl::StatusOr<HeadSnapshot> LookupEmbedding(const std::string& id, const torch::Tensor& ids,
                                                std::optional<torch::ScalarType> dtype,
                                                const std::string& ids_field);
@@ -131,10 +131,8 @@ class ReplicatedHeadOperations {
   absl::Status RunOnEveryRank(const v1::GroupCommand& command,
                               const std::function<absl::Status()>& here, bool creates = false,
                               Reach reach = Reach::kMesh);
-  // `local_last`: `here` runs after every other rank replied (a commit: HeadGroup::Lane::Run).
   absl::Status RunInReplica(const v1::GroupCommand& command,
-                            const std::function<absl::Status()>& here, bool creates,
-                            bool local_last = false);
+                            const std::function<absl::Status()>& here, bool creates);
   // After `command` ran on `lane`'s group with `status`: a creation that failed for a reason of
   // its own (not the transport's) undone on every rank (`undo_here`: this process's part of the
   // undo command); returns `status`, or the undo's failure.
