@@ -126,11 +126,3 @@ def test_lora_with_a_frozen_head_matches_a_local_run(client):
     _, _, info = client.fetch_gradients("llama-lora")
     assert info.accumulated_micro_batches == 0
     client.drop_head("llama-lora")
-
-
-def test_tied_embeddings_need_local_gradients(client):
-    config = tiny_llama().config
-    config.tie_word_embeddings = True
-    model = transformers.LlamaForCausalLM(config)
-    with pytest.raises(ValueError, match='gradients: expected "local" for a model with tied'):
-        remotehead.hf.offload_lm_head(model, client, "llama-tied")

@@ -2,9 +2,11 @@
 
 offload_lm_head in server mode releases the local W; then, against a tiny Llama built from a
 config (fixed seeds) and a real server:
-- the released parameter keeps its shape, dtype and place in state_dict() and costs no memory
+- the released weight keeps its shape, dtype and place in state_dict() and costs no memory
   (measured: the process's resident memory drops by W's size; W is larger than glibc's largest
-  mmap threshold, so its pages go back to the system when freed);
+  mmap threshold, so its pages go back to the system when freed); it is no longer one of the
+  module's parameters (what FSDP2 shards, DDP broadcasts and optimizers take), and
+  model.to(dtype / device) converts its one element;
 - generate() with the head on the server gives the same tokens as the same model with its own
   lm_head: greedy, and seeded sampling (top-k, top-p, temperature) with the same generator; each
   decode step asks the server for one row of logits per sequence (logits_to_keep);
@@ -15,7 +17,9 @@ config (fixed seeds) and a real server:
 - save_pretrained writes the server's current head (streamed): from_pretrained of the result
   holds bit-exactly the server's W and the body's weights; offloading the loaded model uploads
   that W and frees the copy;
-- loading a state dict into the offloaded model (Trainer's resume) sets the server's head.
+- loading a state dict into the offloaded model (Trainer's resume) sets the server's head,
+  strictly (its own state dict and a full one load with strict=True); a head of another shape
+  is refused as a parameter's would be, nothing uploaded.
 Tolerances: logits are compared at fp32 rounding (relative 1e-5); tokens exactly.
 """
 
@@ -88,7 +92,8 @@ def test_released_parameter_keeps_its_place_and_costs_no_memory(client):
     head.release_local_copy()
     freed = before - resident_bytes()
     assert not head.has_local_copy
-    assert model.lm_head.weight is weight  # the same parameter object, in the module
+    assert model.lm_head.weight is weight  # the same object, the module's attribute
+    assert all(p is not weight for p in model.parameters())  # but no parameter (FSDP2)
     assert weight.shape == (40000, 320) and weight.dtype == torch.float32
     assert model.state_dict()["lm_head.weight"].shape == (40000, 320)
     assert weight.untyped_storage().nbytes() == weight.element_size()
@@ -262,4 +267,23 @@ def test_loading_a_state_dict_sets_the_server_head(client):
     # Its own state dict (the released parameter) loads back without touching the server.
     remote.load_state_dict(remote.state_dict())
     assert torch.equal(client.export_weights("no-copy-load")[0], weight)
+    # A head of another shape: refused as load_state_dict refuses a parameter's, not uploaded.
+    state["lm_head.weight"] = torch.zeros(VOCAB + 1, 32)
+    with pytest.raises(RuntimeError, match=r"size mismatch for lm_head.weight.*\(258, 32\)"):
+        remote.load_state_dict(state)
+    assert torch.equal(client.export_weights("no-copy-load")[0], weight)
     client.drop_head("no-copy-load")
+
+
+def test_moving_or_casting_the_model_converts_the_released_weights_one_element(client):
+    _, remote, head = offloaded(client, "no-copy-cast")
+    weight = remote.lm_head.weight
+    remote.to(torch.bfloat16)
+    assert remote.lm_head.weight is weight and weight.dtype == torch.bfloat16
+    assert weight.shape == (VOCAB, 32) and weight.untyped_storage().nbytes() == 2
+    assert remote.model.norm.weight.dtype == torch.bfloat16
+    remote.to("meta")  # what accelerate's CPU-RAM-efficient FSDP2 loading does
+    assert remote.lm_head.weight.device.type == "meta"
+    assert remote.lm_head.weight.shape == (VOCAB, 32)
+    assert "lm_head.weight" in remote.state_dict()
+    client.drop_head("no-copy-cast")

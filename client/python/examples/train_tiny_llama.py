@@ -19,6 +19,12 @@ in training, tokens/s; then the saving. The vocabulary is a model's, larger than
 tokenizer learns from this small corpus: the unused rows cost what they cost in any model, and
 the head's memory is what this compares.
 
+--tied: a tiny Gemma-3-like model instead (Gemma3ForCausalLM: tied input embedding and head,
+embeddings scaled by sqrt(hidden), vocabulary 262,208): the local runs keep the one tied matrix
+(its gradient and AdamW state too), the remote run's embedding and head are both served (the
+trainer holds no [V, D] tensor at all); the table gains the bytes of [V, D] tensors each trainer
+held at the end (parameters, gradients, optimizer state).
+
 --trainers W (W > 1): the cluster. The local and remote runs again with W data-parallel trainer
 processes (torchrun, gloo, CPU; --batch stays the global micro-batch, each rank takes 1/W of it,
 so every W sees the same global batches and, with transformers' average_tokens_across_devices,
@@ -50,6 +56,7 @@ COLUMN = {name: heading for name, heading, _ in VARIANTS}
 # The closing line's bar: the remote head's trainer peak against the local head's (the seed
 # challenge's target).
 PEAK_SHARE_TARGET = 0.5
+LLAMA3_VOCAB, GEMMA3_VOCAB = 128256, 262208
 
 
 def parse_args(argv=None):
@@ -61,7 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--accumulation", type=int, default=2, help="micro-batches per step")
     p.add_argument("--seq", type=int, default=512, help="tokens per sequence")
-    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--vocab", type=int, default=None,
+                   help="the vocabulary (default: Llama 3's 128,256; Gemma 3's 262,208 with "
+                        "--tied)")
+    p.add_argument("--tied", action="store_true",
+                   help="a Gemma-3-like model: tied input embedding and head, scaled embeddings")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--plot", default="remotehead-main-job.png",
@@ -76,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--target", help=argparse.SUPPRESS)
     p.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.vocab is None:
+        args.vocab = GEMMA3_VOCAB if args.tied else LLAMA3_VOCAB
     if args.trainers < 1 or args.batch % args.trainers:
         p.error(f"--trainers: expected a divisor of --batch ({args.batch}); got {args.trainers}")
     return args
@@ -172,6 +185,40 @@ def use_torch_linear_cross_entropy(model) -> None:
     remotehead.hf.route_causal_lm_loss(model, loss)
 
 
+def build_model(args, transformers):
+    """The tiny model: a Llama with its own lm_head, or (--tied) a Gemma-3-like model whose
+    scaled input embedding is its head."""
+    shape = dict(vocab_size=args.vocab, hidden_size=args.hidden,
+                 intermediate_size=2 * args.hidden, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=args.seq)
+    if args.tied:
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **shape, head_dim=args.hidden // 4, tie_word_embeddings=True,
+            sliding_window=args.seq))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape,
+                                                                  tie_word_embeddings=False))
+
+
+def vocab_matrix_bytes(trainer, args) -> int:
+    """Bytes of the [V, D] tensors the trainer holds at the end of training: parameters,
+    their gradients, the optimizer's state (each storage once)."""
+    import torch
+
+    seen, total = set(), 0
+    tensors = [p for p in trainer.model.parameters()]
+    tensors += [p.grad for p in tensors if p.grad is not None]
+    if trainer.optimizer is not None:
+        tensors += [v for state in trainer.optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if tuple(t.shape) == (args.vocab, args.hidden):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
 def run_one(args) -> dict:
     """One training run in this process; returns its measurements."""
     import torch
@@ -185,12 +232,8 @@ def run_one(args) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     data = corpus_token_windows(args)
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=args.seq, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).float()
+    model = build_model(args, transformers).float()
     callbacks = []
     client = None
     if args.variant == "remote":
@@ -247,7 +290,7 @@ def run_one(args) -> dict:
             client.drop_head("tiny-llama")
         client.close()
     tokens = args.steps * args.accumulation * args.batch * args.seq
-    return {"variant": args.variant, "world_size": world, "rank": rank,
+    return {"variant": args.variant, "vd_bytes": vocab_matrix_bytes(trainer, args), "world_size": world, "rank": rank,
             "losses": losses, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "peak_mib": peak,
             "rss_before_training_mib": before,
@@ -259,7 +302,8 @@ def run_variant(args, variant: str, target: str = "", world: int = 1) -> list:
     torchrun); each process's result, by rank."""
     flags = [f"--variant={variant}", f"--target={target}",
              *[f"--{k}={getattr(args, k)}" for k in
-               ("steps", "batch", "accumulation", "seq", "vocab", "hidden", "lr")]]
+               ("steps", "batch", "accumulation", "seq", "vocab", "hidden", "lr")],
+             *(["--tied"] if args.tied else [])]
     if world == 1:
         child = [sys.executable, __file__, *flags]
         out = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True).stdout
@@ -339,6 +383,7 @@ def print_table(results) -> None:
         ("  before training (MiB)", lambda r: r["rss_before_training_mib"], "{:.0f}"),
         ("  growth in training (MiB)", growth, "{:.0f}"),
         ("tokens/s", lambda r: r["tokens_per_second"], "{:.0f}"),
+        ("[V, D] tensors held (MiB)", lambda r: r["vd_bytes"] / 2**20, "{:.1f}"),
     ]
     print()
     print(f"{'':30}" + "".join(f"{heading:>16}" for heading in COLUMN.values()))
@@ -369,7 +414,8 @@ def plot(results, args, path: str) -> None:
     fig, (memory, loss) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True,
                                        gridspec_kw={"height_ratios": [3, 2]})
     tokens = args.batch * args.accumulation * args.seq
-    fig.suptitle(f"tiny Llama, vocab {args.vocab:,}, {args.steps} steps of {tokens:,} tokens "
+    model = "tiny Gemma-3-like, tied" if args.tied else "tiny Llama"
+    fig.suptitle(f"{model}, vocab {args.vocab:,}, {args.steps} steps of {tokens:,} tokens "
                  f"({args.accumulation} micro-batches), CPU")
     colors = ("tab:red", "tab:orange", "tab:blue")
     for i, ((name, heading, style), color) in enumerate(zip(VARIANTS, colors)):
@@ -405,9 +451,16 @@ def main(argv=None) -> int:
             path.write_text(json.dumps(result))
         else:
             print("RESULT " + json.dumps(result), flush=True)
+        # Under torchrun Trainer made a process group: every rank done, then it is torn down
+        # before the interpreter exits (docs/data-parallel.md, "Ending the processes").
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
         return 0
     tokens = args.batch * args.seq
-    print(f"main job: tiny Llama (2 layers, hidden {args.hidden}, vocab {args.vocab:,}), "
+    model = "tiny Gemma-3-like model, tied and scaled embeddings" if args.tied else "tiny Llama"
+    print(f"main job: {model} (2 layers, hidden {args.hidden}, vocab {args.vocab:,}), "
           f"{args.steps} steps of {args.accumulation} micro-batches x {tokens:,} tokens; "
           f"local logits: {tokens * args.vocab * 4 / 2**30:.2f} GiB per micro-batch (fp32); CPU",
           flush=True)

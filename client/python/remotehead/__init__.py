@@ -6,6 +6,12 @@
     loss = head.loss(hidden, labels)   # the [N, V] logits are never built here
     loss.backward()                    # hidden.grad from the server's dX; dW accumulates there
 
+A tied input embedding (the head's W is also the model's embedding matrix) served from the same
+head, its gradient added into the same dW (remotehead.hf.offload_lm_head does this for a Hugging
+Face model):
+
+    embed = remotehead.RemoteEmbedding(head, padding_idx=pad, embed_scale=scale)
+
 Distillation: a frozen teacher head beside the student's (docs/distillation.md):
 
     client.upload_head("teacher", teacher.lm_head.weight, frozen=True)
@@ -25,11 +31,12 @@ from remotehead.client import Client, HeadInfo, StepResult, StepSummary, StepTim
 from remotehead.step_options import GradientId, StepOptions
 from remotehead.functions import FunctionInfo, ParamInfo
 from remotehead.autograd import RemoteHead, upstream_matches_declared
+from remotehead.embedding import RemoteEmbedding
 
 __all__ = ["Client", "FunctionInfo", "GradientId", "GroupUnavailableError", "HeadExistsError",
            "HeadFrozenError", "HeadInfo", "HeadNotFoundError", "InvalidArgumentError",
            "NotTheFrontError", "NotTheLeaderError", "ParamInfo", "RanksDisagreeError",
-           "RanksMissingError", "RemoteHead", "RemoteheadError", "ReplicasDivergedError",
+           "RanksMissingError", "RemoteEmbedding", "RemoteHead", "RemoteheadError", "ReplicasDivergedError",
            "ServerRestartedError", "StepOptions", "StepResult", "StepSummary", "StepTimings",
            "TeacherIncompatibleError", "WeightVersionMismatchError", "WrongReplicaError",
            "upstream_matches_declared"]

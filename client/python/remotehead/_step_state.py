@@ -30,16 +30,32 @@ class StepState:
             trainer or (start.trainer if start is not None and start.trainer else None))
         self.step = start.step if start is not None else 0
         self.micro_batch = start.micro_batch if start is not None else 0
+        # Whether a tied embedding's lookup took the current micro-batch's identity (its head
+        # step not made yet): embedding_gradient_id.
+        self._embedding_took_micro_batch = False
 
     def next_gradient_id(self) -> GradientId:
         """The identity of this micro-batch's contribution; the next call gets the next one."""
         gradient_id = GradientId(self.trainer, self.step, self.micro_batch)
         self.micro_batch += 1
+        self._embedding_took_micro_batch = False
         return gradient_id
+
+    def embedding_gradient_id(self) -> GradientId:
+        """The identity of a tied embedding's gradient (remotehead.RemoteEmbedding), taken at its
+        lookup: the one the head step of the same micro-batch will carry (the lookup comes
+        first in the model's forward). The server keeps the two contributions apart and counts
+        the micro-batch once. A second lookup before that step (two forwards in one micro-batch)
+        starts a micro-batch of its own, so no two embedding gradients share an identity."""
+        if self._embedding_took_micro_batch:
+            self.micro_batch += 1
+        self._embedding_took_micro_batch = True
+        return GradientId(self.trainer, self.step, self.micro_batch)
 
     def next_step(self) -> None:
         self.step += 1
         self.micro_batch = 0
+        self._embedding_took_micro_batch = False
 
     def optimizer_step_arguments(self, optimizer: dict) -> dict:
         """Client.optimizer_step's arguments `optimizer`, with what this trainer's step is
@@ -61,3 +77,4 @@ class StepState:
         self.incarnation = info.incarnation
         if step is not None:
             self.step, self.micro_batch = step, 0
+            self._embedding_took_micro_batch = False

@@ -66,6 +66,22 @@ def _loss_tensor(loss: float, hidden: torch.Tensor) -> torch.Tensor:
     return torch.tensor(loss, dtype=dtype, device=hidden.device)
 
 
+def _check_plain_rows(t: Optional[torch.Tensor], field: str) -> None:
+    """Refuses hidden states that are a DTensor (a tensor- or sequence-parallel body: each rank
+    holds a shard or a replica of the rows): sending its local part would drop rows or count
+    them twice. Refused with what to do rather than guessed."""
+    if t is None or not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        raise InvalidArgumentError(
+            f"{field}: expected a torch.Tensor; got a DTensor (placements {tuple(t.placements)} "
+            f"on {t.device_mesh}: a tensor- or sequence-parallel body). The head takes plain "
+            f"rows: call {field}.full_tensor() (or redistribute(placements=[Replicate()])"
+            f".to_local()) before the head, or leave the last hidden states out of the "
+            f"parallel plan (FSDP2 and DDP bodies give plain tensors)")
+
+
 @dataclasses.dataclass
 class _Inputs:
     """The per-token inputs of one call, besides hidden and targets."""
@@ -279,6 +295,8 @@ class RemoteHead:
         pull of dW into local_weight.grad (e.g. until the last micro-batch of a
         gradient-accumulation window). labels None: a function that needs no targets, every
         row counted."""
+        _check_plain_rows(hidden, "hidden")
+        _check_plain_rows(teacher_hidden, "teacher_hidden")
         self.push_weights()
         gradients = torch.is_grad_enabled() and hidden.requires_grad
         options = self._call_options(overrides, gradients, two_phase=False)
@@ -346,6 +364,8 @@ class RemoteHead:
         trainer combines them as it likes and backward() sends dL/dy to the server (dW
         accumulated there). The Forward keeps its rows on the server (retain_inputs_seconds,
         default `retain_seconds`) so that the Backward sends only dL/dy."""
+        _check_plain_rows(hidden, "hidden")
+        _check_plain_rows(teacher_hidden, "teacher_hidden")
         self.push_weights()
         gradients = torch.is_grad_enabled() and hidden.requires_grad
         overrides = {**overrides, "function": function, "reduction": "none"}

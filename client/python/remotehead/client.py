@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Uni
 import grpc
 import torch
 
-from remotehead import _errors, _safetensors, _steps, _wire
+from remotehead import _embedding_calls, _errors, _safetensors, _steps, _wire
 from remotehead._striping import merged_responses
 # Re-exported: remotehead.client.X is where these have always been imported from.
 from remotehead._errors import (InvalidArgumentError, RemoteheadError,  # noqa: F401
@@ -386,6 +386,35 @@ class Client:
             return _info(self._unary(self._stub.OptimizerStep, request, retry=True).info)
         return _info(self._to_leader(
             lambda stub: self._unary(stub.OptimizerStep, request, retry=False)).info)
+
+    # ----- tied embeddings (remotehead.RemoteEmbedding; _embedding_calls.py) -----
+
+    def embedding_lookup(self, head_id: str, ids, *, dtype: Optional[torch.dtype] = None,
+                         expected_incarnation: str = "",
+                         expected_weight_version: Optional[int] = None
+                         ) -> Tuple[torch.Tensor, int]:
+        """(W[ids] [n, D] in `dtype` (default the head's), the weight version they are of).
+        ids: int [n], repeats allowed. Pins as export_weights_to_safetensors'."""
+        request = _embedding_calls.lookup_request(head_id, ids, dtype, expected_incarnation,
+                                                  expected_weight_version)
+        parts = self._read_row_stream(self._stub.EmbeddingLookup, request)
+        info = parts["info"]
+        return (_embedding_calls.lookup_rows(parts.get("rows"), len(request.ids), info, dtype),
+                info.weight_version)
+
+    def embedding_gradient(self, head_id: str, ids, grad: torch.Tensor, *, gradient_id,
+                           expected_incarnation: str = "",
+                           expected_weight_version: Optional[int] = None
+                           ) -> "_embedding_calls.EmbeddingGradientResult":
+        """dW[ids] += grad [n, D] (any float dtype; repeats add up), exactly once per
+        gradient_id (kept apart from the head steps' under the same id); expected_weight_version:
+        the lookup's. Retried after UNAVAILABLE, same id. Returns (replayed, info)."""
+        messages = _embedding_calls.gradient_messages(
+            head_id, ids, grad, gradient_id, expected_incarnation, expected_weight_version,
+            self._chunk_bytes)
+        response = self._call(lambda: self._stub.EmbeddingGradient(messages(),
+                                                                   timeout=self._timeout))
+        return _embedding_calls.EmbeddingGradientResult(response.replayed, _info(response.info))
 
     # ----- durable training state (a server started with --state_dir) -----
 

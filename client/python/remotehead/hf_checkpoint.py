@@ -109,11 +109,16 @@ def _save(model, head, original, call: inspect.BoundArguments) -> None:
     arguments = call.arguments
     _refuse_unsupported(arguments)
     name = _parameter_name(model, head.lm_head.weight)
+    # A tied head (remotehead.hf.tied) is one tensor under two names: written once, under the
+    # input embedding's name as transformers writes a tied model; neither is the body's.
+    tied_names = tuple(getattr(head, "tied_names", ()))
+    name = tied_names[0] if tied_names else name
     state_dict = arguments["state_dict"]
     if state_dict is None:
         state_dict = model.state_dict()
     # The head comes from the server, whatever the local parameter holds (released, or a copy).
-    arguments["state_dict"] = {k: v for k, v in state_dict.items() if k != name}
+    arguments["state_dict"] = {k: v for k, v in state_dict.items()
+                               if k != name and k not in tied_names}
     writes = getattr(model, "should_save_on_this_rank", lambda main: main)
     if writes(arguments["is_main_process"]):
         _save_and_publish(head, original, call, name)
@@ -154,9 +159,14 @@ def _refuse_unsupported(arguments: dict) -> None:
 
 
 def _parameter_name(model, parameter) -> str:
+    """The head's name in the model's state dict: its parameter's, or, for a released head
+    (remotehead.hf.surgery: the lm_head's attribute `weight`, no parameter), the lm_head's."""
     for name, p in model.named_parameters(remove_duplicate=False):
         if p is parameter:
             return name
+    for name, module in model.named_modules(remove_duplicate=False):
+        if module.__dict__.get("weight") is parameter:
+            return f"{name}.weight" if name else "weight"
     raise ValueError("lm_head.weight: expected a parameter of the model; not found")
 
 

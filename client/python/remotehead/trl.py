@@ -43,8 +43,9 @@ trainer keeps no copy of W: generation gets the last position's logits from the 
 checkpoints stream the head from it — with keep_local_copy=True the local lm_head generates and
 is refreshed from the server before the next generation or save; `max_grad_norm` clips the local
 parameters only) or `gradients="local"` (dW
-pulled into the lm_head parameter, which the trainer's optimizer and clipping see; needed for
-tied embeddings); a head that PEFT froze gets dX only. Refused: vLLM generation, an entropy
+pulled into the lm_head parameter, which the trainer's optimizer and clipping see); a head that
+PEFT froze gets dX only. A tied model's input embedding (the policy's and the reference's) is
+served by its head in server mode (remotehead.hf.tied). Refused: vLLM generation, an entropy
 bonus (entropies have no gradient here), an MoE router loss, sync_ref_model, logit scales
 other than temperature and softcap, adapters on the head.
 

@@ -27,9 +27,15 @@ pinned to the version the trainer holds, and publishes the checkpoint whole or n
 head. keep_local_copy=True keeps a frozen local copy for local generation, refreshed by
 `sync_lm_head()`.
 
+A model whose input embedding is its head (tied: Gemma, Llama 3.2, Qwen) takes the same call: in
+server mode the input embedding is served by the same head too (remotehead.hf.tied: its rows
+read from the server, their gradient added into the head's dW), so the trainer holds no [V, D]
+tensor at all.
+
 The package, one concern a module (its names are all importable from remotehead.hf):
 surgery.py, the model's head moved to the server (offload_lm_head, OffloadedHead,
-route_causal_lm_loss); generation.py, decoding with the tokens drawn on the server (generate,
+route_causal_lm_loss); tied.py, a tied model's input embedding served by its head
+(TiedOffloadedHead, ServedEmbedding); generation.py, decoding with the tokens drawn on the server (generate,
 head_params); trainer.py, transformers' Trainer glue (RemoteHeadCallback,
 accumulation_window_ends); the checkpoints, remotehead.hf_checkpoint.
 """

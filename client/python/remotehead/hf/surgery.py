@@ -61,9 +61,10 @@ class OffloadedHead(RemoteHead):
             self.sync_lm_head()
 
     def release_local_copy(self) -> None:
-        """Frees the storage of the model's lm_head weight (the parameter object stays, with its
-        shape, dtype and device, backed by one element) and routes the lm_head module, the model's
-        checkpoints and state-dict loading to the server."""
+        """Frees the storage of the model's lm_head weight (the tensor object stays
+        `lm_head.weight`, with its shape, dtype and device, backed by one element, but is no
+        longer one of the module's parameters: _hold_released) and routes the lm_head module,
+        the model's checkpoints and state-dict loading to the server."""
         if not self.has_local_copy:
             return
         lm_head = self.lm_head
@@ -71,10 +72,12 @@ class OffloadedHead(RemoteHead):
         with torch.no_grad():
             weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(
                 weight.shape)
+        _hold_released(lm_head, self._model)
         self.has_local_copy = False
         lm_head.forward = self._server_logits
         lm_head._apply = _keeping_released(lm_head)
         lm_head._register_load_state_dict_pre_hook(self._load_weight_into_server)
+        lm_head.register_load_state_dict_pre_hook(_released_entry_loaded)
         self.checkpoint_from_server()
 
     def checkpoint_from_server(self) -> None:
@@ -121,23 +124,72 @@ class OffloadedHead(RemoteHead):
 
 
 def _keeping_released(lm_head: torch.nn.Module):
-    """The lm_head's Module._apply (what .to(), .cuda(), .half() run) for a released weight:
-    the conversion is applied to its one element and the result expanded again. Converting the
-    expanded tensor itself would allocate the whole [V, D] — measured: Trainer's model.to(device)
-    under torchrun did, on every rank."""
+    """The lm_head's Module._apply (what .to(), .cuda(), .half(), .to_empty() run) for a
+    released weight, which Module._apply no longer converts (it is no parameter: _hold_released):
+    the conversion is applied to its one element and the result expanded again, so that the
+    weight follows the model's device and dtype. Converting the expanded tensor itself would
+    allocate the whole [V, D] — measured: Trainer's model.to(device) under torchrun did, on every
+    rank."""
     original = lm_head._apply
 
     def apply(fn, *args, **kwargs):
-        shape = lm_head.weight.shape
+        result = original(fn, *args, **kwargs)
+        weight = lm_head.weight
         with torch.no_grad():
-            lm_head.weight.data = lm_head.weight.data[(0,) * len(shape)]
-        try:
-            return original(fn, *args, **kwargs)
-        finally:
-            with torch.no_grad():
-                lm_head.weight.data = lm_head.weight.data.expand(shape)
+            converted = fn(weight.data[(0,) * weight.dim()]).expand(weight.shape)
+        if torch._has_compatible_shallow_copy_type(weight, converted):
+            weight.data = converted  # the same object, as Module._apply keeps parameters
+        else:
+            replacement = torch.nn.Parameter(converted, requires_grad=False)
+            replacement.__dict__.update(weight.__dict__)  # attributes set on it (remotehead.trl)
+            lm_head.__dict__["weight"] = replacement
+        return result
 
     return apply
+
+
+def _hold_released(lm_head: torch.nn.Module, model) -> None:
+    """Takes the released weight out of lm_head's parameters and keeps the same object as the
+    plain attribute `lm_head.weight` (shape, dtype and device queries answer as before), so that
+    nothing that walks, shards, moves or broadcasts the model's parameters or buffers sees it:
+    FSDP2's fully_shard refuses a broadcast (zero-stride) parameter, and moving it (FSDP2 moves
+    parameters and buffers to its device, DDP broadcasts them) would materialise [V, D].
+
+    `state_dict()` still lists it under its name (the released tensor: the key transformers'
+    checkpoint loading and Trainer's resume compare), except once the model is sharded by FSDP2
+    (fully_shard on the root, as accelerate does): its state dicts are gathered by
+    torch.distributed.checkpoint, which would copy a plain tensor whole, and accelerate's
+    sharded loading expects every entry to be a DTensor."""
+    weight = lm_head._parameters.pop("weight")
+    lm_head.__dict__["weight"] = weight
+
+    def listed(module, state_dict, prefix, local_metadata):
+        if not _fully_sharded(model):
+            state_dict[prefix + "weight"] = module.weight.detach()
+
+    lm_head.register_state_dict_post_hook(listed)
+
+
+def _released_entry_loaded(lm_head, state_dict, prefix, local_metadata, strict, missing_keys,
+                           unexpected_keys, error_msgs) -> None:
+    """Takes the head's entry out of a state dict being loaded into a released lm_head, after
+    OffloadedHead._load_weight_into_server has sent it to the server (lm_head has no parameter
+    to load it into: it would be an unexpected key); an entry of another shape is reported as
+    load_state_dict reports a parameter's."""
+    value = state_dict.pop(prefix + "weight", None)
+    expected = tuple(lm_head.weight.shape)
+    if value is not None and tuple(value.shape) != expected:
+        error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
+                          f"{tuple(value.shape)} from checkpoint, the shape in current model is "
+                          f"{expected}.")
+
+
+def _fully_sharded(model) -> bool:
+    """Whether `model` is sharded by FSDP2 (torch.distributed.fsdp.fully_shard on it)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
 
 
 def _is_released(t: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -166,11 +218,16 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     gradients="local": the lm_head parameter stays the trainer's: its dW is pulled into
         lm_head.weight.grad at the end of each accumulation window (before gradient clipping)
         and the local optimizer updates it; the server is sent the new weights before the next
-        step. Tied input embeddings need this mode.
+        step. With tied input embeddings the matrix then stays the trainer's embedding too.
+    Tied input embeddings (lm_head.weight is the input embedding's) in server mode or frozen:
+        the server serves the input embedding too (remotehead.hf.tied): the model's embedding
+        module becomes a RemoteEmbedding of the same head, whose gradient the server adds into
+        the same dW; the trainer holds no [V, D] tensor at all.
     keep_local_copy: None (default) releases the local W wherever the trainer does not own it:
         in server mode and for a frozen head; it is kept where it is the trainer's parameter
-        (gradients="local") or the input embedding (tied embeddings: the matrix stays, and
-        keep_local_copy=False then warns that it does). True keeps it in every mode.
+        (gradients="local", tied or not: keep_local_copy=False then warns that it stays). True
+        keeps a frozen copy of the lm_head in every mode (a tied model's input embedding is
+        still served).
 
     Data-parallel trainers (torchrun, accelerate launch: remotehead.cluster finds the rank and
     world size) make the same call on every rank: rank 0 uploads, the others wait for the head
@@ -182,25 +239,26 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
     trainable = trainable and not frozen
     lm_head = model.get_output_embeddings()
     tied = lm_head.weight is model.get_input_embeddings().weight
-    if tied and trainable and gradients == "server":
-        # The server would update the head while the input embeddings (the same tensor) stay.
-        raise ValueError('gradients: expected "local" for a model with tied input embeddings '
-                         '(the embedding matrix is the head and must stay one parameter); got '
-                         '"server"')
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("lm_head.bias: expected none (causal LMs have no head bias); got one")
     cluster = cluster_lib.detect()
     _share_head(client, head_id, lm_head.weight, cluster, upload, frozen)
     local = trainable and gradients == "local"
-    head = OffloadedHead(model, client, head_id, trainer=trainer, accumulate=trainable,
-                         local_weight=lm_head.weight if local else None, cluster=cluster)
+    head_class = OffloadedHead
+    if tied and not local:  # the input embedding is served by the same head
+        from remotehead.hf.tied import TiedOffloadedHead, serve_input_embedding
+        head_class = TiedOffloadedHead
+    head = head_class(model, client, head_id, trainer=trainer, accumulate=trainable,
+                      local_weight=lm_head.weight if local else None, cluster=cluster)
     if trainable and not local:
         # Trained on the server: keeps the local copy out of the local optimizer.
         lm_head.weight.requires_grad_(False)
-    if tied and keep_local_copy is False:
+    if tied and local and keep_local_copy is False:
         warnings.warn("remotehead: lm_head is tied to the input embeddings: the local matrix is "
                       "the embedding and stays (keep_local_copy=False has no effect)")
-    if not (tied or local):
+    if tied and not local:
+        serve_input_embedding(model, head)
+    if not local:
         # The server's head is the trained one: a kept local copy is refreshed only for
         # generation, so checkpoints take the head from the server in every case; DDP must
         # neither broadcast nor reduce it.
@@ -209,13 +267,18 @@ def offload_lm_head(model, client: Client, head_id: str, *, trainable: bool = Tr
         if not keep_local_copy:
             head.release_local_copy()
 
+    # The architecture's final logit soft-capping (Gemma 2 and 3) in its loss, as its forward
+    # applies it to the logits before transformers' loss.
+    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    cap = {"params": {"softcap": float(softcap)}} if softcap else {}
+
     def loss(hidden, shifted, num_items_in_batch):
         pull = accumulation_window_ends()
         if num_items_in_batch is not None:
             return head.loss(hidden, shifted, reduction="sum",
                              normalizer=float(num_items_in_batch), pull_gradients=pull,
-                             upstream_scale=head.trainer_loss_scale)
-        return head.loss(hidden, shifted, reduction="mean", pull_gradients=pull)
+                             upstream_scale=head.trainer_loss_scale, **cap)
+        return head.loss(hidden, shifted, reduction="mean", pull_gradients=pull, **cap)
 
     route_causal_lm_loss(model, loss)
     model._remotehead = head
@@ -269,7 +332,10 @@ def route_causal_lm_loss(model, loss) -> None:
     """Makes a causal LM's forward with labels run only its body and
     return `loss(hidden, shifted_labels, num_items_in_batch)` — no [N, V] logits are built
     here. `shifted_labels` are the labels shifted left and padded with -100, so that hidden
-    state n predicts token n + 1, as transformers' ForCausalLMLoss; `loss` reduces over the
+    state n predicts token n + 1, as transformers' ForCausalLMLoss (which, like this, takes a
+    batch's `shift_labels` as they are when given; packed batches of DataCollatorWithFlattening
+    need nothing more: their -100 at each sequence's first token stops one sequence's last
+    position predicting the next one's first token); `loss` reduces over the
     valid tokens: sum / num_items_in_batch when that is given (the Trainer's gradient
     accumulation), else the mean. With labels and no gradients (evaluation) it is called too
     (no logits either). Without labels (inference, generation) the model is unchanged.
@@ -287,9 +353,13 @@ def route_causal_lm_loss(model, loss) -> None:
                 kwargs["logits_to_keep"] = logits_to_keep
             return original_forward(input_ids=input_ids, attention_mask=attention_mask,
                                     **kwargs)
+        # A collator's own shifted labels (transformers' ForCausalLMLoss takes them as they are:
+        # context-parallel shards, some padding-free collators) win over shifting here.
+        shifted = kwargs.pop("shift_labels", None)
         outputs = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      **kwargs)
-        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        if shifted is None:
+            shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         return CausalLMOutputWithPast(
             loss=loss(outputs.last_hidden_state, shifted, num_items_in_batch), logits=None,
             past_key_values=outputs.past_key_values)
