@@ -15,9 +15,12 @@ nothing of W on the trainer. Rank 0 writes what the test compares to --out (torc
 - "accelerate": the same with both models sharded by accelerate's own FSDP2 preparation
   (accelerate_shard: what Trainer runs on GPUs);
 - "dtensor": what RemoteHead.loss / token_outputs answer hidden states that are a DTensor (a
-  sequence-parallel shard), and whether anything reached the server.
-
---tied is the place of the tied-embedding variant (not implemented yet).
+  sequence-parallel shard), and whether anything reached the server;
+- "tied" (--tied=KIND,...: models of tied_models.py, e.g. llama,gemma3): "train" and
+  "accelerate" as above for a tied model, offloaded by the same one call (its input embedding
+  served by the head, the lm_head released) against the same FSDP2 run with the model's own
+  tied matrix — losses, body, the server's tied weight against the local tied parameter, and
+  what the served model holds (no [V, D] tensor, the embedding module, the state-dict keys).
 """
 
 import argparse
@@ -31,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import remotehead
 import remotehead.hf
+import tied_models
 from ddp_trainer_job import end_process_group
 from test_hf_trainer import SEQ, VOCAB, tiny_llama
 from test_packed_sequences import counted_tokens, packed_batch
@@ -38,17 +42,17 @@ from test_packed_sequences import counted_tokens, packed_batch
 LR, WEIGHT_DECAY, EPS = 3e-3, 0.01, 1e-6  # AdamW's eps 1e-6: see test_data_parallel.py
 
 
-def build(tied: bool):
+UNTIED = "untied"  # the tiny Llama of test_hf_trainer.py; any other kind: tied_models.tiny
+
+
+def build(kind: str):
     """The model every rank builds (the same seed, so the same weights)."""
-    if tied:
-        raise NotImplementedError("--tied: the tied-embedding variant is not implemented yet")
-    return tiny_llama(tied=False)
+    return tiny_llama(tied=False) if kind == UNTIED else tied_models.tiny(kind)
 
 
-def offload(model, client, head_id: str, tied: bool):
-    """The one call a user makes, before sharding (as Trainer / accelerate would shard)."""
-    if tied:
-        raise NotImplementedError("--tied: the tied-embedding variant is not implemented yet")
+def offload(model, client, head_id: str):
+    """The one call a user makes, before sharding (as Trainer / accelerate would shard): for a
+    tied model it serves the input embedding from the same head too."""
     return remotehead.hf.offload_lm_head(model, client, head_id)
 
 
@@ -62,9 +66,9 @@ def shard(model):
 def accelerate_shard(model):
     """What accelerate (and so Trainer) runs for an FSDP2 config on GPUs — accelerate's own
     fsdp2_prepare_model with the plugin of docs/data-parallel.md's config (transformer-based
-    wrap of LlamaDecoderLayer, reshard after forward, CPU-RAM-efficient loading: the model goes
-    to the meta device and rank 0's weights are broadcast into the shards) — called here
-    directly, since accelerate enables FSDP only for GPU-type setups."""
+    wrap of the model's decoder layer class, reshard after forward, CPU-RAM-efficient loading:
+    the model goes to the meta device and rank 0's weights are broadcast into the shards) —
+    called here directly, since accelerate enables FSDP only for GPU-type setups."""
     import types
 
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -72,7 +76,8 @@ def accelerate_shard(model):
 
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
+        transformer_cls_names_to_wrap=[type(model.model.layers[0]).__name__],
+        reshard_after_forward=True,
         cpu_ram_efficient_loading=True, state_dict_type="FULL_STATE_DICT")
     accelerator = types.SimpleNamespace(
         state=types.SimpleNamespace(fsdp_plugin=plugin), device=torch.device("cpu"),
@@ -86,7 +91,9 @@ def whole(t):
     return t.full_tensor() if isinstance(t, DTensor) else t.detach()
 
 
-def micro_batch(step: int, rank: int):
+def micro_batch(step: int, rank: int, kind: str = UNTIED):
+    if kind != UNTIED:  # tied_models' vocabulary, padding ids among the inputs
+        return tied_models.token_rows(2, SEQ, seed=100 * step + rank)
     generator = torch.Generator().manual_seed(100 * step + rank)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
     labels = ids.clone()
@@ -104,12 +111,13 @@ def packed_gradients(model, rank: int):
     return loss.item(), grads
 
 
-def train(model, steps: int, rank: int, head=None):
+def train(model, steps: int, rank: int, kind: str, head=None):
+    """The per-step losses, and the optimizer (its state, for what the trainer holds)."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                                   weight_decay=WEIGHT_DECAY, eps=EPS)
     losses = []
     for step in range(steps):
-        ids, labels = micro_batch(step, rank)
+        ids, labels = micro_batch(step, rank, kind)
         loss = model(input_ids=ids, labels=labels).loss  # the rank's mean; FSDP averages
         loss.backward()
         optimizer.step()
@@ -117,7 +125,7 @@ def train(model, steps: int, rank: int, head=None):
         if head is not None:
             head.optimizer_step(adamw=dict(lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS))
         losses.append(loss.item())
-    return losses
+    return losses, optimizer
 
 
 def gathered(value):
@@ -152,34 +160,52 @@ def dtensor_answers(head, client, world: int) -> dict:
     return answers
 
 
-def pair(client, head_id: str, tied: bool, sharding):
+def pair(client, head_id: str, kind: str, sharding):
     """The reference (its own lm_head) and the offloaded model, both sharded by `sharding`."""
-    local = sharding(build(tied))
-    remote = build(tied)
-    head = offload(remote, client, head_id, tied)
-    return local, sharding(remote), head
+    local = build(kind)
+    # The names of the head's matrix in the reference: lm_head's, and the input embedding's
+    # where it is tied (one parameter under both).
+    embedding = next(n for n, m in local.named_modules() if m is local.get_input_embeddings())
+    head_names = {"lm_head.weight"} | ({f"{embedding}.weight"} if kind != UNTIED else set())
+    local = sharding(local)
+    remote = build(kind)
+    head = offload(remote, client, head_id)
+    return local, sharding(remote), head, head_names
 
 
-def compare_training(client, head_id: str, tied: bool, sharding, steps: int, rank: int):
+def compare_training(client, head_id: str, kind: str, sharding, steps: int, rank: int):
     """A few AdamW steps of both models; what the test compares, and the offloaded model."""
-    local, remote, head = pair(client, head_id, tied, sharding)
-    local_losses = train(local, steps, rank)
-    remote_losses = train(remote, steps, rank, head)
+    local, remote, head, head_names = pair(client, head_id, kind, sharding)
+    local_losses, _ = train(local, steps, rank, kind)
+    sent = []  # the embedding gradients this rank's backward passes sent (gradient ids)
+    send = client.embedding_gradient
+    client.embedding_gradient = lambda *a, **k: sent.append(k["gradient_id"]) or send(*a, **k)
+    try:
+        remote_losses, optimizer = train(remote, steps, rank, kind, head)
+    finally:
+        del client.embedding_gradient  # the method again
     weight = remote.lm_head.weight
+    embedding = remote.get_input_embeddings()
     return {
         "local_losses": gathered(local_losses), "remote_losses": gathered(remote_losses),
-        "local_body": {n: whole(p) for n, p in local.named_parameters()
-                       if n != "lm_head.weight"},
+        "local_body": {n: whole(p) for n, p in local.named_parameters() if n not in head_names},
         "remote_body": {n: whole(p) for n, p in remote.named_parameters()},
-        "local_head": whole(local.lm_head.weight),
+        "local_head": whole(local.lm_head.weight),  # a tied model's: its one tied parameter
+        "local_tied": local.lm_head.weight is local.get_input_embeddings().weight,
         "remote_head": client.export_weights(head.head_id)[0],
         "version": client.describe_head(head.head_id).weight_version,
         # What the sharded, offloaded model holds of the head.
         "head_bytes": weight.untyped_storage().nbytes(), "head_shape": tuple(weight.shape),
         "head_is_parameter": any(p is weight for p in remote.parameters()),
         "lm_head_wrapped": type(remote.lm_head).__name__.startswith("FSDP"),
+        "embedding_served": isinstance(embedding, remotehead.RemoteEmbedding),
+        "embedding_gradients": gathered([tuple(g) for g in sent]),
+        "embedding_wrapped": type(embedding).__name__.startswith("FSDP"),
+        "holds_no_matrix": (tied_models.holds_no_matrix(remote, optimizer)
+                            if kind != UNTIED else None),
         "remote_state_keys": sorted(remote.state_dict()),
-        "local_state_keys": sorted(local.state_dict())}, head
+        "local_state_keys": sorted(local.state_dict()),
+        "head_names": sorted(head_names)}, head
 
 
 def main():
@@ -187,8 +213,9 @@ def main():
     parser.add_argument("--server", required=True)
     parser.add_argument("--head-id", default="fsdp2")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tied", action="store_true",
-                        help="the tied-embedding variant (not implemented yet)")
+    parser.add_argument("--tied", default="",
+                        help="tied models of tied_models.py to run too, comma-separated "
+                             "(e.g. llama,gemma3)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -198,7 +225,7 @@ def main():
     results = {"world_size": world}
 
     # Packed sequences: loss and gradients of one micro-batch per rank.
-    local, remote, head = pair(client, f"{args.head_id}-packed", args.tied, shard)
+    local, remote, head, _ = pair(client, f"{args.head_id}-packed", UNTIED, shard)
     local_loss, local_grads = packed_gradients(local, rank)
     remote_loss, remote_grads = packed_gradients(remote, rank)
     dist.barrier()  # every rank's dW is on the server
@@ -208,12 +235,20 @@ def main():
                          "server_dw": client.fetch_gradients(head.head_id)[0]}
 
     # A few AdamW steps: fully_shard by hand, then as accelerate shards for Trainer.
-    results["train"], head = compare_training(client, f"{args.head_id}-train", args.tied, shard,
+    results["train"], head = compare_training(client, f"{args.head_id}-train", UNTIED, shard,
                                               args.steps, rank)
-    results["accelerate"], _ = compare_training(client, f"{args.head_id}-accelerate",
-                                                args.tied, accelerate_shard, args.steps, rank)
+    results["accelerate"], _ = compare_training(client, f"{args.head_id}-accelerate", UNTIED,
+                                                accelerate_shard, args.steps, rank)
 
     results["dtensor"] = dtensor_answers(head, client, world)
+
+    # Tied models: the embedding served by the same head, against their own tied matrix.
+    results["tied"] = {}
+    for kind in filter(None, args.tied.split(",")):
+        results["tied"][kind] = {
+            name: compare_training(client, f"{args.head_id}-tied-{kind}-{name}", kind, sharding,
+                                   args.steps, rank)[0]
+            for name, sharding in (("train", shard), ("accelerate", accelerate_shard))}
     if rank == 0:
         torch.save(results, args.out)
 

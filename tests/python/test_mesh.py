@@ -9,6 +9,12 @@ one server or a head group of K ranks (--group_replicas), all R·K processes in 
 - Replicas that disagree (a learning rate) are refused everywhere naming the field, nothing
   applied on any replica; a replica whose trainers never come makes the step ABORTED on every
   replica, nothing applied.
+- A tied embedding on the same meshes: the 4 trainers each read their input ids' rows from their
+  replica (EmbeddingLookup), add the head's use (ForwardBackward) and the rows' gradient
+  (EmbeddingGradient) under one GradientId, then 3 synchronous steps: the replicas
+  bit-identical, equal to one server fed the same (1e-5) and to W trained in float64 with the
+  sum of both uses (1e-5 of the weights; the head's use alone lands far off); a lookup at
+  every front answers the same rows, W's.
 - transformers' Trainer with 4 data-parallel processes (torchrun) on 2 replicas equals 1 process
   with the same global batch on one server: losses and head to 1e-5 relative, body to 1e-4.
 - The C++ client takes the fronts list (trainer rank 1 dials replica 1) or follows the
@@ -66,14 +72,38 @@ def batch(trainer: int, step: int):
     return torch.randn(ROWS, HIDDEN, generator=g), torch.randint(0, VOCAB, (ROWS,), generator=g)
 
 
-def train(target, head_id: str, steps: int = STEPS, lr: float = ADAMW["lr"]):
+EMBED_SCALE = HIDDEN ** 0.5  # a Gemma-like √hidden scale on a tied model's embedding rows
+
+
+def tied_batch(trainer: int, step: int):
+    """A tied model's micro-batch: its input ids (repeats among them), what the rest of its body
+    adds to their rows (hidden = context + EMBED_SCALE · W[ids]), and the targets."""
+    g = torch.Generator().manual_seed(1000 * step + trainer + 500)
+    return (torch.randint(0, VOCAB, (ROWS,), generator=g), torch.randn(ROWS, HIDDEN, generator=g),
+            torch.randint(0, VOCAB, (ROWS,), generator=g))
+
+
+def train(target, head_id: str, steps: int = STEPS, lr: float = ADAMW["lr"], tied=False):
     """WORLD trainers, each a client of `target` (a server, or a mesh's fronts) with its own
-    rank, each adding its own micro-batch, then the synchronous step; the versions seen."""
+    rank, each adding its own micro-batch, then the synchronous step; the versions seen.
+    tied: each first reads its ids' rows of W (EmbeddingLookup, at its replica), and after the
+    head's step sends their gradient (dX · EMBED_SCALE) under the same gradient id, pinned to
+    the version it read."""
     def trainer(rank: int, step: int):
         with remotehead.Client(target, rank=rank) as client:
-            hidden, targets = batch(rank, step)
-            client.forward_backward(head_id, hidden, targets, reduction="sum", accumulate=True,
-                                    gradient_id=remotehead.GradientId(f"run/rank-{rank}", step, 0))
+            gradient_id = remotehead.GradientId(f"run/rank-{rank}", step, 0)
+            if tied:
+                ids, context, targets = tied_batch(rank, step)
+                rows, version = client.embedding_lookup(head_id, ids)
+                hidden = context + EMBED_SCALE * rows
+            else:
+                hidden, targets = batch(rank, step)
+            result = client.forward_backward(head_id, hidden, targets, reduction="sum",
+                                             accumulate=True, gradient_id=gradient_id)
+            if tied:
+                client.embedding_gradient(head_id, ids, EMBED_SCALE * result.grad_hidden,
+                                          gradient_id=gradient_id,
+                                          expected_weight_version=version)
             return client.optimizer_step(head_id, adamw=dict(ADAMW, lr=lr), zero_gradients=True,
                                          synchronous=(step, rank, WORLD)).weight_version
     versions = []
@@ -83,9 +113,10 @@ def train(target, head_id: str, steps: int = STEPS, lr: float = ADAMW["lr"]):
     return versions
 
 
-def float64_run(w0: torch.Tensor) -> torch.Tensor:
+def float64_run(w0: torch.Tensor, tied=False, embedding_gradient=True) -> torch.Tensor:
     """The same steps in float64 with PyTorch's AdamW: the mean over trainers of each one's
-    summed cross-entropy gradient (DDP's average)."""
+    summed cross-entropy gradient (DDP's average). tied: train's tied model, W's gradient the
+    sum of its two uses (without embedding_gradient: the head's use alone)."""
     w = w0.double().clone().requires_grad_(True)
     opt = torch.optim.AdamW([w], lr=ADAMW["lr"], betas=(ADAMW["beta1"], ADAMW["beta2"]),
                             eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
@@ -93,7 +124,12 @@ def float64_run(w0: torch.Tensor) -> torch.Tensor:
         opt.zero_grad()
         loss = 0
         for rank in range(WORLD):
-            hidden, targets = batch(rank, step)
+            if tied:
+                ids, context, targets = tied_batch(rank, step)
+                rows = w[ids] if embedding_gradient else w.detach()[ids]
+                hidden = context.double() + EMBED_SCALE * rows
+            else:
+                hidden, targets = batch(rank, step)
             loss = loss + torch.nn.functional.cross_entropy(hidden.double() @ w.T, targets,
                                                             reduction="sum")
         (loss / WORLD).backward()
@@ -155,6 +191,43 @@ def test_replicas_fed_different_trainers_stay_identical_and_equal_one_server(mes
                 assert now[matched] - was[matched] == STEPS
                 assert now['remotehead_mesh_checksums_total{result="mismatch"}'] == 0
                 assert now["remotehead_mesh_up"] == 1
+        finally:
+            leader.drop_head(head)
+            single.drop_head(head)
+
+
+def test_a_tied_embedding_trained_on_replicas_stays_identical_and_equals_one_server(
+        mesh, server_target):
+    """Each trainer reads its ids' rows from its replica, sends the head's use and the rows'
+    gradient there under one gradient id, then the synchronous step: each replica's dW holds
+    both uses of its trainers, the mesh sums them, and W moves as a local tied parameter."""
+    head = f"mesh-tied-{len(mesh.ranks)}"
+    with remotehead.Client(mesh.fronts, rank=0) as leader, \
+            remotehead.Client(server_target) as single:
+        leader.create_head(head, VOCAB, HIDDEN, seed=19)
+        single.create_head(head, VOCAB, HIDDEN, seed=19)
+        w0, _ = single.export_weights(head)
+        try:
+            steps = [[s + 1] * WORLD for s in range(STEPS)]
+            assert train(mesh.fronts, head, tied=True) == steps
+            assert train(server_target, head, tied=True) == steps
+            (w_a, v_a), (w_b, v_b) = replica_weights(mesh, head)
+            assert v_a == v_b == STEPS
+            assert torch.equal(w_a, w_b), "the replicas' weights differ"
+            w_single, _ = single.export_weights(head)
+            scale = w_single.abs().max().item()
+            assert (w_a - w_single).abs().max().item() <= 1e-5 * scale
+            assert (w_a.double() - float64_run(w0, tied=True)).abs().max().item() <= 1e-5 * scale
+            # The embedding's gradient counts: W trained by the head's use alone is far off.
+            head_only = float64_run(w0, tied=True, embedding_gradient=False)
+            assert (w_a.double() - head_only).abs().max().item() > 1e-2 * scale
+            # A lookup at every front (on a group: the shards' partial rows summed) gives the
+            # same rows, W's: every id (both shards' rows) and repeats.
+            ids = torch.cat([torch.arange(VOCAB).flip(0), torch.tensor([5, 5, 0])])
+            for front in mesh.fronts:
+                with remotehead.Client(front) as client:
+                    rows, version = client.embedding_lookup(head, ids)
+                    assert version == STEPS and torch.equal(rows, w_a[ids]), front
         finally:
             leader.drop_head(head)
             single.drop_head(head)

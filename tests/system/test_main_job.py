@@ -2,11 +2,16 @@
 steps: it starts its own server, trains the local-head, torch-linear_cross_entropy and
 remote-head variants in their own processes, their per-step losses agree (fp32, relative 1e-4),
 the table prints, the picture is written from memory sampled during every step, and the server
-drains and exits 0. No memory or speed assertion here: those are what the full run shows."""
+drains and exits 0. The same for --tied (scripts/demo --tied: a Gemma-3-like model whose scaled
+input embedding is its head): the remote run holds no [V, D] tensor at all, the local runs the tied
+matrix and its AdamW state. No memory or speed assertion here: those are what the full run
+shows."""
 
 import os
 import pathlib
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "client" / "python" / "examples"))
@@ -16,11 +21,14 @@ import train_tiny_llama  # noqa: E402
 STEPS = 4
 
 
-def test_main_job_runs_three_heads_and_they_agree(capsys, tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_main_job_runs_three_heads_and_they_agree(capsys, tmp_path, tied):
     binary = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                             str(ROOT / "build" / "server" / "remotehead-server"))
+    vocab, hidden = 4096, 32
     args = train_tiny_llama.parse_args([f"--server-binary={binary}", f"--steps={STEPS}",
-                                        "--batch=2", "--seq=32", "--vocab=4096", "--hidden=32"])
+                                        "--batch=2", "--seq=32", f"--vocab={vocab}",
+                                        f"--hidden={hidden}", *(["--tied"] if tied else [])])
     results = train_tiny_llama.compare(args)
     assert results["server_exit_code"] == 0
     for variant in ("local", "torch-lce", "remote"):
@@ -32,10 +40,18 @@ def test_main_job_runs_three_heads_and_they_agree(capsys, tmp_path):
         assert min(steps) < 0.5 and max(steps) > STEPS - 0.5, variant
         assert all(0 <= step <= STEPS for step in steps), variant
         assert max(mib for _, mib in run["memory_by_step"]) <= run["peak_mib"] + 1, variant
+    # The [V, D] tensors held at the end, each with AdamW's two moments (Trainer sets the
+    # gradients to None after each step): the local runs' embedding and lm_head (one matrix when
+    # tied); the remote run's embedding when untied, nothing when tied.
+    held = 3 * vocab * hidden * 4
+    local_held = (1 if tied else 2) * held
+    assert results["local"]["vd_bytes"] == results["torch-lce"]["vd_bytes"] == local_held
+    assert results["remote"]["vd_bytes"] == (0 if tied else held)
     train_tiny_llama.print_table(results)
     table = capsys.readouterr().out
     for heading in ("local lm_head", "torch LCE", "remote head", "trainer peak memory (MiB)",
-                    "growth in training", "tokens/s", "largest step loss diff"):
+                    "growth in training", "tokens/s", "largest step loss diff",
+                    "[V, D] tensors held (MiB)"):
         assert heading in table
     picture = tmp_path / "main-job.png"
     train_tiny_llama.plot(results, args, str(picture))
