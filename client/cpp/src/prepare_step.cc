@@ -24,6 +24,15 @@ v1::StepRequest PreparedStep::RowsMessage(int64_t offset, int64_t count) const {
   return message;
 }
 
+torch::Tensor PreparedStep::Expand(const torch::Tensor& t) const {
+  if (!t.defined() || !kept.defined()) return t;
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes[0] = caller_rows;
+  torch::Tensor full = torch::zeros(sizes, t.options());
+  full.index_copy_(0, kept, t);
+  return full;
+}
+
 namespace {
 
 v1::Reduction ToWire(Reduction reduction) {
@@ -248,11 +257,29 @@ absl::Status PlanRows(int64_t chunk_bytes, PreparedStep& p) {
   return absl::OkStatus();
 }
 
+// Leaves out the rows whose target is ignore_index: every per-row tensor that travels keeps only
+// the other rows (core::ContributingRows, the server's rule), the header says their number, and
+// p.kept records which rows of the caller's they are. A step without targets, or that ignores
+// no row, is left as it is.
+void CompactRows(int64_t ignore_index, PreparedStep& p) {
+  if (!p.targets.defined()) return;
+  const torch::Tensor keep = core::ContributingRows(p.targets, ignore_index);
+  if (keep.size(0) == p.rows) return;
+  p.kept = keep;
+  p.caller_rows = p.rows;
+  for (torch::Tensor* t : {&p.hidden, &p.targets, &p.weights, &p.grad_output, &p.teacher_hidden}) {
+    if (t->defined()) *t = t->index_select(0, keep);
+  }
+  for (auto& [name, t] : p.aux) t = t.index_select(0, keep);
+  p.rows = keep.size(0);
+  p.header.mutable_header()->set_rows(p.rows);
+}
+
 }  // namespace
 
 absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
                                          core::CallMode mode, const torch::Tensor& grad_output,
-                                         int64_t chunk_bytes) {
+                                         int64_t chunk_bytes, bool compact) {
   PreparedStep p;
   p.mode = mode;
   p.inputs_handle = mode == core::CallMode::kBackward ? spec.inputs_handle : "";
@@ -260,6 +287,7 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
   v1::StepHeader* h = p.header.mutable_header();
   RETURN_IF_ERROR(WriteHeader(spec, p, h));
   RETURN_IF_ERROR(PrepareGradient(spec, grad_output, p, h));
+  if (compact) CompactRows(spec.ignore_index, p);
   if (p.by_handle()) {
     // The server has the inputs: only dL/dy goes with the rows, and a scalar reduction sends no
     // rows at all.

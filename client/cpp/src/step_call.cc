@@ -239,8 +239,15 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
                                                   const StepInputs& inputs,
                                                   const torch::Tensor& grad_output,
                                                   const AllocateStepBuffers& allocate) {
+  // Whether the rows that contribute nothing stay here is the function's, as the server lists
+  // it (read only when some row could be left out).
+  bool compact = false;
+  if (spec.compact_rows && inputs.targets.defined()) {
+    ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, Function(spec.function));
+    compact = fn.has_value() && fn->ignored_rows_contribute_nothing;
+  }
   ASSIGN_OR_RETURN(const PreparedStep p,
-                   PrepareStep(spec, inputs, mode, grad_output, options.chunk_bytes));
+                   PrepareStep(spec, inputs, mode, grad_output, options.chunk_bytes, compact));
   StepBuffers buffers;
   RETURN_IF_ERROR(allocate(p, &buffers));
   buffers.token_extras = AllocateTokenExtras(spec, p);
@@ -248,6 +255,11 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
   RETURN_IF_ERROR(WithRetries(core::CallModeName(mode), [&](grpc::ClientContext* context) {
     return StepAttempt(context, p, buffers, &summary);
   }));
+  // The rows left out: zeros in the caller's rows.
+  for (torch::Tensor* t : {&buffers.grad_hidden, &buffers.outputs, &buffers.token_ids}) {
+    *t = p.Expand(*t);
+  }
+  for (auto& [name, t] : buffers.token_extras) t = p.Expand(t);
   return StepResults{.buffers = std::move(buffers), .summary = FromWire(summary)};
 }
 

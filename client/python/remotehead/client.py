@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Uni
 import grpc
 import torch
 
-from remotehead import _errors, _safetensors, _steps, _wire
+from remotehead import _compaction, _errors, _safetensors, _steps, _wire
 from remotehead._striping import merged_responses
 # Re-exported: remotehead.client.X is where these have always been imported from.
 from remotehead._errors import (InvalidArgumentError, RemoteheadError,  # noqa: F401
@@ -543,11 +543,15 @@ class Client:
 
     def _step(self, mode: str, head_id: str, hidden, targets, weights, aux, grad_output,
               o: StepOptions, teacher_hidden=None) -> StepResult:
-        p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
-                                self._chunk_bytes, teacher_hidden)
         per_token = mode == _steps.FORWARD and o.reduction == "none"
-        # What the rows come back as is the function's, as the server lists it.
-        fn = self.functions().get(o.function) if per_token else None
+        # What the rows come back as, and whether its ignored rows travel, is the function's, as
+        # the server lists it.
+        listed = (self.functions().get(o.function)
+                  if per_token or _compaction.may_compact(o, targets) else None)
+        fn = listed if per_token else None
+        p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
+                                self._chunk_bytes, teacher_hidden,
+                                _compaction.compacts(o, listed))
         stubs = [self._stub, *self._stripe_stubs]
 
         def attempt():
@@ -562,4 +566,4 @@ class Client:
             return _steps.receive(p, mode, fn, o.output_dtype, merged_responses(calls), any_order=True)
 
         received = self._call(attempt)
-        return _steps.step_result(mode, per_token, received)
+        return _steps.step_result(mode, per_token, received, p)
