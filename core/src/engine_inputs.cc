@@ -31,17 +31,16 @@ absl::Status CheckValues(const torch::Tensor& t, const std::string& field,
   const int64_t bad = integral ? -1 : FirstNonFiniteRow(t);
   if (bad < 0) return absl::OkStatus();
   if (t.dim() == 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, "[", plan.RowNumber(bad), "]: expected a finite value; got ",
-        t[bad].item<double>()));
+    return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.RowNumber(bad),
+                                                   "]: expected a finite value; got ",
+                                                   t[bad].item<double>()));
   }
   return absl::InvalidArgumentError(
       absl::StrCat(field, "[", plan.RowNumber(bad), "]: expected finite values; got NaN or Inf"));
 }
 
 absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan& plan) {
-  RETURN_IF_ERROR(
-      CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true, plan));
+  RETURN_IF_ERROR(CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true, plan));
   const torch::Tensor t = batch.targets;
   const torch::Tensor bad =
       (t != plan.ignore_index).logical_and((t < 0).logical_or(t >= plan.vocab_size));
@@ -72,8 +71,8 @@ absl::Status CheckTopkAux(const torch::Tensor& t, const std::string& field, AuxK
   if (out_of_range.any().item<bool>()) {
     const int64_t row = out_of_range.nonzero()[0][0].item<int64_t>();
     return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.RowNumber(row),
-                                                   "]: expected token ids in [0, ",
-                                                   plan.vocab_size, "); got ", c10::str(t[row])));
+                                                   "]: expected token ids in [0, ", plan.vocab_size,
+                                                   "); got ", c10::str(t[row])));
   }
   if (t.size(1) > 1) {
     const torch::Tensor sorted = std::get<0>(t.sort(1));
@@ -107,8 +106,7 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
     const std::string field = absl::StrCat("aux[\"", name, "\"]");
     const AuxKind kind = fn.aux_kind(name);
     if (kind == AuxKind::kPerToken) {
-      RETURN_IF_ERROR(
-          CheckPerToken(tensor, field, plan.rows, head.device(), false, plan));
+      RETURN_IF_ERROR(CheckPerToken(tensor, field, plan.rows, head.device(), false, plan));
     } else {
       RETURN_IF_ERROR(CheckTopkAux(tensor, field, kind, head, plan, &k));
     }
@@ -195,8 +193,8 @@ absl::Status CheckHidden(const Head& head, const TokenBatch& batch) {
 }
 
 // Row-chunked so that the check's own memory stays within one chunk.
-absl::Status CheckHiddenFinite(const torch::Tensor& x, const std::string& field,
-                               int64_t chunk_rows, const Plan& plan) {
+absl::Status CheckHiddenFinite(const torch::Tensor& x, const std::string& field, int64_t chunk_rows,
+                               const Plan& plan) {
   torch::NoGradGuard no_grad;
   for (int64_t start = 0; start < x.size(0); start += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, x.size(0) - start);
@@ -229,8 +227,7 @@ absl::Status CheckTokenInputs(const Head& head, const TokenBatch& batch, const S
       return absl::InvalidArgumentError(absl::StrCat(
           "weights: reduction weighted_sum needs per-token weights [", plan.rows, "]; got none"));
     }
-    RETURN_IF_ERROR(
-        CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false, plan));
+    RETURN_IF_ERROR(CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false, plan));
   } else if (batch.weights.defined()) {
     return absl::InvalidArgumentError(
         absl::StrCat("weights: only used by reduction weighted_sum; got weights with reduction ",

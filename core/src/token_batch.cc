@@ -36,7 +36,8 @@ TokenBatch TokenBatch::Slice(int64_t start, int64_t n) const {
 }
 
 TokenBatch TokenBatch::Select(const torch::Tensor& index) const {
-  return Map(*this, [&](const torch::Tensor& t) { return t.index_select(0, index.to(t.device())); });
+  return Map(*this,
+             [&](const torch::Tensor& t) { return t.index_select(0, index.to(t.device())); });
 }
 
 TokenBatch TokenBatch::To(const torch::Device& device) const {

@@ -23,15 +23,14 @@ std::pair<double, double> StepBytes(int port) {
 }  // namespace
 
 absl::StatusOr<MaskedRows> MeasureMaskedRows(client::Client& client, int metrics_port,
-                                             const torch::Tensor& hidden, int64_t vocab,
-                                             int warmup, int repeats) {
+                                             const torch::Tensor& hidden, int64_t vocab, int warmup,
+                                             int repeats) {
   const int64_t n = hidden.size(0);
-  RETURN_IF_ERROR(
-      client
-          .CreateHead(kHead, client::InitSpec{.vocab_size = vocab,
-                                              .hidden_size = hidden.size(1),
-                                              .seed = 1})
-          .status());
+  RETURN_IF_ERROR(client
+                      .CreateHead(kHead, client::InitSpec{.vocab_size = vocab,
+                                                          .hidden_size = hidden.size(1),
+                                                          .seed = 1})
+                      .status());
   torch::manual_seed(11);
   const torch::Tensor targets = torch::randint(0, vocab, {n}, torch::kLong);
   torch::Tensor masked = targets.clone();

@@ -9,10 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/status/statusor.h"
 #include "remotehead/client/client.h"
@@ -21,7 +20,7 @@
 namespace remotehead::bench {
 
 struct MaskedRowsStep {
-  std::string name;  // "unmasked", "masked_full", "masked_compacted"
+  std::string name;                   // "unmasked", "masked_full", "masked_compacted"
   double seconds = 0;                 // median wall time of one ForwardBackward
   double server_compute_seconds = 0;  // median of the server's engine time
   double bytes_up = 0;                // per step: what the server received
@@ -44,8 +43,8 @@ struct MaskedRows {
 // with V = vocab: the three steps on `hidden` [N, D] with random targets (the first half masked
 // for the masked ones), `warmup` + `repeats` times each (medians reported).
 absl::StatusOr<MaskedRows> MeasureMaskedRows(client::Client& client, int metrics_port,
-                                             const torch::Tensor& hidden, int64_t vocab,
-                                             int warmup, int repeats);
+                                             const torch::Tensor& hidden, int64_t vocab, int warmup,
+                                             int repeats);
 
 // The report's "masked_rows" object: per step its seconds, server compute and bytes, and the
 // compacted step against the other two (bytes up, server compute); the equality of the results.

@@ -359,7 +359,8 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, const std::s
   const rh::client::StepInputs inputs{.hidden = batch.hidden, .targets = batch.targets};
   double cpu_before = 0, cpu_after = 0;  // both processes, over the timed remote runs
   const bench::Measurement remote_step = MeasureStep([&] {
-    if (step == absl::GetFlag(FLAGS_warmup)) cpu_before = bench::CpuSeconds(0) + bench::CpuSeconds(server_pid);
+    if (step == absl::GetFlag(FLAGS_warmup))
+      cpu_before = bench::CpuSeconds(0) + bench::CpuSeconds(server_pid);
     rh::client::StepSpec spec{.head_id = "bench",
                               .gradient_id = rh::client::GradientId{"bench", step++, 0}};
     remote_result = OrDie(client.ForwardBackward(spec, inputs), "ForwardBackward");

@@ -39,14 +39,12 @@ void PrintRemoteBenchTable(const nlohmann::json& report, std::ostream& out) {
       std::string line;
       for (const char* name : {"unmasked", "masked_full", "masked_compacted"}) {
         const auto& st = m["steps"][name];
-        line += absl::StrFormat(" %s %.3f s, srv_comp %.3f s, up %.2f MiB, down %.2f MiB;", name,
-                                st["seconds"].get<double>(),
-                                st["server_compute_seconds"].get<double>(),
-                                st["bytes_up"].get<double>() / (1 << 20),
-                                st["bytes_down"].get<double>() / (1 << 20));
+        line += absl::StrFormat(
+            " %s %.3f s, srv_comp %.3f s, up %.2f MiB, down %.2f MiB;", name,
+            st["seconds"].get<double>(), st["server_compute_seconds"].get<double>(),
+            st["bytes_up"].get<double>() / (1 << 20), st["bytes_down"].get<double>() / (1 << 20));
       }
-      out << absl::StrFormat("%-18s masked rows (%d of %d):%s
-", "", m["masked_rows"].get<int>(),
+      out << absl::StrFormat("%-18s masked rows (%d of %d):%s\n", "", m["masked_rows"].get<int>(),
                              r["n"].get<int>(), line);
       const auto& vs_full = m["compacted_vs_unmasked"];
       out << absl::StrFormat(

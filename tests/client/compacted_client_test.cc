@@ -3,7 +3,8 @@
 // place: against an in-process server, a step that compacts and one that sends every row give
 // the same bits — loss, dX, per-token outputs, token extras, dW — in a fused step (mean, and
 // weighted sum with a normalizer), a per-token Forward and a Backward by the Forward's retained
-// inputs. tests/python/test_conformance.py checks that it sends what the Python client sends.
+// inputs (not given the targets: the client remembers what the Forward left out).
+// tests/python/test_conformance.py checks that it sends what the Python client sends.
 #include <gtest/gtest.h>
 
 #include "core/reference.h"
@@ -115,8 +116,8 @@ TEST_F(CompactedClientTest, AForwardAndABackwardByHandleGiveTheSameBitsCompacted
     spec.retain_inputs_seconds = 0;
     spec.inputs_handle = forward->summary.inputs_handle;
     spec.gradient_id = rc::GradientId{"by-handle", 0, compact};
-    auto backward =
-        client_->Backward(spec, {.hidden = batch_.hidden, .targets = batch_.targets}, dy);
+    // Without the targets: the client remembers what the Forward of the handle left out.
+    auto backward = client_->Backward(spec, {.hidden = batch_.hidden}, dy);
     ASSERT_TRUE(backward.ok()) << backward.status();
     dx.push_back(backward->grad_hidden);
     dw.push_back(TakeWeightGrad());

@@ -66,9 +66,8 @@ core::StepOptions OptionsFor(const core::Head& head, const Case& c, const core::
   if (c.normalizer) options.normalizer = 37.0;
   options.teacher = reference::TestTeacher(head, c.function.function);
   const core::TransformFunction& fn = **core::FunctionRegistry::Builtin().Find(options.function);
-  options.token_extras =
-      fn.ReportedExtras(*core::FunctionRegistry::Builtin().ResolveParams(fn, options.params),
-                        batch.aux);
+  options.token_extras = fn.ReportedExtras(
+      *core::FunctionRegistry::Builtin().ResolveParams(fn, options.params), batch.aux);
   options.chunk_rows = 7;  // several chunks, ignored rows in each
   return options;
 }
@@ -136,7 +135,8 @@ TEST_P(EveryDeclaringFunction, IgnoredRowsChangeNothingAndGetZeros) {
   auto all = core::FusedForwardBackward(*head, batch, options, &g_all);
   auto some = core::FusedForwardBackward(*head, kept, options, &g_some);
   ASSERT_TRUE(all.ok() && some.ok()) << all.status() << some.status();
-  EXPECT_LE(reference::RelativeError(all->loss, some->loss, 1e-3), 2e-6);
+  // A sum of terms of both signs (GRPO's): other chunks round it differently.
+  EXPECT_LE(reference::RelativeError(all->loss, some->loss, 0.1), 1e-5);
   ExpectPlaced(all->grad_hidden, some->grad_hidden, keep, "dX");
   EXPECT_LE(reference::RelativeError(g_all.weight, g_some.weight), 2e-6);
   EXPECT_LE(reference::RelativeError(g_all.bias, g_some.bias), 2e-6);

@@ -160,19 +160,24 @@ def test_a_backward_by_handle_and_a_replay_give_the_same_bits(client, heads):
     hidden, targets, _, _, _ = call_inputs(client.functions()["token_logprobs"], "", seed=1)
     dy = torch.linspace(-2, 1, N)
     results = {}
-    for compact in (False, True):
+    # The backward by handle is given the targets or not: the client remembers what the
+    # forward left out under its handle.
+    for compact, backward_targets in ((False, targets), (True, targets), (True, None)):
         o = remotehead.StepOptions(function="token_logprobs", reduction="none",
                                    compact_rows=compact)
         fwd = client.forward(student, hidden, targets, o, retain_inputs_seconds=60)
         assert fwd.summary.inputs_handle
         client.zero_gradients(student)
-        b = client.backward(student, hidden, targets, dy, o, gradient_id=("h", int(compact), 0),
+        b = client.backward(student, hidden, backward_targets, dy, o,
+                            gradient_id=("h", len(results), 0),
                             inputs_handle=fwd.summary.inputs_handle)
-        results[compact] = (fwd, b, dw(client, student))
-    (f0, b0, w0), (f1, b1, w1) = results[False], results[True]
-    assert_same(f0, f1, "forward")
-    assert_same(b0, b1, "backward by handle")
-    assert torch.equal(w0[0], w1[0])
+        results[len(results)] = (fwd, b, dw(client, student))
+    f0, b0, w0 = results[0]
+    for i in (1, 2):
+        fi, bi, wi = results[i]
+        assert_same(f0, fi, ("forward", i))
+        assert_same(b0, bi, ("backward by handle", i))
+        assert torch.equal(w0[0], wi[0]), i
 
     # A replay of one gradient id: the same answer, nothing added again.
     o = remotehead.StepOptions(function="cross_entropy", normalizer=40.0)

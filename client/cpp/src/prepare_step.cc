@@ -257,13 +257,10 @@ absl::Status PlanRows(int64_t chunk_bytes, PreparedStep& p) {
   return absl::OkStatus();
 }
 
-// Leaves out the rows whose target is ignore_index: every per-row tensor that travels keeps only
-// the other rows (core::ContributingRows, the server's rule), the header says their number, and
-// p.kept records which rows of the caller's they are. A step without targets, or that ignores
-// no row, is left as it is.
-void CompactRows(int64_t ignore_index, PreparedStep& p) {
-  if (!p.targets.defined()) return;
-  const torch::Tensor keep = core::ContributingRows(p.targets, ignore_index);
+// Keeps only the rows `keep` ([k] int64, increasing) of every per-row tensor that travels: the
+// header says their number, and p.kept records which rows of the caller's they are. Keeping
+// every row leaves the step as it is.
+void CompactRows(const torch::Tensor& keep, PreparedStep& p) {
   if (keep.size(0) == p.rows) return;
   p.kept = keep;
   p.caller_rows = p.rows;
@@ -279,7 +276,8 @@ void CompactRows(int64_t ignore_index, PreparedStep& p) {
 
 absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
                                          core::CallMode mode, const torch::Tensor& grad_output,
-                                         int64_t chunk_bytes, bool compact) {
+                                         int64_t chunk_bytes, bool compact,
+                                         const torch::Tensor& keep, int64_t keep_of) {
   PreparedStep p;
   p.mode = mode;
   p.inputs_handle = mode == core::CallMode::kBackward ? spec.inputs_handle : "";
@@ -287,7 +285,14 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
   v1::StepHeader* h = p.header.mutable_header();
   RETURN_IF_ERROR(WriteHeader(spec, p, h));
   RETURN_IF_ERROR(PrepareGradient(spec, grad_output, p, h));
-  if (compact) CompactRows(spec.ignore_index, p);
+  // What to leave out: the rows whose target is ignore_index (core::ContributingRows, the
+  // server's rule), or what the Forward of this Backward's handle left out (when of these rows;
+  // otherwise the server says what is wrong).
+  if (keep.defined() && keep_of == p.rows) {
+    CompactRows(keep, p);
+  } else if (compact && p.targets.defined()) {
+    CompactRows(core::ContributingRows(p.targets, spec.ignore_index), p);
+  }
   if (p.by_handle()) {
     // The server has the inputs: only dL/dy goes with the rows, and a scalar reduction sends no
     // rows at all.

@@ -47,11 +47,14 @@ struct PreparedStep {
 
 // Checks the inputs of a step call in `mode` (INVALID_ARGUMENT naming the field), writes its
 // header and plans its row messages, none over chunk_bytes. grad_output: a Backward's dL/dy
-// (reduction NONE) or dL/d(loss); ignored otherwise. `compact`: leave out the rows whose
-// target is spec.ignore_index (the function's listing says they contribute nothing, and
-// spec.compact_rows asks for it): the Python client's _compaction.compact, to the row.
+// (reduction NONE) or dL/d(loss); ignored otherwise. What to leave out (the Python client's
+// _compaction.compact, to the row): with `compact`, the rows whose target is spec.ignore_index
+// (the function's listing says they contribute nothing, and spec.compact_rows asks for it);
+// given `keep` ([k] int64 of `keep_of` rows: a Backward by the inputs handle of a Forward that
+// left rows out), all but those rows.
 absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
                                          core::CallMode mode, const torch::Tensor& grad_output,
-                                         int64_t chunk_bytes, bool compact = false);
+                                         int64_t chunk_bytes, bool compact = false,
+                                         const torch::Tensor& keep = {}, int64_t keep_of = 0);
 
 }  // namespace remotehead::client::internal

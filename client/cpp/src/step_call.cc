@@ -246,8 +246,17 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
     ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, Function(spec.function));
     compact = fn.has_value() && fn->ignored_rows_contribute_nothing;
   }
+  // A Backward by a handle leaves out what its Forward left out (nothing when that Forward left
+  // out nothing or was not this client's).
+  const std::string by_handle = mode == core::CallMode::kBackward ? spec.inputs_handle : "";
+  std::optional<HandleRows> keep;
+  if (!by_handle.empty()) {
+    compact = false;
+    keep = RowsOfHandle(by_handle);
+  }
   ASSIGN_OR_RETURN(const PreparedStep p,
-                   PrepareStep(spec, inputs, mode, grad_output, options.chunk_bytes, compact));
+                   PrepareStep(spec, inputs, mode, grad_output, options.chunk_bytes, compact,
+                               keep ? keep->kept : torch::Tensor(), keep ? keep->rows : 0));
   StepBuffers buffers;
   RETURN_IF_ERROR(allocate(p, &buffers));
   buffers.token_extras = AllocateTokenExtras(spec, p);
@@ -260,7 +269,28 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
     *t = p.Expand(*t);
   }
   for (auto& [name, t] : buffers.token_extras) t = p.Expand(t);
+  AfterStep(p, summary.inputs_handle(), by_handle);
   return StepResults{.buffers = std::move(buffers), .summary = FromWire(summary)};
+}
+
+std::optional<Client::Impl::HandleRows> Client::Impl::RowsOfHandle(const std::string& handle) {
+  std::lock_guard<std::mutex> lock(handle_rows_mu);
+  const auto it = handle_rows.find(handle);
+  if (it == handle_rows.end()) return std::nullopt;
+  return it->second;
+}
+
+void Client::Impl::AfterStep(const PreparedStep& p, const std::string& handle,
+                             const std::string& backward_by_handle) {
+  std::lock_guard<std::mutex> lock(handle_rows_mu);
+  if (!backward_by_handle.empty()) handle_rows.erase(backward_by_handle);
+  if (handle.empty() || !p.kept.defined()) return;
+  handle_rows[handle] = {.kept = p.kept, .rows = p.caller_rows};
+  handle_order.push_back(handle);
+  while (handle_order.size() > kMaxHandleRows) {
+    handle_rows.erase(handle_order.front());
+    handle_order.pop_front();
+  }
 }
 
 // A per-row Forward's outputs, preallocated as the function's listing says: per-token values

@@ -203,10 +203,10 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
                  aux: Optional[Mapping[str, torch.Tensor]], grad_output,
                  o: StepOptions, chunk_bytes: int,
                  teacher_hidden: Optional[torch.Tensor] = None,
-                 compact: bool = False) -> PreparedStep:
+                 compact: _compaction.Compaction = False) -> PreparedStep:
     """The Python twin of the C++ client's PrepareStep: the same header fields, set under the
-    same conditions, and the same row plan. `compact`: leave out the rows whose target is
-    ignore_index (_compaction.compacts decides it from the function's listing)."""
+    same conditions, and the same row plan. `compact`: which rows to leave out
+    (_compaction.compact; the client's HandleRows decides it from the function's listing)."""
     x = _hidden_rows(hidden)
     n, d = x.shape
     send_dtype = o.wire_dtype if o.wire_dtype is not None else x.dtype
@@ -220,8 +220,7 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
     _set_computation(p.header, o, n)
     _set_valid_tokens(p, o, by_handle)
     _set_gradients(p, mode, o, wire_result_dtype, grad_output)
-    if compact:
-        _compaction.compact(p, o.ignore_index)
+    _compaction.compact(p, o.ignore_index, compact)
     h = p.header
     if o.output_dtype is not None:
         h.output_dtype = _wire.wire_dtype(o.output_dtype, "output_dtype")

@@ -153,6 +153,7 @@ class Client:
         self._max_backoff = max_backoff
         self.retries = 0  # attempts repeated after UNAVAILABLE, over this client's life
         self._functions: Optional[Dict[str, FunctionInfo]] = None  # functions(), once
+        self._handle_rows = _compaction.HandleRows()  # what forwards that kept inputs left out
 
     def close(self) -> None:
         self._channel.close()
@@ -549,9 +550,10 @@ class Client:
         listed = (self.functions().get(o.function)
                   if per_token or _compaction.may_compact(o, targets) else None)
         fn = listed if per_token else None
+        by_handle = o.inputs_handle if mode == _steps.BACKWARD else ""
         p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
                                 self._chunk_bytes, teacher_hidden,
-                                _compaction.compacts(o, listed))
+                                self._handle_rows.for_step(by_handle, o, listed))
         stubs = [self._stub, *self._stripe_stubs]
 
         def attempt():
@@ -565,5 +567,6 @@ class Client:
                      for i, stub in enumerate(stubs)]
             return _steps.receive(p, mode, fn, o.output_dtype, merged_responses(calls), any_order=True)
 
-        received = self._call(attempt)
-        return _steps.step_result(mode, per_token, received, p)
+        result = _steps.step_result(mode, per_token, self._call(attempt), p)
+        self._handle_rows.after_step(p, result.summary.inputs_handle, by_handle)
+        return result

@@ -98,7 +98,8 @@ class StepOptions:
             extras come back with zeros in the rows left out. The results are the same bits as
             sending every row (the server drops those rows itself before it computes); False
             sends every row (e.g. to measure the difference). A backward by inputs_handle
-            compacts its grad_output like its forward only when it is given the targets.
+            leaves out of its grad_output the rows its forward left out (the client remembers
+            them by handle, targets given or not).
     """
 
     function: str = "cross_entropy"

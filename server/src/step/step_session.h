@@ -142,7 +142,7 @@ class StepSession {
   int64_t kept_reserved_ = 0;                     // and what admission holds for them
   std::function<absl::Status(int64_t, const std::string&)> reserve_more_;
   RowBatcher batcher_;  // the rows received and not yet computed
-  RowCompaction compaction_;  // the rows that contribute nothing, dropped (when the function says)
+  RowCompaction compaction_;   // the rows that contribute nothing, dropped (when the function says)
   int64_t received_rows_ = 0;  // rows taken from the client (or the retained inputs)
   int64_t next_row_ = 0;       // request rows whose results have been produced
   StepOutcome outcome_;  // the summary's sums so far (loss, tokens, chunks, extras)

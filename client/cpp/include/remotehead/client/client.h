@@ -278,7 +278,8 @@ struct StepSpec {
   // travel, and dX, per-token outputs and token extras come back with zeros in the rows left
   // out — the same bits as sending every row (the server drops those rows itself before it
   // computes). false: every row travels (e.g. to measure the difference). A Backward by
-  // inputs_handle compacts its grad_output like its Forward only when given the targets.
+  // inputs_handle leaves out of its grad_output what its Forward left out (the client remembers
+  // it by handle, targets given or not).
   bool compact_rows = true;
 };
 
