@@ -17,6 +17,9 @@
 // client to take results). Times are medians over --repeats after --warmup untimed runs; the
 // remote result is checked against the in-process one (loss, dX).
 //
+// Per shape also a step with half of its rows masked (masked_rows.h): unmasked, every row sent,
+// compacted — bytes on the wire (the server's own metrics) and the server's compute.
+//
 // With --group_size K (≥ 2) the same remote step also runs on a head group of K server
 // processes on loopback (Gloo), started next to the single server: reported are its step time
 // against the single server's (on this machine the ranks share its cores, so the ratio says

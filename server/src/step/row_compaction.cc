@@ -7,6 +7,23 @@
 
 namespace remotehead::server {
 
+RowCompaction RowCompaction::For(const core::CallPlan& plan, core::CallMode mode,
+                                 const core::StepOptions& options,
+                                 std::optional<torch::ScalarType> grad_hidden_dtype,
+                                 torch::ScalarType head_dtype) {
+  if (!plan.function->ignored_rows_contribute_nothing) return RowCompaction();
+  RowResultKinds kinds{.hidden_size = plan.hidden_size,
+                       .token_extras = options.token_extras,
+                       .token_extras_dtype = core::OutputDtype(core::OutputKind::kPerToken,
+                                                               head_dtype, torch::kFloat)};
+  if (mode != core::CallMode::kForward) {
+    kinds.grad_hidden = grad_hidden_dtype.value_or(head_dtype);
+  } else if (options.reduction == core::Reduction::kNone) {
+    kinds.outputs = kinds.token_extras_dtype;
+  }
+  return RowCompaction(options.ignore_index, std::move(kinds));
+}
+
 RowBatcher::Part RowCompaction::Compact(RowBatcher::Part part, int64_t first_row) {
   const int64_t n = part.batch.rows();
   if (!on_ || !part.batch.targets.defined() || n == 0) {

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "remotehead/core/call_plan.h"
 #include "remotehead/core/torch_api.h"
 #include "step/row_batcher.h"
 #include "step/step_call.h"
@@ -39,6 +40,13 @@ class RowCompaction {
   // On: rows whose target is `ignore_index` are dropped.
   RowCompaction(int64_t ignore_index, RowResultKinds kinds)
       : on_(true), ignore_index_(ignore_index), kinds_(std::move(kinds)) {}
+
+  // A call's: on when its function declares that its ignored rows contribute nothing; its
+  // results' kinds from the mode, the reduction, the token extras and the dtypes.
+  static RowCompaction For(const core::CallPlan& plan, core::CallMode mode,
+                           const core::StepOptions& options,
+                           std::optional<torch::ScalarType> grad_hidden_dtype,
+                           torch::ScalarType head_dtype);
 
   bool on() const { return on_; }
   // Request rows [first_row, first_row + rows of part): the part with only its contributing

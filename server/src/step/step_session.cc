@@ -60,18 +60,7 @@ absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanou
   kept_reserved_ = call_.retain_inputs_seconds > 0
                        ? RetainedInputsBytes(plan_, call_.rows, teacher_.row_bytes)
                        : 0;
-  if (plan_.function->ignored_rows_contribute_nothing) {
-    RowResultKinds kinds{.hidden_size = plan_.hidden_size,
-                         .token_extras = options_.token_extras,
-                         .token_extras_dtype = core::OutputDtype(core::OutputKind::kPerToken,
-                                                                 head_dtype_, torch::kFloat)};
-    if (mode_ != core::CallMode::kForward) {
-      kinds.grad_hidden = call_.grad_hidden_dtype.value_or(head_dtype_);
-    } else if (options_.reduction == core::Reduction::kNone) {
-      kinds.outputs = kinds.token_extras_dtype;
-    }
-    compaction_ = RowCompaction(options_.ignore_index, std::move(kinds));
-  }
+  compaction_ = RowCompaction::For(plan_, mode_, options_, call_.grad_hidden_dtype, head_dtype_);
   return absl::OkStatus();
 }
 

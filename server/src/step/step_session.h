@@ -94,13 +94,11 @@ class StepSession {
   absl::Status Enqueue(RowBatcher::Part part, int64_t first_row, const StepResultSink& sink);
   // Computes everything pending, then gives back the dropped rows received so far as zeros.
   absl::Status FlushReceived(const StepResultSink& sink);
-  // A Forward that retains its inputs keeps the rows as they were sent (dropped ones too: a
-  // Backward by its handle sends grad_output for every row and drops the same ones).
+  // A retaining Forward keeps the rows as sent (dropped ones too: its Backward drops the same).
   absl::Status Retain(const core::TokenBatch& rows);
   // How the batcher's batches are computed: ComputeRows with this mode's grad_output.
   RowBatcher::Compute ComputeBatch(const StepResultSink& sink);
-  // Computes the next kept rows and hands their results, placed at their request rows, to
-  // `sink`.
+  // Computes the next kept rows; their results, placed at their request rows, go to `sink`.
   absl::Status ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
                            const StepResultSink& sink);
   // Runs the engine for one batch in this session's mode; fills dX / outputs / token ids.
