@@ -212,6 +212,7 @@ TransformFunction TwoHead(std::string name, std::string help, bool with_beta, do
           .params = TwoHeadParams(with_beta),
           .extras = DistillationExtras(),
           .workspace_logit_buffers = with_beta ? 11.0 : 6.0,
+          .ignored_rows_contribute_nothing = true,
           .forward = TwoHeadDivergence(with_beta ? "beta" : "", beta),
           .validate = [](const FunctionParams& params, const AuxTensors&, bool has_targets) {
             return ValidateAlphaTargets(params, has_targets);
@@ -230,6 +231,7 @@ TransformFunction Sparse(std::string name, std::string help, bool reverse) {
                       "distributions renormalised over the k ids"}},
           .extras = DistillationExtras(),
           .workspace_logit_buffers = 3,
+          .ignored_rows_contribute_nothing = true,
           .forward = SparseDivergence(reverse),
           .validate = ValidateSparse};
 }

@@ -125,7 +125,7 @@ absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& 
   UpstreamFn upstream;
   if (options.reduction == Reduction::kNone) {
     RETURN_IF_ERROR(
-        CheckPerToken(grad_output, "grad_output", plan.rows, head.device(), false, plan.first_row));
+        CheckPerToken(grad_output, "grad_output", plan.rows, head.device(), false, plan));
     upstream = [&grad_output](int64_t start, int64_t rows, const torch::Tensor& w) {
       return w * grad_output.narrow(0, start, rows).to(w.scalar_type());
     };

@@ -17,7 +17,7 @@ namespace {
 // share once their shape is right: on `device`; int64 / int32 when `integral`, else a floating
 // dtype with finite values — a bad row of [N] names its value, one of [N, k] says NaN or Inf.
 absl::Status CheckValues(const torch::Tensor& t, const std::string& field,
-                         const torch::Device& device, bool integral, int64_t first_row) {
+                         const torch::Device& device, bool integral, const Plan& plan) {
   if (t.device() != device) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": expected device ", device.str(), "; got ", t.device().str()));
@@ -31,23 +31,23 @@ absl::Status CheckValues(const torch::Tensor& t, const std::string& field,
   const int64_t bad = integral ? -1 : FirstNonFiniteRow(t);
   if (bad < 0) return absl::OkStatus();
   if (t.dim() == 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, "[", first_row + bad, "]: expected a finite value; got ", t[bad].item<double>()));
+    return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.RowNumber(bad),
+                                                   "]: expected a finite value; got ",
+                                                   t[bad].item<double>()));
   }
   return absl::InvalidArgumentError(
-      absl::StrCat(field, "[", first_row + bad, "]: expected finite values; got NaN or Inf"));
+      absl::StrCat(field, "[", plan.RowNumber(bad), "]: expected finite values; got NaN or Inf"));
 }
 
 absl::Status CheckTargets(const Head& head, const TokenBatch& batch, const Plan& plan) {
-  RETURN_IF_ERROR(
-      CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true, plan.first_row));
+  RETURN_IF_ERROR(CheckPerToken(batch.targets, "targets", plan.rows, head.device(), true, plan));
   const torch::Tensor t = batch.targets;
   const torch::Tensor bad =
       (t != plan.ignore_index).logical_and((t < 0).logical_or(t >= plan.vocab_size));
   if (bad.any().item<bool>()) {
     const int64_t i = bad.nonzero()[0][0].item<int64_t>();
     return absl::InvalidArgumentError(absl::StrCat(
-        "targets[", plan.first_row + i, "]: expected a token id in [0, ", plan.vocab_size,
+        "targets[", plan.RowNumber(i), "]: expected a token id in [0, ", plan.vocab_size,
         ") or ignore_index (", plan.ignore_index, "); got ", t[i].item<int64_t>()));
   }
   return absl::OkStatus();
@@ -65,14 +65,14 @@ absl::Status CheckTopkAux(const torch::Tensor& t, const std::string& field, AuxK
   }
   *k = t.size(1);
   const bool ids = kind == AuxKind::kTopkIds;
-  RETURN_IF_ERROR(CheckValues(t, field, head.device(), ids, plan.first_row));
+  RETURN_IF_ERROR(CheckValues(t, field, head.device(), ids, plan));
   if (!ids) return absl::OkStatus();
   const torch::Tensor out_of_range = ((t < 0).logical_or(t >= plan.vocab_size)).any(1);
   if (out_of_range.any().item<bool>()) {
     const int64_t row = out_of_range.nonzero()[0][0].item<int64_t>();
-    return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.first_row + row,
-                                                   "]: expected token ids in [0, ",
-                                                   plan.vocab_size, "); got ", c10::str(t[row])));
+    return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.RowNumber(row),
+                                                   "]: expected token ids in [0, ", plan.vocab_size,
+                                                   "); got ", c10::str(t[row])));
   }
   if (t.size(1) > 1) {
     const torch::Tensor sorted = std::get<0>(t.sort(1));
@@ -80,7 +80,7 @@ absl::Status CheckTopkAux(const torch::Tensor& t, const std::string& field, AuxK
         (sorted.narrow(1, 1, t.size(1) - 1) == sorted.narrow(1, 0, t.size(1) - 1)).any(1);
     if (repeated.any().item<bool>()) {
       const int64_t row = repeated.nonzero()[0][0].item<int64_t>();
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.first_row + row,
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.RowNumber(row),
                                                      "]: expected distinct token ids; got ",
                                                      c10::str(t[row])));
     }
@@ -106,8 +106,7 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
     const std::string field = absl::StrCat("aux[\"", name, "\"]");
     const AuxKind kind = fn.aux_kind(name);
     if (kind == AuxKind::kPerToken) {
-      RETURN_IF_ERROR(
-          CheckPerToken(tensor, field, plan.rows, head.device(), false, plan.first_row));
+      RETURN_IF_ERROR(CheckPerToken(tensor, field, plan.rows, head.device(), false, plan));
     } else {
       RETURN_IF_ERROR(CheckTopkAux(tensor, field, kind, head, plan, &k));
     }
@@ -194,14 +193,14 @@ absl::Status CheckHidden(const Head& head, const TokenBatch& batch) {
 }
 
 // Row-chunked so that the check's own memory stays within one chunk.
-absl::Status CheckHiddenFinite(const torch::Tensor& x, const std::string& field,
-                               int64_t chunk_rows, int64_t first_row) {
+absl::Status CheckHiddenFinite(const torch::Tensor& x, const std::string& field, int64_t chunk_rows,
+                               const Plan& plan) {
   torch::NoGradGuard no_grad;
   for (int64_t start = 0; start < x.size(0); start += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, x.size(0) - start);
     const int64_t bad = FirstNonFiniteRow(x.narrow(0, start, rows));
     if (bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", first_row + start + bad,
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", plan.RowNumber(start + bad),
                                                      "]: expected finite values; got NaN or Inf"));
     }
   }
@@ -228,8 +227,7 @@ absl::Status CheckTokenInputs(const Head& head, const TokenBatch& batch, const S
       return absl::InvalidArgumentError(absl::StrCat(
           "weights: reduction weighted_sum needs per-token weights [", plan.rows, "]; got none"));
     }
-    RETURN_IF_ERROR(
-        CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false, plan.first_row));
+    RETURN_IF_ERROR(CheckPerToken(batch.weights, "weights", plan.rows, head.device(), false, plan));
   } else if (batch.weights.defined()) {
     return absl::InvalidArgumentError(
         absl::StrCat("weights: only used by reduction weighted_sum; got weights with reduction ",
@@ -270,12 +268,12 @@ int64_t FirstNonFiniteRow(const torch::Tensor& t) {
 }
 
 absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int64_t n,
-                           const torch::Device& device, bool integral, int64_t first_row) {
+                           const torch::Device& device, bool integral, const Plan& plan) {
   if (t.dim() != 1 || t.size(0) != n) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": expected shape [", n,
                                                    "] (one per row of hidden); got ", ShapeOf(t)));
   }
-  return CheckValues(t, field, device, integral, first_row);
+  return CheckValues(t, field, device, integral, plan);
 }
 
 absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const StepOptions& options,
@@ -295,6 +293,7 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const S
   plan.should_stop = options.should_stop;
   plan.logits_workspace = options.logits_workspace;
   plan.first_row = options.first_row;
+  plan.row_numbers = options.row_numbers;
   plan.ignore_index = options.ignore_index;
   RETURN_IF_ERROR(CheckHidden(head, batch));
   plan.rows = batch.rows();
@@ -308,10 +307,10 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const S
   RETURN_IF_ERROR(CheckScalarOptions(options));
   plan.chunk_rows = plan.call.ChunkRowsFor(plan.rows);
   plan.block_rows = plan.call.BlockRowsFor(plan.rows);
-  RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, "hidden", plan.chunk_rows, plan.first_row));
+  RETURN_IF_ERROR(CheckHiddenFinite(batch.hidden, "hidden", plan.chunk_rows, plan));
   if (plan.teacher != nullptr) {
-    RETURN_IF_ERROR(CheckHiddenFinite(batch.teacher_hidden, "teacher_hidden", plan.chunk_rows,
-                                      plan.first_row));
+    RETURN_IF_ERROR(
+        CheckHiddenFinite(batch.teacher_hidden, "teacher_hidden", plan.chunk_rows, plan));
   }
 
   plan.valid_tokens = CountValidTokens(batch.targets, options.ignore_index, plan.rows);

@@ -37,6 +37,7 @@ struct Plan {
   std::function<bool()> should_stop;  // StepOptions::should_stop
   torch::Tensor logits_workspace;     // StepOptions::logits_workspace
   int64_t first_row = 0;              // StepOptions::first_row
+  const std::vector<int64_t>* row_numbers = nullptr;  // StepOptions::row_numbers
   const VocabShard* shard = nullptr;  // StepOptions::shard
   const Head* teacher = nullptr;      // StepOptions::teacher (two-head functions)
   int64_t vocab_size = 0;             // V of the whole head (all shards of a group)
@@ -50,6 +51,12 @@ struct Plan {
   // Whether this call's dX is summed here: always on one server, on rank 0 of a group.
   bool holds_grad_hidden() const { return shard == nullptr || shard->group->rank() == 0; }
   const FunctionParams& params() const { return call.params; }
+  // How error messages name row i of this call: its index in the caller's request.
+  int64_t RowNumber(int64_t i) const {
+    return row_numbers != nullptr && i >= 0 && i < static_cast<int64_t>(row_numbers->size())
+               ? (*row_numbers)[static_cast<size_t>(i)]
+               : first_row + i;
+  }
 };
 
 // Thrown between chunks when Plan::should_stop says so; StatusFromExceptions makes it CANCELLED.
@@ -66,9 +73,10 @@ std::string ShapeOf(const torch::Tensor& t);
 // First row of `t` ([N] or [N, D]) holding NaN or Inf, or -1 if all values are finite.
 int64_t FirstNonFiniteRow(const torch::Tensor& t);
 
-// Checks a per-token input: [N], on `device`, floating (or integral when `integral`).
+// Checks a per-token input: [N], on `device`, floating (or integral when `integral`); a bad row
+// is named by plan.RowNumber.
 absl::Status CheckPerToken(const torch::Tensor& t, const std::string& field, int64_t n,
-                           const torch::Device& device, bool integral, int64_t first_row);
+                           const torch::Device& device, bool integral, const Plan& plan);
 
 // Validates every input and fixes the chunk size and the reduction's denominator.
 absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const StepOptions& options,

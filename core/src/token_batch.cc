@@ -35,6 +35,11 @@ TokenBatch TokenBatch::Slice(int64_t start, int64_t n) const {
   return Map(*this, [&](const torch::Tensor& t) { return t.narrow(0, start, n); });
 }
 
+TokenBatch TokenBatch::Select(const torch::Tensor& index) const {
+  return Map(*this,
+             [&](const torch::Tensor& t) { return t.index_select(0, index.to(t.device())); });
+}
+
 TokenBatch TokenBatch::To(const torch::Device& device) const {
   return Map(*this, [&](const torch::Tensor& t) { return t.to(device); });
 }
@@ -83,6 +88,11 @@ int64_t CountValidTokens(const torch::Tensor& targets, int64_t ignore_index, int
   if (!targets.defined()) return rows;
   torch::NoGradGuard no_grad;
   return (targets != ignore_index).sum().item<int64_t>();
+}
+
+torch::Tensor ContributingRows(const torch::Tensor& targets, int64_t ignore_index) {
+  torch::NoGradGuard no_grad;
+  return (targets.reshape(-1) != ignore_index).nonzero().reshape(-1);
 }
 
 }  // namespace remotehead::core

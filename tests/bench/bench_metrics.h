@@ -1,15 +1,20 @@
 // What the benches read of a server process's /metrics (Prometheus text on loopback): the body,
-// and one sample's value.
+// and one sample's value; and a process's CPU time.
 #pragma once
 
 #include <arpa/inet.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 
 namespace remotehead::bench {
 
@@ -43,6 +48,25 @@ inline double MetricValue(const std::string& body, const std::string& name) {
     return value;
   }
   return 0;
+}
+
+// CPU seconds (user + system) used so far by process `pid` (0: this process).
+inline double CpuSeconds(pid_t pid) {
+  if (pid == 0) {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+    return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
+  const std::vector<std::string> fields =
+      absl::StrSplit(text.substr(text.rfind(')') + 2), ' ', absl::SkipEmpty());
+  if (fields.size() < 13) return 0;
+  double utime = 0, stime = 0;
+  if (!absl::SimpleAtod(fields[11], &utime) || !absl::SimpleAtod(fields[12], &stime)) return 0;
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
 }  // namespace remotehead::bench

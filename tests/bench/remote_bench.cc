@@ -17,6 +17,9 @@
 // client to take results). Times are medians over --repeats after --warmup untimed runs; the
 // remote result is checked against the in-process one (loss, dX).
 //
+// Per shape also a step with half of its rows masked (masked_rows.h): unmasked, every row sent,
+// compacted — bytes on the wire (the server's own metrics) and the server's compute.
+//
 // With --group_size K (≥ 2) the same remote step also runs on a head group of K server
 // processes on loopback (Gloo), started next to the single server: reported are its step time
 // against the single server's (on this machine the ranks share its cores, so the ratio says
@@ -57,6 +60,7 @@
 #include "bench/bench_metrics.h"
 #include "bench/bench_plot.h"
 #include "bench/loopback_limit.h"
+#include "bench/masked_rows.h"
 #include "bench/remote_bench_mesh.h"
 #include "bench/remote_bench_table.h"
 #include "bench/striped_wire.h"
@@ -103,25 +107,6 @@ using Clock = std::chrono::steady_clock;
 struct Shape {
   int64_t n = 0, d = 0, v = 0;
 };
-
-// CPU seconds (user + system) used so far by process `pid` (0: this process).
-double CpuSeconds(pid_t pid) {
-  if (pid == 0) {
-    rusage usage{};
-    getrusage(RUSAGE_SELF, &usage);
-    auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
-    return seconds(usage.ru_utime) + seconds(usage.ru_stime);
-  }
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
-  const std::vector<std::string> fields =
-      absl::StrSplit(text.substr(text.rfind(')') + 2), ' ', absl::SkipEmpty());
-  if (fields.size() < 13) return 0;
-  double utime = 0, stime = 0;
-  if (!absl::SimpleAtod(fields[11], &utime) || !absl::SimpleAtod(fields[12], &stime)) return 0;
-  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
-}
 
 template <typename T>
 T OrDie(absl::StatusOr<T> v, const std::string& what) {
@@ -344,7 +329,7 @@ nlohmann::json PlotSeries(const Shape& s, const rh::core::Head& head,
 }
 
 nlohmann::json RunShape(const Shape& s, rh::client::Client& client, const std::string& target,
-                        pid_t server_pid, Group* group) {
+                        pid_t server_pid, int metrics_port, Group* group) {
   torch::NoGradGuard no_grad;
   // The same head on both sides: Head::Initialize is deterministic in the seed.
   auto head = OrDie(
@@ -377,13 +362,14 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, const std::s
   const rh::client::StepInputs inputs{.hidden = batch.hidden, .targets = batch.targets};
   double cpu_before = 0, cpu_after = 0;  // both processes, over the timed remote runs
   const bench::Measurement remote_step = MeasureStep([&] {
-    if (step == absl::GetFlag(FLAGS_warmup)) cpu_before = CpuSeconds(0) + CpuSeconds(server_pid);
+    if (step == absl::GetFlag(FLAGS_warmup))
+      cpu_before = bench::CpuSeconds(0) + bench::CpuSeconds(server_pid);
     rh::client::StepSpec spec{.head_id = "bench",
                               .gradient_id = rh::client::GradientId{"bench", step++, 0}};
     remote_result = OrDie(client.ForwardBackward(spec, inputs), "ForwardBackward");
   });
   const double remote = remote_step.seconds;
-  cpu_after = CpuSeconds(0) + CpuSeconds(server_pid);
+  cpu_after = bench::CpuSeconds(0) + bench::CpuSeconds(server_pid);
   const double cpu_per_step = (cpu_after - cpu_before) / std::max(1, absl::GetFlag(FLAGS_repeats));
   nlohmann::json plot_series;
   if (!absl::GetFlag(FLAGS_plot).empty()) {
@@ -433,6 +419,11 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, const std::s
                        {"gb_per_s", w.gb_per_s},
                        {"dx_max_rel_diff", w.dx_max_rel_diff}});
   }
+  // Half of the rows masked: unmasked, every row sent, compacted (bytes from the server's metrics).
+  const nlohmann::json masked = bench::MaskedRowsJson(
+      OrDie(bench::MeasureMaskedRows(client, metrics_port, batch.hidden, s.v,
+                                     absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_repeats)),
+            "masked rows"));
   torch::set_num_threads(threads);
 
   const double bytes = 2.0 * s.n * s.d * 4;  // X up + dX down
@@ -464,6 +455,7 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, const std::s
       {"loss", local.loss},
       {"echo_exact", torch::equal(echoed, batch.hidden)},
   };
+  out["masked_rows"] = masked;
   if (!striped.empty()) out["striped_wire"] = striped;
   if (group != nullptr) out["group"] = group_report;
   if (!plot_series.is_null()) out["plot"] = plot_series;
@@ -504,7 +496,8 @@ int main(int argc, char** argv) {
                                 .json = absl::GetFlag(FLAGS_json)});
   }
   std::vector<std::string> args = {absl::GetFlag(FLAGS_server), "--listen=127.0.0.1:0",
-                                   "--device=cpu", "--memory_budget_bytes=0"};
+                                   "--device=cpu", "--memory_budget_bytes=0",
+                                   "--metrics_address=127.0.0.1:0"};
   for (const auto& a : absl::GetFlag(FLAGS_server_args)) args.push_back(a);
   rh::testing::ServerProcess server(args);
   if (server.port() == 0) {
@@ -526,7 +519,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<Group> group;
   if (absl::GetFlag(FLAGS_group_size) >= 2) group = StartGroup(absl::GetFlag(FLAGS_group_size));
   for (const Shape& s : shapes) {
-    report["shapes"].push_back(RunShape(s, *client, server.target(), server.pid(), group.get()));
+    report["shapes"].push_back(RunShape(s, *client, server.target(), server.pid(),
+                                        PortAfter(server.log(), "metrics on port "), group.get()));
   }
   // The wire read against the loopback TCP limit, measured in the same run.
   if (const int64_t bytes = absl::GetFlag(FLAGS_loopback_bytes); bytes > 0) {
@@ -564,6 +558,12 @@ int main(int argc, char** argv) {
           !r["echo_exact"].get<bool>()) {
         std::cerr << "remotehead-remote-bench: remote and in-process results differ: " << r.dump()
                   << std::endl;
+        ++failures;
+      }
+      if (!bench::MaskedRowsCheck(r["masked_rows"])) {
+        std::cerr << "remotehead-remote-bench: the compacted masked step is not what the masked "
+                     "step sent whole gives, or sent as many bytes: "
+                  << r["masked_rows"].dump() << std::endl;
         ++failures;
       }
       if (!r.contains("group")) continue;

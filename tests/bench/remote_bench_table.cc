@@ -33,6 +33,29 @@ void PrintRemoteBenchTable(const nlohmann::json& report, std::ostream& out) {
         "", r["remote_cpu_seconds"].get<double>(), 100 * r["remote_cpu_utilisation"].get<double>(),
         report["cores"].get<int>(), r["loss_abs_diff"].get<double>(),
         r["dx_max_abs_diff"].get<double>(), r["echo_exact"].get<bool>() ? "yes" : "NO");
+    if (r.contains("masked_rows")) {
+      // Half of the rows masked: the unmasked step, the masked one sent whole, and compacted.
+      const auto& m = r["masked_rows"];
+      std::string line;
+      for (const char* name : {"unmasked", "masked_full", "masked_compacted"}) {
+        const auto& st = m["steps"][name];
+        line += absl::StrFormat(
+            " %s %.3f s, srv_comp %.3f s, up %.2f MiB, down %.2f MiB;", name,
+            st["seconds"].get<double>(), st["server_compute_seconds"].get<double>(),
+            st["bytes_up"].get<double>() / (1 << 20), st["bytes_down"].get<double>() / (1 << 20));
+      }
+      out << absl::StrFormat("%-18s masked rows (%d of %d):%s\n", "", m["masked_rows"].get<int>(),
+                             r["n"].get<int>(), line);
+      const auto& vs_full = m["compacted_vs_unmasked"];
+      out << absl::StrFormat(
+          "%-18s   compacted vs unmasked: bytes up %.2f×, down %.2f×, server compute %.2f×, step "
+          "%.2f×; vs masked sent whole: bytes up %.2f×, server compute %.2f×; equal bits: %s\n",
+          "", vs_full["bytes_up"].get<double>(), vs_full["bytes_down"].get<double>(),
+          vs_full["server_compute"].get<double>(), vs_full["seconds"].get<double>(),
+          m["compacted_vs_masked_full"]["bytes_up"].get<double>(),
+          m["compacted_vs_masked_full"]["server_compute"].get<double>(),
+          m["equal_bits"].get<bool>() ? "yes" : "no");
+    }
     if (r.contains("striped_wire")) {
       // X up and dX down through the step's path, next to no compute, by stream count.
       std::string line;

@@ -158,8 +158,12 @@ class RetryTest : public ::testing::Test {
          }});
   }
 
+  // compact_rows off: a step is its own RPC alone (no ListFunctions first), whose attempts and
+  // retries the tests count.
   rc::StepSpec Spec() const {
-    return {.head_id = "lm", .gradient_id = rc::GradientId{.trainer = "run/rank-0", .step = 7}};
+    return {.head_id = "lm",
+            .gradient_id = rc::GradientId{.trainer = "run/rank-0", .step = 7},
+            .compact_rows = false};
   }
   rc::StepInputs Inputs() const { return {.hidden = batch_.hidden, .targets = batch_.targets}; }
 

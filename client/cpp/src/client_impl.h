@@ -8,7 +8,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -121,6 +123,21 @@ struct Client::Impl {
   absl::StatusOr<std::optional<FunctionInfo>> Function(const std::string& name);
   std::mutex functions_mu;
   std::optional<std::vector<FunctionInfo>> functions;
+  // What each Forward that kept its inputs on the server left out, by inputs handle (the rows
+  // kept [k] int64 of how many the caller gave), so that a Backward by that handle sends
+  // grad_output for the same rows, targets given or not; forgotten when the Backward succeeds,
+  // at most kMaxHandleRows kept (the oldest go first).
+  struct HandleRows {
+    torch::Tensor kept;
+    int64_t rows = 0;
+  };
+  static constexpr size_t kMaxHandleRows = 4096;
+  std::mutex handle_rows_mu;
+  std::map<std::string, HandleRows> handle_rows;
+  std::deque<std::string> handle_order;
+  std::optional<HandleRows> RowsOfHandle(const std::string& handle);
+  void AfterStep(const internal::PreparedStep& p, const std::string& handle,
+                 const std::string& backward_by_handle);
   // A per-row Forward's result buffers, shaped and typed as its function's listing says.
   absl::Status AllocateForwardOutputs(const StepSpec& spec, const internal::PreparedStep& p,
                                       internal::StepBuffers* buffers);

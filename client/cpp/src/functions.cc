@@ -36,7 +36,8 @@ absl::StatusOr<FunctionInfo> FromWire(const v1::FunctionDescription& d) {
                     .vocab_decomposable = d.vocab_decomposable(),
                     .needs_teacher = d.needs_teacher(),
                     .topk_aux = {d.topk_aux().begin(), d.topk_aux().end()},
-                    .integral_aux = {d.integral_aux().begin(), d.integral_aux().end()}};
+                    .integral_aux = {d.integral_aux().begin(), d.integral_aux().end()},
+                    .ignored_rows_contribute_nothing = d.ignored_rows_contribute_nothing()};
   for (const v1::FunctionParameter& p : d.params()) {
     info.params.push_back({.name = p.name(),
                            .default_value = p.default_value(),

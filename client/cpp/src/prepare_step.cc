@@ -24,6 +24,15 @@ v1::StepRequest PreparedStep::RowsMessage(int64_t offset, int64_t count) const {
   return message;
 }
 
+torch::Tensor PreparedStep::Expand(const torch::Tensor& t) const {
+  if (!t.defined() || !kept.defined()) return t;
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes[0] = caller_rows;
+  torch::Tensor full = torch::zeros(sizes, t.options());
+  full.index_copy_(0, kept, t);
+  return full;
+}
+
 namespace {
 
 v1::Reduction ToWire(Reduction reduction) {
@@ -248,11 +257,27 @@ absl::Status PlanRows(int64_t chunk_bytes, PreparedStep& p) {
   return absl::OkStatus();
 }
 
+// Keeps only the rows `keep` ([k] int64, increasing) of every per-row tensor that travels: the
+// header says their number, and p.kept records which rows of the caller's they are. Keeping
+// every row leaves the step as it is.
+void CompactRows(const torch::Tensor& keep, PreparedStep& p) {
+  if (keep.size(0) == p.rows) return;
+  p.kept = keep;
+  p.caller_rows = p.rows;
+  for (torch::Tensor* t : {&p.hidden, &p.targets, &p.weights, &p.grad_output, &p.teacher_hidden}) {
+    if (t->defined()) *t = t->index_select(0, keep);
+  }
+  for (auto& [name, t] : p.aux) t = t.index_select(0, keep);
+  p.rows = keep.size(0);
+  p.header.mutable_header()->set_rows(p.rows);
+}
+
 }  // namespace
 
 absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
                                          core::CallMode mode, const torch::Tensor& grad_output,
-                                         int64_t chunk_bytes) {
+                                         int64_t chunk_bytes, bool compact,
+                                         const torch::Tensor& keep, int64_t keep_of) {
   PreparedStep p;
   p.mode = mode;
   p.inputs_handle = mode == core::CallMode::kBackward ? spec.inputs_handle : "";
@@ -260,6 +285,14 @@ absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs&
   v1::StepHeader* h = p.header.mutable_header();
   RETURN_IF_ERROR(WriteHeader(spec, p, h));
   RETURN_IF_ERROR(PrepareGradient(spec, grad_output, p, h));
+  // What to leave out: the rows whose target is ignore_index (core::ContributingRows, the
+  // server's rule), or what the Forward of this Backward's handle left out (when of these rows;
+  // otherwise the server says what is wrong).
+  if (keep.defined() && keep_of == p.rows) {
+    CompactRows(keep, p);
+  } else if (compact && p.targets.defined()) {
+    CompactRows(core::ContributingRows(p.targets, spec.ignore_index), p);
+  }
   if (p.by_handle()) {
     // The server has the inputs: only dL/dy goes with the rows, and a scalar reduction sends no
     // rows at all.

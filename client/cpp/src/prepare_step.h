@@ -33,16 +33,28 @@ struct PreparedStep {
   torch::Tensor teacher_hidden;  // a two-head call's [N, D_teacher]
   std::vector<std::pair<std::string, torch::Tensor>> aux;
   std::vector<wire::RowRange> chunks;
+  // Rows that contribute nothing left out (CompactRows): which of the caller's rows travel
+  // ([rows] int64), and how many the caller gave; undefined when every row travels.
+  torch::Tensor kept;
+  int64_t caller_rows = 0;
 
   // The message carrying rows [offset, offset + count) of every tensor above.
   v1::StepRequest RowsMessage(int64_t offset, int64_t count) const;
+  // A result of the rows sent ([rows, ...]) in the caller's rows ([caller_rows, ...]), zeros in
+  // the rows left out; as it is when every row travels (or `t` is undefined).
+  torch::Tensor Expand(const torch::Tensor& t) const;
 };
 
 // Checks the inputs of a step call in `mode` (INVALID_ARGUMENT naming the field), writes its
 // header and plans its row messages, none over chunk_bytes. grad_output: a Backward's dL/dy
-// (reduction NONE) or dL/d(loss); ignored otherwise.
+// (reduction NONE) or dL/d(loss); ignored otherwise. What to leave out (the Python client's
+// _compaction.compact, to the row): with `compact`, the rows whose target is spec.ignore_index
+// (the function's listing says they contribute nothing, and spec.compact_rows asks for it);
+// given `keep` ([k] int64 of `keep_of` rows: a Backward by the inputs handle of a Forward that
+// left rows out), all but those rows.
 absl::StatusOr<PreparedStep> PrepareStep(const StepSpec& spec, const StepInputs& inputs,
                                          core::CallMode mode, const torch::Tensor& grad_output,
-                                         int64_t chunk_bytes);
+                                         int64_t chunk_bytes, bool compact = false,
+                                         const torch::Tensor& keep = {}, int64_t keep_of = 0);
 
 }  // namespace remotehead::client::internal

@@ -239,8 +239,24 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
                                                   const StepInputs& inputs,
                                                   const torch::Tensor& grad_output,
                                                   const AllocateStepBuffers& allocate) {
+  // Whether the rows that contribute nothing stay here is the function's, as the server lists
+  // it (read only when some row could be left out).
+  bool compact = false;
+  if (spec.compact_rows && inputs.targets.defined()) {
+    ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, Function(spec.function));
+    compact = fn.has_value() && fn->ignored_rows_contribute_nothing;
+  }
+  // A Backward by a handle leaves out what its Forward left out (nothing when that Forward left
+  // out nothing or was not this client's).
+  const std::string by_handle = mode == core::CallMode::kBackward ? spec.inputs_handle : "";
+  std::optional<HandleRows> keep;
+  if (!by_handle.empty()) {
+    compact = false;
+    keep = RowsOfHandle(by_handle);
+  }
   ASSIGN_OR_RETURN(const PreparedStep p,
-                   PrepareStep(spec, inputs, mode, grad_output, options.chunk_bytes));
+                   PrepareStep(spec, inputs, mode, grad_output, options.chunk_bytes, compact,
+                               keep ? keep->kept : torch::Tensor(), keep ? keep->rows : 0));
   StepBuffers buffers;
   RETURN_IF_ERROR(allocate(p, &buffers));
   buffers.token_extras = AllocateTokenExtras(spec, p);
@@ -248,7 +264,33 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
   RETURN_IF_ERROR(WithRetries(core::CallModeName(mode), [&](grpc::ClientContext* context) {
     return StepAttempt(context, p, buffers, &summary);
   }));
+  // The rows left out: zeros in the caller's rows.
+  for (torch::Tensor* t : {&buffers.grad_hidden, &buffers.outputs, &buffers.token_ids}) {
+    *t = p.Expand(*t);
+  }
+  for (auto& [name, t] : buffers.token_extras) t = p.Expand(t);
+  AfterStep(p, summary.inputs_handle(), by_handle);
   return StepResults{.buffers = std::move(buffers), .summary = FromWire(summary)};
+}
+
+std::optional<Client::Impl::HandleRows> Client::Impl::RowsOfHandle(const std::string& handle) {
+  std::lock_guard<std::mutex> lock(handle_rows_mu);
+  const auto it = handle_rows.find(handle);
+  if (it == handle_rows.end()) return std::nullopt;
+  return it->second;
+}
+
+void Client::Impl::AfterStep(const PreparedStep& p, const std::string& handle,
+                             const std::string& backward_by_handle) {
+  std::lock_guard<std::mutex> lock(handle_rows_mu);
+  if (!backward_by_handle.empty()) handle_rows.erase(backward_by_handle);
+  if (handle.empty() || !p.kept.defined()) return;
+  handle_rows[handle] = {.kept = p.kept, .rows = p.caller_rows};
+  handle_order.push_back(handle);
+  while (handle_order.size() > kMaxHandleRows) {
+    handle_rows.erase(handle_order.front());
+    handle_order.pop_front();
+  }
 }
 
 // A per-row Forward's outputs, preallocated as the function's listing says: per-token values

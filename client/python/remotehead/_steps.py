@@ -18,7 +18,7 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 import grpc
 import torch
 
-from remotehead import _wire
+from remotehead import _compaction, _wire
 from remotehead._errors import InvalidArgumentError, RemoteheadError
 from remotehead._wire import framing_bytes, shape_text
 from remotehead.functions import FunctionInfo
@@ -102,6 +102,10 @@ class PreparedStep:
     aux: List[Tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
     teacher_hidden: Optional[torch.Tensor] = None  # [N, D_teacher], two-head functions
     chunks: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Rows that contribute nothing left out (_compaction.py): which of the caller's rows
+    # travel ([rows] int64), and how many the caller gave; None when every row travels.
+    kept: Optional[torch.Tensor] = None
+    caller_rows: int = 0
 
     def messages(self, stripe: Optional[Tuple[str, int, int]] = None
                  ) -> Iterator[pb.StepRequest]:
@@ -198,9 +202,11 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
                  targets: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  aux: Optional[Mapping[str, torch.Tensor]], grad_output,
                  o: StepOptions, chunk_bytes: int,
-                 teacher_hidden: Optional[torch.Tensor] = None) -> PreparedStep:
+                 teacher_hidden: Optional[torch.Tensor] = None,
+                 compact: _compaction.Compaction = False) -> PreparedStep:
     """The Python twin of the C++ client's PrepareStep: the same header fields, set under the
-    same conditions, and the same row plan."""
+    same conditions, and the same row plan. `compact`: which rows to leave out
+    (_compaction.compact; the client's HandleRows decides it from the function's listing)."""
     x = _hidden_rows(hidden)
     n, d = x.shape
     send_dtype = o.wire_dtype if o.wire_dtype is not None else x.dtype
@@ -214,6 +220,7 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
     _set_computation(p.header, o, n)
     _set_valid_tokens(p, o, by_handle)
     _set_gradients(p, mode, o, wire_result_dtype, grad_output)
+    _compaction.compact(p, o.ignore_index, compact)
     h = p.header
     if o.output_dtype is not None:
         h.output_dtype = _wire.wire_dtype(o.output_dtype, "output_dtype")
@@ -468,14 +475,18 @@ def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
     return grad_hidden, outputs, token_ids, summary, extras
 
 
-def step_result(mode: str, per_token: bool, received) -> StepResult:
+def step_result(mode: str, per_token: bool, received, p: Optional[PreparedStep] = None
+                ) -> StepResult:
     """The StepResult of what `receive` read: per-token outputs for a Forward with reduction
-    "none", a Forward's reduced loss as a 0-d float64 tensor."""
+    "none", a Forward's reduced loss as a 0-d float64 tensor. `p`: the step, whose rows left out
+    (PreparedStep.kept) get zeros in the caller's rows."""
     grad_hidden, outputs, token_ids, summary, extras = received
-    result_outputs = (outputs.dst if per_token
+
+    def rows(a):
+        return None if a is None else a.dst if p is None else _compaction.expand(p, a.dst)
+
+    result_outputs = (rows(outputs) if per_token
                       else torch.tensor(summary.loss, dtype=torch.float64)
                       if mode == FORWARD else None)
-    return StepResult(summary.loss, grad_hidden.dst if grad_hidden is not None else None,
-                      result_outputs, decode_summary(summary),
-                      token_ids.dst if token_ids is not None else None,
-                      {name: a.dst for name, a in extras.items()})
+    return StepResult(summary.loss, rows(grad_hidden), result_outputs, decode_summary(summary),
+                      rows(token_ids), {name: rows(a) for name, a in extras.items()})

@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Uni
 import grpc
 import torch
 
-from remotehead import _embedding_calls, _errors, _safetensors, _steps, _wire
+from remotehead import _compaction, _embedding_calls, _errors, _safetensors, _steps, _wire
 from remotehead._striping import merged_responses
 # Re-exported: remotehead.client.X is where these have always been imported from.
 from remotehead._errors import (InvalidArgumentError, RemoteheadError,  # noqa: F401
@@ -153,6 +153,7 @@ class Client:
         self._max_backoff = max_backoff
         self.retries = 0  # attempts repeated after UNAVAILABLE, over this client's life
         self._functions: Optional[Dict[str, FunctionInfo]] = None  # functions(), once
+        self._handle_rows = _compaction.HandleRows()  # what forwards that kept inputs left out
 
     def close(self) -> None:
         self._channel.close()
@@ -544,11 +545,8 @@ class Client:
                                       expected_incarnation: str = "",
                                       expected_weight_version: Optional[int] = None) -> int:
         """Writes the head's W [V, D] (in `dtype`, default its own) into a new .safetensors file
-        on this machine as `name`, streamed: each row chunk goes from the server's stream to the
-        file, so W is never held here whole. Written to `path`.tmp, then renamed; a failed
-        export removes `path`.tmp. Returns the bytes written.
-
-        expected_incarnation / expected_weight_version pin the export to the server process
+        on this machine as `name`, streamed (W is never held here whole; _safetensors.write_file:
+        atomic). Returns the bytes written. expected_incarnation / expected_weight_version pin the export to the server process
         and the head version the caller holds (a trainer saving what it trained): once the
         server restarted, ServerRestartedError (a retry that reaches the new process too); a
         head at another version, FAILED_PRECONDITION naming both; nothing is written then.
@@ -572,11 +570,16 @@ class Client:
 
     def _step(self, mode: str, head_id: str, hidden, targets, weights, aux, grad_output,
               o: StepOptions, teacher_hidden=None) -> StepResult:
-        p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
-                                self._chunk_bytes, teacher_hidden)
         per_token = mode == _steps.FORWARD and o.reduction == "none"
-        # What the rows come back as is the function's, as the server lists it.
-        fn = self.functions().get(o.function) if per_token else None
+        # What the rows come back as, and whether its ignored rows travel, is the function's, as
+        # the server lists it.
+        listed = (self.functions().get(o.function)
+                  if per_token or _compaction.may_compact(o, targets) else None)
+        fn = listed if per_token else None
+        by_handle = o.inputs_handle if mode == _steps.BACKWARD else ""
+        p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
+                                self._chunk_bytes, teacher_hidden,
+                                self._handle_rows.for_step(by_handle, o, listed))
         stubs = [self._stub, *self._stripe_stubs]
 
         def attempt():
@@ -590,5 +593,6 @@ class Client:
                      for i, stub in enumerate(stubs)]
             return _steps.receive(p, mode, fn, o.output_dtype, merged_responses(calls), any_order=True)
 
-        received = self._call(attempt)
-        return _steps.step_result(mode, per_token, received)
+        result = _steps.step_result(mode, per_token, self._call(attempt), p)
+        self._handle_rows.after_step(p, result.summary.inputs_handle, by_handle)
+        return result

@@ -61,6 +61,10 @@ class FunctionInfo:
     topk_aux: Tuple[str, ...] = ()  # aux inputs that are [N, k] (k per token), not [N]
     integral_aux: Tuple[str, ...] = ()  # aux inputs of an integer dtype (e.g. token ids)
     extras: Tuple[ExtraInfo, ...] = ()  # its per-token diagnostics (StepOptions.token_extras)
+    # True: a row whose target is ignore_index contributes nothing (no output, dX, dW, nor a
+    # place in a mean's count): the client leaves such rows out (StepOptions.compact_rows) and
+    # puts zeros in their place in dX, per-token outputs and token extras.
+    ignored_rows_contribute_nothing: bool = False
 
     def outputs_dtype(self, head_dtype: torch.dtype,
                       requested: Optional[torch.dtype] = None) -> torch.dtype:
@@ -90,4 +94,5 @@ def function_info(msg: pb.FunctionDescription) -> FunctionInfo:
         differentiable=msg.differentiable, vocab_decomposable=msg.vocab_decomposable,
         needs_teacher=msg.needs_teacher, topk_aux=tuple(msg.topk_aux),
         integral_aux=tuple(msg.integral_aux),
-        extras=tuple(ExtraInfo(e.name, e.help, e.when_param, e.when_aux) for e in msg.extras))
+        extras=tuple(ExtraInfo(e.name, e.help, e.when_param, e.when_aux) for e in msg.extras),
+        ignored_rows_contribute_nothing=msg.ignored_rows_contribute_nothing)

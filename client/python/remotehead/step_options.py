@@ -92,6 +92,14 @@ class StepOptions:
             distillation's "entropy") to return per token as well as summed, in any call:
             StepResult.token_extras[name] is [N] (0 at ignored rows). Only extras the call
             reports (their condition met) may be named; the server refuses any other.
+        compact_rows: leave out the rows whose target is ignore_index when the function says
+            they contribute nothing (FunctionInfo.ignored_rows_contribute_nothing, from the
+            server's listing): only the other rows travel, and dX, per-token outputs and token
+            extras come back with zeros in the rows left out. The results are the same bits as
+            sending every row (the server drops those rows itself before it computes); False
+            sends every row (e.g. to measure the difference). A backward by inputs_handle
+            leaves out of its grad_output the rows its forward left out (the client remembers
+            them by handle, targets given or not).
     """
 
     function: str = "cross_entropy"
@@ -113,6 +121,7 @@ class StepOptions:
     output_dtype: Optional[torch.dtype] = None
     teacher: str = ""
     token_extras: Tuple[str, ...] = ()
+    compact_rows: bool = True
 
     def __post_init__(self):
         if self.reduction not in _REDUCTIONS:

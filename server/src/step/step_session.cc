@@ -60,6 +60,7 @@ absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanou
   kept_reserved_ = call_.retain_inputs_seconds > 0
                        ? RetainedInputsBytes(plan_, call_.rows, teacher_.row_bytes)
                        : 0;
+  compaction_ = RowCompaction::For(plan_, mode_, options_, call_.grad_hidden_dtype, head_dtype_);
   return absl::OkStatus();
 }
 
@@ -188,10 +189,18 @@ absl::Status StepSession::AddRows(StepRowsIn rows, const StepResultSink& sink,
         " rows in all (header.rows); got at least ", received_rows_ + n));
   }
   if (inputs_ != nullptr) part.batch = inputs_->batch.Slice(received_rows_, n);
+  const int64_t first_row = received_rows_;
   received_rows_ += n;
-  RETURN_IF_ERROR(Enqueue(std::move(part), sink));
-  return more_queued ? absl::OkStatus()
-                     : batcher_.Flush(batcher_.pending_rows(), ComputeBatch(sink));
+  RETURN_IF_ERROR(Enqueue(std::move(part), first_row, sink));
+  return more_queued ? absl::OkStatus() : FlushReceived(sink);
+}
+
+absl::Status StepSession::FlushReceived(const StepResultSink& sink) {
+  RETURN_IF_ERROR(batcher_.Flush(batcher_.pending_rows(), ComputeBatch(sink)));
+  std::optional<StepRowResults> zeros = compaction_.FillTo(received_rows_);
+  if (!zeros.has_value()) return absl::OkStatus();
+  next_row_ = compaction_.given_back();
+  return sink(*std::move(zeros));
 }
 
 // dL/dy of each row: required by (and only used by) a Backward with reduction NONE.
@@ -234,14 +243,36 @@ absl::StatusOr<core::TokenBatch> StepSession::InputsOf(const StepRowsIn& rows,
   return batch;
 }
 
-absl::Status StepSession::Enqueue(RowBatcher::Part part, const StepResultSink& sink) {
+absl::Status StepSession::Enqueue(RowBatcher::Part part, int64_t first_row,
+                                  const StepResultSink& sink) {
   // A malformed part (e.g. hidden that is not [n, D]) is not batched with others: the engine
   // checks it on its own and reports exactly what is wrong.
   if (!WellFormed(part.batch, part.grad_output)) {
     RETURN_IF_ERROR(batcher_.Flush(batcher_.pending_rows(), ComputeBatch(sink)));
+    compaction_.KeepAll(first_row, part.batch.rows());
     return ComputeRows(std::move(part.batch), part.grad_output, sink);
   }
+  if (call_.retain_inputs_seconds > 0) RETURN_IF_ERROR(Retain(part.batch));
+  part = compaction_.Compact(std::move(part), first_row);
+  if (part.batch.rows() == 0) return absl::OkStatus();  // every row dropped
   return batcher_.Add(std::move(part), ComputeBatch(sink));
+}
+
+// Owned copies: the rows may alias request messages that are about to be freed. They are
+// bounded by the budget as they arrive: beyond what the estimate reserved (X and targets),
+// admission is asked for more, and the request fails if the budget has none.
+absl::Status StepSession::Retain(const core::TokenBatch& rows) {
+  kept_rows_.push_back(rows.Clone());
+  kept_bytes_ += kept_rows_.back().nbytes();
+  if (kept_bytes_ <= kept_reserved_) return absl::OkStatus();
+  const int64_t more = kept_bytes_ - kept_reserved_;
+  if (reserve_more_) {
+    RETURN_IF_ERROR(reserve_more_(
+        more, absl::StrCat("inputs retained for the Backward: ", kept_bytes_, " bytes after ",
+                           received_rows_, " rows (per-token weights and aux)")));
+  }
+  kept_reserved_ += more;
+  return absl::OkStatus();
 }
 
 RowBatcher::Compute StepSession::ComputeBatch(const StepResultSink& sink) {
@@ -259,35 +290,24 @@ RowBatcher::Compute StepSession::ComputeBatch(const StepResultSink& sink) {
 absl::Status StepSession::ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
                                       const StepResultSink& sink) {
   EngineOutputs results;
-  options_.first_row = next_row_;  // bad rows are named by their index in the request
+  // Bad rows are named by their index in the request.
+  const int64_t rows = batch.rows();
+  options_.row_numbers = compaction_.RowNumbers(rows);
+  options_.first_row = options_.row_numbers != nullptr && !options_.row_numbers->empty()
+                           ? options_.row_numbers->front()
+                           : compaction_.given_back();
   RETURN_IF_ERROR(Compute(batch, grad_output, &results));
   torch::Tensor& dx = results.grad_hidden;
   if (dx.defined() && call_.grad_hidden_dtype && dx.scalar_type() != *call_.grad_hidden_dtype) {
     dx = dx.to(*call_.grad_hidden_dtype);
   }
-  RETURN_IF_ERROR(sink({.first_row = next_row_,
-                        .grad_hidden = std::move(dx),
-                        .outputs = std::move(results.outputs),
-                        .token_ids = std::move(results.token_ids),
-                        .token_extras = std::move(results.token_extras)}));
-  // Owned copies: the batch may alias request messages that are about to be freed. They are
-  // bounded by the budget as they arrive: beyond what the estimate reserved (X and targets),
-  // admission is asked for more, and the request fails if the budget has none.
-  if (call_.retain_inputs_seconds > 0) {
-    kept_rows_.push_back(batch.Clone());
-    kept_bytes_ += kept_rows_.back().nbytes();
-    if (kept_bytes_ > kept_reserved_) {
-      const int64_t more = kept_bytes_ - kept_reserved_;
-      if (reserve_more_) {
-        RETURN_IF_ERROR(reserve_more_(
-            more, absl::StrCat("inputs retained for the Backward: ", kept_bytes_, " bytes after ",
-                               next_row_ + batch.rows(), " rows (per-token weights and aux)")));
-      }
-      kept_reserved_ += more;
-    }
-  }
-  next_row_ += batch.rows();
-  return absl::OkStatus();
+  StepRowResults placed = compaction_.Place({.grad_hidden = std::move(dx),
+                                             .outputs = std::move(results.outputs),
+                                             .token_ids = std::move(results.token_ids),
+                                             .token_extras = std::move(results.token_extras)},
+                                            rows);
+  next_row_ = compaction_.given_back();
+  return sink(std::move(placed));
 }
 
 absl::Status StepSession::Compute(const core::TokenBatch& batch, const torch::Tensor& grad_output,
@@ -374,10 +394,13 @@ absl::Status StepSession::ComputeRemaining(const StepResultSink& sink) {
   if (inputs_ != nullptr && options_.reduction != core::Reduction::kNone &&
       received_rows_ < call_.rows) {
     const int64_t n = call_.rows - received_rows_;
-    batcher_.Append({.batch = inputs_->batch.Slice(received_rows_, n)});
+    RowBatcher::Part part =
+        compaction_.Compact({.batch = inputs_->batch.Slice(received_rows_, n)}, received_rows_);
+    if (part.batch.rows() > 0) batcher_.Append(std::move(part));
     received_rows_ += n;
   }
-  return batcher_.FlushAll(ComputeBatch(sink));
+  RETURN_IF_ERROR(batcher_.FlushAll(ComputeBatch(sink)));
+  return FlushReceived(sink);
 }
 
 absl::Status StepSession::CheckComplete() const {

@@ -28,6 +28,7 @@
 #include "step/engine_call.h"
 #include "step/retained_inputs.h"
 #include "step/row_batcher.h"
+#include "step/row_compaction.h"
 #include "step/step_call.h"
 #include "step/step_teacher.h"
 
@@ -88,11 +89,16 @@ class StepSession {
   absl::StatusOr<core::TokenBatch> InputsOf(const StepRowsIn& rows,
                                             const torch::Tensor& grad_output) const;
   bool WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const;
-  // Queues a part for batching, or computes it now when it cannot be batched.
-  absl::Status Enqueue(RowBatcher::Part part, const StepResultSink& sink);
+  // Queues the part of request rows [first_row, …) for batching — without the rows that
+  // contribute nothing (row_compaction.h) — or computes it now when it cannot be batched.
+  absl::Status Enqueue(RowBatcher::Part part, int64_t first_row, const StepResultSink& sink);
+  // Computes everything pending, then gives back the dropped rows received so far as zeros.
+  absl::Status FlushReceived(const StepResultSink& sink);
+  // A retaining Forward keeps the rows as sent (dropped ones too: its Backward drops the same).
+  absl::Status Retain(const core::TokenBatch& rows);
   // How the batcher's batches are computed: ComputeRows with this mode's grad_output.
   RowBatcher::Compute ComputeBatch(const StepResultSink& sink);
-  // Computes rows [next_row_, next_row_ + rows of batch) and hands their results to `sink`.
+  // Computes the next kept rows; their results, placed at their request rows, go to `sink`.
   absl::Status ComputeRows(core::TokenBatch batch, const torch::Tensor& grad_output,
                            const StepResultSink& sink);
   // Runs the engine for one batch in this session's mode; fills dX / outputs / token ids.
@@ -134,8 +140,9 @@ class StepSession {
   int64_t kept_reserved_ = 0;                     // and what admission holds for them
   std::function<absl::Status(int64_t, const std::string&)> reserve_more_;
   RowBatcher batcher_;  // the rows received and not yet computed
+  RowCompaction compaction_;   // the rows that contribute nothing, dropped (when the function says)
   int64_t received_rows_ = 0;  // rows taken from the client (or the retained inputs)
-  int64_t next_row_ = 0;       // rows computed, whose results have been produced
+  int64_t next_row_ = 0;       // request rows whose results have been produced
   StepOutcome outcome_;  // the summary's sums so far (loss, tokens, chunks, extras)
   int64_t logits_chunk_bytes_ = 0;
 };

@@ -78,6 +78,7 @@ absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsRes
     d->set_differentiable(fn->output == core::OutputKind::kPerToken);
     d->set_vocab_decomposable(fn->vocab_decomposable);
     d->set_needs_teacher(fn->needs_teacher);
+    d->set_ignored_rows_contribute_nothing(fn->ignored_rows_contribute_nothing);
     // Aux inputs of k values per row (a sparse teacher's top-k), and those of an integer dtype,
     // in the order the function lists its aux.
     std::vector<std::string> aux = fn->required_aux;

@@ -173,6 +173,17 @@ struct TransformFunction {
   bool vocab_decomposable = true;
   // Not kPerToken: a generation output (no forward; Forward with reduction none only).
   OutputKind output = OutputKind::kPerToken;
+  // True: a row whose target is ignore_index contributes nothing to any call of this function —
+  // its per-token output and token extras are 0 in every reduction, its dX is 0, it adds
+  // nothing to dW and is not counted in a mean's denominator — because the function is per-row
+  // (nothing in one row's forward reads another row) and the engine masks the row out. Then the
+  // server drops such rows before it batches them for the engine and puts zeros in their place
+  // (server/src/step/row_compaction.h), and a client may leave them out of the call altogether
+  // (ListFunctions' FunctionDescription.ignored_rows_contribute_nothing): the results are the
+  // same bits either way. The fill value of every per-token result of a dropped row is 0.
+  // False for a function without targets (the generation outputs): no row is ignored there.
+  // tests/core/row_compaction_test.cc holds every function that says true to it.
+  bool ignored_rows_contribute_nothing = false;
   std::function<FunctionOutput(const ChunkInputs&)> forward;
   // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs;
   // a distillation's alpha > 0 needs targets).

@@ -65,6 +65,11 @@ struct StepOptions {
   // Index, in the caller's request, of this call's first row: error messages name a bad row by
   // first_row + its index in the call (a server computing one request batch by batch).
   int64_t first_row = 0;
+  // When not null: the request's index of each of this call's rows ([rows] entries), which error
+  // messages name instead of first_row + i — a server that dropped the rows that contribute
+  // nothing (TransformFunction::ignored_rows_contribute_nothing) computes rows that are not
+  // consecutive in the request.
+  const std::vector<int64_t>* row_numbers = nullptr;
   // Function "logits" (a generation output): the dtype of the returned rows (floating).
   torch::ScalarType logits_dtype = torch::kFloat;
   // Where `function` is looked up; null: FunctionRegistry::Builtin().

@@ -31,6 +31,8 @@ struct TokenBatch {
   int64_t nbytes() const;
   // Rows [start, start + n) of every tensor: views, no copy.
   TokenBatch Slice(int64_t start, int64_t n) const;
+  // The rows at `index` ([k] int64, increasing) of every tensor, copied.
+  TokenBatch Select(const torch::Tensor& index) const;
   // Every tensor on `device` (no copy for those already there).
   TokenBatch To(const torch::Device& device) const;
   // Owned copies of every tensor (e.g. of rows that alias a request message about to be freed).
@@ -45,5 +47,11 @@ struct TokenBatch {
 // The tokens a MEAN divides by: targets != ignore_index, or every row when there are no
 // targets. The engine, the server and the C++ client all count with this one rule.
 int64_t CountValidTokens(const torch::Tensor& targets, int64_t ignore_index, int64_t rows);
+
+// The rows that contribute to a call of a function that says its ignored rows contribute
+// nothing (TransformFunction::ignored_rows_contribute_nothing): the indices [k] int64, increasing,
+// of targets != ignore_index, on the targets' device. The server drops the other rows before it
+// computes, and both clients send only these rows (the rule they share).
+torch::Tensor ContributingRows(const torch::Tensor& targets, int64_t ignore_index);
 
 }  // namespace remotehead::core

@@ -273,6 +273,14 @@ struct StepSpec {
   // return per token as well as summed, in any call: the result's token_extras. Only extras the
   // call reports (their condition met) may be named; the server refuses any other.
   std::vector<std::string> token_extras;
+  // Leave out the rows whose target is ignore_index when the function's listing says they
+  // contribute nothing (FunctionInfo::ignored_rows_contribute_nothing): only the other rows
+  // travel, and dX, per-token outputs and token extras come back with zeros in the rows left
+  // out — the same bits as sending every row (the server drops those rows itself before it
+  // computes). false: every row travels (e.g. to measure the difference). A Backward by
+  // inputs_handle leaves out of its grad_output what its Forward left out (the client remembers
+  // it by handle, targets given or not).
+  bool compact_rows = true;
 };
 
 // StepSpec::token_extras by name: [N] each (float32; float64 for float64 hidden), 0 at ignored
@@ -379,6 +387,9 @@ struct FunctionInfo {
   std::vector<std::string> topk_aux;      // aux inputs of [N, k] (the same k for all of them)
   std::vector<std::string> integral_aux;  // aux inputs of an integer dtype (int64 / int32)
   std::vector<FunctionExtra> extras;      // its per-token diagnostics
+  // A row whose target is ignore_index contributes nothing (no output, dX, dW, nor a place in a
+  // mean's count): the client leaves such rows out (StepSpec::compact_rows).
+  bool ignored_rows_contribute_nothing = false;
 };
 
 // A tied embedding's rows W[ids] (Client::EmbeddingLookup), on the CPU.

@@ -1,0 +1,132 @@
+// The C++ client leaves out the rows that contribute nothing (StepSpec::compact_rows, on by
+// default, for a function listed with ignored_rows_contribute_nothing) and puts zeros in their
+// place: against an in-process server, a step that compacts and one that sends every row give
+// the same bits — loss, dX, per-token outputs, token extras, dW — in a fused step (mean, and
+// weighted sum with a normalizer), a per-token Forward and a Backward by the Forward's retained
+// inputs (not given the targets: the client remembers what the Forward left out).
+// tests/python/test_conformance.py checks that it sends what the Python client sends.
+#include <gtest/gtest.h>
+
+#include "core/reference.h"
+#include "remotehead/client/client.h"
+#include "remotehead/core/engine.h"
+#include "support/head_access.h"
+#include "support/in_process_server.h"
+
+namespace remotehead {
+namespace {
+
+namespace rc = client;
+
+constexpr int64_t kVocab = 300;
+constexpr int64_t kHidden = 32;
+constexpr int64_t kRows = 50;
+
+class CompactedClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(server_.started());
+    auto c = rc::Client::Create({.target = server_.target()});
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = *c;
+    auto info = client_->CreateHead("lm", rc::InitSpec{.vocab_size = kVocab,
+                                                       .hidden_size = kHidden,
+                                                       .bias = true,
+                                                       .seed = 5,
+                                                       .init_std = 1.0 / std::sqrt(kHidden)});
+    ASSERT_TRUE(info.ok()) << info.status();
+    entry_ = *server_.registry().Get("lm");
+    batch_ = reference::MakeTestBatch(testing::HeadOf(*entry_), kRows, "grpo",
+                                      core::Reduction::kWeightedSum);
+    batch_.targets.index_put_({torch::arange(0, kRows / 2)}, -100);  // half ignored at least
+    ignored_ = batch_.targets == -100;
+  }
+
+  rc::StepInputs Inputs(bool weights) const {
+    return {.hidden = batch_.hidden,
+            .targets = batch_.targets,
+            .weights = weights ? batch_.weights : torch::Tensor(),
+            .aux = batch_.aux};
+  }
+  torch::Tensor TakeWeightGrad() {
+    torch::Tensor dw = testing::HeadOf(*entry_).grads().weight.clone();
+    EXPECT_TRUE(client_->ZeroGradients("lm").ok());
+    return dw;
+  }
+
+  testing::InProcessServer server_{{}};
+  std::shared_ptr<rc::Client> client_;
+  std::shared_ptr<server::HeadEntry> entry_;
+  core::TokenBatch batch_;
+  torch::Tensor ignored_;
+};
+
+TEST_F(CompactedClientTest, TheFunctionListingSaysWhichFunctionsCompact) {
+  auto listed = client_->ListFunctions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  for (const rc::FunctionInfo& f : *listed) {
+    EXPECT_EQ(f.ignored_rows_contribute_nothing, f.output_kind == rc::OutputKind::kPerToken)
+        << f.name;
+  }
+}
+
+TEST_F(CompactedClientTest, AFusedStepGivesTheSameBitsCompactedOrNot) {
+  for (const bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "weighted_sum" : "mean");
+    rc::StepSpec spec{.head_id = "lm",
+                      .function = "grpo",
+                      .reduction = weighted ? rc::Reduction::kWeightedSum : rc::Reduction::kMean,
+                      .chunk_rows = 8,
+                      .token_extras = {"clipped", "kl"}};
+    if (weighted) spec.normalizer = 41.0;
+    std::vector<rc::ForwardBackwardResult> results;
+    std::vector<torch::Tensor> dw;
+    for (const bool compact : {false, true}) {
+      spec.compact_rows = compact;
+      spec.gradient_id = rc::GradientId{"fb", weighted, compact};
+      auto r = client_->ForwardBackward(spec, Inputs(weighted));
+      ASSERT_TRUE(r.ok()) << r.status();
+      results.push_back(*std::move(r));
+      dw.push_back(TakeWeightGrad());
+    }
+    EXPECT_EQ(results[0].loss, results[1].loss);
+    EXPECT_EQ(results[0].summary.extras, results[1].summary.extras);
+    EXPECT_TRUE(torch::equal(results[0].grad_hidden, results[1].grad_hidden));
+    EXPECT_TRUE(torch::equal(dw[0], dw[1]));
+    for (const auto& [name, values] : results[0].token_extras) {
+      EXPECT_TRUE(torch::equal(values, results[1].token_extras.at(name))) << name;
+    }
+    EXPECT_TRUE(results[1].grad_hidden.index({ignored_}).eq(0).all().item<bool>());
+  }
+}
+
+TEST_F(CompactedClientTest, AForwardAndABackwardByHandleGiveTheSameBitsCompactedOrNot) {
+  const torch::Tensor dy = torch::linspace(-1, 1, kRows);
+  std::vector<torch::Tensor> outputs, dx, dw;
+  for (const bool compact : {false, true}) {
+    rc::StepSpec spec{.head_id = "lm",
+                      .function = "token_logprobs",
+                      .reduction = rc::Reduction::kNone,
+                      .chunk_rows = 8,
+                      .retain_inputs_seconds = 60,
+                      .compact_rows = compact};
+    auto forward = client_->Forward(spec, {.hidden = batch_.hidden, .targets = batch_.targets});
+    ASSERT_TRUE(forward.ok()) << forward.status();
+    outputs.push_back(forward->outputs);
+    spec.retain_inputs_seconds = 0;
+    spec.inputs_handle = forward->summary.inputs_handle;
+    spec.gradient_id = rc::GradientId{"by-handle", 0, compact};
+    // Without the targets: the client remembers what the Forward of the handle left out.
+    auto backward = client_->Backward(spec, {.hidden = batch_.hidden}, dy);
+    ASSERT_TRUE(backward.ok()) << backward.status();
+    dx.push_back(backward->grad_hidden);
+    dw.push_back(TakeWeightGrad());
+  }
+  EXPECT_TRUE(torch::equal(outputs[0], outputs[1]));
+  EXPECT_TRUE(outputs[1].index({ignored_}).eq(0).all().item<bool>());
+  EXPECT_TRUE(torch::equal(dx[0], dx[1]));
+  EXPECT_TRUE(torch::equal(dw[0], dw[1]));
+}
+
+}  // namespace
+}  // namespace remotehead
