@@ -99,6 +99,22 @@ absl::Status ReadHeadRows(Stub& stub,
   return absl::OkStatus();
 }
 
+// Writes `rows`' chunks (wire layout) as messages of a client stream, each made by
+// `field(&message)` (the message's TensorChunk); false once the stream refuses a write.
+template <typename Request, typename Writer>
+bool WriteRowChunks(Writer& writer, const torch::Tensor& rows,
+                    const std::vector<wire::RowRange>& chunks,
+                    v1::TensorChunk* (Request::*field)()) {
+  for (const auto& [offset, count] : chunks) {
+    Request m;
+    v1::TensorChunk* chunk = (m.*field)();
+    chunk->set_row_offset(offset);
+    wire::EncodeRows(rows, offset, count, chunk->mutable_values());
+    if (!writer.Write(m)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id, const InitSpec& init) {
@@ -178,21 +194,10 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const to
   return impl_->WithRetries("UploadHead", [&](grpc::ClientContext* context) {
     info.Clear();
     auto writer = on->UploadHead(context, &info);
-    bool ok = writer->Write(header);
-    for (const auto& [offset, count] : weight_chunks) {
-      if (!ok) break;
-      v1::UploadHeadRequest m;
-      m.mutable_weight_rows()->set_row_offset(offset);
-      wire::EncodeRows(w, offset, count, m.mutable_weight_rows()->mutable_values());
-      ok = writer->Write(m);
-    }
-    for (const auto& [offset, count] : bias_chunks) {
-      if (!ok) break;
-      v1::UploadHeadRequest m;
-      m.mutable_bias_rows()->set_row_offset(offset);
-      wire::EncodeRows(b, offset, count, m.mutable_bias_rows()->mutable_values());
-      ok = writer->Write(m);
-    }
+    using R = v1::UploadHeadRequest;
+    const bool ok = writer->Write(header) &&
+                    WriteRowChunks(*writer, w, weight_chunks, &R::mutable_weight_rows) &&
+                    WriteRowChunks(*writer, b, bias_chunks, &R::mutable_bias_rows);
     if (ok) writer->WritesDone();
     return FromGrpc(writer->Finish());
   });
@@ -445,14 +450,9 @@ absl::StatusOr<EmbeddingGradientResult> Client::EmbeddingGradient(
   RETURN_IF_ERROR(impl_->WithRetries("EmbeddingGradient", [&](grpc::ClientContext* context) {
     response.Clear();
     auto writer = impl_->stub->EmbeddingGradient(context, &response);
-    bool ok = writer->Write(header);
-    for (const auto& [offset, count] : chunks) {
-      if (!ok) break;
-      v1::EmbeddingGradientRequest m;
-      m.mutable_grad_rows()->set_row_offset(offset);
-      wire::EncodeRows(rows, offset, count, m.mutable_grad_rows()->mutable_values());
-      ok = writer->Write(m);
-    }
+    const bool ok =
+        writer->Write(header) &&
+        WriteRowChunks(*writer, rows, chunks, &v1::EmbeddingGradientRequest::mutable_grad_rows);
     if (ok) writer->WritesDone();
     return FromGrpc(writer->Finish());
   }));

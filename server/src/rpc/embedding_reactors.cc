@@ -8,6 +8,7 @@
 #include "remotehead/server/rpc/status_mapping.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "request_memory.h"
+#include "rpc/client_stream_reactor.h"
 #include "rpc/snapshot_stream.h"
 #include "translate/protocol.h"
 
@@ -47,48 +48,27 @@ absl::StatusOr<HeadSnapshot> Lookup(ServiceContext* service,
 
 // EmbeddingGradient: a header, then the gradient rows in order, assembled on the CPU (float32);
 // added into dW only when every row arrived. A failed or cancelled call adds nothing.
-class EmbeddingGradientReactor final : public grpc::ServerReadReactor<v1::EmbeddingGradientRequest> {
+class EmbeddingGradientReactor final : public ClientStreamReactor<v1::EmbeddingGradientRequest> {
  public:
   EmbeddingGradientReactor(grpc::CallbackServerContext* context, ServiceContext* service,
                            v1::EmbeddingGradientResponse* response)
-      : context_(context), service_(*service), response_(response) {
-    StartRead(&request_);
+      : ClientStreamReactor(context), service_(*service), response_(response) {
+    StartReading();
   }
 
-  void OnReadDone(bool ok) override {
-    if (!ok && context_->IsCancelled()) {
-      Finish(ToGrpcStatus(absl::CancelledError("cancelled by the client")));
-      return;
-    }
-    absl::Status status;
-    try {
-      status = ok ? OnMessage() : Complete();
-    } catch (const std::exception& e) {
-      status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
-    }
-    if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
-    } else if (ok) {
-      StartRead(&request_);
-    } else {
-      Finish(grpc::Status::OK);
-    }
-  }
-
-  void OnDone() override { delete this; }
   ~EmbeddingGradientReactor() override { service_.admission.Release(buffer_ticket_); }
 
  private:
-  absl::Status OnMessage() {
-    switch (request_.part_case()) {
+  absl::Status OnMessage(const v1::EmbeddingGradientRequest& request) override {
+    switch (request.part_case()) {
       case v1::EmbeddingGradientRequest::kHeader:
-        return OnHeader(request_.header());
+        return OnHeader(request.header());
       case v1::EmbeddingGradientRequest::kGradRows:
         if (!rows_) {
           return absl::InvalidArgumentError(
               "header: expected the first message to be the header; got grad_rows");
         }
-        return rows_->Add(request_.grad_rows());
+        return rows_->Add(request.grad_rows());
       default:
         return absl::InvalidArgumentError("part: expected header or grad_rows");
     }
@@ -119,7 +99,7 @@ class EmbeddingGradientReactor final : public grpc::ServerReadReactor<v1::Embedd
     return absl::OkStatus();
   }
 
-  absl::Status Complete() {
+  absl::Status Complete() override {
     if (!header_) return absl::InvalidArgumentError("header: the call ended without one");
     if (!rows_->CheckComplete().ok()) {
       return absl::InvalidArgumentError(absl::StrCat("grad_rows: expected ", ids_.size(0),
@@ -141,10 +121,8 @@ class EmbeddingGradientReactor final : public grpc::ServerReadReactor<v1::Embedd
     return ToWire(outcome.description, response_->mutable_info());
   }
 
-  grpc::CallbackServerContext* context_;
   ServiceContext& service_;
   v1::EmbeddingGradientResponse* response_;
-  v1::EmbeddingGradientRequest request_;
   std::optional<v1::EmbeddingGradientRequest::Header> header_;
   torch::Tensor ids_;
   std::optional<wire::RowAssembler> rows_;

@@ -8,6 +8,7 @@
 #include "remotehead/server/rpc/status_mapping.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "request_memory.h"
+#include "rpc/client_stream_reactor.h"
 #include "rpc/snapshot_stream.h"
 #include "translate/protocol.h"
 
@@ -38,52 +39,31 @@ absl::StatusOr<HeadSnapshot> PinnedExport(absl::StatusOr<HeadSnapshot> snapshot,
 // UploadHead: a header, then the weight rows (and bias rows) in order, assembled on the CPU;
 // the head is created only when every row arrived. A failed or cancelled upload creates
 // nothing.
-class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest> {
+class UploadReactor final : public ClientStreamReactor<v1::UploadHeadRequest> {
  public:
   UploadReactor(grpc::CallbackServerContext* context, ServiceContext* service,
                 v1::HeadInfo* response)
-      : context_(context), service_(*service), response_(response) {
-    StartRead(&request_);
+      : ClientStreamReactor(context), service_(*service), response_(response) {
+    StartReading();
   }
 
-  void OnReadDone(bool ok) override {
-    if (!ok && context_->IsCancelled()) {
-      Finish(ToGrpcStatus(absl::CancelledError("cancelled by the client")));
-      return;
-    }
-    absl::Status status;
-    try {
-      status = ok ? OnMessage() : Complete();
-    } catch (const std::exception& e) {
-      status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
-    }
-    if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
-    } else if (ok) {
-      StartRead(&request_);
-    } else {
-      Finish(grpc::Status::OK);
-    }
-  }
-
-  void OnDone() override { delete this; }
   ~UploadReactor() override { service_.admission.Release(buffer_ticket_); }
 
  private:
-  absl::Status OnMessage() {
-    switch (request_.part_case()) {
+  absl::Status OnMessage(const v1::UploadHeadRequest& request) override {
+    switch (request.part_case()) {
       case v1::UploadHeadRequest::kHeader:
-        return OnHeader(request_.header());
+        return OnHeader(request.header());
       case v1::UploadHeadRequest::kWeightRows:
         if (!weight_) return NoHeaderYet("weight_rows");
-        return weight_->Add(request_.weight_rows());
+        return weight_->Add(request.weight_rows());
       case v1::UploadHeadRequest::kBiasRows:
         if (!header_) return NoHeaderYet("bias_rows");
         if (!bias_) {
           return absl::InvalidArgumentError(
               "bias_rows: expected none (header.has_bias is false); got bias rows");
         }
-        return bias_->Add(request_.bias_rows());
+        return bias_->Add(request.bias_rows());
       default:
         return absl::InvalidArgumentError("part: expected header, weight_rows or bias_rows");
     }
@@ -123,7 +103,7 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
     return absl::OkStatus();
   }
 
-  absl::Status Complete() {
+  absl::Status Complete() override {
     if (!header_) return absl::InvalidArgumentError("header: the upload ended without one");
     if (!weight_->CheckComplete().ok() || (bias_ && !bias_->CheckComplete().ok())) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -137,10 +117,8 @@ class UploadReactor final : public grpc::ServerReadReactor<v1::UploadHeadRequest
     return ToWire(d, response_);
   }
 
-  grpc::CallbackServerContext* context_;
   ServiceContext& service_;
   v1::HeadInfo* response_;
-  v1::UploadHeadRequest request_;
   std::optional<v1::UploadHeadRequest::UploadHeader> header_;
   std::optional<wire::RowAssembler> weight_, bias_;
   uint64_t buffer_ticket_ = 0;  // the assembly buffer's bytes in the memory budget
