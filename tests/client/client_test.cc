@@ -264,7 +264,10 @@ TEST_F(ClientTest, TwoPhaseForwardAndBackwardEqualTheEngine) {
   spec.gradient_id = rc::GradientId{.trainer = "client-test", .step = 1};
   auto backward = client_->Backward(spec, InputsFor(batch_), upstream);
   ASSERT_TRUE(backward.ok()) << backward.status();
-  EXPECT_LE(reference::RelativeError(backward->grad_hidden, dx->grad_hidden), 1e-6);
+  // The server leaves the ignored rows out before it chunks (row compaction), so its chunks of 8
+  // are not the engine's here: equal to fp32 rounding of another summation order (measured up to
+  // 1.01e-6 with torch 2.11), as the outputs above.
+  EXPECT_LE(reference::RelativeError(backward->grad_hidden, dx->grad_hidden), 1e-5);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
 
   // Backward of a scalar reduction: dL/d(loss) = 0.5.
@@ -277,7 +280,8 @@ TEST_F(ClientTest, TwoPhaseForwardAndBackwardEqualTheEngine) {
   mean_spec.gradient_id = rc::GradientId{.trainer = "client-test", .step = 2};
   auto scalar = client_->Backward(mean_spec, InputsFor(batch_), half);
   ASSERT_TRUE(scalar.ok()) << scalar.status();
-  EXPECT_LE(reference::RelativeError(scalar->grad_hidden, scalar_dx->grad_hidden), 1e-6);
+  // Compacted chunks (above): fp32 rounding of another order.
+  EXPECT_LE(reference::RelativeError(scalar->grad_hidden, scalar_dx->grad_hidden), 1e-5);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), scalar_grads.weight), 1e-5);
 }
 
@@ -302,7 +306,8 @@ TEST_F(ClientTest, BackwardByInputsHandleSendsOnlyTheUpstreamGradient) {
   const rc::StepInputs shape_only{.hidden = torch::zeros_like(batch_.hidden)};
   auto backward = client_->Backward(backward_spec, shape_only, upstream);
   ASSERT_TRUE(backward.ok()) << backward.status();
-  EXPECT_LE(reference::RelativeError(backward->grad_hidden, dx->grad_hidden), 1e-6);
+  // Compacted chunks (above): fp32 rounding of another order.
+  EXPECT_LE(reference::RelativeError(backward->grad_hidden, dx->grad_hidden), 1e-5);
   EXPECT_LE(reference::RelativeError(HeadWeightGrad(), grads.weight), 1e-5);
   // A successful Backward releases the handle.
   const auto again = client_->Backward(backward_spec, shape_only, upstream);
@@ -328,7 +333,8 @@ TEST_F(ClientTest, BackwardByInputsHandleSendsOnlyTheUpstreamGradient) {
       mean_spec, {.hidden = torch::zeros_like(batch_.hidden), .targets = batch_.targets},
       torch::tensor(0.5));
   ASSERT_TRUE(scalar.ok()) << scalar.status();
-  EXPECT_LE(reference::RelativeError(scalar->grad_hidden, scalar_dx->grad_hidden), 1e-6);
+  // Compacted chunks (above): fp32 rounding of another order.
+  EXPECT_LE(reference::RelativeError(scalar->grad_hidden, scalar_dx->grad_hidden), 1e-5);
 }
 
 TEST_F(ClientTest, UploadThenExportRoundTripsBitExactly) {
