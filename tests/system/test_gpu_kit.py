@@ -11,11 +11,7 @@ machine, as the first GPU run will use them:
   client built against torch 2.11 and their suites' CPU twins run, then the benchmark's
   contenders: the report says every phase passed.
 
-Slow (a build with no compiler cache): it replaces the offline bundle's full recompile. Under
-scripts/test the dry run is started in the background at the lowest priority once the build is
-done (REMOTEHEAD_GPU_DRY_RUN names its folder), so that it runs on the cycles the other suites
-leave idle; the tests here then wait for it to end and check its report and its exit status
-exactly as they check a run of their own.
+Slow (a build with no compiler cache): it replaces the offline bundle's full recompile.
 """
 
 import json
@@ -23,7 +19,6 @@ import os
 import pathlib
 import subprocess
 import tarfile
-import time
 
 import pytest
 
@@ -51,28 +46,13 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the clean room needs 
 
 
 @pytest.fixture(scope="module")
-def background_dry_run():
-    """The dry run scripts/test started in the background (its folder, once it ended), or None.
-    The other tests here wait for it too: it makes the clean room and a kit of its own."""
-    where = os.environ.get("REMOTEHEAD_GPU_DRY_RUN")
-    if not where:
-        return None
-    where = pathlib.Path(where)
-    deadline = time.monotonic() + 3600
-    while not (where / "exit").exists():
-        assert time.monotonic() < deadline, f"the background dry run in {where} did not end"
-        time.sleep(2)
-    return where
-
-
-@pytest.fixture(scope="module")
-def cleanroom(background_dry_run):
+def cleanroom():
     out = run([ROOT / "tests" / "gpu" / "cleanroom", "prepare"], timeout=1800)
     facts = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     return facts["root"], facts["python"]
 
 
-def test_the_kit_for_the_gpu_machine_fits_one_carry(tmp_path, background_dry_run):
+def test_the_kit_for_the_gpu_machine_fits_one_carry(tmp_path):
     kit = tmp_path / "kit"
     run([ROOT / "scripts" / "gpu-kit", kit], timeout=1200)
     total = size(kit)
@@ -111,8 +91,8 @@ def test_the_kit_for_the_gpu_machine_fits_one_carry(tmp_path, background_dry_run
 
 
 @needs_root
-def test_the_dry_run_builds_against_the_machines_torch_offline_in_a_clean_room(
-        cleanroom, tmp_path, background_dry_run):
+def test_the_dry_run_builds_against_the_machines_torch_offline_in_a_clean_room(cleanroom,
+                                                                                 tmp_path):
     rootfs, python = cleanroom
     # The clean room: no -dev package of the build, no route out, the stand-in's torch.
     probe = run([ROOT / "tests" / "gpu" / "cleanroom", "run", "--", "bash", "-c",
@@ -123,14 +103,8 @@ def test_the_dry_run_builds_against_the_machines_torch_offline_in_a_clean_room(
     torch_version = machine(["standin-requirements"])[0].split("==")[1]
     assert probe.strip().splitlines()[-1].startswith(torch_version), probe
 
-    if background_dry_run is not None:  # scripts/test's, started after the build
-        work = background_dry_run / "work"
-        out = (background_dry_run / "log").read_text()
-        status = (background_dry_run / "exit").read_text().strip()
-        assert status == "0", f"tests/gpu/dry-run exited {status}:\n{out[-4000:]}"
-    else:
-        work = tmp_path / "work"
-        out = run([ROOT / "tests" / "gpu" / "dry-run", work], timeout=3600, cwd=tmp_path)
+    work = tmp_path / "work"
+    out = run([ROOT / "tests" / "gpu" / "dry-run", work], timeout=3600, cwd=tmp_path)
     report = json.loads((work / "report" / "report.json").read_text())
     assert report["exit_status"] == 0, out[-3000:]
     assert all(p["status"] == "ok" for p in report["phases"]), report["phases"]
