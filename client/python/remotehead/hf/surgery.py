@@ -163,11 +163,17 @@ def _hold_released(lm_head: torch.nn.Module, model) -> None:
     weight = lm_head._parameters.pop("weight")
     lm_head.__dict__["weight"] = weight
 
+    list_weight_in_state_dict(lm_head, model)
+
+
+def list_weight_in_state_dict(module: torch.nn.Module, model) -> None:
+    """Makes `module`'s state dict list its `weight` (no longer a parameter of it), except once
+    `model` is sharded by FSDP2 (see _hold_released)."""
     def listed(module, state_dict, prefix, local_metadata):
         if not _fully_sharded(model):
             state_dict[prefix + "weight"] = module.weight.detach()
 
-    lm_head.register_state_dict_post_hook(listed)
+    module.register_state_dict_post_hook(listed)
 
 
 def _released_entry_loaded(lm_head, state_dict, prefix, local_metadata, strict, missing_keys,

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from remotehead.embedding import RemoteEmbedding
-from remotehead.hf.surgery import OffloadedHead
+from remotehead.hf.surgery import OffloadedHead, list_weight_in_state_dict
 
 
 class TiedOffloadedHead(OffloadedHead):
@@ -65,13 +65,6 @@ class ServedEmbedding(RemoteEmbedding):
         return self.head.lm_head.weight
 
 
-def _fully_sharded(model) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def serve_input_embedding(model, head: TiedOffloadedHead) -> ServedEmbedding:
     """Replaces `model`'s input embedding (the lm_head's weight) by a ServedEmbedding of `head`;
     see the module's documentation. The caller releases the lm_head afterwards."""
@@ -99,13 +92,9 @@ def serve_input_embedding(model, head: TiedOffloadedHead) -> ServedEmbedding:
     model.set_input_embeddings(served)
     head.tied_names = (f"{name}.weight", f"{lm_name}.weight")
 
-    def listed(module, state_dict, prefix, local_metadata):
-        # The tensor under the input embedding's name too, as a tied model lists it (the key
-        # checkpoints and Trainer's resume compare); not once FSDP2 shards the model.
-        if not _fully_sharded(model):
-            state_dict[prefix + "weight"] = module.weight.detach()
-
-    served.register_state_dict_post_hook(listed)
+    # The tensor under the input embedding's name too, as a tied model lists it (the key
+    # checkpoints and Trainer's resume compare); not once FSDP2 shards the model.
+    list_weight_in_state_dict(served, model)
     served._register_load_state_dict_pre_hook(head._load_weight_into_server)
     served.register_load_state_dict_pre_hook(_entry_loaded)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
