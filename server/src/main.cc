@@ -307,6 +307,7 @@ rh::server::ServiceOptions MakeServiceOptions(
       .checkpoint_dir = std::move(checkpoint_dir),
       .group = cluster.group.get(),
       .mesh = cluster.mesh.get(),
+      .liveness = cluster.liveness.get(),
       .sync_step_timeout_seconds = absl::GetFlag(FLAGS_sync_step_timeout_seconds)};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
@@ -511,6 +512,9 @@ int Run() {
   if (server == nullptr) {
     std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
     return 1;
+  }
+  if (cluster->liveness != nullptr) {
+    cluster->liveness->Announce(rh::server::ProcessAddress(absl::GetFlag(FLAGS_listen), port));
   }
   if (group != nullptr && front) AnnounceFront(*group, *group_config, port);
   if (mesh != nullptr && mesh->is_leader()) AnnounceFront(*mesh->fronts(), *group_config, port);

@@ -99,6 +99,16 @@ absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const s
 
 }  // namespace
 
+std::string SealEntry(const std::string& secret, char kind, const std::string& session,
+                      const std::string& body) {
+  return Seal(secret, static_cast<Kind>(kind), session, body);
+}
+
+absl::StatusOr<std::string> UnsealEntry(const std::string& secret, char kind,
+                                        const std::string& session, const std::string& value) {
+  return Unseal(secret, static_cast<Kind>(kind), session, value);
+}
+
 // "<code>:<message length>:<message><reason length>:<reason><payload>": the status whole, its
 // reason (core/error_reason.h) included, so that the front answers with the rank's reason.
 std::string EncodeReply(const GroupReply& reply) {
