@@ -1,6 +1,7 @@
 // The small files an operator names by a flag (TLS files, --auth_token_file,
-// --group_secret_file, --state_secret_file), read so that a bad one is refused at start naming the flag and the path,
-// and the bearer token's check (the gRPC credentials' and the metrics endpoint's).
+// --group_secret_file, --state_secret_file), read so that a bad one is refused at start naming
+// the flag and the path, and the bearer token's check (the gRPC credentials' and the metrics
+// endpoint's).
 #pragma once
 
 #include <cstdint>
