@@ -120,7 +120,19 @@ absl::Status HeadEntry::CheckPinLocked(const HeadPin& pin, bool gradient) const 
   return absl::OkStatus();
 }
 
+void HeadEntry::Counted() const {
+  if (observer_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(observer_->mu);
+  if (observer_->observer) observer_->observer(id_);
+}
+
 absl::StatusOr<CommitResult> HeadEntry::Commit(const StepCommit& commit) {
+  absl::StatusOr<CommitResult> result = CommitUnderLock(commit);
+  if (result.ok() && commit.key.has_value() && !result->replayed) Counted();
+  return result;
+}
+
+absl::StatusOr<CommitResult> HeadEntry::CommitUnderLock(const StepCommit& commit) {
   std::lock_guard<std::mutex> lock(mu_);
   if (commit.pin.has_value()) {
     if (absl::Status s = CheckPinLocked(*commit.pin, commit.key.has_value()); !s.ok()) return s;
@@ -164,16 +176,23 @@ absl::Status ChangeOptimizerState(const core::OptimizerState& state, int64_t exp
 absl::Status HeadEntry::OptimizerStep(
     const std::function<absl::Status(core::Head&, core::OptimizerState&)>& step,
     bool zero_gradients) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (frozen_) return HeadFrozenError(id_, "head_id", "an optimizer step");
-  if (absl::Status s = step(*head_, optimizer_); !s.ok()) return s;
-  if (zero_gradients) ZeroGradientsLocked();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (frozen_) return HeadFrozenError(id_, "head_id", "an optimizer step");
+    if (absl::Status s = step(*head_, optimizer_); !s.ok()) return s;
+    if (!zero_gradients) return absl::OkStatus();
+    ZeroGradientsLocked();
+  }
+  Counted();
   return absl::OkStatus();
 }
 
 void HeadEntry::ZeroGradients() {
-  std::lock_guard<std::mutex> lock(mu_);
-  ZeroGradientsLocked();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ZeroGradientsLocked();
+  }
+  Counted();
 }
 
 void HeadEntry::ZeroGradientsLocked() {
@@ -247,15 +266,20 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Add(const std::string& 
   if (id.empty()) {
     return absl::InvalidArgumentError("head_id: expected a non-empty id; got \"\"");
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (heads_.contains(id)) {
-    return core::WithReason(absl::AlreadyExistsError(absl::StrCat(
-                                "head_id: expected a new id; got \"", id, "\", which already exists")),
-                            core::reason::kHeadExists, {{"head", id}});
-  }
   auto entry =
       std::make_shared<HeadEntry>(id, std::move(head), reservation, std::move(shards), frozen);
-  heads_.emplace(id, entry);
+  entry->observer_ = observer_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (heads_.contains(id)) {
+      return core::WithReason(
+          absl::AlreadyExistsError(
+              absl::StrCat("head_id: expected a new id; got \"", id, "\", which already exists")),
+          core::reason::kHeadExists, {{"head", id}});
+    }
+    heads_.emplace(id, entry);
+  }
+  entry->Counted();
   return entry;
 }
 
@@ -276,6 +300,7 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Drop(const std::string&
     heads_.erase(it);
   }
   entry->MarkDropped();
+  entry->Counted();
   return entry;
 }
 

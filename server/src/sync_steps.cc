@@ -1,5 +1,6 @@
 #include "sync_steps.h"
 
+#include <algorithm>
 #include <utility>
 #include <variant>
 
@@ -189,7 +190,43 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
     UpdateWaitingLocked();
   }
   Send(std::move(replies));
+  if (mesh_ != nullptr) TellMesh(request.head_id);
   if (last) ApplyAndAnswer(request.head_id);
+}
+
+void SynchronousSteps::TellMesh(const std::string& head_id) {
+  std::lock_guard<std::mutex> telling(telling_);
+  SyncStepRequest first;
+  std::vector<int> came;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(head_id);
+    if (it == pending_.end()) return;
+    first = it->second.first;
+    for (const auto& [rank, waiters] : it->second.ranks) came.push_back(rank);
+  }
+  mesh_->Came(first, came);
+}
+
+absl::Status SynchronousSteps::MissingRanks(const SyncStepRequest& first,
+                                            const std::vector<int>& came,
+                                            std::chrono::milliseconds waited) {
+  if (mesh_ != nullptr) return mesh_->Missing(first, waited);
+  std::vector<int> missing;
+  for (int r : ReplicaRanks(first.world_size, replica_, replicas_)) {
+    if (std::find(came.begin(), came.end(), r) == came.end()) missing.push_back(r);
+  }
+  return core::WithReason(
+      absl::AbortedError(absl::StrCat(
+          "synchronous optimizer step ", first.step, " of head \"", first.head_id,
+          "\": expected all ", first.world_size, " ranks within ",
+          absl::FormatDuration(absl::FromChrono(waited)), "; got ranks [",
+          absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "),
+          "]: nothing applied, the accumulated dW is kept (ask again once every rank runs)")),
+      core::reason::kRanksMissing,
+      {{"head", first.head_id},
+       {"step", absl::StrCat(first.step)},
+       {"missing_ranks", absl::StrJoin(missing, ",")}});
 }
 
 void SynchronousSteps::ApplyAndAnswer(const std::string& head_id) {
@@ -259,35 +296,28 @@ void SynchronousSteps::TimerLoop() {
       continue;
     }
     if (wake_.wait_until(lock, next) != std::cv_status::timeout) continue;
-    Replies replies;
+    // The steps that waited too long, taken out; each answered, outside the lock (on a mesh
+    // the answer reads what the other fronts told: mesh_->Missing).
+    std::vector<Pending> expired;
     const Clock::time_point now = Clock::now();
     for (auto it = pending_.begin(); it != pending_.end();) {
-      Pending& p = it->second;
-      if (p.applying || p.deadline > now) {
+      if (it->second.applying || it->second.deadline > now) {
         ++it;
         continue;
       }
-      std::vector<int> came, missing;
-      const std::vector<int> expected = ReplicaRanks(p.first.world_size, replica_, replicas_);
-      for (int r : expected) (p.ranks.count(r) != 0 ? came : missing).push_back(r);
-      const absl::Status aborted = core::WithReason(absl::AbortedError(absl::StrCat(
-          "synchronous optimizer step ", p.first.step, " of head \"", it->first,
-          "\": expected all ", expected.size(), " ranks",
-          replicas_ > 1 ? absl::StrCat(" of replica ", replica_) : std::string(), " within ",
-          absl::FormatDuration(absl::FromChrono(timeout_)), "; got ranks [",
-          absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "),
-          "]: nothing applied, the accumulated dW is kept (ask again once every rank runs)")),
-          core::reason::kRanksMissing,
-          {{"head", it->first},
-           {"step", absl::StrCat(p.first.step)},
-           {"missing_ranks", absl::StrJoin(missing, ",")}});
-      TakeAll(p, aborted, &replies);
+      expired.push_back(std::move(it->second));
       if (metrics_ != nullptr) metrics_->CountSyncStepAborted("timeout");
       it = pending_.erase(it);
     }
     UpdateWaitingLocked();
     lock.unlock();
-    Send(std::move(replies));
+    for (Pending& p : expired) {
+      std::vector<int> came;
+      for (const auto& [rank, waiters] : p.ranks) came.push_back(rank);
+      Replies replies;
+      TakeAll(p, MissingRanks(p.first, came, timeout_), &replies);
+      Send(std::move(replies));
+    }
     lock.lock();
   }
 }

@@ -36,6 +36,18 @@ struct SyncStepRequest {
   std::string expected_incarnation;  // "" = any
 };
 
+// A mesh's front (mesh_steps.h): what it tells the other fronts of its trainers, and the whole
+// world's picture once a step waited too long — so that every replica names the same trainers.
+class TrainersOfTheMesh {
+ public:
+  virtual ~TrainersOfTheMesh() = default;
+  // This replica's trainers that asked for `first`'s step so far.
+  virtual void Came(const SyncStepRequest& first, const std::vector<int>& ranks) = 0;
+  // ABORTED, reason RANKS_MISSING: the step of `first` waited `waited`; every trainer of its world
+  // that came, on any replica, and every one missing (metadata missing_ranks).
+  virtual absl::Status Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) = 0;
+};
+
 class SynchronousSteps {
  public:
   using Reply = std::function<void(const absl::StatusOr<HeadDescription>&)>;
@@ -66,6 +78,9 @@ class SynchronousSteps {
   void Arrive(SyncStepRequest request, Reply reply);
   // Fails every waiting caller with `status` (the server is draining); nothing applied.
   void AbortAll(const absl::Status& status);
+  // On a mesh's front: its trainers told to the others, and the missing named across the mesh.
+  // Set before the first step.
+  void set_mesh(TrainersOfTheMesh* mesh) { mesh_ = mesh; }
 
   // The refusal of `request` against `first` (the rank that came first, or on a mesh the
   // leader's), naming the field and both values; OK if they agree.
@@ -101,6 +116,11 @@ class SynchronousSteps {
   void TakeAll(Pending& pending, const absl::StatusOr<HeadDescription>& status, Replies* out);
   void Send(Replies replies);
   void TimerLoop();
+  // The mesh told which of this replica's trainers came to `head_id`'s step now.
+  void TellMesh(const std::string& head_id);
+  // ABORTED naming the trainers that came and those missing, after `waited`.
+  absl::Status MissingRanks(const SyncStepRequest& first, const std::vector<int>& came,
+                            std::chrono::milliseconds waited);
   void UpdateWaitingLocked();
 
   const Apply apply_;
@@ -114,6 +134,8 @@ class SynchronousSteps {
   bool stopping_ = false;
   std::map<std::string, Pending> pending_;               // by head
   std::map<std::string, std::deque<Applied>> applied_;  // by head, the latest last
+  TrainersOfTheMesh* mesh_ = nullptr;
+  std::mutex telling_;  // one Came at a time, each with the trainers as they are then
   std::thread timer_;
 };
 

@@ -58,6 +58,7 @@ struct Process {
   HeadRegistry registry;
   AdmissionController admission{AdmissionOptions{}};
   std::ostringstream log;
+  std::unique_ptr<Liveness> liveness;        // as JoinCluster's: outlives what holds it
   std::unique_ptr<HeadGroup> replica_group;  // K > 1 only
   std::unique_ptr<HeadMesh> mesh;
   std::unique_ptr<HeadOperations> local;
@@ -104,6 +105,18 @@ class Replicas {
     for (int g = 0; g < size(); ++g) {
       EXPECT_TRUE(opened[static_cast<size_t>(g)].ok()) << g << ": " << opened[g];
     }
+    // Every process beats (global rank 0 first: it opens the session the others read).
+    for (int g = 0; g < size(); ++g) {
+      Process& p = at(g);
+      absl::StatusOr<std::unique_ptr<Liveness>> liveness =
+          Liveness::Start(groups_.config(g), &p.log);
+      EXPECT_TRUE(liveness.ok()) << g << ": " << liveness.status();
+      if (!liveness.ok()) continue;
+      p.liveness = *std::move(liveness);
+      if (p.replica_group != nullptr) p.replica_group->set_liveness(p.liveness.get());
+      if (p.mesh->fronts() != nullptr) p.mesh->fronts()->set_liveness(p.liveness.get());
+      p.mesh->set_liveness(p.liveness.get());
+    }
     for (int g = 0; g < size(); ++g) {
       Process& p = at(g);
       p.local =
@@ -114,8 +127,10 @@ class Replicas {
           setup.wait);
       p.follower = std::make_unique<GroupFollower>(p.local.get(), &p.registry,
                                                    p.replica_group.get(), torch::kCPU);
-      p.mesh_follower = std::make_unique<MeshFollower>(
-          p.mesh.get(), p.replica_group.get(), p.follower.get(), &p.operations->mesh_steps());
+      p.mesh_follower = std::make_unique<MeshFollower>(p.mesh.get(), p.replica_group.get(),
+                                                       p.follower.get(),
+                                                       &p.operations->mesh_steps(),
+                                                       p.operations.get());
     }
     // The followers, as the server runs them: a front other than the leader follows the mesh's
     // log (FollowMesh), a replica's other ranks their replica's (FollowGroup).

@@ -23,6 +23,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "remotehead/core/error_reason.h"
 #include "server/mesh_replicas.h"
 
@@ -324,12 +325,20 @@ TEST(MeshStepsTest, AReplicaWhoseTrainersNeverComeAbortsTheStepOnEveryReplica) {
     const double took = Seconds(Clock::now() - start);
     EXPECT_GE(took, 0.19);  // that replica's front waited for its trainers…
     EXPECT_LT(took, 1.5);   // …for the wait given, not for the log's timeout
-    ExpectRefusedAlike(
-        outcomes, absl::StatusCode::kAborted, "RANKS_MISSING",
-        absl::StrCat("replica ", odd, "'s trainers did not all ask for it within 200ms"));
+    // Every replica names the same trainers: those of the replica that never asked.
+    const int world = trainers[0]->world_size;
+    const std::vector<int> missing = SynchronousSteps::ReplicaRanks(world, odd, replicas);
+    std::vector<int> came;
+    for (int t = 0; t < world; ++t) {
+      if (t % replicas != odd) came.push_back(t);
+    }
+    ExpectRefusedAlike(outcomes, absl::StatusCode::kAborted, "RANKS_MISSING",
+                       absl::StrCat("within 200ms; got ranks [", absl::StrJoin(came, ", "),
+                                    "], missing ranks [", absl::StrJoin(missing, ", "), "]"));
     core::ErrorReason reason = core::ReasonOf(outcomes[0]->status());
     EXPECT_EQ(reason.metadata["head"], kHead);
     EXPECT_EQ(reason.metadata["step"], "0");
+    EXPECT_EQ(reason.metadata["missing_ranks"], absl::StrJoin(missing, ","));
     ExpectNothingApplied(m, before);
 
     // Its trainers come for the same step now: it goes through everywhere.
@@ -347,13 +356,15 @@ TEST(MeshStepsTest, AReplicasTrainersWhoseLeaderNeverStartsTheStepAreAbortedAndN
   const absl::StatusOr<HeadDescription> got =
       m.operations(1).StepOptimizer(kHead, first, Applied(first));
   const double took = Seconds(Clock::now() - start);
-  EXPECT_GE(took, 0.39);  // twice the wait
+  EXPECT_GE(took, 0.19);  // one wait, as every replica's
   EXPECT_LT(took, 1.5);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted) << got.status();
   EXPECT_EQ(core::ReasonOf(got.status()).reason, "RANKS_MISSING");
+  // The leader's trainers are named, not the leader.
   EXPECT_TRUE(absl::StrContains(got.status().message(),
-                                "the mesh's leader (replica 0) did not start it within 400ms"))
+                                "within 200ms; got ranks [1, 3], missing ranks [0, 2]"))
       << got.status();
+  EXPECT_EQ(core::ReasonOf(got.status()).metadata["missing_ranks"], "0,2");
   ExpectNothingApplied(m, before);
   ExpectMeshStillUp(m);
 }

@@ -276,28 +276,32 @@ absl::StatusOr<HeadGradients> Client::FetchGradients(const std::string& head_id,
   request.set_head_id(head_id);
   RETURN_IF_ERROR(RequestDtype(dtype, &request));
   HeadGradients grads;
-  RETURN_IF_ERROR(impl_->WithRetries("FetchGradients", [&](grpc::ClientContext* context) {
-    bool have_info = false;
-    // The server accumulates in float32 unless asked for another dtype.
-    RETURN_IF_ERROR(ReadHeadRows(
-        *impl_->stub, &Stub::FetchGradients, request, context, dtype.value_or(torch::kFloat),
-        {&grads.weight_grad, "weight_grad_rows", &grads.bias_grad, "bias_grad_rows"},
-        [&](const v1::FetchGradientsResponse& response, ResponseRows& w,
-            ResponseRows* b) -> absl::Status {
-          if (response.has_weight_grad_rows()) return w.Add(response.weight_grad_rows());
-          if (response.has_bias_grad_rows() && b != nullptr) {
-            return b->Add(response.bias_grad_rows());
-          }
-          if (!response.has_info()) {
-            return absl::InternalError(
-                "response: expected weight_grad_rows, bias_grad_rows or info");
-          }
-          ASSIGN_OR_RETURN(grads.info, FromWire(response.info()));
-          have_info = true;
-          return absl::OkStatus();
-        }));
-    if (!have_info) return absl::InternalError("info: the stream ended without one");
-    return absl::OkStatus();
+  // On a mesh, the leader sums every replica's dW (another front names it: NOT_THE_LEADER).
+  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
+    return impl_->WithRetries("FetchGradients", [&](grpc::ClientContext* context) {
+      bool have_info = false;
+      // The server accumulates in float32 unless asked for another dtype.
+      RETURN_IF_ERROR(
+          ReadHeadRows(*on, &Stub::FetchGradients, request, context, dtype.value_or(torch::kFloat),
+                       {&grads.weight_grad, "weight_grad_rows", &grads.bias_grad, "bias_grad_rows"},
+                       [&](const v1::FetchGradientsResponse& response, ResponseRows& w,
+                           ResponseRows* b) -> absl::Status {
+                         if (response.has_weight_grad_rows())
+                           return w.Add(response.weight_grad_rows());
+                         if (response.has_bias_grad_rows() && b != nullptr) {
+                           return b->Add(response.bias_grad_rows());
+                         }
+                         if (!response.has_info()) {
+                           return absl::InternalError(
+                               "response: expected weight_grad_rows, bias_grad_rows or info");
+                         }
+                         ASSIGN_OR_RETURN(grads.info, FromWire(response.info()));
+                         have_info = true;
+                         return absl::OkStatus();
+                       }));
+      if (!have_info) return absl::InternalError("info: the stream ended without one");
+      return absl::OkStatus();
+    });
   }));
   return grads;
 }

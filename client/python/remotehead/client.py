@@ -338,11 +338,13 @@ class Client:
     def fetch_gradients(self, head_id: str, dtype: Optional[torch.dtype] = None
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor], HeadInfo]:
         """The accumulated dW [V, D] and db [V] (None without bias), and the head's state.
-        dtype None: the accumulator's (float32)."""
+        dtype None: the accumulator's (float32). On a mesh: every replica's, summed by the
+        leader (the dW its next step applies)."""
         request = pb.FetchGradientsRequest(head_id=head_id)
         if dtype is not None:
             request.dtype = _wire.wire_dtype(dtype)
-        parts = self._read_row_stream(self._stub.FetchGradients, request)
+        parts = self._to_leader(
+            lambda stub: self._read_row_stream(stub.FetchGradients, request))
         return (_assemble(parts.get("weight_grad_rows")), _assemble(parts.get("bias_grad_rows")),
                 parts.get("info"))
 

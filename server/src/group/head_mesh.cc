@@ -86,6 +86,14 @@ absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t) {
   return absl::OkStatus();
 }
 
+absl::Status HeadMesh::SumOnLeader(torch::Tensor& t) {
+  const torch::Device device = peers().config().device;
+  torch::Tensor wire = t.to(device).contiguous();
+  RETURN_IF_ERROR(peers().ReduceSum(wire, 0));
+  t = wire.to(t.device());
+  return absl::OkStatus();
+}
+
 absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
                                              const std::string& what) {
   const uint64_t mine = HashTensors(tensors);

@@ -1,6 +1,12 @@
 #include "remotehead/server/group/liveness.h"
 
+#include <netdb.h>
 #include <openssl/rand.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <set>
@@ -22,12 +28,57 @@ constexpr char kSession = 'S';
 constexpr char kBeat = 'B';
 constexpr char kAddress = 'A';
 constexpr char kVerdict = 'V';
+constexpr char kShared = 'P';
 constexpr char kSessionKey[] = "session";
 constexpr char kVerdictKey[] = "down";
 constexpr size_t kNonceBytes = 16;
 
 std::string BeatKey(int rank) { return absl::StrCat("beat/", rank); }
 std::string AddressKey(int rank) { return absl::StrCat("addr/", rank); }
+
+// Whether `address` ("host:port", "[v6]:port") refuses a TCP connection: nothing listens there,
+// so the process that did is gone (killed, crashed). A process that is only stopped or slow
+// still has its port accepted by the kernel; an address that does not answer at all (another
+// machine gone) is not "refused" either: both wait for the group's timeout.
+bool Refuses(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return false;
+  std::string host = address.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), address.substr(colon + 1).c_str(), &hints, &found) != 0) {
+    return false;
+  }
+  bool refused = found != nullptr;
+  for (addrinfo* a = found; a != nullptr && refused; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      refused = false;
+      break;
+    }
+    int error = 0;
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      error = errno;
+      if (error == EINPROGRESS) {
+        pollfd p{.fd = fd, .events = POLLOUT, .revents = 0};
+        socklen_t length = sizeof(error);
+        error = ::poll(&p, 1, 300) == 1 &&
+                        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0
+                    ? error
+                    : ETIMEDOUT;
+      }
+    }
+    ::close(fd);
+    refused = error == ECONNREFUSED;
+  }
+  ::freeaddrinfo(found);
+  return refused;
+}
 
 std::string Seconds(std::chrono::milliseconds d) {
   return absl::FormatDuration(absl::Milliseconds(d.count() / 100 * 100));
@@ -101,6 +152,21 @@ std::optional<std::string> Liveness::Opened(char kind, const std::string& value)
   absl::StatusOr<std::string> body = UnsealEntry(config_.secret, kind, session_, value);
   if (!body.ok()) return std::nullopt;
   return *std::move(body);
+}
+
+absl::Status Liveness::Publish(const std::string& key, const std::string& value) {
+  return store_->Set(absl::StrCat("shared/", key), Sealed(kShared, absl::StrCat(key, "\n", value)));
+}
+
+absl::StatusOr<std::optional<std::string>> Liveness::Read(const std::string& key) {
+  const std::string full = absl::StrCat("shared/", key);
+  ASSIGN_OR_RETURN(const bool there, store_->Exists(full));
+  if (!there) return std::nullopt;
+  ASSIGN_OR_RETURN(const std::string value, store_->Get(full, timing_.beat));
+  // Bound to its key: a value copied to another key does not verify there.
+  std::optional<std::string> body = Opened(kShared, value);
+  if (!body.has_value() || !body->starts_with(key + "\n")) return std::nullopt;
+  return body->substr(key.size() + 1);
 }
 
 void Liveness::Announce(const std::string& address) {
@@ -303,12 +369,36 @@ void Liveness::Beat() {
       std::tie(lost, lost_since) = StalledLocked(timing_.lost);
     }
   }
+  // A beat stopped for `stalled` at an address that refuses connections: that process is gone,
+  // no need to wait for the group's timeout.
+  if (lost < 0 && health().ok() && !verdict.has_value()) {
+    std::tie(lost, lost_since) = Gone();
+  }
   wake_.notify_all();  // a Blame waiting for evidence looks again
   if (verdict.has_value()) {
     GoDown(*verdict, /*write=*/false);
   } else if (lost >= 0) {
     DeclareDown(Lost(lost, lost_since, ""));
   }
+}
+
+std::pair<int, std::chrono::milliseconds> Liveness::Gone() const {
+  std::vector<std::tuple<int, std::chrono::milliseconds, std::string>> stalled;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    for (const auto& [rank, changed] : last_change_) {
+      const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - changed);
+      auto address = addresses_.find(rank);
+      if (since >= timing_.stalled && address != addresses_.end()) {
+        stalled.emplace_back(rank, since, address->second);
+      }
+    }
+  }
+  for (const auto& [rank, since, address] : stalled) {
+    if (Refuses(address)) return {rank, since};
+  }
+  return {-1, std::chrono::milliseconds(0)};
 }
 
 void Liveness::Run() {

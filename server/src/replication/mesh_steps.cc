@@ -1,6 +1,12 @@
 #include "replication/mesh_steps.h"
 
+#include <set>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "replication/replicated_head_operations.h"
@@ -72,6 +78,12 @@ v1::MeshStep MeshStepCommand(const std::string& head_id,
 absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
                                                 const std::optional<SyncStepRequest>& first,
                                                 const OptimizerStepSpec& spec) {
+  if (first.has_value()) {
+    // Every trainer of this replica came (SynchronousSteps told each arrival already; told
+    // again here for whoever steps without it).
+    Came(*first, SynchronousSteps::ReplicaRanks(first->world_size, mesh_->replica(),
+                                                mesh_->replicas()));
+  }
   if (!mesh_->is_leader()) {
     if (!first.has_value()) return mesh_->NotTheLeader("an unsynchronized OptimizerStep");
     return AwaitLeader(*first);
@@ -123,25 +135,89 @@ void MeshSteps::AbortWaiting(const absl::Status& status, bool started) {
   changed_.notify_all();
 }
 
+namespace {
+
+std::string ArrivalsKey(const std::string& head_id, int replica) {
+  return absl::StrCat("arrivals/", absl::BytesToHexString(head_id), "/", replica);
+}
+
+}  // namespace
+
+void MeshSteps::Came(const SyncStepRequest& first, const std::vector<int>& ranks) {
+  Liveness* liveness = mesh_->liveness();
+  if (liveness == nullptr) return;
+  const absl::Status told =
+      liveness->Publish(ArrivalsKey(first.head_id, mesh_->replica()),
+                        absl::StrCat(first.step, " ", first.world_size, " ", absl::StrJoin(ranks, ",")));
+  if (!told.ok()) {
+    operations_->local().LogEvent(absl::StrCat(
+        "mesh: replica ", mesh_->replica(), "'s trainers at step ", first.step,
+        " not told to the other fronts: ", told.message()));
+  }
+}
+
+absl::Status MeshSteps::Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) {
+  std::set<int> came;
+  std::vector<std::string> unknown;
+  Liveness* liveness = mesh_->liveness();
+  for (int r = 0; r < mesh_->replicas() && liveness != nullptr; ++r) {
+    if (SynchronousSteps::ReplicaRanks(first.world_size, r, mesh_->replicas()).empty()) continue;
+    const absl::StatusOr<std::optional<std::string>> told =
+        liveness->Read(ArrivalsKey(first.head_id, r));
+    if (!told.ok()) {
+      unknown.push_back(absl::StrCat("replica ", r, "'s (", told.status().message(), ")"));
+      continue;
+    }
+    if (!told->has_value()) continue;
+    // "<step> <world size> <ranks>": only this step's count.
+    const std::vector<std::string> fields = absl::StrSplit(**told, ' ');
+    int64_t step = -1;
+    int world = -1;
+    if (fields.size() != 3 || !absl::SimpleAtoi(fields[0], &step) ||
+        !absl::SimpleAtoi(fields[1], &world) || step != first.step ||
+        world != first.world_size) {
+      continue;
+    }
+    for (absl::string_view rank : absl::StrSplit(fields[2], ',', absl::SkipEmpty())) {
+      int t = -1;
+      if (absl::SimpleAtoi(rank, &t) && t % mesh_->replicas() == r) came.insert(t);
+    }
+  }
+  std::vector<int> missing;
+  for (int t = 0; t < first.world_size; ++t) {
+    if (!came.contains(t)) missing.push_back(t);
+  }
+  return core::WithReason(
+      absl::AbortedError(absl::StrCat(
+          "synchronous optimizer step ", first.step, " of head \"", first.head_id,
+          "\": expected all ", first.world_size, " ranks (on the mesh's ", mesh_->replicas(),
+          " replicas: rank t at replica t mod ", mesh_->replicas(), ") within ",
+          absl::FormatDuration(absl::FromChrono(waited)), "; got ranks [",
+          absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "), "]",
+          unknown.empty() ? std::string()
+                          : absl::StrCat(" (not known: ", absl::StrJoin(unknown, ", "), ")"),
+          ": nothing applied on any replica, the accumulated dW is kept (ask again once every "
+          "rank runs)")),
+      core::reason::kRanksMissing,
+      {{"head", first.head_id},
+       {"step", absl::StrCat(first.step)},
+       {"missing_ranks", absl::StrJoin(missing, ",")}});
+}
+
 absl::StatusOr<HeadDescription> MeshSteps::AwaitLeader(const SyncStepRequest& first) {
   const Key key{first.head_id, first.step};
   std::unique_lock<std::mutex> lock(mu_);
   Ready& ready = ready_[key];
   ready = Ready{.first = first};
   changed_.notify_all();
-  // The leader's step comes once the leader's own trainers asked for it: up to this replica's
-  // wait for them, plus the time the mesh needs to run it once taken.
-  changed_.wait_for(lock, wait_ * 2, [&] { return ready.taken || ready.result.has_value(); });
+  // The leader's step comes once the leader's own trainers asked for it, within the same wait
+  // as this replica's (the leader's trainers that did not come are named from what the fronts
+  // published: Missing). A step the leader started waits for its result.
+  changed_.wait_for(lock, wait_, [&] { return ready.taken || ready.result.has_value(); });
   if (!ready.taken && !ready.result.has_value()) {
     ready_.erase(key);
-    return core::WithReason(
-        absl::AbortedError(absl::StrCat(
-            "synchronous optimizer step ", first.step, " of head \"", first.head_id, "\": replica ",
-            mesh_->replica(), "'s trainers all asked for it, but the mesh's leader (replica 0) did "
-            "not start it within ", absl::FormatDuration(absl::FromChrono(wait_ * 2)),
-            " (its trainers did not all come, or it is down): nothing applied, dW is kept")),
-        core::reason::kRanksMissing,
-        {{"head", first.head_id}, {"step", absl::StrCat(first.step)}, {"missing_ranks", ""}});
+    lock.unlock();
+    return Missing(first, wait_);
   }
   changed_.wait(lock, [&] { return ready.result.has_value(); });
   absl::StatusOr<HeadDescription> result = *ready.result;
@@ -168,14 +244,11 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
   ASSIGN_OR_RETURN(const std::optional<SyncStepRequest> leaders, LeadersRequest(step));
   if (leaders.has_value() && WaitsForTrainers(step, *mesh_)) {
     if (!mine.has_value()) {
-      return core::WithReason(
-          absl::AbortedError(absl::StrCat(
-              "synchronous optimizer step ", leaders->step, " of head \"", head_id, "\": ", who,
-              "'s trainers did not all ask for it within ",
-              absl::FormatDuration(absl::FromChrono(wait_)),
-              " of the leader's: nothing applied on any replica, dW is kept")),
-          core::reason::kRanksMissing,
-          {{"head", head_id}, {"step", absl::StrCat(leaders->step)}, {"missing_ranks", ""}});
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!down_.ok()) return down_;  // it did not wait: the mesh is down
+      }
+      return Missing(*leaders, wait_);  // this replica's trainers did not all come
     }
     SyncStepRequest theirs = *mine;
     theirs.expected_incarnation = "";  // each replica checked its own trainers' already
@@ -222,6 +295,9 @@ absl::Status MeshFollower::Run(const std::atomic<bool>& stop) {
 
 absl::Status MeshFollower::Follow(const v1::GroupCommand& command) {
   if (command.has_mesh_step()) return steps_->Follow(command.mesh_step());
+  if (command.has_gather() && command.gather().over_replicas()) {
+    return operations_->SumGradientsOnLeader(command.gather().head_id()).status();
+  }
   if (command.has_front()) {
     mesh_->fronts()->set_front_address(command.front().address());
     return absl::OkStatus();

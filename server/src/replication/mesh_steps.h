@@ -29,7 +29,7 @@ namespace remotehead::server {
 
 class ReplicatedHeadOperations;
 
-class MeshSteps {
+class MeshSteps : public TrainersOfTheMesh {
  public:
   // `wait`: how long a replica's front waits for its own trainers once the leader's step came.
   MeshSteps(ReplicatedHeadOperations* operations, HeadMesh* mesh, HeadGroup* replica_group,
@@ -49,6 +49,12 @@ class MeshSteps {
   // the leader has not started (the server drains); with `started`, those it did too (the mesh
   // is down: their answer would never come), and no later step waits for trainers.
   void AbortWaiting(const absl::Status& status, bool started);
+
+  // TrainersOfTheMesh: this replica's trainers at a step, published for the other fronts
+  // (Liveness::Publish, "arrivals/<head>/<replica>", the latest step only); the trainers of every
+  // replica that came, and those missing, as the fronts published them.
+  void Came(const SyncStepRequest& first, const std::vector<int>& ranks) override;
+  absl::Status Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) override;
 
  private:
   // This replica's trainers' step, handed from the synchronous steps to the mesh's follower.
@@ -81,8 +87,13 @@ class MeshSteps {
 // (run here through `local`, every other rank of the replica through its own follower).
 class MeshFollower {
  public:
-  MeshFollower(HeadMesh* mesh, HeadGroup* replica_group, GroupFollower* local, MeshSteps* steps)
-      : mesh_(mesh), replica_group_(replica_group), local_(local), steps_(steps) {}
+  MeshFollower(HeadMesh* mesh, HeadGroup* replica_group, GroupFollower* local, MeshSteps* steps,
+               ReplicatedHeadOperations* operations)
+      : mesh_(mesh),
+        replica_group_(replica_group),
+        local_(local),
+        steps_(steps),
+        operations_(operations) {}
 
   absl::Status Run(const std::atomic<bool>& stop);
   absl::Status Follow(const v1::GroupCommand& command);
@@ -92,6 +103,7 @@ class MeshFollower {
   HeadGroup* const replica_group_;
   GroupFollower* const local_;
   MeshSteps* const steps_;
+  ReplicatedHeadOperations* const operations_;
 };
 
 // The mesh command of a step (`first`: the leader's trainers' request, unset for an

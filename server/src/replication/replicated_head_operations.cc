@@ -94,8 +94,44 @@ absl::StatusOr<int64_t> ReplicatedHeadOperations::Save(const std::string& id,
   return local_->WriteCheckpoint(id, snapshot, path, weight_name, bias_name);
 }
 
+absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::SumGradientsOnLeader(const std::string& id) {
+  ASSIGN_OR_RETURN(HeadSnapshot mine,
+                   OnEveryRank<HeadSnapshot>(
+                       GatherCommand(id, std::nullopt, /*gradients=*/true),
+                       [&] { return local_->Snapshot(id, std::nullopt, true); }, false,
+                       Reach::kReplica));
+  RETURN_IF_ERROR(mesh_->SumOnLeader(mine.matrix));
+  if (mine.vector.defined()) RETURN_IF_ERROR(mesh_->SumOnLeader(mine.vector));
+  torch::Tensor count =
+      torch::tensor({mine.description.accumulated_micro_batches}, torch::kInt64);
+  RETURN_IF_ERROR(mesh_->SumOnLeader(count));
+  mine.description.accumulated_micro_batches = count.item<int64_t>();
+  return mine;
+}
+
 absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::Snapshot(
     const std::string& id, std::optional<torch::ScalarType> dtype, bool gradients) {
+  if (gradients && mesh_ != nullptr && mesh_->is_front()) {
+    // Every replica's dW, summed: never one replica's part presented as the head's.
+    if (!mesh_->is_leader()) {
+      return mesh_->NotTheLeader(
+          "FetchGradients (it reads the mesh's dW: every replica's, summed on the leader)");
+    }
+    RETURN_IF_ERROR(Serving());
+    // A mesh command whose every front runs it as its own (not relayed to its replica's ranks,
+    // as RunOnEveryRank does): each gathers its replica's dW through its replica's log.
+    ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
+    absl::StatusOr<HeadSnapshot> summed = absl::UnknownError("not run");
+    RETURN_IF_ERROR(RunCommand(lane, MeshGradientsCommand(id), [&] {
+      summed = SumGradientsOnLeader(id);
+      return summed.status();
+    }));
+    if (summed.ok() && dtype.has_value()) {
+      summed->matrix = summed->matrix.to(*dtype);
+      if (summed->vector.defined()) summed->vector = summed->vector.to(*dtype);
+    }
+    return summed;
+  }
   return OnEveryRank<HeadSnapshot>(
       GatherCommand(id, dtype, gradients), [&] { return local_->Snapshot(id, dtype, gradients); },
       false, Reach::kReplica);

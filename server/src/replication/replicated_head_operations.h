@@ -63,9 +63,15 @@ class ReplicatedHeadOperations {
   // (HeadOperations::WriteCheckpoint); returns the bytes written.
   absl::StatusOr<int64_t> Save(const std::string& id, const std::string& path,
                                const std::string& weight_name, const std::string& bias_name);
-  // This replica's: its weights are every replica's, its dW its own trainers' part.
+  // This replica's weights (every replica's). dW: on a mesh, the mesh's — every replica's
+  // summed, what its next step applies, with accumulated_micro_batches counting every
+  // replica's — taken by the leader only (another front refuses it, NOT_THE_LEADER); elsewhere
+  // this replica's.
   absl::StatusOr<HeadSnapshot> Snapshot(const std::string& id,
                                         std::optional<torch::ScalarType> dtype, bool gradients);
+  // A front of a mesh: its replica's dW (gathered from its ranks, fp32) summed with every other
+  // replica's on the leader (MeshGradientsCommand); the leader's is the sum.
+  absl::StatusOr<HeadSnapshot> SumGradientsOnLeader(const std::string& id);
   // Tied embeddings, on every rank of this replica (its weights are every replica's; its dW its
   // own trainers' part, summed over the replicas at the mesh's step). `ids` are checked against
   // the head first (INVALID_ARGUMENT naming `ids_field`), the gradient's `rows` too

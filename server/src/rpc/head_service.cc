@@ -143,7 +143,10 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* DescribeHead(grpc::CallbackServerContext* context,
                                          const v1::HeadRef* request,
                                          v1::HeadInfo* response) override {
-    return Unary(context, [&] { return Answer(Local().Describe(request->head_id()), response); });
+    // On a mesh, accumulated_micro_batches counts every replica's (MeshCounts).
+    return Unary(context, [&] {
+      return Answer(context_->mesh_counts.Describe(request->head_id()), response);
+    });
   }
 
   grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,

@@ -13,6 +13,7 @@
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/service_options.h"
 #include "replication/group_follower.h"
+#include "replication/mesh_counts.h"
 #include "replication/mesh_steps.h"
 #include "replication/replicated_head_operations.h"
 #include "rpc/stripe_joins.h"
@@ -34,7 +35,9 @@ struct ServiceContext {
         operations(&local, options.group, options.mesh, options.checkpoint_every_steps,
                    MeshWait(options)),
         follower(&local, registry, options.group, options.device),
-        mesh_follower(options.mesh, options.group, &follower, &operations.mesh_steps()),
+        mesh_follower(options.mesh, options.group, &follower, &operations.mesh_steps(),
+                      &operations),
+        mesh_counts(options.mesh, &local),
         sync_steps(
             [this](const SyncStepRequest& first, const OptimizerStepSpec& spec) {
               return operations.StepOptimizer(first.head_id, first, spec);
@@ -44,7 +47,17 @@ struct ServiceContext {
                 static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
             options.metrics, options.mesh != nullptr ? options.mesh->replica() : 0,
             options.mesh != nullptr ? options.mesh->replicas() : 1),
-        compute(options.compute_threads) {}
+        compute(options.compute_threads) {
+    // A mesh's front names the trainers of every replica (MeshSteps) when a step waited too long.
+    if (options.mesh != nullptr && options.mesh->is_front()) {
+      sync_steps.set_mesh(&operations.mesh_steps());
+    }
+    // Every replica's count of micro-batches, for HeadInfo at any front (MeshCounts).
+    if (mesh_counts.active()) {
+      registry->set_count_observer([this](const std::string& id) { mesh_counts.Publish(id); });
+      for (const auto& entry : registry->List()) mesh_counts.Publish(entry->id());
+    }
+  }
 
   // How long a replica's front waits for its own trainers once the leader's step came: the
   // synchronous step's timeout, within half the mesh log's (whose replies wait that long).
@@ -56,6 +69,8 @@ struct ServiceContext {
     }
     return wait;
   }
+
+  ~ServiceContext() { registry->set_count_observer(nullptr); }
 
   // OK while this process serves; once its group or mesh is down, UNAVAILABLE (reason
   // GROUP_UNAVAILABLE) with the verdict: no new call runs, not even on a replica whose own ranks
@@ -71,6 +86,7 @@ struct ServiceContext {
   ReplicatedHeadOperations operations;  // every operation as the service runs it
   GroupFollower follower;       // a head group's other ranks: every command of the log
   MeshFollower mesh_follower;   // a mesh's fronts other than the leader: the mesh's log
+  MeshCounts mesh_counts;       // a mesh's accumulated micro-batches, every replica's
   SynchronousSteps sync_steps;  // the optimizer steps of data-parallel trainers
   // Last, so destroyed first: the pool's threads finish their tasks while the rest is alive.
   ComputePool compute;

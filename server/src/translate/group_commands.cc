@@ -135,6 +135,12 @@ v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::Scala
   return command;
 }
 
+v1::GroupCommand MeshGradientsCommand(const std::string& id) {
+  v1::GroupCommand command = GatherCommand(id, std::nullopt, /*gradients=*/true);
+  command.mutable_gather()->set_over_replicas(true);
+  return command;
+}
+
 v1::GroupCommand EmbeddingLookupCommand(const std::string& id, const torch::Tensor& ids,
                                         std::optional<torch::ScalarType> dtype) {
   v1::GroupCommand command;

@@ -46,6 +46,7 @@ v1::GroupCommand EmbeddingGradientCommand(const std::string& id, const torch::Te
                                           std::optional<int64_t> expected_weight_version);
 // What EmbeddingGradientCommand carries, read back on another rank.
 GradientKey EmbeddingGradientKey(const v1::GroupEmbedding& embedding);
+v1::GroupCommand MeshGradientsCommand(const std::string& id);
 v1::GroupCommand GatherCommand(const std::string& id, std::optional<torch::ScalarType> dtype,
                                bool gradients);
 

@@ -93,6 +93,16 @@ struct CommitResult {
   int64_t weight_version = 0;  // the version the request's results belong to
 };
 
+// Called, outside every lock, after a head's accumulated micro-batches may have changed: a step
+// committed a new contribution, dW was zeroed (or stepped), the head was added or dropped.
+using CountObserver = std::function<void(const std::string& head_id)>;
+// The registry's observer, shared with its heads: called under `mu`, so that clearing it waits
+// for the calls in flight.
+struct CountObserverSlot {
+  std::mutex mu;
+  CountObserver observer;
+};
+
 class HeadEntry {
  public:
   // `reservation`: the admission ticket holding this head's bytes (0: none). `shards`: on a head
@@ -223,6 +233,11 @@ class HeadEntry {
   const std::vector<core::ShardRange> shards_;
   const bool frozen_;
   std::atomic<uint64_t> reservation_;
+  friend class HeadRegistry;
+  std::shared_ptr<CountObserverSlot> observer_;  // the registry's; set before it is shared
+  // Tells the observer (if any) that the micro-batch count may have changed.
+  void Counted() const;
+  absl::StatusOr<CommitResult> CommitUnderLock(const StepCommit& commit);
   mutable std::mutex mu_;  // guards everything below
   std::unique_ptr<core::Head> head_;
   int64_t gradient_window_ = 0;
@@ -263,8 +278,14 @@ class HeadRegistry {
   // Removes the head and returns it (requests still holding it then fail to commit).
   absl::StatusOr<std::shared_ptr<HeadEntry>> Drop(const std::string& id);
   std::vector<std::shared_ptr<HeadEntry>> List() const;
+  // Replaces the observer (nullptr: none); returns once no call of the previous one runs.
+  void set_count_observer(CountObserver observer) {
+    std::lock_guard<std::mutex> lock(observer_->mu);
+    observer_->observer = std::move(observer);
+  }
 
  private:
+  std::shared_ptr<CountObserverSlot> observer_ = std::make_shared<CountObserverSlot>();
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<HeadEntry>> heads_;
 };

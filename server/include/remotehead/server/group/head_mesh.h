@@ -62,6 +62,7 @@ class HeadMesh : public MetricSource {
   // OK while the mesh works: its log (on a front) and every process (liveness.h).
   absl::Status health() const;
   void set_liveness(Liveness* liveness) { liveness_ = liveness; }
+  Liveness* liveness() const { return liveness_; }
 
   // A front other than the leader: `method` (an operation that changes every replica) refused
   // with FAILED_PRECONDITION, reason NOT_THE_LEADER, naming the leader's address.
@@ -70,6 +71,9 @@ class HeadMesh : public MetricSource {
   // `t` summed over every replica's `t` (the same shape everywhere), written back into `t` with
   // the same bits on every replica.
   absl::Status SumOverReplicas(torch::Tensor& t);
+  // Every replica's `t` (the same shape everywhere) summed into the leader's `t` (exact sums in
+  // t's dtype; the other replicas' `t` is left undefined-valued). Fronts only.
+  absl::Status SumOnLeader(torch::Tensor& t);
   // OK if every replica's `tensors` hash alike; DATA_LOSS naming the replicas that differ.
   absl::Status CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
                                      const std::string& what);

@@ -75,6 +75,11 @@ class Liveness {
   // removed (by the returned id; RemoveListener returns once no call of it runs).
   int OnDown(std::function<void(const absl::Status&)> listener);
   void RemoveListener(int id);
+  // A fact every process may read (sealed): `value` under `key` (under "shared/"), and the
+  // value there now (nullopt if none or it does not verify). What a mesh's fronts tell each
+  // other outside the log: which trainers came to a step (mesh_steps.h).
+  absl::Status Publish(const std::string& key, const std::string& value);
+  absl::StatusOr<std::optional<std::string>> Read(const std::string& key);
   // "global rank 3 (replica 1, shard 1, at 10.0.0.5:50054)".
   std::string Describe(int global_rank) const;
 
@@ -92,6 +97,9 @@ class Liveness {
   // The process whose beat stopped longest, at least `at_least` ago (-1: none), and for how
   // long; the store itself unreachable counts as global rank 0's. Under mu_.
   std::pair<int, std::chrono::milliseconds> StalledLocked(std::chrono::milliseconds at_least) const;
+  // A process whose beat stopped for `stalled` and whose address refuses connections (it is
+  // gone: no need to wait for the group's timeout), and for how long; -1 if none.
+  std::pair<int, std::chrono::milliseconds> Gone() const;
   std::string Sealed(char kind, const std::string& body) const;
   // The body of `value` if its seal verifies for `kind`.
   std::optional<std::string> Opened(char kind, const std::string& value) const;
