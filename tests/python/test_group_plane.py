@@ -9,7 +9,10 @@
   whose secrets differ do not start;
 - a rank stopped (SIGSTOP) mid-step is reported within one --group_timeout_seconds (not two);
 - a rank stopped while idle and continued after the front gave up never runs the command it
-  missed: it leaves the group (exit 1) saying why.
+  missed: it leaves the group (exit 1) saying why;
+- a pending command (appended, not yet taken by a stopped rank) overwritten by a stranger takes
+  the group down within a second or so, not one --group_timeout_seconds: the caller's error and
+  the front's log name the store key; the stopped rank, continued, refuses it and leaves.
 """
 
 import datetime
@@ -242,6 +245,69 @@ def test_a_rank_stopped_while_idle_never_runs_the_command_it_missed():
         if group.ranks[1].process is not None:
             group.ranks[1].process.send_signal(signal.SIGCONT)
         group.stop()
+
+
+def pending_command(stranger, within: float = 10.0) -> int:
+    """The seq of the command the front appended and nobody took (the front deletes a command's
+    key once every rank answered it, so it is the only one there)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for seq in range(64):
+            if stranger.check([f"remotehead/commands/cmd/{seq}"]):
+                return seq
+        time.sleep(0.05)
+    raise AssertionError("no pending command in the store")
+
+
+def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_once():
+    timeout = 30.0
+    group = LocalHeadGroup(BINARY, size=2, args=ARGS, timeout_seconds=timeout).start()
+    try:
+        with remotehead.Client(group.target, max_attempts=1) as client:
+            client.create_head("h", V, D, seed=3)
+            group.ranks[1].process.send_signal(signal.SIGSTOP)
+            result = {}
+
+            def create_late():
+                try:
+                    client.create_head("late", V, D, seed=4)
+                    result["error"] = None
+                except RemoteheadError as e:
+                    result["error"] = e
+                result["at"] = time.monotonic()
+            call = threading.Thread(target=create_late)
+            call.start()
+            stranger = TCPStore("127.0.0.1", group.store_port, is_master=False,
+                                wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+            seq = pending_command(stranger)
+            key = f"remotehead/commands/cmd/{seq}"
+            overwritten_at = time.monotonic()
+            stranger.set(key, create_command("evil"))
+            call.join(timeout=2 * timeout)
+            assert not call.is_alive(), "the call hung"
+            error = result["error"]
+            assert error is not None, "the call succeeded over a forged command"
+            took = result["at"] - overwritten_at
+            assert took < 3.0, f"failed {took:.1f} s after the overwrite (timeout {timeout} s)"
+            assert error.code.name == "UNAVAILABLE", error
+            assert error.reason == "GROUP_UNAVAILABLE", error.reason
+            assert f'store key "{key}"' in error.details, error.details
+            assert "overwritten by someone without the group's secret" in error.details
+            assert health_turns(client, "NOT_SERVING")
+            # Continued, rank 1 refuses the forged entry, never runs it, and leaves.
+            group.ranks[1].process.send_signal(signal.SIGCONT)
+            assert drain(group.ranks[1], timeout=2 * timeout) == 1
+            follower = log_of(group.ranks[1])
+            assert f'refused the entry at "cmd/{seq}", not executed' in follower, follower
+            assert "declared the group down" in follower, follower
+            assert '"evil"' not in follower and '"late"' not in follower, follower
+    finally:
+        if group.ranks[1].process is not None:
+            group.ranks[1].process.send_signal(signal.SIGCONT)
+        group.stop()
+    front = log_of(group.ranks[0])
+    assert re.search(rf'head group rank 0: head group: the store key "{key}" \(command {seq},'
+                     r"[^)]*\) was overwritten by someone without the group's secret", front), front
 
 
 @pytest.mark.parametrize("rank", ["-5", "-2", "x"])

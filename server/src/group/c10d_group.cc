@@ -420,11 +420,17 @@ std::unique_ptr<ProcessGroup> GroupOn(const c10::intrusive_ptr<c10d::TCPStore>& 
                                       const GroupConfig& member) {
   auto backend = MakeBackend(
       member, c10::make_intrusive<c10d::PrefixStore>(member.prefix + "/backend", tcp));
-  auto commands = c10::make_intrusive<c10d::PrefixStore>(member.prefix + "/commands", tcp);
+  auto commands = c10::make_intrusive<c10d::PrefixStore>(CommandLogPrefix(member), tcp);
   return std::make_unique<C10dGroup>(member, commands, backend);
 }
 
 }  // namespace
+
+std::string CommandLogPrefix(const GroupConfig& config) { return config.prefix + "/commands"; }
+
+std::string CommandLogStoreKey(const GroupConfig& config, const std::string& key) {
+  return absl::StrCat(CommandLogPrefix(config), "/", key);
+}
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConfig& config) {
   const auto start = std::chrono::steady_clock::now();

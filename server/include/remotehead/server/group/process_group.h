@@ -64,6 +64,13 @@ absl::Status CheckGroupPlane(const GroupConfig& config);
 // Whether `host` names the loopback interface (localhost, 127.0.0.0/8, ::1).
 bool IsLoopbackHost(const std::string& host);
 
+// Where a group's command log (group_log.h) lives in the store: every key of it under this
+// prefix, and a log key's full name there (c10d's PrefixStore joins them with "/"), as a
+// stranger's store client sees it (e.g. "remotehead/commands/cmd/5"; on a mesh
+// "remotehead/replica/<r>/commands/…" and the mesh's own under its prefix).
+std::string CommandLogPrefix(const GroupConfig& config);
+std::string CommandLogStoreKey(const GroupConfig& config, const std::string& key);
+
 // Bytes this rank's collectives handed to and received from the transport, by operation.
 struct CollectiveBytes {
   int64_t calls = 0;
