@@ -1,7 +1,8 @@
 """The head group's control plane against strangers and hung ranks, with real server processes
 (Gloo on loopback) and a real c10d TCPStore client playing the stranger:
 
-- rank 0's store listens on the address --group_store names, never on every interface;
+- rank 0's store listens on the address --group_store names, never on every interface, and
+  each rank's Gloo listener on --group_transport_host's when given;
 - a command written into the group's log by someone without the group's secret is refused and
   logged, never executed, and the log stays in step: a ZeroGradients after it zeroes every
   rank's dW (the stale-reply failure), later steps equal one server's, every rank stays SERVING;
@@ -40,18 +41,35 @@ ARGS = ("--device=cpu", "--torch_threads=1")
 V, D = 61, 16
 
 
-def listening_addresses(port: int):
-    """The local addresses of the sockets listening on TCP `port` (from /proc/net/tcp{,6})."""
+def listening(pid=None):
+    """(address, port) of the TCP sockets listening on this host (from /proc/net/tcp{,6}), or
+    only those process `pid` holds (its descriptors' socket:[inode] links)."""
+    inodes = None
+    if pid is not None:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                match = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:  # closed meanwhile
+                continue
+            if match:
+                inodes.add(match[1])
     found = []
     for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
         with open(table) as f:
             for line in list(f)[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.split(":")
-                if int(hex_port, 16) == port and state == "0A":  # LISTEN
-                    found.append(address if width == 32 else
-                                 ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+                fields = line.split()
+                address, hex_port = fields[1].split(":")
+                if fields[3] == "0A" and (inodes is None or fields[9] in inodes):  # LISTEN
+                    found.append((address if width == 32 else
+                                  ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)),
+                                  int(hex_port, 16)))
     return found
+
+
+def listening_addresses(port: int):
+    """The local addresses of the sockets listening on TCP `port`."""
+    return [address for address, p in listening() if p == port]
 
 
 def health_turns(client, status: str, within: float = 2.0) -> bool:
@@ -95,6 +113,23 @@ def test_the_store_listens_on_the_named_address_only():
         addresses = listening_addresses(group.store_port)
         assert addresses and all(a == "127.0.0.1" for a in addresses), addresses
         assert "store listening on 127.0.0.1:" in log_of(group.ranks[0])
+
+
+def test_gloo_listens_on_the_transport_host_only():
+    """--group_transport_host: every rank's Gloo listener (an ephemeral port, the only listener
+    besides gRPC and rank 0's store) is on that address, which is where the peers connect."""
+    args = (*ARGS, "--group_transport_host=127.0.0.2")
+    with LocalHeadGroup(BINARY, size=2, args=args) as group, \
+            remotehead.Client(group.target) as client:
+        client.create_head("h", V, D, seed=3)
+        x, t = batch(0)
+        client.forward_backward("h", x, t, gradient_id=("t", 0, 0))  # the collectives work
+        for rank in group.ranks:
+            grpc_port = int(rank.target.rsplit(":", 1)[1])
+            sockets = listening(rank.process.pid)
+            gloo = [(a, p) for a, p in sockets if p not in (grpc_port, group.store_port)]
+            assert gloo and all(a == "127.0.0.2" for a, _ in gloo), sockets
+            assert grpc_port in {p for _, p in sockets}, sockets
 
 
 def test_a_strangers_commands_and_replies_are_refused_and_the_log_stays_in_step(server_target):
