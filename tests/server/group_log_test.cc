@@ -264,15 +264,16 @@ TEST(GroupLogTest, AReplyOverwrittenAfterTheRankWroteItIsReportedAndFailsTheFron
     // Before the front read it, a stranger overwrites (or deletes) the rank's reply.
     ASSERT_TRUE((deleted ? store.Delete("reply/0/1") : store.Set("reply/0/1", "0:0:forged")).ok());
     const auto start = std::chrono::steady_clock::now();
-    auto replies =
-        std::async(std::launch::async, [&] { return p.front.AwaitReplies(0, milliseconds(20000)); });
+    auto replies = std::async(std::launch::async,
+                              [&] { return p.front.AwaitReplies(0, milliseconds(20000)); });
     // The follower, waiting for the next command, finds its reply changed and reports it.
     EXPECT_EQ(p.follower.Next(milliseconds(300)).status().code(),
               absl::StatusCode::kDeadlineExceeded);
     const std::string how = deleted ? "deleted" : "overwritten";
     const auto got = replies.get();
     ExpectTampered(got, start, "reply/0/1", how, p.front_log.str());
-    EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "store key \"remotehead/commands/reply/0/1\""))
+    EXPECT_TRUE(
+        absl::StrContains(p.follower_log.str(), "store key \"remotehead/commands/reply/0/1\""))
         << p.follower_log.str();
   }
 }

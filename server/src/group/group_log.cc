@@ -245,10 +245,10 @@ absl::Status GroupLog::WatchPending(int64_t seq, const std::string& written, int
     return Tampered(report_key, absl::StrCat("rank ", rank, "'s report"), "written");
   }
   if (ReadFixed64(*body) != seq) return absl::OkStatus();
-  return Tampered(ReplyKey(seq, rank),
-                  absl::StrCat("rank ", rank, "'s reply to command ", seq, ", as rank ", rank,
-                               " reports"),
-                  body->substr(kSeqBytes));
+  return Tampered(
+      ReplyKey(seq, rank),
+      absl::StrCat("rank ", rank, "'s reply to command ", seq, ", as rank ", rank, " reports"),
+      body->substr(kSeqBytes));
 }
 
 absl::Status GroupLog::WatchOwnReply() {
@@ -434,10 +434,9 @@ absl::StatusOr<std::string> GroupLog::Next(std::chrono::milliseconds wait) {
     }
     return absl::OkStatus();
   };
-  ASSIGN_OR_RETURN(Entry entry,
-                   ReadValid(CommandKey(seq), static_cast<char>(Kind::kCommand),
-                             Clock::now() + wait, check, &refused_command_,
-                             [this] { return WatchOwnReply(); }));
+  ASSIGN_OR_RETURN(Entry entry, ReadValid(CommandKey(seq), static_cast<char>(Kind::kCommand),
+                                          Clock::now() + wait, check, &refused_command_,
+                                          [this] { return WatchOwnReply(); }));
   taken_seal_ = std::move(entry.seal);
   written_reply_.clear();  // the front appended the next command: it took the last reply
   ++next_;

@@ -135,7 +135,7 @@ class GroupLog {
   int64_t next_ = 0;  // front: the next command's seq; other ranks: the next one to take
   std::map<int64_t, std::string> commands_;  // front: commands awaiting replies, as written
   std::string taken_seal_;                   // other ranks: of the command last taken
-  std::string written_reply_;  // other ranks: the reply last written, until the front took it
+  std::string written_reply_;    // other ranks: the reply last written, until the front took it
   std::string refused_command_;  // other ranks: the refused value at cmd/<next_>, if any
   std::string refused_down_;     // other ranks: a refused value at "down", if any
 };
