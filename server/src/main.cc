@@ -105,6 +105,11 @@ ABSL_FLAG(std::string, group_store, "",
 ABSL_FLAG(std::string, group_store_bind, "",
           "the address rank 0's TCPStore listens on (empty: the host of --group_store; never "
           "every interface unless this names 0.0.0.0 or ::)");
+ABSL_FLAG(std::string, group_transport_host, "",
+          "this rank's address (or a name resolving to it) for the group's Gloo collectives: they "
+          "listen there (on an ephemeral port) and the other ranks connect there, e.g. a name "
+          "only the group's own network resolves (empty: GLOO_SOCKET_IFNAME's interface, else "
+          "127.0.0.1 for a store on loopback, else the host name's address)");
 ABSL_FLAG(std::string, group_secret_file, "",
           "file holding the head group's shared secret (16+ bytes, the same on every rank): every "
           "command and reply of the group's log is sealed with it (HMAC-SHA256), so nobody who "
@@ -419,6 +424,8 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
                                       .store = absl::GetFlag(FLAGS_group_store),
                                       .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds),
                                       .store_bind = absl::GetFlag(FLAGS_group_store_bind),
+                                      .transport_host =
+                                          absl::GetFlag(FLAGS_group_transport_host),
                                       .replicas = absl::GetFlag(FLAGS_group_replicas)},
                                      env));
   config.device = device;

@@ -3,7 +3,9 @@ profile's server and Prometheus (Prometheus scraping it: its query API shows the
 after training steps, and every dashboard expression evaluates there), then the `cpu-group`
 profile (a head group of 2 sealed with its secret) trained through rank 0. `stop` drains every
 server (exit 0), `down -v` leaves nothing. Grafana's image cannot be had here (no registry), so
-its service is not started: its provisioning is checked against the stack as text says it."""
+its service is not started: its provisioning is checked against the stack as text says it. The
+group plane's fence (an internal network for the store and Gloo, only gRPC and metrics
+published) is checked statically, with no Docker."""
 
 import json
 import os
@@ -187,3 +189,54 @@ def test_grafana_is_checked_as_text_since_its_image_cannot_be_had():
     assert re.fullmatch(r"\$\{REMOTEHEAD_GRAFANA_IMAGE:-grafana/grafana:[\d.]+\}",
                         grafana["image"])
     print("grafana: not started (its image cannot be pulled here); provisioning checked as text")
+
+
+def flag_values(command) -> dict:
+    return dict(a[2:].split("=", 1) for a in command if a.startswith("--") and "=" in a)
+
+
+def test_the_group_plane_is_on_an_internal_network_only():
+    """Statically (no Docker): a head group's ranks reach the store and each other's Gloo
+    listeners by names that only an internal network resolves (their aliases there: the store's
+    host and --group_transport_host), only the ranks are on that network, and every server
+    publishes only its gRPC and metrics ports (the store's and Gloo's never); a single server
+    has no group at all."""
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    networks = compose["networks"]
+    servers = {name: service for name, service in compose["services"].items()
+               if name.startswith("remotehead-")}
+    groups = {name: flag_values(service["command"]) for name, service in servers.items()
+              if int(flag_values(service["command"]).get("group_size", "1")) > 1}
+    assert sorted(groups) == ["remotehead-rank0", "remotehead-rank1"]
+    for name, service in servers.items():
+        # Published: gRPC (50051) and metrics (9464) only, whatever the host port.
+        targets = {int(p.split(":")[-1]) for p in service["ports"]}
+        assert targets == {50051, 9464}, (name, service["ports"])
+        if name not in groups:
+            assert not any(f.startswith("group_") for f in flag_values(service["command"]))
+            assert "networks" not in service  # the default network, no group plane
+    planes = set()
+    for name, values in groups.items():
+        attached = servers[name]["networks"]
+        internal = [n for n in attached if (networks.get(n) or {}).get("internal") is True]
+        assert len(internal) == 1, (name, attached)
+        plane = internal[0]
+        planes.add(plane)
+        aliases = {n: set((attached[n] or {}).get("aliases", [])) for n in attached}
+        # This rank's Gloo address: its alias on the internal network and nowhere else.
+        transport = values["group_transport_host"]
+        assert transport in aliases[plane], (name, transport)
+        assert all(transport not in a for n, a in aliases.items() if n != plane)
+        assert transport not in compose["services"]  # a service name resolves on every network
+        # The store: rank 0's alias on the internal network, never a published port.
+        store_host, store_port = values["group_store"].rsplit(":", 1)
+        [rank0] = [n for n, v in groups.items() if v["group_rank"] == "0"]
+        assert store_host in (servers[rank0]["networks"][plane] or {}).get("aliases", [])
+        assert int(store_port) not in {50051, 9464}
+        assert "default" in attached  # gRPC and metrics: where trainers and Prometheus are
+    assert len(planes) == 1
+    [plane] = planes
+    on_plane = [n for n, s in compose["services"].items() if plane in (s.get("networks") or {})]
+    assert sorted(on_plane) == sorted(groups)
+    prometheus = compose["services"]["prometheus"]
+    assert plane not in (prometheus.get("networks") or {})

@@ -1,7 +1,8 @@
 """The head group's control plane against strangers and hung ranks, with real server processes
 (Gloo on loopback) and a real c10d TCPStore client playing the stranger:
 
-- rank 0's store listens on the address --group_store names, never on every interface;
+- rank 0's store listens on the address --group_store names, never on every interface, and
+  each rank's Gloo listener on --group_transport_host's when given;
 - a command written into the group's log by someone without the group's secret is refused and
   logged, never executed, and the log stays in step: a ZeroGradients after it zeroes every
   rank's dW (the stale-reply failure), later steps equal one server's, every rank stays SERVING;
@@ -9,7 +10,10 @@
   whose secrets differ do not start;
 - a rank stopped (SIGSTOP) mid-step is reported within one --group_timeout_seconds (not two);
 - a rank stopped while idle and continued after the front gave up never runs the command it
-  missed: it leaves the group (exit 1) saying why.
+  missed: it leaves the group (exit 1) saying why;
+- a pending command (appended, not yet taken by a stopped rank) overwritten by a stranger takes
+  the group down within a second or so, not one --group_timeout_seconds: the caller's error and
+  the front's log name the store key; the stopped rank, continued, refuses it and leaves.
 """
 
 import datetime
@@ -37,18 +41,35 @@ ARGS = ("--device=cpu", "--torch_threads=1")
 V, D = 61, 16
 
 
-def listening_addresses(port: int):
-    """The local addresses of the sockets listening on TCP `port` (from /proc/net/tcp{,6})."""
+def listening(pid=None):
+    """(address, port) of the TCP sockets listening on this host (from /proc/net/tcp{,6}), or
+    only those process `pid` holds (its descriptors' socket:[inode] links)."""
+    inodes = None
+    if pid is not None:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                match = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:  # closed meanwhile
+                continue
+            if match:
+                inodes.add(match[1])
     found = []
     for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
         with open(table) as f:
             for line in list(f)[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.split(":")
-                if int(hex_port, 16) == port and state == "0A":  # LISTEN
-                    found.append(address if width == 32 else
-                                 ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+                fields = line.split()
+                address, hex_port = fields[1].split(":")
+                if fields[3] == "0A" and (inodes is None or fields[9] in inodes):  # LISTEN
+                    found.append((address if width == 32 else
+                                  ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)),
+                                  int(hex_port, 16)))
     return found
+
+
+def listening_addresses(port: int):
+    """The local addresses of the sockets listening on TCP `port`."""
+    return [address for address, p in listening() if p == port]
 
 
 def health_turns(client, status: str, within: float = 2.0) -> bool:
@@ -92,6 +113,23 @@ def test_the_store_listens_on_the_named_address_only():
         addresses = listening_addresses(group.store_port)
         assert addresses and all(a == "127.0.0.1" for a in addresses), addresses
         assert "store listening on 127.0.0.1:" in log_of(group.ranks[0])
+
+
+def test_gloo_listens_on_the_transport_host_only():
+    """--group_transport_host: every rank's Gloo listener (an ephemeral port, the only listener
+    besides gRPC and rank 0's store) is on that address, which is where the peers connect."""
+    args = (*ARGS, "--group_transport_host=127.0.0.2")
+    with LocalHeadGroup(BINARY, size=2, args=args) as group, \
+            remotehead.Client(group.target) as client:
+        client.create_head("h", V, D, seed=3)
+        x, t = batch(0)
+        client.forward_backward("h", x, t, gradient_id=("t", 0, 0))  # the collectives work
+        for rank in group.ranks:
+            grpc_port = int(rank.target.rsplit(":", 1)[1])
+            sockets = listening(rank.process.pid)
+            gloo = [(a, p) for a, p in sockets if p not in (grpc_port, group.store_port)]
+            assert gloo and all(a == "127.0.0.2" for a, _ in gloo), sockets
+            assert grpc_port in {p for _, p in sockets}, sockets
 
 
 def test_a_strangers_commands_and_replies_are_refused_and_the_log_stays_in_step(server_target):
@@ -242,6 +280,69 @@ def test_a_rank_stopped_while_idle_never_runs_the_command_it_missed():
         if group.ranks[1].process is not None:
             group.ranks[1].process.send_signal(signal.SIGCONT)
         group.stop()
+
+
+def pending_command(stranger, within: float = 10.0) -> int:
+    """The seq of the command the front appended and nobody took (the front deletes a command's
+    key once every rank answered it, so it is the only one there)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for seq in range(64):
+            if stranger.check([f"remotehead/commands/cmd/{seq}"]):
+                return seq
+        time.sleep(0.05)
+    raise AssertionError("no pending command in the store")
+
+
+def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_once():
+    timeout = 30.0
+    group = LocalHeadGroup(BINARY, size=2, args=ARGS, timeout_seconds=timeout).start()
+    try:
+        with remotehead.Client(group.target, max_attempts=1) as client:
+            client.create_head("h", V, D, seed=3)
+            group.ranks[1].process.send_signal(signal.SIGSTOP)
+            result = {}
+
+            def create_late():
+                try:
+                    client.create_head("late", V, D, seed=4)
+                    result["error"] = None
+                except RemoteheadError as e:
+                    result["error"] = e
+                result["at"] = time.monotonic()
+            call = threading.Thread(target=create_late)
+            call.start()
+            stranger = TCPStore("127.0.0.1", group.store_port, is_master=False,
+                                wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+            seq = pending_command(stranger)
+            key = f"remotehead/commands/cmd/{seq}"
+            overwritten_at = time.monotonic()
+            stranger.set(key, create_command("evil"))
+            call.join(timeout=2 * timeout)
+            assert not call.is_alive(), "the call hung"
+            error = result["error"]
+            assert error is not None, "the call succeeded over a forged command"
+            took = result["at"] - overwritten_at
+            assert took < 3.0, f"failed {took:.1f} s after the overwrite (timeout {timeout} s)"
+            assert error.code.name == "UNAVAILABLE", error
+            assert error.reason == "GROUP_UNAVAILABLE", error.reason
+            assert f'store key "{key}"' in error.details, error.details
+            assert "overwritten by someone without the group's secret" in error.details
+            assert health_turns(client, "NOT_SERVING")
+            # Continued, rank 1 refuses the forged entry, never runs it, and leaves.
+            group.ranks[1].process.send_signal(signal.SIGCONT)
+            assert drain(group.ranks[1], timeout=2 * timeout) == 1
+            follower = log_of(group.ranks[1])
+            assert f'refused the entry at "cmd/{seq}", not executed' in follower, follower
+            assert "declared the group down" in follower, follower
+            assert '"evil"' not in follower and '"late"' not in follower, follower
+    finally:
+        if group.ranks[1].process is not None:
+            group.ranks[1].process.send_signal(signal.SIGCONT)
+        group.stop()
+    front = log_of(group.ranks[0])
+    assert re.search(rf'head group rank 0: head group: the store key "{key}" \(command {seq},'
+                     r"[^)]*\) was overwritten by someone without the group's secret", front), front
 
 
 @pytest.mark.parametrize("rank", ["-5", "-2", "x"])

@@ -2,7 +2,8 @@
 // keys (as anyone who reaches a TCPStore can): a forged, garbage or replayed command is refused
 // and logged, never taken; a forged or replayed reply is never taken as a rank's answer (so a
 // stale reply is never the answer to the next command); an entry recorded from an earlier run of
-// the group never verifies; a command deleted before it was taken fails the front naming the rank;
+// the group never verifies; a pending command overwritten or deleted, or a rank's reply overwritten
+// or deleted after it was written, fails the front at once naming the key (never waited out);
 // ranks with different secrets do not open the log; the front's "down" declaration reaches the
 // others and a forged one is refused. The store is an in-memory one shared by threads
 // (in_process_store.h; the collectives are not used); process_group_test and group_plane_test
@@ -20,6 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
 #include "server/in_process_store.h"
 
 namespace remotehead::server {
@@ -196,7 +198,27 @@ TEST(GroupLogTest, EntriesOfAnEarlierRunNeverVerify) {
   EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "does not verify"));
 }
 
-TEST(GroupLogTest, ACommandDeletedBeforeTheFollowerTookItFailsTheFrontNamingTheRank) {
+// The front's failure for a key tampered with: UNAVAILABLE at once (far within `wait`), naming
+// the full store key, with GROUP_UNAVAILABLE and the key as metadata, and logged.
+void ExpectTampered(const absl::StatusOr<std::vector<std::string>>& replies,
+                    std::chrono::steady_clock::time_point start, const std::string& key,
+                    const std::string& how, const std::string& front_log) {
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
+  ASSERT_EQ(replies.status().code(), absl::StatusCode::kUnavailable) << replies.status();
+  const std::string full = absl::StrCat("remotehead/commands/", key);
+  const std::string said = absl::StrCat("store key \"", full, "\"");
+  EXPECT_TRUE(absl::StrContains(replies.status().message(), said)) << replies.status();
+  EXPECT_TRUE(absl::StrContains(replies.status().message(),
+                                absl::StrCat(how, " by someone without the group's secret")))
+      << replies.status();
+  const std::optional<core::ErrorReason> reason = core::GetReason(replies.status());
+  ASSERT_TRUE(reason.has_value());
+  EXPECT_EQ(reason->reason, core::reason::kGroupUnavailable);
+  EXPECT_EQ(reason->metadata.at("key"), full);
+  EXPECT_TRUE(absl::StrContains(front_log, said)) << front_log;
+}
+
+TEST(GroupLogTest, ACommandDeletedBeforeTheFollowerTookItFailsTheFrontAtOnceNamingTheKey) {
   testing::InProcessStore store;
   Pair p(&store);
   ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
@@ -204,11 +226,109 @@ TEST(GroupLogTest, ACommandDeletedBeforeTheFollowerTookItFailsTheFrontNamingTheR
   ASSERT_TRUE(store.Delete("cmd/0").ok());  // the stranger's doing: the follower never sees it
   EXPECT_EQ(p.follower.Next(milliseconds(100)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
-  const auto replies = p.front.AwaitReplies(0, milliseconds(200));
-  EXPECT_EQ(replies.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_TRUE(
-      absl::StrContains(replies.status().message(), "rank 1 of 2 did not reply to command 0"))
-      << replies.status();
+  const auto start = std::chrono::steady_clock::now();
+  const auto replies = p.front.AwaitReplies(0, milliseconds(20000));
+  ExpectTampered(replies, start, "cmd/0", "deleted", p.front_log.str());
+}
+
+TEST(GroupLogTest, APendingCommandOverwrittenFailsTheFrontAtOnceAndIsNeverTaken) {
+  testing::InProcessStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  ASSERT_TRUE(p.front.Append("zero gradients").ok());
+  const std::string recorded = *store.Peek("cmd/0");
+  ASSERT_TRUE(p.follower.Next(milliseconds(500)).ok());
+  ASSERT_TRUE(p.follower.Reply({}).ok());
+  ASSERT_TRUE(p.front.AwaitReplies(0).ok());
+  // Command 1 appended; the follower (stopped, say) has not taken it; a stranger overwrites it,
+  // even with the authentic command 0 (a replay).
+  ASSERT_TRUE(p.front.Append("step").ok());
+  ASSERT_TRUE(store.Set("cmd/1", recorded).ok());
+  const auto start = std::chrono::steady_clock::now();
+  const auto replies = p.front.AwaitReplies(1, milliseconds(20000));
+  ExpectTampered(replies, start, "cmd/1", "overwritten", p.front_log.str());
+  // The follower still refuses it.
+  EXPECT_EQ(p.follower.Next(milliseconds(100)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(p.follower_log.str(), "refused the entry at \"cmd/1\""));
+}
+
+TEST(GroupLogTest, AReplyOverwrittenAfterTheRankWroteItIsReportedAndFailsTheFrontAtOnce) {
+  for (const bool deleted : {false, true}) {
+    testing::InProcessStore store;
+    Pair p(&store);
+    ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+    ASSERT_TRUE(p.front.Append("step").ok());
+    ASSERT_TRUE(p.follower.Next(milliseconds(500)).ok());
+    ASSERT_TRUE(p.follower.Reply({absl::OkStatus(), "real"}).ok());
+    // Before the front read it, a stranger overwrites (or deletes) the rank's reply.
+    ASSERT_TRUE((deleted ? store.Delete("reply/0/1") : store.Set("reply/0/1", "0:0:forged")).ok());
+    const auto start = std::chrono::steady_clock::now();
+    auto replies = std::async(std::launch::async,
+                              [&] { return p.front.AwaitReplies(0, milliseconds(20000)); });
+    // The follower, waiting for the next command, finds its reply changed and reports it.
+    EXPECT_EQ(p.follower.Next(milliseconds(300)).status().code(),
+              absl::StatusCode::kDeadlineExceeded);
+    const std::string how = deleted ? "deleted" : "overwritten";
+    const auto got = replies.get();
+    ExpectTampered(got, start, "reply/0/1", how, p.front_log.str());
+    EXPECT_TRUE(
+        absl::StrContains(p.follower_log.str(), "store key \"remotehead/commands/reply/0/1\""))
+        << p.follower_log.str();
+  }
+}
+
+TEST(GroupLogTest, ATakenReplyDeletedByTheFrontIsNotReported) {
+  testing::InProcessStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(p.front.Append("step").ok());
+    ASSERT_TRUE(p.follower.Next(milliseconds(500)).ok());
+    ASSERT_TRUE(p.follower.Reply({}).ok());
+    ASSERT_TRUE(p.front.AwaitReplies(i).ok());
+    // Idle: the follower's watch sees its reply taken (the command's key went first).
+    EXPECT_EQ(p.follower.Next(milliseconds(300)).status().code(),
+              absl::StatusCode::kDeadlineExceeded);
+  }
+  EXPECT_FALSE(store.Peek("tampered/1").has_value());
+  EXPECT_EQ(p.follower_log.str(), "");
+}
+
+TEST(GroupLogTest, AReportAboutAReplyTheFrontTookChangesNothing) {
+  testing::InProcessStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  ASSERT_TRUE(p.front.Append("first").ok());
+  ASSERT_TRUE(p.follower.Next(milliseconds(500)).ok());
+  ASSERT_TRUE(p.follower.Reply({}).ok());
+  ASSERT_TRUE(p.front.AwaitReplies(0).ok());
+  // Taken and deleted; then a stranger writes both keys back: the follower reports it ...
+  ASSERT_TRUE(store.Set("cmd/0", "x").ok());
+  ASSERT_TRUE(store.Set("reply/0/1", "0:0:").ok());
+  EXPECT_EQ(p.follower.Next(milliseconds(300)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(store.Peek("tampered/1").has_value()) << p.follower_log.str();
+  // ... and the front, which had taken that reply, goes on: the next command is answered.
+  ASSERT_TRUE(p.front.Append("second").ok());
+  auto replies = std::async(std::launch::async, [&] { return p.front.AwaitReplies(1); });
+  std::this_thread::sleep_for(milliseconds(250));  // the front's watch reads the report
+  ASSERT_TRUE(p.follower.Next(milliseconds(500)).ok());
+  ASSERT_TRUE(p.follower.Reply({absl::OkStatus(), "two"}).ok());
+  const auto got = replies.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, std::vector<std::string>{"two"});
+}
+
+TEST(GroupLogTest, AStrangersEntryAtTheReportsKeyFailsTheFront) {
+  testing::InProcessStore store;
+  Pair p(&store);
+  ASSERT_EQ(p.Open(), std::make_pair(absl::OkStatus(), absl::OkStatus()));
+  ASSERT_TRUE(p.front.Append("step").ok());
+  ASSERT_TRUE(store.Set("tampered/1", "nothing sealed").ok());
+  const auto start = std::chrono::steady_clock::now();
+  const auto replies = p.front.AwaitReplies(0, milliseconds(20000));
+  ExpectTampered(replies, start, "tampered/1", "written", p.front_log.str());
 }
 
 TEST(GroupLogTest, RanksWithDifferentSecretsDoNotOpenTheLog) {

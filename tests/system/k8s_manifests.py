@@ -120,4 +120,30 @@ def selects(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def admits(policy: dict, source, port: int, named: dict) -> bool:
+    """Whether NetworkPolicy `policy` (Ingress) lets `source` connect to TCP `port` of a pod it
+    selects: `source` is the labels of a pod in the same namespace, or None for anything else
+    (another namespace, outside the cluster); `named` maps the pod's port names to numbers.
+    Only what the manifests use is understood (podSelector matchLabels, ports by name or number);
+    anything else fails the test rather than being guessed."""
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    for rule in policy["spec"].get("ingress", []):
+        peers = rule.get("from")
+        if peers is not None:
+            for peer in peers:
+                assert set(peer) == {"podSelector"} and set(peer["podSelector"]) <= {
+                    "matchLabels"}, f"a peer this check does not understand: {peer}"
+            if source is None or not any(selects(p["podSelector"].get("matchLabels", {}), source)
+                                         for p in peers):
+                continue
+        ports = rule.get("ports")
+        if ports is None:
+            return True
+        for p in ports:
+            assert p.get("protocol", "TCP") == "TCP" and "endPort" not in p, p
+            if named.get(p["port"], p["port"]) == port:
+                return True
+    return False
+
+
 # ----- offline validation -----

@@ -109,7 +109,8 @@ def test_compose_file_validates_for_each_profile(profile):
         assert [f["--group_rank"] for f in flags] == ["0", "1"]
         for f in flags:
             assert f["--group_size"] == "2"
-            assert f["--group_store"] == "remotehead-rank0:29500"
+            # Rank 0's alias on the internal network (test_compose.py checks the fence).
+            assert f["--group_store"] == "remotehead-rank0-group:29500"
             assert f["--head"] == flags[0]["--head"]
             # The store is beyond loopback: every rank seals the log with the shared secret.
             assert f["--group_secret_file"] == "/run/secrets/remotehead-group-secret"
@@ -118,6 +119,10 @@ def test_compose_file_validates_for_each_profile(profile):
             secrets = [x if isinstance(x, str) else x["source"] for x in services[s]["secrets"]]
             assert secrets == ["remotehead-group-secret"]
         assert config["secrets"]["remotehead-group-secret"]["file"].endswith("group-secret")
+        # As docker-compose reads it: the group plane on an internal network of the ranks only.
+        assert config["networks"]["group-plane"]["internal"] is True
+        assert [s for s in services if "group-plane" in services[s].get("networks", {})] \
+            == PROFILE_SERVERS[profile]
     for name in ("prometheus", "grafana"):
         for volume in config["services"][name]["volumes"]:
             source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]

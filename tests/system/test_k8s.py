@@ -4,7 +4,9 @@ kubernetes-validate against a pinned Kubernetes version (strict: unknown fields 
 manifests are cross-checked against the server (every flag exists in `remotehead-server
 --helpfull`, container ports are the flags' ports, probes dial the gRPC port, the StatefulSet's
 replicas equal --group_size, Services select the pods they mean, the headless Service is the
---group_store host, the image's paths are docker/Dockerfile's). test_k8s_pods.py runs them."""
+--group_store host, the image's paths are docker/Dockerfile's), and the NetworkPolicy fences the
+group plane: the group's pods reach each other on every port, anyone else gRPC and metrics only.
+test_k8s_pods.py runs them."""
 
 import copy
 import socket
@@ -14,7 +16,7 @@ import pytest
 
 from k8s_manifests import (ROOT, KUBERNETES, OVERLAYS, SECRETS, FILE_FLAGS, VAR, render, find,
                            flags, expand, literal_env, host_port, server_flags, dockerfile,
-                           pod_labels, selects)
+                           pod_labels, selects, admits)
 
 
 @pytest.mark.parametrize("folder", ["base", *(f"overlays/{o}" for o in OVERLAYS), "trainer"])
@@ -25,7 +27,7 @@ def test_every_document_validates_against_the_pinned_kubernetes(folder):
     replicas = OVERLAYS[folder.split("/")[1]][4] if folder.startswith("overlays/") else 1
     services = ["Service"] * (2 + (replicas if replicas > 1 else 0))
     expected = (["ConfigMap", "Job", "Service"] if folder == "trainer" else
-                ["PodDisruptionBudget", *services, "StatefulSet"])
+                ["NetworkPolicy", "PodDisruptionBudget", *services, "StatefulSet"])
     assert kinds == expected
     for document in documents:
         assert kubernetes_validate.validate(document, KUBERNETES, strict=True) == KUBERNETES
@@ -173,6 +175,39 @@ def test_the_statefulset_matches_the_server(overlay):
                for r in range(size))
 
 
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_the_network_policy_fences_the_group_plane(overlay):
+    """The policy selects every pod of the group (mesh); those pods reach each other on every
+    port (the store, and Gloo / NCCL on ephemeral ports); the trainer Job's pods, and anything
+    outside the namespace, reach gRPC and metrics only — not the store, not any other port."""
+    size = OVERLAYS[overlay][3]
+    documents = render(f"overlays/{overlay}")
+    statefulset = find(documents, "StatefulSet")
+    policy = find(documents, "NetworkPolicy")
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert set(named) == {"grpc", "metrics", "store"}
+    servers = [pod_labels(statefulset, r) for r in range(size)]
+    assert all(selects(policy["spec"]["podSelector"]["matchLabels"], s) for s in servers)
+    job = find(render("trainer"), "Job")
+    trainer = {**job["spec"]["template"]["metadata"]["labels"],
+               "batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    assert not selects(policy["spec"]["podSelector"]["matchLabels"], trainer)
+    ephemeral = (1024, 32768, 45678, 60999)  # Gloo's / NCCL's listeners: any port
+    for source in servers:
+        for port in (*named.values(), *ephemeral):
+            assert admits(policy, source, port, named), (source, port)
+    for source in (trainer, None, {"app.kubernetes.io/name": "remotehead"}):
+        for port in (named["grpc"], named["metrics"]):
+            assert admits(policy, source, port, named), (source, port)
+        for port in (named["store"], *ephemeral):
+            assert not admits(policy, source, port, named), (source, port)
+    # The check is real: a rule admitting every port to everyone is caught.
+    opened = copy.deepcopy(policy)
+    opened["spec"]["ingress"].append({})
+    assert admits(opened, None, named["store"], named)
+
+
 def test_the_trainer_job_matches_the_front_and_torchrun():
     job = find(render("trainer"), "Job")
     service = find(render("trainer"), "Service")
@@ -218,6 +253,7 @@ def test_the_docs_name_every_overlay_and_secret():
         assert f"overlays/{overlay}" in text
     for secret, keys in SECRETS.items():
         assert secret in text and all(k in text for k in keys)
+    assert "NetworkPolicy" in text and "remotehead-group-plane" in text
 
 
 # ----- the manifests, run for real -----

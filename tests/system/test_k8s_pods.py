@@ -3,8 +3,9 @@ remotehead-server process made from its container's command, args and environmen
 values substituted, Secrets and ConfigMaps written where the pod mounts them, the cluster's names
 and ports mapped onto loopback), the readiness probe is run as the manifest states it until every
 rank is ready, a head is trained through the front Service against a local torch reference, and
-the trainer Job's two pods run torchrun and train through the same front (test_k8s.py checks the
-manifests themselves)."""
+the trainer Job's two pods run torchrun and train through the same front; every port the ranks
+actually listen on is gRPC or metrics or one the NetworkPolicy admits from the group's pods only
+(test_k8s.py checks the manifests themselves)."""
 
 import concurrent.futures
 import os
@@ -23,7 +24,8 @@ import torch
 
 import remotehead
 
-from k8s_manifests import (ROOT, render, find, flags, expand, image_programs, pod_labels, selects)
+from k8s_manifests import (ROOT, render, find, flags, expand, image_programs, pod_labels, selects,
+                           admits)
 
 
 def free_port() -> int:
@@ -232,6 +234,54 @@ def start_statefulset(documents, root: pathlib.Path):
     return cluster, names, pods, cert, token
 
 
+def listening_ports(pid: int) -> dict:
+    """{port: hex address} of the TCP sockets process `pid` listens on: its descriptors'
+    socket:[inode] links matched against /proc/<pid>/net/tcp{,6} entries in state LISTEN."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        match = re.fullmatch(r"socket:\[(\d+)\]", link)
+        if match:
+            inodes.add(match[1])
+    found = {}
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    address, port = fields[1].split(":")
+                    found[int(port, 16)] = address
+    return found
+
+
+def check_listeners_are_fenced(cluster, documents, names, pods):
+    """Every port a rank's process listens on (the real sockets, read from /proc) is gRPC or
+    metrics, which the NetworkPolicy admits from anyone, or one it admits from the group's own
+    pods only: the store (rank 0) and Gloo's listeners on ephemeral ports (every rank)."""
+    policy = find(documents, "NetworkPolicy")
+    [container] = find(documents, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    public = {named["grpc"], named["metrics"]}
+    fenced = {}
+    for name in names:
+        ports = cluster.pods[name]["ports"]  # containerPort -> the local port standing for it
+        in_pod = {local: port for port, local in ports.items()}
+        listening = listening_ports(pods[name][0].pid)
+        assert {ports[p] for p in public} <= set(listening), (name, listening)
+        for local in listening:
+            port = in_pod.get(local, local)  # a container port, else an ephemeral one
+            assert admits(policy, None, port, named) == (port in public), (name, port)
+            assert all(admits(policy, cluster.pods[n]["labels"], port, named) for n in names)
+            if port not in public:
+                fenced.setdefault(name, []).append(port)
+    assert sorted(fenced) == sorted(names), fenced  # every rank has a Gloo listener
+    assert named["store"] in fenced[names[0]], fenced  # rank 0 serves the store
+    return fenced
+
+
 def front_target(cluster, documents, names):
     """The front Service's address (remotehead:50051) as a trainer in the cluster dials it."""
     front = find(documents, "Service", "remotehead")
@@ -281,6 +331,7 @@ def test_the_cpu_group_of_two_runs_as_its_manifests_say_and_trains(tmp_path):
         assert "rank 1 of 2 (follows" in logs[names[1]], logs[names[1]]
         assert "sealed with the group's secret" in logs[names[1]]
         assert "TLS" in logs[names[0]] and "bearer-token auth on" in logs[names[0]]
+        check_listeners_are_fenced(cluster, documents, names, pods)
 
         # Prometheus' view: each pod's annotated port serves /metrics with the token.
         for name in names:
@@ -379,6 +430,7 @@ def test_the_cpu_mesh_of_two_groups_runs_as_its_manifests_say_and_trains(tmp_pat
         assert "replica 0 of 2, rank 0 of 2 (the leader" in logs[names[0]], logs[names[0]]
         assert "replica 1 of 2, rank 0 of 2 (a replica's front" in logs[names[2]]
         assert "replica 1 of 2, rank 1 of 2 (follows" in logs[names[3]]
+        check_listeners_are_fenced(cluster, documents, names, pods)
         fronts = [cluster.localize(names[0], [f"remotehead-replica-{r}:50051"], {})[0]
                   for r in range(2)]
         assert fronts[0] == front_target(cluster, documents, names)  # the leader

@@ -288,9 +288,13 @@ absl::StatusOr<int> ParseRank(const std::string& text, const std::string& field,
   return rank;
 }
 
-// Gloo's transport device: the loopback interface for a group on one machine, else
-// GLOO_SOCKET_IFNAME's interface (as torch.distributed reads it), else this host's address.
+// Gloo's transport device: --group_transport_host's address, else GLOO_SOCKET_IFNAME's interface
+// (as torch.distributed reads it), else the loopback interface for a group on one machine, else
+// this host's address. Gloo listens there on an ephemeral port (there is no setting for it).
 std::shared_ptr<::gloo::transport::Device> GlooDevice(const GroupConfig& config) {
+  if (!config.transport_host.empty()) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname(config.transport_host);
+  }
   const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
   if (ifname != nullptr && *ifname != '\0') {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
@@ -395,6 +399,7 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
   }
   config.store_port = port;
   config.store_bind = flags.store_bind;
+  config.transport_host = flags.transport_host;
   if (flags.replicas < 1 || config.size % flags.replicas != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--group_replicas: expected a number of replicas that divides the mesh's ", config.size,
@@ -441,7 +446,7 @@ std::unique_ptr<ProcessGroup> GroupOn(const c10::intrusive_ptr<c10d::TCPStore>& 
                                       const GroupConfig& member) {
   auto backend = MakeBackend(
       member, c10::make_intrusive<c10d::PrefixStore>(member.prefix + "/backend", tcp));
-  auto commands = c10::make_intrusive<c10d::PrefixStore>(member.prefix + "/commands", tcp);
+  auto commands = c10::make_intrusive<c10d::PrefixStore>(CommandLogPrefix(member), tcp);
   return std::make_unique<C10dGroup>(member, commands, backend);
 }
 
@@ -465,6 +470,12 @@ absl::StatusOr<std::unique_ptr<KeyValueStore>> OpenStore(const GroupConfig& conf
                                          config.store_port),
                          config, config.timeout, start);
   }
+}
+
+std::string CommandLogPrefix(const GroupConfig& config) { return config.prefix + "/commands"; }
+
+std::string CommandLogStoreKey(const GroupConfig& config, const std::string& key) {
+  return absl::StrCat(CommandLogPrefix(config), "/", key);
 }
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConfig& config) {

@@ -25,14 +25,20 @@ constexpr size_t kNonceBytes = 16;  // per rank and run
 constexpr size_t kSeqBytes = 8;
 constexpr size_t kReplyHeadBytes = 2 * kSeqBytes + kSealBytes;
 constexpr std::chrono::milliseconds kRefusedPoll{20};
+// How often a rank waiting on the log checks its own pending entry (tampering is found within
+// about this), and how long it waits for a key it has just seen (gone meanwhile: deleted).
+constexpr std::chrono::milliseconds kWatchPoll{100};
+constexpr std::chrono::milliseconds kJustSeen{50};
 
 // What an entry is, bound into its seal: an entry of one kind never verifies as another.
-enum class Kind : char { kHello = 'H', kCommand = 'C', kReply = 'R', kDown = 'D' };
+enum class Kind : char { kHello = 'H', kCommand = 'C', kReply = 'R', kDown = 'D', kTampered = 'T' };
 
 std::string CommandKey(int64_t seq) { return absl::StrCat("cmd/", seq); }
 std::string ReplyKey(int64_t seq, int rank) { return absl::StrCat("reply/", seq, "/", rank); }
 std::string HelloKey(int rank) { return absl::StrCat("hello/", rank); }
 constexpr char kDownKey[] = "down";
+// A rank's report that its reply was overwritten or deleted.
+std::string TamperedKey(int rank) { return absl::StrCat("tampered/", rank); }
 
 std::string Fixed64(int64_t value) {
   std::string out(kSeqBytes, '\0');
@@ -145,9 +151,24 @@ void GroupLog::LogRefused(const std::string& key, const absl::Status& verdict) {
 
 absl::StatusOr<GroupLog::Entry> GroupLog::ReadValid(
     const std::string& key, char kind, Clock::time_point deadline,
-    const std::function<absl::Status(const std::string&)>& check, std::string* refused) {
+    const std::function<absl::Status(const std::string&)>& check, std::string* refused,
+    const std::function<absl::Status()>& watch) {
+  auto watched = Clock::now();
   for (;;) {
-    ASSIGN_OR_RETURN(std::string value, group_->Get(key, Remaining(deadline)));
+    // With a watch, the wait for the key is cut into slices and the watch runs between them.
+    const std::chrono::milliseconds slice =
+        watch ? std::min(Remaining(deadline), kWatchPoll) : Remaining(deadline);
+    absl::StatusOr<std::string> got = group_->Get(key, slice);
+    if (!got.ok()) {
+      if (!watch || got.status().code() != absl::StatusCode::kDeadlineExceeded ||
+          Clock::now() >= deadline) {
+        return got.status();
+      }
+      RETURN_IF_ERROR(watch());
+      watched = Clock::now();
+      continue;
+    }
+    std::string value = *std::move(got);
     if (value != *refused) {
       absl::StatusOr<std::string> body = Unseal(secret_, static_cast<Kind>(kind), *session_, value);
       const absl::Status verdict = body.ok() ? check(*body) : body.status();
@@ -166,7 +187,106 @@ absl::StatusOr<GroupLog::Entry> GroupLog::ReadValid(
           absl::StrCat("only a refused entry at \"", key, "\" (see the server's log)"));
     }
     std::this_thread::sleep_for(std::min<Clock::duration>(kRefusedPoll, deadline - now));
+    if (watch && Clock::now() - watched >= kWatchPoll) {
+      RETURN_IF_ERROR(watch());
+      watched = Clock::now();
+    }
   }
+}
+
+std::string GroupLog::Tampering(const std::string& key, const std::string& what,
+                                const std::string& how) const {
+  return absl::StrCat("the store key \"", CommandLogStoreKey(group_->config(), key), "\" (", what,
+                      ") was ", how, " by someone without the group's secret");
+}
+
+absl::Status GroupLog::Tampered(const std::string& key, const std::string& what,
+                                const std::string& how) {
+  const std::string message =
+      absl::StrCat("head group: ", Tampering(key, what, how),
+                   ": a stranger reaches the group's store — the group goes down; fence the store "
+                   "(docs/security.md) and restart every rank of the group");
+  if (log_ != nullptr) {
+    *log_ << "remotehead-server: head group rank " << group_->rank() << ": " << message
+          << std::endl;
+  }
+  return core::WithReason(
+      absl::UnavailableError(message), core::reason::kGroupUnavailable,
+      {{"key", CommandLogStoreKey(group_->config(), key)}, {"rank", absl::StrCat(group_->rank())}});
+}
+
+absl::Status GroupLog::WatchPending(int64_t seq, const std::string& written, int rank) {
+  const std::string key = CommandKey(seq);
+  const std::string what = absl::StrCat("command ", seq, ", not yet answered by every rank");
+  ASSIGN_OR_RETURN(const bool there, group_->Exists(key));
+  if (!there) return Tampered(key, what, "deleted");
+  absl::StatusOr<std::string> value = group_->Get(key, kJustSeen);
+  if (!value.ok() && value.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    return Tampered(key, what, "deleted");  // between the two calls: only a stranger deletes it
+  }
+  RETURN_IF_ERROR(value.status());
+  if (*value != written) return Tampered(key, what, "overwritten");
+
+  // The awaited rank's report that its reply to this command was changed after it wrote it (a
+  // report about an earlier command, whose reply the front took, changes nothing).
+  const std::string report_key = TamperedKey(rank);
+  ASSIGN_OR_RETURN(const bool reported, group_->Exists(report_key));
+  if (!reported) return absl::OkStatus();
+  absl::StatusOr<std::string> report = group_->Get(report_key, kJustSeen);
+  if (!report.ok() && report.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    return Tampered(report_key, absl::StrCat("rank ", rank, "'s report"), "deleted");
+  }
+  RETURN_IF_ERROR(report.status());
+  const absl::StatusOr<std::string> body = Unseal(secret_, Kind::kTampered, *session_, *report);
+  if (!body.ok() || body->size() <= kSeqBytes) {
+    // No rank writes an entry there that does not verify: a stranger did.
+    return Tampered(report_key, absl::StrCat("rank ", rank, "'s report"), "written");
+  }
+  if (ReadFixed64(*body) != seq) return absl::OkStatus();
+  return Tampered(
+      ReplyKey(seq, rank),
+      absl::StrCat("rank ", rank, "'s reply to command ", seq, ", as rank ", rank, " reports"),
+      body->substr(kSeqBytes));
+}
+
+absl::Status GroupLog::WatchOwnReply() {
+  if (written_reply_.empty()) return absl::OkStatus();
+  const int64_t seq = next_ - 1;
+  const std::string key = ReplyKey(seq, group_->rank());
+  std::optional<std::string> value;
+  ASSIGN_OR_RETURN(const bool there, group_->Exists(key));
+  if (there) {
+    absl::StatusOr<std::string> got = group_->Get(key, kJustSeen);
+    if (got.ok()) {
+      value = *std::move(got);
+    } else if (got.status().code() != absl::StatusCode::kDeadlineExceeded) {
+      return got.status();
+    }
+  }
+  std::string how;
+  if (value.has_value()) {
+    if (*value == written_reply_) return absl::OkStatus();
+    how = "overwritten";
+  } else {
+    // The front deletes the command's key before the replies': with the command still there,
+    // the reply was not the front's to delete.
+    ASSIGN_OR_RETURN(const bool command_there, group_->Exists(CommandKey(seq)));
+    if (!command_there) {
+      written_reply_.clear();  // the front took it
+      return absl::OkStatus();
+    }
+    how = "deleted";
+  }
+  written_reply_.clear();  // reported once
+  // The front judges it: it fails the command if it had not taken this reply yet (WatchPending).
+  if (log_ != nullptr) {
+    *log_ << "remotehead-server: head group rank " << group_->rank() << ": "
+          << Tampering(key, absl::StrCat("this rank's reply to command ", seq), how)
+          << ": reported to the front (the command fails unless the front had taken the reply)"
+          << std::endl;
+  }
+  return group_->Set(TamperedKey(group_->rank()),
+                     Seal(secret_, Kind::kTampered, *session_, Fixed64(seq) + how));
 }
 
 absl::Status GroupLog::Open() {
@@ -213,7 +333,7 @@ absl::StatusOr<int64_t> GroupLog::Append(const std::string& command) {
   const int64_t seq = next_;
   const std::string value = Seal(secret_, Kind::kCommand, *session_, Fixed64(seq) + command);
   RETURN_IF_ERROR(group_->Set(CommandKey(seq), value));
-  command_seals_[seq] = value.substr(value.size() - kSealBytes);
+  commands_[seq] = value;
   ++next_;
   return seq;
 }
@@ -225,13 +345,18 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq) {
 absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
                                                                 std::chrono::milliseconds wait) {
   RETURN_IF_ERROR(Open());
-  const auto found = command_seals_.find(seq);
-  if (found == command_seals_.end()) {
+  const auto found = commands_.find(seq);
+  if (found == commands_.end()) {
     return absl::FailedPreconditionError(
         absl::StrCat("head group: replies awaited for command ", seq, ", which was not appended"));
   }
-  const std::string command_seal = found->second;
-  command_seals_.erase(found);
+  const std::string written = std::move(found->second);
+  commands_.erase(found);
+  const std::string command_seal = written.substr(written.size() - kSealBytes);
+  // While the replies are awaited, the command is re-read: a stranger's change fails it at once.
+  absl::Status tampered;
+  int awaited = 0;
+  auto watch = [&] { return tampered = WatchPending(seq, written, awaited); };
   const auto deadline = Clock::now() + wait;
   std::vector<std::string> payloads;
   absl::Status first_error;
@@ -241,6 +366,7 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
   std::vector<std::string> missing;
   std::string missing_detail;
   for (int rank = 1; rank < group_->size(); ++rank) {
+    awaited = rank;
     // A reply verifies only for this command (its seq, this rank, the command's seal).
     absl::Status diverged;
     auto check = [&](const std::string& body) -> absl::Status {
@@ -257,9 +383,10 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
       return absl::OkStatus();
     };
     std::string refused;
-    absl::StatusOr<Entry> entry =
-        ReadValid(ReplyKey(seq, rank), static_cast<char>(Kind::kReply), deadline, check, &refused);
+    absl::StatusOr<Entry> entry = ReadValid(ReplyKey(seq, rank), static_cast<char>(Kind::kReply),
+                                            deadline, check, &refused, watch);
     if (!diverged.ok()) return diverged;
+    if (!tampered.ok()) return tampered;
     if (!entry.ok()) {
       missing.push_back(absl::StrCat("rank ", rank));
       if (missing_detail.empty()) missing_detail = std::string(entry.status().message());
@@ -306,8 +433,10 @@ absl::StatusOr<std::string> GroupLog::Next(std::chrono::milliseconds wait) {
     return absl::OkStatus();
   };
   ASSIGN_OR_RETURN(Entry entry, ReadValid(CommandKey(seq), static_cast<char>(Kind::kCommand),
-                                          Clock::now() + wait, check, &refused_command_));
+                                          Clock::now() + wait, check, &refused_command_,
+                                          [this] { return WatchOwnReply(); }));
   taken_seal_ = std::move(entry.seal);
+  written_reply_.clear();  // the front appended the next command: it took the last reply
   ++next_;
   return entry.body.substr(kSeqBytes);
 }
@@ -319,7 +448,10 @@ absl::Status GroupLog::Reply(const GroupReply& reply) {
   const int64_t seq = next_ - 1;
   const std::string body =
       Fixed64(seq) + Fixed64(group_->rank()) + taken_seal_ + EncodeReply(reply);
-  return group_->Set(ReplyKey(seq, group_->rank()), Seal(secret_, Kind::kReply, *session_, body));
+  std::string value = Seal(secret_, Kind::kReply, *session_, body);
+  RETURN_IF_ERROR(group_->Set(ReplyKey(seq, group_->rank()), value));
+  written_reply_ = std::move(value);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {

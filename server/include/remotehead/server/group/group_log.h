@@ -15,14 +15,29 @@
 //     a replay) is refused, logged and never executed; the reader waits for a valid entry at that
 //     key until its deadline;
 //   - an authentic reply to another command at this command's key means the log diverged: the
-//     front fails the command UNAVAILABLE, which takes the group down (head_group.h).
+//     front fails the command UNAVAILABLE, which takes the group down (head_group.h);
+//   - a pending entry tampered with is detected, never waited out: while the front awaits the
+//     replies to a command it re-reads the command's key (every 100 ms of waiting) and compares
+//     the bytes it wrote; each other rank, while it waits for the next command, re-reads the
+//     reply it wrote until the front took it (the front deletes the command's key before the
+//     replies', so a reply gone while its command's key is there was deleted by someone else)
+//     and, finding it overwritten or deleted, logs it and reports it under "tampered/<rank>"
+//     (sealed). A command overwritten or deleted, a report about the awaited reply, or an entry
+//     at a report key that does not verify fails the front's command at once UNAVAILABLE
+//     (GROUP_UNAVAILABLE, metadata "key": the full store key) saying the key was overwritten by
+//     someone without the group's secret, and logs it: the group goes down (head_group.h). Only
+//     the rank can tell that its reply was there (a stranger's entry written at a reply key
+//     *before* the rank's reply, which then overwrites it, is refused as above and harmless),
+//     and only the front whether it had taken it (a report about a reply it took is ignored).
 // Without a secret (a group on loopback only), the seals use an empty key: entries are still
 // checked for order, session and integrity, but any local process could forge them.
 //
 // Keys (under the group's command prefix): "hello/<rank>" the ranks' nonces, "cmd/<seq>" command
-// <seq>, "reply/<seq>/<rank>" a rank's reply (the front removes both once every reply is in), and
+// <seq>, "reply/<seq>/<rank>" a rank's reply (the front removes both once every reply is in),
 // "down": the front's declaration that the group is down, with its reason (every other rank
-// leaves the group when it sees it, instead of running a command the front gave up on).
+// leaves the group when it sees it, instead of running a command the front gave up on), and
+// "tampered/<rank>": a rank's report that its reply was overwritten or deleted. In the store
+// they are under CommandLogPrefix (process_group.h), e.g. "remotehead/commands/cmd/5".
 #pragma once
 
 #include <chrono>
@@ -63,7 +78,8 @@ class GroupLog {
   // up to `wait` in all. A rank without a valid reply in time makes it UNAVAILABLE naming the
   // rank and the command; an authentic reply to another command makes it UNAVAILABLE saying the
   // log diverged; otherwise, once every reply is in, the first rank that replied with an error
-  // makes it that error, prefixed with the rank.
+  // makes it that error, prefixed with the rank. A command or reply tampered with meanwhile (see
+  // above) makes it UNAVAILABLE (GROUP_UNAVAILABLE) naming the key at once.
   absl::StatusOr<std::vector<std::string>> AwaitReplies(int64_t seq,
                                                         std::chrono::milliseconds wait);
   // As above, waiting up to the group's timeout.
@@ -73,7 +89,7 @@ class GroupLog {
 
   // Other ranks: the next valid command, waiting up to `wait`; DEADLINE_EXCEEDED if none came in
   // time (the caller may check for shutdown and ask again), UNAVAILABLE if the store (served by
-  // rank 0) is gone.
+  // rank 0) is gone. While it waits, it checks the reply this rank last wrote (see above).
   absl::StatusOr<std::string> Next(std::chrono::milliseconds wait);
   // Other ranks: the reply to the command that Next() last returned.
   absl::Status Reply(const GroupReply& reply);
@@ -92,20 +108,34 @@ class GroupLog {
   // until `deadline`. `check` returns OK, or PERMISSION_DENIED for an entry to refuse (as one
   // whose seal does not verify: logged once, then the key is read again until its value
   // changes), or any other error to return at once (a divergence). `refused` keeps the refused
-  // value between calls. DEADLINE_EXCEEDED when no valid entry came in time.
+  // value between calls. DEADLINE_EXCEEDED when no valid entry came in time. `watch` (if any)
+  // runs about every kWatchPoll while the entry is missing or refused; its error is returned.
   absl::StatusOr<Entry> ReadValid(const std::string& key, char kind,
                                   std::chrono::steady_clock::time_point deadline,
                                   const std::function<absl::Status(const std::string&)>& check,
-                                  std::string* refused);
+                                  std::string* refused,
+                                  const std::function<absl::Status()>& watch = nullptr);
   void LogRefused(const std::string& key, const absl::Status& verdict);
+  // Front, awaiting `rank`'s reply to command `seq`: the command still at its key as `written`,
+  // and no report from `rank` that its reply to `seq` was changed.
+  absl::Status WatchPending(int64_t seq, const std::string& written, int rank);
+  // Other ranks: the reply this rank last wrote still there as written, until the front took it;
+  // reported under "tampered/<rank>" (and logged) otherwise.
+  absl::Status WatchOwnReply();
+  // "the store key "<full key>" (<what>) was <how> by someone without the group's secret".
+  std::string Tampering(const std::string& key, const std::string& what,
+                        const std::string& how) const;
+  // UNAVAILABLE (GROUP_UNAVAILABLE, metadata "key": the full store key) saying so; logged.
+  absl::Status Tampered(const std::string& key, const std::string& what, const std::string& how);
 
   ProcessGroup* group_;
   const std::string secret_;
   std::ostream* log_;
   std::optional<std::string> session_;  // set by Open()
   int64_t next_ = 0;  // front: the next command's seq; other ranks: the next one to take
-  std::map<int64_t, std::string> command_seals_;  // front: of commands awaiting their replies
-  std::string taken_seal_;                        // other ranks: of the command last taken
+  std::map<int64_t, std::string> commands_;  // front: commands awaiting replies, as written
+  std::string taken_seal_;                   // other ranks: of the command last taken
+  std::string written_reply_;    // other ranks: the reply last written, until the front took it
   std::string refused_command_;  // other ranks: the refused value at cmd/<next_>, if any
   std::string refused_down_;     // other ranks: a refused value at "down", if any
 };

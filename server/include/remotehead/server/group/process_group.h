@@ -32,6 +32,10 @@ struct GroupConfig {
   std::string store_bind;
   // Where rank 0's store listens: store_bind, else store_host.
   const std::string& listen_host() const { return store_bind.empty() ? store_host : store_bind; }
+  // This rank's address (or a name resolving to it) for its Gloo collectives: their listening
+  // socket (an ephemeral port) and the address peers connect to. Empty: GLOO_SOCKET_IFNAME's
+  // interface, else 127.0.0.1 for a store on loopback, else the host name's address.
+  std::string transport_host;
   // The group's shared secret, sealing every entry of its command log (group_log.h); empty:
   // none, accepted on loopback or with trusted_network only (CheckGroupPlane).
   std::string secret;
@@ -52,6 +56,7 @@ struct GroupFlags {
   std::string store;  // host:port; empty: MASTER_ADDR:MASTER_PORT
   double timeout_seconds = 60;
   std::string store_bind;  // --group_store_bind (empty: the host of the store's address)
+  std::string transport_host;  // --group_transport_host (GroupConfig::transport_host)
   int replicas = 1;        // --group_replicas: must divide the size
 };
 absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
@@ -63,6 +68,13 @@ absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
 absl::Status CheckGroupPlane(const GroupConfig& config);
 // Whether `host` names the loopback interface (localhost, 127.0.0.0/8, ::1).
 bool IsLoopbackHost(const std::string& host);
+
+// Where a group's command log (group_log.h) lives in the store: every key of it under this
+// prefix, and a log key's full name there (c10d's PrefixStore joins them with "/"), as a
+// stranger's store client sees it (e.g. "remotehead/commands/cmd/5"; on a mesh
+// "remotehead/replica/<r>/commands/…" and the mesh's own under its prefix).
+std::string CommandLogPrefix(const GroupConfig& config);
+std::string CommandLogStoreKey(const GroupConfig& config, const std::string& key);
 
 // Bytes this rank's collectives handed to and received from the transport, by operation.
 struct CollectiveBytes {
