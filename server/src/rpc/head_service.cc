@@ -35,6 +35,14 @@ grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, Fn&& fn) {
   return reactor;
 }
 
+// A streaming call refused before it starts (the server drains): answered at once.
+template <class Reactor>
+class RefusedReactor final : public Reactor {
+ public:
+  explicit RefusedReactor(const grpc::Status& status) { this->Finish(status); }
+  void OnDone() override { delete this; }
+};
+
 // An optimizer step (plain or synchronous) of a frozen head: refused at once, nothing applied.
 absl::Status CheckNotFrozen(const HeadDescription& head) {
   return head.frozen ? HeadFrozenError(head.id, "head_id", "an optimizer step") : absl::OkStatus();
@@ -81,7 +89,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
                                        const v1::CreateHeadRequest* request,
                                        v1::HeadInfo* response) override {
-    return Unary(context, [&]() -> absl::Status {
+    return Serve(context, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
                        OptionalDtype(request->dtype(), "dtype"));
       switch (request->source_case()) {
@@ -104,13 +112,13 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
 
   grpc::ServerReadReactor<v1::UploadHeadRequest>* UploadHead(grpc::CallbackServerContext* context,
                                                              v1::HeadInfo* response) override {
-    return NewUploadReactor(context, context_.get(), response);
+    return Admit([&] { return NewUploadReactor(context, context_.get(), response); });
   }
 
   grpc::ServerUnaryReactor* SaveWeights(grpc::CallbackServerContext* context,
                                         const v1::SaveWeightsRequest* request,
                                         v1::SaveWeightsResponse* response) override {
-    return Unary(context, [&]() -> absl::Status {
+    return Serve(context, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const int64_t bytes,
                        Ops().Save(request->head_id(), request->path(), request->weight_name(),
                                   request->bias_name()));
@@ -122,13 +130,13 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* DescribeHead(grpc::CallbackServerContext* context,
                                          const v1::HeadRef* request,
                                          v1::HeadInfo* response) override {
-    return Unary(context, [&] { return Answer(Local().Describe(request->head_id()), response); });
+    return Serve(context, [&] { return Answer(Local().Describe(request->head_id()), response); });
   }
 
   grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
                                       const v1::ListHeadsRequest*,
                                       v1::ListHeadsResponse* response) override {
-    return Unary(context, [&]() -> absl::Status {
+    return Serve(context, [&]() -> absl::Status {
       for (const HeadDescription& d : Local().List())
         RETURN_IF_ERROR(ToWire(d, response->add_heads()));
       return absl::OkStatus();
@@ -137,13 +145,13 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
 
   grpc::ServerUnaryReactor* DropHead(grpc::CallbackServerContext* context,
                                      const v1::HeadRef* request, v1::DropHeadResponse*) override {
-    return Unary(context, [&] { return Ops().Drop(request->head_id()); });
+    return Serve(context, [&] { return Ops().Drop(request->head_id()); });
   }
 
   grpc::ServerUnaryReactor* ZeroGradients(grpc::CallbackServerContext* context,
                                           const v1::HeadRef* request,
                                           v1::ZeroGradientsResponse* response) override {
-    return Unary(context, [&] {
+    return Serve(context, [&] {
       return Answer(Ops().ZeroGradients(request->head_id()), response->mutable_info());
     });
   }
@@ -152,7 +160,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
                                           const v1::OptimizerStepRequest* request,
                                           v1::OptimizerStepResponse* response) override {
     if (request->has_synchronous()) return SynchronousStep(context, *request, response);
-    return Unary(context, [&]() -> absl::Status {
+    return Serve(context, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(*request));
       ASSIGN_OR_RETURN(const HeadDescription head, Local().Describe(request->head_id()));
       RETURN_IF_ERROR(CheckNotFrozen(head));
@@ -166,7 +174,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* SaveHeadState(grpc::CallbackServerContext* context,
                                           const v1::HeadRef* request,
                                           v1::HeadStateInfo* response) override {
-    return Unary(context, [&]() -> absl::Status {
+    return Serve(context, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const HeadDescription d, Ops().SaveState(request->head_id()));
       response->set_state_id(d.state_id);
       response->set_weight_version(d.weight_version);
@@ -177,60 +185,88 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* ListFunctions(grpc::CallbackServerContext* context,
                                           const v1::ListFunctionsRequest*,
                                           v1::ListFunctionsResponse* response) override {
-    return Unary(context, [&] { return ToWire(core::FunctionRegistry::Builtin(), response); });
+    return Serve(context, [&] { return ToWire(core::FunctionRegistry::Builtin(), response); });
   }
 
   grpc::ServerUnaryReactor* RestoreHeadState(grpc::CallbackServerContext* context,
                                              const v1::RestoreHeadStateRequest* request,
                                              v1::HeadInfo* response) override {
-    return Unary(context, [&] {
+    return Serve(context, [&] {
       return Answer(Ops().RestoreState(request->head_id(), request->state_id()), response);
     });
   }
 
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* ForwardBackward(
       grpc::CallbackServerContext* context) override {
-    return NewStepReactor(context, core::CallMode::kFused, context_.get());
+    return Admit([&] { return NewStepReactor(context, core::CallMode::kFused, context_.get()); });
   }
 
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Forward(
       grpc::CallbackServerContext* context) override {
-    return NewStepReactor(context, core::CallMode::kForward, context_.get());
+    return Admit([&] { return NewStepReactor(context, core::CallMode::kForward, context_.get()); });
   }
 
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Backward(
       grpc::CallbackServerContext* context) override {
-    return NewStepReactor(context, core::CallMode::kBackward, context_.get());
+    return Admit(
+        [&] { return NewStepReactor(context, core::CallMode::kBackward, context_.get()); });
   }
 
   grpc::ServerWriteReactor<v1::ExportWeightsResponse>* ExportWeights(
       grpc::CallbackServerContext*, const v1::ExportWeightsRequest* request) override {
-    return NewExportReactor(context_.get(), *request);
+    return Admit([&] { return NewExportReactor(context_.get(), *request); });
   }
 
   grpc::ServerWriteReactor<v1::FetchGradientsResponse>* FetchGradients(
       grpc::CallbackServerContext*, const v1::FetchGradientsRequest* request) override {
-    return NewFetchGradientsReactor(context_.get(), *request);
+    return Admit([&] { return NewFetchGradientsReactor(context_.get(), *request); });
   }
 
   grpc::ServerWriteReactor<v1::EmbeddingLookupResponse>* EmbeddingLookup(
       grpc::CallbackServerContext*, const v1::EmbeddingLookupRequest* request) override {
-    return NewEmbeddingLookupReactor(context_.get(), *request);
+    return Admit([&] { return NewEmbeddingLookupReactor(context_.get(), *request); });
   }
 
   grpc::ServerReadReactor<v1::EmbeddingGradientRequest>* EmbeddingGradient(
       grpc::CallbackServerContext* context, v1::EmbeddingGradientResponse* response) override {
-    return NewEmbeddingGradientReactor(context, context_.get(), response);
+    return Admit([&] { return NewEmbeddingGradientReactor(context, context_.get(), response); });
   }
 
   void Drain() override {
+    context_->gate.Close();
     context_->sync_steps.AbortAll(
         core::WithReason(absl::UnavailableError(
                              "synchronous optimizer step: the server is draining; nothing applied"),
                          core::reason::kServerDraining));
   }
+  bool Quiesce(std::chrono::steady_clock::time_point deadline) override {
+    Drain();
+    return context_->gate.AwaitIdle(deadline);
+  }
+  std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> CallCounter() override {
+    return context_->gate.Counter();
+  }
+  ClusterDrain& cluster_drain() override { return context_->drain; }
 
  private:
+  // A unary call, refused at once while the server drains.
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, Fn&& fn) {
+    return Unary(context, [&]() -> absl::Status {
+      RETURN_IF_ERROR(context_->gate.Admit());
+      return fn();
+    });
+  }
+  // A streaming call's reactor from `make`, or, while the server drains, one that refuses it.
+  template <typename Make>
+  auto Admit(Make&& make) -> decltype(make()) {
+    using Reactor = std::remove_pointer_t<decltype(make())>;
+    if (const absl::Status refused = context_->gate.Admit(); !refused.ok()) {
+      return new RefusedReactor<Reactor>(ToGrpcStatus(refused));
+    }
+    return make();
+  }
+
   ReplicatedHeadOperations& Ops() { return context_->operations; }
   const HeadOperations& Local() const { return context_->local; }
 
@@ -245,7 +281,8 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     };
     absl::StatusOr<OptimizerStepSpec> spec = FromWire(request);
     absl::StatusOr<HeadDescription> head = Local().Describe(request.head_id());
-    absl::Status refused = !spec.ok() ? spec.status() : head.status();
+    absl::Status refused = context_->gate.Admit();
+    if (refused.ok()) refused = !spec.ok() ? spec.status() : head.status();
     if (refused.ok()) refused = CheckNotFrozen(*head);
     if (refused.ok()) {
       refused = CheckIncarnation(request.expected_incarnation(), "expected_incarnation", *head);

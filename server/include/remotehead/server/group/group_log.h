@@ -20,9 +20,10 @@
 // checked for order, session and integrity, but any local process could forge them.
 //
 // Keys (under the group's command prefix): "hello/<rank>" the ranks' nonces, "cmd/<seq>" command
-// <seq>, "reply/<seq>/<rank>" a rank's reply (the front removes both once every reply is in), and
+// <seq>, "reply/<seq>/<rank>" a rank's reply (the front removes both once every reply is in),
 // "down": the front's declaration that the group is down, with its reason (every other rank
-// leaves the group when it sees it, instead of running a command the front gave up on).
+// leaves the group when it sees it, instead of running a command the front gave up on), and
+// "drain": a rank's request that the front drain the group (SIGTERM on that rank), sealed too.
 #pragma once
 
 #include <chrono>
@@ -80,6 +81,13 @@ class GroupLog {
   // Other ranks: the front's declaration that the group is down (its reason), if it made one.
   absl::StatusOr<std::optional<std::string>> DownDeclared();
 
+  // Any rank: asks the front to drain the group (replication/cluster_drain.h) because of
+  // `reason`: a sealed entry at "drain" (a later request writes over an earlier one).
+  absl::Status RequestDrain(const std::string& reason);
+  // Front: the reason of a rank's drain request ("SIGTERM on global rank 3"), if one was made; a
+  // request that does not verify is refused, logged once and never obeyed.
+  absl::StatusOr<std::optional<std::string>> DrainRequested();
+
   int64_t next_seq() const { return next_; }
 
  private:
@@ -108,6 +116,7 @@ class GroupLog {
   std::string taken_seal_;                        // other ranks: of the command last taken
   std::string refused_command_;  // other ranks: the refused value at cmd/<next_>, if any
   std::string refused_down_;     // other ranks: a refused value at "down", if any
+  std::string refused_drain_;    // front: a refused value at "drain", if any
 };
 
 // A reply's status and payload as sealed in the log (exposed for tests).
