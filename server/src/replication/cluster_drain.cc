@@ -31,6 +31,10 @@ void ClusterDrain::Configure(Timing timing, Quiesce quiesce) {
   quiesce_ = std::move(quiesce);
 }
 
+std::chrono::milliseconds ClusterDrain::patience() const {
+  return timing_.grace + timing_.save + kTravel;
+}
+
 bool ClusterDrain::leads() const {
   if (mesh_ != nullptr) return mesh_->is_leader();
   return group_ != nullptr && group_->is_front();
@@ -114,7 +118,7 @@ void ClusterDrain::AskOrRelay(int signal) {
   if (signal != 0 && !asked_) {
     asked_ = true;
     draining_.store(true);
-    give_up_at_ = Clock::now() + timing_.grace + timing_.save + kTravel;
+    give_up_at_ = Clock::now() + patience();
     const std::string reason =
         absl::StrCat(SignalName(signal), " on global rank ", timing_.global_rank);
     if (const absl::Status s = up->RequestDrain(reason); !s.ok()) {
@@ -123,7 +127,7 @@ void ClusterDrain::AskOrRelay(int signal) {
       Log(absl::StrCat(reason,
                        ": asked global rank 0 to drain every rank; following its log "
                        "until it says stop (at most ",
-                       Seconds(timing_.grace + timing_.save + kTravel), " s)"));
+                       Seconds(patience()), " s)"));
     }
   }
   if (front && mesh_ != nullptr && group_ != nullptr && !relayed_) {

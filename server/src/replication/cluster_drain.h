@@ -83,6 +83,10 @@ class ClusterDrain {
   // its own signal runs the whole drain here (this call returns once every rank was told to
   // stop); elsewhere it asks for the drain, relays requests, and says when to stop.
   Outcome Poll(int signal, const std::optional<absl::Status>& followed);
+  // How long a rank that was signalled follows its log, waiting for the drain's stop, before it
+  // gives up: --shutdown_grace_seconds + --drain_save_seconds + the time a request and the stop
+  // take to travel.
+  std::chrono::milliseconds patience() const;
 
  private:
   bool leads() const;  // global rank 0

@@ -1,5 +1,7 @@
 #include "rpc/serving.h"
 
+#include <cstdlib>
+#include <iostream>
 #include <optional>
 #include <string>
 #include <thread>
@@ -56,6 +58,19 @@ int ServeAlone(grpc::Server& server, HeadService& service, const std::atomic<int
   return 0;
 }
 
+// A signalled rank stops by `deadline` whatever blocks it (a store that no longer answers, a
+// follower stuck in it): the process then exits 1, saying that nothing was saved.
+void StopBy(ClusterDrain::Clock::time_point deadline, std::ostream& err) {
+  std::thread([deadline, &err] {
+    std::this_thread::sleep_until(deadline);
+    err << "remotehead-server: stopped: the drain did not end in time and this rank could not "
+           "stop cleanly (its group's store does not answer?): head states NOT saved"
+        << std::endl;
+    std::cout.flush();
+    std::_Exit(1);
+  }).detach();
+}
+
 // A rank of a group or mesh: serves (and follows its log) until the drain says stop.
 int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cluster,
                    const std::atomic<int>& signal, const ServingOptions& options) {
@@ -85,10 +100,15 @@ int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cl
     });
   }
   ClusterDrain::Outcome outcome;
+  bool watched = false;
   for (;;) {
     std::this_thread::sleep_for(kPoll);
     if (const absl::Status down = cluster.health(); !down.ok()) {
       health.NotServing("the head group is down: " + std::string(down.message()));
+    }
+    if (signal.load() != 0 && !watched) {
+      watched = true;  // after Poll's own deadline, which stops cleanly when nothing blocks
+      StopBy(ClusterDrain::Clock::now() + drain.patience() + std::chrono::seconds(5), *options.err);
     }
     if (signal.load() != 0 || drain.draining()) health.NotServing();
     std::optional<absl::Status> ended;
