@@ -8,9 +8,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "remotehead/core/mac.h"
 #include "remotehead/core/status_macros.h"
 #include "safetensors_dtypes.h"
 
@@ -75,6 +77,21 @@ std::string FileChecksum(const nlohmann::json& header, const char* data, size_t 
   return absl::StrFormat("%016x-%016x", Checksum(text.data(), text.size()), Checksum(data, n));
 }
 
+// The seal (hex): an HMAC under `secret` of what the checksum covers — the canonical header
+// without checksum and seal, then the data — after a tag of its own (no other HMAC of the project
+// begins with it: a group log entry's begins with one kind byte) and the header's length (where
+// the header ends is sealed too).
+std::string Seal(const std::string& secret, const nlohmann::json& header, const char* data,
+                 size_t n) {
+  constexpr std::string_view kTag = "remotehead-head-state-seal\n";
+  const std::string text = header.dump();
+  char length[8];
+  const uint64_t size = text.size();
+  std::memcpy(length, &size, 8);  // little-endian (asserted above)
+  return absl::BytesToHexString(
+      HmacSha256(secret, {kTag, std::string_view(length, 8), text, std::string_view(data, n)}));
+}
+
 absl::Status Corrupt(const std::string& source, const std::string& what) {
   return absl::DataLossError(
       absl::StrCat(source, ": expected a complete remotehead head state; got ", what,
@@ -135,7 +152,35 @@ absl::StatusOr<torch::Tensor> DecodeTensor(const nlohmann::json& entry, const ch
   return t;
 }
 
-absl::StatusOr<HeadState> DecodeChecked(const std::string& bytes, const std::string& source) {
+// An intact state (its checksum matched) that does not verify under `secret`.
+absl::Status NotSealed(const std::string& source, const StateSecret& secret,
+                       const std::string& what) {
+  return absl::PermissionDeniedError(
+      absl::StrCat(source, ": expected a head state sealed under the state secret (", secret.origin,
+                   "); got ", what, " — it was not loaded"));
+}
+
+// OK without a secret; else OK only if `metadata`'s seal is that of `unsealed_header` (the header
+// without checksum and seal) and the data under `secret`.
+absl::Status CheckSeal(const nlohmann::json& metadata, const nlohmann::json& unsealed_header,
+                       const char* data, size_t n, const StateSecret& secret,
+                       const std::string& source) {
+  if (secret.secret.empty()) return absl::OkStatus();
+  if (!metadata.contains("mac")) {
+    return NotSealed(source, secret,
+                     "one with no seal (saved by a server without a state secret, or forged)");
+  }
+  const std::string expected = Seal(secret.secret, unsealed_header, data, n);
+  if (!metadata["mac"].is_string() || !MacEquals(metadata["mac"].get<std::string>(), expected)) {
+    return NotSealed(source, secret,
+                     "one whose seal does not verify under it: forged, or sealed with another "
+                     "secret");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HeadState> DecodeChecked(const std::string& bytes, const std::string& source,
+                                        const StateSecret& secret) {
   if (bytes.size() < 8) {
     return Corrupt(source, absl::StrCat(bytes.size(), " bytes, fewer than the header size's 8"));
   }
@@ -167,6 +212,9 @@ absl::StatusOr<HeadState> DecodeChecked(const std::string& bytes, const std::str
   if (checksum != FileChecksum(unsigned_header, data, data_size)) {
     return Corrupt(source, "contents whose checksum does not match the one recorded");
   }
+  // Intact; and, with a secret, made by a holder of it.
+  unsigned_header["__metadata__"].erase("mac");
+  RETURN_IF_ERROR(CheckSeal(metadata, unsigned_header, data, data_size, secret, source));
 
   HeadState state;
   ASSIGN_OR_RETURN(state.head_id, MetadataString(metadata, "head_id", source));
@@ -247,7 +295,7 @@ HeadState CaptureHeadState(const std::string& head_id, const std::string& state_
   return s;
 }
 
-absl::StatusOr<std::string> EncodeHeadState(const HeadState& state) {
+absl::StatusOr<std::string> EncodeHeadState(const HeadState& state, const StateSecret& secret) {
   nlohmann::json header = nlohmann::json::object();
   std::vector<torch::Tensor> data;
   uint64_t offset = 0;
@@ -285,6 +333,10 @@ absl::StatusOr<std::string> EncodeHeadState(const HeadState& state) {
                             {"optimizer.kind", state.optimizer.kind},
                             {"optimizer.steps", absl::StrCat(state.optimizer.steps)},
                             {"optimizer.hyper_parameters", hyper.dump()}};
+  if (!secret.secret.empty()) {
+    header["__metadata__"]["mac"] = Seal(secret.secret, header, body.data(), body.size());
+  }
+  // Over the seal too: a damaged seal is a damaged file (DATA_LOSS), not a forged one.
   header["__metadata__"]["checksum"] = FileChecksum(header, body.data(), body.size());
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
@@ -297,9 +349,10 @@ absl::StatusOr<std::string> EncodeHeadState(const HeadState& state) {
   return out;
 }
 
-absl::StatusOr<HeadState> DecodeHeadState(const std::string& bytes, const std::string& source) {
+absl::StatusOr<HeadState> DecodeHeadState(const std::string& bytes, const std::string& source,
+                                          const StateSecret& secret) {
   try {
-    return DecodeChecked(bytes, source);
+    return DecodeChecked(bytes, source, secret);
   } catch (const nlohmann::json::exception&) {  // a field of an unexpected JSON type
     return Corrupt(source, "a malformed JSON header");
   }

@@ -87,6 +87,11 @@ ABSL_FLAG(int32_t, checkpoint_every_steps, 0,
           "with --state_dir: save a head's state every N optimizer steps (0 = only on request "
           "and at shutdown)");
 ABSL_FLAG(int32_t, state_keep, 5, "with --state_dir: states kept per head (older are deleted)");
+ABSL_FLAG(std::string, state_secret_file, "",
+          "with --state_dir: file holding a secret (16+ bytes) that seals every saved state "
+          "(HMAC-SHA256): a state that does not verify under it (forged, sealed with another "
+          "secret, or saved unsealed) is refused at start and by RestoreHeadState. Empty: on a "
+          "head group or mesh its --group_secret_file seals them, else they are NOT sealed");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding one bearer token that every call must carry (needs TLS)");
 ABSL_FLAG(std::string, checkpoint_dir, "",
@@ -314,6 +319,7 @@ rh::server::ServiceOptions MakeServiceOptions(
       .checkpoint_dir = std::move(checkpoint_dir),
       .group = cluster.group.get(),
       .mesh = cluster.mesh.get(),
+      .liveness = cluster.liveness.get(),
       .sync_step_timeout_seconds = absl::GetFlag(FLAGS_sync_step_timeout_seconds)};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
@@ -398,7 +404,8 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
   config.device = device;
   if (config.size > 1 && !absl::GetFlag(FLAGS_group_secret_file).empty()) {
     ASSIGN_OR_RETURN(config.secret,
-                     rh::server::ReadGroupSecret(absl::GetFlag(FLAGS_group_secret_file)));
+                     rh::server::ReadSecretFile("group_secret_file",
+                                                 absl::GetFlag(FLAGS_group_secret_file)));
   }
   config.trusted_network = absl::GetFlag(FLAGS_group_trusted_network);
   RETURN_IF_ERROR(rh::server::CheckGroupPlane(config));
@@ -427,13 +434,13 @@ int Run() {
     rh::core::InstallCpuMemoryTracker();
   }
   rh::server::HeadRegistry registry;
-  std::unique_ptr<rh::server::StateStore> state_store;
-  if (!absl::GetFlag(FLAGS_state_dir).empty()) {
-    auto opened = rh::server::StateStore::Open(
-        rh::server::RankStateDir(absl::GetFlag(FLAGS_state_dir), *group_config),
-        absl::GetFlag(FLAGS_state_keep));
-    if (!opened.ok()) return Refuse(opened.status());
-    state_store = *std::move(opened);
+  auto opened = rh::server::OpenStateStore({.dir = absl::GetFlag(FLAGS_state_dir),
+                                            .keep = absl::GetFlag(FLAGS_state_keep),
+                                            .secret_file = absl::GetFlag(FLAGS_state_secret_file)},
+                                           *group_config, std::cout);
+  if (!opened.ok()) return Refuse(opened.status());
+  std::unique_ptr<rh::server::StateStore> state_store = *std::move(opened);
+  if (state_store != nullptr) {
     if (state_store->removed_temporary_files() > 0) {
       std::cout << "remotehead-server: state: removed " << state_store->removed_temporary_files()
                 << " temporary file(s) of saves interrupted by a crash" << std::endl;
@@ -495,6 +502,9 @@ int Run() {
   if (server == nullptr) {
     std::cerr << "remotehead-server: cannot listen on " << absl::GetFlag(FLAGS_listen) << std::endl;
     return 1;
+  }
+  if (cluster->liveness != nullptr) {
+    cluster->liveness->Announce(rh::server::ProcessAddress(absl::GetFlag(FLAGS_listen), port));
   }
   if (group != nullptr && front) AnnounceFront(*group, *group_config, port);
   if (mesh != nullptr && mesh->is_leader()) AnnounceFront(*mesh->fronts(), *group_config, port);

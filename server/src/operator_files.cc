@@ -30,14 +30,14 @@ bool ConstantTimeEquals(std::string_view given, std::string_view expected) {
 
 }  // namespace
 
-absl::StatusOr<std::string> ReadGroupSecret(const std::string& path) {
+absl::StatusOr<std::string> ReadSecretFile(std::string_view flag, const std::string& path) {
   constexpr int64_t kMaxBytes = 4096;
-  ASSIGN_OR_RETURN(const std::string bytes, ReadOperatorFile("group_secret_file", path, kMaxBytes));
+  ASSIGN_OR_RETURN(const std::string bytes, ReadOperatorFile(flag, path, kMaxBytes));
   const std::string secret(absl::StripAsciiWhitespace(bytes));
   constexpr size_t kMinBytes = 16;
   if (secret.size() < kMinBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--group_secret_file: expected ", kMinBytes, " to ", kMaxBytes,
+        absl::StrCat("--", std::string(flag), ": expected ", kMinBytes, " to ", kMaxBytes,
                      " bytes of secret in \"", path, "\"; got ", secret.size(),
                      " (make one with: head -c 32 /dev/urandom | base64 > FILE)"));
   }

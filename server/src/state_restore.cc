@@ -9,6 +9,7 @@
 #include "group/exchange.h"
 #include "remotehead/core/head_state.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/server/operator_files.h"
 
 namespace remotehead::server {
 namespace {
@@ -103,6 +104,36 @@ absl::Status RestoreOne(const core::HeadState& state, const std::string& file,
 
 std::string RankStateDir(const std::string& dir, const GroupConfig& config) {
   return config.size > 1 ? absl::StrCat(dir, "/rank-", config.rank) : dir;
+}
+
+absl::StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const StateDirOptions& options,
+                                                           const GroupConfig& config,
+                                                           std::ostream& log) {
+  if (options.dir.empty()) {
+    if (options.secret_file.empty()) return nullptr;
+    return absl::InvalidArgumentError(
+        "--state_secret_file: expected with --state_dir (it seals the states saved there); got "
+        "no --state_dir");
+  }
+  core::StateSecret secret;
+  if (!options.secret_file.empty()) {
+    ASSIGN_OR_RETURN(secret.secret, ReadSecretFile("state_secret_file", options.secret_file));
+    secret.origin = "--state_secret_file";
+  } else if (config.size > 1 && !config.secret.empty()) {
+    secret = {.secret = config.secret, .origin = "the group's --group_secret_file"};
+  }
+  const std::string dir = RankStateDir(options.dir, config);
+  ASSIGN_OR_RETURN(std::unique_ptr<StateStore> store, StateStore::Open(dir, options.keep, secret));
+  if (store->sealed()) {
+    log << "remotehead-server: state: the states in " << dir << " are sealed under "
+        << secret.origin << " (HMAC-SHA256); one that does not verify is refused" << std::endl;
+  } else {
+    log << "remotehead-server: state: the states in " << dir
+        << " are NOT sealed against forgery (a checksum detects damage only): whoever can write "
+           "there can plant weights this server loads; --state_secret_file"
+        << (config.size > 1 ? " or --group_secret_file" : "") << " seals them" << std::endl;
+  }
+  return store;
 }
 
 absl::Status RestoreHeadsAtStart(const StateStore& store, const Cluster& cluster,

@@ -50,7 +50,8 @@ std::string StateFile(const std::string& head_dir, const std::string& state_id) 
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& dir, int keep) {
+absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& dir, int keep,
+                                                             core::StateSecret secret) {
   if (keep < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--state_keep: expected >= 1 states per head; got ", keep));
@@ -64,7 +65,7 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& 
         error ? absl::StrCat(" (", error.message(), ")")
               : absl::StrCat(" (", root.status().message(), ")")));
   }
-  std::unique_ptr<StateStore> store(new StateStore(dir, keep, *std::move(root)));
+  std::unique_ptr<StateStore> store(new StateStore(dir, keep, std::move(secret), *std::move(root)));
   // Saves interrupted by a crash left their temporary files (each a whole head): gone now.
   ASSIGN_OR_RETURN(const std::vector<DirEntry> heads, store->root_->List("", "--state_dir"));
   for (const DirEntry& head : heads) {
@@ -115,12 +116,12 @@ absl::StatusOr<core::HeadState> StateStore::Read(const std::string& relative,
   ASSIGN_OR_RETURN(const core::CheckpointFile file, root_->OpenForRead(relative, field));
   std::string bytes(static_cast<size_t>(file.size()), '\0');
   RETURN_IF_ERROR(file.ReadAt(0, bytes.size(), bytes.data()));
-  return core::DecodeHeadState(bytes, source);
+  return core::DecodeHeadState(bytes, source, secret_);
 }
 
 absl::Status StateStore::Save(const core::HeadState& state) {
   RETURN_IF_ERROR(CheckHeadId(state.head_id, "head_id"));
-  ASSIGN_OR_RETURN(const std::string bytes, core::EncodeHeadState(state));
+  ASSIGN_OR_RETURN(const std::string bytes, core::EncodeHeadState(state, secret_));
   std::lock_guard<std::mutex> lock(mu_);
   const std::string head_dir = EscapeId(state.head_id);
   RETURN_IF_ERROR(root_->MakeDirectory(head_dir, "head state"));

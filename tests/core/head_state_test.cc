@@ -32,9 +32,9 @@ TEST(HeadState, ASavedStateContinuesTrainingBitIdentically) {
   OptimizerState optimizer;
   Train(*head, &optimizer, 0, 3);
   const HeadState saved = CaptureHeadState("lm", "s1", *head, optimizer);
-  auto bytes = EncodeHeadState(saved);
+  auto bytes = EncodeHeadState(saved, {});
   ASSERT_TRUE(bytes.ok()) << bytes.status();
-  auto decoded = DecodeHeadState(*bytes, "/state/lm/s1.safetensors");
+  auto decoded = DecodeHeadState(*bytes, "/state/lm/s1.safetensors", {});
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_EQ(decoded->head_id, "lm");
   EXPECT_EQ(decoded->state_id, "s1");
@@ -61,7 +61,7 @@ TEST(HeadState, EveryTruncationAndBitFlipIsDataLossNamingTheFile) {
   std::unique_ptr<Head> head = NewHead(3);
   OptimizerState optimizer;
   Train(*head, &optimizer, 0, 1);
-  auto bytes = EncodeHeadState(CaptureHeadState("lm", "s1", *head, optimizer));
+  auto bytes = EncodeHeadState(CaptureHeadState("lm", "s1", *head, optimizer), {});
   ASSERT_TRUE(bytes.ok());
   const std::string source = "/state/lm/s1.safetensors";
   std::vector<std::string> damaged;
@@ -75,7 +75,7 @@ TEST(HeadState, EveryTruncationAndBitFlipIsDataLossNamingTheFile) {
     damaged.push_back(flipped);
   }
   for (const std::string& d : damaged) {
-    auto decoded = DecodeHeadState(d, source);
+    auto decoded = DecodeHeadState(d, source, {});
     ASSERT_FALSE(decoded.ok()) << "a damaged file of " << d.size() << " bytes was loaded";
     EXPECT_EQ(decoded.status().code(), absl::StatusCode::kDataLoss) << decoded.status();
     EXPECT_EQ(decoded.status().message().find(source), 0u) << decoded.status();
@@ -105,9 +105,9 @@ TEST(HeadState, AFrozenHeadIsRestoredFrozen) {
   for (const bool frozen : {true, false}) {
     HeadState state = CaptureHeadState("teacher", "s1", *head, {});
     state.frozen = frozen;
-    auto bytes = EncodeHeadState(state);
+    auto bytes = EncodeHeadState(state, {});
     ASSERT_TRUE(bytes.ok()) << bytes.status();
-    auto decoded = DecodeHeadState(*bytes, "/state/teacher/s1.safetensors");
+    auto decoded = DecodeHeadState(*bytes, "/state/teacher/s1.safetensors", {});
     ASSERT_TRUE(decoded.ok()) << decoded.status();
     EXPECT_EQ(decoded->frozen, frozen);
   }
@@ -118,9 +118,9 @@ TEST(HeadState, AShardSaysWhichRowsItHoldsAndOnlyThoseAreRestored) {
   HeadState state = CaptureHeadState("lm", "s1", *head, {});
   state.vocab_offset = 40;
   state.vocab_size = 120;
-  auto bytes = EncodeHeadState(state);
+  auto bytes = EncodeHeadState(state, {});
   ASSERT_TRUE(bytes.ok()) << bytes.status();
-  auto decoded = DecodeHeadState(*bytes, "/state/rank-1/lm/s1.safetensors");
+  auto decoded = DecodeHeadState(*bytes, "/state/rank-1/lm/s1.safetensors", {});
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_EQ(decoded->vocab_offset, 40);
   EXPECT_EQ(decoded->vocab_size, 120);
@@ -138,9 +138,9 @@ TEST(HeadState, AShardSaysWhichRowsItHoldsAndOnlyThoseAreRestored) {
   EXPECT_FALSE(CheckHeadStateRows(whole, 80, 0).ok());
   // Rows outside the head they claim to be a shard of: never decoded.
   state.vocab_size = 60;
-  auto outside = EncodeHeadState(state);
+  auto outside = EncodeHeadState(state, {});
   ASSERT_TRUE(outside.ok());
-  const auto refused = DecodeHeadState(*outside, "f");
+  const auto refused = DecodeHeadState(*outside, "f", {});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
 }
 

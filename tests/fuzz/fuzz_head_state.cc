@@ -5,8 +5,10 @@
 // most inputs stop at the checks before it (size, JSON, metadata, entries), which is where a
 // malformed file could do harm; the seeds are valid states so the fuzzer starts from there.
 //
-// Checked, beyond "no crash, no exception, no sanitizer report": anything refused is DATA_LOSS;
-// anything accepted encodes again and decodes to the same state.
+// Checked, beyond "no crash, no exception, no sanitizer report": anything refused is DATA_LOSS
+// (decoded without a state secret, as a server without one does); anything accepted encodes
+// again and decodes to the same state, and sealed under a secret it verifies under that secret
+// only (PERMISSION_DENIED under another).
 #include <string>
 
 #include "fuzz_input.h"
@@ -33,21 +35,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace remotehead;
   using namespace remotehead::fuzz;
   const std::string bytes(reinterpret_cast<const char*>(data), size);
-  auto state = core::DecodeHeadState(bytes, "fuzz.state");
+  auto state = core::DecodeHeadState(bytes, "fuzz.state", {});
   if (!state.ok()) {
     if (state.status().code() != absl::StatusCode::kDataLoss) {
       Fail("a bad head state is not DATA_LOSS: " + state.status().ToString());
     }
     return 0;
   }
-  auto encoded = core::EncodeHeadState(*state);
+  const core::StateSecret secret{.secret = "fuzz-state-secret-0123", .origin = "fuzz"};
+  auto encoded = core::EncodeHeadState(*state, secret);
   if (!encoded.ok()) Fail("a decoded head state does not encode: " + encoded.status().ToString());
-  auto again = core::DecodeHeadState(*encoded, "fuzz.state (re-encoded)");
+  auto again = core::DecodeHeadState(*encoded, "fuzz.state (re-encoded)", secret);
   if (!again.ok()) Fail("a re-encoded head state does not decode: " + again.status().ToString());
   if (again->head_id != state->head_id || again->state_id != state->state_id ||
       again->weight_version != state->weight_version ||
       Bytes(again->weight) != Bytes(state->weight) || Bytes(again->bias) != Bytes(state->bias)) {
     Fail("decode(encode(state)) != state");
+  }
+  const auto other = core::DecodeHeadState(*encoded, "fuzz.state (re-encoded)",
+                                           {.secret = "another-secret-0123456", .origin = "fuzz"});
+  if (other.status().code() != absl::StatusCode::kPermissionDenied) {
+    Fail("a state sealed under one secret is not refused under another: " +
+         other.status().ToString());
   }
   return 0;
 }

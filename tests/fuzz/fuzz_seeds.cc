@@ -277,7 +277,7 @@ void CheckpointSeeds(const fs::path& tmp) {
       optimizer.bias_buf2 = torch::full({5}, 0.25);
     }
     const core::HeadState state = core::CaptureHeadState("policy", "state-1", *h, optimizer);
-    auto bytes = core::EncodeHeadState(state);
+    auto bytes = core::EncodeHeadState(state, {});  // unsealed: the target decodes without a secret
     if (!bytes.ok()) Fail(bytes.status().ToString());
     Save(s, bias ? "adamw-bias" : "bf16-fresh", *bytes);
   }

@@ -18,14 +18,18 @@ every rank holds.
 - transformers' Trainer with 2 processes (torchrun) on a 2 x 2 mesh, rank 3 killed at the end of
   step 4: the mesh restarted on its state and the Trainer resumed from checkpoint-3 equal an
   uninterrupted run on the same layout (losses of steps 4-6 and the head, relative 1e-6).
-- Replica 1 restored from a valid state of the same id whose weights differ (a re-sealed file):
-  the next step's weight checksum fails it with REPLICAS_DIVERGED (DATA_LOSS) and counts a
-  mismatch.
+- Replica 1 restored from a valid state of the same id whose weights differ (a file re-sealed
+  under the group's secret): the next step's weight checksum fails it with REPLICAS_DIVERGED
+  (DATA_LOSS) and counts a mismatch.
+
+The states are sealed under the group's secret (--group_secret_file): every run on a state
+directory is given the same one (group_secret).
 """
 
 import contextlib
 import os
 import pathlib
+import secrets
 import signal
 import subprocess
 import sys
@@ -36,6 +40,7 @@ import torch
 import remotehead
 from remotehead.local_server import LocalHeadGroup
 
+from state_files import forge_weight
 from test_data_parallel import TORCHRUN, env, free_port, trainer_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -46,12 +51,22 @@ VOCAB, HIDDEN, ROWS, WORLD = 37, 16, 12, 2
 ADAMW = dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
 
 
+def group_secret(state_dir) -> pathlib.Path:
+    """The group's secret of every run on `state_dir` (beside it): it seals their states, so a
+    restart must be given the same one."""
+    path = pathlib.Path(state_dir).parent / f"{pathlib.Path(state_dir).name}.secret"
+    if not path.exists():
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
+    return path
+
+
 def start(state_dir, replicas, per_replica, *flags):
     return LocalHeadGroup(BINARY, size=replicas * per_replica, replicas=replicas,
                           args=("--device=cpu", "--torch_threads=1",
                                 "--sync_step_timeout_seconds=4", f"--state_dir={state_dir}",
                                 *flags),
-                          timeout_seconds=10).start()
+                          timeout_seconds=10, secret_file=str(group_secret(state_dir))).start()
 
 
 @contextlib.contextmanager
@@ -193,7 +208,8 @@ def test_states_saved_by_another_layout_are_refused_by_every_rank(tmp_path):
     with running(state_dir) as (_, client):
         client.save_head_state("h")
     other = LocalHeadGroup(BINARY, size=4, replicas=4,
-                           args=("--device=cpu", f"--state_dir={state_dir}"), timeout_seconds=10)
+                           args=("--device=cpu", f"--state_dir={state_dir}"), timeout_seconds=10,
+                           secret_file=str(group_secret(state_dir)))
     for rank in other.ranks:
         rank.launch()
     codes = [rank.process.wait(timeout=60) for rank in other.ranks]
@@ -250,36 +266,6 @@ def test_trainer_resumes_on_a_mesh_restarted_after_a_rank_was_killed(tmp_path):
     assert (resumed["head"] - full["head"]).abs().max().item() <= 1e-6 * scale
 
 
-def forge_weight(path: pathlib.Path, delta: float) -> None:
-    """Adds `delta` to the first weight of a saved state and re-seals the file (the checksum of
-    core/head_state.cc: FNV-1a over 64-bit words of the canonical header, then of the data), as a
-    restored disk of another run would be: a valid state whose weights differ."""
-    import json
-    import struct
-
-    def fnv(data: bytes) -> int:
-        h, mask = 0xcbf29ce484222325, (1 << 64) - 1
-        words = len(data) // 8 * 8
-        for (word,) in struct.iter_unpack("<Q", data[:words]):
-            h = ((h ^ word) * 0x100000001b3) & mask
-        for byte in data[words:]:
-            h = ((h ^ byte) * 0x100000001b3) & mask
-        return h
-
-    raw = path.read_bytes()
-    size = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + size])
-    body = bytearray(raw[8 + size:])
-    start = header["weight"]["data_offsets"][0]
-    struct.pack_into("<f", body, start, struct.unpack_from("<f", body, start)[0] + delta)
-    del header["__metadata__"]["checksum"]
-    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    header["__metadata__"]["checksum"] = f"{fnv(canonical):016x}-{fnv(bytes(body)):016x}"
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
-
-
 def test_replicas_restored_from_states_that_differ_are_caught_by_the_checksum(tmp_path):
     """Replica 1's disk holds a state of the same id whose weights differ (a valid file: another
     run's, a mixed-up volume): the mesh restores it, and the next step's weight checksum
@@ -289,9 +275,12 @@ def test_replicas_restored_from_states_that_differ_are_caught_by_the_checksum(tm
     flags = ("--mesh_checksum_every_steps=1", "--metrics_address=127.0.0.1:0")
     with running(state_dir, 2, 1, *flags) as (mesh, client):
         client.save_head_state("h")
-    # The newest state, which the restart restores: the one the drain at the stop saved.
+    # The newest state, which the restart restores: the one the drain at the stop saved. Sealed
+    # under the group's secret like the original: the seal does not catch it, the checksum
+    # across replicas does.
     newest = state_files(state_dir, 2, "h")[1][-1]
-    forge_weight(state_dir / "rank-1" / "h" / newest, 0.25)
+    forge_weight(state_dir / "rank-1" / "h" / newest, 0.25,
+                 group_secret(state_dir).read_bytes().strip())
 
     restarted = start(state_dir, 2, 1, *flags)
     try:

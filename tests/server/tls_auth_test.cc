@@ -516,18 +516,21 @@ TEST(OperatorFiles, OnlyRegularFilesAreReadAndNothingBlocks) {
             "--tls_cert: expected at most 4096 bytes; got 5000: " + big);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 
-  // The group's secret: 16 to 4096 bytes once trimmed, through the same reader.
-  auto secret = server::ReadGroupSecret(write("good", "  0123456789abcdef0123\n"));
-  ASSERT_TRUE(secret.ok()) << secret.status();
-  EXPECT_EQ(*secret, "0123456789abcdef0123");
-  for (const std::string& bad : {write("short", "tooshort\n"), big, fifo, dir.string()}) {
-    const auto refused = server::ReadGroupSecret(bad);
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_TRUE(refused.status().message().rfind("--group_secret_file: expected", 0) == 0)
-        << refused.status();
+  // The group's and the states' secrets: 16 to 4096 bytes once trimmed, through the same
+  // reader, the errors naming the flag.
+  for (const std::string flag : {"group_secret_file", "state_secret_file"}) {
+    auto secret = server::ReadSecretFile(flag, write("good", "  0123456789abcdef0123\n"));
+    ASSERT_TRUE(secret.ok()) << secret.status();
+    EXPECT_EQ(*secret, "0123456789abcdef0123");
+    for (const std::string& bad : {write("short", "tooshort\n"), big, fifo, dir.string()}) {
+      const auto refused = server::ReadSecretFile(flag, bad);
+      EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+      EXPECT_TRUE(refused.status().message().rfind("--" + flag + ": expected", 0) == 0)
+          << refused.status();
+    }
+    EXPECT_EQ(server::ReadSecretFile(flag, (dir / "missing").string()).status().code(),
+              absl::StatusCode::kNotFound);
   }
-  EXPECT_EQ(server::ReadGroupSecret((dir / "missing").string()).status().code(),
-            absl::StatusCode::kNotFound);
   fs::remove_all(dir);
 }
 

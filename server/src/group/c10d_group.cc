@@ -86,11 +86,66 @@ class QuietC10dLog {
   const int saved_;
 };
 
+// Keys under one prefix of the store; every failed call a status naming the call and the key.
+class C10dStore final : public KeyValueStore {
+ public:
+  C10dStore(const GroupConfig& config, c10::intrusive_ptr<c10d::Store> store)
+      : config_(config), store_(std::move(store)) {}
+
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    return StoreCall("set", key, config_.timeout,
+                     [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+  }
+
+  absl::StatusOr<std::string> Get(const std::string& key,
+                                  std::chrono::milliseconds timeout) override {
+    std::string value;
+    RETURN_IF_ERROR(StoreCall("get", key, timeout, [&] {
+      // A wait that times out is how a following rank polls for the next command: c10d's
+      // warning for each (and for a store that went away, which the status reports) is muted.
+      const QuietC10dLog quiet;
+      store_->wait({key}, timeout);
+      const std::vector<uint8_t> bytes = store_->get(key);
+      value.assign(bytes.begin(), bytes.end());
+    }));
+    return value;
+  }
+
+  absl::Status Delete(const std::string& key) override {
+    return StoreCall("delete", key, config_.timeout, [&] { store_->deleteKey(key); });
+  }
+
+  absl::StatusOr<bool> Exists(const std::string& key) override {
+    bool exists = false;
+    RETURN_IF_ERROR(StoreCall("check", key, config_.timeout, [&] { exists = store_->check({key}); }));
+    return exists;
+  }
+
+ private:
+  // Runs one store call that may wait up to `timeout`; an exception (a timeout, a store that is
+  // gone) becomes a status naming the call and the key.
+  template <typename Call>
+  absl::Status StoreCall(const char* verb, const std::string& key,
+                         std::chrono::milliseconds timeout, Call&& call) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      call();
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      return FromException(e, absl::StrCat("store ", verb, " \"", key, "\""), config_, timeout,
+                           start);
+    }
+  }
+
+  const GroupConfig config_;
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
 class C10dGroup final : public ProcessGroup {
  public:
   C10dGroup(GroupConfig config, c10::intrusive_ptr<c10d::Store> store,
             c10::intrusive_ptr<c10d::Backend> backend)
-      : config_(std::move(config)), store_(std::move(store)), backend_(std::move(backend)) {}
+      : config_(std::move(config)), store_(config_, std::move(store)), backend_(std::move(backend)) {}
 
   int rank() const override { return config_.rank; }
   int size() const override { return config_.size; }
@@ -151,33 +206,14 @@ class C10dGroup final : public ProcessGroup {
   }
 
   absl::Status Set(const std::string& key, const std::string& value) override {
-    return StoreCall("set", key, config_.timeout,
-                     [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+    return store_.Set(key, value);
   }
-
   absl::StatusOr<std::string> Get(const std::string& key,
                                   std::chrono::milliseconds timeout) override {
-    std::string value;
-    RETURN_IF_ERROR(StoreCall("get", key, timeout, [&] {
-      // A wait that times out is how a following rank polls for the next command: c10d's
-      // warning for each (and for a store that went away, which the status reports) is muted.
-      const QuietC10dLog quiet;
-      store_->wait({key}, timeout);
-      const std::vector<uint8_t> bytes = store_->get(key);
-      value.assign(bytes.begin(), bytes.end());
-    }));
-    return value;
+    return store_.Get(key, timeout);
   }
-
-  absl::Status Delete(const std::string& key) override {
-    return StoreCall("delete", key, config_.timeout, [&] { store_->deleteKey(key); });
-  }
-
-  absl::StatusOr<bool> Exists(const std::string& key) override {
-    bool exists = false;
-    RETURN_IF_ERROR(StoreCall("check", key, config_.timeout, [&] { exists = store_->check({key}); }));
-    return exists;
-  }
+  absl::Status Delete(const std::string& key) override { return store_.Delete(key); }
+  absl::StatusOr<bool> Exists(const std::string& key) override { return store_.Exists(key); }
 
   std::map<std::string, CollectiveBytes> Bytes() const override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -185,21 +221,6 @@ class C10dGroup final : public ProcessGroup {
   }
 
  private:
-  // Runs one store call that may wait up to `timeout`; an exception (a timeout, a store that is
-  // gone) becomes a status naming the call and the key.
-  template <typename Call>
-  absl::Status StoreCall(const char* verb, const std::string& key,
-                         std::chrono::milliseconds timeout, Call&& call) {
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      call();
-      return absl::OkStatus();
-    } catch (const std::exception& e) {
-      return FromException(e, absl::StrCat("store ", verb, " \"", key, "\""), config_, timeout,
-                           start);
-    }
-  }
-
   // Runs one collective to completion (wait() throws on a timeout or a lost peer) and counts it.
   template <typename Launch>
   absl::Status Run(const std::string& op, int64_t sent, int64_t received, Launch&& launch) {
@@ -218,7 +239,7 @@ class C10dGroup final : public ProcessGroup {
   }
 
   const GroupConfig config_;
-  c10::intrusive_ptr<c10d::Store> store_;
+  C10dStore store_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   mutable std::mutex mu_;
   std::map<std::string, CollectiveBytes> bytes_;
@@ -425,6 +446,26 @@ std::unique_ptr<ProcessGroup> GroupOn(const c10::intrusive_ptr<c10d::TCPStore>& 
 }
 
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<KeyValueStore>> OpenStore(const GroupConfig& config,
+                                                         const std::string& name) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<uint16_t>(config.store_port);
+    options.isServer = false;  // global rank 0's server, which Join started, serves it too
+    options.waitWorkers = false;
+    options.timeout = config.timeout;
+    options.useLibUV = false;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(config.store_host, options);
+    return std::make_unique<C10dStore>(
+        config, c10::make_intrusive<c10d::PrefixStore>(config.prefix + "/" + name, tcp));
+  } catch (const std::exception& e) {
+    return FromException(e, absl::StrCat("connecting to the store at ", config.store_host, ":",
+                                         config.store_port),
+                         config, config.timeout, start);
+  }
+}
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConfig& config) {
   const auto start = std::chrono::steady_clock::now();

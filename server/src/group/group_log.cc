@@ -1,8 +1,5 @@
 #include "remotehead/server/group/group_log.h"
 
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <openssl/rand.h>
 #include <openssl/sha.h>
 
@@ -13,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "remotehead/core/error_reason.h"
+#include "remotehead/core/mac.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
@@ -50,16 +48,6 @@ int64_t ReadFixed64(std::string_view bytes) {
   return static_cast<int64_t>(value);
 }
 
-std::string Hmac(const std::string& key, const std::string& data) {
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int length = 0;
-  // An empty key is a valid HMAC key; OpenSSL wants a non-null pointer for it.
-  static const char kEmpty = 0;
-  HMAC(EVP_sha256(), key.empty() ? &kEmpty : key.data(), static_cast<int>(key.size()),
-       reinterpret_cast<const unsigned char*>(data.data()), data.size(), out, &length);
-  return std::string(reinterpret_cast<const char*>(out), length);
-}
-
 std::string Sha256(const std::string& data) {
   unsigned char out[SHA256_DIGEST_LENGTH];
   SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), out);
@@ -69,7 +57,7 @@ std::string Sha256(const std::string& data) {
 // `body` followed by its seal: the HMAC of its kind, the session and the body.
 std::string Seal(const std::string& secret, Kind kind, const std::string& session,
                  const std::string& body) {
-  return body + Hmac(secret, std::string(1, static_cast<char>(kind)) + session + body);
+  return body + core::HmacSha256(secret, {std::string(1, static_cast<char>(kind)), session, body});
 }
 
 // How long is left until `deadline`, at least 1 ms (a store wait of 0 would not wait at all).
@@ -88,8 +76,8 @@ absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const s
   }
   std::string body = value.substr(0, value.size() - kSealBytes);
   const std::string expected =
-      Hmac(secret, std::string(1, static_cast<char>(kind)) + session + body);
-  if (CRYPTO_memcmp(expected.data(), value.data() + body.size(), kSealBytes) != 0) {
+      core::HmacSha256(secret, {std::string(1, static_cast<char>(kind)), session, body});
+  if (!core::MacEquals(expected, std::string_view(value).substr(body.size()))) {
     return absl::PermissionDeniedError(
         "its seal does not verify under the group's secret and session (forged, garbage, or "
         "recorded from another run of the group)");
@@ -98,6 +86,16 @@ absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const s
 }
 
 }  // namespace
+
+std::string SealEntry(const std::string& secret, char kind, const std::string& session,
+                      const std::string& body) {
+  return Seal(secret, static_cast<Kind>(kind), session, body);
+}
+
+absl::StatusOr<std::string> UnsealEntry(const std::string& secret, char kind,
+                                        const std::string& session, const std::string& value) {
+  return Unseal(secret, static_cast<Kind>(kind), session, value);
+}
 
 // "<code>:<message length>:<message><reason length>:<reason><payload>": the status whole, its
 // reason (core/error_reason.h) included, so that the front answers with the rank's reason.

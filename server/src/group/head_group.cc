@@ -57,8 +57,11 @@ absl::StatusOr<std::vector<core::ShardRange>> HeadGroup::Ranges(int64_t vocab_si
 }
 
 absl::Status HeadGroup::health() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return down_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!down_.ok()) return down_;
+  }
+  return liveness_ != nullptr ? liveness_->health() : absl::OkStatus();
 }
 
 std::string HeadGroup::front_address() const {
@@ -75,7 +78,18 @@ absl::Status HeadGroup::Check(absl::Status failure) {
   if (!IsGroupFailure(failure)) return failure;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!down_.ok()) return failure;
+    if (!down_.ok()) return down_;
+  }
+  // Named after the process lost (whose heartbeat stopped), not the live rank that noticed; the
+  // verdict of every process of the group or mesh.
+  if (liveness_ != nullptr) {
+    failure = liveness_->Blame(failure);
+    liveness_->DeclareDown(failure);
+    failure = liveness_->health();  // the first verdict, if another process's came first
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!down_.ok()) return down_;
     down_ = failure;
   }
   // The front tells the other ranks, so that none runs a command it gave up on (a rank that is
@@ -112,17 +126,27 @@ absl::Status HeadGroup::Timed(const std::string& command,
   return status;
 }
 
+// UNAVAILABLE saying why `failure` took the group down and what to do; OK for OK.
+absl::Status HeadGroup::Unavailable(const absl::Status& failure) const {
+  if (failure.ok() || NamesLostProcess(failure)) return failure;  // it says what to do
+  return GroupUnavailable(absl::StrCat("head group of ", size(), " is down since: ",
+                                       failure.message(), " — restart every rank of the group"),
+                          rank());
+}
+
+absl::Status HeadGroup::Serving() const { return Unavailable(health()); }
+
+absl::Status HeadGroup::OwnHealth() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return down_;
+}
+
 absl::StatusOr<HeadGroup::Lane> HeadGroup::Enter() {
-  auto down = [this]() -> absl::Status {
-    const absl::Status failure = health();
-    if (failure.ok()) return failure;
-    return GroupUnavailable(absl::StrCat("head group of ", size(),
-                                               " is down since: ", failure.message(),
-                                               " — restart every rank of the group"), rank());
-  };
-  RETURN_IF_ERROR(down());
+  // The group's own failure only: once the mesh it is part of is down, its ranks still answer
+  // the calls that read (the service refuses every other: ServiceContext::Serving).
+  RETURN_IF_ERROR(Unavailable(OwnHealth()));
   std::unique_lock<std::mutex> lock(lane_);
-  RETURN_IF_ERROR(down());  // it may have gone down while this call waited for the lane
+  RETURN_IF_ERROR(Unavailable(OwnHealth()));  // it may have gone down while this call waited
   return Lane(this, std::move(lock));
 }
 
@@ -162,7 +186,7 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const std::strin
     }
     // A command taken late (this rank was stopped, or slow) may be one the front gave up on.
     RETURN_IF_ERROR(CheckFront());
-    absl::Status status = health();
+    absl::Status status = OwnHealth();
     if (!status.ok()) {
       // Down: c10d cannot resume, so nothing more runs here; the front learns it at once.
       status = GroupUnavailable(

@@ -52,7 +52,8 @@ const ProcessGroup& HeadMesh::peers() const {
 std::map<std::string, CollectiveBytes> HeadMesh::PeerBytes() const { return peers().Bytes(); }
 
 absl::Status HeadMesh::health() const {
-  return fronts_ != nullptr ? fronts_->health() : absl::OkStatus();
+  if (fronts_ != nullptr) return fronts_->health();
+  return liveness_ != nullptr ? liveness_->health() : absl::OkStatus();
 }
 
 absl::Status HeadMesh::NotTheLeader(const std::string& method) const {

@@ -16,8 +16,10 @@ std::string Sealing(const GroupConfig& config) {
 }
 
 absl::StatusOr<std::unique_ptr<HeadGroup>> OpenGroup(std::unique_ptr<ProcessGroup> group,
-                                                     const GroupConfig& config) {
+                                                     const GroupConfig& config,
+                                                     Liveness* liveness) {
   auto head_group = std::make_unique<HeadGroup>(std::move(group), config.secret, &std::cerr);
+  head_group->set_liveness(liveness);
   RETURN_IF_ERROR(head_group->Open());
   return head_group;
 }
@@ -42,6 +44,7 @@ absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
 }
 
 absl::Status Cluster::health() const {
+  if (liveness != nullptr) RETURN_IF_ERROR(liveness->health());
   if (group != nullptr) RETURN_IF_ERROR(group->health());
   if (mesh != nullptr) RETURN_IF_ERROR(mesh->health());
   return absl::OkStatus();
@@ -76,7 +79,8 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
     std::cout << "remotehead-server: joining head group as rank " << config.rank << " of "
               << config.size << " at " << store << " (" << transport << ")" << std::endl;
     ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> group, ProcessGroup::Join(config));
-    ASSIGN_OR_RETURN(cluster.group, OpenGroup(std::move(group), config));
+    ASSIGN_OR_RETURN(cluster.liveness, Liveness::Start(config, &std::cerr));
+    ASSIGN_OR_RETURN(cluster.group, OpenGroup(std::move(group), config, cluster.liveness.get()));
     std::cout << "remotehead-server: head group joined: rank " << config.rank << " of "
               << config.size
               << (config.rank == 0 ? " (the front: serves HeadService)"
@@ -90,15 +94,18 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
             << config.rank_in_replica() << ") at " << store << " (" << transport << ")"
             << std::endl;
   ASSIGN_OR_RETURN(ProcessGroup::Mesh joined, ProcessGroup::JoinMesh(config));
+  ASSIGN_OR_RETURN(cluster.liveness, Liveness::Start(config, &std::cerr));
   if (joined.replica != nullptr) {
-    ASSIGN_OR_RETURN(cluster.group, OpenGroup(std::move(joined.replica), config));
+    ASSIGN_OR_RETURN(cluster.group,
+                     OpenGroup(std::move(joined.replica), config, cluster.liveness.get()));
   }
   std::unique_ptr<HeadGroup> fronts;
   if (config.rank_in_replica() == 0) {
-    ASSIGN_OR_RETURN(fronts, OpenGroup(std::move(joined.shard), config));
+    ASSIGN_OR_RETURN(fronts, OpenGroup(std::move(joined.shard), config, cluster.liveness.get()));
   }
   cluster.mesh = std::make_unique<HeadMesh>(config.replica(), config.replicas, mesh_options,
                                             std::move(fronts), std::move(joined.shard));
+  cluster.mesh->set_liveness(cluster.liveness.get());
   std::cout << "remotehead-server: mesh joined: replica " << config.replica() << " of "
             << config.replicas << ", rank " << config.rank_in_replica() << " of " << k
             << (config.rank_in_replica() != 0 ? " (follows its replica's front)"

@@ -10,16 +10,20 @@
 #include "absl/status/statusor.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
+#include "remotehead/server/group/liveness.h"
 #include "remotehead/server/group/process_group.h"
 
 namespace remotehead::server {
 
 struct Cluster {
+  // Every process's heartbeat and the one verdict that the group or mesh is down; first, so
+  // that it outlives the groups that hold it.
+  std::unique_ptr<Liveness> liveness;
   std::unique_ptr<HeadGroup> group;  // this replica's group of K > 1 ranks; nullptr: K = 1
   std::unique_ptr<HeadMesh> mesh;    // R > 1 replicas; nullptr: none
   // Whether this process serves HeadService: rank 0 of its replica (group).
   bool serves() const { return group == nullptr || group->is_front(); }
-  // OK while the group and the mesh work; else the first failure.
+  // OK while the group and the mesh work; else the verdict (the first failure).
   absl::Status health() const;
   // Every process's `mine`, by global rank (replica r's rank k at r·K + k), on every process:
   // along the replica's group, then along the shard peers. {mine} for a server on its own.

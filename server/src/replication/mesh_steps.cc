@@ -96,9 +96,10 @@ absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
     std::unique_lock<std::mutex> lock(mu_);
     changed_.wait_for(lock, wait_, [&] {
       auto it = ready_.find(key);
-      return it != ready_.end() && !it->second.taken;
+      return !down_.ok() || (it != ready_.end() && !it->second.taken && !it->second.result);
     });
-    if (auto it = ready_.find(key); it != ready_.end() && !it->second.taken) {
+    if (auto it = ready_.find(key);
+        it != ready_.end() && !it->second.taken && !it->second.result && down_.ok()) {
       it->second.taken = true;
       mine = it->second.first;
     }
@@ -106,10 +107,20 @@ absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
   const absl::StatusOr<HeadDescription> result = RunOnThisReplica(step, mine);
   if (mine.has_value()) {
     std::lock_guard<std::mutex> lock(mu_);
-    ready_[key].result = result;
+    // Gone if AbortWaiting answered its trainers already.
+    if (auto it = ready_.find(key); it != ready_.end()) it->second.result = result;
     changed_.notify_all();
   }
   return result.status();
+}
+
+void MeshSteps::AbortWaiting(const absl::Status& status, bool started) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (started && down_.ok()) down_ = status;
+  for (auto& [key, ready] : ready_) {
+    if ((started || !ready.taken) && !ready.result.has_value()) ready.result = status;
+  }
+  changed_.notify_all();
 }
 
 absl::StatusOr<HeadDescription> MeshSteps::AwaitLeader(const SyncStepRequest& first) {
@@ -120,8 +131,8 @@ absl::StatusOr<HeadDescription> MeshSteps::AwaitLeader(const SyncStepRequest& fi
   changed_.notify_all();
   // The leader's step comes once the leader's own trainers asked for it: up to this replica's
   // wait for them, plus the time the mesh needs to run it once taken.
-  changed_.wait_for(lock, wait_ * 2, [&] { return ready.taken; });
-  if (!ready.taken) {
+  changed_.wait_for(lock, wait_ * 2, [&] { return ready.taken || ready.result.has_value(); });
+  if (!ready.taken && !ready.result.has_value()) {
     ready_.erase(key);
     return core::WithReason(
         absl::AbortedError(absl::StrCat(

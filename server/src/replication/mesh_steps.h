@@ -45,6 +45,10 @@ class MeshSteps {
                                        const OptimizerStepSpec& spec);
   // Another front: the leader's step command, with this replica's trainers' request.
   absl::Status Follow(const v1::MeshStep& step);
+  // Answers the synchronous steps waiting here for the leader's with `status` at once: those
+  // the leader has not started (the server drains); with `started`, those it did too (the mesh
+  // is down: their answer would never come), and no later step waits for trainers.
+  void AbortWaiting(const absl::Status& status, bool started);
 
  private:
   // This replica's trainers' step, handed from the synchronous steps to the mesh's follower.
@@ -69,6 +73,7 @@ class MeshSteps {
   std::mutex mu_;
   std::condition_variable changed_;
   std::map<Key, Ready> ready_;
+  absl::Status down_;  // set by AbortWaiting(…, started = true)
 };
 
 // The mesh's log as a front other than the leader follows it: a step to MeshSteps, the

@@ -24,6 +24,7 @@ absl::Status ReplicatedHeadOperations::RunOnEveryRank(const v1::GroupCommand& co
   if (!mesh_->is_leader()) {
     return mesh_->NotTheLeader(absl::StrCat("the operation \"", CommandName(command), "\""));
   }
+  RETURN_IF_ERROR(Serving());  // what changes every replica: never on a mesh that is down
   // Every replica's front runs the same command on its own replica (MeshFollower).
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
   const absl::Status status =
@@ -100,9 +101,16 @@ absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::Snapshot(
       false, Reach::kReplica);
 }
 
+absl::Status ReplicatedHeadOperations::Serving() const {
+  if (group_ != nullptr) return group_->Serving();
+  if (mesh_ != nullptr && mesh_->fronts() != nullptr) return mesh_->fronts()->Serving();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::LookupEmbedding(
     const std::string& id, const torch::Tensor& ids, std::optional<torch::ScalarType> dtype,
     const std::string& ids_field) {
+  RETURN_IF_ERROR(Serving());  // a training call
   ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
   RETURN_IF_ERROR(CheckEmbeddingIds(ids, head.vocab_size, ids_field));
   return OnEveryRank<HeadSnapshot>(
@@ -115,6 +123,7 @@ absl::StatusOr<EmbeddingGradientOutcome> ReplicatedHeadOperations::AddEmbeddingG
     const GradientKey& key, std::optional<int64_t> expected_weight_version,
     const std::string& ids_field, const std::string& rows_field,
     const std::string& version_field) {
+  RETURN_IF_ERROR(Serving());  // dW that could never be applied
   ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
   RETURN_IF_ERROR(CheckEmbeddingIds(ids, head.vocab_size, ids_field));
   RETURN_IF_ERROR(CheckEmbeddingRows(rows, ids.size(0), head.hidden_size, rows_field));

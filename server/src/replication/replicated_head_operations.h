@@ -44,6 +44,9 @@ class ReplicatedHeadOperations {
         mesh_steps_(this, mesh, group, mesh_wait) {}
 
   HeadOperations& local() { return *local_; }
+  // OK while the group or mesh this process is part of works; else UNAVAILABLE with its verdict
+  // (HeadGroup::Serving): the answer to every operation that trains or changes a head.
+  absl::Status Serving() const;
   MeshSteps& mesh_steps() { return mesh_steps_; }
 
   absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init,

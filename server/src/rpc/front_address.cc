@@ -1,5 +1,7 @@
 #include "rpc/front_address.h"
 
+#include <unistd.h>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -64,6 +66,12 @@ std::string FrontAddress(const std::string& given, int replica, const std::strin
   if (IsWildcard(host)) host = store_host;
   if (absl::StrContains(host, ':') && host.front() != '[') host = absl::StrCat("[", host, "]");
   return absl::StrCat(host, ":", port);
+}
+
+std::string ProcessAddress(const std::string& listen, int port) {
+  char name[256] = {};
+  const std::string host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+  return FrontAddress("", 0, listen, host, port);
 }
 
 absl::Status AnnounceFront(HeadGroup& group, const std::string& address) {

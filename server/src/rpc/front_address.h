@@ -21,6 +21,10 @@ namespace remotehead::server {
 std::string FrontAddress(const std::string& given, int replica, const std::string& listen,
                          const std::string& store_host, int port);
 
+// This process's own address (named when it is lost: liveness.h): the host of `listen` with the
+// port bound, where that host is a wildcard this machine's host name.
+std::string ProcessAddress(const std::string& listen, int port);
+
 // The front: records `address` as the group's and sends it to every other rank.
 absl::Status AnnounceFront(HeadGroup& group, const std::string& address);
 

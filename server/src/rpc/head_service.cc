@@ -43,6 +43,20 @@ class RefusedReactor final : public Reactor {
   void OnDone() override { delete this; }
 };
 
+// Unary for a call that trains or changes a head: refused once `service` does not serve
+// (ServiceContext::Serving: its group or mesh is down) or drains (CallGate).
+template <typename Fn>
+grpc::ServerUnaryReactor* Training(grpc::CallbackServerContext* context,
+                                   const ServiceContext& service, Fn&& fn) {
+  if (absl::Status refused = service.gate.Admit(); !refused.ok()) {
+    return Unary(context, [refused] { return refused; });
+  }
+  if (absl::Status down = service.Serving(); !down.ok()) {
+    return Unary(context, [&] { return down; });
+  }
+  return Unary(context, std::forward<Fn>(fn));
+}
+
 // An optimizer step (plain or synchronous) of a frozen head: refused at once, nothing applied.
 absl::Status CheckNotFrozen(const HeadDescription& head) {
   return head.frozen ? HeadFrozenError(head.id, "head_id", "an optimizer step") : absl::OkStatus();
@@ -59,8 +73,18 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   HeadServiceImpl(HeadRegistry* registry, const ServiceOptions& options)
       : context_(std::make_unique<ServiceContext>(registry, options)) {
     if (options.metrics != nullptr) options.metrics->set_admission(&context_->admission);
+    // Once the group or mesh is down, the steps waiting here would wait for nothing.
+    if (options.liveness != nullptr) {
+      down_listener_ = options.liveness->OnDown([c = context_.get()](const absl::Status& verdict) {
+        c->sync_steps.AbortAll(verdict);
+        c->operations.mesh_steps().AbortWaiting(verdict, /*started=*/true);
+      });
+    }
   }
   ~HeadServiceImpl() override {
+    if (context_->options.liveness != nullptr) {
+      context_->options.liveness->RemoveListener(down_listener_);
+    }
     ServerMetrics* metrics = context_->options.metrics;
     context_.reset();  // the compute threads finish their tasks first (ServiceContext)
     if (metrics != nullptr) metrics->set_admission(nullptr);
@@ -89,7 +113,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* CreateHead(grpc::CallbackServerContext* context,
                                        const v1::CreateHeadRequest* request,
                                        v1::HeadInfo* response) override {
-    return Serve(context, [&]() -> absl::Status {
+    return Training(context, *context_, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
                        OptionalDtype(request->dtype(), "dtype"));
       switch (request->source_case()) {
@@ -145,13 +169,13 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
 
   grpc::ServerUnaryReactor* DropHead(grpc::CallbackServerContext* context,
                                      const v1::HeadRef* request, v1::DropHeadResponse*) override {
-    return Serve(context, [&] { return Ops().Drop(request->head_id()); });
+    return Training(context, *context_, [&] { return Ops().Drop(request->head_id()); });
   }
 
   grpc::ServerUnaryReactor* ZeroGradients(grpc::CallbackServerContext* context,
                                           const v1::HeadRef* request,
                                           v1::ZeroGradientsResponse* response) override {
-    return Serve(context, [&] {
+    return Training(context, *context_, [&] {
       return Answer(Ops().ZeroGradients(request->head_id()), response->mutable_info());
     });
   }
@@ -160,7 +184,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
                                           const v1::OptimizerStepRequest* request,
                                           v1::OptimizerStepResponse* response) override {
     if (request->has_synchronous()) return SynchronousStep(context, *request, response);
-    return Serve(context, [&]() -> absl::Status {
+    return Training(context, *context_, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const OptimizerStepSpec spec, FromWire(*request));
       ASSIGN_OR_RETURN(const HeadDescription head, Local().Describe(request->head_id()));
       RETURN_IF_ERROR(CheckNotFrozen(head));
@@ -174,7 +198,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* SaveHeadState(grpc::CallbackServerContext* context,
                                           const v1::HeadRef* request,
                                           v1::HeadStateInfo* response) override {
-    return Serve(context, [&]() -> absl::Status {
+    return Training(context, *context_, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const HeadDescription d, Ops().SaveState(request->head_id()));
       response->set_state_id(d.state_id);
       response->set_weight_version(d.weight_version);
@@ -191,7 +215,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* RestoreHeadState(grpc::CallbackServerContext* context,
                                              const v1::RestoreHeadStateRequest* request,
                                              v1::HeadInfo* response) override {
-    return Serve(context, [&] {
+    return Training(context, *context_, [&] {
       return Answer(Ops().RestoreState(request->head_id(), request->state_id()), response);
     });
   }
@@ -234,10 +258,12 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
 
   void Drain() override {
     context_->gate.Close();
-    context_->sync_steps.AbortAll(
-        core::WithReason(absl::UnavailableError(
-                             "synchronous optimizer step: the server is draining; nothing applied"),
-                         core::reason::kServerDraining));
+    const absl::Status draining = core::WithReason(
+        absl::UnavailableError("synchronous optimizer step: the server is draining; nothing applied"),
+        core::reason::kServerDraining);
+    context_->sync_steps.AbortAll(draining);
+    // On a mesh's front, also the steps whose trainers all came, waiting for the leader's.
+    context_->operations.mesh_steps().AbortWaiting(draining, /*started=*/false);
   }
   bool Quiesce(std::chrono::steady_clock::time_point deadline) override {
     Drain();
@@ -282,6 +308,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     absl::StatusOr<OptimizerStepSpec> spec = FromWire(request);
     absl::StatusOr<HeadDescription> head = Local().Describe(request.head_id());
     absl::Status refused = context_->gate.Admit();
+    if (refused.ok()) refused = context_->Serving();
     if (refused.ok()) refused = !spec.ok() ? spec.status() : head.status();
     if (refused.ok()) refused = CheckNotFrozen(*head);
     if (refused.ok()) {
@@ -302,6 +329,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   }
 
   std::unique_ptr<ServiceContext> context_;
+  int down_listener_ = -1;  // on the liveness of the group or mesh, if any
 };
 
 }  // namespace

@@ -60,6 +60,11 @@ struct ServiceContext {
     return wait;
   }
 
+  // OK while this process serves; once its group or mesh is down, UNAVAILABLE (reason
+  // GROUP_UNAVAILABLE) with the verdict: no new call runs, not even on a replica whose own ranks
+  // are fine (its dW could never be applied).
+  absl::Status Serving() const { return operations.Serving(); }
+
   HeadRegistry* const registry;
   const ServiceOptions options;
   AdmissionController admission;

@@ -378,6 +378,8 @@ absl::Status StepPipeline::StartAdmission() {
     phase_ = Phase::kAdmitting;
     queued_since_ = Clock::now();
   }
+  // A step of a group or mesh that is down could never be applied: refused before it is queued.
+  if (absl::Status down = service_.Serving(); !down.ok()) return down;
   const MemoryEstimate need = stream_.session().EstimateMemory(PipelineBytes());
   return service_.admission.Admit(ticket_, need.bytes, need.breakdown, [this] { OnAdmitted(); });
 }

@@ -4,7 +4,9 @@
 //
 // Encoded as a safetensors file (readable by Python's `safetensors`), whose metadata holds the
 // scalars and a checksum of the data section: a truncated or corrupted file is detected and
-// refused whole, never half-loaded.
+// refused whole, never half-loaded. With a state secret the file is also sealed: metadata "mac"
+// holds an HMAC-SHA256 (core/mac.h) under the secret of what the checksum covers, so that a file
+// whoever can write the state directory made (the checksum is no secret) is refused too.
 #pragma once
 
 #include <cstdint>
@@ -39,11 +41,23 @@ struct HeadState {
 HeadState CaptureHeadState(const std::string& head_id, const std::string& state_id,
                            const Head& head, const OptimizerState& optimizer);
 
-// The file's bytes.
-absl::StatusOr<std::string> EncodeHeadState(const HeadState& state);
-// DATA_LOSS naming `source` (a path) for anything but a complete, intact head state; the
-// message never contains bytes of the file.
-absl::StatusOr<HeadState> DecodeHeadState(const std::string& bytes, const std::string& source);
+// The key that seals a server's head states, and where it came from (named in the messages of a
+// state that does not verify, e.g. "--state_secret_file"). An empty secret seals nothing: states
+// are saved without a seal and loaded on their checksum alone.
+struct StateSecret {
+  std::string secret;
+  std::string origin;
+};
+
+// The file's bytes, sealed under `secret` unless it is empty.
+absl::StatusOr<std::string> EncodeHeadState(const HeadState& state, const StateSecret& secret);
+// DATA_LOSS naming `source` (a path) for anything but a complete, intact head state; with a
+// secret, then PERMISSION_DENIED naming `source` and the secret's origin for an intact state that
+// does not verify under it: one with no seal (saved unsealed, or made by hand) or with a seal
+// that does not verify (forged, or sealed under another secret). Without a secret, a seal is not
+// checked. The message never contains bytes of the file.
+absl::StatusOr<HeadState> DecodeHeadState(const std::string& bytes, const std::string& source,
+                                          const StateSecret& secret);
 
 // FAILED_PRECONDITION (field "state_id") unless `state` holds rows [offset, offset + its rows)
 // of a head of `vocab_size` rows: a head group's rank restores only its own shard, of a head of

@@ -1,6 +1,7 @@
 // The small files an operator names by a flag (TLS files, --auth_token_file,
-// --group_secret_file), read so that a bad one is refused at start naming the flag and the path,
-// and the bearer token's check (the gRPC credentials' and the metrics endpoint's).
+// --group_secret_file, --state_secret_file), read so that a bad one is refused at start naming
+// the flag and the path, and the bearer token's check (the gRPC credentials' and the metrics
+// endpoint's).
 #pragma once
 
 #include <cstdint>
@@ -21,10 +22,10 @@ namespace remotehead::server {
 absl::StatusOr<std::string> ReadOperatorFile(std::string_view flag, const std::string& path,
                                              int64_t max_bytes = int64_t{1} << 20);
 
-// The group's secret from `path` (--group_secret_file, read by ReadOperatorFile: a regular
-// file, never blocking, of at most 4096 bytes), at least 16 bytes once surrounding whitespace is
-// trimmed. The errors name the flag.
-absl::StatusOr<std::string> ReadGroupSecret(const std::string& path);
+// A shared secret from `path` (--group_secret_file, --state_secret_file: `flag` without its
+// dashes), read by ReadOperatorFile (a regular file, never blocking, of at most 4096 bytes): at
+// least 16 bytes once surrounding whitespace is trimmed. The errors name the flag.
+absl::StatusOr<std::string> ReadSecretFile(std::string_view flag, const std::string& path);
 
 // The token of --auth_token_file (trailing whitespace trimmed; visible ASCII only), with the
 // errors BuildServerCredentials gives for it. The metrics endpoint checks the same token.

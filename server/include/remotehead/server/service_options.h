@@ -47,6 +47,9 @@ struct ServiceOptions {
   HeadGroup* group = nullptr;
   // This process (its group, or itself) is one replica of a mesh (head_mesh.h); nullptr: none.
   HeadMesh* mesh = nullptr;
+  // Every process of the group or mesh (liveness.h): once it is down, every call is refused and
+  // the synchronous steps waiting are answered with its verdict. nullptr: a server on its own.
+  Liveness* liveness = nullptr;
   // How long the ranks of a synchronous optimizer step wait for the missing ones (from the
   // first arrival) before every waiting rank gets ABORTED naming them.
   double sync_step_timeout_seconds = 300;

@@ -4,6 +4,12 @@
 // when the server starts. Layout: <dir>/<head id, %-escaped>/<state id>.safetensors, the
 // format of core/head_state.h.
 //
+// With a state secret (state_restore.h's OpenStateStore: --state_secret_file, else a head
+// group's secret) every state is sealed when saved and must verify when loaded: a state that
+// whoever can write the directory planted — forged, sealed under another secret, or saved
+// unsealed — is refused (PERMISSION_DENIED naming the file), at start and on RestoreHeadState
+// alike. Without one the checksum only detects damage.
+//
 // Inside the directory, the rules of --checkpoint_dir apply (core::CheckpointDir): no symbolic
 // link is followed (a head's directory or a state that is a link is refused, for reading and
 // for writing), only regular files are opened, and they are checked before they are opened (a
@@ -30,7 +36,9 @@ class StateStore {
   // it). `keep`: states kept per head (older ones are deleted) — the newest periodic ones and
   // those a trainer checkpoint refers to alike, so keep at least as many as the trainer keeps
   // checkpoints.
-  static absl::StatusOr<std::unique_ptr<StateStore>> Open(const std::string& dir, int keep);
+  // `secret`: the key states are sealed and verified with (core::StateSecret; empty: none).
+  static absl::StatusOr<std::unique_ptr<StateStore>> Open(const std::string& dir, int keep,
+                                                          core::StateSecret secret);
 
   // A fresh state id: ordered by creation time, unique.
   static std::string NewStateId();
@@ -42,7 +50,8 @@ class StateStore {
   // beyond `keep`.
   absl::Status Save(const core::HeadState& state);
   // INVALID_ARGUMENT for a malformed id, NOT_FOUND for no such state, DATA_LOSS (naming the
-  // file) for a truncated or corrupted one.
+  // file) for a truncated or corrupted one, PERMISSION_DENIED (naming the file) for one that
+  // does not verify under the state secret.
   absl::StatusOr<core::HeadState> Load(const std::string& head_id,
                                        const std::string& state_id) const;
   // INVALID_ARGUMENT naming state_id unless it is an id NewStateId could have made.
@@ -53,20 +62,24 @@ class StateStore {
   absl::StatusOr<std::map<std::string, std::vector<std::string>>> Listing() const;
   // The state `state_id` of the head directory `head_dir` (a name from Listing), read as a
   // start reads it: DATA_LOSS naming the file by its path if it cannot be loaded whole or is
-  // not the state its names say; PERMISSION_DENIED / INVALID_ARGUMENT naming a link or a file
-  // that is not a regular one.
+  // not the state its names say; PERMISSION_DENIED naming it if it does not verify under the
+  // state secret; PERMISSION_DENIED / INVALID_ARGUMENT naming a link or a file that is not a
+  // regular one.
   absl::StatusOr<core::HeadState> LoadAtStart(const std::string& head_dir,
                                               const std::string& state_id) const;
   // Deletes every state of the head (it was dropped).
   void Remove(const std::string& head_id);
 
   const std::string& dir() const { return dir_; }
+  // Whether states are sealed (a state secret was given).
+  bool sealed() const { return !secret_.secret.empty(); }
   // Temporary files of interrupted saves that Open removed.
   int removed_temporary_files() const { return removed_temporary_files_; }
 
  private:
-  StateStore(std::string dir, int keep, std::shared_ptr<const core::CheckpointDir> root)
-      : dir_(std::move(dir)), keep_(keep), root_(std::move(root)) {}
+  StateStore(std::string dir, int keep, core::StateSecret secret,
+             std::shared_ptr<const core::CheckpointDir> root)
+      : dir_(std::move(dir)), keep_(keep), secret_(std::move(secret)), root_(std::move(root)) {}
   // The states in the head directory `head_dir` (relative), oldest first.
   absl::StatusOr<std::vector<std::string>> StateIds(const std::string& head_dir) const;
   // The state in the file `relative`; `field` begins the messages of a file that cannot be
@@ -76,6 +89,7 @@ class StateStore {
 
   const std::string dir_;
   const int keep_;
+  const core::StateSecret secret_;
   const std::shared_ptr<const core::CheckpointDir> root_;
   int removed_temporary_files_ = 0;
   mutable std::mutex mu_;  // one writer at a time per store

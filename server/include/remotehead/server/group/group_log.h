@@ -119,6 +119,15 @@ class GroupLog {
   std::string refused_drain_;    // front: a refused value at "drain", if any
 };
 
+// `body` sealed as the log seals its entries (the HMAC-SHA256 of `kind`, `session` and `body`
+// under `secret`, appended), and back: the body, or PERMISSION_DENIED if the seal does not
+// verify. The log's kinds are 'H', 'C', 'R', 'D'; liveness.h seals its beats and verdict so, with
+// kinds of its own.
+std::string SealEntry(const std::string& secret, char kind, const std::string& session,
+                      const std::string& body);
+absl::StatusOr<std::string> UnsealEntry(const std::string& secret, char kind,
+                                        const std::string& session, const std::string& value);
+
 // A reply's status and payload as sealed in the log (exposed for tests).
 std::string EncodeReply(const GroupReply& reply);
 absl::StatusOr<GroupReply> DecodeReply(const std::string& bytes);

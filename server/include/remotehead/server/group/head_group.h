@@ -37,6 +37,7 @@
 #include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 #include "remotehead/server/group/group_log.h"
+#include "remotehead/server/group/liveness.h"
 #include "remotehead/server/group/metric_source.h"
 #include "remotehead/server/group/process_group.h"
 
@@ -61,8 +62,13 @@ class HeadGroup : public MetricSource {
   // Every rank's rows of a head of `vocab_size` rows (core::SplitVocabulary).
   absl::StatusOr<std::vector<core::ShardRange>> Ranges(int64_t vocab_size) const;
 
-  // OK while the group works; the failure that took it down otherwise.
+  // OK while the group works; the failure that took it down otherwise (its own, or the verdict
+  // of the group or mesh it is part of: liveness.h).
   absl::Status health() const;
+  // The liveness of the processes of this group (and of the mesh it is part of): a transport
+  // failure is blamed on the process lost and taken as every process's verdict. Set before the
+  // group serves; nullptr: none (the failure is this group's only).
+  void set_liveness(Liveness* liveness) { liveness_ = liveness; }
 
   // Metrics: this rank and the group's size, whether the group is up, what its collectives
   // moved (remotehead_group_*).
@@ -103,8 +109,12 @@ class HeadGroup : public MetricSource {
     HeadGroup* group_;
     std::unique_lock<std::mutex> lock_;
   };
-  // Front: waits for the lane; UNAVAILABLE if the group is down.
+  // Front: waits for the lane; UNAVAILABLE if the group itself failed (the mesh being down
+  // does not stop a replica whose ranks work from answering reads).
   absl::StatusOr<Lane> Enter();
+  // OK while the group and what it is part of work (health); else UNAVAILABLE, reason
+  // GROUP_UNAVAILABLE, saying why and what to do: the answer to every call that would train.
+  absl::Status Serving() const;
   // Front: a new id for a request whose engine calls run on every rank.
   int64_t NewSession() { return next_session_.fetch_add(1); }
   // Any rank: asks the front to drain the group; the front: whether a rank asked, and why
@@ -140,6 +150,9 @@ class HeadGroup : public MetricSource {
   // Other ranks: UNAVAILABLE (and this rank down) once the front declared the group down or is
   // gone; OK otherwise.
   absl::Status CheckFront();
+  // The failure that took this group itself down (OK while it works).
+  absl::Status OwnHealth() const;
+  absl::Status Unavailable(const absl::Status& failure) const;
 
   std::unique_ptr<ProcessGroup> group_;
   std::ostream* event_log_;
@@ -147,6 +160,7 @@ class HeadGroup : public MetricSource {
   std::mutex lane_;
   std::atomic<int64_t> next_session_{1};
   CommandObserver observer_;
+  Liveness* liveness_ = nullptr;
   mutable std::mutex mu_;
   absl::Status down_;          // guarded by mu_
   std::string front_address_;  // guarded by mu_

@@ -59,8 +59,9 @@ class HeadMesh : public MetricSource {
   // The fronts' group (the mesh's log); nullptr off a replica's front.
   HeadGroup* fronts() { return fronts_.get(); }
   const HeadGroup* fronts() const { return fronts_.get(); }
-  // OK while the mesh's log works (always OK off a front).
+  // OK while the mesh works: its log (on a front) and every process (liveness.h).
   absl::Status health() const;
+  void set_liveness(Liveness* liveness) { liveness_ = liveness; }
 
   // A front other than the leader: `method` (an operation that changes every replica) refused
   // with FAILED_PRECONDITION, reason NOT_THE_LEADER, naming the leader's address.
@@ -98,6 +99,7 @@ class HeadMesh : public MetricSource {
   const MeshOptions options_;
   std::unique_ptr<HeadGroup> fronts_;
   std::unique_ptr<ProcessGroup> shard_peers_;
+  Liveness* liveness_ = nullptr;
   std::atomic<int64_t> reduced_bytes_{0};
   std::atomic<int64_t> reduce_nanoseconds_{0};
   std::atomic<int64_t> matched_{0};

@@ -71,7 +71,28 @@ struct CollectiveBytes {
   int64_t received = 0;
 };
 
-class ProcessGroup : public core::GroupCollectives {
+// Keys and values in the group's store (c10d's TCPStore, served by global rank 0), under a
+// prefix of their own.
+class KeyValueStore {
+ public:
+  virtual ~KeyValueStore() = default;
+  virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
+  // Waits up to `timeout` for `key` to exist, then returns its value; DEADLINE_EXCEEDED naming the
+  // key if it does not appear in time.
+  virtual absl::StatusOr<std::string> Get(const std::string& key,
+                                          std::chrono::milliseconds timeout) = 0;
+  virtual absl::Status Delete(const std::string& key) = 0;
+  // Whether `key` exists now (no waiting).
+  virtual absl::StatusOr<bool> Exists(const std::string& key) = 0;
+};
+
+// A connection of its own to the store of the group or mesh `config` joined (after Join /
+// JoinMesh), keys under `<config.prefix>/<name>`: for what concerns every process of it
+// (liveness.h). Its calls never wait behind a log's, whose reads block while they poll.
+absl::StatusOr<std::unique_ptr<KeyValueStore>> OpenStore(const GroupConfig& config,
+                                                         const std::string& name);
+
+class ProcessGroup : public core::GroupCollectives, public KeyValueStore {
  public:
   // Joins the group: rank 0 starts the store, listening on config.store_bind (else the store's
   // host) only, and every rank waits (up to config.timeout) for the others. UNAVAILABLE /
@@ -92,15 +113,8 @@ class ProcessGroup : public core::GroupCollectives {
 
   virtual const GroupConfig& config() const = 0;
 
-  // The group's store (shared by every rank): values under keys, for commands and their replies.
-  virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
-  // Waits up to `timeout` for `key` to exist, then returns its value; DEADLINE_EXCEEDED naming the
-  // key if it does not appear in time.
-  virtual absl::StatusOr<std::string> Get(const std::string& key,
-                                          std::chrono::milliseconds timeout) = 0;
-  virtual absl::Status Delete(const std::string& key) = 0;
-  // Whether `key` exists now (no waiting).
-  virtual absl::StatusOr<bool> Exists(const std::string& key) = 0;
+  // The group's store (shared by every rank, KeyValueStore): values under keys, for commands
+  // and their replies.
 
   // Every rank's `t` (same shape and dtype on all ranks) stacked by rank, [size, t.shape…], on
   // rank `root`; an undefined tensor on the other ranks.

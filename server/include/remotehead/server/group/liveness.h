@@ -1,0 +1,123 @@
+// Which processes of a head group or mesh are alive, and the one verdict that it is down.
+//
+// Every process beats in the group's store (a sealed counter under "beat/<global rank>" every
+// 200 ms, on a store connection of its own) and watches everyone else's beats. From that:
+//   - the lost process is named: a transport failure (a collective or a log read failed because
+//     a peer closed its connection or stopped answering) is restated by Blame as the loss of the
+//     process whose beat stopped — "global rank 3 (replica 1, shard 1, at 10.0.0.5:50054)", the
+//     one to look at — instead of naming the live rank that noticed;
+//   - one verdict for every process: DeclareDown writes the failure (sealed) under "down"; every
+//     process reads it at its next beat and goes down too, so every front reports NOT_SERVING
+//     and refuses work (no replica takes dW the mesh can never apply), and the listeners (the
+//     synchronous steps waiting at a front) are answered at once;
+//   - a hung process (stopped, a stuck driver) is declared lost once its beat stopped for the
+//     group's timeout (--group_timeout_seconds), as a collective waiting for it would be; a store
+//     that cannot be reached (global rank 0 serves it) names global rank 0.
+// The beats and the verdict are sealed like the log's entries (group_log.h: HMAC-SHA256 under the
+// group's secret, bound to this run's session), so nobody without the secret can fake a beat of a
+// lost process or a verdict; whoever reaches the store can still delete keys, which takes the
+// group down (docs/security.md).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "remotehead/server/group/process_group.h"
+
+namespace remotehead::server {
+
+class Liveness {
+ public:
+  struct Timing {
+    std::chrono::milliseconds beat{200};
+    // A beat this old names its process when a transport failure happens.
+    std::chrono::milliseconds stalled{1200};
+    // A beat this old: its process is lost, with or without a failure (the group's timeout).
+    std::chrono::milliseconds lost{60000};
+  };
+
+  // Connects to the store of the group or mesh `config` joined and starts beating. UNAVAILABLE
+  // if the store cannot be reached, or the session does not come within the group's timeout.
+  // Events (a process lost, the verdict) are logged to `log` (nullptr: not logged).
+  static absl::StatusOr<std::unique_ptr<Liveness>> Start(const GroupConfig& config,
+                                                         std::ostream* log);
+  static absl::StatusOr<std::unique_ptr<Liveness>> Start(const GroupConfig& config,
+                                                         std::ostream* log, Timing timing);
+  ~Liveness();
+  Liveness(const Liveness&) = delete;
+  Liveness& operator=(const Liveness&) = delete;
+
+  // This process's address (its gRPC port), which the others name if it is lost.
+  void Announce(const std::string& address);
+  // OK until the group or mesh is down; then the verdict.
+  absl::Status health() const;
+  // `failure` (a transport failure this process saw: IsGroupFailure) restated as the loss of the
+  // process whose beat stopped, waiting a little over `stalled` for the evidence; `failure`
+  // itself if every beat goes on (the transport failed on its own) or it is not a transport
+  // failure. UNAVAILABLE, reason GROUP_UNAVAILABLE, metadata lost_rank, lost_replica,
+  // lost_shard, lost_address.
+  absl::Status Blame(const absl::Status& failure);
+  // The group or mesh is down with `verdict`: recorded in the store for every process and
+  // here; the listeners called. Only the first verdict counts.
+  void DeclareDown(const absl::Status& verdict);
+  // `listener` is called once with the verdict, by whichever thread learns it first, until
+  // removed (by the returned id; RemoveListener returns once no call of it runs).
+  int OnDown(std::function<void(const absl::Status&)> listener);
+  void RemoveListener(int id);
+  // "global rank 3 (replica 1, shard 1, at 10.0.0.5:50054)".
+  std::string Describe(int global_rank) const;
+
+ private:
+  Liveness(const GroupConfig& config, std::unique_ptr<KeyValueStore> store, std::ostream* log,
+           Timing timing);
+  absl::Status OpenSession();
+  void Run();
+  void Beat();
+  // Takes the verdict (`write`: this process's own, recorded in the store).
+  void GoDown(const absl::Status& verdict, bool write);
+  // The process lost, as a status (`since`: how long its beat has been stopped).
+  absl::Status Lost(int global_rank, std::chrono::milliseconds since,
+                    const std::string& first_seen) const;
+  // The process whose beat stopped longest, at least `at_least` ago (-1: none), and for how
+  // long; the store itself unreachable counts as global rank 0's. Under mu_.
+  std::pair<int, std::chrono::milliseconds> StalledLocked(std::chrono::milliseconds at_least) const;
+  std::string Sealed(char kind, const std::string& body) const;
+  // The body of `value` if its seal verifies for `kind`.
+  std::optional<std::string> Opened(char kind, const std::string& value) const;
+
+  using Clock = std::chrono::steady_clock;
+  const GroupConfig config_;
+  const std::unique_ptr<KeyValueStore> store_;
+  std::ostream* const log_;
+  const Timing timing_;
+  std::string session_;
+  int64_t beats_ = 0;
+  mutable std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::map<int, std::string> last_beat_;          // by global rank
+  std::map<int, Clock::time_point> last_change_;  // when its beat last changed
+  std::map<int, std::string> addresses_;
+  Clock::time_point store_failing_since_ = Clock::time_point::max();
+  absl::Status down_;
+  std::map<int, std::function<void(const absl::Status&)>> listeners_;  // under calling_
+  int next_listener_ = 0;
+  std::mutex calling_;  // held while listeners are called, added or removed
+  std::thread thread_;
+};
+
+// Whether `status` is a verdict that names the process lost (Blame's), which says what to do.
+bool NamesLostProcess(const absl::Status& status);
+
+}  // namespace remotehead::server

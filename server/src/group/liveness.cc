@@ -1,0 +1,324 @@
+#include "remotehead/server/group/liveness.h"
+
+#include <openssl/rand.h>
+
+#include <algorithm>
+#include <set>
+#include <tuple>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "group/exchange.h"
+#include "remotehead/core/error_reason.h"
+#include "remotehead/core/status_macros.h"
+#include "remotehead/server/group/group_log.h"
+
+namespace remotehead::server {
+namespace {
+
+// What an entry is, bound into its seal (the log's kinds are others).
+constexpr char kSession = 'S';
+constexpr char kBeat = 'B';
+constexpr char kAddress = 'A';
+constexpr char kVerdict = 'V';
+constexpr char kSessionKey[] = "session";
+constexpr char kVerdictKey[] = "down";
+constexpr size_t kNonceBytes = 16;
+
+std::string BeatKey(int rank) { return absl::StrCat("beat/", rank); }
+std::string AddressKey(int rank) { return absl::StrCat("addr/", rank); }
+
+std::string Seconds(std::chrono::milliseconds d) {
+  return absl::FormatDuration(absl::Milliseconds(d.count() / 100 * 100));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& config,
+                                                          std::ostream* log) {
+  return Start(config, log, Timing{.lost = config.timeout});
+}
+
+absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& config,
+                                                          std::ostream* log, Timing timing) {
+  // Its own calls wait at most a beat past `stalled`: a store that does not answer is a lost
+  // global rank 0, not a reason to stop beating for the group's whole timeout.
+  GroupConfig connection = config;
+  connection.timeout = timing.stalled + timing.beat;
+  ASSIGN_OR_RETURN(std::unique_ptr<KeyValueStore> store, OpenStore(connection, "liveness"));
+  std::unique_ptr<Liveness> liveness(new Liveness(config, std::move(store), log, timing));
+  RETURN_IF_ERROR(liveness->OpenSession());
+  liveness->thread_ = std::thread([l = liveness.get()] { l->Run(); });
+  return liveness;
+}
+
+Liveness::Liveness(const GroupConfig& config, std::unique_ptr<KeyValueStore> store,
+                   std::ostream* log, Timing timing)
+    : config_(config), store_(std::move(store)), log_(log), timing_(timing) {
+  const Clock::time_point now = Clock::now();
+  for (int r = 0; r < config_.size; ++r) {
+    if (r != config_.rank) last_change_[r] = now;
+  }
+}
+
+Liveness::~Liveness() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::Status Liveness::OpenSession() {
+  // Global rank 0 (whose process serves the store, fresh for every run) picks the session: a
+  // beat or verdict recorded in another run never verifies in this one.
+  if (config_.rank == 0) {
+    std::string nonce(kNonceBytes, '\0');
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), kNonceBytes) != 1) {
+      return absl::InternalError("liveness: no random bytes for the session");
+    }
+    RETURN_IF_ERROR(store_->Set(kSessionKey, SealEntry(config_.secret, kSession, "", nonce)));
+    session_ = nonce;
+    return absl::OkStatus();
+  }
+  const absl::StatusOr<std::string> value = store_->Get(kSessionKey, config_.timeout);
+  if (!value.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "liveness: global rank 0 did not publish the session within ",
+        Seconds(config_.timeout), " (", value.status().message(), ")"));
+  }
+  ASSIGN_OR_RETURN(session_, UnsealEntry(config_.secret, kSession, "", *value));
+  return absl::OkStatus();
+}
+
+std::string Liveness::Sealed(char kind, const std::string& body) const {
+  return SealEntry(config_.secret, kind, session_, body);
+}
+
+std::optional<std::string> Liveness::Opened(char kind, const std::string& value) const {
+  absl::StatusOr<std::string> body = UnsealEntry(config_.secret, kind, session_, value);
+  if (!body.ok()) return std::nullopt;
+  return *std::move(body);
+}
+
+void Liveness::Announce(const std::string& address) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    addresses_[config_.rank] = address;
+  }
+  const std::string body = absl::StrCat(config_.rank, " ", address);
+  if (const absl::Status s = store_->Set(AddressKey(config_.rank), Sealed(kAddress, body));
+      !s.ok() && log_ != nullptr) {
+    *log_ << "remotehead-server: liveness: this process's address was not announced: "
+          << s.message() << std::endl;
+  }
+}
+
+std::string Liveness::Describe(int global_rank) const {
+  std::string address;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = addresses_.find(global_rank); it != addresses_.end()) address = it->second;
+  }
+  const int k = config_.ranks_per_replica();
+  return absl::StrCat("global rank ", global_rank, " (replica ", global_rank / k, ", shard ",
+                      global_rank % k, ", at ", address.empty() ? "an unknown address" : address,
+                      ")");
+}
+
+absl::Status Liveness::health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return down_;
+}
+
+int Liveness::OnDown(std::function<void(const absl::Status&)> listener) {
+  std::lock_guard<std::mutex> lock(calling_);
+  listeners_[next_listener_] = std::move(listener);
+  return next_listener_++;
+}
+
+void Liveness::RemoveListener(int id) {
+  std::lock_guard<std::mutex> lock(calling_);
+  listeners_.erase(id);
+}
+
+absl::Status Liveness::Lost(int global_rank, std::chrono::milliseconds since,
+                            const std::string& first_seen) const {
+  const int k = config_.ranks_per_replica();
+  const std::string what = config_.replicas > 1 ? "mesh" : "head group";
+  std::string address;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = addresses_.find(global_rank); it != addresses_.end()) address = it->second;
+  }
+  const std::string how =
+      global_rank == 0 && since.count() < 0
+          ? std::string("the store it serves cannot be reached")
+          : absl::StrCat("no heartbeat for ", Seconds(since), " (killed, crashed or hung)");
+  return core::WithReason(
+      absl::UnavailableError(absl::StrCat(
+          Describe(global_rank), " is lost: ", how, ": the ", what, " of ", config_.size,
+          " processes is down — restart every process of it",
+          first_seen.empty() ? std::string() : absl::StrCat(" (first seen as: ", first_seen, ")"))),
+      core::reason::kGroupUnavailable,
+      {{"rank", absl::StrCat(config_.rank)},
+       {"lost_rank", absl::StrCat(global_rank)},
+       {"lost_replica", absl::StrCat(global_rank / k)},
+       {"lost_shard", absl::StrCat(global_rank % k)},
+       {"lost_address", address}});
+}
+
+std::pair<int, std::chrono::milliseconds> Liveness::StalledLocked(
+    std::chrono::milliseconds at_least) const {
+  const Clock::time_point now = Clock::now();
+  if (store_failing_since_ != Clock::time_point::max() &&
+      now - store_failing_since_ >= at_least) {
+    return {0, std::chrono::milliseconds(-1)};  // the store's process: global rank 0
+  }
+  int worst = -1;
+  std::chrono::milliseconds longest{0};
+  for (const auto& [rank, changed] : last_change_) {
+    const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - changed);
+    if (since >= at_least && since > longest) {
+      worst = rank;
+      longest = since;
+    }
+  }
+  return {worst, longest};
+}
+
+bool NamesLostProcess(const absl::Status& status) {
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  return reason.has_value() && reason->metadata.contains("lost_rank");
+}
+
+absl::Status Liveness::Blame(const absl::Status& failure) {
+  if (failure.code() != absl::StatusCode::kUnavailable &&
+      failure.code() != absl::StatusCode::kDeadlineExceeded) {
+    return failure;
+  }
+  // A process killed just now beat less than `stalled` ago: the evidence takes that long.
+  const Clock::time_point deadline = Clock::now() + timing_.stalled + 2 * timing_.beat;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    if (NamesLostProcess(down_)) return down_;  // another process named it already
+    const auto [rank, since] = StalledLocked(timing_.stalled);
+    if (rank >= 0) {
+      lock.unlock();
+      return Lost(rank, since, std::string(failure.message()));
+    }
+    if (Clock::now() >= deadline) return failure;
+    wake_.wait_for(lock, timing_.beat / 4);
+  }
+}
+
+void Liveness::DeclareDown(const absl::Status& verdict) { GoDown(verdict, /*write=*/true); }
+
+void Liveness::GoDown(const absl::Status& verdict, bool write) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!down_.ok()) return;
+    down_ = verdict;
+  }
+  wake_.notify_all();
+  if (log_ != nullptr) {
+    *log_ << "remotehead-server: " << (config_.replicas > 1 ? "mesh" : "head group")
+          << " down: " << verdict.message() << std::endl;
+  }
+  if (write) {
+    // Best effort: a store that is gone is itself the verdict every process finds.
+    store_->Set(kVerdictKey, Sealed(kVerdict, EncodeStatus(verdict))).IgnoreError();
+  }
+  std::lock_guard<std::mutex> calling(calling_);
+  for (const auto& [id, listener] : listeners_) listener(verdict);
+}
+
+void Liveness::Beat() {
+  const Clock::time_point now = Clock::now();
+  std::set<int> known;  // the addresses read already (read once each)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [rank, address] : addresses_) known.insert(rank);
+  }
+  absl::Status reached = store_->Set(BeatKey(config_.rank), Sealed(kBeat, absl::StrCat(++beats_)));
+  std::map<int, std::string> beats;
+  std::map<int, std::string> addresses;
+  std::optional<absl::Status> verdict;
+  for (int r = 0; r < config_.size && reached.ok(); ++r) {
+    if (r == config_.rank) continue;
+    absl::StatusOr<bool> there = store_->Exists(BeatKey(r));
+    if (there.ok() && *there) {
+      absl::StatusOr<std::string> value = store_->Get(BeatKey(r), timing_.beat);
+      if (value.ok()) beats[r] = *std::move(value);
+    }
+    reached = there.status();
+    if (reached.ok() && !known.contains(r)) {
+      absl::StatusOr<bool> announced = store_->Exists(AddressKey(r));
+      if (announced.ok() && *announced) {
+        absl::StatusOr<std::string> value = store_->Get(AddressKey(r), timing_.beat);
+        if (value.ok()) {
+          if (std::optional<std::string> body = Opened(kAddress, *value)) {
+            const size_t space = body->find(' ');
+            int rank = -1;
+            if (space != std::string::npos && absl::SimpleAtoi(body->substr(0, space), &rank) &&
+                rank == r) {
+              addresses[r] = body->substr(space + 1);
+            }
+          }
+        }
+      }
+    }
+  }
+  if (reached.ok()) {
+    absl::StatusOr<bool> declared = store_->Exists(kVerdictKey);
+    if (declared.ok() && *declared) {
+      absl::StatusOr<std::string> value = store_->Get(kVerdictKey, timing_.beat);
+      if (value.ok()) {
+        if (std::optional<std::string> body = Opened(kVerdict, *value)) {
+          verdict = DecodeStatus(*body);
+        }
+      }
+    }
+  }
+  int lost = -1;
+  std::chrono::milliseconds lost_since{0};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reached.ok()) {
+      store_failing_since_ = Clock::time_point::max();
+    } else if (store_failing_since_ == Clock::time_point::max()) {
+      store_failing_since_ = now;
+    }
+    for (auto& [r, value] : beats) {
+      // A value that does not verify (forged, replayed) is not a beat: it changes nothing.
+      if (value != last_beat_[r] && Opened(kBeat, value).has_value()) {
+        last_beat_[r] = value;
+        last_change_[r] = now;
+      }
+    }
+    addresses_.insert(addresses.begin(), addresses.end());
+    if (down_.ok() && !verdict.has_value()) {
+      std::tie(lost, lost_since) = StalledLocked(timing_.lost);
+    }
+  }
+  wake_.notify_all();  // a Blame waiting for evidence looks again
+  if (verdict.has_value()) {
+    GoDown(*verdict, /*write=*/false);
+  } else if (lost >= 0) {
+    DeclareDown(Lost(lost, lost_since, ""));
+  }
+}
+
+void Liveness::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    lock.unlock();
+    Beat();
+    lock.lock();
+    wake_.wait_for(lock, timing_.beat, [this] { return stop_; });
+  }
+}
+
+}  // namespace remotehead::server
