@@ -3,7 +3,8 @@
 //   remotehead-server --listen 127.0.0.1:50051 --device auto --checkpoint_dir /ckpt
 //
 // Logs one line per lifecycle event; SIGTERM / SIGINT drain in-flight calls (up to
-// --shutdown_grace_seconds) and exit 0.
+// --shutdown_grace_seconds), save the heads' states (--state_dir) and exit 0; on a head group or
+// mesh a signal on any rank drains every rank together (rpc/serving.h).
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -11,11 +12,9 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
-#include <functional>
 #include <iostream>
 #include <map>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -37,6 +36,7 @@
 #include "remotehead/server/rpc/head_service.h"
 #include "rpc/front_address.h"
 #include "rpc/metrics_interceptor.h"
+#include "rpc/serving.h"
 #include "state_restore.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
@@ -46,6 +46,11 @@ ABSL_FLAG(std::vector<std::string>, head, {},
           "--head b:..) and each may be a comma list");
 ABSL_FLAG(int32_t, max_message_bytes, 16 << 20, "largest gRPC message accepted or sent");
 ABSL_FLAG(int32_t, shutdown_grace_seconds, 30, "how long SIGTERM waits for in-flight calls");
+ABSL_FLAG(int32_t, drain_save_seconds, 60,
+          "on a head group or mesh: how long the drain at SIGTERM may take to save every head's "
+          "state on every rank once the calls in flight finished; a rank that was signalled and "
+          "does not see the drain end within --shutdown_grace_seconds plus this (plus 5 s) stops "
+          "without it (exit 1)");
 ABSL_FLAG(int64_t, memory_budget_bytes, -1,
           "bytes that running requests may hold (estimated at admission); -1 = auto (90% of the "
           "device's free memory after the heads are loaded; on CPU half the RAM), 0 = unlimited");
@@ -62,9 +67,10 @@ ABSL_FLAG(double, stripe_join_seconds, 30,
           "first; then the step fails (ABORTED), nothing committed");
 ABSL_FLAG(double, max_retain_seconds, 600,
           "longest a Forward's inputs are kept for a Backward (StepHeader.retain_inputs_seconds)");
-ABSL_FLAG(double, sync_step_timeout_seconds, 300,
-          "how long the ranks of a synchronous optimizer step (data-parallel trainers) wait for the "
-          "missing ones before each gets ABORTED naming them; nothing is applied");
+ABSL_FLAG(
+    double, sync_step_timeout_seconds, 300,
+    "how long the ranks of a synchronous optimizer step (data-parallel trainers) wait for the "
+    "missing ones before each gets ABORTED naming them; nothing is applied");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server (turns TLS on)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA(s) for client certificates (turns mTLS on)");
@@ -131,9 +137,10 @@ ABSL_FLAG(int32_t, group_replicas, 1,
 ABSL_FLAG(std::string, mesh_reduce_dtype, "float32",
           "on a mesh: the dtype dW travels in when it is summed over the replicas at an "
           "optimizer step (float32: exact; bfloat16: half the bytes, rounded sums)");
-ABSL_FLAG(int32_t, mesh_checksum_every_steps, 100,
-          "on a mesh: every this many weight versions the replicas compare a checksum of their "
-          "weights (a mismatch fails the step with DATA_LOSS, reason REPLICAS_DIVERGED); 0 = never");
+ABSL_FLAG(
+    int32_t, mesh_checksum_every_steps, 100,
+    "on a mesh: every this many weight versions the replicas compare a checksum of their "
+    "weights (a mismatch fails the step with DATA_LOSS, reason REPLICAS_DIVERGED); 0 = never");
 ABSL_FLAG(double, group_timeout_seconds, 60,
           "how long a head group's collectives and commands wait for a rank before the group "
           "is declared down");
@@ -187,8 +194,8 @@ std::vector<std::string> RepeatedFlagValues(int argc, char** argv, const std::st
   return values;
 }
 
-std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop.store(true); }
+std::atomic<int> g_signal{0};  // the signal received (SIGTERM / SIGINT); 0 until one came
+void OnSignal(int signal) { g_signal.store(signal); }
 
 // The server's credentials from the --tls_* and --auth_token_file flags; logs the mode.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Security() {
@@ -346,19 +353,17 @@ std::unique_ptr<grpc::Server> StartServer(
   } else {
     builder.RegisterCallbackGenericService(not_the_front);
   }
-  if (metrics != nullptr) {
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back(rh::server::NewMetricsInterceptorFactory(metrics));
-    builder.experimental().SetInterceptorCreators(std::move(creators));
-  }
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(service.CallCounter());  // the drain waits for the calls it counts
+  if (metrics != nullptr) creators.push_back(rh::server::NewMetricsInterceptorFactory(metrics));
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   return server != nullptr && *port != 0 ? std::move(server) : nullptr;
 }
 
 // The front of a head group (of a mesh's replica) tells the other ranks (the other fronts)
 // where clients dial it (front_address.h).
-void AnnounceFront(rh::server::HeadGroup& group, const rh::server::GroupConfig& config,
-                   int port) {
+void AnnounceFront(rh::server::HeadGroup& group, const rh::server::GroupConfig& config, int port) {
   const std::string address =
       rh::server::FrontAddress(absl::GetFlag(FLAGS_group_front_address), config.replica(),
                                absl::GetFlag(FLAGS_listen), config.store_host, port);
@@ -367,8 +372,7 @@ void AnnounceFront(rh::server::HeadGroup& group, const rh::server::GroupConfig& 
               << " was not announced: " << s.message() << std::endl;
     return;
   }
-  std::cout << "remotehead-server: head group: clients dial the front at " << address
-            << std::endl;
+  std::cout << "remotehead-server: head group: clients dial the front at " << address << std::endl;
 }
 
 // From here on SIGTERM / SIGINT ask for a drain instead of ending the process. Installed before
@@ -378,30 +382,6 @@ void AnnounceFront(rh::server::HeadGroup& group, const rh::server::GroupConfig& 
 void DrainOnSignal() {
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
-}
-
-// Serves until SIGTERM / SIGINT (DrainOnSignal) or `done` says so, then drains: NOT_SERVING,
-// then up to --shutdown_grace_seconds for the calls in flight. On a head group, health turns
-// NOT_SERVING as soon as the group is down.
-void ServeUntilSignal(grpc::Server& server, rh::server::HeadService& service,
-                      const rh::server::Cluster& cluster, const std::function<bool()>& done) {
-  bool serving = true;
-  while (!g_stop.load() && !done()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    if (!serving) continue;
-    if (const absl::Status down = cluster.health(); !down.ok()) {
-      serving = false;
-      server.GetHealthCheckService()->SetServingStatus(false);
-      std::cerr << "remotehead-server: NOT_SERVING: the head group is down: " << down.message()
-                << std::endl;
-    }
-  }
-  std::cout << "remotehead-server: draining (up to " << absl::GetFlag(FLAGS_shutdown_grace_seconds)
-            << " s)" << std::endl;
-  server.GetHealthCheckService()->SetServingStatus(false);
-  service.Drain();
-  server.Shutdown(std::chrono::system_clock::now() +
-                  std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
 }
 
 // Exit code 2 for a configuration the server refuses (the message names the flag).
@@ -449,6 +429,10 @@ int Run() {
   if (const double t = absl::GetFlag(FLAGS_sync_step_timeout_seconds); !(t > 0 && t <= 86400)) {
     return Refuse(absl::InvalidArgumentError(absl::StrCat(
         "--sync_step_timeout_seconds: expected a number of seconds in (0, 86400]; got ", t)));
+  }
+  if (const int32_t t = absl::GetFlag(FLAGS_drain_save_seconds); t < 0) {
+    return Refuse(absl::InvalidArgumentError(
+        absl::StrCat("--drain_save_seconds: expected a number of seconds >= 0; got ", t)));
   }
   const absl::StatusOr<rh::server::GroupConfig> group_config = GroupConfigFromFlags(*device);
   if (!group_config.ok()) return Refuse(group_config.status());
@@ -540,42 +524,16 @@ int Run() {
   server->GetHealthCheckService()->SetServingStatus(true);
   std::cout << "remotehead-server: listening on port " << port << " (device " << device->str()
             << ")" << std::endl;
-  // A rank other than the front follows the front's commands until told to stop, or until the
-  // front is gone (then it stops too, with exit code 1).
-  std::atomic<bool> followed{false};
-  absl::Status follow_status;
-  std::thread follower;
-  // A replica's front other than the mesh's leader follows the leader's commands likewise.
-  if (!front || (mesh != nullptr && !mesh->is_leader())) {
-    follower = std::thread([&] {
-      follow_status = front ? service->FollowMesh(g_stop) : service->FollowGroup(g_stop);
-      followed.store(true);
-    });
-  }
-  ServeUntilSignal(*server, *service, *cluster, [&] { return followed.load(); });
-  const bool signalled = g_stop.load();
-  if (follower.joinable()) {
-    g_stop.store(true);
-    follower.join();
-  }
-  const absl::Status saved = service->SaveAllStates();
-  if (!saved.ok()) {
-    std::cerr << "remotehead-server: head states NOT saved at shutdown: " << saved.message()
-              << std::endl;
-  } else if (state_store != nullptr) {
-    std::cout << "remotehead-server: head states saved to " << state_store->dir() << std::endl;
-  }
+  const int code = rh::server::ServeUntilStopped(
+      *server, *service, *cluster, g_signal,
+      {.grace = std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)),
+       .save = std::chrono::seconds(absl::GetFlag(FLAGS_drain_save_seconds)),
+       .global_rank = group_config->rank,
+       .state_dir = state_store != nullptr ? state_store->dir() : "",
+       .out = &std::cout,
+       .err = &std::cerr});
   metrics->http.reset();  // no scrape may read the service's state once it is gone
-  if (!follow_status.ok() && !signalled) {  // the front went away first: not a clean stop
-    std::cerr << "remotehead-server: stopped: " << follow_status.message() << std::endl;
-    return 1;
-  }
-  if (!saved.ok()) {  // a state that was not saved is training lost: not a clean stop
-    std::cerr << "remotehead-server: stopped, with head states not saved" << std::endl;
-    return 1;
-  }
-  std::cout << "remotehead-server: stopped" << std::endl;
-  return 0;
+  return code;
 }
 
 }  // namespace

@@ -96,6 +96,20 @@ def stop_and_check_drained(stack: Stack, services) -> None:
     assert stack.remaining() == "", "down left containers"
 
 
+def test_every_server_gets_the_time_its_drain_takes_before_sigkill():
+    """Static (no Docker): `stop`'s SIGKILL comes after a server's drain — its calls' grace,
+    on a group the saves on every rank, and the 5 s a signalled rank waits beyond them."""
+    services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+    servers = {name: s for name, s in services.items() if name.startswith("remotehead")}
+    assert len(servers) == 4, sorted(servers)
+    for name, service in servers.items():
+        given = dict(a.split("=", 1) for a in service["command"] if "=" in a)
+        grace = int(given.get("--shutdown_grace_seconds", 30))  # the server's defaults
+        save = int(given.get("--drain_save_seconds", 60))
+        period = service.get("stop_grace_period", "10s")
+        assert period.endswith("s") and int(period[:-1]) >= grace + save + 5 + 10, (name, period)
+
+
 def dashboard_expressions():
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "remotehead.json").read_text())
     return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]

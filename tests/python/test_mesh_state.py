@@ -274,10 +274,12 @@ def test_replicas_restored_from_states_that_differ_are_caught_by_the_checksum(tm
     state_dir = tmp_path / "state"
     flags = ("--mesh_checksum_every_steps=1", "--metrics_address=127.0.0.1:0")
     with running(state_dir, 2, 1, *flags) as (mesh, client):
-        state_id = client.save_head_state("h").state_id
-    # Sealed under the group's secret like the original: the seal does not catch it, the
-    # checksum across replicas does.
-    forge_weight(state_dir / "rank-1" / "h" / f"{state_id}.safetensors", 0.25,
+        client.save_head_state("h")
+    # The newest state, which the restart restores: the one the drain at the stop saved. Sealed
+    # under the group's secret like the original: the seal does not catch it, the checksum
+    # across replicas does.
+    newest = state_files(state_dir, 2, "h")[1][-1]
+    forge_weight(state_dir / "rank-1" / "h" / newest, 0.25,
                  group_secret(state_dir).read_bytes().strip())
 
     restarted = start(state_dir, 2, 1, *flags)

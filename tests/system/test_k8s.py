@@ -167,6 +167,14 @@ def test_the_statefulset_matches_the_server(overlay):
     assert state_mount == ["/var/lib/remotehead/state"]
     assert resolved["--state_dir"] == state_mount[0]
 
+    # The drain at SIGTERM (docs/kubernetes.md): the kubelet's SIGKILL comes after the calls'
+    # grace, the saves' time and the 5 s a signalled rank waits beyond them, with a margin; no
+    # preStop hook spends that grace before the server's SIGTERM.
+    drain = int(resolved["--shutdown_grace_seconds"]) + int(resolved["--drain_save_seconds"])
+    assert pod["terminationGracePeriodSeconds"] >= drain + 5 + 10, (
+        pod["terminationGracePeriodSeconds"], drain)
+    assert "preStop" not in container.get("lifecycle", {})
+
     # The image's user; a PodDisruptionBudget over every rank that lets none go.
     assert pod["securityContext"]["runAsUser"] == uid
     pdb = find(documents, "PodDisruptionBudget")["spec"]
@@ -206,6 +214,20 @@ def test_the_network_policy_fences_the_group_plane(overlay):
     opened = copy.deepcopy(policy)
     opened["spec"]["ingress"].append({})
     assert admits(opened, None, named["store"], named)
+
+
+def test_the_pod_spec_says_why_its_grace_period_is_what_it_is():
+    """terminationGracePeriodSeconds is explained where it is set: by the flags it must exceed."""
+    text = (ROOT / "deploy" / "k8s" / "base" / "statefulset.yaml").read_text()
+    before = text.split("terminationGracePeriodSeconds:")[0].splitlines()[:-1]  # its own line
+    comment = []
+    for line in reversed(before):
+        if not line.strip().startswith("#"):
+            break
+        comment.insert(0, line)
+    comment = " ".join(comment)
+    for words in ("--shutdown_grace_seconds", "--drain_save_seconds", "ANY pod", "preStop"):
+        assert words in comment, (words, comment)
 
 
 def test_the_trainer_job_matches_the_front_and_torchrun():

@@ -472,4 +472,40 @@ absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {
   return body->substr(kSeqBytes);
 }
 
+// ----- drain requests (replication/cluster_drain.h) -----
+//
+// Kept apart from the log's commands: a request is no command (the front decides what the drain
+// runs, through the log), and any rank may write one. Sealed like every entry, under a kind of
+// its own, so a forged request drains nothing and a command never reads as one.
+
+namespace {
+constexpr char kDrainKey[] = "drain";
+constexpr auto kDrainKind = static_cast<Kind>('Q');
+}  // namespace
+
+absl::Status GroupLog::RequestDrain(const std::string& reason) {
+  RETURN_IF_ERROR(Open());
+  return group_->Set(kDrainKey,
+                     Seal(secret_, kDrainKind, *session_, Fixed64(group_->rank()) + reason));
+}
+
+absl::StatusOr<std::optional<std::string>> GroupLog::DrainRequested() {
+  RETURN_IF_ERROR(Open());
+  ASSIGN_OR_RETURN(const bool requested, group_->Exists(kDrainKey));
+  if (!requested) return std::nullopt;
+  ASSIGN_OR_RETURN(const std::string value, group_->Get(kDrainKey, group_->config().timeout));
+  if (value == refused_drain_) return std::nullopt;
+  absl::StatusOr<std::string> body = Unseal(secret_, kDrainKind, *session_, value);
+  if (body.ok() && (body->size() < kSeqBytes || ReadFixed64(*body) < 0 ||
+                    ReadFixed64(*body) >= group_->size())) {
+    body = absl::PermissionDeniedError("a request that names no rank of the group");
+  }
+  if (!body.ok()) {
+    LogRefused(kDrainKey, body.status());
+    refused_drain_ = value;
+    return std::nullopt;
+  }
+  return body->substr(kSeqBytes);
+}
+
 }  // namespace remotehead::server

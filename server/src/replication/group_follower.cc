@@ -19,6 +19,7 @@ absl::Status GroupFollower::Follow(const v1::GroupCommand& command) {
     return absl::OkStatus();
   }
   if (command.has_ping()) return absl::OkStatus();
+  if (command.has_drain() || command.has_stop()) return drain_->Follow(command);
   return FollowHeadCommand(command);
 }
 

@@ -1,7 +1,8 @@
 // A head group's ranks other than the front: the one follower that takes every command of the
 // group's log (HeadGroup::Follow) and runs it on this rank — a head command
 // (translate/group_commands.h) through this rank's HeadOperations, a request's engine call or end (group_steps.h)
-// through GroupStepFollower, the front's address (front_address.h) into the group.
+// through GroupStepFollower, the front's address (front_address.h) into the group, the drain's
+// commands (cluster_drain.h) to the drain.
 #pragma once
 
 #include <atomic>
@@ -12,6 +13,7 @@
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"
+#include "replication/cluster_drain.h"
 #include "replication/group_steps.h"
 
 namespace remotehead::server {
@@ -19,8 +21,12 @@ namespace remotehead::server {
 class GroupFollower {
  public:
   GroupFollower(HeadOperations* operations, HeadRegistry* registry, HeadGroup* group,
-                torch::Device device)
-      : operations_(operations), group_(group), device_(device), steps_(registry, group, device) {}
+                torch::Device device, ClusterDrain* drain)
+      : operations_(operations),
+        group_(group),
+        device_(device),
+        drain_(drain),
+        steps_(registry, group, device) {}
 
   // Follows the group's log until `stop` or the group fails (a rank other than the front).
   absl::Status Run(const std::atomic<bool>& stop);
@@ -33,6 +39,7 @@ class GroupFollower {
   HeadOperations* const operations_;
   HeadGroup* const group_;
   const torch::Device device_;
+  ClusterDrain* const drain_;
   GroupStepFollower steps_;  // the front's requests, each with this rank's scratch dW
 };
 

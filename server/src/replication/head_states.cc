@@ -46,12 +46,7 @@ absl::StatusOr<HeadDescription> ReplicatedHeadOperations::RestoreState(
 
 absl::Status ReplicatedHeadOperations::SaveAllStates() {
   if (!local_->Store().ok()) return absl::OkStatus();
-  if (group_ != nullptr || mesh_ != nullptr) {
-    local_->LogEvent(
-        "head states not saved at shutdown: a head group's are saved at its steps "
-        "(--checkpoint_every_steps) and on request");
-    return absl::OkStatus();
-  }
+  if (group_ != nullptr || mesh_ != nullptr) return absl::OkStatus();  // the drain's to save
   // Each head on its own: one that cannot be saved never keeps the others from being saved.
   const std::vector<HeadDescription> heads = local_->List();
   std::vector<std::string> failed;

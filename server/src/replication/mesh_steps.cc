@@ -302,6 +302,8 @@ absl::Status MeshFollower::Follow(const v1::GroupCommand& command) {
     mesh_->fronts()->set_front_address(command.front().address());
     return absl::OkStatus();
   }
+  // The drain's wait for this front's calls holds no lane (they need it); its ranks serve none.
+  if (command.has_drain()) return local_->Follow(command);
   // A head command: run on every rank of this replica, as the leader runs it on its own.
   if (replica_group_ == nullptr) return local_->Follow(command);
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, replica_group_->Enter());

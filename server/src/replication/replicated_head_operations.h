@@ -109,10 +109,17 @@ class ReplicatedHeadOperations {
   // the mesh's log); a failed save is logged, never the step's failure (the step happened: a
   // retrying client would step twice).
   void SaveAfterStep(const std::string& id, int64_t version);
-  // At shutdown: saves every head's state, each on its own; INTERNAL naming every head not
-  // saved. Nothing on a head group or a mesh: its ranks stop each on its own signal, so no
-  // state could be saved by all of them (theirs are saved at steps and on request).
+  // A server on its own at shutdown: saves every head's state, each on its own; INTERNAL naming
+  // every head not saved. Nothing on a head group or a mesh, whose drain saves them
+  // (cluster_drain.h).
   absl::Status SaveAllStates();
+  // A command that is no head operation (the drain's, cluster_drain.h) on every rank of every
+  // replica, as RunOnEveryRank runs one: `here` is this process's part. The leader's (or a
+  // group's front's); NOT_THE_LEADER on another front.
+  absl::Status RunEverywhere(const v1::GroupCommand& command,
+                             const std::function<absl::Status()>& here) {
+    return RunOnEveryRank(command, here);
+  }
 
  private:
   // Which ranks an operation runs on: every rank of every replica (what changes the head), or

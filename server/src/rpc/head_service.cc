@@ -35,11 +35,22 @@ grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, Fn&& fn) {
   return reactor;
 }
 
+// A streaming call refused before it starts (the server drains): answered at once.
+template <class Reactor>
+class RefusedReactor final : public Reactor {
+ public:
+  explicit RefusedReactor(const grpc::Status& status) { this->Finish(status); }
+  void OnDone() override { delete this; }
+};
+
 // Unary for a call that trains or changes a head: refused once `service` does not serve
-// (ServiceContext::Serving: its group or mesh is down); reads are answered still.
+// (ServiceContext::Serving: its group or mesh is down) or drains (CallGate).
 template <typename Fn>
 grpc::ServerUnaryReactor* Training(grpc::CallbackServerContext* context,
                                    const ServiceContext& service, Fn&& fn) {
+  if (absl::Status refused = service.gate.Admit(); !refused.ok()) {
+    return Unary(context, [refused] { return refused; });
+  }
   if (absl::Status down = service.Serving(); !down.ok()) {
     return Unary(context, [&] { return down; });
   }
@@ -125,13 +136,13 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
 
   grpc::ServerReadReactor<v1::UploadHeadRequest>* UploadHead(grpc::CallbackServerContext* context,
                                                              v1::HeadInfo* response) override {
-    return NewUploadReactor(context, context_.get(), response);
+    return Admit([&] { return NewUploadReactor(context, context_.get(), response); });
   }
 
   grpc::ServerUnaryReactor* SaveWeights(grpc::CallbackServerContext* context,
                                         const v1::SaveWeightsRequest* request,
                                         v1::SaveWeightsResponse* response) override {
-    return Unary(context, [&]() -> absl::Status {
+    return Serve(context, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const int64_t bytes,
                        Ops().Save(request->head_id(), request->path(), request->weight_name(),
                                   request->bias_name()));
@@ -144,7 +155,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
                                          const v1::HeadRef* request,
                                          v1::HeadInfo* response) override {
     // On a mesh, accumulated_micro_batches counts every replica's (MeshCounts).
-    return Unary(context, [&] {
+    return Serve(context, [&] {
       return Answer(context_->mesh_counts.Describe(request->head_id()), response);
     });
   }
@@ -152,7 +163,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* ListHeads(grpc::CallbackServerContext* context,
                                       const v1::ListHeadsRequest*,
                                       v1::ListHeadsResponse* response) override {
-    return Unary(context, [&]() -> absl::Status {
+    return Serve(context, [&]() -> absl::Status {
       for (const HeadDescription& d : Local().List())
         RETURN_IF_ERROR(ToWire(d, response->add_heads()));
       return absl::OkStatus();
@@ -201,7 +212,7 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* ListFunctions(grpc::CallbackServerContext* context,
                                           const v1::ListFunctionsRequest*,
                                           v1::ListFunctionsResponse* response) override {
-    return Unary(context, [&] { return ToWire(core::FunctionRegistry::Builtin(), response); });
+    return Serve(context, [&] { return ToWire(core::FunctionRegistry::Builtin(), response); });
   }
 
   grpc::ServerUnaryReactor* RestoreHeadState(grpc::CallbackServerContext* context,
@@ -214,40 +225,42 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
 
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* ForwardBackward(
       grpc::CallbackServerContext* context) override {
-    return NewStepReactor(context, core::CallMode::kFused, context_.get());
+    return Admit([&] { return NewStepReactor(context, core::CallMode::kFused, context_.get()); });
   }
 
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Forward(
       grpc::CallbackServerContext* context) override {
-    return NewStepReactor(context, core::CallMode::kForward, context_.get());
+    return Admit([&] { return NewStepReactor(context, core::CallMode::kForward, context_.get()); });
   }
 
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Backward(
       grpc::CallbackServerContext* context) override {
-    return NewStepReactor(context, core::CallMode::kBackward, context_.get());
+    return Admit(
+        [&] { return NewStepReactor(context, core::CallMode::kBackward, context_.get()); });
   }
 
   grpc::ServerWriteReactor<v1::ExportWeightsResponse>* ExportWeights(
       grpc::CallbackServerContext*, const v1::ExportWeightsRequest* request) override {
-    return NewExportReactor(context_.get(), *request);
+    return Admit([&] { return NewExportReactor(context_.get(), *request); });
   }
 
   grpc::ServerWriteReactor<v1::FetchGradientsResponse>* FetchGradients(
       grpc::CallbackServerContext*, const v1::FetchGradientsRequest* request) override {
-    return NewFetchGradientsReactor(context_.get(), *request);
+    return Admit([&] { return NewFetchGradientsReactor(context_.get(), *request); });
   }
 
   grpc::ServerWriteReactor<v1::EmbeddingLookupResponse>* EmbeddingLookup(
       grpc::CallbackServerContext*, const v1::EmbeddingLookupRequest* request) override {
-    return NewEmbeddingLookupReactor(context_.get(), *request);
+    return Admit([&] { return NewEmbeddingLookupReactor(context_.get(), *request); });
   }
 
   grpc::ServerReadReactor<v1::EmbeddingGradientRequest>* EmbeddingGradient(
       grpc::CallbackServerContext* context, v1::EmbeddingGradientResponse* response) override {
-    return NewEmbeddingGradientReactor(context, context_.get(), response);
+    return Admit([&] { return NewEmbeddingGradientReactor(context, context_.get(), response); });
   }
 
   void Drain() override {
+    context_->gate.Close();
     const absl::Status draining = core::WithReason(
         absl::UnavailableError("synchronous optimizer step: the server is draining; nothing applied"),
         core::reason::kServerDraining);
@@ -255,8 +268,34 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     // On a mesh's front, also the steps whose trainers all came, waiting for the leader's.
     context_->operations.mesh_steps().AbortWaiting(draining, /*started=*/false);
   }
+  bool Quiesce(std::chrono::steady_clock::time_point deadline) override {
+    Drain();
+    return context_->gate.AwaitIdle(deadline);
+  }
+  std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> CallCounter() override {
+    return context_->gate.Counter();
+  }
+  ClusterDrain& cluster_drain() override { return context_->drain; }
 
  private:
+  // A unary call, refused at once while the server drains.
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, Fn&& fn) {
+    return Unary(context, [&]() -> absl::Status {
+      RETURN_IF_ERROR(context_->gate.Admit());
+      return fn();
+    });
+  }
+  // A streaming call's reactor from `make`, or, while the server drains, one that refuses it.
+  template <typename Make>
+  auto Admit(Make&& make) -> decltype(make()) {
+    using Reactor = std::remove_pointer_t<decltype(make())>;
+    if (const absl::Status refused = context_->gate.Admit(); !refused.ok()) {
+      return new RefusedReactor<Reactor>(ToGrpcStatus(refused));
+    }
+    return make();
+  }
+
   ReplicatedHeadOperations& Ops() { return context_->operations; }
   const HeadOperations& Local() const { return context_->local; }
 
@@ -271,7 +310,8 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     };
     absl::StatusOr<OptimizerStepSpec> spec = FromWire(request);
     absl::StatusOr<HeadDescription> head = Local().Describe(request.head_id());
-    absl::Status refused = context_->Serving();
+    absl::Status refused = context_->gate.Admit();
+    if (refused.ok()) refused = context_->Serving();
     if (refused.ok()) refused = !spec.ok() ? spec.status() : head.status();
     if (refused.ok()) refused = CheckNotFrozen(*head);
     if (refused.ok()) {

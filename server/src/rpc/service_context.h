@@ -12,10 +12,12 @@
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/service_options.h"
+#include "replication/cluster_drain.h"
 #include "replication/group_follower.h"
 #include "replication/mesh_counts.h"
 #include "replication/mesh_steps.h"
 #include "replication/replicated_head_operations.h"
+#include "rpc/call_gate.h"
 #include "rpc/stripe_joins.h"
 #include "step/retained_inputs.h"
 #include "sync_steps.h"
@@ -34,7 +36,8 @@ struct ServiceContext {
               options.state_store, options.group, options.mesh),
         operations(&local, options.group, options.mesh, options.checkpoint_every_steps,
                    MeshWait(options)),
-        follower(&local, registry, options.group, options.device),
+        drain(&operations, options.group, options.mesh, options.event_log),
+        follower(&local, registry, options.group, options.device, &drain),
         mesh_follower(options.mesh, options.group, &follower, &operations.mesh_steps(),
                       &operations),
         mesh_counts(options.mesh, &local),
@@ -82,8 +85,10 @@ struct ServiceContext {
   AdmissionController admission;
   RetainedInputStore retained;
   StripeJoins stripes;  // the streams of striped steps, joining by key
+  CallGate gate;        // new calls refused while the server drains; the calls in flight
   HeadOperations local;                 // this process's part of every head operation
   ReplicatedHeadOperations operations;  // every operation as the service runs it
+  ClusterDrain drain;                   // a group's or mesh's drain at SIGTERM
   GroupFollower follower;       // a head group's other ranks: every command of the log
   MeshFollower mesh_follower;   // a mesh's fronts other than the leader: the mesh's log
   MeshCounts mesh_counts;       // a mesh's accumulated micro-batches, every replica's

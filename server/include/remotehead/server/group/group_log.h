@@ -36,7 +36,8 @@
 // <seq>, "reply/<seq>/<rank>" a rank's reply (the front removes both once every reply is in),
 // "down": the front's declaration that the group is down, with its reason (every other rank
 // leaves the group when it sees it, instead of running a command the front gave up on), and
-// "tampered/<rank>": a rank's report that its reply was overwritten or deleted. In the store
+// "tampered/<rank>": a rank's report that its reply was overwritten or deleted, and "drain": a
+// rank's request that the front drain the group (SIGTERM on that rank), sealed too. In the store
 // they are under CommandLogPrefix (process_group.h), e.g. "remotehead/commands/cmd/5".
 #pragma once
 
@@ -96,6 +97,13 @@ class GroupLog {
   // Other ranks: the front's declaration that the group is down (its reason), if it made one.
   absl::StatusOr<std::optional<std::string>> DownDeclared();
 
+  // Any rank: asks the front to drain the group (replication/cluster_drain.h) because of
+  // `reason`: a sealed entry at "drain" (a later request writes over an earlier one).
+  absl::Status RequestDrain(const std::string& reason);
+  // Front: the reason of a rank's drain request ("SIGTERM on global rank 3"), if one was made; a
+  // request that does not verify is refused, logged once and never obeyed.
+  absl::StatusOr<std::optional<std::string>> DrainRequested();
+
   int64_t next_seq() const { return next_; }
 
  private:
@@ -138,6 +146,7 @@ class GroupLog {
   std::string written_reply_;    // other ranks: the reply last written, until the front took it
   std::string refused_command_;  // other ranks: the refused value at cmd/<next_>, if any
   std::string refused_down_;     // other ranks: a refused value at "down", if any
+  std::string refused_drain_;    // front: a refused value at "drain", if any
 };
 
 // `body` sealed as the log seals its entries (the HMAC-SHA256 of `kind`, `session` and `body`

@@ -117,6 +117,10 @@ class HeadGroup : public MetricSource {
   absl::Status Serving() const;
   // Front: a new id for a request whose engine calls run on every rank.
   int64_t NewSession() { return next_session_.fetch_add(1); }
+  // Any rank: asks the front to drain the group; the front: whether a rank asked, and why
+  // (GroupLog::RequestDrain / DrainRequested; replication/cluster_drain.h runs the drain).
+  absl::Status RequestDrain(const std::string& reason) { return log_.RequestDrain(reason); }
+  absl::StatusOr<std::optional<std::string>> DrainRequested() { return log_.DrainRequested(); }
 
   // Other ranks: takes commands in order and runs `execute` on each one's bytes, replying with
   // its status, until `stop` is set (OK) or the front is gone or declared the group down

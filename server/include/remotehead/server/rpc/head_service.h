@@ -6,7 +6,10 @@
 // (one step call) and HeadOperations (everything else), and every number by core/.
 #pragma once
 
+#include <grpcpp/support/server_interceptor.h>
+
 #include <atomic>
+#include <chrono>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -16,6 +19,8 @@
 #include "remotehead/v1/head_service.grpc.pb.h"
 
 namespace remotehead::server {
+
+class ClusterDrain;
 
 class HeadService {
  public:
@@ -39,9 +44,16 @@ class HeadService {
   // A mesh's replica front other than the leader: runs the mesh's commands on its replica, in
   // order, until `stop` is set (OK) or the leader is gone (UNAVAILABLE).
   virtual absl::Status FollowMesh(const std::atomic<bool>& stop) = 0;
-  // The server begins to drain: the ranks waiting at synchronous optimizer steps get
-  // UNAVAILABLE now (nothing applied) instead of holding the drain until their timeout.
+  // The server begins to drain: every new call is refused (UNAVAILABLE, reason
+  // SERVER_DRAINING), and the ranks waiting at synchronous optimizer steps get the same now
+  // (nothing applied) instead of holding the drain until their timeout.
   virtual void Drain() = 0;
+  // Drain(), then waits until `deadline` for the calls in flight; whether none runs.
+  virtual bool Quiesce(std::chrono::steady_clock::time_point deadline) = 0;
+  // Add to the grpc::ServerBuilder's interceptors: counts the calls in flight (for Quiesce).
+  virtual std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> CallCounter() = 0;
+  // A head group's or mesh's drain at SIGTERM (server/src/replication/cluster_drain.h).
+  virtual ClusterDrain& cluster_drain() = 0;
 };
 
 }  // namespace remotehead::server

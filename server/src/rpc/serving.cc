@@ -1,0 +1,137 @@
+#include "rpc/serving.h"
+
+#include <cstdlib>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "group/join.h"
+#include "replication/cluster_drain.h"
+
+namespace remotehead::server {
+namespace {
+
+constexpr std::chrono::milliseconds kPoll{100};
+
+double Seconds(std::chrono::milliseconds ms) { return static_cast<double>(ms.count()) / 1000.0; }
+
+// Health turns NOT_SERVING once, saying why.
+class Health {
+ public:
+  Health(grpc::Server& server, std::ostream& err) : server_(server), err_(err) {}
+  void NotServing(const std::string& why = "") {
+    if (!serving_.exchange(false)) return;
+    server_.GetHealthCheckService()->SetServingStatus(false);
+    if (!why.empty()) err_ << "remotehead-server: NOT_SERVING: " << why << std::endl;
+  }
+  bool serving() const { return serving_.load(); }
+
+ private:
+  grpc::Server& server_;
+  std::ostream& err_;
+  std::atomic<bool> serving_{true};
+};
+
+// A server on its own: serves until the signal, drains its calls, saves every head's state.
+int ServeAlone(grpc::Server& server, HeadService& service, const std::atomic<int>& signal,
+               const ServingOptions& options) {
+  while (signal.load() == 0) std::this_thread::sleep_for(kPoll);
+  *options.out << "remotehead-server: draining (up to " << Seconds(options.grace) << " s)"
+               << std::endl;
+  server.GetHealthCheckService()->SetServingStatus(false);
+  service.Drain();
+  server.Shutdown(std::chrono::system_clock::now() + options.grace);
+  const absl::Status saved = service.SaveAllStates();
+  if (!saved.ok()) {
+    *options.err << "remotehead-server: head states NOT saved at shutdown: " << saved.message()
+                 << std::endl;
+    // A state that was not saved is training lost: not a clean stop.
+    *options.err << "remotehead-server: stopped, with head states not saved" << std::endl;
+    return 1;
+  }
+  if (!options.state_dir.empty()) {
+    *options.out << "remotehead-server: head states saved to " << options.state_dir << std::endl;
+  }
+  *options.out << "remotehead-server: stopped" << std::endl;
+  return 0;
+}
+
+// A signalled rank stops by `deadline` whatever blocks it (a store that no longer answers, a
+// follower stuck in it): the process then exits 1, saying that nothing was saved.
+void StopBy(ClusterDrain::Clock::time_point deadline, std::ostream& err) {
+  std::thread([deadline, &err] {
+    std::this_thread::sleep_until(deadline);
+    err << "remotehead-server: stopped: the drain did not end in time and this rank could not "
+           "stop cleanly (its group's store does not answer?): head states NOT saved"
+        << std::endl;
+    std::cout.flush();
+    std::_Exit(1);
+  }).detach();
+}
+
+// A rank of a group or mesh: serves (and follows its log) until the drain says stop.
+int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cluster,
+                   const std::atomic<int>& signal, const ServingOptions& options) {
+  Health health(server, *options.err);
+  ClusterDrain& drain = service.cluster_drain();
+  const bool front = cluster.serves();
+  drain.Configure(
+      {.grace = options.grace, .save = options.save, .global_rank = options.global_rank},
+      [&](ClusterDrain::Clock::time_point deadline) {
+        health.NotServing();
+        if (!front) return true;
+        const bool idle = service.Quiesce(deadline);
+        // Calls past the grace are cancelled, as a server on its own cancels them.
+        server.Shutdown(std::chrono::system_clock::now());
+        return idle;
+      });
+  // A rank other than the front follows its front's commands, a replica's front other than the
+  // mesh's leader the leader's, until the drain's stop (or until the one it follows is gone).
+  std::atomic<bool> followed{false};
+  absl::Status follow_status;
+  std::thread follower;
+  if (!front || (cluster.mesh != nullptr && !cluster.mesh->is_leader())) {
+    follower = std::thread([&] {
+      follow_status = front ? service.FollowMesh(drain.stop_following())
+                            : service.FollowGroup(drain.stop_following());
+      followed.store(true);
+    });
+  }
+  ClusterDrain::Outcome outcome;
+  bool watched = false;
+  for (;;) {
+    std::this_thread::sleep_for(kPoll);
+    if (const absl::Status down = cluster.health(); !down.ok()) {
+      health.NotServing("the head group is down: " + std::string(down.message()));
+    }
+    if (signal.load() != 0 && !watched) {
+      watched = true;  // after Poll's own deadline, which stops cleanly when nothing blocks
+      StopBy(ClusterDrain::Clock::now() + drain.patience() + std::chrono::seconds(5), *options.err);
+    }
+    if (signal.load() != 0 || drain.draining()) health.NotServing();
+    std::optional<absl::Status> ended;
+    if (followed.load()) ended = follow_status;
+    outcome = drain.Poll(signal.load(), ended);
+    if (outcome.done) break;
+  }
+  health.NotServing();
+  server.Shutdown(std::chrono::system_clock::now());  // a no-op once the drain shut it down
+  if (follower.joinable()) follower.join();
+  (outcome.exit_code == 0 ? *options.out : *options.err)
+      << "remotehead-server: " << outcome.line << std::endl;
+  return outcome.exit_code;
+}
+
+}  // namespace
+
+int ServeUntilStopped(grpc::Server& server, HeadService& service, const Cluster& cluster,
+                      const std::atomic<int>& signal, const ServingOptions& options) {
+  if (cluster.group == nullptr && cluster.mesh == nullptr) {
+    return ServeAlone(server, service, signal, options);
+  }
+  return ServeInCluster(server, service, cluster, signal, options);
+}
+
+}  // namespace remotehead::server
