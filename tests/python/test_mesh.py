@@ -280,7 +280,8 @@ def test_a_replica_whose_trainers_never_come_aborts_the_step_everywhere(mesh):
             errors = failed_steps(mesh.fronts, head, [0, 2])
             for e in errors:
                 assert e.code.name == "ABORTED", e
-                assert "replica 1's trainers did not all ask for it" in e.details, e.details
+                assert "got ranks [0, 2], missing ranks [1, 3]" in e.details, e.details
+                assert e.metadata.get("missing_ranks") == "1,3", e.metadata
             for _, version in replica_weights(mesh, head):
                 assert version == 0
         finally:

@@ -17,7 +17,7 @@
   at 127.0.0.1:<its port>) is lost" — with metadata lost_rank 3, lost_replica 1, lost_shard 1,
   lost_address.
 - A mesh that is down refuses work: afterwards a ForwardBackward at the leader (whose own replica
-  is whole) is UNAVAILABLE with the same verdict, nothing added; every live rank (0, 1, 2)
+  is whole) is UNAVAILABLE with the same verdict, nothing added (the count stays at the 4 micro-batches); every live rank (0, 1, 2)
   reports NOT_SERVING and remotehead_group_up / remotehead_mesh_up 0; reads (DescribeHead) are
   still answered, the weights unchanged.
 """
@@ -192,7 +192,7 @@ def test_a_killed_process_is_named_at_once_and_the_mesh_refuses_work():
             assert expected in refused.value.details, refused.value.details
             info = client.describe_head(head)  # a read is still answered
             assert info.weight_version == 0
-            assert info.accumulated_micro_batches == 2  # replica 0's two, nothing added
+            assert info.accumulated_micro_batches == WORLD  # every replica's, nothing added
             w, _ = client.export_weights(head)
             assert torch.equal(w, w0)
         deadline = time.monotonic() + 5

@@ -32,6 +32,7 @@ class InProcessMesh {
   server::ProcessGroup::Mesh Join(int global_rank);
 
   InProcessStore& store() { return *store_; }
+  std::shared_ptr<InProcessStore> shared_store() const { return store_; }
   InProcessProcessGroup& shard(int k) { return *shards_.at(static_cast<size_t>(k)); }
   InProcessProcessGroup& replica(int r) { return *replica_groups_.at(static_cast<size_t>(r)); }
 

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -18,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/server/group/process_group.h"
 
 namespace remotehead::testing {
 
@@ -45,6 +47,28 @@ class InProcessStore {
   std::condition_variable changed_;
   std::map<std::string, std::string> values_;  // guarded by mu_
   bool closed_ = false;                        // guarded by mu_
+};
+
+// A KeyValueStore over `store`, its keys under `prefix` + "/" (what OpenStore gives a process).
+class InProcessKeyValueStore final : public server::KeyValueStore {
+ public:
+  InProcessKeyValueStore(std::shared_ptr<InProcessStore> store, std::string prefix)
+      : store_(std::move(store)), prefix_(std::move(prefix) + "/") {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    return store_->Set(prefix_ + key, value);
+  }
+  absl::StatusOr<std::string> Get(const std::string& key,
+                                  std::chrono::milliseconds timeout) override {
+    return store_->Get(prefix_ + key, timeout);
+  }
+  absl::Status Delete(const std::string& key) override { return store_->Delete(prefix_ + key); }
+  absl::StatusOr<bool> Exists(const std::string& key) override {
+    return store_->Exists(prefix_ + key);
+  }
+
+ private:
+  std::shared_ptr<InProcessStore> store_;
+  const std::string prefix_;
 };
 
 }  // namespace remotehead::testing

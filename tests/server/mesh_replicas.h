@@ -108,8 +108,11 @@ class Replicas {
     // Every process beats (global rank 0 first: it opens the session the others read).
     for (int g = 0; g < size(); ++g) {
       Process& p = at(g);
-      absl::StatusOr<std::unique_ptr<Liveness>> liveness =
-          Liveness::Start(groups_.config(g), &p.log);
+      const GroupConfig config = groups_.config(g);
+      absl::StatusOr<std::unique_ptr<Liveness>> liveness = Liveness::Start(
+          config, &p.log, Liveness::Timing{.lost = config.timeout},
+          std::make_unique<testing::InProcessKeyValueStore>(groups_.shared_store(),
+                                                            config.prefix + "/liveness"));
       EXPECT_TRUE(liveness.ok()) << g << ": " << liveness.status();
       if (!liveness.ok()) continue;
       p.liveness = *std::move(liveness);

@@ -356,7 +356,14 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
   // While the replies are awaited, the command is re-read: a stranger's change fails it at once.
   absl::Status tampered;
   int awaited = 0;
-  auto watch = [&] { return tampered = WatchPending(seq, written, awaited); };
+  auto watch = [&] {
+    // A group or mesh declared down meanwhile (liveness.h): its verdict, not a wait for ranks
+    // that will never answer.
+    if (abandon_) {
+      if (absl::Status down = abandon_(); !down.ok()) return tampered = down;
+    }
+    return tampered = WatchPending(seq, written, awaited);
+  };
   const auto deadline = Clock::now() + wait;
   std::vector<std::string> payloads;
   absl::Status first_error;

@@ -98,6 +98,12 @@ absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& con
   GroupConfig connection = config;
   connection.timeout = timing.stalled + timing.beat;
   ASSIGN_OR_RETURN(std::unique_ptr<KeyValueStore> store, OpenStore(connection, "liveness"));
+  return Start(config, log, timing, std::move(store));
+}
+
+absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& config,
+                                                          std::ostream* log, Timing timing,
+                                                          std::unique_ptr<KeyValueStore> store) {
   std::unique_ptr<Liveness> liveness(new Liveness(config, std::move(store), log, timing));
   RETURN_IF_ERROR(liveness->OpenSession());
   liveness->thread_ = std::thread([l = liveness.get()] { l->Run(); });

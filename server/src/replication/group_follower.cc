@@ -19,7 +19,10 @@ absl::Status GroupFollower::Follow(const v1::GroupCommand& command) {
     return absl::OkStatus();
   }
   if (command.has_ping()) return absl::OkStatus();
-  if (command.has_drain() || command.has_stop()) return drain_->Follow(command);
+  if (command.has_drain() || command.has_stop()) {
+    if (drain_ == nullptr) return absl::FailedPreconditionError("no drain on this rank");
+    return drain_->Follow(command);
+  }
   return FollowHeadCommand(command);
 }
 

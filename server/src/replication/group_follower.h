@@ -1,8 +1,9 @@
 // A head group's ranks other than the front: the one follower that takes every command of the
 // group's log (HeadGroup::Follow) and runs it on this rank — a head command
-// (translate/group_commands.h) through this rank's HeadOperations, a request's engine call or end (group_steps.h)
-// through GroupStepFollower, the front's address (front_address.h) into the group, the drain's
-// commands (cluster_drain.h) to the drain.
+// (translate/group_commands.h) through this rank's HeadOperations, a request's engine call or end
+// (group_steps.h) through GroupStepFollower, the front's address (front_address.h) into the
+// group, the drain's commands (cluster_drain.h) to `drain` (nullptr: refused, as in tests that
+// run no drain).
 #pragma once
 
 #include <atomic>
@@ -21,7 +22,7 @@ namespace remotehead::server {
 class GroupFollower {
  public:
   GroupFollower(HeadOperations* operations, HeadRegistry* registry, HeadGroup* group,
-                torch::Device device, ClusterDrain* drain)
+                torch::Device device, ClusterDrain* drain = nullptr)
       : operations_(operations),
         group_(group),
         device_(device),

@@ -104,6 +104,10 @@ class GroupLog {
   // request that does not verify is refused, logged once and never obeyed.
   absl::StatusOr<std::optional<std::string>> DrainRequested();
 
+  // Front: while replies are awaited, `abandon` is asked (every poll); a status that is not OK
+  // ends the wait with it (the group or mesh was declared down: liveness.h).
+  void set_abandon(std::function<absl::Status()> abandon) { abandon_ = std::move(abandon); }
+
   int64_t next_seq() const { return next_; }
 
  private:
@@ -147,6 +151,7 @@ class GroupLog {
   std::string refused_command_;  // other ranks: the refused value at cmd/<next_>, if any
   std::string refused_down_;     // other ranks: a refused value at "down", if any
   std::string refused_drain_;    // front: a refused value at "drain", if any
+  std::function<absl::Status()> abandon_;  // front: set_abandon
 };
 
 // `body` sealed as the log seals its entries (the HMAC-SHA256 of `kind`, `session` and `body`

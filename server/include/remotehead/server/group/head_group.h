@@ -68,7 +68,10 @@ class HeadGroup : public MetricSource {
   // The liveness of the processes of this group (and of the mesh it is part of): a transport
   // failure is blamed on the process lost and taken as every process's verdict. Set before the
   // group serves; nullptr: none (the failure is this group's only).
-  void set_liveness(Liveness* liveness) { liveness_ = liveness; }
+  void set_liveness(Liveness* liveness) {
+    liveness_ = liveness;
+    log_.set_abandon([liveness] { return liveness->health(); });
+  }
 
   // Metrics: this rank and the group's size, whether the group is up, what its collectives
   // moved (remotehead_group_*).

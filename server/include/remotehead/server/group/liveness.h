@@ -54,6 +54,10 @@ class Liveness {
                                                          std::ostream* log);
   static absl::StatusOr<std::unique_ptr<Liveness>> Start(const GroupConfig& config,
                                                          std::ostream* log, Timing timing);
+  // As above, on `store` (its keys as they are): for processes run as threads of one (tests).
+  static absl::StatusOr<std::unique_ptr<Liveness>> Start(const GroupConfig& config,
+                                                         std::ostream* log, Timing timing,
+                                                         std::unique_ptr<KeyValueStore> store);
   ~Liveness();
   Liveness(const Liveness&) = delete;
   Liveness& operator=(const Liveness&) = delete;
