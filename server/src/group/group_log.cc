@@ -463,17 +463,24 @@ absl::Status GroupLog::Reply(const GroupReply& reply) {
 
 absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {
   RETURN_IF_ERROR(Open());
-  ASSIGN_OR_RETURN(const bool declared, group_->Exists(kDownKey));
-  if (!declared) return std::nullopt;
-  ASSIGN_OR_RETURN(const std::string value, group_->Get(kDownKey, group_->config().timeout));
-  if (value == refused_down_) return std::nullopt;
-  absl::StatusOr<std::string> body = Unseal(secret_, Kind::kDown, *session_, value);
-  if (body.ok() && (body->size() < kSeqBytes || ReadFixed64(*body) != 0)) {
-    body = absl::PermissionDeniedError("a declaration not made by the front");
+  return ReadSigned(kDownKey, static_cast<char>(Kind::kDown), [](int64_t rank) { return rank == 0; },
+                    "a declaration not made by the front", &refused_down_);
+}
+
+absl::StatusOr<std::optional<std::string>> GroupLog::ReadSigned(
+    const std::string& key, char kind, const std::function<bool(int64_t rank)>& by,
+    const std::string& not_by, std::string* refused) {
+  ASSIGN_OR_RETURN(const bool there, group_->Exists(key));
+  if (!there) return std::nullopt;
+  ASSIGN_OR_RETURN(const std::string value, group_->Get(key, group_->config().timeout));
+  if (value == *refused) return std::nullopt;
+  absl::StatusOr<std::string> body = Unseal(secret_, static_cast<Kind>(kind), *session_, value);
+  if (body.ok() && (body->size() < kSeqBytes || !by(ReadFixed64(*body)))) {
+    body = absl::PermissionDeniedError(not_by);
   }
   if (!body.ok()) {
-    LogRefused(kDownKey, body.status());
-    refused_down_ = value;
+    LogRefused(key, body.status());
+    *refused = value;
     return std::nullopt;
   }
   return body->substr(kSeqBytes);
@@ -498,21 +505,10 @@ absl::Status GroupLog::RequestDrain(const std::string& reason) {
 
 absl::StatusOr<std::optional<std::string>> GroupLog::DrainRequested() {
   RETURN_IF_ERROR(Open());
-  ASSIGN_OR_RETURN(const bool requested, group_->Exists(kDrainKey));
-  if (!requested) return std::nullopt;
-  ASSIGN_OR_RETURN(const std::string value, group_->Get(kDrainKey, group_->config().timeout));
-  if (value == refused_drain_) return std::nullopt;
-  absl::StatusOr<std::string> body = Unseal(secret_, kDrainKind, *session_, value);
-  if (body.ok() && (body->size() < kSeqBytes || ReadFixed64(*body) < 0 ||
-                    ReadFixed64(*body) >= group_->size())) {
-    body = absl::PermissionDeniedError("a request that names no rank of the group");
-  }
-  if (!body.ok()) {
-    LogRefused(kDrainKey, body.status());
-    refused_drain_ = value;
-    return std::nullopt;
-  }
-  return body->substr(kSeqBytes);
+  const int64_t size = group_->size();
+  return ReadSigned(kDrainKey, static_cast<char>(kDrainKind),
+                    [size](int64_t rank) { return rank >= 0 && rank < size; },
+                    "a request that names no rank of the group", &refused_drain_);
 }
 
 }  // namespace remotehead::server

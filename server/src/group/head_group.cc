@@ -76,20 +76,22 @@ void HeadGroup::set_front_address(std::string address) {
 
 absl::Status HeadGroup::Check(absl::Status failure) {
   if (!IsGroupFailure(failure)) return failure;
+  // A verdict that names the process lost says it best (liveness.h).
+  if (liveness_ != nullptr && NamesLostProcess(liveness_->health())) failure = liveness_->health();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!down_.ok()) return down_;
+    if (!down_.ok()) return failure;  // down already: this failure as it is (a reply's names)
   }
   // Named after the process lost (whose heartbeat stopped), not the live rank that noticed; the
   // verdict of every process of the group or mesh.
-  if (liveness_ != nullptr) {
+  if (liveness_ != nullptr && !NamesLostProcess(failure)) {
     failure = liveness_->Blame(failure);
     liveness_->DeclareDown(failure);
-    failure = liveness_->health();  // the first verdict, if another process's came first
+    if (NamesLostProcess(liveness_->health())) failure = liveness_->health();
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!down_.ok()) return down_;
+    if (!down_.ok()) return failure;
     down_ = failure;
   }
   // The front tells the other ranks, so that none runs a command it gave up on (a rank that is

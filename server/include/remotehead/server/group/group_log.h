@@ -128,6 +128,13 @@ class GroupLog {
                                   std::string* refused,
                                   const std::function<absl::Status()>& watch = nullptr);
   void LogRefused(const std::string& key, const absl::Status& verdict);
+  // The body after the rank of the sealed entry of `kind` at `key` (a declaration, a request),
+  // if there is one that verifies and whose rank `by` takes; one that does not is logged once
+  // (`not_by` saying why for a wrong rank) and remembered in `refused`, then ignored.
+  absl::StatusOr<std::optional<std::string>> ReadSigned(const std::string& key, char kind,
+                                                        const std::function<bool(int64_t)>& by,
+                                                        const std::string& not_by,
+                                                        std::string* refused);
   // Front, awaiting `rank`'s reply to command `seq`: the command still at its key as `written`,
   // and no report from `rank` that its reply to `seq` was changed.
   absl::Status WatchPending(int64_t seq, const std::string& written, int rank);
