@@ -1,10 +1,21 @@
 #include "head_expectations.h"
 
+#include <random>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "remotehead/core/error_reason.h"
 
 namespace remotehead::server {
+
+const std::string& ServerIncarnation() {
+  static const std::string incarnation = [] {
+    std::mt19937_64 rng{std::random_device{}()};
+    return absl::StrFormat("%016x", rng());
+  }();
+  return incarnation;
+}
 
 absl::Status CheckIncarnation(const std::string& expected, const std::string& field,
                               const HeadDescription& head) {

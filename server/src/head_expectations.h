@@ -13,6 +13,10 @@
 
 namespace remotehead::server {
 
+// This server process's random id (HeadInfo / StepSummary.incarnation): a restarted server has
+// a new one, so a client can tell that the dW it accumulated is gone.
+const std::string& ServerIncarnation();
+
 // A request's expected_incarnation (`field`; empty: unchecked) against this server process:
 // FAILED_PRECONDITION saying that the server restarted, and at which version `head` now is.
 absl::Status CheckIncarnation(const std::string& expected, const std::string& field,

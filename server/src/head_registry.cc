@@ -1,10 +1,8 @@
 #include "remotehead/server/head_registry.h"
 
 #include <algorithm>
-#include <random>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 
@@ -36,13 +34,6 @@ absl::Status HeadFrozenError(const std::string& id, const std::string& field,
       core::reason::kHeadFrozen, {{"head", id}, {"field", field}});
 }
 
-const std::string& ServerIncarnation() {
-  static const std::string incarnation = [] {
-    std::mt19937_64 rng{std::random_device{}()};
-    return absl::StrFormat("%016x", rng());
-  }();
-  return incarnation;
-}
 
 HeadDescription HeadEntry::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -302,6 +293,11 @@ absl::StatusOr<std::shared_ptr<HeadEntry>> HeadRegistry::Drop(const std::string&
   entry->MarkDropped();
   entry->Counted();
   return entry;
+}
+
+void HeadRegistry::set_count_observer(CountObserver observer) {
+  std::lock_guard<std::mutex> lock(observer_->mu);
+  observer_->observer = std::move(observer);
 }
 
 std::vector<std::shared_ptr<HeadEntry>> HeadRegistry::List() const {

@@ -17,8 +17,10 @@
   at 127.0.0.1:<its port>) is lost" — with metadata lost_rank 3, lost_replica 1, lost_shard 1,
   lost_address.
 - A mesh that is down refuses work: afterwards a ForwardBackward at the leader (whose own replica
-  is whole) is UNAVAILABLE with the same verdict, nothing added (the count stays at the 4 micro-batches); every live rank (0, 1, 2)
-  reports NOT_SERVING and remotehead_group_up / remotehead_mesh_up 0; reads (DescribeHead) are
+  is whole) is UNAVAILABLE with the same verdict, nothing added (the count stays at the 4
+  micro-batches); every live rank reports NOT_SERVING and remotehead_group_up /
+  remotehead_mesh_up 0 (the leader always; a follower whose front declared its log down leaves,
+  exit 1); reads (DescribeHead) are
   still answered, the weights unchanged.
 """
 import concurrent.futures
@@ -195,15 +197,21 @@ def test_a_killed_process_is_named_at_once_and_the_mesh_refuses_work():
             assert info.accumulated_micro_batches == WORLD  # every replica's, nothing added
             w, _ = client.export_weights(head)
             assert torch.equal(w, w0)
+        # Every live rank reports NOT_SERVING; a follower whose front declared its log down
+        # leaves (exit 1), as a group's rank does. The leader stays, to be read.
         deadline = time.monotonic() + 5
         for rank in mesh.ranks[:3]:
-            with remotehead.Client(rank.target) as client:
-                while client.health() != "NOT_SERVING" and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                assert client.health() == "NOT_SERVING", rank.target
-            m = metrics(rank)
-            assert m["remotehead_group_up"] == 0, rank.target
-            assert m["remotehead_mesh_up"] == 0, rank.target
+            try:
+                with remotehead.Client(rank.target, max_attempts=1) as client:
+                    while client.health() != "NOT_SERVING" and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    assert client.health() == "NOT_SERVING", rank.target
+                m = metrics(rank)
+                assert m["remotehead_group_up"] == 0, rank.target
+                assert m["remotehead_mesh_up"] == 0, rank.target
+            except (remotehead.RemoteheadError, OSError):
+                assert rank is not mesh.ranks[0], "the leader left"
+                assert rank.process.wait(timeout=10) == 1, "".join(rank.log)
     finally:
         for r in mesh.ranks:
             if r.process is not None and r.process.poll() is None:

@@ -203,10 +203,15 @@ def test_a_head_group_refuses_a_planted_state_naming_rank_and_file(tmp_path):
         assert NOT_VERIFIED in refused.value.details, refused.value
         assert torch.equal(client.export_weights("h")[0], before)
 
+    # The drain at stop saved a newer state on both ranks: rank 1's is forged, so that the
+    # restart chooses it.
+    newest = sorted((state_dir / "rank-1" / "h").glob("*.safetensors"))[-1]
+    assert newest.name != forged.name
+    forge_weight(newest, 0.5)
     codes, logs = group_refused(state_dir, group_secret)
     assert codes == [2, 2], logs
     for log in logs:
-        assert f"rank 1: {forged}: expected a head state sealed" in log, log
+        assert f"rank 1: {newest}: expected a head state sealed" in log, log
         assert NOT_VERIFIED in log, log
 
 

@@ -472,11 +472,6 @@ absl::StatusOr<std::unique_ptr<KeyValueStore>> OpenStore(const GroupConfig& conf
   }
 }
 
-std::string CommandLogPrefix(const GroupConfig& config) { return config.prefix + "/commands"; }
-
-std::string CommandLogStoreKey(const GroupConfig& config, const std::string& key) {
-  return absl::StrCat(CommandLogPrefix(config), "/", key);
-}
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConfig& config) {
   const auto start = std::chrono::steady_clock::now();

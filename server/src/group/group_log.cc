@@ -1,7 +1,6 @@
 #include "remotehead/server/group/group_log.h"
 
 #include <openssl/rand.h>
-#include <openssl/sha.h>
 
 #include <algorithm>
 #include <thread>
@@ -9,136 +8,17 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "group/log_format.h"
 #include "remotehead/core/error_reason.h"
-#include "remotehead/core/mac.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-constexpr size_t kSealBytes = 32;   // HMAC-SHA256
-constexpr size_t kNonceBytes = 16;  // per rank and run
-// A command's body: its seq, then the command. A reply's: the command's seq, the replying rank,
-// the command's seal, then the encoded reply. A declaration's: the declaring rank, the reason.
-constexpr size_t kSeqBytes = 8;
-constexpr size_t kReplyHeadBytes = 2 * kSeqBytes + kSealBytes;
-constexpr std::chrono::milliseconds kRefusedPoll{20};
-// How often a rank waiting on the log checks its own pending entry (tampering is found within
-// about this), and how long it waits for a key it has just seen (gone meanwhile: deleted).
-constexpr std::chrono::milliseconds kWatchPoll{100};
-constexpr std::chrono::milliseconds kJustSeen{50};
-
-// What an entry is, bound into its seal: an entry of one kind never verifies as another.
-enum class Kind : char { kHello = 'H', kCommand = 'C', kReply = 'R', kDown = 'D', kTampered = 'T' };
-
-std::string CommandKey(int64_t seq) { return absl::StrCat("cmd/", seq); }
-std::string ReplyKey(int64_t seq, int rank) { return absl::StrCat("reply/", seq, "/", rank); }
-std::string HelloKey(int rank) { return absl::StrCat("hello/", rank); }
-constexpr char kDownKey[] = "down";
-// A rank's report that its reply was overwritten or deleted.
-std::string TamperedKey(int rank) { return absl::StrCat("tampered/", rank); }
-
-std::string Fixed64(int64_t value) {
-  std::string out(kSeqBytes, '\0');
-  for (size_t i = 0; i < kSeqBytes; ++i) {
-    out[i] = static_cast<char>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff);
-  }
-  return out;
-}
-
-int64_t ReadFixed64(std::string_view bytes) {
-  uint64_t value = 0;
-  for (int i = 7; i >= 0; --i) value = (value << 8) | static_cast<unsigned char>(bytes[i]);
-  return static_cast<int64_t>(value);
-}
-
-std::string Sha256(const std::string& data) {
-  unsigned char out[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), out);
-  return std::string(reinterpret_cast<const char*>(out), sizeof(out));
-}
-
-// `body` followed by its seal: the HMAC of its kind, the session and the body.
-std::string Seal(const std::string& secret, Kind kind, const std::string& session,
-                 const std::string& body) {
-  return body + core::HmacSha256(secret, {std::string(1, static_cast<char>(kind)), session, body});
-}
-
-// How long is left until `deadline`, at least 1 ms (a store wait of 0 would not wait at all).
-std::chrono::milliseconds Remaining(Clock::time_point deadline) {
-  return std::max(std::chrono::milliseconds(1),
-                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-}
-
-// The body of a sealed `value` of `kind`; PERMISSION_DENIED (refuse it) if the seal does not
-// verify.
-absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const std::string& session,
-                                   const std::string& value) {
-  if (value.size() < kSealBytes) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("an entry of ", value.size(), " bytes, shorter than a seal (garbage)"));
-  }
-  std::string body = value.substr(0, value.size() - kSealBytes);
-  const std::string expected =
-      core::HmacSha256(secret, {std::string(1, static_cast<char>(kind)), session, body});
-  if (!core::MacEquals(expected, std::string_view(value).substr(body.size()))) {
-    return absl::PermissionDeniedError(
-        "its seal does not verify under the group's secret and session (forged, garbage, or "
-        "recorded from another run of the group)");
-  }
-  return body;
-}
+// The log's bytes (log_format.h): keys, kinds, layouts, seals; this file reads and writes them.
+using namespace log_format;
 
 }  // namespace
-
-std::string SealEntry(const std::string& secret, char kind, const std::string& session,
-                      const std::string& body) {
-  return Seal(secret, static_cast<Kind>(kind), session, body);
-}
-
-absl::StatusOr<std::string> UnsealEntry(const std::string& secret, char kind,
-                                        const std::string& session, const std::string& value) {
-  return Unseal(secret, static_cast<Kind>(kind), session, value);
-}
-
-// "<code>:<message length>:<message><reason length>:<reason><payload>": the status whole, its
-// reason (core/error_reason.h) included, so that the front answers with the rank's reason.
-std::string EncodeReply(const GroupReply& reply) {
-  const std::string message(reply.status.message());
-  const std::string reason = core::SerializeReason(reply.status);
-  return absl::StrCat(static_cast<int>(reply.status.code()), ":", message.size(), ":", message,
-                      reason.size(), ":", reason, reply.payload);
-}
-
-absl::StatusOr<GroupReply> DecodeReply(const std::string& bytes) {
-  const absl::Status bad = absl::DataLossError(absl::StrCat(
-      "head group: a reply that is not code:length:message length:reason (", bytes.size(),
-      " bytes)"));
-  // "<number>:" at `at`: the number, and `at` moved past the colon.
-  auto number = [&bytes](size_t& at, size_t& value) {
-    const size_t colon = bytes.find(':', at);
-    if (colon == std::string::npos || !absl::SimpleAtoi(bytes.substr(at, colon - at), &value)) {
-      return false;
-    }
-    at = colon + 1;
-    return true;
-  };
-  size_t at = 0, code = 0, message_length = 0, reason_length = 0;
-  if (!number(at, code) || code > static_cast<size_t>(absl::StatusCode::kUnauthenticated) ||
-      !number(at, message_length) || message_length > bytes.size() - at) {
-    return bad;
-  }
-  const std::string message = bytes.substr(at, message_length);
-  at += message_length;
-  if (!number(at, reason_length) || reason_length > bytes.size() - at) return bad;
-  GroupReply reply;
-  reply.status = core::WithSerializedReason(
-      absl::Status(static_cast<absl::StatusCode>(code), message), bytes.substr(at, reason_length));
-  reply.payload = bytes.substr(at + reason_length);
-  return reply;
-}
 
 GroupLog::GroupLog(ProcessGroup* group, std::string secret, std::ostream* log)
     : group_(group), secret_(std::move(secret)), log_(log) {}

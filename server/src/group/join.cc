@@ -22,6 +22,15 @@ absl::StatusOr<std::unique_ptr<HeadGroup>> OpenGroup(std::unique_ptr<ProcessGrou
   return head_group;
 }
 
+// Every process's heartbeat on a store connection of its own (liveness.h).
+absl::StatusOr<std::unique_ptr<Liveness>> StartLiveness(const GroupConfig& config) {
+  const Liveness::Timing timing{.lost = config.timeout};
+  GroupConfig connection = config;
+  connection.timeout = Liveness::StoreTimeout(timing);
+  ASSIGN_OR_RETURN(std::unique_ptr<KeyValueStore> store, OpenStore(connection, "liveness"));
+  return Liveness::Start(config, &std::cerr, timing, std::move(store));
+}
+
 }  // namespace
 
 absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
@@ -79,7 +88,7 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
     ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> group, ProcessGroup::Join(config));
     ASSIGN_OR_RETURN(cluster.group, OpenGroup(std::move(group), config));
     // After the log opened: ranks whose secrets differ are refused by it, naming the rank.
-    ASSIGN_OR_RETURN(cluster.liveness, Liveness::Start(config, &std::cerr));
+    ASSIGN_OR_RETURN(cluster.liveness, StartLiveness(config));
     cluster.group->set_liveness(cluster.liveness.get());
     std::cout << "remotehead-server: head group joined: rank " << config.rank << " of "
               << config.size
@@ -101,7 +110,7 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
   if (config.rank_in_replica() == 0) {
     ASSIGN_OR_RETURN(fronts, OpenGroup(std::move(joined.shard), config));
   }
-  ASSIGN_OR_RETURN(cluster.liveness, Liveness::Start(config, &std::cerr));
+  ASSIGN_OR_RETURN(cluster.liveness, StartLiveness(config));
   if (cluster.group != nullptr) cluster.group->set_liveness(cluster.liveness.get());
   if (fronts != nullptr) fronts->set_liveness(cluster.liveness.get());
   cluster.mesh = std::make_unique<HeadMesh>(config.replica(), config.replicas, mesh_options,

@@ -87,21 +87,6 @@ std::string Seconds(std::chrono::milliseconds d) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& config,
-                                                          std::ostream* log) {
-  return Start(config, log, Timing{.lost = config.timeout});
-}
-
-absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& config,
-                                                          std::ostream* log, Timing timing) {
-  // Its own calls wait at most a beat past `stalled`: a store that does not answer is a lost
-  // global rank 0, not a reason to stop beating for the group's whole timeout.
-  GroupConfig connection = config;
-  connection.timeout = timing.stalled + timing.beat;
-  ASSIGN_OR_RETURN(std::unique_ptr<KeyValueStore> store, OpenStore(connection, "liveness"));
-  return Start(config, log, timing, std::move(store));
-}
-
-absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& config,
                                                           std::ostream* log, Timing timing,
                                                           std::unique_ptr<KeyValueStore> store) {
   std::unique_ptr<Liveness> liveness(new Liveness(config, std::move(store), log, timing));

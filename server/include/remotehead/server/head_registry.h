@@ -67,9 +67,6 @@ struct HeadDescription {
 absl::Status HeadFrozenError(const std::string& id, const std::string& field,
                              const std::string& what);
 
-// This server process's random id (HeadInfo / StepSummary.incarnation): a restarted server has
-// a new one, so a client can tell that the dW it accumulated is gone.
-const std::string& ServerIncarnation();
 
 // What a request saw of its head when it began computing. It may compute and commit only while
 // this still holds: a request never mixes two versions of the weights, and its dW never lands in
@@ -93,11 +90,10 @@ struct CommitResult {
   int64_t weight_version = 0;  // the version the request's results belong to
 };
 
-// Called, outside every lock, after a head's accumulated micro-batches may have changed: a step
-// committed a new contribution, dW was zeroed (or stepped), the head was added or dropped.
+// Called, outside the heads' locks (under the slot's `mu`, so that replacing it waits for the
+// calls in flight), after a head's micro-batch count may have changed: a new contribution
+// committed, dW zeroed (or stepped), the head added or dropped. Shared by the registry's heads.
 using CountObserver = std::function<void(const std::string& head_id)>;
-// The registry's observer, shared with its heads: called under `mu`, so that clearing it waits
-// for the calls in flight.
 struct CountObserverSlot {
   std::mutex mu;
   CountObserver observer;
@@ -235,8 +231,7 @@ class HeadEntry {
   std::atomic<uint64_t> reservation_;
   friend class HeadRegistry;
   std::shared_ptr<CountObserverSlot> observer_;  // the registry's; set before it is shared
-  // Tells the observer (if any) that the micro-batch count may have changed.
-  void Counted() const;
+  void Counted() const;  // tells the observer (if any)
   absl::StatusOr<CommitResult> CommitUnderLock(const StepCommit& commit);
   mutable std::mutex mu_;  // guards everything below
   std::unique_ptr<core::Head> head_;
@@ -279,10 +274,7 @@ class HeadRegistry {
   absl::StatusOr<std::shared_ptr<HeadEntry>> Drop(const std::string& id);
   std::vector<std::shared_ptr<HeadEntry>> List() const;
   // Replaces the observer (nullptr: none); returns once no call of the previous one runs.
-  void set_count_observer(CountObserver observer) {
-    std::lock_guard<std::mutex> lock(observer_->mu);
-    observer_->observer = std::move(observer);
-  }
+  void set_count_observer(CountObserver observer);
 
  private:
   std::shared_ptr<CountObserverSlot> observer_ = std::make_shared<CountObserverSlot>();

@@ -47,17 +47,18 @@ class Liveness {
     std::chrono::milliseconds lost{60000};
   };
 
-  // Connects to the store of the group or mesh `config` joined and starts beating. UNAVAILABLE
-  // if the store cannot be reached, or the session does not come within the group's timeout.
-  // Events (a process lost, the verdict) are logged to `log` (nullptr: not logged).
-  static absl::StatusOr<std::unique_ptr<Liveness>> Start(const GroupConfig& config,
-                                                         std::ostream* log);
-  static absl::StatusOr<std::unique_ptr<Liveness>> Start(const GroupConfig& config,
-                                                         std::ostream* log, Timing timing);
-  // As above, on `store` (its keys as they are): for processes run as threads of one (tests).
+  // Starts beating on `store`: the group's store, keys under a prefix of their own, on a
+  // connection whose calls wait at most StoreTimeout (OpenStore(config with that timeout,
+  // "liveness"), as JoinCluster opens it). UNAVAILABLE if the session does not come within the
+  // group's timeout. Events (a process lost, the verdict) are logged to `log` (nullptr: not).
   static absl::StatusOr<std::unique_ptr<Liveness>> Start(const GroupConfig& config,
                                                          std::ostream* log, Timing timing,
                                                          std::unique_ptr<KeyValueStore> store);
+  // How long a call on the liveness store may wait: a beat past `stalled` (a store that does not
+  // answer is a lost global rank 0, not a reason to stop beating for the group's timeout).
+  static std::chrono::milliseconds StoreTimeout(const Timing& timing) {
+    return timing.stalled + timing.beat;
+  }
   ~Liveness();
   Liveness(const Liveness&) = delete;
   Liveness& operator=(const Liveness&) = delete;
