@@ -84,9 +84,9 @@ absl::Status HeadGroup::Check(absl::Status failure) {
   }
   // Named after the process lost (whose heartbeat stopped), not the live rank that noticed; the
   // verdict of every process of the group or mesh.
-  if (liveness_ != nullptr && !NamesLostProcess(failure)) {
-    failure = liveness_->Blame(failure);
-    liveness_->DeclareDown(failure);
+  if (liveness_ != nullptr) {
+    if (!NamesLostProcess(failure)) failure = liveness_->Blame(failure);
+    liveness_->DeclareDown(failure);  // a rank's reply may carry the verdict: ours too, at once
     if (NamesLostProcess(liveness_->health())) failure = liveness_->health();
   }
   {

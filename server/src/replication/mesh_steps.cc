@@ -282,7 +282,11 @@ absl::StatusOr<HeadDescription> MeshSteps::RunOnThisReplica(
   ASSIGN_OR_RETURN(const std::vector<absl::Status> verdicts, mesh_->ExchangeVerdicts(verdict));
   // Every replica refuses alike, with the first refusal (which names its replica).
   for (const absl::Status& v : verdicts) {
-    if (!v.ok()) return v;
+    if (v.ok()) continue;
+    // A verdict that names a lost process is this process's too, now, not at its next beat: no
+    // call may be taken here after the trainers were told the mesh is down.
+    if (NamesLostProcess(v) && mesh_->liveness() != nullptr) mesh_->liveness()->DeclareDown(v);
+    return v;
   }
   ASSIGN_OR_RETURN(const OptimizerStepSpec spec, AppliedSpec(step));
   return operations_->ReduceStep(step.step().head_id(), spec);
