@@ -149,13 +149,18 @@ absl::Status Liveness::Publish(const std::string& key, const std::string& value)
   return store_->Set(absl::StrCat("shared/", key), Sealed(kShared, absl::StrCat(key, "\n", value)));
 }
 
-absl::StatusOr<std::optional<std::string>> Liveness::Read(const std::string& key) {
-  const std::string full = absl::StrCat("shared/", key);
-  ASSIGN_OR_RETURN(const bool there, store_->Exists(full));
+absl::StatusOr<std::optional<std::string>> Liveness::Fetch(const std::string& key) {
+  ASSIGN_OR_RETURN(const bool there, store_->Exists(key));
   if (!there) return std::nullopt;
-  ASSIGN_OR_RETURN(const std::string value, store_->Get(full, timing_.beat));
+  ASSIGN_OR_RETURN(std::string value, store_->Get(key, timing_.beat));
+  return value;
+}
+
+absl::StatusOr<std::optional<std::string>> Liveness::Read(const std::string& key) {
+  ASSIGN_OR_RETURN(const std::optional<std::string> value, Fetch(absl::StrCat("shared/", key)));
+  if (!value.has_value()) return std::nullopt;
   // Bound to its key: a value copied to another key does not verify there.
-  std::optional<std::string> body = Opened(kShared, value);
+  std::optional<std::string> body = Opened(kShared, *value);
   if (!body.has_value() || !body->starts_with(key + "\n")) return std::nullopt;
   return body->substr(key.size() + 1);
 }
@@ -305,37 +310,25 @@ void Liveness::Beat() {
   std::optional<absl::Status> verdict;
   for (int r = 0; r < config_.size && reached.ok(); ++r) {
     if (r == config_.rank) continue;
-    absl::StatusOr<bool> there = store_->Exists(BeatKey(r));
-    if (there.ok() && *there) {
-      absl::StatusOr<std::string> value = store_->Get(BeatKey(r), timing_.beat);
-      if (value.ok()) beats[r] = *std::move(value);
-    }
-    reached = there.status();
-    if (reached.ok() && !known.contains(r)) {
-      absl::StatusOr<bool> announced = store_->Exists(AddressKey(r));
-      if (announced.ok() && *announced) {
-        absl::StatusOr<std::string> value = store_->Get(AddressKey(r), timing_.beat);
-        if (value.ok()) {
-          if (std::optional<std::string> body = Opened(kAddress, *value)) {
-            const size_t space = body->find(' ');
-            int rank = -1;
-            if (space != std::string::npos && absl::SimpleAtoi(body->substr(0, space), &rank) &&
-                rank == r) {
-              addresses[r] = body->substr(space + 1);
-            }
-          }
-        }
-      }
+    absl::StatusOr<std::optional<std::string>> beat = Fetch(BeatKey(r));
+    reached = beat.status();
+    if (beat.ok() && beat->has_value()) beats[r] = **std::move(beat);
+    if (!reached.ok() || known.contains(r)) continue;
+    const absl::StatusOr<std::optional<std::string>> announced = Fetch(AddressKey(r));
+    std::optional<std::string> body;
+    if (announced.ok() && announced->has_value()) body = Opened(kAddress, **announced);
+    const size_t space = body.has_value() ? body->find(' ') : std::string::npos;
+    int rank = -1;
+    if (space != std::string::npos && absl::SimpleAtoi(body->substr(0, space), &rank) &&
+        rank == r) {
+      addresses[r] = body->substr(space + 1);
     }
   }
   if (reached.ok()) {
-    absl::StatusOr<bool> declared = store_->Exists(kVerdictKey);
-    if (declared.ok() && *declared) {
-      absl::StatusOr<std::string> value = store_->Get(kVerdictKey, timing_.beat);
-      if (value.ok()) {
-        if (std::optional<std::string> body = Opened(kVerdict, *value)) {
-          verdict = DecodeStatus(*body);
-        }
+    const absl::StatusOr<std::optional<std::string>> declared = Fetch(kVerdictKey);
+    if (declared.ok() && declared->has_value()) {
+      if (std::optional<std::string> body = Opened(kVerdict, **declared)) {
+        verdict = DecodeStatus(*body);
       }
     }
   }

@@ -105,6 +105,8 @@ class Liveness {
   // A process whose beat stopped for `stalled` and whose address refuses connections (it is
   // gone: no need to wait for the group's timeout), and for how long; -1 if none.
   std::pair<int, std::chrono::milliseconds> Gone() const;
+  // The value at `key` now (nullopt: none), as stored (sealed); a store that fails, its status.
+  absl::StatusOr<std::optional<std::string>> Fetch(const std::string& key);
   std::string Sealed(char kind, const std::string& body) const;
   // The body of `value` if its seal verifies for `kind`.
   std::optional<std::string> Opened(char kind, const std::string& value) const;
