@@ -247,6 +247,7 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
         reason::kNotOnGroup, {{"field", "function"}, {"function", plan.function->name}});
   }
   ASSIGN_OR_RETURN(plan.params, registry.ResolveParams(*plan.function, options.params));
+  plan.couples_rows = plan.function->CouplesRows(plan.params);
   // The aux inputs are not known yet: the engine checks their conditions with the rows.
   RETURN_IF_ERROR(CheckTokenExtras(*plan.function, plan.params, nullptr, options.token_extras));
   RETURN_IF_ERROR(CheckChunkOptions(head, options));

@@ -85,6 +85,9 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
   ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options, CallMode::kFused));
   RETURN_IF_ERROR(CheckGradientBuffers(head, grads));
   ASSIGN_OR_RETURN(torch::Tensor grad_hidden, PrepareGradHidden(head, plan, grad_hidden_out));
+  if (plan.call.couples_rows) {
+    return FusedCoupled(head, batch, plan, options.upstream_scale, grads, std::move(grad_hidden));
+  }
 
   const double factor = options.upstream_scale / plan.denominator;
   const UpstreamFn upstream = [factor](int64_t, int64_t, const torch::Tensor& w) {
@@ -106,6 +109,7 @@ absl::StatusOr<ForwardResult> ForwardImpl(const Head& head, const TokenBatch& ba
   if (plan.fn().output != OutputKind::kPerToken) {
     return RunGenerationChunks(head, batch, plan, options.logits_dtype);
   }
+  if (plan.call.couples_rows) return ForwardCoupled(head, batch, plan);
   const bool per_token = options.reduction == Reduction::kNone;
   const ChunkOutputs outputs = RunChunks(head, batch, plan, {.keep_per_token = per_token});
   ForwardResult result;
@@ -145,6 +149,9 @@ absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& 
     upstream = [factor](int64_t, int64_t, const torch::Tensor& w) { return w * factor; };
   }
   ASSIGN_OR_RETURN(torch::Tensor grad_hidden, PrepareGradHidden(head, plan, grad_hidden_out));
+  if (plan.call.couples_rows) {
+    return BackwardCoupled(head, batch, plan, grad_output, grads, std::move(grad_hidden));
+  }
   const ChunkOutputs outputs = RunChunks(
       head, batch, plan, {.upstream = &upstream, .grads = grads, .grad_hidden = grad_hidden});
   BackwardResult result;

@@ -82,7 +82,8 @@ ChunkTokens PrepareChunkTokens(const TokenBatch& chunk, const Plan& plan,
   }
   if (plan.reduction == Reduction::kWeightedSum) tokens.token_weights.mul_(chunk.weights);
   for (const auto& [name, tensor] : chunk.aux) {
-    const bool ids = plan.fn().aux_kind(name) == AuxKind::kTopkIds;
+    const AuxKind kind = plan.fn().aux_kind(name);
+    const bool ids = kind == AuxKind::kTopkIds || kind == AuxKind::kPerTokenIds;
     tokens.aux[name] = tensor.to(ids ? torch::kLong : logits_opts.dtype().toScalarType());
   }
   return tokens;
@@ -117,7 +118,9 @@ BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
   {
     torch::AutoGradMode grad_mode(want_grad);
     in.logits = TransformLogits(z, plan.params());
-    FunctionOutput fo = plan.fn().forward(in);
+    // A row-coupled call's blocks compute its per-token values; the loss comes after all rows.
+    FunctionOutput fo = plan.call.couples_rows ? FunctionOutput{plan.fn().per_token_value(in), {}}
+                                               : plan.fn().forward(in);
     y = std::move(fo.per_token);
     result.extras = std::move(fo.extras);
   }
@@ -174,18 +177,6 @@ torch::Tensor ValidOnly(const torch::Tensor& values, const ChunkTokens& tokens) 
   return tokens.valid.defined() ? torch::where(tokens.valid, values, 0.0) : values;
 }
 
-// A function reports exactly the extras its declaration says this call reports (ExtraSpec):
-// what ListFunctions tells clients and what StepOptions::token_extras is checked against. A
-// mismatch is a bug in the function's entry, reported as INTERNAL naming both lists.
-void CheckReportedExtras(const Plan& plan, const ChunkValues& values) {
-  std::vector<std::string> got;
-  for (const auto& [name, extra] : values.extras) got.push_back(name);  // a map: sorted
-  if (got != plan.reported_extras) {
-    throw std::logic_error(absl::StrCat("function ", plan.fn().name, " reported the extras [",
-                                        absl::StrJoin(got, ", "), "]; its declaration says [",
-                                        absl::StrJoin(plan.reported_extras, ", "), "]"));
-  }
-}
 
 // A group's dX_c: this shard's partial dz_r·W_r, summed over the ranks into rank 0's rows of
 // `grad_hidden` (the other ranks hold no dX). The sum is taken in the logits dtype, so the
@@ -228,6 +219,19 @@ void BackpropagateChunk(const Head& head, const Plan& plan, const torch::Tensor&
 }
 
 }  // namespace
+
+// A function reports exactly the extras its declaration says this call reports (ExtraSpec):
+// what ListFunctions tells clients and what StepOptions::token_extras is checked against. A
+// mismatch is a bug in the function's entry, reported as INTERNAL naming both lists.
+void CheckReportedExtras(const Plan& plan, const std::map<std::string, torch::Tensor>& extras) {
+  std::vector<std::string> got;
+  for (const auto& [name, extra] : extras) got.push_back(name);  // a map: sorted
+  if (got != plan.reported_extras) {
+    throw std::logic_error(absl::StrCat("function ", plan.fn().name, " reported the extras [",
+                                        absl::StrJoin(got, ", "), "]; its declaration says [",
+                                        absl::StrJoin(plan.reported_extras, ", "), "]"));
+  }
+}
 
 void ChunkLogits(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& out) {
   if (head.has_bias()) {
@@ -299,7 +303,11 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
   ChunkOutputs out;
   out.loss_sum = torch::zeros({}, f64);
   if (pass.keep_per_token) out.per_token = torch::zeros({plan.rows}, logits_opts);
-  for (const std::string& name : plan.token_extras) {
+  // A row-coupled call's extras come from its coupled forward (engine_coupled.cc), not the blocks.
+  const std::vector<std::string> no_extras;
+  const std::vector<std::string>& token_extras =
+      plan.call.couples_rows ? no_extras : plan.token_extras;
+  for (const std::string& name : token_extras) {
     out.token_extras[name] = torch::zeros({plan.rows}, logits_opts);
   }
   if (plan.rows == 0) return out;
@@ -323,7 +331,7 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
     torch::Tensor dz = dy.defined() ? buffers.grad.narrow(0, 0, rows) : torch::Tensor();
 
     const ChunkValues values = RunFunctionBlocks(plan, tokens, z, zt, dy, dz, logits_opts);
-    CheckReportedExtras(plan, values);
+    if (!plan.call.couples_rows) CheckReportedExtras(plan, values.extras);
     AddMaskedSum(values.y, tokens, weighted ? chunk.weights : torch::Tensor(), out.loss_sum);
     for (const auto& [name, extra] : values.extras) {
       auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));
@@ -331,7 +339,7 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
     }
     if (pass.keep_per_token)
       out.per_token.narrow(0, start, rows).copy_(ValidOnly(values.y, tokens));
-    for (const std::string& name : plan.token_extras) {
+    for (const std::string& name : token_extras) {
       out.token_extras[name]
           .narrow(0, start, rows)
           .copy_(ValidOnly(values.extras.at(name), tokens));

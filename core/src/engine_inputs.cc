@@ -105,8 +105,9 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
     }
     const std::string field = absl::StrCat("aux[\"", name, "\"]");
     const AuxKind kind = fn.aux_kind(name);
-    if (kind == AuxKind::kPerToken) {
-      RETURN_IF_ERROR(CheckPerToken(tensor, field, plan.rows, head.device(), false, plan));
+    if (kind == AuxKind::kPerToken || kind == AuxKind::kPerTokenIds) {
+      RETURN_IF_ERROR(CheckPerToken(tensor, field, plan.rows, head.device(),
+                                    kind == AuxKind::kPerTokenIds, plan));
     } else {
       RETURN_IF_ERROR(CheckTopkAux(tensor, field, kind, head, plan, &k));
     }

@@ -4,6 +4,7 @@
 //   engine_chunks.cc      the one chunk loop behind the three modes (GEMMs, function blocks,
 //                         autograd, dX / dW), and a head group's collectives within it
 //   engine_generation.cc  the generation outputs' loop: logits rows, drawn tokens
+//   engine_coupled.cc     a row-coupled call: both passes and the loss over the whole call
 //   engine.cc             the entry points (engine.h): exceptions to statuses, dX buffers
 #pragma once
 
@@ -144,6 +145,21 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
 
 // The call's StepStats: the plan's sizes and denominator, the chunks run, the extras' sums.
 StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs);
+
+// A function reports exactly the extras its declaration says this call reports (ExtraSpec);
+// a mismatch is a bug in its registry entry: std::logic_error (INTERNAL) naming both lists.
+void CheckReportedExtras(const Plan& plan, const std::map<std::string, torch::Tensor>& extras);
+
+// --- engine_coupled.cc: a row-coupled call (TransformFunction::couples_rows, Plan::call), in
+// the three modes. Called by engine.cc once the plan, the gradient buffers and dX are checked.
+
+FusedResult FusedCoupled(const Head& head, const TokenBatch& batch, const Plan& plan,
+                         double upstream_scale, GradientBuffers* grads, torch::Tensor grad_hidden);
+ForwardResult ForwardCoupled(const Head& head, const TokenBatch& batch, const Plan& plan);
+// `grad_output`: [N] (reduction none, checked) or the scalar dL/dloss.
+BackwardResult BackwardCoupled(const Head& head, const TokenBatch& batch, const Plan& plan,
+                               const torch::Tensor& grad_output, GradientBuffers* grads,
+                               torch::Tensor grad_hidden);
 
 // --- engine_generation.cc
 

@@ -54,46 +54,6 @@ FunctionOutput Entropy(const ChunkInputs& in) {
   return {lse - in.vocab->SoftmaxMean(in.logits, in.logits), {}};
 }
 
-// GRPO per-token policy loss (DeepSeekMath / TRL's GRPOTrainer):
-//   r = exp(logp − old_logp), loss = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) + β·KL,
-//   KL = exp(ref − logp) − (ref − logp) − 1  (the k3 estimator), times r with
-//   bias_correction_kl = 1 (TRL's use_bias_correction_kl, its default: importance-sampling
-//   correction of the KL, differentiated through r).
-// old_logprobs defaults to logp.detach() (on-policy, one update per generation).
-// grpo / bnpo / dr_grpo / dapo normalisations are per-token weights and the normaliser.
-FunctionOutput Grpo(const ChunkInputs& in) {
-  const torch::Tensor logp = in.vocab->LogSoftmaxAtTarget(in.logits, in.targets);
-  const torch::Tensor& adv = in.aux.at("advantages");
-  const auto old_it = in.aux.find("old_logprobs");
-  const torch::Tensor old_logp = old_it != in.aux.end() ? old_it->second : logp.detach();
-  const torch::Tensor ratio = torch::exp(logp - old_logp);
-  const torch::Tensor clipped =
-      torch::clamp(ratio, 1.0 - in.param("epsilon_low"), 1.0 + in.param("epsilon_high"));
-  torch::Tensor loss = -torch::min(ratio * adv, clipped * adv);
-  FunctionOutput out;
-  const double beta = in.param("beta");
-  const auto ref_it = in.aux.find("ref_logprobs");
-  if (ref_it != in.aux.end()) {
-    const torch::Tensor d = ref_it->second - logp;
-    torch::Tensor kl = torch::exp(d) - d - 1.0;
-    if (in.param("bias_correction_kl") != 0) kl = kl * ratio;
-    if (beta != 0) loss = loss + beta * kl;
-    out.extras["kl"] = kl.detach();
-  }
-  out.extras["clipped"] = (ratio != clipped).to(torch::kFloat).detach();
-  out.per_token = loss;
-  return out;
-}
-
-absl::Status ValidateGrpo(const FunctionParams& params, const AuxTensors& aux, bool) {
-  if (params.at("beta") > 0 && !aux.contains("ref_logprobs")) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "aux[\"ref_logprobs\"]: expected per-token reference log-probs because beta = ",
-        params.at("beta"), " > 0; got none"));
-  }
-  return absl::OkStatus();
-}
-
 // Mean squared error between the logits and the one-hot target, averaged over the vocabulary
 // (so a mean over tokens equals torch.nn.MSELoss()(logits, one_hot)). Expanded as
 // (Σ_j z_j² − 2·z_t + 1) / V to avoid materialising the one-hot matrix.
@@ -133,24 +93,6 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .workspace_logit_buffers = 4,
        .ignored_rows_contribute_nothing = true,
        .forward = Entropy},
-      {.name = "grpo",
-       .help = "GRPO clipped policy loss with optional k3 KL to a reference policy",
-       .required_aux = {"advantages"},
-       .optional_aux = {"old_logprobs", "ref_logprobs"},
-       .params = {{"epsilon_low", 0.2, 0.0, 1.0, "lower clip: ratio >= 1 - epsilon_low"},
-                  {"epsilon_high", 0.2, 0.0, kInf, "upper clip: ratio <= 1 + epsilon_high"},
-                  {"beta", 0.0, 0.0, kInf, "KL coefficient (needs ref_logprobs when > 0)"},
-                  {"bias_correction_kl", 0.0, 0.0, 1.0,
-                   "1: the KL is multiplied by the ratio (TRL's use_bias_correction_kl)"}},
-       .extras = {{.name = "kl",
-                   .help =
-                       "the k3 KL to the reference policy (× the ratio with bias_correction_kl)",
-                   .when_aux = "ref_logprobs"},
-                  {"clipped", "1 where the ratio was clipped, else 0"}},
-       .workspace_logit_buffers = 3,
-       .ignored_rows_contribute_nothing = true,
-       .forward = Grpo,
-       .validate = ValidateGrpo},
       {.name = "mse_onehot",
        .help = "mean squared error of the logits to the one-hot target",
        .workspace_logit_buffers = 2,
@@ -170,6 +112,7 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .output = OutputKind::kLogits},
       SampleFunction(),
   };
+  for (TransformFunction& fn : PolicyLossFunctions()) functions.push_back(std::move(fn));
   for (TransformFunction& fn : DistillationFunctions()) functions.push_back(std::move(fn));
   return functions;
 }

@@ -1,5 +1,7 @@
 #include "core/reference.h"
 
+#include "core/policy_reference.h"
+
 #include <torch/nn/functional.h>
 #include <algorithm>
 #include <cmath>
@@ -21,11 +23,6 @@ double Param(const core::FunctionParams& params, const std::string& name, double
   return it == params.end() ? fallback : it->second;
 }
 
-torch::Tensor Aux(const core::AuxTensors& aux, const std::string& name) {
-  const auto it = aux.find(name);
-  return it == aux.end() ? torch::Tensor() : it->second;
-}
-
 torch::Tensor TargetLogprob(const torch::Tensor& z, const torch::Tensor& t) {
   return torch::log_softmax(z, 1).gather(1, t.unsqueeze(1)).squeeze(1);
 }
@@ -41,39 +38,34 @@ torch::Tensor CrossEntropy(const torch::Tensor& z, const torch::Tensor& t, const
   return y;
 }
 
-// As TRL's GRPOTrainer._compute_loss writes it.
-torch::Tensor Grpo(const torch::Tensor& z, const torch::Tensor& t, const core::AuxTensors& aux,
-                   const core::FunctionParams& params) {
-  const torch::Tensor logp = TargetLogprob(z, t);
-  torch::Tensor old = Aux(aux, "old_logprobs");
-  if (!old.defined()) old = logp.detach();
-  const torch::Tensor adv = Aux(aux, "advantages");
-  const torch::Tensor coef_1 = torch::exp(logp - old);
-  const torch::Tensor coef_2 =
-      torch::clamp(coef_1, 1 - params.at("epsilon_low"), 1 + params.at("epsilon_high"));
-  torch::Tensor loss = -torch::min(coef_1 * adv, coef_2 * adv);
-  const double beta = params.at("beta");
-  if (beta != 0) {
-    const torch::Tensor ref = Aux(aux, "ref_logprobs");
-    torch::Tensor kl = torch::exp(ref - logp) - (ref - logp) - 1;
-    if (params.at("bias_correction_kl") != 0) kl = kl * coef_1;  // TRL's default
-    loss = loss + beta * kl;
-  }
-  return loss;
-}
-
-// grpo's inputs: advantages ~ N(0, 1); old and ref log-probs the head's true log-probs (of the
-// logits without softcap or temperature) plus N(0, 0.3²) noise.
-void GrpoAux(const core::Head& head, at::Generator& gen, core::TokenBatch* batch) {
+// The policy losses' inputs: advantages ~ N(0.75, 1) (both signs, mostly positive, so that a
+// summed loss does not cancel to near 0, where the comparison would measure only rounding);
+// old, ref and sampling log-probs the head's
+// true log-probs (of the logits without softcap or temperature) plus N(0, 0.3²) noise; an
+// importance-sampling ratio e^{N(0, 0.2²)}; a 0/1 policy mask; 4 sequences, interleaved.
+void PolicyAux(const core::Head& head, at::Generator& gen, core::TokenBatch* batch) {
   const int64_t rows = batch->hidden.size(0);
-  batch->aux["advantages"] = at::normal(0.0, 1.0, {rows}, gen);
+  batch->aux["advantages"] = at::normal(0.75, 1.0, {rows}, gen);
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
   torch::Tensor z = torch::mm(batch->hidden.to(f64), head.weight().to(f64).t());
   if (head.has_bias()) z = z + head.bias().to(f64);
   const torch::Tensor targets = batch->targets.clamp_min(0);
   const torch::Tensor logp = TargetLogprob(z, targets).to(torch::kFloat);
-  batch->aux["old_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
-  batch->aux["ref_logprobs"] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
+  for (const char* name : {"old_logprobs", "ref_logprobs", "sampling_logprobs"}) {
+    batch->aux[name] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
+  }
+  batch->aux["importance_sampling_ratio"] = torch::exp(0.2 * at::normal(0.0, 1.0, {rows}, gen));
+  batch->aux["policy_mask"] = (at::rand({rows}, gen) > 0.3).to(torch::kFloat);
+  batch->aux["sequence_ids"] = at::randint(0, 4, {rows}, gen).to(torch::kLong);
+}
+
+ReferenceFunction Policy(PolicyLoss kind, core::FunctionParams test_values) {
+  return {.per_token = [kind](const torch::Tensor& z, const torch::Tensor& t,
+                              const core::AuxTensors& aux, const core::FunctionParams& params) {
+            return PolicyReference(kind, z, t, aux, params);
+          },
+          .make_aux = PolicyAux,
+          .test_values = std::move(test_values)};
 }
 
 // The hard-label cross-entropy a distillation mixes in: of the student's logits at temperature 1.
@@ -169,11 +161,22 @@ std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
                                       const core::AuxTensors&, const core::FunctionParams&) {
     return -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
   }};
-  table["grpo"] = {
-      .per_token = Grpo,
-      .make_aux = GrpoAux,
-      .test_values = {
-          {"epsilon_low", 0.1}, {"epsilon_high", 0.28}, {"beta", 0.04}, {"bias_correction_kl", 1}}};
+  const core::FunctionParams policy = {{"beta", 0.04},           {"bias_correction_kl", 1},
+                                       {"sequence_level", 1},     {"off_policy_mask", 1},
+                                       {"off_policy_threshold", 0.05}};
+  const auto with = [&policy](core::FunctionParams own) {
+    own.insert(policy.begin(), policy.end());
+    return own;
+  };
+  table["grpo"] = Policy(PolicyLoss::kClip,
+                         with({{"epsilon_low", 0.1}, {"epsilon_high", 0.28}, {"delta", 1.2}}));
+  table["cispo"] = Policy(PolicyLoss::kCispo, with({{"epsilon_high", 1.1}}));
+  table["sapo"] =
+      Policy(PolicyLoss::kSapo, with({{"temperature_pos", 0.8}, {"temperature_neg", 1.3}}));
+  table["vespo"] = Policy(PolicyLoss::kVespo, with({{"k_pos", 1.5},
+                                                    {"lambda_pos", 2.5},
+                                                    {"k_neg", 2.5},
+                                                    {"lambda_neg", 1.5}}));
   table["mse_onehot"] = {.per_token = [](const torch::Tensor& z, const torch::Tensor& t,
                                          const core::AuxTensors&, const core::FunctionParams&) {
     const torch::Tensor one_hot = F::one_hot(t, z.size(1)).to(torch::kDouble);
@@ -202,7 +205,8 @@ const std::map<std::string, ReferenceFunction>& ReferenceFunctions() {
 
 torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& z,
                                 const core::TokenBatch& batch, const torch::Tensor& t,
-                                const core::FunctionParams& params, const torch::Tensor& teacher_z) {
+                                const core::FunctionParams& params, const torch::Tensor& teacher_z,
+                                int64_t ignore_index) {
   const auto entry = ReferenceFunctions().find(function);
   if (entry == ReferenceFunctions().end() ||
       !(entry->second.per_token || entry->second.two_head)) {
@@ -221,6 +225,10 @@ torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor
                                            ? torch::kDouble
                                            : torch::kLong);
   }
+  // The rows that count (a row-coupled loss sums over its sequence's valid rows only).
+  aux["valid"] = batch.targets.defined()
+                     ? batch.targets.to(torch::kCPU).to(torch::kLong) != ignore_index
+                     : torch::ones({z.size(0)}, torch::kBool);
   return entry->second.per_token(z, t, aux, *resolved);
 }
 
@@ -274,7 +282,8 @@ ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& b
   for (auto& [name, tensor] : cpu_batch.aux) tensor = tensor.to(torch::kCPU);
   const torch::Tensor y = torch::where(
       valid,
-      ReferencePerToken(options.function, z, cpu_batch, safe_targets, options.params, teacher_z),
+      ReferencePerToken(options.function, z, cpu_batch, safe_targets, options.params, teacher_z,
+                        options.ignore_index),
       torch::zeros({n}, f64));
 
   ReferenceResult r;

@@ -43,7 +43,8 @@ ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& b
 torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& logits,
                                 const core::TokenBatch& batch, const torch::Tensor& safe_targets,
                                 const core::FunctionParams& params,
-                                const torch::Tensor& teacher_z = {});
+                                const torch::Tensor& teacher_z = {},
+                                int64_t ignore_index = -100);
 
 // The reference of one registered function: one entry per name in ReferenceFunctions().
 // What a function is (its aux inputs, whether it needs targets, its params, their defaults and

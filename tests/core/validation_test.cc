@@ -74,9 +74,9 @@ TEST_F(Validation, BadInputsAreRejectedWithPreciseMessagesAndNoStateChange) {
   using O = core::StepOptions;
   const std::vector<BadCase> cases = {
       {"unknown function", [](B&, O& o) { o.function = "softmax"; },
-       "function: expected one of cross_entropy, distill_jsd, distill_kl, distill_reverse_kl, "
-       "distill_topk_kl, distill_topk_reverse_kl, entropy, grpo, logits, mse_onehot, sample, "
-       "sigmoid_sum, token_logprobs; got \"softmax\""},
+       "function: expected one of cispo, cross_entropy, distill_jsd, distill_kl, "
+       "distill_reverse_kl, distill_topk_kl, distill_topk_reverse_kl, entropy, grpo, logits, "
+       "mse_onehot, sample, sapo, sigmoid_sum, token_logprobs, vespo; got \"softmax\""},
       {"unknown param", [](B&, O& o) { o.params["epsilon"] = 0.1; },
        "params[\"epsilon\"]: function cross_entropy expects only label_smoothing, z_loss, "
        "temperature, softcap, logit_scale"},
@@ -168,7 +168,8 @@ TEST_F(Validation, GrpoAuxInputsAreChecked) {
   batch = GoodBatch("grpo");
   batch.aux["kl_coef"] = torch::zeros({kRows});
   EXPECT_EQ(core::FusedForwardBackward(*head_, batch, options, &head_->grads()).status().message(),
-            "aux[\"kl_coef\"]: function grpo accepts only advantages, old_logprobs, ref_logprobs");
+            "aux[\"kl_coef\"]: function grpo accepts only advantages, old_logprobs, ref_logprobs, "
+            "importance_sampling_ratio, policy_mask, sampling_logprobs, sequence_ids");
   ExpectStateUnchanged();
 }
 

@@ -12,6 +12,7 @@ in tests/python/distill_reference.py, run by test_distillation.py.
 """
 
 import dataclasses
+import math
 from typing import Callable, Dict, Mapping, Optional
 
 import torch
@@ -48,23 +49,76 @@ def entropy(z, t, aux, p):
     return -(torch.softmax(z, 1) * torch.log_softmax(z, 1)).sum(1)
 
 
-def grpo(z, t, aux, p):
-    """As TRL's GRPOTrainer._compute_loss writes it: the clipped ratio to the sampling policy
-    (old_logprobs; without them, the current one, detached), plus beta · the k3 KL to the
-    reference policy (times the ratio with bias_correction_kl)."""
-    logp = _logprobs(z, t)
-    old = aux["old_logprobs"] if "old_logprobs" in aux else logp.detach()
+def _by_sign(condition, if_true, if_false):
+    """TRL's torch.where of two Python floats (float32 values, promoted where used)."""
+    return torch.where(condition, if_true, if_false).to(torch.float64)
+
+
+def _policy_sequence(kind, logp, aux, p):
+    """TRL's GRPOTrainer._compute_loss (TRL 1.16) on the tokens of one sequence (or, at token
+    level, on any tokens): the per-token loss before its loss type's normalisation."""
     adv = aux["advantages"]
-    ratio = torch.exp(logp - old)
-    clipped = torch.clamp(ratio, 1 - p["epsilon_low"], 1 + p["epsilon_high"])
-    loss = -torch.min(ratio * adv, clipped * adv)
-    if p["beta"] != 0:
+    old = aux["old_logprobs"] if "old_logprobs" in aux else logp.detach()
+    log_ratio = logp - old
+    tokens = max(1, logp.shape[0])
+    log_w = log_ratio.sum() / tokens if p["sequence_level"] else log_ratio
+    coef_1 = torch.exp(log_w)
+    is_ratio = aux.get("importance_sampling_ratio")
+    if kind == "grpo":
+        coef_2 = torch.clamp(coef_1, 1 - p["epsilon_low"], 1 + p["epsilon_high"])
+        c1 = torch.clamp(coef_1, max=p["delta"]) if p["delta"] > 0 else coef_1
+        loss = -torch.min(c1 * adv, coef_2 * adv)
+    elif kind == "cispo":
+        loss = -torch.clamp(coef_1, max=p["epsilon_high"]).detach() * adv * logp
+    elif kind == "sapo":
+        tau = _by_sign(adv > 0, p["temperature_pos"], p["temperature_neg"])
+        loss = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
+    else:  # vespo
+        with torch.no_grad():
+            lower = math.log(1e-8)
+            seq = torch.clamp(log_ratio, -20.0, 20.0).sum()
+            if is_ratio is not None:
+                seq = seq + torch.clamp(torch.log(is_ratio), lower, 20.0).sum()
+            lw = torch.clamp(seq, lower, 20.0)
+            k = _by_sign(adv >= 0, p["k_pos"], p["k_neg"])
+            lam = _by_sign(adv >= 0, p["lambda_pos"], p["lambda_neg"]).clamp(min=1e-4)
+            phi = torch.exp(lam + k * lw - lam * torch.exp(lw)).nan_to_num(0.0, 0.0, 0.0)
+        loss = -phi * adv * logp
+    if p["off_policy_mask"]:
+        sampling = aux.get("sampling_logprobs", old)
+        kl = torch.nan_to_num(sampling - logp.detach(), nan=0.0)
+        loss = loss * ((adv >= 0) | (kl.sum() / tokens <= p["off_policy_threshold"])).double()
+    if "policy_mask" in aux:
+        loss = loss * aux["policy_mask"]
+    if is_ratio is not None and kind != "vespo":
+        loss = loss * is_ratio
+    if "ref_logprobs" in aux:
         ref = aux["ref_logprobs"]
         kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if p["bias_correction_kl"] != 0:
-            kl = kl * ratio
-        loss = loss + p["beta"] * kl
+        if p["bias_correction_kl"]:
+            kl = kl * coef_1
+        if p["beta"]:
+            loss = loss + p["beta"] * kl
     return loss
+
+
+def _policy(kind):
+    """The policy loss `kind` (grpo, cispo, sapo, vespo) on the call's rows: token by token, or
+    — when it couples them (sequence_level, off_policy_mask, vespo) — one sequence (the valid rows
+    of one sequence_ids value) at a time."""
+    def per_token(z, t, aux, p):
+        logp = _logprobs(z, t)
+        if not (kind == "vespo" or p["sequence_level"] or p["off_policy_mask"]):
+            return _policy_sequence(kind, logp, aux, p)
+        valid, ids = aux["valid"], aux["sequence_ids"].long()
+        y = torch.zeros_like(logp)
+        for sequence in ids.unique():
+            rows = ((ids == sequence) & valid).nonzero()[:, 0]
+            if rows.numel():
+                inputs = {k: v[rows] for k, v in aux.items() if k not in ("valid", "sequence_ids")}
+                y = y.index_put((rows,), _policy_sequence(kind, logp[rows], inputs, p))
+        return y
+    return per_token
 
 
 def mse_onehot(z, t, aux, p):
@@ -79,8 +133,16 @@ REFERENCES: Dict[str, Reference] = {
     "cross_entropy": Reference(cross_entropy, {"label_smoothing": 0.1, "z_loss": 1e-3}),
     "token_logprobs": Reference(token_logprobs),
     "entropy": Reference(entropy),
-    "grpo": Reference(grpo, {"epsilon_low": 0.1, "epsilon_high": 0.28, "beta": 0.04,
-                             "bias_correction_kl": 1.0}),
+    "grpo": Reference(_policy("grpo"), {"epsilon_low": 0.1, "epsilon_high": 0.28, "delta": 1.2,
+                                        "beta": 0.04, "bias_correction_kl": 1.0,
+                                        "sequence_level": 1.0}),
+    "cispo": Reference(_policy("cispo"), {"epsilon_high": 1.1, "beta": 0.04,
+                                          "off_policy_mask": 1.0, "off_policy_threshold": 0.05}),
+    "sapo": Reference(_policy("sapo"), {"temperature_pos": 0.8, "temperature_neg": 1.3,
+                                        "sequence_level": 1.0, "beta": 0.04}),
+    "vespo": Reference(_policy("vespo"), {"k_pos": 1.5, "lambda_pos": 2.5, "k_neg": 2.5,
+                                          "lambda_neg": 1.5, "beta": 0.04,
+                                          "bias_correction_kl": 1.0}),
     "mse_onehot": Reference(mse_onehot),
     "sigmoid_sum": Reference(sigmoid_sum),
 }
@@ -103,6 +165,13 @@ AUX_INPUTS: Dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] =
                                                              dtype=logp.dtype),
     "ref_logprobs": lambda logp, g: logp + 0.3 * torch.randn(logp.shape, generator=g,
                                                              dtype=logp.dtype),
+    "sampling_logprobs": lambda logp, g: logp + 0.3 * torch.randn(logp.shape, generator=g,
+                                                                  dtype=logp.dtype),
+    "importance_sampling_ratio": lambda logp, g: torch.exp(
+        0.2 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)),
+    "policy_mask": lambda logp, g: (torch.rand(logp.shape, generator=g) > 0.3).to(logp.dtype),
+    # Integers: four sequences, interleaved.
+    "sequence_ids": lambda logp, g: torch.randint(0, 4, logp.shape, generator=g),
 }
 
 
@@ -126,6 +195,8 @@ def per_token(function: str, hidden: torch.Tensor, weight: torch.Tensor,
     if targets is not None:
         valid = targets != ignore_index
         safe = torch.where(valid, targets, torch.zeros_like(targets))
-    aux64 = {name: t.to(torch.float64) for name, t in aux.items()}
+    aux64 = {name: t.to(torch.float64) if t.dtype.is_floating_point else t
+             for name, t in aux.items()}
+    aux64["valid"] = valid  # the rows that count (a sequence's sums count only these)
     y = REFERENCES[function].per_token(z, safe, aux64, params)
     return torch.where(valid, y, torch.zeros_like(y))

@@ -123,7 +123,8 @@ def check_case(client, head, fn, params, aux_names, seed, gradient_id):
         z = references.logits(hidden, weight, params)
         safe = torch.zeros(N, dtype=torch.long) if targets is None else targets.clamp(min=0)
         logp = torch.log_softmax(z, 1).gather(1, safe[:, None])[:, 0]
-    aux = {name: references.AUX_INPUTS[name](logp, g).float() for name in aux_names}
+    aux = {name: references.AUX_INPUTS[name](logp, g) for name in aux_names}
+    aux = {name: t.float() if t.dtype.is_floating_point else t for name, t in aux.items()}
 
     x = hidden.to(torch.float64).requires_grad_()
     w = weight.to(torch.float64).requires_grad_()

@@ -90,10 +90,13 @@ absl::Status StepSession::PlanBatches() {
         absl::StrCat("header.rows: expected at most ", max_rows, " (", plan_.hidden_size,
                      " values per row; byte counts of more overflow); got ", call_.rows));
   }
-  // Batches stay within kMaxBatchBytes of X and of results.
-  batcher_.set_batch_rows(std::max<int64_t>(
-      1, std::min({plan_.chunk_rows, kMaxBatchBytes / row_bytes,
-                   kMaxBatchBytes / result_row_bytes})));
+  // Batches stay within kMaxBatchBytes of X and of results — except a row-coupled call's
+  // (a sequence-level loss), which the engine computes on all of its rows at once.
+  batcher_.set_batch_rows(
+      plan_.couples_rows
+          ? std::max<int64_t>(1, call_.rows)
+          : std::max<int64_t>(1, std::min({plan_.chunk_rows, kMaxBatchBytes / row_bytes,
+                                           kMaxBatchBytes / result_row_bytes})));
   return absl::OkStatus();
 }
 
@@ -192,7 +195,9 @@ absl::Status StepSession::AddRows(StepRowsIn rows, const StepResultSink& sink,
   const int64_t first_row = received_rows_;
   received_rows_ += n;
   RETURN_IF_ERROR(Enqueue(std::move(part), first_row, sink));
-  return more_queued ? absl::OkStatus() : FlushReceived(sink);
+  // A row-coupled call waits for its last row.
+  const bool wait = more_queued || (plan_.couples_rows && received_rows_ < call_.rows);
+  return wait ? absl::OkStatus() : FlushReceived(sink);
 }
 
 absl::Status StepSession::FlushReceived(const StepResultSink& sink) {
@@ -277,6 +282,16 @@ absl::Status StepSession::Retain(const core::TokenBatch& rows) {
 
 RowBatcher::Compute StepSession::ComputeBatch(const StepResultSink& sink) {
   return [this, &sink](core::TokenBatch batch, torch::Tensor grads) {
+    if (plan_.couples_rows && (received_rows_ < call_.rows || coupled_batch_done_)) {
+      // Only messages whose inputs differ (RowBatcher::Add) split a call into two batches.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rows: function ", options_.function,
+          " couples the rows of a sequence with these params (computed on all rows at once), "
+          "so every message must carry the same inputs (hidden, targets, weights, aux); got "
+          "messages whose inputs differ, the call split at row ",
+          received_rows_));
+    }
+    coupled_batch_done_ = plan_.couples_rows;
     torch::Tensor grad_output;
     if (mode_ == core::CallMode::kBackward) {
       grad_output = options_.reduction != core::Reduction::kNone

@@ -142,6 +142,7 @@ class StepSession {
   RowBatcher batcher_;  // the rows received and not yet computed
   RowCompaction compaction_;   // the rows that contribute nothing, dropped (when the function says)
   int64_t received_rows_ = 0;  // rows taken from the client (or the retained inputs)
+  bool coupled_batch_done_ = false;  // a row-coupled call's one batch was computed
   int64_t next_row_ = 0;       // request rows whose results have been produced
   StepOutcome outcome_;  // the summary's sums so far (loss, tokens, chunks, extras)
   int64_t logits_chunk_bytes_ = 0;

@@ -86,8 +86,12 @@ absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsRes
     aux.insert(aux.end(), fn->optional_aux.begin(), fn->optional_aux.end());
     for (const std::string& name : aux) {
       const core::AuxKind kind = fn->aux_kind(name);
-      if (kind != core::AuxKind::kPerToken) d->add_topk_aux(name);
-      if (kind == core::AuxKind::kTopkIds) d->add_integral_aux(name);
+      if (kind == core::AuxKind::kTopkIds || kind == core::AuxKind::kTopkValues) {
+        d->add_topk_aux(name);
+      }
+      if (kind == core::AuxKind::kTopkIds || kind == core::AuxKind::kPerTokenIds) {
+        d->add_integral_aux(name);
+      }
     }
     for (const core::ExtraSpec& extra : fn->extras) {
       v1::FunctionExtra* e = d->add_extras();

@@ -57,6 +57,9 @@ struct CallPlan {
   FunctionParams params;   // complete: defaults filled in, ranges checked
   int64_t chunk_rows = 0;  // rows per GEMM chunk (a call of fewer rows uses one chunk of them)
   int64_t block_rows = 0;  // rows the function and autograd see at once, <= chunk_rows
+  // The function couples the call's rows for these params (TransformFunction::couples_rows):
+  // the engine runs two passes over all of them, and a server gives it the call in one batch.
+  bool couples_rows = false;
 
   // The memory of a call on `rows` rows in `mode` that allocates its own dX (the server's case).
   CallMemory Memory(int64_t rows, CallMode mode) const;

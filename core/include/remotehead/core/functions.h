@@ -131,7 +131,8 @@ torch::ScalarType OutputDtype(OutputKind kind, torch::ScalarType head_dtype,
 
 // The shape of an aux input: one value per token, or k per token (a sparse teacher's top-k).
 enum class AuxKind {
-  kPerToken,    // [N] floating
+  kPerToken,     // [N] floating
+  kPerTokenIds,  // [N] int64 / int32, e.g. the sequence each token belongs to
   kTopkIds,     // [N, k] int64 / int32 token ids in [0, V), distinct within a row
   kTopkValues,  // [N, k] floating, the same k as the ids
 };
@@ -147,6 +148,17 @@ struct ExtraSpec {
 
   // Whether a call with these (resolved) params and aux inputs reports it.
   bool ReportedWith(const FunctionParams& params, const AuxTensors& aux) const;
+};
+
+// What a row-coupled function (TransformFunction::coupled_forward) sees: the whole call's rows.
+struct CoupledInputs {
+  torch::Tensor values;  // [N] the per-token values of the first pass (per_token_value), 0 at
+                         // ignored rows; requires grad when gradients are wanted
+  torch::Tensor valid;   // [N] bool: the rows whose target is not ignore_index (all without targets)
+  AuxTensors aux;        // [N] each: floating aux in values' dtype, integral aux (kPerTokenIds) int64
+  const FunctionParams* params = nullptr;
+
+  double param(const std::string& name) const { return params->at(name); }
 };
 
 struct TransformFunction {
@@ -188,6 +200,21 @@ struct TransformFunction {
   // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs;
   // a distillation's alpha > 0 needs targets).
   std::function<absl::Status(const FunctionParams&, const AuxTensors&, bool has_targets)> validate;
+  // Row coupling: a loss in which a token's value depends on other tokens of the call (GSPO's
+  // sequence-level importance ratio, VESPO's per-sequence weight, an off-policy sequence mask),
+  // so that no block of rows can be computed alone. When `couples_rows` is set and says so for a
+  // call's params, the engine runs the call in two passes over all of its rows (engine.h):
+  // `per_token_value` on each block's logits — the only part that reads the vocabulary, e.g. the
+  // target's log-probability — then `coupled_forward` once on the whole call's [N] values under
+  // autograd (plain LibTorch on [N] tensors: sums over a sequence are allowed there), whose
+  // gradient the second pass backpropagates into dX and dW. `forward` still serves the calls
+  // this returns false for. A server gives such a call to the engine in one batch.
+  std::function<bool(const FunctionParams&)> couples_rows;
+  std::function<torch::Tensor(const ChunkInputs&)> per_token_value;
+  std::function<FunctionOutput(const CoupledInputs&)> coupled_forward;
+  bool CouplesRows(const FunctionParams& resolved) const {
+    return couples_rows && couples_rows(resolved);
+  }
   AuxKind aux_kind(const std::string& aux_name) const {
     const auto it = aux_kinds.find(aux_name);
     return it == aux_kinds.end() ? AuxKind::kPerToken : it->second;
@@ -219,12 +246,18 @@ TransformFunction SampleFunction();
 // The distillation functions (distillation.cc): two-head divergences between the student (this
 // head) and a frozen teacher head, and the sparse ones against a teacher's top-k log-probs.
 std::vector<TransformFunction> DistillationFunctions();
+// The policy-gradient losses of RL trainers (policy_losses.cc): TRL's GRPOTrainer loss types —
+// "grpo" (the clipped objective of grpo, bnpo, dr_grpo, dapo and luspo, which differ only in
+// their normalisation: per-token weights and a normalizer), "cispo", "sapo" and "vespo" — with
+// token- or sequence-level importance sampling, a KL to a reference, an importance-sampling
+// correction, a per-token policy mask and the off-policy sequence mask.
+std::vector<TransformFunction> PolicyLossFunctions();
 
 class FunctionRegistry {
  public:
-  // The built-in functions: cross_entropy, token_logprobs, entropy, grpo, mse_onehot,
-  // sigmoid_sum; the distillation functions (distillation.h); and the generation outputs logits
-  // and sample.
+  // The built-in functions: cross_entropy, token_logprobs, entropy, mse_onehot, sigmoid_sum;
+  // the policy losses (grpo, cispo, sapo, vespo); the distillation functions; and the
+  // generation outputs logits and sample.
   static const FunctionRegistry& Builtin();
   // A registry of the given functions (tests and embedders; StepOptions::registry).
   explicit FunctionRegistry(std::vector<TransformFunction> functions);
