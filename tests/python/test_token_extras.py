@@ -63,8 +63,10 @@ def aux_for(fn, x, g):
     """The aux inputs a listed function takes, drawn as plausible values."""
     aux = {}
     for name in (*fn.required_aux, *fn.optional_aux):
-        if name in fn.integral_aux:
+        if name in fn.integral_aux and name in fn.topk_aux:
             aux[name] = torch.stack([torch.randperm(V, generator=g)[:4] for _ in range(N)])
+        elif name in fn.integral_aux:  # e.g. the sequence of each row
+            aux[name] = torch.randint(0, 3, (N,), generator=g)
         elif name in fn.topk_aux:
             aux[name] = torch.log_softmax(torch.randn(N, V, generator=g, dtype=torch.float64),
                                           -1).topk(4, -1).values

@@ -34,6 +34,7 @@ import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import FusedCausalLMOutput
 
 import numerics
 import remotehead
@@ -72,8 +73,8 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
-def load(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def load(path, dtype=torch.float32):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 def reward_early_characters(completions, **kwargs):
@@ -94,8 +95,8 @@ def config(tmp_path, **overrides):
     return GRPOConfig(**args)
 
 
-def trainer(cls, path, args, tokenizer, **kwargs):
-    return cls(model=load(path), reward_funcs=reward_early_characters, args=args,
+def trainer(cls, path, args, tokenizer, dtype=torch.float32, **kwargs):
+    return cls(model=load(path, dtype), reward_funcs=reward_early_characters, args=args,
                train_dataset=prompts(), processing_class=tokenizer, **kwargs)
 
 
@@ -122,27 +123,62 @@ def prompts_and_completions(g: torch.Generator) -> dict:
             "completion_ids": completion_ids, "completion_mask": completion_mask}
 
 
-def batch(local: GRPOTrainer, beta: float, on_policy: bool):
-    """What GRPOTrainer._compute_loss receives for one micro-batch of 4 completions."""
+def batch(local: GRPOTrainer, beta: float, on_policy: bool, dtype=torch.float32,
+          vllm: bool = False):
+    """What GRPOTrainer._compute_loss receives for one micro-batch of 4 completions; with
+    `vllm`, also the sampler's log-probs and vLLM's importance-sampling ratio (exactly 1 at the
+    padding, as TRL makes it)."""
     g = torch.Generator().manual_seed(3)
     inputs = prompts_and_completions(g)
-    inputs.update(advantages=torch.randn(BATCH, generator=g),
+    inputs.update(advantages=torch.randn(BATCH, generator=g).to(dtype),
                   num_items_in_batch=inputs["completion_mask"].sum())
     with torch.no_grad():
         logps, _, _ = local._get_per_token_logps_and_entropies(
             local.model, *joined(inputs), COMPLETION)
     # Off-policy, old log-probs off the current ones: ratios e^{±0.3} reach both clip bounds.
     # On-policy TRL leaves them out (the ratio is then exactly 1).
+    noise = lambda scale: scale * torch.randn(logps.shape, generator=g).to(dtype)  # noqa: E731
     if not on_policy:
-        inputs["old_per_token_logps"] = logps + 0.3 * torch.randn(logps.shape, generator=g)
+        inputs["old_per_token_logps"] = logps + noise(0.3)
     if beta:
-        inputs["ref_per_token_logps"] = logps + 0.2 * torch.randn(logps.shape, generator=g)
+        inputs["ref_per_token_logps"] = logps + noise(0.2)
+    if vllm:
+        inputs["sampling_per_token_logps"] = logps + noise(0.3)
+        inputs["importance_sampling_ratio"] = torch.exp(noise(0.2) * inputs["completion_mask"])
     return inputs
 
 
 def joined(inputs):
     return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1))
+
+
+def naive_float64_head(t: GRPOTrainer) -> None:
+    """TRL's fused LM head of the policy and the reference replaced by the naive float64 one —
+    full logits / temperature, log_softmax, the targets' log-probs and the entropies — so that
+    TRL's _compute_loss runs in float64 end to end (TRL's own chunked kernel computes in fp32)."""
+    for model in (t.model, t.ref_model):
+        if model is None:
+            continue
+        original = model.forward
+
+        def forward(*args, fused_lm_head=False, labels=None, shift_labels=None,
+                    num_items_in_batch=None, model=model, original=original, **kwargs):
+            if not fused_lm_head:
+                return original(*args, labels=labels, shift_labels=shift_labels,
+                                num_items_in_batch=num_items_in_batch, **kwargs)
+            kwargs["use_cache"] = False
+            hidden = model.base_model(*args, **kwargs).last_hidden_state[:, :-1]
+            labels = labels[:, 1:]
+            mask = labels != -100
+            log_p = torch.log_softmax(hidden @ model.lm_head.weight.t() / t.temperature, -1)
+            logps = log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask
+            entropy = -(log_p.exp() * log_p).sum(-1) * mask
+            count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+            return FusedCausalLMOutput(loss=-logps.sum() / count, log_probs=logps,
+                                       entropy=entropy, label_mask=mask)
+
+        model.forward = forward
 
 
 def per_token(trainer_, model, inputs, entropy=True):
@@ -154,8 +190,12 @@ def per_token(trainer_, model, inputs, entropy=True):
     return logps[mask], entropies[mask] if entropy else None
 
 
-# The server's "grpo" function is TRL's token-level objective with the k3 KL, plain or TRL's
-# default bias-corrected one (KL × ratio, use_bias_correction_kl); sapo takes the two-phase path.
+# Every loss type is one server call ("fused"); fp32 cases hold 1e-5, the float64 ones
+# ("float64": the model and the server's head in float64) hold 1e-9 — exact but for the order of
+# float64 sums. vllm: TRL's vLLM importance-sampling correction on (use_vllm and
+# vllm_importance_sampling_correction set after construction: the loss code reads only these),
+# with the sampler's log-probs for the off-policy mask.
+F64 = dict(dtype=torch.float64)
 CASES = {
     "dapo-fused": dict(loss_type="dapo", beta=0.0),
     "dapo-on_policy-fused": dict(loss_type="dapo", beta=0.0),
@@ -166,36 +206,65 @@ CASES = {
     "dr_grpo-fused": dict(loss_type="dr_grpo", beta=0.0),
     "dapo-beta-bias_corrected_kl-fused": dict(loss_type="dapo", beta=0.04),
     "grpo-beta-bias_corrected_kl-fused": dict(loss_type="grpo", beta=0.04),
-    "sapo-two_phase": dict(loss_type="sapo", beta=0.0),
+    "sapo-fused": dict(loss_type="sapo", beta=0.0),
     "dapo-beta-tied-local_gradients-fused": dict(loss_type="dapo", beta=0.04,
                                                  use_bias_correction_kl=False),
+    # Every loss type, float64, with the bias-corrected KL (TRL's default).
+    **{f"{t}-beta-float64-fused": dict(loss_type=t, beta=0.04, **F64)
+       for t in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")},
+    "cispo-eps5-float64-fused": dict(loss_type="cispo", beta=0.0, epsilon_high=1.1, **F64),
+    "grpo-sequence-float64-fused": dict(loss_type="grpo", beta=0.04,
+                                        importance_sampling_level="sequence", **F64),
+    "luspo-sequence-float64-fused": dict(loss_type="luspo", beta=0.0,
+                                         importance_sampling_level="sequence", **F64),
+    "sapo-sequence-float64-fused": dict(loss_type="sapo", beta=0.04,
+                                        importance_sampling_level="sequence", **F64),
+    "dapo-delta-float64-fused": dict(loss_type="dapo", beta=0.0, delta=1.1, **F64),
+    "dapo-vllm-off_policy_mask-float64-fused": dict(loss_type="dapo", beta=0.04, vllm=True,
+                                                    off_policy_mask_threshold=0.02, **F64),
+    "grpo-vllm-float64-fused": dict(loss_type="grpo", beta=0.04, vllm=True, **F64),
+    "vespo-vllm-float64-fused": dict(loss_type="vespo", beta=0.0, vllm=True, **F64),
+    "bnpo-top_entropy-float64-fused": dict(loss_type="bnpo", beta=0.04,
+                                           top_entropy_quantile=0.5, **F64),
+    "grpo-sequence-top_entropy-vllm-float64-fused": dict(
+        loss_type="grpo", beta=0.04, importance_sampling_level="sequence",
+        top_entropy_quantile=0.6, vllm=True, off_policy_mask_threshold=0.02, **F64),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_path, case):
     tokenizer = char_tokenizer()
-    beta, tied = CASES[case]["beta"], "tied" in case
-    args = config(tmp_path, temperature=0.7, epsilon=0.2, epsilon_high=0.28, **CASES[case])
+    options = dict(CASES[case])
+    dtype, vllm = options.pop("dtype", torch.float32), options.pop("vllm", False)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    beta, tied = options["beta"], "tied" in case
+    options.setdefault("epsilon_high", 0.28)
+    args = config(tmp_path, temperature=0.7, epsilon=0.2, **options)
     head_id = f"grpo-{case}"
-    local = trainer(GRPOTrainer, model_dirs[tied], args, tokenizer)
-    remote = trainer(RemoteHeadGRPOTrainer, model_dirs[tied], args, tokenizer, client=client,
-                     head_id=head_id, gradients="local" if tied else "server")
+    local = trainer(GRPOTrainer, model_dirs[tied], args, tokenizer, dtype)
+    if dtype == torch.float64:
+        naive_float64_head(local)
+    remote = trainer(RemoteHeadGRPOTrainer, model_dirs[tied], args, tokenizer, dtype,
+                     client=client, head_id=head_id, gradients="local" if tied else "server")
     assert remote.fused_grpo_loss == case.endswith("fused")
+    assert remote.fused_grpo_fallback is None
     assert (remote.remote_ref_head is not None) == (beta != 0)
     for t in (local, remote):
         t.model.train()
         t.current_gradient_accumulation_steps = 2  # as Trainer sets it during training
-    inputs = batch(local, beta, on_policy="on_policy" in case)
+        if vllm:
+            t.use_vllm = t.vllm_importance_sampling_correction = True
+    inputs = batch(local, beta, on_policy="on_policy" in case, dtype=dtype, vllm=vllm)
 
     local_logps, local_entropy = per_token(local, local.model, inputs)
     remote_logps, remote_entropy = per_token(remote, remote.model, inputs)
-    assert numerics.close(remote_logps, local_logps, 1e-5)
-    assert numerics.close(remote_entropy, local_entropy, 1e-5)
+    assert numerics.close(remote_logps, local_logps, tol)
+    assert numerics.close(remote_entropy, local_entropy, tol)
     if beta:
         local_ref, _ = per_token(local, local.ref_model, inputs, entropy=False)
         remote_ref, _ = per_token(remote, remote.ref_model, inputs, entropy=False)
-        assert numerics.close(remote_ref, local_ref, 1e-5)
+        assert numerics.close(remote_ref, local_ref, tol)
     for t in (local, remote):
         t._metrics["train"].clear()
 
@@ -203,10 +272,10 @@ def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_
     local_loss.backward()
     remote_loss = remote._compute_loss(remote.model, inputs)
     remote_loss.backward()
-    assert abs(remote_loss.item() - local_loss.item()) <= 1e-5 * abs(local_loss.item())
+    assert abs(remote_loss.item() - local_loss.item()) <= tol * abs(local_loss.item())
     if remote.fused_grpo_loss:  # the loss came from the server's fused pass
         assert remote.remote_head.last_result.loss == pytest.approx(remote_loss.item(),
-                                                                    rel=1e-6)
+                                                                    rel=min(tol, 1e-6))
 
     local_grads = {n: p.grad for n, p in local.model.named_parameters()}
     remote_grads = {n: p.grad for n, p in remote.model.named_parameters() if p.grad is not None}
@@ -216,10 +285,13 @@ def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_
         assert info.accumulated_micro_batches == 1
     assert remote_grads.keys() == local_grads.keys()
     for name, grad in local_grads.items():
-        assert numerics.close(remote_grads[name], grad, 1e-5), name
+        # The server accumulates dW in fp32 (HeadOptions.grad_dtype): each element of a float64
+        # head's dW is rounded once there, so it holds fp32's 1e-6 where the rest holds 1e-9.
+        dw_tol = max(tol, 1e-6) if name == "lm_head.weight" and not tied else tol
+        assert numerics.close(remote_grads[name], grad, dw_tol), name
     norm = torch.cat([g.flatten() for g in local_grads.values()]).norm().item()
     remote_norm = torch.cat([g.flatten() for g in remote_grads.values()]).norm().item()
-    assert abs(remote_norm - norm) <= 1e-5 * norm
+    assert abs(remote_norm - norm) <= max(tol, 1e-6) * norm
 
     # Evaluation (eval mode, no gradients): TRL's unscaled loss; nothing accumulates.
     for t in (local, remote):
@@ -227,7 +299,7 @@ def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_
     with torch.no_grad():
         local_eval = local._compute_loss(local.model, inputs).item()
         remote_eval = remote._compute_loss(remote.model, inputs).item()
-    assert abs(remote_eval - local_eval) <= 1e-5 * abs(local_eval)
+    assert abs(remote_eval - local_eval) <= tol * abs(local_eval)
     if not tied:
         assert client.describe_head(head_id).accumulated_micro_batches == 1
 
@@ -237,7 +309,7 @@ def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_
         assert (local_metrics["clip_ratio/region_mean"][0] > 0) == ("on_policy" not in case)
     for key, values in local_metrics.items():
         # Relative, with values below 1 (ratios, small KLs) held to 1e-5 absolute.
-        assert numerics.close(remote_metrics[key], values, 1e-5, floor=1.0), key
+        assert numerics.close(remote_metrics[key], values, tol, floor=1.0), key
 
     client.drop_head(head_id)
     if beta:

@@ -12,6 +12,13 @@ from typing import Optional
 import torch
 
 from remotehead.client import Client, HeadInfo, InvalidArgumentError
+
+
+def head_weight(weight: torch.Tensor) -> torch.Tensor:
+    """What a model's lm_head weight is uploaded as: float32 (a bf16 / fp16 model's head trains
+    in fp32 on the server, its fp32 master copy), float64 for a float64 model (exact
+    comparisons against float64 references)."""
+    return weight.detach().to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
 from remotehead.cluster import Cluster
 
 
@@ -47,7 +54,7 @@ class LocalWeightMirror:
         state = self._state()
         if state is None or state == self._pushed:
             return None
-        info = client.upload_head(head_id, self.weight.detach().float(), replace=True)
+        info = client.upload_head(head_id, head_weight(self.weight), replace=True)
         self._pushed = self._state()
         return info
 

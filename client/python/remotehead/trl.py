@@ -30,12 +30,18 @@ GRPOTrainer computes every per-token quantity through one hook, its fused LM hea
 - the reference model (beta > 0) is a second, frozen head on the server (`<head_id>-ref`,
   Forward only); with PEFT the reference is the policy with its adapters off, so the policy's
   head serves it;
-- the policy loss, where TRL's is the token-level clipped GRPO objective with the k3 KL (plain,
-  or times the ratio with use_bias_correction_kl, TRL's default) (loss_type grpo, bnpo, dr_grpo
-  or dapo; importance_sampling_level "token"; no two-sided clipping `delta`, off-policy mask or
-  top-entropy mask): one fused `ForwardBackward` of the server's "grpo" function, TRL's loss-type
-  normalisation being per-token weights and a normalizer (`fused_grpo_loss` is True). Otherwise
-  the two-phase log-probs feed TRL's own loss code.
+- the policy loss, for every TRL loss type (grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo,
+  vespo), both importance_sampling_levels, two-sided clipping (delta), the KL (plain or
+  bias-corrected), the vLLM importance-sampling correction, the off-policy sequence mask and
+  top_entropy_quantile < 1: one `ForwardBackward` of the server's policy loss ("grpo",
+  "cispo", "sapo" or "vespo"), the loss type's normalisation being per-token weights and a
+  normalizer (remotehead._grpo_loss; `fused_grpo_loss` is True). A sequence-level loss is
+  row-coupled: the server computes the call's log-probs, then the loss, then dX and dW (two
+  passes, still one call). The top-entropy mask is TRL's own get_high_entropy_mask on the
+  server's entropies (its quantile spans every process's tokens, which no one call holds),
+  sent as the aux policy_mask. A loss type or level this module does not know falls back to
+  TRL's own loss code on the two-phase log-probs; `fused_grpo_fallback` then says why, as data
+  ({"option", "value", "reason"}).
 
 The head is trained as `remotehead.hf.offload_lm_head` trains it: `gradients="server"` (server
 AdamW at each optimizer step with the trainer's hyper-parameters and current learning rate; the
@@ -53,13 +59,13 @@ Several processes (torchrun, accelerate launch; DDP): every rank runs this train
 same client and head_id — rank 0 uploads, the others attach (`offload_lm_head`), each rank's dW
 accumulates under its own trainer id and `optimizer_step` is the server's synchronous step
 (one step with the ranks' summed dW × 1/W, as DDP averages the body's gradients). TRL's
-per-rank loss needs nothing more: grpo, bnpo and dr_grpo normalise over the rank's own
-micro-batch, dapo by the token count gathered over the generation batch / num_processes
-(`_loss_weights` uses the same gathered count), and GRPOTrainer.compute_loss does not
+per-rank loss needs nothing more: grpo, sapo, bnpo, dr_grpo and luspo normalise over the
+rank's own micro-batch, dapo, cispo and vespo by the token count gathered over the generation
+batch / num_processes (`_grpo_loss.weights` uses the same gathered count), and GRPOTrainer.compute_loss does not
 multiply the loss by the number of processes (as Trainer's does under
 average_tokens_across_devices), so the upstream gradient stays 1 (RemoteHeadCallback's
 trainer_loss_scale is offload_lm_head's loss route only, not this one). The logged kl,
-entropy and clip-ratio metrics are reduced over the ranks as TRL's are.
+entropy, clip-ratio and VESPO metrics are reduced over the ranks as TRL's are.
 """
 
 from __future__ import annotations
@@ -76,17 +82,15 @@ import torch.nn.functional as F
 from accelerate.utils import is_peft_model
 from trl import DistillationTrainer, GRPOTrainer
 from trl.trainer import distillation_trainer as _distillation
-from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
+from trl.trainer.utils import FusedCausalLMOutput
 
+from remotehead import _grpo_loss
 from remotehead.autograd import RemoteHead
 from remotehead.client import Client
 from remotehead.hf import OffloadedHead, RemoteHeadCallback, accumulation_window_ends, \
     head_params, offload_lm_head
 
 logger = logging.getLogger(__name__)
-
-_FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-
 
 class _RemoteFusedLMHead:
     """Replaces TRL's fused LM head of one model by the server's head. With `fused_lm_head=True`
@@ -129,8 +133,10 @@ class _RemoteFusedLMHead:
             zeros = hidden.sum(-1) * 0.0
             return FusedCausalLMOutput(loss=zeros.sum(), log_probs=zeros, entropy=zeros.detach(),
                                        label_mask=mask)
-        # Only the scored rows travel, in the head's dtype (fp32; autocast may have made bf16).
-        rows, targets = hidden[mask].float(), labels[mask]
+        # Only the scored rows travel, in fp32 (autocast may have made bf16) or a float64
+        # model's float64 (the server computes in the head's dtype).
+        rows, targets = hidden[mask], labels[mask]
+        rows = rows if rows.dtype == torch.float64 else rows.float()
 
         def scatter(values):
             return values.new_zeros(mask.shape).masked_scatter(mask, values)
@@ -142,9 +148,15 @@ class _RemoteFusedLMHead:
         loss = log_probs = entropy = None
         if loss_spec is not None:
             spec = dict(loss_spec, params={**self.params, **loss_spec.get("params", {})})
+            policy_mask = spec.pop("policy_mask_from_entropy", None)
+            completion_length = spec.pop("completion_length", None)
             if spec.get("weights") is not None:
                 spec["weights"] = select(spec["weights"])
-            spec["aux"] = {k: select(v) for k, v in spec.get("aux", {}).items()}
+            aux = dict(spec.get("aux", {}))
+            if policy_mask is not None:  # TRL's entropy mask needs the entropies first
+                entropy = scatter(self._per_token(rows, targets, "entropy"))
+                aux["policy_mask"] = policy_mask(entropy[:, -completion_length:])
+            spec["aux"] = {k: select(v) for k, v in aux.items()}
             loss = self.head.loss(rows, targets, pull_gradients=pull, **spec)
         if "log_probs" in self.outputs:
             if loss is None and torch.is_grad_enabled() and rows.requires_grad:
@@ -153,7 +165,7 @@ class _RemoteFusedLMHead:
             else:
                 log_probs = self._per_token(rows, targets, "token_logprobs")
             log_probs = scatter(log_probs)
-        if "entropy" in self.outputs:
+        if "entropy" in self.outputs and entropy is None:
             entropy = scatter(self._per_token(rows, targets, "entropy"))
         if loss is None and log_probs is not None:
             # TRL's FusedCausalLMOutput.loss: the NLL, summed over valid tokens and normalised.
@@ -206,10 +218,11 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
             self._routes.append(ref)
             self.remote_ref_head = ref.head
         self._synced_step = self.remote_head.step
-        fallback = self._fused_loss_blocker()
-        self.fused_grpo_loss = fallback is None
-        logger.info("remotehead: GRPO policy loss %s", "in one fused server pass" if
-                    self.fused_grpo_loss else f"two-phase with TRL's loss code ({fallback})")
+        self.fused_grpo_fallback = _grpo_loss.fallback_reason(self)
+        self.fused_grpo_loss = self.fused_grpo_fallback is None
+        logger.info("remotehead: GRPO policy loss %s", "in one server call" if
+                    self.fused_grpo_loss else
+                    f"two-phase with TRL's loss code ({self.fused_grpo_fallback})")
         self.add_callback(RemoteHeadCallback(self.remote_head))
 
     def _refuse_unsupported(self) -> None:
@@ -227,21 +240,6 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
         if args.sync_ref_model and self.ref_model is not None:
             raise ValueError("sync_ref_model: expected False (the reference head on the server "
                              "is frozen); got True")
-
-    def _fused_loss_blocker(self) -> Optional[str]:
-        """Why TRL's loss is not the server's "grpo" function here (None when it is)."""
-        args = self.args
-        if self.loss_type not in _FUSED_LOSS_TYPES:
-            return f"loss_type {self.loss_type!r}"
-        if self.importance_sampling_level != "token":
-            return f"importance_sampling_level {self.importance_sampling_level!r}"
-        if args.delta is not None:
-            return "two-sided clipping (delta)"
-        if self.off_policy_mask_threshold is not None:
-            return "off_policy_mask_threshold"
-        if self.top_entropy_quantile < 1.0:
-            return "top_entropy_quantile < 1"
-        return None
 
     @contextlib.contextmanager
     def _requesting(self, outputs: Sequence[str]):
@@ -279,26 +277,6 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
         self._refresh_lm_head()
         return super().save_model(*args, **kwargs)
 
-    def _loss_weights(self, mask: torch.Tensor, inputs, mode: str):
-        """TRL's loss-type normalisation as per-token weights w and a normalizer:
-        loss = Σ w·ℓ / normalizer (see GRPOTrainer._compute_loss). Per rank, as TRL's: under
-        W processes grpo, bnpo and dr_grpo see only this rank's micro-batch, and dapo's
-        num_items_in_batch is the count gathered over all ranks' generation batch, / W."""
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        mask = mask.float()
-        if self.loss_type == "grpo":  # mean over sequences of each sequence's token mean
-            return mask / mask.sum(-1, keepdim=True).clamp(min=1.0), mask.size(0) * accumulation
-        if self.loss_type == "bnpo":
-            return mask, mask.sum().clamp(min=1.0).item() * accumulation
-        if self.loss_type == "dr_grpo":
-            return mask, mask.size(0) * self.max_completion_length * accumulation
-        # dapo: num_items_in_batch spans the generation batch, rescaled to one window.
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-        if mode == "train":
-            normalizer = (normalizer * self.current_gradient_accumulation_steps
-                          / self.args.steps_per_generation)
-        return mask, float(normalizer)
-
     def _compute_loss(self, model, inputs):
         if not self.fused_grpo_loss:
             return super()._compute_loss(model, inputs)
@@ -313,68 +291,26 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
-        advantages = advantages.expand(mask.shape)
-        old_logps = inputs.get("old_per_token_logps")
         mode = "train" if self.model.training else "eval"
-        weights, normalizer = self._loss_weights(mask, inputs, mode)
-        aux = {"advantages": advantages}
-        if old_logps is not None:  # else the server's default: logp.detach(), as TRL
-            aux["old_logprobs"] = old_logps
-        if self.beta != 0.0:
-            aux["ref_logprobs"] = inputs["ref_per_token_logps"]
-        spec = dict(function="grpo", reduction="weighted_sum", weights=weights,
-                    normalizer=normalizer, aux=aux,
-                    params={"epsilon_low": self.epsilon_low, "epsilon_high": self.epsilon_high,
-                            "beta": self.beta,
-                            "bias_correction_kl": float(bool(self.args.use_bias_correction_kl))})
-        # The entropy metric needs a Forward; the clip-ratio metrics need this policy's
-        # log-probs only off-policy (on-policy every ratio is exactly 1).
-        outputs = ("entropy", "log_probs") if old_logps is not None else ("entropy",)
+        weights, normalizer = _grpo_loss.weights(self, mask, inputs, mode)
+        spec = dict(function=_grpo_loss.LOSS_FUNCTIONS[self.loss_type], reduction="weighted_sum",
+                    weights=weights, normalizer=normalizer,
+                    aux=_grpo_loss.aux(self, inputs, mask, advantages),
+                    params=_grpo_loss.params(self), completion_length=completion_ids.size(1),
+                    policy_mask_from_entropy=_grpo_loss.entropy_mask(self, mask))
+        # The entropy metric needs a Forward; the ratio metrics need this policy's log-probs
+        # only off-policy (on-policy every ratio is exactly 1).
+        off_policy = inputs.get("old_per_token_logps") is not None
+        outputs = ("entropy", "log_probs") if off_policy else ("entropy",)
         with self._requesting(outputs), self.accelerator.autocast():
             out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                         fused_lm_head=True, remotehead_loss=spec)
-        logits_to_keep = completion_ids.size(1)
-        self._log_fused_metrics(mode, out, logits_to_keep, mask, advantages, old_logps)
+        kl_sum = None
+        if self.beta != 0.0 and mask.any():
+            kl_sum = self.remote_head.last_result.summary.extras["kl"]
+        _grpo_loss.log_metrics(self, mode, out, completion_ids.size(1), mask, advantages, inputs,
+                               kl_sum)
         return out.loss
-
-    def _log_fused_metrics(self, mode, out, logits_to_keep, mask, advantages, old_logps):
-        """TRL's loss metrics (kl, entropy, clip ratios) from the server's outputs, reduced
-        over the processes as TRL's are (sums and counts; the per-sequence clip ratios
-        gathered): the KL sum is a diagnostic of the fused pass itself. Every rank calls the
-        same collectives in the same order."""
-        metrics = self._metrics[mode]
-        mask = mask.float()
-        count = mask.sum()
-
-        def global_mean(local_sum):
-            totals = self.accelerator.reduce(torch.stack([local_sum.float().reshape(()), count]),
-                                             reduction="sum")
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
-
-        def masked_sum(x):
-            return (x * mask).sum()
-
-        def masked_seq_mean(x):
-            return (x * mask).sum(-1) / mask.sum(-1)
-
-        if self.beta != 0.0:  # no tokens: no server call, and the rank adds 0
-            kl = self.remote_head.last_result.summary.extras["kl"] if mask.any() else 0.0
-            metrics["kl"].append(global_mean(torch.tensor(float(kl), device=mask.device)))
-        metrics["entropy"].append(global_mean(masked_sum(out.entropy[:, -logits_to_keep:])))
-        if old_logps is None:
-            coef_1 = torch.ones_like(advantages)
-        else:
-            coef_1 = torch.exp(out.log_probs[:, -logits_to_keep:] - old_logps)
-        is_low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
-        is_high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
-        metrics["clip_ratio/low_mean"].append(global_mean(masked_sum(is_low)))
-        metrics["clip_ratio/high_mean"].append(global_mean(masked_sum(is_high)))
-        metrics["clip_ratio/region_mean"].append(
-            global_mean(masked_sum(torch.maximum(is_low, is_high))))
-        low = self.accelerator.gather(masked_seq_mean(is_low))
-        metrics["clip_ratio/low_min"].append(nanmin(low).item())
-        high = self.accelerator.gather(masked_seq_mean(is_high))
-        metrics["clip_ratio/high_max"].append(nanmax(high).item())
 
 
 # ----- DistillationTrainer -----

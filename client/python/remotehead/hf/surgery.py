@@ -21,6 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from remotehead import cluster as cluster_lib
 from remotehead.autograd import RemoteHead
 from remotehead.client import Client, RemoteheadError
+from remotehead._local_weight import head_weight
 from remotehead.hf.trainer import accumulation_window_ends
 from remotehead.hf_checkpoint import save_head_from_server
 
@@ -117,7 +118,7 @@ class OffloadedHead(RemoteHead):
         frozen = self.info.frozen  # replace keeps the head's frozen flag
         self.info = cluster_lib.share(
             self.cluster,
-            lambda: self.client.upload_head(self.head_id, value.detach().float(), replace=True,
+            lambda: self.client.upload_head(self.head_id, head_weight(value), replace=True,
                                             frozen=frozen),
             lambda: self.client.describe_head(self.head_id))
         state_dict[key] = weight.detach()  # the same view: loading copies nothing
@@ -326,7 +327,7 @@ def _share_head(client: Client, head_id: str, weight: torch.Tensor, cluster, upl
 
     def on_main():
         if upload:
-            return client.upload_head(head_id, weight.detach().float(), frozen=frozen)
+            return client.upload_head(head_id, head_weight(weight), frozen=frozen)
         # As for one process: a head of another shape is refused when a checkpoint is
         # verified (hf_checkpoint), not here.
         return client.describe_head(head_id)
