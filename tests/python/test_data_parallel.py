@@ -349,13 +349,16 @@ def test_a_retried_step_gets_the_same_version_and_applies_nothing(server):
 # ----- TRL's GRPOTrainer -----
 
 GRPO_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")
+                "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+                "cispo_clip_ratio", "vespo/phi_seq_mean")
 
 
-# The clipped token-level objectives are the server's fused "grpo" pass (per-token weights and
-# a normalizer: per sequence, per rank, or over the generation batch's gathered count / W);
-# sapo takes the two-phase path with TRL's own loss code.
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo", "sapo"])
+# Every loss type is one server call of a policy function (per-token weights and a normalizer:
+# per sequence, per rank, or over the generation batch's gathered count / W). grpo with
+# sequence-level ratios (GSPO) and vespo are row-coupled on the server; the top-entropy mask is
+# a quantile over both ranks' tokens (TRL's gather), sent as the policy mask.
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo", "sapo",
+                                       "grpo:sequence:0.5", "vespo"])
 def test_trl_grpo_with_two_processes_equals_the_local_head_run(server, loss_type, tmp_path):
     # tests/python/trl_grpo_job.py: 3 optimizer steps of 2 micro-batches per rank, one
     # generation per 2 steps (steps_per_generation 4: each step holds part of the groups, so
@@ -364,9 +367,11 @@ def test_trl_grpo_with_two_processes_equals_the_local_head_run(server, loss_type
     # head on the server), AdamW eps 1e-6, no gradient clipping (GRPOConfig's default 1.0 clips
     # the local run's head with the body; the remote head is not clipped).
     import trl_grpo_job as job
-    flags = ["--steps=3", f"--loss-type={loss_type}", "--beta=0.04"]
+    loss_type, level, quantile = (loss_type.split(":") + ["token", "1.0"])[:3]
+    flags = ["--steps=3", f"--loss-type={loss_type}", "--beta=0.04",
+             f"--importance-sampling-level={level}", f"--top-entropy-quantile={quantile}"]
     torchrun(2, HERE / "trl_grpo_job.py", *flags, f"--server={server}",
-             f"--head-id=grpo-{loss_type}", f"--out={tmp_path / 'remote.pt'}")
+             f"--head-id=grpo-{loss_type}-{level}", f"--out={tmp_path / 'remote.pt'}")
     torchrun(2, HERE / "trl_grpo_job.py", *flags, f"--out={tmp_path / 'local.pt'}")
     remote, local = torch.load(tmp_path / "remote.pt"), torch.load(tmp_path / "local.pt")
     assert remote["world_size"] == local["world_size"] == 2
@@ -379,7 +384,7 @@ def test_trl_grpo_with_two_processes_equals_the_local_head_run(server, loss_type
             if key.startswith(("reward", "completions/")):
                 assert r[key] == pytest.approx(l[key], rel=1e-6), key
         assert r.keys() == l.keys()
-        for key in (k for k in GRPO_METRICS if k in l):  # sapo: no clip ratios
+        for key in (k for k in GRPO_METRICS if k in l):  # each loss type logs its own
             assert numerics.close(r[key], l[key], 1e-5, floor=1.0), (key, r[key], l[key])
     # The EOS row is scaled up (early ends): the others are held to their own magnitude.
     eos = job.EOS_TOKEN

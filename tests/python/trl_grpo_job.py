@@ -46,6 +46,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--importance-sampling-level", default="token")
+    parser.add_argument("--top-entropy-quantile", type=float, default=1.0)
     parser.add_argument("--adam-epsilon", type=float, default=1e-6)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -62,6 +64,8 @@ def main():
         gradient_accumulation_steps=2, steps_per_generation=4, max_completion_length=6,
         max_steps=args.steps,
         loss_type=args.loss_type, beta=args.beta, use_bias_correction_kl=False,
+        importance_sampling_level=args.importance_sampling_level,
+        top_entropy_quantile=args.top_entropy_quantile,
         learning_rate=3e-3, adam_epsilon=args.adam_epsilon, max_grad_norm=0.0, logging_steps=1,
         ddp_backend="gloo" if world > 1 else None)
     kwargs = dict(model=transformers.AutoModelForCausalLM.from_pretrained(
@@ -72,9 +76,8 @@ def main():
     if args.server:
         client = remotehead.Client(args.server)
         trainer = RemoteHeadGRPOTrainer(**kwargs, client=client, head_id=args.head_id)
-        # The clipped token-level objectives are one fused server pass; the others (sapo, …)
-        # TRL's own loss code on the two-phase log-probs.
-        assert trainer.fused_grpo_loss == (args.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"))
+        # Every loss type is one server call.
+        assert trainer.fused_grpo_loss and trainer.fused_grpo_fallback is None
     else:
         trainer = GRPOTrainer(**kwargs)
     trainer.train()
