@@ -3,9 +3,28 @@
 #include <algorithm>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
+
+int64_t BatchRows(const core::CallPlan& plan, int64_t call_rows, int64_t row_bytes,
+                  int64_t result_row_bytes) {
+  constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
+  if (plan.couples_rows) return std::max<int64_t>(1, call_rows);
+  return std::max<int64_t>(1, std::min({plan.chunk_rows, kMaxBatchBytes / row_bytes,
+                                        kMaxBatchBytes / result_row_bytes}));
+}
+
+absl::Status CheckCoupledBatch(const core::CallPlan& plan, bool split, int64_t at_row) {
+  if (!split) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "rows: function ", plan.function->name,
+      " couples the rows of a sequence with these params (computed on all rows at once), so "
+      "every message must carry the same inputs (hidden, targets, weights, aux); got messages "
+      "whose inputs differ, the call split at row ",
+      at_row));
+}
 namespace {
 
 // Whether two well-formed parts' rows have the same shape beyond their first dimension (the k

@@ -10,10 +10,22 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "remotehead/core/call_plan.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/torch_api.h"
 
 namespace remotehead::server {
+
+// Rows per engine call of a step on `call_rows` rows of `row_bytes` (X) each returning
+// `result_row_bytes`: the engine's own chunk size for the plan (one GEMM chunk per call, no
+// ragged tail), capped at 8 MiB of X and of results so that compute starts — and dX streams
+// back — while later rows are still arriving; all of the call's rows for a row-coupled plan (a
+// sequence-level loss), which the engine computes on all of them at once.
+int64_t BatchRows(const core::CallPlan& plan, int64_t call_rows, int64_t row_bytes,
+                  int64_t result_row_bytes);
+// A row-coupled call's one batch: INVALID_ARGUMENT when it `split` (only messages whose inputs
+// differ do that: RowBatcher::Add), naming the row where it did.
+absl::Status CheckCoupledBatch(const core::CallPlan& plan, bool split, int64_t at_row);
 
 class RowBatcher {
  public:

@@ -10,15 +10,6 @@
 #include "step/step_teacher.h"
 
 namespace remotehead::server {
-namespace {
-
-// Rows per engine call: the engine's own chunk size for these options (one GEMM chunk per
-// call, no ragged tail), capped at kMaxBatchBytes of X so that compute starts — and dX streams
-// back — while later rows are still arriving.
-constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
-
-}  // namespace
-
 // [n, D] hidden in the head's dtype with [n] per-token tensors ([n] or [n, k] aux, a two-head
 // call's [n, D_teacher] teacher hidden states in the teacher's dtype): what can be concatenated.
 bool StepSession::WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const {
@@ -90,13 +81,7 @@ absl::Status StepSession::PlanBatches() {
         absl::StrCat("header.rows: expected at most ", max_rows, " (", plan_.hidden_size,
                      " values per row; byte counts of more overflow); got ", call_.rows));
   }
-  // Batches stay within kMaxBatchBytes of X and of results — except a row-coupled call's
-  // (a sequence-level loss), which the engine computes on all of its rows at once.
-  batcher_.set_batch_rows(
-      plan_.couples_rows
-          ? std::max<int64_t>(1, call_.rows)
-          : std::max<int64_t>(1, std::min({plan_.chunk_rows, kMaxBatchBytes / row_bytes,
-                                           kMaxBatchBytes / result_row_bytes})));
+  batcher_.set_batch_rows(BatchRows(plan_, call_.rows, row_bytes, result_row_bytes));
   return absl::OkStatus();
 }
 
@@ -282,16 +267,11 @@ absl::Status StepSession::Retain(const core::TokenBatch& rows) {
 
 RowBatcher::Compute StepSession::ComputeBatch(const StepResultSink& sink) {
   return [this, &sink](core::TokenBatch batch, torch::Tensor grads) {
-    if (plan_.couples_rows && (received_rows_ < call_.rows || coupled_batch_done_)) {
-      // Only messages whose inputs differ (RowBatcher::Add) split a call into two batches.
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rows: function ", options_.function,
-          " couples the rows of a sequence with these params (computed on all rows at once), "
-          "so every message must carry the same inputs (hidden, targets, weights, aux); got "
-          "messages whose inputs differ, the call split at row ",
-          received_rows_));
+    if (plan_.couples_rows) {
+      RETURN_IF_ERROR(CheckCoupledBatch(plan_, received_rows_ < call_.rows || coupled_batch_done_,
+                                        received_rows_));
+      coupled_batch_done_ = true;
     }
-    coupled_batch_done_ = plan_.couples_rows;
     torch::Tensor grad_output;
     if (mode_ == core::CallMode::kBackward) {
       grad_output = options_.reduction != core::Reduction::kNone
