@@ -241,6 +241,7 @@ TransformFunction PolicyFunction(Objective objective, std::string name, std::str
       .params = std::move(params),
       .extras = std::move(extras),
       .workspace_logit_buffers = 3,
+      .surrogate_gradient = objective == Objective::kCispo || objective == Objective::kVespo,
       .ignored_rows_contribute_nothing = true,
       .forward =
           [objective](const ChunkInputs& in) {

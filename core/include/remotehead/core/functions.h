@@ -183,6 +183,11 @@ struct TransformFunction {
   // False for a function that reduces over the vocabulary other than through VocabOps (rule 5
   // above): a head group refuses it.
   bool vocab_decomposable = true;
+  // True for a surrogate objective whose gradient is by definition not the derivative of its
+  // value: a weight held constant (CISPO's capped ratio, VESPO's gamma weight, detached as the
+  // papers and TRL write them). tests/core/finite_difference_test.cc checks every other
+  // function's gradient against differences of its value.
+  bool surrogate_gradient = false;
   // Not kPerToken: a generation output (no forward; Forward with reduction none only).
   OutputKind output = OutputKind::kPerToken;
   // True: a row whose target is ignore_index contributes nothing to any call of this function —
