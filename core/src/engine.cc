@@ -93,8 +93,12 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
   const UpstreamFn upstream = [factor](int64_t, int64_t, const torch::Tensor& w) {
     return w * factor;
   };
-  const ChunkOutputs outputs = RunChunks(
-      head, batch, plan, {.upstream = &upstream, .grads = grads, .grad_hidden = grad_hidden});
+  const ChunkOutputs outputs =
+      RunChunks(head, batch, plan,
+                {.upstream = &upstream,
+                 .grads = grads,
+                 .grad_hidden = grad_hidden,
+                 .health = grads != nullptr && options.head_health});
   FusedResult result;
   result.loss = outputs.loss_sum.item<double>() / plan.denominator;
   result.grad_hidden = std::move(grad_hidden);
@@ -152,8 +156,12 @@ absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& 
   if (plan.call.couples_rows) {
     return BackwardCoupled(head, batch, plan, grad_output, grads, std::move(grad_hidden));
   }
-  const ChunkOutputs outputs = RunChunks(
-      head, batch, plan, {.upstream = &upstream, .grads = grads, .grad_hidden = grad_hidden});
+  const ChunkOutputs outputs =
+      RunChunks(head, batch, plan,
+                {.upstream = &upstream,
+                 .grads = grads,
+                 .grad_hidden = grad_hidden,
+                 .health = grads != nullptr && options.head_health});
   BackwardResult result;
   result.grad_hidden = std::move(grad_hidden);
   result.stats = MakeStats(plan, outputs);

@@ -93,14 +93,17 @@ struct BlockResult {
   torch::Tensor y;                              // [rows] per-token outputs (detached)
   std::map<std::string, torch::Tensor> extras;  // [rows] each (detached)
   torch::Tensor dz;                             // [rows, V] dL/dz when `dy` is given
+  torch::Tensor health;                         // [rows, 3] HealthPartials, when asked
 };
 
 // Runs the function on one block of logits rows (`z_head`, the head's dtype) and, when `dy`
-// (dL/dy of the block's tokens) is defined, differentiates it with autograd.
+// (dL/dy of the block's tokens) is defined, differentiates it with autograd; with `health`, takes
+// the health partials of the logits the function saw.
 // `zt_head`: the teacher's logits rows of a two-head function (else undefined).
 BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
                              const torch::Tensor& z_head, const torch::Tensor& zt_head,
-                             const torch::Tensor& dy, torch::ScalarType logits_dtype) {
+                             const torch::Tensor& dy, torch::ScalarType logits_dtype,
+                             bool health) {
   const bool want_grad = dy.defined();
   ChunkInputs in;
   in.params = &plan.params();
@@ -118,6 +121,7 @@ BlockResult RunFunctionBlock(const Plan& plan, const ChunkTokens& tokens,
   {
     torch::AutoGradMode grad_mode(want_grad);
     in.logits = TransformLogits(z, plan.params());
+    if (health) result.health = HealthPartials(in.logits.detach());
     // A row-coupled call's blocks compute its per-token values; the loss comes after all rows.
     FunctionOutput fo = plan.call.couples_rows ? FunctionOutput{plan.fn().per_token_value(in), {}}
                                                : plan.fn().forward(in);
@@ -144,24 +148,27 @@ void AddMaskedSum(const torch::Tensor& values, const ChunkTokens& tokens,
 struct ChunkValues {
   torch::Tensor y;                              // [rows]
   std::map<std::string, torch::Tensor> extras;  // [rows] each
+  torch::Tensor health;                         // [rows, 3] when asked
 };
 
 // Runs the function over one chunk's logits `z`, one block at a time; with `dy` defined, writes
-// dL/dz into `dz` ([rows, V], the logits dtype).
+// dL/dz into `dz` ([rows, V], the logits dtype); with `health`, the rows' health partials.
 // `zt`: the teacher's logits of the chunk (two-head functions; else undefined).
 ChunkValues RunFunctionBlocks(const Plan& plan, const ChunkTokens& tokens, const torch::Tensor& z,
                               const torch::Tensor& zt, const torch::Tensor& dy, torch::Tensor& dz,
-                              const torch::TensorOptions& logits_opts) {
+                              const torch::TensorOptions& logits_opts, bool health) {
   const int64_t rows = z.size(0);
   ChunkValues values;
   values.y = torch::empty({rows}, logits_opts);
+  if (health) values.health = torch::empty({rows, 3}, logits_opts);
   for (int64_t b = 0; b < rows; b += plan.block_rows) {
     const int64_t block = std::min(plan.block_rows, rows - b);
     BlockResult r = RunFunctionBlock(plan, tokens.Slice(b, block), z.narrow(0, b, block),
                                      zt.defined() ? zt.narrow(0, b, block) : torch::Tensor(),
                                      dy.defined() ? dy.narrow(0, b, block) : torch::Tensor(),
-                                     logits_opts.dtype().toScalarType());
+                                     logits_opts.dtype().toScalarType(), health);
     values.y.narrow(0, b, block).copy_(r.y);
+    if (health) values.health.narrow(0, b, block).copy_(r.health);
     for (auto& [name, extra] : r.extras) {
       auto [it, inserted] = values.extras.try_emplace(name, torch::Tensor());
       if (inserted) it->second = torch::empty({rows}, logits_opts);
@@ -310,6 +317,7 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
   for (const std::string& name : token_extras) {
     out.token_extras[name] = torch::zeros({plan.rows}, logits_opts);
   }
+  if (pass.health) out.health = ZeroHealthSums(f64);
   if (plan.rows == 0) return out;
 
   const ChunkBuffers buffers = AllocateChunkBuffers(head, plan, pass.upstream != nullptr);
@@ -330,8 +338,10 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
     if (pass.upstream != nullptr) dy = (*pass.upstream)(start, rows, tokens.token_weights);
     torch::Tensor dz = dy.defined() ? buffers.grad.narrow(0, 0, rows) : torch::Tensor();
 
-    const ChunkValues values = RunFunctionBlocks(plan, tokens, z, zt, dy, dz, logits_opts);
+    const ChunkValues values =
+        RunFunctionBlocks(plan, tokens, z, zt, dy, dz, logits_opts, pass.health);
     if (!plan.call.couples_rows) CheckReportedExtras(plan, values.extras);
+    if (pass.health) AddChunkHealth(plan, values.health, tokens.valid, *out.health);
     AddMaskedSum(values.y, tokens, weighted ? chunk.weights : torch::Tensor(), out.loss_sum);
     for (const auto& [name, extra] : values.extras) {
       auto [it, inserted] = out.extras.try_emplace(name, torch::zeros({}, f64));
@@ -357,6 +367,7 @@ StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs) {
   stats.block_rows = plan.block_rows;
   stats.num_chunks = outputs.num_chunks;
   for (const auto& [name, sum] : outputs.extras) stats.extras[name] = sum.item<double>();
+  if (outputs.health.has_value()) stats.health = ToHeadHealth(*outputs.health, plan.valid_tokens);
   return stats;
 }
 

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -100,9 +101,16 @@ torch::Tensor TransformTeacherLogits(torch::Tensor z, const FunctionParams& para
 using UpstreamFn =
     std::function<torch::Tensor(int64_t start, int64_t rows, const torch::Tensor& token_weights)>;
 
+// The call's health sums so far (HeadHealth), 0-d fp64 tensors on the head's device: added to
+// chunk by chunk with no host synchronisation, read once at the end.
+struct HealthSums {
+  torch::Tensor entropy, lse_sq, logit_max_sum, logit_max;
+};
+
 struct ChunkOutputs {
   torch::Tensor loss_sum;  // 0-d fp64: Σ w_i·y_i (before division by the denominator)
   std::map<std::string, torch::Tensor> extras;  // 0-d fp64 sums over valid tokens
+  std::optional<HealthSums> health;             // with ChunkPass::health
   torch::Tensor per_token;                      // [N] when requested
   TokenExtras token_extras;                     // [N] each: Plan::token_extras
   int64_t num_chunks = 0;
@@ -114,6 +122,7 @@ struct ChunkPass {
   GradientBuffers* grads = nullptr;      // dW / db += (with upstream; null: dX only)
   torch::Tensor grad_hidden;             // dX [N, D] written here (with upstream), if defined
   bool keep_per_token = false;           // fill ChunkOutputs::per_token
+  bool health = false;                   // fill ChunkOutputs::health
 };
 
 // The [chunk_rows, V] buffers of one pass, allocated once (or taken from the caller's
@@ -160,6 +169,20 @@ ForwardResult ForwardCoupled(const Head& head, const TokenBatch& batch, const Pl
 BackwardResult BackwardCoupled(const Head& head, const TokenBatch& batch, const Plan& plan,
                                const torch::Tensor& grad_output, GradientBuffers* grads,
                                torch::Tensor grad_hidden);
+
+// --- engine_health.cc
+
+// One block's per-row partials of the health from its transformed fp32 logits z ([rows, V] of
+// the columns this process holds): [rows, 3] of (max_j z_j, Σ_j e_j, Σ_j e_j·(z_j − max)) with
+// e_j = exp(z_j − max).
+torch::Tensor HealthPartials(const torch::Tensor& z);
+HealthSums ZeroHealthSums(const torch::TensorOptions& f64);
+// Adds one chunk's valid rows (`valid` [rows] bool, undefined: all) to `sums` from their
+// partials ([rows, 3]); on a head group first combined with every rank's in one all-gather
+// (the same on every rank; a failed collective throws GroupFailure).
+void AddChunkHealth(const Plan& plan, const torch::Tensor& partials, const torch::Tensor& valid,
+                    HealthSums& sums);
+HeadHealth ToHeadHealth(const HealthSums& sums, int64_t tokens);
 
 // --- engine_generation.cc
 

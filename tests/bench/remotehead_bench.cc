@@ -67,6 +67,7 @@ ABSL_FLAG(int64_t, block_rows, 0, "rows per function block; 0 = cache-sized (the
 ABSL_FLAG(int32_t, repeats, 3, "timed repetitions (the median is reported)");
 ABSL_FLAG(int32_t, warmup, 1, "untimed repetitions before the timed ones");
 ABSL_FLAG(bool, bias, false, "give the head a bias");
+ABSL_FLAG(bool, head_health, true, "compute the head's health (StepStats::health)");
 ABSL_FLAG(int64_t, teacher_d, 0,
           "two-head functions: the teacher's hidden size (0 = D); its V is the student's");
 ABSL_FLAG(double, beta, 0.5, "distill_jsd: TRL's beta (0 forward KL, 1 reverse KL)");
@@ -522,6 +523,7 @@ absl::Status Run() {
                                 .chunk_rows = cfg.chunk_rows,
                                 .block_rows = absl::GetFlag(FLAGS_block_rows),
                                 .memory_budget_bytes = cfg.memory_budget_bytes,
+                                .head_health = absl::GetFlag(FLAGS_head_health),
                                 .teacher = teacher.get()};
   ASSIGN_OR_RETURN(const rh::CallPlan plan, rh::PlanCall(*head, options));
   const int64_t chunk_rows = plan.chunk_rows;

@@ -25,7 +25,9 @@
 // and add them to the head's only on success.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 
@@ -40,6 +42,29 @@
 
 namespace remotehead::core {
 
+// The head's health over a call's valid tokens: what an RL trainer watches per optimizer step
+// (entropy collapse, logits drifting up). Taken from the fp32 logits the function saw — after
+// the logit scale, the softcap and the temperature — over the whole vocabulary (a head group's
+// ranks combined), with no GEMM of its own. Sums, so they add exactly across calls and
+// micro-batches. Only calls that accumulate dW (FusedForwardBackward / Backward with `grads`,
+// and StepOptions::head_health) compute it: a Forward (old or reference log-probs) sees the same
+// logits again and would count them twice.
+struct HeadHealth {
+  int64_t tokens = 0;          // valid tokens summed over (0: not computed)
+  double entropy_sum = 0.0;    // Σ H(softmax(z_i)) = Σ (lse_i − E_p[z_i]), nats
+  double lse_sq_sum = 0.0;     // Σ lse_i²: the z-loss without its coefficient
+  double logit_max_sum = 0.0;  // Σ max_j z_ij
+  double logit_max = -std::numeric_limits<double>::infinity();  // max_i max_j z_ij
+
+  void Add(const HeadHealth& other) {
+    tokens += other.tokens;
+    entropy_sum += other.entropy_sum;
+    lse_sq_sum += other.lse_sq_sum;
+    logit_max_sum += other.logit_max_sum;
+    logit_max = std::max(logit_max, other.logit_max);
+  }
+};
+
 struct StepStats {
   int64_t valid_tokens = 0;
   double denominator = 1.0;  // what Σ was divided by
@@ -49,6 +74,7 @@ struct StepStats {
   // Σ over valid tokens of each per-token diagnostic the function reports (e.g. "nll",
   // "z_loss", "kl"); sums, so they add exactly across micro-batches.
   std::map<std::string, double> extras;
+  HeadHealth health;  // tokens == 0 unless this call accumulated dW
 };
 
 // StepOptions::token_extras, by name: [N] each, in the outputs' dtype, 0 at ignored positions.

@@ -54,6 +54,9 @@ struct StepOptions {
   // names of the function's extras (TransformFunction::extras) that this call reports. Their
   // sums are in StepStats::extras whether asked or not.
   std::vector<std::string> token_extras;
+  // Whether a call that accumulates dW computes StepStats::health (engine.h). On a head group
+  // every rank must be given the same value (it adds a collective per chunk).
+  bool head_health = true;
   // Asked before every chunk; returning true abandons the call with CANCELLED (a server's
   // cancelled or expired request stops within one chunk). `grads` may then hold a partial
   // addition, like any failure during compute.
