@@ -35,6 +35,29 @@ absl::Status HeadFrozenError(const std::string& id, const std::string& field,
 }
 
 
+HealthWindow HealthWindow::Of(const core::StepStats& stats) {
+  HealthWindow w;
+  if (stats.health.tokens == 0) return w;
+  w.health = stats.health;
+  if (const auto it = stats.extras.find("clipped"); it != stats.extras.end()) {
+    w.clipped_sum = it->second;
+    w.clipped_tokens = stats.health.tokens;
+  }
+  if (const auto it = stats.extras.find("kl"); it != stats.extras.end()) {
+    w.kl_sum = it->second;
+    w.kl_tokens = stats.health.tokens;
+  }
+  return w;
+}
+
+void HealthWindow::Add(const HealthWindow& other) {
+  health.Add(other.health);
+  clipped_sum += other.clipped_sum;
+  clipped_tokens += other.clipped_tokens;
+  kl_sum += other.kl_sum;
+  kl_tokens += other.kl_tokens;
+}
+
 HeadDescription HeadEntry::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   return {.id = id_,
@@ -51,7 +74,9 @@ HeadDescription HeadEntry::Describe() const {
           .restored_version = restored_version_,
           .shards = shards_,
           .frozen = frozen_,
-          .teacher_of = {students_.begin(), students_.end()}};
+          .teacher_of = {students_.begin(), students_.end()},
+          .step_health = step_health_,
+          .step_tokens_total = step_tokens_total_};
 }
 
 int64_t HeadEntry::MicroBatchesLocked() const {
@@ -136,6 +161,7 @@ absl::StatusOr<CommitResult> HeadEntry::CommitUnderLock(const StepCommit& commit
   }
   if (commit.key.has_value()) {
     if (applied_.insert(*commit.key).second) {
+      if (commit.health != nullptr) health_window_.Add(*commit.health);
       if (commit.rows != nullptr) {
         torch::Tensor& dw = head_->grads().weight;
         dw.index_add_(0, commit.rows->index.to(dw.device()),
@@ -171,6 +197,9 @@ absl::Status HeadEntry::OptimizerStep(
     std::lock_guard<std::mutex> lock(mu_);
     if (frozen_) return HeadFrozenError(id_, "head_id", "an optimizer step");
     if (absl::Status s = step(*head_, optimizer_); !s.ok()) return s;
+    step_tokens_total_ += health_window_.health.tokens;
+    step_health_ = health_window_.health.tokens > 0 ? std::optional(health_window_) : std::nullopt;
+    health_window_ = {};
     if (!zero_gradients) return absl::OkStatus();
     ZeroGradientsLocked();
   }
@@ -189,6 +218,7 @@ void HeadEntry::ZeroGradients() {
 void HeadEntry::ZeroGradientsLocked() {
   head_->ZeroGrad();
   applied_.clear();
+  health_window_ = {};
   ++gradient_window_;
 }
 

@@ -252,6 +252,7 @@ class ServerMetrics::Impl : public prometheus::Collectable {
                                 "zeroing");
     auto loss = Gauges("remotehead_head_last_loss",
                        "Loss of the last successful ForwardBackward on each head");
+    HealthFamilies health;
     const auto entries = heads_->List();
     AddGauge(count, {}, double(entries.size()));
     for (const auto& entry : entries) {
@@ -260,9 +261,65 @@ class ServerMetrics::Impl : public prometheus::Collectable {
       AddGauge(version, head, double(d.weight_version));
       AddGauge(micro_batches, head, double(d.accumulated_micro_batches));
       if (d.last_loss.has_value()) AddGauge(loss, head, *d.last_loss);
+      health.Add(head, d);
     }
     for (auto* family : {&count, &version, &micro_batches, &loss}) out.push_back(*family);
+    health.MoveTo(out);
   }
+
+  // The head's health at its last optimizer step (HeadDescription::step_health): means over
+  // the step window's training tokens, the GRPO family's only where its calls reported them.
+  struct HealthFamilies {
+    prometheus::MetricFamily entropy = Gauges(
+        "remotehead_head_entropy_mean",
+        "Mean entropy (nats) of the head's predicted distribution over the training tokens of "
+        "its last optimizer step's micro-batches");
+    prometheus::MetricFamily logit_max = Gauges(
+        "remotehead_head_logit_max",
+        "Largest logit (after logit scale, softcap and temperature) over the training tokens "
+        "of the head's last optimizer step");
+    prometheus::MetricFamily logit_max_mean = Gauges(
+        "remotehead_head_logit_max_mean",
+        "Mean over those tokens of each token's largest logit");
+    prometheus::MetricFamily z_loss = Gauges(
+        "remotehead_head_z_loss_mean",
+        "Mean lse² (the z-loss without its coefficient) over those tokens");
+    prometheus::MetricFamily clipped = Gauges(
+        "remotehead_head_clipped_fraction",
+        "Fraction of the clipping (GRPO-family) calls' tokens whose ratio was clipped, last "
+        "optimizer step");
+    prometheus::MetricFamily kl = Gauges(
+        "remotehead_head_kl_mean",
+        "Mean KL to the reference policy over the tokens of the calls that reported it, last "
+        "optimizer step");
+    prometheus::MetricFamily tokens{
+        .name = "remotehead_head_step_tokens_total",
+        .help = "Training tokens (valid tokens of calls that accumulated dW) of the micro-batches "
+                "the head's optimizer steps applied",
+        .type = prometheus::MetricType::Counter,
+        .metric = {}};
+
+    void Add(const std::vector<prometheus::ClientMetric::Label>& head, const HeadDescription& d) {
+      prometheus::ClientMetric total;
+      total.label = head;
+      total.counter.value = double(d.step_tokens_total);
+      tokens.metric.push_back(std::move(total));
+      if (!d.step_health.has_value()) return;
+      const HealthWindow& w = *d.step_health;
+      const double n = double(w.health.tokens);
+      AddGauge(entropy, head, w.health.entropy_sum / n);
+      AddGauge(logit_max, head, w.health.logit_max);
+      AddGauge(logit_max_mean, head, w.health.logit_max_sum / n);
+      AddGauge(z_loss, head, w.health.lse_sq_sum / n);
+      if (w.clipped_tokens > 0) AddGauge(clipped, head, w.clipped_sum / double(w.clipped_tokens));
+      if (w.kl_tokens > 0) AddGauge(kl, head, w.kl_sum / double(w.kl_tokens));
+    }
+    void MoveTo(std::vector<prometheus::MetricFamily>& out) {
+      for (auto* family : {&entropy, &logit_max, &logit_max_mean, &z_loss, &clipped, &kl, &tokens}) {
+        out.push_back(std::move(*family));
+      }
+    }
+  };
 
   const HeadRegistry* heads_;
   const torch::Device device_;

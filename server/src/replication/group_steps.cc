@@ -197,22 +197,24 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
         batch.aux[name.substr(sizeof(kAuxPrefix) - 1)] = t;
       }
     }
-    return RunEngine(static_cast<core::CallMode>(b.mode()), head, batch, options, grad_output,
-                     grads)
-        .status();
+    ASSIGN_OR_RETURN(const EngineOutputs out, RunEngine(static_cast<core::CallMode>(b.mode()),
+                                                        head, batch, options, grad_output, grads));
+    if (b.accumulate()) health_[b.session()].Add(HealthWindow::Of(out.stats));
+    return absl::OkStatus();
   };
   return entry->ReadPinnedWith(teacher.get(), &pin, run);
 }
 
 absl::Status GroupStepFollower::End(const v1::GroupStepEnd& end) {
   const auto node = scratch_.extract(end.session());
+  const auto health = health_.extract(end.session());
   if (!end.commit()) return absl::OkStatus();
   ASSIGN_OR_RETURN(const std::shared_ptr<HeadEntry> entry, registry_->Get(end.head_id()));
   // A request that computed no rows accumulated nothing: its zero dW still records its id.
   const core::GradientBuffers scratch =
       !node.empty() ? node.mapped()
                     : entry->Read([](const core::Head& head) { return head.NewGradientBuffers(); });
-  StepCommit commit{.scratch = &scratch};
+  StepCommit commit{.scratch = &scratch, .health = health.empty() ? nullptr : &health.mapped()};
   if (end.has_pin()) commit.pin = FromWire(end.pin());
   if (end.has_gradient_id()) {
     commit.key = GradientKey{end.gradient_id().trainer(), end.gradient_id().step(),

@@ -78,6 +78,9 @@ class GroupStepFollower {
   HeadGroup* group_;
   const torch::Device device_;
   std::map<int64_t, core::GradientBuffers> scratch_;  // by session
+  // By session: the head's health its calls computed, the same as the front's (the engine
+  // combines it over the group), committed with the scratch.
+  std::map<int64_t, HealthWindow> health_;
 };
 
 }  // namespace remotehead::server

@@ -356,6 +356,7 @@ void StepSession::AddStats(const core::StepStats& stats) {
   outcome_.chunk_rows = std::max(outcome_.chunk_rows, stats.chunk_rows);
   outcome_.num_chunks += stats.num_chunks;
   for (const auto& [name, value] : stats.extras) outcome_.extras[name] += value;
+  health_.Add(HealthWindow::Of(stats));
 }
 
 // ----- the end -----
@@ -376,7 +377,8 @@ absl::StatusOr<StepOutcome> StepSession::Finish(const StepResultSink& sink) {
 absl::StatusOr<CommitResult> StepSession::Commit() {
   const std::optional<double> loss =
       mode_ == core::CallMode::kFused ? std::optional<double>(outcome_.loss) : std::nullopt;
-  const StepCommit commit{.pin = pin_, .key = call_.gradient, .scratch = &scratch_, .loss = loss};
+  const StepCommit commit{
+      .pin = pin_, .key = call_.gradient, .scratch = &scratch_, .loss = loss, .health = &health_};
   auto here = [&] { return entry_->Commit(commit); };
   // Only a request that accumulates changes the other ranks' heads.
   if (fanout_ == nullptr || !call_.gradient.has_value()) return here();

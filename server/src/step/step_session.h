@@ -145,6 +145,7 @@ class StepSession {
   bool coupled_batch_done_ = false;  // a row-coupled call's one batch was computed
   int64_t next_row_ = 0;       // request rows whose results have been produced
   StepOutcome outcome_;  // the summary's sums so far (loss, tokens, chunks, extras)
+  HealthWindow health_;  // the head's health over the calls that accumulated dW
   int64_t logits_chunk_bytes_ = 0;
 };
 

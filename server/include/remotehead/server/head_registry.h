@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/head_state.h"
 #include "remotehead/core/optimizer.h"
@@ -44,6 +45,22 @@ struct RowGradients {
   torch::Tensor values;
 };
 
+// The head's health over some training calls (a request's, an optimizer step's window): the
+// engine's sums (core::HeadHealth) and those of the GRPO family's extras, keyed on the extras a
+// call reported (a function that reports "clipped" clips ratios; "kl": it has a reference), not
+// on function names. Only calls that accumulated dW count.
+struct HealthWindow {
+  core::HeadHealth health;
+  double clipped_sum = 0.0;    // Σ "clipped" (1 where the ratio was clipped)
+  int64_t clipped_tokens = 0;  // valid tokens of the calls that reported it
+  double kl_sum = 0.0;         // Σ "kl"
+  int64_t kl_tokens = 0;       // valid tokens of the calls that reported it
+
+  // What one engine call adds (nothing unless it computed its health).
+  static HealthWindow Of(const core::StepStats& stats);
+  void Add(const HealthWindow& other);
+};
+
 // A head at one moment (DescribeHead, ListHeads, metrics).
 struct HeadDescription {
   std::string id;
@@ -60,6 +77,11 @@ struct HeadDescription {
   std::vector<core::ShardRange> shards;     // a head group's rows by rank; empty: one server
   bool frozen = false;                      // no dW, no optimizer step (a teacher, a reference)
   std::vector<std::string> teacher_of;      // sorted: the students whose steps named it teacher
+  // The window of the last optimizer step: the micro-batches it applied (committed since the
+  // step before or the last zeroing). Unset before the first step and after a step whose window
+  // held no training token.
+  std::optional<HealthWindow> step_health;
+  int64_t step_tokens_total = 0;  // valid tokens of every optimizer step's window so far
 };
 
 // FAILED_PRECONDITION, reason HEAD_FROZEN: frozen head `id` was asked, by `field`, for `what`
@@ -83,6 +105,7 @@ struct StepCommit {
   const core::GradientBuffers* scratch = nullptr;  // the request's dW (with key), or
   const RowGradients* rows = nullptr;               // its dW for some rows only (with key)
   std::optional<double> loss;                      // recorded as the head's last loss
+  const HealthWindow* health = nullptr;  // added to the step's window with a key not yet applied
 };
 
 struct CommitResult {
@@ -198,12 +221,14 @@ class HeadEntry {
   static absl::Status NotCounted(int64_t) { return absl::OkStatus(); }
   // Bytes the head's optimizer state holds now.
   int64_t OptimizerStateBytes() const;
-  // Runs `step` (an optimizer step on the head and its state) under the lock; then, with
+  // Runs `step` (an optimizer step on the head and its state) under the lock; then publishes
+  // the health window (HeadDescription::step_health) and opens a new one, and, with
   // zero_gradients, zeroes dW / db and forgets the ledger in the same critical section.
   absl::Status OptimizerStep(
       const std::function<absl::Status(core::Head&, core::OptimizerState&)>& step,
       bool zero_gradients);
-  // Zeroes dW / db and forgets the ledger: a new accumulation window, ids may be reused.
+  // Zeroes dW / db and forgets the ledger: a new accumulation window, ids may be reused (the
+  // health window is dropped with them, unpublished).
   void ZeroGradients();
   // New weights from `head` (UploadHeader.replace): INVALID_ARGUMENT unless it has this head's
   // shape, dtype and bias; FAILED_PRECONDITION while gradients computed with the old weights
@@ -248,6 +273,9 @@ class HeadEntry {
   core::OptimizerState optimizer_;  // created by the first OptimizerStep
   std::optional<double> last_loss_;
   std::set<std::string> students_;  // teacher_of
+  HealthWindow health_window_;      // committed since the last optimizer step or zeroing
+  std::optional<HealthWindow> step_health_;
+  int64_t step_tokens_total_ = 0;
 };
 
 // Runs `change`, which may resize `state`, with the growth reserved first: the bytes beyond
