@@ -18,7 +18,10 @@ import urllib.parse
 import urllib.request
 
 import pytest
+import torch
 import yaml
+
+import remotehead
 
 from conftest import COMPOSE, docker, logs, state, train_against_reference, wait_healthy
 
@@ -138,6 +141,15 @@ def test_the_cpu_profile_serves_and_prometheus_scrapes_it(stack):
     version = wait_for('remotehead_head_weight_version{head="compose"}',
                        lambda r: r and float(r[0]["value"][1]) >= 4)
     assert float(version[0]["value"][1]) == 4
+    # A GRPO micro-batch with a reference and its optimizer step: the head-health row's GRPO
+    # panels (clipped fraction, KL) have data too.
+    with remotehead.Client("127.0.0.1:50051") as client:
+        client.forward_backward("compose", torch.randn(32, 64), torch.randint(0, 1000, (32,)),
+                                function="grpo", reduction="sum", gradient_id=("deploy", 4, 0),
+                                aux={"advantages": torch.randn(32),
+                                     "ref_logprobs": -7 - torch.rand(32)})
+        client.optimizer_step("compose", sgd=dict(lr=0.5), zero_gradients=True)
+    wait_for('remotehead_head_kl_mean{head="compose"}', bool)
     # The dashboard's server panels have data on this stack (Grafana's $__rate_interval as 1m;
     # the group panels' remotehead_group_info is the cpu-group profile's).
     for title, expression in dashboard_expressions():

@@ -43,6 +43,12 @@ EXPORTED = {
     "remotehead_device_memory_reserved_bytes", "remotehead_device_memory_peak_bytes",
     "remotehead_logits_chunk_max_bytes", "remotehead_heads", "remotehead_head_weight_version",
     "remotehead_head_accumulated_micro_batches", "remotehead_head_last_loss",
+    # The head's health, published at an optimizer step (the workload takes one, with a GRPO
+    # micro-batch that has a reference in its window).
+    "remotehead_head_entropy_mean", "remotehead_head_logit_max",
+    "remotehead_head_logit_max_mean", "remotehead_head_z_loss_mean",
+    "remotehead_head_clipped_fraction", "remotehead_head_kl_mean",
+    "remotehead_head_step_tokens_total",
     # Synchronous optimizer steps of data-parallel trainers (the aborted counter appears with
     # its first abort, labelled by reason).
     "remotehead_sync_step_wait_seconds", "remotehead_sync_step_ranks_waiting",
@@ -168,15 +174,21 @@ def exported_metrics(port):
     return set(re.findall(r"^# TYPE (\w+) \w+$", body, re.MULTILINE)), body
 
 
-def run_workload(target):
-    """An upload, a step, a forward and a failing call: every kind of metric gets a sample."""
+def run_workload(target, optimizer_step=True):
+    """An upload, steps (a GRPO one with a reference), a forward, a failing call and an optimizer
+    step (unless the caller takes its own): every kind of metric gets a sample."""
     with remotehead.Client(target) as client:
         client.upload_head("deploy", torch.randn(64, 16))
         client.forward_backward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)),
                                 gradient_id=("deploy", 0, 0))
+        client.forward_backward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)),
+                                function="grpo", reduction="sum", gradient_id=("deploy", 0, 1),
+                                aux={"advantages": torch.randn(8), "ref_logprobs": -torch.rand(8)})
         client.forward("deploy", torch.randn(8, 16), torch.randint(0, 64, (8,)))
         with pytest.raises(remotehead.RemoteheadError):
             client.describe_head("missing")
+        if optimizer_step:
+            client.optimizer_step("deploy", sgd=dict(lr=0.1), zero_gradients=True)
 
 
 def test_the_metrics_doc_lists_exactly_the_exported_metrics():
@@ -193,7 +205,7 @@ def test_a_mesh_exports_the_server_metrics_and_its_own():
     with LocalHeadGroup(BINARY, size=2, replicas=2,
                         args=["--device=cpu", "--metrics_address=127.0.0.1:0"]) as mesh:
         torch.manual_seed(0)
-        run_workload(mesh.fronts[0])
+        run_workload(mesh.fronts[0], optimizer_step=False)
         with remotehead.Client(mesh.fronts) as client:
             client.optimizer_step("deploy", sgd=dict(lr=0.1), zero_gradients=True)
         exported, _ = exported_metrics(mesh.ranks[0].metrics_port)
@@ -232,6 +244,11 @@ def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group)
             "remotehead_step_phase_seconds", "remotehead_tokens_total",
             "remotehead_requests_total", "remotehead_inflight_requests",
             "remotehead_head_weight_version", "remotehead_head_last_loss"} <= used
+    # The head's health row.
+    assert {"remotehead_head_entropy_mean", "remotehead_head_logit_max",
+            "remotehead_head_logit_max_mean", "remotehead_head_z_loss_mean",
+            "remotehead_head_clipped_fraction", "remotehead_head_kl_mean",
+            "remotehead_head_step_tokens_total"} <= used
     # And a head group's ranks: their memory, their collectives, whether the group is up.
     assert {"remotehead_group_info", "remotehead_group_collective_bytes_total",
             "remotehead_group_up", "remotehead_group_command_seconds"} <= used
