@@ -98,7 +98,7 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
                 {.upstream = &upstream,
                  .grads = grads,
                  .grad_hidden = grad_hidden,
-                 .health = grads != nullptr && options.head_health});
+                 .health = grads != nullptr && plan.head_health});
   FusedResult result;
   result.loss = outputs.loss_sum.item<double>() / plan.denominator;
   result.grad_hidden = std::move(grad_hidden);
@@ -161,7 +161,7 @@ absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& 
                 {.upstream = &upstream,
                  .grads = grads,
                  .grad_hidden = grad_hidden,
-                 .health = grads != nullptr && options.head_health});
+                 .health = grads != nullptr && plan.head_health});
   BackwardResult result;
   result.grad_hidden = std::move(grad_hidden);
   result.stats = MakeStats(plan, outputs);

@@ -66,14 +66,22 @@ torch::Tensor GradientOfValues(const CoupledLoss& loss, const torch::Tensor& dy)
   return torch::where(loss.valid, dv, 0.0).detach();
 }
 
-// Pass 3: dL/dv backpropagated through every chunk's per-token values into dX and dW.
-void Backpropagate(const Head& head, const TokenBatch& batch, const Plan& plan,
-                      const torch::Tensor& dv, GradientBuffers* grads,
-                      const torch::Tensor& grad_hidden) {
+// Pass 3: dL/dv backpropagated through every chunk's per-token values into dX and dW; the
+// head's health with dW (the pass that trains, as in an ordinary call).
+HeadHealth Backpropagate(const Head& head, const TokenBatch& batch, const Plan& plan,
+                         const torch::Tensor& dv, GradientBuffers* grads,
+                         const torch::Tensor& grad_hidden) {
   const UpstreamFn upstream = [&dv](int64_t start, int64_t rows, const torch::Tensor& w) {
     return dv.narrow(0, start, rows).to(w.scalar_type());
   };
-  RunChunks(head, batch, plan, {.upstream = &upstream, .grads = grads, .grad_hidden = grad_hidden});
+  const ChunkOutputs outputs =
+      RunChunks(head, batch, plan,
+                {.upstream = &upstream,
+                 .grads = grads,
+                 .grad_hidden = grad_hidden,
+                 .health = grads != nullptr && plan.head_health});
+  return outputs.health.has_value() ? ToHeadHealth(*outputs.health, plan.valid_tokens)
+                                    : HeadHealth{};
 }
 
 // Σ w·y in fp64 (the loss before its denominator), as the chunk loop sums it.
@@ -104,11 +112,12 @@ FusedResult FusedCoupled(const Head& head, const TokenBatch& batch, const Plan& 
   const CoupledLoss loss = Evaluate(head, batch, plan, /*gradients=*/true);
   const torch::Tensor dv =
       GradientOfValues(loss, loss.token_weights * (upstream_scale / plan.denominator));
-  Backpropagate(head, batch, plan, dv, grads, grad_hidden);
+  const HeadHealth health = Backpropagate(head, batch, plan, dv, grads, grad_hidden);
   FusedResult result;
   result.loss = WeightedSum(loss) / plan.denominator;
   result.grad_hidden = std::move(grad_hidden);
   result.stats = Stats(plan, loss);
+  result.stats.health = health;
   result.token_extras = Extras(plan, loss);
   return result;
 }
@@ -133,10 +142,12 @@ BackwardResult BackwardCoupled(const Head& head, const TokenBatch& batch, const 
       plan.reduction == Reduction::kNone
           ? loss.token_weights * grad_output.to(loss.token_weights.scalar_type())
           : loss.token_weights * (grad_output.item<double>() / plan.denominator);
-  Backpropagate(head, batch, plan, GradientOfValues(loss, dy), grads, grad_hidden);
+  const HeadHealth health =
+      Backpropagate(head, batch, plan, GradientOfValues(loss, dy), grads, grad_hidden);
   BackwardResult result;
   result.grad_hidden = std::move(grad_hidden);
   result.stats = Stats(plan, loss);
+  result.stats.health = health;
   result.token_extras = Extras(plan, loss);
   return result;
 }

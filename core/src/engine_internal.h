@@ -37,6 +37,7 @@ struct Plan {
   double denominator = 1.0;
   int64_t ignore_index = -100;
   std::function<bool()> should_stop;  // StepOptions::should_stop
+  bool head_health = true;            // StepOptions::head_health
   torch::Tensor logits_workspace;     // StepOptions::logits_workspace
   int64_t first_row = 0;              // StepOptions::first_row
   const std::vector<int64_t>* row_numbers = nullptr;  // StepOptions::row_numbers

@@ -116,6 +116,23 @@ TEST(HeadHealth, OnlyCallsThatAccumulateDwComputeIt) {
   EXPECT_TRUE(torch::equal(grads_on.weight, grads.weight));
 }
 
+// vespo couples its rows (the engine's two passes, engine_coupled.cc): the pass that trains
+// (dW) computes the health, as in an ordinary call.
+TEST(HeadHealth, ARowCoupledCallCountsItsTrainingPass) {
+  auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/true);
+  const core::TokenBatch batch =
+      reference::MakeTestBatch(*head, kRows, "vespo", core::Reduction::kMean);
+  core::StepOptions options = Options(7, 3);
+  options.function = "vespo";
+  core::GradientBuffers grads = head->NewGradientBuffers();
+  auto fused = core::FusedForwardBackward(*head, batch, options, &grads);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  ExpectClose(fused->stats.health, Reference(*head, batch), 2e-6);
+  auto forward = core::Forward(*head, batch, options);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  EXPECT_EQ(forward->stats.health.tokens, 0);
+}
+
 TEST(HeadHealth, EveryRankOfAGroupHoldsTheWholeVocabularysValues) {
   auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, /*bias=*/true);
   const core::TokenBatch batch =
