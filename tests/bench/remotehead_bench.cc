@@ -5,10 +5,9 @@
 //   two_phase  Forward, then Backward with dL/dloss = 1 (recomputes the logits: four GEMMs)
 //   gemm       just the three GEMMs of the step at full size (X·Wᵀ, dZ·W, dZᵀ·X): the floor
 //
-// A two-head (distillation) function (--function distill_kl, distill_reverse_kl, distill_jsd)
-// adds a frozen teacher head of the same V (width --teacher_d): naive forms both [N, V] logits
-// (the teacher's under no_grad) and the divergence from their full log-softmaxes; gemm adds the
-// teacher's logits GEMM (four GEMMs, 8·N·D·V FLOPs at D_teacher = D).
+// A two-head function (--function distill_kl, distill_reverse_kl, distill_jsd) adds a frozen
+// teacher head of the same V (width --teacher_d): naive forms both [N, V] logits (the teacher's
+// under no_grad) and the divergence; gemm adds the teacher's GEMM (8·N·D·V FLOPs at D_t = D).
 //
 // step_seconds is the median over --repeats after --warmup untimed steps. peak_bytes is the
 // transient memory of a warm step: the peak allocated during it minus what was allocated just
