@@ -68,6 +68,62 @@ ReferenceFunction Policy(PolicyLoss kind, core::FunctionParams test_values) {
           .test_values = std::move(test_values)};
 }
 
+}  // namespace
+
+torch::Tensor ReferenceKeptMask(const torch::Tensor& logits, const core::FunctionParams& params) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor z = logits.detach();
+  const double inf = std::numeric_limits<double>::infinity();
+  const int64_t v = z.size(1);
+  const auto top_k = static_cast<int64_t>(Param(params, "top_k", 0));
+  const double top_p = Param(params, "top_p", 1);
+  const double min_p = Param(params, "min_p", 0);
+  torch::Tensor keep = torch::ones_like(z, torch::kBool);
+  const auto masked = [&] { return z.masked_fill(keep.logical_not(), -inf); };
+  const auto apply_min_p = [&] {
+    if (min_p <= 0) return;
+    const torch::Tensor p = torch::softmax(masked(), 1);
+    keep = keep.logical_and(p >= min_p * std::get<0>(p.max(1, /*keepdim=*/true)));
+  };
+  if (Param(params, "min_p_first", 0) != 0) apply_min_p();
+  if (top_k > 0 && top_k < v) {
+    const torch::Tensor sorted = std::get<0>(masked().sort(1, /*descending=*/true));
+    keep = keep.logical_and(z >= sorted.narrow(1, top_k - 1, 1));
+  }
+  if (top_p < 1) {
+    const torch::Tensor sorted = std::get<0>(masked().sort(1, /*descending=*/true));
+    const torch::Tensor reached = torch::softmax(sorted, 1).cumsum(1) >= top_p;
+    const torch::Tensor last = reached.logical_not().sum(1, /*keepdim=*/true).clamp_max(v - 1);
+    keep = keep.logical_and(z >= sorted.gather(1, last));
+  }
+  if (Param(params, "min_p_first", 0) == 0) apply_min_p();
+  return keep;
+}
+
+namespace {
+
+// log p'(t) under the kept set's renormalised distribution; −inf with no gradient outside it.
+torch::Tensor SamplerTargetLogprob(const torch::Tensor& z, const torch::Tensor& t,
+                                   const core::FunctionParams& params) {
+  const torch::Tensor keep = ReferenceKeptMask(z, params);
+  const double inf = std::numeric_limits<double>::infinity();
+  const torch::Tensor y = TargetLogprob(z.masked_fill(keep.logical_not(), -inf), t);
+  return torch::where(keep.gather(1, t.unsqueeze(1)).squeeze(1), y, -inf);
+}
+
+// token_logprobs' targets: each valid row's largest or second largest logit (alternately), which
+// every test sampler keeps, so that the derived cases compare finite values and gradients
+// (sampler_logprobs_test covers targets outside the kept set).
+void TokenLogprobsTargets(const core::Head& head, at::Generator&, core::TokenBatch* batch) {
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
+  torch::Tensor z = torch::mm(batch->hidden.to(f64), head.weight().to(f64).t());
+  if (head.has_bias()) z = z + head.bias().to(f64);
+  const torch::Tensor top2 = std::get<1>(z.topk(std::min<int64_t>(2, z.size(1)), 1));
+  const torch::Tensor which = torch::arange(z.size(0), torch::kLong).remainder(top2.size(1));
+  const torch::Tensor chosen = top2.gather(1, which.unsqueeze(1)).squeeze(1);
+  batch->targets = torch::where(batch->targets < 0, batch->targets, chosen);
+}
+
 // The hard-label cross-entropy a distillation mixes in: of the student's logits at temperature 1.
 torch::Tensor MixCrossEntropy(const torch::Tensor& divergence, const torch::Tensor& z,
                               const torch::Tensor& t, const core::FunctionParams& params) {
@@ -156,7 +212,11 @@ std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
                             .test_values = {{"label_smoothing", 0.1}, {"z_loss", 1e-3}}};
   table["token_logprobs"] = {
       .per_token = [](const torch::Tensor& z, const torch::Tensor& t, const core::AuxTensors&,
-                      const core::FunctionParams&) { return TargetLogprob(z, t); }};
+                      const core::FunctionParams& params) {
+        return SamplerTargetLogprob(z, t, params);
+      },
+      .make_aux = TokenLogprobsTargets,
+      .test_values = {{"top_k", 8}, {"top_p", 0.9}, {"min_p", 0.05}, {"min_p_first", 1}}};
   table["entropy"] = {.per_token = [](const torch::Tensor& z, const torch::Tensor&,
                                       const core::AuxTensors&, const core::FunctionParams&) {
     return -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);

@@ -46,6 +46,12 @@ torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor
                                 const torch::Tensor& teacher_z = {},
                                 int64_t ignore_index = -100);
 
+// The sampler's kept set (core/sampler_kept_set.h) of float64 logits z [N, V] (transforms
+// applied) written from its definition: each truncation in its order as a mask over the sorted,
+// renormalised distribution; min-p in probabilities (p >= min_p·p_max), as Hugging Face and vLLM
+// write it. [N, V] bool; `params` may omit the sampler's (off).
+torch::Tensor ReferenceKeptMask(const torch::Tensor& z, const core::FunctionParams& params);
+
 // The reference of one registered function: one entry per name in ReferenceFunctions().
 // What a function is (its aux inputs, whether it needs targets, its params, their defaults and
 // ranges) is read from the registry's TransformFunction; an entry holds only what the registry
