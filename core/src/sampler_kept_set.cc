@@ -14,12 +14,13 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // each round: a language model's nucleus is usually a few hundred tokens.
 constexpr int64_t kFirstTopPValues = 64;
 constexpr int64_t kTopPGrowth = 4;
-// fp32 buffers per candidate column (of `columns`) while τ is formed: topk's values and int64
-// indices, its own scratch, the float64 probabilities and their cumulative sums, the masks.
-// Measured by tests/core/memory_budget_test.cc and memory_model_test.cc.
-constexpr double kSortBuffers = 8.0;
-// The mask and the masked logits, which the masked log-softmax keeps for autograd.
-constexpr double kMaskBuffers = 2.0;
+// fp32 buffers per candidate column (of `columns`) while τ is formed, measured by
+// tests/core/memory_budget_test.cc and memory_model_test.cc: topk's values and int64 indices;
+// for top-p also the float64 probabilities, their cumulative sums and masks.
+constexpr double kLargestBuffers = 3.0;
+constexpr double kCumulativeBuffers = 4.0;
+// The bool mask autograd keeps, and the masked logits while the log-softmax reads them.
+constexpr double kMaskBuffers = 1.25;
 
 double ParamOr(const FunctionParams& params, const char* name, double off) {
   const auto it = params.find(name);
@@ -190,7 +191,8 @@ double SamplerWorkspaceBuffers(const FunctionParams& params, int64_t columns, in
   } else if (s.top_p < 1) {
     sorted = static_cast<double>(ranks * columns);
   }
-  return kMaskBuffers + kSortBuffers * std::min(sorted, static_cast<double>(ranks * columns)) /
+  const double per_column = kLargestBuffers + (s.top_p < 1 ? kCumulativeBuffers : 0.0);
+  return kMaskBuffers + per_column * std::min(sorted, static_cast<double>(ranks * columns)) /
                             static_cast<double>(columns);
 }
 
