@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/memory_stats.h"
+#include "remotehead/core/sampler_kept_set.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::core {
@@ -66,6 +67,12 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   if (plan.params.at(kSoftcapParam) > 0) block_buffers += 2;
   if (plan.params.at(kTemperatureParam) != 1.0) block_buffers += 1;
   if (plan.params.at(kLogitScaleParam) != 1.0) block_buffers += 1;
+  // A per-token function scoring a sampled token (sampler_kept_set.h): the sampler's threshold
+  // and masked logits. "sample" counts its own in its workspace.
+  if (plan.function->output == OutputKind::kPerToken) {
+    const int64_t ranks = options.shard != nullptr ? std::ssize(options.shard->ranges) : 1;
+    block_buffers += SamplerWorkspaceBuffers(plan.params, plan.vocab_size, ranks);
+  }
   const bool teacher = plan.function->needs_teacher && options.teacher != nullptr;
   // A two-head function's teacher: its fp32 logits (alive for the whole block) and one
   // temporary while they are formed (the upcast or a transform's result); no autograd.

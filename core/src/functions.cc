@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "remotehead/core/sampler_kept_set.h"
 
 namespace remotehead::core {
 namespace {
@@ -43,9 +44,11 @@ FunctionOutput CrossEntropy(const ChunkInputs& in) {
   return out;
 }
 
-// log p(target): the selected-token log-probabilities of RL trainers.
+// log p(target): the selected-token log-probabilities of RL trainers; with sampler params, under
+// the sampler's truncated, renormalised distribution (sampler_kept_set.h).
 FunctionOutput TokenLogprobs(const ChunkInputs& in) {
-  return {in.vocab->LogSoftmaxAtTarget(in.logits, in.targets), {}};
+  SampledLogProb logp = TargetLogProbAndKept(in);
+  return {std::move(logp.logprob), {{"kept", std::move(logp.kept)}}};
 }
 
 // Entropy of the predicted distribution: H = −Σ_j p_j log p_j = lse − E_p[z].
@@ -83,10 +86,18 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .ignored_rows_contribute_nothing = true,
        .forward = CrossEntropy},
       {.name = "token_logprobs",
-       .help = "log-probability of the target token",
+       .help = "log-probability of the target token; with top_k / top_p / min_p, under the "
+               "sampler's truncated, renormalised distribution (−inf, zero gradient, for a target "
+               "outside the kept set)",
+       .params = SamplerParams(),
+       .extras = {{"kept",
+                   "1 if the target is in the sampler's kept set, else 0 (always 1 without "
+                   "top_k / top_p / min_p)"}},
        .workspace_logit_buffers = 3,
        .ignored_rows_contribute_nothing = true,
-       .forward = TokenLogprobs},
+       .forward = TokenLogprobs,
+       .validate = [](const FunctionParams& params, const AuxTensors&,
+                      bool) { return ValidateSamplerParams(params); }},
       {.name = "entropy",
        .help = "entropy of the predicted distribution",
        .needs_targets = false,

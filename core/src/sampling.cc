@@ -6,6 +6,8 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/sampler_kept_set.h"
+#include "vocab_ops.h"
 
 namespace remotehead::core {
 namespace {
@@ -21,32 +23,14 @@ absl::Status CheckWhole(const FunctionParams& params, const char* name) {
   return absl::OkStatus();
 }
 
-// Hugging Face's TopKLogitsWarper: tokens below the k-th largest score get -inf.
-void KeepTopK(torch::Tensor& scores, int64_t k) {
-  if (k <= 0 || k >= scores.size(1)) return;
-  const torch::Tensor kth = std::get<0>(scores.topk(k, 1)).narrow(1, k - 1, 1);
-  scores.masked_fill_(scores < kth, -std::numeric_limits<float>::infinity());
-}
-
-// Hugging Face's TopPLogitsWarper (min_tokens_to_keep = 1): in ascending order, the tokens whose
-// cumulative probability stays <= 1 - top_p are removed; the largest is always kept.
-void KeepTopP(torch::Tensor& scores, double top_p) {
-  if (top_p >= 1.0) return;
-  const auto [sorted, indices] = scores.sort(1, /*descending=*/false);
-  torch::Tensor remove = sorted.softmax(1).cumsum(1) <= (1.0 - top_p);
-  remove.narrow(1, scores.size(1) - 1, 1).fill_(false);
-  scores.masked_fill_(remove.scatter(1, indices, remove), -std::numeric_limits<float>::infinity());
-}
-
 }  // namespace
 
 std::vector<ParamSpec> SamplingParams() {
-  return {
-      {"greedy", 0.0, 0.0, 1.0, "1: the most likely token (argmax); 0: drawn at random"},
-      {"top_k", 0.0, 0.0, 2147483647.0, "if > 0: only the k most likely tokens are drawn"},
-      {"top_p", 1.0, 1e-9, 1.0, "nucleus: the smallest set of tokens with probability >= top_p"},
-      {"seed", 0.0, 0.0, kMaxExactInteger, "row r of the request draws with seed + r"},
-  };
+  std::vector<ParamSpec> params = {
+      {"greedy", 0.0, 0.0, 1.0, "1: the most likely token (argmax); 0: drawn at random"}};
+  for (ParamSpec& p : SamplerParams()) params.push_back(std::move(p));
+  params.push_back({"seed", 0.0, 0.0, kMaxExactInteger, "row r of the request draws with seed + r"});
+  return params;
 }
 
 absl::Status ValidateSamplingParams(const FunctionParams& params, const AuxTensors&, bool) {
@@ -55,7 +39,7 @@ absl::Status ValidateSamplingParams(const FunctionParams& params, const AuxTenso
     return absl::InvalidArgumentError(
         absl::StrCat("params[\"greedy\"]: expected 0 or 1; got ", greedy));
   }
-  if (absl::Status s = CheckWhole(params, "top_k"); !s.ok()) return s;
+  if (absl::Status s = ValidateSamplerParams(params); !s.ok()) return s;
   return CheckWhole(params, "seed");
 }
 
@@ -77,9 +61,12 @@ SampledTokens SampleTokens(const torch::Tensor& logits, const FunctionParams& pa
   if (params.at("greedy") != 0.0) {
     out.token_ids = logits.argmax(1);
   } else {
-    torch::Tensor scores = logits.clone();
-    KeepTopK(scores, static_cast<int64_t>(params.at("top_k")));
-    KeepTopP(scores, params.at("top_p"));
+    // The kept set of sampler_kept_set.h, the one token_logprobs scores a token against.
+    torch::Tensor scores = logits;
+    if (SamplerActive(params)) {
+      const torch::Tensor tau = KeptThreshold(logits, params, LocalVocabOps(logits.size(1)));
+      scores = logits.masked_fill(logits < tau.unsqueeze(1), -std::numeric_limits<double>::infinity());
+    }
     // The draw runs on the CPU with one generator per row: the tokens depend only on the seed
     // and the row, not on the device, the chunking or the other rows.
     const torch::Tensor probs = scores.softmax(1).to(torch::kCPU);

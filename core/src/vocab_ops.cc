@@ -1,5 +1,8 @@
 #include "vocab_ops.h"
 
+#include <algorithm>
+#include <limits>
+
 namespace remotehead::core {
 namespace {
 
@@ -42,6 +45,11 @@ std::vector<torch::Tensor> LocalVocabOps::SumsOfLogSoftmaxPair(const std::vector
   torch::NoGradGuard no_grad;
   for (size_t i = 1; i < terms.size(); ++i) sums.push_back(terms[i](la.detach(), lb.detach()).sum(1));
   return sums;
+}
+
+torch::Tensor LocalVocabOps::LargestValues(const torch::Tensor& z, int64_t k) const {
+  torch::NoGradGuard no_grad;
+  return std::get<0>(z.detach().topk(std::min(k, z.size(1)), 1));
 }
 
 torch::Tensor ShardVocabOps::GatherWithMine(const torch::Tensor& partial) const {
@@ -143,6 +151,24 @@ std::vector<torch::Tensor> ShardVocabOps::SumsOfLogSoftmaxPair(const std::vector
                                     (lb - lb.detach()) * sums[2].detach()};
   for (size_t i = 1; i < terms.size(); ++i) out.push_back(sums[static_cast<int64_t>(i) + 2].detach());
   return out;
+}
+
+// The global top-k is inside the union of the ranks' local top-ks. Each rank sends
+// min(k, largest shard) values, padded with −inf where its shard is smaller (the gathered tensors
+// have one shape), so the union holds at least min(k, V) real values and no padding reaches the
+// top k. Not GatherWithMine: values only, no gradient to route.
+torch::Tensor ShardVocabOps::LargestValues(const torch::Tensor& z, int64_t k) const {
+  torch::NoGradGuard no_grad;
+  const int64_t n = z.size(0);
+  const int64_t width = std::min(k, shard_.largest_rows());
+  torch::Tensor mine = torch::full({n, width}, -std::numeric_limits<double>::infinity(),
+                                   z.options().requires_grad(false));
+  const int64_t local = std::min(width, z.size(1));
+  mine.narrow(1, 0, local).copy_(std::get<0>(z.detach().topk(local, 1)));
+  absl::StatusOr<torch::Tensor> all = shard_.group->AllGather(mine);
+  if (!all.ok()) throw GroupFailure(std::move(all).status());
+  const torch::Tensor candidates = all->permute({1, 0, 2}).reshape({n, -1});
+  return std::get<0>(candidates.topk(std::min(k, candidates.size(1)), 1));
 }
 
 }  // namespace remotehead::core

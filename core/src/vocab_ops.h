@@ -37,6 +37,7 @@ class LocalVocabOps final : public VocabOps {
   std::vector<torch::Tensor> SumsOfLogSoftmaxPair(const std::vector<PairTerm>& terms,
                                                   const torch::Tensor& a,
                                                   const torch::Tensor& b) const override;
+  torch::Tensor LargestValues(const torch::Tensor& z, int64_t k) const override;
 
  private:
   int64_t vocab_size_;
@@ -61,6 +62,7 @@ class ShardVocabOps final : public VocabOps {
   std::vector<torch::Tensor> SumsOfLogSoftmaxPair(const std::vector<PairTerm>& terms,
                                                   const torch::Tensor& a,
                                                   const torch::Tensor& b) const override;
+  torch::Tensor LargestValues(const torch::Tensor& z, int64_t k) const override;
 
  private:
   // Every rank's `partial` stacked by rank ([K, partial.shape…]), this rank's row being

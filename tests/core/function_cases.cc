@@ -50,4 +50,12 @@ std::vector<FunctionCase> DerivedCases(CaseSet set, const FunctionFilter& filter
   return cases;
 }
 
+std::vector<FunctionCase> SamplerMemoryCases() {
+  return {
+      {"token_logprobs_top_p_flat", "token_logprobs", {{"top_p", 0.99}, {"temperature", 8.0}}},
+      {"token_logprobs_top_k_large", "token_logprobs", {{"top_k", 1000}}},
+      {"token_logprobs_min_p_alone", "token_logprobs", {{"min_p", 0.1}}},
+  };
+}
+
 }  // namespace remotehead::reference

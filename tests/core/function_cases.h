@@ -46,6 +46,12 @@ using FunctionFilter = std::function<bool(const core::TransformFunction&)>;
 std::vector<FunctionCase> DerivedCases(CaseSet set = CaseSet::kEveryOption,
                                        const FunctionFilter& filter = nullptr);
 
+// token_logprobs with the sampler's costliest settings (core/sampler_kept_set.h), for the memory
+// tests: top-p alone on flat rows (a high temperature: the largest values asked for grow to
+// whole rows), a top_k of most of the vocabulary, min-p alone. The derived cases' small top_k
+// never sorts more than a few values.
+std::vector<FunctionCase> SamplerMemoryCases();
+
 // The value the derived cases give one of `function`'s own params: the reference table's
 // test_values entry if it has one, else a value in the param's range that is not its default.
 double TestValue(const std::string& function, const core::ParamSpec& spec);

@@ -34,10 +34,10 @@ TEST(FunctionRegistry, EveryFunctionHasAReferenceAndEveryReferenceAFunction) {
                     << "ReferenceFunctions() in tests/core/reference.cc";
       continue;
     }
-    EXPECT_EQ(static_cast<bool>(entry->second.per_token),
-              fn->output == core::OutputKind::kPerToken && !fn->needs_teacher)
-        << fn->name << ": a per-token function needs a per_token reference, a generation output "
-        << "none";
+    EXPECT_EQ(static_cast<bool>(entry->second.per_token) + static_cast<bool>(entry->second.sampled),
+              fn->output == core::OutputKind::kPerToken && !fn->needs_teacher ? 1 : 0)
+        << fn->name << ": a per-token function needs a per_token (or sampled) reference, a "
+        << "generation output none";
     EXPECT_EQ(static_cast<bool>(entry->second.two_head), fn->needs_teacher)
         << fn->name << ": a two-head function needs a two_head reference (and only it)";
     for (const auto& [param, value] : entry->second.test_values) {

@@ -107,6 +107,15 @@ INSTANTIATE_TEST_SUITE_P(
       return std::get<0>(info.param).label + "_" + testing::DeviceLabel(std::get<1>(info.param));
     });
 
+// The sampler's costliest settings (function_cases.h): its sort of up to whole rows is counted.
+INSTANTIATE_TEST_SUITE_P(
+    Sampler, MemoryBudget,
+    ::testing::Combine(::testing::ValuesIn(reference::SamplerMemoryCases()),
+                       ::testing::ValuesIn(testing::TestDevices())),
+    [](const ::testing::TestParamInfo<std::tuple<FunctionCase, std::string>>& info) {
+      return std::get<0>(info.param).label + "_" + testing::DeviceLabel(std::get<1>(info.param));
+    });
+
 // The default plan of each device (no chunk_rows, budget or block_rows given), at a large
 // vocabulary: on a CPU, blocks of at most 2 MiB of fp32 logits (they stay in the caches) within
 // the CPU's 96 MiB; on a GPU, the 1 GiB budget and blocks as large as its quarter allows (a GPU

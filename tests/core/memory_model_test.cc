@@ -101,14 +101,18 @@ TEST_P(MemoryModel, EstimateBoundsTheMeasuredPeak) {
                  std::to_string(static_cast<double>(estimate.total()) / measured));
 }
 
-// Every registered function with its defaults and, if it has own params, with all options
-// (function_cases.h), the reductions taken in turn so that each is measured.
+// Every registered function with its defaults and, if it has own params, with all options, and
+// the sampler's costliest settings (function_cases.h), the reductions taken in turn so that each
+// is measured.
 std::vector<MemoryCase> Cases() {
   const Reduction reductions[] = {Reduction::kMean, Reduction::kNone, Reduction::kSum,
                                   Reduction::kWeightedSum};
   std::vector<MemoryCase> cases;
   for (reference::FunctionCase& c :
        reference::DerivedCases(reference::CaseSet::kDefaultsAndAllOptions)) {
+    cases.push_back({std::move(c), reductions[cases.size() % std::size(reductions)]});
+  }
+  for (reference::FunctionCase& c : reference::SamplerMemoryCases()) {
     cases.push_back({std::move(c), reductions[cases.size() % std::size(reductions)]});
   }
   return cases;

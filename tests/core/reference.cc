@@ -68,6 +68,63 @@ ReferenceFunction Policy(PolicyLoss kind, core::FunctionParams test_values) {
           .test_values = std::move(test_values)};
 }
 
+}  // namespace
+
+torch::Tensor ReferenceKeptMask(const torch::Tensor& logits, const core::FunctionParams& params) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor z = logits.detach();
+  const double inf = std::numeric_limits<double>::infinity();
+  const int64_t v = z.size(1);
+  const auto top_k = static_cast<int64_t>(Param(params, "top_k", 0));
+  const double top_p = Param(params, "top_p", 1);
+  const double min_p = Param(params, "min_p", 0);
+  torch::Tensor keep = torch::ones_like(z, torch::kBool);
+  const auto masked = [&] { return z.masked_fill(keep.logical_not(), -inf); };
+  const auto apply_min_p = [&] {
+    if (min_p <= 0) return;
+    const torch::Tensor p = torch::softmax(masked(), 1);
+    keep = keep.logical_and(p >= min_p * std::get<0>(p.max(1, /*keepdim=*/true)));
+  };
+  if (Param(params, "min_p_first", 0) != 0) apply_min_p();
+  if (top_k > 0 && top_k < v) {
+    const torch::Tensor sorted = std::get<0>(masked().sort(1, /*descending=*/true));
+    keep = keep.logical_and(z >= sorted.narrow(1, top_k - 1, 1));
+  }
+  if (top_p < 1) {
+    const torch::Tensor sorted = std::get<0>(masked().sort(1, /*descending=*/true));
+    const torch::Tensor reached = torch::softmax(sorted, 1).cumsum(1) >= top_p;
+    const torch::Tensor last = reached.logical_not().sum(1, /*keepdim=*/true).clamp_max(v - 1);
+    keep = keep.logical_and(z >= sorted.gather(1, last));
+  }
+  if (Param(params, "min_p_first", 0) == 0) apply_min_p();
+  return keep;
+}
+
+namespace {
+
+// log p'(t) under the renormalised distribution of the kept set (decided on `head_z`); −inf
+// with no gradient outside it.
+torch::Tensor SamplerTargetLogprob(const torch::Tensor& z, const torch::Tensor& head_z,
+                                   const torch::Tensor& t, const core::FunctionParams& params) {
+  const torch::Tensor keep = ReferenceKeptMask(head_z, params);
+  const double inf = std::numeric_limits<double>::infinity();
+  const torch::Tensor y = TargetLogprob(z.masked_fill(keep.logical_not(), -inf), t);
+  return torch::where(keep.gather(1, t.unsqueeze(1)).squeeze(1), y, -inf);
+}
+
+// token_logprobs' targets: each valid row's largest or second largest logit (alternately), which
+// every test sampler keeps, so that the derived cases compare finite values and gradients
+// (sampler_logprobs_test covers targets outside the kept set).
+void TokenLogprobsTargets(const core::Head& head, at::Generator&, core::TokenBatch* batch) {
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
+  torch::Tensor z = torch::mm(batch->hidden.to(f64), head.weight().to(f64).t());
+  if (head.has_bias()) z = z + head.bias().to(f64);
+  const torch::Tensor top2 = std::get<1>(z.topk(std::min<int64_t>(2, z.size(1)), 1));
+  const torch::Tensor which = torch::arange(z.size(0), torch::kLong).remainder(top2.size(1));
+  const torch::Tensor chosen = top2.gather(1, which.unsqueeze(1)).squeeze(1);
+  batch->targets = torch::where(batch->targets < 0, batch->targets, chosen);
+}
+
 // The hard-label cross-entropy a distillation mixes in: of the student's logits at temperature 1.
 torch::Tensor MixCrossEntropy(const torch::Tensor& divergence, const torch::Tensor& z,
                               const torch::Tensor& t, const core::FunctionParams& params) {
@@ -155,8 +212,12 @@ std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
   table["cross_entropy"] = {.per_token = CrossEntropy,
                             .test_values = {{"label_smoothing", 0.1}, {"z_loss", 1e-3}}};
   table["token_logprobs"] = {
-      .per_token = [](const torch::Tensor& z, const torch::Tensor& t, const core::AuxTensors&,
-                      const core::FunctionParams&) { return TargetLogprob(z, t); }};
+      .sampled = [](const torch::Tensor& z, const torch::Tensor& head_z, const torch::Tensor& t,
+                    const core::AuxTensors&, const core::FunctionParams& params) {
+        return SamplerTargetLogprob(z, head_z, t, params);
+      },
+      .make_aux = TokenLogprobsTargets,
+      .test_values = {{"top_k", 8}, {"top_p", 0.9}, {"min_p", 0.05}, {"min_p_first", 1}}};
   table["entropy"] = {.per_token = [](const torch::Tensor& z, const torch::Tensor&,
                                       const core::AuxTensors&, const core::FunctionParams&) {
     return -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
@@ -206,10 +267,10 @@ const std::map<std::string, ReferenceFunction>& ReferenceFunctions() {
 torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& z,
                                 const core::TokenBatch& batch, const torch::Tensor& t,
                                 const core::FunctionParams& params, const torch::Tensor& teacher_z,
-                                int64_t ignore_index) {
+                                int64_t ignore_index, const torch::Tensor& head_z) {
   const auto entry = ReferenceFunctions().find(function);
   if (entry == ReferenceFunctions().end() ||
-      !(entry->second.per_token || entry->second.two_head)) {
+      !(entry->second.per_token || entry->second.two_head || entry->second.sampled)) {
     throw std::runtime_error("reference: no per-token reference for function " + function);
   }
   const core::FunctionRegistry& registry = core::FunctionRegistry::Builtin();
@@ -229,6 +290,9 @@ torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor
   aux["valid"] = batch.targets.defined()
                      ? batch.targets.to(torch::kCPU).to(torch::kLong) != ignore_index
                      : torch::ones({z.size(0)}, torch::kBool);
+  if (entry->second.sampled) {
+    return entry->second.sampled(z, head_z.defined() ? head_z : z.detach(), t, aux, *resolved);
+  }
   return entry->second.per_token(z, t, aux, *resolved);
 }
 
@@ -236,17 +300,32 @@ namespace {
 
 // A head's float64 logits of `hidden` with the given scale, softcap and temperature, as
 // transformers and TRL apply them: (X·Wᵀ + b)·scale, softcap·tanh(z / softcap), z / T.
-torch::Tensor TransformedLogits(const torch::Tensor& x, const torch::Tensor& w,
-                                const torch::Tensor& b, double scale, double cap,
-                                double temperature) {
-  torch::Tensor z = torch::mm(x, w.t());
-  if (b.defined()) z = z + b;
+torch::Tensor Transformed(torch::Tensor z, double scale, double cap, double temperature) {
   z = z * scale;
   if (cap > 0) z = cap * torch::tanh(z / cap);
   return z / temperature;
 }
 
+torch::Tensor TransformedLogits(const torch::Tensor& x, const torch::Tensor& w,
+                                const torch::Tensor& b, double scale, double cap,
+                                double temperature) {
+  torch::Tensor z = torch::mm(x, w.t());
+  if (b.defined()) z = z + b;
+  return Transformed(z, scale, cap, temperature);
+}
+
 }  // namespace
+
+torch::Tensor HeadLogits(const core::Head& head, const torch::Tensor& hidden,
+                         const core::FunctionParams& params) {
+  torch::NoGradGuard no_grad;
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCPU);
+  torch::Tensor z = torch::mm(hidden.to(f64), head.weight().to(f64).t());
+  if (head.has_bias()) z = z + head.bias().to(f64);
+  z = z.to(head.dtype()).to(torch::kDouble);
+  return Transformed(z, Param(params, "logit_scale", 1.0), Param(params, "softcap", 0.0),
+                     Param(params, "temperature", 1.0));
+}
 
 ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& batch,
                                const core::StepOptions& options, const torch::Tensor& grad_output) {
@@ -283,7 +362,7 @@ ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& b
   const torch::Tensor y = torch::where(
       valid,
       ReferencePerToken(options.function, z, cpu_batch, safe_targets, options.params, teacher_z,
-                        options.ignore_index),
+                        options.ignore_index, HeadLogits(head, batch.hidden, options.params)),
       torch::zeros({n}, f64));
 
   ReferenceResult r;
@@ -325,6 +404,7 @@ double MaxAbs(const torch::Tensor& a) {
 }
 
 double RelativeError(double actual, double expected, double floor) {
+  if (actual == expected) return 0.0;  // equal infinities too
   const double diff = std::abs(actual - expected);
   const double scale = std::max(std::abs(expected), floor);
   if (diff == 0) return 0.0;
@@ -334,8 +414,11 @@ double RelativeError(double actual, double expected, double floor) {
 double RelativeError(const torch::Tensor& actual, const torch::Tensor& expected, double floor) {
   if (actual.sizes() != expected.sizes()) return std::numeric_limits<double>::infinity();
   if (actual.numel() == 0) return 0.0;
-  const double diff = MaxAbsDiff(actual, expected);
-  const double scale = std::max(MaxAbs(expected), floor);
+  const torch::Tensor a = actual.detach().to(torch::kCPU).to(torch::kDouble);
+  const torch::Tensor e = expected.detach().to(torch::kCPU).to(torch::kDouble);
+  const double diff = torch::where(a == e, 0.0, (a - e).abs()).max().item<double>();
+  const torch::Tensor finite = e.masked_select(e.isfinite());
+  const double scale = std::max(finite.numel() > 0 ? MaxAbs(finite) : 0.0, floor);
   if (diff == 0) return 0.0;
   return scale > 0 ? diff / scale : std::numeric_limits<double>::infinity();
 }

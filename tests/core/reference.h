@@ -39,12 +39,27 @@ ReferenceResult NaiveReference(const core::Head& head, const core::TokenBatch& b
 
 // Per-token values of the function alone on float64 logits (the reference's definitions), with
 // `params` completed by the registry's defaults (FunctionRegistry::ResolveParams); `teacher_z`
-// the teacher's transformed logits for a two-head function.
+// the teacher's transformed logits for a two-head function; `head_z` the logits as the head
+// forms them (HeadLogits; undefined: `logits`), on which a sampled function decides its set.
 torch::Tensor ReferencePerToken(const std::string& function, const torch::Tensor& logits,
                                 const core::TokenBatch& batch, const torch::Tensor& safe_targets,
                                 const core::FunctionParams& params,
                                 const torch::Tensor& teacher_z = {},
-                                int64_t ignore_index = -100);
+                                int64_t ignore_index = -100,
+                                const torch::Tensor& head_z = {});
+
+// The transformed float64 logits as a head forms them: the product X·Wᵀ + b rounded to the
+// head's dtype (its GEMM's output), then scale, softcap and temperature; detached. A sampler's
+// kept set is a discrete choice: decided on exact logits instead, a bf16 head's rounding could
+// move a token across a boundary and change the result by that token's whole probability.
+torch::Tensor HeadLogits(const core::Head& head, const torch::Tensor& hidden,
+                         const core::FunctionParams& params);
+
+// The sampler's kept set (core/sampler_kept_set.h) of float64 logits z [N, V] (transforms
+// applied) written from its definition: each truncation in its order as a mask over the sorted,
+// renormalised distribution; min-p in probabilities (p >= min_p·p_max), as Hugging Face and vLLM
+// write it. [N, V] bool; `params` may omit the sampler's (off).
+torch::Tensor ReferenceKeptMask(const torch::Tensor& z, const core::FunctionParams& params);
 
 // The reference of one registered function: one entry per name in ReferenceFunctions().
 // What a function is (its aux inputs, whether it needs targets, its params, their defaults and
@@ -72,6 +87,13 @@ struct ReferenceFunction {
   // references (X·Wᵀ for logits, torch::multinomial for sample).
   PerToken per_token;
   TwoHeadPerToken two_head;  // instead of per_token, for a function that needs_teacher
+  // Instead of per_token, for a function that scores a sampled token (a sampler's kept set,
+  // core/sampler_kept_set.h): as PerToken, with the logits as the head forms them (HeadLogits)
+  // to decide the kept set on.
+  using SampledPerToken = std::function<torch::Tensor(
+      const torch::Tensor& z, const torch::Tensor& head_z, const torch::Tensor& targets,
+      const core::AuxTensors& aux, const core::FunctionParams& params)>;
+  SampledPerToken sampled;
   MakeAux make_aux;
   // Values the derived cases (function_cases.h) give the function's own params: in range and
   // not the default. A param not named here gets a value derived from its ParamSpec.
@@ -92,7 +114,9 @@ double MaxAbs(const torch::Tensor& a);
 // max(max |expected|, floor). Every numerical bound in the tests is stated this way, so that it
 // holds whatever BLAS kernels (and summation orders) a machine has: an absolute bound of 1e-7 on
 // dX failed at 3e-7 on another CPU of the same kind. An all-zero reference (and floor 0) gives
-// 0 for an all-zero `actual` and infinity otherwise.
+// 0 for an all-zero `actual` and infinity otherwise. Equal values count as no difference, equal
+// infinities included (a log-probability of −inf outside a sampler's kept set), and the magnitude
+// is the finite values'; an infinity against anything else is an infinite error, a NaN a NaN.
 double RelativeError(const torch::Tensor& actual, const torch::Tensor& expected,
                      double floor = 0.0);
 double RelativeError(double actual, double expected, double floor = 0.0);

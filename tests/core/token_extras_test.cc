@@ -211,10 +211,10 @@ TEST(TokenExtrasRefused, ANameTheCallDoesNotReportIsRefusedPrecisely) {
        {"kl"},
        "token_extras[0]: expected one of the extras function grpo reports (clipped); got \"kl\", "
        "reported only with aux[\"ref_logprobs\"]"},
-      {"token_logprobs",
+      {"mse_onehot",
        {},
        {"nll"},
-       "token_extras[0]: expected no name: function token_logprobs reports no extras; got "
+       "token_extras[0]: expected no name: function mse_onehot reports no extras; got "
        "\"nll\""},
   };
   for (const Case& c : cases) {

@@ -15,6 +15,8 @@ def relative_error(actual, expected, floor: float = 0.0) -> float:
     """max |actual − expected| / max(max |expected|, floor), for tensors or numbers.
 
     An all-zero reference (and floor 0) gives 0 for an all-zero `actual`, infinity otherwise.
+    Equal values count as no difference, equal infinities included (a log-probability of −inf
+    outside a sampler's kept set), and the magnitude is the finite values'.
     """
     actual = torch.as_tensor(actual, dtype=torch.float64)
     expected = torch.as_tensor(expected, dtype=torch.float64)
@@ -22,8 +24,9 @@ def relative_error(actual, expected, floor: float = 0.0) -> float:
         return math.inf
     if actual.numel() == 0:
         return 0.0
-    diff = (actual - expected).abs().max().item()
-    scale = max(expected.abs().max().item(), floor)
+    diff = torch.where(actual == expected, 0.0, (actual - expected).abs()).max().item()
+    finite = expected[expected.isfinite()]
+    scale = max(finite.abs().max().item() if finite.numel() else 0.0, floor)
     if diff == 0:
         return 0.0
     return diff / scale if scale > 0 else math.inf

@@ -41,8 +41,44 @@ def cross_entropy(z, t, aux, p):
     return y + p["z_loss"] * torch.logsumexp(z, 1) ** 2  # PaLM's z-loss
 
 
+def sampler_kept_mask(z: torch.Tensor, p: Mapping[str, float]) -> torch.Tensor:
+    """The kept set [N, V] bool of a top-k / top-p / min-p sampler (core/sampler_kept_set.h),
+    from its definition: each truncation in its order (top-k, top-p over what top-k kept
+    renormalised, then min-p; min_p_first = 1: min-p first, vLLM's order) as a mask over the
+    sorted distribution, ties with a boundary kept; min-p in probabilities (p >= min_p·p_max).
+    Absent params are off."""
+    z = z.detach()
+    top_k, top_p = int(p.get("top_k", 0)), p.get("top_p", 1.0)
+    min_p, first = p.get("min_p", 0.0), p.get("min_p_first", 0.0) != 0
+    keep = torch.ones_like(z, dtype=torch.bool)
+
+    def apply_min_p():
+        nonlocal keep
+        if min_p > 0:
+            probs = torch.softmax(z.masked_fill(~keep, -torch.inf), 1)
+            keep = keep & (probs >= min_p * probs.max(1, keepdim=True).values)
+
+    if first:
+        apply_min_p()
+    if 0 < top_k < z.shape[1]:
+        kth = z.masked_fill(~keep, -torch.inf).sort(1, descending=True).values[:, top_k - 1:top_k]
+        keep = keep & (z >= kth)
+    if top_p < 1:
+        ordered = z.masked_fill(~keep, -torch.inf).sort(1, descending=True).values
+        reached = torch.softmax(ordered, 1).cumsum(1) >= top_p
+        last = (~reached).sum(1, keepdim=True).clamp(max=z.shape[1] - 1)
+        keep = keep & (z >= ordered.gather(1, last))
+    if not first:
+        apply_min_p()
+    return keep
+
+
 def token_logprobs(z, t, aux, p):
-    return _logprobs(z, t)
+    """log p(t); with sampler params under the renormalised kept set, −inf (no gradient) for a
+    target outside it."""
+    keep = sampler_kept_mask(z, p)
+    y = _logprobs(z.masked_fill(~keep, -torch.inf), t)
+    return torch.where(keep.gather(1, t[:, None])[:, 0], y, -torch.inf)
 
 
 def entropy(z, t, aux, p):

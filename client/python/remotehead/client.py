@@ -522,17 +522,22 @@ class Client:
 
     def sample(self, head_id: str, hidden: torch.Tensor, *, greedy: bool = False,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-               softcap: float = 0.0, **overrides) -> Tuple[torch.Tensor, torch.Tensor]:
+               softcap: float = 0.0, min_p: float = 0.0, min_p_first: bool = False,
+               **overrides) -> Tuple[torch.Tensor, torch.Tensor]:
         """One token drawn on the server for each row of `hidden` [..., D] (function "sample"):
         returns (token ids [...] int64, their log-probabilities [...] float32), so a decode step
         moves B·D up and B ids down instead of [B, V] logits.
 
         Hugging Face's sampling pipeline: softcap, temperature, top_k (0: off), top_p (1: off),
-        then row r of the request draws torch.multinomial(p, 1) with a CPU generator seeded with
-        seed + r. greedy: the argmax instead. The log-probability is the token's under
-        softmax(logits / temperature) before top-k / top-p (token_logprobs' value for it)."""
+        min_p (0: off; min_p_first: before top-k / top-p, vLLM's order), then row r of the
+        request draws torch.multinomial(p, 1) with a CPU generator seeded with seed + r.
+        greedy: the argmax instead. The log-probability is the token's under
+        softmax(logits / temperature) before top-k / top-p / min-p (token_logprobs' value for
+        it); token_logprobs with the same top_k / top_p / min_p / min_p_first gives it under
+        the distribution drawn from (docs/functions.md)."""
         params = {"greedy": 1.0 if greedy else 0.0, "temperature": float(temperature),
-                  "top_k": float(top_k), "top_p": float(top_p), "seed": float(seed),
+                  "top_k": float(top_k), "top_p": float(top_p), "min_p": float(min_p),
+                  "min_p_first": 1.0 if min_p_first else 0.0, "seed": float(seed),
                   "softcap": float(softcap)}
         o = _steps.resolve(None, {**overrides, "function": "sample", "reduction": "none",
                                   "params": params}, StepOptions())

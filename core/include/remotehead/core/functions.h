@@ -18,8 +18,9 @@
 //  4. Call the VocabOps in an order that depends only on the params and which aux inputs are
 //     present, never on values: on a group each call is a collective that every rank makes.
 //  5. Means over the vocabulary divide by in.vocab->vocab_size(), never by logits.size(1).
-//  6. A function that cannot follow rule 1 (it needs a top-k, an argmax, a sort over the whole
-//     vocabulary) sets vocab_decomposable = false: it runs on one server and a head group
+//  6. A function that cannot follow rule 1 (it needs an argmax or a sort over the whole
+//     vocabulary; the largest values alone are VocabOps::LargestValues) sets
+//     vocab_decomposable = false: it runs on one server and a head group
 //     refuses it with INVALID_ARGUMENT naming it.
 //
 // Two built-in entries are not transformation functions but generation outputs (OutputKind
@@ -82,6 +83,11 @@ class VocabOps {
   virtual std::vector<torch::Tensor> SumsOfLogSoftmaxPair(const std::vector<PairTerm>& terms,
                                                           const torch::Tensor& a,
                                                           const torch::Tensor& b) const = 0;
+  // Each row's k largest values of z over the whole vocabulary ([n, k], descending, detached;
+  // 1 <= k <= vocab_size()): the values only, for a sampler's thresholds (sampler_kept_set.h).
+  // On a group: each rank's local top-k (at most its columns), all-gathered, and the top-k of
+  // the union, which holds the global top-k; identical on every rank.
+  virtual torch::Tensor LargestValues(const torch::Tensor& z, int64_t k) const = 0;
 };
 
 struct ChunkInputs {
