@@ -28,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/functions.h"
+#include "remotehead/core/sampler_kept_set.h"
 
 namespace remotehead::core {
 namespace {
@@ -171,6 +172,7 @@ absl::Status Validate(Objective objective, const FunctionParams& params, const A
   for (const char* name : {"sequence_level", "off_policy_mask", "bias_correction_kl"}) {
     if (absl::Status s = CheckBinary(params, name); !s.ok()) return s;
   }
+  if (absl::Status s = ValidateSamplerParams(params); !s.ok()) return s;
   if (params.at("beta") > 0 && !aux.contains("ref_logprobs")) {
     return absl::InvalidArgumentError(absl::StrCat(
         "aux[\"ref_logprobs\"]: expected per-token reference log-probs because beta = ",
@@ -217,6 +219,7 @@ TransformFunction PolicyFunction(Objective objective, std::string name, std::str
                                  std::vector<ParamSpec> own_params) {
   std::vector<ParamSpec> params = std::move(own_params);
   for (ParamSpec& p : CommonPolicyParams()) params.push_back(std::move(p));
+  for (ParamSpec& p : SamplerParams()) params.push_back(std::move(p));
   std::vector<ExtraSpec> extras = {
       {.name = "kl",
        .help = "the k3 KL to the reference policy (× the ratio with bias_correction_kl)",
@@ -246,19 +249,14 @@ TransformFunction PolicyFunction(Objective objective, std::string name, std::str
       .forward =
           [objective](const ChunkInputs& in) {
             return PolicyLoss(objective,
-                              {.logp = in.vocab->LogSoftmaxAtTarget(in.logits, in.targets),
-                               .aux = &in.aux,
-                               .params = in.params});
+                              {.logp = TargetLogProb(in), .aux = &in.aux, .params = in.params});
           },
       .validate = [objective](const FunctionParams& params, const AuxTensors& aux,
                               bool) { return Validate(objective, params, aux); },
       .couples_rows = [objective](const FunctionParams& params) {
         return Coupled(objective, params);
       },
-      .per_token_value =
-          [](const ChunkInputs& in) {
-            return in.vocab->LogSoftmaxAtTarget(in.logits, in.targets);
-          },
+      .per_token_value = [](const ChunkInputs& in) { return TargetLogProb(in); },
       .coupled_forward =
           [objective](const CoupledInputs& in) {
             // Sequence ids of any integers: their index among the call's distinct ids.

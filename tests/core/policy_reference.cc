@@ -87,9 +87,8 @@ torch::Tensor SequenceLoss(PolicyLoss kind, const torch::Tensor& logp, const cor
 
 }  // namespace
 
-torch::Tensor PolicyReference(PolicyLoss kind, const torch::Tensor& z, const torch::Tensor& t,
+torch::Tensor PolicyReference(PolicyLoss kind, const torch::Tensor& logp,
                               const core::AuxTensors& aux, const core::FunctionParams& p) {
-  const torch::Tensor logp = torch::log_softmax(z, 1).gather(1, t.unsqueeze(1)).squeeze(1);
   const bool coupled =
       kind == PolicyLoss::kVespo || p.at("sequence_level") != 0 || p.at("off_policy_mask") != 0;
   if (!coupled) return SequenceLoss(kind, logp, aux, p);

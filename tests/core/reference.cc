@@ -59,15 +59,6 @@ void PolicyAux(const core::Head& head, at::Generator& gen, core::TokenBatch* bat
   batch->aux["sequence_ids"] = at::randint(0, 4, {rows}, gen).to(torch::kLong);
 }
 
-ReferenceFunction Policy(PolicyLoss kind, core::FunctionParams test_values) {
-  return {.per_token = [kind](const torch::Tensor& z, const torch::Tensor& t,
-                              const core::AuxTensors& aux, const core::FunctionParams& params) {
-            return PolicyReference(kind, z, t, aux, params);
-          },
-          .make_aux = PolicyAux,
-          .test_values = std::move(test_values)};
-}
-
 }  // namespace
 
 torch::Tensor ReferenceKeptMask(const torch::Tensor& logits, const core::FunctionParams& params) {
@@ -123,6 +114,22 @@ void TokenLogprobsTargets(const core::Head& head, at::Generator&, core::TokenBat
   const torch::Tensor which = torch::arange(z.size(0), torch::kLong).remainder(top2.size(1));
   const torch::Tensor chosen = top2.gather(1, which.unsqueeze(1)).squeeze(1);
   batch->targets = torch::where(batch->targets < 0, batch->targets, chosen);
+}
+
+// The policy losses score the sampled token (under the sampler's params, when given): targets
+// the test samplers keep, as token_logprobs', then their inputs.
+ReferenceFunction Policy(PolicyLoss kind, core::FunctionParams test_values) {
+  return {.sampled = [kind](const torch::Tensor& z, const torch::Tensor& head_z,
+                            const torch::Tensor& t, const core::AuxTensors& aux,
+                            const core::FunctionParams& params) {
+            return PolicyReference(kind, SamplerTargetLogprob(z, head_z, t, params), aux, params);
+          },
+          .make_aux =
+              [](const core::Head& head, at::Generator& gen, core::TokenBatch* batch) {
+                TokenLogprobsTargets(head, gen, batch);
+                PolicyAux(head, gen, batch);
+              },
+          .test_values = std::move(test_values)};
 }
 
 // The hard-label cross-entropy a distillation mixes in: of the student's logits at temperature 1.
@@ -222,9 +229,10 @@ std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
                                       const core::AuxTensors&, const core::FunctionParams&) {
     return -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
   }};
-  const core::FunctionParams policy = {{"beta", 0.04},           {"bias_correction_kl", 1},
-                                       {"sequence_level", 1},     {"off_policy_mask", 1},
-                                       {"off_policy_threshold", 0.05}};
+  const core::FunctionParams policy = {
+      {"beta", 0.04},           {"bias_correction_kl", 1}, {"sequence_level", 1},
+      {"off_policy_mask", 1},   {"off_policy_threshold", 0.05}, {"top_k", 8},
+      {"top_p", 0.9},           {"min_p", 0.05},           {"min_p_first", 1}};
   const auto with = [&policy](core::FunctionParams own) {
     own.insert(policy.begin(), policy.end());
     return own;
