@@ -258,7 +258,7 @@ TEST(VocabParallelGeneration, LogitsAndSampleOnAGroupEqualOneEngine) {
   struct Case {
     std::string function;
     core::FunctionParams params;
-    torch::ScalarType logits_dtype = torch::kFloat;
+    torch::ScalarType output_dtype = torch::kFloat;
   };
   const std::vector<Case> cases = {
       {"logits", {{"softcap", 2.5}, {"temperature", 0.7}}},
@@ -272,7 +272,7 @@ TEST(VocabParallelGeneration, LogitsAndSampleOnAGroupEqualOneEngine) {
       options.function = c.function;
       options.reduction = Reduction::kNone;
       options.params = c.params;
-      options.logits_dtype = c.logits_dtype;
+      options.output_dtype = c.output_dtype;
       options.chunk_rows = chunk_rows;
       auto one = core::Forward(*head, batch, options);
       ASSERT_TRUE(one.ok()) << one.status();
@@ -291,7 +291,7 @@ TEST(VocabParallelGeneration, LogitsAndSampleOnAGroupEqualOneEngine) {
           EXPECT_EQ(r.output.scalar_type(), one->output.scalar_type());
           EXPECT_LE(reference::RelativeError(r.output.to(torch::kDouble),
                                              one->output.to(torch::kDouble), kFloor),
-                    c.logits_dtype == torch::kBFloat16 ? 1e-2 : 1e-5);
+                    c.output_dtype == torch::kBFloat16 ? 1e-2 : 1e-5);
           if (one->token_ids.defined()) {
             EXPECT_TRUE(torch::equal(r.token_ids, one->token_ids));
           }
