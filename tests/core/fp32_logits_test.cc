@@ -36,8 +36,8 @@ struct Result {
 };
 
 // A fused step for a scalar reduction; Forward then Backward (grad_output) for none.
-Result RunStep(const core::Head& head, const core::TokenBatch& batch, const core::StepOptions& options,
-           const torch::Tensor& grad_output) {
+Result RunStep(const core::Head& head, const core::TokenBatch& batch,
+               const core::StepOptions& options, const torch::Tensor& grad_output) {
   core::GradientBuffers grads = head.NewGradientBuffers();
   Result r;
   if (options.reduction != Reduction::kNone) {
@@ -120,6 +120,10 @@ TEST_P(Fp32Logits, MatchTheFloat64ReferenceAtFp32AccuracyAtEveryChunking) {
                    c10::str(bf16.output));
     RecordProperty("loss_error_fp32_logits_chunk" + std::to_string(chunk_rows),
                    c10::str(fp32.output));
+    RecordProperty("dw_error_bf16_logits_chunk" + std::to_string(chunk_rows),
+                   c10::str(bf16.grad_weight));
+    RecordProperty("dw_error_fp32_logits_chunk" + std::to_string(chunk_rows),
+                   c10::str(fp32.grad_weight));
     fp32_results.push_back(result);
   }
   // Every chunking: the same result up to fp32 summation order.
