@@ -21,10 +21,6 @@ constexpr int64_t kTokenBytesPerRow = 16;
 // 10% on top for temporaries whose lifetimes overlap differently elsewhere (the tightest case
 // measured here, entropy, peaks at 0.98 of the declared block).
 constexpr double kBlockMargin = 1.1;
-// fp32 logits of a half head: the slice-sized buffers of a gradient call, at most — W's fp32
-// slice, and for a half-precision dW accumulator a slice's fp32 dzᵀ·X_c and the fp32 copy of
-// the accumulator's rows that LibTorch's CPU add makes to add it (TensorIterator promotes).
-constexpr int64_t kGradientWeightSlices = 3;
 
 absl::Status CheckChunkOptions(const Head& head, const StepOptions& options) {
   if (options.chunk_rows < 0) {
@@ -143,7 +139,8 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
 
 // fp32 logits of a half-precision head: the slices of W upcast at once are bounded by a
 // sixteenth of the call's budget, so that they take little from the chunks yet each slice's
-// GEMM still has hundreds of columns (at D = 4096 and the CPU's 96 MiB default: 384 rows).
+// GEMM still has hundreds of columns (at D = 4096 and the CPU's 96 MiB default: 384 rows); at
+// least one row of the widest head, at most all its rows.
 void SetWeightSlice(const Head& head, const StepOptions& options, CallPlan& plan) {
   const bool teacher = plan.function->needs_teacher && options.teacher != nullptr;
   const bool teacher_upcast =
@@ -156,7 +153,8 @@ void SetWeightSlice(const Head& head, const StepOptions& options, CallPlan& plan
   plan.weight_slice_bytes = budget / 16;
   const int64_t widest =
       std::max<int64_t>(head.hidden_size(), teacher ? options.teacher->hidden_size() : 0);
-  plan.weight_slice_bytes = std::max<int64_t>(plan.weight_slice_bytes, widest * 4);
+  plan.weight_slice_bytes =
+      std::clamp<int64_t>(plan.weight_slice_bytes, widest * 4, plan.vocab_size * widest * 4);
 }
 
 // oneDNN's brgemm kernels (what LibTorch runs a bf16/fp16 GEMM on, on CPUs with AVX512-BF16 or
@@ -215,13 +213,12 @@ absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPla
   const double rest =
       static_cast<double>(budget) -
       static_cast<double>(std::max<int64_t>(plan.block_rows, 1)) * plan.block_row_bytes -
-      static_cast<double>(plan.gemm.fixed_bytes) -
-      static_cast<double>(kGradientWeightSlices * plan.weight_slice_bytes);
+      static_cast<double>(plan.gemm.fixed_bytes) - static_cast<double>(plan.weight_slice_bytes);
   plan.chunk_rows = static_cast<int64_t>(rest / (plan.chunk_row_bytes + plan.gemm.row_bytes));
   if (plan.block_rows < 1 || plan.chunk_rows < 1) {
     const double one_row = 4.0 * plan.block_row_bytes + plan.chunk_row_bytes +
                            static_cast<double>(plan.gemm.BytesFor(1)) +
-                           static_cast<double>(kGradientWeightSlices * plan.weight_slice_bytes);
+                           static_cast<double>(plan.weight_slice_bytes);
     return absl::InvalidArgumentError(absl::StrCat(
         "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
         " (one row of ", plan.function->name, " at V=", plan.vocab_size, "); got ", budget));
@@ -268,8 +265,8 @@ CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
   if (rows <= 0) return m;
   const int64_t chunk = ChunkRowsFor(rows);
   const double chunk_row = mode == CallMode::kForward ? chunk_row_bytes_forward : chunk_row_bytes;
-  m.logits_bytes = static_cast<int64_t>(std::ceil(static_cast<double>(chunk) * chunk_row)) +
-                   (mode == CallMode::kForward ? 1 : kGradientWeightSlices) * weight_slice_bytes;
+  m.logits_bytes =
+      static_cast<int64_t>(std::ceil(static_cast<double>(chunk) * chunk_row)) + weight_slice_bytes;
   m.block_bytes = static_cast<int64_t>(
       std::ceil(kBlockMargin * static_cast<double>(BlockRowsFor(rows)) * block_row_bytes));
   // …and, with gradients, db's column sums of the chunk's dz ([V]).

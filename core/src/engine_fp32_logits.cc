@@ -11,8 +11,8 @@
 //                   dz to bf16 first (what a half-precision GEMM would need) would put back
 //                   the rounding fp32 logits exist to avoid, and cost a [rows, V] bf16 copy.
 //   dW += dzᵀ·X_c   the fp32 dz times the fp32 X_c: an fp32 accumulator gets each chunk's
-//                   contribution exact to fp32, in one GEMM; a half-precision accumulator each
-//                   slice's fp32 sum, rounded once.
+//                   contribution exact to fp32, in one GEMM; a half-precision accumulator's
+//                   rows are added to in fp32 a slice at a time and rounded once.
 // cuBLAS has no GEMM of an fp32 and a bf16 operand, so on CUDA the backward's two GEMMs run in
 // fp32 as on a CPU (docs/engine.md, "fp32 logits from bf16 weights", gives the cost).
 #include <algorithm>
@@ -85,17 +85,24 @@ void Fp32ChunkBackward(const Head& head, const CallPlan& call, const torch::Tens
   if (dx.defined() || half_dw) {
     const int64_t vocab = head.vocab_size();
     const int64_t slice_rows = call.WeightSliceRows(vocab, head.hidden_size());
-    const torch::Tensor w_buffer =
-        dx.defined() ? WeightSliceBuffer(head, slice_rows) : torch::Tensor();
+    // One fp32 slice buffer serves both GEMMs of a slice: W's rows for dX, then the half-
+    // precision accumulator's rows, added to in fp32 and rounded back once (copy_ converts in
+    // place; a mixed-dtype add_ would make fp32 temporaries of both operands on a CPU).
+    const torch::Tensor buffer = WeightSliceBuffer(head, slice_rows);
     for (int64_t v = 0; v < vocab; v += slice_rows) {
       const int64_t n = std::min(slice_rows, vocab - v);
       const torch::Tensor dz_slice = dz.narrow(1, v, n);
+      const torch::Tensor slice = buffer.narrow(0, 0, n);
       if (dx.defined()) {
-        const torch::Tensor w_slice = w_buffer.narrow(0, 0, n).copy_(head.weight().narrow(0, v, n));
+        slice.copy_(head.weight().narrow(0, v, n));
         // beta 0 on the first slice: dx's uninitialised contents are ignored, not scaled.
-        dx.addmm_(dz_slice, w_slice, /*beta=*/v == 0 ? 0.0 : 1.0);
+        dx.addmm_(dz_slice, slice, /*beta=*/v == 0 ? 0.0 : 1.0);
       }
-      if (half_dw) dw.narrow(0, v, n).add_(torch::mm(dz_slice.t(), x));
+      if (half_dw) {
+        const torch::Tensor dw_slice = dw.narrow(0, v, n);
+        slice.copy_(dw_slice).addmm_(dz_slice.t(), x);
+        dw_slice.copy_(slice);
+      }
     }
   }
   if (dw.defined() && !half_dw) dw.addmm_(dz.t(), x);

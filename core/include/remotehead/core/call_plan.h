@@ -95,9 +95,8 @@ struct CallPlan {
   std::optional<torch::ScalarType> logits_dtype;
   torch::ScalarType gemm_dtype = torch::kFloat;
   bool fp32_logits_of_half_head = false;
-  // fp32_logits_of_half_head: the bytes of one fp32 slice of W rows (WeightSliceRows); one
-  // slice in a Forward, three in a gradient call (W's, and a half-precision dW's sum and its
-  // promotion). 0 otherwise.
+  // fp32_logits_of_half_head (or a half-precision teacher's fp32 logits): the bytes of the one
+  // fp32 slice of W rows (WeightSliceRows) a GEMM holds at a time. 0 otherwise.
   int64_t weight_slice_bytes = 0;
   // Rows of a W of `hidden` columns in one such slice: at least 1, at most `vocab`.
   int64_t WeightSliceRows(int64_t vocab, int64_t hidden) const;
