@@ -29,13 +29,14 @@ absl::Status CheckChunkOptions(const Head& head, const StepOptions& options) {
                      options.chunk_rows));
   }
   if (options.memory_budget_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "memory_budget_bytes: expected >= 1 (or 0 for the default ",
-        DefaultMemoryBudgetBytes(head.weight().device()), "); got ", options.memory_budget_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory_budget_bytes: expected >= 1 (or 0 for the default ",
+                     DefaultMemoryBudgetBytes(head.weight().device()), "); got ",
+                     options.memory_budget_bytes));
   }
   if (options.block_rows < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block_rows: expected >= 1 (or 0 for the default); got ", options.block_rows));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_rows: expected >= 1 (or 0 for the default); got ", options.block_rows));
   }
   return absl::OkStatus();
 }

@@ -91,7 +91,7 @@ struct CallPlan {
   // StepOptions::logits_dtype (checked) and what it makes of this head: the dtype of the chunk
   // logits buffer (GemmLogitsDtype), and whether that is an fp32 buffer formed from a half-
   // precision head's operands (then X_c·Wᵀ, dz·W and dzᵀ·X_c run on fp32 slices of W where the
-  // device has no half-precision GEMM with an fp32 output: engine_chunks.cc).
+  // device has no half-precision GEMM with an fp32 output: engine_fp32_logits.cc).
   std::optional<torch::ScalarType> logits_dtype;
   torch::ScalarType gemm_dtype = torch::kFloat;
   bool fp32_logits_of_half_head = false;
