@@ -42,6 +42,20 @@ absl::Status CheckChunkOptions(const Head& head, const StepOptions& options) {
   return absl::OkStatus();
 }
 
+// StepOptions::logits_dtype: unset or float32 (the only dtype a GEMM of any head's dtype can be
+// asked to form its logits in besides the head's own).
+absl::Status CheckLogitsDtype(const Head& head, const StepOptions& options) {
+  if (!options.logits_dtype.has_value() || *options.logits_dtype == torch::kFloat) {
+    return absl::OkStatus();
+  }
+  const std::string got = DtypeName(*options.logits_dtype);
+  return WithReason(
+      absl::InvalidArgumentError(absl::StrCat(
+          "logits_dtype: expected float32 (fp32 logits from the head's ", DtypeName(head.dtype()),
+          " weights) or unset (logits in the head's dtype); got ", got)),
+      reason::kInvalidField, {{"field", "logits_dtype"}, {"expected", "float32"}, {"actual", got}});
+}
+
 // The logits columns chunks and blocks are sized for: the head's rows, or on a head group the
 // largest shard's, so that every rank runs the same chunks and blocks.
 int64_t PlannedColumns(const Head& head, const StepOptions& options) {
@@ -59,11 +73,14 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   plan.logits_elem_bytes = static_cast<int64_t>(c10::elementSize(LogitsDtype(head)));
   const double elem = static_cast<double>(plan.head_elem_bytes);
   const double logits_elem = static_cast<double>(plan.logits_elem_bytes);
+  // The chunk logits buffer's element: the head's, or fp32 with StepOptions::logits_dtype.
+  const double gemm_elem = static_cast<double>(c10::elementSize(plan.gemm_dtype));
   const bool half = head.dtype() != LogitsDtype(head);
-  // Per block row: the upcast logits (when the head is not fp32), their gradient, what the
-  // logit transforms save for autograd, and the function's own workspace — all in fp32.
+  // Per block row: the upcast logits (when the chunk buffer is not already fp32), their
+  // gradient, what the logit transforms save for autograd, and the function's own workspace —
+  // all in fp32.
   double block_buffers = 1.0 + plan.function->workspace_logit_buffers;
-  if (half) block_buffers += 1;
+  if (half && !plan.fp32_logits_of_half_head) block_buffers += 1;
   if (plan.params.at(kSoftcapParam) > 0) block_buffers += 2;
   if (plan.params.at(kTemperatureParam) != 1.0) block_buffers += 1;
   if (plan.params.at(kLogitScaleParam) != 1.0) block_buffers += 1;
@@ -78,14 +95,22 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   // temporary while they are formed (the upcast or a transform's result); no autograd.
   if (teacher) block_buffers += 2;
   plan.block_row_bytes = vocab * logits_elem * block_buffers;
-  // Per chunk row: the logits buffer in the head's dtype (which the gradient overwrites) and the
-  // X / dX rows; for a half-precision head also a separate fp32 gradient, the fp32 copy of X_c
-  // for the dW GEMM and the half-precision GEMMs' fp32 scratch for dX.
-  plan.chunk_row_bytes = vocab * elem + 2.0 * hidden * elem;
-  plan.chunk_row_bytes_forward = vocab * elem;
-  // …and a two-head function's second logits buffer, the teacher's, in the teacher's dtype.
+  // Per chunk row: the logits buffer in the GEMM's dtype (which the gradient overwrites) and the
+  // X / dX rows; for a half-precision head also the fp32 copy of X_c for the dW GEMM (and the
+  // logits GEMM of fp32 logits) and the fp32 dX (the half-precision GEMMs' fp32 scratch, or the
+  // fp32 sum over W's slices of fp32 logits), and with half-precision logits a separate fp32
+  // gradient.
+  plan.chunk_row_bytes = vocab * gemm_elem + 2.0 * hidden * elem;
+  plan.chunk_row_bytes_forward = vocab * gemm_elem;
+  // …and a two-head function's second logits buffer, the teacher's, in its GEMM's dtype.
   if (teacher) {
-    const double teacher_row = vocab * static_cast<double>(c10::elementSize(options.teacher->dtype()));
+    const torch::ScalarType teacher_gemm =
+        GemmLogitsDtype(options.teacher->dtype(), options.logits_dtype);
+    double teacher_row = vocab * static_cast<double>(c10::elementSize(teacher_gemm));
+    // fp32 logits of a half-precision teacher: the fp32 copy of its X_c for the GEMM.
+    if (teacher_gemm != options.teacher->dtype()) {
+      teacher_row += static_cast<double>(options.teacher->hidden_size()) * 4.0;
+    }
     plan.chunk_row_bytes += teacher_row;
     plan.chunk_row_bytes_forward += teacher_row;
   }
@@ -96,7 +121,7 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   const int64_t row_columns = gathers ? options.shard->vocab_size() : plan.vocab_size;
   if (gathers) {
     const double ranks = static_cast<double>(options.shard->ranges.size());
-    plan.chunk_row_bytes_forward += (ranks * vocab + static_cast<double>(row_columns)) * elem;
+    plan.chunk_row_bytes_forward += (ranks * vocab + static_cast<double>(row_columns)) * gemm_elem;
     plan.block_row_bytes = static_cast<double>(row_columns) * logits_elem * block_buffers;
   }
   plan.token_extra_row_bytes =
@@ -107,16 +132,37 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
       break;
     case OutputKind::kLogits:
       plan.output_row_bytes =
-          row_columns * static_cast<int64_t>(c10::elementSize(options.logits_dtype));
+          row_columns * static_cast<int64_t>(c10::elementSize(options.output_dtype));
       break;
     case OutputKind::kSample:
       plan.output_row_bytes = int64_t{8} + plan.logits_elem_bytes;  // int64 id + log-prob
       break;
   }
   if (half) {
-    plan.chunk_row_bytes += vocab * logits_elem + 2.0 * hidden * logits_elem;
+    plan.chunk_row_bytes += 2.0 * hidden * logits_elem;
+    if (!plan.fp32_logits_of_half_head) plan.chunk_row_bytes += vocab * logits_elem;
     plan.chunk_row_bytes_forward += hidden * logits_elem;
   }
+}
+
+// fp32 logits of a half-precision head: the slices of W upcast at once are bounded by a
+// sixteenth of the call's budget, so that they take little from the chunks yet each slice's
+// GEMM still has hundreds of columns (at D = 4096 and the CPU's 96 MiB default: 384 rows); at
+// least one row of the widest head, at most all its rows.
+void SetWeightSlice(const Head& head, const StepOptions& options, CallPlan& plan) {
+  const bool teacher = plan.function->needs_teacher && options.teacher != nullptr;
+  const bool teacher_upcast =
+      teacher &&
+      GemmLogitsDtype(options.teacher->dtype(), options.logits_dtype) != options.teacher->dtype();
+  if (!plan.fp32_logits_of_half_head && !teacher_upcast) return;
+  const int64_t budget = options.memory_budget_bytes > 0
+                             ? options.memory_budget_bytes
+                             : DefaultMemoryBudgetBytes(head.weight().device());
+  plan.weight_slice_bytes = budget / 16;
+  const int64_t widest =
+      std::max<int64_t>(head.hidden_size(), teacher ? options.teacher->hidden_size() : 0);
+  plan.weight_slice_bytes =
+      std::clamp<int64_t>(plan.weight_slice_bytes, widest * 4, plan.vocab_size * widest * 4);
 }
 
 // oneDNN's brgemm kernels (what LibTorch runs a bf16/fp16 GEMM on, on CPUs with AVX512-BF16 or
@@ -131,7 +177,11 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
 // measured scratch stays within this bound, at 1.1–6× of it. fp32 heads run on MKL, whose
 // GEMMs allocate nothing through LibTorch; CUDA heads use cuBLAS's one fixed workspace.
 void SetGemmWorkspace(const Head& head, CallPlan& plan) {
-  if (!head.weight().device().is_cpu() || head.dtype() == LogitsDtype(head)) return;
+  // fp32 logits of a half head run every GEMM in fp32 on a CPU (MKL: nothing allocated).
+  if (!head.weight().device().is_cpu() || head.dtype() == LogitsDtype(head) ||
+      plan.fp32_logits_of_half_head) {
+    return;
+  }
   constexpr int64_t kMaxColumnsPerThread = 1024;
   constexpr int64_t kMaxKChunk = 4096;
   constexpr int64_t kPackPadding = 64;
@@ -171,11 +221,12 @@ absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPla
   const double rest =
       static_cast<double>(budget) -
       static_cast<double>(std::max<int64_t>(plan.block_rows, 1)) * plan.block_row_bytes -
-      static_cast<double>(plan.gemm.fixed_bytes);
+      static_cast<double>(plan.gemm.fixed_bytes) - static_cast<double>(plan.weight_slice_bytes);
   plan.chunk_rows = static_cast<int64_t>(rest / (plan.chunk_row_bytes + plan.gemm.row_bytes));
   if (plan.block_rows < 1 || plan.chunk_rows < 1) {
     const double one_row = 4.0 * plan.block_row_bytes + plan.chunk_row_bytes +
-                           static_cast<double>(plan.gemm.BytesFor(1));
+                           static_cast<double>(plan.gemm.BytesFor(1)) +
+                           static_cast<double>(plan.weight_slice_bytes);
     return absl::InvalidArgumentError(absl::StrCat(
         "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
         " (one row of ", plan.function->name, " at V=", plan.vocab_size, "); got ", budget));
@@ -188,6 +239,17 @@ absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPla
 
 torch::ScalarType LogitsDtype(const Head& head) {
   return head.dtype() == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
+
+torch::ScalarType GemmLogitsDtype(torch::ScalarType head_dtype,
+                                  std::optional<torch::ScalarType> logits_dtype) {
+  const bool half = head_dtype == torch::kBFloat16 || head_dtype == torch::kHalf;
+  return half && logits_dtype == torch::kFloat ? torch::kFloat : head_dtype;
+}
+
+int64_t CallPlan::WeightSliceRows(int64_t vocab, int64_t hidden) const {
+  return std::clamp<int64_t>(weight_slice_bytes / std::max<int64_t>(hidden * 4, 1), 1,
+                             std::max<int64_t>(vocab, 1));
 }
 
 std::string CallMemory::Breakdown() const {
@@ -211,7 +273,8 @@ CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
   if (rows <= 0) return m;
   const int64_t chunk = ChunkRowsFor(rows);
   const double chunk_row = mode == CallMode::kForward ? chunk_row_bytes_forward : chunk_row_bytes;
-  m.logits_bytes = static_cast<int64_t>(std::ceil(static_cast<double>(chunk) * chunk_row));
+  m.logits_bytes =
+      static_cast<int64_t>(std::ceil(static_cast<double>(chunk) * chunk_row)) + weight_slice_bytes;
   m.block_bytes = static_cast<int64_t>(
       std::ceil(kBlockMargin * static_cast<double>(BlockRowsFor(rows)) * block_row_bytes));
   // …and, with gradients, db's column sums of the chunk's dz ([V]).
@@ -258,18 +321,24 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
   // The aux inputs are not known yet: the engine checks their conditions with the rows.
   RETURN_IF_ERROR(CheckTokenExtras(*plan.function, plan.params, nullptr, options.token_extras));
   RETURN_IF_ERROR(CheckChunkOptions(head, options));
-  if (!torch::isFloatingType(options.logits_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("logits_dtype: expected a floating dtype; got ",
-                                                   c10::toString(options.logits_dtype)));
+  if (!torch::isFloatingType(options.output_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("output_dtype: expected a floating dtype; got ",
+                                                   c10::toString(options.output_dtype)));
   }
+  RETURN_IF_ERROR(CheckLogitsDtype(head, options));
+  plan.logits_dtype = options.logits_dtype;
+  plan.gemm_dtype = GemmLogitsDtype(head.dtype(), options.logits_dtype);
+  plan.fp32_logits_of_half_head = plan.gemm_dtype != head.dtype();
   SetRowCosts(head, options, plan);
   SetGemmWorkspace(head, plan);
+  SetWeightSlice(head, options, plan);
   RETURN_IF_ERROR(SetChunkSizes(head, options, plan));
   return plan;
 }
 
 torch::Tensor NewLogitsWorkspace(const Head& head, const CallPlan& plan, int64_t max_rows) {
-  return torch::empty({plan.ChunkRowsFor(max_rows), head.vocab_size()}, head.weight().options());
+  return torch::empty({plan.ChunkRowsFor(max_rows), head.vocab_size()},
+                      head.weight().options().dtype(plan.gemm_dtype));
 }
 
 }  // namespace remotehead::core

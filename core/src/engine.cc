@@ -111,7 +111,7 @@ absl::StatusOr<ForwardResult> ForwardImpl(const Head& head, const TokenBatch& ba
                                           const StepOptions& options) {
   ASSIGN_OR_RETURN(Plan plan, MakePlan(head, batch, options, CallMode::kForward));
   if (plan.fn().output != OutputKind::kPerToken) {
-    return RunGenerationChunks(head, batch, plan, options.logits_dtype);
+    return RunGenerationChunks(head, batch, plan, options.output_dtype);
   }
   if (plan.call.couples_rows) return ForwardCoupled(head, batch, plan);
   const bool per_token = options.reduction == Reduction::kNone;

@@ -185,32 +185,62 @@ torch::Tensor ValidOnly(const torch::Tensor& values, const ChunkTokens& tokens) 
 }
 
 
-// A group's dX_c: this shard's partial dz_r·W_r, summed over the ranks into rank 0's rows of
-// `grad_hidden` (the other ranks hold no dX). The sum is taken in the logits dtype, so the
-// partials of a half-precision head are added in fp32 and rounded once.
+// A group's dX_c from this shard's `partial` dz_r·W_r ([rows, D], the logits dtype): summed over
+// the ranks into rank 0's rows of `grad_hidden` from `start` (the other ranks hold no dX). When
+// `partial` is not those rows already (a half-precision head), the sum is taken in fp32 and
+// rounded once.
+void SumGroupGradHidden(const Plan& plan, torch::Tensor& partial, int64_t start,
+                        const torch::Tensor& grad_hidden) {
+  const absl::Status reduced = plan.shard->group->ReduceSum(partial, /*root=*/0);
+  if (!reduced.ok()) throw GroupFailure(reduced);
+  if (!plan.holds_grad_hidden()) return;
+  torch::Tensor rows = grad_hidden.narrow(0, start, partial.size(0));
+  if (!rows.is_same(partial)) rows.copy_(partial);
+}
+
+// A group's dX_c: this shard's partial dz_r·W_r (written into rank 0's rows directly for an
+// fp32 head), then SumGroupGradHidden.
 void GroupGradHidden(const Head& head, const Plan& plan, const torch::Tensor& dz_head,
                      int64_t start, const torch::Tensor& grad_hidden) {
-  const bool here = plan.holds_grad_hidden();
   torch::Tensor partial;
-  if (head.dtype() == LogitsDtype(head) && here) {
+  if (head.dtype() == LogitsDtype(head) && plan.holds_grad_hidden()) {
     partial = grad_hidden.narrow(0, start, dz_head.size(0));
     torch::mm_out(partial, dz_head, head.weight());
   } else {
     partial = torch::mm(dz_head, head.weight()).to(LogitsDtype(head));
   }
-  const absl::Status reduced = plan.shard->group->ReduceSum(partial, /*root=*/0);
-  if (!reduced.ok()) throw GroupFailure(reduced);
-  if (here && head.dtype() != LogitsDtype(head)) {
-    grad_hidden.narrow(0, start, dz_head.size(0)).copy_(partial);
+  SumGroupGradHidden(plan, partial, start, grad_hidden);
+}
+
+// BackpropagateChunk for fp32 logits of a half-precision head: dX_c in fp32 from the fp32 dz
+// (Fp32ChunkBackward), rounded once into dX (after a group's sum).
+void BackpropagateFp32Chunk(const Head& head, const Plan& plan, const torch::Tensor& x_chunk,
+                            const torch::Tensor& dz, int64_t start, const ChunkPass& pass) {
+  torch::Tensor dx;
+  if (plan.shard != nullptr || pass.grad_hidden.defined()) {
+    dx =
+        torch::empty({x_chunk.size(0), head.hidden_size()}, x_chunk.options().dtype(torch::kFloat));
+  }
+  Fp32ChunkBackward(head, plan.call, x_chunk, dz, dx,
+                    pass.grads != nullptr ? pass.grads->weight : torch::Tensor());
+  if (pass.grads != nullptr && pass.grads->bias.defined()) pass.grads->bias.add_(dz.sum(0));
+  if (plan.shard != nullptr) {
+    SumGroupGradHidden(plan, dx, start, pass.grad_hidden);
+  } else if (dx.defined()) {
+    pass.grad_hidden.narrow(0, start, x_chunk.size(0)).copy_(dx);
   }
 }
 
 // dX_c = dz·W into the pass's dX rows and dW += dzᵀ·X_c (db += Σ dz) for one chunk. `z` (the
 // chunk's logits buffer, dead by now) holds dz rounded to the head's dtype when that is not
-// the logits dtype.
+// the logits dtype (half-precision logits).
 void BackpropagateChunk(const Head& head, const Plan& plan, const torch::Tensor& x_chunk,
                         torch::Tensor& z, const torch::Tensor& dz, int64_t start,
                         const ChunkPass& pass) {
+  if (plan.call.fp32_logits_of_half_head) {
+    BackpropagateFp32Chunk(head, plan, x_chunk, dz, start, pass);
+    return;
+  }
   torch::Tensor dz_head = dz;
   if (head.dtype() != LogitsDtype(head)) dz_head = z.copy_(dz);
   if (plan.shard != nullptr) {
@@ -240,8 +270,11 @@ void CheckReportedExtras(const Plan& plan, const std::map<std::string, torch::Te
   }
 }
 
-void ChunkLogits(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& out) {
-  if (head.has_bias()) {
+void ChunkLogits(const Head& head, const CallPlan& call, const torch::Tensor& x_chunk,
+                 torch::Tensor& out) {
+  if (out.scalar_type() != head.dtype()) {
+    Fp32ChunkLogits(head, call, x_chunk, out);
+  } else if (head.has_bias()) {
     torch::addmm_out(out, head.bias(), x_chunk, head.weight().t());
   } else {
     torch::mm_out(out, x_chunk, head.weight().t());
@@ -272,22 +305,24 @@ torch::Tensor TransformTeacherLogits(torch::Tensor z, const FunctionParams& para
 
 ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradients) {
   const torch::Tensor& w = plan.logits_workspace;
+  const torch::ScalarType dtype = plan.call.gemm_dtype;
   ChunkBuffers buffers;
-  buffers.logits =
-      w.defined() && w.dim() == 2 && w.size(0) >= plan.chunk_rows &&
-              w.size(1) == head.vocab_size() && w.is_contiguous() &&
-              w.scalar_type() == head.dtype() && w.device() == head.device()
-          ? w.narrow(0, 0, plan.chunk_rows)
-          : torch::empty({plan.chunk_rows, head.vocab_size()}, head.weight().options());
+  buffers.logits = w.defined() && w.dim() == 2 && w.size(0) >= plan.chunk_rows &&
+                           w.size(1) == head.vocab_size() && w.is_contiguous() &&
+                           w.scalar_type() == dtype && w.device() == head.device()
+                       ? w.narrow(0, 0, plan.chunk_rows)
+                       : torch::empty({plan.chunk_rows, head.vocab_size()},
+                                      head.weight().options().dtype(dtype));
   if (gradients) {
-    buffers.grad = head.dtype() == LogitsDtype(head)
+    buffers.grad = dtype == LogitsDtype(head)
                        ? buffers.logits
                        : torch::empty(buffers.logits.sizes(),
                                       buffers.logits.options().dtype(LogitsDtype(head)));
   }
   if (plan.teacher != nullptr) {
-    buffers.teacher_logits =
-        torch::empty({plan.chunk_rows, plan.teacher->vocab_size()}, plan.teacher->weight().options());
+    buffers.teacher_logits = torch::empty({plan.chunk_rows, plan.teacher->vocab_size()},
+                                          plan.teacher->weight().options().dtype(GemmLogitsDtype(
+                                              plan.teacher->dtype(), plan.call.logits_dtype)));
   }
   return buffers;
 }
@@ -327,11 +362,11 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
     ++out.num_chunks;
     const TokenBatch chunk = batch.Slice(start, rows);
     torch::Tensor z = buffers.logits.narrow(0, 0, rows);
-    ChunkLogits(head, chunk.hidden, z);
+    ChunkLogits(head, plan.call, chunk.hidden, z);
     torch::Tensor zt;
     if (plan.teacher != nullptr) {
       zt = buffers.teacher_logits.narrow(0, 0, rows);
-      ChunkLogits(*plan.teacher, chunk.teacher_hidden, zt);
+      ChunkLogits(*plan.teacher, plan.call, chunk.teacher_hidden, zt);
     }
     const ChunkTokens tokens = PrepareChunkTokens(chunk, plan, logits_opts);
     torch::Tensor dy;  // [rows] dL/dy

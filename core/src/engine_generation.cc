@@ -58,12 +58,12 @@ torch::Tensor GatherColumns(const torch::Tensor& z, const VocabShard& shard) {
 
 absl::StatusOr<ForwardResult> RunGenerationChunks(const Head& head, const TokenBatch& batch,
                                                   const Plan& plan,
-                                                  torch::ScalarType logits_dtype) {
+                                                  torch::ScalarType output_dtype) {
   torch::NoGradGuard no_grad;
   const bool logits = plan.fn().output == OutputKind::kLogits;
   const torch::TensorOptions opts = head.weight().options();
   ForwardResult result;
-  const torch::ScalarType out = OutputDtype(plan.fn().output, head.dtype(), logits_dtype);
+  const torch::ScalarType out = OutputDtype(plan.fn().output, head.dtype(), output_dtype);
   if (logits) {
     result.output = torch::empty({plan.rows, plan.vocab_size}, opts.dtype(out));
   } else {
@@ -78,7 +78,7 @@ absl::StatusOr<ForwardResult> RunGenerationChunks(const Head& head, const TokenB
       if (StopBeforeChunk(plan)) throw StopRequested();
       ++counts.num_chunks;
       torch::Tensor z = buffers.logits.narrow(0, 0, rows);
-      ChunkLogits(head, batch.hidden.narrow(0, start, rows), z);
+      ChunkLogits(head, plan.call, batch.hidden.narrow(0, start, rows), z);
       if (plan.shard != nullptr) z = GatherColumns(z, *plan.shard);
       for (int64_t b = 0; b < rows; b += plan.block_rows) {
         const int64_t block = std::min(plan.block_rows, rows - b);

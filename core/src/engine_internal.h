@@ -3,6 +3,7 @@
 //   engine_inputs.cc      every input checked against the head and the options; the Plan
 //   engine_chunks.cc      the one chunk loop behind the three modes (GEMMs, function blocks,
 //                         autograd, dX / dW), and a head group's collectives within it
+//   engine_fp32_logits.cc the GEMMs of fp32 logits from a half-precision head's weights
 //   engine_generation.cc  the generation outputs' loop: logits rows, drawn tokens
 //   engine_coupled.cc     a row-coupled call: both passes and the loss over the whole call
 //   engine.cc             the entry points (engine.h): exceptions to statuses, dX buffers
@@ -36,19 +37,19 @@ struct Plan {
   int64_t valid_tokens = 0;
   double denominator = 1.0;
   int64_t ignore_index = -100;
-  std::function<bool()> should_stop;  // StepOptions::should_stop
-  bool head_health = true;            // StepOptions::head_health
-  torch::Tensor logits_workspace;     // StepOptions::logits_workspace
-  int64_t first_row = 0;              // StepOptions::first_row
+  std::function<bool()> should_stop;                  // StepOptions::should_stop
+  bool head_health = true;                            // StepOptions::head_health
+  torch::Tensor logits_workspace;                     // StepOptions::logits_workspace
+  int64_t first_row = 0;                              // StepOptions::first_row
   const std::vector<int64_t>* row_numbers = nullptr;  // StepOptions::row_numbers
-  const VocabShard* shard = nullptr;  // StepOptions::shard
-  const Head* teacher = nullptr;      // StepOptions::teacher (two-head functions)
-  int64_t vocab_size = 0;             // V of the whole head (all shards of a group)
+  const VocabShard* shard = nullptr;                  // StepOptions::shard
+  const Head* teacher = nullptr;                      // StepOptions::teacher (two-head functions)
+  int64_t vocab_size = 0;                             // V of the whole head (all shards of a group)
   // The extras this call's function reports (its params and aux inputs), sorted: RunChunks
   // checks each block against them; and those returned per token (StepOptions::token_extras).
   std::vector<std::string> reported_extras;
   std::vector<std::string> token_extras;
-  std::unique_ptr<VocabOps> vocab;    // the functions' vocabulary reductions (functions.h)
+  std::unique_ptr<VocabOps> vocab;  // the functions' vocabulary reductions (functions.h)
 
   const TransformFunction& fn() const { return *call.function; }
   // Whether this call's dX is summed here: always on one server, on rank 0 of a group.
@@ -87,10 +88,12 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const S
 
 // --- engine_chunks.cc
 
-// z = X_c·Wᵀ (+ b) in the head's dtype, written into `out` ([rows, V]). RunFunctionBlock
-// upcasts it to fp32 block by block: the upcast keeps softmax and its gradient numerically
-// sound; blocking keeps it affordable.
-void ChunkLogits(const Head& head, const torch::Tensor& x_chunk, torch::Tensor& out);
+// z = X_c·Wᵀ (+ b) in `out`'s dtype ([rows, V]): the head's own, or fp32 for a half-precision
+// head with StepOptions::logits_dtype = float32 (GemmLogitsDtype; Fp32ChunkLogits). Logits in a
+// half-precision dtype are upcast to fp32 by RunFunctionBlock block by block: the upcast keeps
+// softmax and its gradient numerically sound; blocking keeps it affordable.
+void ChunkLogits(const Head& head, const CallPlan& call, const torch::Tensor& x_chunk,
+                 torch::Tensor& out);
 
 // The common params on fp32 logits: logit scale (z ← z·s), softcap (z ← softcap·tanh(z /
 // softcap)), then temperature.
@@ -126,15 +129,28 @@ struct ChunkPass {
   bool health = false;                   // fill ChunkOutputs::health
 };
 
+// --- engine_fp32_logits.cc (CallPlan::fp32_logits_of_half_head)
+
+// z = X_c·Wᵀ (+ b) into the fp32 `out` from a half-precision head's X_c and W.
+void Fp32ChunkLogits(const Head& head, const CallPlan& call, const torch::Tensor& x_chunk,
+                     torch::Tensor& out);
+// From the fp32 dz [rows, V]: dx = dz·W into the fp32 `dx` [rows, D] when defined, and
+// dW += dzᵀ·X_c into `dw` (fp32 or the head's dtype) when defined.
+void Fp32ChunkBackward(const Head& head, const CallPlan& call, const torch::Tensor& x_chunk,
+                       const torch::Tensor& dz, const torch::Tensor& dx, const torch::Tensor& dw);
+
+// --- engine_chunks.cc (continued)
+
 // The [chunk_rows, V] buffers of one pass, allocated once (or taken from the caller's
 // workspace): a fresh buffer per chunk would cost page faults.
 struct ChunkBuffers {
-  torch::Tensor logits;  // z in the head's dtype
-  // dL/dz: for an fp32 head the logits buffer itself (each block's logits are dead once its
-  // gradient exists); otherwise a separate fp32 buffer, so dW accumulates the unrounded
-  // gradient. Undefined without gradients.
+  torch::Tensor logits;  // z in the GEMM's dtype (CallPlan::gemm_dtype)
+  // dL/dz: for fp32 logits (an fp32 head's, or asked for by StepOptions::logits_dtype) the
+  // logits buffer itself (each block's logits are dead once its gradient exists); otherwise a
+  // separate fp32 buffer, so dW accumulates the unrounded gradient. Undefined without
+  // gradients.
   torch::Tensor grad;
-  // A two-head function's teacher logits [chunk_rows, V] in the teacher's dtype.
+  // A two-head function's teacher logits [chunk_rows, V] in its GEMM's dtype.
   torch::Tensor teacher_logits;
 };
 
@@ -147,7 +163,7 @@ bool StopBeforeChunk(const Plan& plan);
 // The one chunk loop behind every mode. Two levels:
 //  - a chunk of `chunk_rows` rows is what the three GEMMs see (large, so W and dW stream
 //    through memory few times per step); its logits live in one [rows, V] buffer of the
-//    head's dtype, allocated once per call, which each block's gradient overwrites;
+//    GEMM's dtype, allocated once per call, which each block's gradient overwrites;
 //  - a block of `block_rows` rows is what the function and autograd see (small, so the fp32
 //    upcast and the function's temporaries stay in cache).
 ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& plan,
@@ -191,6 +207,6 @@ HeadHealth ToHeadHealth(const HealthSums& sums, int64_t tokens);
 // upcast with softcap and temperature, copied out as the rows' logits (function "logits") or
 // turned into a drawn token and its log-probability ("sample", sampling.h). No autograd.
 absl::StatusOr<ForwardResult> RunGenerationChunks(const Head& head, const TokenBatch& batch,
-                                                  const Plan& plan, torch::ScalarType logits_dtype);
+                                                  const Plan& plan, torch::ScalarType output_dtype);
 
 }  // namespace remotehead::core::engine_internal

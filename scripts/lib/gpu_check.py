@@ -61,6 +61,8 @@ SUITES = [
     ("head service", "head_service_test", "*/cuda", "*/cpu", 1, (1, 1)),
     ("server binary", "server_binary_test", "*/cuda:*Cuda*", "*/cpu", 1, (1, 1)),
     ("generation", "generation_test", "*", "*", 1, (1, 1)),
+    # fp32 logits of a bf16 head: cuBLAS's fp32-output GEMM, the fp32 backward.
+    ("fp32 logits", "fp32_logits_test", "*_cuda", "*_cpu", 1, (1, 1)),
     ("NCCL group of one", "process_group_test", "CudaProcessGroup.*", "CudaProcessGroup.*", 1,
      (1, 1)),
     # Where the binary's C++ runtime comes from (a LibTorch that exports std:: symbols).

@@ -126,6 +126,7 @@ rh::StepSpec Spec(const json& call, const std::map<std::string, std::string>& ha
     spec.expected_weight_version = o["expected_weight_version"].get<int64_t>();
   }
   if (o.contains("wire_dtype")) spec.wire_dtype = Dtype(o["wire_dtype"]);
+  if (o.contains("logits_dtype")) spec.logits_dtype = Dtype(o["logits_dtype"]);
   spec.retain_inputs_seconds = o.value("retain_inputs_seconds", spec.retain_inputs_seconds);
   spec.inputs_handle = o.value("inputs_handle", spec.inputs_handle);
   if (o.contains("token_extras"))

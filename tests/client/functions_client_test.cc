@@ -1,6 +1,7 @@
 // The C++ client discovers the server's functions (ListFunctions) and shapes a per-row Forward's
 // outputs from that listing, not from the function's name: per-token values [N], logits rows
-// [N, V] in the asked dtype, a drawn token and its log-probability. Against an in-process server;
+// [N, V] in the asked dtype (and a bf16 head's formed in fp32 when StepSpec::logits_dtype asks),
+// a drawn token and its log-probability. Against an in-process server;
 // the listing is compared with core's registry and the outputs with the head's own logits.
 #include <gtest/gtest.h>
 
@@ -126,8 +127,38 @@ TEST_F(FunctionsClientTest, PerRowForwardIsShapedByTheListing) {
   ASSERT_TRUE(drawn->token_ids.defined());
   EXPECT_EQ(drawn->token_ids.scalar_type(), torch::kLong);
   EXPECT_TRUE(torch::equal(drawn->token_ids, logits.argmax(1)));
-  EXPECT_TRUE(torch::allclose(drawn->outputs.to(torch::kDouble), std::get<0>(logprobs.max(1)),
-                              1e-5, 1e-5));
+  EXPECT_TRUE(
+      torch::allclose(drawn->outputs.to(torch::kDouble), std::get<0>(logprobs.max(1)), 1e-5, 1e-5));
+}
+
+// StepSpec::logits_dtype travels as StepHeader.logits_dtype: a bf16 head's "logits" rows are
+// the bf16-rounded product unset, the fp32 product of the same bf16 values with float32; any
+// other dtype is refused by the server naming the field.
+TEST_F(FunctionsClientTest, LogitsDtypeAsksForFp32LogitsOfABf16Head) {
+  auto created = client_->CreateHead("lm16", rc::InitSpec{.vocab_size = kVocab,
+                                                          .hidden_size = kHidden,
+                                                          .seed = 5,
+                                                          .init_std = 1.0,
+                                                          .dtype = torch::kBFloat16});
+  ASSERT_TRUE(created.ok()) << created.status();
+  const core::Head& head = testing::HeadOf(**server_.registry().Get("lm16"));
+  const torch::Tensor x = hidden_.to(torch::kBFloat16);
+  const torch::Tensor exact = torch::mm(x.to(torch::kDouble), head.weight().to(torch::kDouble).t());
+  const double scale = exact.abs().max().item<double>();
+  rc::StepSpec spec{.head_id = "lm16", .function = "logits", .reduction = rc::Reduction::kNone};
+  auto unset = client_->Forward(spec, {.hidden = x});
+  spec.logits_dtype = torch::kFloat;
+  auto fp32 = client_->Forward(spec, {.hidden = x});
+  ASSERT_TRUE(unset.ok() && fp32.ok()) << unset.status() << " " << fp32.status();
+  EXPECT_GE((unset->outputs.to(torch::kDouble) - exact).abs().max().item<double>(), 1e-3 * scale)
+      << "bf16 logits are rounded";
+  EXPECT_LE((fp32->outputs.to(torch::kDouble) - exact).abs().max().item<double>(), 1e-6 * scale);
+  spec.logits_dtype = torch::kBFloat16;
+  auto refused = client_->Forward(spec, {.hidden = x});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "logits_dtype: expected float32 (fp32 logits from the head's bfloat16 weights) or "
+            "unset (logits in the head's dtype); got bfloat16");
 }
 
 TEST_F(FunctionsClientTest, AnUnknownFunctionIsRefusedByTheServer) {

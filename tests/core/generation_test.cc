@@ -95,7 +95,7 @@ TEST_P(GenerationOnDevice, LogitsComeInTheRequestedDtype) {
   auto head = Head(torch::kBFloat16, false);
   const core::TokenBatch batch = Hidden(*head);
   core::StepOptions options = Generation("logits");
-  options.logits_dtype = torch::kBFloat16;
+  options.output_dtype = torch::kBFloat16;
   auto r = core::Forward(*head, batch, options);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->output.scalar_type(), torch::kBFloat16);
@@ -106,10 +106,10 @@ TEST_P(GenerationOnDevice, LogitsComeInTheRequestedDtype) {
   } else {
     EXPECT_TRUE(torch::equal(r->output.cpu(), naive));
   }
-  options.logits_dtype = torch::kLong;
+  options.output_dtype = torch::kLong;
   auto bad = core::Forward(*head, batch, options);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(bad.status().message(), "logits_dtype: expected a floating dtype; got Long");
+  EXPECT_EQ(bad.status().message(), "output_dtype: expected a floating dtype; got Long");
 }
 
 TEST_P(GenerationOnDevice, GreedyIsTheArgmaxWithItsLogProb) {
@@ -258,7 +258,7 @@ TEST(GenerationSample, NonFiniteLogitsAreRefusedNamingTheCause) {
 TEST(GenerationMemory, TheModelCountsTheRowsOfLogits) {
   auto head = reference::MakeTestHead(kVocab, kHidden, torch::kFloat, false);
   core::StepOptions options = Generation("logits");
-  options.logits_dtype = torch::kDouble;
+  options.output_dtype = torch::kDouble;
   auto plan = core::PlanCall(*head, options);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->output_row_bytes, kVocab * 8);

@@ -1,10 +1,12 @@
-// The engine's memory model (core/call_plan.h): for every function, mode, dtype and chunking,
-// the bytes PlanCall's CallPlan::Memory predicts are at least the transient peak the counting
+// The engine's memory model (core/call_plan.h): for every function, mode, dtype (bf16 with fp32
+// logits too: StepOptions::logits_dtype) and chunking, the bytes PlanCall's CallPlan::Memory
+// predicts are at least the transient peak the counting
 // CPU allocator measures during the call, and at most kMaxOverestimate times it. A server
 // admits requests by this estimate, so an underestimate could let a request run the device
 // out of memory, and a gross overestimate would refuse work that fits.
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -48,16 +50,31 @@ struct Chunking {
 
 void PrintTo(const Chunking& c, std::ostream* os) { *os << c.label; }
 
-using Param = std::tuple<MemoryCase, CallMode, torch::ScalarType, Chunking>;
+// The head's dtype and the dtype its logits are formed in (StepOptions::logits_dtype).
+struct DtypeCase {
+  std::string label;
+  torch::ScalarType dtype = torch::kFloat;
+  std::optional<torch::ScalarType> logits_dtype;
+};
+
+void PrintTo(const DtypeCase& c, std::ostream* os) { *os << c.label; }
+
+const DtypeCase kDtypes[] = {
+    {"fp32", torch::kFloat, std::nullopt},
+    {"bf16", torch::kBFloat16, std::nullopt},
+    {"bf16_fp32logits", torch::kBFloat16, torch::kFloat},
+};
+
+using Param = std::tuple<MemoryCase, CallMode, DtypeCase, Chunking>;
 
 class MemoryModel : public ::testing::TestWithParam<Param> {};
 
 TEST_P(MemoryModel, EstimateBoundsTheMeasuredPeak) {
-  const auto& [mcase, mode, dtype, chunking] = GetParam();
+  const auto& [mcase, mode, dtypes, chunking] = GetParam();
   const reference::FunctionCase& fcase = mcase.fcase;
   core::InstallCpuMemoryTracker();
   torch::manual_seed(0);
-  auto head = reference::MakeTestHead(kVocab, kHidden, dtype, /*bias=*/true);
+  auto head = reference::MakeTestHead(kVocab, kHidden, dtypes.dtype, /*bias=*/true);
   const Reduction reduction = mode == CallMode::kFused && mcase.reduction == Reduction::kNone
                                   ? Reduction::kSum
                                   : mcase.reduction;
@@ -68,6 +85,7 @@ TEST_P(MemoryModel, EstimateBoundsTheMeasuredPeak) {
                             .reduction = reduction,
                             .chunk_rows = chunking.chunk_rows,
                             .memory_budget_bytes = chunking.memory_budget_bytes,
+                            .logits_dtype = dtypes.logits_dtype,
                             .teacher = reference::TestTeacher(*head, fcase.function)};
   core::GradientBuffers grads = head->NewGradientBuffers();
   const torch::Tensor grad_output = reduction == Reduction::kNone ? torch::randn({chunking.rows})
@@ -125,20 +143,18 @@ const Chunking kChunkings[] = {
 };
 
 std::string Name(const ::testing::TestParamInfo<Param>& info) {
-  const auto& [mcase, mode, dtype, chunking] = info.param;
+  const auto& [mcase, mode, dtypes, chunking] = info.param;
   const char* modes[] = {"fused", "forward", "backward"};
   return mcase.fcase.label + "_" + std::string(core::ReductionName(mcase.reduction)) + "_" +
-         modes[static_cast<int>(mode)] + "_" + (dtype == torch::kFloat ? "fp32" : "bf16") + "_" +
-         chunking.label;
+         modes[static_cast<int>(mode)] + "_" + dtypes.label + "_" + chunking.label;
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryFunctionModeAndDtype, MemoryModel,
-                         ::testing::Combine(::testing::ValuesIn(Cases()),
-                                            ::testing::Values(CallMode::kFused, CallMode::kForward,
-                                                              CallMode::kBackward),
-                                            ::testing::Values(torch::kFloat, torch::kBFloat16),
-                                            ::testing::ValuesIn(kChunkings)),
-                         Name);
+INSTANTIATE_TEST_SUITE_P(
+    EveryFunctionModeAndDtype, MemoryModel,
+    ::testing::Combine(::testing::ValuesIn(Cases()),
+                       ::testing::Values(CallMode::kFused, CallMode::kForward, CallMode::kBackward),
+                       ::testing::ValuesIn(kDtypes), ::testing::ValuesIn(kChunkings)),
+    Name);
 
 }  // namespace
 }  // namespace remotehead

@@ -4,7 +4,7 @@
 // (the cases derived from the registry, function_cases.h) × K ∈ {1, 2, 3} with uneven shards ×
 // every reduction × fused and two-phase × chunk sizes {1, 7, N}, with ~20% of the targets ignored
 // and others on the shards' edge columns. float64 within 1e-12, fp32 within 1e-5 (relative to the
-// reference's magnitude).
+// reference's magnitude); a bf16 head's fp32 logits (StepOptions::logits_dtype) as one engine's.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -235,6 +235,37 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 
 INSTANTIATE_TEST_SUITE_P(AllFunctions, VocabParallel, ::testing::ValuesIn(AllParams()), ParamName);
 
+// fp32 logits of a bf16 head (StepOptions::logits_dtype) on a group: each shard forms its
+// columns in fp32 (from slices of 3 rows of W here) and the group sums dX in fp32: one engine's
+// result at fp32 accuracy (dX rounded to bf16 once on each side), a two-head function's teacher
+// shards included, and the float64 reference's loss.
+TEST(VocabParallelFp32Logits, Bf16GroupEqualsOneEngine) {
+  for (const std::string function : {"cross_entropy", "distill_kl"}) {
+    for (const int k : {2, 3}) {
+      SCOPED_TRACE(absl::StrCat(function, " K ", k));
+      const std::vector<ShardRange> ranges = Ranges(k);
+      torch::manual_seed(0);
+      auto head = reference::MakeTestHead(kVocab, kHidden, torch::kBFloat16, /*bias=*/true);
+      const core::TokenBatch batch =
+          EdgeTargets(reference::MakeTestBatch(*head, kRows, function, Reduction::kMean), ranges);
+      const core::StepOptions options{.function = function,
+                                      .chunk_rows = 7,
+                                      .memory_budget_bytes = 16 * 3 * kHidden * 4,
+                                      .logits_dtype = torch::kFloat,
+                                      .teacher = reference::TestTeacher(*head, function)};
+      const Outcome single = RunCall(*head, batch, options, Mode::kFused, {}, {});
+      const Outcome sharded = RunCall(*head, batch, options, Mode::kFused, {}, ranges);
+      EXPECT_LE(reference::RelativeError(sharded.output, single.output, kFloor), 1e-5);
+      EXPECT_LE(reference::RelativeError(sharded.grad_weight, single.grad_weight, kFloor), 1e-5);
+      EXPECT_LE(reference::RelativeError(sharded.grad_bias, single.grad_bias, kFloor), 1e-5);
+      EXPECT_LE(reference::RelativeError(sharded.grad_hidden, single.grad_hidden, kFloor),
+                1.0 / 128);
+      const reference::ReferenceResult ref = reference::NaiveReference(*head, batch, options);
+      EXPECT_LE(reference::RelativeError(sharded.output, ref.output, kFloor), 1e-5);
+    }
+  }
+}
+
 // Every registered function has cases above: a new function is tested on a group by construction.
 // (The generation outputs, logits and sample, have no loss: VocabParallelGeneration below.)
 TEST(VocabParallelCoverage, EveryBuiltinFunctionHasACase) {
@@ -258,7 +289,7 @@ TEST(VocabParallelGeneration, LogitsAndSampleOnAGroupEqualOneEngine) {
   struct Case {
     std::string function;
     core::FunctionParams params;
-    torch::ScalarType logits_dtype = torch::kFloat;
+    torch::ScalarType output_dtype = torch::kFloat;
   };
   const std::vector<Case> cases = {
       {"logits", {{"softcap", 2.5}, {"temperature", 0.7}}},
@@ -272,7 +303,7 @@ TEST(VocabParallelGeneration, LogitsAndSampleOnAGroupEqualOneEngine) {
       options.function = c.function;
       options.reduction = Reduction::kNone;
       options.params = c.params;
-      options.logits_dtype = c.logits_dtype;
+      options.output_dtype = c.output_dtype;
       options.chunk_rows = chunk_rows;
       auto one = core::Forward(*head, batch, options);
       ASSERT_TRUE(one.ok()) << one.status();
@@ -291,7 +322,7 @@ TEST(VocabParallelGeneration, LogitsAndSampleOnAGroupEqualOneEngine) {
           EXPECT_EQ(r.output.scalar_type(), one->output.scalar_type());
           EXPECT_LE(reference::RelativeError(r.output.to(torch::kDouble),
                                              one->output.to(torch::kDouble), kFloor),
-                    c.logits_dtype == torch::kBFloat16 ? 1e-2 : 1e-5);
+                    c.output_dtype == torch::kBFloat16 ? 1e-2 : 1e-5);
           if (one->token_ids.defined()) {
             EXPECT_TRUE(torch::equal(r.token_ids, one->token_ids));
           }

@@ -176,6 +176,8 @@ def step_options(call, handles):
     o = dict(call.get("options", {}))
     if "wire_dtype" in o:
         o["wire_dtype"] = DTYPES[o["wire_dtype"]]
+    if "logits_dtype" in o:
+        o["logits_dtype"] = DTYPES[o["logits_dtype"]]
     if "gradient_id" in o:
         o["gradient_id"] = remotehead.GradientId(*o["gradient_id"])
     if "inputs_handle_from" in call:

@@ -103,6 +103,7 @@ void ExpectSameOptions(const core::StepOptions& a, const core::StepOptions& b) {
   EXPECT_EQ(a.chunk_rows, b.chunk_rows);
   EXPECT_EQ(a.memory_budget_bytes, b.memory_budget_bytes);
   EXPECT_EQ(a.upstream_scale, b.upstream_scale);
+  EXPECT_EQ(a.output_dtype, b.output_dtype);
   EXPECT_EQ(a.logits_dtype, b.logits_dtype);
   EXPECT_EQ(a.token_extras, b.token_extras);
 }
@@ -122,6 +123,7 @@ TEST(StepHeaderOnTheGroupWire, EveryRankReadsTheOptionsTheFrontRead) {
   fused.mutable_chunking()->set_memory_budget_bytes(1 << 20);
   fused.set_upstream_scale(0.5);
   fused.add_token_extras("nll");
+  fused.set_logits_dtype(v1::DTYPE_FLOAT32);
 
   v1::StepHeader logits;
   logits.set_head_id("lm");
@@ -152,8 +154,10 @@ TEST(StepHeaderOnTheGroupWire, EveryRankReadsTheOptionsTheFrontRead) {
   EXPECT_EQ(read.options.chunk_rows, 3);
   EXPECT_EQ(read.options.upstream_scale, 0.5);
   EXPECT_EQ(read.options.token_extras, std::vector<std::string>{"nll"});
-  EXPECT_EQ(server::ReadStepHeader(logits, core::CallMode::kForward)->options.logits_dtype,
-            torch::kBFloat16);
+  EXPECT_EQ(read.options.logits_dtype, torch::kFloat);
+  const server::StepCall read_logits = *server::ReadStepHeader(logits, core::CallMode::kForward);
+  EXPECT_EQ(read_logits.options.output_dtype, torch::kBFloat16);
+  EXPECT_EQ(read_logits.options.logits_dtype, std::nullopt);  // unset: the head's dtype
 }
 
 // The call's own fields (what the session checks against the head) are read into the StepCall,

@@ -187,8 +187,14 @@ absl::Status WriteHeader(const StepSpec& spec, const PreparedStep& p, v1::StepHe
   if (!spec.teacher_head_id.empty()) h->set_teacher_head_id(spec.teacher_head_id);
   for (const std::string& name : spec.token_extras) h->add_token_extras(name);
   if (spec.output_dtype.has_value()) {
-    ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(*spec.output_dtype, "spec.output_dtype"));
+    ASSIGN_OR_RETURN(const v1::DType dtype,
+                     wire::ToWireDtype(*spec.output_dtype, "spec.output_dtype"));
     h->set_output_dtype(dtype);
+  }
+  if (spec.logits_dtype.has_value()) {
+    ASSIGN_OR_RETURN(const v1::DType dtype,
+                     wire::ToWireDtype(*spec.logits_dtype, "spec.logits_dtype"));
+    h->set_logits_dtype(dtype);
   }
   return absl::OkStatus();
 }

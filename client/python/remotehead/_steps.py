@@ -224,6 +224,8 @@ def prepare_step(mode: str, head_id: str, hidden: torch.Tensor,
     h = p.header
     if o.output_dtype is not None:
         h.output_dtype = _wire.wire_dtype(o.output_dtype, "output_dtype")
+    if o.logits_dtype is not None:
+        h.logits_dtype = _wire.wire_dtype(o.logits_dtype, "logits_dtype")
     if mode == FORWARD and o.retain_inputs_seconds > 0:
         h.retain_inputs_seconds = o.retain_inputs_seconds
     if by_handle:

@@ -83,6 +83,15 @@ class StepOptions:
             window it no longer has. "": unchecked. RemoteHead sets it.
         output_dtype: forward with function "logits" only: the dtype of the returned logits
             rows (None: float32). Client.logits() sets it.
+        logits_dtype: the dtype the server's GEMM forms the logits z = X·Wᵀ in, for any
+            function (a two-head function's teacher alike). None: the head's dtype (a bfloat16
+            head's logits are rounded to bfloat16 before the function upcasts them).
+            torch.float32: fp32 logits from the head's bfloat16 / float16 weights, with no
+            half-precision rounding of the logits or their gradient, e.g. RL log-probs that
+            must agree with a trainer's fp32 logits, or a distillation loss to match TRL's;
+            changes nothing on a float32 / float64 head. Anything else is refused by the
+            server (InvalidArgumentError). Costs: docs/engine.md, "fp32 logits from bf16
+            weights".
         teacher: a two-head (distillation) function's teacher (FunctionInfo.needs_teacher,
             e.g. "distill_kl"): the id of a frozen head on the same server (or group) with the
             student's vocabulary (StepHeader.teacher_head_id); the step call's teacher_hidden
@@ -119,6 +128,7 @@ class StepOptions:
     inputs_handle: str = ""
     expected_incarnation: str = ""
     output_dtype: Optional[torch.dtype] = None
+    logits_dtype: Optional[torch.dtype] = None
     teacher: str = ""
     token_extras: Tuple[str, ...] = ()
     compact_rows: bool = True

@@ -75,8 +75,17 @@ absl::Status ReadOutputDtype(const v1::StepHeader& header, core::StepOptions* op
         "dtype); got ",
         v1::DType_Name(header.output_dtype()), " with function \"", options->function, "\""));
   }
-  ASSIGN_OR_RETURN(options->logits_dtype,
+  ASSIGN_OR_RETURN(options->output_dtype,
                    FloatingDtype(header.output_dtype(), "header.output_dtype"));
+  return absl::OkStatus();
+}
+
+// The dtype the logits GEMM forms the logits in (unset: the head's). Which dtypes are allowed
+// is the engine's to say (core::PlanCall names the field, expected and actual).
+absl::Status ReadLogitsDtype(const v1::StepHeader& header, core::StepOptions* options) {
+  if (header.logits_dtype() == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();
+  ASSIGN_OR_RETURN(options->logits_dtype,
+                   wire::FromWireDtype(header.logits_dtype(), "header.logits_dtype"));
   return absl::OkStatus();
 }
 
@@ -151,6 +160,7 @@ absl::StatusOr<StepCall> ReadStepHeader(const v1::StepHeader& header, core::Call
                      FloatingDtype(header.grad_hidden_dtype(), "header.grad_hidden_dtype"));
   }
   RETURN_IF_ERROR(ReadOutputDtype(header, &options));
+  RETURN_IF_ERROR(ReadLogitsDtype(header, &options));
   RETURN_IF_ERROR(ReadTeacher(header, options, &read.teacher_head_id));
   options.chunk_rows = header.chunking().chunk_rows();
   options.memory_budget_bytes = header.chunking().memory_budget_bytes();

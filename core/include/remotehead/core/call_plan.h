@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -23,11 +24,19 @@ namespace remotehead::core {
 // The dtype the functions see: fp32, or fp64 for a float64 (verification) head.
 torch::ScalarType LogitsDtype(const Head& head);
 
+// The dtype the logits GEMM writes a chunk's logits z = X·Wᵀ in, for a head of `head_dtype` and
+// a call's StepOptions::logits_dtype (checked by PlanCall): float32 for a bfloat16 / float16
+// head asked for float32 (fp32 logits from half-precision operands), else the head's own dtype
+// (float32 asked of a float32 or float64 head changes nothing).
+torch::ScalarType GemmLogitsDtype(torch::ScalarType head_dtype,
+                                  std::optional<torch::ScalarType> logits_dtype);
+
 // Bytes one call allocates at its peak, beyond its inputs (X, targets, …) and the gradient
 // accumulators it adds into.
 struct CallMemory {
   int64_t logits_bytes = 0;  // the [chunk rows, V] logits buffer (+ its fp32 gradient and the
-                             // fp32 GEMM operands of a half-precision head)
+                             // fp32 GEMM operands of a half-precision head, and the fp32 slices
+                             // of W that fp32 logits of a half head are formed from)
   int64_t block_bytes = 0;   // one function block: fp32 logits, their gradient, what the
                              // function and the logit transforms keep for autograd
   int64_t token_bytes = 0;   // O(N) bookkeeping: masks, per-token values, row checks
@@ -79,6 +88,18 @@ struct CallPlan {
                                        // row of logits (function logits), id + log-prob (sample)
   int64_t token_extra_row_bytes = 0;   // the StepOptions::token_extras of a row, any mode
   GemmWorkspace gemm;                  // the dX GEMM's library workspace, gradient calls
+  // StepOptions::logits_dtype (checked) and what it makes of this head: the dtype of the chunk
+  // logits buffer (GemmLogitsDtype), and whether that is an fp32 buffer formed from a half-
+  // precision head's operands (then X_c·Wᵀ, dz·W and dzᵀ·X_c run on fp32 slices of W where the
+  // device has no half-precision GEMM with an fp32 output: engine_fp32_logits.cc).
+  std::optional<torch::ScalarType> logits_dtype;
+  torch::ScalarType gemm_dtype = torch::kFloat;
+  bool fp32_logits_of_half_head = false;
+  // fp32_logits_of_half_head (or a half-precision teacher's fp32 logits): the bytes of the one
+  // fp32 slice of W rows (WeightSliceRows) a GEMM holds at a time. 0 otherwise.
+  int64_t weight_slice_bytes = 0;
+  // Rows of a W of `hidden` columns in one such slice: at least 1, at most `vocab`.
+  int64_t WeightSliceRows(int64_t vocab, int64_t hidden) const;
 };
 
 // Whether `mode` and `reduction` can compute the plan's function: a generation output (function
@@ -92,7 +113,7 @@ absl::Status CheckCallMode(const CallPlan& plan, CallMode mode, Reduction reduct
 absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options);
 
 // A logits buffer a caller can keep across calls that use `plan` (StepOptions::logits_workspace):
-// [min(chunk_rows, max_rows), V] in the head's dtype and device.
+// [min(chunk_rows, max_rows), V] in the plan's gemm_dtype on the head's device.
 torch::Tensor NewLogitsWorkspace(const Head& head, const CallPlan& plan, int64_t max_rows);
 
 }  // namespace remotehead::core

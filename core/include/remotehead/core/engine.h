@@ -95,7 +95,7 @@ struct BackwardResult {
 
 struct ForwardResult {
   // reduction none: per-token outputs [N] fp32 (0 at ignored positions); otherwise a 0-d fp32.
-  // Function "logits": [N, V] in options.logits_dtype; "sample": the drawn tokens' log-probs [N].
+  // Function "logits": [N, V] in options.output_dtype; "sample": the drawn tokens' log-probs [N].
   torch::Tensor output;
   torch::Tensor token_ids;  // function "sample": the drawn tokens [N] int64
   StepStats stats;

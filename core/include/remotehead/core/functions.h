@@ -125,13 +125,13 @@ struct ParamSpec {
 enum class OutputKind {
   kPerToken,  // one value per token (every transformation function)
   kLogits,    // "logits": the row's logits [V] (softcap and temperature applied), in
-              // StepOptions::logits_dtype
+              // StepOptions::output_dtype
   kSample,    // "sample": a token id drawn from the row's distribution (greedy, temperature,
               // top-k, top-p; seeded) and its log-probability (sampling.h)
 };
 
 // The dtype of a Forward's outputs with reduction none: the head's compute dtype (float64 on a
-// float64 head, else float32); for kLogits the requested logits_dtype.
+// float64 head, else float32); for kLogits the requested one (StepOptions::output_dtype).
 torch::ScalarType OutputDtype(OutputKind kind, torch::ScalarType head_dtype,
                               torch::ScalarType logits_dtype);
 

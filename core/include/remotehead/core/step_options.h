@@ -74,7 +74,14 @@ struct StepOptions {
   // consecutive in the request.
   const std::vector<int64_t>* row_numbers = nullptr;
   // Function "logits" (a generation output): the dtype of the returned rows (floating).
-  torch::ScalarType logits_dtype = torch::kFloat;
+  torch::ScalarType output_dtype = torch::kFloat;
+  // The dtype the logits GEMM forms z = X·Wᵀ in, for every function (and a two-head function's
+  // teacher alike). Unset: the head's dtype (a bf16 head's logits are rounded to bf16 before
+  // the function upcasts them). float32: the GEMM writes fp32 logits from the head's bf16 /
+  // fp16 operands, with no fp32 copy of W and no half-precision rounding (the gradients then
+  // stay fp32 until dX is rounded once); on a float32 or float64 head it changes nothing. Any
+  // other dtype is refused (call_plan.h, GemmLogitsDtype).
+  std::optional<torch::ScalarType> logits_dtype;
   // Where `function` is looked up; null: FunctionRegistry::Builtin().
   const FunctionRegistry* registry = nullptr;
   // Set when the head is one shard of a head group (vocab_group.h): targets are global token

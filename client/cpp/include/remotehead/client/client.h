@@ -262,6 +262,13 @@ struct StepSpec {
   // Forward of a function whose outputs are logits rows (FunctionInfo::output_kind kLogits):
   // their dtype. Unset: the function's listed default (float32).
   std::optional<torch::ScalarType> output_dtype;
+  // The dtype the server's GEMM forms the logits z = X·Wᵀ in, for any function (a two-head
+  // function's teacher alike). Unset: the head's dtype (a bf16 head's logits are rounded to
+  // bf16 before the function upcasts them). torch::kFloat: fp32 logits from the head's bf16 /
+  // fp16 weights, with no half-precision rounding of the logits or their gradient (RL log-probs
+  // that must agree with a trainer's fp32 logits; a distillation loss matching TRL's); nothing
+  // changes on a float32 / float64 head. Any other dtype: INVALID_ARGUMENT from the server.
+  std::optional<torch::ScalarType> logits_dtype;
   // HeadInfo::incarnation seen by the trainer: FAILED_PRECONDITION once the server restarted,
   // instead of adding dW to a window it no longer has. Empty: unchecked.
   std::string expected_incarnation;
