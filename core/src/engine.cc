@@ -94,11 +94,7 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
     return w * factor;
   };
   const ChunkOutputs outputs =
-      RunChunks(head, batch, plan,
-                {.upstream = &upstream,
-                 .grads = grads,
-                 .grad_hidden = grad_hidden,
-                 .health = grads != nullptr && plan.head_health});
+      RunChunks(head, batch, plan, TrainingPass(plan, &upstream, grads, grad_hidden));
   FusedResult result;
   result.loss = outputs.loss_sum.item<double>() / plan.denominator;
   result.grad_hidden = std::move(grad_hidden);
@@ -157,11 +153,7 @@ absl::StatusOr<BackwardResult> BackwardImpl(const Head& head, const TokenBatch& 
     return BackwardCoupled(head, batch, plan, grad_output, grads, std::move(grad_hidden));
   }
   const ChunkOutputs outputs =
-      RunChunks(head, batch, plan,
-                {.upstream = &upstream,
-                 .grads = grads,
-                 .grad_hidden = grad_hidden,
-                 .health = grads != nullptr && plan.head_health});
+      RunChunks(head, batch, plan, TrainingPass(plan, &upstream, grads, grad_hidden));
   BackwardResult result;
   result.grad_hidden = std::move(grad_hidden);
   result.stats = MakeStats(plan, outputs);

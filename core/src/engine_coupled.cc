@@ -75,11 +75,7 @@ HeadHealth Backpropagate(const Head& head, const TokenBatch& batch, const Plan& 
     return dv.narrow(0, start, rows).to(w.scalar_type());
   };
   const ChunkOutputs outputs =
-      RunChunks(head, batch, plan,
-                {.upstream = &upstream,
-                 .grads = grads,
-                 .grad_hidden = grad_hidden,
-                 .health = grads != nullptr && plan.head_health});
+      RunChunks(head, batch, plan, TrainingPass(plan, &upstream, grads, grad_hidden));
   return outputs.health.has_value() ? ToHeadHealth(*outputs.health, plan.valid_tokens)
                                     : HeadHealth{};
 }

@@ -129,6 +129,16 @@ struct ChunkPass {
   bool health = false;                   // fill ChunkOutputs::health
 };
 
+// A pass that trains: dL/dy from `upstream`, dX into `grad_hidden`, dW into `grads`, and the
+// head's health where the call trains (grads) and the plan asks for it.
+inline ChunkPass TrainingPass(const Plan& plan, const UpstreamFn* upstream,
+                              GradientBuffers* grads, const torch::Tensor& grad_hidden) {
+  return {.upstream = upstream,
+          .grads = grads,
+          .grad_hidden = grad_hidden,
+          .health = grads != nullptr && plan.head_health};
+}
+
 // --- engine_fp32_logits.cc (CallPlan::fp32_logits_of_half_head)
 
 // z = X_c·Wᵀ (+ b) into the fp32 `out` from a half-precision head's X_c and W.
