@@ -90,6 +90,11 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
     const int64_t ranks = options.shard != nullptr ? std::ssize(options.shard->ranges) : 1;
     block_buffers += SamplerWorkspaceBuffers(plan.params, plan.vocab_size, ranks);
   }
+  // The head's health (engine_health.cc) of a call that trains: two fp32 temporaries of the
+  // block's logits, counted for every per-token call (a Forward then plans a little smaller).
+  if (plan.function->output == OutputKind::kPerToken && options.head_health) {
+    block_buffers += kHealthWorkspaceBuffers;
+  }
   const bool teacher = plan.function->needs_teacher && options.teacher != nullptr;
   // A two-head function's teacher: its fp32 logits (alive for the whole block) and one
   // temporary while they are formed (the upcast or a transform's result); no autograd.

@@ -14,9 +14,11 @@ namespace remotehead::core::engine_internal {
 torch::Tensor HealthPartials(const torch::Tensor& z) {
   torch::NoGradGuard no_grad;
   const torch::Tensor m = std::get<0>(z.max(1, /*keepdim=*/true));
+  // Two [rows, V] temporaries at most (the memory model's kHealthWorkspaceBuffers).
   const torch::Tensor d = z - m;
-  const torch::Tensor e = d.exp();
-  return torch::stack({m.squeeze(1), e.sum(1), (e * d).sum(1)}, 1);
+  torch::Tensor e = d.exp();
+  const torch::Tensor s = e.sum(1);
+  return torch::stack({m.squeeze(1), s, e.mul_(d).sum(1)}, 1);
 }
 
 HealthSums ZeroHealthSums(const torch::TensorOptions& f64) {

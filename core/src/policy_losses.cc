@@ -100,7 +100,7 @@ torch::Tensor OffPolicyMask(const PolicyTokens& t, const torch::Tensor& old_logp
   return keep.to(t.logp.dtype());
 }
 
-FunctionOutput PolicyLoss(Objective objective, const PolicyTokens& t) {
+FunctionOutput PolicyLossOfKept(Objective objective, const PolicyTokens& t) {
   const torch::Tensor& logp = t.logp;
   const torch::Tensor& adv = t.aux->at("advantages");
   const torch::Tensor* old_in = t.Aux("old_logprobs");
@@ -152,6 +152,19 @@ FunctionOutput PolicyLoss(Objective objective, const PolicyTokens& t) {
     out.extras["kl"] = kl.detach();
   }
   out.per_token = loss;
+  return out;
+}
+
+// A target outside the sampler's kept set (log p = −inf, TargetLogProb) contributes nothing:
+// its loss, extras and gradient are 0, and its sequence's sums leave it out. (In RL the target
+// is a token the sampler drew; under the current policy it may no longer be one it can draw.)
+FunctionOutput PolicyLoss(Objective objective, PolicyTokens t) {
+  const torch::Tensor kept = t.logp.detach() != -kInf;
+  t.logp = torch::where(kept, t.logp, 0.0);
+  if (t.valid.defined()) t.valid = t.valid.logical_and(kept);
+  FunctionOutput out = PolicyLossOfKept(objective, t);
+  out.per_token = torch::where(kept, out.per_token, 0.0);
+  for (auto& [name, extra] : out.extras) extra = torch::where(kept, extra, 0.0);
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include "core/policy_reference.h"
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 namespace remotehead::reference {
@@ -87,12 +88,16 @@ torch::Tensor SequenceLoss(PolicyLoss kind, const torch::Tensor& logp, const cor
 
 }  // namespace
 
-torch::Tensor PolicyReference(PolicyLoss kind, const torch::Tensor& logp,
+torch::Tensor PolicyReference(PolicyLoss kind, const torch::Tensor& sampled_logp,
                               const core::AuxTensors& aux, const core::FunctionParams& p) {
+  // A target outside the sampler's kept set (−inf) contributes nothing and is left out of its
+  // sequence's sums.
+  const torch::Tensor kept = sampled_logp.detach() != -std::numeric_limits<double>::infinity();
+  const torch::Tensor logp = torch::where(kept, sampled_logp, 0.0);
   const bool coupled =
       kind == PolicyLoss::kVespo || p.at("sequence_level") != 0 || p.at("off_policy_mask") != 0;
-  if (!coupled) return SequenceLoss(kind, logp, aux, p);
-  const torch::Tensor valid = Get(aux, "valid");
+  if (!coupled) return torch::where(kept, SequenceLoss(kind, logp, aux, p), 0.0);
+  const torch::Tensor valid = Get(aux, "valid").logical_and(kept);
   const torch::Tensor ids = Get(aux, "sequence_ids");
   torch::Tensor y = torch::zeros_like(logp);
   const torch::Tensor distinct = std::get<0>(torch::_unique(ids)).to(torch::kLong).contiguous();

@@ -61,6 +61,9 @@ struct GemmWorkspace {
   }
 };
 
+// fp32 [rows, V] buffers the head's health (StepStats::health) keeps alive at a block's peak.
+inline constexpr double kHealthWorkspaceBuffers = 2.0;
+
 struct CallPlan {
   const TransformFunction* function = nullptr;
   FunctionParams params;   // complete: defaults filled in, ranges checked
