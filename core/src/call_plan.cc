@@ -79,7 +79,11 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   // Per block row: the upcast logits (when the chunk buffer is not already fp32), their
   // gradient, what the logit transforms save for autograd, and the function's own workspace —
   // all in fp32.
-  double block_buffers = 1.0 + plan.function->workspace_logit_buffers;
+  // The head's health (engine_health.cc, a call that trains) takes its two temporaries from
+  // the transformed logits before the function runs: the block holds the larger of the two.
+  const bool health = plan.function->output == OutputKind::kPerToken && options.head_health;
+  double block_buffers =
+      1.0 + std::max(plan.function->workspace_logit_buffers, health ? kHealthWorkspaceBuffers : 0.0);
   if (half && !plan.fp32_logits_of_half_head) block_buffers += 1;
   if (plan.params.at(kSoftcapParam) > 0) block_buffers += 2;
   if (plan.params.at(kTemperatureParam) != 1.0) block_buffers += 1;
@@ -89,11 +93,6 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   if (plan.function->output == OutputKind::kPerToken) {
     const int64_t ranks = options.shard != nullptr ? std::ssize(options.shard->ranges) : 1;
     block_buffers += SamplerWorkspaceBuffers(plan.params, plan.vocab_size, ranks);
-  }
-  // The head's health (engine_health.cc) of a call that trains: two fp32 temporaries of the
-  // block's logits, counted for every per-token call (a Forward then plans a little smaller).
-  if (plan.function->output == OutputKind::kPerToken && options.head_health) {
-    block_buffers += kHealthWorkspaceBuffers;
   }
   const bool teacher = plan.function->needs_teacher && options.teacher != nullptr;
   // A two-head function's teacher: its fp32 logits (alive for the whole block) and one

@@ -117,12 +117,21 @@ void TokenLogprobsTargets(const core::Head& head, at::Generator&, core::TokenBat
 }
 
 // The policy losses score the sampled token (under the sampler's params, when given): targets
-// the test samplers keep, as token_logprobs', then their inputs.
+// the test samplers keep, as token_logprobs', then their inputs. Their clipping, caps and masks
+// are discontinuous in log p, so the reference takes log p's value from the logits as the head
+// forms them (`head_z`: a bf16 head's rounded product, on which the engine decides too) and its
+// gradient from the float64 logits — one rounding of the logits cannot then flip a clip.
 ReferenceFunction Policy(PolicyLoss kind, core::FunctionParams test_values) {
   return {.sampled = [kind](const torch::Tensor& z, const torch::Tensor& head_z,
                             const torch::Tensor& t, const core::AuxTensors& aux,
                             const core::FunctionParams& params) {
-            return PolicyReference(kind, SamplerTargetLogprob(z, head_z, t, params), aux, params);
+            const torch::Tensor logp = SamplerTargetLogprob(z, head_z, t, params);
+            const torch::Tensor at_head = SamplerTargetLogprob(head_z, head_z, t, params);
+            const torch::Tensor kept = torch::isfinite(at_head);
+            const torch::Tensor value = torch::where(
+                kept, logp + (torch::where(kept, at_head, 0.0) - torch::where(kept, logp, 0.0)).detach(),
+                logp);
+            return PolicyReference(kind, value, aux, params);
           },
           .make_aux =
               [](const core::Head& head, at::Generator& gen, core::TokenBatch* batch) {
@@ -229,9 +238,12 @@ std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
                                       const core::AuxTensors&, const core::FunctionParams&) {
     return -(torch::softmax(z, 1) * torch::log_softmax(z, 1)).sum(1);
   }};
+  // top_k 64: a truncation that leaves the sampled token's log-probability near the inputs'
+  // (drawn from the full softmax); at 8, VESPO's weight of a whole sequence's shifted ratios
+  // underflows to 0 and its reference gradient with it.
   const core::FunctionParams policy = {
       {"beta", 0.04},           {"bias_correction_kl", 1}, {"sequence_level", 1},
-      {"off_policy_mask", 1},   {"off_policy_threshold", 0.05}, {"top_k", 8},
+      {"off_policy_mask", 1},   {"off_policy_threshold", 0.05}, {"top_k", 64},
       {"top_p", 0.9},           {"min_p", 0.05},           {"min_p_first", 1}};
   const auto with = [&policy](core::FunctionParams own) {
     own.insert(policy.begin(), policy.end());

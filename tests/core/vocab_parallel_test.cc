@@ -179,7 +179,9 @@ TEST_P(VocabParallel, GroupEqualsOneEngineAndTheNaiveReference) {
   const std::vector<ShardRange> ranges = Ranges(k);
   for (torch::ScalarType dtype : {torch::kDouble, torch::kFloat}) {
     SCOPED_TRACE(dtype == torch::kDouble ? "float64" : "float32");
-    const double tolerance = dtype == torch::kDouble ? 1e-12 : 1e-5;
+    // fp32: 2e-5, engine_parity_test's (a summed policy loss partly cancels: its sum of 67
+    // terms carries their rounding, 1.3e-5 of it here for grpo with beta on 3 ranks).
+    const double tolerance = dtype == torch::kDouble ? 1e-12 : 2e-5;
     torch::manual_seed(0);
     const bool bias = k != 2;  // with and without a bias across the K values
     auto head = reference::MakeTestHead(kVocab, kHidden, dtype, bias, /*seed=*/1, dtype);
