@@ -2,8 +2,7 @@
 the retries around them (`Client._call`).
 
 Step calls stream: gRPC sends the header and X's row chunks from its own thread while this one
-receives dX chunks as the server produces them. Server errors surface as RemoteheadError with
-the gRPC status code and the server's message (which names the field, expected and actual).
+receives dX chunks as the server produces them. Server errors surface as RemoteheadError.
 
 What a step computes is step_options.py's (StepOptions); what it sends and how its answer is
 read, _steps.py's (StepResult, and the C++ client's PrepareStep to the byte); tensors on the
@@ -525,16 +524,12 @@ class Client:
                softcap: float = 0.0, min_p: float = 0.0, min_p_first: bool = False,
                **overrides) -> Tuple[torch.Tensor, torch.Tensor]:
         """One token drawn on the server for each row of `hidden` [..., D] (function "sample"):
-        returns (token ids [...] int64, their log-probabilities [...] float32), so a decode step
-        moves B·D up and B ids down instead of [B, V] logits.
-
-        Hugging Face's sampling pipeline: softcap, temperature, top_k (0: off), top_p (1: off),
-        min_p (0: off; min_p_first: before top-k / top-p, vLLM's order), then row r of the
-        request draws torch.multinomial(p, 1) with a CPU generator seeded with seed + r.
-        greedy: the argmax instead. The log-probability is the token's under
-        softmax(logits / temperature) before top-k / top-p / min-p (token_logprobs' value for
-        it); token_logprobs with the same top_k / top_p / min_p / min_p_first gives it under
-        the distribution drawn from (docs/functions.md)."""
+        (token ids [...] int64, their log-probabilities [...] float32): B·D up, B ids down.
+        Hugging Face's pipeline: softcap, temperature, top_k (0: off), top_p (1: off), min_p (0:
+        off; min_p_first: first, vLLM's order); row r draws torch.multinomial(p, 1) with a CPU
+        generator seeded with seed + r; greedy: the argmax. The log-probability is under the full
+        softmax(logits / temperature); token_logprobs with the same top_k / top_p / min_p /
+        min_p_first gives it under the distribution drawn from (docs/engine.md)."""
         params = {"greedy": 1.0 if greedy else 0.0, "temperature": float(temperature),
                   "top_k": float(top_k), "top_p": float(top_p), "min_p": float(min_p),
                   "min_p_first": 1.0 if min_p_first else 0.0, "seed": float(seed),
