@@ -82,6 +82,8 @@ def call_inputs(fn, teacher, seed=0, n=N):
             aux[name] = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(n)])
         elif name == "teacher_topk_logprobs":
             aux[name] = (torch.randn(n, K, generator=g).softmax(-1) * 0.9).log()
+        elif name in fn.integral_aux:  # e.g. the sequence of each row (the policy losses)
+            aux[name] = torch.randint(0, 3, (n,), generator=g)
         else:
             aux[name] = torch.randn(n, generator=g) * 0.3 - (0.5 if "logprobs" in name else 0)
     kw = {"aux": aux}
