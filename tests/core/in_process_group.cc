@@ -1,5 +1,6 @@
 #include "core/in_process_group.h"
 
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -94,6 +95,34 @@ absl::StatusOr<torch::Tensor> InProcessGroup::Exchange(int rank, const torch::Te
                                                     absl::StrJoin(missing, ", ")));
   }
   return absl::UnavailableError("in-process group: broken by another rank's failure");
+}
+
+std::unique_ptr<core::Head> ShardOf(const core::Head& head, const core::ShardRange& range) {
+  auto shard = core::Head::FromTensors(
+      head.weight().narrow(0, range.offset, range.rows),
+      head.has_bias() ? head.bias().narrow(0, range.offset, range.rows) : torch::Tensor(),
+      core::HeadOptions{.grad_dtype = head.grads().weight.scalar_type()});
+  if (!shard.ok()) {
+    throw std::runtime_error(absl::StrCat("ShardOf: ", shard.status().ToString()));
+  }
+  return *std::move(shard);
+}
+
+void OnShards(InProcessGroup& group, const core::Head& head,
+              const std::vector<core::ShardRange>& ranges, const core::StepOptions& options,
+              const ShardFn& fn) {
+  group.RunOnAll([&](int rank) {
+    const auto shard = ShardOf(head, ranges[static_cast<size_t>(rank)]);
+    const core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
+    core::StepOptions opts = options;
+    opts.shard = &vocab_shard;
+    std::unique_ptr<core::Head> teacher_shard;
+    if (options.teacher != nullptr) {
+      teacher_shard = ShardOf(*options.teacher, ranges[static_cast<size_t>(rank)]);
+      opts.teacher = teacher_shard.get();
+    }
+    fn(rank, *shard, opts);
+  });
 }
 
 }  // namespace remotehead::testing

@@ -11,6 +11,8 @@
 #include <mutex>
 #include <vector>
 
+#include "remotehead/core/engine.h"
+#include "remotehead/core/head.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 
@@ -50,5 +52,16 @@ class InProcessGroup {
   torch::Tensor result_;
   bool broken_ = false;
 };
+
+// The shard of `head` holding `range` (rows of W and b), with the head's gradient dtype.
+std::unique_ptr<core::Head> ShardOf(const core::Head& head, const core::ShardRange& range);
+
+// Runs fn(rank, shard, options) on one thread per rank of `group`: each rank gets its shard of
+// `head` (rows ranges[rank]) and a copy of `options` pointing at the group (and at the same rows
+// of a two-head function's teacher).
+using ShardFn = std::function<void(int rank, const core::Head& shard, core::StepOptions options)>;
+void OnShards(InProcessGroup& group, const core::Head& head,
+              const std::vector<core::ShardRange>& ranges, const core::StepOptions& options,
+              const ShardFn& fn);
 
 }  // namespace remotehead::testing

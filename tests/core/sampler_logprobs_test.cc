@@ -235,16 +235,6 @@ TEST_P(SamplerEngineModes, ForwardBackwardAndFusedMatchTheReference) {
 INSTANTIATE_TEST_SUITE_P(Cases, SamplerEngineModes, ::testing::ValuesIn(SamplerCases()),
                          [](const auto& info) { return info.param.label; });
 
-// The shard of `head` holding `range`.
-std::unique_ptr<core::Head> ShardOf(const core::Head& head, const core::ShardRange& range) {
-  auto shard = core::Head::FromTensors(
-      head.weight().narrow(0, range.offset, range.rows),
-      head.has_bias() ? head.bias().narrow(0, range.offset, range.rows) : torch::Tensor(),
-      core::HeadOptions{.grad_dtype = head.grads().weight.scalar_type()});
-  EXPECT_TRUE(shard.ok()) << shard.status();
-  return *std::move(shard);
-}
-
 // On three uneven shards (largest values gathered from each, the top-p loop's collectives made
 // alike by every rank): the outputs, "kept" and the gradients equal one head's.
 TEST(SamplerHeadGroup, EqualsOneHead) {
@@ -271,20 +261,17 @@ TEST(SamplerHeadGroup, EqualsOneHead) {
       std::vector<core::ForwardResult> forwards(ranges.size());
       std::vector<torch::Tensor> dw(ranges.size());
       torch::Tensor dx;
-      group.RunOnAll([&](int rank) {
-        const auto shard = ShardOf(*head, ranges[static_cast<size_t>(rank)]);
-        const core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
-        core::StepOptions opts = o;
-        opts.shard = &vocab_shard;
-        auto f = core::Forward(*shard, batch, opts);
-        ASSERT_TRUE(f.ok()) << "rank " << rank << ": " << f.status();
-        forwards[static_cast<size_t>(rank)] = *std::move(f);
-        core::GradientBuffers grads = shard->NewGradientBuffers();
-        auto b = core::Backward(*shard, batch, opts, upstream, &grads);
-        ASSERT_TRUE(b.ok()) << "rank " << rank << ": " << b.status();
-        dw[static_cast<size_t>(rank)] = grads.weight;
-        if (rank == 0) dx = b->grad_hidden;
-      });
+      testing::OnShards(group, *head, ranges, o,
+                        [&](int rank, const core::Head& shard, core::StepOptions opts) {
+                          auto f = core::Forward(shard, batch, opts);
+                          ASSERT_TRUE(f.ok()) << "rank " << rank << ": " << f.status();
+                          forwards[static_cast<size_t>(rank)] = *std::move(f);
+                          core::GradientBuffers grads = shard.NewGradientBuffers();
+                          auto b = core::Backward(shard, batch, opts, upstream, &grads);
+                          ASSERT_TRUE(b.ok()) << "rank " << rank << ": " << b.status();
+                          dw[static_cast<size_t>(rank)] = grads.weight;
+                          if (rank == 0) dx = b->grad_hidden;
+                        });
       for (const core::ForwardResult& f : forwards) {
         ExpectSameLogprobs(f.output, one->output, 1e-12);
         EXPECT_TRUE(torch::equal(f.token_extras.at("kept"), one->token_extras.at("kept")));

@@ -54,36 +54,9 @@ std::vector<ShardRange> Ranges(int k) {
   }
 }
 
-// The shard of `head` holding `range` (rows of W and b).
-std::unique_ptr<core::Head> ShardOf(const core::Head& head, const ShardRange& range) {
-  auto shard = core::Head::FromTensors(
-      head.weight().narrow(0, range.offset, range.rows),
-      head.has_bias() ? head.bias().narrow(0, range.offset, range.rows) : torch::Tensor(),
-      core::HeadOptions{.grad_dtype = head.grads().weight.scalar_type()});
-  EXPECT_TRUE(shard.ok()) << shard.status();
-  return *std::move(shard);
-}
-
-// Runs fn(rank, shard, options) on one thread per rank of `group`: each rank gets its shard of
-// `head` (rows ranges[rank]) and a copy of `options` pointing at the group (and at the same rows
-// of a two-head function's teacher).
-using ShardFn = std::function<void(int rank, const core::Head& shard, core::StepOptions options)>;
-void OnShards(testing::InProcessGroup& group, const core::Head& head,
-              const std::vector<ShardRange>& ranges, const core::StepOptions& options,
-              const ShardFn& fn) {
-  group.RunOnAll([&](int rank) {
-    const auto shard = ShardOf(head, ranges[static_cast<size_t>(rank)]);
-    const core::VocabShard vocab_shard{.group = group.member(rank), .ranges = ranges};
-    core::StepOptions opts = options;
-    opts.shard = &vocab_shard;
-    std::unique_ptr<core::Head> teacher_shard;
-    if (options.teacher != nullptr) {
-      teacher_shard = ShardOf(*options.teacher, ranges[static_cast<size_t>(rank)]);
-      opts.teacher = teacher_shard.get();
-    }
-    fn(rank, *shard, opts);
-  });
-}
+using testing::OnShards;
+using testing::ShardFn;
+using testing::ShardOf;
 
 // The reference batch with some targets moved onto the first and last column of every shard,
 // so that each rank owns some targets and the edges are exercised.

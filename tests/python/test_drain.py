@@ -39,9 +39,7 @@ def wait_exited(mesh, timeout):
     deadline = time.monotonic() + timeout
     codes = []
     for rank in mesh.ranks:
-        codes.append(rank.process.wait(timeout=max(0.1, deadline - time.monotonic())))
-        rank.log.extend(rank.process.stdout)
-        rank.process = None
+        codes.append(rank.wait_exit(timeout=max(0.1, deadline - time.monotonic())))
     return codes
 
 

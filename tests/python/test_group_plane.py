@@ -88,10 +88,7 @@ def log_of(rank) -> str:
 
 def drain(rank, timeout=30.0) -> int:
     """The exit code of a rank that ends on its own, its output read."""
-    rank.log.extend(rank.process.stdout)
-    code = rank.process.wait(timeout=timeout)
-    rank.process = None
-    return code
+    return rank.wait_exit(timeout)
 
 
 def create_command(head_id: str) -> bytes:

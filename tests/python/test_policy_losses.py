@@ -55,8 +55,11 @@ def case(listing, function, given, weight, seed):
     y = references.per_token(function, x, w, targets, aux, {**params, **common})
     loss = (y * weights.double()).sum() / 10.0
     loss.backward()
+    # The terms' signs differ (advantages of both signs, the KL): fp32's error is relative to
+    # the sum of their magnitudes, which can be many times the loss itself.
+    magnitude = (y.detach().abs() * weights.double()).sum().item() / 10.0
     return dict(hidden=hidden, targets=targets, aux=aux, params=params, weights=weights,
-                loss=loss.item(), dx=x.grad, dw=w.grad)
+                loss=loss.item(), magnitude=magnitude, dx=x.grad, dw=w.grad)
 
 
 def check(client, head_id, function, c, step):
@@ -66,7 +69,7 @@ def check(client, head_id, function, c, step):
                                      gradient_id=("policy", step, 0))
     dw, _, _ = client.fetch_gradients(head_id)
     client.zero_gradients(head_id)
-    assert numerics.relative_error(result.loss, c["loss"], 1e-3) <= 1e-5, (function, c["params"])
+    assert abs(result.loss - c["loss"]) <= 1e-5 * c["magnitude"], (function, c["params"])
     assert numerics.close(result.grad_hidden, c["dx"], 1e-5), (function, c["params"])
     assert numerics.close(dw, c["dw"], 1e-5), (function, c["params"])
     return result

@@ -20,6 +20,7 @@ import secrets
 import socket
 import subprocess
 import tempfile
+import threading
 from typing import List, Optional, Sequence
 
 
@@ -32,7 +33,13 @@ class LocalServer:
         self.process: Optional[subprocess.Popen] = None
         self.target = ""
         self.metrics_port: Optional[int] = None  # with --metrics_address (port 0 works)
-        self.log: List[str] = []  # the server's output up to "listening"
+        # Every line the server printed so far. A thread reads the pipe for the process's whole
+        # life: a pipe nobody reads fills (64 KiB) and then blocks the server in its next log
+        # line (one per head created or dropped), in the middle of whatever RPC wrote it.
+        self.log: List[str] = []
+        self._reader: Optional[threading.Thread] = None
+        self._output = threading.Condition()
+        self._output_ended = False
 
     def start(self) -> "LocalServer":
         return self.launch().wait_listening()
@@ -43,32 +50,58 @@ class LocalServer:
         self.process = subprocess.Popen([self.binary, "--listen=127.0.0.1:0", *self.args],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
+        self._output_ended = False
+        self._reader = threading.Thread(target=self._read_output, args=(self.process.stdout,),
+                                        name=f"{os.path.basename(self.binary)} output",
+                                        daemon=True)
+        self._reader.start()
         return self
 
+    def _read_output(self, stream) -> None:
+        for line in stream:
+            with self._output:
+                self.log.append(line)
+                self._output.notify_all()
+        with self._output:
+            self._output_ended = True
+            self._output.notify_all()
+
     def wait_listening(self) -> "LocalServer":
-        for line in self.process.stdout:
-            self.log.append(line)
-            metrics = re.match(r"remotehead-server: metrics on port (\d+)", line)
-            if metrics:
-                self.metrics_port = int(metrics.group(1))
-            match = re.match(r"remotehead-server: listening on port (\d+)", line)
-            if match:
-                self.target = f"127.0.0.1:{match.group(1)}"
-                return self
+        seen = 0
+        with self._output:
+            while True:
+                for line in self.log[seen:]:
+                    metrics = re.match(r"remotehead-server: metrics on port (\d+)", line)
+                    if metrics:
+                        self.metrics_port = int(metrics.group(1))
+                    match = re.match(r"remotehead-server: listening on port (\d+)", line)
+                    if match:
+                        self.target = f"127.0.0.1:{match.group(1)}"
+                        return self
+                seen = len(self.log)
+                if self._output_ended:
+                    break
+                self._output.wait()
         code = self.process.wait(timeout=self.start_timeout)
         raise RuntimeError(f"{self.binary}: expected a 'listening on port' line; the server "
                            f"exited with {code}:\n" + "".join(self.log))
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        """The exit code of a process that ends by itself within `timeout` seconds, with all
+        of its output in `log`."""
+        if self.process is None:
+            return 0
+        code = self.process.wait(timeout=timeout)
+        self._reader.join()  # the pipe ends with the process: the rest of its output is in
+        self.process = None
+        return code
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then the exit code (0 when it drained cleanly)."""
         if self.process is None:
             return 0
         self.process.terminate()
-        # The rest of its output (lifecycle lines) is read so the pipe never blocks it.
-        self.log.extend(self.process.stdout)
-        code = self.process.wait(timeout=timeout)
-        self.process = None
-        return code
+        return self.wait_exit(timeout)
 
     def __enter__(self) -> "LocalServer":
         return self.start()
