@@ -8,7 +8,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/reference.h"
 #include "remotehead/client/remote_head.h"
@@ -384,13 +387,81 @@ TEST_F(RemoteHeadTest, TiedEmbeddingAndHeadAreOneServedMatrix) {
   EXPECT_NE(wider.status().message().find("grad_rows"), std::string::npos) << wider.status();
   ASSERT_TRUE(head.OptimizerStep({.optimizer = rc::Sgd{.lr = 0.1}}).ok());
   auto stale = client_->EmbeddingGradient("tied", some, ones, {.trainer = "t", .micro_batch = 1},
-                                          /*expected_weight_version=*/0);
+                                          {.expected_weight_version = 0});
   EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
   EXPECT_NE(stale.status().message().find("header.expected_weight_version"), std::string::npos)
       << stale.status();
+  // A gradient for rows another server process handed out (its dW is gone): refused by name.
+  auto restarted = client_->EmbeddingGradient("tied", some, ones,
+                                              {.trainer = "t", .micro_batch = 1},
+                                              {.expected_incarnation = "another-process"});
+  EXPECT_EQ(restarted.status().code(), absl::StatusCode::kFailedPrecondition)
+      << restarted.status();
+  EXPECT_NE(restarted.status().message().find("header.expected_incarnation"), std::string::npos)
+      << restarted.status();
   const rc::HeadGradients after = ServerGradients("tied");
   EXPECT_TRUE(torch::equal(after.weight_grad, grads.weight_grad));
   EXPECT_EQ(after.info.accumulated_micro_batches, 1);
+  // The lookup's pin, both fields current: accepted, added once.
+  const std::string incarnation = client_->DescribeHead("tied")->incarnation;
+  auto current = client_->EmbeddingGradient("tied", some, ones, {.trainer = "t", .micro_batch = 2},
+                                            {.expected_incarnation = incarnation,
+                                             .expected_weight_version = 1});
+  ASSERT_TRUE(current.ok()) << current.status();
+  EXPECT_FALSE(current->replayed);
+  EXPECT_EQ(current->info.accumulated_micro_batches, 2);
+}
+
+// A RemoteHead is pinned to the server process it described: after a restart (the head's state
+// restored from --state_dir, without the dW of the micro-batches sent before) every call is
+// refused with SERVER_RESTARTED and adds nothing, so no step applies a partial window; a
+// RemoteHead attached anew trains on.
+TEST(RemoteHeadRestart, CallsAfterTheServerRestartedAreRefusedAndChangeNothing) {
+  char dir[] = "/tmp/remotehead_restart_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string listen = absl::StrCat("--listen=127.0.0.1:", testing::FreePort());
+  const std::vector<std::string> argv = {REMOTEHEAD_SERVER_BINARY, listen, "--device=cpu",
+                                         absl::StrCat("--state_dir=", dir)};
+  auto first = std::make_unique<testing::ServerProcess>(argv);
+  ASSERT_GT(first->port(), 0) << first->log();
+  auto client = *rc::Client::Create({.target = first->target()});
+  ASSERT_TRUE(client->CreateHead("lm", rc::InitSpec{.vocab_size = kVocab, .hidden_size = kHidden})
+                  .ok());
+  auto head = rc::RemoteHead::Attach(client, {.head_id = "lm"});
+  ASSERT_TRUE(head.ok()) << head.status();
+  torch::manual_seed(5);
+  const torch::Tensor labels = torch::randint(kVocab, {4, 3}, torch::kLong);
+  const auto micro_batch = [&](rc::RemoteHead& h) {
+    const torch::Tensor hidden = torch::randn({4, 3, kHidden}, torch::requires_grad());
+    h.loss(hidden, labels).backward();
+  };
+  micro_batch(*head);
+  ASSERT_EQ(first->Terminate(), 0) << first->log();  // the drain saves the head's state
+
+  testing::ServerProcess second(argv);
+  ASSERT_GT(second.port(), 0) << second.log();
+  const rc::HeadInfo restored = *client->DescribeHead("lm");
+  EXPECT_EQ(restored.accumulated_micro_batches, 0);  // a state holds no dW
+  try {
+    micro_batch(*head);
+    ADD_FAILURE() << "a micro-batch after the restart was accepted";
+  } catch (const rc::StatusError& e) {
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+    EXPECT_NE(e.status().message().find("expected_incarnation"), std::string::npos) << e.status();
+  }
+  auto step = head->OptimizerStep({.optimizer = rc::Sgd{.lr = 0.1}});
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kFailedPrecondition) << step.status();
+  const rc::HeadInfo after = *client->DescribeHead("lm");
+  EXPECT_EQ(after.accumulated_micro_batches, 0);
+  EXPECT_EQ(after.weight_version, restored.weight_version);
+
+  auto again = rc::RemoteHead::Attach(client, {.head_id = "lm"});
+  ASSERT_TRUE(again.ok()) << again.status();
+  micro_batch(*again);
+  EXPECT_EQ(client->DescribeHead("lm")->accumulated_micro_batches, 1);
+  ASSERT_TRUE(again->OptimizerStep({.optimizer = rc::Sgd{.lr = 0.1}}).ok());
+  EXPECT_EQ(second.Terminate(), 0) << second.log();
+  std::filesystem::remove_all(dir);
 }
 
 // The example trainer against the real server: it creates its head, trains body and head, and

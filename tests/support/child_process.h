@@ -1,5 +1,6 @@
 // Child processes for tests against real binaries: spawned with stdout and stderr on one pipe,
-// their output read line by line until they say they are ready, and killed when the test ends.
+// their output read line by line (a test waits until they say they are ready), and killed when
+// the test ends.
 #pragma once
 
 #include <fcntl.h>
@@ -10,10 +11,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 extern char** environ;
@@ -37,11 +41,16 @@ inline int FreePort() {
 
 class ChildProcess {
  public:
-  // Starts argv[0] and reads its output until `ready` returns true for a line (or it exits).
+  // Starts argv[0] and waits until `ready` returns true for a line of its output (or it exits).
+  // A thread reads the output for the process's whole life: a pipe nobody reads fills (64 KiB)
+  // and then blocks the process in its next log line, in the middle of whatever it was doing.
   ChildProcess(const std::vector<std::string>& argv,
                const std::function<bool(const std::string&)>& ready) {
     int fds[2];
-    if (pipe(fds) != 0) return;
+    if (pipe(fds) != 0) {
+      ended_ = true;
+      return;
+    }
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
@@ -54,38 +63,42 @@ class ChildProcess {
     posix_spawn_file_actions_destroy(&actions);
     close(fds[1]);
     out_ = fdopen(fds[0], "r");
+    reader_ = std::thread([this] { ReadOutput(); });
     WaitFor(ready);
   }
-  // Reads further output until `ready` returns true for a line (it becomes ready_line()); false
-  // if the process ended first.
+  // Waits for a line not yet seen by a WaitFor for which `ready` returns true (it becomes
+  // ready_line()); false if the output ended first.
   bool WaitFor(const std::function<bool(const std::string&)>& ready) {
-    char line[1024];
-    while (pid_ > 0 && fgets(line, sizeof(line), out_) != nullptr) {
-      log_ += line;
-      if (ready(line)) {
-        ready_line_ = line;
-        return true;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      while (seen_ < lines_.size()) {
+        const std::string& line = lines_[seen_++];
+        if (ready(line)) {
+          ready_line_ = line;
+          return true;
+        }
       }
+      if (ended_) return false;
+      output_.wait(lock);
     }
-    return false;
   }
   ~ChildProcess() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
+    if (reader_.joinable()) reader_.join();  // the pipe ends with the process
     if (out_ != nullptr) fclose(out_);
   }
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;
 
-  // Sends `signal` (unless it is 0), reads the rest of the output and returns the exit code,
-  // or -N if the process died of signal N.
+  // Sends `signal` (unless it is 0), waits for the rest of the output and returns the exit
+  // code, or -N if the process died of signal N.
   int Wait(int signal = 0) {
     if (pid_ <= 0) return -1;
     if (signal != 0) kill(pid_, signal);
-    char line[1024];
-    while (fgets(line, sizeof(line), out_) != nullptr) log_ += line;
+    if (reader_.joinable()) reader_.join();
     int status = 0;
     waitpid(pid_, &status, 0);
     pid_ = -1;
@@ -93,14 +106,37 @@ class ChildProcess {
   }
   bool started() const { return pid_ > 0; }
   pid_t pid() const { return pid_; }
-  const std::string& log() const { return log_; }
+  // Everything the process printed so far.
+  std::string log() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return log_;
+  }
   // The line that made the process ready (empty if it never did).
   const std::string& ready_line() const { return ready_line_; }
 
  private:
+  void ReadOutput() {
+    char line[1024];
+    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
+      std::lock_guard<std::mutex> lock(mu_);
+      log_ += line;
+      lines_.emplace_back(line);
+      output_.notify_all();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ended_ = true;
+    output_.notify_all();
+  }
+
   pid_t pid_ = -1;
   FILE* out_ = nullptr;
-  std::string log_;
+  std::thread reader_;
+  mutable std::mutex mu_;
+  std::condition_variable output_;
+  std::string log_;                 // guarded by mu_
+  std::vector<std::string> lines_;  // guarded by mu_
+  size_t seen_ = 0;                 // lines_ a WaitFor has looked at
+  bool ended_ = false;              // guarded by mu_: the output reached its end
   std::string ready_line_;
 };
 

@@ -430,7 +430,7 @@ absl::StatusOr<EmbeddingRows> Client::EmbeddingLookup(const std::string& head_id
 
 absl::StatusOr<EmbeddingGradientResult> Client::EmbeddingGradient(
     const std::string& head_id, const torch::Tensor& ids, const torch::Tensor& grad,
-    const GradientId& gradient_id, std::optional<int64_t> expected_weight_version) {
+    const GradientId& gradient_id, const ExportPin& pin) {
   v1::EmbeddingGradientRequest header;
   v1::EmbeddingGradientRequest::Header* h = header.mutable_header();
   h->set_head_id(head_id);
@@ -445,7 +445,10 @@ absl::StatusOr<EmbeddingGradientResult> Client::EmbeddingGradient(
   h->mutable_gradient_id()->set_trainer(gradient_id.trainer);
   h->mutable_gradient_id()->set_step(gradient_id.step);
   h->mutable_gradient_id()->set_micro_batch(gradient_id.micro_batch);
-  if (expected_weight_version.has_value()) h->set_expected_weight_version(*expected_weight_version);
+  h->set_expected_incarnation(pin.expected_incarnation);
+  if (pin.expected_weight_version.has_value()) {
+    h->set_expected_weight_version(*pin.expected_weight_version);
+  }
   const torch::Tensor rows = wire::ToWireLayout(grad);
   ASSIGN_OR_RETURN(const auto chunks,
                    wire::PlanRequestChunks(rows.size(0), rows.size(1) * rows.element_size(),

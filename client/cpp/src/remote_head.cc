@@ -256,8 +256,10 @@ struct EmbedFunction : public torch::autograd::Function<EmbedFunction> {
       ids = ids.index_select(0, keep);
       grad = grad.index_select(0, keep);
     }
-    ValueOrThrow(e->state->client->EmbeddingGradient(e->state->spec.head_id, ids, grad,
-                                                     e->gradient_id, e->version));
+    ValueOrThrow(e->state->client->EmbeddingGradient(
+        e->state->spec.head_id, ids, grad, e->gradient_id,
+        {.expected_incarnation = e->state->spec.expected_incarnation,
+         .expected_weight_version = e->version}));
     return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -300,6 +302,10 @@ absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, St
     state->micro_batch = spec.gradient_id->micro_batch;
   }
   spec.gradient_id.reset();  // identities are handed out per call
+  // Every call is pinned to the server process described here (unless the spec names one): a
+  // server that restarted lost the dW of the micro-batches sent before, so a step or an
+  // embedding gradient is refused (SERVER_RESTARTED) rather than added to a window it lacks.
+  if (spec.expected_incarnation.empty()) spec.expected_incarnation = info.incarnation;
   state->client = std::move(client);
   state->spec = std::move(spec);
   state->info = std::move(info);
@@ -354,7 +360,8 @@ torch::Tensor RemoteHead::embed(const torch::Tensor& ids, const EmbedCall& call)
   e->padding_idx = call.padding_idx;
   e->scale = call.scale;
   const EmbeddingRows looked_up = ValueOrThrow(
-      state_->client->EmbeddingLookup(state_->spec.head_id, e->distinct, call.dtype));
+      state_->client->EmbeddingLookup(state_->spec.head_id, e->distinct, call.dtype,
+                                      {.expected_incarnation = state_->spec.expected_incarnation}));
   e->version = looked_up.weight_version;
   std::vector<int64_t> shape = ids.sizes().vec();
   shape.push_back(looked_up.rows.size(1));
@@ -388,6 +395,9 @@ absl::StatusOr<HeadInfo> RemoteHead::OptimizerStep(const OptimizerStepOptions& o
       resolved.synchronous =
           SynchronousStep{.step = step(), .rank = dp.rank, .world_size = dp.world_size};
     }
+  }
+  if (resolved.expected_incarnation.empty()) {
+    resolved.expected_incarnation = state_->spec.expected_incarnation;
   }
   ASSIGN_OR_RETURN(HeadInfo info, state_->client->OptimizerStep(state_->spec.head_id, resolved));
   state_->info = info;

@@ -475,11 +475,14 @@ class Client {
                                                 const ExportPin& pin = {});
   // dW[ids] += grad ([n, D], any float dtype; repeated ids add up) on the server, exactly once
   // per `gradient_id` (kept apart from the head steps' contributions under the same id, so one
-  // micro-batch's head step and embedding gradient share it). `expected_weight_version`: the
-  // version the lookup read (FAILED_PRECONDITION once the head moved on). Retried like a step.
-  absl::StatusOr<EmbeddingGradientResult> EmbeddingGradient(
-      const std::string& head_id, const torch::Tensor& ids, const torch::Tensor& grad,
-      const GradientId& gradient_id, std::optional<int64_t> expected_weight_version = {});
+  // micro-batch's head step and embedding gradient share it). `pin`: what the lookup read —
+  // its weight version (EmbeddingRows::weight_version) and the server process (FAILED_PRECONDITION,
+  // nothing added, once the head moved on or the server restarted). Retried like a step.
+  absl::StatusOr<EmbeddingGradientResult> EmbeddingGradient(const std::string& head_id,
+                                                            const torch::Tensor& ids,
+                                                            const torch::Tensor& grad,
+                                                            const GradientId& gradient_id,
+                                                            const ExportPin& pin = {});
 
   // Every function the server computes (read once per Client and kept: a Forward with
   // reduction NONE shapes its outputs from it).

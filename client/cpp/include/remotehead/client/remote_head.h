@@ -109,7 +109,10 @@ class RemoteHead {
   // `spec` holds the defaults of every call (head_id required). Describes the head once: hidden
   // states are sent in the head's dtype, and dX comes back in the caller's. With
   // data_parallel.world_size > 1 the trainer identity (spec.gradient_id's trainer, or a random
-  // one) gets "/rank-<rank>" appended unless it already ends so.
+  // one) gets "/rank-<rank>" appended unless it already ends so. Every call (steps, embedding
+  // lookups and gradients, OptimizerStep) is pinned to the server process described here
+  // (spec.expected_incarnation, unless set): after a restart they fail with FAILED_PRECONDITION
+  // (SERVER_RESTARTED) and add nothing; attach anew to go on from the restored head.
   static absl::StatusOr<RemoteHead> Attach(std::shared_ptr<Client> client, StepSpec spec,
                                            DataParallel data_parallel = {});
 
