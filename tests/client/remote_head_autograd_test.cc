@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -422,9 +421,9 @@ TEST(RemoteHeadRestart, CallsAfterTheServerRestartedAreRefusedAndChangeNothing) 
   const std::string listen = absl::StrCat("--listen=127.0.0.1:", testing::FreePort());
   const std::vector<std::string> argv = {REMOTEHEAD_SERVER_BINARY, listen, "--device=cpu",
                                          absl::StrCat("--state_dir=", dir)};
-  auto first = std::make_unique<testing::ServerProcess>(argv);
-  ASSERT_GT(first->port(), 0) << first->log();
-  auto client = *rc::Client::Create({.target = first->target()});
+  testing::ServerProcess first(argv);
+  ASSERT_GT(first.port(), 0) << first.log();
+  auto client = *rc::Client::Create({.target = first.target()});
   ASSERT_TRUE(client->CreateHead("lm", rc::InitSpec{.vocab_size = kVocab, .hidden_size = kHidden})
                   .ok());
   auto head = rc::RemoteHead::Attach(client, {.head_id = "lm"});
@@ -436,7 +435,7 @@ TEST(RemoteHeadRestart, CallsAfterTheServerRestartedAreRefusedAndChangeNothing) 
     h.loss(hidden, labels).backward();
   };
   micro_batch(*head);
-  ASSERT_EQ(first->Terminate(), 0) << first->log();  // the drain saves the head's state
+  ASSERT_EQ(first.Terminate(), 0) << first.log();  // the drain saves the head's state
 
   testing::ServerProcess second(argv);
   ASSERT_GT(second.port(), 0) << second.log();

@@ -8,12 +8,11 @@ its head) never answered: the whole suite hung in one test that passed alone.
 """
 
 import os
-import pathlib
 
 import remotehead
+from conftest import ROOT
 from remotehead.local_server import LocalServer
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 BINARY = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                         str(ROOT / "build" / "server" / "remotehead-server"))
 PIPE_BYTES = 64 << 10  # Linux's default pipe capacity

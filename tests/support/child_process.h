@@ -109,7 +109,9 @@ class ChildProcess {
   // Everything the process printed so far.
   std::string log() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return log_;
+    std::string all;
+    for (const std::string& line : lines_) all += line;
+    return all;
   }
   // The line that made the process ready (empty if it never did).
   const std::string& ready_line() const { return ready_line_; }
@@ -119,7 +121,6 @@ class ChildProcess {
     char line[1024];
     while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
       std::lock_guard<std::mutex> lock(mu_);
-      log_ += line;
       lines_.emplace_back(line);
       output_.notify_all();
     }
@@ -133,8 +134,7 @@ class ChildProcess {
   std::thread reader_;
   mutable std::mutex mu_;
   std::condition_variable output_;
-  std::string log_;                 // guarded by mu_
-  std::vector<std::string> lines_;  // guarded by mu_
+  std::vector<std::string> lines_;  // guarded by mu_: the output so far, as read
   size_t seen_ = 0;                 // lines_ a WaitFor has looked at
   bool ended_ = false;              // guarded by mu_: the output reached its end
   std::string ready_line_;
