@@ -241,9 +241,7 @@ absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPla
 
 }  // namespace
 
-torch::ScalarType LogitsDtype(const Head& head) {
-  return head.dtype() == torch::kDouble ? torch::kDouble : torch::kFloat;
-}
+torch::ScalarType LogitsDtype(const Head& head) { return AccumulationDtype(head.dtype()); }
 
 torch::ScalarType GemmLogitsDtype(torch::ScalarType head_dtype,
                                   std::optional<torch::ScalarType> logits_dtype) {

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "remotehead/core/head.h"
 #include "remotehead/core/sampler_kept_set.h"
 
 namespace remotehead::core {
@@ -204,7 +205,7 @@ const std::vector<ParamSpec>& FunctionRegistry::CommonParams() {
 torch::ScalarType OutputDtype(OutputKind kind, torch::ScalarType head_dtype,
                               torch::ScalarType logits_dtype) {
   if (kind == OutputKind::kLogits) return logits_dtype;
-  return head_dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+  return AccumulationDtype(head_dtype);
 }
 
 FunctionRegistry::FunctionRegistry(std::vector<TransformFunction> functions) {

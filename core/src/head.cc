@@ -50,6 +50,10 @@ std::string DtypeName(torch::ScalarType dtype) {
   }
 }
 
+torch::ScalarType AccumulationDtype(torch::ScalarType head_dtype) {
+  return head_dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
+
 Head::Head(torch::Tensor weight, torch::Tensor bias, torch::ScalarType grad_dtype)
     : weight_(std::move(weight)), bias_(std::move(bias)), grad_dtype_(grad_dtype) {
   grads_ = NewGradientBuffers();
@@ -82,10 +86,12 @@ absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& wei
         absl::StrCat("weight.dtype: expected float32, bfloat16, float16 or float64; got ",
                      DtypeName(weight.scalar_type())));
   }
-  if (options.grad_dtype != torch::kFloat && options.grad_dtype != weight.scalar_type()) {
+  const torch::ScalarType grad_dtype =
+      options.grad_dtype.value_or(AccumulationDtype(weight.scalar_type()));
+  if (grad_dtype != torch::kFloat && grad_dtype != weight.scalar_type()) {
     return absl::InvalidArgumentError(
         absl::StrCat("grad_dtype: expected float32 or the head's dtype (",
-                     DtypeName(weight.scalar_type()), "); got ", DtypeName(options.grad_dtype)));
+                     DtypeName(weight.scalar_type()), "); got ", DtypeName(grad_dtype)));
   }
   if (bias.defined()) {
     if (bias.dim() != 1 || bias.size(0) != weight.size(0)) {
@@ -104,12 +110,12 @@ absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& wei
   torch::Tensor w = weight.detach().to(opts, /*non_blocking=*/false, /*copy=*/true).contiguous();
   torch::Tensor b;
   if (bias.defined()) b = bias.detach().to(opts, false, true).contiguous();
-  return std::unique_ptr<Head>(new Head(std::move(w), std::move(b), options.grad_dtype));
+  return std::unique_ptr<Head>(new Head(std::move(w), std::move(b), grad_dtype));
 }
 
 absl::StatusOr<int64_t> HeadMemoryBytes(int64_t vocab_size, int64_t hidden_size,
                                         torch::ScalarType dtype, bool bias,
-                                        torch::ScalarType grad_dtype,
+                                        std::optional<torch::ScalarType> grad_dtype,
                                         const std::string& field_prefix) {
   if (vocab_size < 1 || hidden_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat(field_prefix, "vocab_size, ", field_prefix,
@@ -126,7 +132,8 @@ absl::StatusOr<int64_t> HeadMemoryBytes(int64_t vocab_size, int64_t hidden_size,
   }
   // Within the limits V·D < 2^42, so nothing below can overflow; checked all the same.
   const int64_t per_row = static_cast<int64_t>(c10::elementSize(dtype)) +
-                          static_cast<int64_t>(c10::elementSize(grad_dtype));
+                          static_cast<int64_t>(c10::elementSize(
+                              grad_dtype.value_or(AccumulationDtype(dtype))));
   int64_t elements = 0, bytes = 0;
   if (__builtin_mul_overflow(vocab_size, hidden_size + (bias ? 1 : 0), &elements) ||
       __builtin_mul_overflow(elements, per_row, &bytes)) {

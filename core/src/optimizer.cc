@@ -28,16 +28,23 @@ absl::Status CheckState(const char* kind, double grad_scale, const OptimizerStat
   return absl::OkStatus();
 }
 
-// Applies `update(p32, g32, buf1, buf2)` to the weight and (if any) the bias in fp32.
+// Applies `update(p, g, buf1, buf2)` to the weight and (if any) the bias in the head's
+// accumulation dtype (float64 for a float64 head, float32 for the others: a half-precision
+// parameter is updated in fp32 and rounded back once). State kept in another dtype (restored from
+// a state file written before float64 heads kept float64 state) is converted once.
 template <typename Update>
 void ForEachParam(Head& head, double grad_scale, OptimizerState* state, Update&& update) {
   torch::NoGradGuard no_grad;
+  const torch::ScalarType dtype = AccumulationDtype(head.dtype());
   auto apply = [&](torch::Tensor& param, const torch::Tensor& grad, torch::Tensor& buf1,
                    torch::Tensor& buf2) {
-    torch::Tensor p32 = param.to(torch::kFloat);
-    const torch::Tensor g32 = grad.to(torch::kFloat) * grad_scale;
-    update(p32, g32, buf1, buf2);
-    if (p32.data_ptr() != param.data_ptr()) param.copy_(p32);
+    for (torch::Tensor* buf : {&buf1, &buf2}) {
+      if (buf->defined() && buf->scalar_type() != dtype) *buf = buf->to(dtype);
+    }
+    torch::Tensor p = param.to(dtype);
+    const torch::Tensor g = grad.to(dtype) * grad_scale;
+    update(p, g, buf1, buf2);
+    if (p.data_ptr() != param.data_ptr()) param.copy_(p);
   };
   apply(head.mutable_weight(), head.grads().weight, state->weight_buf1, state->weight_buf2);
   if (head.has_bias()) {
@@ -47,14 +54,16 @@ void ForEachParam(Head& head, double grad_scale, OptimizerState* state, Update&&
 
 int64_t BytesIfDefined(const torch::Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 
-// Bytes after a step of `kind` that keeps `buffers` float32 buffers per parameter.
+// Bytes after a step of `kind` that keeps `buffers` buffers per parameter, each in the head's
+// accumulation dtype (ForEachParam's).
 int64_t BytesAfterStep(const Head& head, const OptimizerState& state, const char* kind,
                        int buffers) {
   const int64_t current = OptimizerStateBytes(state);
   if (!state.kind.empty() && state.kind != kind) return current;
   const int64_t parameters =
       head.vocab_size() * head.hidden_size() + (head.has_bias() ? head.vocab_size() : 0);
-  return std::max(current, buffers * parameters * int64_t{4});
+  const auto element = static_cast<int64_t>(c10::elementSize(AccumulationDtype(head.dtype())));
+  return std::max(current, buffers * parameters * element);
 }
 
 }  // namespace
@@ -76,7 +85,7 @@ int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& sta
 
 absl::Status CheckOptimizerStep(const OptimizerState& state, const SgdOptions& o,
                                 double grad_scale) {
-  RETURN_IF_ERROR(CheckRange("sgd.lr", o.lr, 0, INFINITY, true));
+  RETURN_IF_ERROR(CheckRange("sgd.lr", o.lr, 0, INFINITY, false));  // 0: a no-op, as torch
   RETURN_IF_ERROR(CheckRange("sgd.momentum", o.momentum, 0, 1, false));
   RETURN_IF_ERROR(CheckRange("sgd.weight_decay", o.weight_decay, 0, INFINITY, false));
   return CheckState("sgd", grad_scale, state);
@@ -84,7 +93,7 @@ absl::Status CheckOptimizerStep(const OptimizerState& state, const SgdOptions& o
 
 absl::Status CheckOptimizerStep(const OptimizerState& state, const AdamWOptions& o,
                                 double grad_scale) {
-  RETURN_IF_ERROR(CheckRange("adamw.lr", o.lr, 0, INFINITY, true));
+  RETURN_IF_ERROR(CheckRange("adamw.lr", o.lr, 0, INFINITY, false));
   RETURN_IF_ERROR(CheckRange("adamw.beta1", o.beta1, 0, 1, false));
   RETURN_IF_ERROR(CheckRange("adamw.beta2", o.beta2, 0, 1, false));
   RETURN_IF_ERROR(CheckRange("adamw.eps", o.eps, 0, INFINITY, true));

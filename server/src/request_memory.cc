@@ -65,13 +65,14 @@ absl::StatusOr<MemoryEstimate> HeadMemory(const std::string& head_id, int64_t vo
                                           int64_t hidden_size, torch::ScalarType dtype, bool bias,
                                           const std::string& field_prefix) {
   ASSIGN_OR_RETURN(const int64_t bytes, core::HeadMemoryBytes(vocab_size, hidden_size, dtype, bias,
-                                                              torch::kFloat, field_prefix));
+                                                              std::nullopt, field_prefix));
   return MemoryEstimate{
       .bytes = bytes,
       .breakdown =
           absl::StrCat("head \"", head_id, "\" of ", field_prefix, "vocab_size ", vocab_size, " × ",
                        field_prefix, "hidden_size ", hidden_size, " ", core::DtypeName(dtype),
-                       bias ? " with bias" : "", ": weights and float32 gradients")};
+                       bias ? " with bias" : "", ": weights and ",
+                       core::DtypeName(core::AccumulationDtype(dtype)), " gradients")};
 }
 
 }  // namespace remotehead::server

@@ -465,7 +465,7 @@ TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
             "header.expected_weight_version: expected the head's current version 1; got 0");
   const auto bad_lr = client_->OptimizerStep("sgd", {.optimizer = rc::Sgd{.lr = -1}});
   EXPECT_EQ(bad_lr.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(bad_lr.status().message(), "sgd.lr: expected a finite value in (0, inf); got -1");
+  EXPECT_EQ(bad_lr.status().message(), "sgd.lr: expected a finite value in [0, inf); got -1");
 }
 
 TEST_F(ClientTest, SaveWeightsThenCreateHeadFromTheFile) {

@@ -82,6 +82,33 @@ TEST(Head, GradDtypeMayBeTheHeadsOwnAndZeroGradClears) {
   EXPECT_FALSE(scratch.bias.defined());
 }
 
+// A float64 head is float64 end to end: its accumulators, and so its dW, are float64 (the GEMM
+// runs on the float64 logits gradient), and the memory model counts 8 + 8 bytes per element.
+// The other dtypes accumulate in float32 (core::AccumulationDtype, the one home of the rule).
+TEST(Head, Float64HeadAccumulatesInFloat64AndCountsIt) {
+  EXPECT_EQ(core::AccumulationDtype(torch::kDouble), torch::kDouble);
+  for (const torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    EXPECT_EQ(core::AccumulationDtype(dtype), torch::kFloat) << core::DtypeName(dtype);
+  }
+  auto head = reference::MakeTestHead(97, 24, torch::kDouble, /*bias=*/true);
+  EXPECT_EQ(head->grads().weight.scalar_type(), torch::kDouble);
+  EXPECT_EQ(head->grads().bias.scalar_type(), torch::kDouble);
+  EXPECT_EQ(*core::HeadMemoryBytes(97, 24, torch::kDouble, true), 97 * 25 * (8 + 8));
+  EXPECT_EQ(*core::HeadMemoryBytes(97, 24, torch::kBFloat16, true), 97 * 25 * (2 + 4));
+  EXPECT_EQ(*core::HeadMemoryBytes(97, 24, torch::kDouble, true, torch::kFloat), 97 * 25 * (8 + 4));
+
+  const core::TokenBatch batch =
+      reference::MakeTestBatch(*head, 40, "cross_entropy", core::Reduction::kMean);
+  const core::StepOptions options{.chunk_rows = 16};
+  auto ours = core::FusedForwardBackward(*head, batch, options, &head->grads());
+  ASSERT_TRUE(ours.ok()) << ours.status();
+  const reference::ReferenceResult ref = reference::NaiveReference(*head, batch, options);
+  // A few roundings of float64 per element (an fp32 GEMM left errors of 3e-5 here).
+  EXPECT_LE(reference::RelativeError(head->grads().weight, ref.grad_weight), 1e-12);
+  EXPECT_LE(reference::RelativeError(head->grads().bias, ref.grad_bias), 1e-12);
+  EXPECT_LE(reference::RelativeError(ours->grad_hidden, ref.grad_hidden), 1e-12);
+}
+
 TEST(Head, VersionStartsAtZeroAndBumps) {
   auto head = reference::MakeTestHead(5, 2, torch::kFloat, false);
   EXPECT_EQ(head->version(), 0);

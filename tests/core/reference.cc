@@ -448,7 +448,8 @@ double RelativeError(const torch::Tensor& actual, const torch::Tensor& expected,
 namespace remotehead::reference {
 
 std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::ScalarType dtype,
-                                         bool bias, uint64_t seed, torch::ScalarType grad_dtype,
+                                         bool bias, uint64_t seed,
+                                         std::optional<torch::ScalarType> grad_dtype,
                                          torch::Device device) {
   core::HeadInit init{.vocab_size = vocab,
                       .hidden_size = hidden,
@@ -506,7 +507,7 @@ const core::Head* TestTeacher(const core::Head& student, const std::string& func
   std::unique_ptr<core::Head>& teacher = (*teachers)[key];
   if (teacher == nullptr) {
     teacher = MakeTestHead(student.vocab_size(), student.hidden_size() + 5, student.dtype(),
-                           /*bias=*/true, /*seed=*/77, torch::kFloat, student.device());
+                           /*bias=*/true, /*seed=*/77, std::nullopt, student.device());
   }
   return teacher.get();
 }

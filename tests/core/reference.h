@@ -128,7 +128,7 @@ namespace remotehead::reference {
 // A head with W ~ N(0, 0.02²)·scale chosen so that logits are O(1) for unit-variance hidden.
 std::unique_ptr<core::Head> MakeTestHead(int64_t vocab, int64_t hidden, torch::ScalarType dtype,
                                          bool bias, uint64_t seed = 1,
-                                         torch::ScalarType grad_dtype = torch::kFloat,
+                                         std::optional<torch::ScalarType> grad_dtype = std::nullopt,
                                          torch::Device device = torch::kCPU);
 
 // The teacher head the tests give a two-head function (TransformFunction::needs_teacher) of a

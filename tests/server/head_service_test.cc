@@ -165,7 +165,7 @@ TEST_P(HeadServiceTest, OptimizerStepUpdatesWeightsBumpsVersionAndRefusesStaleWo
   request.mutable_sgd()->set_lr(-1);
   const grpc::Status bad = stub_->OptimizerStep(&bad_context, request, &response);
   EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(bad.error_message(), "sgd.lr: expected a finite value in (0, inf); got -1");
+  EXPECT_EQ(bad.error_message(), "sgd.lr: expected a finite value in [0, inf); got -1");
 }
 
 TEST_P(HeadServiceTest, TwoPhaseForwardThenBackwardMatchesTheEngine) {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "head_expectations.h"
+#include "remotehead/core/head.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/rpc/status_mapping.h"
 #include "remotehead/wire/tensor_codec.h"
@@ -88,13 +89,14 @@ class EmbeddingGradientReactor final : public ClientStreamReactor<v1::EmbeddingG
     // Checked before the rows travel (and again on every rank when they are in).
     ids_ = IdsTensor(h.ids());
     RETURN_IF_ERROR(CheckEmbeddingIds(ids_, head.vocab_size, "header.ids"));
+    // The rows are added to dW in the head's accumulation dtype (float64 for a float64 head).
+    const torch::ScalarType rows_dtype = core::AccumulationDtype(head.dtype);
     const MemoryEstimate buffer =
-        EmbeddingRowsMemory(h.head_id(), h.ids_size(), head.hidden_size, torch::kFloat,
-                            "header.ids");
+        EmbeddingRowsMemory(h.head_id(), h.ids_size(), head.hidden_size, rows_dtype, "header.ids");
     buffer_ticket_ = service_.admission.NewTicket();
     RETURN_IF_ERROR(service_.admission.Reserve(buffer_ticket_, buffer.bytes, buffer.breakdown));
     header_ = h;
-    rows_.emplace(torch::empty({h.ids_size(), head.hidden_size}, torch::kFloat), "grad_rows",
+    rows_.emplace(torch::empty({h.ids_size(), head.hidden_size}, rows_dtype), "grad_rows",
                   /*convert_dtype=*/true);
     return absl::OkStatus();
   }

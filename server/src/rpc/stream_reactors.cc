@@ -87,7 +87,7 @@ class UploadReactor final : public ClientStreamReactor<v1::UploadHeadRequest> {
     // Sizes checked, and the CPU buffer the rows are assembled in reserved in the memory budget,
     // before anything is allocated.
     RETURN_IF_ERROR(core::HeadMemoryBytes(h.vocab_size(), h.hidden_size(), dtype, h.has_bias(),
-                                          torch::kFloat, "header.")
+                                          std::nullopt, "header.")
                         .status());
     const MemoryEstimate buffer =
         UploadBufferMemory(h.head_id(), h.vocab_size(), h.hidden_size(), h.has_bias(), dtype);

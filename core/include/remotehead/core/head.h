@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -16,6 +17,13 @@ namespace remotehead::core {
 // and "float64", accepted for verification (finite-difference checks), not for serving.
 absl::StatusOr<torch::ScalarType> ParseHeadDtype(std::string_view name);
 std::string DtypeName(torch::ScalarType dtype);
+
+// The dtype a head's values are computed and accumulated in beyond its own precision: float64
+// for a float64 head (nothing is rounded below the head's own precision), float32 for the others
+// (a half-precision head's logits, outputs, dW and optimizer state are fp32). The one home of
+// that rule: the logits (LogitsDtype), the per-token outputs (OutputDtype), the dW / db
+// accumulators' default and the optimizer's arithmetic and state.
+torch::ScalarType AccumulationDtype(torch::ScalarType head_dtype);
 
 // Where dW / db accumulate. Kept apart from the head so a caller (e.g. the server) can
 // accumulate one request into scratch buffers and commit them only when the request succeeds.
@@ -40,9 +48,11 @@ struct HeadInit {
 
 struct HeadOptions {
   torch::Device device = torch::kCPU;
-  // dtype of the dW / db accumulators: float32 (default, exact accumulation over many
-  // micro-batches) or the head's own dtype (halves the gradient memory of a bf16 head).
-  torch::ScalarType grad_dtype = torch::kFloat;
+  // dtype of the dW / db accumulators: unset, AccumulationDtype(the head's dtype) — float32
+  // (exact accumulation over many micro-batches) for fp32 and half-precision heads, float64 for
+  // a float64 head; or float32 / the head's own dtype (bf16 accumulators halve the gradient
+  // memory of a bf16 head).
+  std::optional<torch::ScalarType> grad_dtype;
 };
 
 // The largest head a server accepts: sizes far beyond any real vocabulary or model width are a
@@ -50,13 +60,14 @@ struct HeadOptions {
 inline constexpr int64_t kMaxVocabSize = int64_t{1} << 24;   // 16,777,216 tokens
 inline constexpr int64_t kMaxHiddenSize = int64_t{1} << 18;  // 262,144
 
-// The bytes a head of this shape holds — W (and b) in `dtype`, dW (and db) in `grad_dtype` —
+// The bytes a head of this shape holds — W (and b) in `dtype`, dW (and db) in `grad_dtype`
+// (unset: AccumulationDtype(dtype), as HeadOptions) —
 // computed without overflow. INVALID_ARGUMENT naming `field_prefix` + vocab_size / hidden_size
 // for a size < 1 or above the limits. The one home of a head's size: head creation checks it,
 // the server reserves it in its memory budget before allocating.
 absl::StatusOr<int64_t> HeadMemoryBytes(int64_t vocab_size, int64_t hidden_size,
                                         torch::ScalarType dtype, bool bias,
-                                        torch::ScalarType grad_dtype = torch::kFloat,
+                                        std::optional<torch::ScalarType> grad_dtype = std::nullopt,
                                         const std::string& field_prefix = "");
 
 class Head {

@@ -1,5 +1,6 @@
 // Server-side optimizer steps on a head, from its accumulated gradients: SGD (momentum, weight
-// decay) and AdamW, with fp32 state, following torch.optim's update rules exactly.
+// decay) and AdamW, computed and kept in the head's AccumulationDtype (fp32; float64 for a float64
+// head), following torch.optim's update rules exactly.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,7 @@
 namespace remotehead::core {
 
 struct SgdOptions {
-  double lr = 0;
+  double lr = 0;            // [0, ∞): 0 leaves the parameters as they are
   double momentum = 0;      // [0, 1)
   double weight_decay = 0;  // L2, added to the gradient (torch.optim.SGD)
 };
@@ -26,7 +27,7 @@ struct AdamWOptions {
   double weight_decay = 0.01;  // decoupled (torch.optim.AdamW)
 };
 
-// Per-head optimizer state (fp32), created by the first step.
+// Per-head optimizer state (AccumulationDtype of the head's dtype), created by the first step.
 struct OptimizerState {
   std::string kind;  // "", "sgd" or "adamw"
   int64_t steps = 0;
@@ -46,7 +47,7 @@ absl::Status CheckOptimizerStep(const OptimizerState& state, const AdamWOptions&
 // Bytes the state's buffers hold now.
 int64_t OptimizerStateBytes(const OptimizerState& state);
 // Bytes the state's buffers will hold after one step with `options` on `head` (the buffers are
-// created by the first step, in float32, one per parameter for SGD with momentum and two for
+// created by the first step, in the head's AccumulationDtype, one per parameter for SGD with momentum and two for
 // AdamW): what a server reserves before the step allocates them. The current bytes when the
 // step would be refused for belonging to the other optimizer.
 int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& state,
@@ -56,7 +57,8 @@ int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& sta
 
 // p ← update(p, grad · grad_scale); bumps the head's version. INVALID_ARGUMENT for bad
 // hyper-parameters, FAILED_PRECONDITION when the state belongs to the other optimizer.
-// Parameters of a half-precision head are updated in fp32 and rounded back.
+// Parameters of a half-precision head are updated in fp32 and rounded back once; a float64
+// head's in float64. lr 0 is accepted (the state advances, the parameters stay), as torch.optim.
 absl::Status SgdStep(Head& head, const SgdOptions& options, double grad_scale,
                      OptimizerState* state);
 absl::Status AdamWStep(Head& head, const AdamWOptions& options, double grad_scale,
