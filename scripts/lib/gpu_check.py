@@ -77,6 +77,15 @@ CPU_ONLY_SUITES = [("C++ client", "client_test", "*", 1, (1, 1)),
                    ("wire codec", "tensor_codec_test", "*", 1, (1, 1)),
                    ("checkpoint directory", "checkpoint_dir_test", "*", 1, (1, 1)),
                    ("optimizers", "optimizer_test", "*", 1, (1, 1))]
+# The dry run's suites (`--device cpu` without --suites): one per layer — core (the optimizers
+# against torch::optim, and where the binary's C++ runtime comes from), the server (the head
+# service in process), the C++ client against the server, the wire codec, the Python client
+# against the server binary — which proves that every layer builds and runs against the machine's
+# torch. The CUDA suites' CPU halves are left out there: CTest runs every one of them against the
+# project's own torch, and building them again took the dry run's clean room about half its time.
+# `--suites all` runs every suite.
+DRY_RUN_SUITES = ("torch linkage", "optimizers", "head service", "C++ client", "wire codec",
+                  "Python client")
 # The Python client against the server just built (CPU heads: the client's side is what differs
 # with the machine's torch and grpcio; striping's threads and channels included), run by pytest
 # with a JUnit report.
@@ -241,6 +250,10 @@ class Check:
     def suites(self, table):
         """The rows of a suite table that --suites selects (all of them by default)."""
         wanted = [w for w in self.args.suites.split(",") if w]
+        if not wanted and self.device == "cpu":
+            wanted = list(DRY_RUN_SUITES)
+        if wanted == ["all"]:
+            wanted = []
         return [row for row in table if not wanted or any(w in row[0] for w in wanted)]
 
     def targets(self) -> list[str]:
@@ -525,8 +538,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="tests,wire,bench",
                    help="the phases after the build to run (comma-separated; default: all)")
     p.add_argument("--suites", default="",
-                   help="the suites to run: names or parts of names, comma-separated (default: "
-                        "all), e.g. 'memory budget,torch linkage'")
+                   help="the suites to run: names or parts of names, comma-separated, or "
+                        "'all' (default: all on CUDA, DRY_RUN_SUITES on the CPU), e.g. "
+                        "'memory budget,torch linkage'")
     p.add_argument("--peers", default="",
                    help="the benchmark's contenders, in this order (default: bench_peers.py's)")
     args = p.parse_args(argv)
