@@ -214,7 +214,10 @@ def naive_float64_head(t: GRPOTrainer, sampler=None) -> None:
             if t.naive_sampler and model is t.model:
                 keep = references.sampler_kept_mask(z.flatten(0, 1), t.naive_sampler)
                 log_p = torch.log_softmax(z.masked_fill(~keep.view(z.shape), -torch.inf), -1)
-            logps = log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask
+            # where, not × mask: outside the kept set an ignored position's stand-in target
+            # has −inf, and −inf · 0 is NaN.
+            logps = torch.where(mask, log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0],
+                                0.0)
             count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
             return FusedCausalLMOutput(loss=-logps.sum() / count, log_probs=logps,
                                        entropy=entropy, label_mask=mask)
@@ -275,9 +278,8 @@ CASES = {
                                             min_p=0.05, sampler=True, **F64),
     "dapo-top_p-sampler-float64-fused": dict(loss_type="dapo", beta=0.0, top_p=0.8,
                                              sampler=True, **F64),
-    "vespo-sequence-min_p-sampler-float64-fused": dict(
-        loss_type="vespo", beta=0.04, min_p=0.3, importance_sampling_level="sequence",
-        sampler=True, **F64),
+    "vespo-beta-min_p-sampler-float64-fused": dict(loss_type="vespo", beta=0.04, min_p=0.8,
+                                                   sampler=True, **F64),
 }
 SAMPLER_KEYS = ("top_k", "top_p", "min_p")
 
