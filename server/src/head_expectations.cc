@@ -78,8 +78,9 @@ absl::Status CheckEmbeddingGradientIds(const torch::Tensor& ids, const std::stri
   if (ids.numel() > 0) return absl::OkStatus();
   return core::WithReason(
       absl::InvalidArgumentError(absl::StrCat(
-          field, ": expected at least 1 token id (a gradient for no rows adds nothing and would "
-                 "count a micro-batch); got 0")),
+          field,
+          ": expected at least 1 token id (a gradient for no rows adds nothing and would "
+          "count a micro-batch); got 0")),
       core::reason::kInvalidField, {{"field", field}, {"expected", ">= 1"}, {"actual", "0"}});
 }
 

@@ -491,12 +491,13 @@ TEST_F(ClientTest, SaveAndRestoreHeadStateBringBackWeightsAndOptimizerState) {
                                                .init_std = 1.0 / std::sqrt(kHidden)})
                   .ok());
   core::Head& head = testing::HeadOf(**stateful.registry().Get("lm"));
-  const rc::OptimizerStepOptions adamw{
-      .optimizer = rc::AdamW{.lr = 0.05, .weight_decay = 0.1}, .zero_gradients = true};
+  const rc::OptimizerStepOptions adamw{.optimizer = rc::AdamW{.lr = 0.05, .weight_decay = 0.1},
+                                       .zero_gradients = true};
   int micro_batch = 0;
   auto step = [&](const core::TokenBatch& batch) {
-    const rc::StepSpec spec{.head_id = "lm",
-                            .gradient_id = rc::GradientId{.trainer = "t", .micro_batch = micro_batch++}};
+    const rc::StepSpec spec{
+        .head_id = "lm",
+        .gradient_id = rc::GradientId{.trainer = "t", .micro_batch = micro_batch++}};
     ASSERT_TRUE(c->ForwardBackward(spec, InputsFor(batch)).ok());
     ASSERT_TRUE(c->OptimizerStep("lm", adamw).ok());
   };
@@ -536,9 +537,10 @@ TEST_F(ClientTest, SaveAndRestoreHeadStateBringBackWeightsAndOptimizerState) {
   EXPECT_LE(reference::RelativeError(head.weight() - w1, update), 1e-5);
   EXPECT_LE(reference::RelativeError(head.bias() - b1, b2 - b1), 1e-5);
   ASSERT_TRUE(c->UploadHead("fresh", w1, b1).ok());
-  ASSERT_TRUE(c->ForwardBackward({.head_id = "fresh", .gradient_id = rc::GradientId{.trainer = "t"}},
-                                 InputsFor(second))
-                  .ok());
+  ASSERT_TRUE(
+      c->ForwardBackward({.head_id = "fresh", .gradient_id = rc::GradientId{.trainer = "t"}},
+                         InputsFor(second))
+          .ok());
   ASSERT_TRUE(c->OptimizerStep("fresh", adamw).ok());
   EXPECT_GT(reference::RelativeError(
                 testing::HeadOf(**stateful.registry().Get("fresh")).weight() - w1, update),
@@ -549,8 +551,7 @@ TEST_F(ClientTest, SaveAndRestoreHeadStateBringBackWeightsAndOptimizerState) {
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << unknown.status();
   const auto malformed = c->RestoreHeadState("lm", "../x");
   EXPECT_EQ(malformed.status().code(), absl::StatusCode::kInvalidArgument) << malformed.status();
-  EXPECT_TRUE(absl::StartsWith(malformed.status().message(), "state_id: "))
-      << malformed.status();
+  EXPECT_TRUE(absl::StartsWith(malformed.status().message(), "state_id: ")) << malformed.status();
   const auto no_head = c->SaveHeadState("nope");
   EXPECT_EQ(no_head.status().code(), absl::StatusCode::kNotFound) << no_head.status();
   EXPECT_TRUE(absl::StrContains(no_head.status().message(), "nope")) << no_head.status();
