@@ -74,6 +74,16 @@ absl::Status CheckEmbeddingIds(const torch::Tensor& ids, int64_t vocab_size,
   return absl::OkStatus();
 }
 
+absl::Status CheckEmbeddingGradientIds(const torch::Tensor& ids, const std::string& field) {
+  if (ids.numel() > 0) return absl::OkStatus();
+  return core::WithReason(
+      absl::InvalidArgumentError(absl::StrCat(
+          field,
+          ": expected at least 1 token id (a gradient for no rows adds nothing and would "
+          "count a micro-batch); got 0")),
+      core::reason::kInvalidField, {{"field", field}, {"expected", ">= 1"}, {"actual", "0"}});
+}
+
 absl::Status CheckEmbeddingRows(const torch::Tensor& rows, int64_t ids, int64_t hidden_size,
                                 const std::string& field) {
   if (rows.dim() != 2 || rows.size(0) != ids || rows.size(1) != hidden_size) {

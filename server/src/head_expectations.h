@@ -32,6 +32,12 @@ absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::stri
 absl::Status CheckEmbeddingIds(const torch::Tensor& ids, int64_t vocab_size,
                                const std::string& field);
 
+// A tied embedding's gradient's ids (`field`) are not empty: a gradient for no rows would add
+// nothing to dW yet count a micro-batch (and take its gradient id), so it is refused —
+// INVALID_ARGUMENT naming the field, expected at least 1 id, got 0 (reason INVALID_FIELD with
+// field / expected / actual) — alike on one server, a head group and a mesh.
+absl::Status CheckEmbeddingGradientIds(const torch::Tensor& ids, const std::string& field);
+
 // A tied embedding's gradient rows (`field`) for `ids` rows of a head of width `hidden_size`:
 // a floating-point [ids, hidden_size] tensor; INVALID_ARGUMENT naming the field otherwise.
 absl::Status CheckEmbeddingRows(const torch::Tensor& rows, int64_t ids, int64_t hidden_size,

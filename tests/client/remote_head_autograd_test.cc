@@ -398,6 +398,14 @@ TEST_F(RemoteHeadTest, TiedEmbeddingAndHeadAreOneServedMatrix) {
       << restarted.status();
   EXPECT_NE(restarted.status().message().find("header.expected_incarnation"), std::string::npos)
       << restarted.status();
+  // A gradient for no ids: refused by the server (it would add nothing yet count a micro-batch).
+  auto empty = client_->EmbeddingGradient("tied", torch::empty({0}, torch::kLong),
+                                          torch::empty({0, kHidden}, torch::kDouble),
+                                          {.trainer = "t", .micro_batch = 1});
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument) << empty.status();
+  EXPECT_EQ(empty.status().message(),
+            "header.ids: expected at least 1 token id (a gradient for no rows adds nothing and "
+            "would count a micro-batch); got 0");
   const rc::HeadGradients after = ServerGradients("tied");
   EXPECT_TRUE(torch::equal(after.weight_grad, grads.weight_grad));
   EXPECT_EQ(after.info.accumulated_micro_batches, 1);
@@ -409,6 +417,16 @@ TEST_F(RemoteHeadTest, TiedEmbeddingAndHeadAreOneServedMatrix) {
   ASSERT_TRUE(current.ok()) << current.status();
   EXPECT_FALSE(current->replayed);
   EXPECT_EQ(current->info.accumulated_micro_batches, 2);
+
+  // A micro-batch whose ids are all padding: embed()'s backward has no row to send, so it sends
+  // nothing (no error, no micro-batch counted), as the Python embedding does.
+  const torch::Tensor dw_before = ServerGradients("tied").weight_grad;
+  const torch::Tensor padded = head.embed(torch::full({2, 3}, kPadding, torch::kLong),
+                                          {.padding_idx = kPadding, .scale = scale});
+  padded.sum().backward();
+  const rc::HeadGradients untouched = ServerGradients("tied");
+  EXPECT_EQ(untouched.info.accumulated_micro_batches, 2);
+  EXPECT_TRUE(torch::equal(untouched.weight_grad, dw_before));
 }
 
 // A RemoteHead is pinned to the server process it described: after a restart (the head's state

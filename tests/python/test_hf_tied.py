@@ -354,3 +354,47 @@ def test_a_head_group_serves_the_same_rows_and_gradients(client, group):
     assert abs(g_loss - loss) <= 1e-5 * abs(loss)
     assert numerics.close(g_dw, dw, 1e-5) and g_info.accumulated_micro_batches == 1
     assert numerics.close(g_weight, weight, 1e-5)
+
+
+EMPTY_GRADIENT = ("header.ids: expected at least 1 token id (a gradient for no rows adds nothing "
+                  "and would count a micro-batch); got 0")
+
+
+def assert_an_empty_gradient_changes_nothing(c: remotehead.Client, head_id: str,
+                                             gradient_id) -> None:
+    """An EmbeddingGradient with no ids on `head_id` (which has accumulated something) is
+    refused — INVALID_ARGUMENT, reason INVALID_FIELD naming header.ids, expected >= 1, got 0,
+    the message word for word — dW bit-identical and accumulated_micro_batches unchanged; the
+    same gradient id was not taken (a real gradient under it then adds, not a replay)."""
+    before, _, info = c.fetch_gradients(head_id)
+    D = before.shape[1]
+    with pytest.raises(remotehead.InvalidArgumentError) as empty:
+        c.embedding_gradient(head_id, [], torch.zeros(0, D), gradient_id=gradient_id)
+    assert empty.value.details == EMPTY_GRADIENT
+    assert (empty.value.reason, empty.value.metadata["field"], empty.value.metadata["expected"],
+            empty.value.metadata["actual"]) == ("INVALID_FIELD", "header.ids", ">= 1", "0")
+    dw, _, after = c.fetch_gradients(head_id)
+    assert torch.equal(dw, before)
+    assert after.accumulated_micro_batches == info.accumulated_micro_batches
+    assert after.weight_version == info.weight_version
+    added = c.embedding_gradient(head_id, [3], torch.ones(1, D), gradient_id=gradient_id)
+    assert not added.replayed
+    dw, _, after = c.fetch_gradients(head_id)
+    # (1e-6: on a mesh the leader's fetch sums the replicas' dW, in another order.)
+    assert numerics.close(dw[3], before[3] + 1, 1e-6)
+    assert after.accumulated_micro_batches == info.accumulated_micro_batches + 1
+
+
+def test_an_embedding_gradient_without_ids_is_refused_alike_on_a_server_and_a_group(
+        client, group):
+    # One server and a head group of 2 refuse it at the front, before any rank adds anything.
+    ids, labels = token_rows(2, 8, seed=9)
+    with remotehead.Client(group) as group_client:
+        for c in (client, group_client):
+            model = tiny("llama")
+            head = remotehead.hf.offload_lm_head(model, c, "tied-empty")
+            model(ids, labels=labels).loss.backward()  # one micro-batch accumulated
+            assert c.describe_head("tied-empty").accumulated_micro_batches == 1
+            assert_an_empty_gradient_changes_nothing(
+                c, "tied-empty", remotehead.GradientId(head.trainer, 5, 0))
+            c.drop_head("tied-empty")

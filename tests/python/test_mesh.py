@@ -39,6 +39,7 @@ import remotehead
 from remotehead.local_server import LocalHeadGroup
 
 from test_conformance import generate
+from test_hf_tied import assert_an_empty_gradient_changes_nothing
 from test_data_parallel import assert_same_run, trainer_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -251,6 +252,25 @@ def failed_steps(fronts, head, ranks, add_batches=False, lr_of=lambda rank: ADAM
     ranks = list(ranks)
     with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
         return list(pool.map(trainer, ranks))
+
+
+def test_an_embedding_gradient_without_ids_is_refused_at_every_front(mesh):
+    # The same refusal as one server's (test_hf_tied.py), by the trainers of both replicas
+    # (ranks 0 and 1: the leader's front and a follower replica's): nothing accumulated on any
+    # replica, no micro-batch counted.
+    head = "mesh-empty-ids"
+    with remotehead.Client(mesh.fronts, rank=0) as leader:
+        leader.create_head(head, VOCAB, HIDDEN, seed=8)
+        try:
+            for rank in range(len(mesh.fronts)):
+                with remotehead.Client(mesh.fronts, rank=rank) as c:
+                    hidden, targets = batch(rank, 0)
+                    c.forward_backward(head, hidden, targets, reduction="sum", accumulate=True,
+                                       gradient_id=remotehead.GradientId(f"empty/{rank}", 0, 0))
+                    assert_an_empty_gradient_changes_nothing(
+                        c, head, remotehead.GradientId(f"empty/{rank}", 0, 1))
+        finally:
+            leader.drop_head(head)
 
 
 def test_replicas_that_disagree_are_refused_everywhere_and_nothing_is_applied(mesh):

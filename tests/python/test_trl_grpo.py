@@ -23,6 +23,13 @@ tokenizer built in memory.
 - With LoRA (peft_config) the head stays frozen on the server (no steps, nothing accumulated)
   and serves the reference (adapters off) too, while the adapters train.
 - An entropy bonus (it would need the entropy's gradient) is refused.
+- sampler_logprobs=True (GRPOConfig's top_k / top_p / min_p): the same parity against TRL
+  whose policy head is the naive float64 one scoring each token under the renormalised
+  truncated distribution (references.sampler_kept_mask: top-k, top-p, min-p in Hugging Face's
+  order, after the temperature), the reference's log-probs and the entropies over the full
+  softmax; the completions are drawn from that truncated distribution, token by token, as
+  generate() draws them. The truncation is shown to matter (the full-softmax log-probs differ).
+  With PEFT the reference (adapters off) stays full-softmax; a repetition penalty is refused.
 """
 
 import math
@@ -35,8 +42,10 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
+from trl.trainer.utils import use_adapter as trl_use_adapter
 
 import numerics
+import references
 import remotehead
 from remotehead.trl import RemoteHeadGRPOTrainer
 
@@ -123,13 +132,37 @@ def prompts_and_completions(g: torch.Generator) -> dict:
             "completion_ids": completion_ids, "completion_mask": completion_mask}
 
 
+def sampled_completions(local: GRPOTrainer, inputs, sampler, g: torch.Generator):
+    """Completions drawn token by token from the local policy's float64 logits / temperature
+    truncated by `sampler` (references.sampler_kept_mask) and renormalised — what generate()
+    with these top_k / top_p / min_p draws — so every scored token is in the kept set. Tokens
+    past a completion's end stay padding."""
+    ids = inputs["completion_ids"].clone()
+    weight = local.model.lm_head.weight.detach().double()
+    for t in range(COMPLETION):
+        with torch.no_grad():
+            hidden = local.model.base_model(
+                input_ids=torch.cat([inputs["prompt_ids"], ids[:, :t]], 1),
+                attention_mask=torch.cat([inputs["prompt_mask"],
+                                          torch.ones(BATCH, t, dtype=torch.long)], 1),
+                use_cache=False).last_hidden_state[:, -1]
+        z = hidden.double() @ weight.t() / local.temperature
+        keep = references.sampler_kept_mask(z, sampler)
+        ids[:, t] = torch.multinomial(torch.softmax(z.masked_fill(~keep, -torch.inf), 1), 1,
+                                      generator=g)[:, 0]
+    ids[inputs["completion_mask"] == 0] = 0
+    inputs["completion_ids"] = ids
+
+
 def batch(local: GRPOTrainer, beta: float, on_policy: bool, dtype=torch.float32,
-          vllm: bool = False):
+          vllm: bool = False, sampler=None):
     """What GRPOTrainer._compute_loss receives for one micro-batch of 4 completions; with
     `vllm`, also the sampler's log-probs and vLLM's importance-sampling ratio (exactly 1 at the
-    padding, as TRL makes it)."""
+    padding, as TRL makes it); with `sampler`, completions drawn under that truncation."""
     g = torch.Generator().manual_seed(3)
     inputs = prompts_and_completions(g)
+    if sampler:
+        sampled_completions(local, inputs, sampler, g)
     inputs.update(advantages=torch.randn(BATCH, generator=g).to(dtype),
                   num_items_in_batch=inputs["completion_mask"].sum())
     with torch.no_grad():
@@ -153,10 +186,14 @@ def joined(inputs):
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1))
 
 
-def naive_float64_head(t: GRPOTrainer) -> None:
+def naive_float64_head(t: GRPOTrainer, sampler=None) -> None:
     """TRL's fused LM head of the policy and the reference replaced by the naive float64 one —
     full logits / temperature, log_softmax, the targets' log-probs and the entropies — so that
-    TRL's _compute_loss runs in float64 end to end (TRL's own chunked kernel computes in fp32)."""
+    TRL's _compute_loss runs in float64 end to end (TRL's own chunked kernel computes in fp32).
+    `sampler` (top_k / top_p / min_p; `t.naive_sampler`, which a test may change): the policy's
+    log-probs under the truncated distribution, renormalised over the kept set
+    (references.sampler_kept_mask); the reference's log-probs and the entropies stay full."""
+    t.naive_sampler = sampler
     for model in (t.model, t.ref_model):
         if model is None:
             continue
@@ -171,9 +208,16 @@ def naive_float64_head(t: GRPOTrainer) -> None:
             hidden = model.base_model(*args, **kwargs).last_hidden_state[:, :-1]
             labels = labels[:, 1:]
             mask = labels != -100
-            log_p = torch.log_softmax(hidden @ model.lm_head.weight.t() / t.temperature, -1)
-            logps = log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask
+            z = hidden @ model.lm_head.weight.t() / t.temperature
+            log_p = torch.log_softmax(z, -1)
             entropy = -(log_p.exp() * log_p).sum(-1) * mask
+            if t.naive_sampler and model is t.model:
+                keep = references.sampler_kept_mask(z.flatten(0, 1), t.naive_sampler)
+                log_p = torch.log_softmax(z.masked_fill(~keep.view(z.shape), -torch.inf), -1)
+            # where, not × mask: outside the kept set an ignored position's stand-in target
+            # has −inf, and −inf · 0 is NaN.
+            logps = torch.where(mask, log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0],
+                                0.0)
             count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
             return FusedCausalLMOutput(loss=-logps.sum() / count, log_probs=logps,
                                        entropy=entropy, label_mask=mask)
@@ -229,7 +273,15 @@ CASES = {
     "grpo-sequence-top_entropy-vllm-float64-fused": dict(
         loss_type="grpo", beta=0.04, importance_sampling_level="sequence",
         top_entropy_quantile=0.6, vllm=True, off_policy_mask_threshold=0.02, **F64),
+    # sampler_logprobs=True: the policy's log-probs under GRPOConfig's truncation.
+    "grpo-beta-sampler-float64-fused": dict(loss_type="grpo", beta=0.04, top_k=40, top_p=0.9,
+                                            min_p=0.05, sampler=True, **F64),
+    "dapo-top_p-sampler-float64-fused": dict(loss_type="dapo", beta=0.0, top_p=0.8,
+                                             sampler=True, **F64),
+    "vespo-beta-min_p-sampler-float64-fused": dict(loss_type="vespo", beta=0.04, min_p=0.8,
+                                                   sampler=True, **F64),
 }
+SAMPLER_KEYS = ("top_k", "top_p", "min_p")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -237,6 +289,8 @@ def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_
     tokenizer = char_tokenizer()
     options = dict(CASES[case])
     dtype, vllm = options.pop("dtype", torch.float32), options.pop("vllm", False)
+    sampler = ({k: options[k] for k in SAMPLER_KEYS if k in options}
+               if options.pop("sampler", False) else None)
     tol = 1e-9 if dtype == torch.float64 else 1e-5
     beta, tied = options["beta"], "tied" in case
     options.setdefault("epsilon_high", 0.28)
@@ -244,9 +298,17 @@ def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_
     head_id = f"grpo-{case}"
     local = trainer(GRPOTrainer, model_dirs[tied], args, tokenizer, dtype)
     if dtype == torch.float64:
-        naive_float64_head(local)
+        naive_float64_head(local, sampler)
     remote = trainer(RemoteHeadGRPOTrainer, model_dirs[tied], args, tokenizer, dtype,
-                     client=client, head_id=head_id, gradients="local" if tied else "server")
+                     client=client, head_id=head_id, gradients="local" if tied else "server",
+                     sampler_logprobs=sampler is not None)
+    if sampler:
+        assert remote.sampler_params == {"top_k": float(sampler.get("top_k", 0)),
+                                         "top_p": float(sampler.get("top_p", 1.0)),
+                                         "min_p": float(sampler.get("min_p", 0.0)),
+                                         "min_p_first": 0.0}
+    else:
+        assert remote.sampler_params == {}
     assert remote.fused_grpo_loss == case.endswith("fused")
     assert remote.fused_grpo_fallback is None
     assert (remote.remote_ref_head is not None) == (beta != 0)
@@ -255,11 +317,18 @@ def test_compute_loss_log_probs_and_gradients_match_trl(client, model_dirs, tmp_
         t.current_gradient_accumulation_steps = 2  # as Trainer sets it during training
         if vllm:
             t.use_vllm = t.vllm_importance_sampling_correction = True
-    inputs = batch(local, beta, on_policy="on_policy" in case, dtype=dtype, vllm=vllm)
+    inputs = batch(local, beta, on_policy="on_policy" in case, dtype=dtype, vllm=vllm,
+                   sampler=sampler)
 
     local_logps, local_entropy = per_token(local, local.model, inputs)
     remote_logps, remote_entropy = per_token(remote, remote.model, inputs)
     assert numerics.close(remote_logps, local_logps, tol)
+    if sampler:  # every drawn token is kept, and the truncation changes its log-prob
+        assert remote_logps.isfinite().all()
+        local.naive_sampler = None
+        full_logps, _ = per_token(local, local.model, inputs, entropy=False)
+        local.naive_sampler = sampler
+        assert (remote_logps - full_logps).min() > 1e-3
     assert numerics.close(remote_entropy, local_entropy, tol)
     if beta:
         local_ref, _ = per_token(local, local.ref_model, inputs, entropy=False)
@@ -397,3 +466,47 @@ def test_an_entropy_bonus_is_refused(client, model_dirs, tmp_path):
     with pytest.raises(ValueError, match="entropy_coef: expected 0"):
         trainer(RemoteHeadGRPOTrainer, model_dirs[False], config(tmp_path, entropy_coef=0.01),
                 char_tokenizer(), client=client, head_id="grpo-refused")
+
+
+def test_sampler_logprobs_keep_a_lora_reference_full_softmax(client, model_dirs, tmp_path):
+    # With PEFT the policy's head serves the reference (adapters off): the policy's log-probs
+    # are the truncated distribution's, the reference's the full softmax's. Fresh adapters
+    # (lora_B = 0) change no hidden state, so one float64 reference serves both.
+    sampler = {"top_k": 40, "top_p": 0.9}
+    args = config(tmp_path, beta=0.04, temperature=0.7, **sampler)
+    grpo = trainer(RemoteHeadGRPOTrainer, model_dirs[False], args, char_tokenizer(),
+                   client=client, head_id="grpo-lora-sampler", sampler_logprobs=True,
+                   peft_config=peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                               target_modules=["q_proj", "v_proj"]))
+    inputs = prompts_and_completions(torch.Generator().manual_seed(5))
+    input_ids, attention_mask = joined(inputs)
+    weight, _ = client.export_weights("grpo-lora-sampler")
+    with torch.no_grad():
+        hidden = grpo.model.get_base_model().model(
+            input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    z = (hidden[:, PROMPT - 1:-1].double() @ weight.double().t() / 0.7).flatten(0, 1)
+    targets = inputs["completion_ids"].flatten()
+    mask = inputs["completion_mask"].flatten().bool()
+    keep = references.sampler_kept_mask(z, sampler)
+    truncated = torch.log_softmax(z.masked_fill(~keep, -torch.inf), 1)
+    truncated = truncated.gather(1, targets[:, None])[:, 0][mask]
+    full = torch.log_softmax(z, 1).gather(1, targets[:, None])[:, 0][mask]
+
+    policy, _ = per_token(grpo, grpo.model, inputs, entropy=False)
+    with trl_use_adapter(grpo.accelerator.unwrap_model(grpo.model), None):
+        reference, _ = per_token(grpo, grpo.model, inputs, entropy=False)
+    assert numerics.close(policy, truncated, 1e-5)  # −inf where a random token is not kept
+    assert (~policy.isfinite()).any() and policy.isfinite().any()
+    assert numerics.close(reference, full, 1e-5)
+    client.drop_head("grpo-lora-sampler")
+
+
+def test_sampler_logprobs_refuse_a_logits_processor_the_server_does_not_apply(
+        client, model_dirs, tmp_path):
+    args = config(tmp_path, top_k=40, repetition_penalty=1.1)
+    with pytest.raises(ValueError) as error:
+        trainer(RemoteHeadGRPOTrainer, model_dirs[False], args, char_tokenizer(), client=client,
+                head_id="grpo-refused", sampler_logprobs=True)
+    assert str(error.value) == ("repetition_penalty: expected 1.0 with sampler_logprobs=True "
+                                "(the server scores tokens under top_k / top_p / min_p only); "
+                                "got 1.1")

@@ -270,6 +270,31 @@ absl::StatusOr<int64_t> Client::SaveWeights(const std::string& head_id, const st
   return response.bytes_written();
 }
 
+absl::StatusOr<HeadInfo> Client::SaveHeadState(const std::string& head_id) {
+  v1::HeadRef ref;
+  ref.set_head_id(head_id);
+  v1::HeadStateInfo response;
+  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
+    return impl_->Unary("SaveHeadState", &Stub::SaveHeadState, ref, &response, on);
+  }));
+  ASSIGN_OR_RETURN(HeadInfo info, FromWire(response.info()));
+  // The state just written, whatever the info's field says of it: RestoreHeadState takes it.
+  info.state_id = response.state_id();
+  return info;
+}
+
+absl::StatusOr<HeadInfo> Client::RestoreHeadState(const std::string& head_id,
+                                                  const std::string& state_id) {
+  v1::RestoreHeadStateRequest request;
+  request.set_head_id(head_id);
+  request.set_state_id(state_id);
+  v1::HeadInfo info;
+  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
+    return impl_->Unary("RestoreHeadState", &Stub::RestoreHeadState, request, &info, on);
+  }));
+  return FromWire(info);
+}
+
 absl::StatusOr<HeadGradients> Client::FetchGradients(const std::string& head_id,
                                                      std::optional<torch::ScalarType> dtype) {
   v1::FetchGradientsRequest request;

@@ -256,6 +256,9 @@ struct EmbedFunction : public torch::autograd::Function<EmbedFunction> {
       ids = ids.index_select(0, keep);
       grad = grad.index_select(0, keep);
     }
+    // Only padding ids: nothing to add (the server refuses a gradient for no ids, which would
+    // otherwise count a micro-batch), as the Python client skips it.
+    if (ids.size(0) == 0) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
     ValueOrThrow(e->state->client->EmbeddingGradient(
         e->state->spec.head_id, ids, grad, e->gradient_id,
         {.expected_incarnation = e->state->spec.expected_incarnation,

@@ -42,6 +42,15 @@ GRPOTrainer computes every per-token quantity through one hook, its fused LM hea
   sent as the aux policy_mask. A loss type or level this module does not know falls back to
   TRL's own loss code on the two-phase log-probs; `fused_grpo_fallback` then says why, as data
   ({"option", "value", "reason"}).
+- `sampler_logprobs=True` (off by default: TRL scores tokens under the full softmax): the
+  policy's log-probs (current and old, and so the importance ratios and the policy loss) are
+  taken under the distribution the trainer samples from — the generation config's `top_k`,
+  `top_p`, `min_p` after the temperature, in Hugging Face's order — renormalised over the kept
+  set (the server's `token_logprobs` / policy-loss sampler params; docs/engine.md, "The
+  sampler's distribution"). The fused loss takes them too. The reference's log-probs (its own
+  model, or the policy's head with PEFT adapters off) and the entropies stay full-softmax: the
+  KL is then to the sampler's distribution, finite, where the reference truncated by its own
+  kept set would give −inf log-probs to tokens it would not draw.
 
 The head is trained as `remotehead.hf.offload_lm_head` trains it: `gradients="server"` (server
 AdamW at each optimizer step with the trainer's hyper-parameters and current learning rate; the
@@ -102,6 +111,9 @@ class _RemoteFusedLMHead:
     def __init__(self, model, head: RemoteHead, params: dict, trl_forward):
         self.head = head
         self.params = params
+        # The sampler's truncation for the log-prob functions (token_logprobs and the policy
+        # losses); empty: the full softmax, TRL's. Never for entropies (TRL's are full-softmax).
+        self.sampler: dict = {}
         self.outputs: Sequence[str] = ("log_probs", "entropy")
 
         # TRL's signature is kept: generate() validates its model kwargs against it.
@@ -117,8 +129,9 @@ class _RemoteFusedLMHead:
         model.forward = types.MethodType(forward, model)
 
     def _per_token(self, rows, targets, function):
+        params = self.params if function == "entropy" else {**self.params, **self.sampler}
         return self.head.client.forward(self.head.head_id, rows, targets, function=function,
-                                        params=self.params).outputs.to(rows.device)
+                                        params=params).outputs.to(rows.device)
 
     def _fused(self, model, args, kwargs, labels, shift_labels, num_items_in_batch, loss_spec):
         kwargs["use_cache"] = False
@@ -147,7 +160,8 @@ class _RemoteFusedLMHead:
         pull = accumulation_window_ends()
         loss = log_probs = entropy = None
         if loss_spec is not None:
-            spec = dict(loss_spec, params={**self.params, **loss_spec.get("params", {})})
+            spec = dict(loss_spec, params={**self.params, **self.sampler,
+                                           **loss_spec.get("params", {})})
             policy_mask = spec.pop("policy_mask_from_entropy", None)
             completion_length = spec.pop("completion_length", None)
             if spec.get("weights") is not None:
@@ -161,7 +175,8 @@ class _RemoteFusedLMHead:
         if "log_probs" in self.outputs:
             if loss is None and torch.is_grad_enabled() and rows.requires_grad:
                 log_probs = self.head.token_outputs(rows, targets, function="token_logprobs",
-                                                    params=self.params, pull_gradients=pull)
+                                                    params={**self.params, **self.sampler},
+                                                    pull_gradients=pull)
             else:
                 log_probs = self._per_token(rows, targets, "token_logprobs")
             log_probs = scatter(log_probs)
@@ -173,6 +188,18 @@ class _RemoteFusedLMHead:
             loss = -log_probs.sum() / count
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
                                    label_mask=mask)
+
+
+def _peft_reference_active(model) -> bool:
+    """Whether `model` is a PEFT model computing TRL's reference: adapters disabled
+    (`disable_adapter()`) or the adapter named "ref" active (TRL's use_adapter)."""
+    if not is_peft_model(model):
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    if getattr(model, "active_adapter", None) == "ref":
+        return True
+    return any(layer.disable_adapters for layer in model.modules()
+               if isinstance(layer, BaseTunerLayer))
 
 
 def _install(model, client: Client, head_id: str, temperature: float,
@@ -197,19 +224,24 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
     that PEFT froze is frozen on the server too (dX only). keep_local_copy: as in
     offload_lm_head (default: no local W in server mode, for the policy and the reference). `remote_head` is the policy's
     OffloadedHead, `remote_ref_head` the reference's (or None), `fused_grpo_loss` whether the
-    policy loss is one fused server pass.
+    policy loss is one fused server pass. sampler_logprobs: the policy's log-probs under the
+    generation's top-k / top-p / min-p distribution (see the module's docstring; off: the
+    full softmax, as TRL); `sampler_params` is what the server is sent ({} when off).
     """
 
     def __init__(self, *args, client: Client, head_id: str = "policy",
-                 gradients: str = "server", keep_local_copy: Optional[bool] = None, **kwargs):
+                 gradients: str = "server", keep_local_copy: Optional[bool] = None,
+                 sampler_logprobs: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
+        self.sampler_params = self._sampler_params() if sampler_logprobs else {}
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         trainable = policy.get_output_embeddings().weight.requires_grad
         self._policy_route = _install(policy, client, head_id, self.temperature,
                                       trainable=trainable, gradients=gradients,
                                       keep_local_copy=keep_local_copy)
         self.remote_head: OffloadedHead = self._policy_route.head
+        self._policy_route.sampler = self.sampler_params
         self._routes = [self._policy_route]
         self.remote_ref_head: Optional[OffloadedHead] = None
         if self.ref_model is not None:
@@ -241,6 +273,23 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
             raise ValueError("sync_ref_model: expected False (the reference head on the server "
                              "is frozen); got True")
 
+    def _sampler_params(self) -> dict:
+        """The server's sampler params for the truncation the trainer generates with (HF's
+        generate: the generation config TRL built from GRPOConfig and its generation_kwargs).
+        A logits processor the server does not reproduce is refused: the log-probs would not be
+        those of the distribution the tokens were drawn from."""
+        config = self.generation_config
+        for name, off in (("repetition_penalty", 1.0), ("typical_p", 1.0),
+                          ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0)):
+            value = getattr(config, name, None)
+            if value is not None and value != off:
+                raise ValueError(f"{name}: expected {off} with sampler_logprobs=True (the server "
+                                 f"scores tokens under top_k / top_p / min_p only); got {value}")
+        # HF's order: top-k, top-p, min-p (min_p_first 0); None and 0 / 1.0 are off.
+        return {"top_k": float(config.top_k or 0),
+                "top_p": float(config.top_p if config.top_p is not None else 1.0),
+                "min_p": float(config.min_p or 0.0), "min_p_first": 0.0}
+
     @contextlib.contextmanager
     def _requesting(self, outputs: Sequence[str]):
         """The per-token fields the server computes for the next fused-head calls."""
@@ -253,12 +302,23 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
             for route, before in zip(self._routes, previous):
                 route.outputs = before
 
-    def _get_per_token_logps_and_entropies(self, *args, compute_entropy=False, **kwargs):
+    def _get_per_token_logps_and_entropies(self, model, *args, compute_entropy=False,
+                                           **kwargs):
         # Entropies cost a server pass: only when TRL uses them.
         outputs = ("log_probs", "entropy") if compute_entropy else ("log_probs",)
-        with self._requesting(outputs):
-            return super()._get_per_token_logps_and_entropies(
-                *args, compute_entropy=compute_entropy, **kwargs)
+        route = self._policy_route
+        # With PEFT the reference is the policy with its adapters off (or the "ref" adapter),
+        # served by the policy's head: its log-probs stay full-softmax, as the reference
+        # model's do.
+        reference = _peft_reference_active(self.accelerator.unwrap_model(model))
+        sampler = {} if reference else self.sampler_params
+        previous, route.sampler = route.sampler, sampler
+        try:
+            with self._requesting(outputs):
+                return super()._get_per_token_logps_and_entropies(
+                    model, *args, compute_entropy=compute_entropy, **kwargs)
+        finally:
+            route.sampler = previous
 
     def _refresh_lm_head(self) -> None:
         """A local copy of the lm_head generates and is saved: after server-side steps, fetch

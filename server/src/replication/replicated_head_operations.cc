@@ -162,6 +162,8 @@ absl::StatusOr<EmbeddingGradientOutcome> ReplicatedHeadOperations::AddEmbeddingG
   RETURN_IF_ERROR(Serving());  // dW that could never be applied
   ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
   RETURN_IF_ERROR(CheckEmbeddingIds(ids, head.vocab_size, ids_field));
+  // Refused on every topology before any rank is asked (the reactor checks it first too).
+  RETURN_IF_ERROR(CheckEmbeddingGradientIds(ids, ids_field));
   RETURN_IF_ERROR(CheckEmbeddingRows(rows, ids.size(0), head.hidden_size, rows_field));
   // Refused here before any rank is asked (each rank's part refuses them too).
   if (head.frozen) return HeadFrozenError(id, "header.gradient_id", "accumulating dW");

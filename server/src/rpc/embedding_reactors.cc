@@ -89,6 +89,7 @@ class EmbeddingGradientReactor final : public ClientStreamReactor<v1::EmbeddingG
     // Checked before the rows travel (and again on every rank when they are in).
     ids_ = IdsTensor(h.ids());
     RETURN_IF_ERROR(CheckEmbeddingIds(ids_, head.vocab_size, "header.ids"));
+    RETURN_IF_ERROR(CheckEmbeddingGradientIds(ids_, "header.ids"));
     // The rows are added to dW in the head's accumulation dtype (float64 for a float64 head).
     const torch::ScalarType rows_dtype = core::AccumulationDtype(head.dtype);
     const MemoryEstimate buffer =

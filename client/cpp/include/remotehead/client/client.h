@@ -466,6 +466,19 @@ class Client {
   absl::StatusOr<HeadInfo> OptimizerStep(const std::string& head_id,
                                          const OptimizerStepOptions& options);
 
+  // Durable training state (a server started with --state_dir; FAILED_PRECONDITION without one).
+  // SaveHeadState writes the head's whole training state — weights, bias, optimizer state and
+  // version — on the server now (on a head group or a mesh: every rank its shard, under one
+  // state id) and returns the head's info, whose state_id names the state for RestoreHeadState.
+  // RestoreHeadState puts the head back to that state (weights, optimizer state, version) and
+  // zeroes its gradients (a new accumulation window); NOT_FOUND for an unknown state id or head,
+  // INVALID_ARGUMENT for a state of another head's shape. Both go to a mesh's leader, like every
+  // change to all replicas, and are retried on UNAVAILABLE (saving again writes a new state;
+  // restoring again gives the same head).
+  absl::StatusOr<HeadInfo> SaveHeadState(const std::string& head_id);
+  absl::StatusOr<HeadInfo> RestoreHeadState(const std::string& head_id,
+                                            const std::string& state_id);
+
   // Tied embeddings (a model whose input embedding is this head; RemoteHead::embed is the
   // differentiable form). The rows W[ids] (ids int64 [n], each in [0, V); repeats allowed) in
   // `dtype` (unset: the head's); `pin` as ExportWeights'. On a group every rank reads its rows.
