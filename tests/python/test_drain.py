@@ -9,7 +9,7 @@ cluster_drain.h), with real server processes (Gloo on loopback).
 - A mesh of 2 replicas with a step timeout (40 s) longer than the drain's patience (5 + 10 + 5 s):
   trainer 0 waits at the leader's front in synchronous step 1 for trainer 1, who never comes —
   the leader has already started the mesh's step, replica 1's front waits for its trainer.
-  SIGTERM to the leader, or to replica 1's front: trainer 0 is answered at once (a few seconds,
+  SIGTERM to the leader, to replica 1's front, or (2 x 2) to replica 1's second rank: trainer 0 is answered at once (a few seconds,
   far below the step timeout) with UNAVAILABLE, reason SERVER_DRAINING; every process exits 0
   logging the one state saved on every rank; restarted on the same directories, every rank
   restores it at version 1 (the step refused applied nothing anywhere), weights as before.
@@ -108,21 +108,28 @@ DRAIN_FLAGS = ("--checkpoint_every_steps=0", "--shutdown_grace_seconds=5",
                "--drain_save_seconds=10", f"--sync_step_timeout_seconds={STEP_TIMEOUT}")
 
 
-def start_long_steps(state_dir):
-    """A mesh of 2 replicas of one server each whose fronts wait STEP_TIMEOUT for trainers (the
-    group's timeout above twice that: a front waits for its trainers at most half of it)."""
-    return LocalHeadGroup(BINARY, size=2, replicas=2,
+def start_long_steps(state_dir, per_replica):
+    """A mesh of 2 replicas of `per_replica` ranks each whose fronts wait STEP_TIMEOUT for
+    trainers (the group's timeout above twice that: a front waits for its trainers at most half
+    of it)."""
+    return LocalHeadGroup(BINARY, size=2 * per_replica, replicas=2,
                           args=("--device=cpu", "--torch_threads=1", f"--state_dir={state_dir}",
                                 *DRAIN_FLAGS),
                           timeout_seconds=2 * STEP_TIMEOUT + 10,
                           secret_file=str(group_secret(state_dir))).start()
 
 
-@pytest.mark.parametrize("signalled", [0, 1], ids=["leader", "replica-1s-front"])
+# (ranks per replica, the global rank signalled): the leader, replica 1's front, and on a 2 x 2
+# mesh replica 1's second rank (no front).
+SIGNALLED = {"2x1-leader": (1, 0), "2x1-replica-1s-front": (1, 1), "2x2-rank-3": (2, 3)}
+
+
+@pytest.mark.parametrize("per_replica,signalled", SIGNALLED.values(), ids=SIGNALLED.keys())
 def test_sigterm_answers_a_step_the_leader_started_at_once_and_saves_every_rank(
-        tmp_path, signalled):
+        tmp_path, per_replica, signalled):
     state_dir = tmp_path / "state"
-    mesh = start_long_steps(state_dir)
+    size = 2 * per_replica
+    mesh = start_long_steps(state_dir, per_replica)
     try:
         with remotehead.Client(mesh.fronts, rank=0) as client:
             client.create_head("h", VOCAB, HIDDEN, seed=3)
@@ -168,14 +175,14 @@ def test_sigterm_answers_a_step_the_leader_started_at_once_and_saves_every_rank(
         'synchronous optimizer step 1 of head "h": the mesh is draining, and replica 1 stopped '
         "waiting for its trainers: nothing applied on any replica"), error.details
     assert result["at"] - began < 5.0, (result["at"] - began, logs(mesh))
-    assert codes == [0, 0], logs(mesh)
+    assert codes == [0] * size, logs(mesh)
     assert took < 15, (took, logs(mesh))
     ids = {saved_state_id(rank.log, signalled, "h") for rank in mesh.ranks}
     assert len(ids) == 1, logs(mesh)
     (state_id,) = ids
-    assert state_files(state_dir, 2, "h") == [[f"{state_id}.safetensors"]] * 2
+    assert state_files(state_dir, size, "h") == [[f"{state_id}.safetensors"]] * size
 
-    restarted = start_long_steps(state_dir)
+    restarted = start_long_steps(state_dir, per_replica)
     try:
         for rank in restarted.ranks:
             assert 'head restored: "h" version 1' in "".join(rank.log), logs(restarted)
@@ -184,7 +191,7 @@ def test_sigterm_answers_a_step_the_leader_started_at_once_and_saves_every_rank(
             assert version == version_before == 1 and torch.equal(w, w_before)
     finally:
         codes = restarted.stop()
-    assert codes == [0, 0], logs(restarted)
+    assert codes == [0] * size, logs(restarted)
 
 
 class HeldUploads:

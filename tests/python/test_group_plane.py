@@ -322,7 +322,13 @@ def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_onc
             call.start()
             stranger = TCPStore("127.0.0.1", group.store_port, is_master=False,
                                 wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
-            seq = pending_command(stranger, prefix)
+            try:
+                seq = pending_command(stranger, prefix)
+            except AssertionError:
+                call.join(timeout=5)
+                raise AssertionError(f"no pending command: the call gave {result}; rank 0: "
+                                     f"{log_of(group.ranks[0])}; rank 1: "
+                                     f"{log_of(group.ranks[1])}") from None
             key = f"{prefix}/cmd/{seq}"
             # Rank 1's heartbeat has stopped long enough by now for the liveness watch to call
             # it lost (> 1.2 s): both are seen, and the tampering is what the answer says.
