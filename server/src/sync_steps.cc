@@ -148,6 +148,7 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
   // Read before the lock: the head's own lock is never taken under ours.
   const absl::StatusOr<HeadDescription> now = describe_(request.head_id);
   Replies replies;
+  std::vector<Pending> left;  // steps ended here (their trainers answered)
   bool last = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -174,6 +175,7 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
         // timeout, and nothing is applied.
         replies.push_back({waiter, disagree});
         if (!pending.applying) {
+          left.push_back(pending);
           TakeAll(pending, disagree, &replies);
           pending_.erase(it);
           if (metrics_ != nullptr) metrics_->CountSyncStepAborted("disagreement");
@@ -189,9 +191,21 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
     }
     UpdateWaitingLocked();
   }
+  const auto answered = std::chrono::system_clock::now();
   Send(std::move(replies));
   if (mesh_ != nullptr) TellMesh(request.head_id);
+  for (const Pending& p : left) TellMeshLeft(p, answered);
   if (last) ApplyAndAnswer(request.head_id);
+}
+
+void SynchronousSteps::TellMeshLeft(const Pending& pending,
+                                    std::chrono::system_clock::time_point answered) {
+  if (mesh_ == nullptr) return;
+  // Under the same lock as Came: a Came read before the step ended is told before this.
+  std::lock_guard<std::mutex> telling(telling_);
+  std::vector<int> ranks;
+  for (const auto& [rank, waiters] : pending.ranks) ranks.push_back(rank);
+  mesh_->Left(pending.first, ranks, answered);
 }
 
 void SynchronousSteps::TellMesh(const std::string& head_id) {
@@ -240,6 +254,7 @@ void SynchronousSteps::ApplyAndAnswer(const std::string& head_id) {
   // Applied outside the lock: other heads' steps and this one's retries go on meanwhile.
   const absl::StatusOr<HeadDescription> result = apply_(first, spec);
   Replies replies;
+  std::vector<Pending> left;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(head_id);
@@ -251,11 +266,14 @@ void SynchronousSteps::ApplyAndAnswer(const std::string& head_id) {
     } else if (metrics_ != nullptr) {
       metrics_->CountSyncStepAborted("refused");
     }
+    left.push_back(it->second);
     TakeAll(it->second, result, &replies);
     pending_.erase(it);
     UpdateWaitingLocked();
   }
+  const auto answered = std::chrono::system_clock::now();
   Send(std::move(replies));
+  for (const Pending& p : left) TellMeshLeft(p, answered);
 }
 
 void SynchronousSteps::TakeAll(Pending& pending, const absl::StatusOr<HeadDescription>& status,
@@ -268,6 +286,7 @@ void SynchronousSteps::TakeAll(Pending& pending, const absl::StatusOr<HeadDescri
 
 void SynchronousSteps::AbortAll(const absl::Status& status) {
   Replies replies;
+  std::vector<Pending> left;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -275,13 +294,16 @@ void SynchronousSteps::AbortAll(const absl::Status& status) {
         ++it;
         continue;
       }
+      left.push_back(it->second);
       TakeAll(it->second, status, &replies);
       if (metrics_ != nullptr) metrics_->CountSyncStepAborted("draining");
       it = pending_.erase(it);
     }
     UpdateWaitingLocked();
   }
+  const auto answered = std::chrono::system_clock::now();
   Send(std::move(replies));
+  for (const Pending& p : left) TellMeshLeft(p, answered);
 }
 
 void SynchronousSteps::TimerLoop() {
@@ -315,8 +337,11 @@ void SynchronousSteps::TimerLoop() {
       std::vector<int> came;
       for (const auto& [rank, waiters] : p.ranks) came.push_back(rank);
       Replies replies;
+      const Pending ended = p;
       TakeAll(p, MissingRanks(p.first, came, timeout_), &replies);
+      const auto answered = std::chrono::system_clock::now();
       Send(std::move(replies));
+      TellMeshLeft(ended, answered);
     }
     lock.lock();
   }

@@ -41,10 +41,17 @@ struct SyncStepRequest {
 class TrainersOfTheMesh {
  public:
   virtual ~TrainersOfTheMesh() = default;
-  // This replica's trainers that asked for `first`'s step so far.
+  // This replica's trainers that asked for `first`'s step so far (they wait).
   virtual void Came(const SyncStepRequest& first, const std::vector<int>& ranks) = 0;
+  // This replica's trainers at `first`'s step were answered (applied, refused, aborted): they no
+  // longer count as come to a later try of the same step (the same step asked again after it
+  // was aborted).
+  // `answered`: when (before their answers were sent).
+  virtual void Left(const SyncStepRequest& first, const std::vector<int>& ranks,
+                    std::chrono::system_clock::time_point answered) = 0;
   // ABORTED, reason RANKS_MISSING: the step of `first` waited `waited`; every trainer of its world
-  // that came, on any replica, and every one missing (metadata missing_ranks).
+  // that came to this try of it, on any replica (waiting, or answered after this try began),
+  // and every one missing (metadata missing_ranks).
   virtual absl::Status Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) = 0;
 };
 
@@ -118,6 +125,9 @@ class SynchronousSteps {
   void TimerLoop();
   // The mesh told which of this replica's trainers came to `head_id`'s step now.
   void TellMesh(const std::string& head_id);
+  // The mesh told that the trainers of `pending` (taken out of pending_) were answered at
+  // `answered`.
+  void TellMeshLeft(const Pending& pending, std::chrono::system_clock::time_point answered);
   // ABORTED naming the trainers that came and those missing, after `waited`.
   absl::Status MissingRanks(const SyncStepRequest& first, const std::vector<int>& came,
                             std::chrono::milliseconds waited);

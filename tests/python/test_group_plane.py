@@ -12,8 +12,10 @@
 - a rank stopped while idle and continued after the front gave up never runs the command it
   missed: it leaves the group (exit 1) saying why;
 - a pending command (appended, not yet taken by a stopped rank) overwritten by a stranger takes
-  the group down within a second or so, not one --group_timeout_seconds: the caller's error and
-  the front's log name the store key; the stopped rank, continued, refuses it and leaves.
+  the group down within a second or so, not one --group_timeout_seconds: the caller's error
+  (word for word, metadata key and rank, no lost_* although the stopped rank's heartbeat has
+  stopped for longer than the liveness watch's 1.2 s) and the front's log name the store key;
+  the stopped rank, continued, refuses it and leaves. On a head group's log and on a mesh's.
 """
 
 import datetime
@@ -279,21 +281,30 @@ def test_a_rank_stopped_while_idle_never_runs_the_command_it_missed():
         group.stop()
 
 
-def pending_command(stranger, within: float = 10.0) -> int:
-    """The seq of the command the front appended and nobody took (the front deletes a command's
-    key once every rank answered it, so it is the only one there)."""
+def pending_command(stranger, prefix: str, within: float = 10.0) -> int:
+    """The seq of the command the front appended under `prefix` and nobody took (the front
+    deletes a command's key once every rank answered it, so it is the only one there)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         for seq in range(64):
-            if stranger.check([f"remotehead/commands/cmd/{seq}"]):
+            if stranger.check([f"{prefix}/cmd/{seq}"]):
                 return seq
         time.sleep(0.05)
     raise AssertionError("no pending command in the store")
 
 
-def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_once():
+# A head group of 2 (its log under remotehead/commands) and a mesh of 2 replicas of one server
+# each (the mesh's log, the fronts', under remotehead/shard/0/commands): rank 1 is the one
+# stopped, so the command stays pending.
+TAMPERED_LOGS = {"group": (1, "remotehead/commands"), "mesh": (2, "remotehead/shard/0/commands")}
+
+
+@pytest.mark.parametrize("replicas,prefix", TAMPERED_LOGS.values(), ids=TAMPERED_LOGS.keys())
+def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_once(
+        replicas, prefix):
     timeout = 30.0
-    group = LocalHeadGroup(BINARY, size=2, args=ARGS, timeout_seconds=timeout).start()
+    group = LocalHeadGroup(BINARY, size=2, replicas=replicas, args=ARGS,
+                           timeout_seconds=timeout).start()
     try:
         with remotehead.Client(group.target, max_attempts=1) as client:
             client.create_head("h", V, D, seed=3)
@@ -311,8 +322,17 @@ def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_onc
             call.start()
             stranger = TCPStore("127.0.0.1", group.store_port, is_master=False,
                                 wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
-            seq = pending_command(stranger)
-            key = f"remotehead/commands/cmd/{seq}"
+            try:
+                seq = pending_command(stranger, prefix)
+            except AssertionError:
+                call.join(timeout=5)
+                raise AssertionError(f"no pending command: the call gave {result}; rank 0: "
+                                     f"{log_of(group.ranks[0])}; rank 1: "
+                                     f"{log_of(group.ranks[1])}") from None
+            key = f"{prefix}/cmd/{seq}"
+            # Rank 1's heartbeat has stopped long enough by now for the liveness watch to call
+            # it lost (> 1.2 s): both are seen, and the tampering is what the answer says.
+            time.sleep(2.0)
             overwritten_at = time.monotonic()
             stranger.set(key, create_command("evil"))
             call.join(timeout=2 * timeout)
@@ -323,9 +343,20 @@ def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_onc
             assert took < 3.0, f"failed {took:.1f} s after the overwrite (timeout {timeout} s)"
             assert error.code.name == "UNAVAILABLE", error
             assert error.reason == "GROUP_UNAVAILABLE", error.reason
-            assert f'store key "{key}"' in error.details, error.details
-            assert "overwritten by someone without the group's secret" in error.details
+            assert error.details.startswith(
+                f'head group: the store key "{key}" (command {seq}, not yet answered by every '
+                "rank) was overwritten by someone without the group's secret: a stranger "
+                "reaches the group's store — the group goes down; fence the store "
+                "(docs/security.md) and restart every rank of the group"), error.details
+            assert "is lost" not in error.details, error.details
+            assert error.metadata.get("key") == key, error.metadata
+            assert error.metadata.get("rank") == "0", error.metadata
+            assert "lost_rank" not in error.metadata, error.metadata
             assert health_turns(client, "NOT_SERVING")
+            # A later call is refused with the same verdict: the store key, not a lost process.
+            with pytest.raises(RemoteheadError) as refused:
+                client.create_head("later", V, D, seed=5)
+            assert refused.value.metadata.get("key") == key, refused.value.metadata
             # Continued, rank 1 refuses the forged entry, never runs it, and leaves.
             group.ranks[1].process.send_signal(signal.SIGCONT)
             assert drain(group.ranks[1], timeout=2 * timeout) == 1

@@ -9,7 +9,10 @@
   (replica 1's) never comes is ABORTED (RANKS_MISSING) on every replica within one
   --sync_step_timeout_seconds (plus a margin), every message naming the ranks that came and the
   one missing ("got ranks [1, 2, 3], missing ranks [0]", metadata missing_ranks "0"); nothing is
-  applied anywhere.
+  applied anywhere. The same step asked again with the other replica's trainer missing names
+  that one (the trainers of the aborted try are not counted as come: they were answered); and
+  so with a world of 2 (one trainer per replica: the leader's replica has nobody waiting when
+  trainer 0 is missing).
 - A killed process named: with trainers waiting at a synchronous step on both replicas, global
   rank 3 (replica 1's second rank, not a front) is killed (SIGKILL). Every waiting trainer gets
   UNAVAILABLE, reason GROUP_UNAVAILABLE, within a few seconds (far below the group's and the
@@ -127,24 +130,47 @@ def test_head_info_and_gradients_answer_for_every_replica(mesh):
             leader.drop_head(head)
 
 
-@pytest.mark.parametrize("missing", [0, 3], ids=["leaders-trainer", "replica-1s-trainer"])
-def test_missing_trainers_are_named_on_every_replica_within_one_timeout(mesh, missing):
-    head = f"mesh-missing-{missing}"
+def ask_step(fronts, head, step, rank, world):
+    """Trainer `rank`'s synchronous step `step` of `world`: the error it gets (it must fail)
+    and when."""
+    with remotehead.Client(fronts, rank=rank, max_attempts=1) as client:
+        with pytest.raises(remotehead.RemoteheadError) as failed:
+            client.optimizer_step(head, adamw=ADAMW, zero_gradients=True,
+                                  synchronous=(step, rank, world))
+        return failed.value, time.monotonic()
+
+
+# (world size, the trainer that never comes, the trainer missing from the next try of the same
+# step): the leader's trainer and replica 1's, with 2 trainers per replica and with 1 — where the
+# leader's replica has no trainer at the step at all — each case after its mirror.
+MISSING_CASES = {"leaders-trainer": (4, 0, 3), "replica-1s-trainer": (4, 3, 0),
+                 "world2-leaders-trainer": (2, 0, 1), "world2-replica-1s-trainer": (2, 1, 0)}
+
+
+@pytest.mark.parametrize("world,missing,then_missing", MISSING_CASES.values(),
+                         ids=MISSING_CASES.keys())
+def test_missing_trainers_are_named_on_every_replica_within_one_timeout(
+        mesh, world, missing, then_missing):
+    head = f"mesh-missing-{world}-{missing}"
     with remotehead.Client(mesh.fronts) as leader:
         leader.create_head(head, VOCAB, HIDDEN, seed=5)
     try:
-        came = [r for r in range(WORLD) if r != missing]
-        started = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(len(came)) as pool:
-            results = list(pool.map(lambda r: ask_for_step(mesh.fronts, head, r), came))
-        for rank, (e, answered) in zip(came, results):
-            assert isinstance(e, remotehead.RanksMissingError), (rank, e)
-            assert e.code.name == "ABORTED"
-            assert (f"got ranks [{', '.join(map(str, came))}], missing ranks [{missing}]"
-                    in e.details), (rank, e.details)
-            assert e.metadata.get("missing_ranks") == str(missing), e.metadata
-            assert answered - started < SYNC_TIMEOUT * 1.5 + 1.0, (
-                f"rank {rank} answered after {answered - started:.1f} s")
+        # The same step twice: nothing was applied by the first try, so the trainers ask for it
+        # again, and the trainers that came to the first try (answered) never count as come to
+        # the second.
+        for absent in (missing, then_missing):
+            came = [r for r in range(world) if r != absent]
+            started = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(len(came)) as pool:
+                results = list(pool.map(lambda r: ask_step(mesh.fronts, head, 4, r, world), came))
+            for rank, (e, answered) in zip(came, results):
+                assert isinstance(e, remotehead.RanksMissingError), (absent, rank, e)
+                assert e.code.name == "ABORTED"
+                assert (f"got ranks [{', '.join(map(str, came))}], missing ranks [{absent}]"
+                        in e.details), (absent, rank, e.details)
+                assert e.metadata.get("missing_ranks") == str(absent), (absent, e.metadata)
+                assert answered - started < SYNC_TIMEOUT * 1.5 + 1.0, (
+                    f"rank {rank} answered after {answered - started:.1f} s")
         for front in mesh.fronts:
             with remotehead.Client(front) as client:
                 assert client.describe_head(head).weight_version == 0

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "group/log_format.h"
+#include "remotehead/server/group/liveness.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 
@@ -237,12 +238,16 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
   absl::Status tampered;
   int awaited = 0;
   auto watch = [&] {
-    // A group or mesh declared down meanwhile (liveness.h): its verdict, not a wait for ranks
-    // that will never answer.
+    // The command or a reply changed by a stranger first: that is what the answer says, even
+    // when the rank that left it pending is declared lost meanwhile (liveness.h: NamesTampering).
+    tampered = WatchPending(seq, written, awaited);
+    if (NamesTampering(tampered)) return tampered;
+    // A group or mesh declared down meanwhile: its verdict, not a wait for ranks that will never
+    // answer.
     if (abandon_) {
       if (absl::Status down = abandon_(); !down.ok()) return tampered = down;
     }
-    return tampered = WatchPending(seq, written, awaited);
+    return tampered;
   };
   const auto deadline = Clock::now() + wait;
   std::vector<std::string> payloads;

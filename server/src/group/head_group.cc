@@ -76,8 +76,13 @@ void HeadGroup::set_front_address(std::string address) {
 
 absl::Status HeadGroup::Check(absl::Status failure) {
   if (!IsGroupFailure(failure)) return failure;
-  // A verdict that names the process lost says it best (liveness.h).
-  if (liveness_ != nullptr && NamesLostProcess(liveness_->health())) failure = liveness_->health();
+  // A stranger's change of the store says it best: what to do is fence the store, whatever else
+  // is seen (the rank stopped meanwhile, whose command stayed pending, looks lost too).
+  const bool tampering = NamesTampering(failure);
+  // Else a verdict that names the process lost says it best (liveness.h).
+  if (!tampering && liveness_ != nullptr && NamesLostProcess(liveness_->health())) {
+    failure = liveness_->health();
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!down_.ok()) return failure;  // down already: this failure as it is (a reply's names)
@@ -85,9 +90,9 @@ absl::Status HeadGroup::Check(absl::Status failure) {
   // Named after the process lost (whose heartbeat stopped), not the live rank that noticed; the
   // verdict of every process of the group or mesh.
   if (liveness_ != nullptr) {
-    if (!NamesLostProcess(failure)) failure = liveness_->Blame(failure);
+    if (!tampering && !NamesLostProcess(failure)) failure = liveness_->Blame(failure);
     liveness_->DeclareDown(failure);  // a rank's reply may carry the verdict: ours too, at once
-    if (NamesLostProcess(liveness_->health())) failure = liveness_->health();
+    if (!tampering && NamesLostProcess(liveness_->health())) failure = liveness_->health();
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -130,7 +135,8 @@ absl::Status HeadGroup::Timed(const std::string& command,
 
 // UNAVAILABLE saying why `failure` took the group down and what to do; OK for OK.
 absl::Status HeadGroup::Unavailable(const absl::Status& failure) const {
-  if (failure.ok() || NamesLostProcess(failure)) return failure;  // it says what to do
+  // A verdict naming the process lost or the key a stranger changed says what to do.
+  if (failure.ok() || NamesLostProcess(failure) || NamesTampering(failure)) return failure;
   return GroupUnavailable(absl::StrCat("head group of ", size(), " is down since: ",
                                        failure.message(), " — restart every rank of the group"),
                           rank());

@@ -256,9 +256,16 @@ bool NamesLostProcess(const absl::Status& status) {
   return reason.has_value() && reason->metadata.contains("lost_rank");
 }
 
+bool NamesTampering(const absl::Status& status) {
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  return reason.has_value() && reason->reason == core::reason::kGroupUnavailable &&
+         reason->metadata.contains("key");
+}
+
 absl::Status Liveness::Blame(const absl::Status& failure) {
-  if (failure.code() != absl::StatusCode::kUnavailable &&
-      failure.code() != absl::StatusCode::kDeadlineExceeded) {
+  if ((failure.code() != absl::StatusCode::kUnavailable &&
+       failure.code() != absl::StatusCode::kDeadlineExceeded) ||
+      NamesTampering(failure)) {
     return failure;
   }
   // A process killed just now beat less than `stalled` ago: the evidence takes that long.

@@ -1,5 +1,6 @@
 #include "replication/mesh_steps.h"
 
+#include <algorithm>
 #include <set>
 
 #include "absl/strings/escaping.h"
@@ -45,6 +46,33 @@ absl::StatusOr<OptimizerStepSpec> AppliedSpec(const v1::MeshStep& step) {
     spec.grad_scale /= step.step().synchronous().world_size();
   }
   return spec;
+}
+
+// Now, in ms since the epoch of the system clock: when a replica's trainers were answered, as
+// the other fronts compare it with when their own try of the step began (fronts on different
+// hosts: their clocks agree to well within a step's timeout).
+int64_t SystemMillis(
+    std::chrono::system_clock::time_point at = std::chrono::system_clock::now()) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(at.time_since_epoch()).count();
+}
+
+// Where the leader tells the other fronts that the mesh drains (MeshSteps::Drain).
+constexpr char kDrainingKey[] = "draining";
+// How often a front waiting for its trainers at a started step looks whether the mesh drains.
+constexpr std::chrono::milliseconds kDrainPoll{100};
+
+// A step's answer to its trainers: a drain's refusal, ABORTED inside the mesh's command (where an
+// UNAVAILABLE would take the mesh down), is UNAVAILABLE to them, as every front's drain answers
+// the steps waiting there (reason SERVER_DRAINING: try again once the servers are back).
+absl::StatusOr<HeadDescription> ToTrainers(absl::StatusOr<HeadDescription> result) {
+  if (result.ok()) return result;
+  const std::optional<core::ErrorReason> reason = core::GetReason(result.status());
+  if (!reason.has_value() || reason->reason != core::reason::kServerDraining ||
+      result.status().code() == absl::StatusCode::kUnavailable) {
+    return result;
+  }
+  return core::WithSerializedReason(absl::UnavailableError(result.status().message()),
+                                    core::SerializeReason(result.status()));
 }
 
 // `status` with its message after `prefix`, its reason kept.
@@ -97,21 +125,36 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
     result = RunOnThisReplica(command.mesh_step(), first);
     return result.status();
   });
-  if (!status.ok()) return status;
-  return result;
+  if (!status.ok()) return ToTrainers(status);
+  return ToTrainers(result);
 }
 
 absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
   const Key key{step.step().head_id(), step.step().synchronous().step()};
   std::optional<SyncStepRequest> mine;
   if (WaitsForTrainers(step, *mesh_)) {
+    const auto deadline = std::chrono::steady_clock::now() + wait_;
     std::unique_lock<std::mutex> lock(mu_);
-    changed_.wait_for(lock, wait_, [&] {
+    auto came = [&] {
       auto it = ready_.find(key);
-      return !down_.ok() || (it != ready_.end() && !it->second.taken && !it->second.result);
-    });
-    if (auto it = ready_.find(key);
-        it != ready_.end() && !it->second.taken && !it->second.result && down_.ok()) {
+      return !down_.ok() || draining_ ||
+             (it != ready_.end() && !it->second.taken && !it->second.result);
+    };
+    // Waited in slices: between them the store says whether the leader drains (a drain that
+    // began after the leader started this step must not wait for this replica's trainers).
+    while (!came() && std::chrono::steady_clock::now() < deadline) {
+      lock.unlock();
+      const bool drains = LeaderDrains();
+      lock.lock();
+      if (drains) {
+        draining_ = true;
+        break;
+      }
+      changed_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() + kDrainPoll),
+                          came);
+    }
+    if (auto it = ready_.find(key); it != ready_.end() && !it->second.taken &&
+                                    !it->second.result && down_.ok()) {
       it->second.taken = true;
       mine = it->second.first;
     }
@@ -124,6 +167,42 @@ absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
     changed_.notify_all();
   }
   return result.status();
+}
+
+void MeshSteps::Drain() {
+  if (mesh_ == nullptr || !mesh_->is_front()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    draining_ = true;
+  }
+  changed_.notify_all();
+  if (!mesh_->is_leader() || mesh_->liveness() == nullptr) return;
+  if (const absl::Status told = mesh_->liveness()->Publish(kDrainingKey, "draining");
+      !told.ok()) {
+    operations_->local().LogEvent(absl::StrCat(
+        "mesh: the drain not told to the other fronts (a step they wait at ends at its "
+        "timeout): ",
+        told.message()));
+  }
+}
+
+bool MeshSteps::LeaderDrains() {
+  Liveness* liveness = mesh_->liveness();
+  if (liveness == nullptr) return false;
+  const absl::StatusOr<std::optional<std::string>> told = liveness->Read(kDrainingKey);
+  return told.ok() && told->has_value();
+}
+
+absl::Status MeshSteps::DrainingVerdict(const v1::MeshStep& step) const {
+  const std::string& head_id = step.step().head_id();
+  const int64_t n = step.step().synchronous().step();
+  return core::WithReason(
+      absl::AbortedError(absl::StrCat(
+          "synchronous optimizer step ", n, " of head \"", head_id,
+          "\": the mesh is draining, and replica ", mesh_->replica(),
+          " stopped waiting for its trainers: nothing applied on any replica")),
+      core::reason::kServerDraining,
+      {{"head", head_id}, {"step", absl::StrCat(n)}, {"replica", absl::StrCat(mesh_->replica())}});
 }
 
 void MeshSteps::AbortWaiting(const absl::Status& status, bool started) {
@@ -144,19 +223,33 @@ std::string ArrivalsKey(const std::string& head_id, int replica) {
 }  // namespace
 
 void MeshSteps::Came(const SyncStepRequest& first, const std::vector<int>& ranks) {
+  Tell(first, ranks, 0);
+}
+
+void MeshSteps::Left(const SyncStepRequest& first, const std::vector<int>& ranks,
+                     std::chrono::system_clock::time_point answered) {
+  Tell(first, ranks, std::max<int64_t>(1, SystemMillis(answered)));
+}
+
+void MeshSteps::Tell(const SyncStepRequest& first, const std::vector<int>& ranks,
+                     int64_t left_ms) {
   Liveness* liveness = mesh_->liveness();
   if (liveness == nullptr) return;
-  const absl::Status told =
-      liveness->Publish(ArrivalsKey(first.head_id, mesh_->replica()),
-                        absl::StrCat(first.step, " ", first.world_size, " ", absl::StrJoin(ranks, ",")));
+  const absl::Status told = liveness->Publish(
+      ArrivalsKey(first.head_id, mesh_->replica()),
+      absl::StrCat(first.step, " ", first.world_size, " ", absl::StrJoin(ranks, ","), " ",
+                   left_ms));
   if (!told.ok()) {
     operations_->local().LogEvent(absl::StrCat(
         "mesh: replica ", mesh_->replica(), "'s trainers at step ", first.step,
-        " not told to the other fronts: ", told.message()));
+        left_ms == 0 ? "" : " (answered)", " not told to the other fronts: ", told.message()));
   }
 }
 
 absl::Status MeshSteps::Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) {
+  // This try of the step began `waited` ago: a replica's trainers answered before that came to
+  // an earlier try (aborted: the step is asked again), not to this one.
+  const int64_t began_ms = SystemMillis() - waited.count();
   std::set<int> came;
   std::vector<std::string> unknown;
   Liveness* liveness = mesh_->liveness();
@@ -169,13 +262,16 @@ absl::Status MeshSteps::Missing(const SyncStepRequest& first, std::chrono::milli
       continue;
     }
     if (!told->has_value()) continue;
-    // "<step> <world size> <ranks>": only this step's count.
+    // "<step> <world size> <ranks> <left>": only this step's trainers, waiting or answered
+    // since this try began.
     const std::vector<std::string> fields = absl::StrSplit(**told, ' ');
     int64_t step = -1;
     int world = -1;
-    if (fields.size() != 3 || !absl::SimpleAtoi(fields[0], &step) ||
-        !absl::SimpleAtoi(fields[1], &world) || step != first.step ||
-        world != first.world_size) {
+    int64_t left_ms = -1;
+    if (fields.size() != 4 || !absl::SimpleAtoi(fields[0], &step) ||
+        !absl::SimpleAtoi(fields[1], &world) || !absl::SimpleAtoi(fields[3], &left_ms) ||
+        step != first.step || world != first.world_size ||
+        (left_ms != 0 && left_ms < began_ms)) {
       continue;
     }
     for (absl::string_view rank : absl::StrSplit(fields[2], ',', absl::SkipEmpty())) {
@@ -222,7 +318,7 @@ absl::StatusOr<HeadDescription> MeshSteps::AwaitLeader(const SyncStepRequest& fi
   changed_.wait(lock, [&] { return ready.result.has_value(); });
   absl::StatusOr<HeadDescription> result = *ready.result;
   ready_.erase(key);
-  return result;
+  return ToTrainers(result);
 }
 
 absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
@@ -247,6 +343,7 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (!down_.ok()) return down_;  // it did not wait: the mesh is down
+        if (draining_) return DrainingVerdict(step);  // it stopped waiting: the mesh drains
       }
       return Missing(*leaders, wait_);  // this replica's trainers did not all come
     }

@@ -49,11 +49,24 @@ class MeshSteps : public TrainersOfTheMesh {
   // the leader has not started (the server drains); with `started`, those it did too (the mesh
   // is down: their answer would never come), and no later step waits for trainers.
   void AbortWaiting(const absl::Status& status, bool started);
+  // The server drains (HeadService::Drain, on every front; first on the leader, whose drain
+  // runs the mesh's). On the leader, told to every front through the store (Liveness::Publish,
+  // "draining"): a front waiting for its own trainers at a step the leader already started
+  // stops waiting and refuses it (SERVER_DRAINING), and since every replica refuses a step one
+  // of them refused, nothing is applied anywhere — the drain never waits for a step's timeout,
+  // and the leader's trainers are answered at once. A step whose every replica's trainers came
+  // is applied everywhere as usual.
+  void Drain();
 
   // TrainersOfTheMesh: this replica's trainers at a step, published for the other fronts
-  // (Liveness::Publish, "arrivals/<head>/<replica>", the latest step only); the trainers of every
-  // replica that came, and those missing, as the fronts published them.
+  // (Liveness::Publish, "arrivals/<head>/<replica>", the latest step only: "<step> <world size>
+  // <ranks> <left>", left = 0 while they wait, else when they were answered, in ms of the system
+  // clock); the trainers of every replica that came to this try of the step, and those missing,
+  // as the fronts published them (trainers answered before this try began came to an earlier
+  // try of the same step, which was aborted: they count as missing).
   void Came(const SyncStepRequest& first, const std::vector<int>& ranks) override;
+  void Left(const SyncStepRequest& first, const std::vector<int>& ranks,
+            std::chrono::system_clock::time_point answered) override;
   absl::Status Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) override;
 
  private:
@@ -71,6 +84,13 @@ class MeshSteps : public TrainersOfTheMesh {
   absl::Status Verdict(const v1::MeshStep& step, const std::optional<SyncStepRequest>& mine);
   // Another front: waits for the leader's step for `first` and returns its result.
   absl::StatusOr<HeadDescription> AwaitLeader(const SyncStepRequest& first);
+  // Publishes this replica's trainers at `first`'s step (`left_ms`: 0 while they wait).
+  void Tell(const SyncStepRequest& first, const std::vector<int>& ranks, int64_t left_ms);
+  // Whether the leader said the mesh drains (its Drain, read from the store).
+  bool LeaderDrains();
+  // This replica's refusal of `step` because the mesh drains: ABORTED inside the mesh's command
+  // (an UNAVAILABLE there would take the mesh down, HeadGroup::Check), reason SERVER_DRAINING.
+  absl::Status DrainingVerdict(const v1::MeshStep& step) const;
 
   ReplicatedHeadOperations* const operations_;
   HeadMesh* const mesh_;
@@ -80,6 +100,7 @@ class MeshSteps : public TrainersOfTheMesh {
   std::condition_variable changed_;
   std::map<Key, Ready> ready_;
   absl::Status down_;  // set by AbortWaiting(…, started = true)
+  bool draining_ = false;  // set by Drain, or once the leader's drain was read from the store
 };
 
 // The mesh's log as a front other than the leader follows it: a step to MeshSteps, the

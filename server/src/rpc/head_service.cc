@@ -265,8 +265,10 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
         absl::UnavailableError("synchronous optimizer step: the server is draining; nothing applied"),
         core::reason::kServerDraining);
     context_->sync_steps.AbortAll(draining);
-    // On a mesh's front, also the steps whose trainers all came, waiting for the leader's.
+    // On a mesh's front, also the steps whose trainers all came, waiting for the leader's; and
+    // the steps the leader started, which no front waits for its trainers for any more.
     context_->operations.mesh_steps().AbortWaiting(draining, /*started=*/false);
+    context_->operations.mesh_steps().Drain();
   }
   bool Quiesce(std::chrono::steady_clock::time_point deadline) override {
     Drain();
