@@ -204,7 +204,8 @@ absl::Status CheckRatioPerSequence(const FunctionParams& params, const AuxTensor
   }
   torch::NoGradGuard no_grad;
   const torch::Tensor ratio = is->second.to(torch::kDouble);
-  const auto [unique, index] = torch::_unique(ids->second, /*sorted=*/true, /*return_inverse=*/true);
+  const auto [unique, index] =
+      torch::_unique(ids->second, /*sorted=*/true, /*return_inverse=*/true);
   const torch::Tensor init = torch::zeros({unique.size(0)}, ratio.options());
   const torch::Tensor high = init.index_reduce(0, index, ratio, "amax", /*include_self=*/false);
   const torch::Tensor low = init.index_reduce(0, index, ratio, "amin", /*include_self=*/false);

@@ -277,6 +277,30 @@ def test_an_error_names_the_callers_row_and_batch_position(client, heads, bad):
     assert client.describe_head(student).accumulated_micro_batches == 0
 
 
+def test_a_functions_own_check_names_the_callers_row(client, heads):
+    # distill_topk_kl's own check (its validate) of a sparse teacher's log-probabilities, on
+    # the batch the server computes: the server's compaction and a call in many messages
+    # number that batch's rows otherwise than the request does.
+    student, _ = heads
+    hidden, targets, _ = bad_rows_call()
+    g = torch.Generator().manual_seed(8)
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(32)]).reshape(4, 8, K)
+    logprobs = (torch.randn(4, 8, K, generator=g).softmax(-1) * 0.9).log()
+    logprobs[1, 6, 0] = 0.5
+    aux = {"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs}
+    message = ('aux["teacher_topk_logprobs"][1, 6]: expected log-probabilities <= 0; got max '
+               '0.5')
+    for compact in (False, True):
+        for chunk_bytes in (None, 1024):
+            kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+            with remotehead.Client(client.target, **kw) as c, \
+                    pytest.raises(remotehead.InvalidArgumentError) as refused:
+                c.forward_backward(student, hidden, targets, function="distill_topk_kl",
+                                   aux=aux, compact_rows=compact, accumulate=False)
+            assert refused.value.details == message, (compact, chunk_bytes)
+            assert refused.value.metadata["field"] == 'aux["teacher_topk_logprobs"][1, 6]'
+
+
 def test_a_backward_by_handle_names_the_callers_row_of_grad_output(client, heads):
     student, _ = heads
     hidden, targets, _ = bad_rows_call()
