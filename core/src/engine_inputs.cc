@@ -5,9 +5,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_internal.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::core::engine_internal {
@@ -88,6 +91,34 @@ absl::Status CheckTopkAux(const torch::Tensor& t, const std::string& field, AuxK
   return absl::OkStatus();
 }
 
+// A function's validate names a row by its index in the batch it is given ("aux[\"x\"][3]: …",
+// the message's leading field); the caller's request numbers that row otherwise (rows the
+// server left out, a call's later messages). The leading field, and the ErrorInfo metadata
+// "field" made from it, become plan.RowNumber's name for the row.
+absl::Status NameRowAsRequested(absl::Status status, const Plan& plan) {
+  if (status.ok()) return status;
+  ErrorReason reason = ReasonOf(status);
+  const auto field = reason.metadata.find("field");
+  if (field == reason.metadata.end()) return status;
+  const std::string& named = field->second;
+  const size_t open = named.rfind('[');
+  int64_t row = 0;
+  if (named.empty() || named.back() != ']' || open == std::string::npos ||
+      !absl::SimpleAtoi(absl::string_view(named).substr(open + 1, named.size() - open - 2),
+                        &row)) {
+    return status;
+  }
+  const std::string requested =
+      absl::StrCat(named.substr(0, open), "[", plan.RowNumber(row), "]");
+  std::string message(status.message());
+  if (absl::StartsWith(message, absl::StrCat(named, ": "))) {
+    message.replace(0, named.size(), requested);
+  }
+  field->second = requested;
+  return WithReason(absl::Status(status.code(), message), reason.reason,
+                    std::move(reason.metadata));
+}
+
 absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& plan) {
   const TransformFunction& fn = plan.fn();
   int64_t k = -1;  // the top-k inputs' k, once one is seen
@@ -119,7 +150,8 @@ absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& pla
     }
   }
   if (fn.validate) {
-    RETURN_IF_ERROR(fn.validate(plan.params(), batch.aux, batch.targets.defined()));
+    RETURN_IF_ERROR(
+        NameRowAsRequested(fn.validate(plan.params(), batch.aux, batch.targets.defined()), plan));
   }
   return absl::OkStatus();
 }

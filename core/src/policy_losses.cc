@@ -7,7 +7,8 @@
 //   cispo  −sg(min(r, ε_high))·A·log p
 //   sapo   −σ(τ·(r − 1))·4/τ·A, τ = τ_pos where A > 0, else τ_neg
 //   vespo  −sg(φ(w))·A·log p, φ(w) = e^{λ + k·log w − λ·w}, w the sequence's ratio (with the
-//          importance-sampling correction inside it)
+//          importance-sampling correction inside it: Σ of its log over the sequence's tokens,
+//          or, with importance_sampling_per_sequence = 1, the sequence's one ratio's log once)
 //
 // then, for every loss but vespo, × the importance-sampling correction (aux
 // importance_sampling_ratio: vLLM's, TRL's vllm_importance_sampling_correction) and the policy
@@ -76,7 +77,17 @@ torch::Tensor GammaWeights(const PolicyTokens& t, const torch::Tensor& log_ratio
   const double lower = std::log(1e-8);
   torch::Tensor seq_log_ratio = t.SequenceSum(torch::clamp(log_ratio.detach(), -20.0, 20.0));
   if (const torch::Tensor* is = t.Aux("importance_sampling_ratio")) {
-    seq_log_ratio = seq_log_ratio + t.SequenceSum(torch::clamp(torch::log(*is), lower, 20.0));
+    const torch::Tensor log_is = torch::clamp(torch::log(*is), lower, 20.0);
+    if (t.param("importance_sampling_per_sequence") != 0) {
+      // One ratio per sequence (TRL's (B, 1) ratio of the sequence_* modes), repeated at its
+      // tokens (Validate checked they agree): its log counts once, not once per token. Taken
+      // from any row of the sequence, valid or not: each holds the same value.
+      seq_log_ratio = seq_log_ratio + torch::zeros({t.sequences}, log_is.options())
+                                          .index_copy(0, t.sequence, log_is)
+                                          .index_select(0, t.sequence);
+    } else {
+      seq_log_ratio = seq_log_ratio + t.SequenceSum(log_is);
+    }
   }
   const torch::Tensor log_w = torch::clamp(seq_log_ratio, lower, 20.0);
   const torch::Tensor nonneg = adv >= 0;
@@ -181,8 +192,37 @@ absl::Status CheckBinary(const FunctionParams& params, const char* name) {
       absl::StrCat("params[\"", name, "\"]: expected 0 or 1; got ", v));
 }
 
+// importance_sampling_per_sequence = 1: the ratio is one value per sequence, so every token of
+// a sequence (sequence_ids) must carry the same one — else the sequence's ratio is undefined.
+// Named by the caller's sequence id and values, never by a row: rows may have been left out.
+absl::Status CheckRatioPerSequence(const FunctionParams& params, const AuxTensors& aux) {
+  const auto is = aux.find("importance_sampling_ratio");
+  const auto ids = aux.find("sequence_ids");
+  if (params.at("importance_sampling_per_sequence") == 0 || is == aux.end() ||
+      ids == aux.end() || is->second.numel() == 0) {
+    return absl::OkStatus();
+  }
+  torch::NoGradGuard no_grad;
+  const torch::Tensor ratio = is->second.to(torch::kDouble);
+  const auto [unique, index] =
+      torch::_unique(ids->second, /*sorted=*/true, /*return_inverse=*/true);
+  const torch::Tensor init = torch::zeros({unique.size(0)}, ratio.options());
+  const torch::Tensor high = init.index_reduce(0, index, ratio, "amax", /*include_self=*/false);
+  const torch::Tensor low = init.index_reduce(0, index, ratio, "amin", /*include_self=*/false);
+  const torch::Tensor differ = high != low;
+  if (!differ.any().item<bool>()) return absl::OkStatus();
+  const int64_t s = differ.nonzero()[0][0].item<int64_t>();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "aux[\"importance_sampling_ratio\"]: expected one ratio per sequence with "
+      "params[\"importance_sampling_per_sequence\"] = 1 (the same at every token of a "
+      "sequence); got values from ",
+      low[s].item<double>(), " to ", high[s].item<double>(), " in sequence ",
+      unique[s].item<int64_t>()));
+}
+
 absl::Status Validate(Objective objective, const FunctionParams& params, const AuxTensors& aux) {
-  for (const char* name : {"sequence_level", "off_policy_mask", "bias_correction_kl"}) {
+  for (const char* name : {"sequence_level", "off_policy_mask", "bias_correction_kl",
+                           "importance_sampling_per_sequence"}) {
     if (absl::Status s = CheckBinary(params, name); !s.ok()) return s;
   }
   if (absl::Status s = ValidateSamplerParams(params); !s.ok()) return s;
@@ -201,7 +241,7 @@ absl::Status Validate(Objective objective, const FunctionParams& params, const A
         "one completion share one) because ",
         why, "; got none"));
   }
-  return absl::OkStatus();
+  return CheckRatioPerSequence(params, aux);
 }
 
 // The options every policy loss takes (TRL's GRPOConfig names in the help).
@@ -218,6 +258,11 @@ std::vector<ParamSpec> CommonPolicyParams() {
        "off_policy_threshold contribute nothing (TRL's off_policy_mask_threshold; needs "
        "sequence_ids)"},
       {"off_policy_threshold", 0.0, -kInf, kInf, "the off-policy mask's KL threshold"},
+      {"importance_sampling_per_sequence", 0.0, 0.0, 1.0,
+       "1: importance_sampling_ratio is one ratio per sequence, the same at each of its tokens "
+       "(TRL's vllm_importance_sampling_mode sequence_mask / sequence_truncate, shape (B, 1)): "
+       "vespo adds its log once per sequence; the other losses multiply each token's loss by "
+       "it as always. With sequence_ids, a sequence whose tokens differ is refused"},
   };
 }
 

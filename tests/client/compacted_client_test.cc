@@ -7,9 +7,15 @@
 // tests/python/test_conformance.py checks that it sends what the Python client sends.
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "core/reference.h"
 #include "remotehead/client/client.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/error_reason.h"
 #include "support/head_access.h"
 #include "support/in_process_server.h"
 
@@ -126,6 +132,50 @@ TEST_F(CompactedClientTest, AForwardAndABackwardByHandleGiveTheSameBitsCompacted
   EXPECT_TRUE(outputs[1].index({ignored_}).eq(0).all().item<bool>());
   EXPECT_TRUE(torch::equal(dx[0], dx[1]));
   EXPECT_TRUE(torch::equal(dw[0], dw[1]));
+}
+
+// The server names a row by its index among the rows it received; with rows left out that is
+// not the caller's. The client rewrites the field (ErrorInfo metadata "field", and the message
+// it leads) to the caller's row: the same answer compacted or not, word for word.
+TEST_F(CompactedClientTest, AnErrorNamesTheCallersRowCompactedOrNot) {
+  torch::Tensor targets = batch_.targets.clone();
+  targets[30] = kVocab + 5;
+  torch::Tensor targets_ok = batch_.targets.clone();
+  targets_ok[40] = 7;  // a row that travels
+  core::AuxTensors aux = batch_.aux;
+  aux["advantages"] = aux["advantages"].clone();
+  aux["advantages"][40] = 2.5;
+  aux["old_logprobs"] = aux["old_logprobs"].clone();
+  aux["old_logprobs"][40] = std::numeric_limits<float>::infinity();
+  struct Case {
+    rc::StepInputs inputs;
+    std::string message, field;
+  };
+  const std::vector<Case> cases = {
+      {{.hidden = batch_.hidden, .targets = targets, .aux = batch_.aux},
+       "targets[30]: expected a token id in [0, 300) or ignore_index (-100); got 305",
+       "targets[30]"},
+      {{.hidden = batch_.hidden, .targets = targets_ok, .aux = aux},
+       "aux[\"old_logprobs\"][40]: expected a finite value; got inf",
+       "aux[\"old_logprobs\"][40]"},
+  };
+  for (const Case& c : cases) {
+    for (const bool compact : {false, true}) {
+      SCOPED_TRACE(c.field + (compact ? " compacted" : " every row"));
+      const rc::StepSpec spec{.head_id = "lm",
+                              .function = "grpo",
+                              .reduction = rc::Reduction::kMean,
+                              .gradient_id = rc::GradientId{"bad-row", compact, 0},
+                              .compact_rows = compact};
+      auto result = client_->ForwardBackward(spec, c.inputs);
+      ASSERT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+      EXPECT_EQ(result.status().message(), c.message);
+      const std::optional<core::ErrorReason> reason = core::GetReason(result.status());
+      ASSERT_TRUE(reason.has_value());
+      EXPECT_EQ(reason->reason, "INVALID_FIELD");
+      EXPECT_EQ(reason->metadata.at("field"), c.field);
+    }
+  }
 }
 
 }  // namespace

@@ -58,7 +58,14 @@ torch::Tensor SequenceLoss(PolicyLoss kind, const torch::Tensor& logp, const cor
         torch::NoGradGuard no_grad;
         const double lower = std::log(1e-8);
         torch::Tensor seq = torch::clamp(log_ratio.detach(), -20.0, 20.0).sum();
-        if (is.defined()) seq = seq + torch::clamp(torch::log(is), lower, 20.0).sum();
+        if (is.defined() && is.numel() > 0) {
+          // importance_sampling_per_sequence: one ratio per sequence (TRL's (B, 1)), repeated
+          // at its tokens, counted once; else one per token, each counted.
+          const torch::Tensor log_is = torch::clamp(torch::log(is), lower, 20.0);
+          const bool per_sequence = p.contains("importance_sampling_per_sequence") &&
+                                    p.at("importance_sampling_per_sequence") != 0;
+          seq = seq + (per_sequence ? log_is[0] : log_is.sum());
+        }
         const torch::Tensor lw = torch::clamp(seq, lower, 20.0);
         const torch::Tensor k = BySign(adv >= 0, p.at("k_pos"), p.at("k_neg"));
         const torch::Tensor lam =

@@ -42,7 +42,8 @@ torch::Tensor CrossEntropy(const torch::Tensor& z, const torch::Tensor& t, const
 // summed loss does not cancel to near 0, where the comparison would measure only rounding);
 // old, ref and sampling log-probs the head's
 // true log-probs (of the logits without softcap or temperature) plus N(0, 0.3²) noise; an
-// importance-sampling ratio e^{N(0, 0.2²)}; a 0/1 policy mask; 4 sequences, interleaved.
+// importance-sampling ratio e^{N(0, 0.2²)} per sequence; a 0/1 policy mask; 4 sequences,
+// interleaved.
 void PolicyAux(const core::Head& head, at::Generator& gen, core::TokenBatch* batch) {
   const int64_t rows = batch->hidden.size(0);
   batch->aux["advantages"] = at::normal(0.75, 1.0, {rows}, gen);
@@ -54,9 +55,15 @@ void PolicyAux(const core::Head& head, at::Generator& gen, core::TokenBatch* bat
   for (const char* name : {"old_logprobs", "ref_logprobs", "sampling_logprobs"}) {
     batch->aux[name] = logp + 0.3 * at::normal(0.0, 1.0, {rows}, gen);
   }
-  batch->aux["importance_sampling_ratio"] = torch::exp(0.2 * at::normal(0.0, 1.0, {rows}, gen));
+  // (A per-token draw, kept so that the draws after it stay as they were; the ratio is below.)
+  (void)at::normal(0.0, 1.0, {rows}, gen);
   batch->aux["policy_mask"] = (at::rand({rows}, gen) > 0.3).to(torch::kFloat);
   batch->aux["sequence_ids"] = at::randint(0, 4, {rows}, gen).to(torch::kLong);
+  // One ratio per sequence, the same at each of its tokens (drawn after the others, which stay
+  // as they were): what importance_sampling_per_sequence = 1 requires, and per token a ratio
+  // like any other.
+  batch->aux["importance_sampling_ratio"] =
+      torch::exp(0.2 * at::normal(0.0, 1.0, {4}, gen)).index_select(0, batch->aux["sequence_ids"]);
 }
 
 }  // namespace
@@ -244,6 +251,7 @@ std::map<std::string, ReferenceFunction> MakeReferenceFunctions() {
   const core::FunctionParams policy = {
       {"beta", 0.04},           {"bias_correction_kl", 1}, {"sequence_level", 1},
       {"off_policy_mask", 1},   {"off_policy_threshold", 0.05}, {"top_k", 64},
+      {"importance_sampling_per_sequence", 1},
       {"top_p", 0.9},           {"min_p", 0.05},           {"min_p_first", 1}};
   const auto with = [&policy](core::FunctionParams own) {
     own.insert(policy.begin(), policy.end());

@@ -114,7 +114,11 @@ def _policy_sequence(kind, logp, aux, p):
             lower = math.log(1e-8)
             seq = torch.clamp(log_ratio, -20.0, 20.0).sum()
             if is_ratio is not None:
-                seq = seq + torch.clamp(torch.log(is_ratio), lower, 20.0).sum()
+                # importance_sampling_per_sequence: one ratio per sequence (TRL's (B, 1)),
+                # repeated at its tokens, counted once.
+                log_is = torch.clamp(torch.log(is_ratio), lower, 20.0)
+                per_sequence = p.get("importance_sampling_per_sequence", 0.0)
+                seq = seq + (log_is[0] if per_sequence else log_is.sum())
             lw = torch.clamp(seq, lower, 20.0)
             k = _by_sign(adv >= 0, p["k_pos"], p["k_neg"])
             lam = _by_sign(adv >= 0, p["lambda_pos"], p["lambda_neg"]).clamp(min=1e-4)

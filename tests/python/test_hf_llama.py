@@ -5,7 +5,9 @@ head offloaded to the real server: per-step losses and final weights agree (fp32
 
 - full fine-tuning, head trained by server-side AdamW: body and head weights;
 - peft LoRA (r=4 on q/v projections) with the head frozen on the server (dX only): the
-  adapters, and the server's head is left untouched with nothing accumulated.
+  adapters, and the server's head is left untouched with nothing accumulated;
+- a bad label is named where the caller put it (labels[b, t], or a batch's own
+  shift_labels[b, t]), not among the rows sent.
 """
 
 import copy
@@ -126,3 +128,25 @@ def test_lora_with_a_frozen_head_matches_a_local_run(client):
     _, _, info = client.fetch_gradients("llama-lora")
     assert info.accumulated_micro_batches == 0
     client.drop_head("llama-lora")
+
+
+def test_a_bad_label_is_named_where_the_caller_put_it(client):
+    # labels[1, 6] is what shifted position [1, 5] predicts; the rows of the prompt (-100) stay
+    # here, so the server sees the bad row elsewhere: the error names the caller's labels.
+    model = tiny_llama()
+    remotehead.hf.offload_lm_head(model, client, "llama-bad-label")
+    ids, labels = next(iter(batches(1)))
+    ids, labels = ids[0], labels[0].clone()
+    labels[1, 6] = 300
+    message = ("labels[1, 6]: expected a token id in [0, 257) or ignore_index (-100); got 300")
+    with pytest.raises(remotehead.InvalidArgumentError) as refused:
+        model(input_ids=ids, labels=labels)
+    assert refused.value.details == message
+    assert refused.value.metadata["field"] == "labels[1, 6]"
+    # A batch's own shift_labels are named as given.
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    with pytest.raises(remotehead.InvalidArgumentError) as refused:
+        model(input_ids=ids, labels=labels, shift_labels=shifted)
+    assert refused.value.details == message.replace("labels[1, 6]", "shift_labels[1, 5]")
+    assert refused.value.metadata["field"] == "shift_labels[1, 5]"
+    client.drop_head("llama-bad-label")

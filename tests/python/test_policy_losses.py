@@ -6,8 +6,10 @@ time), fp32 heads, relative 1e-5:
   messages give the results of one message: the server waits for the call's last row and
   computes it in one batch, in two passes;
 - on a head group of 2 ranks (the vocabulary sharded), every variant equals the reference;
+- one importance-sampling ratio per sequence (importance_sampling_per_sequence = 1, TRL's (B, 1)
+  ratio repeated at its tokens): vespo counts its log once per sequence;
 - what is refused, with the field, expected and actual: vespo without sequence_ids, a switch
-  that is not 0 or 1.
+  that is not 0 or 1, a per-sequence ratio that differs within a sequence.
 """
 
 import pytest
@@ -29,6 +31,10 @@ VARIANTS = [
     ("cispo", {"epsilon_high": 1.1, "off_policy_mask": 1.0, "off_policy_threshold": 0.02}),
     ("sapo", {"sequence_level": 1.0, "temperature_pos": 0.8}),
     ("vespo", {"beta": 0.04, "bias_correction_kl": 1.0}),
+    # One importance-sampling ratio per sequence (TRL's (B, 1)), repeated at its tokens: vespo
+    # counts its log once per sequence, grpo multiplies each token by it.
+    ("vespo", {"importance_sampling_per_sequence": 1.0}),
+    ("grpo", {"importance_sampling_per_sequence": 1.0, "sequence_level": 1.0}),
 ]
 
 
@@ -48,6 +54,10 @@ def case(listing, function, given, weight, seed):
     fn = listing[function]
     aux = {name: references.AUX_INPUTS[name](logp, g) for name in
            fn.required_aux + fn.optional_aux}
+    if params.get("importance_sampling_per_sequence"):  # one ratio per sequence, at its tokens
+        ids = aux["sequence_ids"].long()
+        aux["importance_sampling_ratio"] = torch.exp(
+            0.5 * torch.randn(int(ids.max()) + 1, generator=g, dtype=logp.dtype))[ids]
     aux = {k: t.float() if t.dtype.is_floating_point else t for k, t in aux.items()}
     weights = torch.rand(N, generator=g) + 0.5
     x = hidden.double().requires_grad_()
@@ -130,5 +140,19 @@ def test_refusals_name_the_field(server_target, weight):
                                     aux=c["aux"], params={"sequence_level": 0.5},
                                     gradient_id=("refused", 0, 2))
         assert refused.value.details == 'params["sequence_level"]: expected 0 or 1; got 0.5'
+        # A per-sequence ratio must be one value per sequence: a token of sequence 2 differs.
+        ids = torch.arange(N) % 4
+        ratio = torch.ones(N)
+        ratio[6] = 0.5
+        aux = {**c["aux"], "sequence_ids": ids, "importance_sampling_ratio": ratio}
+        with pytest.raises(remotehead.InvalidArgumentError) as refused:
+            client.forward_backward("policy-refused", c["hidden"], c["targets"], function="vespo",
+                                    aux=aux, params={"importance_sampling_per_sequence": 1.0},
+                                    gradient_id=("refused", 0, 3))
+        assert refused.value.details == (
+            'aux["importance_sampling_ratio"]: expected one ratio per sequence with '
+            'params["importance_sampling_per_sequence"] = 1 (the same at every token of a '
+            'sequence); got values from 0.5 to 1 in sequence 2')
+        assert refused.value.metadata["field"] == 'aux["importance_sampling_ratio"]'
         assert client.describe_head("policy-refused").accumulated_micro_batches == 0
         client.drop_head("policy-refused")

@@ -6,7 +6,9 @@ tokens and the extras — for every reduction (none, sum, mean, weighted_sum), w
 normalizer, in a fused step, a two-phase Forward + Backward and one by the Forward's retained
 inputs, on a replay of the same gradient id, and on a head group of two ranks. The rows left out
 are zeros in every result. The bytes the server receives shrink with the rows left out
-(remotehead_received_bytes_total), and a striped step compacts too.
+(remotehead_received_bytes_total), and a striped step compacts too. An error names a bad row
+where the caller put it — its index in the caller's rows and, for a [B, T] input, [b, t] —
+compacted or not, on one server and on a group (word for word, message and metadata "field").
 
 Each request fits one row message, so the server batches the same rows the same way in both
 sends (across messages the grouping follows arrival: the striped step is compared to 1e-6).
@@ -225,6 +227,94 @@ def test_a_striped_step_compacts_too(client, server, heads):
     assert a.grad_hidden[targets == -100].eq(0).all()
 
 
+def bad_rows_call(seed=6):
+    """A [B, T] call of grpo, a quarter of its rows ignored: the rows travel flattened, and
+    compacted the bad ones are not at their caller's index."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = 4, 8
+    hidden = torch.randn(b, t, D, generator=g)
+    targets = torch.randint(0, V, (b, t), generator=g)
+    targets[0, :5] = targets[1, 2] = targets[3, 6:] = -100
+    aux = {"advantages": torch.randn(b, t, generator=g),
+           "sequence_ids": torch.arange(b)[:, None].expand(b, t)}
+    return hidden, targets, aux
+
+
+# Each bad input at [1, 6] of the caller's [4, 8] (row 14 of 32; row 8 of the rows sent when
+# the ignored ones stay here): its message and metadata "field" word for word, compacted or not.
+BAD_ROWS = {
+    "targets": ("targets", 500,
+                "targets[1, 6]: expected a token id in [0, 211) or ignore_index (-100); got 500"),
+    "advantages": ('aux["advantages"]', float("nan"),
+                   'aux["advantages"][1, 6]: expected a finite value; got nan'),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_ROWS)
+def test_an_error_names_the_callers_row_and_batch_position(client, heads, bad):
+    student, _ = heads
+    hidden, targets, aux = bad_rows_call()
+    field, value, message = BAD_ROWS[bad]
+    if bad == "targets":
+        targets[1, 6] = value
+    else:
+        aux[bad][1, 6] = value
+    for compact in (False, True):
+        with pytest.raises(remotehead.InvalidArgumentError) as refused:
+            client.forward_backward(student, hidden, targets, function="grpo", aux=aux,
+                                    compact_rows=compact, gradient_id=("bad", int(compact), 0))
+        assert refused.value.details == message, compact
+        assert refused.value.metadata["field"] == f"{field}[1, 6]", compact
+        assert str(refused.value) == f"INVALID_ARGUMENT: {message}"
+    # Flat [N] inputs: the caller's row, 14, compacted or not.
+    flat = {k: v.reshape(-1) for k, v in aux.items()}
+    for compact in (False, True):
+        with pytest.raises(remotehead.InvalidArgumentError) as refused:
+            client.forward(student, hidden.reshape(-1, D), targets.reshape(-1), function="grpo",
+                           aux=flat, compact_rows=compact)
+        assert refused.value.details == message.replace("[1, 6]", "[14]"), compact
+        assert refused.value.metadata["field"] == f"{field}[14]"
+    assert client.describe_head(student).accumulated_micro_batches == 0
+
+
+def test_a_functions_own_check_names_the_callers_row(client, heads):
+    # distill_topk_kl's own check (its validate) of a sparse teacher's log-probabilities, on
+    # the batch the server computes: the server's compaction and a call in many messages
+    # number that batch's rows otherwise than the request does.
+    student, _ = heads
+    hidden, targets, _ = bad_rows_call()
+    g = torch.Generator().manual_seed(8)
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(32)]).reshape(4, 8, K)
+    logprobs = (torch.randn(4, 8, K, generator=g).softmax(-1) * 0.9).log()
+    logprobs[1, 6, 0] = 0.5
+    aux = {"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs}
+    message = ('aux["teacher_topk_logprobs"][1, 6]: expected log-probabilities <= 0; got max '
+               '0.5')
+    for compact in (False, True):
+        for chunk_bytes in (None, 1024):
+            kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+            with remotehead.Client(client.target, **kw) as c, \
+                    pytest.raises(remotehead.InvalidArgumentError) as refused:
+                c.forward_backward(student, hidden, targets, function="distill_topk_kl",
+                                   aux=aux, compact_rows=compact, accumulate=False)
+            assert refused.value.details == message, (compact, chunk_bytes)
+            assert refused.value.metadata["field"] == 'aux["teacher_topk_logprobs"][1, 6]'
+
+
+def test_a_backward_by_handle_names_the_callers_row_of_grad_output(client, heads):
+    student, _ = heads
+    hidden, targets, _ = bad_rows_call()
+    fwd = client.forward(student, hidden, targets, function="token_logprobs",
+                         retain_inputs_seconds=60)
+    dy = torch.ones(4, 8)
+    dy[2, 5] = float("inf")
+    with pytest.raises(remotehead.InvalidArgumentError) as refused:
+        client.backward(student, hidden, None, dy, function="token_logprobs",
+                        inputs_handle=fwd.summary.inputs_handle, gradient_id=("bad-dy", 0, 0))
+    assert refused.value.details == "grad_output[2, 5]: expected a finite value; got inf"
+    assert refused.value.metadata["field"] == "grad_output[2, 5]"
+
+
 @pytest.fixture(scope="module")
 def group():
     g = LocalHeadGroup(BINARY, size=2, args=("--device=cpu", "--torch_threads=1")).start()
@@ -248,3 +338,11 @@ def test_on_a_head_group_the_same_bits(group):
                                            gradient_id=("g-some", 0, 0))
             assert_same(full, some, name)
             assert torch.equal(dw(client, student)[0], dw_full[0]), name
+        # A bad label: named at the caller's [b, t] through the group's front too.
+        hidden, targets, aux = bad_rows_call()
+        targets[1, 6] = 500
+        with pytest.raises(remotehead.InvalidArgumentError) as refused:
+            client.forward_backward(student, hidden, targets, function="grpo", aux=aux,
+                                    gradient_id=("g-bad", 0, 0))
+        assert refused.value.details == BAD_ROWS["targets"][2]
+        assert refused.value.metadata["field"] == "targets[1, 6]"

@@ -155,10 +155,11 @@ def sampled_completions(local: GRPOTrainer, inputs, sampler, g: torch.Generator)
 
 
 def batch(local: GRPOTrainer, beta: float, on_policy: bool, dtype=torch.float32,
-          vllm: bool = False, sampler=None):
+          vllm=False, sampler=None):
     """What GRPOTrainer._compute_loss receives for one micro-batch of 4 completions; with
-    `vllm`, also the sampler's log-probs and vLLM's importance-sampling ratio (exactly 1 at the
-    padding, as TRL makes it); with `sampler`, completions drawn under that truncation."""
+    `vllm`, also the sampler's log-probs and vLLM's importance-sampling ratio: True, per token
+    (B, T) (exactly 1 at the padding, as TRL makes it); "sequence", per completion (B, 1); with
+    `sampler`, completions drawn under that truncation."""
     g = torch.Generator().manual_seed(3)
     inputs = prompts_and_completions(g)
     if sampler:
@@ -177,7 +178,16 @@ def batch(local: GRPOTrainer, beta: float, on_policy: bool, dtype=torch.float32,
         inputs["ref_per_token_logps"] = logps + noise(0.2)
     if vllm:
         inputs["sampling_per_token_logps"] = logps + noise(0.3)
-        inputs["importance_sampling_ratio"] = torch.exp(noise(0.2) * inputs["completion_mask"])
+        log_ratio = noise(0.2) * inputs["completion_mask"]
+        if vllm == "sequence":
+            # TRL's sequence_* modes (sequence_mask, its default): one ratio per completion,
+            # (B, 1), exp of the completion's summed differences; sequence_mask's 0 for one
+            # outside its bounds.
+            ratio = torch.exp(log_ratio.sum(-1, keepdim=True))
+            ratio[3] = 0.0
+            inputs["importance_sampling_ratio"] = ratio
+        else:
+            inputs["importance_sampling_ratio"] = torch.exp(log_ratio)
     return inputs
 
 
@@ -238,7 +248,9 @@ def per_token(trainer_, model, inputs, entropy=True):
 # ("float64": the model and the server's head in float64) hold 1e-9 — exact but for the order of
 # float64 sums. vllm: TRL's vLLM importance-sampling correction on (use_vllm and
 # vllm_importance_sampling_correction set after construction: the loss code reads only these),
-# with the sampler's log-probs for the off-policy mask.
+# with the sampler's log-probs for the off-policy mask; vllm="sequence": the ratio of TRL's
+# sequence_* modes, one per completion (B, 1) — every loss type (TRL's __init__ refuses it with
+# vespo and use_vllm, but its _compute_loss reads it: Σ log r over (B, 1) counts r once).
 F64 = dict(dtype=torch.float64)
 CASES = {
     "dapo-fused": dict(loss_type="dapo", beta=0.0),
@@ -268,6 +280,13 @@ CASES = {
                                                     off_policy_mask_threshold=0.02, **F64),
     "grpo-vllm-float64-fused": dict(loss_type="grpo", beta=0.04, vllm=True, **F64),
     "vespo-vllm-float64-fused": dict(loss_type="vespo", beta=0.0, vllm=True, **F64),
+    # Every loss type with the per-completion (B, 1) ratio.
+    **{f"{t}-beta-vllm_sequence-float64-fused": dict(loss_type=t, beta=0.04, vllm="sequence",
+                                                     **F64)
+       for t in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")},
+    "vespo-sequence-vllm_sequence-float64-fused": dict(
+        loss_type="vespo", beta=0.0, importance_sampling_level="sequence", vllm="sequence",
+        **F64),
     "bnpo-top_entropy-float64-fused": dict(loss_type="bnpo", beta=0.04,
                                            top_entropy_quantile=0.5, **F64),
     "grpo-sequence-top_entropy-vllm-float64-fused": dict(

@@ -1,6 +1,8 @@
 #include "prepare_step.h"
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/core/token_batch.h"
 #include "status.h"
@@ -31,6 +33,35 @@ torch::Tensor PreparedStep::Expand(const torch::Tensor& t) const {
   torch::Tensor full = torch::zeros(sizes, t.options());
   full.index_copy_(0, kept, t);
   return full;
+}
+
+absl::Status PreparedStep::CallerError(absl::Status status) const {
+  if (status.ok() || !kept.defined()) return status;
+  std::optional<core::ErrorReason> reason = core::GetReason(status);
+  if (!reason.has_value()) return status;
+  const auto field = reason->metadata.find("field");
+  if (field == reason->metadata.end()) return status;
+  const std::string& named = field->second;
+  const size_t open = named.rfind('[');
+  int64_t row = 0;
+  if (named.empty() || named.back() != ']' || open == std::string::npos ||
+      !absl::SimpleAtoi(absl::string_view(named).substr(open + 1, named.size() - open - 2),
+                        &row) ||
+      row < 0 || row >= kept.size(0)) {
+    return status;  // not a row this client sent: as the server said it
+  }
+  const std::string caller =
+      absl::StrCat(named.substr(0, open), "[", kept[row].item<int64_t>(), "]");
+  std::string message(status.message());
+  if (const size_t at = message.find(absl::StrCat(named, ": ")); at != std::string::npos) {
+    message.replace(at, named.size(), caller);
+  }
+  field->second = caller;
+  absl::Status rewritten(status.code(), message);
+  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+    rewritten.SetPayload(url, payload);
+  });
+  return core::WithReason(std::move(rewritten), reason->reason, std::move(reason->metadata));
 }
 
 namespace {

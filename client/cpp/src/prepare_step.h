@@ -43,6 +43,12 @@ struct PreparedStep {
   // A result of the rows sent ([rows, ...]) in the caller's rows ([caller_rows, ...]), zeros in
   // the rows left out; as it is when every row travels (or `t` is undefined).
   torch::Tensor Expand(const torch::Tensor& t) const;
+  // `status` naming a row as the caller gave it. The server names a row by its index among the
+  // rows sent ("targets[12]": the ErrorInfo metadata "field" and the message's leading field);
+  // with rows left out that is not the caller's row. Rewritten from the metadata (data, never
+  // the message's text): the field, in the metadata and leading the message, becomes the
+  // caller's ("targets[5]"); code and reason kept. As it is when every row travels.
+  absl::Status CallerError(absl::Status status) const;
 };
 
 // Checks the inputs of a step call in `mode` (INVALID_ARGUMENT naming the field), writes its

@@ -261,9 +261,11 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
   RETURN_IF_ERROR(allocate(p, &buffers));
   buffers.token_extras = AllocateTokenExtras(spec, p);
   v1::StepSummary summary;
-  RETURN_IF_ERROR(WithRetries(core::CallModeName(mode), [&](grpc::ClientContext* context) {
-    return StepAttempt(context, p, buffers, &summary);
-  }));
+  // The server names a row among the rows sent; the caller knows its own rows.
+  RETURN_IF_ERROR(p.CallerError(
+      WithRetries(core::CallModeName(mode), [&](grpc::ClientContext* context) {
+        return StepAttempt(context, p, buffers, &summary);
+      })));
   // The rows left out: zeros in the caller's rows.
   for (torch::Tensor* t : {&buffers.grad_hidden, &buffers.outputs, &buffers.token_ids}) {
     *t = p.Expand(*t);

@@ -29,6 +29,19 @@ class RemoteheadError(Exception):
         self.metadata = dict(metadata or {})
 
 
+def rename_field(error: RemoteheadError, field: str) -> RemoteheadError:
+    """`error` naming `field` instead of the field its metadata names (a client translating the
+    server's name for an input into its caller's): the metadata "field" and the message's
+    leading field both, in place; the error itself returned (class, code and reason kept)."""
+    old = error.metadata.get("field", "")
+    if not old or old == field:
+        return error
+    error.metadata["field"] = field
+    error.details = error.details.replace(f"{old}: ", f"{field}: ", 1)
+    error.args = (f"{error.code.name}: {error.details}",)
+    return error
+
+
 class InvalidArgumentError(RemoteheadError, ValueError):
     """A bad argument (code INVALID_ARGUMENT, reason INVALID_FIELD; metadata "field" names it):
     refused by the client before sending, or by the server. Also a ValueError, Python's name for

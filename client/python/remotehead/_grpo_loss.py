@@ -10,8 +10,9 @@ Every loss type is one of the server's policy losses (docs/rl.md):
 
 with importance_sampling_level "sequence" (params sequence_level, the completions as
 sequence_ids), two-sided clipping (delta), the vLLM importance-sampling correction
-(aux importance_sampling_ratio), the off-policy sequence mask (off_policy_mask, aux
-sampling_logprobs), the KL (beta, bias_correction_kl) and top_entropy_quantile < 1 (aux
+(aux importance_sampling_ratio; TRL's per-completion (B, 1) ratio of the sequence_* modes with
+params importance_sampling_per_sequence = 1, so that vespo counts it once), the off-policy
+sequence mask (off_policy_mask, aux sampling_logprobs), the KL (beta, bias_correction_kl) and top_entropy_quantile < 1 (aux
 policy_mask: TRL's own get_high_entropy_mask on the server's entropies, gathered over the
 processes as TRL gathers them — a quantile over every rank's tokens that no one rank's call can
 compute).
@@ -53,13 +54,32 @@ def coupled(trainer) -> bool:
             or trainer.off_policy_mask_threshold is not None)
 
 
-def params(trainer) -> Dict[str, float]:
+def _is_ratio(trainer, inputs) -> Optional[torch.Tensor]:
+    """vLLM's importance-sampling ratio as TRL's loss reads it: (B, T) in the token_* modes,
+    (B, 1) — one per completion — in the sequence_* modes (TRL's default, sequence_mask); None
+    when TRL's loss does not read it. TRL multiplies by it with the vLLM correction on, and
+    VESPO reads it whenever it is given."""
+    is_ratio = inputs.get("importance_sampling_ratio")
+    if is_ratio is not None and (trainer.loss_type == "vespo" or (
+            trainer.use_vllm and trainer.vllm_importance_sampling_correction)):
+        return is_ratio
+    return None
+
+
+def params(trainer, inputs=None) -> Dict[str, float]:
     args = trainer.args
+    is_ratio = None if inputs is None else _is_ratio(trainer, inputs)
     p = {"beta": float(trainer.beta),
          "bias_correction_kl": float(bool(args.use_bias_correction_kl)),
          "sequence_level": float(trainer.importance_sampling_level == "sequence"),
          "off_policy_mask": float(trainer.off_policy_mask_threshold is not None),
-         "off_policy_threshold": float(trainer.off_policy_mask_threshold or 0.0)}
+         "off_policy_threshold": float(trainer.off_policy_mask_threshold or 0.0),
+         # A (B, 1) ratio travels repeated at each token of its completion; this says it is
+         # one per sequence, so that vespo counts its log once (TRL: Σ over a (B, 1) tensor),
+         # not once per token. The other losses multiply per token either way.
+         "importance_sampling_per_sequence": float(is_ratio is not None
+                                                   and is_ratio.dim() == 2
+                                                   and is_ratio.size(-1) == 1)}
     function = LOSS_FUNCTIONS[trainer.loss_type]
     if function == "grpo":
         p.update(epsilon_low=float(trainer.epsilon_low), epsilon_high=float(trainer.epsilon_high),
@@ -113,10 +133,8 @@ def aux(trainer, inputs, mask: torch.Tensor, advantages: torch.Tensor) -> Dict[s
         out["old_logprobs"] = old
     if trainer.beta != 0.0:
         out["ref_logprobs"] = inputs["ref_per_token_logps"]
-    is_ratio = inputs.get("importance_sampling_ratio")
-    # TRL multiplies by it with the vLLM correction on, and VESPO reads it whenever it is given.
-    if is_ratio is not None and (trainer.loss_type == "vespo" or (
-            trainer.use_vllm and trainer.vllm_importance_sampling_correction)):
+    is_ratio = _is_ratio(trainer, inputs)
+    if is_ratio is not None:  # a (B, 1) ratio repeated at each token (params says so)
         out["importance_sampling_ratio"] = _per_token(is_ratio, shape)
     if trainer.off_policy_mask_threshold is not None and "sampling_per_token_logps" in inputs:
         out["sampling_logprobs"] = inputs["sampling_per_token_logps"]

@@ -19,7 +19,7 @@ import grpc
 import torch
 
 from remotehead import _compaction, _wire
-from remotehead._errors import InvalidArgumentError, RemoteheadError
+from remotehead._errors import InvalidArgumentError, RemoteheadError, rename_field
 from remotehead._wire import framing_bytes, shape_text
 from remotehead.functions import FunctionInfo
 from remotehead.step_options import _REDUCTIONS, StepOptions, check_option_names
@@ -106,6 +106,10 @@ class PreparedStep:
     # travel ([rows] int64), and how many the caller gave; None when every row travels.
     kept: Optional[torch.Tensor] = None
     caller_rows: int = 0
+    # The shape each input's rows had in the caller's hands, by the name the server's errors
+    # give it ("targets", 'aux["advantages"]', "hidden"...): [B, T] for a [B, T] input, so that
+    # an error names row 12 as [1, 6] (caller_error).
+    row_shapes: Dict[str, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def messages(self, stripe: Optional[Tuple[str, int, int]] = None
                  ) -> Iterator[pb.StepRequest]:
@@ -137,6 +141,30 @@ class PreparedStep:
         if self.teacher_hidden is not None:
             _wire.encode(self.teacher_hidden[offset:offset + count], r.teacher_hidden)
         return m
+
+
+def caller_error(p: PreparedStep, error: RemoteheadError) -> RemoteheadError:
+    """`error` naming a row as the caller gave it. The server names a row by its index among the
+    rows sent ("targets[12]", the ErrorInfo metadata "field" and the message's leading field):
+    with rows left out (PreparedStep.kept) that is not the caller's row, and for an input of
+    shape [B, T] the caller looks for [b, t]. Rewritten from the metadata (data, never the
+    message's text): the field becomes the caller's — "targets[1, 6]" — in the metadata and in
+    the message it leads; the same error object is returned, its class and code kept."""
+    field = error.metadata.get("field", "")
+    name, bracket, index = field[:-1].rpartition("[") if field.endswith("]") else ("", "", "")
+    if not bracket or not index.isdigit() or name not in p.row_shapes:
+        return error
+    row = int(index)
+    if p.kept is not None:
+        if row >= p.kept.numel():
+            return error  # not a row this client sent: left as the server said it
+        row = int(p.kept[row])
+    shape = p.row_shapes[name]
+    position = []
+    for size in reversed(shape):
+        position.append(row % size if size else row)
+        row = row // size if size else 0
+    return rename_field(error, f"{name}[{', '.join(str(i) for i in reversed(position))}]")
 
 
 def _per_token(t, rows: int, field: str, integral: bool) -> torch.Tensor:
@@ -255,17 +283,26 @@ def _add_inputs(p: PreparedStep, x: torch.Tensor, send_dtype: torch.dtype,
     """The row inputs in wire layout, checked against the rows: the targets always (a "mean"
     counts its valid tokens from them), the rest unless a backward by inputs handle."""
     n = p.rows
+    rows_of_hidden = tuple(hidden.shape[:-1])
     if targets is not None:
         p.targets = _per_token(targets, n, "targets", integral=True)
+        p.row_shapes["targets"] = tuple(targets.shape)
     if by_handle:
         return
     p.hidden = _wire.to_wire_layout(x, send_dtype)
+    p.row_shapes["hidden"] = rows_of_hidden
     if weights is not None:
         p.weights = _per_token(weights, n, "weights", integral=False)
+        p.row_shapes["weights"] = tuple(weights.shape)
     for name, t in (aux or {}).items():
-        p.aux.append((name, _aux_input(t, hidden, n, f'aux["{name}"]')))
+        field = f'aux["{name}"]'
+        p.aux.append((name, _aux_input(t, hidden, n, field)))
+        # [..., k] like hidden: k values per row, the rows are hidden's.
+        p.row_shapes[field] = (rows_of_hidden if p.aux[-1][1].dim() == 2
+                               else tuple(t.shape))
     if teacher_hidden is not None:
         p.teacher_hidden = _teacher_rows(teacher_hidden, n)
+        p.row_shapes["teacher_hidden"] = tuple(teacher_hidden.shape[:-1])
 
 
 def _set_computation(h: pb.StepHeader, o: StepOptions, rows: int) -> None:
@@ -329,6 +366,7 @@ def _set_gradients(p: PreparedStep, mode: str, o: StepOptions, wire_result_dtype
                 "grad_output: backward with reduction \"none\" needs dL/dy for every row; "
                 "got none")
         p.grad_output = _per_token(grad_output, p.rows, "grad_output", integral=False)
+        p.row_shapes["grad_output"] = tuple(grad_output.shape)
     else:
         # A scalar reduction's dL/d(loss) travels as the header's upstream_scale; a
         # grad_output in the rows would be ignored by the server.

@@ -595,6 +595,11 @@ class Client:
                      for i, stub in enumerate(stubs)]
             return _steps.receive(p, mode, fn, o.output_dtype, merged_responses(calls), any_order=True)
 
-        result = _steps.step_result(mode, per_token, self._call(attempt), p)
+        try:
+            received = self._call(attempt)
+        except RemoteheadError as e:
+            # The server names a row among the rows sent; the caller knows its own rows.
+            raise _steps.caller_error(p, e) from None
+        result = _steps.step_result(mode, per_token, received, p)
         self._handle_rows.after_step(p, result.summary.inputs_handle, by_handle)
         return result

@@ -356,7 +356,8 @@ class RemoteHeadGRPOTrainer(GRPOTrainer):
         spec = dict(function=_grpo_loss.LOSS_FUNCTIONS[self.loss_type], reduction="weighted_sum",
                     weights=weights, normalizer=normalizer,
                     aux=_grpo_loss.aux(self, inputs, mask, advantages),
-                    params=_grpo_loss.params(self), completion_length=completion_ids.size(1),
+                    params=_grpo_loss.params(self, inputs),
+                    completion_length=completion_ids.size(1),
                     policy_mask_from_entropy=_grpo_loss.entropy_mask(self, mask))
         # The entropy metric needs a Forward; the ratio metrics need this policy's log-probs
         # only off-policy (on-policy every ratio is exactly 1).

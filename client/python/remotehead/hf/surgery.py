@@ -21,6 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from remotehead import cluster as cluster_lib
 from remotehead.autograd import RemoteHead
 from remotehead.client import Client, RemoteheadError
+from remotehead._errors import rename_field
 from remotehead._local_weight import head_weight
 from remotehead.hf.trainer import accumulation_window_ends
 from remotehead.hf_checkpoint import save_head_from_server
@@ -335,6 +336,22 @@ def _share_head(client: Client, head_id: str, weight: torch.Tensor, cluster, upl
     cluster_lib.share(cluster, on_main, check, wait_until=present)
 
 
+def _labels_error(error: RemoteheadError, given_shifted: bool) -> RemoteheadError:
+    """An error naming a row of the loss's targets ("targets[b, t]": the client names the
+    shifted labels' [b, t]) as the model's caller gave it: labels[b, t + 1] (the label the
+    shifted position predicts), or shift_labels[b, t] when the batch gave its own."""
+    field = error.metadata.get("field", "")
+    if not (field.startswith("targets[") and field.endswith("]")):
+        return error
+    position = field[len("targets["):-1].split(", ")
+    if not all(p.isdigit() for p in position):
+        return error
+    if given_shifted:
+        return rename_field(error, f"shift_labels[{', '.join(position)}]")
+    position[-1] = str(int(position[-1]) + 1)
+    return rename_field(error, f"labels[{', '.join(position)}]")
+
+
 def route_causal_lm_loss(model, loss) -> None:
     """Makes a causal LM's forward with labels run only its body and
     return `loss(hidden, shifted_labels, num_items_in_batch)` — no [N, V] logits are built
@@ -363,12 +380,16 @@ def route_causal_lm_loss(model, loss) -> None:
         # A collator's own shifted labels (transformers' ForCausalLMLoss takes them as they are:
         # context-parallel shards, some padding-free collators) win over shifting here.
         shifted = kwargs.pop("shift_labels", None)
+        given_shifted = shifted is not None
         outputs = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      **kwargs)
         if shifted is None:
             shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        return CausalLMOutputWithPast(
-            loss=loss(outputs.last_hidden_state, shifted, num_items_in_batch), logits=None,
-            past_key_values=outputs.past_key_values)
+        try:
+            value = loss(outputs.last_hidden_state, shifted, num_items_in_batch)
+        except RemoteheadError as e:
+            raise _labels_error(e, given_shifted) from None
+        return CausalLMOutputWithPast(loss=value, logits=None,
+                                      past_key_values=outputs.past_key_values)
 
     model.forward = types.MethodType(forward, model)

@@ -209,7 +209,8 @@ struct TransformFunction {
   bool ignored_rows_contribute_nothing = false;
   std::function<FunctionOutput(const ChunkInputs&)> forward;
   // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs;
-  // a distillation's alpha > 0 needs targets).
+  // a distillation's alpha > 0 needs targets). A row it names ("aux[\"x\"][i]: …") is row i of
+  // the aux it is given; the engine renames it to the row's index in the caller's request.
   std::function<absl::Status(const FunctionParams&, const AuxTensors&, bool has_targets)> validate;
   // Row coupling: a loss in which a token's value depends on other tokens of the call (GSPO's
   // sequence-level importance ratio, VESPO's per-sequence weight, an off-policy sequence mask),
