@@ -1,5 +1,8 @@
 #include "prepare_step.h"
 
+#include <string_view>
+#include <utility>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
@@ -35,6 +38,26 @@ torch::Tensor PreparedStep::Expand(const torch::Tensor& t) const {
   return full;
 }
 
+namespace {
+
+// Whether `name` is how the server names one of the per-row inputs `p` sent — the only fields
+// whose index is a row (token_extras[1] or params["x"] name something else).
+bool NamesRowInput(const PreparedStep& p, std::string_view name) {
+  const std::pair<std::string_view, const torch::Tensor*> inputs[] = {
+      {"hidden", &p.hidden},           {"targets", &p.targets},
+      {"weights", &p.weights},         {"grad_output", &p.grad_output},
+      {"teacher_hidden", &p.teacher_hidden}};
+  for (const auto& [input, t] : inputs) {
+    if (name == input) return t->defined();
+  }
+  for (const auto& [aux, t] : p.aux) {
+    if (name == absl::StrCat("aux[\"", aux, "\"]")) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 absl::Status PreparedStep::CallerError(absl::Status status) const {
   if (status.ok() || !kept.defined()) return status;
   std::optional<core::ErrorReason> reason = core::GetReason(status);
@@ -45,6 +68,7 @@ absl::Status PreparedStep::CallerError(absl::Status status) const {
   const size_t open = named.rfind('[');
   int64_t row = 0;
   if (named.empty() || named.back() != ']' || open == std::string::npos ||
+      !NamesRowInput(*this, std::string_view(named).substr(0, open)) ||
       !absl::SimpleAtoi(absl::string_view(named).substr(open + 1, named.size() - open - 2),
                         &row) ||
       row < 0 || row >= kept.size(0)) {
