@@ -122,3 +122,30 @@ def test_server_side_optimizer_step_updates_the_weights(client, head_weight):
         expected = F.cross_entropy(F.linear(probe, weight - 0.5 * dw), probe_labels)
         got = head.loss(probe, probe_labels)
     assert abs(got.item() - expected.item()) <= 1e-5 * abs(expected.item())
+
+
+def test_a_zero_learning_rate_is_a_step_that_changes_no_weight_as_in_torch(client, head_weight):
+    """A linear schedule past its end (a Trainer resumed there) asks for lr = 0: torch.optim's
+    AdamW takes that step — its moments and step count advance, the parameters stay — and so does
+    the server's; the next step (lr > 0) then equals torch's after the same two steps."""
+    head_id, weight = head_weight
+    head = remotehead.RemoteHead(client, head_id)
+    reference = weight.clone().requires_grad_(True)
+    adamw = torch.optim.AdamW([reference], lr=0.0, weight_decay=0.1)
+    for lr in (0.0, 1e-2):
+        hidden = torch.randn(N, D, requires_grad=True)
+        labels = torch.randint(0, V, (N,))
+        head.loss(hidden, labels).backward()
+        dw, _, _ = client.fetch_gradients(head_id)
+        head.optimizer_step(adamw=dict(lr=lr, weight_decay=0.1))
+        adamw.param_groups[0]["lr"] = lr
+        reference.grad = dw
+        adamw.step()
+        got, _ = client.export_weights(head_id)
+        if lr == 0.0:
+            assert torch.equal(got, weight), "lr 0 changed the weights"
+        assert close(got, reference.detach()), lr
+    assert client.describe_head(head_id).weight_version == 2
+    with pytest.raises(remotehead.RemoteheadError) as negative:
+        head.optimizer_step(adamw=dict(lr=-1e-3))
+    assert negative.value.details == "adamw.lr: expected a finite value in [0, inf); got -0.001"

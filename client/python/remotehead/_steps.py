@@ -167,6 +167,15 @@ def caller_error(p: PreparedStep, error: RemoteheadError) -> RemoteheadError:
     return rename_field(error, f"{name}[{', '.join(str(i) for i in reversed(position))}]")
 
 
+def in_callers_rows(p: PreparedStep, call):
+    """call()'s result; an error it raises about one row named as the caller gave the row
+    (caller_error): the server names a row among the rows sent, the caller knows its own."""
+    try:
+        return call()
+    except RemoteheadError as e:
+        raise caller_error(p, e) from None
+
+
 def _per_token(t, rows: int, field: str, integral: bool) -> torch.Tensor:
     """A per-token input checked against the rows (any shape of `rows` elements, flattened),
     converted to a wire dtype (integers to int64 unless int64/int32; floating kept) and laid

@@ -7,12 +7,12 @@ receives dX chunks as the server produces them. Server errors surface as Remoteh
 What a step computes is step_options.py's (StepOptions); what it sends and how its answer is
 read, _steps.py's (StepResult, and the C++ client's PrepareStep to the byte); tensors on the
 wire and the row-chunk rule, _wire.py's; the functions a server lists, functions.py's; the
-exceptions, _errors.py's; a .safetensors file written from a server's stream, _safetensors.py's.
+exceptions, _errors.py's; a .safetensors file written from a server's stream, _safetensors.py's;
+what the server says of a head (HeadInfo), _head_info.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import secrets
@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from remotehead import _compaction, _embedding_calls, _errors, _safetensors, _steps, _wire
+from remotehead._head_info import HeadInfo, head_info as _info  # noqa: F401 (re-exported)
 from remotehead._striping import merged_responses
 # Re-exported: remotehead.client.X is where these have always been imported from.
 from remotehead._errors import (InvalidArgumentError, RemoteheadError,  # noqa: F401
@@ -33,36 +34,6 @@ from remotehead._wire import framing_bytes, shape_text
 from remotehead.functions import FunctionInfo, function_info
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
-
-
-@dataclasses.dataclass
-class HeadInfo:
-    head_id: str
-    vocab_size: int
-    hidden_size: int
-    dtype: torch.dtype
-    has_bias: bool
-    device: str
-    weight_version: int
-    accumulated_micro_batches: int
-    incarnation: str = ""  # the server process: a new one after every restart
-    state_id: str = ""  # the saved training state last saved or restored ("" if none)
-    # A head group: its processes, and each one's (offset, rows) of the vocabulary by rank.
-    group_size: int = 1
-    shards: Tuple[Tuple[int, int], ...] = ()
-    # A frozen head (create_head / upload_head with frozen=True): no dW, no optimizer step; the
-    # only kind that may be a distillation teacher. teacher_of: the heads whose steps named it
-    # as their teacher (StepOptions.teacher) on this server, sorted.
-    frozen: bool = False
-    teacher_of: Tuple[str, ...] = ()
-
-
-def _info(msg: pb.HeadInfo) -> HeadInfo:
-    return HeadInfo(msg.head_id, msg.vocab_size, msg.hidden_size, _wire._FROM_WIRE[msg.dtype],
-                    msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches,
-                    msg.incarnation, msg.state_id, max(1, msg.group_size),
-                    tuple((r.offset, r.rows) for r in msg.shards), msg.frozen,
-                    tuple(msg.teacher_of))
 
 
 def trainer_rank(rank: Optional[int] = None) -> int:
@@ -595,11 +566,7 @@ class Client:
                      for i, stub in enumerate(stubs)]
             return _steps.receive(p, mode, fn, o.output_dtype, merged_responses(calls), any_order=True)
 
-        try:
-            received = self._call(attempt)
-        except RemoteheadError as e:
-            # The server names a row among the rows sent; the caller knows its own rows.
-            raise _steps.caller_error(p, e) from None
+        received = _steps.in_callers_rows(p, lambda: self._call(attempt))
         result = _steps.step_result(mode, per_token, received, p)
         self._handle_rows.after_step(p, result.summary.inputs_handle, by_handle)
         return result
