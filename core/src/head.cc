@@ -131,9 +131,9 @@ absl::StatusOr<int64_t> HeadMemoryBytes(int64_t vocab_size, int64_t hidden_size,
     }
   }
   // Within the limits V·D < 2^42, so nothing below can overflow; checked all the same.
-  const int64_t per_row = static_cast<int64_t>(c10::elementSize(dtype)) +
-                          static_cast<int64_t>(c10::elementSize(
-                              grad_dtype.value_or(AccumulationDtype(dtype))));
+  const int64_t per_row =
+      static_cast<int64_t>(c10::elementSize(dtype)) +
+      static_cast<int64_t>(c10::elementSize(grad_dtype.value_or(AccumulationDtype(dtype))));
   int64_t elements = 0, bytes = 0;
   if (__builtin_mul_overflow(vocab_size, hidden_size + (bias ? 1 : 0), &elements) ||
       __builtin_mul_overflow(elements, per_row, &bytes)) {

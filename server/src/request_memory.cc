@@ -68,11 +68,10 @@ absl::StatusOr<MemoryEstimate> HeadMemory(const std::string& head_id, int64_t vo
                                                               std::nullopt, field_prefix));
   return MemoryEstimate{
       .bytes = bytes,
-      .breakdown =
-          absl::StrCat("head \"", head_id, "\" of ", field_prefix, "vocab_size ", vocab_size, " × ",
-                       field_prefix, "hidden_size ", hidden_size, " ", core::DtypeName(dtype),
-                       bias ? " with bias" : "", ": weights and ",
-                       core::DtypeName(core::AccumulationDtype(dtype)), " gradients")};
+      .breakdown = absl::StrCat("head \"", head_id, "\" of ", field_prefix, "vocab_size ",
+                                vocab_size, " × ", field_prefix, "hidden_size ", hidden_size, " ",
+                                core::DtypeName(dtype), bias ? " with bias" : "", ": weights and ",
+                                core::DtypeName(core::AccumulationDtype(dtype)), " gradients")};
 }
 
 }  // namespace remotehead::server

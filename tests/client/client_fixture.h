@@ -103,6 +103,5 @@ class ClientTest : public ::testing::Test {
   core::TokenBatch batch_;
 };
 
-
 }  // namespace
 }  // namespace remotehead

@@ -44,8 +44,10 @@ namespace {
 // whose index is a row (token_extras[1] or params["x"] name something else).
 bool NamesRowInput(const PreparedStep& p, std::string_view name) {
   const std::pair<std::string_view, const torch::Tensor*> inputs[] = {
-      {"hidden", &p.hidden},           {"targets", &p.targets},
-      {"weights", &p.weights},         {"grad_output", &p.grad_output},
+      {"hidden", &p.hidden},
+      {"targets", &p.targets},
+      {"weights", &p.weights},
+      {"grad_output", &p.grad_output},
       {"teacher_hidden", &p.teacher_hidden}};
   for (const auto& [input, t] : inputs) {
     if (name == input) return t->defined();
@@ -69,8 +71,7 @@ absl::Status PreparedStep::CallerError(absl::Status status) const {
   int64_t row = 0;
   if (named.empty() || named.back() != ']' || open == std::string::npos ||
       !NamesRowInput(*this, std::string_view(named).substr(0, open)) ||
-      !absl::SimpleAtoi(absl::string_view(named).substr(open + 1, named.size() - open - 2),
-                        &row) ||
+      !absl::SimpleAtoi(absl::string_view(named).substr(open + 1, named.size() - open - 2), &row) ||
       row < 0 || row >= kept.size(0)) {
     return status;  // not a row this client sent: as the server said it
   }

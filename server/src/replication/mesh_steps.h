@@ -99,7 +99,7 @@ class MeshSteps : public TrainersOfTheMesh {
   std::mutex mu_;
   std::condition_variable changed_;
   std::map<Key, Ready> ready_;
-  absl::Status down_;  // set by AbortWaiting(…, started = true)
+  absl::Status down_;      // set by AbortWaiting(…, started = true)
   bool draining_ = false;  // set by Drain, or once the leader's drain was read from the store
 };
 

@@ -47,9 +47,9 @@ absl::Status CheckOptimizerStep(const OptimizerState& state, const AdamWOptions&
 // Bytes the state's buffers hold now.
 int64_t OptimizerStateBytes(const OptimizerState& state);
 // Bytes the state's buffers will hold after one step with `options` on `head` (the buffers are
-// created by the first step, in the head's AccumulationDtype, one per parameter for SGD with momentum and two for
-// AdamW): what a server reserves before the step allocates them. The current bytes when the
-// step would be refused for belonging to the other optimizer.
+// created by the first step, in the head's AccumulationDtype, one per parameter for SGD with
+// momentum and two for AdamW): what a server reserves before the step allocates them. The current
+// bytes when the step would be refused for belonging to the other optimizer.
 int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& state,
                                      const SgdOptions& options);
 int64_t OptimizerStateBytesAfterStep(const Head& head, const OptimizerState& state,
