@@ -2,15 +2,15 @@
 // any state is touched, and the call's Plan (engine_internal.h).
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_internal.h"
 #include "remotehead/core/error_reason.h"
+#include "remotehead/core/row_field.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::core::engine_internal {
@@ -100,23 +100,10 @@ absl::Status NameRowAsRequested(absl::Status status, const Plan& plan) {
   ErrorReason reason = ReasonOf(status);
   const auto field = reason.metadata.find("field");
   if (field == reason.metadata.end()) return status;
-  const std::string& named = field->second;
-  const size_t open = named.rfind('[');
-  int64_t row = 0;
-  if (named.empty() || named.back() != ']' || open == std::string::npos ||
-      !absl::SimpleAtoi(absl::string_view(named).substr(open + 1, named.size() - open - 2),
-                        &row)) {
-    return status;
-  }
-  const std::string requested =
-      absl::StrCat(named.substr(0, open), "[", plan.RowNumber(row), "]");
-  std::string message(status.message());
-  if (absl::StartsWith(message, absl::StrCat(named, ": "))) {
-    message.replace(0, named.size(), requested);
-  }
-  field->second = requested;
-  return WithReason(absl::Status(status.code(), message), reason.reason,
-                    std::move(reason.metadata));
+  const std::optional<RowField> named = ParseRowField(field->second);
+  if (!named) return status;
+  return RenameField(status, std::move(reason),
+                     absl::StrCat(named->input, "[", plan.RowNumber(named->row), "]"));
 }
 
 absl::Status CheckAux(const Head& head, const TokenBatch& batch, const Plan& plan) {

@@ -1,11 +1,12 @@
 #include "prepare_step.h"
 
+#include <optional>
 #include <string_view>
 #include <utility>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
+#include "remotehead/core/row_field.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/core/token_batch.h"
 #include "status.h"
@@ -63,30 +64,13 @@ bool NamesRowInput(const PreparedStep& p, std::string_view name) {
 absl::Status PreparedStep::CallerError(absl::Status status) const {
   if (status.ok() || !kept.defined()) return status;
   std::optional<core::ErrorReason> reason = core::GetReason(status);
-  if (!reason.has_value()) return status;
-  const auto field = reason->metadata.find("field");
-  if (field == reason->metadata.end()) return status;
-  const std::string& named = field->second;
-  const size_t open = named.rfind('[');
-  int64_t row = 0;
-  if (named.empty() || named.back() != ']' || open == std::string::npos ||
-      !NamesRowInput(*this, std::string_view(named).substr(0, open)) ||
-      !absl::SimpleAtoi(absl::string_view(named).substr(open + 1, named.size() - open - 2), &row) ||
-      row < 0 || row >= kept.size(0)) {
+  if (!reason.has_value() || !reason->metadata.contains("field")) return status;
+  const std::optional<core::RowField> named = core::ParseRowField(reason->metadata.at("field"));
+  if (!named || !NamesRowInput(*this, named->input) || named->row >= kept.size(0)) {
     return status;  // not a row this client sent: as the server said it
   }
-  const std::string caller =
-      absl::StrCat(named.substr(0, open), "[", kept[row].item<int64_t>(), "]");
-  std::string message(status.message());
-  if (const size_t at = message.find(absl::StrCat(named, ": ")); at != std::string::npos) {
-    message.replace(at, named.size(), caller);
-  }
-  field->second = caller;
-  absl::Status rewritten(status.code(), message);
-  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
-    rewritten.SetPayload(url, payload);
-  });
-  return core::WithReason(std::move(rewritten), reason->reason, std::move(reason->metadata));
+  return core::RenameField(status, *std::move(reason),
+                           absl::StrCat(named->input, "[", kept[named->row].item<int64_t>(), "]"));
 }
 
 namespace {
