@@ -234,6 +234,11 @@ class Check:
             # The machine's compiler is not the one the project is checked with: its new
             # warnings are counted in the report, not fatal to the whole run.
             args.append("-DREMOTEHEAD_WERROR=OFF")
+        else:
+            # The CPU dry run proves that every layer builds, links and runs against the
+            # machine's torch, which the optimisation level does not change: -O1 compiles about
+            # a fifth faster than the project's -O3 (the head service's source: 12.8 s, 15.5 s).
+            args.append("-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG")
         script = (f"source {shlex.quote(str(ROOT / 'scripts/lib/kit-install.sh'))} && "
                   f"kit_configure {shlex.quote(str(ROOT))} {shlex.quote(str(self.build))} "
                   f"{shlex.quote(str(self.prefix))} {shlex.quote(self.args.python)} "
