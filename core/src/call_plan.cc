@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "fused/fused_block.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/sampler_kept_set.h"
@@ -22,6 +23,15 @@ constexpr int64_t kTokenBytesPerRow = 16;
 // 10% on top for temporaries whose lifetimes overlap differently elsewhere (the tightest case
 // measured here, entropy, peaks at 0.98 of the declared block).
 constexpr double kBlockMargin = 1.1;
+
+// StepOptions::fused_blocks on a call the fused kernel covers: its function and params, one
+// server's head (a group's shards combine their reductions through collectives the kernel does
+// not make), no teacher, rows that are not coupled.
+bool FusedApplies(const StepOptions& options, const CallPlan& plan) {
+  return options.fused_blocks && options.shard == nullptr && options.teacher == nullptr &&
+         !plan.couples_rows && plan.function->output == OutputKind::kPerToken &&
+         fused::Covers(*plan.function, plan.params);
+}
 
 absl::Status CheckChunkOptions(const Head& head, const StepOptions& options) {
   if (options.chunk_rows < 0) {
@@ -99,6 +109,9 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   // temporary while they are formed (the upcast or a transform's result); no autograd.
   if (teacher) block_buffers += 2;
   plan.block_row_bytes = vocab * logits_elem * block_buffers;
+  // A fused chunk has no block: no upcast copy, no temporaries, its gradient written over the
+  // logits buffer (BlockRowsWanted, SetChunkSizes).
+  if (plan.fused) plan.block_row_bytes = 0;
   // Per chunk row: the logits buffer in the GEMM's dtype (which the gradient overwrites) and the
   // X / dX rows; for a half-precision head also the fp32 copy of X_c for the dW GEMM (and the
   // logits GEMM of fp32 logits) and the fp32 dX (the half-precision GEMMs' fp32 scratch, or the
@@ -106,6 +119,12 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   // gradient.
   plan.chunk_row_bytes = vocab * gemm_elem + 2.0 * hidden * elem;
   plan.chunk_row_bytes_forward = vocab * gemm_elem;
+  if (plan.fused) {
+    const double fused_row =
+        fused::RowBytes(plan.vocab_size, LogitsDtype(head), !head.weight().device().is_cpu());
+    plan.chunk_row_bytes += fused_row;
+    plan.chunk_row_bytes_forward += fused_row;
+  }
   // …and a two-head function's second logits buffer, the teacher's, in its GEMM's dtype.
   if (teacher) {
     const torch::ScalarType teacher_gemm =
@@ -144,7 +163,7 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   }
   if (half) {
     plan.chunk_row_bytes += 2.0 * hidden * logits_elem;
-    if (!plan.fp32_logits_of_half_head) plan.chunk_row_bytes += vocab * logits_elem;
+    if (!plan.fp32_logits_of_half_head && !plan.fused) plan.chunk_row_bytes += vocab * logits_elem;
     plan.chunk_row_bytes_forward += hidden * logits_elem;
   }
 }
@@ -198,8 +217,10 @@ void SetGemmWorkspace(const Head& head, CallPlan& plan) {
 }
 
 // Rows per function block before the budget's say: as given; on a CPU, what keeps the block in
-// the caches; on a GPU no limit (the budget's quarter, below, is the only one).
+// the caches; on a GPU no limit (the budget's quarter, below, is the only one). A fused call's
+// block is its chunk (SetChunkSizes).
 int64_t BlockRowsWanted(const Head& head, const StepOptions& options, const CallPlan& plan) {
+  if (plan.fused) return std::numeric_limits<int64_t>::max();
   if (options.block_rows > 0) return options.block_rows;
   if (!head.weight().device().is_cpu()) return std::numeric_limits<int64_t>::max();
   return std::max<int64_t>(
@@ -211,6 +232,22 @@ int64_t BlockRowsWanted(const Head& head, const StepOptions& options, const Call
 // quarter of it; chunks get the rest).
 absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPlan& plan) {
   const int64_t wanted_block_rows = BlockRowsWanted(head, options, plan);
+  if (plan.fused && options.chunk_rows <= 0) {
+    const int64_t budget = options.memory_budget_bytes > 0
+                               ? options.memory_budget_bytes
+                               : DefaultMemoryBudgetBytes(head.weight().device());
+    const double rest = static_cast<double>(budget) - static_cast<double>(plan.gemm.fixed_bytes) -
+                        static_cast<double>(plan.weight_slice_bytes);
+    plan.chunk_rows = static_cast<int64_t>(rest / (plan.chunk_row_bytes + plan.gemm.row_bytes));
+    plan.block_rows = plan.chunk_rows;
+    if (plan.chunk_rows >= 1) return absl::OkStatus();
+    const double one_row = plan.chunk_row_bytes + static_cast<double>(plan.gemm.BytesFor(1)) +
+                           static_cast<double>(plan.weight_slice_bytes);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
+        " (one row of ", plan.function->name, " at V=", plan.vocab_size, ", fused); got ",
+        budget));
+  }
   if (options.chunk_rows > 0) {
     plan.chunk_rows = options.chunk_rows;
     plan.block_rows = std::min(wanted_block_rows, options.chunk_rows);
@@ -331,6 +368,7 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
   plan.logits_dtype = options.logits_dtype;
   plan.gemm_dtype = GemmLogitsDtype(head.dtype(), options.logits_dtype);
   plan.fp32_logits_of_half_head = plan.gemm_dtype != head.dtype();
+  plan.fused = FusedApplies(options, plan);
   SetRowCosts(head, options, plan);
   SetGemmWorkspace(head, plan);
   SetWeightSlice(head, options, plan);

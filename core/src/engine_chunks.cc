@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_internal.h"
+#include "fused/fused_block.h"
 
 namespace remotehead::core::engine_internal {
 namespace {
@@ -179,6 +180,20 @@ ChunkValues RunFunctionBlocks(const Plan& plan, const ChunkTokens& tokens, const
   return values;
 }
 
+// RunFunctionBlocks for a fused call (CallPlan::fused): the whole chunk in one fused block, dL/dz
+// written over `z` (the chunk's logits) when `dy` is defined.
+ChunkValues RunFusedChunk(const Plan& plan, const ChunkTokens& tokens, const torch::Tensor& z,
+                          const torch::Tensor& dy, bool health) {
+  fused::BlockOutputs out = fused::RunBlock({.function = &plan.fn(),
+                                             .params = &plan.params(),
+                                             .vocab_size = plan.vocab_size,
+                                             .logits = z,
+                                             .targets = tokens.targets,
+                                             .dy = dy.defined() ? dy.contiguous() : dy,
+                                             .health = health});
+  return {std::move(out.y), std::move(out.extras), std::move(out.health)};
+}
+
 // Per-token values with 0 at the ignored positions (where: a non-finite value there stays out).
 torch::Tensor ValidOnly(const torch::Tensor& values, const ChunkTokens& tokens) {
   return tokens.valid.defined() ? torch::where(tokens.valid, values, 0.0) : values;
@@ -238,20 +253,30 @@ void BackpropagateChunk(const Head& head, const Plan& plan, const torch::Tensor&
                         torch::Tensor& z, const torch::Tensor& dz, int64_t start,
                         const ChunkPass& pass) {
   if (plan.call.fp32_logits_of_half_head) {
+    // Its dX and dW GEMMs run slice by slice together: one phase.
+    const PhaseScope phase(plan.phases, StepPhase::kDxGemm);
     BackpropagateFp32Chunk(head, plan, x_chunk, dz, start, pass);
     return;
   }
   torch::Tensor dz_head = dz;
-  if (head.dtype() != LogitsDtype(head)) dz_head = z.copy_(dz);
-  if (plan.shard != nullptr) {
-    GroupGradHidden(head, plan, dz_head, start, pass.grad_hidden);
-  } else if (pass.grad_hidden.defined()) {
-    torch::Tensor dx_chunk = pass.grad_hidden.narrow(0, start, x_chunk.size(0));
-    torch::mm_out(dx_chunk, dz_head, head.weight());
+  // A fused call's dz is the logits buffer itself, already in the head's dtype.
+  if (head.dtype() != LogitsDtype(head) && !plan.call.fused) dz_head = z.copy_(dz);
+  {
+    const PhaseScope phase(plan.phases, StepPhase::kDxGemm);
+    if (plan.shard != nullptr) {
+      GroupGradHidden(head, plan, dz_head, start, pass.grad_hidden);
+    } else if (pass.grad_hidden.defined()) {
+      torch::Tensor dx_chunk = pass.grad_hidden.narrow(0, start, x_chunk.size(0));
+      torch::mm_out(dx_chunk, dz_head, head.weight());
+    }
   }
   if (pass.grads != nullptr) {
+    const PhaseScope phase(plan.phases, StepPhase::kDwGemm);
     AccumulateWeightGrad(pass.grads->weight, dz, dz_head, x_chunk);
-    if (pass.grads->bias.defined()) pass.grads->bias.add_(dz.sum(0));
+    // Summed in the bias's dtype: a fused call's dz is half-precision.
+    if (pass.grads->bias.defined()) {
+      pass.grads->bias.add_(dz.sum(0, /*keepdim=*/false, pass.grads->bias.scalar_type()));
+    }
   }
 }
 
@@ -314,7 +339,7 @@ ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradi
                        : torch::empty({plan.chunk_rows, head.vocab_size()},
                                       head.weight().options().dtype(dtype));
   if (gradients) {
-    buffers.grad = dtype == LogitsDtype(head)
+    buffers.grad = dtype == LogitsDtype(head) || plan.call.fused
                        ? buffers.logits
                        : torch::empty(buffers.logits.sizes(),
                                       buffers.logits.options().dtype(LogitsDtype(head)));
@@ -362,19 +387,27 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
     ++out.num_chunks;
     const TokenBatch chunk = batch.Slice(start, rows);
     torch::Tensor z = buffers.logits.narrow(0, 0, rows);
-    ChunkLogits(head, plan.call, chunk.hidden, z);
     torch::Tensor zt;
-    if (plan.teacher != nullptr) {
-      zt = buffers.teacher_logits.narrow(0, 0, rows);
-      ChunkLogits(*plan.teacher, plan.call, chunk.teacher_hidden, zt);
+    {
+      const PhaseScope phase(plan.phases, StepPhase::kLogitsGemm);
+      ChunkLogits(head, plan.call, chunk.hidden, z);
+      if (plan.teacher != nullptr) {
+        zt = buffers.teacher_logits.narrow(0, 0, rows);
+        ChunkLogits(*plan.teacher, plan.call, chunk.teacher_hidden, zt);
+      }
     }
     const ChunkTokens tokens = PrepareChunkTokens(chunk, plan, logits_opts);
     torch::Tensor dy;  // [rows] dL/dy
     if (pass.upstream != nullptr) dy = (*pass.upstream)(start, rows, tokens.token_weights);
     torch::Tensor dz = dy.defined() ? buffers.grad.narrow(0, 0, rows) : torch::Tensor();
 
-    const ChunkValues values =
-        RunFunctionBlocks(plan, tokens, z, zt, dy, dz, logits_opts, pass.health);
+    ChunkValues values;
+    {
+      const PhaseScope phase(plan.phases, StepPhase::kFunction);
+      values = plan.call.fused
+                   ? RunFusedChunk(plan, tokens, z, dy, pass.health)
+                   : RunFunctionBlocks(plan, tokens, z, zt, dy, dz, logits_opts, pass.health);
+    }
     if (!plan.call.couples_rows) CheckReportedExtras(plan, values.extras);
     if (pass.health) AddChunkHealth(plan, values.health, tokens.valid, *out.health);
     AddMaskedSum(values.y, tokens, weighted ? chunk.weights : torch::Tensor(), out.loss_sum);

@@ -312,6 +312,7 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const S
   plan.reduction = options.reduction;
   plan.should_stop = options.should_stop;
   plan.head_health = options.head_health;
+  plan.phases = options.phases;
   plan.logits_workspace = options.logits_workspace;
   plan.first_row = options.first_row;
   plan.row_numbers = options.row_numbers;

@@ -39,6 +39,7 @@ struct Plan {
   int64_t ignore_index = -100;
   std::function<bool()> should_stop;                  // StepOptions::should_stop
   bool head_health = true;                            // StepOptions::head_health
+  StepPhaseRecorder* phases = nullptr;                // StepOptions::phases
   torch::Tensor logits_workspace;                     // StepOptions::logits_workspace
   int64_t first_row = 0;                              // StepOptions::first_row
   const std::vector<int64_t>* row_numbers = nullptr;  // StepOptions::row_numbers
@@ -158,7 +159,7 @@ struct ChunkBuffers {
   // dL/dz: for fp32 logits (an fp32 head's, or asked for by StepOptions::logits_dtype) the
   // logits buffer itself (each block's logits are dead once its gradient exists); otherwise a
   // separate fp32 buffer, so dW accumulates the unrounded gradient. Undefined without
-  // gradients.
+  // gradients. A fused call's (CallPlan::fused) is the logits buffer, in its dtype.
   torch::Tensor grad;
   // A two-head function's teacher logits [chunk_rows, V] in its GEMM's dtype.
   torch::Tensor teacher_logits;

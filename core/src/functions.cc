@@ -85,7 +85,8 @@ std::vector<TransformFunction> BuiltinFunctions() {
                    .when_param = "z_loss"}},
        .workspace_logit_buffers = 3,
        .ignored_rows_contribute_nothing = true,
-       .forward = CrossEntropy},
+       .forward = CrossEntropy,
+       .fused = FusedKind::kCrossEntropy},
       {.name = "token_logprobs",
        .help = "log-probability of the target token; with top_k / top_p / min_p, under the "
                "sampler's truncated, renormalised distribution (−inf, zero gradient, for a target "
@@ -97,6 +98,7 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .workspace_logit_buffers = 3,
        .ignored_rows_contribute_nothing = true,
        .forward = TokenLogprobs,
+       .fused = FusedKind::kTokenLogprobs,
        .validate = [](const FunctionParams& params, const AuxTensors&,
                       bool) { return ValidateSamplerParams(params); }},
       {.name = "entropy",
@@ -104,7 +106,8 @@ std::vector<TransformFunction> BuiltinFunctions() {
        .needs_targets = false,
        .workspace_logit_buffers = 4,
        .ignored_rows_contribute_nothing = true,
-       .forward = Entropy},
+       .forward = Entropy,
+       .fused = FusedKind::kEntropy},
       {.name = "mse_onehot",
        .help = "mean squared error of the logits to the one-hot target",
        .workspace_logit_buffers = 2,

@@ -25,6 +25,7 @@ import pathlib
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -67,8 +68,16 @@ SUITES = [
      (1, 1)),
     # Where the binary's C++ runtime comes from (a LibTorch that exports std:: symbols).
     ("torch linkage", "torch_linkage_test", "*", "*", 1, (1, 1)),
+    # The fused block's CUDA kernels: the engine with --fused_blocks against the reference, and
+    # the kernels against their CPU twin (loss 1e-6 relative, dz within one ulp).
+    ("fused block", "fused_block_test", "*_cuda*", "*_cpu*", 2, (3, 1)),
 ]
 ALONE = {"memory statistics", "server binary"}
+# compute-sanitizer's tools over the fused kernels at a small shape (FusedBlockOnCuda: one block
+# of several tiles per dtype): (suite name, tool). CUDA only, after the other suites, one at a
+# time; a machine without compute-sanitizer reports them failed, naming it.
+SANITIZED = ("fused_block_test", "FusedBlockOnCuda.*")
+SANITIZER_TOOLS = [("fused block memcheck", "memcheck"), ("fused block racecheck", "racecheck")]
 # CPU suites the dry run adds (the torch range's proof that every layer builds and runs against
 # the machine's torch): the C++ client against the server, the wire codec with protobuf and
 # LibTorch in one process, the checkpoint directory's file operations (std::filesystem), the
@@ -321,6 +330,9 @@ class Check:
         if not cuda:
             for name, binary, f, shards, (total, run_n) in self.suites(CPU_ONLY_SUITES):
                 jobs += [(name, binary, f, total, i) for i in range(run_n)]
+        elif self.suites([("fused block",)]):
+            jobs += [(name, SANITIZED[0], SANITIZED[1], 1, 0, tool) for name, tool in
+                     SANITIZER_TOOLS]
         deadline = time.monotonic() + limit
         results: dict[str, dict] = {}
         for name, *_ in jobs:
@@ -329,20 +341,30 @@ class Check:
         env = dict(self.env, OMP_WAIT_POLICY="PASSIVE")
 
         def one(job):
-            name, binary, gfilter, total, index = job
+            name, binary, gfilter, total, index, *tool = job
             exe = self.build / "tests" / binary
             label = re.sub(r"\W+", "_", name)  # two suites may run one binary at once
             report = self.prefix / f"gtest-{binary}-{label}-{index}.json"
             if not exe.exists():
                 return name, None, "not built"
+            wrapper = []
+            if tool:
+                sanitizer = shutil.which("compute-sanitizer", path=os.pathsep.join(
+                    [os.environ.get("PATH", ""), "/usr/local/cuda/bin"]))
+                if sanitizer is None:
+                    return name, None, "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"
+                wrapper = [sanitizer, "--tool", tool[0], "--error-exitcode=1"]
             e = dict(env, GTEST_TOTAL_SHARDS=str(total), GTEST_SHARD_INDEX=str(index))
-            code, _ = self.run([exe, f"--gtest_filter={gfilter}", f"--gtest_output=json:{report}"],
+            code, _ = self.run([*wrapper, exe, f"--gtest_filter={gfilter}",
+                                f"--gtest_output=json:{report}"],
                                f"test-{binary}-{label}-{index}.log", deadline - time.monotonic(),
                                env=e)
             if code is None:
                 return name, None, "cut"
             if not report.exists():
                 return name, None, f"exited {code} without a report"
+            if tool and code != 0:  # the sanitizer's finding, whatever the cases said
+                return name, None, f"{tool[0]} reported errors (exit {code})"
             return name, json.loads(report.read_text()), None
 
         def python_suites():
@@ -390,7 +412,8 @@ class Check:
                 r["status"] = "failed"
 
         workers = max(1, min(self.args.jobs, 8) if cuda else self.args.jobs)
-        together = [j for j in jobs if not (cuda and j[0] in ALONE)]
+        alone = ALONE | {name for name, _ in SANITIZER_TOOLS}
+        together = [j for j in jobs if not (cuda and j[0] in alone)]
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             python_job = pool.submit(python_suites) if self.suites([("Python client",)]) else None
             for result in pool.map(one, together):

@@ -71,6 +71,9 @@ ABSL_FLAG(
     double, sync_step_timeout_seconds, 300,
     "how long the ranks of a synchronous optimizer step (data-parallel trainers) wait for the "
     "missing ones before each gets ABORTED naming them; nothing is applied");
+ABSL_FLAG(bool, fused_blocks, false,
+          "compute cross_entropy, token_logprobs (no sampler) and entropy with the engine's fused "
+          "kernel (docs/engine.md, Fused blocks): not yet run on a GPU, so off by default");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server (turns TLS on)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA(s) for client certificates (turns mTLS on)");
@@ -325,7 +328,8 @@ rh::server::ServiceOptions MakeServiceOptions(
       .group = cluster.group.get(),
       .mesh = cluster.mesh.get(),
       .liveness = cluster.liveness.get(),
-      .sync_step_timeout_seconds = absl::GetFlag(FLAGS_sync_step_timeout_seconds)};
+      .sync_step_timeout_seconds = absl::GetFlag(FLAGS_sync_step_timeout_seconds),
+      .fused_blocks = absl::GetFlag(FLAGS_fused_blocks)};
   std::cout << "remotehead-server: admission: memory budget "
             << (budget == 0 ? std::string("unlimited") : absl::StrCat(budget >> 20, " MiB"))
             << ", max active " << options.admission.max_active << " (0 = no limit), max queued "

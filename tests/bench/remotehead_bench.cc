@@ -17,7 +17,6 @@
 // repetition starts from zeroed gradients, so that is one step's result).
 
 #include <algorithm>
-#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -37,7 +36,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_flags.h"
 #include "bench/bench_measure.h"
+#include "bench/bench_phases.h"
+#include "bench/bench_results.h"
 #include "bench/bench_plot.h"
 #include "remotehead/core/device.h"
 #include "remotehead/core/engine.h"
@@ -67,6 +69,9 @@ ABSL_FLAG(int32_t, repeats, 3, "timed repetitions (the median is reported)");
 ABSL_FLAG(int32_t, warmup, 1, "untimed repetitions before the timed ones");
 ABSL_FLAG(bool, bias, false, "give the head a bias");
 ABSL_FLAG(bool, head_health, true, "compute the head's health (StepStats::health)");
+ABSL_FLAG(bool, fused_blocks, false,
+          "fused function blocks (StepOptions::fused_blocks): the CUDA kernel on a GPU, its CPU "
+          "twin on a CPU; the chunk is the block and dz overwrites the logits");
 ABSL_FLAG(int64_t, teacher_d, 0,
           "two-head functions: the teacher's hidden size (0 = D); its V is the student's");
 ABSL_FLAG(double, beta, 0.5, "distill_jsd: TRL's beta (0 forward KL, 1 reverse KL)");
@@ -92,6 +97,9 @@ using Clock = std::chrono::steady_clock;
 
 using bench::kIgnoredFraction;
 using bench::kIgnoreIndex;
+using bench::NResult;
+using bench::OrNull;
+using bench::Variant;
 // Functions whose only per-token input is the targets; the others (grpo) need aux inputs
 // whose choice would change what is being measured.
 const std::vector<std::string> kSupportedFunctions = {
@@ -119,21 +127,6 @@ struct Config {
   int repeats = 0, warmup = 0, threads = 0;
   bool bias = false, json = false;
   uint64_t seed = 0;
-};
-
-struct Variant {
-  bool skipped = true;
-  double seconds = 0;
-  int64_t peak_bytes = 0;
-  double loss = 0;
-  std::optional<double> d_loss, d_hidden, d_weight;  // max |Δ| vs naive; empty without naive
-};
-
-struct NResult {
-  int64_t n = 0;
-  rh::StepStats stats;  // from the fused step: chunk_rows, num_chunks, valid_tokens
-  Variant naive, fused, two_phase, gemm;
-  Variant torch_lce;  // PyTorch's linear_cross_entropy, measured by plot_bench.py
 };
 
 absl::StatusOr<Config> ConfigFromFlags() {
@@ -302,6 +295,15 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
       },
       &r.fused));
   compare(r.fused);
+  {
+    bench::PhaseClock clock(cfg.device);
+    rh::StepOptions marked = options;
+    marked.phases = &clock;
+    zero_grads();
+    RETURN_IF_ERROR(rh::FusedForwardBackward(head, batch, marked, &grads, grad_hidden).status());
+    bench::Synchronize(cfg.device);
+    r.fused_phases = clock.TakeSeconds();
+  }
 
   const torch::Tensor one = torch::ones({}, torch::TensorOptions().device(cfg.device));
   RETURN_IF_ERROR(Measure(
@@ -335,49 +337,17 @@ absl::StatusOr<NResult> RunOne(const Config& cfg, const rh::Head& head,
           if (zt.defined()) torch::mm_out(zt, batch.teacher_hidden, teacher->weight().t());
           torch::mm_out(z, batch.hidden, head.weight().t());
           torch::mm_out(dx, z, head.weight());
-          grads.weight.addmm_(dz_dw.t(), x_dw);
+          if (fp32_dw && cfg.device.is_cuda()) {
+            // The engine's dW on CUDA: the bf16 dz and X_c on tensor cores into the fp32 dW.
+            at::addmm_out(grads.weight, grads.weight, z.t(), batch.hidden, torch::kFloat);
+          } else {
+            grads.weight.addmm_(dz_dw.t(), x_dw);
+          }
           return absl::OkStatus();
         },
         &r.gemm));
   }
   return r;
-}
-
-std::optional<double> Ratio(const Variant& num, const Variant& den) {
-  if (num.skipped || den.skipped || den.seconds <= 0) return std::nullopt;
-  return num.seconds / den.seconds;
-}
-
-std::optional<double> PeakRatio(const Variant& num, const Variant& den) {
-  if (num.skipped || den.skipped || den.peak_bytes <= 0) return std::nullopt;
-  return static_cast<double>(num.peak_bytes) / static_cast<double>(den.peak_bytes);
-}
-
-nlohmann::json OrNull(const std::optional<double>& x) {
-  return x.has_value() ? nlohmann::json(*x) : nlohmann::json(nullptr);
-}
-
-nlohmann::json VariantJson(const Variant& v, const NResult& r, bool engine) {
-  nlohmann::json j = {{"skipped", v.skipped}};
-  j["step_seconds"] = v.skipped ? nlohmann::json(nullptr) : nlohmann::json(v.seconds);
-  j["peak_bytes"] = v.skipped ? nlohmann::json(nullptr) : nlohmann::json(v.peak_bytes);
-  if (!engine) return j;
-  j["loss"] = v.loss;
-  j["max_abs_diff"] = {{"loss", OrNull(v.d_loss)},
-                       {"grad_hidden", OrNull(v.d_hidden)},
-                       {"grad_weight", OrNull(v.d_weight)}};
-  j["gemm_ratio"] = OrNull(Ratio(r.gemm, v));
-  j["ratio_to_naive"] = OrNull(Ratio(v, r.naive));
-  j["peak_ratio_to_naive"] = OrNull(PeakRatio(v, r.naive));
-  return j;
-}
-
-// A baseline measured outside the engine: its time and peak against naive's.
-nlohmann::json BaselineJson(const Variant& v, const NResult& r) {
-  nlohmann::json j = VariantJson(v, r, false);
-  j["ratio_to_naive"] = OrNull(Ratio(v, r.naive));
-  j["peak_ratio_to_naive"] = OrNull(PeakRatio(v, r.naive));
-  return j;
 }
 
 nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<NResult>& rs) {
@@ -395,6 +365,7 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
         {"fused_over_torch_lce", OrNull(Ratio(r.fused, r.torch_lce))},
         {"fused_peak_over_torch_lce", OrNull(PeakRatio(r.fused, r.torch_lce))},
         {"fused_gemm_ratio", OrNull(Ratio(r.gemm, r.fused))},
+        {"fused_phases", PhasesJson(r)},
         {"variants",
          {{"naive", naive},
           {"fused", VariantJson(r.fused, r, true)},
@@ -470,6 +441,12 @@ void PrintTable(const Config& cfg, int64_t chunk_rows, const std::vector<NResult
                    engine ? Fmt(v->d_loss, 2, true) : "-", engine ? Fmt(v->d_hidden, 2, true) : "-",
                    engine ? Fmt(v->d_weight, 2, true) : "-");
     }
+    std::string phases;
+    for (const auto& [name, seconds] : PhasesJson(r).items()) {
+      absl::StrAppend(&phases, " ", name, "=",
+                      seconds.is_null() ? "-" : absl::StrFormat("%.4f", seconds.get<double>()));
+    }
+    absl::PrintF("# N=%d fused phases (s):%s\n", r.n, phases);
   }
 }
 
@@ -523,6 +500,7 @@ absl::Status Run() {
                                 .block_rows = absl::GetFlag(FLAGS_block_rows),
                                 .memory_budget_bytes = cfg.memory_budget_bytes,
                                 .head_health = absl::GetFlag(FLAGS_head_health),
+                                .fused_blocks = absl::GetFlag(FLAGS_fused_blocks),
                                 .teacher = teacher.get()};
   ASSIGN_OR_RETURN(const rh::CallPlan plan, rh::PlanCall(*head, options));
   const int64_t chunk_rows = plan.chunk_rows;
@@ -549,23 +527,6 @@ absl::Status Run() {
                          REMOTEHEAD_PLOT_SCRIPT, cfg.json ? std::cerr : std::cout);
 }
 
-// Abseil flag names are identifiers; accept --chunk-rows as --chunk_rows.
-std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
-  std::vector<std::string> args(argv, argv + argc);
-  for (size_t i = 1; i < args.size(); ++i) {
-    std::string& a = args[i];
-    if (a == "--") break;
-    const size_t dashes = a.starts_with("--") ? 2 : a.starts_with("-") ? 1 : 0;
-    if (dashes == 0 || a.size() <= dashes || !std::isalpha(static_cast<unsigned char>(a[dashes]))) {
-      continue;  // a positional argument or a negative number
-    }
-    const size_t end = std::min(a.find('='), a.size());
-    std::replace(a.begin() + static_cast<std::ptrdiff_t>(dashes),
-                 a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
-  }
-  return args;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -574,7 +535,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "times naive full-logits autograd, the fused and two-phase chunked engine, and bare "
       "GEMMs for one LM-head step; e.g. remotehead-bench --n 2048,8192 --d 1024 --v 32000");
-  std::vector<std::string> args = NormalizeFlagNames(argc, argv);
+  std::vector<std::string> args = remotehead::bench::NormalizeFlagNames(argc, argv);
   std::vector<char*> arg_ptrs;
   for (std::string& a : args) arg_ptrs.push_back(a.data());
   const std::vector<char*> positional =

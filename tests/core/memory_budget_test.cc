@@ -1,7 +1,8 @@
 // Memory: a call's transient peak (measured, not computed from shapes: by the counting CPU
 // allocator, and on CUDA by the caching allocator's statistics) stays within
 // memory_budget_bytes for every function, mode, dtype and device, and does not grow with the
-// number of rows N.
+// number of rows N — with the autograd blocks and, for the functions the fused kernel covers,
+// with fused blocks (StepOptions::fused_blocks: the chunk is the block, dz over the logits).
 #include <gtest/gtest.h>
 
 #include "core/function_cases.h"
@@ -31,7 +32,7 @@ enum class Mode { kFused, kForward, kBackward };
 // allocator) on a stream's first GEMM and keeps it, as a server does after its first step.
 Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& function,
                      const core::FunctionParams& params, Mode mode,
-                     std::optional<torch::ScalarType> logits_dtype = std::nullopt) {
+                     std::optional<torch::ScalarType> logits_dtype, bool fused) {
   const torch::Device device = head.device();
   if (!device.is_cuda()) core::InstallCpuMemoryTracker();
   const core::TokenBatch batch = reference::MakeTestBatch(head, rows, function, Reduction::kMean);
@@ -41,10 +42,12 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
   core::StepOptions options{.function = function,
                             .params = params,
                             .memory_budget_bytes = kBudget,
+                            .fused_blocks = fused,
                             .logits_dtype = logits_dtype,
                             .teacher = reference::TestTeacher(head, function)};
   auto plan = core::PlanCall(head, options);
   EXPECT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->fused, fused);
   auto call = [&] {
     switch (mode) {
       case Mode::kFused:
@@ -68,6 +71,15 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
 
 using reference::FunctionCase;
 
+// Whether the fused kernel computes this case's blocks when asked (CallPlan::fused).
+bool FusedCovers(const FunctionCase& c) {
+  auto head = reference::MakeTestHead(16, 8, torch::kFloat, false);
+  auto plan = core::PlanCall(*head, {.function = c.function, .params = c.params,
+                                     .fused_blocks = true,
+                                     .teacher = reference::TestTeacher(*head, c.function)});
+  return plan.ok() && plan->fused;
+}
+
 class MemoryBudget : public ::testing::TestWithParam<std::tuple<FunctionCase, std::string>> {};
 
 TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
@@ -79,14 +91,19 @@ TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
       {torch::kFloat, std::nullopt},
       {torch::kBFloat16, std::nullopt},
       {torch::kBFloat16, torch::kFloat}};
-  for (const auto& [dtype, logits_dtype] : dtypes)
+  for (const bool fused : {false, true}) {
+    if (fused && !FusedCovers(c)) continue;
+    for (const auto& [dtype, logits_dtype] : dtypes)
     for (Mode mode : {Mode::kFused, Mode::kForward, Mode::kBackward}) {
       SCOPED_TRACE(std::string(c10::toString(dtype)) + (logits_dtype ? " fp32 logits" : "") +
-                   " mode " + std::to_string(static_cast<int>(mode)));
+                   " mode " + std::to_string(static_cast<int>(mode)) +
+                   (fused ? " fused blocks" : ""));
       auto head = reference::MakeTestHead(kVocab, kHidden, dtype, /*bias=*/true, /*seed=*/1,
                                           torch::kFloat, device);
-      const Measured small = MeasureCall(*head, 600, c.function, c.params, mode, logits_dtype);
-      const Measured large = MeasureCall(*head, 2400, c.function, c.params, mode, logits_dtype);
+      const Measured small =
+          MeasureCall(*head, 600, c.function, c.params, mode, logits_dtype, fused);
+      const Measured large =
+          MeasureCall(*head, 2400, c.function, c.params, mode, logits_dtype, fused);
       ASSERT_LT(small.chunk_rows, 600) << "the budget must force chunking";
       EXPECT_GT(small.peak_bytes, kBudget / 8) << "measurement sees the chunk buffers";
       // fp32, and anything on CUDA (its bf16 dW GEMM writes into the fp32 accumulator, with no
@@ -103,6 +120,7 @@ TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
       EXPECT_LE(large.peak_bytes, small.peak_bytes + 64 * (2400 - 600))
           << "small=" << small.peak_bytes << " large=" << large.peak_bytes;
     }
+  }
 }
 
 // Every registered function with its defaults and, if it has own params, with all options

@@ -45,6 +45,7 @@ StepPipeline::StepPipeline(ServiceContext* service, core::CallMode mode, int str
   stream_.session().set_reserve_more([this](int64_t bytes, const std::string& why) {
     return service_.admission.Grow(ticket_, bytes, why);
   });
+  stream_.session().set_fused_blocks(service->options.fused_blocks);
   stream_.session().set_should_stop([this] {
     const auto now = std::chrono::system_clock::now().time_since_epoch().count();
     return stop_.load(std::memory_order_relaxed) || now > deadline_.load(std::memory_order_relaxed);

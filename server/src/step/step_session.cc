@@ -41,6 +41,7 @@ absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanou
   std::function<bool()> should_stop = std::move(options_.should_stop);
   call_ = std::move(call);
   options_.should_stop = std::move(should_stop);
+  options_.fused_blocks = fused_blocks_;
   fanout_ = std::move(fanout);
   if (fanout_ != nullptr) options_.shard = fanout_->Shard(entry_->shards());
   ASSIGN_OR_RETURN(teacher_, PlanTeacher(*registry_, *entry_, call_.teacher_head_id));

@@ -72,6 +72,9 @@ struct CallPlan {
   // The function couples the call's rows for these params (TransformFunction::couples_rows):
   // the engine runs two passes over all of them, and a server gives it the call in one batch.
   bool couples_rows = false;
+  // StepOptions::fused_blocks asked for it and the fused kernel covers the call: the block is the
+  // whole chunk and the gradient is written over the chunk's logits (no fp32 gradient buffer).
+  bool fused = false;
 
   // The memory of a call on `rows` rows in `mode` that allocates its own dX (the server's case).
   CallMemory Memory(int64_t rows, CallMode mode) const;

@@ -38,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/core/fused_kind.h"
 #include "remotehead/core/token_batch.h"
 #include "remotehead/core/torch_api.h"
 
@@ -208,6 +209,10 @@ struct TransformFunction {
   // tests/core/row_compaction_test.cc holds every function that says true to it.
   bool ignored_rows_contribute_nothing = false;
   std::function<FunctionOutput(const ChunkInputs&)> forward;
+  // The fused kernel that computes this function's blocks when StepOptions::fused_blocks asks
+  // for it (core/src/fused/fused_block.h): its value, extras and gradient must be `forward`'s
+  // and its autograd derivative, which tests/core/fused_block_test.cc checks.
+  FusedKind fused = FusedKind::kNone;
   // Optional cross-field check run before any compute (e.g. GRPO's beta > 0 needs ref_logprobs;
   // a distillation's alpha > 0 needs targets). A row it names ("aux[\"x\"][i]: …") is row i of
   // the aux it is given; the engine renames it to the row's index in the caller's request.

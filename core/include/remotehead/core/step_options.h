@@ -11,6 +11,7 @@
 
 #include "remotehead/core/call_mode.h"
 #include "remotehead/core/functions.h"
+#include "remotehead/core/step_phases.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
 
@@ -57,6 +58,16 @@ struct StepOptions {
   // Whether a call that accumulates dW computes StepStats::health (engine.h). On a head group
   // every rank must be given the same value (it adds a collective per chunk).
   bool head_health = true;
+  // Compute the blocks of a function with a fused kernel (TransformFunction::fused:
+  // cross_entropy, token_logprobs without a sampler, entropy) on one server's head: one kernel
+  // per chunk gives the rows' values, extras and health, and writes dL/dz over the chunk's
+  // logits in their dtype — no autograd, no upcast copy, no separate fp32 gradient buffer, and
+  // the chunk is the block (CallPlan::fused). dW then accumulates the gradient rounded to the
+  // logits' dtype. Other functions, head groups and row-coupled calls keep the autograd path.
+  // On a CPU head the kernel's CPU twin runs (core/src/fused/).
+  bool fused_blocks = false;
+  // Told where each chunk's phases begin and end (step_phases.h); null: nothing is marked.
+  StepPhaseRecorder* phases = nullptr;
   // Asked before every chunk; returning true abandons the call with CANCELLED (a server's
   // cancelled or expired request stops within one chunk). `grads` may then hold a partial
   // addition, like any failure during compute.

@@ -53,6 +53,10 @@ struct ServiceOptions {
   // How long the ranks of a synchronous optimizer step wait for the missing ones (from the
   // first arrival) before every waiting rank gets ABORTED naming them.
   double sync_step_timeout_seconds = 300;
+  // The engine computes cross_entropy, token_logprobs (without a sampler) and entropy with its
+  // fused kernel (core::StepOptions::fused_blocks; docs/engine.md "Fused blocks") on heads that
+  // are not split across a group.
+  bool fused_blocks = false;
 };
 
 }  // namespace remotehead::server
