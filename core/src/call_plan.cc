@@ -236,8 +236,10 @@ absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPla
     const int64_t budget = options.memory_budget_bytes > 0
                                ? options.memory_budget_bytes
                                : DefaultMemoryBudgetBytes(head.weight().device());
+    // …less db's column sums of a chunk's dz ([V], CallPlan::Memory), the one block-sized cost.
     const double rest = static_cast<double>(budget) - static_cast<double>(plan.gemm.fixed_bytes) -
-                        static_cast<double>(plan.weight_slice_bytes);
+                        static_cast<double>(plan.weight_slice_bytes) -
+                        static_cast<double>(plan.vocab_size * plan.logits_elem_bytes);
     plan.chunk_rows = static_cast<int64_t>(rest / (plan.chunk_row_bytes + plan.gemm.row_bytes));
     plan.block_rows = plan.chunk_rows;
     if (plan.chunk_rows >= 1) return absl::OkStatus();

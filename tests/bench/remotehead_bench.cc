@@ -442,11 +442,13 @@ void PrintTable(const Config& cfg, int64_t chunk_rows, const std::vector<NResult
                    engine ? Fmt(v->d_weight, 2, true) : "-");
     }
     std::string phases;
-    for (const auto& [name, seconds] : PhasesJson(r).items()) {
-      absl::StrAppend(&phases, " ", name, "=",
-                      seconds.is_null() ? "-" : absl::StrFormat("%.4f", seconds.get<double>()));
+    double marked = 0;
+    for (size_t i = 0; i < r.fused_phases.size(); ++i) {
+      absl::StrAppend(&phases, " ", std::string(rh::kStepPhaseNames[i]), "=",
+                      absl::StrFormat("%.4f", r.fused_phases[i]));
+      marked += r.fused_phases[i];
     }
-    absl::PrintF("# N=%d fused phases (s):%s\n", r.n, phases);
+    absl::PrintF("# N=%d fused phases (s):%s other=%.4f\n", r.n, phases, r.fused.seconds - marked);
   }
 }
 

@@ -81,7 +81,7 @@ struct EngineRun {
   core::StepStats stats;
 };
 
-EngineRun Run(const core::Head& head, const core::TokenBatch& batch, core::StepOptions options,
+EngineRun RunEngine(const core::Head& head, const core::TokenBatch& batch, core::StepOptions options,
               Mode mode, const torch::Tensor& grad_output) {
   EngineRun run;
   core::GradientBuffers grads = head.NewGradientBuffers();
@@ -137,7 +137,7 @@ TEST_P(FusedEngineParity, MatchesTheReferenceAndTheAutogradPath) {
     SCOPED_TRACE("chunk_rows=" + std::to_string(chunk));
     options.chunk_rows = chunk;
     options.fused_blocks = true;
-    const EngineRun fused = Run(*head, batch, options, mode, grad_output);
+    const EngineRun fused = RunEngine(*head, batch, options, mode, grad_output);
     ASSERT_TRUE(fused.grad_hidden.defined());
     // The chunk is the block.
     EXPECT_EQ(fused.stats.block_rows, std::min(chunk, kRows));
@@ -153,7 +153,7 @@ TEST_P(FusedEngineParity, MatchesTheReferenceAndTheAutogradPath) {
     // The autograd path of the same engine, same chunks: the same extras' and health's sums.
     if (chunk != 7) continue;
     options.fused_blocks = false;
-    const EngineRun autograd = Run(*head, batch, options, mode, grad_output);
+    const EngineRun autograd = RunEngine(*head, batch, options, mode, grad_output);
     ASSERT_TRUE(autograd.grad_hidden.defined());
     EXPECT_EQ(fused.stats.valid_tokens, autograd.stats.valid_tokens);
     EXPECT_EQ(fused.stats.num_chunks, autograd.stats.num_chunks);
@@ -162,15 +162,15 @@ TEST_P(FusedEngineParity, MatchesTheReferenceAndTheAutogradPath) {
       EXPECT_LE(reference::RelativeError(fused.stats.extras.at(name), sum, 1.0), Tolerance(dtype))
           << name;
     }
-    ASSERT_EQ(fused.stats.health.has_value(), autograd.stats.health.has_value());
-    if (fused.stats.health.has_value()) {
-      EXPECT_LE(reference::RelativeError(fused.stats.health->entropy_sum,
-                                         autograd.stats.health->entropy_sum, 1.0),
+    EXPECT_EQ(fused.stats.health.tokens, autograd.stats.health.tokens);
+    if (autograd.stats.health.tokens > 0) {
+      EXPECT_LE(reference::RelativeError(fused.stats.health.entropy_sum,
+                                         autograd.stats.health.entropy_sum, 1.0),
                 Tolerance(dtype));
-      EXPECT_LE(reference::RelativeError(fused.stats.health->lse_sq_sum,
-                                         autograd.stats.health->lse_sq_sum, 1.0),
+      EXPECT_LE(reference::RelativeError(fused.stats.health.lse_sq_sum,
+                                         autograd.stats.health.lse_sq_sum, 1.0),
                 Tolerance(dtype));
-      EXPECT_EQ(fused.stats.health->logit_max, autograd.stats.health->logit_max);
+      EXPECT_EQ(fused.stats.health.logit_max, autograd.stats.health.logit_max);
     }
   }
 }
@@ -282,8 +282,9 @@ Float64Block ReferenceBlock(const core::TransformFunction& fn, const core::Funct
 
 // How far each dz (`got`, in the buffer's dtype) is beyond what the dtype allows about `want`:
 // one ulp of |want| in that dtype (2^floor(log2|want|)·ε), plus for fp32 and fp64 buffers the
-// compute's own error about the row's largest gradient (each row's sums reach every logit:
-// 2e-6 for fp32 compute, 1e-13 for fp64). ≤ 0 everywhere when the bound holds.
+// compute's own error about the row's largest gradient (each row's sums reach every logit, and
+// entropy's p_j·(E − z'_j) subtracts logits of up to ~50 here: 2e-6 for fp32 compute, 1e-12 for
+// fp64). ≤ 0 everywhere when the bound holds.
 torch::Tensor DzExcess(const torch::Tensor& got, const torch::Tensor& want,
                        torch::ScalarType dtype) {
   const double eps = dtype == torch::kBFloat16 ? 7.8125e-3
@@ -300,7 +301,7 @@ torch::Tensor DzExcess(const torch::Tensor& got, const torch::Tensor& want,
   const torch::Tensor ulp =
       (torch::exp2(torch::floor(torch::log2(w.abs().clamp_min(1e-300)))) * eps)
           .clamp_min(min_spacing);
-  const double compute_eps = dtype == torch::kDouble ? 1e-13
+  const double compute_eps = dtype == torch::kDouble ? 1e-12
                              : c10::isReducedFloatingType(dtype) ? 0.0
                                                                  : 2e-6;
   const torch::Tensor row_scale = std::get<0>(w.abs().max(1, true));
@@ -319,7 +320,7 @@ TEST_P(FusedBlock, MatchesFloat64AutogradWithinOneUlp) {
   const torch::Tensor z64 = torch::randn({kBlockRows, kBlockVocab}, torch::kDouble) *
                             spread.unsqueeze(1);
   const torch::Tensor z = z64.to(c.dtype).contiguous();  // the chunk buffer
-  const torch::Tensor targets = torch::tensor({0, 4095, 4096, kBlockVocab - 1, 9000}, torch::kLong);
+  const torch::Tensor targets = torch::tensor({int64_t{0}, int64_t{4095}, int64_t{4096}, kBlockVocab - 1, int64_t{9000}}, torch::kLong);
   const torch::ScalarType compute = core::fused::ComputeDtype(c.dtype);
   const torch::Tensor dy = torch::tensor({0.5, -1.0, 2.0, 0.0, 1.5}, torch::kDouble).to(compute);
 
@@ -396,7 +397,7 @@ TEST_P(FusedBlockOnCuda, MatchesTheCpuTwin) {
   const torch::Tensor spread = torch::tensor({0.1, 1.0, 3.0, 6.0, 12.0}, torch::kDouble);
   const torch::Tensor z = (torch::randn({kBlockRows, kBlockVocab}, torch::kDouble) *
                            spread.unsqueeze(1)).to(c.dtype).contiguous();
-  const torch::Tensor targets = torch::tensor({0, 4095, 4096, kBlockVocab - 1, 9000}, torch::kLong);
+  const torch::Tensor targets = torch::tensor({int64_t{0}, int64_t{4095}, int64_t{4096}, kBlockVocab - 1, int64_t{9000}}, torch::kLong);
   const torch::ScalarType compute = core::fused::ComputeDtype(c.dtype);
   const torch::Tensor dy = torch::tensor({0.5, -1.0, 2.0, 0.0, 1.5}, torch::kDouble).to(compute);
   auto run = [&](const torch::Device& device) {
@@ -444,8 +445,11 @@ TEST(FusedPlan, TheChunkIsTheBlockAndNoFp32GradientIsCounted) {
   EXPECT_EQ(fused->block_rows, fused->chunk_rows);
   // bf16 logits (2 B) without the fp32 gradient (4 B) or a block: about 3× the rows.
   EXPECT_GE(fused->chunk_rows, 2 * autograd->chunk_rows);
+  // The budget holds the chunk's transient bytes (the call's outputs, dX, come on top).
   const core::CallMemory memory = fused->Memory(4096, core::CallMode::kFused);
-  EXPECT_LE(memory.total(), options.memory_budget_bytes);
+  EXPECT_LE(memory.logits_bytes + memory.block_bytes + memory.gemm_bytes,
+            options.memory_budget_bytes);
+  EXPECT_GT(memory.logits_bytes, options.memory_budget_bytes / 2) << "the chunk fills the budget";
 }
 
 TEST(FusedPlan, CallsTheKernelDoesNotCoverKeepTheAutogradPath) {

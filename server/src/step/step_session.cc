@@ -37,11 +37,10 @@ absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanou
   if (call.accumulate_weight_grad && entry_->frozen()) {
     return HeadFrozenError(call.head_id, "header.accumulate_weight_grad", "accumulating dW");
   }
-  // This process's own options: when to stop (set before or after Begin), its shard of a group.
-  std::function<bool()> should_stop = std::move(options_.should_stop);
+  // This process's own options: when to stop (set before or after Begin), fused blocks, shard.
+  call.options.should_stop = std::move(options_.should_stop);
+  call.options.fused_blocks = options_.fused_blocks;
   call_ = std::move(call);
-  options_.should_stop = std::move(should_stop);
-  options_.fused_blocks = fused_blocks_;
   fanout_ = std::move(fanout);
   if (fanout_ != nullptr) options_.shard = fanout_->Shard(entry_->shards());
   ASSIGN_OR_RETURN(teacher_, PlanTeacher(*registry_, *entry_, call_.teacher_head_id));

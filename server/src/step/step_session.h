@@ -69,8 +69,7 @@ class StepSession {
   void set_should_stop(std::function<bool()> should_stop) {
     options_.should_stop = std::move(should_stop);
   }
-  // The engine's fused blocks (core::StepOptions::fused_blocks: the server's --fused_blocks).
-  void set_fused_blocks(bool fused) { fused_blocks_ = fused; }
+  void set_fused_blocks(bool fused) { options_.fused_blocks = fused; }  // --fused_blocks
   // Asked for more admitted bytes when the inputs a Forward retains outgrow what its estimate
   // reserved for them (per-token weights and aux are known only as they arrive).
   void set_reserve_more(std::function<absl::Status(int64_t bytes, const std::string& why)> f) {
@@ -130,7 +129,6 @@ class StepSession {
   // it pins a version (expected_weight_version, inputs_handle), else at its first computation.
   std::optional<HeadPin> pin_;
   bool begun_ = false;
-  bool fused_blocks_ = false;
   StepCall call_;
   core::StepOptions& options_ = call_.options;  // the engine's options, this process's own set
   core::CallPlan plan_;                 // the engine's plan for these options (chunk sizes, memory)
