@@ -196,24 +196,11 @@ std::vector<Param> AllParams() {
   return params;
 }
 
-std::string DtypeLabel(torch::ScalarType dtype) {
-  switch (dtype) {
-    case torch::kDouble:
-      return "fp64";
-    case torch::kFloat:
-      return "fp32";
-    case torch::kHalf:
-      return "fp16";
-    default:
-      return "bf16";
-  }
-}
-
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
   const auto& [fcase, reduction, mode, bias, dtype, device] = info.param;
   return fcase.label + "_" + std::string(core::ReductionName(reduction)) + "_" +
          (mode == Mode::kFused ? "fused" : "twophase") + (bias ? "_bias" : "_nobias") + "_" +
-         DtypeLabel(dtype) + "_" + testing::DeviceLabel(device);
+         core::DtypeName(dtype) + "_" + testing::DeviceLabel(device);
 }
 
 INSTANTIATE_TEST_SUITE_P(CoveredFunctions, FusedEngineParity, ::testing::ValuesIn(AllParams()),
@@ -366,7 +353,7 @@ std::vector<BlockCase> BlockCases() {
                                            {core::kSoftcapParam, reference::kTestSoftcap * 4},
                                            {core::kTemperatureParam, reference::kTestTemperature}};
   for (torch::ScalarType dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat, torch::kDouble}) {
-    const std::string d = DtypeLabel(dtype);
+    const std::string d = core::DtypeName(dtype);
     cases.push_back({"cross_entropy_" + d, "cross_entropy", {}, dtype});
     cases.push_back({"cross_entropy_all_options_" + d, "cross_entropy", all, dtype});
     cases.push_back({"token_logprobs_" + d, "token_logprobs", {}, dtype});
