@@ -22,9 +22,7 @@ class PhaseClock final : public core::StepPhaseRecorder {
   explicit PhaseClock(const torch::Device& device) : device_(device) {}
 
   void Begin(core::StepPhase) override { open_ = Now(); }
-  void End(core::StepPhase phase) override {
-    spans_.push_back({phase, std::move(open_), Now()});
-  }
+  void End(core::StepPhase phase) override { spans_.push_back({phase, std::move(open_), Now()}); }
 
   // The seconds of each phase marked since the last call; the device must have finished them
   // (the caller synchronises first).

@@ -74,7 +74,8 @@ inline nlohmann::json PhasesJson(const NResult& r) {
   nlohmann::json j;
   double marked = 0;
   for (int i = 0; i < rh::kStepPhases; ++i) {
-    j[std::string(rh::kStepPhaseNames[static_cast<size_t>(i)])] = r.fused_phases[static_cast<size_t>(i)];
+    j[std::string(rh::kStepPhaseNames[static_cast<size_t>(i)])] =
+        r.fused_phases[static_cast<size_t>(i)];
     marked += r.fused_phases[static_cast<size_t>(i)];
   }
   j["other"] = r.fused.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.fused.seconds - marked);

@@ -10,6 +10,8 @@
 //    every logit's gradient within one ulp of the logits' dtype (the in-place rounding);
 //  - the plan: a fused call's block is its chunk, and no fp32 gradient buffer is counted for a
 //    half-precision head, so the same budget buys more rows.
+#include "fused/fused_block.h"
+
 #include <gtest/gtest.h>
 
 #include <string>
@@ -18,7 +20,6 @@
 
 #include "core/function_cases.h"
 #include "core/reference.h"
-#include "fused/fused_block.h"
 #include "remotehead/core/call_plan.h"
 #include "remotehead/core/engine.h"
 #include "support/devices.h"
@@ -81,8 +82,8 @@ struct EngineRun {
   core::StepStats stats;
 };
 
-EngineRun RunEngine(const core::Head& head, const core::TokenBatch& batch, core::StepOptions options,
-              Mode mode, const torch::Tensor& grad_output) {
+EngineRun RunEngine(const core::Head& head, const core::TokenBatch& batch,
+                    core::StepOptions options, Mode mode, const torch::Tensor& grad_output) {
   EngineRun run;
   core::GradientBuffers grads = head.NewGradientBuffers();
   if (mode == Mode::kFused) {
@@ -113,8 +114,8 @@ TEST_P(FusedEngineParity, MatchesTheReferenceAndTheAutogradPath) {
   const torch::Device device(device_name);
   REMOTEHEAD_SKIP_UNLESS_ON_MACHINE(device);
   torch::manual_seed(0);
-  auto head = reference::MakeTestHead(kVocab, kHidden, dtype, bias, /*seed=*/1, std::nullopt,
-                                      device);
+  auto head =
+      reference::MakeTestHead(kVocab, kHidden, dtype, bias, /*seed=*/1, std::nullopt, device);
   const core::TokenBatch batch = reference::MakeTestBatch(*head, kRows, fcase.function, reduction);
   core::StepOptions options;
   options.function = fcase.function;
@@ -288,7 +289,7 @@ torch::Tensor DzExcess(const torch::Tensor& got, const torch::Tensor& want,
   const torch::Tensor ulp =
       (torch::exp2(torch::floor(torch::log2(w.abs().clamp_min(1e-300)))) * eps)
           .clamp_min(min_spacing);
-  const double compute_eps = dtype == torch::kDouble ? 1e-12
+  const double compute_eps = dtype == torch::kDouble             ? 1e-12
                              : c10::isReducedFloatingType(dtype) ? 0.0
                                                                  : 2e-6;
   const torch::Tensor row_scale = std::get<0>(w.abs().max(1, true));
@@ -304,10 +305,11 @@ TEST_P(FusedBlock, MatchesFloat64AutogradWithinOneUlp) {
   torch::manual_seed(3);
   // Rows of growing spread: near-uniform to peaked (|z| up to ~24).
   const torch::Tensor spread = torch::tensor({0.1, 1.0, 3.0, 6.0, 12.0}, torch::kDouble);
-  const torch::Tensor z64 = torch::randn({kBlockRows, kBlockVocab}, torch::kDouble) *
-                            spread.unsqueeze(1);
+  const torch::Tensor z64 =
+      torch::randn({kBlockRows, kBlockVocab}, torch::kDouble) * spread.unsqueeze(1);
   const torch::Tensor z = z64.to(c.dtype).contiguous();  // the chunk buffer
-  const torch::Tensor targets = torch::tensor({int64_t{0}, int64_t{4095}, int64_t{4096}, kBlockVocab - 1, int64_t{9000}}, torch::kLong);
+  const torch::Tensor targets = torch::tensor(
+      {int64_t{0}, int64_t{4095}, int64_t{4096}, kBlockVocab - 1, int64_t{9000}}, torch::kLong);
   const torch::ScalarType compute = core::fused::ComputeDtype(c.dtype);
   const torch::Tensor dy = torch::tensor({0.5, -1.0, 2.0, 0.0, 1.5}, torch::kDouble).to(compute);
 
@@ -364,9 +366,10 @@ std::vector<BlockCase> BlockCases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Tiles, FusedBlock, ::testing::ValuesIn(BlockCases()),
-    [](const ::testing::TestParamInfo<BlockCase>& info) { return info.param.label; });
+INSTANTIATE_TEST_SUITE_P(Tiles, FusedBlock, ::testing::ValuesIn(BlockCases()),
+                         [](const ::testing::TestParamInfo<BlockCase>& info) {
+                           return info.param.label;
+                         });
 
 // --- The CUDA kernels against their CPU twin (the GPU kit runs these under compute-sanitizer
 // too): the same block on the GPU and on the CPU; values within 1e-6 relative (fp32 compute),
@@ -382,21 +385,24 @@ TEST_P(FusedBlockOnCuda, MatchesTheCpuTwin) {
   const core::FunctionParams params = *registry.ResolveParams(*fn, c.params);
   torch::manual_seed(4);
   const torch::Tensor spread = torch::tensor({0.1, 1.0, 3.0, 6.0, 12.0}, torch::kDouble);
-  const torch::Tensor z = (torch::randn({kBlockRows, kBlockVocab}, torch::kDouble) *
-                           spread.unsqueeze(1)).to(c.dtype).contiguous();
-  const torch::Tensor targets = torch::tensor({int64_t{0}, int64_t{4095}, int64_t{4096}, kBlockVocab - 1, int64_t{9000}}, torch::kLong);
+  const torch::Tensor z =
+      (torch::randn({kBlockRows, kBlockVocab}, torch::kDouble) * spread.unsqueeze(1))
+          .to(c.dtype)
+          .contiguous();
+  const torch::Tensor targets = torch::tensor(
+      {int64_t{0}, int64_t{4095}, int64_t{4096}, kBlockVocab - 1, int64_t{9000}}, torch::kLong);
   const torch::ScalarType compute = core::fused::ComputeDtype(c.dtype);
   const torch::Tensor dy = torch::tensor({0.5, -1.0, 2.0, 0.0, 1.5}, torch::kDouble).to(compute);
   auto run = [&](const torch::Device& device) {
     torch::Tensor buffer = z.to(device).clone();
-    core::fused::BlockOutputs out = core::fused::RunBlock(
-        {.function = fn,
-         .params = &params,
-         .vocab_size = kBlockVocab,
-         .logits = buffer,
-         .targets = fn->needs_targets ? targets.to(device) : torch::Tensor(),
-         .dy = dy.to(device),
-         .health = true});
+    core::fused::BlockOutputs out =
+        core::fused::RunBlock({.function = fn,
+                               .params = &params,
+                               .vocab_size = kBlockVocab,
+                               .logits = buffer,
+                               .targets = fn->needs_targets ? targets.to(device) : torch::Tensor(),
+                               .dy = dy.to(device),
+                               .health = true});
     return std::make_pair(std::move(out), buffer.cpu());
   };
   const auto [gpu, gpu_dz] = run(torch::Device("cuda:0"));
@@ -412,9 +418,10 @@ TEST_P(FusedBlockOnCuda, MatchesTheCpuTwin) {
       << "worst at " << excess.argmax().item<int64_t>() << " of " << excess.numel();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Tiles, FusedBlockOnCuda, ::testing::ValuesIn(BlockCases()),
-    [](const ::testing::TestParamInfo<BlockCase>& info) { return info.param.label + "_cuda"; });
+INSTANTIATE_TEST_SUITE_P(Tiles, FusedBlockOnCuda, ::testing::ValuesIn(BlockCases()),
+                         [](const ::testing::TestParamInfo<BlockCase>& info) {
+                           return info.param.label + "_cuda";
+                         });
 
 // --- The plan.
 

@@ -127,9 +127,9 @@ REMOTEHEAD_HD Partial<T> Merge(const Partial<T>& a, const Partial<T>& b) {
 // its target's transformed logit (ignored for entropy).
 template <typename T>
 struct RowResult {
-  T y;      // the function's per-token value
-  T extra;  // cross_entropy: nll; token_logprobs: kept (1); entropy: unused
-  T z_loss; // cross_entropy: z_loss·lse²
+  T y;       // the function's per-token value
+  T extra;   // cross_entropy: nll; token_logprobs: kept (1); entropy: unused
+  T z_loss;  // cross_entropy: z_loss·lse²
   // dL/dz'_j = dy·(p_j·(a + b·z'_j) + c + [j = target]·d), p_j = e^(z'_j − lse).
   T lse, a, b, c, d;
 };
@@ -144,8 +144,7 @@ REMOTEHEAD_HD RowResult<T> Finish(const Partial<T>& row, T z_target, const Param
       const T nll = r.lse - z_target;
       T y = nll;
       if (p.label_smoothing > T(0)) {
-        y = (T(1) - p.label_smoothing) * nll -
-            p.label_smoothing * (row.sum / p.vocab_size - r.lse);
+        y = (T(1) - p.label_smoothing) * nll - p.label_smoothing * (row.sum / p.vocab_size - r.lse);
       }
       r.z_loss = p.z_loss * r.lse * r.lse;
       r.y = p.z_loss > T(0) ? y + r.z_loss : y;

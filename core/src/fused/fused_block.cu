@@ -155,11 +155,11 @@ const char* Launch(const CudaBlockArgs& a) {
   const dim3 grid(static_cast<unsigned>(a.rows), static_cast<unsigned>(tiles));
   TilePartialsKernel<T, Elem><<<grid, kLanes, 0, stream>>>(logits, a.vocab, tiles, p, partials);
   constexpr int kRowThreads = 128;
-  RowFinishKernel<T, Elem><<<static_cast<unsigned>((a.rows + kRowThreads - 1) / kRowThreads),
-                             kRowThreads, 0, stream>>>(
-      logits, a.rows, a.vocab, tiles, p, partials, a.targets, static_cast<T*>(a.y),
-      static_cast<T*>(a.extra), static_cast<T*>(a.z_loss_out), static_cast<T*>(a.health),
-      results);
+  RowFinishKernel<T, Elem>
+      <<<static_cast<unsigned>((a.rows + kRowThreads - 1) / kRowThreads), kRowThreads, 0, stream>>>(
+          logits, a.rows, a.vocab, tiles, p, partials, a.targets, static_cast<T*>(a.y),
+          static_cast<T*>(a.extra), static_cast<T*>(a.z_loss_out), static_cast<T*>(a.health),
+          results);
   if (a.dy != nullptr) {
     GradientKernel<T, Elem><<<grid, kLanes, 0, stream>>>(logits, a.vocab, p, a.targets,
                                                          static_cast<const T*>(a.dy), results);

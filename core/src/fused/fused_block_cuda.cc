@@ -1,5 +1,7 @@
 // The fused block on a CUDA tensor (fused_block.h): the outputs and the kernels' scratch
 // allocated through LibTorch, the kernels (fused_block.cu) launched on its current stream.
+#include "fused_block_cuda.h"
+
 #include <c10/cuda/CUDAStream.h>
 
 #include <stdexcept>
@@ -7,7 +9,6 @@
 
 #include "block_math.h"
 #include "fused_block.h"
-#include "fused_block_cuda.h"
 
 namespace remotehead::core::fused {
 namespace {
@@ -23,8 +24,8 @@ ElemType ElemOf(torch::ScalarType dtype) {
     case torch::kDouble:
       return ElemType::kDouble;
     default:
-      throw std::invalid_argument(std::string("fused block: logits dtype ") +
-                                  c10::toString(dtype) + " not supported");
+      throw std::invalid_argument(std::string("fused block: logits dtype ") + c10::toString(dtype) +
+                                  " not supported");
   }
 }
 

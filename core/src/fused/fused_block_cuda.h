@@ -19,15 +19,15 @@ struct CudaBlockArgs {
   int64_t rows = 0;
   int64_t vocab = 0;
   ElemType elem = ElemType::kFloat;
-  void* logits = nullptr;             // [rows, vocab] contiguous; dz written here when dy is set
-  const int64_t* targets = nullptr;   // [rows] or null (entropy)
-  const void* dy = nullptr;           // [rows] compute type, or null (no gradient)
-  void* y = nullptr;                  // [rows] compute type
-  void* extra = nullptr;              // [rows] nll or kept, or null
-  void* z_loss_out = nullptr;         // [rows] or null
-  void* health = nullptr;             // [rows, 3] or null
-  void* scratch = nullptr;            // rows × ScratchBytesPerRow (block_math.h)
-  void* stream = nullptr;             // cudaStream_t
+  void* logits = nullptr;            // [rows, vocab] contiguous; dz written here when dy is set
+  const int64_t* targets = nullptr;  // [rows] or null (entropy)
+  const void* dy = nullptr;          // [rows] compute type, or null (no gradient)
+  void* y = nullptr;                 // [rows] compute type
+  void* extra = nullptr;             // [rows] nll or kept, or null
+  void* z_loss_out = nullptr;        // [rows] or null
+  void* health = nullptr;            // [rows, 3] or null
+  void* scratch = nullptr;           // rows × ScratchBytesPerRow (block_math.h)
+  void* stream = nullptr;            // cudaStream_t
 };
 
 // Launches the three kernels on args.stream; returns the CUDA error of the launches as text,
