@@ -53,6 +53,20 @@ struct Params {
   T vocab_size = 1;       // V of the whole head (smoothing's mean over the vocabulary)
 };
 
+// The same constants in another compute type (a call's are read once, as Params<double>).
+template <typename T, typename U>
+REMOTEHEAD_HD Params<T> Convert(const Params<U>& p) {
+  Params<T> out;
+  out.kind = p.kind;
+  out.logit_scale = static_cast<T>(p.logit_scale);
+  out.softcap = static_cast<T>(p.softcap);
+  out.temperature = static_cast<T>(p.temperature);
+  out.label_smoothing = static_cast<T>(p.label_smoothing);
+  out.z_loss = static_cast<T>(p.z_loss);
+  out.vocab_size = static_cast<T>(p.vocab_size);
+  return out;
+}
+
 // z' of a raw logit z: the engine's TransformLogits (engine_internal.h) on one value.
 template <typename T>
 REMOTEHEAD_HD T Transform(T z, const Params<T>& p) {

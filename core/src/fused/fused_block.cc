@@ -26,6 +26,21 @@ bool Covers(const TransformFunction& function, const FunctionParams& params) {
   return false;
 }
 
+Params<double> ParamsOf(const BlockInputs& in) {
+  const FunctionParams& fp = *in.params;
+  Params<double> p;
+  p.kind = in.function->fused;
+  p.logit_scale = fp.at(kLogitScaleParam);
+  p.softcap = fp.at(kSoftcapParam);
+  p.temperature = fp.at(kTemperatureParam);
+  if (p.kind == FusedKind::kCrossEntropy) {
+    p.label_smoothing = fp.at("label_smoothing");
+    p.z_loss = fp.at("z_loss");
+  }
+  p.vocab_size = static_cast<double>(in.vocab_size);
+  return p;
+}
+
 double RowBytes(int64_t vocab, torch::ScalarType logits_dtype, bool cuda) {
   const bool f64 = ComputeDtype(logits_dtype) == torch::kDouble;
   constexpr double kOutputsPerRow = 6;

@@ -130,22 +130,9 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
-template <typename T>
-Params<T> MakeParams(const CudaBlockArgs& a) {
-  Params<T> p;
-  p.kind = a.kind;
-  p.logit_scale = static_cast<T>(a.logit_scale);
-  p.softcap = static_cast<T>(a.softcap);
-  p.temperature = static_cast<T>(a.temperature);
-  p.label_smoothing = static_cast<T>(a.label_smoothing);
-  p.z_loss = static_cast<T>(a.z_loss);
-  p.vocab_size = static_cast<T>(a.vocab);
-  return p;
-}
-
 template <typename T, typename Elem>
 const char* Launch(const CudaBlockArgs& a) {
-  const Params<T> p = MakeParams<T>(a);
+  const Params<T> p = Convert<T>(a.params);
   const int tiles = static_cast<int>(Tiles(a.vocab));
   auto* partials = static_cast<Partial<T>*>(a.scratch);
   auto* results = reinterpret_cast<RowResult<T>*>(partials + a.rows * tiles);

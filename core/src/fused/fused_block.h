@@ -11,6 +11,7 @@
 #include <map>
 #include <string>
 
+#include "block_math.h"
 #include "remotehead/core/functions.h"
 #include "remotehead/core/torch_api.h"
 
@@ -54,6 +55,10 @@ BlockOutputs RunBlockCpu(const BlockInputs& in);
 #if defined(REMOTEHEAD_FUSED_CUDA)
 BlockOutputs RunBlockCuda(const BlockInputs& in);
 #endif
+
+// For the implementations: the call's constants (its function's kind and params, the head's V),
+// read once for the CPU twin and the kernels alike.
+Params<double> ParamsOf(const BlockInputs& in);
 
 // For the implementations: the outputs' tensors, uninitialised, on the logits' device.
 BlockOutputs AllocateOutputs(const BlockInputs& in);

@@ -11,22 +11,6 @@
 namespace remotehead::core::fused {
 namespace {
 
-template <typename T>
-Params<T> MakeParams(const BlockInputs& in) {
-  const FunctionParams& fp = *in.params;
-  Params<T> p;
-  p.kind = in.function->fused;
-  p.logit_scale = static_cast<T>(fp.at(kLogitScaleParam));
-  p.softcap = static_cast<T>(fp.at(kSoftcapParam));
-  p.temperature = static_cast<T>(fp.at(kTemperatureParam));
-  if (p.kind == Kind::kCrossEntropy) {
-    p.label_smoothing = static_cast<T>(fp.at("label_smoothing"));
-    p.z_loss = static_cast<T>(fp.at("z_loss"));
-  }
-  p.vocab_size = static_cast<T>(in.vocab_size);
-  return p;
-}
-
 // One tile's partial: kLanes lanes over their strided columns, then the lanes' merge.
 template <typename T, typename Elem>
 Partial<T> TilePartial(const Elem* row, int64_t begin, int64_t end, const Params<T>& p) {
@@ -64,7 +48,7 @@ Partial<T> RowPartial(const Elem* row, int64_t vocab, const Params<T>& p) {
 
 template <typename T, typename Elem>
 void RunRows(const BlockInputs& in, BlockOutputs& out) {
-  const Params<T> p = MakeParams<T>(in);
+  const Params<T> p = Convert<T>(ParamsOf(in));
   const int64_t rows = in.logits.size(0);
   const int64_t vocab = in.logits.size(1);
   Elem* logits = in.logits.data_ptr<Elem>();

@@ -35,16 +35,8 @@ void* PointerOr(const torch::Tensor& t) { return t.defined() ? t.data_ptr() : nu
 
 BlockOutputs RunBlockCuda(const BlockInputs& in) {
   BlockOutputs out = AllocateOutputs(in);
-  const FunctionParams& params = *in.params;
   CudaBlockArgs a;
-  a.kind = in.function->fused;
-  a.logit_scale = params.at(kLogitScaleParam);
-  a.softcap = params.at(kSoftcapParam);
-  a.temperature = params.at(kTemperatureParam);
-  if (a.kind == FusedKind::kCrossEntropy) {
-    a.label_smoothing = params.at("label_smoothing");
-    a.z_loss = params.at("z_loss");
-  }
+  a.params = ParamsOf(in);
   a.rows = in.logits.size(0);
   a.vocab = in.logits.size(1);
   a.elem = ElemOf(in.logits.scalar_type());
@@ -52,10 +44,10 @@ BlockOutputs RunBlockCuda(const BlockInputs& in) {
   a.targets = in.targets.defined() ? in.targets.data_ptr<int64_t>() : nullptr;
   a.dy = in.dy.defined() ? in.dy.data_ptr() : nullptr;
   a.y = out.y.data_ptr();
-  if (a.kind == FusedKind::kCrossEntropy) {
+  if (a.params.kind == FusedKind::kCrossEntropy) {
     a.extra = out.extras.at("nll").data_ptr();
     if (out.extras.contains("z_loss")) a.z_loss_out = out.extras.at("z_loss").data_ptr();
-  } else if (a.kind == FusedKind::kTokenLogprobs) {
+  } else if (a.params.kind == FusedKind::kTokenLogprobs) {
     a.extra = out.extras.at("kept").data_ptr();
   }
   a.health = PointerOr(out.health);

@@ -7,15 +7,14 @@
 
 #include <cstdint>
 
-#include "remotehead/core/fused_kind.h"
+#include "block_math.h"
 
 namespace remotehead::core::fused {
 
 enum class ElemType : int { kBFloat16 = 0, kHalf = 1, kFloat = 2, kDouble = 3 };
 
 struct CudaBlockArgs {
-  FusedKind kind = FusedKind::kNone;
-  double logit_scale = 1, softcap = 0, temperature = 1, label_smoothing = 0, z_loss = 0;
+  Params<double> params;  // the call's constants (ParamsOf), converted to the compute type
   int64_t rows = 0;
   int64_t vocab = 0;
   ElemType elem = ElemType::kFloat;
