@@ -108,6 +108,18 @@ BENCH_STEPS = {"cuda": ("1", "3"), "cpu": ("1", "2")}
 WIRE_SHAPE = {"cuda": "8192:4096:64", "cpu": "1024:256:64"}
 
 
+
+def why(message: str, limit: int = 200) -> str:
+    """A failed test's message for the report's failures column: ": " and its first non-empty
+    lines joined, at most `limit` characters (the logs in logs.tar.gz hold the rest) — so that a
+    report printed by CI says what failed, not only where."""
+    text = " / ".join(line.strip() for line in message.splitlines() if line.strip())
+    text = text.replace("|", "/")  # the report is a Markdown table
+    if not text:
+        return ""
+    return ": " + (text if len(text) <= limit else text[:limit - 1] + "…")
+
+
 @dataclasses.dataclass
 class Phase:
     name: str
@@ -381,9 +393,13 @@ class Check:
                 return r
             import xml.etree.ElementTree as ET
             for case in ET.parse(report).getroot().iter("testcase"):
-                if case.find("failure") is not None or case.find("error") is not None:
+                failure = case.find("failure")
+                if failure is None:
+                    failure = case.find("error")
+                if failure is not None:
                     r["failed"] += 1
-                    r["failures"].append(f"{case.get('classname')}.{case.get('name')}")
+                    r["failures"].append(f"{case.get('classname')}.{case.get('name')}"
+                                         + why(failure.get("message", "")))
                 elif case.find("skipped") is not None:
                     r["skipped"] += 1
                 else:
@@ -403,7 +419,7 @@ class Check:
                     full = f"{suite['name']}.{t['name']}"
                     if t.get("failures"):
                         r["failed"] += 1
-                        r["failures"].append(full)
+                        r["failures"].append(full + why(t["failures"][0].get("failure", "")))
                     elif t.get("result") == "SKIPPED":
                         r["skipped"] += 1
                     else:

@@ -134,8 +134,9 @@ def test_cancelling_one_stream_cancels_the_step_and_commits_nothing(clients, hea
     key, release = secrets.token_hex(16), threading.Event()
 
     def held_open(messages):
-        yield from messages
-        release.wait(30)  # stream 1 sends its rows, then neither ends nor closes
+        messages = list(messages)
+        yield from messages[:-1]
+        release.wait(30)  # stream 1 sends all but its last rows, then neither ends nor closes
 
     with grpc.insecure_channel(server_target) as channel:
         stub = pb_grpc.HeadServiceStub(channel)

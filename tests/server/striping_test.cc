@@ -1,7 +1,9 @@
 // A step striped over C streams (StepHeader.stripe): for C = 1, 2, 4 the same loss, dX and dW
 // as on one stream and as the naive full-logits reference; results spread over the streams,
 // each ending with the summary; a replay under a new key adds nothing; one cancelled stream
-// fails them all and commits nothing; malformed stripes are refused naming the field.
+// fails them all and commits nothing, as does one that ends short of the rows messages it
+// announced (and one that sent them all is complete without its half-close); malformed stripes
+// are refused naming the field.
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -47,6 +49,11 @@ class StripingTest : public ServiceFixture {
     for (size_t j = 1; j < messages.size(); ++j) {
       per_stream[(j - 1) % count].push_back(messages[j]);
     }
+    if (announce_) {
+      for (auto& stream : per_stream) {
+        stream[0].mutable_header()->mutable_stripe()->set_messages(std::ssize(stream) - 1);
+      }
+    }
 
     Striped out;
     out.status.resize(count);
@@ -59,6 +66,7 @@ class StripingTest : public ServiceFixture {
     for (int i = 0; i < count; ++i) contexts.push_back(std::make_unique<grpc::ClientContext>());
     std::atomic<bool> cancelled{false};
     std::atomic<bool> running{false};
+    std::atomic<bool> ended{false};  // some stream's responses ended
     std::vector<std::thread> threads;
     for (int i = 0; i < count; ++i) {
       threads.emplace_back([&, i] {
@@ -78,6 +86,8 @@ class StripingTest : public ServiceFixture {
           // With a stream to cancel, the others stay open until it is: the step cannot end first.
           while (cancel >= 0 && !cancelled)
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          // Held open until the step has ended: complete by its announced messages alone.
+          while (hold_open_ && !ended) std::this_thread::sleep_for(std::chrono::milliseconds(1));
           stream->WritesDone();
         });
         v1::StepResponse response;
@@ -95,6 +105,7 @@ class StripingTest : public ServiceFixture {
             if (i == 0) out.summary = response.summary();
           }
         }
+        ended = true;
         writer.join();
         out.status[i] = stream->Finish();
       });
@@ -102,6 +113,9 @@ class StripingTest : public ServiceFixture {
     for (std::thread& t : threads) t.join();
     return out;
   }
+
+  bool announce_ = false;   // the streams state their rows messages (StripeSpec.messages)
+  bool hold_open_ = false;  // no stream half-closes before the step has ended
 
   static std::string Describe(const Striped& s) {
     std::string text;
@@ -198,6 +212,43 @@ TEST_F(StripingTest, OneCancelledStreamFailsEveryStreamAndCommitsNothing) {
   ASSERT_TRUE(one.status.ok()) << one.status.error_message();
   const torch::Tensor dw_one = HeadWeightGrad() - before - dw_retry;
   EXPECT_LE(reference::RelativeError(dw_retry, dw_one), 1e-5);
+}
+
+// StripeSpec.messages: a stream is complete once its announced rows messages have come — the
+// step ends with every stream held open — and a stream that ends before them (its read fails,
+// as at a cancellation whose notice has not yet come) fails the step CANCELLED, naming it,
+// with nothing committed.
+TEST_F(StripingTest, AnnouncedMessagesEndAStreamAndOneMissingFailsTheStep) {
+  announce_ = true;
+  hold_open_ = true;
+  const torch::Tensor before = HeadWeightGrad();
+  const Striped held = StripedStep("announced", 0, 3, "announced-held");
+  for (const grpc::Status& st : held.status) ASSERT_TRUE(st.ok()) << Describe(held);
+  EXPECT_EQ(held.summaries, std::vector<int>({1, 1, 1}));
+  const torch::Tensor dw_held = HeadWeightGrad() - before;
+  const StepOutcome one = Step("announced-one", 0, 5);
+  ASSERT_TRUE(one.status.ok()) << one.status.error_message();
+  EXPECT_LE(reference::RelativeError(dw_held, HeadWeightGrad() - before - dw_held), 1e-5);
+
+  hold_open_ = false;
+  const torch::Tensor committed = HeadWeightGrad();
+  // Stream 1 half-closes one rows message short of what it announced: its last (rows 45 to 49),
+  // so that no gap in the rows before it fails the step first.
+  const Striped short_one =
+      StripedStep("announced", 1, 2, "announced-short", 5, [](int i, v1::StepRequest& m) {
+        if (i == 1 && m.has_rows() && m.rows().row_offset() == 45) m.Clear();
+      });
+  bool named = false;
+  for (const grpc::Status& st : short_one.status) {
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << Describe(short_one);
+    named = named || absl::StrContains(st.error_message(),
+                                       "stream 1 of 2 ended after 4 of the 5 rows messages it "
+                                       "announced (header.stripe.messages)");
+  }
+  EXPECT_TRUE(named) << Describe(short_one);
+  EXPECT_TRUE(torch::equal(HeadWeightGrad(), committed))
+      << "a stream short of its messages added dW";
+  ExpectAdmissionDrains();
 }
 
 TEST_F(StripingTest, MalformedStripesAreRefusedNamingTheFieldAndCommitNothing) {

@@ -84,8 +84,8 @@ struct StepReceiver {
             "outputs: not expected from ", core::CallModeName(mode), " with a scalar reduction"));
       case v1::StepResponse::kTokenIds:
         if (ids) return ids->Add(response.token_ids());
-        return absl::InternalError(absl::StrCat(
-            "token_ids: not expected from ", core::CallModeName(mode), " of this function"));
+        return absl::InternalError(absl::StrCat("token_ids: not expected from ",
+                                                core::CallModeName(mode), " of this function"));
       case v1::StepResponse::kTokenExtra: {
         const auto it = extras.find(response.token_extra().name());
         if (it != extras.end()) return it->second.Add(response.token_extra());
@@ -126,9 +126,11 @@ TokenExtras AllocateTokenExtras(const StepSpec& spec, const PreparedStep& p) {
 }
 
 // Each stream's first message: stream 0's is the step's header, the others' state only their
-// stripe (StepHeader.stripe); one stream sends the header as it is.
+// stripe (StepHeader.stripe) — with the number of the `messages` rows messages (dealt j mod
+// count) each carries, so that the server knows a complete stream from a cancelled one; one
+// stream sends the header as it is.
 std::vector<v1::StepRequest> StripeHeaders(const v1::StepRequest& header, int count,
-                                           const std::string& key) {
+                                           const std::string& key, int64_t messages) {
   std::vector<v1::StepRequest> headers(count);
   headers[0] = header;
   if (count == 1) return headers;
@@ -137,6 +139,7 @@ std::vector<v1::StepRequest> StripeHeaders(const v1::StepRequest& header, int co
     stripe->set_key(key);
     stripe->set_count(count);
     stripe->set_index(i);
+    stripe->set_messages(messages > i ? (messages - i + count - 1) / count : 0);
   }
   return headers;
 }
@@ -189,7 +192,8 @@ absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const Prepa
   for (int i = 0; i < count; ++i) {
     streams.push_back(OpenStep(i == 0 ? *stub : *stripe_stubs[i - 1], contexts[i], p.mode));
   }
-  const std::vector<v1::StepRequest> headers = StripeHeaders(p.header, count, StripeKey());
+  const std::vector<v1::StepRequest> headers =
+      StripeHeaders(p.header, count, StripeKey(), std::ssize(p.chunks));
   auto cancel_all = [&] {
     for (grpc::ClientContext* c : contexts) c->TryCancel();
   };
@@ -262,8 +266,8 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
   buffers.token_extras = AllocateTokenExtras(spec, p);
   v1::StepSummary summary;
   // The server names a row among the rows sent; the caller knows its own rows.
-  RETURN_IF_ERROR(p.CallerError(
-      WithRetries(core::CallModeName(mode), [&](grpc::ClientContext* context) {
+  RETURN_IF_ERROR(
+      p.CallerError(WithRetries(core::CallModeName(mode), [&](grpc::ClientContext* context) {
         return StepAttempt(context, p, buffers, &summary);
       })));
   // The rows left out: zeros in the caller's rows.
@@ -306,8 +310,7 @@ absl::Status Client::Impl::AllocateForwardOutputs(const StepSpec& spec, const Pr
   const bool float64_head = p.result_dtype == torch::kDouble;
   torch::ScalarType dtype = torch::kFloat;
   if (fn.has_value()) {
-    dtype = fn->output_float64_on_float64_heads && float64_head ? torch::kDouble
-                                                                : fn->output_dtype;
+    dtype = fn->output_float64_on_float64_heads && float64_head ? torch::kDouble : fn->output_dtype;
   }
   if (!fn.has_value() || fn->output_kind == OutputKind::kPerToken) {
     buffers->outputs = torch::empty({p.rows}, dtype);

@@ -115,8 +115,10 @@ class PreparedStep:
                  ) -> Iterator[pb.StepRequest]:
         """One stream's messages. `stripe` (key, count, index): stream `index` of a step striped
         over `count` streams (StepHeader.stripe) — stream 0 sends the header, the others a
-        header stating only their stripe, and row message j goes on stream j mod count."""
+        header stating only their stripe (with the number of rows messages each carries), and
+        row message j goes on stream j mod count."""
         key, count, index = stripe if stripe is not None else ("", 1, 0)
+        mine = self.chunks[index::count]
         if count == 1:
             yield pb.StepRequest(header=self.header)
         else:
@@ -124,8 +126,10 @@ class PreparedStep:
             if index == 0:
                 header.CopyFrom(self.header)
             header.stripe.key, header.stripe.count, header.stripe.index = key, count, index
+            # How many rows messages follow: a stream that ends before them was cancelled.
+            header.stripe.messages = len(mine)
             yield pb.StepRequest(header=header)
-        for offset, rows in self.chunks[index::count]:
+        for offset, rows in mine:
             yield self._rows_message(offset, rows)
 
     def _rows_message(self, offset: int, count: int) -> pb.StepRequest:

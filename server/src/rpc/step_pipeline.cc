@@ -20,6 +20,8 @@ struct StepPipeline::Lane {
   bool writing = false;
   bool client_done = false;
   bool finished = false;
+  std::optional<int64_t> announced;  // StripeSpec.messages
+  int64_t received = 0;              // rows messages read
 };
 
 struct StepPipeline::Work {
@@ -68,7 +70,7 @@ absl::Status StepPipeline::CancelledByClient(int index) const {
 
 void StepPipeline::Attach(int index, int count, core::CallMode mode,
                           std::chrono::system_clock::time_point deadline, StepPort* port,
-                          std::optional<v1::StepRequest> first) {
+                          std::optional<v1::StepRequest> first, std::optional<int64_t> messages) {
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status fits;
   if (count != streams_) {
@@ -90,6 +92,8 @@ void StepPipeline::Attach(int index, int count, core::CallMode mode,
   Lane& lane = lanes_[index];
   lane.attached = true;
   lane.port = port;
+  lane.announced = messages;
+  if (messages == 0) lane.client_done = true;
   if (failed_) {  // another stream failed the step before this one came
     lane.finished = true;
     port->Finish(failure_);
@@ -116,6 +120,15 @@ void StepPipeline::OnReadDone(int index, bool ok) {
   if (!ok) {
     if (lane.port->IsCancelled()) {
       FailLocked(CancelledByClient(index));
+      return;
+    }
+    // A read also fails at a cancellation whose notice has not come yet: with the messages
+    // announced, one missing is certain.
+    if (lane.announced.has_value()) {
+      FailLocked(absl::CancelledError(absl::StrCat(
+          StreamName(index), " ended after ", lane.received, " of the ", *lane.announced,
+          " rows messages it announced (header.stripe.messages): cancelled by the client, or its "
+          "connection lost; nothing was committed")));
       return;
     }
     lane.client_done = true;
@@ -156,6 +169,10 @@ absl::Status StepPipeline::AcceptLocked(int index, v1::StepRequest message) {
     lane.last_row_offset = offset;
   }
   lane.inbox.push_back(std::move(message));
+  ++lane.received;
+  // Its last announced message: the stream is complete (nothing after it is read, not even its
+  // half-close).
+  if (lane.announced.has_value() && lane.received == *lane.announced) lane.client_done = true;
   return absl::OkStatus();
 }
 

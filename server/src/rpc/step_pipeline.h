@@ -51,10 +51,12 @@ class StepPipeline : public std::enable_shared_from_this<StepPipeline> {
 
   // Stream `index` of `count` joins, having read its first message: stream 0's is the call's
   // header (none when the stream ended before sending one); another's states only its stripe.
-  // A stream that does not fit (mode, count, an index taken) fails the call.
+  // A stream that does not fit (mode, count, an index taken) fails the call. `messages`
+  // (StripeSpec.messages): the rows messages the stream announced; unset: it ends at its
+  // half-close.
   void Attach(int index, int count, core::CallMode mode,
               std::chrono::system_clock::time_point deadline, StepPort* port,
-              std::optional<v1::StepRequest> first);
+              std::optional<v1::StepRequest> first, std::optional<int64_t> messages);
   // The gRPC reactions of stream `index`.
   void OnReadDone(int index, bool ok);
   void OnWriteDone(int index, bool ok);

@@ -111,7 +111,8 @@ class StepPortReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1
     index_ = stripe->index;
     std::optional<v1::StepRequest> first;
     if (ok) first = std::move(first_);
-    pipeline_->Attach(index_, stripe->count, mode_, context_->deadline(), this, std::move(first));
+    pipeline_->Attach(index_, stripe->count, mode_, context_->deadline(), this, std::move(first),
+                      stripe->messages);
   }
 
   // Before the stream has joined a pipeline, it ends on its own.

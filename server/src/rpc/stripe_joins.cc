@@ -37,7 +37,14 @@ absl::StatusOr<StripeOf> ReadStripe(const v1::StepRequest& first) {
           "0 carries the header); got ", rest.ShortDebugString()));
     }
   }
-  return StripeOf{.key = stripe.key(), .count = count, .index = stripe.index()};
+  if (stripe.has_messages() && stripe.messages() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.stripe.messages: expected >= 0 (the rows messages of stream ",
+                     stripe.index(), "); got ", stripe.messages()));
+  }
+  StripeOf of{.key = stripe.key(), .count = count, .index = stripe.index()};
+  if (stripe.has_messages()) of.messages = stripe.messages();
+  return of;
 }
 
 absl::StatusOr<std::shared_ptr<StepPipeline>> StripeJoins::Join(const std::string& key,

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -28,6 +29,7 @@ struct StripeOf {
   std::string key;  // empty for one stream
   int count = 1;
   int index = 0;
+  std::optional<int64_t> messages;  // StripeSpec.messages: the rows messages after the header
 };
 // One stream unless the first message is a header whose stripe.count > 1; INVALID_ARGUMENT
 // naming the field when the stripe is malformed, or when a stream other than 0 sends more
