@@ -72,6 +72,19 @@ void Head::ZeroGrad() {
   if (grads_.bias.defined()) grads_.bias.zero_();
 }
 
+namespace {
+
+// INVALID_ARGUMENT naming `field` unless the accumulators' dtype is float32 or the head's own.
+absl::Status CheckGradDtype(torch::ScalarType dtype, std::optional<torch::ScalarType> grad_dtype,
+                            const std::string& field) {
+  const torch::ScalarType g = grad_dtype.value_or(AccumulationDtype(dtype));
+  if (g == torch::kFloat || g == dtype) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected float32 or the head's dtype (",
+                                                 DtypeName(dtype), "); got ", DtypeName(g)));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& weight,
                                                         const torch::Tensor& bias,
                                                         const HeadOptions& options) {
@@ -86,13 +99,9 @@ absl::StatusOr<std::unique_ptr<Head>> Head::FromTensors(const torch::Tensor& wei
         absl::StrCat("weight.dtype: expected float32, bfloat16, float16 or float64; got ",
                      DtypeName(weight.scalar_type())));
   }
+  RETURN_IF_ERROR(CheckGradDtype(weight.scalar_type(), options.grad_dtype, "grad_dtype"));
   const torch::ScalarType grad_dtype =
       options.grad_dtype.value_or(AccumulationDtype(weight.scalar_type()));
-  if (grad_dtype != torch::kFloat && grad_dtype != weight.scalar_type()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("grad_dtype: expected float32 or the head's dtype (",
-                     DtypeName(weight.scalar_type()), "); got ", DtypeName(grad_dtype)));
-  }
   if (bias.defined()) {
     if (bias.dim() != 1 || bias.size(0) != weight.size(0)) {
       return absl::InvalidArgumentError(absl::StrCat("bias: expected shape [", weight.size(0),
@@ -129,6 +138,9 @@ absl::StatusOr<int64_t> HeadMemoryBytes(int64_t vocab_size, int64_t hidden_size,
       return absl::InvalidArgumentError(
           absl::StrCat(field_prefix, name, ": expected at most ", limit, "; got ", value));
     }
+  }
+  if (IsHeadDtype(dtype)) {
+    RETURN_IF_ERROR(CheckGradDtype(dtype, grad_dtype, absl::StrCat(field_prefix, "grad_dtype")));
   }
   // Within the limits V·D < 2^42, so nothing below can overflow; checked all the same.
   const int64_t per_row =

@@ -230,6 +230,12 @@ absl::StatusOr<HeadState> DecodeChecked(const std::string& bytes, const std::str
     ASSIGN_OR_RETURN(const int64_t frozen, MetadataInt(metadata, "frozen", source));
     state.frozen = frozen != 0;
   }
+  if (metadata.contains("grad_dtype")) {  // absent: the default accumulators
+    ASSIGN_OR_RETURN(const std::string name, MetadataString(metadata, "grad_dtype", source));
+    const absl::StatusOr<torch::ScalarType> grad_dtype = ParseHeadDtype(name);
+    if (!grad_dtype.ok()) return Corrupt(source, "a gradient dtype that is not a head's");
+    state.grad_dtype = *grad_dtype;
+  }
   ASSIGN_OR_RETURN(state.optimizer.kind, MetadataString(metadata, "optimizer.kind", source));
   ASSIGN_OR_RETURN(state.optimizer.steps, MetadataInt(metadata, "optimizer.steps", source));
   ASSIGN_OR_RETURN(const std::string hyper,
@@ -288,6 +294,10 @@ HeadState CaptureHeadState(const std::string& head_id, const std::string& state_
               .weight = cpu(head.weight()),
               .bias = cpu(head.bias()),
               .optimizer = optimizer};
+  // Kept only when it is not the default, so that a state of default accumulators reads the
+  // same as before grad_dtype was kept.
+  const torch::ScalarType grad_dtype = head.grads().weight.scalar_type();
+  if (grad_dtype != AccumulationDtype(head.dtype())) s.grad_dtype = grad_dtype;
   s.optimizer.weight_buf1 = cpu(optimizer.weight_buf1);
   s.optimizer.weight_buf2 = cpu(optimizer.weight_buf2);
   s.optimizer.bias_buf1 = cpu(optimizer.bias_buf1);
@@ -333,6 +343,9 @@ absl::StatusOr<std::string> EncodeHeadState(const HeadState& state, const StateS
                             {"optimizer.kind", state.optimizer.kind},
                             {"optimizer.steps", absl::StrCat(state.optimizer.steps)},
                             {"optimizer.hyper_parameters", hyper.dump()}};
+  if (state.grad_dtype.has_value()) {
+    header["__metadata__"]["grad_dtype"] = DtypeName(*state.grad_dtype);
+  }
   if (!secret.secret.empty()) {
     header["__metadata__"]["mac"] = Seal(secret.secret, header, body.data(), body.size());
   }
@@ -372,8 +385,8 @@ absl::Status CheckHeadStateRows(const HeadState& state, int64_t vocab_size, int6
 }
 
 absl::Status CheckHeadStateFits(const HeadState& state, const Head& head) {
-  if (state.weight.sizes() != head.weight().sizes() ||
-      state.weight.scalar_type() != head.dtype() || state.bias.defined() != head.has_bias()) {
+  if (state.weight.sizes() != head.weight().sizes() || state.weight.scalar_type() != head.dtype() ||
+      state.bias.defined() != head.has_bias()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "state_id: expected a state of head \"", state.head_id, "\"'s shape ",
         c10::str(head.weight().sizes()), " ", DtypeName(head.dtype()),

@@ -6,6 +6,10 @@ from __future__ import annotations
 import re
 
 
+# The in-process engines bench_peers.py measures.
+IN_PROCESS = ("remotehead", "remotehead_fused", "remotehead_memory")
+
+
 def summarise_shape(s: dict) -> dict:
     shape, rows = s["shape"], s["results"]
     out = {"shape": shape["name"], "status": "ok", "n": shape["n"], "d": shape["d"],
@@ -31,6 +35,21 @@ def summarise_shape(s: dict) -> dict:
         out["peak_vs_cce"] = ours["peak_with_grads_bytes"] / timed["cce"]["peak_with_grads_bytes"]
     if ours and "remotehead_server" in timed:
         out["server_vs_in_process"] = timed["remotehead_server"]["seconds"] / ours["seconds"]
+    # Every in-process engine of the run (today's, the fused blocks, the memory mode) against the
+    # same peers: one call measures them side by side.
+    out["variants"] = {}
+    for name in IN_PROCESS:
+        mine = timed.get(name)
+        if not mine:
+            continue
+        v = {"ms": mine["seconds"] * 1e3, "tflops": flops / mine["seconds"] / 1e12}
+        if peers:
+            fastest = min(peers, key=lambda k: peers[k]["seconds"])
+            v["vs_fastest_peer"] = {"peer": fastest,
+                                    "time_ratio": mine["seconds"] / peers[fastest]["seconds"]}
+        if "cce" in timed:
+            v["peak_vs_cce"] = mine["peak_with_grads_bytes"] / timed["cce"]["peak_with_grads_bytes"]
+        out["variants"][name] = v
     return out
 
 
@@ -100,5 +119,13 @@ def markdown(r: dict) -> str:
                           f"(target <= 1.15)")
         if "tflops_in_process" in b:
             ratios.append(f"6NDV / in-process step: {b['tflops_in_process']:.1f} TFLOP/s")
+        for name, v in b.get("variants", {}).items():
+            text = f"{name}: {v['ms']:.1f} ms, {v['tflops']:.0f} TFLOP/s"
+            if "vs_fastest_peer" in v:
+                text += (f", {v['vs_fastest_peer']['time_ratio']:.3f}x the fastest peer "
+                         f"({v['vs_fastest_peer']['peer']})")
+            if "peak_vs_cce" in v:
+                text += f", peak {v['peak_vs_cce']:.3f}x CCE's (+grads)"
+            ratios.append(text)
         lines += [""] + [f"- {x}" for x in ratios]
     return "\n".join(lines) + "\n"

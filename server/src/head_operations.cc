@@ -51,11 +51,11 @@ std::string StateBuffers(const core::AdamWOptions&) {
 }
 
 absl::Status ApplyStep(core::Head& head, const core::SgdOptions& options, double grad_scale,
-                  core::OptimizerState* state) {
+                       core::OptimizerState* state) {
   return core::SgdStep(head, options, grad_scale, state);
 }
 absl::Status ApplyStep(core::Head& head, const core::AdamWOptions& options, double grad_scale,
-                  core::OptimizerState* state) {
+                       core::OptimizerState* state) {
   return core::AdamWStep(head, options, grad_scale, state);
 }
 
@@ -81,10 +81,12 @@ absl::Status HeadOperations::CheckNewHeadId(const std::string& id, const std::st
 
 absl::StatusOr<uint64_t> HeadOperations::ReserveHead(const std::string& id, int64_t vocab_size,
                                                      int64_t hidden_size, torch::ScalarType dtype,
-                                                     bool bias, const std::string& field_prefix) {
+                                                     bool bias,
+                                                     std::optional<torch::ScalarType> grad_dtype,
+                                                     const std::string& field_prefix) {
   RETURN_IF_ERROR(CheckNewHeadId(id, field_prefix == "--head " ? "--head" : "head_id"));
   ASSIGN_OR_RETURN(const MemoryEstimate head,
-                   HeadMemory(id, vocab_size, hidden_size, dtype, bias, field_prefix));
+                   HeadMemory(id, vocab_size, hidden_size, dtype, bias, grad_dtype, field_prefix));
   const uint64_t ticket = admission_->NewTicket();
   RETURN_IF_ERROR(admission_->ReserveHead(ticket, head.bytes, head.breakdown));
   return ticket;
@@ -112,8 +114,8 @@ absl::Status HeadOperations::ReserveLoadedHeads() {
     const HeadDescription d = entry->Describe();
     // The rows this process holds (a head group's rank holds its shard's, not d.vocab_size).
     const int64_t rows = entry->Read([](const core::Head& head) { return head.vocab_size(); });
-    ASSIGN_OR_RETURN(const uint64_t ticket,
-                     ReserveHead(d.id, rows, d.hidden_size, d.dtype, d.has_bias, "--head "));
+    ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(d.id, rows, d.hidden_size, d.dtype,
+                                                        d.has_bias, d.grad_dtype, "--head "));
     entry->set_reservation(ticket);
     RETURN_IF_ERROR(ResizeOf(*entry, absl::StrCat("the restored optimizer state of head \"", d.id,
                                                   "\""))(entry->OptimizerStateBytes()));
@@ -146,22 +148,22 @@ absl::StatusOr<HeadOperations::Rows> HeadOperations::RowsOf(int64_t vocab_size,
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSeed(const std::string& id,
-                                                                   const core::HeadInit& init,
-                                                                   bool frozen) {
+                                                               const core::HeadInit& init,
+                                                               const HeadTraits& traits) {
   ASSIGN_OR_RETURN(const Rows rows, RowsOf(init.vocab_size, "init.vocab_size"));
-  ASSIGN_OR_RETURN(const uint64_t ticket,
-                   ReserveHead(id, rows.rows, init.hidden_size, init.dtype, init.bias, "init."));
-  ASSIGN_OR_RETURN(
-      auto entry,
-      AddReserved(id, core::Head::InitializeRows(init, {.device = device_}, rows.offset, rows.rows),
-                  ticket, rows.shards, frozen));
+  ASSIGN_OR_RETURN(const uint64_t ticket, ReserveHead(id, rows.rows, init.hidden_size, init.dtype,
+                                                      init.bias, traits.grad_dtype, "init."));
+  ASSIGN_OR_RETURN(auto entry, AddReserved(id,
+                                           core::Head::InitializeRows(init, HeadOptionsOf(traits),
+                                                                      rows.offset, rows.rows),
+                                           ticket, rows.shards, traits.frozen));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head created from seed ", init.seed, ": ", Summary(d)));
   return d;
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
-    const std::string& id, const SafetensorsSource& source, bool frozen) {
+    const std::string& id, const SafetensorsSource& source, const HeadTraits& traits) {
   const std::string field = "safetensors.path";
   ASSIGN_OR_RETURN(const core::CheckpointDir* dir, CheckpointDirFor(field));
   // The shape from the file's header first: the head's bytes are reserved (and its size
@@ -176,29 +178,43 @@ absl::StatusOr<HeadDescription> HeadOperations::CreateFromSafetensors(
   ASSIGN_OR_RETURN(const Rows rows, RowsOf(info.shape[0], "safetensors.weight_name rows"));
   ASSIGN_OR_RETURN(const uint64_t ticket,
                    ReserveHead(id, rows.rows, info.shape[1], source.dtype.value_or(info.dtype),
-                               !source.bias_name.empty(), "safetensors."));
+                               !source.bias_name.empty(), traits.grad_dtype, "safetensors."));
   // AddReserved gives the reservation back if this fails.
   absl::StatusOr<std::unique_ptr<core::Head>> head =
       [&]() -> absl::StatusOr<std::unique_ptr<core::Head>> {
     ASSIGN_OR_RETURN(const HeadTensors tensors,
                      ReadHeadTensors(*dir, source, field, rows.offset, rows.rows));
-    return core::Head::FromTensors(tensors.weight, tensors.bias, {.device = device_});
+    return core::Head::FromTensors(tensors.weight, tensors.bias, HeadOptionsOf(traits));
   }();
-  ASSIGN_OR_RETURN(auto entry, AddReserved(id, std::move(head), ticket, rows.shards, frozen));
+  ASSIGN_OR_RETURN(auto entry,
+                   AddReserved(id, std::move(head), ticket, rows.shards, traits.frozen));
   const HeadDescription d = entry->Describe();
   LogEvent(absl::StrCat("head created from ", dir->root(), "/", source.path, " (",
                         source.weight_name, "): ", Summary(d)));
   return d;
 }
 
-absl::Status HeadOperations::CheckReplaceKeepsFrozen(const std::string& id, bool frozen) const {
+absl::Status HeadOperations::CheckReplaceKeepsTraits(const std::string& id,
+                                                     const HeadTraits& traits) const {
   const absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
-  if (!entry.ok() || (*entry)->frozen() == frozen) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("header.frozen: expected ", (*entry)->frozen() ? "true" : "false", " (head \"",
-                   id, "\" is ", (*entry)->frozen() ? "" : "not ",
-                   "frozen, and a replace keeps that: drop and upload it to change it); got ",
-                   frozen ? "true" : "false"));
+  if (!entry.ok()) return absl::OkStatus();
+  const bool frozen = (*entry)->frozen();
+  if (frozen != traits.frozen) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.frozen: expected ", frozen ? "true" : "false", " (head \"", id,
+                     "\" is ", frozen ? "" : "not ",
+                     "frozen, and a replace keeps that: drop and upload it to change it); got ",
+                     traits.frozen ? "true" : "false"));
+  }
+  const torch::ScalarType grad_dtype = (*entry)->Describe().grad_dtype;
+  if (traits.grad_dtype.has_value() && *traits.grad_dtype != grad_dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.grad_dtype: expected ", core::DtypeName(grad_dtype), " (head \"", id,
+        "\"'s gradient dtype, which a replace keeps: drop and upload it to change it) or unset; "
+        "got ",
+        core::DtypeName(*traits.grad_dtype)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status HeadOperations::ShareUploaded(HeadGroup& group, torch::Tensor* weight,
@@ -220,11 +236,11 @@ absl::StatusOr<HeadOperations::Rows> HeadOperations::ShareUploadedRows(torch::Te
   return rows;
 }
 
-absl::StatusOr<HeadDescription> HeadOperations::Upload(const std::string& id,
-                                                           torch::Tensor weight, torch::Tensor bias,
-                                                           bool replace, bool frozen) {
-  // Before any tensor is shared: every rank holds the same flag, so all refuse alike.
-  if (replace) RETURN_IF_ERROR(CheckReplaceKeepsFrozen(id, frozen));
+absl::StatusOr<HeadDescription> HeadOperations::Upload(const std::string& id, torch::Tensor weight,
+                                                       torch::Tensor bias, bool replace,
+                                                       const HeadTraits& traits) {
+  // Before any tensor is shared: every rank holds the same traits, so all refuse alike.
+  if (replace) RETURN_IF_ERROR(CheckReplaceKeepsTraits(id, traits));
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
   std::vector<core::ShardRange> shards;
   if (mesh_ != nullptr && mesh_->is_front()) {
@@ -251,9 +267,9 @@ absl::StatusOr<HeadDescription> HeadOperations::Upload(const std::string& id,
   } else {
     ASSIGN_OR_RETURN(const uint64_t ticket,
                      ReserveHead(id, weight.size(0), weight.size(1), weight.scalar_type(),
-                                 bias.defined(), "header."));
-    entry = AddReserved(id, core::Head::FromTensors(weight, bias, {.device = device_}), ticket,
-                        std::move(shards), frozen);
+                                 bias.defined(), traits.grad_dtype, "header."));
+    entry = AddReserved(id, core::Head::FromTensors(weight, bias, HeadOptionsOf(traits)), ticket,
+                        std::move(shards), traits.frozen);
     RETURN_IF_ERROR(entry.status());
   }
   const HeadDescription d = (*entry)->Describe();
@@ -287,8 +303,8 @@ absl::StatusOr<int64_t> HeadOperations::WriteCheckpoint(const std::string& id,
 }
 
 absl::StatusOr<HeadSnapshot> HeadOperations::Snapshot(const std::string& id,
-                                                          std::optional<torch::ScalarType> dtype,
-                                                          bool gradients) {
+                                                      std::optional<torch::ScalarType> dtype,
+                                                      bool gradients) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   int64_t version = 0;  // of the rows copied, read under the same lock
   HeadSnapshot snapshot = entry->Read([&](const core::Head& head) {
@@ -348,7 +364,7 @@ absl::StatusOr<HeadDescription> HeadOperations::ZeroGradients(const std::string&
 }
 
 absl::StatusOr<core::GradientBuffers> HeadOperations::SumGradientsOverReplicas(core::Head& head,
-                                                                              bool keep_own) {
+                                                                               bool keep_own) {
   core::GradientBuffers& grads = head.grads();
   core::GradientBuffers own;
   if (keep_own) {
@@ -361,8 +377,8 @@ absl::StatusOr<core::GradientBuffers> HeadOperations::SumGradientsOverReplicas(c
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::Step(const std::string& id,
-                                                         const OptimizerStepSpec& spec,
-                                                         bool over_replicas) {
+                                                     const OptimizerStepSpec& spec,
+                                                     bool over_replicas) {
   if (over_replicas && mesh_ == nullptr) {
     return absl::FailedPreconditionError("reduce_step: this server is not a replica of a mesh");
   }
@@ -394,10 +410,9 @@ absl::StatusOr<HeadDescription> HeadOperations::Step(const std::string& id,
               if (own.bias.defined()) head.grads().bias.copy_(own.bias);
               const int every = mesh_ != nullptr ? mesh_->options().checksum_every_steps : 0;
               if (over_replicas && every > 0 && head.version() % every == 0) {
-                return mesh_->CompareAcrossReplicas({head.weight(), head.bias()},
-                                                    absl::StrCat("the weights of head \"", id,
-                                                                 "\" at version ",
-                                                                 head.version()));
+                return mesh_->CompareAcrossReplicas(
+                    {head.weight(), head.bias()},
+                    absl::StrCat("the weights of head \"", id, "\" at version ", head.version()));
               }
               return absl::OkStatus();
             },

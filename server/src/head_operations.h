@@ -53,21 +53,25 @@ class HeadOperations {
         group_(group),
         mesh_(mesh) {}
 
-  // `frozen` (every creation): the head refuses dW and optimizer steps (HeadEntry).
+  // `traits` (every creation): frozen (the head refuses dW and optimizer steps, HeadEntry) and
+  // the dW accumulators' dtype.
   absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init,
-                                                 bool frozen);
+                                                 const HeadTraits& traits);
   absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
                                                         const SafetensorsSource& source,
-                                                        bool frozen);
+                                                        const HeadTraits& traits);
   // A head made of uploaded W [V, D] (and b [V]); with `replace`, new weights for the existing
-  // head `id` (HeadEntry::ReplaceWeights; INVALID_ARGUMENT naming header.frozen unless `frozen`
-  // is the head's), or a new head if there is none. `weight` / `bias`: the whole head's, on the
-  // front; on the other ranks tensors of the same shape that the front's values are shared into.
+  // head `id` (HeadEntry::ReplaceWeights; INVALID_ARGUMENT naming header.frozen /
+  // header.grad_dtype unless `traits` are the head's), or a new head if there is none. `weight` /
+  // `bias`: the whole head's, on the front; on the other ranks tensors of the same shape that the
+  // front's values are shared into.
   absl::StatusOr<HeadDescription> Upload(const std::string& id, torch::Tensor weight,
-                                         torch::Tensor bias, bool replace, bool frozen);
-  // A replace of head `id` (with `frozen`) keeps the head's frozen flag: INVALID_ARGUMENT
-  // naming header.frozen otherwise (OK when there is no such head: the upload creates it).
-  absl::Status CheckReplaceKeepsFrozen(const std::string& id, bool frozen) const;
+                                         torch::Tensor bias, bool replace,
+                                         const HeadTraits& traits);
+  // A replace of head `id` (with `traits`) keeps the head's frozen flag and gradient dtype (an
+  // unset one is the head's): INVALID_ARGUMENT naming header.frozen / header.grad_dtype
+  // otherwise (OK when there is no such head: the upload creates it).
+  absl::Status CheckReplaceKeepsTraits(const std::string& id, const HeadTraits& traits) const;
   // Reserves the bytes of the heads already in the registry that hold none (those loaded or
   // restored at start, optimizer state included); RESOURCE_EXHAUSTED if they do not fit.
   absl::Status ReserveLoadedHeads();
@@ -158,6 +162,7 @@ class HeadOperations {
   // `field_prefix`) or RESOURCE_EXHAUSTED (budget).
   absl::StatusOr<uint64_t> ReserveHead(const std::string& id, int64_t vocab_size,
                                        int64_t hidden_size, torch::ScalarType dtype, bool bias,
+                                       std::optional<torch::ScalarType> grad_dtype,
                                        const std::string& field_prefix);
   // Grows or shrinks `entry`'s reservation with its optimizer state (`why` names the state in
   // a refusal). Heads registered without a reservation are not counted.
@@ -166,6 +171,10 @@ class HeadOperations {
   absl::StatusOr<std::shared_ptr<HeadEntry>> AddReserved(
       const std::string& id, absl::StatusOr<std::unique_ptr<core::Head>> head, uint64_t ticket,
       std::vector<core::ShardRange> shards, bool frozen);
+  // core::HeadOptions for a head of `traits` on this device.
+  core::HeadOptions HeadOptionsOf(const HeadTraits& traits) const {
+    return {.device = device_, .grad_dtype = traits.grad_dtype};
+  }
 
   // The first row of this rank's shard of a head described as `d` (0 off a group).
   int64_t OwnOffset(const HeadDescription& d) const;

@@ -34,7 +34,6 @@ absl::Status HeadFrozenError(const std::string& id, const std::string& field,
       core::reason::kHeadFrozen, {{"head", id}, {"field", field}});
 }
 
-
 HeadDescription HeadEntry::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   return {.id = id_,
@@ -42,6 +41,7 @@ HeadDescription HeadEntry::Describe() const {
               shards_.empty() ? head_->vocab_size() : shards_.back().offset + shards_.back().rows,
           .hidden_size = head_->hidden_size(),
           .dtype = head_->dtype(),
+          .grad_dtype = head_->grads().weight.scalar_type(),
           .has_bias = head_->has_bias(),
           .device = head_->device().str(),
           .weight_version = head_->version(),

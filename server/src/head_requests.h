@@ -14,6 +14,16 @@
 
 namespace remotehead::server {
 
+// What a head's creation fixes besides its values, for the head's life (a replace keeps it).
+struct HeadTraits {
+  bool frozen = false;  // no dW, no optimizer step (HeadEntry::frozen): a teacher, a reference
+  // The dW (and db) accumulators' dtype (core::HeadOptions::grad_dtype). Unset: float32
+  // (float64 for a float64 head); a half-precision head's own dtype halves its gradient memory —
+  // the memory mode (docs/engine.md): each chunk's dW GEMM still computes in fp32 and rounds
+  // once as it adds.
+  std::optional<torch::ScalarType> grad_dtype;
+};
+
 // A head's tensors in a safetensors checkpoint on the server (a file or a sharded checkpoint's
 // *.safetensors.index.json).
 struct SafetensorsSource {

@@ -63,15 +63,17 @@ MemoryEstimate EmbeddingRowsMemory(const std::string& head_id, int64_t ids, int6
 
 absl::StatusOr<MemoryEstimate> HeadMemory(const std::string& head_id, int64_t vocab_size,
                                           int64_t hidden_size, torch::ScalarType dtype, bool bias,
+                                          std::optional<torch::ScalarType> grad_dtype,
                                           const std::string& field_prefix) {
   ASSIGN_OR_RETURN(const int64_t bytes, core::HeadMemoryBytes(vocab_size, hidden_size, dtype, bias,
-                                                              std::nullopt, field_prefix));
+                                                              grad_dtype, field_prefix));
   return MemoryEstimate{
       .bytes = bytes,
-      .breakdown = absl::StrCat("head \"", head_id, "\" of ", field_prefix, "vocab_size ",
-                                vocab_size, " × ", field_prefix, "hidden_size ", hidden_size, " ",
-                                core::DtypeName(dtype), bias ? " with bias" : "", ": weights and ",
-                                core::DtypeName(core::AccumulationDtype(dtype)), " gradients")};
+      .breakdown = absl::StrCat(
+          "head \"", head_id, "\" of ", field_prefix, "vocab_size ", vocab_size, " × ",
+          field_prefix, "hidden_size ", hidden_size, " ", core::DtypeName(dtype),
+          bias ? " with bias" : "", ": weights and ",
+          core::DtypeName(grad_dtype.value_or(core::AccumulationDtype(dtype))), " gradients")};
 }
 
 }  // namespace remotehead::server

@@ -24,9 +24,9 @@ struct StepMemoryInputs {
   core::CallMode mode = core::CallMode::kFused;
   int64_t rows = 0;
   int64_t batch_rows = 1;
-  int64_t scratch_bytes = 0;    // the scratch dW it accumulates into (0: none)
-  int64_t pipeline_bytes = 0;   // what the transport may buffer for it (StepPipelineBytes)
-  bool retains_inputs = false;  // a Forward that keeps its inputs for the Backward
+  int64_t scratch_bytes = 0;      // the scratch dW it accumulates into (0: none)
+  int64_t pipeline_bytes = 0;     // what the transport may buffer for it (StepPipelineBytes)
+  bool retains_inputs = false;    // a Forward that keeps its inputs for the Backward
   int64_t teacher_row_bytes = 0;  // a two-head call: a row of the teacher's hidden states
 };
 MemoryEstimate StepMemory(const StepMemoryInputs& in);
@@ -40,8 +40,7 @@ int64_t RetainedInputsBytes(const core::CallPlan& plan, int64_t rows,
 // What the transport may hold for one step call over `streams` streams (StepHeader.stripe): the
 // request messages each reads ahead (4 MiB each at most, plus the one being handled) and the
 // responses not yet taken by the client.
-int64_t StepPipelineBytes(int streams, int read_ahead_messages,
-                          int64_t max_pending_response_bytes);
+int64_t StepPipelineBytes(int streams, int read_ahead_messages, int64_t max_pending_response_bytes);
 
 // The CPU buffer an upload assembles the head's rows in.
 MemoryEstimate UploadBufferMemory(const std::string& head_id, int64_t vocab_size,
@@ -52,10 +51,12 @@ MemoryEstimate UploadBufferMemory(const std::string& head_id, int64_t vocab_size
 MemoryEstimate EmbeddingRowsMemory(const std::string& head_id, int64_t ids, int64_t hidden_size,
                                    torch::ScalarType dtype, const std::string& field);
 
-// A head on this server: its weights and float32 gradients. `field_prefix` names where the
-// sizes came from in messages ("init.", "--head ", "header.").
+// A head on this server: its weights and its gradients in `grad_dtype` (unset: float32, or
+// float64 for a float64 head). `field_prefix` names where the sizes came from in messages
+// ("init.", "--head ", "header.").
 absl::StatusOr<MemoryEstimate> HeadMemory(const std::string& head_id, int64_t vocab_size,
                                           int64_t hidden_size, torch::ScalarType dtype, bool bias,
+                                          std::optional<torch::ScalarType> grad_dtype,
                                           const std::string& field_prefix);
 
 }  // namespace remotehead::server

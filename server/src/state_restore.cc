@@ -94,7 +94,8 @@ absl::Status RestoreOne(const core::HeadState& state, const std::string& file,
         absl::StrCat("--state_dir: \"", file, "\": ", rows.message()));
   }
   ASSIGN_OR_RETURN(auto head,
-                   core::Head::FromTensors(state.weight, state.bias, {.device = device}));
+                   core::Head::FromTensors(state.weight, state.bias,
+                                           {.device = device, .grad_dtype = state.grad_dtype}));
   ASSIGN_OR_RETURN(auto entry, registry->Add(state.head_id, std::move(head), 0, std::move(shards),
                                              state.frozen));
   return entry->RestoreState(state, /*at_start=*/true);

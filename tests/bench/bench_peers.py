@@ -9,6 +9,10 @@ same shape, dtype and device:
   liger        Liger-Kernel's LigerFusedLinearCrossEntropyLoss (CUDA; skipped if not installed)
   cce          Apple's Cut Cross-Entropy, cut_cross_entropy.linear_cross_entropy (CUDA; ditto)
   remotehead   the engine in-process (remotehead-bench, C++), fp32 dW accumulator
+  remotehead_fused   the same with fused function blocks (--fused_blocks: the CUDA kernel,
+               the CPU twin on a CPU), beside today's engine in the same run
+  remotehead_memory  the memory mode: dW accumulated in the head's bf16 / fp16 (grad_dtype)
+               and a 256 MiB transient budget, fused blocks on CUDA
   remotehead_server  the same step from this Python process through a remotehead-server on
                loopback on the same device (remotehead.Client.forward_backward; dW on the
                server)
@@ -53,7 +57,11 @@ SHAPES = {
     "liger": dict(n=16384, d=4096, v=128256, dtype="bfloat16", softcap=0.0),
     "seed": dict(n=2048, d=1024, v=32000, dtype="float32", softcap=0.0),
 }
-PEERS = ["naive", "torch_lce", "liger", "cce", "remotehead", "remotehead_server"]
+PEERS = ["naive", "torch_lce", "liger", "cce", "remotehead", "remotehead_fused",
+         "remotehead_memory", "remotehead_server"]
+# The memory mode's transient budget (StepOptions::memory_budget_bytes): chunks of a few hundred
+# rows at V = 256,000 — what keeps its peak near Cut Cross-Entropy's, the bf16 dW included.
+MEMORY_MODE_BUDGET = 256 << 20
 IGNORED_FRACTION = 0.1
 NO_SOFTCAP = {"torch_lce"}
 
@@ -137,24 +145,34 @@ def measure_python_peer(name, shape, device, warmup, repeats) -> dict:
             "grad_hidden": x.grad.detach().cpu()}
 
 
-def grad_bytes(shape) -> int:
-    """dX in the head's dtype and remotehead's fp32 dW accumulator."""
+def grad_bytes(shape, dw_element_bytes=4) -> int:
+    """dX in the head's dtype and remotehead's dW accumulator (fp32 unless the memory mode's)."""
     elt = torch.tensor([], dtype=DTYPES[shape["dtype"]]).element_size()
-    return shape["n"] * shape["d"] * elt + shape["v"] * shape["d"] * 4
+    return shape["n"] * shape["d"] * elt + shape["v"] * shape["d"] * dw_element_bytes
 
 
-def measure_remotehead(shape, device, warmup, repeats, build) -> dict:
+def measure_remotehead(shape, device, warmup, repeats, build, mode="") -> dict:
+    """remotehead-bench's fused variant; `mode` "fused" (--fused_blocks) or "memory" (the memory
+    mode: dW in the head's half-precision dtype, MEMORY_MODE_BUDGET, fused blocks on CUDA)."""
     argv = [os.path.join(build, "tests", "bench", "remotehead-bench"), "--json",
             f"--device={device}", f"--n={shape['n']}", f"--d={shape['d']}", f"--v={shape['v']}",
             f"--dtype={shape['dtype']}", f"--softcap={shape['softcap']}",
             f"--warmup={warmup}", f"--repeats={repeats}", "--torch_lce=false",
             "--skip_naive_above_bytes=0"]
+    dw_element_bytes = 4
+    if mode == "fused" or (mode == "memory" and device.type == "cuda"):
+        argv.append("--fused_blocks")
+    if mode == "memory":
+        if shape["dtype"] == "float32":
+            raise RuntimeError("the memory mode is a half-precision head's")
+        argv += [f"--grad_dtype={shape['dtype']}", f"--memory_budget_bytes={MEMORY_MODE_BUDGET}"]
+        dw_element_bytes = 2
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"remotehead-bench exited {done.returncode}: {done.stderr.strip()}")
     fused = json.loads(done.stdout)["results"][0]["variants"]["fused"]
     return {"seconds": fused["step_seconds"], "peak_bytes": fused["peak_bytes"],
-            "peak_with_grads_bytes": fused["peak_bytes"] + grad_bytes(shape),
+            "peak_with_grads_bytes": fused["peak_bytes"] + grad_bytes(shape, dw_element_bytes),
             "softcap": shape["softcap"],
             "note": "its own inputs (same shape and distribution); accuracy: see server row"}
 
@@ -223,8 +241,9 @@ def run_child(args) -> None:
     shape = parse_shape(args.shapes)
     device = torch.device(args.device)
     try:
-        if args.peer == "remotehead":
-            out = measure_remotehead(shape, device, args.warmup, args.repeats, args.build)
+        if args.peer in ("remotehead", "remotehead_fused", "remotehead_memory"):
+            out = measure_remotehead(shape, device, args.warmup, args.repeats, args.build,
+                                     args.peer.removeprefix("remotehead").lstrip("_"))
         elif args.peer == "remotehead_server":
             out = measure_remotehead_server(shape, device, args.warmup, args.repeats, args.build)
         else:
@@ -311,15 +330,19 @@ def main() -> int:
             print(f"{peer:>18}  {r['seconds'] * 1e3:9.2f}  {mib(r['peak_bytes']):>13}  "
                   f"{mib(r['peak_with_grads_bytes']):>10}  {dl:>9}  {dh:>9}  {note}")
         timed = {k: r for k, r in rows.items() if "skipped" not in r}
-        ours = timed.get("remotehead")
         others = {k: r for k, r in timed.items() if not k.startswith("remotehead")}
-        if ours and others:
-            fastest = min(others, key=lambda k: others[k]["seconds"])
-            print(f"remotehead in-process / fastest peer ({fastest}): "
-                  f"{ours['seconds'] / others[fastest]['seconds']:.3f}× time")
-        if ours and "cce" in timed:
-            print(f"remotehead / cce peak (+grads): "
-                  f"{ours['peak_with_grads_bytes'] / timed['cce']['peak_with_grads_bytes']:.3f}×")
+        for name in ("remotehead", "remotehead_fused", "remotehead_memory"):
+            mine = timed.get(name)
+            if mine and others:
+                fastest = min(others, key=lambda k: others[k]["seconds"])
+                print(f"{name} in-process / fastest peer ({fastest}): "
+                      f"{mine['seconds'] / others[fastest]['seconds']:.3f}× time, "
+                      f"{6 * shape['n'] * shape['d'] * shape['v'] / mine['seconds'] / 1e12:.0f} "
+                      "TFLOP/s (6NDV)")
+            if mine and "cce" in timed:
+                ratio = mine["peak_with_grads_bytes"] / timed["cce"]["peak_with_grads_bytes"]
+                print(f"{name} / cce peak (+grads): {ratio:.3f}×")
+        ours = timed.get("remotehead")
         if ours and "remotehead_server" in timed:
             print(f"server on loopback / in-process: "
                   f"{timed['remotehead_server']['seconds'] / ours['seconds']:.3f}× time")

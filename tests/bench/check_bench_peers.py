@@ -45,4 +45,23 @@ assert "no softcap support" in done.stdout
 ours = results["remotehead"]
 assert ours["peak_with_grads_bytes"] - ours["peak_bytes"] == 256 * 64 * 4 + 1000 * 64 * 4, ours
 assert "server on loopback / in-process:" in done.stdout
+# The fused blocks' CPU twin beside today's engine; the memory mode is a half-precision head's.
+assert "skipped" not in results["remotehead_fused"] and \
+    results["remotehead_fused"]["peak_with_grads_bytes"] == \
+    results["remotehead_fused"]["peak_bytes"] + 256 * 64 * 4 + 1000 * 64 * 4, results
+assert "half-precision" in results["remotehead_memory"]["skipped"], results
+# …which a bf16 shape runs: its "+grads" counts a bf16 dW (256·64·2 + 1000·64·2).
+with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "memory.json"
+    done = subprocess.run(
+        [str(root / "scripts" / "bench-gpu"), "--device", "cpu", "--shapes",
+         "256:64:1000:bfloat16", "--peers", "remotehead_memory", "--warmup", "0", "--repeats",
+         "1", "--json", str(out)],
+        env={**os.environ, "REMOTEHEAD_BUILD_DIR": build}, capture_output=True, text=True,
+        timeout=600)
+    print(done.stdout)
+    assert done.returncode == 0, done.stderr
+    memory = json.loads(out.read_text())["shapes"][0]["results"]["remotehead_memory"]
+assert memory["peak_with_grads_bytes"] - memory["peak_bytes"] == 256 * 64 * 2 + 1000 * 64 * 2, \
+    memory
 print("bench-gpu smoke: ok")

@@ -56,6 +56,9 @@ ABSL_FLAG(std::vector<std::string>, n, std::vector<std::string>({"2048"}),
 ABSL_FLAG(int64_t, d, 1024, "hidden size D");
 ABSL_FLAG(int64_t, v, 32000, "vocabulary size V");
 ABSL_FLAG(std::string, dtype, "float32", "head dtype: float32, bfloat16, float16 (or float64)");
+ABSL_FLAG(std::string, grad_dtype, "",
+          "the dW accumulators' dtype (HeadOptions::grad_dtype): empty for the default (float32; "
+          "float64 for a float64 head), or the head's own dtype (the memory mode)");
 ABSL_FLAG(std::string, device, "auto", "auto (cuda:0 if available, else cpu), cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, function, "cross_entropy",
           "cross_entropy, token_logprobs, mse_onehot, entropy or sigmoid_sum");
@@ -119,6 +122,7 @@ struct Config {
   int64_t teacher_d = 0;  // > 0: a two-head function's teacher width
   double beta = 0.5;      // distill_jsd
   torch::ScalarType dtype = torch::kFloat;
+  std::optional<torch::ScalarType> grad_dtype;  // unset: the default accumulators
   torch::Device device = torch::kCPU;
   std::string function;
   rh::Reduction reduction = rh::Reduction::kMean;
@@ -149,6 +153,9 @@ absl::StatusOr<Config> ConfigFromFlags() {
         absl::StrCat("--d, --v: expected >= 1; got ", c.d, ", ", c.v));
   }
   ASSIGN_OR_RETURN(c.dtype, rh::ParseHeadDtype(absl::GetFlag(FLAGS_dtype)));
+  if (!absl::GetFlag(FLAGS_grad_dtype).empty()) {
+    ASSIGN_OR_RETURN(c.grad_dtype, rh::ParseHeadDtype(absl::GetFlag(FLAGS_grad_dtype)));
+  }
   ASSIGN_OR_RETURN(c.device, rh::ResolveDevice(absl::GetFlag(FLAGS_device), "--device"));
   c.function = absl::GetFlag(FLAGS_function);
   RETURN_IF_ERROR(rh::FunctionRegistry::Builtin().Find(c.function).status());
@@ -481,7 +488,8 @@ absl::Status Run() {
                                                                          .dtype = cfg.dtype,
                                                                          .bias = cfg.bias,
                                                                          .seed = cfg.seed},
-                                                                        {.device = cfg.device}));
+                                                                        {.device = cfg.device,
+                                                                         .grad_dtype = cfg.grad_dtype}));
   rh::FunctionParams params;
   if (cfg.softcap > 0) params["softcap"] = cfg.softcap;
   if (cfg.function == "distill_jsd") params["beta"] = cfg.beta;

@@ -333,6 +333,41 @@ TEST_F(ClientTest, FetchGradientsReturnsTheRegistrysAccumulators) {
   EXPECT_EQ(reference::MaxAbs(after->bias_grad), 0.0);
 }
 
+// The memory mode (grad_dtype = the head's bf16) through every way of making a head: the head
+// reports it, its dW comes back in bf16 and equals the server's accumulator, and a dtype that is
+// neither float32 nor the head's is refused naming the field.
+TEST_F(ClientTest, HeadsMadeInTheMemoryModeAccumulateInTheirOwnDtype) {
+  auto created = client_->CreateHead(
+      "memory-init", rc::InitSpec{.vocab_size = 64, .hidden_size = 16, .dtype = torch::kBFloat16,
+                                  .grad_dtype = torch::kBFloat16});
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->grad_dtype, torch::kBFloat16);
+  const torch::Tensor w = torch::randn({64, 16}).to(torch::kBFloat16);
+  auto uploaded = client_->UploadHead("memory-upload", w, {}, {.grad_dtype = torch::kBFloat16});
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  EXPECT_EQ(uploaded->grad_dtype, torch::kBFloat16);
+  auto fp32 = client_->UploadHead("memory-default", w);
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_EQ(fp32->grad_dtype, torch::kFloat);
+
+  const rc::StepSpec spec{.head_id = "memory-upload", .gradient_id = rc::GradientId{.trainer = "m"}};
+  const torch::Tensor x = torch::randn({8, 16}).to(torch::kBFloat16);
+  const torch::Tensor t = torch::randint(0, 64, {8}, torch::kLong);
+  ASSERT_TRUE(client_->ForwardBackward(spec, {.hidden = x, .targets = t}).ok());
+  auto grads = client_->FetchGradients("memory-upload");
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  EXPECT_EQ(grads->weight_grad.scalar_type(), torch::kBFloat16);
+  EXPECT_GT(reference::MaxAbs(grads->weight_grad), 0.0);
+
+  auto refused = client_->UploadHead("memory-fp16", w, {}, {.grad_dtype = torch::kHalf});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "header.grad_dtype: expected float32 or the head's dtype (bfloat16); got float16");
+  for (const char* id : {"memory-init", "memory-upload", "memory-default"}) {
+    EXPECT_TRUE(client_->DropHead(id).ok());
+  }
+}
+
 TEST_F(ClientTest, OptimizerStepsEqualTheEnginesOptimizers) {
   const rc::StepSpec spec{.head_id = "lm", .gradient_id = rc::GradientId{.trainer = "t"}};
   ASSERT_TRUE(client_->ForwardBackward(spec, InputsFor(batch_)).ok());

@@ -298,7 +298,7 @@ TEST(MeshStepsTest, AReplicaWhoseHeadHasAnotherShapeIsRefusedAsDivergedOnEveryRe
   CreateWithGradients(m);
   // Replica 1's head of that id, made on its own, is [12, 6] (still at version 0).
   ASSERT_TRUE(m.operations(1).local().Drop(kHead).ok());
-  ASSERT_TRUE(m.operations(1).local().CreateFromSeed(kHead, Init(6), false).ok());
+  ASSERT_TRUE(m.operations(1).local().CreateFromSeed(kHead, Init(6), {}).ok());
   const std::vector<HeadState> before = StatesOf(m);
   const std::vector<Outcome> outcomes = RunStep(m, EveryReplicasTrainers(2));
   ExpectRefusedAlike(outcomes, absl::StatusCode::kFailedPrecondition, "REPLICAS_DIVERGED",

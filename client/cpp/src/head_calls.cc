@@ -39,7 +39,22 @@ absl::StatusOr<HeadInfo> FromWire(const v1::HeadInfo& wire) {
   }
   info.frozen = wire.frozen();
   info.teacher_of.assign(wire.teacher_of().begin(), wire.teacher_of().end());
+  if (wire.grad_dtype() != v1::DTYPE_UNSPECIFIED) {
+    ASSIGN_OR_RETURN(info.grad_dtype,
+                     BrokenResponse(wire::FromWireDtype(wire.grad_dtype(), "info.grad_dtype")));
+  }
   return info;
+}
+
+// A creation's accumulator dtype into its request (CreateHeadRequest, UploadHeader); nullopt
+// leaves the server's default.
+template <typename Request>
+absl::Status SetGradDtype(std::optional<torch::ScalarType> grad_dtype, const std::string& field,
+                          Request* request) {
+  if (!grad_dtype.has_value()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const v1::DType wire_dtype, wire::ToWireDtype(*grad_dtype, field));
+  request->set_grad_dtype(wire_dtype);
+  return absl::OkStatus();
 }
 
 // Asks `request` for its rows in `dtype`; nullopt leaves the server's default.
@@ -71,10 +86,12 @@ struct HeadRowsInto {
   const char* weight_field;
   torch::Tensor* bias;
   const char* bias_field;
+  bool gradients = false;  // dW and db: their default dtype is the accumulators'
 };
 
 // One attempt of a stream of a head's rows (ExportWeights: its weights; FetchGradients: dW and
-// db): the head described, `into` allocated from that in `dtype` (the head's own when nullopt),
+// db): the head described, `into` allocated from that in `dtype` (nullopt: the head's own, or
+// for gradients its accumulators'),
 // then the stream that `method` answers `request` with read to its end — `handle` hands each
 // message's rows to the weight's or the bias's assembler (nullptr for a head without a bias) —
 // and the rows checked complete.
@@ -86,7 +103,7 @@ absl::Status ReadHeadRows(Stub& stub,
                           std::optional<torch::ScalarType> dtype, const HeadRowsInto& into,
                           Handle&& handle) {
   ASSIGN_OR_RETURN(const HeadInfo info, DescribeForStream(stub, *context, request.head_id()));
-  const torch::ScalarType out = dtype.value_or(info.dtype);
+  const torch::ScalarType out = dtype.value_or(into.gradients ? info.grad_dtype : info.dtype);
   *into.weight = torch::empty({info.vocab_size, info.hidden_size}, out);
   *into.bias = info.has_bias ? torch::empty({info.vocab_size}, out) : torch::Tensor();
   ResponseRows w(*into.weight, into.weight_field), b(*into.bias, into.bias_field);
@@ -129,10 +146,10 @@ absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id, const In
   wire_init->set_seed(init.seed);
   wire_init->set_init_std(init.init_std);
   request.set_frozen(init.frozen);
+  RETURN_IF_ERROR(SetGradDtype(init.grad_dtype, "init.grad_dtype", &request));
   v1::HeadInfo info;
-  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
-    return impl_->Unary("CreateHead", &Stub::CreateHead, request, &info, on);
-  }));
+  RETURN_IF_ERROR(impl_->ToLeader(
+      [&](Stub* on) { return impl_->Unary("CreateHead", &Stub::CreateHead, request, &info, on); }));
   return FromWire(info);
 }
 
@@ -148,10 +165,10 @@ absl::StatusOr<HeadInfo> Client::CreateHead(const std::string& head_id,
   request.mutable_safetensors()->set_weight_name(source.weight_name);
   request.mutable_safetensors()->set_bias_name(source.bias_name);
   request.set_frozen(source.frozen);
+  RETURN_IF_ERROR(SetGradDtype(source.grad_dtype, "source.grad_dtype", &request));
   v1::HeadInfo info;
-  RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
-    return impl_->Unary("CreateHead", &Stub::CreateHead, request, &info, on);
-  }));
+  RETURN_IF_ERROR(impl_->ToLeader(
+      [&](Stub* on) { return impl_->Unary("CreateHead", &Stub::CreateHead, request, &info, on); }));
   return FromWire(info);
 }
 
@@ -188,19 +205,20 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head_id, const to
   header.mutable_header()->set_dtype(dtype);
   header.mutable_header()->set_has_bias(b.defined());
   header.mutable_header()->set_frozen(options.frozen);
+  RETURN_IF_ERROR(SetGradDtype(options.grad_dtype, "options.grad_dtype", header.mutable_header()));
   header.mutable_header()->set_replace(options.replace);
   v1::HeadInfo info;
   RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
-  return impl_->WithRetries("UploadHead", [&](grpc::ClientContext* context) {
-    info.Clear();
-    auto writer = on->UploadHead(context, &info);
-    using R = v1::UploadHeadRequest;
-    const bool ok = writer->Write(header) &&
-                    WriteRowChunks(*writer, w, weight_chunks, &R::mutable_weight_rows) &&
-                    WriteRowChunks(*writer, b, bias_chunks, &R::mutable_bias_rows);
-    if (ok) writer->WritesDone();
-    return FromGrpc(writer->Finish());
-  });
+    return impl_->WithRetries("UploadHead", [&](grpc::ClientContext* context) {
+      info.Clear();
+      auto writer = on->UploadHead(context, &info);
+      using R = v1::UploadHeadRequest;
+      const bool ok = writer->Write(header) &&
+                      WriteRowChunks(*writer, w, weight_chunks, &R::mutable_weight_rows) &&
+                      WriteRowChunks(*writer, b, bias_chunks, &R::mutable_bias_rows);
+      if (ok) writer->WritesDone();
+      return FromGrpc(writer->Finish());
+    });
   }));
   return FromWire(info);
 }
@@ -228,9 +246,8 @@ absl::Status Client::DropHead(const std::string& head_id) {
   v1::HeadRef ref;
   ref.set_head_id(head_id);
   v1::DropHeadResponse response;
-  return impl_->ToLeader([&](Stub* on) {
-    return impl_->Unary("DropHead", &Stub::DropHead, ref, &response, on);
-  });
+  return impl_->ToLeader(
+      [&](Stub* on) { return impl_->Unary("DropHead", &Stub::DropHead, ref, &response, on); });
 }
 
 absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
@@ -305,10 +322,11 @@ absl::StatusOr<HeadGradients> Client::FetchGradients(const std::string& head_id,
   RETURN_IF_ERROR(impl_->ToLeader([&](Stub* on) {
     return impl_->WithRetries("FetchGradients", [&](grpc::ClientContext* context) {
       bool have_info = false;
-      // The server accumulates in float32 unless asked for another dtype.
+      // In the accumulators' dtype (HeadInfo::grad_dtype) unless asked for another.
       RETURN_IF_ERROR(
-          ReadHeadRows(*on, &Stub::FetchGradients, request, context, dtype.value_or(torch::kFloat),
-                       {&grads.weight_grad, "weight_grad_rows", &grads.bias_grad, "bias_grad_rows"},
+          ReadHeadRows(*on, &Stub::FetchGradients, request, context, dtype,
+                       {&grads.weight_grad, "weight_grad_rows", &grads.bias_grad, "bias_grad_rows",
+                        /*gradients=*/true},
                        [&](const v1::FetchGradientsResponse& response, ResponseRows& w,
                            ResponseRows* b) -> absl::Status {
                          if (response.has_weight_grad_rows())
@@ -411,8 +429,8 @@ namespace {
 absl::Status SetIds(const torch::Tensor& ids, const char* field,
                     google::protobuf::RepeatedField<int64_t>* out) {
   if (!ids.defined() || ids.dim() != 1 || ids.scalar_type() != torch::kLong) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": expected int64 token ids [n]; got ", ids.defined() ? ShapeOf(ids) : "none"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected int64 token ids [n]; got ",
+                                                   ids.defined() ? ShapeOf(ids) : "none"));
   }
   const torch::Tensor cpu = ids.cpu().contiguous();
   out->Add(cpu.data_ptr<int64_t>(), cpu.data_ptr<int64_t>() + cpu.numel());
@@ -453,9 +471,11 @@ absl::StatusOr<EmbeddingRows> Client::EmbeddingLookup(const std::string& head_id
   return result;
 }
 
-absl::StatusOr<EmbeddingGradientResult> Client::EmbeddingGradient(
-    const std::string& head_id, const torch::Tensor& ids, const torch::Tensor& grad,
-    const GradientId& gradient_id, const ExportPin& pin) {
+absl::StatusOr<EmbeddingGradientResult> Client::EmbeddingGradient(const std::string& head_id,
+                                                                  const torch::Tensor& ids,
+                                                                  const torch::Tensor& grad,
+                                                                  const GradientId& gradient_id,
+                                                                  const ExportPin& pin) {
   v1::EmbeddingGradientRequest header;
   v1::EmbeddingGradientRequest::Header* h = header.mutable_header();
   h->set_head_id(head_id);
@@ -463,9 +483,9 @@ absl::StatusOr<EmbeddingGradientResult> Client::EmbeddingGradient(
   // A gradient for rows the lookup did not read is refused here, before anything travels.
   if (!grad.defined() || grad.dim() != 2 || grad.size(0) != ids.size(0) ||
       !c10::isFloatingType(grad.scalar_type())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("grad: expected a floating [", ids.size(0), ", D] tensor (one row per id); got ",
-                     grad.defined() ? ShapeOf(grad) : "none"));
+    return absl::InvalidArgumentError(absl::StrCat("grad: expected a floating [", ids.size(0),
+                                                   ", D] tensor (one row per id); got ",
+                                                   grad.defined() ? ShapeOf(grad) : "none"));
   }
   h->mutable_gradient_id()->set_trainer(gradient_id.trainer);
   h->mutable_gradient_id()->set_step(gradient_id.step);

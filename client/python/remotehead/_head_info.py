@@ -32,6 +32,9 @@ class HeadInfo:
     # as their teacher (StepOptions.teacher) on this server, sorted.
     frozen: bool = False
     teacher_of: Tuple[str, ...] = ()
+    # The dW (and db) accumulators' dtype: float32 (float64 for a float64 head), or the head's
+    # own half-precision dtype (the memory mode: create_head / upload_head with grad_dtype).
+    grad_dtype: torch.dtype = torch.float32
 
 
 def head_info(msg: pb.HeadInfo) -> HeadInfo:
@@ -40,4 +43,4 @@ def head_info(msg: pb.HeadInfo) -> HeadInfo:
                     msg.has_bias, msg.device, msg.weight_version, msg.accumulated_micro_batches,
                     msg.incarnation, msg.state_id, max(1, msg.group_size),
                     tuple((r.offset, r.rows) for r in msg.shards), msg.frozen,
-                    tuple(msg.teacher_of))
+                    tuple(msg.teacher_of), _wire._FROM_WIRE.get(msg.grad_dtype, torch.float32))

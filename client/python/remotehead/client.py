@@ -182,11 +182,17 @@ class Client:
 
     def create_head(self, head_id: str, vocab_size: int, hidden_size: int, *,
                     dtype: torch.dtype = torch.float32, bias: bool = False, seed: int = 0,
-                    init_std: float = 0.02, frozen: bool = False) -> HeadInfo:
+                    init_std: float = 0.02, frozen: bool = False,
+                    grad_dtype: Optional[torch.dtype] = None) -> HeadInfo:
         """A new head initialised on the server (normal(0, init_std) from `seed`). frozen=True:
-        no dW, no optimizer step (HeadInfo.frozen; a distillation teacher)."""
+        no dW, no optimizer step (HeadInfo.frozen; a distillation teacher). grad_dtype: the dW
+        accumulators' dtype — None, float32 (float64 for a float64 head); the head's own bf16 /
+        fp16, the memory mode: half the gradient memory, each chunk's dW computed in fp32 and
+        rounded once as it is added (docs/engine.md gives its accuracy)."""
         request = pb.CreateHeadRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype),
                                        frozen=frozen)
+        if grad_dtype is not None:
+            request.grad_dtype = _wire.wire_dtype(grad_dtype, "grad_dtype")
         request.init.vocab_size = vocab_size
         request.init.hidden_size = hidden_size
         request.init.bias = bias
@@ -196,13 +202,13 @@ class Client:
 
     def upload_head(self, head_id: str, weight: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, *, replace: bool = False,
-                    frozen: bool = False) -> HeadInfo:
+                    frozen: bool = False, grad_dtype: Optional[torch.dtype] = None) -> HeadInfo:
         """Streams W [V, D] (and b [V]) to the server as head `head_id`, in W's dtype.
         replace=True: new weights for an existing head of the same shape, dtype, bias and
         frozen flag (its gradients must be zero; its optimizer state is reset; its version goes
         up by one), or a new head if there is none. frozen=True: a head that never accumulates
         dW nor takes an optimizer step (HeadInfo.frozen): a distillation teacher, a reference
-        model."""
+        model. grad_dtype: as create_head's (with replace: None or the head's)."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             got = shape_text(weight) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise InvalidArgumentError(f"weight: expected a floating [V, D] tensor; got {got}")
@@ -227,6 +233,8 @@ class Client:
             header.header.has_bias = b is not None
             header.header.replace = replace
             header.header.frozen = frozen
+            if grad_dtype is not None:
+                header.header.grad_dtype = _wire.wire_dtype(grad_dtype, "grad_dtype")
             yield header
             for name, t, chunks in parts:
                 for offset, n in chunks:

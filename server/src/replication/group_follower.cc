@@ -32,16 +32,16 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
       const v1::CreateHeadRequest& create = command.create();
       ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
                        OptionalDtype(create.dtype(), "dtype"));
+      ASSIGN_OR_RETURN(const HeadTraits traits,
+                       TraitsFromWire(create.frozen(), create.grad_dtype(), ""));
       if (create.has_init()) {
         return operations_
             ->CreateFromSeed(create.head_id(),
-                                 FromWire(create.init(), dtype.value_or(torch::kFloat)),
-                                 create.frozen())
+                             FromWire(create.init(), dtype.value_or(torch::kFloat)), traits)
             .status();
       }
       return operations_
-          ->CreateFromSafetensors(create.head_id(), FromWire(create.safetensors(), dtype),
-                                      create.frozen())
+          ->CreateFromSafetensors(create.head_id(), FromWire(create.safetensors(), dtype), traits)
           .status();
     }
     case v1::GroupCommand::kUpload: {
@@ -51,9 +51,9 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
       if (upload.has_bias()) {
         ASSIGN_OR_RETURN(bias, EmptyTensor(upload.bias(), device_));
       }
-      return operations_
-          ->Upload(upload.head_id(), weight, bias, upload.replace(), upload.frozen())
-          .status();
+      ASSIGN_OR_RETURN(const HeadTraits traits,
+                       TraitsFromWire(upload.frozen(), upload.grad_dtype(), "header."));
+      return operations_->Upload(upload.head_id(), weight, bias, upload.replace(), traits).status();
     }
     case v1::GroupCommand::kDrop:
       return operations_->Drop(command.drop().head_id());
@@ -70,13 +70,11 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
       return operations_->ReduceStep(command.reduce_step().head_id(), spec).status();
     }
     case v1::GroupCommand::kSaveState:
-      return operations_
-          ->SaveState(command.save_state().head_id(), command.save_state().state_id())
+      return operations_->SaveState(command.save_state().head_id(), command.save_state().state_id())
           .status();
     case v1::GroupCommand::kRestoreState: {
       const v1::GroupHeadState& restore = command.restore_state();
-      return operations_
-          ->RestoreState(restore.head_id(), restore.state_id(), restore.check_only())
+      return operations_->RestoreState(restore.head_id(), restore.state_id(), restore.check_only())
           .status();
     }
     case v1::GroupCommand::kGather: {

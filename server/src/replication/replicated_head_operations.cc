@@ -59,29 +59,30 @@ absl::Status ReplicatedHeadOperations::UndoFailedCreate(
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::CreateFromSeed(const std::string& id,
                                                                          const core::HeadInit& init,
-                                                                         bool frozen) {
+                                                                         const HeadTraits& traits) {
   return OnEveryRank<HeadDescription>(
-      CreateCommand(id, init, frozen), [&] { return local_->CreateFromSeed(id, init, frozen); },
+      CreateCommand(id, init, traits), [&] { return local_->CreateFromSeed(id, init, traits); },
       /*creates=*/true);
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::CreateFromSafetensors(
-    const std::string& id, const SafetensorsSource& source, bool frozen) {
+    const std::string& id, const SafetensorsSource& source, const HeadTraits& traits) {
   return OnEveryRank<HeadDescription>(
-      CreateCommand(id, source, frozen),
-      [&] { return local_->CreateFromSafetensors(id, source, frozen); }, /*creates=*/true);
+      CreateCommand(id, source, traits),
+      [&] { return local_->CreateFromSafetensors(id, source, traits); }, /*creates=*/true);
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::AddUploaded(const std::string& id,
                                                                       const torch::Tensor& weight,
                                                                       const torch::Tensor& bias,
-                                                                      bool replace, bool frozen) {
+                                                                      bool replace,
+                                                                      const HeadTraits& traits) {
   const bool creates = !(replace && local_->Describe(id).ok());
   // Refused here before any rank is asked (each rank checks it again: all refuse alike).
-  if (replace) RETURN_IF_ERROR(local_->CheckReplaceKeepsFrozen(id, frozen));
+  if (replace) RETURN_IF_ERROR(local_->CheckReplaceKeepsTraits(id, traits));
   return OnEveryRank<HeadDescription>(
-      UploadCommand(id, weight, bias, replace, frozen),
-      [&] { return local_->Upload(id, weight, bias, replace, frozen); }, creates);
+      UploadCommand(id, weight, bias, replace, traits),
+      [&] { return local_->Upload(id, weight, bias, replace, traits); }, creates);
 }
 
 absl::StatusOr<int64_t> ReplicatedHeadOperations::Save(const std::string& id,
@@ -95,15 +96,13 @@ absl::StatusOr<int64_t> ReplicatedHeadOperations::Save(const std::string& id,
 }
 
 absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::SumGradientsOnLeader(const std::string& id) {
-  ASSIGN_OR_RETURN(HeadSnapshot mine,
-                   OnEveryRank<HeadSnapshot>(
-                       GatherCommand(id, std::nullopt, /*gradients=*/true),
-                       [&] { return local_->Snapshot(id, std::nullopt, true); }, false,
-                       Reach::kReplica));
+  ASSIGN_OR_RETURN(HeadSnapshot mine, OnEveryRank<HeadSnapshot>(
+                                          GatherCommand(id, std::nullopt, /*gradients=*/true),
+                                          [&] { return local_->Snapshot(id, std::nullopt, true); },
+                                          false, Reach::kReplica));
   RETURN_IF_ERROR(mesh_->SumOnLeader(mine.matrix));
   if (mine.vector.defined()) RETURN_IF_ERROR(mesh_->SumOnLeader(mine.vector));
-  torch::Tensor count =
-      torch::tensor({mine.description.accumulated_micro_batches}, torch::kInt64);
+  torch::Tensor count = torch::tensor({mine.description.accumulated_micro_batches}, torch::kInt64);
   RETURN_IF_ERROR(mesh_->SumOnLeader(count));
   mine.description.accumulated_micro_batches = count.item<int64_t>();
   return mine;
@@ -157,8 +156,7 @@ absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::LookupEmbedding(
 absl::StatusOr<EmbeddingGradientOutcome> ReplicatedHeadOperations::AddEmbeddingGradient(
     const std::string& id, const torch::Tensor& ids, const torch::Tensor& rows,
     const GradientKey& key, std::optional<int64_t> expected_weight_version,
-    const std::string& ids_field, const std::string& rows_field,
-    const std::string& version_field) {
+    const std::string& ids_field, const std::string& rows_field, const std::string& version_field) {
   RETURN_IF_ERROR(Serving());  // dW that could never be applied
   ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
   RETURN_IF_ERROR(CheckEmbeddingIds(ids, head.vocab_size, ids_field));

@@ -50,15 +50,15 @@ class ReplicatedHeadOperations {
   MeshSteps& mesh_steps() { return mesh_steps_; }
 
   absl::StatusOr<HeadDescription> CreateFromSeed(const std::string& id, const core::HeadInit& init,
-                                                 bool frozen = false);
+                                                 const HeadTraits& traits = {});
   absl::StatusOr<HeadDescription> CreateFromSafetensors(const std::string& id,
                                                         const SafetensorsSource& source,
-                                                        bool frozen = false);
-  // HeadOperations::Upload on every rank (a replace's frozen flag is checked before any rank
-  // is asked).
+                                                        const HeadTraits& traits = {});
+  // HeadOperations::Upload on every rank (a replace's traits are checked before any rank is
+  // asked).
   absl::StatusOr<HeadDescription> AddUploaded(const std::string& id, const torch::Tensor& weight,
                                               const torch::Tensor& bias, bool replace,
-                                              bool frozen = false);
+                                              const HeadTraits& traits = {});
   // The whole head (gathered from every rank of this replica) written to `path`
   // (HeadOperations::WriteCheckpoint); returns the bytes written.
   absl::StatusOr<int64_t> Save(const std::string& id, const std::string& path,

@@ -116,18 +116,18 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     return Training(context, *context_, [&]() -> absl::Status {
       ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
                        OptionalDtype(request->dtype(), "dtype"));
+      ASSIGN_OR_RETURN(const HeadTraits traits,
+                       TraitsFromWire(request->frozen(), request->grad_dtype(), ""));
       switch (request->source_case()) {
         case v1::CreateHeadRequest::kSafetensors:
-          return Answer(
-              Ops().CreateFromSafetensors(
-                  request->head_id(), FromWire(request->safetensors(), dtype), request->frozen()),
-              response);
+          return Answer(Ops().CreateFromSafetensors(
+                            request->head_id(), FromWire(request->safetensors(), dtype), traits),
+                        response);
         case v1::CreateHeadRequest::kInit:
-          return Answer(
-              Ops().CreateFromSeed(request->head_id(),
-                                   FromWire(request->init(), dtype.value_or(torch::kFloat)),
-                                   request->frozen()),
-              response);
+          return Answer(Ops().CreateFromSeed(
+                            request->head_id(),
+                            FromWire(request->init(), dtype.value_or(torch::kFloat)), traits),
+                        response);
         default:
           return absl::InvalidArgumentError("source: expected safetensors or init; got none");
       }
@@ -261,9 +261,10 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
 
   void Drain() override {
     context_->gate.Close();
-    const absl::Status draining = core::WithReason(
-        absl::UnavailableError("synchronous optimizer step: the server is draining; nothing applied"),
-        core::reason::kServerDraining);
+    const absl::Status draining =
+        core::WithReason(absl::UnavailableError(
+                             "synchronous optimizer step: the server is draining; nothing applied"),
+                         core::reason::kServerDraining);
     context_->sync_steps.AbortAll(draining);
     // On a mesh's front, also the steps whose trainers all came, waiting for the leader's; and
     // the steps the leader started, which no front waits for its trainers for any more.

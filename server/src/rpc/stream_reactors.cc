@@ -80,14 +80,13 @@ class UploadReactor final : public ClientStreamReactor<v1::UploadHeadRequest> {
     }
     RETURN_IF_ERROR(service_.local.CheckNewHeadId(h.head_id(), "header.head_id"));
     // Before the rows travel (checked again when they are in: the head may change meanwhile).
-    if (h.replace()) {
-      RETURN_IF_ERROR(service_.local.CheckReplaceKeepsFrozen(h.head_id(), h.frozen()));
-    }
+    ASSIGN_OR_RETURN(traits_, TraitsFromWire(h.frozen(), h.grad_dtype(), "header."));
+    if (h.replace()) RETURN_IF_ERROR(service_.local.CheckReplaceKeepsTraits(h.head_id(), traits_));
     ASSIGN_OR_RETURN(const torch::ScalarType dtype, wire::FromWireDtype(h.dtype(), "header"));
     // Sizes checked, and the CPU buffer the rows are assembled in reserved in the memory budget,
     // before anything is allocated.
     RETURN_IF_ERROR(core::HeadMemoryBytes(h.vocab_size(), h.hidden_size(), dtype, h.has_bias(),
-                                          std::nullopt, "header.")
+                                          traits_.grad_dtype, "header.")
                         .status());
     const MemoryEstimate buffer =
         UploadBufferMemory(h.head_id(), h.vocab_size(), h.hidden_size(), h.has_bias(), dtype);
@@ -113,13 +112,14 @@ class UploadReactor final : public ClientStreamReactor<v1::UploadHeadRequest> {
     ASSIGN_OR_RETURN(const HeadDescription d,
                      service_.operations.AddUploaded(header_->head_id(), weight_->tensor(),
                                                      bias_ ? bias_->tensor() : torch::Tensor(),
-                                                     header_->replace(), header_->frozen()));
+                                                     header_->replace(), traits_));
     return ToWire(d, response_);
   }
 
   ServiceContext& service_;
   v1::HeadInfo* response_;
   std::optional<v1::UploadHeadRequest::UploadHeader> header_;
+  HeadTraits traits_;  // the header's
   std::optional<wire::RowAssembler> weight_, bias_;
   uint64_t buffer_ticket_ = 0;  // the assembly buffer's bytes in the memory budget
 };

@@ -15,13 +15,20 @@ v1::DType WireDtype(torch::ScalarType dtype) {
   return wire::ToWireDtype(dtype, "dtype").value_or(v1::DTYPE_UNSPECIFIED);
 }
 
+// A creation's traits into its request's fields.
+void TraitsToWire(const HeadTraits& traits, v1::CreateHeadRequest* create) {
+  create->set_frozen(traits.frozen);
+  if (traits.grad_dtype.has_value()) create->set_grad_dtype(WireDtype(*traits.grad_dtype));
+}
+
 }  // namespace
 
-v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init, bool frozen) {
+v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init,
+                               const HeadTraits& traits) {
   v1::GroupCommand command;
   v1::CreateHeadRequest* create = command.mutable_create();
   create->set_head_id(id);
-  create->set_frozen(frozen);
+  TraitsToWire(traits, create);
   create->set_dtype(WireDtype(init.dtype));
   v1::CreateHeadRequest::FromInit* from = create->mutable_init();
   from->set_vocab_size(init.vocab_size);
@@ -33,11 +40,11 @@ v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init
 }
 
 v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& source,
-                               bool frozen) {
+                               const HeadTraits& traits) {
   v1::GroupCommand command;
   v1::CreateHeadRequest* create = command.mutable_create();
   create->set_head_id(id);
-  create->set_frozen(frozen);
+  TraitsToWire(traits, create);
   if (source.dtype.has_value()) create->set_dtype(WireDtype(*source.dtype));
   v1::CreateHeadRequest::FromSafetensors* from = create->mutable_safetensors();
   from->set_path(source.path);
@@ -47,12 +54,13 @@ v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& s
 }
 
 v1::GroupCommand UploadCommand(const std::string& id, const torch::Tensor& weight,
-                               const torch::Tensor& bias, bool replace, bool frozen) {
+                               const torch::Tensor& bias, bool replace, const HeadTraits& traits) {
   v1::GroupCommand command;
   v1::GroupUpload* upload = command.mutable_upload();
   upload->set_head_id(id);
   upload->set_replace(replace);
-  upload->set_frozen(frozen);
+  upload->set_frozen(traits.frozen);
+  if (traits.grad_dtype.has_value()) upload->set_grad_dtype(WireDtype(*traits.grad_dtype));
   *upload->mutable_weight() = DescribeTensor("weight", weight);
   if (bias.defined()) *upload->mutable_bias() = DescribeTensor("bias", bias);
   return command;

@@ -21,12 +21,14 @@ namespace remotehead::server {
 
 enum class HeadCommandKind { kDrop, kZeroGradients };
 
-// `frozen`: the head is created frozen on every rank (HeadEntry::frozen).
-v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init, bool frozen);
-v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& source, bool frozen);
+// `traits`: the head is created with them on every rank (frozen, its gradient dtype).
+v1::GroupCommand CreateCommand(const std::string& id, const core::HeadInit& init,
+                               const HeadTraits& traits);
+v1::GroupCommand CreateCommand(const std::string& id, const SafetensorsSource& source,
+                               const HeadTraits& traits);
 // The tensors follow by broadcast (HeadGroup::Share): the command carries their shapes.
 v1::GroupCommand UploadCommand(const std::string& id, const torch::Tensor& weight,
-                               const torch::Tensor& bias, bool replace, bool frozen);
+                               const torch::Tensor& bias, bool replace, const HeadTraits& traits);
 v1::GroupCommand UndoCreateCommand(const std::string& id);
 v1::GroupCommand HeadCommand(HeadCommandKind kind, const std::string& id);
 v1::GroupCommand OptimizerStepCommand(const std::string& id, const OptimizerStepSpec& spec);

@@ -14,6 +14,8 @@ absl::Status ToWire(const HeadDescription& d, v1::HeadInfo* info) {
   info->set_hidden_size(d.hidden_size);
   ASSIGN_OR_RETURN(const v1::DType dtype, wire::ToWireDtype(d.dtype, "head.dtype"));
   info->set_dtype(dtype);
+  ASSIGN_OR_RETURN(const v1::DType grad_dtype, wire::ToWireDtype(d.grad_dtype, "head.grad_dtype"));
+  info->set_grad_dtype(grad_dtype);
   info->set_has_bias(d.has_bias);
   info->set_device(d.device);
   info->set_weight_version(d.weight_version);
@@ -109,6 +111,14 @@ absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
   if (dtype == v1::DTYPE_UNSPECIFIED) return std::nullopt;
   ASSIGN_OR_RETURN(const torch::ScalarType t, wire::FromWireDtype(dtype, field));
   return t;
+}
+
+absl::StatusOr<HeadTraits> TraitsFromWire(bool frozen, v1::DType grad_dtype,
+                                          const std::string& field_prefix) {
+  HeadTraits traits{.frozen = frozen};
+  ASSIGN_OR_RETURN(traits.grad_dtype,
+                   OptionalDtype(grad_dtype, absl::StrCat(field_prefix, "grad_dtype")));
+  return traits;
 }
 
 core::HeadInit FromWire(const v1::CreateHeadRequest::FromInit& init, torch::ScalarType dtype) {

@@ -25,6 +25,11 @@ absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsRes
 absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
                                                                const std::string& field);
 
+// A creation's traits from its request's fields (CreateHeadRequest, UploadHeader, a head group's
+// commands), `field_prefix` ("" or "header.") naming them in errors.
+absl::StatusOr<HeadTraits> TraitsFromWire(bool frozen, v1::DType grad_dtype,
+                                          const std::string& field_prefix);
+
 // The operations' arguments from their requests (the handlers', and a head group's commands').
 core::HeadInit FromWire(const v1::CreateHeadRequest::FromInit& init, torch::ScalarType dtype);
 SafetensorsSource FromWire(const v1::CreateHeadRequest::FromSafetensors& source,

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -32,6 +33,9 @@ struct HeadState {
   // A frozen head (a distillation teacher, a reference): restored frozen. Absent in files
   // written before frozen heads existed: false.
   bool frozen = false;
+  // The dW (and db) accumulators' dtype (HeadOptions::grad_dtype): restored with it. Absent in
+  // files of heads with the default accumulators (and in those written before it was kept).
+  std::optional<torch::ScalarType> grad_dtype;
   torch::Tensor weight;  // [V, D] on the CPU
   torch::Tensor bias;    // [V], undefined without bias
   OptimizerState optimizer;

@@ -29,13 +29,13 @@ struct HealthWindow {
   void Add(const HealthWindow& other);
 };
 
-
 // A head at one moment (DescribeHead, ListHeads, metrics).
 struct HeadDescription {
   std::string id;
   int64_t vocab_size = 0;  // the whole head's (a head group's shard holds fewer rows)
   int64_t hidden_size = 0;
   torch::ScalarType dtype = torch::kFloat;
+  torch::ScalarType grad_dtype = torch::kFloat;  // the dW (and db) accumulators'
   bool has_bias = false;
   std::string device;
   int64_t weight_version = 0;

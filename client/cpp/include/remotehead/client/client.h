@@ -71,7 +71,7 @@ struct ClientOptions {
   // names the leader (reason NOT_THE_LEADER), and the client follows it once by itself.
   std::vector<std::string> fronts;
   int rank = -1;  // this trainer's rank for `fronts`; -1: RANK from the environment, else 0
-  std::optional<TlsOptions> tls;           // unset: an insecure (plaintext) channel
+  std::optional<TlsOptions> tls;  // unset: an insecure (plaintext) channel
   // Sent as `authorization: Bearer <token>` on every call. Only over TLS: Client::Create
   // refuses a token on an insecure channel rather than send it in clear text.
   std::string bearer_token;
@@ -124,6 +124,9 @@ struct HeadInfo {
   // this server, sorted.
   bool frozen = false;
   std::vector<std::string> teacher_of;
+  // The dW (and db) accumulators' dtype: float32 (float64 for a float64 head), or the head's own
+  // half-precision dtype (the memory mode, InitSpec::grad_dtype).
+  torch::ScalarType grad_dtype = torch::kFloat;
 };
 
 // A head initialised on the server: W ~ N(0, init_std²), bias 0.
@@ -135,21 +138,28 @@ struct InitSpec {
   double init_std = 0.02;
   torch::ScalarType dtype = torch::kFloat;
   bool frozen = false;  // HeadInfo::frozen: read only, may serve as a teacher
+  // The dW (and db) accumulators' dtype. Unset: float32 (float64 for a float64 head), exact over
+  // many micro-batches. The head's own bf16 / fp16: the memory mode — half the gradient memory;
+  // each chunk's dW GEMM computes in fp32 and rounds once as it adds (docs/engine.md).
+  std::optional<torch::ScalarType> grad_dtype;
 };
 
 // A head read from a safetensors file on the server (single file or a sharded checkpoint's
 // *.safetensors.index.json).
 struct SafetensorsSource {
-  std::string path;                            // relative to the server's --checkpoint_dir
-  std::string weight_name = "lm_head.weight";  // "model.embed_tokens.weight" for tied models
-  std::string bias_name;                       // empty: no bias
-  std::optional<torch::ScalarType> dtype;      // unset: the file's dtype
-  bool frozen = false;                         // HeadInfo::frozen: read only, may be a teacher
+  std::string path;                             // relative to the server's --checkpoint_dir
+  std::string weight_name = "lm_head.weight";   // "model.embed_tokens.weight" for tied models
+  std::string bias_name;                        // empty: no bias
+  std::optional<torch::ScalarType> dtype;       // unset: the file's dtype
+  bool frozen = false;                          // HeadInfo::frozen: read only, may be a teacher
+  std::optional<torch::ScalarType> grad_dtype;  // as InitSpec::grad_dtype
 };
 
 // How UploadHead stores the uploaded weights.
 struct UploadOptions {
   bool frozen = false;  // HeadInfo::frozen; with replace, must equal the existing head's
+  // As InitSpec::grad_dtype; with replace, unset or the existing head's.
+  std::optional<torch::ScalarType> grad_dtype;
   // New weights for the existing head (same shape, dtype and bias; no accumulated dW): its
   // optimizer state is reset and its weight_version goes up by one. Creates it if it is absent.
   bool replace = false;
@@ -450,7 +460,8 @@ class Client {
                                       const std::string& weight_name = "",
                                       const std::string& bias_name = "");
 
-  // Gradients and the server-side optimizer. dtype unset: the accumulator's (float32).
+  // Gradients and the server-side optimizer. dtype unset: the accumulators' (HeadInfo::grad_dtype:
+  // float32 unless the head is in the memory mode).
   absl::StatusOr<HeadGradients> FetchGradients(const std::string& head_id,
                                                std::optional<torch::ScalarType> dtype = {});
   absl::StatusOr<HeadInfo> ZeroGradients(const std::string& head_id);
