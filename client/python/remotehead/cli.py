@@ -234,7 +234,8 @@ def _client(args, server: str):
 
 def _head_dict(info) -> dict:
     d = dataclasses.asdict(info)
-    d["dtype"] = str(info.dtype).replace("torch.", "")
+    for field in ("dtype", "grad_dtype"):  # the dW accumulators' dtype: the memory mode's
+        d[field] = str(getattr(info, field, "float32")).replace("torch.", "")
     d["shards"] = [list(s) for s in info.shards]
     # A frozen head (a distillation teacher, a reference) and the heads whose steps named it
     # as their teacher.
