@@ -31,7 +31,7 @@ import sys
 import tarfile
 import time
 
-from gpu_report import markdown, rows_from_log, summarise_shape
+from gpu_report import markdown, rows_from_log, summarise_shape, why
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INSTALL, TESTS, BENCH, CUT = 1, 2, 4, 8
@@ -107,17 +107,6 @@ BENCH_STEPS = {"cuda": ("1", "3"), "cpu": ("1", "2")}
 # (remotehead-remote-bench; its server computes on the CPU, the wire is what is read here).
 WIRE_SHAPE = {"cuda": "8192:4096:64", "cpu": "1024:256:64"}
 
-
-
-def why(message: str, limit: int = 200) -> str:
-    """A failed test's message for the report's failures column: ": " and its first non-empty
-    lines joined, at most `limit` characters (the logs in logs.tar.gz hold the rest) — so that a
-    report printed by CI says what failed, not only where."""
-    text = " / ".join(line.strip() for line in message.splitlines() if line.strip())
-    text = text.replace("|", "/")  # the report is a Markdown table
-    if not text:
-        return ""
-    return ": " + (text if len(text) <= limit else text[:limit - 1] + "…")
 
 
 @dataclasses.dataclass

@@ -53,6 +53,17 @@ def summarise_shape(s: dict) -> dict:
     return out
 
 
+def why(message: str, limit: int = 200) -> str:
+    """A failed test's message for the report's failures column: ": " and its first non-empty
+    lines joined, at most `limit` characters (the logs in logs.tar.gz hold the rest) — so that a
+    report printed by CI says what failed, not only where."""
+    text = " / ".join(line.strip() for line in message.splitlines() if line.strip())
+    text = text.replace("|", "/")  # the report is a Markdown table
+    if not text:
+        return ""
+    return ": " + (text if len(text) <= limit else text[:limit - 1] + "…")
+
+
 def rows_from_log(log: str) -> list[str]:
     """A cut or failed benchmark's printed rows (bench_peers.py prints each as it finishes)."""
     return [l for l in log.splitlines() if re.match(r"^\s+[a-z_]+\s{2}", l)]

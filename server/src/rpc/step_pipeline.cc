@@ -3,26 +3,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "remotehead/server/rpc/status_mapping.h"
+#include "rpc/step_pipeline_lane.h"
 
 namespace remotehead::server {
-
-struct StepPipeline::Lane {
-  StepPort* port = nullptr;  // null until the stream joins, and again once it is done
-  bool attached = false;
-  v1::StepRequest incoming;             // target of the read in flight
-  std::deque<v1::StepRequest> inbox;    // read, not yet computed
-  std::deque<v1::StepResponse> outbox;  // produced, not yet written (front: in flight)
-  int64_t pending_bytes = 0;            // bytes in outbox
-  int64_t last_row_offset = -1;         // striped: each stream's rows come in increasing order
-  bool reading = false;
-  bool writing = false;
-  bool client_done = false;
-  bool finished = false;
-  std::optional<int64_t> announced;  // StripeSpec.messages
-  int64_t received = 0;              // rows messages read
-};
 
 struct StepPipeline::Work {
   std::optional<v1::StepRequest> request;
@@ -68,114 +52,6 @@ absl::Status StepPipeline::CancelledByClient(int index) const {
   return absl::CancelledError(absl::StrCat(StreamName(index), " was cancelled by the client"));
 }
 
-void StepPipeline::Attach(int index, int count, core::CallMode mode,
-                          std::chrono::system_clock::time_point deadline, StepPort* port,
-                          std::optional<v1::StepRequest> first, std::optional<int64_t> messages) {
-  std::lock_guard<std::mutex> lock(mu_);
-  absl::Status fits;
-  if (count != streams_) {
-    fits = absl::InvalidArgumentError(absl::StrCat("header.stripe.count: expected ", streams_,
-                                                   " (the step's other streams); got ", count));
-  } else if (mode != mode_) {
-    fits = absl::InvalidArgumentError(
-        absl::StrCat("header.stripe: expected a ", core::CallModeName(mode_),
-                     " stream, as the step's other streams; got ", core::CallModeName(mode)));
-  } else if (lanes_[index].attached) {
-    fits = absl::InvalidArgumentError(
-        absl::StrCat("header.stripe.index: ", index, " has already joined the step"));
-  }
-  if (!fits.ok()) {
-    port->Finish(ToGrpcStatus(fits));
-    FailLocked(fits);
-    return;
-  }
-  Lane& lane = lanes_[index];
-  lane.attached = true;
-  lane.port = port;
-  lane.announced = messages;
-  if (messages == 0) lane.client_done = true;
-  if (failed_) {  // another stream failed the step before this one came
-    lane.finished = true;
-    port->Finish(failure_);
-    return;
-  }
-  const auto ticks = deadline.time_since_epoch().count();
-  if (ticks < deadline_.load()) deadline_.store(ticks);
-  if (index == 0) {
-    if (first.has_value()) {
-      header_ = std::move(first);
-    } else {
-      lane.client_done = true;
-    }
-  }
-  StartReadLocked(index);
-  ScheduleComputeLocked();
-}
-
-void StepPipeline::OnReadDone(int index, bool ok) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Lane& lane = lanes_[index];
-  lane.reading = false;
-  if (failed_ || lane.finished) return;
-  if (!ok) {
-    if (lane.port->IsCancelled()) {
-      FailLocked(CancelledByClient(index));
-      return;
-    }
-    // A read also fails at a cancellation whose notice has not come yet: with the messages
-    // announced, one missing is certain.
-    if (lane.announced.has_value()) {
-      FailLocked(absl::CancelledError(absl::StrCat(
-          StreamName(index), " ended after ", lane.received, " of the ", *lane.announced,
-          " rows messages it announced (header.stripe.messages): cancelled by the client, or its "
-          "connection lost; nothing was committed")));
-      return;
-    }
-    lane.client_done = true;
-  } else {
-    v1::StepRequest message = std::move(lane.incoming);
-    lane.incoming.Clear();
-    if (absl::Status accepted = AcceptLocked(index, std::move(message)); !accepted.ok()) {
-      FailLocked(accepted);
-      return;
-    }
-  }
-  if (starved_) {
-    receive_wait_ += Clock::now() - starved_since_;
-    starved_ = false;
-  }
-  StartReadLocked(index);
-  ScheduleComputeLocked();
-}
-
-// One stream's message into its inbox. A striped stream carries rows only, in increasing
-// row_offset, so that the merge knows each stream's next row; one stream's messages go to the
-// session as they are (it names what is wrong with them).
-absl::Status StepPipeline::AcceptLocked(int index, v1::StepRequest message) {
-  Lane& lane = lanes_[index];
-  if (streams_ > 1) {
-    if (message.part_case() != v1::StepRequest::kRows) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "part: ", StreamName(index), " of a striped step carries rows after its header; got ",
-          message.part_case() == v1::StepRequest::kHeader ? "a second header"
-                                                          : "an empty message"));
-    }
-    const int64_t offset = message.rows().row_offset();
-    if (offset <= lane.last_row_offset) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rows.row_offset: ", StreamName(index), " sends its rows in increasing row_offset; got ",
-          offset, " after ", lane.last_row_offset));
-    }
-    lane.last_row_offset = offset;
-  }
-  lane.inbox.push_back(std::move(message));
-  ++lane.received;
-  // Its last announced message: the stream is complete (nothing after it is read, not even its
-  // half-close).
-  if (lane.announced.has_value() && lane.received == *lane.announced) lane.client_done = true;
-  return absl::OkStatus();
-}
-
 void StepPipeline::OnWriteDone(int index, bool ok) {
   std::lock_guard<std::mutex> lock(mu_);
   Lane& lane = lanes_[index];
@@ -211,36 +87,9 @@ void StepPipeline::Fail(const absl::Status& why) {
   FailLocked(why);
 }
 
-void StepPipeline::FailUnlessJoined(std::chrono::milliseconds within) {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::string> missing;
-  for (int i = 0; i < streams_; ++i) {
-    if (!lanes_[i].attached) missing.push_back(absl::StrCat(i));
-  }
-  if (missing.empty()) return;
-  FailLocked(absl::AbortedError(absl::StrCat(
-      "header.stripe: stream ", absl::StrJoin(missing, ", "), " of ", streams_,
-      " did not join the striped step within ", within.count() / 1000.0,
-      " s of its first stream (--stripe_join_seconds); nothing was committed. Send the step "
-      "again, all its streams under a new key")));
-}
-
 void StepPipeline::OnDone(int index) {
   std::lock_guard<std::mutex> lock(mu_);
   lanes_[index].port = nullptr;
-}
-
-// Reads the next message if the pipeline has room: nothing before admission (the header came
-// with the stream), then up to read_ahead_messages not yet computed, per stream.
-void StepPipeline::StartReadLocked(int index) {
-  Lane& lane = lanes_[index];
-  if (phase_ != Phase::kRunning || lane.port == nullptr || lane.reading || lane.finished ||
-      lane.client_done || failed_) {
-    return;
-  }
-  if (static_cast<int>(lane.inbox.size()) >= service_.options.read_ahead_messages) return;
-  lane.reading = true;
-  lane.port->Read(&lane.incoming);
 }
 
 void StepPipeline::StartWriteLocked(int index) {
@@ -248,27 +97,6 @@ void StepPipeline::StartWriteLocked(int index) {
   if (lane.port == nullptr || lane.writing || lane.finished || lane.outbox.empty()) return;
   lane.writing = true;
   lane.port->Write(&lane.outbox.front());
-}
-
-// The merge of the streams in row order: the lowest row_offset at the front of an inbox, once
-// every stream has joined and shows its next message (or has ended). One stream: its next.
-StepPipeline::Next StepPipeline::NextLocked(int* lane) const {
-  int best = -1;
-  for (int i = 0; i < streams_; ++i) {
-    const Lane& l = lanes_[i];
-    if (!l.attached) return Next::kNotReady;
-    if (l.inbox.empty()) {
-      if (!l.client_done) return Next::kNotReady;
-      continue;
-    }
-    if (best < 0 ||
-        l.inbox.front().rows().row_offset() < lanes_[best].inbox.front().rows().row_offset()) {
-      best = i;
-    }
-  }
-  if (best < 0) return Next::kEnd;
-  *lane = best;
-  return Next::kMessage;
 }
 
 bool StepPipeline::HasWorkLocked() const {
