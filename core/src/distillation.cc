@@ -26,7 +26,6 @@
 namespace remotehead::core {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr char kTopkIds[] = "teacher_topk_ids";
 constexpr char kTopkLogprobs[] = "teacher_topk_logprobs";
 // The smallest tail mass whose log a sparse divergence takes: a teacher that reports all of its

@@ -16,8 +16,6 @@
 namespace remotehead::core {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 // Cross-entropy with label smoothing and z-loss, as torch.nn.functional.cross_entropy defines
 // smoothing: −(1−ε)·log p_t − ε·mean_j log p_j, plus z_loss·lse² (PaLM's auxiliary loss).
 // mean_j log p_j = Σ_j z_j / V − lse, with the global V. lse is asked for only when smoothing or

@@ -34,8 +34,6 @@
 namespace remotehead::core {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 enum class Objective { kClip, kCispo, kSapo, kVespo };
 
 // The tokens a loss is computed on: one block (token level) or the whole call (coupled), with

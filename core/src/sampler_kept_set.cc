@@ -9,7 +9,6 @@
 namespace remotehead::core {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
 // top-p without top-k asks for this many largest values first, then kTopPGrowth times more
 // each round: a language model's nucleus is usually a few hundred tokens.
 constexpr int64_t kFirstTopPValues = 64;

@@ -11,7 +11,7 @@
 namespace remotehead::bench {
 namespace {
 
-constexpr char kHead[] = "probe_masked";
+constexpr char kMaskedProbeHead[] = "probe_masked";
 
 // The server's ForwardBackward bytes so far: received, sent.
 std::pair<double, double> StepBytes(int port) {
@@ -27,7 +27,7 @@ absl::StatusOr<MaskedRows> MeasureMaskedRows(client::Client& client, int metrics
                                              int repeats) {
   const int64_t n = hidden.size(0);
   RETURN_IF_ERROR(client
-                      .CreateHead(kHead, client::InitSpec{.vocab_size = vocab,
+                      .CreateHead(kMaskedProbeHead, client::InitSpec{.vocab_size = vocab,
                                                           .hidden_size = hidden.size(1),
                                                           .seed = 1})
                       .status());
@@ -43,7 +43,7 @@ absl::StatusOr<MaskedRows> MeasureMaskedRows(client::Client& client, int metrics
   for (const std::string name : {"unmasked", "masked_full", "masked_compacted"}) {
     const client::StepInputs inputs{.hidden = hidden,
                                     .targets = name == "unmasked" ? targets : masked};
-    client::StepSpec spec{.head_id = kHead, .compact_rows = name != "masked_full"};
+    client::StepSpec spec{.head_id = kMaskedProbeHead, .compact_rows = name != "masked_full"};
     std::vector<double> times, compute;
     double up = 0, down = 0;
     client::ForwardBackwardResult r;
@@ -68,7 +68,7 @@ absl::StatusOr<MaskedRows> MeasureMaskedRows(client::Client& client, int metrics
                          .bytes_down = down / runs});
     last.push_back(std::move(r));
   }
-  (void)client.DropHead(kHead);
+  (void)client.DropHead(kMaskedProbeHead);
   const client::ForwardBackwardResult& full = last[1];
   const client::ForwardBackwardResult& compacted = last[2];
   out.equal_bits =

@@ -36,7 +36,7 @@ namespace {
 
 namespace rh = remotehead;
 using Clock = std::chrono::steady_clock;
-constexpr char kHead[] = "bench-mesh";
+constexpr char kMeshHead[] = "bench-mesh";
 
 void Die(const std::string& what, const absl::Status& status) {
   std::cerr << "remotehead-remote-bench: " << what << ": " << status << std::endl;
@@ -110,7 +110,7 @@ Run Train(const MeshBenchSetup& setup, const Replicas& replicas, int trainers, i
     clients.push_back(*std::move(client));
   }
   auto created =
-      clients[0]->CreateHead(kHead, {.vocab_size = setup.v, .hidden_size = setup.d, .seed = 1});
+      clients[0]->CreateHead(kMeshHead, {.vocab_size = setup.v, .hidden_size = setup.d, .seed = 1});
   if (!created.ok()) Die("CreateHead", created.status());
   std::vector<rh::client::StepInputs> inputs;
   for (int t = 0; t < trainers; ++t) {
@@ -124,7 +124,7 @@ Run Train(const MeshBenchSetup& setup, const Replicas& replicas, int trainers, i
     for (int t = 0; t < trainers; ++t) {
       threads.emplace_back([&, t] {
         rh::client::StepSpec spec;
-        spec.head_id = kHead;
+        spec.head_id = kMeshHead;
         spec.reduction = rh::client::Reduction::kSum;
         spec.gradient_id = rh::client::GradientId{absl::StrCat("trainer-", t), s, 0};
         auto fb = clients[t]->ForwardBackward(spec, inputs[t]);
@@ -134,7 +134,7 @@ Run Train(const MeshBenchSetup& setup, const Replicas& replicas, int trainers, i
         }
         failed[t] =
             clients[t]
-                ->OptimizerStep(kHead, {.optimizer = rh::client::Sgd{.lr = 1e-3},
+                ->OptimizerStep(kMeshHead, {.optimizer = rh::client::Sgd{.lr = 1e-3},
                                         .zero_gradients = true,
                                         .synchronous =
                                             rh::client::SynchronousStep{

@@ -19,7 +19,9 @@
 #include "support/head_access.h"
 #include "support/in_process_server.h"
 
-namespace remotehead {
+// Its own namespace: the file is compiled in one unit with the target's other files
+// (cmake/RemoteheadUnity.cmake), whose shapes and helpers have the same names.
+namespace remotehead::compacted_client_test {
 namespace {
 
 namespace rc = client;
@@ -179,4 +181,4 @@ TEST_F(CompactedClientTest, AnErrorNamesTheCallersRowCompactedOrNot) {
 }
 
 }  // namespace
-}  // namespace remotehead
+}  // namespace remotehead::compacted_client_test

@@ -15,7 +15,9 @@
 #include "support/head_access.h"
 #include "support/in_process_server.h"
 
-namespace remotehead {
+// Its own namespace: the file is compiled in one unit with the target's other files
+// (cmake/RemoteheadUnity.cmake), whose shapes and helpers have the same names.
+namespace remotehead::striped_client_test {
 namespace {
 
 namespace rc = client;
@@ -158,4 +160,4 @@ TEST_F(StripedClientTest, StreamsOutOfRangeAreRefused) {
 }
 
 }  // namespace
-}  // namespace remotehead
+}  // namespace remotehead::striped_client_test

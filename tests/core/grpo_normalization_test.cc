@@ -6,7 +6,9 @@
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
 
-namespace remotehead {
+// Its own namespace: the file is compiled in one unit with the target's other files
+// (cmake/RemoteheadUnity.cmake), whose shapes and helpers have the same names.
+namespace remotehead::grpo_normalization_test {
 namespace {
 
 using core::Reduction;
@@ -103,4 +105,4 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Normalisation>& info) { return info.param.loss_type; });
 
 }  // namespace
-}  // namespace remotehead
+}  // namespace remotehead::grpo_normalization_test

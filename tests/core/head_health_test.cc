@@ -13,7 +13,9 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/vocab_group.h"
 
-namespace remotehead {
+// Its own namespace: the file is compiled in one unit with the target's other files
+// (cmake/RemoteheadUnity.cmake), whose shapes and helpers have the same names.
+namespace remotehead::head_health_test {
 namespace {
 
 constexpr int64_t kVocab = 37;
@@ -168,4 +170,4 @@ TEST(HeadHealth, EveryRankOfAGroupHoldsTheWholeVocabularysValues) {
 }
 
 }  // namespace
-}  // namespace remotehead
+}  // namespace remotehead::head_health_test

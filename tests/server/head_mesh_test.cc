@@ -29,7 +29,9 @@
 #include "remotehead/server/group/head_group.h"
 #include "server/in_process_mesh.h"
 
-namespace remotehead::server {
+// Its own namespace: the file is compiled in one unit with the target's other files
+// (cmake/RemoteheadUnity.cmake), whose shapes and helpers have the same names.
+namespace remotehead::server::head_mesh_test {
 namespace {
 
 using std::chrono::milliseconds;
@@ -531,4 +533,4 @@ TEST(HeadMeshTest, ATransportFailureInAMeshCommandTakesTheMeshDown) {
 }
 
 }  // namespace
-}  // namespace remotehead::server
+}  // namespace remotehead::server::head_mesh_test

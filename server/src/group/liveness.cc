@@ -80,7 +80,8 @@ bool Refuses(const std::string& address) {
   return refused;
 }
 
-std::string Seconds(std::chrono::milliseconds d) {
+// A duration as the verdicts print it, to a tenth of a second ("2.3s").
+std::string Tenths(std::chrono::milliseconds d) {
   return absl::FormatDuration(absl::Milliseconds(d.count() / 100 * 100));
 }
 
@@ -129,7 +130,7 @@ absl::Status Liveness::OpenSession() {
   if (!value.ok()) {
     return absl::UnavailableError(absl::StrCat(
         "liveness: global rank 0 did not publish the session within ",
-        Seconds(config_.timeout), " (", value.status().message(), ")"));
+        Tenths(config_.timeout), " (", value.status().message(), ")"));
   }
   ASSIGN_OR_RETURN(session_, UnsealEntry(config_.secret, kSession, "", *value));
   return absl::OkStatus();
@@ -218,7 +219,7 @@ absl::Status Liveness::Lost(int global_rank, std::chrono::milliseconds since,
   const std::string how =
       global_rank == 0 && since.count() < 0
           ? std::string("the store it serves cannot be reached")
-          : absl::StrCat("no heartbeat for ", Seconds(since), " (killed, crashed or hung)");
+          : absl::StrCat("no heartbeat for ", Tenths(since), " (killed, crashed or hung)");
   return core::WithReason(
       absl::UnavailableError(absl::StrCat(
           Describe(global_rank), " is lost: ", how, ": the ", what, " of ", config_.size,

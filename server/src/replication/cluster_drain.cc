@@ -16,8 +16,6 @@ namespace {
 // relay) and rank 0's stop to reach every rank, beyond the drain's own grace and save time.
 constexpr std::chrono::seconds kTravel{5};
 
-double Seconds(std::chrono::milliseconds ms) { return static_cast<double>(ms.count()) / 1000.0; }
-
 }  // namespace
 
 std::string SignalName(int signal) {
@@ -50,7 +48,7 @@ absl::Status ClusterDrain::Follow(const v1::GroupCommand& command) {
     const auto wait = std::chrono::milliseconds(std::max<int64_t>(0, command.drain().wait_ms()));
     const bool serves = group_ == nullptr || group_->is_front();
     Log(absl::StrCat("draining (", command.drain().reason(), ")",
-                     serves ? absl::StrCat(": calls in flight get up to ", Seconds(wait), " s")
+                     serves ? absl::StrCat(": calls in flight get up to ", DrainSeconds(wait), " s")
                             : std::string()));
     if (quiesce_ && !quiesce_(Clock::now() + wait)) {
       Log("drain: calls still running after the grace were cancelled");
@@ -94,7 +92,7 @@ ClusterDrain::Outcome ClusterDrain::Poll(int signal, const std::optional<absl::S
     return {.done = true,
             .exit_code = 1,
             .line = absl::StrCat("stopped: global rank 0 did not finish the drain within ",
-                                 Seconds(timing_.grace + timing_.save + kTravel),
+                                 DrainSeconds(timing_.grace + timing_.save + kTravel),
                                  " s (--shutdown_grace_seconds + --drain_save_seconds + ",
                                  kTravel.count(), " s): head states NOT saved")};
   }
@@ -127,7 +125,7 @@ void ClusterDrain::AskOrRelay(int signal) {
       Log(absl::StrCat(reason,
                        ": asked global rank 0 to drain every rank; following its log "
                        "until it says stop (at most ",
-                       Seconds(patience()), " s)"));
+                       DrainSeconds(patience()), " s)"));
     }
   }
   if (front && mesh_ != nullptr && group_ != nullptr && !relayed_) {
@@ -146,7 +144,8 @@ ClusterDrain::Outcome ClusterDrain::Run(const std::string& reason) {
   draining_.store(true);
   const std::string what = mesh_ != nullptr ? "mesh" : "head group";
   Log(absl::StrCat("draining the ", what, " (", reason, "): calls in flight get up to ",
-                   Seconds(timing_.grace), " s, then every head's state is saved on every rank"));
+                   DrainSeconds(timing_.grace),
+                   " s, then every head's state is saved on every rank"));
   const Clock::time_point deadline = Clock::now() + timing_.grace;
   if (quiesce_ && !quiesce_(deadline)) {
     Log("drain: calls still running after the grace were cancelled");

@@ -40,6 +40,11 @@ namespace remotehead::server {
 
 class ReplicatedHeadOperations;
 
+// A duration as the drain's messages print it: seconds, to the millisecond.
+inline double DrainSeconds(std::chrono::milliseconds ms) {
+  return static_cast<double>(ms.count()) / 1000.0;
+}
+
 class ClusterDrain {
  public:
   using Clock = std::chrono::steady_clock;

@@ -12,14 +12,14 @@ namespace {
 
 constexpr char kAuxPrefix[] = "aux:";
 
-v1::GroupPin ToWire(const HeadPin& pin) {
+v1::GroupPin PinToWire(const HeadPin& pin) {
   v1::GroupPin wire;
   wire.set_weight_version(pin.weight_version);
   wire.set_gradient_window(pin.gradient_window);
   return wire;
 }
 
-HeadPin FromWire(const v1::GroupPin& pin) {
+HeadPin PinFromWire(const v1::GroupPin& pin) {
   return {.weight_version = pin.weight_version(), .gradient_window = pin.gradient_window()};
 }
 
@@ -46,7 +46,7 @@ v1::GroupCommand StepBatchCommand(int64_t session, const v1::StepHeader& header,
   b->set_head_id(header.head_id());
   b->set_mode(static_cast<int32_t>(mode));
   b->set_accumulate(accumulate);
-  *b->mutable_pin() = ToWire(pin);
+  *b->mutable_pin() = PinToWire(pin);
   *b->mutable_header() = header;
   b->set_first_row(first_row);
   // In BatchTensors' order.
@@ -71,7 +71,7 @@ v1::GroupCommand StepEndCommand(int64_t session, const std::string& head_id, boo
   end->set_session(session);
   end->set_head_id(head_id);
   end->set_commit(commit);
-  if (pin.has_value()) *end->mutable_pin() = ToWire(*pin);
+  if (pin.has_value()) *end->mutable_pin() = PinToWire(*pin);
   if (key.has_value()) {
     end->mutable_gradient_id()->set_trainer(key->trainer);
     end->mutable_gradient_id()->set_step(key->step);
@@ -169,7 +169,7 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
   if (!read.teacher_head_id.empty()) {
     ASSIGN_OR_RETURN(teacher, registry_->Get(read.teacher_head_id));
   }
-  std::optional<HeadPin> pin = FromWire(b.pin());
+  std::optional<HeadPin> pin = PinFromWire(b.pin());
   auto run = [&](const core::Head& head, const core::Head* teacher_head) -> absl::Status {
     options.teacher = teacher_head;
     std::vector<torch::Tensor> tensors;
@@ -215,7 +215,7 @@ absl::Status GroupStepFollower::End(const v1::GroupStepEnd& end) {
       !node.empty() ? node.mapped()
                     : entry->Read([](const core::Head& head) { return head.NewGradientBuffers(); });
   StepCommit commit{.scratch = &scratch, .health = health.empty() ? nullptr : &health.mapped()};
-  if (end.has_pin()) commit.pin = FromWire(end.pin());
+  if (end.has_pin()) commit.pin = PinFromWire(end.pin());
   if (end.has_gradient_id()) {
     commit.key = GradientKey{end.gradient_id().trainer(), end.gradient_id().step(),
                              end.gradient_id().micro_batch()};

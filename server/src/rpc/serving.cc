@@ -15,8 +15,6 @@ namespace {
 
 constexpr std::chrono::milliseconds kPoll{100};
 
-double Seconds(std::chrono::milliseconds ms) { return static_cast<double>(ms.count()) / 1000.0; }
-
 // Health turns NOT_SERVING once, saying why.
 class Health {
  public:
@@ -38,7 +36,7 @@ class Health {
 int ServeAlone(grpc::Server& server, HeadService& service, const std::atomic<int>& signal,
                const ServingOptions& options) {
   while (signal.load() == 0) std::this_thread::sleep_for(kPoll);
-  *options.out << "remotehead-server: draining (up to " << Seconds(options.grace) << " s)"
+  *options.out << "remotehead-server: draining (up to " << DrainSeconds(options.grace) << " s)"
                << std::endl;
   server.GetHealthCheckService()->SetServingStatus(false);
   service.Drain();

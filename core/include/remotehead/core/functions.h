@@ -32,6 +32,7 @@
 #pragma once
 
 #include <functional>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -47,6 +48,10 @@ namespace remotehead::core {
 // Scalar options of a function, by name (e.g. {"label_smoothing", 0.1}). Defaults are filled
 // in and ranges checked by FunctionRegistry::ResolveParams before a function ever runs.
 using FunctionParams = std::map<std::string, double>;
+
+// +∞: the limit of a parameter unbounded on that side (and -kInf the log-probability of a token
+// that cannot be drawn).
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // The vocabulary-wide operations a function may use (rule 1 above). On a whole head they reduce
 // over the chunk's V columns. On a shard of a group they reduce over this rank's columns,
