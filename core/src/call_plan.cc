@@ -33,6 +33,13 @@ bool FusedApplies(const StepOptions& options, const CallPlan& plan) {
          fused::Covers(*plan.function, plan.params);
 }
 
+// The call's budget: as given, or the default of the head's device under the plan's rules.
+int64_t BudgetBytes(const Head& head, const StepOptions& options) {
+  return options.memory_budget_bytes > 0
+             ? options.memory_budget_bytes
+             : DefaultMemoryBudgetBytes(head.device(), options.plan_rules);
+}
+
 absl::Status CheckChunkOptions(const Head& head, const StepOptions& options) {
   if (options.chunk_rows < 0) {
     return absl::InvalidArgumentError(
@@ -42,7 +49,7 @@ absl::Status CheckChunkOptions(const Head& head, const StepOptions& options) {
   if (options.memory_budget_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory_budget_bytes: expected >= 1 (or 0 for the default ",
-                     DefaultMemoryBudgetBytes(head.weight().device()), "); got ",
+                     DefaultMemoryBudgetBytes(head.device(), options.plan_rules), "); got ",
                      options.memory_budget_bytes));
   }
   if (options.block_rows < 0) {
@@ -163,7 +170,7 @@ void SetRowCosts(const Head& head, const StepOptions& options, CallPlan& plan) {
   }
   if (half) {
     plan.chunk_row_bytes += 2.0 * hidden * logits_elem;
-    if (!plan.fp32_logits_of_half_head && !plan.fused) plan.chunk_row_bytes += vocab * logits_elem;
+    if (!plan.gradient_in_logits) plan.chunk_row_bytes += vocab * logits_elem;
     plan.chunk_row_bytes_forward += hidden * logits_elem;
   }
 }
@@ -178,14 +185,23 @@ void SetWeightSlice(const Head& head, const StepOptions& options, CallPlan& plan
       teacher &&
       GemmLogitsDtype(options.teacher->dtype(), options.logits_dtype) != options.teacher->dtype();
   if (!plan.fp32_logits_of_half_head && !teacher_upcast) return;
-  const int64_t budget = options.memory_budget_bytes > 0
-                             ? options.memory_budget_bytes
-                             : DefaultMemoryBudgetBytes(head.weight().device());
-  plan.weight_slice_bytes = budget / 16;
+  plan.weight_slice_bytes = BudgetBytes(head, options) / 16;
   const int64_t widest =
       std::max<int64_t>(head.hidden_size(), teacher ? options.teacher->hidden_size() : 0);
   plan.weight_slice_bytes =
       std::clamp<int64_t>(plan.weight_slice_bytes, widest * 4, plan.vocab_size * widest * 4);
+}
+
+// Where dL/dz goes (CallPlan::gradient_in_logits), and the fp32 slices of it a CPU's dW GEMM
+// reads: bounded like W's slices (SetWeightSlice), at least one column of the widest chunk.
+void SetGradientPlacement(const Head& head, const StepOptions& options, CallPlan& plan) {
+  const bool rounded_for_dw =
+      UsesCudaRules(head.device(), options.plan_rules) || head.grad_dtype() == head.dtype();
+  plan.gradient_in_logits = plan.fused || plan.gemm_dtype == LogitsDtype(head) || rounded_for_dw;
+  if (plan.gradient_in_logits && head.device().is_cpu() && plan.gemm_dtype != LogitsDtype(head) &&
+      head.grad_dtype() != head.dtype()) {
+    plan.gradient_slice_bytes = std::max<int64_t>(BudgetBytes(head, options) / 16, 4);
+  }
 }
 
 // oneDNN's brgemm kernels (what LibTorch runs a bf16/fp16 GEMM on, on CPUs with AVX512-BF16 or
@@ -216,13 +232,13 @@ void SetGemmWorkspace(const Head& head, CallPlan& plan) {
   plan.gemm.fixed_bytes = threads * (2 * (columns + kPackPadding) * k_chunk + kTileConfigBytes);
 }
 
-// Rows per function block before the budget's say: as given; on a CPU, what keeps the block in
-// the caches; on a GPU no limit (the budget's quarter, below, is the only one). A fused call's
-// block is its chunk (SetChunkSizes).
+// Rows per function block before the budget's say: as given; under a CPU's rules, what keeps the
+// block in the caches; under CUDA's no limit (the budget's quarter, below, is the only one). A
+// fused call's block is its chunk (SetChunkSizes).
 int64_t BlockRowsWanted(const Head& head, const StepOptions& options, const CallPlan& plan) {
   if (plan.fused) return std::numeric_limits<int64_t>::max();
   if (options.block_rows > 0) return options.block_rows;
-  if (!head.weight().device().is_cpu()) return std::numeric_limits<int64_t>::max();
+  if (UsesCudaRules(head.device(), options.plan_rules)) return std::numeric_limits<int64_t>::max();
   return std::max<int64_t>(
       1, std::min(kFunctionBlockBytes / (plan.vocab_size * plan.logits_elem_bytes),
                   static_cast<int64_t>(kFunctionBlockWorkingSetBytes / plan.block_row_bytes)));
@@ -233,18 +249,16 @@ int64_t BlockRowsWanted(const Head& head, const StepOptions& options, const Call
 absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPlan& plan) {
   const int64_t wanted_block_rows = BlockRowsWanted(head, options, plan);
   if (plan.fused && options.chunk_rows <= 0) {
-    const int64_t budget = options.memory_budget_bytes > 0
-                               ? options.memory_budget_bytes
-                               : DefaultMemoryBudgetBytes(head.weight().device());
+    const int64_t budget = BudgetBytes(head, options);
     // …less db's column sums of a chunk's dz ([V], CallPlan::Memory), the one block-sized cost.
     const double rest = static_cast<double>(budget) - static_cast<double>(plan.gemm.fixed_bytes) -
-                        static_cast<double>(plan.weight_slice_bytes) -
+                        static_cast<double>(plan.weight_slice_bytes + plan.gradient_slice_bytes) -
                         static_cast<double>(plan.vocab_size * plan.logits_elem_bytes);
     plan.chunk_rows = static_cast<int64_t>(rest / (plan.chunk_row_bytes + plan.gemm.row_bytes));
     plan.block_rows = plan.chunk_rows;
     if (plan.chunk_rows >= 1) return absl::OkStatus();
     const double one_row = plan.chunk_row_bytes + static_cast<double>(plan.gemm.BytesFor(1)) +
-                           static_cast<double>(plan.weight_slice_bytes);
+                           static_cast<double>(plan.weight_slice_bytes + plan.gradient_slice_bytes);
     return absl::InvalidArgumentError(absl::StrCat(
         "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
         " (one row of ", plan.function->name, " at V=", plan.vocab_size, ", fused); got ",
@@ -255,21 +269,20 @@ absl::Status SetChunkSizes(const Head& head, const StepOptions& options, CallPla
     plan.block_rows = std::min(wanted_block_rows, options.chunk_rows);
     return absl::OkStatus();
   }
-  const int64_t budget = options.memory_budget_bytes > 0
-                             ? options.memory_budget_bytes
-                             : DefaultMemoryBudgetBytes(head.weight().device());
+  const int64_t budget = BudgetBytes(head, options);
   plan.block_rows = std::min<int64_t>(
       wanted_block_rows,
       static_cast<int64_t>(0.25 * static_cast<double>(budget) / plan.block_row_bytes));
   const double rest =
       static_cast<double>(budget) -
       static_cast<double>(std::max<int64_t>(plan.block_rows, 1)) * plan.block_row_bytes -
-      static_cast<double>(plan.gemm.fixed_bytes) - static_cast<double>(plan.weight_slice_bytes);
+      static_cast<double>(plan.gemm.fixed_bytes) -
+      static_cast<double>(plan.weight_slice_bytes + plan.gradient_slice_bytes);
   plan.chunk_rows = static_cast<int64_t>(rest / (plan.chunk_row_bytes + plan.gemm.row_bytes));
   if (plan.block_rows < 1 || plan.chunk_rows < 1) {
     const double one_row = 4.0 * plan.block_row_bytes + plan.chunk_row_bytes +
                            static_cast<double>(plan.gemm.BytesFor(1)) +
-                           static_cast<double>(plan.weight_slice_bytes);
+                           static_cast<double>(plan.weight_slice_bytes + plan.gradient_slice_bytes);
     return absl::InvalidArgumentError(absl::StrCat(
         "memory_budget_bytes: expected at least ", static_cast<int64_t>(std::ceil(one_row)),
         " (one row of ", plan.function->name, " at V=", plan.vocab_size, "); got ", budget));
@@ -290,6 +303,11 @@ torch::ScalarType GemmLogitsDtype(torch::ScalarType head_dtype,
 
 int64_t CallPlan::WeightSliceRows(int64_t vocab, int64_t hidden) const {
   return std::clamp<int64_t>(weight_slice_bytes / std::max<int64_t>(hidden * 4, 1), 1,
+                             std::max<int64_t>(vocab, 1));
+}
+
+int64_t CallPlan::GradientSliceColumns(int64_t rows, int64_t vocab) const {
+  return std::clamp<int64_t>(gradient_slice_bytes / std::max<int64_t>(rows * 4, 1), 1,
                              std::max<int64_t>(vocab, 1));
 }
 
@@ -316,6 +334,10 @@ CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
   const double chunk_row = mode == CallMode::kForward ? chunk_row_bytes_forward : chunk_row_bytes;
   m.logits_bytes =
       static_cast<int64_t>(std::ceil(static_cast<double>(chunk) * chunk_row)) + weight_slice_bytes;
+  // …and the fp32 slice of the gradient a CPU's dW GEMM reads (at most the whole chunk's).
+  if (mode != CallMode::kForward) {
+    m.logits_bytes += std::min<int64_t>(gradient_slice_bytes, chunk * vocab_size * 4);
+  }
   m.block_bytes = static_cast<int64_t>(
       std::ceil(kBlockMargin * static_cast<double>(BlockRowsFor(rows)) * block_row_bytes));
   // …and, with gradients, db's column sums of the chunk's dz ([V]).
@@ -371,6 +393,7 @@ absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options) 
   plan.gemm_dtype = GemmLogitsDtype(head.dtype(), options.logits_dtype);
   plan.fp32_logits_of_half_head = plan.gemm_dtype != head.dtype();
   plan.fused = FusedApplies(options, plan);
+  SetGradientPlacement(head, options, plan);
   SetRowCosts(head, options, plan);
   SetGemmWorkspace(head, plan);
   SetWeightSlice(head, options, plan);

@@ -36,19 +36,33 @@ bool CudaAddmmAccumulatesIntoFloat(const torch::Tensor& accumulator) {
   return accepted;
 }
 
-// dW += dzᵀ·X_c into the accumulator's dtype.
+// dW += dzᵀ·X_c into the accumulator's dtype. `dz_logits`: the gradient in the functions' dtype,
+// or the head's when the plan writes it over the logits (CallPlan::gradient_in_logits).
 void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
-                          const torch::Tensor& dz_head, const torch::Tensor& x_chunk) {
+                          const torch::Tensor& dz_head, const torch::Tensor& x_chunk,
+                          const CallPlan& call) {
   if (dw.scalar_type() == x_chunk.scalar_type()) {
     dw.addmm_(dz_head.t(), x_chunk);
   } else if (dw.is_cuda() && CudaAddmmAccumulatesIntoFloat(dw)) {
     // fp32 accumulators of a half-precision head on CUDA: the GEMM reads the head-dtype dz
     // and X_c on tensor cores and accumulates into dW in fp32 (no fp32 copy of anything).
     at::addmm_out(dw, dw, dz_head.t(), x_chunk, torch::kFloat);
-  } else {
+  } else if (dz_logits.scalar_type() == dw.scalar_type()) {
     // fp32 accumulators of a half-precision head: the GEMM runs in fp32 on the unrounded
     // logits gradient, so each micro-batch adds its exact (to fp32) contribution.
-    dw.addmm_(dz_logits.to(dw.scalar_type()).t(), x_chunk.to(dw.scalar_type()));
+    dw.addmm_(dz_logits.t(), x_chunk.to(dw.scalar_type()));
+  } else {
+    // …the gradient rounded to the head's dtype, with no GEMM of half-precision inputs into fp32
+    // here: fp32 copies of its columns, CallPlan::gradient_slice_bytes at a time.
+    const torch::Tensor x = x_chunk.to(dw.scalar_type());
+    const int64_t vocab = dz_head.size(1);
+    const int64_t columns = call.gradient_slice_bytes > 0
+                                ? call.GradientSliceColumns(dz_head.size(0), vocab)
+                                : vocab;
+    for (int64_t v = 0; v < vocab; v += columns) {
+      const int64_t n = std::min(columns, vocab - v);
+      dw.narrow(0, v, n).addmm_(dz_head.narrow(1, v, n).to(dw.scalar_type()).t(), x);
+    }
   }
 }
 
@@ -259,8 +273,9 @@ void BackpropagateChunk(const Head& head, const Plan& plan, const torch::Tensor&
     return;
   }
   torch::Tensor dz_head = dz;
-  // A fused call's dz is the logits buffer itself, already in the head's dtype.
-  if (head.dtype() != LogitsDtype(head) && !plan.call.fused) dz_head = z.copy_(dz);
+  // Written over the logits buffer (CallPlan::gradient_in_logits), dz is already in the head's
+  // dtype; else it is rounded into the (dead) logits buffer for the GEMMs.
+  if (!plan.call.gradient_in_logits) dz_head = z.copy_(dz);
   {
     const PhaseScope phase(plan.phases, StepPhase::kDxGemm);
     if (plan.shard != nullptr) {
@@ -272,7 +287,7 @@ void BackpropagateChunk(const Head& head, const Plan& plan, const torch::Tensor&
   }
   if (pass.grads != nullptr) {
     const PhaseScope phase(plan.phases, StepPhase::kDwGemm);
-    AccumulateWeightGrad(pass.grads->weight, dz, dz_head, x_chunk);
+    AccumulateWeightGrad(pass.grads->weight, dz, dz_head, x_chunk, plan.call);
     // Summed in the bias's dtype: a fused call's dz is half-precision.
     if (pass.grads->bias.defined()) {
       pass.grads->bias.add_(dz.sum(0, /*keepdim=*/false, pass.grads->bias.scalar_type()));
@@ -339,7 +354,7 @@ ChunkBuffers AllocateChunkBuffers(const Head& head, const Plan& plan, bool gradi
                        : torch::empty({plan.chunk_rows, head.vocab_size()},
                                       head.weight().options().dtype(dtype));
   if (gradients) {
-    buffers.grad = dtype == LogitsDtype(head) || plan.call.fused
+    buffers.grad = plan.call.gradient_in_logits
                        ? buffers.logits
                        : torch::empty(buffers.logits.sizes(),
                                       buffers.logits.options().dtype(LogitsDtype(head)));

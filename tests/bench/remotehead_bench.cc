@@ -67,11 +67,15 @@ ABSL_FLAG(double, softcap, 0,
           "cap·tanh(z/cap) on the logits before the function (Gemma 2's 30); 0 = none");
 ABSL_FLAG(int64_t, chunk_rows, 0, "rows per chunk; 0 = derived from --memory_budget_bytes");
 ABSL_FLAG(int64_t, memory_budget_bytes, 0, "engine transient budget per chunk; 0 = default");
-ABSL_FLAG(int64_t, block_rows, 0, "rows per function block; 0 = cache-sized (the default)");
+ABSL_FLAG(int64_t, block_rows, 0, "rows per function block; 0 = the plan rules' default");
+ABSL_FLAG(bool, cuda_plan_rules, false,
+          "plan chunks, blocks and the gradient's buffer by CUDA's rules on any device "
+          "(StepOptions::plan_rules; a CUDA head always does)");
 ABSL_FLAG(int32_t, repeats, 3, "timed repetitions (the median is reported)");
 ABSL_FLAG(int32_t, warmup, 1, "untimed repetitions before the timed ones");
 ABSL_FLAG(bool, bias, false, "give the head a bias");
-ABSL_FLAG(bool, head_health, true, "compute the head's health (StepStats::health)");
+ABSL_FLAG(bool, head_health, false,
+          "compute the head's health (StepStats::health; no peer computes it)");
 ABSL_FLAG(bool, fused_blocks, false,
           "fused function blocks (StepOptions::fused_blocks): the CUDA kernel on a GPU, its CPU "
           "twin on a CPU; the chunk is the block and dz overwrites the logits");
@@ -99,6 +103,12 @@ namespace bench = remotehead::bench;
 using Clock = std::chrono::steady_clock;
 
 using bench::kIgnoredFraction;
+
+// --cuda_plan_rules as the engine's option.
+rh::PlanRules PlanRulesFlag() {
+  return absl::GetFlag(FLAGS_cuda_plan_rules) ? rh::PlanRules::kCuda : rh::PlanRules::kDevice;
+}
+
 using bench::kIgnoreIndex;
 using bench::NResult;
 using bench::OrNull;
@@ -399,7 +409,7 @@ nlohmann::json ToJson(const Config& cfg, int64_t chunk_rows, const std::vector<N
         {"chunk_rows", chunk_rows},
         {"memory_budget_bytes",
          cfg.memory_budget_bytes > 0 ? cfg.memory_budget_bytes
-                                     : rh::DefaultMemoryBudgetBytes(cfg.device)},
+                                     : rh::DefaultMemoryBudgetBytes(cfg.device, PlanRulesFlag())},
         {"repeats", cfg.repeats},
         {"warmup", cfg.warmup},
         {"seed", cfg.seed},
@@ -509,6 +519,7 @@ absl::Status Run() {
                                 .chunk_rows = cfg.chunk_rows,
                                 .block_rows = absl::GetFlag(FLAGS_block_rows),
                                 .memory_budget_bytes = cfg.memory_budget_bytes,
+                                .plan_rules = PlanRulesFlag(),
                                 .head_health = absl::GetFlag(FLAGS_head_health),
                                 .fused_blocks = absl::GetFlag(FLAGS_fused_blocks),
                                 .teacher = teacher.get()};

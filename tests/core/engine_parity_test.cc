@@ -2,7 +2,8 @@
 // (with its defaults, each own param, softcap + temperature, all options: function_cases.h) ×
 // reduction × mode × bias × dtype × device (CPU, and CUDA when the machine has a GPU), each at
 // chunk sizes {1, 7, 64, N, N+5} with N = 67 (not a multiple of any of them), function blocks
-// smaller than, equal to and larger than the chunk, and ~20% of the targets set to ignore_index.
+// smaller than, equal to and larger than the chunk, and ~20% of the targets set to ignore_index;
+// a bf16 head also at chunks of 7 in blocks of 3 under CUDA's plan rules (core::PlanRules).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -72,12 +73,21 @@ TEST_P(EngineParity, MatchesNaiveReferenceAtEveryChunkSize) {
       reference::NaiveReference(*head, batch, options, grad_output);
   ASSERT_GT(reference::MaxAbs(ref.grad_weight), 0.0) << "reference gradient is trivially zero";
 
-  const std::vector<std::pair<int64_t, int64_t>> chunk_and_block = {
-      {1, 0}, {7, 3}, {64, 5}, {kRows, 0}, {kRows + 5, 16}};
-  for (const auto& [chunk, block] : chunk_and_block) {
-    SCOPED_TRACE("chunk_rows=" + std::to_string(chunk) + " block_rows=" + std::to_string(block));
+  // …and a bf16 head's chunks of several blocks under CUDA's plan rules (core::PlanRules): each
+  // block's gradient written over the chunk's logits, dW accumulating it rounded.
+  std::vector<std::tuple<int64_t, int64_t, core::PlanRules>> chunk_and_block = {
+      {1, 0, core::PlanRules::kDevice},
+      {7, 3, core::PlanRules::kDevice},
+      {64, 5, core::PlanRules::kDevice},
+      {kRows, 0, core::PlanRules::kDevice},
+      {kRows + 5, 16, core::PlanRules::kDevice}};
+  if (dtype != torch::kFloat) chunk_and_block.emplace_back(7, 3, core::PlanRules::kCuda);
+  for (const auto& [chunk, block, rules] : chunk_and_block) {
+    SCOPED_TRACE("chunk_rows=" + std::to_string(chunk) + " block_rows=" + std::to_string(block) +
+                 (rules == core::PlanRules::kCuda ? " CUDA's plan rules" : ""));
     options.chunk_rows = chunk;
     options.block_rows = block;
+    options.plan_rules = rules;
     core::GradientBuffers grads = head->NewGradientBuffers();
     torch::Tensor grad_hidden;
     if (mode == Mode::kFused) {

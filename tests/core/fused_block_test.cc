@@ -122,6 +122,7 @@ TEST_P(FusedEngineParity, MatchesTheReferenceAndTheAutogradPath) {
   options.params = fcase.params;
   options.reduction = reduction;
   options.upstream_scale = 0.5;
+  options.head_health = true;  // compared with the autograd path's below
   torch::Tensor grad_output;
   if (mode == Mode::kTwoPhase) {
     grad_output = reduction == Reduction::kNone ? torch::randn({kRows}, torch::kDouble)

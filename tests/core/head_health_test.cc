@@ -64,7 +64,8 @@ core::StepOptions Options(int64_t chunk_rows, int64_t block_rows) {
   return {.function = "cross_entropy",
           .params = Transforms(),
           .chunk_rows = chunk_rows,
-          .block_rows = block_rows};
+          .block_rows = block_rows,
+          .head_health = true};
 }
 
 TEST(HeadHealth, EqualsTheFloat64ReferenceForEveryChunkingAndDtype) {
@@ -103,8 +104,10 @@ TEST(HeadHealth, OnlyCallsThatAccumulateDwComputeIt) {
   auto no_dw = core::FusedForwardBackward(*head, batch, options, /*grads=*/nullptr);
   ASSERT_TRUE(no_dw.ok()) << no_dw.status();
   EXPECT_EQ(no_dw->stats.health.tokens, 0) << "dX only";
+  // Off unless asked for: a pass over the logits that no other head makes.
   core::StepOptions off = options;
-  off.head_health = false;
+  off.head_health = core::StepOptions{}.head_health;
+  EXPECT_FALSE(off.head_health);
   core::GradientBuffers grads = head->NewGradientBuffers();
   auto switched_off = core::FusedForwardBackward(*head, batch, off, &grads);
   ASSERT_TRUE(switched_off.ok()) << switched_off.status();

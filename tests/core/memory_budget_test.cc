@@ -32,7 +32,8 @@ enum class Mode { kFused, kForward, kBackward };
 // allocator) on a stream's first GEMM and keeps it, as a server does after its first step.
 Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& function,
                      const core::FunctionParams& params, Mode mode,
-                     std::optional<torch::ScalarType> logits_dtype, bool fused) {
+                     std::optional<torch::ScalarType> logits_dtype, bool fused,
+                     core::PlanRules rules) {
   const torch::Device device = head.device();
   if (!device.is_cuda()) core::InstallCpuMemoryTracker();
   const core::TokenBatch batch = reference::MakeTestBatch(head, rows, function, Reduction::kMean);
@@ -45,6 +46,7 @@ Measured MeasureCall(const core::Head& head, int64_t rows, const std::string& fu
                             .fused_blocks = fused,
                             .logits_dtype = logits_dtype,
                             .teacher = reference::TestTeacher(head, function)};
+  options.plan_rules = rules;
   auto plan = core::PlanCall(head, options);
   EXPECT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->fused, fused);
@@ -86,24 +88,33 @@ TEST_P(MemoryBudget, PeakStaysWithinBudgetAndFlatInRows) {
   const auto& [c, device_name] = GetParam();
   const torch::Device device(device_name);
   REMOTEHEAD_SKIP_UNLESS_ON_MACHINE(device);
-  // The head's dtype, and the dtype its logits are formed in (StepOptions::logits_dtype).
-  const std::pair<torch::ScalarType, std::optional<torch::ScalarType>> dtypes[] = {
-      {torch::kFloat, std::nullopt},
-      {torch::kBFloat16, std::nullopt},
-      {torch::kBFloat16, torch::kFloat}};
+  // The head's dtype, the dtype its logits are formed in (StepOptions::logits_dtype), and the
+  // plan's rules: a bf16 head's autograd blocks also under CUDA's (core::PlanRules: blocks by
+  // the budget alone, the gradient over the logits; a fused call's plan is the same by both).
+  struct Dtypes {
+    torch::ScalarType dtype;
+    std::optional<torch::ScalarType> logits_dtype;
+    core::PlanRules rules = core::PlanRules::kDevice;
+  };
+  const Dtypes dtypes[] = {{torch::kFloat, std::nullopt},
+                           {torch::kBFloat16, std::nullopt},
+                           {torch::kBFloat16, torch::kFloat},
+                           {torch::kBFloat16, std::nullopt, core::PlanRules::kCuda}};
   for (const bool fused : {false, true}) {
     if (fused && !FusedCovers(c)) continue;
-    for (const auto& [dtype, logits_dtype] : dtypes)
+    for (const auto& [dtype, logits_dtype, rules] : dtypes)
     for (Mode mode : {Mode::kFused, Mode::kForward, Mode::kBackward}) {
+      if (fused && rules == core::PlanRules::kCuda) continue;
+      const bool cuda_rules = rules == core::PlanRules::kCuda;
       SCOPED_TRACE(std::string(c10::toString(dtype)) + (logits_dtype ? " fp32 logits" : "") +
                    " mode " + std::to_string(static_cast<int>(mode)) +
-                   (fused ? " fused blocks" : ""));
+                   (fused ? " fused blocks" : "") + (cuda_rules ? " CUDA's plan rules" : ""));
       auto head = reference::MakeTestHead(kVocab, kHidden, dtype, /*bias=*/true, /*seed=*/1,
                                           torch::kFloat, device);
       const Measured small =
-          MeasureCall(*head, 600, c.function, c.params, mode, logits_dtype, fused);
+          MeasureCall(*head, 600, c.function, c.params, mode, logits_dtype, fused, rules);
       const Measured large =
-          MeasureCall(*head, 2400, c.function, c.params, mode, logits_dtype, fused);
+          MeasureCall(*head, 2400, c.function, c.params, mode, logits_dtype, fused, rules);
       ASSERT_LT(small.chunk_rows, 600) << "the budget must force chunking";
       EXPECT_GT(small.peak_bytes, kBudget / 8) << "measurement sees the chunk buffers";
       // fp32, and anything on CUDA (its bf16 dW GEMM writes into the fp32 accumulator, with no
@@ -172,6 +183,34 @@ TEST_P(DefaultPlan, BlocksAndChunksSuitTheDevice) {
     EXPECT_LE(plan->block_rows * kLargeVocab * 4, core::kFunctionBlockBytes);
     EXPECT_GE(plan->chunk_rows, plan->block_rows);
   }
+}
+
+// CUDA's rules asked of a CPU head (StepOptions::plan_rules): the GPU's budget and blocks, and
+// no fp32 gradient buffer — the CPU's tests of the GPU's plan.
+TEST(DefaultPlanRules, CudaRulesOnACpuHeadPlanAsAGpuDoes) {
+  constexpr int64_t kLargeVocab = 128000;
+  auto head = reference::MakeTestHead(kLargeVocab, 64, torch::kBFloat16, /*bias=*/false);
+  core::StepOptions options;
+  options.params[core::kSoftcapParam] = 30.0;
+  auto cpu = core::PlanCall(*head, options);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  options.plan_rules = core::PlanRules::kCuda;
+  auto cuda = core::PlanCall(*head, options);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  const double budget = static_cast<double>(core::kDefaultCudaMemoryBudgetBytes);
+  EXPECT_EQ(core::DefaultMemoryBudgetBytes(torch::kCPU, core::PlanRules::kCuda),
+            core::kDefaultCudaMemoryBudgetBytes);
+  const double block = static_cast<double>(cuda->block_rows) * cuda->block_row_bytes;
+  EXPECT_LE(block, 0.25 * budget);
+  EXPECT_GT(block + cuda->block_row_bytes, 0.25 * budget) << "the quarter is the only limit";
+  EXPECT_GE(cuda->chunk_rows, 256);
+  // The gradient: over the bf16 logits under CUDA's rules (dW reads it rounded, through fp32
+  // slices of it on this CPU), a separate fp32 buffer of 4 bytes a logit under the CPU's.
+  EXPECT_TRUE(cuda->gradient_in_logits);
+  EXPECT_GT(cuda->gradient_slice_bytes, 0);
+  EXPECT_FALSE(cpu->gradient_in_logits);
+  EXPECT_EQ(cpu->gradient_slice_bytes, 0);
+  EXPECT_DOUBLE_EQ(cpu->chunk_row_bytes - cuda->chunk_row_bytes, kLargeVocab * 4.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, DefaultPlan, ::testing::ValuesIn(testing::TestDevices()),

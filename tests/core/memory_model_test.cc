@@ -1,7 +1,7 @@
 // The engine's memory model (core/call_plan.h): for every function, mode, dtype (bf16 with fp32
-// logits too: StepOptions::logits_dtype) and chunking, the bytes PlanCall's CallPlan::Memory
-// predicts are at least the transient peak the counting
-// CPU allocator measures during the call, and at most kMaxOverestimate times it. A server
+// logits too: StepOptions::logits_dtype; bf16 under CUDA's plan rules) and chunking, the bytes
+// PlanCall's CallPlan::Memory predicts are at least the transient peak the counting CPU
+// allocator measures during the call, and at most kMaxOverestimate times it. A server
 // admits requests by this estimate, so an underestimate could let a request run the device
 // out of memory, and a gross overestimate would refuse work that fits.
 #include <gtest/gtest.h>
@@ -50,11 +50,13 @@ struct Chunking {
 
 void PrintTo(const Chunking& c, std::ostream* os) { *os << c.label; }
 
-// The head's dtype and the dtype its logits are formed in (StepOptions::logits_dtype).
+// The head's dtype and the dtype its logits are formed in (StepOptions::logits_dtype), and the
+// plan's rules (a bf16 head's plan under CUDA's: no fp32 gradient buffer, blocks by the budget).
 struct DtypeCase {
   std::string label;
   torch::ScalarType dtype = torch::kFloat;
   std::optional<torch::ScalarType> logits_dtype;
+  core::PlanRules rules = core::PlanRules::kDevice;
 };
 
 void PrintTo(const DtypeCase& c, std::ostream* os) { *os << c.label; }
@@ -63,6 +65,7 @@ const DtypeCase kDtypes[] = {
     {"fp32", torch::kFloat, std::nullopt},
     {"bf16", torch::kBFloat16, std::nullopt},
     {"bf16_fp32logits", torch::kBFloat16, torch::kFloat},
+    {"bf16_cuda_rules", torch::kBFloat16, std::nullopt, core::PlanRules::kCuda},
 };
 
 using Param = std::tuple<MemoryCase, CallMode, DtypeCase, Chunking>;
@@ -87,6 +90,7 @@ TEST_P(MemoryModel, EstimateBoundsTheMeasuredPeak) {
                             .memory_budget_bytes = chunking.memory_budget_bytes,
                             .logits_dtype = dtypes.logits_dtype,
                             .teacher = reference::TestTeacher(*head, fcase.function)};
+  options.plan_rules = dtypes.rules;
   core::GradientBuffers grads = head->NewGradientBuffers();
   const torch::Tensor grad_output = reduction == Reduction::kNone ? torch::randn({chunking.rows})
                                                                   : torch::ones({}, torch::kDouble);

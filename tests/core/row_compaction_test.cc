@@ -4,8 +4,9 @@
 // (TokenBatch::Select(ContributingRows)) gives — the loss, the valid tokens, the extras' sums,
 // dW, and dX, per-token outputs and token extras at the contributing rows — and exactly 0 in dX,
 // the outputs and the token extras at the ignored rows. The functions that take no targets (the
-// generation outputs) declare false. The server relies on this to drop those rows before it
-// computes (server/src/step/row_compaction.h), and the clients to leave them out.
+// generation outputs) declare false. A bf16 head is checked the same way under CUDA's plan
+// rules. The server relies on this to drop those rows before it computes
+// (server/src/step/row_compaction.h), and the clients to leave them out.
 #include <gtest/gtest.h>
 
 #include <optional>
@@ -142,6 +143,37 @@ TEST_P(EveryDeclaringFunction, IgnoredRowsChangeNothingAndGetZeros) {
   EXPECT_LE(reference::RelativeError(g_all.bias, g_some.bias), 2e-6);
   expect_same_stats(all->stats, some->stats);
   expect_same_extras(all->token_extras, some->token_extras);
+}
+
+// …and a bf16 head planned by CUDA's rules (core::PlanRules: each block's gradient over the
+// chunk's bf16 logits, dW accumulating it rounded), one reduction per function: dropping the
+// ignored rows changes which rows share a chunk, not what each row contributes (bf16's rounding
+// of dX allowed).
+TEST_P(EveryDeclaringFunction, IgnoredRowsChangeNothingUnderCudasPlanRules) {
+  const Case& c = GetParam();
+  if (c.reduction != Reduction::kMean || c.normalizer) GTEST_SKIP() << "one reduction a function";
+  const auto head = reference::MakeTestHead(kVocab, kHidden, torch::kBFloat16, /*bias=*/true);
+  core::TokenBatch batch = reference::MakeTestBatch(*head, kRows, c.function.function, c.reduction);
+  if (!batch.targets.defined()) batch.targets = torch::randint(0, kVocab, {kRows}, torch::kLong);
+  batch.targets.index_put_({torch::arange(0, kRows, 3)}, -100);
+  const torch::Tensor keep = core::ContributingRows(batch.targets, -100);
+  core::StepOptions options = OptionsFor(*head, c, batch);
+  options.plan_rules = core::PlanRules::kCuda;
+  options.block_rows = 3;  // several blocks a chunk, each writing its gradient over the logits
+  core::GradientBuffers g_all = head->NewGradientBuffers(), g_some = head->NewGradientBuffers();
+  auto all = core::FusedForwardBackward(*head, batch, options, &g_all);
+  auto some = core::FusedForwardBackward(*head, batch.Select(keep), options, &g_some);
+  ASSERT_TRUE(all.ok() && some.ok()) << all.status() << some.status();
+  EXPECT_LE(reference::RelativeError(all->loss, some->loss, 0.1), 1e-5);
+  const torch::Tensor dx = all->grad_hidden.to(torch::kFloat);
+  EXPECT_LE(reference::RelativeError(dx.index_select(0, keep),
+                                     some->grad_hidden.to(torch::kFloat), 1e-3),
+            8e-3);
+  torch::Tensor ignored = torch::ones({kRows}, torch::kBool);
+  ignored.index_fill_(0, keep, false);
+  EXPECT_TRUE(dx.index({ignored}).eq(0).all().item<bool>());
+  EXPECT_LE(reference::RelativeError(g_all.weight, g_some.weight, 1e-3), 1e-5);
+  EXPECT_LE(reference::RelativeError(g_all.bias, g_some.bias, 1e-3), 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Functions, EveryDeclaringFunction, ::testing::ValuesIn(Cases()),

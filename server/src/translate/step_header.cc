@@ -162,6 +162,9 @@ absl::StatusOr<StepCall> ReadStepHeader(const v1::StepHeader& header, core::Call
   RETURN_IF_ERROR(ReadOutputDtype(header, &options));
   RETURN_IF_ERROR(ReadLogitsDtype(header, &options));
   RETURN_IF_ERROR(ReadTeacher(header, options, &read.teacher_head_id));
+  // A server asks for the head's health on every call that trains (core::StepOptions::head_health
+  // is off by default): its metrics and GetHead show it. Every rank of a group reads it here.
+  options.head_health = true;
   options.chunk_rows = header.chunking().chunk_rows();
   options.memory_budget_bytes = header.chunking().memory_budget_bytes();
   if (header.has_upstream_scale()) options.upstream_scale = header.upstream_scale();

@@ -36,7 +36,8 @@ torch::ScalarType GemmLogitsDtype(torch::ScalarType head_dtype,
 struct CallMemory {
   int64_t logits_bytes = 0;  // the [chunk rows, V] logits buffer (+ its fp32 gradient and the
                              // fp32 GEMM operands of a half-precision head, and the fp32 slices
-                             // of W that fp32 logits of a half head are formed from)
+                             // of W that fp32 logits of a half head are formed from, or of the
+                             // gradient a CPU's dW GEMM reads)
   int64_t block_bytes = 0;   // one function block: fp32 logits, their gradient, what the
                              // function and the logit transforms keep for autograd
   int64_t token_bytes = 0;   // O(N) bookkeeping: masks, per-token values, row checks
@@ -75,6 +76,19 @@ struct CallPlan {
   // StepOptions::fused_blocks asked for it and the fused kernel covers the call: the block is the
   // whole chunk and the gradient is written over the chunk's logits (no fp32 gradient buffer).
   bool fused = false;
+  // dL/dz is written over the chunk's logits buffer, in its dtype, with no buffer of its own: an
+  // fp32 (or fp64) head's logits are already the functions' dtype; a fused call writes it there;
+  // and where dW accumulates the gradient rounded to the head's dtype anyway — CUDA's rules (a
+  // GEMM of half-precision inputs into fp32 dW), or a head whose dW is kept in its own dtype.
+  // Otherwise (a half-precision head under a CPU's rules) the gradient has an fp32 buffer and dW
+  // accumulates it unrounded.
+  bool gradient_in_logits = false;
+  // gradient_in_logits on a CPU head of half precision with fp32 accumulators: the CPU has no
+  // GEMM of half-precision inputs into fp32, so the dW GEMM reads fp32 copies of the gradient's
+  // columns, at most this many bytes of them at a time. 0 otherwise.
+  int64_t gradient_slice_bytes = 0;
+  // Columns of such a slice for a chunk of `rows` rows: at least 1, at most `vocab`.
+  int64_t GradientSliceColumns(int64_t rows, int64_t vocab) const;
 
   // The memory of a call on `rows` rows in `mode` that allocates its own dX (the server's case).
   CallMemory Memory(int64_t rows, CallMode mode) const;
@@ -113,7 +127,8 @@ struct CallPlan {
 absl::Status CheckCallMode(const CallPlan& plan, CallMode mode, Reduction reduction);
 
 // Resolves the function and its params and fixes the chunk sizes: options.chunk_rows as given,
-// or the largest that fits options.memory_budget_bytes together with one function block.
+// or the largest that fits options.memory_budget_bytes together with one function block, by
+// options.plan_rules.
 // INVALID_ARGUMENT naming the field for an unknown function, a bad param or chunk option, or a
 // budget too small for one row.
 absl::StatusOr<CallPlan> PlanCall(const Head& head, const StepOptions& options);

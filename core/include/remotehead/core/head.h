@@ -91,6 +91,8 @@ class Head {
   int64_t hidden_size() const { return weight_.size(1); }
   torch::ScalarType dtype() const { return weight_.scalar_type(); }
   torch::Device device() const { return weight_.device(); }
+  // The dW (and db) accumulators' dtype (HeadOptions::grad_dtype, resolved).
+  torch::ScalarType grad_dtype() const { return grad_dtype_; }
   bool has_bias() const { return bias_.defined(); }
 
   const torch::Tensor& weight() const { return weight_; }

@@ -24,9 +24,26 @@ inline constexpr int64_t kDefaultMemoryBudgetBytes = int64_t{96} << 20;
 // not its bytes: the first GPU run, with the CPU's 96 MiB and cache-sized blocks, took 2.9 s for
 // a step that takes 90 ms as naive full logits (N = 8192, D = 2304, V = 256,000).
 inline constexpr int64_t kDefaultCudaMemoryBudgetBytes = int64_t{1} << 30;
-// The default for a head on `device`.
-inline int64_t DefaultMemoryBudgetBytes(const torch::Device& device) {
-  return device.is_cuda() ? kDefaultCudaMemoryBudgetBytes : kDefaultMemoryBudgetBytes;
+
+// The rules a call's plan (call_plan.cc) sizes its chunks, blocks and gradient buffers by.
+enum class PlanRules {
+  kDevice,  // the head's device's own
+  // A CUDA head's, on whatever device the head is: the CUDA default budget, blocks sized by the
+  // budget alone, and the chunk's gradient written over its logits where dW accumulates the
+  // gradient rounded to the logits' dtype (as cuBLAS's fp32-output GEMM reads it on a GPU).
+  // What a CPU cannot do as a GPU does is still the CPU's: the GEMM library's workspace, and an
+  // fp32 dW GEMM's upcast of that gradient. For the CPU's tests of the GPU's plan: engine parity,
+  // the memory model and budget and row compaction run under both rules in CI.
+  kCuda,
+};
+// Whether a call on a head on `device` plans by the CUDA rules.
+inline bool UsesCudaRules(const torch::Device& device, PlanRules rules) {
+  return device.is_cuda() || rules == PlanRules::kCuda;
+}
+// The default for a head on `device` under `rules`.
+inline int64_t DefaultMemoryBudgetBytes(const torch::Device& device,
+                                        PlanRules rules = PlanRules::kDevice) {
+  return UsesCudaRules(device, rules) ? kDefaultCudaMemoryBudgetBytes : kDefaultMemoryBudgetBytes;
 }
 // fp32 logits per function block on a CPU head: small enough that the upcast copy, the
 // function's temporaries and their gradients stay in the CPU's caches. A GPU's blocks are sized
@@ -46,18 +63,23 @@ struct StepOptions {
   std::optional<double> normalizer;  // > 0; see the reduction table in engine.h
   int64_t ignore_index = -100;
   int64_t chunk_rows = 0;  // rows per chunk; 0 = derive from memory_budget_bytes
-  // Rows per function block; 0 = cache-sized on a CPU (kFunctionBlock*Bytes), a quarter of the
-  // budget on a GPU.
+  // Rows per function block; 0 = cache-sized under a CPU's rules (kFunctionBlock*Bytes), a
+  // quarter of the budget under CUDA's (plan_rules).
   int64_t block_rows = 0;
-  int64_t memory_budget_bytes = 0;  // transient bytes per chunk; 0 = DefaultMemoryBudgetBytes
+  // Transient bytes per chunk; 0 = DefaultMemoryBudgetBytes(device, plan_rules).
+  int64_t memory_budget_bytes = 0;
+  // The rules the call's chunks, blocks and gradient buffers are planned by (PlanRules).
+  PlanRules plan_rules = PlanRules::kDevice;
   double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
   // Per-token diagnostics to return row by row (the result's token_extras), in every mode:
   // names of the function's extras (TransformFunction::extras) that this call reports. Their
   // sums are in StepStats::extras whether asked or not.
   std::vector<std::string> token_extras;
-  // Whether a call that accumulates dW computes StepStats::health (engine.h). On a head group
-  // every rank must be given the same value (it adds a collective per chunk).
-  bool head_health = true;
+  // Whether a call that accumulates dW computes StepStats::health (engine.h): asked for, since it
+  // is a pass over the logits no other head makes (a server asks for it on every call: its
+  // metrics show it). On a head group every rank must be given the same value (it adds a
+  // collective per chunk).
+  bool head_health = false;
   // Compute the blocks of a function with a fused kernel (TransformFunction::fused:
   // cross_entropy, token_logprobs without a sampler, entropy) on one server's head: one kernel
   // per chunk gives the rows' values, extras and health, and writes dL/dz over the chunk's
