@@ -192,15 +192,19 @@ void SetWeightSlice(const Head& head, const StepOptions& options, CallPlan& plan
       std::clamp<int64_t>(plan.weight_slice_bytes, widest * 4, plan.vocab_size * widest * 4);
 }
 
-// Where dL/dz goes (CallPlan::gradient_in_logits), and the fp32 slices of it a CPU's dW GEMM
-// reads: bounded like W's slices (SetWeightSlice), at least one column of the widest chunk.
+// Where dL/dz goes (CallPlan::gradient_in_logits), whether the fp32 logits' gradient is split
+// (CallPlan::split_gradient), and the slices of it that a CPU's dW GEMM reads in fp32, or the
+// split makes: bounded like W's slices (SetWeightSlice).
 void SetGradientPlacement(const Head& head, const StepOptions& options, CallPlan& plan) {
   const bool rounded_for_dw =
       UsesCudaRules(head.device(), options.plan_rules) || head.grad_dtype() == head.dtype();
   plan.gradient_in_logits = plan.fused || plan.gemm_dtype == LogitsDtype(head) || rounded_for_dw;
-  if (plan.gradient_in_logits && head.device().is_cpu() && plan.gemm_dtype != LogitsDtype(head) &&
-      head.grad_dtype() != head.dtype()) {
-    plan.gradient_slice_bytes = std::max<int64_t>(BudgetBytes(head, options) / 16, 4);
+  plan.split_gradient =
+      plan.fp32_logits_of_half_head && UsesCudaRules(head.device(), options.plan_rules);
+  const bool cpu_upcast = plan.gradient_in_logits && head.device().is_cpu() &&
+                          plan.gemm_dtype != LogitsDtype(head) && head.grad_dtype() != head.dtype();
+  if (cpu_upcast || plan.split_gradient) {
+    plan.gradient_slice_bytes = std::max<int64_t>(BudgetBytes(head, options) / 16, 16);
   }
 }
 
@@ -307,8 +311,9 @@ int64_t CallPlan::WeightSliceRows(int64_t vocab, int64_t hidden) const {
 }
 
 int64_t CallPlan::GradientSliceColumns(int64_t rows, int64_t vocab) const {
-  return std::clamp<int64_t>(gradient_slice_bytes / std::max<int64_t>(rows * 4, 1), 1,
-                             std::max<int64_t>(vocab, 1));
+  return std::clamp<int64_t>(
+      gradient_slice_bytes / std::max<int64_t>(rows * GradientSliceBytesPerLogit(), 1), 1,
+      std::max<int64_t>(vocab, 1));
 }
 
 std::string CallMemory::Breakdown() const {
@@ -334,14 +339,17 @@ CallMemory CallPlan::Memory(int64_t rows, CallMode mode) const {
   const double chunk_row = mode == CallMode::kForward ? chunk_row_bytes_forward : chunk_row_bytes;
   m.logits_bytes =
       static_cast<int64_t>(std::ceil(static_cast<double>(chunk) * chunk_row)) + weight_slice_bytes;
-  // …and the fp32 slice of the gradient a CPU's dW GEMM reads (at most the whole chunk's).
-  if (mode != CallMode::kForward) {
-    m.logits_bytes += std::min<int64_t>(gradient_slice_bytes, chunk * vocab_size * 4);
-  }
   m.block_bytes = static_cast<int64_t>(
       std::ceil(kBlockMargin * static_cast<double>(BlockRowsFor(rows)) * block_row_bytes));
   // …and, with gradients, db's column sums of the chunk's dz ([V]).
-  if (mode != CallMode::kForward) m.block_bytes += vocab_size * logits_elem_bytes;
+  if (mode != CallMode::kForward) {
+    m.block_bytes += vocab_size * logits_elem_bytes;
+    // The backward's slices of the gradient (gradient_slice_bytes, at most the whole chunk's)
+    // are made once the chunk's blocks are gone: the larger of the two is what is held.
+    const int64_t slice =
+        std::min<int64_t>(gradient_slice_bytes, chunk * vocab_size * GradientSliceBytesPerLogit());
+    m.block_bytes = std::max(m.block_bytes, slice + vocab_size * logits_elem_bytes);
+  }
   m.token_bytes = kTokenBytesPerChunkRow * chunk + kTokenBytesPerRow * rows;
   m.output_bytes = (mode == CallMode::kForward ? rows * output_row_bytes
                                                : rows * hidden_size * head_elem_bytes) +

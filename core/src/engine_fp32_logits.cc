@@ -13,8 +13,11 @@
 //   dW += dzᵀ·X_c   the fp32 dz times the fp32 X_c: an fp32 accumulator gets each chunk's
 //                   contribution exact to fp32, in one GEMM; a half-precision accumulator's
 //                   rows are added to in fp32 a slice at a time and rounded once.
-// cuBLAS has no GEMM of an fp32 and a bf16 operand, so on CUDA the backward's two GEMMs run in
-// fp32 as on a CPU (docs/engine.md, "fp32 logits from bf16 weights", gives the cost).
+// cuBLAS has no GEMM of an fp32 and a bf16 operand, so under the CPU's plan rules the backward's
+// two GEMMs run in fp32. Under CUDA's (CallPlan::split_gradient) dz is split into two terms in
+// the head's dtype, hi + lo, which a GPU's half-precision GEMMs into fp32 read (four GEMMs on
+// tensor cores instead of two in fp32) and a CPU sums back into dz for its fp32 GEMMs: ≈ 16 of
+// fp32's 24 significant bits of dz (docs/engine.md, "fp32 logits from bf16 weights").
 #include <algorithm>
 
 #include "engine_internal.h"
@@ -50,6 +53,54 @@ torch::Tensor WeightSliceBuffer(const Head& head, int64_t slice_rows) {
                       head.weight().options().dtype(torch::kFloat));
 }
 
+// CallPlan::split_gradient on a GPU with half-precision GEMMs into fp32 (and an fp32 or no dW):
+// per slice of dz's columns, hi = dz rounded to the head's dtype, lo = (dz − hi) rounded, then
+// dX_c += hi·W_s + lo·W_s and dW_s += hiᵀ·X_c + loᵀ·X_c; dz is left as hi + lo (what db sums).
+bool SplitOnTensorCores(const Head& head, const CallPlan& call, const torch::Tensor& x_chunk,
+                        const torch::Tensor& dz, const torch::Tensor& dx, const torch::Tensor& dw) {
+  const torch::Tensor& w = head.weight();
+  const bool fp32_dw = !dw.defined() || dw.scalar_type() == torch::kFloat;
+  if (!w.is_cuda() || !CudaMmWritesFloat(w) || !fp32_dw) return false;
+  const int64_t vocab = dz.size(1);
+  const int64_t columns = call.GradientSliceColumns(dz.size(0), vocab);
+  torch::Tensor dx_out = dx;  // the caller's buffer (at::*_out take a mutable handle)
+  for (int64_t v = 0; v < vocab; v += columns) {
+    const int64_t n = std::min(columns, vocab - v);
+    torch::Tensor dz_slice = dz.narrow(1, v, n);
+    const torch::Tensor hi = dz_slice.to(w.scalar_type());
+    const torch::Tensor lo = dz_slice.sub_(hi).to(w.scalar_type());
+    dz_slice.copy_(hi).add_(lo);
+    const torch::Tensor w_slice = w.narrow(0, v, n);
+    if (dx_out.defined()) {
+      if (v == 0) {
+        at::mm_out(dx_out, hi, w_slice, torch::kFloat);
+      } else {
+        at::addmm_out(dx_out, dx_out, hi, w_slice, torch::kFloat);
+      }
+      at::addmm_out(dx_out, dx_out, lo, w_slice, torch::kFloat);
+    }
+    if (dw.defined()) {
+      torch::Tensor dw_slice = dw.narrow(0, v, n);
+      at::addmm_out(dw_slice, dw_slice, hi.t(), x_chunk, torch::kFloat);
+      at::addmm_out(dw_slice, dw_slice, lo.t(), x_chunk, torch::kFloat);
+    }
+  }
+  return true;
+}
+
+// CallPlan::split_gradient elsewhere: dz replaced by hi + lo, a slice of its columns at a time,
+// for the fp32 GEMMs that follow.
+void SplitInPlace(const Head& head, const CallPlan& call, const torch::Tensor& dz) {
+  const int64_t vocab = dz.size(1);
+  const int64_t columns = call.GradientSliceColumns(dz.size(0), vocab);
+  for (int64_t v = 0; v < vocab; v += columns) {
+    torch::Tensor dz_slice = dz.narrow(1, v, std::min(columns, vocab - v));
+    const torch::Tensor hi = dz_slice.to(head.dtype());
+    const torch::Tensor lo = dz_slice.sub_(hi).to(head.dtype());
+    dz_slice.copy_(hi).add_(lo);
+  }
+}
+
 }  // namespace
 
 void Fp32ChunkLogits(const Head& head, const CallPlan& call, const torch::Tensor& x_chunk,
@@ -80,6 +131,10 @@ void Fp32ChunkLogits(const Head& head, const CallPlan& call, const torch::Tensor
 
 void Fp32ChunkBackward(const Head& head, const CallPlan& call, const torch::Tensor& x_chunk,
                        const torch::Tensor& dz, const torch::Tensor& dx, const torch::Tensor& dw) {
+  if (call.split_gradient) {
+    if (SplitOnTensorCores(head, call, x_chunk, dz, dx, dw)) return;
+    SplitInPlace(head, call, dz);
+  }
   const torch::Tensor x = dw.defined() ? x_chunk.to(torch::kFloat) : torch::Tensor();
   const bool half_dw = dw.defined() && dw.scalar_type() != torch::kFloat;
   if (dx.defined() || half_dw) {

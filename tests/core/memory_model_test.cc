@@ -66,6 +66,7 @@ const DtypeCase kDtypes[] = {
     {"bf16", torch::kBFloat16, std::nullopt},
     {"bf16_fp32logits", torch::kBFloat16, torch::kFloat},
     {"bf16_cuda_rules", torch::kBFloat16, std::nullopt, core::PlanRules::kCuda},
+    {"bf16_fp32logits_cuda_rules", torch::kBFloat16, torch::kFloat, core::PlanRules::kCuda},
 };
 
 using Param = std::tuple<MemoryCase, CallMode, DtypeCase, Chunking>;

@@ -39,7 +39,8 @@ struct CallMemory {
                              // of W that fp32 logits of a half head are formed from, or of the
                              // gradient a CPU's dW GEMM reads)
   int64_t block_bytes = 0;   // one function block: fp32 logits, their gradient, what the
-                             // function and the logit transforms keep for autograd
+                             // function and the logit transforms keep for autograd (or the
+                             // backward's slices of the gradient, made after the blocks)
   int64_t token_bytes = 0;   // O(N) bookkeeping: masks, per-token values, row checks
   int64_t output_bytes = 0;  // what the call returns: dX [N, D], per-token outputs [N] (or the
                              // generation outputs' rows: [N, V] logits, [N] ids and log-probs),
@@ -85,8 +86,12 @@ struct CallPlan {
   bool gradient_in_logits = false;
   // gradient_in_logits on a CPU head of half precision with fp32 accumulators: the CPU has no
   // GEMM of half-precision inputs into fp32, so the dW GEMM reads fp32 copies of the gradient's
-  // columns, at most this many bytes of them at a time. 0 otherwise.
+  // columns, at most this many bytes of them at a time; with split_gradient, the temporaries of
+  // the split's slice. 0 otherwise.
   int64_t gradient_slice_bytes = 0;
+  // Bytes per logit of such a slice: the fp32 copy (4); the split's hi and lo, and on a CPU the
+  // fp32 temporary of their sum (8).
+  int64_t GradientSliceBytesPerLogit() const { return split_gradient ? 8 : 4; }
   // Columns of such a slice for a chunk of `rows` rows: at least 1, at most `vocab`.
   int64_t GradientSliceColumns(int64_t rows, int64_t vocab) const;
 
@@ -115,6 +120,13 @@ struct CallPlan {
   std::optional<torch::ScalarType> logits_dtype;
   torch::ScalarType gemm_dtype = torch::kFloat;
   bool fp32_logits_of_half_head = false;
+  // fp32_logits_of_half_head under CUDA's rules: the backward's GEMMs read the fp32 dz as two
+  // terms in the head's dtype, hi = dz rounded and lo = (dz − hi) rounded — 16 of fp32's 24
+  // significant bits (a relative error ≤ 2⁻¹⁶ per element) — so that they run as half-precision
+  // GEMMs into fp32 (cuBLAS, tensor cores) rather than as fp32 GEMMs. A CPU (no such GEMM) sums
+  // the two terms back into dz, and runs its fp32 GEMMs on that: what a GPU computes, up to the
+  // order of summation. Both work a slice of dz's columns at a time (gradient_slice_bytes).
+  bool split_gradient = false;
   // fp32_logits_of_half_head (or a half-precision teacher's fp32 logits): the bytes of the one
   // fp32 slice of W rows (WeightSliceRows) a GEMM holds at a time. 0 otherwise.
   int64_t weight_slice_bytes = 0;
