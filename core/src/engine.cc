@@ -96,7 +96,10 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
   const ChunkOutputs outputs =
       RunChunks(head, batch, plan, TrainingPass(plan, &upstream, grads, grad_hidden));
   FusedResult result;
-  result.loss = outputs.loss_sum.item<double>() / plan.denominator;
+  {
+    const PhaseScope sync(plan.phases, StepPhase::kHostSync);
+    result.loss = outputs.loss_sum.item<double>() / plan.denominator;
+  }
   result.grad_hidden = std::move(grad_hidden);
   result.stats = MakeStats(plan, outputs);
   result.token_extras = outputs.token_extras;

@@ -443,6 +443,7 @@ ChunkOutputs RunChunks(const Head& head, const TokenBatch& batch, const Plan& pl
 }
 
 StepStats MakeStats(const Plan& plan, const ChunkOutputs& outputs) {
+  const PhaseScope sync(plan.phases, StepPhase::kHostSync);
   StepStats stats;
   stats.valid_tokens = plan.valid_tokens;
   stats.denominator = plan.denominator;

@@ -317,6 +317,8 @@ absl::StatusOr<Plan> MakePlan(const Head& head, const TokenBatch& batch, const S
   plan.first_row = options.first_row;
   plan.row_numbers = options.row_numbers;
   plan.ignore_index = options.ignore_index;
+  // From here on the inputs' values are checked: reads on the host of values on the device.
+  const PhaseScope checks(options.phases, StepPhase::kHostSync);
   RETURN_IF_ERROR(CheckHidden(head, batch));
   plan.rows = batch.rows();
 

@@ -14,10 +14,14 @@ enum class StepPhase : int {
   kDxGemm = 2,      // dX_c = dz·W (and on a group, its sum); fp32 logits of a half-precision
                     // head: its whole backward (dX and dW run slice by slice together)
   kDwGemm = 3,      // dW += dzᵀ·X_c, db += Σ dz
+  // The call's reads of device values on the host: its checks of the inputs (finite hidden
+  // states, targets in range, the valid tokens), then the loss and the statistics — each a wait
+  // for the device and a device-to-host copy.
+  kHostSync = 4,
 };
-inline constexpr int kStepPhases = 4;
+inline constexpr int kStepPhases = 5;
 inline constexpr std::array<std::string_view, kStepPhases> kStepPhaseNames = {
-    "logits_gemm", "function", "dx_gemm", "dw_gemm"};
+    "logits_gemm", "function", "dx_gemm", "dw_gemm", "host_sync"};
 
 // Told when each phase begins and ends, on the thread that runs the call, in order (phases do
 // not nest). On a GPU the work is queued, not done: a recorder puts events on the stream.
