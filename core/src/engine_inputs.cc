@@ -281,6 +281,13 @@ std::string ShapeOf(const torch::Tensor& t) {
 }
 
 int64_t FirstNonFiniteRow(const torch::Tensor& t) {
+  // One pass first: a NaN or an Inf anywhere makes the sum NaN or Inf, so a finite sum means
+  // every value is finite (the common case, read once, nothing allocated but the sum). A sum
+  // that is not finite — a bad value, or finite values too large to add up — is then searched
+  // element by element. fp16's range is too small for sums: its sum is taken in fp32.
+  const torch::Tensor sum =
+      t.scalar_type() == torch::kHalf ? t.sum(torch::kFloat) : t.sum();
+  if (std::isfinite(sum.item<double>())) return -1;
   const torch::Tensor bad = torch::isfinite(t).logical_not();
   const torch::Tensor rows = t.dim() == 1 ? bad : bad.any(1);
   if (!rows.any().item<bool>()) return -1;

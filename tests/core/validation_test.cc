@@ -2,6 +2,7 @@
 // actual value — and leaves the accumulated gradients bit-identical.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 
 #include "core/reference.h"
@@ -67,6 +68,21 @@ TEST_F(Validation, GoodInputIsAccepted) {
   core::TokenBatch batch = GoodBatch();
   auto r = core::Forward(*head_, batch, {});
   ASSERT_TRUE(r.ok()) << r.status();
+}
+
+// The finite-values check sums the rows first (engine_inputs.cc): finite values whose sum
+// overflows are still finite values, and a NaN among them is still found and named.
+TEST_F(Validation, FiniteValuesWhoseSumOverflowsAreAccepted) {
+  core::TokenBatch batch = GoodBatch();
+  batch.hidden[2][1] = 3e38f;
+  batch.hidden[5][0] = 3e38f;
+  ASSERT_FALSE(std::isfinite(batch.hidden.sum().item<double>()));
+  auto r = core::Forward(*head_, batch, {});
+  EXPECT_TRUE(r.ok()) << r.status();
+  batch.hidden[7][2] = NAN;
+  r = core::Forward(*head_, batch, {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(), "hidden[7]: expected finite values; got NaN or Inf");
 }
 
 TEST_F(Validation, BadInputsAreRejectedWithPreciseMessagesAndNoStateChange) {
