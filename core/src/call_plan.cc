@@ -311,6 +311,7 @@ int64_t CallPlan::WeightSliceRows(int64_t vocab, int64_t hidden) const {
 }
 
 int64_t CallPlan::GradientSliceColumns(int64_t rows, int64_t vocab) const {
+  if (gradient_slice_bytes <= 0) return std::max<int64_t>(vocab, 1);  // no bound: one slice
   return std::clamp<int64_t>(
       gradient_slice_bytes / std::max<int64_t>(rows * GradientSliceBytesPerLogit(), 1), 1,
       std::max<int64_t>(vocab, 1));

@@ -56,9 +56,7 @@ void AccumulateWeightGrad(torch::Tensor& dw, const torch::Tensor& dz_logits,
     // here: fp32 copies of its columns, CallPlan::gradient_slice_bytes at a time.
     const torch::Tensor x = x_chunk.to(dw.scalar_type());
     const int64_t vocab = dz_head.size(1);
-    const int64_t columns = call.gradient_slice_bytes > 0
-                                ? call.GradientSliceColumns(dz_head.size(0), vocab)
-                                : vocab;
+    const int64_t columns = call.GradientSliceColumns(dz_head.size(0), vocab);
     for (int64_t v = 0; v < vocab; v += columns) {
       const int64_t n = std::min(columns, vocab - v);
       dw.narrow(0, v, n).addmm_(dz_head.narrow(1, v, n).to(dw.scalar_type()).t(), x);

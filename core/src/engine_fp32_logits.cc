@@ -19,6 +19,7 @@
 // tensor cores instead of two in fp32) and a CPU sums back into dz for its fp32 GEMMs: ≈ 16 of
 // fp32's 24 significant bits of dz (docs/engine.md, "fp32 logits from bf16 weights").
 #include <algorithm>
+#include <utility>
 
 #include "engine_internal.h"
 
@@ -53,6 +54,16 @@ torch::Tensor WeightSliceBuffer(const Head& head, int64_t slice_rows) {
                       head.weight().options().dtype(torch::kFloat));
 }
 
+// One slice of the split (CallPlan::split_gradient): hi = dz rounded to `dtype`, lo = (dz − hi)
+// rounded, and the slice of dz left as hi + lo (exact in fp32), what every later use reads.
+std::pair<torch::Tensor, torch::Tensor> SplitSlice(torch::Tensor dz_slice,
+                                                   torch::ScalarType dtype) {
+  torch::Tensor hi = dz_slice.to(dtype);
+  torch::Tensor lo = dz_slice.sub_(hi).to(dtype);
+  dz_slice.copy_(hi).add_(lo);
+  return {std::move(hi), std::move(lo)};
+}
+
 // CallPlan::split_gradient on a GPU with half-precision GEMMs into fp32 (and an fp32 or no dW):
 // per slice of dz's columns, hi = dz rounded to the head's dtype, lo = (dz − hi) rounded, then
 // dX_c += hi·W_s + lo·W_s and dW_s += hiᵀ·X_c + loᵀ·X_c; dz is left as hi + lo (what db sums).
@@ -66,10 +77,7 @@ bool SplitOnTensorCores(const Head& head, const CallPlan& call, const torch::Ten
   torch::Tensor dx_out = dx;  // the caller's buffer (at::*_out take a mutable handle)
   for (int64_t v = 0; v < vocab; v += columns) {
     const int64_t n = std::min(columns, vocab - v);
-    torch::Tensor dz_slice = dz.narrow(1, v, n);
-    const torch::Tensor hi = dz_slice.to(w.scalar_type());
-    const torch::Tensor lo = dz_slice.sub_(hi).to(w.scalar_type());
-    dz_slice.copy_(hi).add_(lo);
+    const auto [hi, lo] = SplitSlice(dz.narrow(1, v, n), w.scalar_type());
     const torch::Tensor w_slice = w.narrow(0, v, n);
     if (dx_out.defined()) {
       if (v == 0) {
@@ -94,10 +102,7 @@ void SplitInPlace(const Head& head, const CallPlan& call, const torch::Tensor& d
   const int64_t vocab = dz.size(1);
   const int64_t columns = call.GradientSliceColumns(dz.size(0), vocab);
   for (int64_t v = 0; v < vocab; v += columns) {
-    torch::Tensor dz_slice = dz.narrow(1, v, std::min(columns, vocab - v));
-    const torch::Tensor hi = dz_slice.to(head.dtype());
-    const torch::Tensor lo = dz_slice.sub_(hi).to(head.dtype());
-    dz_slice.copy_(hi).add_(lo);
+    SplitSlice(dz.narrow(1, v, std::min(columns, vocab - v)), head.dtype());
   }
 }
 

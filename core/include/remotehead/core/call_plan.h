@@ -92,7 +92,8 @@ struct CallPlan {
   // Bytes per logit of such a slice: the fp32 copy (4); the split's hi and lo, and on a CPU the
   // fp32 temporary of their sum (8).
   int64_t GradientSliceBytesPerLogit() const { return split_gradient ? 8 : 4; }
-  // Columns of such a slice for a chunk of `rows` rows: at least 1, at most `vocab`.
+  // Columns of such a slice for a chunk of `rows` rows: at least 1, at most `vocab` (all of them
+  // when gradient_slice_bytes is 0).
   int64_t GradientSliceColumns(int64_t rows, int64_t vocab) const;
 
   // The memory of a call on `rows` rows in `mode` that allocates its own dX (the server's case).
