@@ -12,6 +12,7 @@
 #include <torch/serialize.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -324,6 +326,57 @@ TEST(GroupLogTest, RepliesRoundTrip) {
   for (const std::string bad : {"", "3", "3:", "x:1:a", "3:9:abc", "99:0:", "3:0:", "3:0:5:ab"}) {
     EXPECT_EQ(server::DecodeReply(bad).status().code(), absl::StatusCode::kDataLoss) << bad;
   }
+}
+
+// A read of a key that another connection deletes meanwhile (the front deletes each command's
+// replies while their ranks may still be watching them) answers "not there" and leaves the
+// reader's connection working: c10d's plain TCPStore server closes a connection whose GET names
+// a missing key, which took a whole mesh down (a lost store, on every process) now and then.
+TEST(StoreTest, AReadRacingADeleteAnswersNotThereAndTheConnectionLives) {
+  GroupConfig config;
+  config.size = 1;
+  config.store_port = testing::FreePort();
+  config.timeout = std::chrono::seconds(10);
+  auto group = server::ProcessGroup::Join(config);
+  ASSERT_TRUE(group.ok()) << group.status();
+  auto other = server::OpenStore(config, "commands");  // the group's own prefix
+  ASSERT_TRUE(other.ok()) << other.status();
+  std::atomic<bool> done{false};
+  absl::Status deleter_failed;
+  std::thread deleter([&] {
+    while (!done.load() && deleter_failed.ok()) {
+      deleter_failed = (*other)->Set("racing", "value");
+      if (deleter_failed.ok()) deleter_failed = (*other)->Delete("racing");
+    }
+  });
+  // Reads until both outcomes were seen (a value, a key deleted between the wait and the read),
+  // at most 20 s; without the fix the first deletion in between cut the connection within ms.
+  int read = 0, deleted = 0;
+  absl::Status unexpected;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while ((read == 0 || deleted == 0) && unexpected.ok() &&
+         std::chrono::steady_clock::now() < give_up) {
+    absl::StatusOr<std::string> got = (*group)->Get("racing", std::chrono::milliseconds(50));
+    if (got.ok()) {
+      EXPECT_EQ(*got, "value");
+      ++read;
+    } else if (absl::StrContains(got.status().message(), "deleted while it was read")) {
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
+      ++deleted;
+    } else if (got.status().code() != absl::StatusCode::kDeadlineExceeded) {
+      unexpected = got.status();  // the connection is gone: every later call would fail too
+    }
+  }
+  done = true;
+  deleter.join();
+  ASSERT_TRUE(unexpected.ok()) << unexpected;
+  ASSERT_TRUE(deleter_failed.ok()) << deleter_failed;
+  EXPECT_GT(read, 0);
+  EXPECT_GT(deleted, 0) << "the race was never met: the test proved nothing";
+  ASSERT_TRUE((*group)->Set("after", "still there").ok());
+  absl::StatusOr<std::string> after = (*group)->Get("after", std::chrono::seconds(1));
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(*after, "still there");
 }
 
 TEST(GroupFlagsTest, FlagsAndTorchrunEnvironment) {

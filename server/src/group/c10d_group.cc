@@ -21,12 +21,14 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/group/process_group.h"
@@ -48,6 +50,22 @@ absl::StatusOr<int> ParseInt(const std::string& text, const std::string& field) 
   return value;
 }
 
+// A call `op` of this rank that failed with `detail`, as a status naming both: `timed_out`
+// gives DEADLINE_EXCEEDED, else UNAVAILABLE.
+absl::Status GroupCallFailed(const std::string& op, const GroupConfig& config,
+                             absl::string_view detail, bool timed_out) {
+  const std::string message = absl::StrCat("head group: ", op, " failed on rank ", config.rank,
+                                           " of ", config.size, ": ", detail);
+  const std::map<std::string, std::string> metadata = {{"op", op},
+                                                       {"rank", absl::StrCat(config.rank)}};
+  if (timed_out) {
+    return core::WithReason(absl::DeadlineExceededError(message), core::reason::kGroupTimeout,
+                            metadata);
+  }
+  return core::WithReason(absl::UnavailableError(message), core::reason::kGroupUnavailable,
+                          metadata);
+}
+
 // A failed c10d call as a status naming the operation and this rank. c10d reports a timeout
 // and a lost peer with the same exception types, so the time the call took tells them apart:
 // a call that failed after (nearly) the whole --group_timeout_seconds timed out
@@ -56,19 +74,9 @@ absl::StatusOr<int> ParseInt(const std::string& text, const std::string& field) 
 absl::Status FromException(const std::exception& e, const std::string& op,
                            const GroupConfig& config, std::chrono::milliseconds timeout,
                            std::chrono::steady_clock::time_point start) {
-  const std::string what = e.what();
-  const std::string message = absl::StrCat("head group: ", op, " failed on rank ", config.rank,
-                                           " of ", config.size, ": ",
-                                           what.substr(0, what.find('\n')));
-  const auto elapsed = std::chrono::steady_clock::now() - start;
-  const std::map<std::string, std::string> metadata = {{"op", op},
-                                                       {"rank", absl::StrCat(config.rank)}};
-  if (elapsed >= timeout * 9 / 10) {
-    return core::WithReason(absl::DeadlineExceededError(message), core::reason::kGroupTimeout,
-                            metadata);
-  }
-  return core::WithReason(absl::UnavailableError(message), core::reason::kGroupUnavailable,
-                          metadata);
+  const absl::string_view what = e.what();
+  return GroupCallFailed(op, config, what.substr(0, what.find('\n')),
+                         std::chrono::steady_clock::now() - start >= timeout * 9 / 10);
 }
 
 // c10d's log below ERROR muted while it lives (c10d logs at FLAGS_caffe2_log_level, a global
@@ -99,16 +107,21 @@ class C10dStore final : public KeyValueStore {
 
   absl::StatusOr<std::string> Get(const std::string& key,
                                   std::chrono::milliseconds timeout) override {
-    std::string value;
+    std::vector<uint8_t> bytes;
     RETURN_IF_ERROR(StoreCall("get", key, timeout, [&] {
       // A wait that times out is how a following rank polls for the next command: c10d's
       // warning for each (and for a store that went away, which the status reports) is muted.
       const QuietC10dLog quiet;
       store_->wait({key}, timeout);
-      const std::vector<uint8_t> bytes = store_->get(key);
-      value.assign(bytes.begin(), bytes.end());
+      bytes = ReadIfThere(key);
     }));
-    return value;
+    if (bytes == AbsentMark()) {
+      // Deleted between the wait and the read (the front deletes replies that their ranks may
+      // still be watching; a stranger may delete anything): as if it had not come in time.
+      return GroupCallFailed(absl::StrCat("store get \"", key, "\""), config_,
+                             "deleted while it was read", /*timed_out=*/true);
+    }
+    return std::string(bytes.begin(), bytes.end());
   }
 
   absl::Status Delete(const std::string& key) override {
@@ -122,6 +135,24 @@ class C10dStore final : public KeyValueStore {
   }
 
  private:
+  // What ReadIfThere answers for a missing key: no writer of the store writes these bytes.
+  static const std::vector<uint8_t>& AbsentMark() {
+    static const std::vector<uint8_t> mark = [] {
+      constexpr char kText[] = "\0remotehead: no such key\0";
+      return std::vector<uint8_t>(kText, kText + sizeof(kText) - 1);
+    }();
+    return mark;
+  }
+
+  // The value at `key`, or AbsentMark() if there is none, in one request. Not c10d's get(): its
+  // plain TCPStore server answers a GET of a missing key by closing the connection, so a key
+  // deleted after a wait saw it would cut this process off the store. A compare-and-set whose
+  // expected value is the mark changes nothing and answers the value, or the mark when the key
+  // is missing (the server then creates nothing).
+  std::vector<uint8_t> ReadIfThere(const std::string& key) {
+    return store_->compareSet(key, AbsentMark(), AbsentMark());
+  }
+
   // Runs one store call that may wait up to `timeout`; an exception (a timeout, a store that is
   // gone) becomes a status naming the call and the key.
   template <typename Call>
