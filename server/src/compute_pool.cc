@@ -1,7 +1,10 @@
 #include "compute_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "remotehead/core/engine.h"
 
 namespace remotehead::server {
@@ -10,7 +13,14 @@ ComputePool::ComputePool(int threads) {
   // Before any request can run LibTorch in parallel (here or on gRPC's threads: optimizer steps,
   // head creation), so that no first call races with MKL's one-time choice of kernels.
   core::WarmUpCpuMath();
-  for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Run(); });
+  for (int i = 0; i < std::max(threads, 1); ++i) {
+    threads_.emplace_back([this, i] {
+      // Named, so that per-thread CPU time (top -H, remotehead-wire-bench) tells the compute
+      // apart from gRPC's threads.
+      pthread_setname_np(pthread_self(), absl::StrCat("rh-compute-", i).c_str());
+      Run();
+    });
+  }
 }
 
 ComputePool::~ComputePool() {

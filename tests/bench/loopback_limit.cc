@@ -49,12 +49,10 @@ absl::Status Connect(int* writer, int* reader) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> OneRun(int64_t bytes) {
-  int writer = -1, reader = -1;
-  if (absl::Status s = Connect(&writer, &reader); !s.ok()) return s;
+// One socket pair carrying `bytes`: a writer thread, this thread reading; the bytes it read.
+int64_t Carry(int writer, int reader, int64_t bytes) {
   constexpr size_t kBlock = size_t{1} << 20;
   std::vector<char> out(kBlock, 'x'), in(kBlock);
-  const auto start = std::chrono::steady_clock::now();
   std::thread send([&] {
     for (int64_t left = bytes; left > 0;) {
       const ssize_t n = write(writer, out.data(), std::min<int64_t>(left, kBlock));
@@ -65,24 +63,48 @@ absl::StatusOr<double> OneRun(int64_t bytes) {
   });
   int64_t received = 0;
   for (ssize_t n; (n = read(reader, in.data(), kBlock)) > 0;) received += n;
+  send.join();
+  return received;
+}
+
+absl::StatusOr<double> OneRun(int64_t bytes, int connections) {
+  std::vector<int> writers(connections, -1), readers(connections, -1);
+  absl::Status connected;
+  for (int c = 0; c < connections && connected.ok(); ++c) {
+    connected = Connect(&writers[c], &readers[c]);
+  }
+  std::vector<int64_t> received(connections, 0);
+  const int64_t each = bytes / connections;
+  const auto start = std::chrono::steady_clock::now();
+  if (connected.ok()) {
+    std::vector<std::thread> pairs;
+    for (int c = 0; c < connections; ++c) {
+      pairs.emplace_back([&, c] { received[c] = Carry(writers[c], readers[c], each); });
+    }
+    for (std::thread& t : pairs) t.join();
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  send.join();
-  close(writer);
-  close(reader);
-  if (received != bytes) {
-    return absl::InternalError(
-        absl::StrCat("loopback limit: received ", received, " bytes of ", bytes));
+  for (int c = 0; c < connections; ++c) {
+    if (writers[c] >= 0) close(writers[c]);
+    if (readers[c] >= 0) close(readers[c]);
   }
-  return bytes / seconds;
+  if (!connected.ok()) return connected;
+  int64_t total = 0;
+  for (int64_t r : received) total += r;
+  if (total != each * connections) {
+    return absl::InternalError(
+        absl::StrCat("loopback limit: received ", total, " bytes of ", each * connections));
+  }
+  return total / seconds;
 }
 
 }  // namespace
 
-absl::StatusOr<double> LoopbackTcpBytesPerSecond(int64_t bytes, int repeats) {
+absl::StatusOr<double> LoopbackTcpBytesPerSecond(int64_t bytes, int repeats, int connections) {
   double best = 0;
   for (int i = 0; i < std::max(1, repeats); ++i) {
-    absl::StatusOr<double> r = OneRun(bytes);
+    absl::StatusOr<double> r = OneRun(bytes, std::max(1, connections));
     if (!r.ok()) return r.status();
     best = std::max(best, *r);
   }

@@ -12,6 +12,10 @@ namespace remotehead::bench {
 // writes while this one reads them, timed from the first write to the last byte read (the best
 // of `repeats`). The plain socket pair a gRPC stream runs over, with no framing or copies of
 // its own: the upper bound of one stream's goodput.
-absl::StatusOr<double> LoopbackTcpBytesPerSecond(int64_t bytes, int repeats = 3);
+// With `connections` > 1: as many socket pairs at once, each carrying bytes / connections with a
+// writer and a reader thread of its own, timed from the first write to the last byte read on any
+// of them — the bound of C striped streams.
+absl::StatusOr<double> LoopbackTcpBytesPerSecond(int64_t bytes, int repeats = 3,
+                                                 int connections = 1);
 
 }  // namespace remotehead::bench

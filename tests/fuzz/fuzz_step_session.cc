@@ -6,7 +6,7 @@
 // serialized v1::StepRequest. Control bits:
 //   0x80  start a new session before this message (the first part always does); its mode is
 //         (ctl >> 4) & 3: 0 ForwardBackward, 1 Forward, 2 Backward (3 = ForwardBackward)
-//   0x01  more_queued (the transport holds further messages: rows are batched)
+//   0x01  unused (rows are batched at fixed boundaries whatever the transport holds)
 //   0x04  abandon the session after this message (a client that disconnects: no OnClientDone)
 //   0x08  the session's should_stop says stop (cancellation, deadline)
 // A header whose inputs_handle is "@" gets the handle of the last Forward of this input that
@@ -115,7 +115,7 @@ class Session {
     }
     const bool had_header = stream_.session().has_begun();
     std::vector<v1::StepResponse> responses;
-    const absl::Status s = stream_.OnRequest(std::move(request), &responses, (ctl & 0x01) != 0);
+    const absl::Status s = stream_.OnRequest(std::move(request), &responses);
     CheckResponses(responses);
     if (!s.ok()) return End(/*failed=*/true);
     // What the reactor asks right after the header, before admission.

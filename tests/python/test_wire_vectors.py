@@ -54,3 +54,35 @@ def test_decode_gives_the_vectors_values_bit_for_bit(v):
         == v["data_hex"]
     wide = torch.float64 if expected.dtype.is_floating_point else torch.int64
     assert decoded.to(wide).reshape(-1).tolist() == v["values"]
+
+
+@pytest.mark.parametrize("offset,count", [(0, 300), (17, 5), (300, 0)])
+def test_a_rows_message_framed_around_its_bytes_parses_as_the_message_built_whole(offset, count):
+    """_wire.data_frame / map_tensor_frame (what PreparedStep.frames sends): the message without
+    its tensors' bytes, then each tensor's bytes as a field of its own and each aux tensor as a
+    whole map entry, parse as the message built and serialized whole — large rows (lengths of
+    several varint bytes), a bf16 tensor, a map of tensors, no rows at all."""
+    hidden = torch.randn(300, 700).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (300,))
+    aux = {"advantages": torch.randn(300), "teacher_topk_logprobs": torch.randn(300, 4)}
+    rows = slice(offset, offset + count)
+    whole = pb.StepRequest()
+    whole.rows.row_offset = offset
+    _wire.encode(hidden[rows], whole.rows.hidden)
+    _wire.encode(targets[rows], whole.rows.targets)
+    for name, t in aux.items():
+        _wire.encode(t[rows], whole.rows.aux[name])
+
+    head = pb.StepRequest()
+    head.rows.row_offset = offset
+    number = pb.StepRows.DESCRIPTOR.fields_by_name
+    rows_field = pb.StepRequest.DESCRIPTOR.fields_by_name["rows"].number
+    pieces = [*_wire.data_frame([rows_field, number["hidden"].number],
+                                _wire.encode_head(hidden[rows], head.rows.hidden)),
+              *_wire.data_frame([rows_field, number["targets"].number],
+                                _wire.encode_head(targets[rows], head.rows.targets))]
+    for name, t in aux.items():
+        value = pb.Tensor()
+        pieces += _wire.map_tensor_frame([rows_field], number["aux"].number, name, value,
+                                         _wire.encode_head(t[rows], value))
+    assert pb.StepRequest.FromString(b"".join([head.SerializeToString(), *pieces])) == whole

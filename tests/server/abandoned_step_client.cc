@@ -1,6 +1,7 @@
 // A trainer that dies mid-step, for server_binary_test: it opens a ForwardBackward that
 // accumulates dW under gradient id "killed/rank-0", sends the header and the first 16 of 64
-// rows, waits for their dX, says so, and then waits to be killed.
+// rows (their dX never comes: their batch waits for the rest), says so, and then waits to be
+// killed.
 //
 //   abandoned-step-client 127.0.0.1:PORT
 #include <grpcpp/grpcpp.h>
@@ -40,8 +41,7 @@ int main(int argc, char** argv) {
   targets->add_shape(16);
   const int64_t labels[16] = {7};
   targets->set_data(reinterpret_cast<const char*>(labels), sizeof(labels));
-  v1::StepResponse response;
-  if (!stream->Write(header) || !stream->Write(rows) || !stream->Read(&response)) {
+  if (!stream->Write(header) || !stream->Write(rows)) {
     std::cerr << "abandoned-step-client: the stream failed: " << stream->Finish().error_message()
               << std::endl;
     return 1;

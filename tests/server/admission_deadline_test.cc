@@ -8,11 +8,13 @@ namespace {
 
 class AdmissionDeadlineTest : public ServiceFixture {
  protected:
-  // A ForwardBackward that has sent its header and first rows and got the first dX back: it
-  // holds its admission until Complete() sends the rest.
+  // A ForwardBackward that has sent its header and first rows and is running (admitted: its rows
+  // wait for the rest of their batch, which is cut at fixed rows): it holds its admission until
+  // Complete() sends the rest.
   class OpenStep {
    public:
-    OpenStep(v1::HeadService::Stub* stub, const core::TokenBatch& batch, const std::string& trainer)
+    OpenStep(AdmissionDeadlineTest* service, v1::HeadService::Stub* stub, const core::TokenBatch& batch,
+             const std::string& trainer)
         : batch_(batch), stream_(stub->ForwardBackward(&context_)) {
       v1::StepRequest header;
       v1::StepHeader* h = header.mutable_header();
@@ -23,8 +25,10 @@ class AdmissionDeadlineTest : public ServiceFixture {
       h->mutable_gradient_id()->set_trainer(trainer);
       EXPECT_TRUE(stream_->Write(header));
       EXPECT_TRUE(stream_->Write(Rows(0, 10)));
-      v1::StepResponse response;
-      EXPECT_TRUE(stream_->Read(&response));  // running: its first dX came back
+      for (int i = 0; i < 500 && service->service().admission().Stats().active == 0; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      EXPECT_EQ(service->service().admission().Stats().active, 1);  // running
     }
 
     grpc::Status Complete() {
@@ -91,7 +95,7 @@ TEST_F(AdmissionDeadlineTest, FullQueueIsRefusedWhileARequestRunsThenServingGoes
   ASSERT_TRUE(core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, &expected).ok());
   ASSERT_TRUE(core::FusedForwardBackward(testing::HeadOf(*entry_), batch_, {}, &expected).ok());
 
-  auto running = std::make_unique<OpenStep>(stub_.get(), batch_, "run/rank-0");
+  auto running = std::make_unique<OpenStep>(this, stub_.get(), batch_, "run/rank-0");
   const StepOutcome refused = Step("run/rank-1", 0);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(absl::StartsWith(refused.status.error_message(),
@@ -109,7 +113,7 @@ TEST_F(AdmissionDeadlineTest, FullQueueIsRefusedWhileARequestRunsThenServingGoes
 
 TEST_F(AdmissionDeadlineTest, QueuedRequestRunsOnceCapacityFreesAndReportsItsWait) {
   StartService({.admission = {.max_active = 1, .max_queued = 4}});
-  auto running = std::make_unique<OpenStep>(stub_.get(), batch_, "run/rank-0");
+  auto running = std::make_unique<OpenStep>(this, stub_.get(), batch_, "run/rank-0");
   StepOutcome queued;
   std::thread waiter([&] { queued = Step("run/rank-1", 0); });
   for (int i = 0; i < 500 && service().admission().Stats().queued == 0; ++i) {

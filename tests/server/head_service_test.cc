@@ -486,8 +486,12 @@ TEST_P(HeadServiceTest, ClientCancellingMidStreamLeavesGradientsUntouched) {
   ASSERT_TRUE(
       EncodeTensor(batch_.targets.narrow(0, 0, 10), rows.mutable_rows()->mutable_targets()).ok());
   ASSERT_TRUE(stream->Write(rows));
+  // Running (admitted; its first rows wait for the rest of their batch) when it is cancelled.
+  for (int i = 0; i < 500 && service().admission().Stats().active == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(service().admission().Stats().active, 1);
   v1::StepResponse response;
-  ASSERT_TRUE(stream->Read(&response));  // dX of the first rows came back
   context.TryCancel();
   while (stream->Read(&response)) {
   }

@@ -1,11 +1,13 @@
 // The wire codec (remotehead::wire, shared by the server and the C++ client): round trips for
 // every dtype, the shared test vectors (tests/data/wire_vectors.json, which the Python client's
 // codec is tested against too), precise errors for bad bytes, the row-chunk plans, the assembly
-// of streamed rows — and, by construction, one process that uses protobuf/gRPC messages and
-// LibTorch together (the torch wheel bundles an old protobuf: a header or symbol clash between
-// the two would fail to compile, link or run here first).
+// of streamed rows, messages framed around their rows' bytes, row buffers — and, by
+// construction, one process that uses protobuf/gRPC messages and LibTorch together (the torch
+// wheel bundles an old protobuf: a header or symbol clash between the two would fail to
+// compile, link or run here first).
 #include "remotehead/wire/tensor_codec.h"
 
+#include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -15,9 +17,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/server/rpc/status_mapping.h"
+#include "remotehead/wire/frames.h"
+#include "remotehead/wire/row_buffer.h"
 
 namespace remotehead {
 namespace {
@@ -186,6 +191,72 @@ std::string FromHex(const std::string& hex) {
     bytes.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   }
   return bytes;
+}
+
+// Frames: a rows message with its tensors' bytes referenced where they lie parses as the same
+// message built and serialized whole — singular tensor fields, a map of tensors, large rows
+// (varint lengths of several bytes) and empty ones — and its pieces point into the tensors.
+TEST(Frames, ParseAsTheMessageBuiltWholeWithoutCopyingTheRows) {
+  const torch::Tensor hidden = torch::randn({300, 700});  // 840,000 bytes of a row range
+  const torch::Tensor targets = torch::randint(0, 50, {300}, torch::kLong);
+  const torch::Tensor advantages = torch::randn({300});
+  const torch::Tensor topk = torch::randn({300, 4});
+  for (const auto& [offset, count] : std::vector<std::pair<int64_t, int64_t>>{{0, 300}, {17, 5}, {300, 0}}) {
+    SCOPED_TRACE(absl::StrCat("rows ", offset, "+", count));
+    v1::StepRequest whole;
+    v1::StepRows* rows = whole.mutable_rows();
+    rows->set_row_offset(offset);
+    wire::EncodeRows(hidden, offset, count, rows->mutable_hidden());
+    wire::EncodeRows(targets, offset, count, rows->mutable_targets());
+    wire::EncodeRows(advantages, offset, count, &(*rows->mutable_aux())["advantages"]);
+    wire::EncodeRows(topk, offset, count, &(*rows->mutable_aux())["teacher_topk_logprobs"]);
+
+    v1::StepRequest head;
+    head.mutable_rows()->set_row_offset(offset);
+    const wire::RowBytes h =
+        wire::EncodeRowsHead(hidden, offset, count, head.mutable_rows()->mutable_hidden());
+    const wire::RowBytes t =
+        wire::EncodeRowsHead(targets, offset, count, head.mutable_rows()->mutable_targets());
+    wire::Frames frames;
+    frames.AppendMessage(head);
+    const std::vector<int> rows_field = {v1::StepRequest::kRowsFieldNumber};
+    frames.AppendTensorData({v1::StepRequest::kRowsFieldNumber, v1::StepRows::kHiddenFieldNumber},
+                            v1::Tensor::kDataFieldNumber, h, hidden);
+    frames.AppendTensorData({v1::StepRequest::kRowsFieldNumber, v1::StepRows::kTargetsFieldNumber},
+                            v1::Tensor::kDataFieldNumber, t, targets);
+    for (const auto& [name, tensor] : std::vector<std::pair<std::string, torch::Tensor>>{
+             {"advantages", advantages}, {"teacher_topk_logprobs", topk}}) {
+      v1::Tensor aux_head;
+      const wire::RowBytes a = wire::EncodeRowsHead(tensor, offset, count, &aux_head);
+      frames.AppendMapTensor(rows_field, v1::StepRows::kAuxFieldNumber, name, aux_head, a, tensor);
+    }
+    v1::StepRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(frames.Flatten()));
+    EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(parsed, whole))
+        << parsed.ShortDebugString().substr(0, 400);
+    EXPECT_EQ(frames.size(), frames.Flatten().size());
+    // The rows' bytes are the tensor's own, not a copy.
+    const char* base = static_cast<const char*>(hidden.data_ptr());
+    bool referenced = count == 0;
+    for (const wire::Frames::Piece& p : frames.pieces()) {
+      referenced |= p.data == base + offset * 700 * 4 && p.size == static_cast<size_t>(count) * 2800;
+    }
+    EXPECT_TRUE(referenced);
+  }
+}
+
+// Row buffers: from 2 MiB up a mapping of their own, 2 MiB-aligned, that holds what is written;
+// below that an ordinary tensor.
+TEST(RowBuffer, LargeBuffersAreAlignedForHugePagesAndHoldTheirRows) {
+  const torch::Tensor large = wire::EmptyRows({4096, 1024}, torch::kFloat);  // 16 MiB
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(large.data_ptr()) % (uintptr_t{2} << 20), 0u);
+  EXPECT_EQ(large.sizes(), torch::IntArrayRef({4096, 1024}));
+  const torch::Tensor rows = torch::randn({4096, 1024});
+  large.copy_(rows);
+  EXPECT_TRUE(torch::equal(large, rows));
+  const torch::Tensor small = wire::EmptyRows({3, 5}, torch::kBFloat16);
+  EXPECT_EQ(small.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(small.numel(), 15);
 }
 
 // The vectors the Python client's codec is tested against as well (tests/data/, made by

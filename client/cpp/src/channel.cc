@@ -225,8 +225,8 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Create(ClientOptions options) {
   grpc::ChannelArguments own_connection = args;
   own_connection.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   for (int i = 1; i < client->options_.streams; ++i) {
-    client->impl_->stripe_stubs.push_back(v1::HeadService::NewStub(
-        grpc::CreateCustomChannel(client->options_.target, credentials, own_connection)));
+    client->impl_->stripe_channels.push_back(
+        grpc::CreateCustomChannel(client->options_.target, credentials, own_connection));
   }
   if (!leader.empty()) client->impl_->ConnectLeader(leader);
   return client;

@@ -55,7 +55,7 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<Stub> stub;
   // Streams 1..C-1 of a striped step (ClientOptions::streams), each on its own connection.
-  std::vector<std::unique_ptr<Stub>> stripe_stubs;
+  std::vector<std::shared_ptr<grpc::Channel>> stripe_channels;
   // A channel to `address` with the client's credentials and arguments.
   std::function<std::shared_ptr<grpc::Channel>(const std::string& address)> open;
   // A mesh's leader, when it is not `stub`'s server (known from ClientOptions::fronts or from

@@ -13,21 +13,43 @@
 
 namespace remotehead::client::internal {
 
-v1::StepRequest PreparedStep::RowsMessage(int64_t offset, int64_t count) const {
+wire::Frames PreparedStep::RowsFrames(int64_t offset, int64_t count) const {
+  struct Field {
+    const torch::Tensor* tensor;
+    v1::Tensor* (v1::StepRows::*head)();
+    int number;
+  };
+  const Field fields[] = {
+      {&hidden, &v1::StepRows::mutable_hidden, v1::StepRows::kHiddenFieldNumber},
+      {&targets, &v1::StepRows::mutable_targets, v1::StepRows::kTargetsFieldNumber},
+      {&weights, &v1::StepRows::mutable_weights, v1::StepRows::kWeightsFieldNumber},
+      {&grad_output, &v1::StepRows::mutable_grad_output, v1::StepRows::kGradOutputFieldNumber},
+      {&teacher_hidden, &v1::StepRows::mutable_teacher_hidden,
+       v1::StepRows::kTeacherHiddenFieldNumber}};
+  // The message without the tensors' bytes (their dtypes and shapes), then each tensor's bytes
+  // from where they lie, then each aux tensor whole (a map entry).
   v1::StepRequest message;
   v1::StepRows* r = message.mutable_rows();
   r->set_row_offset(offset);
-  if (hidden.defined()) wire::EncodeRows(hidden, offset, count, r->mutable_hidden());
-  if (targets.defined()) wire::EncodeRows(targets, offset, count, r->mutable_targets());
-  if (weights.defined()) wire::EncodeRows(weights, offset, count, r->mutable_weights());
-  if (grad_output.defined()) {
-    wire::EncodeRows(grad_output, offset, count, r->mutable_grad_output());
+  std::vector<wire::RowBytes> spans;
+  for (const Field& f : fields) {
+    if (f.tensor->defined()) spans.push_back(wire::EncodeRowsHead(*f.tensor, offset, count, (r->*f.head)()));
   }
-  if (teacher_hidden.defined()) {
-    wire::EncodeRows(teacher_hidden, offset, count, r->mutable_teacher_hidden());
+  wire::Frames frames;
+  frames.AppendMessage(message);
+  size_t next = 0;
+  for (const Field& f : fields) {
+    if (!f.tensor->defined()) continue;
+    frames.AppendTensorData({v1::StepRequest::kRowsFieldNumber, f.number},
+                            v1::Tensor::kDataFieldNumber, spans[next++], *f.tensor);
   }
-  for (const auto& [name, t] : aux) wire::EncodeRows(t, offset, count, &(*r->mutable_aux())[name]);
-  return message;
+  for (const auto& [name, t] : aux) {
+    v1::Tensor head;
+    const wire::RowBytes span = wire::EncodeRowsHead(t, offset, count, &head);
+    frames.AppendMapTensor({v1::StepRequest::kRowsFieldNumber}, v1::StepRows::kAuxFieldNumber,
+                           name, head, span, t);
+  }
+  return frames;
 }
 
 torch::Tensor PreparedStep::Expand(const torch::Tensor& t) const {

@@ -14,6 +14,7 @@
 #include "remotehead/core/call_mode.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/v1/head_service.pb.h"
+#include "remotehead/wire/frames.h"
 #include "remotehead/wire/tensor_codec.h"
 
 namespace remotehead::client::internal {
@@ -38,8 +39,9 @@ struct PreparedStep {
   torch::Tensor kept;
   int64_t caller_rows = 0;
 
-  // The message carrying rows [offset, offset + count) of every tensor above.
-  v1::StepRequest RowsMessage(int64_t offset, int64_t count) const;
+  // The message carrying rows [offset, offset + count) of every tensor above, framed around
+  // their bytes, which it references (keeping the tensors alive) instead of copying.
+  wire::Frames RowsFrames(int64_t offset, int64_t count) const;
   // A result of the rows sent ([rows, ...]) in the caller's rows ([caller_rows, ...]), zeros in
   // the rows left out; as it is when every row travels (or `t` is undefined).
   torch::Tensor Expand(const torch::Tensor& t) const;

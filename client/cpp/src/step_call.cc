@@ -15,18 +15,23 @@
 #include "prepare_step.h"
 #include "remotehead/core/call_mode.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/wire/row_buffer.h"
+#include "step_frames.h"
 #include "stream.h"
 
 namespace remotehead::client {
 namespace {
 
+using internal::Framed;
 using internal::FromGrpc;
+using internal::OpenStep;
 using internal::PreparedStep;
 using internal::PrepareStep;
 using internal::ReadStream;
 using internal::ResponseRows;
 using internal::StepBuffers;
 using internal::StepResults;
+using internal::StepStream;
 
 StepSummary FromWire(const v1::StepSummary& wire) {
   StepSummary summary;
@@ -47,21 +52,6 @@ StepSummary FromWire(const v1::StepSummary& wire) {
                      .send_wait_seconds = t.send_wait_seconds(),
                      .total_seconds = t.total_seconds()};
   return summary;
-}
-
-using StepStream = grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>;
-
-std::unique_ptr<StepStream> OpenStep(internal::Stub& stub, grpc::ClientContext* context,
-                                     core::CallMode mode) {
-  switch (mode) {
-    case core::CallMode::kFused:
-      return stub.ForwardBackward(context);
-    case core::CallMode::kForward:
-      return stub.Forward(context);
-    case core::CallMode::kBackward:
-      break;
-  }
-  return stub.Backward(context);
 }
 
 // What a step call streams back, assembled as it arrives.
@@ -113,7 +103,7 @@ struct StepReceiver {
 
 // The dX buffer of a ForwardBackward or a Backward: [N, D] in the caller's hidden dtype.
 absl::Status AllocateGradHidden(const PreparedStep& p, StepBuffers* buffers) {
-  buffers->grad_hidden = torch::empty({p.rows, p.hidden_size}, p.result_dtype);
+  buffers->grad_hidden = wire::EmptyRows({p.rows, p.hidden_size}, p.result_dtype);
   return absl::OkStatus();
 }
 
@@ -190,7 +180,8 @@ absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const Prepa
   }
   std::vector<std::unique_ptr<StepStream>> streams;
   for (int i = 0; i < count; ++i) {
-    streams.push_back(OpenStep(i == 0 ? *stub : *stripe_stubs[i - 1], contexts[i], p.mode));
+    streams.push_back(
+        OpenStep(i == 0 ? channel.get() : stripe_channels[i - 1].get(), contexts[i], p.mode));
   }
   const std::vector<v1::StepRequest> headers =
       StripeHeaders(p.header, count, StripeKey(), std::ssize(p.chunks));
@@ -204,9 +195,11 @@ absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const Prepa
   for (int i = 0; i < count; ++i) {
     writers.emplace_back([&, i] {
       try {
-        if (!streams[i]->Write(headers[i])) return;
+        if (!streams[i]->Write(Framed(headers[i]))) return;
         for (size_t j = static_cast<size_t>(i); j < p.chunks.size(); j += count) {
-          if (!streams[i]->Write(p.RowsMessage(p.chunks[j].offset, p.chunks[j].count))) return;
+          if (!streams[i]->Write(Framed(p.RowsFrames(p.chunks[j].offset, p.chunks[j].count)))) {
+            return;
+          }
         }
         streams[i]->WritesDone();
       } catch (...) {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import grpc
 import torch
@@ -113,10 +113,17 @@ class PreparedStep:
 
     def messages(self, stripe: Optional[Tuple[str, int, int]] = None
                  ) -> Iterator[pb.StepRequest]:
-        """One stream's messages. `stripe` (key, count, index): stream `index` of a step striped
-        over `count` streams (StepHeader.stripe) — stream 0 sends the header, the others a
-        header stating only their stripe (with the number of rows messages each carries), and
-        row message j goes on stream j mod count."""
+        """One stream's messages (as frames() sends them, parsed). `stripe` (key, count, index):
+        stream `index` of a step striped over `count` streams (StepHeader.stripe) — stream 0
+        sends the header, the others a header stating only their stripe (with the number of
+        rows messages each carries), and row message j goes on stream j mod count."""
+        for m in self.frames(stripe):
+            yield m if isinstance(m, pb.StepRequest) else pb.StepRequest.FromString(m)
+
+    def frames(self, stripe: Optional[Tuple[str, int, int]] = None
+               ) -> Iterator[Union[pb.StepRequest, bytes]]:
+        """What one stream sends: its header message, then each rows message serialized around
+        its tensors' bytes (one copy, into the bytes gRPC sends: _wire.data_frame)."""
         key, count, index = stripe if stripe is not None else ("", 1, 0)
         mine = self.chunks[index::count]
         if count == 1:
@@ -130,21 +137,35 @@ class PreparedStep:
             header.stripe.messages = len(mine)
             yield pb.StepRequest(header=header)
         for offset, rows in mine:
-            yield self._rows_message(offset, rows)
+            yield self._rows_frame(offset, rows)
 
-    def _rows_message(self, offset: int, count: int) -> pb.StepRequest:
+    def _rows_frame(self, offset: int, count: int) -> bytes:
         m = pb.StepRequest()
         r = m.rows
         r.row_offset = offset
-        for name in ("hidden", "targets", "weights", "grad_output"):
+        rows_path = [pb.StepRequest.DESCRIPTOR.fields_by_name["rows"].number]
+        number = pb.StepRows.DESCRIPTOR.fields_by_name
+        data = []
+        for name in ("hidden", "targets", "weights", "grad_output", "teacher_hidden"):
             t = getattr(self, name)
             if t is not None:
-                _wire.encode(t[offset:offset + count], getattr(r, name))
+                view = _wire.encode_head(t[offset:offset + count], getattr(r, name))
+                data += _wire.data_frame([*rows_path, number[name].number], view)
         for name, t in self.aux:
-            _wire.encode(t[offset:offset + count], r.aux[name])
-        if self.teacher_hidden is not None:
-            _wire.encode(self.teacher_hidden[offset:offset + count], r.teacher_hidden)
-        return m
+            head = pb.Tensor()
+            view = _wire.encode_head(t[offset:offset + count], head)
+            data += _wire.map_tensor_frame(rows_path, number["aux"].number, name, head, view)
+        return b"".join([m.SerializeToString(), *data])
+
+
+def step_rpc(channel: grpc.Channel, mode: str) -> grpc.StreamStreamMultiCallable:
+    """HeadService's step RPC `mode` ("ForwardBackward", "Forward" or "Backward") on `channel`,
+    as the generated stub's, sending what PreparedStep.frames() yields as it is."""
+    service = pb.DESCRIPTOR.services_by_name["HeadService"].full_name
+    return channel.stream_stream(
+        f"/{service}/{mode}",
+        request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+        response_deserializer=pb.StepResponse.FromString)
 
 
 def caller_error(p: PreparedStep, error: RemoteheadError) -> RemoteheadError:
@@ -437,7 +458,7 @@ class RowAssembler:
         self.seen = torch.zeros(dst.shape[0], dtype=torch.bool) if any_order else None
 
     def add(self, chunk: pb.TensorChunk) -> None:
-        values = _wire.decode(chunk.values)
+        values = _wire.decode_view(chunk.values)
         if self.trailing_from_first and values.dim() >= 1:
             self.dst = self.dst.new_empty((self.dst.shape[0], *values.shape[1:]))
             self.trailing_from_first = False

@@ -4,7 +4,8 @@ The twin of the C++ client's client/cpp/src/wire.cc: the same dtypes, little-end
 row-major order, and the same row-chunk rule (tests/data/wire_vectors.json pins the bytes).
 """
 
-from typing import List, Optional, Tuple
+import warnings
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,21 +40,89 @@ def to_wire_layout(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) ->
 
 def encode(tensor: torch.Tensor, out: pb.Tensor) -> None:
     """Writes `tensor` (any device) into `out` as little-endian bytes with dtype and shape."""
+    out.data = bytes(encode_head(tensor, out))
+
+
+def encode_head(tensor: torch.Tensor, out: pb.Tensor) -> memoryview:
+    """Writes the dtype and shape of `tensor` into `out` (its data cleared) and returns the bytes
+    it would carry, as a view of the wire-layout tensor where it lies (copied by no one here)."""
     t = to_wire_layout(tensor)
     out.dtype = wire_dtype(t.dtype)
     out.shape[:] = list(t.shape)
-    out.data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    out.ClearField("data")
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+# ----- messages framed around their tensors' bytes (the C++ client's wire::Frames) -----
+# Protobuf merges a singular message field that occurs twice, so a tensor's bytes may follow the
+# rest of the message as a field of their own; a map entry is written whole (a repeated key
+# replaces its value). The pieces are joined once, into the bytes gRPC sends.
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field_size(number: int, length: int) -> int:
+    return len(_varint(number << 3 | 2)) + len(_varint(length)) + length
+
+
+def _open(path: Sequence[int], number: int, length: int) -> bytes:
+    """The framing that starts length-delimited field `number` of `length` bytes under the
+    singular message fields `path` (outermost first)."""
+    lengths = [length]
+    for inner in reversed([*path[1:], number]):
+        lengths.insert(0, _field_size(inner, lengths[0]))
+    return b"".join(_varint(f << 3 | 2) + _varint(n) for f, n in zip([*path, number], lengths))
+
+
+def data_frame(path: Sequence[int], data: memoryview) -> List[object]:
+    """The pieces that give the tensor at `path` its bytes `data`."""
+    if not data.nbytes:
+        return []
+    return [_open(path, pb.Tensor.DESCRIPTOR.fields_by_name["data"].number, data.nbytes), data]
+
+
+def map_tensor_frame(path: Sequence[int], number: int, key: str, head: pb.Tensor,
+                     data: memoryview) -> List[object]:
+    """The pieces of one entry (`key`, `head` with bytes `data`) of map<string, Tensor> `number`
+    under `path`."""
+    data_number = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+    value_head = head.SerializeToString()
+    value_size = len(value_head) + (_field_size(data_number, data.nbytes) if data.nbytes else 0)
+    key_bytes = key.encode()
+    entry = _field_size(1, len(key_bytes)) + _field_size(2, value_size)
+    framing = (_open(path, number, entry) + _varint(1 << 3 | 2) + _varint(len(key_bytes))
+               + key_bytes + _varint(2 << 3 | 2) + _varint(value_size) + value_head)
+    if not data.nbytes:
+        return [framing]
+    return [framing + _varint(data_number << 3 | 2) + _varint(data.nbytes), data]
 
 
 def decode(msg: pb.Tensor) -> torch.Tensor:
     """A new CPU tensor holding the bytes of `msg`."""
+    return decode_view(msg).clone()
+
+
+def decode_view(msg: pb.Tensor) -> torch.Tensor:
+    """The bytes of `msg` as a CPU tensor without a copy, to be read only (copied into a
+    preallocated result, RowAssembler) while `msg` lives."""
     dtype = _FROM_WIRE.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"dtype: unknown wire dtype {msg.dtype}")
     shape = tuple(msg.shape)
     if not msg.data:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # The message's bytes are immutable: torch warns that the view must not be written.
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(msg.data, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
 
 

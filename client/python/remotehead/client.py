@@ -115,7 +115,6 @@ class Client:
         # that shares no subchannel), so that they do not queue behind one another on one socket.
         self._stripe_channels = [self._open(self.target, [("grpc.use_local_subchannel_pool", 1)])
                                  for _ in range(streams - 1)]
-        self._stripe_stubs = [pb_grpc.HeadServiceStub(c) for c in self._stripe_channels]
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
         self._max_attempts = max(1, max_attempts)
@@ -561,17 +560,17 @@ class Client:
         p = _steps.prepare_step(mode, head_id, hidden, targets, weights, aux, grad_output, o,
                                 self._chunk_bytes, teacher_hidden,
                                 self._handle_rows.for_step(by_handle, o, listed))
-        stubs = [self._stub, *self._stripe_stubs]
+        rpcs = [_steps.step_rpc(c, mode) for c in (self._channel, *self._stripe_channels)]
 
         def attempt():
             # Every attempt fills fresh results (a failed one may have sent some rows), a striped
             # one under a key of its own.
-            if len(stubs) == 1:
-                call = getattr(self._stub, mode)(p.messages(), timeout=self._timeout)
+            if len(rpcs) == 1:
+                call = rpcs[0](p.frames(), timeout=self._timeout)
                 return _steps.receive(p, mode, fn, o.output_dtype, call)
             key = secrets.token_hex(16)
-            calls = [getattr(stub, mode)(p.messages((key, len(stubs), i)), timeout=self._timeout)
-                     for i, stub in enumerate(stubs)]
+            calls = [rpc(p.frames((key, len(rpcs), i)), timeout=self._timeout)
+                     for i, rpc in enumerate(rpcs)]
             return _steps.receive(p, mode, fn, o.output_dtype, merged_responses(calls), any_order=True)
 
         received = _steps.in_callers_rows(p, lambda: self._call(attempt))

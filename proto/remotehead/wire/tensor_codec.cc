@@ -89,29 +89,30 @@ torch::Tensor ToWireLayout(const torch::Tensor& t, std::optional<torch::ScalarTy
   return t.detach().to(torch::kCPU, dtype.value_or(t.scalar_type())).contiguous();
 }
 
-void EncodeRows(const torch::Tensor& cpu, int64_t offset, int64_t count, v1::Tensor* wire) {
+RowBytes EncodeRowsHead(const torch::Tensor& cpu, int64_t offset, int64_t count,
+                        v1::Tensor* wire) {
   // The dtype was checked when the tensor was prepared (ToWireDtype).
   for (const auto& [wire_dtype, torch_dtype] : kDtypes) {
     if (torch_dtype == cpu.scalar_type()) wire->set_dtype(wire_dtype);
   }
   wire->clear_shape();
-  int64_t row_elements = 1;
-  if (cpu.dim() == 0) {
-    wire->set_data(cpu.data_ptr(), cpu.element_size());
-    return;
-  }
+  wire->clear_data();
+  const auto* base = static_cast<const char*>(cpu.data_ptr());
+  if (cpu.dim() == 0) return {base, static_cast<size_t>(cpu.element_size())};
   wire->add_shape(count);
+  int64_t row_elements = 1;
   for (int64_t d = 1; d < cpu.dim(); ++d) {
     wire->add_shape(cpu.size(d));
     row_elements *= cpu.size(d);
   }
   const int64_t row_bytes = row_elements * static_cast<int64_t>(cpu.element_size());
-  if (row_bytes * count == 0) {
-    wire->clear_data();
-    return;
-  }
-  const auto* base = static_cast<const char*>(cpu.data_ptr());
-  wire->set_data(base + offset * row_bytes, count * row_bytes);
+  if (row_bytes * count == 0) return {nullptr, 0};
+  return {base + offset * row_bytes, static_cast<size_t>(count * row_bytes)};
+}
+
+void EncodeRows(const torch::Tensor& cpu, int64_t offset, int64_t count, v1::Tensor* wire) {
+  const RowBytes bytes = EncodeRowsHead(cpu, offset, count, wire);
+  if (bytes.size > 0) wire->set_data(bytes.data, bytes.size);
 }
 
 absl::Status EncodeTensor(const torch::Tensor& tensor, v1::Tensor* wire) {

@@ -51,6 +51,13 @@ torch::Tensor ToWireLayout(const torch::Tensor& t, std::optional<torch::ScalarTy
 // Writes rows [offset, offset + count) of `cpu` (a ToWireLayout tensor with a wire dtype) into
 // `wire`, copying the bytes once.
 void EncodeRows(const torch::Tensor& cpu, int64_t offset, int64_t count, v1::Tensor* wire);
+// The same without the bytes: `wire` gets the dtype and shape (its data cleared), and the bytes
+// it would carry are returned where they lie in `cpu` (row_frames.h sends them from there).
+struct RowBytes {
+  const char* data = nullptr;
+  size_t size = 0;
+};
+RowBytes EncodeRowsHead(const torch::Tensor& cpu, int64_t offset, int64_t count, v1::Tensor* wire);
 
 // ----- row chunks -----
 

@@ -11,7 +11,6 @@ namespace remotehead::server {
 struct StepPipeline::Work {
   std::optional<v1::StepRequest> request;
   bool end = false;
-  bool more_queued = false;  // a further message is ready: the session may batch
   Phase phase = Phase::kHeader;
   v1::StepTimings timings;  // at the end: what the summary and the metrics report
 };
@@ -142,8 +141,6 @@ std::optional<StepPipeline::Work> StepPipeline::TakeWorkLocked() {
     if (NextLocked(&lane) == Next::kMessage) {
       work.request = std::move(lanes_[lane].inbox.front());
       lanes_[lane].inbox.pop_front();
-      int further = 0;
-      work.more_queued = NextLocked(&further) == Next::kMessage;
       StartReadLocked(lane);
       return work;
     }
@@ -195,7 +192,7 @@ void StepPipeline::ComputeNext() {
 absl::Status StepPipeline::RunSession(Work& work, std::vector<v1::StepResponse>* produced) {
   try {
     return work.end ? stream_.OnClientDone(produced)
-                    : stream_.OnRequest(std::move(*work.request), produced, work.more_queued);
+                    : stream_.OnRequest(std::move(*work.request), produced);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
   }

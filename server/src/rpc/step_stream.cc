@@ -93,7 +93,7 @@ void ToWire(const StepOutcome& outcome, v1::StepSummary* summary) {
 }  // namespace
 
 absl::Status StepStream::OnRequest(v1::StepRequest request,
-                                   std::vector<v1::StepResponse>* responses, bool more_queued) {
+                                   std::vector<v1::StepResponse>* responses) {
   switch (request.part_case()) {
     case v1::StepRequest::kHeader:
       return OnHeader(request.header());
@@ -104,7 +104,7 @@ absl::Status StepStream::OnRequest(v1::StepRequest request,
       }
       ASSIGN_OR_RETURN(StepRowsIn rows,
                        ReadRows(std::make_shared<const v1::StepRequest>(std::move(request))));
-      return session_.AddRows(std::move(rows), SinkInto(responses), more_queued);
+      return session_.AddRows(std::move(rows), SinkInto(responses));
     }
     default:
       return absl::InvalidArgumentError(

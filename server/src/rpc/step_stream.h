@@ -29,8 +29,7 @@ class StepStream {
 
   // Handles one client message; appends what goes back to the client to `responses`. Takes the
   // message: the rows it carries are computed from its bytes without a copy.
-  absl::Status OnRequest(v1::StepRequest request, std::vector<v1::StepResponse>* responses,
-                         bool more_queued = false);
+  absl::Status OnRequest(v1::StepRequest request, std::vector<v1::StepResponse>* responses);
   // The client has sent everything: the session finishes; the summary is appended last.
   absl::Status OnClientDone(std::vector<v1::StepResponse>* responses);
 

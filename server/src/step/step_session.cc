@@ -157,8 +157,7 @@ MemoryEstimate StepSession::EstimateMemory(int64_t pipeline_bytes) const {
 
 // ----- rows -----
 
-absl::Status StepSession::AddRows(StepRowsIn rows, const StepResultSink& sink,
-                                  bool more_queued) {
+absl::Status StepSession::AddRows(StepRowsIn rows, const StepResultSink& sink) {
   if (rows.row_offset != received_rows_) {
     return absl::InvalidArgumentError(absl::StrCat("rows.row_offset: expected ", received_rows_,
                                                    " (rows arrive in order); got ",
@@ -180,9 +179,8 @@ absl::Status StepSession::AddRows(StepRowsIn rows, const StepResultSink& sink,
   const int64_t first_row = received_rows_;
   received_rows_ += n;
   RETURN_IF_ERROR(Enqueue(std::move(part), first_row, sink));
-  // A row-coupled call waits for its last row.
-  const bool wait = more_queued || (plan_.couples_rows && received_rows_ < call_.rows);
-  return wait ? absl::OkStatus() : FlushReceived(sink);
+  // The batcher computed every full batch; the last, ragged one waits for the call's last row.
+  return received_rows_ < call_.rows ? absl::OkStatus() : FlushReceived(sink);
 }
 
 absl::Status StepSession::FlushReceived(const StepResultSink& sink) {

@@ -47,11 +47,11 @@ class StepSession {
   // The call's header, once, before any rows (the transport keeps that order). With `fanout` (the front of a head group), every engine call and the
   // commit run on every rank through it.
   absl::Status Begin(StepCall call, std::unique_ptr<StepFanout> fanout = nullptr);
-  // The rows of one message; each computed batch's results go to `sink`. Rows are batched up to
-  // the engine's chunk size while `more_queued` (the transport holds further messages);
-  // otherwise everything received is computed now, so a client that waits for dX before sending
-  // more rows is never left waiting.
-  absl::Status AddRows(StepRowsIn rows, const StepResultSink& sink, bool more_queued = false);
+  // The rows of one message; each computed batch's results go to `sink`. Batches are cut at fixed
+  // rows — every batch_rows() rows of the call, the last one when its last row (header.rows)
+  // has come — never by arrival: so the same call gives the same bits whatever the timing, the
+  // message sizes the transport chose to deliver at once, or the number of streams it came over.
+  absl::Status AddRows(StepRowsIn rows, const StepResultSink& sink);
   // The client has sent everything: computes what is left, checks completeness, commits.
   absl::StatusOr<StepOutcome> Finish(const StepResultSink& sink);
 
