@@ -81,8 +81,9 @@ std::vector<std::string> Snapshot(const World& world, bool with_grads) {
   return out;
 }
 
-void CheckResponses(const std::vector<v1::StepResponse>& responses) {
-  for (const v1::StepResponse& r : responses) {
+void CheckResponses(const std::vector<server::StepResponseOut>& responses) {
+  for (const server::StepResponseOut& out : responses) {
+    const v1::StepResponse r = out.Whole();  // as the client parses it
     const v1::TensorChunk* chunk = r.has_grad_hidden() ? &r.grad_hidden()
                                    : r.has_outputs()   ? &r.outputs()
                                                        : nullptr;
@@ -114,7 +115,7 @@ class Session {
       stream_.session().set_should_stop([] { return true; });
     }
     const bool had_header = stream_.session().has_begun();
-    std::vector<v1::StepResponse> responses;
+    std::vector<server::StepResponseOut> responses;
     const absl::Status s = stream_.OnRequest(std::move(request), &responses);
     CheckResponses(responses);
     if (!s.ok()) return End(/*failed=*/true);
@@ -128,14 +129,14 @@ class Session {
   // The client's end of the stream (unless the session already ended).
   void Finish(std::string* last_handle) {
     if (!open_) return;
-    std::vector<v1::StepResponse> responses;
+    std::vector<server::StepResponseOut> responses;
     const absl::Status s = stream_.OnClientDone(&responses);
     CheckResponses(responses);
     if (s.ok()) {
-      if (responses.empty() || !responses.back().has_summary()) {
+      if (responses.empty() || !responses.back().message.has_summary()) {
         Fail("a successful session ended without a summary");
       }
-      const std::string& handle = responses.back().summary().inputs_handle();
+      const std::string& handle = responses.back().message.summary().inputs_handle();
       if (!handle.empty()) *last_handle = handle;
     }
     End(/*failed=*/!s.ok());

@@ -221,14 +221,15 @@ TEST(Frames, ParseAsTheMessageBuiltWholeWithoutCopyingTheRows) {
     frames.AppendMessage(head);
     const std::vector<int> rows_field = {v1::StepRequest::kRowsFieldNumber};
     frames.AppendTensorData({v1::StepRequest::kRowsFieldNumber, v1::StepRows::kHiddenFieldNumber},
-                            v1::Tensor::kDataFieldNumber, h, hidden);
+                            v1::Tensor::kDataFieldNumber, h, wire::Holding(hidden));
     frames.AppendTensorData({v1::StepRequest::kRowsFieldNumber, v1::StepRows::kTargetsFieldNumber},
-                            v1::Tensor::kDataFieldNumber, t, targets);
+                            v1::Tensor::kDataFieldNumber, t, wire::Holding(targets));
     for (const auto& [name, tensor] : std::vector<std::pair<std::string, torch::Tensor>>{
              {"advantages", advantages}, {"teacher_topk_logprobs", topk}}) {
       v1::Tensor aux_head;
       const wire::RowBytes a = wire::EncodeRowsHead(tensor, offset, count, &aux_head);
-      frames.AppendMapTensor(rows_field, v1::StepRows::kAuxFieldNumber, name, aux_head, a, tensor);
+      frames.AppendMapTensor(rows_field, v1::StepRows::kAuxFieldNumber, name, aux_head, a,
+                             wire::Holding(tensor));
     }
     v1::StepRequest parsed;
     ASSERT_TRUE(parsed.ParseFromString(frames.Flatten()));

@@ -41,13 +41,13 @@ wire::Frames PreparedStep::RowsFrames(int64_t offset, int64_t count) const {
   for (const Field& f : fields) {
     if (!f.tensor->defined()) continue;
     frames.AppendTensorData({v1::StepRequest::kRowsFieldNumber, f.number},
-                            v1::Tensor::kDataFieldNumber, spans[next++], *f.tensor);
+                            v1::Tensor::kDataFieldNumber, spans[next++], wire::Holding(*f.tensor));
   }
   for (const auto& [name, t] : aux) {
     v1::Tensor head;
     const wire::RowBytes span = wire::EncodeRowsHead(t, offset, count, &head);
     frames.AppendMapTensor({v1::StepRequest::kRowsFieldNumber}, v1::StepRows::kAuxFieldNumber,
-                           name, head, span, t);
+                           name, head, span, wire::Holding(t));
   }
   return frames;
 }

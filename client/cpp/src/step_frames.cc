@@ -2,7 +2,6 @@
 
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -33,23 +32,10 @@ std::unique_ptr<StepStream> OpenStep(grpc::ChannelInterface* channel, grpc::Clie
 
 }  // namespace remotehead::client::internal
 
-namespace {
-
-// A slice's hold on its frames: released when gRPC is done with the slice.
-void ReleaseFrames(void* hold) { delete static_cast<std::shared_ptr<const remotehead::wire::Frames>*>(hold); }
-
-}  // namespace
-
 grpc::Status grpc::SerializationTraits<remotehead::client::internal::FramedRequest>::Serialize(
     const remotehead::client::internal::FramedRequest& request, grpc::ByteBuffer* buffer,
     bool* own_buffer) {
-  std::vector<grpc::Slice> slices;
-  slices.reserve(request.frames->pieces().size());
-  for (const remotehead::wire::Frames::Piece& piece : request.frames->pieces()) {
-    slices.emplace_back(const_cast<char*>(piece.data), piece.size, ReleaseFrames,
-                        new std::shared_ptr<const remotehead::wire::Frames>(request.frames));
-  }
-  grpc::ByteBuffer framed(slices.data(), slices.size());
+  grpc::ByteBuffer framed = remotehead::wire::ToByteBuffer(request.frames);
   buffer->Swap(&framed);
   *own_buffer = true;
   return grpc::Status::OK;

@@ -61,14 +61,15 @@ void Frames::AppendMessage(const google::protobuf::MessageLite& message) {
 }
 
 void Frames::AppendTensorData(const std::vector<int>& outer, int data_field, RowBytes bytes,
-                              const torch::Tensor& owner) {
+                              std::shared_ptr<const void> owner) {
   if (bytes.size == 0) return;  // an empty bytes field is no field
   AppendOwned(Open(outer, data_field, bytes.size));
-  AppendExternal(bytes, owner);
+  AppendExternal(bytes, std::move(owner));
 }
 
 void Frames::AppendMapTensor(const std::vector<int>& outer, int map_field, const std::string& key,
-                             const v1::Tensor& head, RowBytes bytes, const torch::Tensor& owner) {
+                             const v1::Tensor& head, RowBytes bytes,
+                             std::shared_ptr<const void> owner) {
   constexpr int kKey = 1, kValue = 2;
   std::string value_head = head.SerializeAsString();
   const size_t data_size =
@@ -87,7 +88,7 @@ void Frames::AppendMapTensor(const std::vector<int>& outer, int map_field, const
     PutVarint(bytes.size, &framing);
   }
   AppendOwned(std::move(framing));
-  if (bytes.size > 0) AppendExternal(bytes, owner);
+  if (bytes.size > 0) AppendExternal(bytes, std::move(owner));
 }
 
 std::string Frames::Flatten() const {
@@ -104,10 +105,31 @@ void Frames::AppendOwned(std::string bytes) {
   size_ += owned_.back().size();
 }
 
-void Frames::AppendExternal(RowBytes bytes, const torch::Tensor& owner) {
+void Frames::AppendExternal(RowBytes bytes, std::shared_ptr<const void> owner) {
   pieces_.push_back({bytes.data, bytes.size});
   size_ += bytes.size;
-  owners_.push_back(owner);
+  owners_.push_back(std::move(owner));
+}
+
+std::shared_ptr<const void> Holding(const torch::Tensor& t) {
+  return std::make_shared<const torch::Tensor>(t);
+}
+
+namespace {
+
+// A slice's hold on its frames: released when gRPC is done with the slice.
+void ReleaseFrames(void* hold) { delete static_cast<std::shared_ptr<const Frames>*>(hold); }
+
+}  // namespace
+
+grpc::ByteBuffer ToByteBuffer(const std::shared_ptr<const Frames>& frames) {
+  std::vector<grpc::Slice> slices;
+  slices.reserve(frames->pieces().size());
+  for (const Frames::Piece& piece : frames->pieces()) {
+    slices.emplace_back(const_cast<char*>(piece.data), piece.size, ReleaseFrames,
+                        new std::shared_ptr<const Frames>(frames));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
 }  // namespace remotehead::wire

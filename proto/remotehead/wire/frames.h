@@ -1,7 +1,8 @@
 // One serialized message as a list of pieces: framing bytes it owns, and byte ranges of tensors
 // it references where they lie (kept alive with it) — so that a tensor's rows reach the
 // transport without being copied into a protobuf message and again into gRPC's buffer (the C++
-// client sends its row messages so: client/cpp/src/step_frames.h).
+// client sends its row messages so, client/cpp/src/step_frames.h; the server its dX chunks,
+// server/src/rpc/step_reactor.cc).
 //
 // The pieces put together parse as the message: protobuf merges a singular message field that
 // occurs twice, so a tensor's bytes may follow the rest of the message as a field of their own
@@ -9,11 +10,13 @@
 // replaces its value instead of merging.
 #pragma once
 
+#include <grpcpp/support/byte_buffer.h>
 #include <torch/types.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,11 +38,11 @@ class Frames {
   // field), the bytes field `data_field` holding `bytes`, which are referenced, not copied:
   // `owner` is kept alive with these frames.
   void AppendTensorData(const std::vector<int>& outer, int data_field, RowBytes bytes,
-                        const torch::Tensor& owner);
+                        std::shared_ptr<const void> owner);
   // Under `outer`, one entry of the map<string, Tensor> field `map_field`: key `key`, value
   // `head` (dtype and shape) with `bytes` as its data (referenced; `owner` kept alive).
   void AppendMapTensor(const std::vector<int>& outer, int map_field, const std::string& key,
-                       const v1::Tensor& head, RowBytes bytes, const torch::Tensor& owner);
+                       const v1::Tensor& head, RowBytes bytes, std::shared_ptr<const void> owner);
 
   const std::vector<Piece>& pieces() const { return pieces_; }
   size_t size() const { return size_; }
@@ -48,14 +51,21 @@ class Frames {
 
  private:
   void AppendOwned(std::string bytes);
-  void AppendExternal(RowBytes bytes, const torch::Tensor& owner);
+  void AppendExternal(RowBytes bytes, std::shared_ptr<const void> owner);
   // Length-delimited field `field` of `length` bytes under `outer`: the framing of its start.
   static std::string Open(const std::vector<int>& outer, int field, size_t length);
 
   std::deque<std::string> owned_;  // a deque: the pieces point into its strings
   std::vector<Piece> pieces_;
-  std::vector<torch::Tensor> owners_;
+  std::vector<std::shared_ptr<const void>> owners_;
   size_t size_ = 0;
 };
+
+// A tensor as the owner of bytes it holds (what Frames keeps alive).
+std::shared_ptr<const void> Holding(const torch::Tensor& t);
+
+// The frames as gRPC's buffer: one slice per piece, each holding the frames until gRPC is done
+// with it (no byte copied).
+grpc::ByteBuffer ToByteBuffer(const std::shared_ptr<const Frames>& frames);
 
 }  // namespace remotehead::wire

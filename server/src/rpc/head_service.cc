@@ -72,6 +72,15 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
  public:
   HeadServiceImpl(HeadRegistry* registry, const ServiceOptions& options)
       : context_(std::make_unique<ServiceContext>(registry, options)) {
+    // The step methods are served raw: their reactors parse requests and frame responses
+    // themselves (step_reactor.h).
+    ForEachStepMethod([this](int index, core::CallMode mode) {
+      MarkMethodRawCallback(
+          index, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                     [this, mode](grpc::CallbackServerContext* context) {
+                       return Admit([&] { return NewStepReactor(context, mode, context_.get()); });
+                     }));
+    });
     if (options.metrics != nullptr) options.metrics->set_admission(&context_->admission);
     // Once the group or mesh is down, the steps waiting here would wait for nothing.
     if (options.liveness != nullptr) {
@@ -221,22 +230,6 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     return Training(context, *context_, [&] {
       return Answer(Ops().RestoreState(request->head_id(), request->state_id()), response);
     });
-  }
-
-  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* ForwardBackward(
-      grpc::CallbackServerContext* context) override {
-    return Admit([&] { return NewStepReactor(context, core::CallMode::kFused, context_.get()); });
-  }
-
-  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Forward(
-      grpc::CallbackServerContext* context) override {
-    return Admit([&] { return NewStepReactor(context, core::CallMode::kForward, context_.get()); });
-  }
-
-  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Backward(
-      grpc::CallbackServerContext* context) override {
-    return Admit(
-        [&] { return NewStepReactor(context, core::CallMode::kBackward, context_.get()); });
   }
 
   grpc::ServerWriteReactor<v1::ExportWeightsResponse>* ExportWeights(

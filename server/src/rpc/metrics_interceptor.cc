@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "rpc/step_reactor.h"
 
 namespace remotehead::server {
 namespace {
@@ -20,26 +21,27 @@ std::string RpcName(const char* method) {
 // One per RPC: counts it when its status goes out (or, if none does, when it is destroyed).
 class MetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
-  MetricsInterceptor(std::unique_ptr<ServerMetrics::RpcObservation> rpc, bool protobuf_messages)
-      : rpc_(std::move(rpc)), protobuf_messages_(protobuf_messages) {}
+  // What the RPC's messages are, as an interceptor sees them.
+  enum class Messages { kProtobuf, kByteBuffers, kUncounted };
+  MetricsInterceptor(std::unique_ptr<ServerMetrics::RpcObservation> rpc, Messages messages)
+      : rpc_(std::move(rpc)), messages_(messages) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
     // remotehead.v1's messages are protobuf messages, whose MessageLite base sits at offset 0
-    // (single inheritance). Other services may pass raw ByteBuffers (gRPC's default health
-    // service does): their bytes are not counted.
-    if (protobuf_messages_ &&
+    // (single inheritance), but for the step methods, served raw (step_reactor.h): ByteBuffers.
+    // Other services may pass raw ByteBuffers too (gRPC's default health service does): their
+    // bytes are not counted.
+    if (messages_ != Messages::kUncounted &&
         methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
       if (const void* message = methods->GetRecvMessage(); message != nullptr) {
-        rpc_->Received(static_cast<int64_t>(
-            static_cast<const google::protobuf::MessageLite*>(message)->ByteSizeLong()));
+        rpc_->Received(Size(message));
       }
     }
-    if (protobuf_messages_ &&
+    if (messages_ != Messages::kUncounted &&
         methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
       if (const void* message = methods->GetSendMessage(); message != nullptr) {
-        rpc_->Sent(static_cast<int64_t>(
-            static_cast<const google::protobuf::MessageLite*>(message)->ByteSizeLong()));
+        rpc_->Sent(Size(message));
       } else if (grpc::ByteBuffer* buffer = methods->GetSerializedSendMessage();
                  buffer != nullptr) {
         rpc_->Sent(static_cast<int64_t>(buffer->Length()));
@@ -52,8 +54,16 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
   }
 
  private:
+  int64_t Size(const void* message) const {
+    if (messages_ == Messages::kByteBuffers) {
+      return static_cast<int64_t>(static_cast<const grpc::ByteBuffer*>(message)->Length());
+    }
+    return static_cast<int64_t>(
+        static_cast<const google::protobuf::MessageLite*>(message)->ByteSizeLong());
+  }
+
   const std::unique_ptr<ServerMetrics::RpcObservation> rpc_;  // CANCELLED if never finished
-  const bool protobuf_messages_;
+  const Messages messages_;
 };
 
 class MetricsInterceptorFactory final
@@ -63,8 +73,12 @@ class MetricsInterceptorFactory final
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
     const std::string method = info->method() != nullptr ? info->method() : "";
-    return new MetricsInterceptor(metrics_->StartRpc(RpcName(info->method())),
-                                  absl::StartsWith(method, "/remotehead.v1.HeadService/"));
+    using Messages = MetricsInterceptor::Messages;
+    const Messages messages = IsRawStepMethod(method) ? Messages::kByteBuffers
+                              : absl::StartsWith(method, "/remotehead.v1.HeadService/")
+                                  ? Messages::kProtobuf
+                                  : Messages::kUncounted;
+    return new MetricsInterceptor(metrics_->StartRpc(RpcName(info->method())), messages);
   }
 
  private:

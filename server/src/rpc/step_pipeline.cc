@@ -61,7 +61,7 @@ void StepPipeline::OnWriteDone(int index, bool ok) {
         absl::CancelledError(absl::StrCat("the client stopped reading ", StreamName(index))));
     return;
   }
-  const auto bytes = static_cast<int64_t>(lane.outbox.front().ByteSizeLong());
+  const int64_t bytes = lane.outbox.front().ByteSize();
   lane.pending_bytes -= bytes;
   pending_bytes_ -= bytes;
   lane.outbox.pop_front();
@@ -168,7 +168,7 @@ void StepPipeline::ComputeNext() {
   }
   lock.unlock();
 
-  std::vector<v1::StepResponse> produced;
+  std::vector<StepResponseOut> produced;
   const Clock::time_point t0 = Clock::now();
   absl::Status status = RunSession(*work, &produced);
   const Clock::duration spent = Clock::now() - t0;
@@ -189,7 +189,7 @@ void StepPipeline::ComputeNext() {
 
 // The session's handling of one work item. No exception escapes a handler: anything thrown
 // becomes INTERNAL with its message.
-absl::Status StepPipeline::RunSession(Work& work, std::vector<v1::StepResponse>* produced) {
+absl::Status StepPipeline::RunSession(Work& work, std::vector<StepResponseOut>* produced) {
   try {
     return work.end ? stream_.OnClientDone(produced)
                     : stream_.OnRequest(std::move(*work.request), produced);
@@ -237,15 +237,15 @@ void StepPipeline::OnAdmitted() {
   ScheduleComputeLocked();
 }
 
-void StepPipeline::DeliverLocked(std::vector<v1::StepResponse> produced, bool end) {
-  auto queue = [&](int index, v1::StepResponse response) {
-    const auto bytes = static_cast<int64_t>(response.ByteSizeLong());
+void StepPipeline::DeliverLocked(std::vector<StepResponseOut> produced, bool end) {
+  auto queue = [&](int index, StepResponseOut response) {
+    const int64_t bytes = response.ByteSize();
     lanes_[index].pending_bytes += bytes;
     pending_bytes_ += bytes;
     lanes_[index].outbox.push_back(std::move(response));
   };
-  for (v1::StepResponse& r : produced) {
-    if (r.part_case() == v1::StepResponse::kSummary) {
+  for (StepResponseOut& r : produced) {
+    if (r.message.part_case() == v1::StepResponse::kSummary) {
       for (int i = 0; i < streams_; ++i) queue(i, r);
       continue;
     }

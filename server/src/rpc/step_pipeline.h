@@ -36,7 +36,8 @@ class StepPort {
  public:
   virtual ~StepPort() = default;
   virtual void Read(v1::StepRequest* into) = 0;
-  virtual void Write(const v1::StepResponse* response) = 0;
+  // `response` stays as it is until the write is done (OnWriteDone).
+  virtual void Write(const StepResponseOut* response) = 0;
   virtual void Finish(const grpc::Status& status) = 0;
   virtual bool IsCancelled() const = 0;
 };
@@ -87,13 +88,13 @@ class StepPipeline : public std::enable_shared_from_this<StepPipeline> {
   void ScheduleComputeLocked();
   std::optional<Work> TakeWorkLocked();
   void ComputeNext();
-  absl::Status RunSession(Work& work, std::vector<v1::StepResponse>* produced);
+  absl::Status RunSession(Work& work, std::vector<StepResponseOut>* produced);
   void OnSessionComplete(const v1::StepTimings& timings);
   absl::Status StartAdmission();
   void OnAdmitted();
   void ReturnFromComputeLocked();
   // Results to the streams: the summary to each, the rest to the least loaded.
-  void DeliverLocked(std::vector<v1::StepResponse> produced, bool end);
+  void DeliverLocked(std::vector<StepResponseOut> produced, bool end);
   int64_t PipelineBytes() const;
   v1::StepTimings TimingsLocked() const;
   // Ends every stream with `status` (the first failure wins).

@@ -16,7 +16,7 @@ struct StepPipeline::Lane {
   bool attached = false;
   v1::StepRequest incoming;             // target of the read in flight
   std::deque<v1::StepRequest> inbox;    // read, not yet computed
-  std::deque<v1::StepResponse> outbox;  // produced, not yet written (front: in flight)
+  std::deque<StepResponseOut> outbox;   // produced, not yet written (front: in flight)
   int64_t pending_bytes = 0;            // bytes in outbox
   int64_t last_row_offset = -1;         // striped: each stream's rows come in increasing order
   bool reading = false;

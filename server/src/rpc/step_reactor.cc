@@ -1,36 +1,56 @@
 // The reactor of one stream of a step call: it reads the stream's first message, finds the
 // call's StepPipeline — a new one, or for a striped step (StepHeader.stripe) the one its other
 // streams share, by key — and from then on hands every gRPC reaction to it. The pipeline decides
-// when to read and write; this class only moves messages.
+// when to read and write; this class only moves messages. The step methods are served raw
+// (gRPC's ByteBuffers): each request is parsed here as gRPC would parse it, and each response
+// goes out framed around its rows' bytes (StepResponseOut::Frames), which nothing copies.
 #include "rpc/step_reactor.h"
 
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
+
+#include <google/protobuf/descriptor.h>
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/server/rpc/status_mapping.h"
+#include "remotehead/wire/frames.h"
 #include "rpc/step_pipeline.h"
 #include "rpc/stripe_joins.h"
 
 namespace remotehead::server {
 namespace {
 
-class StepPortReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>,
-                              public StepPort {
+using RawBidiReactor = grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>;
+
+// A request as gRPC's own protobuf serialization would have parsed it.
+absl::Status Parse(grpc::ByteBuffer* bytes, v1::StepRequest* into) {
+  const grpc::Status parsed = grpc::SerializationTraits<v1::StepRequest>::Deserialize(bytes, into);
+  if (parsed.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "request: expected a serialized remotehead.v1.StepRequest; got bytes that do not parse (",
+      parsed.error_message(), ")"));
+}
+
+class StepPortReactor final : public RawBidiReactor, public StepPort {
  public:
   StepPortReactor(grpc::CallbackServerContext* context, core::CallMode mode,
                   ServiceContext* service)
       : context_(context), mode_(mode), service_(*service) {
-    StartRead(&first_);
+    StartRead(&read_);
   }
 
   // StepPort: the pipeline's calls, under its lock.
-  void Read(v1::StepRequest* into) override { StartRead(into); }
-  void Write(const v1::StepResponse* response) override { StartWrite(response); }
-  void Finish(const grpc::Status& status) override {
-    grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>::Finish(status);
+  void Read(v1::StepRequest* into) override {
+    into_ = into;
+    StartRead(&read_);
   }
+  void Write(const StepResponseOut* response) override {
+    writing_ = wire::ToByteBuffer(response->Frames());
+    StartWrite(&writing_);
+  }
+  void Finish(const grpc::Status& status) override { RawBidiReactor::Finish(status); }
   bool IsCancelled() const override { return context_->IsCancelled(); }
 
   void OnReadDone(bool ok) override {
@@ -38,8 +58,18 @@ class StepPortReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1
     if (pipeline_ != nullptr) {
       std::shared_ptr<StepPipeline> pipeline = pipeline_;
       lock.unlock();
+      if (absl::Status parsed = ok ? Parse(&read_, into_) : absl::OkStatus(); !parsed.ok()) {
+        pipeline->Fail(parsed);
+        return;
+      }
       pipeline->OnReadDone(index_, ok);
       return;
+    }
+    if (ok) {
+      if (absl::Status parsed = Parse(&read_, &first_); !parsed.ok()) {
+        FinishAloneLocked(parsed);
+        return;
+      }
     }
     if (finished_) {
       // Cancelled before it joined: a striped step's other streams fail now, not after waiting
@@ -125,7 +155,10 @@ class StepPortReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1
   grpc::CallbackServerContext* context_;  // valid until OnDone
   const core::CallMode mode_;
   ServiceContext& service_;
-  v1::StepRequest first_;  // target of the first read
+  grpc::ByteBuffer read_;            // the read in flight (one at a time)
+  v1::StepRequest first_;            // the first message, parsed
+  v1::StepRequest* into_ = nullptr;  // where the pipeline wants the read in flight
+  grpc::ByteBuffer writing_;         // the write in flight (one at a time), until OnWriteDone
 
   std::mutex mu_;  // guards the join: taken before the pipeline's lock, never after
   std::shared_ptr<StepPipeline> pipeline_;  // set once, when the first message is read
@@ -135,9 +168,37 @@ class StepPortReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1
 
 }  // namespace
 
-grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* NewStepReactor(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewStepReactor(
     grpc::CallbackServerContext* context, core::CallMode mode, ServiceContext* service) {
   return new StepPortReactor(context, mode, service);
+}
+
+namespace {
+
+// The step methods by name, with their modes.
+constexpr std::pair<const char*, core::CallMode> kStepMethods[] = {
+    {"ForwardBackward", core::CallMode::kFused},
+    {"Forward", core::CallMode::kForward},
+    {"Backward", core::CallMode::kBackward}};
+
+const google::protobuf::ServiceDescriptor& HeadServiceDescriptor() {
+  return *google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+      v1::HeadService::service_full_name());
+}
+
+}  // namespace
+
+void ForEachStepMethod(const std::function<void(int index, core::CallMode mode)>& f) {
+  for (const auto& [name, mode] : kStepMethods) {
+    f(HeadServiceDescriptor().FindMethodByName(name)->index(), mode);
+  }
+}
+
+bool IsRawStepMethod(const std::string& method) {
+  for (const auto& [name, mode] : kStepMethods) {
+    if (method == absl::StrCat("/", v1::HeadService::service_full_name(), "/", name)) return true;
+  }
+  return false;
 }
 
 }  // namespace remotehead::server

@@ -45,36 +45,45 @@ absl::StatusOr<StepRowsIn> ReadRows(std::shared_ptr<const v1::StepRequest> messa
   return in;
 }
 
-// Appends the rows of `t` (if defined) as TensorChunk responses of at most `chunk_bytes`,
-// numbered from `first_row`, into the response field `field` (grad_hidden or outputs).
+// The rows of `t` (if defined) as chunk responses of at most `chunk_bytes`, numbered from
+// `first_row`, each made by `chunk` (which sets its offset and names) around its values: the
+// values' dtype and shape in the message, their bytes left where they lie in `t` (on the host:
+// a device's result comes over once, whole, not chunk by chunk).
+template <typename Chunk>
 absl::Status AppendRowChunks(const torch::Tensor& t, int64_t first_row, int64_t chunk_bytes,
-                             v1::TensorChunk* (v1::StepResponse::*field)(),
-                             std::vector<v1::StepResponse>* responses) {
+                             Chunk&& chunk, std::vector<StepResponseOut>* responses) {
   if (!t.defined()) return absl::OkStatus();
-  const int64_t bytes_per_row = t.numel() == 0 ? 1 : t.nbytes() / t.size(0);
-  for (const auto& [offset, count] : wire::PlanRowChunks(t.size(0), bytes_per_row, chunk_bytes)) {
-    v1::StepResponse response;
-    v1::TensorChunk* chunk = (response.*field)();
-    chunk->set_row_offset(first_row + offset);
-    RETURN_IF_ERROR(wire::EncodeTensor(t.narrow(0, offset, count), chunk->mutable_values()));
-    responses->push_back(std::move(response));
+  RETURN_IF_ERROR(wire::ToWireDtype(t.scalar_type(), "result").status());
+  const torch::Tensor host = wire::ToWireLayout(t);
+  const int64_t bytes_per_row = host.numel() == 0 ? 1 : host.nbytes() / host.size(0);
+  for (const auto& [offset, count] :
+       wire::PlanRowChunks(host.size(0), bytes_per_row, chunk_bytes)) {
+    StepResponseOut out;
+    v1::Tensor* values = chunk(&out.message, first_row + offset);
+    out.bytes = wire::EncodeRowsHead(host, offset, count, values);
+    out.rows = host;
+    responses->push_back(std::move(out));
   }
   return absl::OkStatus();
 }
 
-// The same for one per-token diagnostic (StepHeader.token_extras): TokenExtraChunk responses.
-absl::Status AppendTokenExtra(const std::string& name, const torch::Tensor& t, int64_t first_row,
-                              int64_t chunk_bytes, std::vector<v1::StepResponse>* responses) {
-  const int64_t bytes_per_row = static_cast<int64_t>(t.element_size());
-  for (const auto& [offset, count] : wire::PlanRowChunks(t.size(0), bytes_per_row, chunk_bytes)) {
-    v1::StepResponse response;
-    v1::TokenExtraChunk* chunk = response.mutable_token_extra();
+// A rows chunk of the response field `field` (grad_hidden, outputs or token_ids).
+auto TensorChunkOf(v1::TensorChunk* (v1::StepResponse::*field)()) {
+  return [field](v1::StepResponse* response, int64_t row_offset) {
+    v1::TensorChunk* chunk = (response->*field)();
+    chunk->set_row_offset(row_offset);
+    return chunk->mutable_values();
+  };
+}
+
+// A chunk of one per-token diagnostic (StepHeader.token_extras).
+auto TokenExtraOf(const std::string& name) {
+  return [&name](v1::StepResponse* response, int64_t row_offset) {
+    v1::TokenExtraChunk* chunk = response->mutable_token_extra();
     chunk->set_name(name);
-    chunk->set_row_offset(first_row + offset);
-    RETURN_IF_ERROR(wire::EncodeTensor(t.narrow(0, offset, count), chunk->mutable_values()));
-    responses->push_back(std::move(response));
-  }
-  return absl::OkStatus();
+    chunk->set_row_offset(row_offset);
+    return chunk->mutable_values();
+  };
 }
 
 void ToWire(const StepOutcome& outcome, v1::StepSummary* summary) {
@@ -93,7 +102,7 @@ void ToWire(const StepOutcome& outcome, v1::StepSummary* summary) {
 }  // namespace
 
 absl::Status StepStream::OnRequest(v1::StepRequest request,
-                                   std::vector<v1::StepResponse>* responses) {
+                                   std::vector<StepResponseOut>* responses) {
   switch (request.part_case()) {
     case v1::StepRequest::kHeader:
       return OnHeader(request.header());
@@ -124,29 +133,31 @@ absl::Status StepStream::OnHeader(const v1::StepHeader& header) {
   return session_.Begin(std::move(call), std::move(fanout));
 }
 
-absl::Status StepStream::OnClientDone(std::vector<v1::StepResponse>* responses) {
+absl::Status StepStream::OnClientDone(std::vector<StepResponseOut>* responses) {
   if (!session_.has_begun()) {
     return absl::InvalidArgumentError("header: expected a header; the stream ended without one");
   }
   ASSIGN_OR_RETURN(const StepOutcome outcome, session_.Finish(SinkInto(responses)));
-  v1::StepResponse response;
-  ToWire(outcome, response.mutable_summary());
-  *response.mutable_summary()->mutable_timings() = timings_;
+  StepResponseOut response;
+  ToWire(outcome, response.message.mutable_summary());
+  *response.message.mutable_summary()->mutable_timings() = timings_;
   responses->push_back(std::move(response));
   return absl::OkStatus();
 }
 
-StepResultSink StepStream::SinkInto(std::vector<v1::StepResponse>* responses) const {
+StepResultSink StepStream::SinkInto(std::vector<StepResponseOut>* responses) const {
   return [this, responses](StepRowResults r) -> absl::Status {
     RETURN_IF_ERROR(AppendRowChunks(r.grad_hidden, r.first_row, response_chunk_bytes_,
-                                    &v1::StepResponse::mutable_grad_hidden, responses));
+                                    TensorChunkOf(&v1::StepResponse::mutable_grad_hidden),
+                                    responses));
     RETURN_IF_ERROR(AppendRowChunks(r.outputs, r.first_row, response_chunk_bytes_,
-                                    &v1::StepResponse::mutable_outputs, responses));
+                                    TensorChunkOf(&v1::StepResponse::mutable_outputs), responses));
     RETURN_IF_ERROR(AppendRowChunks(r.token_ids, r.first_row, response_chunk_bytes_,
-                                    &v1::StepResponse::mutable_token_ids, responses));
+                                    TensorChunkOf(&v1::StepResponse::mutable_token_ids),
+                                    responses));
     for (const auto& [name, values] : r.token_extras) {
-      RETURN_IF_ERROR(
-          AppendTokenExtra(name, values, r.first_row, response_chunk_bytes_, responses));
+      RETURN_IF_ERROR(AppendRowChunks(values, r.first_row, response_chunk_bytes_,
+                                      TokenExtraOf(name), responses));
     }
     return absl::OkStatus();
   };

@@ -1,6 +1,7 @@
 // The protobuf side of a step call: reads each StepRequest into the session's types
 // (step_call.h) and writes what the session gives back as StepResponses — dX, outputs and token
-// ids in row chunks of at most `response_chunk_bytes`, then the summary. The one place where a
+// ids in row chunks of at most `response_chunk_bytes` (their bytes left in the results:
+// step_response_out.h), then the summary. The one place where a
 // step's wire messages meet StepSession, which itself includes no protobuf.
 //
 // Not thread-safe, like the session: the reactor hands it one message at a time, in order.
@@ -12,6 +13,7 @@
 #include "absl/status/status.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/v1/head_service.pb.h"
+#include "rpc/step_response_out.h"
 #include "step/step_session.h"
 
 namespace remotehead::server {
@@ -29,9 +31,9 @@ class StepStream {
 
   // Handles one client message; appends what goes back to the client to `responses`. Takes the
   // message: the rows it carries are computed from its bytes without a copy.
-  absl::Status OnRequest(v1::StepRequest request, std::vector<v1::StepResponse>* responses);
+  absl::Status OnRequest(v1::StepRequest request, std::vector<StepResponseOut>* responses);
   // The client has sent everything: the session finishes; the summary is appended last.
-  absl::Status OnClientDone(std::vector<v1::StepResponse>* responses);
+  absl::Status OnClientDone(std::vector<StepResponseOut>* responses);
 
   // Reported in the summary.
   void set_timings(const v1::StepTimings& timings) { timings_ = timings; }
@@ -42,7 +44,7 @@ class StepStream {
  private:
   absl::Status OnHeader(const v1::StepHeader& header);
   // Each result tensor as TensorChunk responses into `responses`.
-  StepResultSink SinkInto(std::vector<v1::StepResponse>* responses) const;
+  StepResultSink SinkInto(std::vector<StepResponseOut>* responses) const;
 
   StepSession session_;
   const int64_t response_chunk_bytes_;
