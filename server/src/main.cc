@@ -62,6 +62,8 @@ ABSL_FLAG(int32_t, torch_threads, 0,
           "LibTorch intra-op threads per engine call (0 = LibTorch's default: all cores)");
 ABSL_FLAG(int32_t, read_ahead_messages, 4,
           "rows messages a streaming call reads ahead of the one being computed");
+ABSL_FLAG(int64_t, response_chunk_bytes, int64_t{1} << 20,
+          "largest chunk of rows (dX, outputs, weights) in one streamed response message");
 ABSL_FLAG(double, stripe_join_seconds, 30,
           "how long the streams of a striped step (StepHeader.stripe) may take to join after its "
           "first; then the step fails (ABORTED), nothing committed");
@@ -313,6 +315,7 @@ rh::server::ServiceOptions MakeServiceOptions(
     const rh::server::Cluster& cluster) {
   const rh::server::ServiceOptions options{
       .device = device,
+      .response_chunk_bytes = std::max<int64_t>(1, absl::GetFlag(FLAGS_response_chunk_bytes)),
       .compute_threads = absl::GetFlag(FLAGS_compute_threads),
       .read_ahead_messages = std::max(1, absl::GetFlag(FLAGS_read_ahead_messages)),
       .stripe_join_seconds = absl::GetFlag(FLAGS_stripe_join_seconds),

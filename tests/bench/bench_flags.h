@@ -1,12 +1,19 @@
 // The benches' command lines: Abseil's flag names are identifiers (--chunk_rows), the
-// documentation writes them kebab-case (--chunk-rows); both are accepted.
+// documentation writes them kebab-case (--chunk-rows); both are accepted. And their way out
+// when a step of the measurement fails.
 #pragma once
+
+#include <errno.h>  // program_invocation_short_name
 
 #include <algorithm>
 #include <cctype>
 #include <cstddef>
+#include <cstdlib>
+#include <iostream>
 #include <string>
 #include <vector>
+
+#include "absl/status/statusor.h"
 
 namespace remotehead::bench {
 
@@ -25,6 +32,16 @@ inline std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
                  a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
   }
   return args;
+}
+
+// The value, or the program exits 1 naming itself, `what` failed and why.
+template <typename T>
+T OrDie(absl::StatusOr<T> v, const std::string& what) {
+  if (!v.ok()) {
+    std::cerr << program_invocation_short_name << ": " << what << ": " << v.status() << std::endl;
+    std::exit(1);
+  }
+  return *std::move(v);
 }
 
 }  // namespace remotehead::bench

@@ -56,6 +56,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_flags.h"
 #include "bench/bench_measure.h"
 #include "bench/bench_metrics.h"
 #include "bench/bench_plot.h"
@@ -108,14 +109,7 @@ struct Shape {
   int64_t n = 0, d = 0, v = 0;
 };
 
-template <typename T>
-T OrDie(absl::StatusOr<T> v, const std::string& what) {
-  if (!v.ok()) {
-    std::cerr << "remotehead-remote-bench: " << what << ": " << v.status() << std::endl;
-    std::exit(1);
-  }
-  return *std::move(v);
-}
+using bench::OrDie;
 
 // bench::Measure on the CPU with the flags' warmup and repeats: the median wall time and the
 // transient bytes this process allocated during the last run (the trainer's side of a remote

@@ -3,7 +3,8 @@
 // a head of --v tokens (256: the GEMMs are a few percent of the bytes' time) with X of --x_bytes
 // ([N, --d] rows, N = x_bytes / (d · element size)), for each dtype of --dtypes and each stream
 // count C of --streams (ClientOptions::streams, StepHeader.stripe), through the real server
-// binary this program starts on 127.0.0.1. Reported per (dtype, C):
+// binary this program starts on 127.0.0.1 (one per message size of --chunk_sizes: the sweep of
+// the client's request chunks and the server's response chunks). Reported per (S, dtype, C):
 //
 //   GB/s        (X bytes + dX bytes) / the call's wall time (median of --repeats)
 //   vs_loop1    that over the loopback TCP limit of one connection (a plain socket pair)
@@ -34,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/bench_flags.h"
 #include "bench/loopback_limit.h"
 #include "bench/thread_cpu.h"
 #include "remotehead/client/client.h"
@@ -49,7 +51,9 @@ ABSL_FLAG(std::vector<std::string>, dtypes, std::vector<std::string>({"float32",
           "head and X dtypes (float32, bfloat16)");
 ABSL_FLAG(std::vector<std::string>, streams, std::vector<std::string>({"1", "2", "4"}),
           "stream counts C");
-ABSL_FLAG(int64_t, chunk_bytes, int64_t{1} << 20, "client request message size");
+ABSL_FLAG(std::vector<std::string>, chunk_sizes, std::vector<std::string>({"1048576"}),
+          "message sizes S to sweep: the client's request chunks (ClientOptions::chunk_bytes) "
+          "and the server's response chunks (--response_chunk_bytes), both S; a server each");
 ABSL_FLAG(int32_t, repeats, 3, "timed calls per (dtype, C) (the median is reported)");
 ABSL_FLAG(int32_t, warmup, 1, "untimed calls before the timed ones");
 ABSL_FLAG(int64_t, loopback_bytes, 0,
@@ -67,14 +71,7 @@ namespace rh = remotehead;
 namespace bench = remotehead::bench;
 using Clock = std::chrono::steady_clock;
 
-template <typename T>
-T OrDie(absl::StatusOr<T> v, const std::string& what) {
-  if (!v.ok()) {
-    std::cerr << "remotehead-wire-bench: " << what << ": " << v.status() << std::endl;
-    std::exit(1);
-  }
-  return *std::move(v);
-}
+using bench::OrDie;
 
 torch::ScalarType DtypeOf(const std::string& name) {
   if (name == "float32") return torch::kFloat;
@@ -97,7 +94,22 @@ std::vector<int> Counts() {
   return out;
 }
 
+std::vector<int64_t> ChunkSizes() {
+  std::vector<int64_t> out;
+  for (const std::string& s : absl::GetFlag(FLAGS_chunk_sizes)) {
+    int64_t size = 0;
+    if (!absl::SimpleAtoi(s, &size) || size < 4096) {
+      std::cerr << "remotehead-wire-bench: --chunk_sizes: expected sizes >= 4096; got " << s
+                << "\n";
+      std::exit(2);
+    }
+    out.push_back(size);
+  }
+  return out;
+}
+
 struct Row {
+  int64_t chunk_bytes = 0;
   std::string dtype;
   int streams = 1;
   double seconds = 0, gb_per_s = 0, vs_loop1 = 0, vs_loop_c = 0, dx_vs_one = 0, loss = 0;
@@ -106,16 +118,17 @@ struct Row {
 
 // One (dtype, C): `calls` through a client of C streams; the median wall time and the threads'
 // CPU seconds per timed call.
-Row Measure(const std::string& target, pid_t server_pid, const std::string& dtype, int streams,
-            const rh::client::StepInputs& inputs, torch::Tensor* dx) {
+Row Measure(const std::string& target, pid_t server_pid, int64_t chunk_bytes,
+            const std::string& dtype, int streams, const rh::client::StepInputs& inputs,
+            torch::Tensor* dx) {
   auto client = OrDie(rh::client::Client::Create({.target = target,
-                                                  .chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes),
+                                                  .chunk_bytes = chunk_bytes,
                                                   .max_receive_message_bytes = 64 << 20,
                                                   .streams = streams}),
                       "Client::Create");
   const std::string head = absl::StrCat("wire_", dtype);
   const rh::client::StepSpec spec{.head_id = head, .accumulate_weight_grad = false};
-  Row row{.dtype = dtype, .streams = streams};
+  Row row{.chunk_bytes = chunk_bytes, .dtype = dtype, .streams = streams};
   auto call = [&] {
     auto r = OrDie(client->ForwardBackward(spec, inputs), "ForwardBackward");
     row.loss = r.loss;
@@ -143,6 +156,27 @@ Row Measure(const std::string& target, pid_t server_pid, const std::string& dtyp
   return row;
 }
 
+// The engine's step on `batch` in this process with `threads` LibTorch threads (the server's
+// default: every core): its median time; its dX (float32) in *dx.
+double InProcess(const rh::core::Head& head, const rh::core::TokenBatch& batch, int threads,
+                 torch::Tensor* dx) {
+  std::vector<double> times;
+  const int saved = torch::get_num_threads();
+  torch::set_num_threads(threads);
+  for (int i = 0; i < absl::GetFlag(FLAGS_warmup) + std::max(1, absl::GetFlag(FLAGS_repeats));
+       ++i) {
+    const auto start = Clock::now();
+    *dx = OrDie(rh::core::FusedForwardBackward(head, batch, {}, nullptr), "in-process step")
+              .grad_hidden.to(torch::kFloat);
+    if (i >= absl::GetFlag(FLAGS_warmup)) {
+      times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    }
+  }
+  torch::set_num_threads(saved);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 std::string CpuLine(const std::map<std::string, double>& cpu) {
   std::vector<std::pair<double, std::string>> sorted;
   double total = 0;
@@ -152,7 +186,9 @@ std::string CpuLine(const std::map<std::string, double>& cpu) {
   }
   std::sort(sorted.rbegin(), sorted.rend());
   std::vector<std::string> parts;
-  for (const auto& [seconds, name] : sorted) parts.push_back(absl::StrFormat("%s %.3f", name, seconds));
+  for (const auto& [seconds, name] : sorted) {
+    parts.push_back(absl::StrFormat("%s %.3f", name, seconds));
+  }
   return absl::StrFormat("%.3f (%s)", total, absl::StrJoin(parts, ", "));
 }
 
@@ -167,15 +203,6 @@ int main(int argc, char** argv) {
   const std::vector<int> counts = Counts();
   const int64_t d = absl::GetFlag(FLAGS_d), v = absl::GetFlag(FLAGS_v);
 
-  std::vector<std::string> args = {absl::GetFlag(FLAGS_server), "--listen=127.0.0.1:0",
-                                   "--device=cpu", "--memory_budget_bytes=0",
-                                   "--metrics_address=127.0.0.1:0"};
-  for (const auto& a : absl::GetFlag(FLAGS_server_args)) args.push_back(a);
-  rh::testing::ServerProcess server(args);
-  if (server.port() == 0) {
-    std::cerr << "remotehead-wire-bench: the server did not start:\n" << server.log();
-    return 1;
-  }
   // The client's tensor work on one thread: it shares this machine's cores with the server.
   const int threads = torch::get_num_threads();
   torch::set_num_threads(1);
@@ -198,66 +225,68 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   std::map<std::string, double> in_process;  // dtype → the engine's step in this process, s
   bool exact = true;
-  for (const std::string& name : absl::GetFlag(FLAGS_dtypes)) {
-    const torch::ScalarType dtype = DtypeOf(name);
-    const int64_t n = std::max<int64_t>(
-        1, absl::GetFlag(FLAGS_x_bytes) / (d * static_cast<int64_t>(c10::elementSize(dtype))));
-    const rh::core::HeadInit init{.vocab_size = v, .hidden_size = d, .dtype = dtype, .seed = 1};
-    auto head = OrDie(rh::core::Head::Initialize(init, {}), "head");
-    auto admin = OrDie(rh::client::Client::Create({.target = server.target()}), "Client::Create");
-    OrDie(admin->CreateHead(absl::StrCat("wire_", name),
-                            rh::client::InitSpec{.vocab_size = v, .hidden_size = d, .seed = 1,
-                                                 .dtype = dtype}),
-          "CreateHead");
-    torch::manual_seed(7);
-    const rh::client::StepInputs inputs{
-        .hidden = torch::randn({n, d}).to(dtype),
-        .targets = torch::randint(0, v, {n}, torch::kLong)};
-    // The in-process engine's dX: what every C must give.
-    rh::core::TokenBatch batch{.hidden = inputs.hidden, .targets = inputs.targets};
-    torch::Tensor local;
-    std::vector<double> local_times;
-    torch::set_num_threads(threads);  // the engine as the server runs it
-    for (int i = 0; i < absl::GetFlag(FLAGS_warmup) + std::max(1, absl::GetFlag(FLAGS_repeats));
-         ++i) {
-      const auto start = Clock::now();
-      local = OrDie(rh::core::FusedForwardBackward(*head, batch, {}, nullptr), "in-process step")
-                  .grad_hidden.to(torch::kFloat);
-      if (i >= absl::GetFlag(FLAGS_warmup)) {
-        local_times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-      }
+  for (const int64_t chunk_bytes : ChunkSizes()) {
+    std::vector<std::string> args = {absl::GetFlag(FLAGS_server), "--listen=127.0.0.1:0",
+                                     "--device=cpu", "--memory_budget_bytes=0",
+                                     "--metrics_address=127.0.0.1:0",
+                                     absl::StrCat("--response_chunk_bytes=", chunk_bytes)};
+    for (const auto& a : absl::GetFlag(FLAGS_server_args)) args.push_back(a);
+    rh::testing::ServerProcess server(args);
+    if (server.port() == 0) {
+      std::cerr << "remotehead-wire-bench: the server did not start:\n" << server.log();
+      return 1;
     }
-    torch::set_num_threads(1);
-    std::sort(local_times.begin(), local_times.end());
-    in_process[name] = local_times[local_times.size() / 2];
-    torch::Tensor first;
-    double first_loss = 0;
-    for (const int c : counts) {
-      torch::Tensor dx;
-      Row row = Measure(server.target(), server.pid(), name, c, inputs, &dx);
-      row.vs_loop1 = row.gb_per_s / loop[1];
-      row.vs_loop_c = row.gb_per_s / loop[c];
-      if (!first.defined()) {
-        first = dx;
-        first_loss = row.loss;
-        const double scale = std::max(local.abs().max().item<double>(), 1e-30);
-        const double off = (dx.to(torch::kFloat) - local).abs().max().item<double>() / scale;
-        if (off > 1e-5) {
-          std::cerr << "remotehead-wire-bench: " << name << ": dX off the in-process engine's by "
-                    << off << " of its magnitude\n";
-          exact = false;
+    for (const std::string& name : absl::GetFlag(FLAGS_dtypes)) {
+      const torch::ScalarType dtype = DtypeOf(name);
+      const int64_t n = std::max<int64_t>(
+          1, absl::GetFlag(FLAGS_x_bytes) / (d * static_cast<int64_t>(c10::elementSize(dtype))));
+      auto head = OrDie(rh::core::Head::Initialize(
+                            {.vocab_size = v, .hidden_size = d, .dtype = dtype, .seed = 1}, {}),
+                        "head");
+      auto admin =
+          OrDie(rh::client::Client::Create({.target = server.target()}), "Client::Create");
+      OrDie(admin->CreateHead(absl::StrCat("wire_", name),
+                              rh::client::InitSpec{.vocab_size = v, .hidden_size = d, .seed = 1,
+                                                   .dtype = dtype}),
+            "CreateHead");
+      torch::manual_seed(7);
+      const rh::client::StepInputs inputs{
+          .hidden = torch::randn({n, d}).to(dtype),
+          .targets = torch::randint(0, v, {n}, torch::kLong)};
+      // The in-process engine's dX: what every C must give.
+      rh::core::TokenBatch batch{.hidden = inputs.hidden, .targets = inputs.targets};
+      torch::Tensor local;
+      in_process[name] = InProcess(*head, batch, threads, &local);
+      torch::Tensor first;
+      double first_loss = 0;
+      for (const int c : counts) {
+        torch::Tensor dx;
+        Row row = Measure(server.target(), server.pid(), chunk_bytes, name, c, inputs, &dx);
+        row.vs_loop1 = row.gb_per_s / loop[1];
+        row.vs_loop_c = row.gb_per_s / loop[c];
+        if (!first.defined()) {
+          first = dx;
+          first_loss = row.loss;
+          const double scale = std::max(local.abs().max().item<double>(), 1e-30);
+          const double off = (dx.to(torch::kFloat) - local).abs().max().item<double>() / scale;
+          if (off > 1e-5) {
+            std::cerr << "remotehead-wire-bench: " << name
+                      << ": dX off the in-process engine's by " << off << " of its magnitude\n";
+            exact = false;
+          }
         }
+        row.dx_vs_one =
+            (dx.to(torch::kFloat) - first.to(torch::kFloat)).abs().max().item<double>();
+        if (row.dx_vs_one != 0 || row.loss != first_loss) exact = false;
+        rows.push_back(row);
       }
-      row.dx_vs_one = (dx.to(torch::kFloat) - first.to(torch::kFloat)).abs().max().item<double>();
-      if (row.dx_vs_one != 0 || row.loss != first_loss) exact = false;
-      rows.push_back(row);
+      (void)admin->DropHead(absl::StrCat("wire_", name));
     }
-    (void)admin->DropHead(absl::StrCat("wire_", name));
   }
-
   if (absl::GetFlag(FLAGS_json)) {
     for (const Row& r : rows) {
-      report["rows"].push_back({{"dtype", r.dtype},
+      report["rows"].push_back({{"chunk_bytes", r.chunk_bytes},
+                                {"dtype", r.dtype},
                                 {"streams", r.streams},
                                 {"seconds", r.seconds},
                                 {"gb_per_s", r.gb_per_s},
@@ -275,14 +304,16 @@ int main(int argc, char** argv) {
         "# X %.0f MiB per call (dX as many), D %d, V %d; %d cores\n# loopback TCP limit:",
         absl::GetFlag(FLAGS_x_bytes) / 1048576.0, d, v, std::thread::hardware_concurrency());
     for (const auto& [c, gb] : loop) std::cout << absl::StrFormat(" %d conn %.2f GB/s;", c, gb);
-    std::cout << "\n# in_proc_s: the same step in this process (the engine alone, its compute floor)";
-    std::cout << "\ndtype      C   call_s    GB/s  vs_loop1  vs_loopC  dX_vs_C1  in_proc_s\n";
+    std::cout << "\n# in_proc_s: the same step in this process (the engine alone, its compute "
+                 "floor)\nchunk_KiB dtype      C   call_s    GB/s  vs_loop1  vs_loopC  dX_vs_C1  "
+                 "in_proc_s\n";
     for (const Row& r : rows) {
-      std::cout << absl::StrFormat("%-9s %2d %8.3f %7.2f %9.2f %9.2f %9.1e %10.3f\n", r.dtype,
-                                   r.streams, r.seconds, r.gb_per_s, r.vs_loop1, r.vs_loop_c,
-                                   r.dx_vs_one, in_process[r.dtype])
-                << "             server CPU-s per call " << CpuLine(r.server_cpu) << "\n"
-                << "             client CPU-s per call " << CpuLine(r.client_cpu) << "\n";
+      std::cout << absl::StrFormat("%9d %-9s %2d %8.3f %7.2f %9.2f %9.2f %9.1e %10.3f\n",
+                                   r.chunk_bytes / 1024, r.dtype, r.streams, r.seconds, r.gb_per_s,
+                                   r.vs_loop1, r.vs_loop_c, r.dx_vs_one, in_process[r.dtype])
+                << "                       server CPU-s per call " << CpuLine(r.server_cpu) << "\n"
+                << "                       client CPU-s per call " << CpuLine(r.client_cpu)
+                << "\n";
     }
     std::cout << "# every C exact (loss and dX equal one stream's bits, dX the engine's): "
               << (exact ? "yes" : "NO") << std::endl;

@@ -11,8 +11,9 @@ at the end, so both start from the same server state. Compared, call by call:
   legitimately differs, so a handle is compared as "present"), the number of row messages, their
   row_offsets and their whole content, and the other requests (CreateHead, DropHead, ...);
 - the results: the loss, dX, outputs, dW, db and summary numbers to relative 1e-6 (the server
-  groups rows into engine batches as they arrive, so float sums may round differently, and
-  summary.chunk_rows / num_chunks, which report that grouping, are compared only as "some");
+  cuts engine batches at fixed rows, so equal requests give equal bits, but the relative bound
+  keeps the comparison about the clients; summary.chunk_rows / num_chunks, which report the
+  engine's chunking, are compared only as "some");
   valid_tokens, versions, flags and head descriptions exactly; a refused call's code, and text
   its message must contain.
 """

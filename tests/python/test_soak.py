@@ -286,7 +286,8 @@ def invalid_call(soak, client, rng, gen, tag):
 
 
 def cancelled_stream(soak, stub, tag, hidden, labels):
-    """Half the rows, wait for their dX, then cancel: CANCELLED, nothing accumulated."""
+    """Half the rows (their batch waits for the rest, which never comes), then a cancel:
+    CANCELLED, nothing accumulated."""
     n = hidden.shape[0]
     half = max(1, n // 2)
     release = threading.Event()
@@ -299,8 +300,9 @@ def cancelled_stream(soak, stub, tag, hidden, labels):
     call = stub.ForwardBackward(messages(), timeout=CALL_TIMEOUT)
 
     def consume():
-        for _ in call:
-            call.cancel()  # after the first dX chunk
+        time.sleep(0.05)  # the server takes the header and rows meanwhile, or not yet: either way
+        call.cancel()
+        list(call)
     try:
         expect_code(soak, tag, "cancelled mid-stream", grpc.StatusCode.CANCELLED, consume)
     finally:
@@ -326,8 +328,9 @@ def abandoned_stream(soak, tag, hidden, labels, stalled):
                         lambda: list(stub.ForwardBackward(messages(), timeout=0.5)))
         else:
             call = stub.ForwardBackward(messages(), timeout=CALL_TIMEOUT)
-            next(call)  # the first dX: the server is computing this request
+            time.sleep(0.05)  # the server has the rows, or not yet: either way nothing is added
             channel.close()  # no cancel, no half-close: the connection just goes
+            del call
             soak.count("invalid: abandoned (channel closed)")
     finally:
         release.set()
