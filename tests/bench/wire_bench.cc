@@ -226,8 +226,10 @@ int main(int argc, char** argv) {
   std::map<std::string, double> in_process;  // dtype → the engine's step in this process, s
   bool exact = true;
   for (const int64_t chunk_bytes : ChunkSizes()) {
-    std::vector<std::string> args = {absl::GetFlag(FLAGS_server), "--listen=127.0.0.1:0",
-                                     "--device=cpu", "--memory_budget_bytes=0",
+    std::vector<std::string> args = {absl::GetFlag(FLAGS_server),
+                                     "--listen=127.0.0.1:0",
+                                     "--device=cpu",
+                                     "--memory_budget_bytes=0",
                                      "--metrics_address=127.0.0.1:0",
                                      absl::StrCat("--response_chunk_bytes=", chunk_bytes)};
     for (const auto& a : absl::GetFlag(FLAGS_server_args)) args.push_back(a);
@@ -243,16 +245,14 @@ int main(int argc, char** argv) {
       auto head = OrDie(rh::core::Head::Initialize(
                             {.vocab_size = v, .hidden_size = d, .dtype = dtype, .seed = 1}, {}),
                         "head");
-      auto admin =
-          OrDie(rh::client::Client::Create({.target = server.target()}), "Client::Create");
-      OrDie(admin->CreateHead(absl::StrCat("wire_", name),
-                              rh::client::InitSpec{.vocab_size = v, .hidden_size = d, .seed = 1,
-                                                   .dtype = dtype}),
+      auto admin = OrDie(rh::client::Client::Create({.target = server.target()}), "Client::Create");
+      OrDie(admin->CreateHead(
+                absl::StrCat("wire_", name),
+                rh::client::InitSpec{.vocab_size = v, .hidden_size = d, .seed = 1, .dtype = dtype}),
             "CreateHead");
       torch::manual_seed(7);
-      const rh::client::StepInputs inputs{
-          .hidden = torch::randn({n, d}).to(dtype),
-          .targets = torch::randint(0, v, {n}, torch::kLong)};
+      const rh::client::StepInputs inputs{.hidden = torch::randn({n, d}).to(dtype),
+                                          .targets = torch::randint(0, v, {n}, torch::kLong)};
       // The in-process engine's dX: what every C must give.
       rh::core::TokenBatch batch{.hidden = inputs.hidden, .targets = inputs.targets};
       torch::Tensor local;
@@ -270,13 +270,12 @@ int main(int argc, char** argv) {
           const double scale = std::max(local.abs().max().item<double>(), 1e-30);
           const double off = (dx.to(torch::kFloat) - local).abs().max().item<double>() / scale;
           if (off > 1e-5) {
-            std::cerr << "remotehead-wire-bench: " << name
-                      << ": dX off the in-process engine's by " << off << " of its magnitude\n";
+            std::cerr << "remotehead-wire-bench: " << name << ": dX off the in-process engine's by "
+                      << off << " of its magnitude\n";
             exact = false;
           }
         }
-        row.dx_vs_one =
-            (dx.to(torch::kFloat) - first.to(torch::kFloat)).abs().max().item<double>();
+        row.dx_vs_one = (dx.to(torch::kFloat) - first.to(torch::kFloat)).abs().max().item<double>();
         if (row.dx_vs_one != 0 || row.loss != first_loss) exact = false;
         rows.push_back(row);
       }
@@ -312,8 +311,7 @@ int main(int argc, char** argv) {
                                    r.chunk_bytes / 1024, r.dtype, r.streams, r.seconds, r.gb_per_s,
                                    r.vs_loop1, r.vs_loop_c, r.dx_vs_one, in_process[r.dtype])
                 << "                       server CPU-s per call " << CpuLine(r.server_cpu) << "\n"
-                << "                       client CPU-s per call " << CpuLine(r.client_cpu)
-                << "\n";
+                << "                       client CPU-s per call " << CpuLine(r.client_cpu) << "\n";
     }
     std::cout << "# every C exact (loss and dX equal one stream's bits, dX the engine's): "
               << (exact ? "yes" : "NO") << std::endl;

@@ -3,6 +3,7 @@
 // the server's exactly-once ledger makes the accumulated dW come out as if it had been sent once.
 // Any other code is returned at the first attempt.
 #include <arpa/inet.h>
+#include <google/protobuf/descriptor.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -44,8 +45,9 @@ int UnusedPort() {
 }
 
 // A ForwardBackward that reads the header and the first rows, sends a garbage dX chunk and
-// then fails with UNAVAILABLE, as a connection lost mid-stream looks to the client.
-class BrokenStepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+// then fails with UNAVAILABLE, as a connection lost mid-stream looks to the client. Raw, as the
+// server serves the step methods (server::HeadService::Step).
+class BrokenStepReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   BrokenStepReactor() { StartRead(&request_); }
   void OnReadDone(bool ok) override {
@@ -53,42 +55,55 @@ class BrokenStepReactor final : public grpc::ServerBidiReactor<v1::StepRequest, 
       StartRead(&request_);
       return;
     }
-    v1::TensorChunk* chunk = response_.mutable_grad_hidden();
+    v1::StepResponse response;
+    v1::TensorChunk* chunk = response.mutable_grad_hidden();
     const std::vector<float> garbage(kHidden, 1e9f);
     chunk->mutable_values()->set_dtype(v1::DTYPE_FLOAT32);
     chunk->mutable_values()->add_shape(1);
     chunk->mutable_values()->add_shape(kHidden);
     chunk->mutable_values()->set_data(garbage.data(), garbage.size() * sizeof(float));
+    bool own = false;
+    EXPECT_TRUE(
+        grpc::SerializationTraits<v1::StepResponse>::Serialize(response, &response_, &own).ok());
     StartWriteAndFinish(&response_, {},
                         grpc::Status(grpc::StatusCode::UNAVAILABLE, "injected: connection lost"));
   }
   void OnDone() override { delete this; }
 
  private:
-  v1::StepRequest request_;
-  v1::StepResponse response_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
   int messages_ = 0;
 };
 
 // The real service, with faults injected into the first calls of some RPCs.
 class FlakyService final : public v1::HeadService::CallbackService {
  public:
-  FlakyService(v1::HeadService::CallbackService* real, server::HeadRegistry* registry)
-      : real_(real), registry_(registry) {}
+  FlakyService(server::HeadService* real, server::HeadRegistry* registry)
+      : real_(real), registry_(registry) {
+    // ForwardBackward raw, as the real service serves it.
+    const int index = google::protobuf::DescriptorPool::generated_pool()
+                          ->FindServiceByName(v1::HeadService::service_full_name())
+                          ->FindMethodByName("ForwardBackward")
+                          ->index();
+    MarkMethodRawCallback(
+        index, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                   [this](grpc::CallbackServerContext* context) { return Step(context); }));
+  }
 
   std::atomic<int> broken_steps{0};          // ForwardBackward calls that break mid-stream
   std::atomic<int> lost_optimizer_steps{0};  // OptimizerSteps applied whose answer is lost
 
-  grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* ForwardBackward(
-      grpc::CallbackServerContext* context) override {
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Step(
+      grpc::CallbackServerContext* context) {
     if (broken_steps.fetch_sub(1) > 0) return new BrokenStepReactor();
-    return real_->ForwardBackward(context);
+    return real_->Step(context, core::CallMode::kFused);
   }
   grpc::ServerUnaryReactor* OptimizerStep(grpc::CallbackServerContext* context,
                                           const v1::OptimizerStepRequest* request,
                                           v1::OptimizerStepResponse* response) override {
     if (lost_optimizer_steps.fetch_sub(1) <= 0) {
-      return real_->OptimizerStep(context, request, response);
+      return real_->service().OptimizerStep(context, request, response);
     }
     // Applied on the server, then the connection drops before the answer reaches the client.
     auto entry = *registry_->Get(request->head_id());
@@ -106,11 +121,11 @@ class FlakyService final : public v1::HeadService::CallbackService {
   grpc::ServerUnaryReactor* DescribeHead(grpc::CallbackServerContext* context,
                                          const v1::HeadRef* request,
                                          v1::HeadInfo* response) override {
-    return real_->DescribeHead(context, request, response);
+    return real_->service().DescribeHead(context, request, response);
   }
 
  private:
-  v1::HeadService::CallbackService* real_;
+  server::HeadService* real_;
   server::HeadRegistry* registry_;
 };
 
@@ -126,7 +141,7 @@ class RetryTest : public ::testing::Test {
                                       core::Reduction::kMean);
     service_ = server::HeadService::Create(&registry_,
                                            server::ServiceOptions{.response_chunk_bytes = 512});
-    flaky_ = std::make_unique<FlakyService>(&service_->service(), &registry_);
+    flaky_ = std::make_unique<FlakyService>(service_.get(), &registry_);
     port_ = UnusedPort();
   }
 

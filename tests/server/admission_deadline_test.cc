@@ -13,8 +13,8 @@ class AdmissionDeadlineTest : public ServiceFixture {
   // Complete() sends the rest.
   class OpenStep {
    public:
-    OpenStep(AdmissionDeadlineTest* service, v1::HeadService::Stub* stub, const core::TokenBatch& batch,
-             const std::string& trainer)
+    OpenStep(AdmissionDeadlineTest* service, v1::HeadService::Stub* stub,
+             const core::TokenBatch& batch, const std::string& trainer)
         : batch_(batch), stream_(stub->ForwardBackward(&context_)) {
       v1::StepRequest header;
       v1::StepHeader* h = header.mutable_header();

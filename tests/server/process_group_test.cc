@@ -3,7 +3,6 @@
 // result equals one engine on the whole head. Also: the group's ordered command log (GroupLog),
 // the group flags and their torchrun-style environment, a rank that never comes, a rank that
 // dies mid-step or mid-log, and a one-rank NCCL group on CUDA (skipped without a GPU).
-#include "remotehead/core/error_reason.h"
 #include "remotehead/server/group/process_group.h"
 
 #include <gtest/gtest.h>
@@ -28,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
+#include "remotehead/core/error_reason.h"
 #include "remotehead/server/group/group_log.h"
 #include "support/child_process.h"
 

@@ -201,7 +201,8 @@ TEST(Frames, ParseAsTheMessageBuiltWholeWithoutCopyingTheRows) {
   const torch::Tensor targets = torch::randint(0, 50, {300}, torch::kLong);
   const torch::Tensor advantages = torch::randn({300});
   const torch::Tensor topk = torch::randn({300, 4});
-  for (const auto& [offset, count] : std::vector<std::pair<int64_t, int64_t>>{{0, 300}, {17, 5}, {300, 0}}) {
+  for (const auto& [offset, count] :
+       std::vector<std::pair<int64_t, int64_t>>{{0, 300}, {17, 5}, {300, 0}}) {
     SCOPED_TRACE(absl::StrCat("rows ", offset, "+", count));
     v1::StepRequest whole;
     v1::StepRows* rows = whole.mutable_rows();
@@ -240,7 +241,8 @@ TEST(Frames, ParseAsTheMessageBuiltWholeWithoutCopyingTheRows) {
     const char* base = static_cast<const char*>(hidden.data_ptr());
     bool referenced = count == 0;
     for (const wire::Frames::Piece& p : frames.pieces()) {
-      referenced |= p.data == base + offset * 700 * 4 && p.size == static_cast<size_t>(count) * 2800;
+      referenced |=
+          p.data == base + offset * 700 * 4 && p.size == static_cast<size_t>(count) * 2800;
     }
     EXPECT_TRUE(referenced);
   }

@@ -33,7 +33,9 @@ wire::Frames PreparedStep::RowsFrames(int64_t offset, int64_t count) const {
   r->set_row_offset(offset);
   std::vector<wire::RowBytes> spans;
   for (const Field& f : fields) {
-    if (f.tensor->defined()) spans.push_back(wire::EncodeRowsHead(*f.tensor, offset, count, (r->*f.head)()));
+    if (f.tensor->defined()) {
+      spans.push_back(wire::EncodeRowsHead(*f.tensor, offset, count, (r->*f.head)()));
+    }
   }
   wire::Frames frames;
   frames.AppendMessage(message);
@@ -46,8 +48,8 @@ wire::Frames PreparedStep::RowsFrames(int64_t offset, int64_t count) const {
   for (const auto& [name, t] : aux) {
     v1::Tensor head;
     const wire::RowBytes span = wire::EncodeRowsHead(t, offset, count, &head);
-    frames.AppendMapTensor({v1::StepRequest::kRowsFieldNumber}, v1::StepRows::kAuxFieldNumber,
-                           name, head, span, wire::Holding(t));
+    frames.AppendMapTensor({v1::StepRequest::kRowsFieldNumber}, v1::StepRows::kAuxFieldNumber, name,
+                           head, span, wire::Holding(t));
   }
   return frames;
 }

@@ -32,9 +32,7 @@ void PutTag(int field, std::string* out) {
 size_t TagSize(int field) { return VarintSize(static_cast<uint64_t>(field) << 3); }
 
 // A length-delimited field of `length` bytes, whole.
-size_t FieldSize(int field, size_t length) {
-  return TagSize(field) + VarintSize(length) + length;
-}
+size_t FieldSize(int field, size_t length) { return TagSize(field) + VarintSize(length) + length; }
 
 }  // namespace
 

@@ -76,10 +76,9 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
     // themselves (step_reactor.h).
     ForEachStepMethod([this](int index, core::CallMode mode) {
       MarkMethodRawCallback(
-          index, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
-                     [this, mode](grpc::CallbackServerContext* context) {
-                       return Admit([&] { return NewStepReactor(context, mode, context_.get()); });
-                     }));
+          index,
+          new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+              [this, mode](grpc::CallbackServerContext* context) { return Step(context, mode); }));
     });
     if (options.metrics != nullptr) options.metrics->set_admission(&context_->admission);
     // Once the group or mesh is down, the steps waiting here would wait for nothing.
@@ -100,6 +99,10 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   }
 
   v1::HeadService::CallbackService& service() override { return *this; }
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Step(
+      grpc::CallbackServerContext* context, core::CallMode mode) override {
+    return Admit([&] { return NewStepReactor(context, mode, context_.get()); });
+  }
   AdmissionController& admission() override { return context_->admission; }
   absl::Status ReserveLoadedHeads() override { return context_->local.ReserveLoadedHeads(); }
   absl::Status SaveAllStates() override { return Ops().SaveAllStates(); }

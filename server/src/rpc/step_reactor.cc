@@ -6,12 +6,12 @@
 // goes out framed around its rows' bytes (StepResponseOut::Frames), which nothing copies.
 #include "rpc/step_reactor.h"
 
+#include <google/protobuf/descriptor.h>
+
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <utility>
-
-#include <google/protobuf/descriptor.h>
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/server/rpc/status_mapping.h"

@@ -17,8 +17,8 @@ namespace remotehead::server {
 
 struct StepResponseOut {
   v1::StepResponse message;
-  torch::Tensor rows;     // owns `bytes` (undefined: the message is whole, e.g. the summary)
-  wire::RowBytes bytes;   // the values' data, in `rows`' memory
+  torch::Tensor rows;    // owns `bytes` (undefined: the message is whole, e.g. the summary)
+  wire::RowBytes bytes;  // the values' data, in `rows`' memory
 
   // The message framed around the rows' bytes, as gRPC sends it.
   std::shared_ptr<const wire::Frames> Frames() const;

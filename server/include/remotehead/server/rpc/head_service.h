@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "remotehead/core/call_mode.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/service_options.h"
@@ -31,6 +32,12 @@ class HeadService {
 
   // Register with a grpc::ServerBuilder.
   virtual v1::HeadService::CallbackService& service() = 0;
+  // A new call of the step RPC of `mode` (ForwardBackward, Forward or Backward), as service()
+  // serves it: raw, on gRPC ByteBuffers (it parses the requests and frames the results around
+  // their bytes itself). For a service that wraps this one and registers the step methods raw
+  // too (MarkMethodRawCallback, at the method's index in the proto's HeadService).
+  virtual grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Step(
+      grpc::CallbackServerContext* context, core::CallMode mode) = 0;
   virtual AdmissionController& admission() = 0;
   // Reserves, in admission's memory budget, the bytes of the heads put in the registry before
   // the service existed (--head); RESOURCE_EXHAUSTED if they do not fit it. Heads created
