@@ -4,7 +4,8 @@ Phases, each under its own time limit (and all under --budget): what the machine
 installed into a prefix (no registry, no root changes); the CMake configuration against the
 prefix's packages and this Python's torch, for the GPU's own architecture only; the build (all
 cores); the CUDA twin suites and the NCCL group of one; the wire against the loopback TCP
-limit; scripts/bench-gpu's contenders at Cut
+limit (gpu_wire.py: the striped probe, and remotehead-wire-bench with a head on this machine's
+device); scripts/bench-gpu's contenders at Cut
 Cross-Entropy's and Liger-Kernel's shapes. `--device cpu` is the dry run: the same phases on the
 CPU twins and small shapes (tests/system/test_gpu_kit.py runs it offline in a clean root).
 
@@ -31,6 +32,7 @@ import sys
 import tarfile
 import time
 
+import gpu_wire
 from gpu_report import markdown, rows_from_log, summarise_shape, why
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -40,7 +42,7 @@ INSTALL, TESTS, BENCH, CUT = 1, 2, 4, 8
 # caps every phase, so what the build leaves goes to the benchmark, which comes last) and in the
 # CPU dry run (2 cores, no compiler cache: the build is most of it).
 LIMITS = {
-    "cuda": dict(machine=20, install=40, configure=60, build=240, tests=160, wire=60, bench=400),
+    "cuda": dict(machine=20, install=40, configure=60, build=240, tests=160, wire=90, bench=400),
     "cpu": dict(machine=60, install=120, configure=180, build=1800, tests=600, wire=120,
                 bench=300),
 }
@@ -102,10 +104,6 @@ PYTHON_SUITES = ["tests/python/test_client.py", "tests/python/test_two_phase_and
                  "tests/python/test_generation_wire.py", "tests/python/test_striping.py"]
 BENCH_SHAPES = {"cuda": ["cce", "liger"], "cpu": ["256:64:2048:float32", "128:32:1000:bfloat16:30"]}
 BENCH_STEPS = {"cuda": ("1", "3"), "cpu": ("1", "2")}
-# The wire: a step's goodput over 1 and 4 streams (StepHeader.stripe; X up, dX down on a one-token
-# head) at a shape whose bytes dominate, next to the loopback TCP limit measured in the same run
-# (remotehead-remote-bench; its server computes on the CPU, the wire is what is read here).
-WIRE_SHAPE = {"cuda": "8192:4096:64", "cpu": "1024:256:64"}
 
 
 
@@ -278,7 +276,7 @@ class Check:
             if self.device == "cpu":
                 t += [s[1] for s in self.suites(CPU_ONLY_SUITES)]
         if "wire" in self.args.only:
-            t += ["remotehead_remote_bench"]
+            t += ["remotehead_remote_bench", "remotehead_wire_bench"]
         if "bench" in self.args.only:
             t += ["remotehead_bench"]
         return t
@@ -442,39 +440,7 @@ class Check:
         return "ok", detail
 
     def wire(self, limit):
-        exe = self.build / "tests" / "bench" / "remotehead-remote-bench"
-        out = self.prefix / "wire.json"
-        with open(out, "w") as f:
-            try:
-                code = subprocess.run([exe, "--json", f"--shapes={WIRE_SHAPE[self.limit_set()]}",
-                                       "--repeats=3", "--warmup=1", "--loopback_bytes=1073741824",
-                                       "--streams=1,4"],
-                                      stdout=f, stderr=open(self.logs / "wire.log", "w"),
-                                      env=self.env, timeout=limit, start_new_session=True).returncode
-            except subprocess.TimeoutExpired:
-                return "cut", ""
-        if code != 0:
-            return "failed", f"exited {code}; see wire.log"
-        data = json.loads(out.read_text())
-        shape = data["shapes"][0]
-        striped = {str(x["streams"]): x for x in shape.get("striped_wire", [])}
-        w = {"shape": WIRE_SHAPE[self.limit_set()],
-             "wire_gb_per_s": shape["wire_goodput_gb_per_s"],
-             "step_gb_per_s": shape["remote_goodput_gb_per_s"],
-             "loopback_tcp_gb_per_s": data["loopback_tcp_gb_per_s"],
-             "wire_vs_loopback": shape["wire_vs_loopback"], "echo_exact": shape["echo_exact"],
-             # The step's own path over C streams (StepHeader.stripe), X up and dX down.
-             "streams": {c: {"gb_per_s": x["gb_per_s"], "vs_loopback": x["vs_loopback"],
-                             "dx_max_rel_diff": x["dx_max_rel_diff"]}
-                         for c, x in striped.items()}}
-        self.report["wire"] = w
-        exact = w["echo_exact"] and set(w["streams"]) == {"1", "4"} and all(
-            x["dx_max_rel_diff"] <= 1e-6 for x in w["streams"].values())
-        by_streams = "; ".join(f"{c} stream{'s' * (c != '1')} {x['gb_per_s']:.2f} GB/s = "
-                               f"{x['vs_loopback']:.2f}" for c, x in w["streams"].items())
-        return ("ok" if exact else "failed"), (
-            f"{by_streams} of the loopback TCP limit ({w['loopback_tcp_gb_per_s']:.2f} GB/s); "
-            f"X and dX alone {w['wire_gb_per_s']:.2f} GB/s")
+        return gpu_wire.wire_phase(self, limit)
 
     def bench(self, limit):
         deadline = time.monotonic() + limit

@@ -100,6 +100,21 @@ def markdown(r: dict) -> str:
                   f"X and dX through the client and server alone {w['wire_gb_per_s']:.2f} GB/s; "
                   f"the whole step {w['step_gb_per_s']:.2f} GB/s; loopback TCP limit (one "
                   f"connection, same run) {w['loopback_tcp_gb_per_s']:.2f} GB/s"]
+        if w.get("service"):
+            s = w["service"]
+            limits = "; ".join(f"{c} conn {gb:.2f}" for c, gb in s["loopback_tcp_gb_per_s"].items())
+            lines += ["", f"**The service** (remotehead-wire-bench, the server on this machine's "
+                      f"device; loopback limit {limits} GB/s; every C exact: "
+                      f"{'yes' if s['exact'] else 'NO'}; in-process "
+                      + ", ".join(f"{d} {t:.3f} s" for d, t in s["in_process_seconds"].items())
+                      + ")", "", "| dtype | C | call s | GB/s | vs 1 conn | vs C conn | "
+                      "server CPU-s per call |", "|---|---:|---:|---:|---:|---:|---|"]
+            for row in s["rows"]:
+                cpu = ", ".join(f"{k} {v:.3f}" for k, v in sorted(
+                    row["server_cpu_seconds"].items(), key=lambda kv: -kv[1]) if v >= 0.0005)
+                lines.append(f"| {row['dtype']} | {row['streams']} | {row['seconds']:.3f} | "
+                             f"{row['gb_per_s']:.2f} | {row['vs_loopback_1']:.2f} | "
+                             f"{row['vs_loopback_c']:.2f} | {cpu} |")
     for b in r["bench"]:
         lines += ["", f"**{b['shape']}**" + (f" (N={b['n']}, D={b['d']}, V={b['v']}, "
                                              f"{b['dtype']}, softcap {b['softcap']:g})"

@@ -61,6 +61,8 @@ ABSL_FLAG(int64_t, loopback_bytes, 0,
 ABSL_FLAG(std::string, server, REMOTEHEAD_SERVER_BINARY, "the remotehead-server binary to start");
 ABSL_FLAG(std::vector<std::string>, server_args, {},
           "extra flags for the server, e.g. --compute_threads=2");
+ABSL_FLAG(std::string, device, "cpu",
+          "the server's device (--device), and the in-process step's: cpu, cuda or cuda:N");
 ABSL_FLAG(bool, json, false, "print one JSON object on stdout instead of the table");
 ABSL_FLAG(bool, check, false,
           "exit 1 unless every C gives one stream's bits and dX equals the in-process engine's");
@@ -167,7 +169,7 @@ double InProcess(const rh::core::Head& head, const rh::core::TokenBatch& batch, 
        ++i) {
     const auto start = Clock::now();
     *dx = OrDie(rh::core::FusedForwardBackward(head, batch, {}, nullptr), "in-process step")
-              .grad_hidden.to(torch::kFloat);
+              .grad_hidden.to(torch::kCPU, torch::kFloat);
     if (i >= absl::GetFlag(FLAGS_warmup)) {
       times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
     }
@@ -228,7 +230,7 @@ int main(int argc, char** argv) {
   for (const int64_t chunk_bytes : ChunkSizes()) {
     std::vector<std::string> args = {absl::GetFlag(FLAGS_server),
                                      "--listen=127.0.0.1:0",
-                                     "--device=cpu",
+                                     absl::StrCat("--device=", absl::GetFlag(FLAGS_device)),
                                      "--memory_budget_bytes=0",
                                      "--metrics_address=127.0.0.1:0",
                                      absl::StrCat("--response_chunk_bytes=", chunk_bytes)};
@@ -242,8 +244,10 @@ int main(int argc, char** argv) {
       const torch::ScalarType dtype = DtypeOf(name);
       const int64_t n = std::max<int64_t>(
           1, absl::GetFlag(FLAGS_x_bytes) / (d * static_cast<int64_t>(c10::elementSize(dtype))));
+      const torch::Device device(absl::GetFlag(FLAGS_device));
       auto head = OrDie(rh::core::Head::Initialize(
-                            {.vocab_size = v, .hidden_size = d, .dtype = dtype, .seed = 1}, {}),
+                            {.vocab_size = v, .hidden_size = d, .dtype = dtype, .seed = 1},
+                            {.device = device}),
                         "head");
       auto admin = OrDie(rh::client::Client::Create({.target = server.target()}), "Client::Create");
       OrDie(admin->CreateHead(
@@ -253,8 +257,9 @@ int main(int argc, char** argv) {
       torch::manual_seed(7);
       const rh::client::StepInputs inputs{.hidden = torch::randn({n, d}).to(dtype),
                                           .targets = torch::randint(0, v, {n}, torch::kLong)};
-      // The in-process engine's dX: what every C must give.
-      rh::core::TokenBatch batch{.hidden = inputs.hidden, .targets = inputs.targets};
+      // The in-process engine's dX (on the server's device): what every C must give.
+      rh::core::TokenBatch batch{.hidden = inputs.hidden.to(device),
+                                 .targets = inputs.targets.to(device)};
       torch::Tensor local;
       in_process[name] = InProcess(*head, batch, threads, &local);
       torch::Tensor first;

@@ -131,6 +131,18 @@ def test_the_dry_run_builds_against_the_machines_torch_offline_in_a_clean_room(c
         assert streams["gb_per_s"] > 0 and streams["dx_max_rel_diff"] <= 1e-6, wire
         assert abs(streams["vs_loopback"] * wire["loopback_tcp_gb_per_s"]
                    - streams["gb_per_s"]) < 1e-6 * streams["gb_per_s"], wire
+    # The service (remotehead-wire-bench on the machine's device): fp32 and bf16 over 1, 2 and 4
+    # streams, every C exact, each ratio against the limit measured in the same run, the server's
+    # compute threads named among its threads' CPU times.
+    service = wire["service"]
+    assert service["exact"], service
+    assert {(r["dtype"], r["streams"]) for r in service["rows"]} == {
+        (d, c) for d in ("float32", "bfloat16") for c in (1, 2, 4)}, service
+    for r in service["rows"]:
+        limit = service["loopback_tcp_gb_per_s"][str(r["streams"])]
+        assert r["gb_per_s"] > 0 and r["dx_vs_one_stream"] == 0, r
+        assert abs(r["vs_loopback_c"] * limit - r["gb_per_s"]) < 1e-6 * r["gb_per_s"], r
+        assert "rh-compute" in r["server_cpu_seconds"], r
     # The benchmark's contenders that run on the CPU, each with a time, and the ratios.
     assert report["bench"], report
     for shape in report["bench"]:
