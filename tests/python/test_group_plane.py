@@ -22,7 +22,6 @@ import datetime
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -237,7 +236,7 @@ def test_a_rank_stopped_mid_step_is_reported_within_one_timeout():
             step.start()
             time.sleep(1.0)
             stopped_at = time.monotonic()
-            group.ranks[1].process.send_signal(signal.SIGSTOP)
+            group.ranks[1].pause()
             step.join(timeout=6 * TIMEOUT)
             assert result.get("error") is not None, "the step did not fail"
             assert result["error"].code.name == "UNAVAILABLE", result["error"]
@@ -246,12 +245,11 @@ def test_a_rank_stopped_mid_step_is_reported_within_one_timeout():
             assert took < 1.5 * TIMEOUT, f"reported after {took:.1f} s (timeout {TIMEOUT} s)"
             assert health_turns(client, "NOT_SERVING")
             # Continued, the rank learns that the front gave up, and leaves saying why.
-            group.ranks[1].process.send_signal(signal.SIGCONT)
+            group.ranks[1].resume()
             assert drain(group.ranks[1], timeout=4 * TIMEOUT) == 1
             assert "declared the group down" in log_of(group.ranks[1]), log_of(group.ranks[1])
     finally:
-        if group.ranks[1].process is not None:
-            group.ranks[1].process.send_signal(signal.SIGCONT)
+        group.ranks[1].resume()
         group.stop()
 
 
@@ -260,7 +258,7 @@ def test_a_rank_stopped_while_idle_never_runs_the_command_it_missed():
     try:
         with remotehead.Client(group.target, max_attempts=1) as client:
             client.create_head("h", V, D, seed=3)
-            group.ranks[1].process.send_signal(signal.SIGSTOP)
+            group.ranks[1].pause()
             time.sleep(0.5)
             start = time.monotonic()
             with pytest.raises(RemoteheadError) as failed:
@@ -268,7 +266,7 @@ def test_a_rank_stopped_while_idle_never_runs_the_command_it_missed():
             assert failed.value.code.name == "UNAVAILABLE"
             assert time.monotonic() - start < 1.5 * TIMEOUT
             assert health_turns(client, "NOT_SERVING")
-            group.ranks[1].process.send_signal(signal.SIGCONT)
+            group.ranks[1].resume()
             started = time.monotonic()
             assert drain(group.ranks[1], timeout=4 * TIMEOUT) == 1
             assert time.monotonic() - started < 2 * TIMEOUT
@@ -276,8 +274,7 @@ def test_a_rank_stopped_while_idle_never_runs_the_command_it_missed():
             assert '"late"' not in follower, follower  # never created there
             assert "declared the group down" in follower, follower
     finally:
-        if group.ranks[1].process is not None:
-            group.ranks[1].process.send_signal(signal.SIGCONT)
+        group.ranks[1].resume()
         group.stop()
 
 
@@ -308,7 +305,7 @@ def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_onc
     try:
         with remotehead.Client(group.target, max_attempts=1) as client:
             client.create_head("h", V, D, seed=3)
-            group.ranks[1].process.send_signal(signal.SIGSTOP)
+            group.ranks[1].pause()
             result = {}
 
             def create_late():
@@ -358,15 +355,14 @@ def test_a_pending_command_overwritten_by_a_stranger_takes_the_group_down_at_onc
                 client.create_head("later", V, D, seed=5)
             assert refused.value.metadata.get("key") == key, refused.value.metadata
             # Continued, rank 1 refuses the forged entry, never runs it, and leaves.
-            group.ranks[1].process.send_signal(signal.SIGCONT)
+            group.ranks[1].resume()
             assert drain(group.ranks[1], timeout=2 * timeout) == 1
             follower = log_of(group.ranks[1])
             assert f'refused the entry at "cmd/{seq}", not executed' in follower, follower
             assert "declared the group down" in follower, follower
             assert '"evil"' not in follower and '"late"' not in follower, follower
     finally:
-        if group.ranks[1].process is not None:
-            group.ranks[1].process.send_signal(signal.SIGCONT)
+        group.ranks[1].resume()
         group.stop()
     front = log_of(group.ranks[0])
     assert re.search(rf'head group rank 0: head group: the store key "{key}" \(command {seq},'

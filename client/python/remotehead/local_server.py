@@ -17,10 +17,12 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import tempfile
 import threading
+import time
 from typing import List, Optional, Sequence
 
 
@@ -103,11 +105,41 @@ class LocalServer:
         self.process.terminate()
         return self.wait_exit(timeout)
 
+    def pause(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, then waits until every thread of the process is stopped. The kernel stops a
+        process's threads one by one as each is next scheduled, so right after kill() another
+        thread can still run (e.g. take and answer a group command) on a loaded machine: a test
+        that needs the process hung must wait for it."""
+        self.process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not all(state in ("T", "t") for state in thread_states(self.process.pid)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pid {self.process.pid}: not stopped {timeout} s after "
+                                   f"SIGSTOP (thread states {thread_states(self.process.pid)})")
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        """SIGCONT (after pause(); harmless when not paused or already ended)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+
     def __enter__(self) -> "LocalServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def thread_states(pid: int) -> List[str]:
+    """Each thread's scheduler state letter (/proc/PID/task/*/stat: R, S, D, T, ...)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return states
 
 
 def free_port() -> int:
