@@ -63,12 +63,40 @@ bool TokenBatch::SameInputs(const TokenBatch& other) const {
   return true;
 }
 
+namespace {
+
+// Whether `b` continues `a` in memory: the rows after a's, in the same buffer and layout.
+bool ContinuesRows(const torch::Tensor& a, const torch::Tensor& b) {
+  return b.is_contiguous() && b.scalar_type() == a.scalar_type() && b.device() == a.device() &&
+         b.dim() == a.dim() && b.dim() >= 1 && b.sizes().slice(1) == a.sizes().slice(1) &&
+         b.storage().is_alias_of(a.storage()) &&
+         static_cast<const char*>(b.data_ptr()) ==
+             static_cast<const char*>(a.data_ptr()) + a.nbytes();
+}
+
+// The rows of `ts` one after another: a view where they already lie so in one buffer (a batch
+// of rows the server staged message by message: server/src/rpc/row_staging.h), else a copy.
+torch::Tensor ConcatRows(const std::vector<torch::Tensor>& ts) {
+  bool adjacent = ts.front().is_contiguous();
+  int64_t rows = ts.front().dim() >= 1 ? ts.front().size(0) : 0;
+  for (size_t i = 1; adjacent && i < ts.size(); ++i) {
+    adjacent = ContinuesRows(ts[i - 1], ts[i]);
+    rows += adjacent ? ts[i].size(0) : 0;
+  }
+  if (!adjacent || ts.front().dim() < 1) return torch::cat(ts);
+  std::vector<int64_t> sizes = ts.front().sizes().vec();
+  sizes[0] = rows;
+  return ts.front().as_strided(sizes, ts.front().strides(), ts.front().storage_offset());
+}
+
+}  // namespace
+
 TokenBatch TokenBatch::Concat(const std::vector<TokenBatch>& parts) {
   if (parts.size() == 1) return parts.front();
   auto cat = [&](auto get) {
     std::vector<torch::Tensor> ts;
     for (const auto& p : parts) ts.push_back(get(p));
-    return ts.empty() || !ts.front().defined() ? torch::Tensor() : torch::cat(ts);
+    return ts.empty() || !ts.front().defined() ? torch::Tensor() : ConcatRows(ts);
   };
   TokenBatch b;
   b.hidden = cat([](const TokenBatch& p) { return p.hidden; });

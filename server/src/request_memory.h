@@ -37,9 +37,14 @@ MemoryEstimate StepMemory(const StepMemoryInputs& in);
 int64_t RetainedInputsBytes(const core::CallPlan& plan, int64_t rows,
                             int64_t teacher_row_bytes = 0);
 
+// The most bytes of X (and of results) in one engine call of a step (step/row_batcher.h's
+// BatchRows), so that compute starts while later rows still arrive.
+inline constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
+
 // What the transport may hold for one step call over `streams` streams (StepHeader.stripe): the
-// request messages each reads ahead (4 MiB each at most, plus the one being handled) and the
-// responses not yet taken by the client.
+// request messages each reads ahead (4 MiB each at most, plus the one being handled; their
+// hidden rows staged in batch buffers, rpc/row_staging.h, of which at most two are partly
+// filled beyond those rows) and the responses not yet taken by the client.
 int64_t StepPipelineBytes(int streams, int read_ahead_messages, int64_t max_pending_response_bytes);
 
 // The CPU buffer an upload assembles the head's rows in.

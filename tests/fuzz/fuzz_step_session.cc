@@ -14,7 +14,9 @@
 //
 // Checked, beyond "no crash, no exception, no sanitizer report": every streamed result decodes;
 // a session that fails, is abandoned or cancelled, and every Forward, leaves both heads'
-// gradients bit-identical; no session changes a head's weights or version.
+// gradients bit-identical; no session changes a head's weights or version. Every message's bytes
+// also go to wire::SplitHiddenData (the server's decode of rows straight into staging): where it
+// finds hidden's bytes, protobuf parses the message too, as the split's rest with them put back.
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -22,10 +24,12 @@
 #include <vector>
 
 #include "fuzz_input.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/stubs/logging.h"
 #include "remotehead/core/head.h"
 #include "remotehead/server/admission.h"
 #include "remotehead/server/head_registry.h"
+#include "remotehead/wire/split_rows.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "rpc/step_stream.h"
 #include "step/retained_inputs.h"
@@ -34,6 +38,24 @@ namespace remotehead::fuzz {
 namespace {
 
 constexpr size_t kMaxMessages = 64;
+
+// SplitHiddenData agrees with protobuf's parse (`parsed`, null where it failed).
+void CheckSplit(const std::string& bytes, const v1::StepRequest* parsed) {
+  const std::vector<wire::BytePiece> pieces = {{bytes.data(), bytes.size() / 2},
+                                               {bytes.data() + bytes.size() / 2,
+                                                bytes.size() - bytes.size() / 2}};
+  const std::optional<wire::SplitTensor> split = wire::SplitHiddenData(pieces);
+  if (!split.has_value()) return;
+  if (parsed == nullptr) Fail("SplitHiddenData split a message protobuf does not parse");
+  v1::StepRequest rebuilt;
+  if (!rebuilt.ParseFromString(split->rest)) Fail("the split's rest does not parse");
+  std::string data(split->data_size, '\0');
+  wire::CopyBytes(pieces, split->data_offset, split->data_size, data.data());
+  rebuilt.mutable_rows()->mutable_hidden()->set_data(data);
+  if (!google::protobuf::util::MessageDifferencer::Equals(rebuilt, *parsed)) {
+    Fail("the split's rest with hidden's bytes put back is not the message");
+  }
+}
 
 struct World {
   server::AdmissionController admission{server::AdmissionOptions{}};
@@ -186,7 +208,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (part.empty()) continue;
     const uint8_t ctl = static_cast<uint8_t>(part[0]);
     remotehead::v1::StepRequest request;
-    if (!request.ParseFromArray(part.data() + 1, static_cast<int>(part.size() - 1))) continue;
+    const bool parsed = request.ParseFromArray(part.data() + 1, static_cast<int>(part.size() - 1));
+    CheckSplit(part.substr(1), parsed ? &request : nullptr);
+    if (!parsed) continue;
     if (!session.has_value() || (ctl & 0x80) != 0) {
       if (session.has_value()) session->Finish(&last_handle);
       session.emplace(&world, ctl);

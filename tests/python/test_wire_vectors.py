@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from remotehead import _wire
+from remotehead import _steps, _wire
 from remotehead.v1 import head_service_pb2 as pb
 
 VECTORS = json.loads((ROOT / "tests" / "data" / "wire_vectors.json").read_text())["vectors"]
@@ -86,3 +86,62 @@ def test_a_rows_message_framed_around_its_bytes_parses_as_the_message_built_whol
         pieces += _wire.map_tensor_frame([rows_field], number["aux"].number, name, value,
                                          _wire.encode_head(t[rows], value))
     assert pb.StepRequest.FromString(b"".join([head.SerializeToString(), *pieces])) == whole
+
+
+def dx_response(offset: int, count: int):
+    """A dX chunk as the server sends it (the message's head, then the rows' bytes as a field
+    of their own: StepResponseOut) and as one message serialized whole."""
+    rows = torch.randn(count, 5, generator=torch.Generator().manual_seed(offset))
+    whole = pb.StepResponse()
+    whole.grad_hidden.row_offset = offset
+    _wire.encode(rows, whole.grad_hidden.values)
+    head = pb.StepResponse()
+    head.grad_hidden.row_offset = offset
+    data = _wire.encode_head(rows, head.grad_hidden.values)
+    framed = head.SerializeToString() + b"".join(
+        bytes(p) for p in _wire.data_frame(_steps._DX_PATH, data))
+    return whole, [whole.SerializeToString(), framed]
+
+
+@pytest.mark.parametrize("offset,count", [(0, 7), (300, 1), (2 ** 20, 3)])
+def test_a_dx_response_is_split_at_its_rows_bytes_as_protobuf_parses_it(offset, count):
+    """decode_response: the rows' bytes of a dX chunk as a view of the bytes received, the rest
+    parsed — together exactly the message — for both forms the chunk may take; every truncation
+    of the framed form is refused or agrees with protobuf."""
+    whole, forms = dx_response(offset, count)
+    for raw in forms:
+        response, data = _steps.decode_response(raw)
+        assert data is not None and isinstance(data, memoryview)
+        assert data.obj is raw  # a view of the bytes received, not a copy
+        rebuilt = pb.StepResponse()
+        rebuilt.CopyFrom(response)
+        rebuilt.grad_hidden.values.data = bytes(data)
+        assert rebuilt == whole
+        assert torch.equal(_wire.decode_view(response.grad_hidden.values, data),
+                           _wire.decode_view(whole.grad_hidden.values))
+    framed = forms[1]
+    splits = 0
+    for n in range(len(framed)):
+        split = _wire.split_tensor_data(framed[:n], _steps._DX_PATH)
+        if split is None:
+            continue
+        splits += 1
+        rebuilt = pb.StepResponse.FromString(split[0])
+        rebuilt.grad_hidden.values.data = bytes(split[1])
+        assert rebuilt == pb.StepResponse.FromString(framed[:n])
+    assert splits == 0  # the rows' bytes come last: every prefix cuts them
+
+
+def test_responses_without_dx_rows_are_parsed_whole():
+    summary = pb.StepResponse()
+    summary.summary.loss = 1.5
+    outputs = pb.StepResponse()
+    _wire.encode(torch.ones(3), outputs.outputs.values)
+    for message in (summary, outputs):
+        response, data = _steps.decode_response(message.SerializeToString())
+        assert data is None and response == message
+    # The data field twice (protobuf keeps the last): parsed whole, as protobuf does.
+    whole, (raw, _) = dx_response(4, 2)
+    twice = raw + raw
+    response, data = _steps.decode_response(twice)
+    assert data is None and response == pb.StepResponse.FromString(twice)

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/reference.h"
+#include "framed_rows.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/server/rpc/status_mapping.h"
 #include "remotehead/wire/frames.h"
@@ -204,34 +205,11 @@ TEST(Frames, ParseAsTheMessageBuiltWholeWithoutCopyingTheRows) {
   for (const auto& [offset, count] :
        std::vector<std::pair<int64_t, int64_t>>{{0, 300}, {17, 5}, {300, 0}}) {
     SCOPED_TRACE(absl::StrCat("rows ", offset, "+", count));
-    v1::StepRequest whole;
-    v1::StepRows* rows = whole.mutable_rows();
-    rows->set_row_offset(offset);
-    wire::EncodeRows(hidden, offset, count, rows->mutable_hidden());
-    wire::EncodeRows(targets, offset, count, rows->mutable_targets());
-    wire::EncodeRows(advantages, offset, count, &(*rows->mutable_aux())["advantages"]);
-    wire::EncodeRows(topk, offset, count, &(*rows->mutable_aux())["teacher_topk_logprobs"]);
-
-    v1::StepRequest head;
-    head.mutable_rows()->set_row_offset(offset);
-    const wire::RowBytes h =
-        wire::EncodeRowsHead(hidden, offset, count, head.mutable_rows()->mutable_hidden());
-    const wire::RowBytes t =
-        wire::EncodeRowsHead(targets, offset, count, head.mutable_rows()->mutable_targets());
-    wire::Frames frames;
-    frames.AppendMessage(head);
-    const std::vector<int> rows_field = {v1::StepRequest::kRowsFieldNumber};
-    frames.AppendTensorData({v1::StepRequest::kRowsFieldNumber, v1::StepRows::kHiddenFieldNumber},
-                            v1::Tensor::kDataFieldNumber, h, wire::Holding(hidden));
-    frames.AppendTensorData({v1::StepRequest::kRowsFieldNumber, v1::StepRows::kTargetsFieldNumber},
-                            v1::Tensor::kDataFieldNumber, t, wire::Holding(targets));
-    for (const auto& [name, tensor] : std::vector<std::pair<std::string, torch::Tensor>>{
-             {"advantages", advantages}, {"teacher_topk_logprobs", topk}}) {
-      v1::Tensor aux_head;
-      const wire::RowBytes a = wire::EncodeRowsHead(tensor, offset, count, &aux_head);
-      frames.AppendMapTensor(rows_field, v1::StepRows::kAuxFieldNumber, name, aux_head, a,
-                             wire::Holding(tensor));
-    }
+    const testing::RowsMessage m =
+        testing::MakeRowsMessage(hidden, targets, offset, count,
+                                 {{"advantages", advantages}, {"teacher_topk_logprobs", topk}});
+    const v1::StepRequest& whole = m.whole;
+    const wire::Frames& frames = m.framed;
     v1::StepRequest parsed;
     ASSERT_TRUE(parsed.ParseFromString(frames.Flatten()));
     EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(parsed, whole))

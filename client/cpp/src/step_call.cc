@@ -2,6 +2,7 @@
 // every attempt streams it — a writer thread sends the header and the rows while the calling
 // thread assembles dX / per-token outputs as they arrive, then the summary.
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include "remotehead/core/call_mode.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/row_buffer.h"
+#include "remotehead/wire/split_rows.h"
 #include "step_frames.h"
 #include "stream.h"
 
@@ -89,6 +91,58 @@ struct StepReceiver {
       default:
         return absl::InternalError("response: the server sent an empty message");
     }
+  }
+
+  // A response as it arrived, taken by one of the call's readers: a dX chunk's rows copied from
+  // the bytes received straight into dX (split_rows.h), only the bookkeeping under `mu` (the
+  // readers copy their rows side by side); anything else parsed whole and added under `mu`.
+  absl::Status AddRaw(grpc::ByteBuffer& bytes, std::mutex& mu) {
+    std::vector<grpc::Slice> slices;
+    if (dx && bytes.Dump(&slices).ok()) {
+      std::vector<wire::BytePiece> pieces;
+      for (const grpc::Slice& s : slices) {
+        pieces.push_back({reinterpret_cast<const char*>(s.begin()), s.size()});
+      }
+      ASSIGN_OR_RETURN(const bool taken, TakeDxRows(pieces, mu));
+      if (taken) return absl::OkStatus();
+    }
+    v1::StepResponse response;
+    if (!grpc::SerializationTraits<v1::StepResponse>::Deserialize(&bytes, &response).ok()) {
+      return absl::InternalError("response: the server sent bytes that do not parse");
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    return Add(response);
+  }
+
+  // A dX chunk's rows from `pieces` straight into dX: false where the response is not one this
+  // takes so (another part; values of another dtype than dX's, or bytes other than their shape's)
+  // and is parsed whole instead.
+  absl::StatusOr<bool> TakeDxRows(const std::vector<wire::BytePiece>& pieces, std::mutex& mu) {
+    const std::optional<wire::SplitTensor> split = wire::SplitTensorData(
+        pieces, {v1::StepResponse::kGradHiddenFieldNumber, v1::TensorChunk::kValuesFieldNumber},
+        v1::Tensor::kDataFieldNumber);
+    v1::StepResponse head;
+    if (!split.has_value() || !head.ParseFromString(split->rest) ||
+        head.part_case() != v1::StepResponse::kGradHidden) {
+      return false;
+    }
+    const v1::Tensor& values = head.grad_hidden().values();
+    const absl::StatusOr<torch::ScalarType> dtype = wire::FromWireDtype(values.dtype(), "values");
+    if (!dtype.ok() || *dtype != dx->tensor().scalar_type()) return false;
+    uint64_t bytes = c10::elementSize(*dtype);
+    for (const int64_t d : values.shape()) {
+      if (d < 0) return false;
+      bytes *= static_cast<uint64_t>(d);
+    }
+    if (bytes != split->data_size) return false;
+    torch::Tensor rows;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ASSIGN_OR_RETURN(rows, dx->Claim(head.grad_hidden(), *dtype));
+    }
+    wire::CopyBytes(pieces, split->data_offset, split->data_size,
+                    static_cast<char*>(rows.data_ptr()));
+    return true;
   }
 
   absl::Status CheckComplete() const {
@@ -211,12 +265,9 @@ absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const Prepa
   std::mutex receiver_mu;
   std::vector<absl::Status> received(count);
   auto read = [&](int i) {
-    received[i] = ReadStream<v1::StepResponse>(
+    received[i] = ReadStream<internal::RawResponse>(
         contexts[i], *streams[i],
-        [&](const v1::StepResponse& r) {
-          std::lock_guard<std::mutex> lock(receiver_mu);
-          return receiver.Add(r);
-        },
+        [&](internal::RawResponse& r) { return receiver.AddRaw(r.bytes, receiver_mu); },
         /*finish=*/false);
     if (!received[i].ok()) cancel_all();
   };

@@ -26,8 +26,8 @@ std::unique_ptr<StepStream> OpenStep(grpc::ChannelInterface* channel, grpc::Clie
   const std::string path = absl::StrCat("/", v1::HeadService::service_full_name(), "/", method);
   const grpc::internal::RpcMethod rpc(path.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING);
   return std::unique_ptr<StepStream>(
-      grpc::internal::ClientReaderWriterFactory<FramedRequest, v1::StepResponse>::Create(
-          channel, rpc, context));
+      grpc::internal::ClientReaderWriterFactory<FramedRequest, RawResponse>::Create(channel, rpc,
+                                                                                    context));
 }
 
 }  // namespace remotehead::client::internal
@@ -44,4 +44,16 @@ grpc::Status grpc::SerializationTraits<remotehead::client::internal::FramedReque
 grpc::Status grpc::SerializationTraits<remotehead::client::internal::FramedRequest>::Deserialize(
     grpc::ByteBuffer* /*buffer*/, remotehead::client::internal::FramedRequest* /*request*/) {
   return grpc::Status(grpc::StatusCode::INTERNAL, "a framed request is never read");
+}
+
+grpc::Status grpc::SerializationTraits<remotehead::client::internal::RawResponse>::Serialize(
+    const remotehead::client::internal::RawResponse& /*response*/, grpc::ByteBuffer* /*buffer*/,
+    bool* /*own_buffer*/) {
+  return grpc::Status(grpc::StatusCode::INTERNAL, "a raw response is never sent");
+}
+
+grpc::Status grpc::SerializationTraits<remotehead::client::internal::RawResponse>::Deserialize(
+    grpc::ByteBuffer* buffer, remotehead::client::internal::RawResponse* response) {
+  response->bytes.Swap(buffer);
+  return grpc::Status::OK;
 }

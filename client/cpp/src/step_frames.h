@@ -20,6 +20,12 @@ struct FramedRequest {
   std::shared_ptr<const wire::Frames> frames;
 };
 
+// One response message as it arrived (gRPC's slices), not yet parsed: its dX rows are copied
+// from there straight into the result (step_call.cc), the rest parsed as a StepResponse.
+struct RawResponse {
+  grpc::ByteBuffer bytes;
+};
+
 FramedRequest Framed(const google::protobuf::MessageLite& message);
 FramedRequest Framed(wire::Frames frames);
 
@@ -36,9 +42,20 @@ class grpc::SerializationTraits<remotehead::client::internal::FramedRequest> {
                                   remotehead::client::internal::FramedRequest* request);
 };
 
+// gRPC's deserialization of a RawResponse: the buffer taken as it is.
+template <>
+class grpc::SerializationTraits<remotehead::client::internal::RawResponse> {
+ public:
+  // Never called: the client sends framed requests.
+  static grpc::Status Serialize(const remotehead::client::internal::RawResponse& response,
+                                grpc::ByteBuffer* buffer, bool* own_buffer);
+  static grpc::Status Deserialize(grpc::ByteBuffer* buffer,
+                                  remotehead::client::internal::RawResponse* response);
+};
+
 namespace remotehead::client::internal {
 
-using StepStream = grpc::ClientReaderWriter<FramedRequest, v1::StepResponse>;
+using StepStream = grpc::ClientReaderWriter<FramedRequest, RawResponse>;
 
 // The step RPC of `mode` (HeadService's ForwardBackward, Forward or Backward) on `channel`, as
 // the generated stub would open it, with framed requests.

@@ -50,6 +50,13 @@ class ResponseRows {
     return BrokenResponse(rows_.Add(chunk.row_offset(), chunk.values()));
   }
   absl::Status CheckComplete() const { return BrokenResponse(rows_.CheckComplete()); }
+  // The rows of a chunk whose values' data the caller copies itself (RowAssembler::Claim).
+  absl::StatusOr<torch::Tensor> Claim(const v1::TensorChunk& chunk, torch::ScalarType dtype) {
+    absl::StatusOr<torch::Tensor> rows = rows_.Claim(chunk.row_offset(), chunk.values(), dtype);
+    if (!rows.ok()) return BrokenResponse(rows.status());
+    return rows;
+  }
+  const torch::Tensor& tensor() const { return rows_.tensor(); }
 
  private:
   wire::RowAssembler rows_;

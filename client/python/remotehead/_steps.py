@@ -165,7 +165,23 @@ def step_rpc(channel: grpc.Channel, mode: str) -> grpc.StreamStreamMultiCallable
     return channel.stream_stream(
         f"/{service}/{mode}",
         request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
-        response_deserializer=pb.StepResponse.FromString)
+        response_deserializer=decode_response)
+
+
+_DX_PATH = (pb.StepResponse.DESCRIPTOR.fields_by_name["grad_hidden"].number,
+            pb.TensorChunk.DESCRIPTOR.fields_by_name["values"].number)
+
+
+def decode_response(raw: bytes) -> Tuple[pb.StepResponse, Optional[memoryview]]:
+    """A step response as received: a dX chunk's message without its rows' bytes, and those
+    bytes as a view of what gRPC handed over (copied once, into dX: RowAssembler); any other
+    response parsed whole, with None."""
+    split = _wire.split_tensor_data(raw, _DX_PATH)
+    if split is not None:
+        response = pb.StepResponse.FromString(split[0])
+        if response.WhichOneof("part") == "grad_hidden":
+            return response, split[1]
+    return pb.StepResponse.FromString(raw), None
 
 
 def caller_error(p: PreparedStep, error: RemoteheadError) -> RemoteheadError:
@@ -457,8 +473,9 @@ class RowAssembler:
         self.trailing_from_first = trailing_from_first
         self.seen = torch.zeros(dst.shape[0], dtype=torch.bool) if any_order else None
 
-    def add(self, chunk: pb.TensorChunk) -> None:
-        values = _wire.decode_view(chunk.values)
+    def add(self, chunk: pb.TensorChunk, data: Optional[memoryview] = None) -> None:
+        """`data`: the chunk's values' bytes where they were received (decode_response)."""
+        values = _wire.decode_view(chunk.values, data)
         if self.trailing_from_first and values.dim() >= 1:
             self.dst = self.dst.new_empty((self.dst.shape[0], *values.shape[1:]))
             self.trailing_from_first = False
@@ -497,7 +514,8 @@ def resolve(options: Optional[StepOptions], overrides, default: StepOptions) -> 
 
 
 def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
-            output_dtype: Optional[torch.dtype], responses: Iterable[pb.StepResponse],
+            output_dtype: Optional[torch.dtype],
+            responses: Iterable[Tuple[pb.StepResponse, Optional[memoryview]]],
             any_order: bool = False):
     """One attempt's response stream read into fresh results: (grad_hidden, outputs, token_ids)
     as RowAssemblers (None where the call returns none), the wire summary and the token extras
@@ -505,7 +523,7 @@ def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
     function as the server lists it, for a Forward with reduction "none" (what its rows are and
     in which dtype); None otherwise, or for a function the server does not list (it refuses
     it, naming it). `any_order`: the responses of several streams, merged (rows in any order;
-    a summary from each)."""
+    a summary from each). Each response comes as decode_response gives it."""
     grad_hidden = outputs = token_ids = None
     if mode != FORWARD:
         grad_hidden = RowAssembler(
@@ -523,7 +541,7 @@ def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
                                  f'token_extras["{name}"]', any_order=any_order)
               for name in p.header.token_extras}
     summary = None
-    for response in responses:
+    for response, data in responses:
         part = response.WhichOneof("part")
         if part == "summary":
             summary = response.summary
@@ -540,7 +558,7 @@ def receive(p: PreparedStep, mode: str, fn: Optional[FunctionInfo],
                   "token_ids": token_ids}.get(part)
         if target is None:
             raise RemoteheadError(grpc.StatusCode.INTERNAL, f"{part}: not expected from {mode}")
-        target.add(getattr(response, part))
+        target.add(getattr(response, part), data)
     if summary is None:
         raise RemoteheadError(grpc.StatusCode.INTERNAL, "summary: the stream ended without one")
     for assembler in (grad_hidden, outputs, token_ids, *extras.values()):

@@ -105,24 +105,113 @@ def map_tensor_frame(path: Sequence[int], number: int, key: str, head: pb.Tensor
     return [framing + _varint(data_number << 3 | 2) + _varint(data.nbytes), data]
 
 
+# ----- a message's one large tensor found where its bytes lie (split_rows.h's twin) -----
+# The message is walked, not parsed: every occurrence of each field on the path (protobuf merges
+# a singular message field that occurs several times) down to the Tensor's data field. The rest
+# comes back as a small message that parses as the original with that field empty, the data as
+# a view of the bytes received: copied once, into the result (RowAssembler).
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> Tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("malformed varint")
+
+
+def _next_field(buf: memoryview, pos: int, end: int) -> Tuple[int, int, int, int, int]:
+    """(start, number, wire type, body start, end) of the field at `pos`; ValueError if it is
+    not a well-formed field within `end`."""
+    tag, at = _read_varint(buf, pos, end)
+    number, kind = tag >> 3, tag & 7
+    if kind == 0:
+        _, stop = _read_varint(buf, at, end)
+    elif kind in (1, 5):
+        stop = at + (8 if kind == 1 else 4)
+    elif kind == 2:
+        length, at = _read_varint(buf, at, end)
+        stop = at + length
+    else:
+        raise ValueError("a group")
+    if stop > end:
+        raise ValueError("a field past its message")
+    return pos, number, kind, at, stop
+
+
+def _find_data(buf, start, end, path, level, data_field, enclosing, found) -> None:
+    pos = start
+    while pos < end:
+        field = _next_field(buf, pos, end)
+        pos = field[4]
+        if field[1] != (path[level] if level < len(path) else data_field):
+            continue
+        if field[2] != 2:
+            raise ValueError("not length-delimited")
+        if level == len(path):
+            if found:
+                raise ValueError("the data field twice")
+            found.append(field)
+            continue
+        had = bool(found)
+        _find_data(buf, field[3], field[4], path, level + 1, data_field, enclosing, found)
+        if not had and found:
+            enclosing[level] = field
+
+
+def _length_delimited(number: int, body: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(body)) + body
+
+
+def split_tensor_data(raw: bytes, path: Sequence[int]) -> Optional[Tuple[bytes, memoryview]]:
+    """The serialized message `raw` without the data field of its tensor at `path` (field
+    numbers of singular message fields, outermost first), and that field's bytes as a view of
+    `raw`; None where there is no such field, it occurs twice, or the bytes are malformed."""
+    buf = memoryview(raw)
+    enclosing: List[Optional[tuple]] = [None] * len(path)
+    found: List[tuple] = []
+    try:
+        _find_data(buf, 0, len(buf), path, 0, pb.Tensor.DESCRIPTOR.fields_by_name["data"].number,
+                   enclosing, found)
+    except ValueError:
+        return None
+    if not found:
+        return None
+    data = found[0]
+    inner = bytes(buf[enclosing[-1][3]:data[0]]) + bytes(buf[data[4]:enclosing[-1][4]])
+    for level in range(len(path) - 2, -1, -1):
+        outer, child = enclosing[level], enclosing[level + 1]
+        inner = (bytes(buf[outer[3]:child[0]]) + _length_delimited(path[level + 1], inner)
+                 + bytes(buf[child[4]:outer[4]]))
+    first = enclosing[0]
+    rest = (bytes(buf[:first[0]]) + _length_delimited(path[0], inner) + bytes(buf[first[4]:]))
+    return rest, buf[data[3]:data[4]]
+
+
 def decode(msg: pb.Tensor) -> torch.Tensor:
     """A new CPU tensor holding the bytes of `msg`."""
     return decode_view(msg).clone()
 
 
-def decode_view(msg: pb.Tensor) -> torch.Tensor:
+def decode_view(msg: pb.Tensor, data: Optional[memoryview] = None) -> torch.Tensor:
     """The bytes of `msg` as a CPU tensor without a copy, to be read only (copied into a
-    preallocated result, RowAssembler) while `msg` lives."""
+    preallocated result, RowAssembler) while `msg` lives. `data`: its bytes where they were
+    received, when the message was split there (split_tensor_data)."""
     dtype = _FROM_WIRE.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"dtype: unknown wire dtype {msg.dtype}")
     shape = tuple(msg.shape)
-    if not msg.data:
+    if data is None:
+        data = msg.data
+    if not len(data):
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
         # The message's bytes are immutable: torch warns that the view must not be written.
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(msg.data, dtype=torch.uint8)
+        raw = torch.frombuffer(data, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
 
 

@@ -89,8 +89,7 @@ torch::Tensor ToWireLayout(const torch::Tensor& t, std::optional<torch::ScalarTy
   return t.detach().to(torch::kCPU, dtype.value_or(t.scalar_type())).contiguous();
 }
 
-RowBytes EncodeRowsHead(const torch::Tensor& cpu, int64_t offset, int64_t count,
-                        v1::Tensor* wire) {
+RowBytes EncodeRowsHead(const torch::Tensor& cpu, int64_t offset, int64_t count, v1::Tensor* wire) {
   // The dtype was checked when the tensor was prepared (ToWireDtype).
   for (const auto& [wire_dtype, torch_dtype] : kDtypes) {
     if (torch_dtype == cpu.scalar_type()) wire->set_dtype(wire_dtype);
@@ -148,6 +147,17 @@ absl::StatusOr<std::vector<RowRange>> PlanRequestChunks(int64_t rows, int64_t by
 }
 
 absl::Status RowAssembler::Add(int64_t row_offset, const v1::Tensor& values) {
+  // The values as a view of the message (checks dtype, shape and byte count).
+  auto decoded = DecodeTensorView(values, field_ + ".values");
+  if (!decoded.ok()) return decoded.status();
+  absl::StatusOr<torch::Tensor> rows = Claim(row_offset, values, decoded->scalar_type());
+  if (!rows.ok()) return rows.status();
+  if (rows->numel() > 0) rows->copy_(*decoded);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<torch::Tensor> RowAssembler::Claim(int64_t row_offset, const v1::Tensor& values,
+                                                  torch::ScalarType dtype) {
   const bool in_order = order_ == Order::kInOrder;
   if (in_order && row_offset != received_) {
     return absl::InvalidArgumentError(absl::StrCat(field_, ".row_offset: expected ", received_,
@@ -157,30 +167,27 @@ absl::Status RowAssembler::Add(int64_t row_offset, const v1::Tensor& values) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ".row_offset: expected 0 to ", dst_.size(0), "; got ", row_offset));
   }
-  // The values as a view of the message (checks dtype, shape and byte count), then the trailing
-  // shape and the rows from row_offset: within dst, none of them received already.
-  auto decoded = DecodeTensorView(values, field_ + ".values");
-  if (!decoded.ok()) return decoded.status();
+  // The trailing shape and the rows from row_offset: within dst, none of them received already.
+  const std::vector<int64_t> shape(values.shape().begin(), values.shape().end());
   std::vector<int64_t> expected = dst_.sizes().vec();
-  const int64_t rows = decoded->dim() >= 1 ? decoded->size(0) : -1;
+  const int64_t rows = shape.empty() ? -1 : shape[0];
   if (!expected.empty()) expected[0] = rows;
-  const bool dtype_ok = convert_dtype_ || decoded->scalar_type() == dst_.scalar_type();
+  const bool dtype_ok = convert_dtype_ || dtype == dst_.scalar_type();
   const int64_t room =
       in_order ? dst_.size(0) - received_ : FirstReceivedFrom(row_offset) - row_offset;
-  if (!dtype_ok || rows < 0 || decoded->sizes().vec() != expected || rows > room) {
+  if (!dtype_ok || rows < 0 || shape != expected || rows > room) {
     return absl::InvalidArgumentError(absl::StrCat(
         field_, ".values: expected ",
         convert_dtype_ ? "" : absl::StrCat(std::string(c10::toString(dst_.scalar_type())), " "),
         "[rows",
         dst_.dim() > 1 ? absl::StrCat(", ", absl::StrJoin(dst_.sizes().slice(1), ", ")) : "",
         "] within the ", room, in_order ? " rows left of " : " rows not yet received of ",
-        dst_.size(0), "; got ", std::string(c10::toString(decoded->scalar_type())), " ",
-        ShapeString(values), " at row ", row_offset));
+        dst_.size(0), "; got ", std::string(c10::toString(dtype)), " ", ShapeString(values),
+        " at row ", row_offset));
   }
-  if (rows > 0) dst_.narrow(0, row_offset, rows).copy_(*decoded);
   if (!in_order && rows > 0) ranges_[row_offset] = row_offset + rows;
   received_ += rows;
-  return absl::OkStatus();
+  return dst_.narrow(0, row_offset, rows);
 }
 
 int64_t RowAssembler::FirstReceivedFrom(int64_t from) const {

@@ -103,6 +103,11 @@ class RowAssembler {
   absl::Status Add(const v1::TensorChunk& chunk) { return Add(chunk.row_offset(), chunk.values()); }
   // The rows `values` from `row_offset` (a chunk of another message type, e.g. a token extra's).
   absl::Status Add(int64_t row_offset, const v1::Tensor& values);
+  // The rows `values` of `dtype` would fill from `row_offset` — checked as Add checks them, from
+  // their dtype and shape, their data not read — as taken: the caller copies their bytes there
+  // itself (straight from the bytes received: split_rows.h).
+  absl::StatusOr<torch::Tensor> Claim(int64_t row_offset, const v1::Tensor& values,
+                                      torch::ScalarType dtype);
   // INVALID_ARGUMENT unless every row arrived.
   absl::Status CheckComplete() const;
   int64_t rows_received() const { return received_; }

@@ -31,7 +31,7 @@ constexpr char kVerdict = 'V';
 constexpr char kShared = 'P';
 constexpr char kSessionKey[] = "session";
 constexpr char kVerdictKey[] = "down";
-constexpr size_t kNonceBytes = 16;
+constexpr size_t kLivenessNonceBytes = 16;
 
 std::string BeatKey(int rank) { return absl::StrCat("beat/", rank); }
 std::string AddressKey(int rank) { return absl::StrCat("addr/", rank); }
@@ -118,8 +118,8 @@ absl::Status Liveness::OpenSession() {
   // Global rank 0 (whose process serves the store, fresh for every run) picks the session: a
   // beat or verdict recorded in another run never verifies in this one.
   if (config_.rank == 0) {
-    std::string nonce(kNonceBytes, '\0');
-    if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), kNonceBytes) != 1) {
+    std::string nonce(kLivenessNonceBytes, '\0');
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), kLivenessNonceBytes) != 1) {
       return absl::InternalError("liveness: no random bytes for the session");
     }
     RETURN_IF_ERROR(store_->Set(kSessionKey, SealEntry(config_.secret, kSession, "", nonce)));

@@ -9,7 +9,7 @@
 namespace remotehead::server {
 
 struct StepPipeline::Work {
-  std::optional<v1::StepRequest> request;
+  std::optional<InboundRequest> request;
   bool end = false;
   Phase phase = Phase::kHeader;
   v1::StepTimings timings;  // at the end: what the summary and the metrics report
@@ -132,7 +132,7 @@ std::optional<StepPipeline::Work> StepPipeline::TakeWorkLocked() {
   Work work{.phase = phase_};
   if (phase_ == Phase::kHeader) {
     if (header_.has_value()) {
-      work.request = std::move(header_);
+      work.request = InboundRequest{.message = *std::move(header_)};
       header_.reset();
       return work;
     }
@@ -233,6 +233,12 @@ void StepPipeline::OnAdmitted() {
   if (failed_) return;
   phase_ = Phase::kRunning;
   queue_ += Clock::now() - queued_since_;
+  const StepSession& session = stream_.session();
+  staging_.Configure({.call_rows = session.call_rows(),
+                      .batch_rows = session.batch_rows(),
+                      .width = session.hidden_size(),
+                      .dtype = session.head_dtype(),
+                      .pinned = session.device().is_cuda()});
   for (int i = 0; i < streams_; ++i) StartReadLocked(i);
   ScheduleComputeLocked();
 }

@@ -35,7 +35,7 @@ namespace remotehead::server {
 class StepPort {
  public:
   virtual ~StepPort() = default;
-  virtual void Read(v1::StepRequest* into) = 0;
+  virtual void Read(InboundRequest* into) = 0;
   // `response` stays as it is until the write is done (OnWriteDone).
   virtual void Write(const StepResponseOut* response) = 0;
   virtual void Finish(const grpc::Status& status) = 0;
@@ -66,6 +66,9 @@ class StepPipeline : public std::enable_shared_from_this<StepPipeline> {
   void OnDone(int index);
   // Fails the call from outside (a stream of it refused before joining).
   void Fail(const absl::Status& why);
+  // Where a stream decodes the hidden rows it reads (on its own thread, without the pipeline's
+  // lock): set up once the call is admitted, before any rows are read.
+  RowStaging& staging() { return staging_; }
   // Fails the call (ABORTED, naming them) if some of its streams have not joined yet: they were
   // given `within` since the first came.
   void FailUnlessJoined(std::chrono::milliseconds within);
@@ -80,7 +83,7 @@ class StepPipeline : public std::enable_shared_from_this<StepPipeline> {
   // Reading, writing, merging (under mu_).
   void StartReadLocked(int index);
   void StartWriteLocked(int index);
-  absl::Status AcceptLocked(int index, v1::StepRequest message);
+  absl::Status AcceptLocked(int index, InboundRequest message);
   // The next message in row order (its lane in *lane), the end of the call, or neither yet.
   Next NextLocked(int* lane) const;
   bool HasWorkLocked() const;
@@ -107,6 +110,7 @@ class StepPipeline : public std::enable_shared_from_this<StepPipeline> {
   const int streams_;
   const std::string key_;
   StepStream stream_;  // used by one compute task at a time
+  RowStaging staging_;
   const uint64_t ticket_;
   const Clock::time_point started_;
   std::atomic<bool> stop_{false};

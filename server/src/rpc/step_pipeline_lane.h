@@ -14,8 +14,8 @@ namespace remotehead::server {
 struct StepPipeline::Lane {
   StepPort* port = nullptr;  // null until the stream joins, and again once it is done
   bool attached = false;
-  v1::StepRequest incoming;             // target of the read in flight
-  std::deque<v1::StepRequest> inbox;    // read, not yet computed
+  InboundRequest incoming;              // target of the read in flight
+  std::deque<InboundRequest> inbox;     // read, not yet computed
   std::deque<StepResponseOut> outbox;   // produced, not yet written (front: in flight)
   int64_t pending_bytes = 0;            // bytes in outbox
   int64_t last_row_offset = -1;         // striped: each stream's rows come in increasing order

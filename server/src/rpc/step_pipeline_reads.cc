@@ -77,8 +77,8 @@ void StepPipeline::OnReadDone(int index, bool ok) {
     }
     lane.client_done = true;
   } else {
-    v1::StepRequest message = std::move(lane.incoming);
-    lane.incoming.Clear();
+    InboundRequest message = std::move(lane.incoming);
+    lane.incoming = InboundRequest();
     if (absl::Status accepted = AcceptLocked(index, std::move(message)); !accepted.ok()) {
       FailLocked(accepted);
       return;
@@ -95,8 +95,9 @@ void StepPipeline::OnReadDone(int index, bool ok) {
 // One stream's message into its inbox. A striped stream carries rows only, in increasing
 // row_offset, so that the merge knows each stream's next row; one stream's messages go to the
 // session as they are (it names what is wrong with them).
-absl::Status StepPipeline::AcceptLocked(int index, v1::StepRequest message) {
+absl::Status StepPipeline::AcceptLocked(int index, InboundRequest inbound) {
   Lane& lane = lanes_[index];
+  const v1::StepRequest& message = inbound.message;
   if (streams_ > 1) {
     if (message.part_case() != v1::StepRequest::kRows) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -112,7 +113,7 @@ absl::Status StepPipeline::AcceptLocked(int index, v1::StepRequest message) {
     }
     lane.last_row_offset = offset;
   }
-  lane.inbox.push_back(std::move(message));
+  lane.inbox.push_back(std::move(inbound));
   ++lane.received;
   // Its last announced message: the stream is complete (nothing after it is read, not even its
   // half-close).
@@ -158,8 +159,8 @@ StepPipeline::Next StepPipeline::NextLocked(int* lane) const {
       if (!l.client_done) return Next::kNotReady;
       continue;
     }
-    if (best < 0 ||
-        l.inbox.front().rows().row_offset() < lanes_[best].inbox.front().rows().row_offset()) {
+    if (best < 0 || l.inbox.front().message.rows().row_offset() <
+                        lanes_[best].inbox.front().message.rows().row_offset()) {
       best = i;
     }
   }

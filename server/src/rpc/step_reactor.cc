@@ -8,10 +8,12 @@
 
 #include <google/protobuf/descriptor.h>
 
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/server/rpc/status_mapping.h"
@@ -33,6 +35,27 @@ absl::Status Parse(grpc::ByteBuffer* bytes, v1::StepRequest* into) {
       parsed.error_message(), ")"));
 }
 
+// A request of a running call: its hidden rows straight into the call's staging buffers where
+// they can go there (row_staging.h), else parsed whole.
+absl::Status Decode(grpc::ByteBuffer* bytes, RowStaging& staging, InboundRequest* into) {
+  std::vector<grpc::Slice> slices;
+  if (bytes->Dump(&slices).ok()) {
+    std::vector<wire::BytePiece> pieces;
+    pieces.reserve(slices.size());
+    for (const grpc::Slice& s : slices) {
+      pieces.push_back({reinterpret_cast<const char*>(s.begin()), s.size()});
+    }
+    try {
+      if (staging.Decode(pieces, &into->message, &into->staged)) return absl::OkStatus();
+    } catch (const std::exception&) {
+      // A staging buffer not had (memory): the request is parsed whole, as without staging.
+    }
+  }
+  into->staged.clear();
+  into->message.Clear();
+  return Parse(bytes, &into->message);
+}
+
 class StepPortReactor final : public RawBidiReactor, public StepPort {
  public:
   StepPortReactor(grpc::CallbackServerContext* context, core::CallMode mode,
@@ -42,7 +65,7 @@ class StepPortReactor final : public RawBidiReactor, public StepPort {
   }
 
   // StepPort: the pipeline's calls, under its lock.
-  void Read(v1::StepRequest* into) override {
+  void Read(InboundRequest* into) override {
     into_ = into;
     StartRead(&read_);
   }
@@ -58,7 +81,8 @@ class StepPortReactor final : public RawBidiReactor, public StepPort {
     if (pipeline_ != nullptr) {
       std::shared_ptr<StepPipeline> pipeline = pipeline_;
       lock.unlock();
-      if (absl::Status parsed = ok ? Parse(&read_, into_) : absl::OkStatus(); !parsed.ok()) {
+      if (absl::Status parsed = ok ? Decode(&read_, pipeline->staging(), into_) : absl::OkStatus();
+          !parsed.ok()) {
         pipeline->Fail(parsed);
         return;
       }
@@ -155,10 +179,10 @@ class StepPortReactor final : public RawBidiReactor, public StepPort {
   grpc::CallbackServerContext* context_;  // valid until OnDone
   const core::CallMode mode_;
   ServiceContext& service_;
-  grpc::ByteBuffer read_;            // the read in flight (one at a time)
-  v1::StepRequest first_;            // the first message, parsed
-  v1::StepRequest* into_ = nullptr;  // where the pipeline wants the read in flight
-  grpc::ByteBuffer writing_;         // the write in flight (one at a time), until OnWriteDone
+  grpc::ByteBuffer read_;           // the read in flight (one at a time)
+  v1::StepRequest first_;           // the first message, parsed
+  InboundRequest* into_ = nullptr;  // where the pipeline wants the read in flight
+  grpc::ByteBuffer writing_;        // the write in flight (one at a time), until OnWriteDone
 
   std::mutex mu_;  // guards the join: taken before the pipeline's lock, never after
   std::shared_ptr<StepPipeline> pipeline_;  // set once, when the first message is read

@@ -23,12 +23,15 @@ absl::Status DecodeOptional(bool present, const v1::Tensor& wire, const std::str
   return absl::OkStatus();
 }
 
-// The rows of a message, as views of its bytes (which the result keeps alive).
-absl::StatusOr<StepRowsIn> ReadRows(std::shared_ptr<const v1::StepRequest> message) {
+// The rows of a message, as views of its bytes (which the result keeps alive) — hidden where it
+// was staged, if it was.
+absl::StatusOr<StepRowsIn> ReadRows(std::shared_ptr<const v1::StepRequest> message,
+                                    bool hidden_staged) {
   const v1::StepRows& rows = message->rows();
   StepRowsIn in{.row_offset = rows.row_offset()};
   core::TokenBatch& batch = in.batch;
-  RETURN_IF_ERROR(DecodeOptional(rows.has_hidden(), rows.hidden(), "rows.hidden", &batch.hidden));
+  RETURN_IF_ERROR(DecodeOptional(rows.has_hidden() && !hidden_staged, rows.hidden(), "rows.hidden",
+                                 &batch.hidden));
   RETURN_IF_ERROR(
       DecodeOptional(rows.has_targets(), rows.targets(), "rows.targets", &batch.targets));
   RETURN_IF_ERROR(
@@ -43,6 +46,45 @@ absl::StatusOr<StepRowsIn> ReadRows(std::shared_ptr<const v1::StepRequest> messa
                                  "rows.teacher_hidden", &batch.teacher_hidden));
   in.owner = std::move(message);
   return in;
+}
+
+// A message's rows as the session takes them: one part per staged piece of hidden (a message
+// whose rows fall in two batches was staged in two buffers), its other tensors sliced alike.
+absl::StatusOr<std::vector<StepRowsIn>> RowsOf(InboundRequest request) {
+  const bool staged = !request.staged.empty();
+  ASSIGN_OR_RETURN(
+      StepRowsIn rows,
+      ReadRows(std::make_shared<const v1::StepRequest>(std::move(request.message)), staged));
+  if (!staged) return std::vector<StepRowsIn>{std::move(rows)};
+  int64_t staged_rows = 0;
+  for (const StagedHidden& piece : request.staged) staged_rows += piece.hidden.size(0);
+  // Another tensor of the message with other rows than hidden's: hidden put together again, so
+  // that the session names the mismatch.
+  bool sized_alike = true;
+  auto check = [&](const torch::Tensor& t) {
+    sized_alike &= !t.defined() || (t.dim() >= 1 && t.size(0) == staged_rows);
+  };
+  for (const torch::Tensor* t :
+       {&rows.batch.targets, &rows.batch.weights, &rows.batch.teacher_hidden, &rows.grad_output}) {
+    check(*t);
+  }
+  for (const auto& [name, t] : rows.batch.aux) check(t);
+  if (request.staged.size() == 1 || !sized_alike) {
+    std::vector<torch::Tensor> pieces;
+    for (const StagedHidden& piece : request.staged) pieces.push_back(piece.hidden);
+    rows.batch.hidden = pieces.size() == 1 ? pieces.front() : torch::cat(pieces);
+    return std::vector<StepRowsIn>{std::move(rows)};
+  }
+  std::vector<StepRowsIn> parts;
+  for (StagedHidden& piece : request.staged) {
+    const int64_t at = piece.first_row - rows.row_offset, n = piece.hidden.size(0);
+    StepRowsIn part{.row_offset = piece.first_row, .owner = rows.owner};
+    part.batch = rows.batch.Slice(at, n);
+    part.batch.hidden = std::move(piece.hidden);
+    if (rows.grad_output.defined()) part.grad_output = rows.grad_output.narrow(0, at, n);
+    parts.push_back(std::move(part));
+  }
+  return parts;
 }
 
 // The rows of `t` (if defined) as chunk responses of at most `chunk_bytes`, numbered from
@@ -101,24 +143,26 @@ void ToWire(const StepOutcome& outcome, v1::StepSummary* summary) {
 
 }  // namespace
 
-absl::Status StepStream::OnRequest(v1::StepRequest request,
+absl::Status StepStream::OnRequest(InboundRequest request,
                                    std::vector<StepResponseOut>* responses) {
-  switch (request.part_case()) {
+  switch (request.message.part_case()) {
     case v1::StepRequest::kHeader:
-      return OnHeader(request.header());
+      return OnHeader(request.message.header());
     case v1::StepRequest::kRows: {
       if (!session_.has_begun()) {
         return absl::InvalidArgumentError(
             "header: expected the first message to be the header; got rows");
       }
-      ASSIGN_OR_RETURN(StepRowsIn rows,
-                       ReadRows(std::make_shared<const v1::StepRequest>(std::move(request))));
-      return session_.AddRows(std::move(rows), SinkInto(responses));
+      ASSIGN_OR_RETURN(std::vector<StepRowsIn> parts, RowsOf(std::move(request)));
+      for (StepRowsIn& rows : parts) {
+        RETURN_IF_ERROR(session_.AddRows(std::move(rows), SinkInto(responses)));
+      }
+      return absl::OkStatus();
     }
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("part: ForwardBackward expects a header then rows; got message part ",
-                       static_cast<int>(request.part_case())));
+                       static_cast<int>(request.message.part_case())));
   }
 }
 

@@ -13,10 +13,18 @@
 #include "absl/status/status.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/v1/head_service.pb.h"
+#include "rpc/row_staging.h"
 #include "rpc/step_response_out.h"
 #include "step/step_session.h"
 
 namespace remotehead::server {
+
+// One client message as a stream received it: the message, and where its hidden rows were
+// staged when they were (row_staging.h: then the message's rows.hidden has no data).
+struct InboundRequest {
+  v1::StepRequest message;
+  std::vector<StagedHidden> staged;
+};
 
 class StepStream {
  public:
@@ -30,8 +38,12 @@ class StepStream {
         group_(group) {}
 
   // Handles one client message; appends what goes back to the client to `responses`. Takes the
-  // message: the rows it carries are computed from its bytes without a copy.
-  absl::Status OnRequest(v1::StepRequest request, std::vector<StepResponseOut>* responses);
+  // message: the rows it carries are computed from its bytes (or where they were staged) without
+  // a copy.
+  absl::Status OnRequest(InboundRequest request, std::vector<StepResponseOut>* responses);
+  absl::Status OnRequest(v1::StepRequest request, std::vector<StepResponseOut>* responses) {
+    return OnRequest(InboundRequest{.message = std::move(request)}, responses);
+  }
   // The client has sent everything: the session finishes; the summary is appended last.
   absl::Status OnClientDone(std::vector<StepResponseOut>* responses);
 

@@ -5,12 +5,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
+#include "request_memory.h"
 
 namespace remotehead::server {
 
 int64_t BatchRows(const core::CallPlan& plan, int64_t call_rows, int64_t row_bytes,
                   int64_t result_row_bytes) {
-  constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
   if (plan.couples_rows) return std::max<int64_t>(1, call_rows);
   return std::max<int64_t>(1, std::min({plan.chunk_rows, kMaxBatchBytes / row_bytes,
                                         kMaxBatchBytes / result_row_bytes}));

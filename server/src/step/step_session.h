@@ -61,6 +61,13 @@ class StepSession {
   const std::string& function() const { return call_.options.function; }
   int64_t valid_tokens() const { return outcome_.valid_tokens; }
   int64_t logits_chunk_bytes() const { return logits_chunk_bytes_; }
+  // After Begin: the call's rows (header.rows), the rows of each of its batches, and what a
+  // row of hidden states must be: the head's width and dtype, on its device.
+  int64_t call_rows() const { return call_.rows; }
+  int64_t batch_rows() const { return batcher_.batch_rows(); }
+  int64_t hidden_size() const { return plan_.hidden_size; }
+  torch::ScalarType head_dtype() const { return head_dtype_; }
+  torch::Device device() const { return device_; }
   // After Begin: the bytes this request will hold while it runs — one engine call on a
   // batch (core's memory model, CallPlan::Memory), the scratch dW, the rows and results the
   // transport may buffer for it (`pipeline_bytes`), the inputs a Forward retains.
