@@ -240,6 +240,25 @@ TEST(RowBuffer, LargeBuffersAreAlignedForHugePagesAndHoldTheirRows) {
   EXPECT_EQ(small.numel(), 15);
 }
 
+// A freed large buffer's mapping is recycled for the next buffer of its size (memory already
+// faulted in), not for one of another size, and two live buffers never share one.
+TEST(RowBuffer, AFreedBufferIsRecycledForTheNextOfItsSize) {
+  void* first = nullptr;
+  {
+    const torch::Tensor a = wire::EmptyRows({2048, 1024}, torch::kFloat);  // 8 MiB
+    first = a.data_ptr();
+  }
+  const torch::Tensor other = wire::EmptyRows({4096, 1024}, torch::kFloat);
+  EXPECT_NE(other.data_ptr(), first);
+  const torch::Tensor again = wire::EmptyRows({2048, 1024}, torch::kFloat);
+  EXPECT_EQ(again.data_ptr(), first);
+  const torch::Tensor both = wire::EmptyRows({2048, 1024}, torch::kFloat);
+  EXPECT_NE(both.data_ptr(), again.data_ptr());
+  both.fill_(1);
+  again.fill_(2);
+  EXPECT_EQ(both.sum().item<double>(), 2048.0 * 1024);
+}
+
 // The vectors the Python client's codec is tested against as well (tests/data/, made by
 // make_wire_vectors.py with struct and the generated message class, not with either codec):
 // encoding the values gives exactly the stored message bytes, and decoding the message gives
