@@ -16,7 +16,8 @@
 // a session that fails, is abandoned or cancelled, and every Forward, leaves both heads'
 // gradients bit-identical; no session changes a head's weights or version. Every message's bytes
 // also go to wire::SplitHiddenData (the server's decode of rows straight into staging): where it
-// finds hidden's bytes, protobuf parses the message too, as the split's rest with them put back.
+// finds hidden's bytes, protobuf parses the split's rest exactly when it parses the message, and
+// then the rest with those bytes put back is the message.
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -46,9 +47,14 @@ void CheckSplit(const std::string& bytes, const v1::StepRequest* parsed) {
                                                 bytes.size() - bytes.size() / 2}};
   const std::optional<wire::SplitTensor> split = wire::SplitHiddenData(pieces);
   if (!split.has_value()) return;
-  if (parsed == nullptr) Fail("SplitHiddenData split a message protobuf does not parse");
+  // The walk checks the fields on its way only: the rest of a message protobuf refuses
+  // elsewhere (another field malformed) is refused too, and the server parses it whole.
   v1::StepRequest rebuilt;
-  if (!rebuilt.ParseFromString(split->rest)) Fail("the split's rest does not parse");
+  if (!rebuilt.ParseFromString(split->rest)) {
+    if (parsed != nullptr) Fail("the split's rest does not parse, the message does");
+    return;
+  }
+  if (parsed == nullptr) Fail("the split's rest parses, the message does not");
   std::string data(split->data_size, '\0');
   wire::CopyBytes(pieces, split->data_offset, split->data_size, data.data());
   rebuilt.mutable_rows()->mutable_hidden()->set_data(data);

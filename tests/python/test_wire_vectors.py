@@ -145,3 +145,7 @@ def test_responses_without_dx_rows_are_parsed_whole():
     twice = raw + raw
     response, data = _steps.decode_response(twice)
     assert data is None and response == pb.StepResponse.FromString(twice)
+    # Another member of the response's oneof beside the dX chunk (it clears what came before).
+    mixed = raw + summary.SerializeToString()
+    response, data = _steps.decode_response(mixed)
+    assert data is None and response == pb.StepResponse.FromString(mixed)

@@ -91,6 +91,13 @@ TEST(SplitHiddenData, SaysSoWhereThereIsNothingToSplit) {
   const std::string twice = m.framed + MakeRows(3, 4).whole;
   EXPECT_FALSE(wire::SplitHiddenData(CutInto(twice, {})).has_value());
   EXPECT_FALSE(wire::SplitHiddenData({}).has_value());
+  // A header (StepRequest.part's other member) between or before rows occurrences: it clears
+  // the rows before it, so the split would not be what protobuf parses.
+  const std::string header_bytes = header.SerializeAsString();
+  for (const std::string& mixed : {m.framed + header_bytes + MakeRows(3, 4).whole,
+                                   header_bytes + m.framed}) {
+    EXPECT_FALSE(wire::SplitHiddenData(CutInto(mixed, {})).has_value());
+  }
 }
 
 // Every truncation: either no split, or one that protobuf agrees with (a prefix cut at a field's

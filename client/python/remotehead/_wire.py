@@ -147,7 +147,12 @@ def _find_data(buf, start, end, path, level, data_field, enclosing, found) -> No
     while pos < end:
         field = _next_field(buf, pos, end)
         pos = field[4]
-        if field[1] != (path[level] if level < len(path) else data_field):
+        wanted = path[level] if level < len(path) else data_field
+        if level == 0 and field[1] != wanted:
+            # The outermost field is a oneof member (StepResponse.part): another member between
+            # occurrences would clear what came before it.
+            raise ValueError("another field beside the outermost")
+        if field[1] != wanted:
             continue
         if field[2] != 2:
             raise ValueError("not length-delimited")

@@ -139,6 +139,9 @@ bool FindData(const std::vector<BytePiece>& pieces, size_t from, size_t to,
   while (in.pos() < to) {
     if (!NextField(in, to, &f)) return false;
     const int wanted = level < path.size() ? path[level] : data_field;
+    // The outermost field is a oneof member in both messages walked (StepRequest.part,
+    // StepResponse.part): another member between occurrences would clear what came before it.
+    if (level == 0 && f.number != wanted) return false;
     if (f.number != wanted) continue;
     if (f.type != kLengthDelimited) return false;
     if (level == path.size()) {

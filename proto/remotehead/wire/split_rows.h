@@ -8,8 +8,9 @@
 // bytes as an occurrence of their own: frames.h) down to the Tensor's data field. What is not
 // those bytes (row offset, dtype, shape, targets, weights, aux) is returned as a small message
 // that parses as the original with that data field empty. Anything unusual — no such data, the
-// field twice, a malformed field — gives nullopt: the caller parses the message whole, as
-// before, and names what is wrong.
+// field twice, a malformed field on the way, another field beside the outermost one (a oneof
+// member in both messages walked: it would clear what came before it) — gives nullopt: the
+// caller parses the message whole, as before, and names what is wrong.
 #pragma once
 
 #include <cstddef>
