@@ -8,7 +8,7 @@
 
 namespace remotehead::server {
 
-void RowStaging::Configure(const Layout& layout) {
+void RowStaging::Configure(const RowLayout& layout) {
   std::lock_guard<std::mutex> lock(mu_);
   layout_ = layout;
   layout_->batch_rows = std::max<int64_t>(1, layout.batch_rows);
@@ -17,9 +17,9 @@ void RowStaging::Configure(const Layout& layout) {
 torch::Tensor RowStaging::BufferLocked(int64_t index) {
   Batch& batch = batches_[index];
   if (!batch.buffer.defined()) {
-    const Layout& l = *layout_;
+    const RowLayout& l = *layout_;
     const int64_t rows = std::min(l.batch_rows, l.call_rows - index * l.batch_rows);
-    batch.buffer = l.pinned
+    batch.buffer = l.device.is_cuda()
                        ? torch::empty({rows, l.width},
                                       torch::TensorOptions().dtype(l.dtype).pinned_memory(true))
                        : wire::EmptyRows({rows, l.width}, l.dtype);
@@ -30,7 +30,7 @@ torch::Tensor RowStaging::BufferLocked(int64_t index) {
 bool RowStaging::Decode(const std::vector<wire::BytePiece>& pieces, v1::StepRequest* message,
                         std::vector<StagedHidden>* staged) {
   staged->clear();
-  Layout layout;
+  RowLayout layout;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!layout_.has_value()) return false;

@@ -1,6 +1,6 @@
 // A step call's rows.hidden, copied once by the stream that received them, straight into the
 // buffer the engine computes from: one buffer per batch of the call (the session's fixed batch
-// boundaries, StepSession::batch_rows), each message's rows at their row offset in it (page-locked
+// boundaries, StepSession::row_layout), each message's rows at their row offset in it (page-locked
 // host memory for a CUDA head, whose copy to the device then needs no bounce). The compute thread
 // no longer copies a request's bytes: protobuf does not parse them into a string, and a batch
 // made of several messages' rows is one view of its buffer, not a concatenation
@@ -22,6 +22,7 @@
 #include "remotehead/core/torch_api.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "remotehead/wire/split_rows.h"
+#include "step/row_batcher.h"
 
 namespace remotehead::server {
 
@@ -33,17 +34,9 @@ struct StagedHidden {
 
 class RowStaging {
  public:
-  // What a call's hidden rows must be to be staged: the session's (StepSession: the head's
-  // width and dtype), and how the call is batched.
-  struct Layout {
-    int64_t call_rows = 0;   // header.rows
-    int64_t batch_rows = 0;  // StepSession::batch_rows
-    int64_t width = 0;       // the head's hidden size
-    torch::ScalarType dtype = torch::kFloat;
-    bool pinned = false;  // page-locked host memory (a CUDA head)
-  };
-  // Once the call's header has been run, before any rows are read. Until then nothing is staged.
-  void Configure(const Layout& layout);
+  // The call's rows (StepSession::row_layout), once its header has been run, before any rows are
+  // read. Until then nothing is staged.
+  void Configure(const RowLayout& layout);
 
   // One request: true when its hidden rows were staged (into `message` the rest of it, with
   // rows.hidden's dtype and shape but no data; into `staged` where its rows went, one piece per
@@ -62,7 +55,7 @@ class RowStaging {
   torch::Tensor BufferLocked(int64_t index);
 
   std::mutex mu_;
-  std::optional<Layout> layout_;      // unset: not configured
+  std::optional<RowLayout> layout_;   // unset: not configured
   std::map<int64_t, Batch> batches_;  // by batch index: those not yet whole
 };
 

@@ -233,12 +233,7 @@ void StepPipeline::OnAdmitted() {
   if (failed_) return;
   phase_ = Phase::kRunning;
   queue_ += Clock::now() - queued_since_;
-  const StepSession& session = stream_.session();
-  staging_.Configure({.call_rows = session.call_rows(),
-                      .batch_rows = session.batch_rows(),
-                      .width = session.hidden_size(),
-                      .dtype = session.head_dtype(),
-                      .pinned = session.device().is_cuda()});
+  staging_.Configure(stream_.session().row_layout());
   for (int i = 0; i < streams_; ++i) StartReadLocked(i);
   ScheduleComputeLocked();
 }

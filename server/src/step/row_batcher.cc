@@ -25,6 +25,27 @@ absl::Status CheckCoupledBatch(const core::CallPlan& plan, bool split, int64_t a
       "whose inputs differ, the call split at row ",
       at_row));
 }
+bool Batchable(const core::TokenBatch& b, const torch::Tensor& grad_output,
+               const RowLayout& layout) {
+  if (b.hidden.dim() != 2 || b.hidden.size(1) != layout.width ||
+      b.hidden.scalar_type() != layout.dtype) {
+    return false;
+  }
+  const int64_t n = b.hidden.size(0);
+  auto per_token = [n](const torch::Tensor& t) {
+    return !t.defined() || (t.dim() == 1 && t.size(0) == n);
+  };
+  if (!per_token(b.targets) || !per_token(b.weights) || !per_token(grad_output)) return false;
+  for (const auto& [name, t] : b.aux) {
+    // [n], or [n, k] (a sparse teacher's top-k)
+    if (!per_token(t) && !(t.dim() == 2 && t.size(0) == n)) return false;
+  }
+  const torch::Tensor& th = b.teacher_hidden;
+  return !th.defined() ||
+         (layout.teacher_width >= 0 && th.dim() == 2 && th.size(0) == n &&
+          th.size(1) == layout.teacher_width && th.scalar_type() == layout.teacher_dtype);
+}
+
 namespace {
 
 // Whether two well-formed parts' rows have the same shape beyond their first dimension (the k

@@ -27,6 +27,26 @@ int64_t BatchRows(const core::CallPlan& plan, int64_t call_rows, int64_t row_byt
 // differ do that: RowBatcher::Add), naming the row where it did.
 absl::Status CheckCoupledBatch(const core::CallPlan& plan, bool split, int64_t at_row);
 
+// What a call's rows are, fixed at its header (StepSession::row_layout): how many and how they
+// are batched, and what a row must be to be batched — hidden states of the head's width and
+// dtype (on its device), and a two-head call's teacher's. The transport stages rows in this
+// layout (rpc/row_staging.h).
+struct RowLayout {
+  int64_t call_rows = 0;  // header.rows
+  int64_t batch_rows = 1;
+  int64_t width = 0;  // the head's hidden size
+  torch::ScalarType dtype = torch::kFloat;
+  torch::Device device = torch::kCPU;
+  int64_t teacher_width = -1;  // a two-head call's teacher's hidden size; -1: no teacher
+  torch::ScalarType teacher_dtype = torch::kFloat;
+};
+// [n, width] hidden in the head's dtype with [n] per-token tensors ([n] or [n, k] aux, a
+// two-head call's [n, teacher_width] teacher hidden states in the teacher's dtype): rows that can
+// be concatenated with others. A part that is not is computed alone, and the engine says what is
+// wrong with it.
+bool Batchable(const core::TokenBatch& b, const torch::Tensor& grad_output,
+               const RowLayout& layout);
+
 class RowBatcher {
  public:
   struct Part {

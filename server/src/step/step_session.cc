@@ -10,26 +10,15 @@
 #include "step/step_teacher.h"
 
 namespace remotehead::server {
-// [n, D] hidden in the head's dtype with [n] per-token tensors ([n] or [n, k] aux, a two-head
-// call's [n, D_teacher] teacher hidden states in the teacher's dtype): what can be concatenated.
-bool StepSession::WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const {
-  if (b.hidden.dim() != 2 || b.hidden.size(1) != plan_.hidden_size ||
-      b.hidden.scalar_type() != head_dtype_) {
-    return false;
-  }
-  const int64_t n = b.hidden.size(0);
-  auto per_token = [n](const torch::Tensor& t) {
-    return !t.defined() || (t.dim() == 1 && t.size(0) == n);
-  };
-  if (!per_token(b.targets) || !per_token(b.weights) || !per_token(grad_output)) return false;
-  for (const auto& [name, t] : b.aux) {
-    // [n], or [n, k] (a sparse teacher's top-k)
-    if (!per_token(t) && !(t.dim() == 2 && t.size(0) == n)) return false;
-  }
-  const torch::Tensor& th = b.teacher_hidden;
-  return !th.defined() ||
-         (teacher_.entry != nullptr && th.dim() == 2 && th.size(0) == n &&
-          th.size(1) == teacher_.hidden_size && th.scalar_type() == teacher_.dtype);
+
+RowLayout StepSession::row_layout() const {
+  return {.call_rows = call_.rows,
+          .batch_rows = batcher_.batch_rows(),
+          .width = plan_.hidden_size,
+          .dtype = head_dtype_,
+          .device = device_,
+          .teacher_width = teacher_.entry != nullptr ? teacher_.hidden_size : -1,
+          .teacher_dtype = teacher_.dtype};
 }
 
 absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanout) {
@@ -122,8 +111,8 @@ absl::Status StepSession::CheckVersionAndIdentity() {
   if (call_.expected_weight_version.has_value() && *call_.expected_weight_version != version) {
     HeadDescription head = entry_->Describe();  // only to say what is wrong
     head.weight_version = version;              // the version pinned below
-    RETURN_IF_ERROR(CheckWeightVersion(call_.expected_weight_version,
-                                       "header.expected_weight_version", head));
+    RETURN_IF_ERROR(
+        CheckWeightVersion(call_.expected_weight_version, "header.expected_weight_version", head));
   }
   if (inputs_ != nullptr && inputs_->weight_version != version) {
     return absl::FailedPreconditionError(
@@ -171,9 +160,9 @@ absl::Status StepSession::AddRows(StepRowsIn rows, const StepResultSink& sink) {
                     : part.grad_output.dim() >= 1 ? part.grad_output.size(0)
                                                   : 1;
   if (received_rows_ + n > call_.rows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        inputs_ != nullptr ? "rows.grad_output" : "rows", ": expected ", call_.rows,
-        " rows in all (header.rows); got at least ", received_rows_ + n));
+    return absl::InvalidArgumentError(
+        absl::StrCat(inputs_ != nullptr ? "rows.grad_output" : "rows", ": expected ", call_.rows,
+                     " rows in all (header.rows); got at least ", received_rows_ + n));
   }
   if (inputs_ != nullptr) part.batch = inputs_->batch.Slice(received_rows_, n);
   const int64_t first_row = received_rows_;
@@ -235,7 +224,7 @@ absl::Status StepSession::Enqueue(RowBatcher::Part part, int64_t first_row,
                                   const StepResultSink& sink) {
   // A malformed part (e.g. hidden that is not [n, D]) is not batched with others: the engine
   // checks it on its own and reports exactly what is wrong.
-  if (!WellFormed(part.batch, part.grad_output)) {
+  if (!Batchable(part.batch, part.grad_output, row_layout())) {
     RETURN_IF_ERROR(batcher_.Flush(batcher_.pending_rows(), ComputeBatch(sink)));
     compaction_.KeepAll(first_row, part.batch.rows());
     return ComputeRows(std::move(part.batch), part.grad_output, sink);

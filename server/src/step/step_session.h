@@ -44,8 +44,8 @@ class StepSession {
   StepSession(const StepSession&) = delete;
   StepSession& operator=(const StepSession&) = delete;
 
-  // The call's header, once, before any rows (the transport keeps that order). With `fanout` (the front of a head group), every engine call and the
-  // commit run on every rank through it.
+  // The call's header, once, before any rows (the transport keeps that order). With `fanout` (the
+  // front of a head group), every engine call and the commit run on every rank through it.
   absl::Status Begin(StepCall call, std::unique_ptr<StepFanout> fanout = nullptr);
   // The rows of one message; each computed batch's results go to `sink`. Batches are cut at fixed
   // rows — every batch_rows() rows of the call, the last one when its last row (header.rows)
@@ -61,13 +61,8 @@ class StepSession {
   const std::string& function() const { return call_.options.function; }
   int64_t valid_tokens() const { return outcome_.valid_tokens; }
   int64_t logits_chunk_bytes() const { return logits_chunk_bytes_; }
-  // After Begin: the call's rows (header.rows), the rows of each of its batches, and what a
-  // row of hidden states must be: the head's width and dtype, on its device.
-  int64_t call_rows() const { return call_.rows; }
-  int64_t batch_rows() const { return batcher_.batch_rows(); }
-  int64_t hidden_size() const { return plan_.hidden_size; }
-  torch::ScalarType head_dtype() const { return head_dtype_; }
-  torch::Device device() const { return device_; }
+  // After Begin: what the call's rows are (row_batcher.h).
+  RowLayout row_layout() const;
   // After Begin: the bytes this request will hold while it runs — one engine call on a
   // batch (core's memory model, CallPlan::Memory), the scratch dW, the rows and results the
   // transport may buffer for it (`pipeline_bytes`), the inputs a Forward retains.
@@ -96,7 +91,6 @@ class StepSession {
   // rows are the retained inputs'.
   absl::StatusOr<core::TokenBatch> InputsOf(const StepRowsIn& rows,
                                             const torch::Tensor& grad_output) const;
-  bool WellFormed(const core::TokenBatch& b, const torch::Tensor& grad_output) const;
   // Queues the part of request rows [first_row, …) for batching — without the rows that
   // contribute nothing (row_compaction.h) — or computes it now when it cannot be batched.
   absl::Status Enqueue(RowBatcher::Part part, int64_t first_row, const StepResultSink& sink);
@@ -141,19 +135,19 @@ class StepSession {
   core::CallPlan plan_;                 // the engine's plan for these options (chunk sizes, memory)
   torch::Device device_ = torch::kCPU;  // the head's (fixed for its lifetime)
   torch::ScalarType head_dtype_ = torch::kFloat;
-  core::GradientBuffers scratch_;  // with call_.gradient
+  core::GradientBuffers scratch_;                 // with call_.gradient
   std::shared_ptr<const RetainedInputs> inputs_;  // Backward by handle
   std::vector<core::TokenBatch> kept_rows_;       // Forward that retains its inputs
   int64_t kept_bytes_ = 0;                        // their bytes so far
   int64_t kept_reserved_ = 0;                     // and what admission holds for them
   std::function<absl::Status(int64_t, const std::string&)> reserve_more_;
-  RowBatcher batcher_;  // the rows received and not yet computed
+  RowBatcher batcher_;         // the rows received and not yet computed
   RowCompaction compaction_;   // the rows that contribute nothing, dropped (when the function says)
   int64_t received_rows_ = 0;  // rows taken from the client (or the retained inputs)
   bool coupled_batch_done_ = false;  // a row-coupled call's one batch was computed
-  int64_t next_row_ = 0;       // request rows whose results have been produced
-  StepOutcome outcome_;  // the summary's sums so far (loss, tokens, chunks, extras)
-  HealthWindow health_;  // the head's health over the calls that accumulated dW
+  int64_t next_row_ = 0;             // request rows whose results have been produced
+  StepOutcome outcome_;              // the summary's sums so far (loss, tokens, chunks, extras)
+  HealthWindow health_;              // the head's health over the calls that accumulated dW
   int64_t logits_chunk_bytes_ = 0;
 };
 
