@@ -98,11 +98,8 @@ struct StepReceiver {
   // readers copy their rows side by side); anything else parsed whole and added under `mu`.
   absl::Status AddRaw(grpc::ByteBuffer& bytes, std::mutex& mu) {
     std::vector<grpc::Slice> slices;
-    if (dx && bytes.Dump(&slices).ok()) {
-      std::vector<wire::BytePiece> pieces;
-      for (const grpc::Slice& s : slices) {
-        pieces.push_back({reinterpret_cast<const char*>(s.begin()), s.size()});
-      }
+    std::vector<wire::BytePiece> pieces;
+    if (dx && wire::ReceivedPieces(bytes, &slices, &pieces)) {
       ASSIGN_OR_RETURN(const bool taken, TakeDxRows(pieces, mu));
       if (taken) return absl::OkStatus();
     }
@@ -126,15 +123,9 @@ struct StepReceiver {
         head.part_case() != v1::StepResponse::kGradHidden) {
       return false;
     }
-    const v1::Tensor& values = head.grad_hidden().values();
-    const absl::StatusOr<torch::ScalarType> dtype = wire::FromWireDtype(values.dtype(), "values");
+    const absl::StatusOr<torch::ScalarType> dtype =
+        wire::CheckTensor(head.grad_hidden().values(), split->data_size, "grad_hidden.values");
     if (!dtype.ok() || *dtype != dx->tensor().scalar_type()) return false;
-    uint64_t bytes = c10::elementSize(*dtype);
-    for (const int64_t d : values.shape()) {
-      if (d < 0) return false;
-      bytes *= static_cast<uint64_t>(d);
-    }
-    if (bytes != split->data_size) return false;
     torch::Tensor rows;
     {
       std::lock_guard<std::mutex> lock(mu);

@@ -130,4 +130,15 @@ grpc::ByteBuffer ToByteBuffer(const std::shared_ptr<const Frames>& frames) {
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+bool ReceivedPieces(grpc::ByteBuffer& buffer, std::vector<grpc::Slice>* slices,
+                    std::vector<BytePiece>* pieces) {
+  if (!buffer.Dump(slices).ok()) return false;
+  pieces->clear();
+  pieces->reserve(slices->size());
+  for (const grpc::Slice& s : *slices) {
+    pieces->push_back({reinterpret_cast<const char*>(s.begin()), s.size()});
+  }
+  return true;
+}
+
 }  // namespace remotehead::wire

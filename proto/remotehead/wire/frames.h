@@ -21,16 +21,14 @@
 #include <vector>
 
 #include "remotehead/v1/head_service.pb.h"
+#include "remotehead/wire/split_rows.h"
 #include "remotehead/wire/tensor_codec.h"
 
 namespace remotehead::wire {
 
 class Frames {
  public:
-  struct Piece {
-    const char* data = nullptr;
-    size_t size = 0;
-  };
+  using Piece = BytePiece;
 
   // The bytes of `message`, serialized (owned).
   void AppendMessage(const google::protobuf::MessageLite& message);
@@ -67,5 +65,10 @@ std::shared_ptr<const void> Holding(const torch::Tensor& t);
 // The frames as gRPC's buffer: one slice per piece, each holding the frames until gRPC is done
 // with it (no byte copied).
 grpc::ByteBuffer ToByteBuffer(const std::shared_ptr<const Frames>& frames);
+
+// The other way: a received message's pieces as gRPC holds them (`slices` keeps them alive), for
+// SplitTensorData; false where gRPC cannot give its slices (then parse the buffer whole).
+bool ReceivedPieces(grpc::ByteBuffer& buffer, std::vector<grpc::Slice>* slices,
+                    std::vector<BytePiece>* pieces);
 
 }  // namespace remotehead::wire

@@ -48,10 +48,11 @@ absl::StatusOr<v1::DType> ToWireDtype(torch::ScalarType dtype, const std::string
                    std::string(c10::toString(dtype))));
 }
 
-absl::StatusOr<torch::Tensor> DecodeTensorView(const v1::Tensor& wire, const std::string& field) {
+absl::StatusOr<torch::ScalarType> CheckTensor(const v1::Tensor& wire, size_t data_bytes,
+                                              const std::string& field) {
   auto dtype = FromWireDtype(wire.dtype(), field);
   if (!dtype.ok()) return dtype.status();
-  std::vector<int64_t> shape(wire.shape().begin(), wire.shape().end());
+  const std::vector<int64_t> shape(wire.shape().begin(), wire.shape().end());
   const int64_t elem = static_cast<int64_t>(c10::elementSize(*dtype));
   int64_t numel = 1;
   int64_t extent = 1;  // the product of the sizes with zeros counted as 1
@@ -68,12 +69,19 @@ absl::StatusOr<torch::Tensor> DecodeTensorView(const v1::Tensor& wire, const std
     extent *= std::max<int64_t>(dim, 1);
   }
   const int64_t expected_bytes = numel * elem;
-  if (static_cast<int64_t>(wire.data().size()) != expected_bytes) {
+  if (static_cast<int64_t>(data_bytes) != expected_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": expected ", expected_bytes, " bytes for ", c10::toString(*dtype),
-                     " [", absl::StrJoin(shape, ", "), "]; got ", wire.data().size()));
+                     " [", absl::StrJoin(shape, ", "), "]; got ", data_bytes));
   }
-  if (expected_bytes == 0) return torch::empty(shape, torch::TensorOptions().dtype(*dtype));
+  return *dtype;
+}
+
+absl::StatusOr<torch::Tensor> DecodeTensorView(const v1::Tensor& wire, const std::string& field) {
+  auto dtype = CheckTensor(wire, wire.data().size(), field);
+  if (!dtype.ok()) return dtype.status();
+  const std::vector<int64_t> shape(wire.shape().begin(), wire.shape().end());
+  if (wire.data().empty()) return torch::empty(shape, torch::TensorOptions().dtype(*dtype));
   // Read-only use by the caller; the bytes are little-endian like every host we build for.
   return torch::from_blob(const_cast<char*>(wire.data().data()), shape,
                           torch::TensorOptions().dtype(*dtype));

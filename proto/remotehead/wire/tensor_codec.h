@@ -12,6 +12,7 @@
 
 #include <torch/types.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -34,7 +35,12 @@ absl::StatusOr<v1::DType> ToWireDtype(torch::ScalarType dtype, const std::string
 
 // ----- tensors -----
 
-// Checks `wire` (dtype, non-negative shape, byte count) and returns a tensor that aliases
+// The dtype of `wire` once its dtype, shape (non-negative, fewer than 2^31 elements) and a data
+// field of `data_bytes` agree: DecodeTensorView's checks, also for bytes that lie elsewhere
+// (a message split at them: split_rows.h).
+absl::StatusOr<torch::ScalarType> CheckTensor(const v1::Tensor& wire, size_t data_bytes,
+                                              const std::string& field);
+// Checks `wire` (CheckTensor with its own data) and returns a tensor that aliases
 // wire.data() (no copy): valid only while `wire` lives unchanged, and only for reading. `field`
 // names it in errors, e.g. "rows.hidden: expected 8192 bytes for Float [8, 256]; got 8000".
 absl::StatusOr<torch::Tensor> DecodeTensorView(const v1::Tensor& wire, const std::string& field);

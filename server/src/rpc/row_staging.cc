@@ -42,17 +42,15 @@ bool RowStaging::Decode(const std::vector<wire::BytePiece>& pieces, v1::StepRequ
     return false;
   }
   const v1::Tensor& head = message->rows().hidden();
-  const absl::StatusOr<torch::ScalarType> dtype = wire::FromWireDtype(head.dtype(), "rows.hidden");
+  const absl::StatusOr<torch::ScalarType> dtype =
+      wire::CheckTensor(head, split->data_size, "rows.hidden");
   if (!dtype.ok() || *dtype != layout.dtype || head.shape_size() != 2 ||
       head.shape(1) != layout.width) {
     return false;
   }
   const int64_t first = message->rows().row_offset(), rows = head.shape(0);
   const int64_t row_bytes = layout.width * static_cast<int64_t>(c10::elementSize(layout.dtype));
-  if (rows < 1 || first < 0 || first > layout.call_rows - rows ||
-      static_cast<uint64_t>(rows) * row_bytes != split->data_size) {
-    return false;
-  }
+  if (rows < 1 || first < 0 || first > layout.call_rows - rows) return false;
   // Where each batch's share of the rows goes: taken under the lock, copied outside it.
   std::vector<std::pair<int64_t, torch::Tensor>> into;  // (batch index, destination rows)
   {

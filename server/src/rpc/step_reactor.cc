@@ -39,12 +39,8 @@ absl::Status Parse(grpc::ByteBuffer* bytes, v1::StepRequest* into) {
 // they can go there (row_staging.h), else parsed whole.
 absl::Status Decode(grpc::ByteBuffer* bytes, RowStaging& staging, InboundRequest* into) {
   std::vector<grpc::Slice> slices;
-  if (bytes->Dump(&slices).ok()) {
-    std::vector<wire::BytePiece> pieces;
-    pieces.reserve(slices.size());
-    for (const grpc::Slice& s : slices) {
-      pieces.push_back({reinterpret_cast<const char*>(s.begin()), s.size()});
-    }
+  std::vector<wire::BytePiece> pieces;
+  if (wire::ReceivedPieces(*bytes, &slices, &pieces)) {
     try {
       if (staging.Decode(pieces, &into->message, &into->staged)) return absl::OkStatus();
     } catch (const std::exception&) {
