@@ -115,14 +115,20 @@ class MemorySampler(threading.Thread):
         self._pagesize = os.sysconf("SC_PAGE_SIZE")
         self.start_time = time.perf_counter()
 
-    def run(self) -> None:
+    def sample(self) -> float:
+        """Takes one sample now and returns its time (seconds since start). The training loop
+        also calls it at every step's start and at the end, so every step has samples at its
+        bounds however the thread is scheduled on a busy machine."""
         with open("/proc/self/statm") as statm:
-            while not self._done.is_set():
-                statm.seek(0)
-                resident_pages = int(statm.read().split()[1])
-                self.samples.append((time.perf_counter() - self.start_time,
-                                     resident_pages * self._pagesize / 2**20))
-                self._done.wait(self.interval)
+            resident_pages = int(statm.read().split()[1])
+        t = time.perf_counter() - self.start_time
+        self.samples.append((t, resident_pages * self._pagesize / 2**20))
+        return t
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.sample()
+            self._done.wait(self.interval)
 
     def stop(self) -> None:
         self._done.set()
@@ -135,7 +141,7 @@ def samples_by_step(samples, step_starts, end):
     out."""
     bounds = [*step_starts, end]
     out, i = [], 0
-    for t, mib in samples:
+    for t, mib in sorted(samples):  # two threads append: sort by time
         if t < bounds[0] or t > bounds[-1]:
             continue
         while t > bounds[i + 1]:
@@ -253,7 +259,7 @@ def run_one(args) -> dict:
                             file=sys.stderr, dynamic_ncols=True, disable=rank != 0)
 
         def on_step_begin(self, targs, state, control, **kwargs):
-            step_starts.append(time.perf_counter() - sampler.start_time)
+            step_starts.append(sampler.sample())
 
         def on_log(self, targs, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -280,7 +286,7 @@ def run_one(args) -> dict:
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    end = time.perf_counter() - sampler.start_time
+    end = sampler.sample()
     sampler.stop()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if client is not None:
