@@ -4,9 +4,10 @@
   (StepHeader.stripe) on a one-token head at a shape whose bytes dominate, X and dX alone, next
   to the loopback TCP limit of one connection (its server computes on the CPU);
 - remotehead-wire-bench with the machine's device as the server's (a CUDA head on a GPU): X of
-  128 MiB (4 MiB in the CPU dry run), fp32 and bf16, C = 1, 2, 4: the service's bytes per second
-  against the loopback limit of 1 and C connections, each server thread's CPU seconds per call,
-  and every C exact (--check: one stream's bits, the in-process engine's dX).
+  128 MiB (4 MiB in the CPU dry run), fp32 and bf16, C = 1, 2, 4, on gRPC's HTTP/2 settings and
+  on the largest: the service's bytes per second against the loopback limit of 1 and C
+  connections, each server thread's CPU seconds per call, and every C exact (--check: one
+  stream's bits, the in-process engine's dX).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import time
 
 WIRE_SHAPE = {"cuda": "8192:4096:64", "cpu": "1024:256:64"}
 SERVICE_X_BYTES = {"cuda": 128 << 20, "cpu": 4 << 20}
+# gRPC's HTTP/2 settings and the largest frames, window and write buffer (FRAME:WINDOW:WRITE):
+# on 2 cores they made no difference (docs/benchmarks.md); the GPU machine's 16 say whether they do.
+HTTP2_SWEEP = ("default", "16777215:16777216:16777216")
 
 
 def run_json(argv, out, log, env, timeout):
@@ -67,7 +71,7 @@ def service(check, timeout):
     out = check.prefix / "wire-service.json"
     code = run_json([exe, "--json", "--check", f"--device={check.device}",
                      f"--x_bytes={SERVICE_X_BYTES[check.limit_set()]}", "--streams=1,2,4",
-                     "--repeats=3", "--warmup=1"],
+                     "--repeats=3", "--warmup=1", f"--http2_settings={','.join(HTTP2_SWEEP)}"],
                     out, check.logs / "wire-service.log", check.env, timeout)
     if code is None:
         return "cut", "", None
@@ -76,7 +80,7 @@ def service(check, timeout):
     data = json.loads(out.read_text())
     s = {"loopback_tcp_gb_per_s": data["loopback_tcp_gb_per_s"],
          "in_process_seconds": data["in_process_seconds"], "exact": data["exact"],
-         "rows": [{k: r[k] for k in ("dtype", "streams", "seconds", "gb_per_s", "vs_loopback_1",
+         "rows": [{k: r[k] for k in ("http2", "dtype", "streams", "seconds", "gb_per_s", "vs_loopback_1",
                                      "vs_loopback_c", "dx_vs_one_stream", "server_cpu_seconds")}
                   for r in data["rows"]]}
     best = max(s["rows"], key=lambda r: r["gb_per_s"])

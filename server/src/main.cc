@@ -34,6 +34,7 @@
 #include "remotehead/server/metrics_http.h"
 #include "remotehead/server/rpc/credentials.h"
 #include "remotehead/server/rpc/head_service.h"
+#include "remotehead/wire/http2_settings.h"
 #include "rpc/front_address.h"
 #include "rpc/metrics_interceptor.h"
 #include "rpc/serving.h"
@@ -45,6 +46,13 @@ ABSL_FLAG(std::vector<std::string>, head, {},
           "heads to create at start, id:vocab:hidden[:dtype[:seed]]; repeatable (--head a:.. "
           "--head b:..) and each may be a comma list");
 ABSL_FLAG(int32_t, max_message_bytes, 16 << 20, "largest gRPC message accepted or sent");
+ABSL_FLAG(int32_t, http2_max_frame_bytes, 0,
+          "largest HTTP/2 DATA frame the server accepts (16384 to 16777215; 0 = gRPC's 16384)");
+ABSL_FLAG(int32_t, http2_stream_window_bytes, 0,
+          "a stream's initial HTTP/2 flow-control window (0 = gRPC's 64 KiB, grown by its "
+          "bandwidth-delay probe)");
+ABSL_FLAG(int32_t, http2_write_buffer_bytes, 0,
+          "what a stream may queue in gRPC before its write completes (0 = gRPC's)");
 ABSL_FLAG(int32_t, shutdown_grace_seconds, 30, "how long SIGTERM waits for in-flight calls");
 ABSL_FLAG(int32_t, drain_save_seconds, 60,
           "on a head group or mesh: how long the drain at SIGTERM may take to save every head's "
@@ -342,6 +350,12 @@ rh::server::ServiceOptions MakeServiceOptions(
   return options;
 }
 
+rh::wire::Http2Settings Http2FromFlags() {
+  return {.max_frame_bytes = absl::GetFlag(FLAGS_http2_max_frame_bytes),
+          .stream_window_bytes = absl::GetFlag(FLAGS_http2_stream_window_bytes),
+          .write_buffer_bytes = absl::GetFlag(FLAGS_http2_write_buffer_bytes)};
+}
+
 // The gRPC server with the HeadService, health checking, reflection and (optionally) the
 // metrics interceptor; nullptr when it cannot listen.
 // A head group's rank other than the front serves health (and metrics) only: `not_the_front`
@@ -355,6 +369,9 @@ std::unique_ptr<grpc::Server> StartServer(
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), credentials, port);
   builder.SetMaxReceiveMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
   builder.SetMaxSendMessageSize(absl::GetFlag(FLAGS_max_message_bytes));
+  for (const auto& [name, value] : rh::wire::Http2ChannelArgs(Http2FromFlags())) {
+    builder.AddChannelArgument(name, value);
+  }
   if (not_the_front == nullptr) {
     builder.RegisterService(&service.service());
   } else {
@@ -436,6 +453,10 @@ int Run() {
   if (const double t = absl::GetFlag(FLAGS_sync_step_timeout_seconds); !(t > 0 && t <= 86400)) {
     return Refuse(absl::InvalidArgumentError(absl::StrCat(
         "--sync_step_timeout_seconds: expected a number of seconds in (0, 86400]; got ", t)));
+  }
+  if (const absl::Status s = rh::wire::CheckHttp2Settings(Http2FromFlags(), "--http2_");
+      !s.ok()) {
+    return Refuse(s);
   }
   if (const int32_t t = absl::GetFlag(FLAGS_drain_save_seconds); t < 0) {
     return Refuse(absl::InvalidArgumentError(

@@ -4,7 +4,8 @@
 // ([N, --d] rows, N = x_bytes / (d · element size)), for each dtype of --dtypes and each stream
 // count C of --streams (ClientOptions::streams, StepHeader.stripe), through the real server
 // binary this program starts on 127.0.0.1 (one per message size of --chunk_sizes: the sweep of
-// the client's request chunks and the server's response chunks). Reported per (S, dtype, C):
+// the client's request chunks and the server's response chunks — and per HTTP/2 settings of
+// --http2_settings, which both ends take). Reported per (S, HTTP/2, dtype, C):
 //
 //   GB/s        (X bytes + dX bytes) / the call's wall time (median of --repeats)
 //   vs_loop1    that over the loopback TCP limit of one connection (a plain socket pair)
@@ -42,6 +43,7 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/torch_api.h"
+#include "remotehead/wire/http2_settings.h"
 #include "support/child_process.h"
 
 ABSL_FLAG(int64_t, x_bytes, int64_t{128} << 20, "bytes of X per call (dX is as many)");
@@ -54,6 +56,11 @@ ABSL_FLAG(std::vector<std::string>, streams, std::vector<std::string>({"1", "2",
 ABSL_FLAG(std::vector<std::string>, chunk_sizes, std::vector<std::string>({"1048576"}),
           "message sizes S to sweep: the client's request chunks (ClientOptions::chunk_bytes) "
           "and the server's response chunks (--response_chunk_bytes), both S; a server each");
+ABSL_FLAG(
+    std::vector<std::string>, http2_settings, std::vector<std::string>({"default"}),
+    "HTTP/2 settings to sweep, each \"default\" (gRPC's) or FRAME:WINDOW:WRITE_BUFFER in bytes "
+    "(0: gRPC's): the largest DATA frame each end accepts, a stream's initial flow-control "
+    "window, its write buffer (wire/http2_settings.h); both ends take them, a server each");
 ABSL_FLAG(int32_t, repeats, 3, "timed calls per (dtype, C) (the median is reported)");
 ABSL_FLAG(int32_t, warmup, 1, "untimed calls before the timed ones");
 ABSL_FLAG(int64_t, loopback_bytes, 0,
@@ -110,8 +117,23 @@ std::vector<int64_t> ChunkSizes() {
   return out;
 }
 
+std::vector<rh::wire::Http2Settings> Http2Sweep() {
+  std::vector<rh::wire::Http2Settings> out;
+  for (const std::string& s : absl::GetFlag(FLAGS_http2_settings)) {
+    absl::StatusOr<rh::wire::Http2Settings> settings = rh::wire::ParseHttp2Settings(s);
+    if (!settings.ok()) {
+      std::cerr << "remotehead-wire-bench: --http2_settings: " << settings.status().message()
+                << "\n";
+      std::exit(2);
+    }
+    out.push_back(*settings);
+  }
+  return out;
+}
+
 struct Row {
   int64_t chunk_bytes = 0;
+  rh::wire::Http2Settings http2;
   std::string dtype;
   int streams = 1;
   double seconds = 0, gb_per_s = 0, vs_loop1 = 0, vs_loop_c = 0, dx_vs_one = 0, loss = 0;
@@ -121,16 +143,17 @@ struct Row {
 // One (dtype, C): `calls` through a client of C streams; the median wall time and the threads'
 // CPU seconds per timed call.
 Row Measure(const std::string& target, pid_t server_pid, int64_t chunk_bytes,
-            const std::string& dtype, int streams, const rh::client::StepInputs& inputs,
-            torch::Tensor* dx) {
+            const rh::wire::Http2Settings& http2, const std::string& dtype, int streams,
+            const rh::client::StepInputs& inputs, torch::Tensor* dx) {
   auto client = OrDie(rh::client::Client::Create({.target = target,
                                                   .chunk_bytes = chunk_bytes,
                                                   .max_receive_message_bytes = 64 << 20,
+                                                  .http2 = http2,
                                                   .streams = streams}),
                       "Client::Create");
   const std::string head = absl::StrCat("wire_", dtype);
   const rh::client::StepSpec spec{.head_id = head, .accumulate_weight_grad = false};
-  Row row{.chunk_bytes = chunk_bytes, .dtype = dtype, .streams = streams};
+  Row row{.chunk_bytes = chunk_bytes, .http2 = http2, .dtype = dtype, .streams = streams};
   auto call = [&] {
     auto r = OrDie(client->ForwardBackward(spec, inputs), "ForwardBackward");
     row.loss = r.loss;
@@ -227,13 +250,22 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   std::map<std::string, double> in_process;  // dtype → the engine's step in this process, s
   bool exact = true;
+  std::vector<std::pair<int64_t, rh::wire::Http2Settings>> servers;  // one per (S, HTTP/2)
   for (const int64_t chunk_bytes : ChunkSizes()) {
-    std::vector<std::string> args = {absl::GetFlag(FLAGS_server),
-                                     "--listen=127.0.0.1:0",
-                                     absl::StrCat("--device=", absl::GetFlag(FLAGS_device)),
-                                     "--memory_budget_bytes=0",
-                                     "--metrics_address=127.0.0.1:0",
-                                     absl::StrCat("--response_chunk_bytes=", chunk_bytes)};
+    for (const rh::wire::Http2Settings& http2 : Http2Sweep())
+      servers.emplace_back(chunk_bytes, http2);
+  }
+  for (const auto& [chunk_bytes, http2] : servers) {
+    std::vector<std::string> args = {
+        absl::GetFlag(FLAGS_server),
+        "--listen=127.0.0.1:0",
+        absl::StrCat("--device=", absl::GetFlag(FLAGS_device)),
+        "--memory_budget_bytes=0",
+        "--metrics_address=127.0.0.1:0",
+        absl::StrCat("--response_chunk_bytes=", chunk_bytes),
+        absl::StrCat("--http2_max_frame_bytes=", http2.max_frame_bytes),
+        absl::StrCat("--http2_stream_window_bytes=", http2.stream_window_bytes),
+        absl::StrCat("--http2_write_buffer_bytes=", http2.write_buffer_bytes)};
     for (const auto& a : absl::GetFlag(FLAGS_server_args)) args.push_back(a);
     rh::testing::ServerProcess server(args);
     if (server.port() == 0) {
@@ -245,10 +277,10 @@ int main(int argc, char** argv) {
       const int64_t n = std::max<int64_t>(
           1, absl::GetFlag(FLAGS_x_bytes) / (d * static_cast<int64_t>(c10::elementSize(dtype))));
       const torch::Device device(absl::GetFlag(FLAGS_device));
-      auto head = OrDie(rh::core::Head::Initialize(
-                            {.vocab_size = v, .hidden_size = d, .dtype = dtype, .seed = 1},
-                            {.device = device}),
-                        "head");
+      auto head = OrDie(
+          rh::core::Head::Initialize({.vocab_size = v, .hidden_size = d, .dtype = dtype, .seed = 1},
+                                     {.device = device}),
+          "head");
       auto admin = OrDie(rh::client::Client::Create({.target = server.target()}), "Client::Create");
       OrDie(admin->CreateHead(
                 absl::StrCat("wire_", name),
@@ -266,7 +298,7 @@ int main(int argc, char** argv) {
       double first_loss = 0;
       for (const int c : counts) {
         torch::Tensor dx;
-        Row row = Measure(server.target(), server.pid(), chunk_bytes, name, c, inputs, &dx);
+        Row row = Measure(server.target(), server.pid(), chunk_bytes, http2, name, c, inputs, &dx);
         row.vs_loop1 = row.gb_per_s / loop[1];
         row.vs_loop_c = row.gb_per_s / loop[c];
         if (!first.defined()) {
@@ -290,6 +322,7 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_json)) {
     for (const Row& r : rows) {
       report["rows"].push_back({{"chunk_bytes", r.chunk_bytes},
+                                {"http2", rh::wire::Http2SettingsName(r.http2)},
                                 {"dtype", r.dtype},
                                 {"streams", r.streams},
                                 {"seconds", r.seconds},
@@ -308,13 +341,16 @@ int main(int argc, char** argv) {
         "# X %.0f MiB per call (dX as many), D %d, V %d; %d cores\n# loopback TCP limit:",
         absl::GetFlag(FLAGS_x_bytes) / 1048576.0, d, v, std::thread::hardware_concurrency());
     for (const auto& [c, gb] : loop) std::cout << absl::StrFormat(" %d conn %.2f GB/s;", c, gb);
-    std::cout << "\n# in_proc_s: the same step in this process (the engine alone, its compute "
-                 "floor)\nchunk_KiB dtype      C   call_s    GB/s  vs_loop1  vs_loopC  dX_vs_C1  "
-                 "in_proc_s\n";
+    std::cout
+        << "\n# in_proc_s: the same step in this process (the engine alone, its compute "
+           "floor)\n# http2: FRAME:WINDOW:WRITE_BUFFER bytes both ends take (default: gRPC's own)\n"
+           "chunk_KiB http2                    dtype      C   call_s    GB/s  vs_loop1  "
+           "vs_loopC  dX_vs_C1  in_proc_s\n";
     for (const Row& r : rows) {
-      std::cout << absl::StrFormat("%9d %-9s %2d %8.3f %7.2f %9.2f %9.2f %9.1e %10.3f\n",
-                                   r.chunk_bytes / 1024, r.dtype, r.streams, r.seconds, r.gb_per_s,
-                                   r.vs_loop1, r.vs_loop_c, r.dx_vs_one, in_process[r.dtype])
+      std::cout << absl::StrFormat("%9d %-24s %-9s %2d %8.3f %7.2f %9.2f %9.2f %9.1e %10.3f\n",
+                                   r.chunk_bytes / 1024, rh::wire::Http2SettingsName(r.http2),
+                                   r.dtype, r.streams, r.seconds, r.gb_per_s, r.vs_loop1,
+                                   r.vs_loop_c, r.dx_vs_one, in_process[r.dtype])
                 << "                       server CPU-s per call " << CpuLine(r.server_cpu) << "\n"
                 << "                       client CPU-s per call " << CpuLine(r.client_cpu) << "\n";
     }

@@ -39,6 +39,7 @@ absl::Status CheckOptions(const ClientOptions& o) {
         "tls.client_cert_pem, tls.client_key_pem: expected both (mutual TLS) or neither; got "
         "only one");
   }
+  RETURN_IF_ERROR(wire::CheckHttp2Settings(o.http2, "http2."));
   if (o.streams < 1 || o.streams > 64) {
     return absl::InvalidArgumentError(absl::StrCat("streams: expected 1 to 64; got ", o.streams));
   }
@@ -200,6 +201,7 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Create(ClientOptions options) {
     credentials = grpc::InsecureChannelCredentials();
   }
   args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  for (const auto& [name, value] : wire::Http2ChannelArgs(options.http2)) args.SetInt(name, value);
   // While the server is unreachable, calls fail at once with UNAVAILABLE until the channel's
   // next reconnection attempt; gRPC's default first reconnection comes after 1 s. Pacing the
   // channel like our retries lets a retry find a server that came back in between.

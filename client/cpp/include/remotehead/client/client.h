@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "remotehead/core/torch_api.h"
+#include "remotehead/wire/http2_settings.h"
 
 namespace remotehead::client {
 
@@ -84,6 +85,8 @@ struct ClientOptions {
   int64_t chunk_bytes = int64_t{1} << 20;
   // Largest response message accepted (the server's streamed chunks are 1 MiB by default).
   int max_receive_message_bytes = 16 << 20;
+  // The connections' HTTP/2 frame size and windows (wire/http2_settings.h); 0s: gRPC's own.
+  wire::Http2Settings http2;
   // Parallel streams each step call is striped over (StepHeader.stripe), 1 to 64: row message
   // i goes on stream i mod `streams`, and results come back on all of them, so one step is not
   // bound to what one HTTP/2 stream moves. Streams after the first each have a connection of
