@@ -96,9 +96,10 @@ absl::StatusOr<FusedResult> FusedForwardBackwardImpl(const Head& head, const Tok
   const ChunkOutputs outputs =
       RunChunks(head, batch, plan, TrainingPass(plan, &upstream, grads, grad_hidden));
   FusedResult result;
-  {
+  result.loss_value = outputs.loss_sum / plan.denominator;
+  if (!options.loss_on_device) {
     const PhaseScope sync(plan.phases, StepPhase::kHostSync);
-    result.loss = outputs.loss_sum.item<double>() / plan.denominator;
+    result.loss = result.loss_value.item<double>();
   }
   result.grad_hidden = std::move(grad_hidden);
   result.stats = MakeStats(plan, outputs);

@@ -35,9 +35,10 @@ CoupledLoss Evaluate(const Head& head, const TokenBatch& batch, const Plan& plan
   loss.num_chunks = first.num_chunks;
   loss.values = first.per_token.detach().requires_grad_(gradients);
   const auto dtype = loss.values.scalar_type();
-  loss.valid = batch.targets.defined()
-                   ? batch.targets.to(torch::kLong) != plan.ignore_index
-                   : torch::ones({plan.rows}, torch::TensorOptions(torch::kBool).device(head.device()));
+  loss.valid =
+      batch.targets.defined()
+          ? batch.targets.to(torch::kLong) != plan.ignore_index
+          : torch::ones({plan.rows}, torch::TensorOptions(torch::kBool).device(head.device()));
   loss.token_weights = loss.valid.to(dtype);
   if (plan.reduction == Reduction::kWeightedSum) loss.token_weights.mul_(batch.weights.to(dtype));
 
@@ -91,7 +92,8 @@ double WeightedSum(const CoupledLoss& loss) {
 StepStats Stats(const Plan& plan, const CoupledLoss& loss) {
   ChunkOutputs outputs;
   outputs.num_chunks = loss.num_chunks;
-  for (const auto& [name, extra] : loss.extras) outputs.extras[name] = extra.to(torch::kDouble).sum();
+  for (const auto& [name, extra] : loss.extras)
+    outputs.extras[name] = extra.to(torch::kDouble).sum();
   return MakeStats(plan, outputs);
 }
 
@@ -110,7 +112,9 @@ FusedResult FusedCoupled(const Head& head, const TokenBatch& batch, const Plan& 
       GradientOfValues(loss, loss.token_weights * (upstream_scale / plan.denominator));
   const HeadHealth health = Backpropagate(head, batch, plan, dv, grads, grad_hidden);
   FusedResult result;
-  result.loss = WeightedSum(loss) / plan.denominator;
+  result.loss = WeightedSum(loss) / plan.denominator;  // read on the host: the rows are coupled
+  result.loss_value =
+      torch::full({}, result.loss, torch::TensorOptions(torch::kDouble).device(head.device()));
   result.grad_hidden = std::move(grad_hidden);
   result.stats = Stats(plan, loss);
   result.stats.health = health;

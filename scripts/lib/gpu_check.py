@@ -68,6 +68,8 @@ SUITES = [
     ("fp32 logits", "fp32_logits_test", "*_cuda", "*_cpu", 1, (1, 1)),
     ("NCCL group of one", "process_group_test", "CudaProcessGroup.*", "CudaProcessGroup.*", 1,
      (1, 1)),
+    # A server's rows in and dX out on the device's copy streams (core/device_transfer.h).
+    ("device transfer", "device_transfer_test", "*OnCuda*", "*OnCpu*", 1, (1, 1)),
     # Where the binary's C++ runtime comes from (a LibTorch that exports std:: symbols).
     ("torch linkage", "torch_linkage_test", "*", "*", 1, (1, 1)),
     # The fused block's CUDA kernels: the engine with --fused_blocks against the reference, and

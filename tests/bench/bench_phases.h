@@ -1,7 +1,7 @@
 // Where an engine step's time goes (core/step_phases.h), for remotehead-bench: CUDA events on
 // the current stream on a GPU (the work is queued, so the host's clock would time the queueing),
 // the wall clock on a CPU. What no phase covers — host gaps between launches, the per-token
-// bookkeeping, copies — is the step's time minus their sum.
+// bookkeeping, copies — is the same step's time minus their sum.
 #pragma once
 
 #include <c10/core/Event.h>
@@ -23,20 +23,21 @@ class PhaseClock final : public core::StepPhaseRecorder {
 
   void Begin(core::StepPhase) override { open_ = Now(); }
   void End(core::StepPhase phase) override { spans_.push_back({phase, std::move(open_), Now()}); }
+  // Around the whole step whose phases are marked: what no phase covers is this step's own time
+  // minus theirs (never another step's, whose time varies from this one's).
+  void StepBegins() { step_begin_ = Now(); }
+  void StepEnds() { step_end_ = Now(); }
 
   // The seconds of each phase marked since the last call; the device must have finished them
   // (the caller synchronises first).
   std::array<double, core::kStepPhases> TakeSeconds() {
     std::array<double, core::kStepPhases> seconds{};
-    for (const Span& s : spans_) {
-      const double t = s.begin.event.has_value()
-                           ? s.begin.event->elapsedTime(*s.end.event) / 1000.0
-                           : std::chrono::duration<double>(s.end.at - s.begin.at).count();
-      seconds[static_cast<size_t>(s.phase)] += t;
-    }
+    for (const Span& s : spans_) seconds[static_cast<size_t>(s.phase)] += Seconds(s.begin, s.end);
     spans_.clear();
     return seconds;
   }
+  // The step's seconds, StepBegins to StepEnds (after the device has finished them).
+  double StepSeconds() const { return Seconds(step_begin_, step_end_); }
 
  private:
   struct Mark {
@@ -47,6 +48,11 @@ class PhaseClock final : public core::StepPhaseRecorder {
     core::StepPhase phase;
     Mark begin, end;
   };
+
+  static double Seconds(const Mark& begin, const Mark& end) {
+    return begin.event.has_value() ? begin.event->elapsedTime(*end.event) / 1000.0
+                                   : std::chrono::duration<double>(end.at - begin.at).count();
+  }
 
   Mark Now() const {
     Mark m;
@@ -60,7 +66,7 @@ class PhaseClock final : public core::StepPhaseRecorder {
   }
 
   torch::Device device_;
-  Mark open_;
+  Mark open_, step_begin_, step_end_;
   std::vector<Span> spans_;
 };
 

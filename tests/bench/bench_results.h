@@ -28,8 +28,10 @@ struct NResult {
   rh::StepStats stats;  // from the fused step: chunk_rows, num_chunks, valid_tokens
   Variant naive, fused, two_phase, gemm;
   Variant torch_lce;  // PyTorch's linear_cross_entropy, measured by plot_bench.py
-  // Where one warm fused step's time goes (bench_phases.h), measured apart from the timed steps.
+  // Where one warm fused step's time goes (bench_phases.h), measured apart from the timed steps,
+  // and that step's own time.
   std::array<double, rh::kStepPhases> fused_phases{};
+  double fused_phases_step = 0;
 };
 
 inline std::optional<double> Ratio(const Variant& num, const Variant& den) {
@@ -69,16 +71,23 @@ inline nlohmann::json BaselineJson(const Variant& v, const NResult& r) {
   return j;
 }
 
-// The fused step's phases in seconds, and "other": the step's time that no phase covers.
+// What no phase of the marked step covers: its time minus its phases' (≥ 0).
+inline double UnmarkedSeconds(const NResult& r) {
+  double marked = 0;
+  for (const double seconds : r.fused_phases) marked += seconds;
+  return r.fused_phases_step - marked;
+}
+
+// The fused step's phases in seconds, "other": the step's time that no phase covers, and
+// "step": that step's time.
 inline nlohmann::json PhasesJson(const NResult& r) {
   nlohmann::json j;
-  double marked = 0;
   for (int i = 0; i < rh::kStepPhases; ++i) {
     j[std::string(rh::kStepPhaseNames[static_cast<size_t>(i)])] =
         r.fused_phases[static_cast<size_t>(i)];
-    marked += r.fused_phases[static_cast<size_t>(i)];
   }
-  j["other"] = r.fused.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.fused.seconds - marked);
+  j["other"] = r.fused.skipped ? nlohmann::json(nullptr) : nlohmann::json(UnmarkedSeconds(r));
+  j["step"] = r.fused.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.fused_phases_step);
   return j;
 }
 

@@ -1,8 +1,8 @@
 """Smoke test of remotehead-bench: runs it with --json at a tiny shape and checks the report's
 structure and what must hold whatever the machine's speed — engine results equal to naive,
 transient memory of the chunked variants far below naive's and flat in N, PyTorch's
-linear_cross_entropy measured next to them. No timing asserts:
-timing targets are read off a benchmark run, not a unit test."""
+linear_cross_entropy measured next to them, the phases of a step within that step. No timing
+asserts: timing targets are read off a benchmark run, not a unit test."""
 import json
 import subprocess
 import sys
@@ -24,6 +24,12 @@ for result in report["results"]:
     assert not lce["skipped"] and lce["step_seconds"] > 0, (n, lce)
     assert 0 < lce["peak_bytes"] < naive["peak_bytes"], (n, lce, naive)
     assert lce["ratio_to_naive"] > 0 and result["fused_over_torch_lce"] > 0, result
+    # Where the marked fused step's time went: every phase within that step, what no phase
+    # covers its time minus theirs (never negative).
+    phases = result["fused_phases"]
+    assert phases["step"] > 0 and phases["other"] >= 0, phases
+    marked = sum(v for k, v in phases.items() if k not in ("step", "other"))
+    assert abs(marked + phases["other"] - phases["step"]) <= 1e-9 * max(1.0, phases["step"]), phases
     for name in ("fused", "two_phase"):
         v = variants[name]
         assert v["step_seconds"] > 0, (n, name, v)

@@ -2,14 +2,16 @@
 // phase of a call, in order and never nested — the input checks and the results' reads on the
 // host (host_sync) around the chunks' logits GEMM, function blocks, dX and dW GEMMs — which is
 // what remotehead-bench sums per phase; without a recorder nothing is marked.
+#include "remotehead/core/step_phases.h"
+
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "core/reference.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/core/step_phases.h"
 
 // Its own namespace: the file is compiled in one unit with the target's other files
 // (cmake/RemoteheadUnity.cmake).
@@ -31,8 +33,8 @@ class Trace : public core::StepPhaseRecorder {
 
 TEST(StepPhases, EveryPhaseOfAFusedStepIsMarkedInOrderAndNeverNested) {
   auto head = reference::MakeTestHead(53, 16, torch::kFloat, /*bias=*/true);
-  const core::TokenBatch batch = reference::MakeTestBatch(*head, 20, "cross_entropy",
-                                                          core::Reduction::kMean);
+  const core::TokenBatch batch =
+      reference::MakeTestBatch(*head, 20, "cross_entropy", core::Reduction::kMean);
   Trace trace;
   core::StepOptions options{.chunk_rows = 8};
   options.phases = &trace;
@@ -50,17 +52,45 @@ TEST(StepPhases, EveryPhaseOfAFusedStepIsMarkedInOrderAndNeverNested) {
   EXPECT_EQ(trace.events, expected);
 }
 
+// StepOptions::loss_on_device (a server summing a request's batches): the loss is not read back —
+// one host_sync fewer — and FusedResult::loss_value is the default call's loss, bit for bit.
+TEST(StepPhases, WithTheLossOnTheDeviceTheLossIsNotReadBack) {
+  auto head = reference::MakeTestHead(53, 16, torch::kFloat, /*bias=*/true);
+  const core::TokenBatch batch =
+      reference::MakeTestBatch(*head, 20, "cross_entropy", core::Reduction::kMean);
+  auto syncs = [](const Trace& trace) {
+    return std::count(trace.events.begin(), trace.events.end(), "+host_sync");
+  };
+  Trace read_back, kept;
+  core::StepOptions options{.chunk_rows = 8};
+  options.phases = &read_back;
+  auto loss_read = core::FusedForwardBackward(*head, batch, options, nullptr);
+  options.phases = &kept;
+  options.loss_on_device = true;
+  auto loss_kept = core::FusedForwardBackward(*head, batch, options, nullptr);
+  ASSERT_TRUE(loss_read.ok() && loss_kept.ok());
+  EXPECT_EQ(syncs(kept), syncs(read_back) - 1);
+  EXPECT_EQ(loss_kept->loss, 0.0);
+  EXPECT_NE(loss_read->loss, 0.0);
+  ASSERT_EQ(loss_kept->loss_value.dim(), 0);
+  EXPECT_EQ(loss_kept->loss_value.scalar_type(), torch::kDouble);
+  EXPECT_EQ(loss_kept->loss_value.device(), head->device());
+  EXPECT_EQ(loss_kept->loss_value.item<double>(), loss_read->loss);
+  EXPECT_EQ(loss_read->loss_value.item<double>(), loss_read->loss);
+  EXPECT_TRUE(torch::equal(loss_kept->grad_hidden, loss_read->grad_hidden));
+}
+
 TEST(StepPhases, AForwardMarksNoBackwardPhase) {
   auto head = reference::MakeTestHead(53, 16, torch::kFloat, /*bias=*/false);
-  const core::TokenBatch batch = reference::MakeTestBatch(*head, 20, "cross_entropy",
-                                                          core::Reduction::kNone);
+  const core::TokenBatch batch =
+      reference::MakeTestBatch(*head, 20, "cross_entropy", core::Reduction::kNone);
   Trace trace;
   core::StepOptions options{.reduction = core::Reduction::kNone, .chunk_rows = 20};
   options.phases = &trace;
   ASSERT_TRUE(core::Forward(*head, batch, options).ok());
-  const std::vector<std::string> expected = {"+host_sync", "-host_sync", "+logits_gemm",
-                                             "-logits_gemm", "+function", "-function",
-                                             "+host_sync", "-host_sync"};
+  const std::vector<std::string> expected = {"+host_sync",   "-host_sync", "+logits_gemm",
+                                             "-logits_gemm", "+function",  "-function",
+                                             "+host_sync",   "-host_sync"};
   EXPECT_EQ(trace.events, expected);
 }
 

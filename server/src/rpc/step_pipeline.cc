@@ -93,9 +93,26 @@ void StepPipeline::OnDone(int index) {
 
 void StepPipeline::StartWriteLocked(int index) {
   Lane& lane = lanes_[index];
-  if (lane.port == nullptr || lane.writing || lane.finished || lane.outbox.empty()) return;
+  if (lane.port == nullptr || lane.writing || lane.landing || lane.finished ||
+      lane.outbox.empty()) {
+    return;
+  }
+  const StepResponseOut& next = lane.outbox.front();
+  if (!next.landing.landed()) {
+    // A CUDA head's rows still on their way to the host: written once they are, from the thread
+    // that waits for the copies — neither this thread nor the compute thread waits.
+    lane.landing = true;
+    next.landing.WhenLanded([weak = weak_from_this(), index] {
+      if (std::shared_ptr<StepPipeline> self = weak.lock()) {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        self->lanes_[index].landing = false;
+        self->StartWriteLocked(index);
+      }
+    });
+    return;
+  }
   lane.writing = true;
-  lane.port->Write(&lane.outbox.front());
+  lane.port->Write(&next);
 }
 
 bool StepPipeline::HasWorkLocked() const {

@@ -21,6 +21,7 @@ struct StepPipeline::Lane {
   int64_t last_row_offset = -1;         // striped: each stream's rows come in increasing order
   bool reading = false;
   bool writing = false;
+  bool landing = false;  // the outbox's front waits for its rows' copy from the device
   bool client_done = false;
   bool finished = false;
   std::optional<int64_t> announced;  // StripeSpec.messages

@@ -90,13 +90,15 @@ absl::StatusOr<std::vector<StepRowsIn>> RowsOf(InboundRequest request) {
 // The rows of `t` (if defined) as chunk responses of at most `chunk_bytes`, numbered from
 // `first_row`, each made by `chunk` (which sets its offset and names) around its values: the
 // values' dtype and shape in the message, their bytes left where they lie in `t` (on the host:
-// a device's result comes over once, whole, not chunk by chunk).
+// a device's result comes over once, whole, not chunk by chunk, on the device's outbound copy
+// stream — core/device_transfer.h — which the compute thread does not wait for).
 template <typename Chunk>
 absl::Status AppendRowChunks(const torch::Tensor& t, int64_t first_row, int64_t chunk_bytes,
                              Chunk&& chunk, std::vector<StepResponseOut>* responses) {
   if (!t.defined()) return absl::OkStatus();
   RETURN_IF_ERROR(wire::ToWireDtype(t.scalar_type(), "result").status());
-  const torch::Tensor host = wire::ToWireLayout(t);
+  const core::HostCopy copy = core::HostCopy::Start(t);
+  const torch::Tensor& host = copy.host();
   const int64_t bytes_per_row = host.numel() == 0 ? 1 : host.nbytes() / host.size(0);
   for (const auto& [offset, count] :
        wire::PlanRowChunks(host.size(0), bytes_per_row, chunk_bytes)) {
@@ -104,6 +106,7 @@ absl::Status AppendRowChunks(const torch::Tensor& t, int64_t first_row, int64_t 
     v1::Tensor* values = chunk(&out.message, first_row + offset);
     out.bytes = wire::EncodeRowsHead(host, offset, count, values);
     out.rows = host;
+    out.landing = copy;
     responses->push_back(std::move(out));
   }
   return absl::OkStatus();

@@ -14,7 +14,7 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
     case core::CallMode::kFused: {
       ASSIGN_OR_RETURN(core::FusedResult r,
                        core::FusedForwardBackward(head, batch, options, grads));
-      out.loss = r.loss;
+      out.loss = std::move(r.loss_value);
       out.grad_hidden = std::move(r.grad_hidden);
       out.token_extras = std::move(r.token_extras);
       out.stats = std::move(r.stats);
@@ -26,7 +26,7 @@ absl::StatusOr<EngineOutputs> RunEngine(core::CallMode mode, const core::Head& h
         out.outputs = std::move(r.output);
         out.token_ids = std::move(r.token_ids);
       } else {
-        out.loss = r.output.item<double>();
+        out.loss = r.output.to(torch::kDouble);
       }
       out.token_extras = std::move(r.token_extras);
       out.stats = std::move(r.stats);

@@ -11,10 +11,12 @@ namespace remotehead::server {
 
 // What one engine call produced.
 struct EngineOutputs {
-  double loss = 0;            // fused, or a forward with a scalar reduction
-  torch::Tensor grad_hidden;  // fused / backward (a group: on the front only)
-  torch::Tensor outputs;      // forward with reduction NONE
-  torch::Tensor token_ids;    // forward with function "sample"
+  // Fused, or a forward with a scalar reduction: the loss, 0-d float64 on the head's device
+  // (StepOptions::loss_on_device: read once per request, not once per batch).
+  torch::Tensor loss;
+  torch::Tensor grad_hidden;       // fused / backward (a group: on the front only)
+  torch::Tensor outputs;           // forward with reduction NONE
+  torch::Tensor token_ids;         // forward with function "sample"
   core::TokenExtras token_extras;  // StepOptions::token_extras, any mode
   core::StepStats stats;
 };

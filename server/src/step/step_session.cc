@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "head_expectations.h"
+#include "remotehead/core/device_transfer.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
 #include "step/step_teacher.h"
@@ -29,6 +30,10 @@ absl::Status StepSession::Begin(StepCall call, std::unique_ptr<StepFanout> fanou
   // This process's own options: when to stop (set before or after Begin), fused blocks, shard.
   call.options.should_stop = std::move(options_.should_stop);
   call.options.fused_blocks = options_.fused_blocks;
+  // The loss of each batch stays on the device until the summary reads their sum once: no batch
+  // waits for the device to finish its work (on a GPU, the next batch's rows are copied in and
+  // the last batch's dX copied out meanwhile).
+  call.options.loss_on_device = true;
   call_ = std::move(call);
   fanout_ = std::move(fanout);
   if (fanout_ != nullptr) options_.shard = fanout_->Shard(entry_->shards());
@@ -212,7 +217,12 @@ absl::StatusOr<core::TokenBatch> StepSession::InputsOf(const StepRowsIn& rows,
         "rows.hidden: expected the rows' hidden states [n, D] in every rows message; got none");
   }
   RETURN_IF_ERROR(CheckTeacherRows(rows.batch));
-  core::TokenBatch batch = rows.batch.To(device_);
+  // Hidden from its staging buffer (page-locked for a CUDA head): copied in on the device's
+  // inbound stream, while the batch before computes (core/device_transfer.h).
+  core::TokenBatch batch = rows.batch;
+  torch::Tensor hidden = std::move(batch.hidden);
+  batch = batch.To(device_);
+  batch.hidden = core::ToDevice(hidden, device_);
   // The teacher's hidden states on the teacher's device (a server's heads share one).
   if (batch.teacher_hidden.defined() && teacher_.entry != nullptr && teacher_.device != device_) {
     batch.teacher_hidden = batch.teacher_hidden.to(teacher_.device);
@@ -331,7 +341,7 @@ absl::Status StepSession::ComputeHere(const core::Head& head, const core::Head* 
                                               call_.gradient ? &scratch_ : nullptr));
   if (mode_ == core::CallMode::kFused ||
       (mode_ == core::CallMode::kForward && options_.reduction != core::Reduction::kNone)) {
-    outcome_.loss += r.loss;
+    loss_sum_ = loss_sum_.defined() ? loss_sum_ + r.loss : r.loss;
   }
   AddStats(r.stats);
   *results = std::move(r);
@@ -351,6 +361,7 @@ void StepSession::AddStats(const core::StepStats& stats) {
 absl::StatusOr<StepOutcome> StepSession::Finish(const StepResultSink& sink) {
   RETURN_IF_ERROR(ComputeRemaining(sink));
   RETURN_IF_ERROR(CheckComplete());
+  if (loss_sum_.defined()) outcome_.loss = loss_sum_.item<double>();  // the one read
   ASSIGN_OR_RETURN(const CommitResult commit, Commit());
   if (teacher_.entry != nullptr) teacher_.entry->AddStudent(call_.head_id);
   if (inputs_ != nullptr) retained_->Release(call_.inputs_handle);

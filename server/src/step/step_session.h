@@ -146,7 +146,8 @@ class StepSession {
   int64_t received_rows_ = 0;  // rows taken from the client (or the retained inputs)
   bool coupled_batch_done_ = false;  // a row-coupled call's one batch was computed
   int64_t next_row_ = 0;             // request rows whose results have been produced
-  StepOutcome outcome_;              // the summary's sums so far (loss, tokens, chunks, extras)
+  StepOutcome outcome_;              // the summary's sums so far (tokens, chunks, extras)
+  torch::Tensor loss_sum_;           // the batches' losses so far, on the device (read at Finish)
   HealthWindow health_;              // the head's health over the calls that accumulated dW
   int64_t logits_chunk_bytes_ = 0;
 };

@@ -81,7 +81,9 @@ struct StepStats {
 using TokenExtras = std::map<std::string, torch::Tensor>;
 
 struct FusedResult {
-  double loss = 0.0;          // the reduced loss (not multiplied by upstream_scale)
+  double loss = 0.0;          // the reduced loss (not multiplied by upstream_scale); 0 when
+                              // StepOptions::loss_on_device
+  torch::Tensor loss_value;   // the same, 0-d float64 on the head's device (always set)
   torch::Tensor grad_hidden;  // dX [N, D] in the head's dtype (a group: undefined off rank 0)
   StepStats stats;
   TokenExtras token_extras;

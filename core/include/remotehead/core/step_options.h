@@ -70,7 +70,7 @@ struct StepOptions {
   int64_t memory_budget_bytes = 0;
   // The rules the call's chunks, blocks and gradient buffers are planned by (PlanRules).
   PlanRules plan_rules = PlanRules::kDevice;
-  double upstream_scale = 1.0;      // fused mode: dL/d(loss), e.g. a loss scale
+  double upstream_scale = 1.0;  // fused mode: dL/d(loss), e.g. a loss scale
   // Per-token diagnostics to return row by row (the result's token_extras), in every mode:
   // names of the function's extras (TransformFunction::extras) that this call reports. Their
   // sums are in StepStats::extras whether asked or not.
@@ -88,6 +88,10 @@ struct StepOptions {
   // logits' dtype. Other functions, head groups and row-coupled calls keep the autograd path.
   // On a CPU head the kernel's CPU twin runs (core/src/fused/).
   bool fused_blocks = false;
+  // The fused loss only as FusedResult::loss_value, on the head's device: FusedResult::loss
+  // (a host number) is left 0, so the call does not wait for the device to finish. For a caller
+  // that sums many calls and reads the total once (a server computing a request batch by batch).
+  bool loss_on_device = false;
   // Told where each chunk's phases begin and end (step_phases.h); null: nothing is marked.
   StepPhaseRecorder* phases = nullptr;
   // Asked before every chunk; returning true abandons the call with CANCELLED (a server's
