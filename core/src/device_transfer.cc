@@ -90,27 +90,37 @@ class CopyWaiter {
 
 }  // namespace
 
-torch::Tensor ToDevice(const torch::Tensor& t, const torch::Device& device) {
+TokenBatch ToDevice(const TokenBatch& batch, const torch::Device& device) {
 #ifdef REMOTEHEAD_TORCH_HAS_CUDA
-  if (device.is_cuda() && t.defined() && t.device().is_cpu() && t.is_pinned()) {
+  if (device.is_cuda()) {
     const c10::DeviceIndex index = CudaIndexOf(device);
+    const torch::Device cuda(torch::kCUDA, index);
     const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(index);
     const c10::cuda::CUDAStream in = CopyStream(index, Direction::kIn);
-    torch::Tensor out;
+    TokenBatch out;
     {
       const c10::cuda::CUDAStreamGuard guard(in);
-      out = t.to(torch::Device(torch::kCUDA, index), /*non_blocking=*/true);
+      out = batch.Map([&](const torch::Tensor& t) {
+        return t.to(cuda, /*non_blocking=*/t.device().is_cpu() && t.is_pinned());
+      });
     }
     at::cuda::CUDAEvent arrived;
     arrived.record(in);
     arrived.block(compute);
-    // Allocated on the inbound stream, used and freed on the compute stream: its memory is not
+    // Made on the inbound stream, used and freed on the compute stream: their memory is not
     // handed out again before the compute stream is past its last use.
-    out.record_stream(compute);
+    out.Map([&](const torch::Tensor& t) {
+      t.record_stream(compute);
+      return t;
+    });
     return out;
   }
 #endif
-  return t.defined() ? t.to(device) : t;
+  return batch.To(device);
+}
+
+torch::Tensor ToDevice(const torch::Tensor& t, const torch::Device& device) {
+  return ToDevice(TokenBatch{.hidden = t}, device).hidden;
 }
 
 HostCopy HostCopy::Start(const torch::Tensor& t, std::optional<torch::ScalarType> dtype) {

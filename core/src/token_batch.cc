@@ -1,23 +1,6 @@
 #include "remotehead/core/token_batch.h"
 
 namespace remotehead::core {
-namespace {
-
-// Applies `fn` to every defined tensor of `b`, building a batch of the results.
-template <typename Fn>
-TokenBatch Map(const TokenBatch& b, Fn&& fn) {
-  auto apply = [&](const torch::Tensor& t) { return t.defined() ? fn(t) : torch::Tensor(); };
-  TokenBatch out;
-  out.hidden = apply(b.hidden);
-  out.targets = apply(b.targets);
-  out.weights = apply(b.weights);
-  for (const auto& [name, t] : b.aux) out.aux[name] = apply(t);
-  out.teacher_hidden = apply(b.teacher_hidden);
-  return out;
-}
-
-}  // namespace
-
 int64_t TokenBatch::rows() const {
   return hidden.defined() && hidden.dim() >= 1 ? hidden.size(0) : 0;
 }
@@ -32,20 +15,19 @@ int64_t TokenBatch::nbytes() const {
 }
 
 TokenBatch TokenBatch::Slice(int64_t start, int64_t n) const {
-  return Map(*this, [&](const torch::Tensor& t) { return t.narrow(0, start, n); });
+  return Map([&](const torch::Tensor& t) { return t.narrow(0, start, n); });
 }
 
 TokenBatch TokenBatch::Select(const torch::Tensor& index) const {
-  return Map(*this,
-             [&](const torch::Tensor& t) { return t.index_select(0, index.to(t.device())); });
+  return Map([&](const torch::Tensor& t) { return t.index_select(0, index.to(t.device())); });
 }
 
 TokenBatch TokenBatch::To(const torch::Device& device) const {
-  return Map(*this, [&](const torch::Tensor& t) { return t.to(device); });
+  return Map([&](const torch::Tensor& t) { return t.to(device); });
 }
 
 TokenBatch TokenBatch::Clone() const {
-  return Map(*this, [](const torch::Tensor& t) { return t.clone(); });
+  return Map([](const torch::Tensor& t) { return t.clone(); });
 }
 
 bool TokenBatch::SameInputs(const TokenBatch& other) const {

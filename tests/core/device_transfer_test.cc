@@ -1,9 +1,9 @@
 // The host <-> device copies of a server's rows (core/device_transfer.h). On the CPU they cost
-// nothing: the tensor itself comes back, no copy, landed at once, and what waits on a copy runs
-// on the spot. On a CUDA device (skipped without one): rows from page-locked memory arrive on the
-// inbound stream before the compute stream reads them; dX lands in page-locked host memory off
-// the compute stream, and what waits on it runs once (when it has landed) — even when the device
-// tensor is freed and its memory reused right after the copy was started.
+// nothing: the tensors themselves come back, no copy, landed at once, and what waits on a copy
+// runs on the spot. On a CUDA device (skipped without one): a batch's rows (page-locked or not)
+// arrive on the inbound stream before the compute stream reads them; dX lands in page-locked host
+// memory off the compute stream, and what waits on it runs once (when it has landed) — even when
+// the device tensor is freed and its memory reused right after the copy was started.
 #include "remotehead/core/device_transfer.h"
 
 #include <gtest/gtest.h>
@@ -20,11 +20,17 @@
 namespace remotehead {
 namespace {
 
-TEST(DeviceTransferOnCpu, ToDeviceIsTheTensorItself) {
+TEST(DeviceTransferOnCpu, ToDeviceIsTheTensorsThemselves) {
   const torch::Tensor t = torch::randn({5, 3});
-  const torch::Tensor same = core::ToDevice(t, torch::kCPU);
-  EXPECT_TRUE(same.is_same(t));
+  EXPECT_TRUE(core::ToDevice(t, torch::kCPU).is_same(t));
   EXPECT_FALSE(core::ToDevice(torch::Tensor(), torch::kCPU).defined());
+  const core::TokenBatch batch{
+      .hidden = t, .targets = torch::arange(5), .aux = {{"advantages", torch::ones({5})}}};
+  const core::TokenBatch same = core::ToDevice(batch, torch::kCPU);
+  EXPECT_TRUE(same.hidden.is_same(batch.hidden));
+  EXPECT_TRUE(same.targets.is_same(batch.targets));
+  EXPECT_TRUE(same.aux.at("advantages").is_same(batch.aux.at("advantages")));
+  EXPECT_FALSE(same.weights.defined());
 }
 
 TEST(DeviceTransferOnCpu, HostCopyOfAContiguousTensorIsItsMemoryAndHasLanded) {
@@ -55,14 +61,20 @@ class DeviceTransferOnCuda : public ::testing::Test {
   const torch::Device cuda_{"cuda:0"};
 };
 
-TEST_F(DeviceTransferOnCuda, RowsFromPageLockedMemoryArriveBeforeTheComputeStreamReadsThem) {
+// Page-locked hidden rows and pageable targets, as a server's staged batch has them, while the
+// compute stream is busy with the batch before.
+TEST_F(DeviceTransferOnCuda, RowsArriveBeforeTheComputeStreamReadsThem) {
+  torch::Tensor busy = torch::randn({4096, 4096}, torch::TensorOptions(cuda_));
   for (int round = 0; round < 20; ++round) {
-    const torch::Tensor host =
-        torch::arange(1 << 20, torch::kFloat).add(round).pin_memory();  // 4 MiB
-    const torch::Tensor on_device = core::ToDevice(host, cuda_);
-    ASSERT_TRUE(on_device.is_cuda());
+    busy = busy.matmul(busy).tanh_();  // the batch before, still running
+    const core::TokenBatch host{
+        .hidden = torch::arange(1 << 20, torch::kFloat).add(round).view({1024, 1024}).pin_memory(),
+        .targets = torch::arange(1024).add(round)};
+    const core::TokenBatch on_device = core::ToDevice(host, cuda_);
+    ASSERT_TRUE(on_device.hidden.is_cuda() && on_device.targets.is_cuda());
     // Read on the compute stream right away, with no host synchronisation in between.
-    EXPECT_EQ(on_device.sum().item<double>(), host.to(torch::kDouble).sum().item<double>());
+    EXPECT_TRUE(torch::equal(on_device.hidden.cpu(), host.hidden));
+    EXPECT_TRUE(torch::equal(on_device.targets.cpu(), host.targets));
   }
 }
 

@@ -8,8 +8,10 @@ include/remotehead/server/ the same way. The rules, checked on every source and 
 
 - no include runs back up these layers (a layer includes its own and the ones below);
 - only rpc/ and main.cc include gRPC (<grpcpp/...> or a generated *.grpc.pb.h);
-- protobuf's remotehead.v1 types (``v1::``, "remotehead/v1/...", and the wire codec
-  "remotehead/wire/...", which speaks them) appear only in rpc/, translate/ and replication/;
+- protobuf's remotehead.v1 types (``v1::``, "remotehead/v1/...", and the headers of
+  "remotehead/wire/..." that speak them, the codec's) appear only in rpc/, translate/ and
+  replication/ (a wire header that names no v1 type, the connections' HTTP/2 settings, is plain
+  C++);
 - group/ includes nothing of the server outside itself;
 - no source file is over 600 lines with its header (server/, core/, client/cpp/), nor any
   Python source, test or script (the generated stubs aside).
@@ -25,6 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "server"
+PROTO = ROOT / "proto"
 LAYERS = ["group", "root", "step", "translate", "replication", "rpc", "main"]  # bottom to top
 RANK = {layer: i for i, layer in enumerate(LAYERS)}
 GRPC_LAYERS = {"rpc", "main"}
@@ -39,6 +42,22 @@ def strip_comments(text):
     """The code of a C++ file without its comments (a comment may name any layer)."""
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     return re.sub(r"//[^\n]*", "", text)
+
+
+def speaks_v1(quoted):
+    """Whether an include of the protocol's libraries brings protobuf's v1 types: every
+    remotehead/v1/ header, and a remotehead/wire/ header that names v1:: or includes one that
+    does (one not found counts as speaking them)."""
+    if quoted.startswith("remotehead/v1/"):
+        return True
+    if not quoted.startswith("remotehead/wire/"):
+        return False
+    path = PROTO / quoted
+    if not path.exists():
+        return True
+    text = strip_comments(path.read_text())
+    return bool(V1_USE.search(text)) or any(
+        kind == '"' and speaks_v1(target) for kind, target in INCLUDE.findall(text))
 
 
 def layer_of(server, path):
@@ -88,8 +107,7 @@ def violations(server):
             grpc = target.startswith("grpcpp/") or target.endswith(".grpc.pb.h")
             if grpc and layer not in GRPC_LAYERS:
                 found.append(f"{rel}: includes gRPC ({target}) outside rpc/")
-            protobuf = target.startswith(("remotehead/v1/", "remotehead/wire/"))
-            if kind == '"' and protobuf and layer not in V1_LAYERS:
+            if kind == '"' and speaks_v1(target) and layer not in V1_LAYERS:
                 found.append(f"{rel}: includes protobuf's {target} outside rpc/translate/"
                              "replication/")
             if kind != '"':
@@ -203,6 +221,14 @@ def test_each_rule_catches_its_break(clean, rel, text, expected):
     write(clean, rel, text)
     found = violations(clean)
     assert any(expected in line for line in found), found
+
+
+def test_wire_headers_speak_v1_as_they_are_written():
+    assert speaks_v1("remotehead/v1/head_service.pb.h")
+    assert speaks_v1("remotehead/wire/tensor_codec.h")  # names v1::Tensor
+    assert speaks_v1("remotehead/wire/no_such_header.h")
+    assert not speaks_v1("remotehead/wire/http2_settings.h")  # plain C++: main.cc may take it
+    assert not speaks_v1("remotehead/core/engine.h")
 
 
 def test_a_long_file_is_caught(tmp_path):

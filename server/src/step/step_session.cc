@@ -194,7 +194,7 @@ absl::StatusOr<torch::Tensor> StepSession::GradOutputOf(const StepRowsIn& rows) 
     return absl::InvalidArgumentError(
         "rows.grad_output: Backward with reduction NONE needs dL/dy for every row; got none");
   }
-  return rows.grad_output.to(device_);
+  return core::ToDevice(rows.grad_output, device_);
 }
 
 absl::StatusOr<core::TokenBatch> StepSession::InputsOf(const StepRowsIn& rows,
@@ -217,12 +217,9 @@ absl::StatusOr<core::TokenBatch> StepSession::InputsOf(const StepRowsIn& rows,
         "rows.hidden: expected the rows' hidden states [n, D] in every rows message; got none");
   }
   RETURN_IF_ERROR(CheckTeacherRows(rows.batch));
-  // Hidden from its staging buffer (page-locked for a CUDA head): copied in on the device's
-  // inbound stream, while the batch before computes (core/device_transfer.h).
-  core::TokenBatch batch = rows.batch;
-  torch::Tensor hidden = std::move(batch.hidden);
-  batch = batch.To(device_);
-  batch.hidden = core::ToDevice(hidden, device_);
+  // On a CUDA head, copied in on the device's inbound stream while the batch before computes
+  // (hidden from its page-locked staging buffer; core/device_transfer.h).
+  core::TokenBatch batch = core::ToDevice(rows.batch, device_);
   // The teacher's hidden states on the teacher's device (a server's heads share one).
   if (batch.teacher_hidden.defined() && teacher_.entry != nullptr && teacher_.device != device_) {
     batch.teacher_hidden = batch.teacher_hidden.to(teacher_.device);

@@ -1,7 +1,8 @@
 // The copies between the host and a CUDA head's device that a server makes for every batch of a
 // request — its rows in, its dX out — made off the compute stream, so that neither the compute
-// thread nor the GPU waits for them: the rows of one batch are copied in (from page-locked host
-// memory, on the device's inbound copy stream) while the batch before computes, and a batch's dX
+// thread nor the GPU waits for them: the rows of one batch are copied in (on the device's inbound
+// copy stream, from page-locked host memory where they were staged) while the batch before
+// computes, and a batch's dX
 // is copied out (into page-locked host memory, on the outbound copy stream) while the next one
 // computes; the host waits for a copy only where it reads the bytes (HostCopy::WhenLanded).
 //
@@ -13,15 +14,19 @@
 #include <memory>
 #include <optional>
 
+#include "remotehead/core/token_batch.h"
 #include "remotehead/core/torch_api.h"
 
 namespace remotehead::core {
 
 struct CopyEvent;  // where a copy is done (a CUDA event; device_transfer.cc)
 
-// `t` on `device`. From page-locked host memory to a CUDA device: copied on the device's inbound
-// copy stream, which the current stream then waits for (an event on the device, not the host).
-// Otherwise `t.to(device)`.
+// The batch on `device` (what TokenBatch::To gives). To a CUDA device: every tensor copied on the
+// device's inbound copy stream (asynchronously from page-locked memory), which the current stream
+// then waits for by an event — so the host never waits for the compute stream's work, only, for a
+// tensor in pageable memory, for its own copy to be staged. Otherwise batch.To(device).
+TokenBatch ToDevice(const TokenBatch& batch, const torch::Device& device);
+// One tensor the same way.
 torch::Tensor ToDevice(const torch::Tensor& t, const torch::Device& device);
 
 // A tensor on its way to the host, contiguous and in `dtype`: on a CUDA device, copied into

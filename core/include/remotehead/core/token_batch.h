@@ -25,6 +25,19 @@ struct TokenBatch {
   torch::Tensor teacher_hidden;  // [N, D_teacher] in the teacher head's dtype: the hidden states
                                  // of a two-head function's teacher (StepOptions::teacher)
 
+  // The batch of fn(t) for every defined tensor t (undefined ones stay undefined).
+  template <typename Fn>
+  TokenBatch Map(Fn&& fn) const {
+    auto apply = [&](const torch::Tensor& t) { return t.defined() ? fn(t) : torch::Tensor(); };
+    TokenBatch out;
+    out.hidden = apply(hidden);
+    out.targets = apply(targets);
+    out.weights = apply(weights);
+    for (const auto& [name, t] : aux) out.aux[name] = apply(t);
+    out.teacher_hidden = apply(teacher_hidden);
+    return out;
+  }
+
   // N: hidden's first dimension (0 when hidden is undefined or 0-d).
   int64_t rows() const;
   // Bytes held by all of its tensors.
