@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -29,6 +29,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/group/process_group.h"
@@ -130,7 +131,8 @@ class C10dStore final : public KeyValueStore {
 
   absl::StatusOr<bool> Exists(const std::string& key) override {
     bool exists = false;
-    RETURN_IF_ERROR(StoreCall("check", key, config_.timeout, [&] { exists = store_->check({key}); }));
+    RETURN_IF_ERROR(
+        StoreCall("check", key, config_.timeout, [&] { exists = store_->check({key}); }));
     return exists;
   }
 
@@ -176,7 +178,9 @@ class C10dGroup final : public ProcessGroup {
  public:
   C10dGroup(GroupConfig config, c10::intrusive_ptr<c10d::Store> store,
             c10::intrusive_ptr<c10d::Backend> backend)
-      : config_(std::move(config)), store_(config_, std::move(store)), backend_(std::move(backend)) {}
+      : config_(std::move(config)),
+        store_(config_, std::move(store)),
+        backend_(std::move(backend)) {}
 
   int rank() const override { return config_.rank; }
   int size() const override { return config_.size; }
@@ -476,7 +480,7 @@ c10::intrusive_ptr<c10d::TCPStore> ConnectStore(const GroupConfig& config, absl:
 std::unique_ptr<ProcessGroup> GroupOn(const c10::intrusive_ptr<c10d::TCPStore>& tcp,
                                       const GroupConfig& member) {
   auto backend = MakeBackend(
-      member, c10::make_intrusive<c10d::PrefixStore>(member.prefix + "/backend", tcp));
+      member, c10::make_intrusive<c10d::PrefixStore>(store_keys::Backend(member.prefix), tcp));
   auto commands = c10::make_intrusive<c10d::PrefixStore>(CommandLogPrefix(member), tcp);
   return std::make_unique<C10dGroup>(member, commands, backend);
 }
@@ -494,15 +498,14 @@ absl::StatusOr<std::unique_ptr<KeyValueStore>> OpenStore(const GroupConfig& conf
     options.timeout = config.timeout;
     options.useLibUV = false;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(config.store_host, options);
-    return std::make_unique<C10dStore>(
-        config, c10::make_intrusive<c10d::PrefixStore>(config.prefix + "/" + name, tcp));
+    return std::make_unique<C10dStore>(config, c10::make_intrusive<c10d::PrefixStore>(
+                                                   store_keys::Named(config.prefix, name), tcp));
   } catch (const std::exception& e) {
-    return FromException(e, absl::StrCat("connecting to the store at ", config.store_host, ":",
-                                         config.store_port),
-                         config, config.timeout, start);
+    return FromException(
+        e, absl::StrCat("connecting to the store at ", config.store_host, ":", config.store_port),
+        config, config.timeout, start);
   }
 }
-
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConfig& config) {
   const auto start = std::chrono::steady_clock::now();
@@ -513,8 +516,8 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
     return GroupOn(tcp, config);
   } catch (const std::exception& e) {
     return FromException(
-        e, absl::StrCat("joining the group at ", config.store_host, ":", config.store_port),
-        config, config.timeout, start);
+        e, absl::StrCat("joining the group at ", config.store_host, ":", config.store_port), config,
+        config.timeout, start);
   }
 }
 
@@ -533,20 +536,20 @@ absl::StatusOr<ProcessGroup::Mesh> ProcessGroup::JoinMesh(const GroupConfig& con
       replica.size = k;
       replica.rank = config.rank_in_replica();
       replica.replicas = 1;
-      replica.prefix = absl::StrCat(config.prefix, "/replica/", config.replica());
+      replica.prefix = store_keys::ReplicaGroup(config.prefix, config.replica());
       mesh.replica = GroupOn(tcp, replica);
     }
     GroupConfig shard = config;
     shard.size = config.replicas;
     shard.rank = config.replica();
     shard.replicas = 1;
-    shard.prefix = absl::StrCat(config.prefix, "/shard/", config.rank_in_replica());
+    shard.prefix = store_keys::ShardGroup(config.prefix, config.rank_in_replica());
     mesh.shard = GroupOn(tcp, shard);
     return mesh;
   } catch (const std::exception& e) {
     return FromException(
-        e, absl::StrCat("joining the mesh at ", config.store_host, ":", config.store_port),
-        config, config.timeout, start);
+        e, absl::StrCat("joining the mesh at ", config.store_host, ":", config.store_port), config,
+        config.timeout, start);
   }
 }
 

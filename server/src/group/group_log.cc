@@ -9,9 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "group/log_format.h"
-#include "remotehead/server/group/liveness.h"
+#include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/server/group/liveness.h"
 
 namespace remotehead::server {
 namespace {
@@ -97,7 +98,7 @@ absl::Status GroupLog::Tampered(const std::string& key, const std::string& what,
 }
 
 absl::Status GroupLog::WatchPending(int64_t seq, const std::string& written, int rank) {
-  const std::string key = CommandKey(seq);
+  const std::string key = store_keys::Command(seq);
   const std::string what = absl::StrCat("command ", seq, ", not yet answered by every rank");
   ASSIGN_OR_RETURN(const bool there, group_->Exists(key));
   if (!there) return Tampered(key, what, "deleted");
@@ -110,7 +111,7 @@ absl::Status GroupLog::WatchPending(int64_t seq, const std::string& written, int
 
   // The awaited rank's report that its reply to this command was changed after it wrote it (a
   // report about an earlier command, whose reply the front took, changes nothing).
-  const std::string report_key = TamperedKey(rank);
+  const std::string report_key = store_keys::Tampered(rank);
   ASSIGN_OR_RETURN(const bool reported, group_->Exists(report_key));
   if (!reported) return absl::OkStatus();
   absl::StatusOr<std::string> report = group_->Get(report_key, kJustSeen);
@@ -125,7 +126,7 @@ absl::Status GroupLog::WatchPending(int64_t seq, const std::string& written, int
   }
   if (ReadFixed64(*body) != seq) return absl::OkStatus();
   return Tampered(
-      ReplyKey(seq, rank),
+      store_keys::Reply(seq, rank),
       absl::StrCat("rank ", rank, "'s reply to command ", seq, ", as rank ", rank, " reports"),
       body->substr(kSeqBytes));
 }
@@ -133,7 +134,7 @@ absl::Status GroupLog::WatchPending(int64_t seq, const std::string& written, int
 absl::Status GroupLog::WatchOwnReply() {
   if (written_reply_.empty()) return absl::OkStatus();
   const int64_t seq = next_ - 1;
-  const std::string key = ReplyKey(seq, group_->rank());
+  const std::string key = store_keys::Reply(seq, group_->rank());
   std::optional<std::string> value;
   ASSIGN_OR_RETURN(const bool there, group_->Exists(key));
   if (there) {
@@ -151,7 +152,7 @@ absl::Status GroupLog::WatchOwnReply() {
   } else {
     // The front deletes the command's key before the replies': with the command still there,
     // the reply was not the front's to delete.
-    ASSIGN_OR_RETURN(const bool command_there, group_->Exists(CommandKey(seq)));
+    ASSIGN_OR_RETURN(const bool command_there, group_->Exists(store_keys::Command(seq)));
     if (!command_there) {
       written_reply_.clear();  // the front took it
       return absl::OkStatus();
@@ -166,7 +167,7 @@ absl::Status GroupLog::WatchOwnReply() {
           << ": reported to the front (the command fails unless the front had taken the reply)"
           << std::endl;
   }
-  return group_->Set(TamperedKey(group_->rank()),
+  return group_->Set(store_keys::Tampered(group_->rank()),
                      Seal(secret_, Kind::kTampered, *session_, Fixed64(seq) + how));
 }
 
@@ -179,7 +180,7 @@ absl::Status GroupLog::Open() {
     return absl::InternalError("head group: no random bytes for this rank's nonce");
   }
   RETURN_IF_ERROR(
-      group_->Set(HelloKey(rank), Seal(secret_, Kind::kHello, "", Fixed64(rank) + nonce)));
+      group_->Set(store_keys::Hello(rank), Seal(secret_, Kind::kHello, "", Fixed64(rank) + nonce)));
   const auto timeout = group_->config().timeout;
   const auto deadline = Clock::now() + timeout;
   std::string nonces;
@@ -188,7 +189,7 @@ absl::Status GroupLog::Open() {
       nonces += nonce;
       continue;
     }
-    absl::StatusOr<std::string> value = group_->Get(HelloKey(r), Remaining(deadline));
+    absl::StatusOr<std::string> value = group_->Get(store_keys::Hello(r), Remaining(deadline));
     if (!value.ok()) {
       return absl::UnavailableError(
           absl::StrCat("head group: rank ", r, " of ", size, " did not publish its nonce within ",
@@ -213,7 +214,7 @@ absl::StatusOr<int64_t> GroupLog::Append(const std::string& command) {
   RETURN_IF_ERROR(Open());
   const int64_t seq = next_;
   const std::string value = Seal(secret_, Kind::kCommand, *session_, Fixed64(seq) + command);
-  RETURN_IF_ERROR(group_->Set(CommandKey(seq), value));
+  RETURN_IF_ERROR(group_->Set(store_keys::Command(seq), value));
   commands_[seq] = value;
   ++next_;
   return seq;
@@ -275,8 +276,9 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
       return absl::OkStatus();
     };
     std::string refused;
-    absl::StatusOr<Entry> entry = ReadValid(ReplyKey(seq, rank), static_cast<char>(Kind::kReply),
-                                            deadline, check, &refused, watch);
+    absl::StatusOr<Entry> entry =
+        ReadValid(store_keys::Reply(seq, rank), static_cast<char>(Kind::kReply), deadline, check,
+                  &refused, watch);
     if (!diverged.ok()) return diverged;
     if (!tampered.ok()) return tampered;
     if (!entry.ok()) {
@@ -294,15 +296,15 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
     payloads.push_back(std::move(reply.payload));
   }
   if (!missing.empty()) {
-    return absl::UnavailableError(absl::StrCat(
-        "head group: ", absl::StrJoin(missing, " and "), " of ", group_->size(),
-        " did not reply to command ", seq, " within ", wait.count() / 1000.0, " s (",
-        missing_detail, ")"));
+    return absl::UnavailableError(absl::StrCat("head group: ", absl::StrJoin(missing, " and "),
+                                               " of ", group_->size(), " did not reply to command ",
+                                               seq, " within ", wait.count() / 1000.0, " s (",
+                                               missing_detail, ")"));
   }
   // Every rank has taken and answered the command: its keys are no longer needed.
-  RETURN_IF_ERROR(group_->Delete(CommandKey(seq)));
+  RETURN_IF_ERROR(group_->Delete(store_keys::Command(seq)));
   for (int rank = 1; rank < group_->size(); ++rank) {
-    RETURN_IF_ERROR(group_->Delete(ReplyKey(seq, rank)));
+    RETURN_IF_ERROR(group_->Delete(store_keys::Reply(seq, rank)));
   }
   if (!first_error.ok()) return first_error;
   return payloads;
@@ -310,7 +312,7 @@ absl::StatusOr<std::vector<std::string>> GroupLog::AwaitReplies(int64_t seq,
 
 absl::Status GroupLog::DeclareDown(const std::string& reason) {
   RETURN_IF_ERROR(Open());
-  return group_->Set(kDownKey,
+  return group_->Set(store_keys::kLogDown,
                      Seal(secret_, Kind::kDown, *session_, Fixed64(group_->rank()) + reason));
 }
 
@@ -324,9 +326,10 @@ absl::StatusOr<std::string> GroupLog::Next(std::chrono::milliseconds wait) {
     }
     return absl::OkStatus();
   };
-  ASSIGN_OR_RETURN(Entry entry, ReadValid(CommandKey(seq), static_cast<char>(Kind::kCommand),
-                                          Clock::now() + wait, check, &refused_command_,
-                                          [this] { return WatchOwnReply(); }));
+  ASSIGN_OR_RETURN(
+      Entry entry,
+      ReadValid(store_keys::Command(seq), static_cast<char>(Kind::kCommand), Clock::now() + wait,
+                check, &refused_command_, [this] { return WatchOwnReply(); }));
   taken_seal_ = std::move(entry.seal);
   written_reply_.clear();  // the front appended the next command: it took the last reply
   ++next_;
@@ -341,15 +344,16 @@ absl::Status GroupLog::Reply(const GroupReply& reply) {
   const std::string body =
       Fixed64(seq) + Fixed64(group_->rank()) + taken_seal_ + EncodeReply(reply);
   std::string value = Seal(secret_, Kind::kReply, *session_, body);
-  RETURN_IF_ERROR(group_->Set(ReplyKey(seq, group_->rank()), value));
+  RETURN_IF_ERROR(group_->Set(store_keys::Reply(seq, group_->rank()), value));
   written_reply_ = std::move(value);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::optional<std::string>> GroupLog::DownDeclared() {
   RETURN_IF_ERROR(Open());
-  return ReadSigned(kDownKey, static_cast<char>(Kind::kDown), [](int64_t rank) { return rank == 0; },
-                    "a declaration not made by the front", &refused_down_);
+  return ReadSigned(
+      store_keys::kLogDown, static_cast<char>(Kind::kDown), [](int64_t rank) { return rank == 0; },
+      "a declaration not made by the front", &refused_down_);
 }
 
 absl::StatusOr<std::optional<std::string>> GroupLog::ReadSigned(
@@ -378,22 +382,22 @@ absl::StatusOr<std::optional<std::string>> GroupLog::ReadSigned(
 // its own, so a forged request drains nothing and a command never reads as one.
 
 namespace {
-constexpr char kDrainKey[] = "drain";
 constexpr auto kDrainKind = static_cast<Kind>('Q');
 }  // namespace
 
 absl::Status GroupLog::RequestDrain(const std::string& reason) {
   RETURN_IF_ERROR(Open());
-  return group_->Set(kDrainKey,
+  return group_->Set(store_keys::kDrainRequest,
                      Seal(secret_, kDrainKind, *session_, Fixed64(group_->rank()) + reason));
 }
 
 absl::StatusOr<std::optional<std::string>> GroupLog::DrainRequested() {
   RETURN_IF_ERROR(Open());
   const int64_t size = group_->size();
-  return ReadSigned(kDrainKey, static_cast<char>(kDrainKind),
-                    [size](int64_t rank) { return rank >= 0 && rank < size; },
-                    "a request that names no rank of the group", &refused_drain_);
+  return ReadSigned(
+      store_keys::kDrainRequest, static_cast<char>(kDrainKind),
+      [size](int64_t rank) { return rank >= 0 && rank < size; },
+      "a request that names no rank of the group", &refused_drain_);
 }
 
 }  // namespace remotehead::server

@@ -6,9 +6,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cerrno>
-
 #include <algorithm>
+#include <cerrno>
 #include <set>
 #include <tuple>
 
@@ -16,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "group/exchange.h"
+#include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/group/group_log.h"
@@ -29,12 +29,7 @@ constexpr char kBeat = 'B';
 constexpr char kAddress = 'A';
 constexpr char kVerdict = 'V';
 constexpr char kShared = 'P';
-constexpr char kSessionKey[] = "session";
-constexpr char kVerdictKey[] = "down";
 constexpr size_t kLivenessNonceBytes = 16;
-
-std::string BeatKey(int rank) { return absl::StrCat("beat/", rank); }
-std::string AddressKey(int rank) { return absl::StrCat("addr/", rank); }
 
 // Whether `address` ("host:port", "[v6]:port") refuses a TCP connection: nothing listens there,
 // so the process that did is gone (killed, crashed). A process that is only stopped or slow
@@ -67,10 +62,10 @@ bool Refuses(const std::string& address) {
       if (error == EINPROGRESS) {
         pollfd p{.fd = fd, .events = POLLOUT, .revents = 0};
         socklen_t length = sizeof(error);
-        error = ::poll(&p, 1, 300) == 1 &&
-                        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0
-                    ? error
-                    : ETIMEDOUT;
+        error =
+            ::poll(&p, 1, 300) == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0
+                ? error
+                : ETIMEDOUT;
       }
     }
     ::close(fd);
@@ -122,15 +117,16 @@ absl::Status Liveness::OpenSession() {
     if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), kLivenessNonceBytes) != 1) {
       return absl::InternalError("liveness: no random bytes for the session");
     }
-    RETURN_IF_ERROR(store_->Set(kSessionKey, SealEntry(config_.secret, kSession, "", nonce)));
+    RETURN_IF_ERROR(
+        store_->Set(store_keys::kSession, SealEntry(config_.secret, kSession, "", nonce)));
     session_ = nonce;
     return absl::OkStatus();
   }
-  const absl::StatusOr<std::string> value = store_->Get(kSessionKey, config_.timeout);
+  const absl::StatusOr<std::string> value = store_->Get(store_keys::kSession, config_.timeout);
   if (!value.ok()) {
-    return absl::UnavailableError(absl::StrCat(
-        "liveness: global rank 0 did not publish the session within ",
-        Tenths(config_.timeout), " (", value.status().message(), ")"));
+    return absl::UnavailableError(
+        absl::StrCat("liveness: global rank 0 did not publish the session within ",
+                     Tenths(config_.timeout), " (", value.status().message(), ")"));
   }
   ASSIGN_OR_RETURN(session_, UnsealEntry(config_.secret, kSession, "", *value));
   return absl::OkStatus();
@@ -147,7 +143,7 @@ std::optional<std::string> Liveness::Opened(char kind, const std::string& value)
 }
 
 absl::Status Liveness::Publish(const std::string& key, const std::string& value) {
-  return store_->Set(absl::StrCat("shared/", key), Sealed(kShared, absl::StrCat(key, "\n", value)));
+  return store_->Set(store_keys::Shared(key), Sealed(kShared, absl::StrCat(key, "\n", value)));
 }
 
 absl::StatusOr<std::optional<std::string>> Liveness::Fetch(const std::string& key) {
@@ -158,7 +154,7 @@ absl::StatusOr<std::optional<std::string>> Liveness::Fetch(const std::string& ke
 }
 
 absl::StatusOr<std::optional<std::string>> Liveness::Read(const std::string& key) {
-  ASSIGN_OR_RETURN(const std::optional<std::string> value, Fetch(absl::StrCat("shared/", key)));
+  ASSIGN_OR_RETURN(const std::optional<std::string> value, Fetch(store_keys::Shared(key)));
   if (!value.has_value()) return std::nullopt;
   // Bound to its key: a value copied to another key does not verify there.
   std::optional<std::string> body = Opened(kShared, *value);
@@ -172,7 +168,7 @@ void Liveness::Announce(const std::string& address) {
     addresses_[config_.rank] = address;
   }
   const std::string body = absl::StrCat(config_.rank, " ", address);
-  if (const absl::Status s = store_->Set(AddressKey(config_.rank), Sealed(kAddress, body));
+  if (const absl::Status s = store_->Set(store_keys::Address(config_.rank), Sealed(kAddress, body));
       !s.ok() && log_ != nullptr) {
     *log_ << "remotehead-server: liveness: this process's address was not announced: "
           << s.message() << std::endl;
@@ -236,8 +232,7 @@ absl::Status Liveness::Lost(int global_rank, std::chrono::milliseconds since,
 std::pair<int, std::chrono::milliseconds> Liveness::StalledLocked(
     std::chrono::milliseconds at_least) const {
   const Clock::time_point now = Clock::now();
-  if (store_failing_since_ != Clock::time_point::max() &&
-      now - store_failing_since_ >= at_least) {
+  if (store_failing_since_ != Clock::time_point::max() && now - store_failing_since_ >= at_least) {
     return {0, std::chrono::milliseconds(-1)};  // the store's process: global rank 0
   }
   int worst = -1;
@@ -299,7 +294,7 @@ void Liveness::GoDown(const absl::Status& verdict, bool write) {
   }
   if (write) {
     // Best effort: a store that is gone is itself the verdict every process finds.
-    store_->Set(kVerdictKey, Sealed(kVerdict, EncodeStatus(verdict))).IgnoreError();
+    store_->Set(store_keys::kVerdict, Sealed(kVerdict, EncodeStatus(verdict))).IgnoreError();
   }
   std::lock_guard<std::mutex> calling(calling_);
   for (const auto& [id, listener] : listeners_) listener(verdict);
@@ -312,17 +307,18 @@ void Liveness::Beat() {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [rank, address] : addresses_) known.insert(rank);
   }
-  absl::Status reached = store_->Set(BeatKey(config_.rank), Sealed(kBeat, absl::StrCat(++beats_)));
+  absl::Status reached =
+      store_->Set(store_keys::Beat(config_.rank), Sealed(kBeat, absl::StrCat(++beats_)));
   std::map<int, std::string> beats;
   std::map<int, std::string> addresses;
   std::optional<absl::Status> verdict;
   for (int r = 0; r < config_.size && reached.ok(); ++r) {
     if (r == config_.rank) continue;
-    absl::StatusOr<std::optional<std::string>> beat = Fetch(BeatKey(r));
+    absl::StatusOr<std::optional<std::string>> beat = Fetch(store_keys::Beat(r));
     reached = beat.status();
     if (beat.ok() && beat->has_value()) beats[r] = **std::move(beat);
     if (!reached.ok() || known.contains(r)) continue;
-    const absl::StatusOr<std::optional<std::string>> announced = Fetch(AddressKey(r));
+    const absl::StatusOr<std::optional<std::string>> announced = Fetch(store_keys::Address(r));
     std::optional<std::string> body;
     if (announced.ok() && announced->has_value()) body = Opened(kAddress, **announced);
     const size_t space = body.has_value() ? body->find(' ') : std::string::npos;
@@ -333,7 +329,7 @@ void Liveness::Beat() {
     }
   }
   if (reached.ok()) {
-    const absl::StatusOr<std::optional<std::string>> declared = Fetch(kVerdictKey);
+    const absl::StatusOr<std::optional<std::string>> declared = Fetch(store_keys::kVerdict);
     if (declared.ok() && declared->has_value()) {
       if (std::optional<std::string> body = Opened(kVerdict, **declared)) {
         verdict = DecodeStatus(*body);

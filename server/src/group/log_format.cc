@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/numbers.h"
+#include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/mac.h"
 #include "remotehead/server/group/group_log.h"
@@ -63,10 +64,12 @@ absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const s
 
 using log_format::Kind;
 
-std::string CommandLogPrefix(const GroupConfig& config) { return config.prefix + "/commands"; }
+std::string CommandLogPrefix(const GroupConfig& config) {
+  return store_keys::CommandLog(config.prefix);
+}
 
 std::string CommandLogStoreKey(const GroupConfig& config, const std::string& key) {
-  return absl::StrCat(CommandLogPrefix(config), "/", key);
+  return store_keys::Named(CommandLogPrefix(config), key);
 }
 
 std::string SealEntry(const std::string& secret, char kind, const std::string& session,
@@ -89,9 +92,9 @@ std::string EncodeReply(const GroupReply& reply) {
 }
 
 absl::StatusOr<GroupReply> DecodeReply(const std::string& bytes) {
-  const absl::Status bad = absl::DataLossError(absl::StrCat(
-      "head group: a reply that is not code:length:message length:reason (", bytes.size(),
-      " bytes)"));
+  const absl::Status bad = absl::DataLossError(
+      absl::StrCat("head group: a reply that is not code:length:message length:reason (",
+                   bytes.size(), " bytes)"));
   // "<number>:" at `at`: the number, and `at` moved past the colon.
   auto number = [&bytes](size_t& at, size_t& value) {
     const size_t colon = bytes.find(':', at);

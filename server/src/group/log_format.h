@@ -30,15 +30,6 @@ inline constexpr std::chrono::milliseconds kJustSeen{50};
 // What an entry is, bound into its seal: an entry of one kind never verifies as another.
 enum class Kind : char { kHello = 'H', kCommand = 'C', kReply = 'R', kDown = 'D', kTampered = 'T' };
 
-inline std::string CommandKey(int64_t seq) { return absl::StrCat("cmd/", seq); }
-inline std::string ReplyKey(int64_t seq, int rank) {
-  return absl::StrCat("reply/", seq, "/", rank);
-}
-inline std::string HelloKey(int rank) { return absl::StrCat("hello/", rank); }
-inline constexpr char kDownKey[] = "down";
-// A rank's report that its reply was overwritten or deleted.
-inline std::string TamperedKey(int rank) { return absl::StrCat("tampered/", rank); }
-
 // `value` as 8 little-endian bytes, and back.
 std::string Fixed64(int64_t value);
 int64_t ReadFixed64(std::string_view bytes);
@@ -49,8 +40,8 @@ std::string Seal(const std::string& secret, Kind kind, const std::string& sessio
                  const std::string& body);
 // The body of a sealed `value` of `kind`; PERMISSION_DENIED (refuse it) if the seal does not
 // verify.
-absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind,
-                                   const std::string& session, const std::string& value);
+absl::StatusOr<std::string> Unseal(const std::string& secret, Kind kind, const std::string& session,
+                                   const std::string& value);
 // How long is left until `deadline`, at least 1 ms (a store wait of 0 would not wait at all).
 std::chrono::milliseconds Remaining(Clock::time_point deadline);
 

@@ -96,10 +96,7 @@ absl::Status GroupFollower::FollowHeadCommand(const v1::GroupCommand& command) {
       ASSIGN_OR_RETURN(torch::Tensor rows, EmptyTensor(gradient.rows(), device_));
       return operations_
           ->AddEmbeddingGradient(gradient.head_id(), ids, rows, EmbeddingGradientKey(gradient),
-                                 gradient.has_expected_weight_version()
-                                     ? std::optional<int64_t>(gradient.expected_weight_version())
-                                     : std::nullopt,
-                                 "header.expected_weight_version")
+                                 ExpectedWeightVersion(gradient), "header.expected_weight_version")
           .status();
     }
     default:

@@ -1,19 +1,11 @@
 #include "replication/mesh_counts.h"
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "group/store_keys.h"
 #include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
-namespace {
-
-std::string CountKey(const std::string& head_id, int replica) {
-  return absl::StrCat("counts/", absl::BytesToHexString(head_id), "/", replica);
-}
-
-}  // namespace
-
 bool MeshCounts::active() const {
   return mesh_ != nullptr && mesh_->is_front() && mesh_->liveness() != nullptr;
 }
@@ -23,8 +15,8 @@ void MeshCounts::Publish(const std::string& id) {
   std::lock_guard<std::mutex> lock(publishing_);
   const absl::StatusOr<HeadDescription> head = local_->Describe(id);
   const int64_t count = head.ok() ? head->accumulated_micro_batches : 0;
-  if (const absl::Status s =
-          mesh_->liveness()->Publish(CountKey(id, mesh_->replica()), absl::StrCat(count));
+  if (const absl::Status s = mesh_->liveness()->Publish(
+          store_keys::MeshCounts(id, mesh_->replica()), absl::StrCat(count));
       !s.ok()) {
     local_->LogEvent(absl::StrCat("mesh: head \"", id, "\": replica ", mesh_->replica(),
                                   "'s micro-batch count not published: ", s.message()));
@@ -37,13 +29,13 @@ absl::StatusOr<HeadDescription> MeshCounts::Describe(const std::string& id) cons
   for (int r = 0; r < mesh_->replicas(); ++r) {
     if (r == mesh_->replica()) continue;
     const absl::StatusOr<std::optional<std::string>> told =
-        mesh_->liveness()->Read(CountKey(id, r));
+        mesh_->liveness()->Read(store_keys::MeshCounts(id, r));
     int64_t count = 0;
     if (!told.ok() || (told->has_value() && !absl::SimpleAtoi(**told, &count))) {
-      return absl::UnavailableError(absl::StrCat(
-          "accumulated_micro_batches: replica ", r, "'s count of head \"", id,
-          "\" cannot be read (", told.ok() ? "not a count" : told.status().message(),
-          "), so the mesh's count is not known"));
+      return absl::UnavailableError(
+          absl::StrCat("accumulated_micro_batches: replica ", r, "'s count of head \"", id,
+                       "\" cannot be read (", told.ok() ? "not a count" : told.status().message(),
+                       "), so the mesh's count is not known"));
     }
     head.accumulated_micro_batches += count;
   }

@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <set>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "replication/replicated_head_operations.h"
@@ -51,13 +51,10 @@ absl::StatusOr<OptimizerStepSpec> AppliedSpec(const v1::MeshStep& step) {
 // Now, in ms since the epoch of the system clock: when a replica's trainers were answered, as
 // the other fronts compare it with when their own try of the step began (fronts on different
 // hosts: their clocks agree to well within a step's timeout).
-int64_t SystemMillis(
-    std::chrono::system_clock::time_point at = std::chrono::system_clock::now()) {
+int64_t SystemMillis(std::chrono::system_clock::time_point at = std::chrono::system_clock::now()) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(at.time_since_epoch()).count();
 }
 
-// Where the leader tells the other fronts that the mesh drains (MeshSteps::Drain).
-constexpr char kDrainingKey[] = "draining";
 // How often a front waiting for its trainers at a started step looks whether the mesh drains.
 constexpr std::chrono::milliseconds kDrainPoll{100};
 
@@ -109,8 +106,8 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
   if (first.has_value()) {
     // Every trainer of this replica came (SynchronousSteps told each arrival already; told
     // again here for whoever steps without it).
-    Came(*first, SynchronousSteps::ReplicaRanks(first->world_size, mesh_->replica(),
-                                                mesh_->replicas()));
+    Came(*first,
+         SynchronousSteps::ReplicaRanks(first->world_size, mesh_->replica(), mesh_->replicas()));
   }
   if (!mesh_->is_leader()) {
     if (!first.has_value()) return mesh_->NotTheLeader("an unsynchronized OptimizerStep");
@@ -153,8 +150,8 @@ absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
       changed_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() + kDrainPoll),
                           came);
     }
-    if (auto it = ready_.find(key); it != ready_.end() && !it->second.taken &&
-                                    !it->second.result && down_.ok()) {
+    if (auto it = ready_.find(key);
+        it != ready_.end() && !it->second.taken && !it->second.result && down_.ok()) {
       it->second.taken = true;
       mine = it->second.first;
     }
@@ -177,7 +174,7 @@ void MeshSteps::Drain() {
   }
   changed_.notify_all();
   if (!mesh_->is_leader() || mesh_->liveness() == nullptr) return;
-  if (const absl::Status told = mesh_->liveness()->Publish(kDrainingKey, "draining");
+  if (const absl::Status told = mesh_->liveness()->Publish(store_keys::kMeshDraining, "draining");
       !told.ok()) {
     operations_->local().LogEvent(absl::StrCat(
         "mesh: the drain not told to the other fronts (a step they wait at ends at its "
@@ -189,7 +186,7 @@ void MeshSteps::Drain() {
 bool MeshSteps::LeaderDrains() {
   Liveness* liveness = mesh_->liveness();
   if (liveness == nullptr) return false;
-  const absl::StatusOr<std::optional<std::string>> told = liveness->Read(kDrainingKey);
+  const absl::StatusOr<std::optional<std::string>> told = liveness->Read(store_keys::kMeshDraining);
   return told.ok() && told->has_value();
 }
 
@@ -197,10 +194,10 @@ absl::Status MeshSteps::DrainingVerdict(const v1::MeshStep& step) const {
   const std::string& head_id = step.step().head_id();
   const int64_t n = step.step().synchronous().step();
   return core::WithReason(
-      absl::AbortedError(absl::StrCat(
-          "synchronous optimizer step ", n, " of head \"", head_id,
-          "\": the mesh is draining, and replica ", mesh_->replica(),
-          " stopped waiting for its trainers: nothing applied on any replica")),
+      absl::AbortedError(
+          absl::StrCat("synchronous optimizer step ", n, " of head \"", head_id,
+                       "\": the mesh is draining, and replica ", mesh_->replica(),
+                       " stopped waiting for its trainers: nothing applied on any replica")),
       core::reason::kServerDraining,
       {{"head", head_id}, {"step", absl::StrCat(n)}, {"replica", absl::StrCat(mesh_->replica())}});
 }
@@ -214,14 +211,6 @@ void MeshSteps::AbortWaiting(const absl::Status& status, bool started) {
   changed_.notify_all();
 }
 
-namespace {
-
-std::string ArrivalsKey(const std::string& head_id, int replica) {
-  return absl::StrCat("arrivals/", absl::BytesToHexString(head_id), "/", replica);
-}
-
-}  // namespace
-
 void MeshSteps::Came(const SyncStepRequest& first, const std::vector<int>& ranks) {
   Tell(first, ranks, 0);
 }
@@ -231,14 +220,13 @@ void MeshSteps::Left(const SyncStepRequest& first, const std::vector<int>& ranks
   Tell(first, ranks, std::max<int64_t>(1, SystemMillis(answered)));
 }
 
-void MeshSteps::Tell(const SyncStepRequest& first, const std::vector<int>& ranks,
-                     int64_t left_ms) {
+void MeshSteps::Tell(const SyncStepRequest& first, const std::vector<int>& ranks, int64_t left_ms) {
   Liveness* liveness = mesh_->liveness();
   if (liveness == nullptr) return;
-  const absl::Status told = liveness->Publish(
-      ArrivalsKey(first.head_id, mesh_->replica()),
-      absl::StrCat(first.step, " ", first.world_size, " ", absl::StrJoin(ranks, ","), " ",
-                   left_ms));
+  const absl::Status told =
+      liveness->Publish(store_keys::MeshArrivals(first.head_id, mesh_->replica()),
+                        absl::StrCat(first.step, " ", first.world_size, " ",
+                                     absl::StrJoin(ranks, ","), " ", left_ms));
   if (!told.ok()) {
     operations_->local().LogEvent(absl::StrCat(
         "mesh: replica ", mesh_->replica(), "'s trainers at step ", first.step,
@@ -256,7 +244,7 @@ absl::Status MeshSteps::Missing(const SyncStepRequest& first, std::chrono::milli
   for (int r = 0; r < mesh_->replicas() && liveness != nullptr; ++r) {
     if (SynchronousSteps::ReplicaRanks(first.world_size, r, mesh_->replicas()).empty()) continue;
     const absl::StatusOr<std::optional<std::string>> told =
-        liveness->Read(ArrivalsKey(first.head_id, r));
+        liveness->Read(store_keys::MeshArrivals(first.head_id, r));
     if (!told.ok()) {
       unknown.push_back(absl::StrCat("replica ", r, "'s (", told.status().message(), ")"));
       continue;
@@ -270,8 +258,7 @@ absl::Status MeshSteps::Missing(const SyncStepRequest& first, std::chrono::milli
     int64_t left_ms = -1;
     if (fields.size() != 4 || !absl::SimpleAtoi(fields[0], &step) ||
         !absl::SimpleAtoi(fields[1], &world) || !absl::SimpleAtoi(fields[3], &left_ms) ||
-        step != first.step || world != first.world_size ||
-        (left_ms != 0 && left_ms < began_ms)) {
+        step != first.step || world != first.world_size || (left_ms != 0 && left_ms < began_ms)) {
       continue;
     }
     for (absl::string_view rank : absl::StrSplit(fields[2], ',', absl::SkipEmpty())) {
@@ -342,7 +329,7 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
     if (!mine.has_value()) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (!down_.ok()) return down_;  // it did not wait: the mesh is down
+        if (!down_.ok()) return down_;                // it did not wait: the mesh is down
         if (draining_) return DrainingVerdict(step);  // it stopped waiting: the mesh drains
       }
       return Missing(*leaders, wait_);  // this replica's trainers did not all come
@@ -355,12 +342,12 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
   }
   ASSIGN_OR_RETURN(const HeadDescription head, operations_->local().Describe(head_id));
   if (head.weight_version != step.weight_version()) {
-    return core::WithReason(
-        absl::FailedPreconditionError(absl::StrCat(
-            "weight_version: expected every replica of head \"", head_id,
-            "\" at replica 0's version ", step.weight_version(), "; ", who, " is at ",
-            head.weight_version, ": nothing applied")),
-        core::reason::kReplicasDiverged, {{"replicas", absl::StrCat(mesh_->replica())}});
+    return core::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                "weight_version: expected every replica of head \"", head_id,
+                                "\" at replica 0's version ", step.weight_version(), "; ", who,
+                                " is at ", head.weight_version, ": nothing applied")),
+                            core::reason::kReplicasDiverged,
+                            {{"replicas", absl::StrCat(mesh_->replica())}});
   }
   if (head.vocab_size != step.vocab_size() || head.hidden_size != step.hidden_size()) {
     return core::WithReason(

@@ -20,10 +20,6 @@ torch::Tensor IdsTensor(const google::protobuf::RepeatedField<int64_t>& ids) {
   return torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong);
 }
 
-std::optional<int64_t> ExpectedVersion(bool has, int64_t version) {
-  return has ? std::optional<int64_t>(version) : std::nullopt;
-}
-
 absl::StatusOr<HeadSnapshot> Lookup(ServiceContext* service,
                                     const v1::EmbeddingLookupRequest& request) {
   ASSIGN_OR_RETURN(const HeadDescription head, service->local.Describe(request.head_id()));
@@ -31,9 +27,8 @@ absl::StatusOr<HeadSnapshot> Lookup(ServiceContext* service,
   ASSIGN_OR_RETURN(const std::optional<torch::ScalarType> dtype,
                    OptionalDtype(request.dtype(), "dtype"));
   // The rows. bytes, reserved while they are gathered.
-  const MemoryEstimate rows = EmbeddingRowsMemory(request.head_id(), request.ids_size(),
-                                                  head.hidden_size,
-                                                  dtype.value_or(head.dtype), "ids");
+  const MemoryEstimate rows = EmbeddingRowsMemory(
+      request.head_id(), request.ids_size(), head.hidden_size, dtype.value_or(head.dtype), "ids");
   const uint64_t ticket = service->admission.NewTicket();
   RETURN_IF_ERROR(service->admission.Reserve(ticket, rows.bytes, rows.breakdown));
   absl::StatusOr<HeadSnapshot> snapshot = service->operations.LookupEmbedding(
@@ -41,9 +36,8 @@ absl::StatusOr<HeadSnapshot> Lookup(ServiceContext* service,
   service->admission.Release(ticket);
   if (!snapshot.ok()) return snapshot;
   // The version is read under the same lock as the rows.
-  RETURN_IF_ERROR(CheckWeightVersion(
-      ExpectedVersion(request.has_expected_weight_version(), request.expected_weight_version()),
-      "expected_weight_version", snapshot->description));
+  RETURN_IF_ERROR(CheckWeightVersion(ExpectedWeightVersion(request), "expected_weight_version",
+                                     snapshot->description));
   return snapshot;
 }
 
@@ -80,7 +74,8 @@ class EmbeddingGradientReactor final : public ClientStreamReactor<v1::EmbeddingG
       return absl::InvalidArgumentError("header: expected exactly one header; got a second");
     }
     ASSIGN_OR_RETURN(const HeadDescription head, service_.local.Describe(h.head_id()));
-    RETURN_IF_ERROR(CheckIncarnation(h.expected_incarnation(), "header.expected_incarnation", head));
+    RETURN_IF_ERROR(
+        CheckIncarnation(h.expected_incarnation(), "header.expected_incarnation", head));
     if (!h.has_gradient_id() || h.gradient_id().trainer().empty()) {
       return absl::InvalidArgumentError(
           "header.gradient_id.trainer: expected the trainer's identity (a tied embedding's "
@@ -115,11 +110,9 @@ class EmbeddingGradientReactor final : public ClientStreamReactor<v1::EmbeddingG
                           .use = GradientUse::kEmbedding};
     ASSIGN_OR_RETURN(
         const EmbeddingGradientOutcome outcome,
-        service_.operations.AddEmbeddingGradient(
-            header_->head_id(), ids_, rows_->tensor(), key,
-            ExpectedVersion(header_->has_expected_weight_version(),
-                            header_->expected_weight_version()),
-            "header.ids", "grad_rows", "header.expected_weight_version"));
+        service_.operations.AddEmbeddingGradient(header_->head_id(), ids_, rows_->tensor(), key,
+                                                 ExpectedWeightVersion(*header_), "header.ids",
+                                                 "grad_rows", "header.expected_weight_version"));
     response_->set_replayed(outcome.replayed);
     return ToWire(outcome.description, response_->mutable_info());
   }

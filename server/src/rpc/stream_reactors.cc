@@ -29,10 +29,8 @@ absl::StatusOr<HeadSnapshot> PinnedExport(absl::StatusOr<HeadSnapshot> snapshot,
   if (!snapshot.ok()) return snapshot;
   RETURN_IF_ERROR(CheckIncarnation(request.expected_incarnation(), "expected_incarnation",
                                    snapshot->description));
-  RETURN_IF_ERROR(CheckWeightVersion(request.has_expected_weight_version()
-                                         ? std::optional<int64_t>(request.expected_weight_version())
-                                         : std::nullopt,
-                                     "expected_weight_version", snapshot->description));
+  RETURN_IF_ERROR(CheckWeightVersion(ExpectedWeightVersion(request), "expected_weight_version",
+                                     snapshot->description));
   return snapshot;
 }
 

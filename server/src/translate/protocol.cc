@@ -141,9 +141,7 @@ SafetensorsSource FromWire(const v1::CreateHeadRequest::FromSafetensors& src,
 absl::StatusOr<OptimizerStepSpec> FromWire(const v1::OptimizerStepRequest& request) {
   OptimizerStepSpec spec{.grad_scale = request.has_grad_scale() ? request.grad_scale() : 1.0,
                          .zero_gradients = request.zero_gradients()};
-  if (request.has_expected_weight_version()) {
-    spec.expected_weight_version = request.expected_weight_version();
-  }
+  spec.expected_weight_version = ExpectedWeightVersion(request);
   switch (request.optimizer_case()) {
     case v1::OptimizerStepRequest::kSgd: {
       const auto& o = request.sgd();

@@ -21,6 +21,14 @@ absl::Status ToWire(const HeadDescription& description, v1::HeadInfo* info);
 // Every function of `registry` as ListFunctions describes it.
 absl::Status ToWire(const core::FunctionRegistry& registry, v1::ListFunctionsResponse* response);
 
+// A message's `optional int64 expected_weight_version` (a request's, a header's, a head group
+// command's): the version its caller pins, or none. The one reader of the field.
+template <typename Message>
+std::optional<int64_t> ExpectedWeightVersion(const Message& message) {
+  if (!message.has_expected_weight_version()) return std::nullopt;
+  return message.expected_weight_version();
+}
+
 // A request's optional dtype field (DTYPE_UNSPECIFIED: unset), named `field` in errors.
 absl::StatusOr<std::optional<torch::ScalarType>> OptionalDtype(v1::DType dtype,
                                                                const std::string& field);

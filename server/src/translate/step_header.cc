@@ -6,6 +6,7 @@
 #include "remotehead/core/functions.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
+#include "translate/protocol.h"
 
 namespace remotehead::server {
 namespace {
@@ -171,9 +172,7 @@ absl::StatusOr<StepCall> ReadStepHeader(const v1::StepHeader& header, core::Call
   // Checked against the function by the plan (core::CheckTokenExtras), naming token_extras[i].
   options.token_extras.assign(header.token_extras().begin(), header.token_extras().end());
   if (header.has_valid_tokens()) read.valid_tokens = header.valid_tokens();
-  if (header.has_expected_weight_version()) {
-    read.expected_weight_version = header.expected_weight_version();
-  }
+  read.expected_weight_version = ExpectedWeightVersion(header);
   read.accumulate_weight_grad = header.accumulate_weight_grad();
   if (read.accumulate_weight_grad) read.gradient = ReadGradientId(header);
   return read;

@@ -1,0 +1,68 @@
+// Every key the server's processes write to a head group's (or mesh's) store, built here and
+// nowhere else: the prefix each part of a group works under (below GroupConfig::prefix) and the
+// keys inside it. A key's layout is what an operator fences and what docs/security.md promises
+// in a tampering report's `key`, so it changes here only. c10d's PrefixStore joins a prefix and a
+// key with "/": the command log's entry 5 is "remotehead/commands/cmd/5" to a store client.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace remotehead::server::store_keys {
+
+// ----- prefixes, under a group's own (GroupConfig::prefix) -----
+
+// c10d's rendezvous for the group's backend (Gloo / NCCL).
+inline std::string Backend(absl::string_view group) { return absl::StrCat(group, "/backend"); }
+// The group's command log (group_log.h): the keys below under "Command log".
+inline std::string CommandLog(absl::string_view group) { return absl::StrCat(group, "/commands"); }
+// A store of the group's opened by name (OpenStore): "liveness" (liveness.h).
+inline std::string Named(absl::string_view group, absl::string_view name) {
+  return absl::StrCat(group, "/", name);
+}
+// On a mesh: replica r's own group (its shards), and shard k's group across the replicas.
+inline std::string ReplicaGroup(absl::string_view mesh, int replica) {
+  return absl::StrCat(mesh, "/replica/", replica);
+}
+inline std::string ShardGroup(absl::string_view mesh, int shard) {
+  return absl::StrCat(mesh, "/shard/", shard);
+}
+
+// ----- the command log (under CommandLog) -----
+
+inline std::string Command(int64_t seq) { return absl::StrCat("cmd/", seq); }
+inline std::string Reply(int64_t seq, int rank) { return absl::StrCat("reply/", seq, "/", rank); }
+inline std::string Hello(int rank) { return absl::StrCat("hello/", rank); }
+inline constexpr char kLogDown[] = "down";
+// A rank's report that its reply was overwritten or deleted.
+inline std::string Tampered(int rank) { return absl::StrCat("tampered/", rank); }
+// A drain asked of the front by any rank.
+inline constexpr char kDrainRequest[] = "drain";
+
+// ----- liveness (under Named(group, "liveness")) -----
+
+inline constexpr char kSession[] = "session";
+inline constexpr char kVerdict[] = "down";
+inline std::string Beat(int rank) { return absl::StrCat("beat/", rank); }
+inline std::string Address(int rank) { return absl::StrCat("addr/", rank); }
+// A value one rank publishes for the others (Liveness::Publish / Read).
+inline std::string Shared(absl::string_view key) { return absl::StrCat("shared/", key); }
+
+// ----- what a mesh's fronts publish (Shared keys) -----
+
+// The leader's drain has begun.
+inline constexpr char kMeshDraining[] = "draining";
+// When replica r's trainers last came to a synchronous step of the head (mesh_steps.h), and
+// its micro-batch count (mesh_counts.h); the head's id in hex, so any id is one key segment.
+inline std::string MeshArrivals(absl::string_view head_id, int replica) {
+  return absl::StrCat("arrivals/", absl::BytesToHexString(head_id), "/", replica);
+}
+inline std::string MeshCounts(absl::string_view head_id, int replica) {
+  return absl::StrCat("counts/", absl::BytesToHexString(head_id), "/", replica);
+}
+
+}  // namespace remotehead::server::store_keys
