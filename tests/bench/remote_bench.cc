@@ -2,7 +2,8 @@
 // through the real remotehead-server on loopback, against the same step in-process, measured
 // in one run. For each shape N:D:V (fp32):
 //
-//   in_process   core::FusedForwardBackward in this process (the compute floor of the remote step)
+//   in_process   core::FusedForwardBackward in this process, with the head's health as the server
+//                computes it (the compute floor of the remote step)
 //   remote       client::Client::ForwardBackward to the server binary, which this program starts
 //                (rows streamed up while dX streams down; the server pipelines compute)
 //   up / down    the same bytes as X and dX moved alone, through the same client and server:
@@ -336,11 +337,15 @@ nlohmann::json RunShape(const Shape& s, rh::client::Client& client, const std::s
   batch.hidden = torch::randn({s.n, s.d});
   batch.targets = torch::randint(0, s.v, {s.n}, torch::kLong);
 
-  // In-process.
+  // In-process, the work the server does for the step: it computes the head's health on every
+  // call that accumulates dW (its metrics show it; translate/step_header.cc), a pass over the
+  // logits that core::StepOptions leaves off by default (remotehead-bench --head_health).
   rh::core::GradientBuffers grads = head->NewGradientBuffers();
   rh::core::FusedResult local;
+  const rh::core::StepOptions as_served{.head_health = true};
   const bench::Measurement in_process_step = MeasureStep([&] {
-    local = OrDie(rh::core::FusedForwardBackward(*head, batch, {}, &grads), "in-process step");
+    local = OrDie(rh::core::FusedForwardBackward(*head, batch, as_served, &grads),
+                  "in-process step");
   });
   const double in_process = in_process_step.seconds;
 
