@@ -107,11 +107,11 @@ absl::Status HeadOperations::CheckReplaceKeepsTraits(const std::string& id,
   return absl::OkStatus();
 }
 
-absl::Status HeadOperations::ShareUploaded(HeadGroup& group, torch::Tensor* weight,
+absl::Status HeadOperations::ShareUploaded(ShareFn share, torch::Tensor* weight,
                                            torch::Tensor* bias) {
   std::vector<torch::Tensor> shared = {weight->to(device_)};
   if (bias->defined()) shared.push_back(bias->to(device_));
-  RETURN_IF_ERROR(group.Share(shared));
+  RETURN_IF_ERROR((placement_.*share)(shared));
   *weight = shared[0];
   if (bias->defined()) *bias = shared[1];
   return absl::OkStatus();
@@ -119,7 +119,7 @@ absl::Status HeadOperations::ShareUploaded(HeadGroup& group, torch::Tensor* weig
 
 absl::StatusOr<HeadOperations::Rows> HeadOperations::ShareUploadedRows(torch::Tensor* weight,
                                                                        torch::Tensor* bias) {
-  RETURN_IF_ERROR(ShareUploaded(*group_, weight, bias));
+  RETURN_IF_ERROR(ShareUploaded(&Placement::Share, weight, bias));
   ASSIGN_OR_RETURN(Rows rows, RowsOf(weight->size(0), "header.vocab_size"));
   *weight = weight->narrow(0, rows.offset, rows.rows);
   if (bias->defined()) *bias = bias->narrow(0, rows.offset, rows.rows);
@@ -133,11 +133,11 @@ absl::StatusOr<HeadDescription> HeadOperations::Upload(const std::string& id, to
   if (replace) RETURN_IF_ERROR(CheckReplaceKeepsTraits(id, traits));
   absl::StatusOr<std::shared_ptr<HeadEntry>> entry = registry_->Get(id);
   std::vector<core::ShardRange> shards;
-  if (mesh_ != nullptr && mesh_->is_front()) {
+  if (placement_.replicated()) {
     // The leader's W (and b) to every replica's front first, which shares them in its replica.
-    RETURN_IF_ERROR(ShareUploaded(*mesh_->fronts(), &weight, &bias));
+    RETURN_IF_ERROR(ShareUploaded(&Placement::ShareFromLeader, &weight, &bias));
   }
-  if (group_ != nullptr) {
+  if (placement_.sharded()) {
     const int64_t vocab_size = weight.size(0);
     ASSIGN_OR_RETURN(Rows rows, ShareUploadedRows(&weight, &bias));
     if (replace && entry.ok()) {

@@ -26,9 +26,9 @@ OwnIds Own(const torch::Tensor& ids, int64_t offset, int64_t rows) {
 absl::StatusOr<HeadSnapshot> HeadOperations::LookupEmbedding(
     const std::string& id, torch::Tensor ids, std::optional<torch::ScalarType> dtype) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
-  if (group_ != nullptr) {
+  {
     std::vector<torch::Tensor> shared = {ids.to(device_)};
-    RETURN_IF_ERROR(group_->Share(shared));
+    RETURN_IF_ERROR(placement_.Share(shared));  // the front's ids on every rank
     ids = shared[0];
   }
   const int64_t offset = OwnOffset(entry->Describe());
@@ -37,16 +37,17 @@ absl::StatusOr<HeadSnapshot> HeadOperations::LookupEmbedding(
     version = head.version();
     const torch::ScalarType out = dtype.value_or(head.dtype());
     const OwnIds own = Own(ids.to(head.device()), offset, head.vocab_size());
-    if (group_ == nullptr) return head.weight().index_select(0, own.local).to(out);
+    // Every id among this rank's rows (always, on a head held whole): the rows themselves.
+    if (own.positions.size(0) == ids.size(0)) {
+      return head.weight().index_select(0, own.local).to(out);
+    }
     // Zeros where another rank holds the id: the front's sum is then exact.
-    torch::Tensor part = torch::zeros({ids.size(0), head.hidden_size()},
-                                      head.weight().options().dtype(out));
+    torch::Tensor part =
+        torch::zeros({ids.size(0), head.hidden_size()}, head.weight().options().dtype(out));
     part.index_copy_(0, own.positions, head.weight().index_select(0, own.local).to(out));
     return part;
   });
-  if (group_ != nullptr) {
-    ASSIGN_OR_RETURN(rows, group_->SumToFront(rows));
-  }
+  ASSIGN_OR_RETURN(rows, placement_.SumToFront(rows));
   HeadSnapshot snapshot;
   if (rows.defined()) snapshot.matrix = rows.cpu();
   snapshot.description = entry->Describe();
@@ -58,9 +59,9 @@ absl::StatusOr<EmbeddingGradientOutcome> HeadOperations::AddEmbeddingGradient(
     const std::string& id, torch::Tensor ids, torch::Tensor rows, const GradientKey& key,
     std::optional<int64_t> expected_weight_version, const std::string& version_field) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
-  if (group_ != nullptr) {
+  {
     std::vector<torch::Tensor> shared = {ids.to(device_), rows.to(device_)};
-    RETURN_IF_ERROR(group_->Share(shared));
+    RETURN_IF_ERROR(placement_.Share(shared));  // the front's ids and rows on every rank
     ids = shared[0];
     rows = shared[1];
   }

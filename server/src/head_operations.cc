@@ -110,14 +110,10 @@ absl::StatusOr<const core::CheckpointDir*> HeadOperations::CheckpointDirFor(
 
 absl::StatusOr<HeadOperations::Rows> HeadOperations::RowsOf(int64_t vocab_size,
                                                             const std::string& field) const {
-  if (group_ == nullptr) return Rows{.offset = 0, .rows = vocab_size};
-  if (vocab_size < group_->size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected at least one row per rank of the head group of ",
-                     group_->size(), "; got ", vocab_size));
-  }
-  ASSIGN_OR_RETURN(std::vector<core::ShardRange> shards, group_->Ranges(vocab_size));
-  const core::ShardRange mine = shards.at(static_cast<size_t>(group_->rank()));
+  ASSIGN_OR_RETURN(std::vector<core::ShardRange> shards, placement_.Ranges(vocab_size, field));
+  const core::ShardRange mine = shards.at(static_cast<size_t>(placement_.rank()));
+  // A head records its shards only when its rows are split.
+  if (!placement_.sharded()) shards.clear();
   return Rows{.offset = mine.offset, .rows = mine.rows, .shards = std::move(shards)};
 }
 
@@ -154,23 +150,22 @@ absl::StatusOr<HeadSnapshot> HeadOperations::Snapshot(const std::string& id,
     const torch::Tensor& m = gradients ? head.grads().weight : head.weight();
     const torch::Tensor& v = gradients ? head.grads().bias : head.bias();
     const torch::ScalarType out = dtype.value_or(m.scalar_type());
-    // On a group the copies stay on the device until they are gathered.
-    if (group_ != nullptr)
-      return HeadSnapshot{.matrix = m.to(out, false, true),
-                          .vector = v.defined() ? v.to(out, false, true) : v};
-    return HeadSnapshot{.matrix = CpuCopy(m, out), .vector = CpuCopy(v, out)};
+    // A whole head goes to the host at once; split rows stay on the device until gathered.
+    if (!placement_.sharded()) {
+      return HeadSnapshot{.matrix = CpuCopy(m, out), .vector = CpuCopy(v, out)};
+    }
+    return HeadSnapshot{.matrix = m.to(out, false, true),
+                        .vector = v.defined() ? v.to(out, false, true) : v};
   });
   snapshot.description = entry->Describe();
   snapshot.description.weight_version = version;
-  if (group_ != nullptr) {
-    // The whole head on the front (nothing elsewhere).
-    ASSIGN_OR_RETURN(snapshot.matrix, group_->GatherRows(snapshot.matrix, entry->shards()));
-    if (snapshot.vector.defined()) {
-      ASSIGN_OR_RETURN(snapshot.vector, group_->GatherRows(snapshot.vector, entry->shards()));
-    }
-    if (snapshot.matrix.defined()) snapshot.matrix = snapshot.matrix.cpu();
-    if (snapshot.vector.defined()) snapshot.vector = snapshot.vector.cpu();
+  // The whole head on the front (nothing on the other ranks of a group).
+  ASSIGN_OR_RETURN(snapshot.matrix, placement_.GatherRows(snapshot.matrix, entry->shards()));
+  if (snapshot.vector.defined()) {
+    ASSIGN_OR_RETURN(snapshot.vector, placement_.GatherRows(snapshot.vector, entry->shards()));
   }
+  if (snapshot.matrix.defined()) snapshot.matrix = snapshot.matrix.cpu();
+  if (snapshot.vector.defined()) snapshot.vector = snapshot.vector.cpu();
   return snapshot;
 }
 
@@ -213,15 +208,15 @@ absl::StatusOr<core::GradientBuffers> HeadOperations::SumGradientsOverReplicas(c
     own.weight = grads.weight.clone();
     if (grads.bias.defined()) own.bias = grads.bias.clone();
   }
-  RETURN_IF_ERROR(mesh_->SumOverReplicas(grads.weight));
-  if (grads.bias.defined()) RETURN_IF_ERROR(mesh_->SumOverReplicas(grads.bias));
+  RETURN_IF_ERROR(placement_.SumOverReplicas(grads.weight));
+  if (grads.bias.defined()) RETURN_IF_ERROR(placement_.SumOverReplicas(grads.bias));
   return own;
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::Step(const std::string& id,
                                                      const OptimizerStepSpec& spec,
                                                      bool over_replicas) {
-  if (over_replicas && mesh_ == nullptr) {
+  if (over_replicas && !placement_.replicated()) {
     return absl::FailedPreconditionError("reduce_step: this server is not a replica of a mesh");
   }
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
@@ -250,13 +245,10 @@ absl::StatusOr<HeadDescription> HeadOperations::Step(const std::string& id,
                   [&] { return ApplyStep(head, options, spec.grad_scale, &state); }));
               if (own.weight.defined()) head.grads().weight.copy_(own.weight);
               if (own.bias.defined()) head.grads().bias.copy_(own.bias);
-              const int every = mesh_ != nullptr ? mesh_->options().checksum_every_steps : 0;
-              if (over_replicas && every > 0 && head.version() % every == 0) {
-                return mesh_->CompareAcrossReplicas(
-                    {head.weight(), head.bias()},
-                    absl::StrCat("the weights of head \"", id, "\" at version ", head.version()));
-              }
-              return absl::OkStatus();
+              if (!over_replicas) return absl::OkStatus();
+              return placement_.CompareReplicasAt(
+                  head.version(), {head.weight(), head.bias()},
+                  absl::StrCat("the weights of head \"", id, "\" at version ", head.version()));
             },
             spec.optimizer);
       },

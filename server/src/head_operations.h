@@ -27,6 +27,7 @@
 #include "remotehead/server/admission.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
+#include "remotehead/server/group/placement.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/state_store.h"
 
@@ -50,8 +51,7 @@ class HeadOperations {
         event_log_(event_log),
         checkpoint_dir_(std::move(checkpoint_dir)),
         state_store_(state_store),
-        group_(group),
-        mesh_(mesh) {}
+        placement_(group, mesh) {}
 
   // `traits` (every creation): frozen (the head refuses dW and optimizer steps, HeadEntry) and
   // the dW accumulators' dtype.
@@ -151,9 +151,11 @@ class HeadOperations {
   // On a group: the front's uploaded W (and b) shared into every rank's `weight` / `bias`,
   // which are then narrowed to this rank's rows.
   absl::StatusOr<Rows> ShareUploadedRows(torch::Tensor* weight, torch::Tensor* bias);
-  // `group`'s front's W (and b), on this device, written into every member's `weight` / `bias`
-  // (a group's ranks; a mesh's replica fronts).
-  absl::Status ShareUploaded(HeadGroup& group, torch::Tensor* weight, torch::Tensor* bias);
+  // The uploaded W (and b), on this device, written by `share` (Placement::Share: the front's
+  // into every rank's; Placement::ShareFromLeader: the leader's into every replica front's) into
+  // `weight` / `bias`.
+  using ShareFn = absl::Status (Placement::*)(std::vector<torch::Tensor>&);
+  absl::Status ShareUploaded(ShareFn share, torch::Tensor* weight, torch::Tensor* bias);
 
   // A head in a log line: id, shape, dtype, device, version (and "frozen").
   static std::string Summary(const HeadDescription& d);
@@ -176,7 +178,7 @@ class HeadOperations {
     return {.device = device_, .grad_dtype = traits.grad_dtype};
   }
 
-  // The first row of this rank's shard of a head described as `d` (0 off a group).
+  // The first row of this rank's shard of a head described as `d` (0 when it is whole here).
   int64_t OwnOffset(const HeadDescription& d) const;
   // The checkpoint directory, or FAILED_PRECONDITION naming `field` when there is none.
   absl::StatusOr<const core::CheckpointDir*> CheckpointDirFor(const std::string& field) const;
@@ -187,8 +189,8 @@ class HeadOperations {
   std::ostream* event_log_;
   const std::shared_ptr<const core::CheckpointDir> checkpoint_dir_;
   StateStore* state_store_;
-  HeadGroup* const group_;
-  HeadMesh* const mesh_;
+  // Alone, a head group's rank or a mesh's: the shards and the collectives of every operation.
+  Placement placement_;
 };
 
 }  // namespace remotehead::server

@@ -16,7 +16,7 @@ absl::StatusOr<StateStore*> HeadOperations::Store() const {
 }
 
 int64_t HeadOperations::OwnOffset(const HeadDescription& d) const {
-  return group_ != nullptr ? d.shards.at(static_cast<size_t>(group_->rank())).offset : 0;
+  return d.shards.empty() ? 0 : d.shards.at(static_cast<size_t>(placement_.rank())).offset;
 }
 
 absl::StatusOr<HeadDescription> HeadOperations::SaveState(const std::string& id,

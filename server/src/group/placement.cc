@@ -1,0 +1,57 @@
+#include "remotehead/server/group/placement.h"
+
+#include "absl/strings/str_cat.h"
+#include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/head_mesh.h"
+
+namespace remotehead::server {
+
+int Placement::rank() const { return group_ != nullptr ? group_->rank() : 0; }
+
+int Placement::size() const { return group_ != nullptr ? group_->size() : 1; }
+
+absl::StatusOr<std::vector<core::ShardRange>> Placement::Ranges(int64_t vocab_size,
+                                                                const std::string& field) const {
+  if (group_ == nullptr) return std::vector<core::ShardRange>{{.offset = 0, .rows = vocab_size}};
+  if (vocab_size < group_->size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected at least one row per rank of the head group of ",
+                     group_->size(), "; got ", vocab_size));
+  }
+  return group_->Ranges(vocab_size);
+}
+
+absl::Status Placement::Share(std::vector<torch::Tensor>& tensors) {
+  return group_ != nullptr ? group_->Share(tensors) : absl::OkStatus();
+}
+
+absl::StatusOr<torch::Tensor> Placement::GatherRows(const torch::Tensor& mine,
+                                                    const std::vector<core::ShardRange>& ranges) {
+  if (group_ == nullptr) return mine;
+  return group_->GatherRows(mine, ranges);
+}
+
+absl::StatusOr<torch::Tensor> Placement::SumToFront(const torch::Tensor& mine) {
+  if (group_ == nullptr) return mine;
+  return group_->SumToFront(mine);
+}
+
+absl::Status Placement::ShareFromLeader(std::vector<torch::Tensor>& tensors) {
+  if (mesh_ == nullptr || !mesh_->is_front()) return absl::OkStatus();
+  return mesh_->fronts()->Share(tensors);
+}
+
+absl::Status Placement::SumOverReplicas(torch::Tensor& t) {
+  return mesh_ != nullptr ? mesh_->SumOverReplicas(t) : absl::OkStatus();
+}
+
+absl::Status Placement::CompareReplicasAt(int64_t version,
+                                          const std::vector<torch::Tensor>& tensors,
+                                          const std::string& what) {
+  if (mesh_ == nullptr) return absl::OkStatus();
+  const int every = mesh_->options().checksum_every_steps;
+  if (every <= 0 || version % every != 0) return absl::OkStatus();
+  return mesh_->CompareAcrossReplicas(tensors, what);
+}
+
+}  // namespace remotehead::server
