@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/placement.h"
 #include "server/in_process_mesh.h"
 
 // Its own namespace: the file is compiled in one unit with the target's other files
@@ -357,6 +358,33 @@ TEST(HeadMeshTest, ChecksumsAgreeOrNameTheReplicasThatDiffer) {
       EXPECT_EQ(mesh[r].PeerBytes()["all_gather"].calls, 2);
     }
   }
+}
+
+// A mesh replica's Placement (placement.h), as a head's optimizer step uses it: the replicas'
+// weights compared at every --mesh_checksum_every_steps-th version only, dW summed like the
+// mesh's own.
+TEST(HeadMeshTest, APlacementComparesTheReplicasAtEveryNthVersionOnly) {
+  Mesh mesh(2, 1, MeshOptions{.checksum_every_steps = 3});
+  const auto at = [&](int64_t version, bool odd_one) {
+    return mesh.OnAll([&](int r) {
+      Placement placement(nullptr, &mesh[r]);
+      return placement.CompareReplicasAt(version, Weights(odd_one && r == 1), "weights");
+    });
+  };
+  for (const int64_t version : {1, 2, 4, 5}) {
+    for (const absl::Status& s : at(version, true)) EXPECT_TRUE(s.ok()) << version << ": " << s;
+  }
+  EXPECT_EQ(mesh[0].checksums(true) + mesh[0].checksums(false), 0);  // none compared
+  for (const absl::Status& s : at(6, true)) EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(mesh[0].checksums(false), 1);
+  const auto sums = mesh.OnAll([&](int r) {
+    Placement placement(nullptr, &mesh[r]);
+    EXPECT_TRUE(placement.replicated());
+    torch::Tensor t = torch::full({3}, static_cast<float>(r + 1));
+    EXPECT_TRUE(placement.SumOverReplicas(t).ok());
+    return t;
+  });
+  for (const torch::Tensor& t : sums) EXPECT_TRUE(torch::equal(t, torch::full({3}, 3.0f)));
 }
 
 TEST(HeadMeshTest, HashTensorsSeesEveryByteAndTheOrder) {
