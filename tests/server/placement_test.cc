@@ -25,6 +25,18 @@ TEST(PlacementAlone, IsOneRankHoldingEveryRow) {
   EXPECT_TRUE(alone.Ranges(1, "vocab_size").ok());
 }
 
+TEST(PlacementAlone, AnswersEveryCallLeadsNoClusterAndHasNoDrainToAskFor) {
+  Placement alone;
+  EXPECT_TRUE(alone.is_front());
+  EXPECT_FALSE(alone.leads_cluster());
+  EXPECT_STREQ(alone.cluster_name(), "server");
+  EXPECT_TRUE(alone.health().ok());
+  EXPECT_FALSE(alone.DrainRequested().has_value());
+  EXPECT_FALSE(alone.ReplicaDrainRequested().has_value());
+  EXPECT_EQ(alone.RequestDrainUp("SIGTERM").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(alone.mesh_reply_timeout().count(), 0);
+}
+
 TEST(PlacementAlone, ItsCollectivesGiveBackTheirInput) {
   Placement alone;
   const torch::Tensor w = torch::randn({5, 3});

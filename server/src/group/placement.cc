@@ -1,6 +1,7 @@
 #include "remotehead/server/group/placement.h"
 
 #include "absl/strings/str_cat.h"
+#include "remotehead/core/status_macros.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
 
@@ -9,6 +10,45 @@ namespace remotehead::server {
 int Placement::rank() const { return group_ != nullptr ? group_->rank() : 0; }
 
 int Placement::size() const { return group_ != nullptr ? group_->size() : 1; }
+
+bool Placement::is_front() const { return group_ == nullptr || group_->is_front(); }
+
+bool Placement::leads_cluster() const {
+  if (mesh_ != nullptr) return mesh_->is_leader();
+  return group_ != nullptr && group_->is_front();
+}
+
+const char* Placement::cluster_name() const {
+  return mesh_ != nullptr ? "mesh" : group_ != nullptr ? "head group" : "server";
+}
+
+absl::Status Placement::health() const {
+  if (group_ != nullptr) RETURN_IF_ERROR(group_->health());
+  return mesh_ != nullptr ? mesh_->health() : absl::OkStatus();
+}
+
+std::optional<std::string> Placement::DrainRequested() {
+  for (HeadGroup* log : {group_, mesh_ != nullptr ? mesh_->fronts() : nullptr}) {
+    if (log == nullptr) continue;
+    absl::StatusOr<std::optional<std::string>> reason = log->DrainRequested();
+    if (reason.ok() && reason->has_value()) return **reason;
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> Placement::ReplicaDrainRequested() {
+  if (mesh_ == nullptr || group_ == nullptr || !group_->is_front()) return std::nullopt;
+  absl::StatusOr<std::optional<std::string>> reason = group_->DrainRequested();
+  return reason.ok() ? *reason : std::nullopt;
+}
+
+absl::Status Placement::RequestDrainUp(const std::string& reason) {
+  HeadGroup* up = is_front() && mesh_ != nullptr ? mesh_->fronts() : group_;
+  if (up == nullptr) {
+    return absl::FailedPreconditionError("drain: this process is alone: no one to ask");
+  }
+  return up->RequestDrain(reason);
+}
 
 absl::StatusOr<std::vector<core::ShardRange>> Placement::Ranges(int64_t vocab_size,
                                                                 const std::string& field) const {
@@ -52,6 +92,12 @@ absl::Status Placement::CompareReplicasAt(int64_t version,
   const int every = mesh_->options().checksum_every_steps;
   if (every <= 0 || version % every != 0) return absl::OkStatus();
   return mesh_->CompareAcrossReplicas(tensors, what);
+}
+
+std::chrono::milliseconds Placement::mesh_reply_timeout() const {
+  if (mesh_ == nullptr || mesh_->fronts() == nullptr) return std::chrono::milliseconds(0);
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+      mesh_->fronts()->collectives().config().timeout);
 }
 
 }  // namespace remotehead::server

@@ -33,11 +33,6 @@ std::chrono::milliseconds ClusterDrain::patience() const {
   return timing_.grace + timing_.save + kTravel;
 }
 
-bool ClusterDrain::leads() const {
-  if (mesh_ != nullptr) return mesh_->is_leader();
-  return group_ != nullptr && group_->is_front();
-}
-
 void ClusterDrain::Log(const std::string& line) const {
   if (log_ != nullptr) *log_ << "remotehead-server: " << line << std::endl;
 }
@@ -46,10 +41,10 @@ absl::Status ClusterDrain::Follow(const v1::GroupCommand& command) {
   draining_.store(true);
   if (command.has_drain()) {
     const auto wait = std::chrono::milliseconds(std::max<int64_t>(0, command.drain().wait_ms()));
-    const bool serves = group_ == nullptr || group_->is_front();
     Log(absl::StrCat("draining (", command.drain().reason(), ")",
-                     serves ? absl::StrCat(": calls in flight get up to ", DrainSeconds(wait), " s")
-                            : std::string()));
+                     placement_.is_front()
+                         ? absl::StrCat(": calls in flight get up to ", DrainSeconds(wait), " s")
+                         : std::string()));
     if (quiesce_ && !quiesce_(Clock::now() + wait)) {
       Log("drain: calls still running after the grace were cancelled");
     }
@@ -70,11 +65,12 @@ ClusterDrain::Outcome ClusterDrain::Poll(int signal, const std::optional<absl::S
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_.has_value()) return Stopped(*stopped_);
   }
-  if (leads()) {
+  if (placement_.leads_cluster()) {
     if (signal != 0) {
       return Run(absl::StrCat(SignalName(signal), " on global rank ", timing_.global_rank));
     }
-    if (const std::optional<std::string> reason = Requested(); reason.has_value()) {
+    // A log that cannot be read (the group is down) asks for nothing: its own failure stops it.
+    if (const std::optional<std::string> reason = placement_.DrainRequested(); reason.has_value()) {
       return Run(*reason);
     }
     return {};
@@ -99,27 +95,15 @@ ClusterDrain::Outcome ClusterDrain::Poll(int signal, const std::optional<absl::S
   return {};
 }
 
-std::optional<std::string> ClusterDrain::Requested() {
-  // A log that cannot be read (the group is down) asks for nothing: its own failure stops it.
-  for (HeadGroup* log : {group_, mesh_ != nullptr ? mesh_->fronts() : nullptr}) {
-    if (log == nullptr) continue;
-    absl::StatusOr<std::optional<std::string>> reason = log->DrainRequested();
-    if (reason.ok() && reason->has_value()) return **reason;
-  }
-  return std::nullopt;
-}
-
 void ClusterDrain::AskOrRelay(int signal) {
   // Up: a rank's own group (to its front), a replica's front's the mesh's (to the leader).
-  const bool front = group_ == nullptr || group_->is_front();
-  HeadGroup* up = front && mesh_ != nullptr ? mesh_->fronts() : group_;
   if (signal != 0 && !asked_) {
     asked_ = true;
     draining_.store(true);
     give_up_at_ = Clock::now() + patience();
     const std::string reason =
         absl::StrCat(SignalName(signal), " on global rank ", timing_.global_rank);
-    if (const absl::Status s = up->RequestDrain(reason); !s.ok()) {
+    if (const absl::Status s = placement_.RequestDrainUp(reason); !s.ok()) {
       Log(absl::StrCat(reason, ": the drain could not be asked for: ", s.message()));
     } else {
       Log(absl::StrCat(reason,
@@ -128,23 +112,21 @@ void ClusterDrain::AskOrRelay(int signal) {
                        DrainSeconds(patience()), " s)"));
     }
   }
-  if (front && mesh_ != nullptr && group_ != nullptr && !relayed_) {
-    absl::StatusOr<std::optional<std::string>> reason = group_->DrainRequested();
-    if (reason.ok() && reason->has_value()) {
-      relayed_ = true;
-      if (const absl::Status s = up->RequestDrain(**reason); !s.ok()) {
-        Log(absl::StrCat(**reason,
-                         ": the request could not be passed to the mesh's leader: ", s.message()));
-      }
+  if (relayed_) return;
+  if (const std::optional<std::string> reason = placement_.ReplicaDrainRequested();
+      reason.has_value()) {
+    relayed_ = true;
+    if (const absl::Status s = placement_.RequestDrainUp(*reason); !s.ok()) {
+      Log(absl::StrCat(*reason,
+                       ": the request could not be passed to the mesh's leader: ", s.message()));
     }
   }
 }
 
 ClusterDrain::Outcome ClusterDrain::Run(const std::string& reason) {
   draining_.store(true);
-  const std::string what = mesh_ != nullptr ? "mesh" : "head group";
-  Log(absl::StrCat("draining the ", what, " (", reason, "): calls in flight get up to ",
-                   DrainSeconds(timing_.grace),
+  Log(absl::StrCat("draining the ", placement_.cluster_name(), " (", reason,
+                   "): calls in flight get up to ", DrainSeconds(timing_.grace),
                    " s, then every head's state is saved on every rank"));
   const Clock::time_point deadline = Clock::now() + timing_.grace;
   if (quiesce_ && !quiesce_(deadline)) {
@@ -153,16 +135,15 @@ ClusterDrain::Outcome ClusterDrain::Run(const std::string& reason) {
   v1::GroupStop stop;
   stop.set_reason(reason);
   // A group already down reaches no rank: nothing can be saved (the others end on their own).
-  absl::Status drained = group_ != nullptr ? group_->health() : absl::OkStatus();
-  if (drained.ok() && mesh_ != nullptr) drained = mesh_->health();
-  if (drained.ok() && mesh_ != nullptr) {
+  absl::Status drained = placement_.health();
+  if (drained.ok() && placement_.replicated()) {
     // Every other front's calls get what is left of the grace, within the log's reply wait.
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::max(Clock::duration::zero(), deadline - Clock::now()));
     v1::GroupCommand command;
     command.mutable_drain()->set_reason(reason);
     command.mutable_drain()->set_wait_ms(
-        std::min(left, mesh_->fronts()->collectives().config().timeout / 2).count());
+        std::min(left, placement_.mesh_reply_timeout() / 2).count());
     drained = operations_->RunEverywhere(command, [] { return absl::OkStatus(); });
   }
   if (drained.ok()) {
@@ -173,8 +154,7 @@ ClusterDrain::Outcome ClusterDrain::Run(const std::string& reason) {
   v1::GroupCommand command;
   *command.mutable_stop() = stop;
   const absl::Status told =
-      drained.ok() ? operations_->RunEverywhere(command, [] { return absl::OkStatus(); })
-                   : drained;
+      drained.ok() ? operations_->RunEverywhere(command, [] { return absl::OkStatus(); }) : drained;
   Outcome outcome = Stopped(stop);
   // What was saved was saved on every rank before the stop: a rank that missed the stop ends on
   // its own (its log ends with this process), which loses nothing.

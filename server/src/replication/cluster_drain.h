@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
+#include "remotehead/server/group/placement.h"
 #include "remotehead/v1/head_group.pb.h"
 
 namespace remotehead::server {
@@ -68,7 +69,7 @@ class ClusterDrain {
   // `group` / `mesh`: this process's (nullptr: none; with neither, nothing here is used).
   ClusterDrain(ReplicatedHeadOperations* operations, HeadGroup* group, HeadMesh* mesh,
                std::ostream* log)
-      : operations_(operations), group_(group), mesh_(mesh), log_(log) {}
+      : operations_(operations), placement_(group, mesh), log_(log) {}
 
   // Set before this process follows a log or serves.
   void Configure(Timing timing, Quiesce quiesce);
@@ -94,9 +95,6 @@ class ClusterDrain {
   std::chrono::milliseconds patience() const;
 
  private:
-  bool leads() const;  // global rank 0
-  // Rank 0: a rank's drain request read from any log it leads, if one came.
-  std::optional<std::string> Requested();
   // Rank 0: steps 2–4; the outcome for rank 0 itself.
   Outcome Run(const std::string& reason);
   // Step 3: every head's state saved on every rank, into `stop` (what was and was not saved).
@@ -108,8 +106,7 @@ class ClusterDrain {
   void Log(const std::string& line) const;
 
   ReplicatedHeadOperations* const operations_;
-  HeadGroup* const group_;
-  HeadMesh* const mesh_;
+  Placement placement_;  // where this process sits, and the logs it shares
   std::ostream* const log_;
   Timing timing_;
   Quiesce quiesce_;

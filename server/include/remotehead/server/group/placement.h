@@ -7,7 +7,9 @@
 // Holds no group: the HeadGroup and HeadMesh (either may be absent) outlive it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +34,15 @@ class Placement {
   int size() const;
   // Whether a head's rows are split over the ranks (a head group), so a head records its shards.
   bool sharded() const { return group_ != nullptr; }
+  // Whether this process answers HeadService: alone, or the front of its group.
+  bool is_front() const;
+  // Whether this process decides for every process of its cluster (global rank 0: the mesh's
+  // leader, else the group's front); alone there is no cluster to lead.
+  bool leads_cluster() const;
+  // What the cluster is called in a log line: "mesh", "head group" (alone: "server").
+  const char* cluster_name() const;
+  // OK while the group and the mesh work; else the first failure (alone: OK).
+  absl::Status health() const;
 
   // Every rank's rows of a head of `vocab_size` rows (alone: one range, all of them);
   // INVALID_ARGUMENT naming `field` when the group has more ranks than rows.
@@ -48,6 +59,16 @@ class Placement {
   // Every rank's `mine` summed on the front.
   absl::StatusOr<torch::Tensor> SumToFront(const torch::Tensor& mine);
 
+  // Drain requests (GroupLog::RequestDrain), read and written in the logs this process shares:
+  // a rank's request, if one came, in the group's log or the mesh's (the first found; a log that
+  // cannot be read asks for nothing); alone: none.
+  std::optional<std::string> DrainRequested();
+  // Only the request a rank of this replica made in its group's log, on a replica's front of a
+  // mesh (which relays it up to the leader); elsewhere none.
+  std::optional<std::string> ReplicaDrainRequested();
+  // A drain asked of the process above: a rank's front, a replica front's leader.
+  absl::Status RequestDrainUp(const std::string& reason);
+
   // The mesh's (head_mesh.h); nothing to do off a mesh.
   // Whether this process is one replica of several (what an over-replicas step needs).
   bool replicated() const { return mesh_ != nullptr; }
@@ -59,6 +80,8 @@ class Placement {
   // (DATA_LOSS naming those that differ, `what` saying what they are).
   absl::Status CompareReplicasAt(int64_t version, const std::vector<torch::Tensor>& tensors,
                                  const std::string& what);
+  // How long the mesh's log waits for a front's reply (0 off a mesh's front).
+  std::chrono::milliseconds mesh_reply_timeout() const;
 
  private:
   HeadGroup* group_ = nullptr;
