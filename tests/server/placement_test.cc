@@ -35,6 +35,12 @@ TEST(PlacementAlone, AnswersEveryCallLeadsNoClusterAndHasNoDrainToAskFor) {
   EXPECT_FALSE(alone.ReplicaDrainRequested().has_value());
   EXPECT_EQ(alone.RequestDrainUp("SIGTERM").code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(alone.mesh_reply_timeout().count(), 0);
+  EXPECT_FALSE(alone.in_cluster());
+  EXPECT_EQ(alone.replica(), 0);
+  EXPECT_EQ(alone.replicas(), 1);
+  EXPECT_FALSE(alone.is_replica_front());
+  EXPECT_FALSE(alone.follows_group());
+  EXPECT_FALSE(alone.follows_mesh());
 }
 
 TEST(PlacementAlone, ItsCollectivesGiveBackTheirInput) {

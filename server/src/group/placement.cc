@@ -13,6 +13,14 @@ int Placement::size() const { return group_ != nullptr ? group_->size() : 1; }
 
 bool Placement::is_front() const { return group_ == nullptr || group_->is_front(); }
 
+int Placement::replica() const { return mesh_ != nullptr ? mesh_->replica() : 0; }
+
+int Placement::replicas() const { return mesh_ != nullptr ? mesh_->replicas() : 1; }
+
+bool Placement::is_replica_front() const { return mesh_ != nullptr && mesh_->is_front(); }
+
+bool Placement::follows_mesh() const { return is_replica_front() && !mesh_->is_leader(); }
+
 bool Placement::leads_cluster() const {
   if (mesh_ != nullptr) return mesh_->is_leader();
   return group_ != nullptr && group_->is_front();

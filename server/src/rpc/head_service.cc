@@ -107,15 +107,13 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   absl::Status ReserveLoadedHeads() override { return context_->local.ReserveLoadedHeads(); }
   absl::Status SaveAllStates() override { return Ops().SaveAllStates(); }
   absl::Status FollowGroup(const std::atomic<bool>& stop) override {
-    HeadGroup* group = context_->options.group;
-    if (group == nullptr || group->is_front()) {
+    if (!context_->placement.follows_group()) {
       return absl::FailedPreconditionError("FollowGroup: expected a head group rank other than 0");
     }
     return context_->follower.Run(stop);
   }
   absl::Status FollowMesh(const std::atomic<bool>& stop) override {
-    HeadMesh* mesh = context_->options.mesh;
-    if (mesh == nullptr || !mesh->is_front() || mesh->is_leader()) {
+    if (!context_->placement.follows_mesh()) {
       return absl::FailedPreconditionError(
           "FollowMesh: expected the front of a mesh's replica other than the leader");
     }

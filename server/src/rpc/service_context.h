@@ -10,6 +10,7 @@
 #include "compute_pool.h"
 #include "head_operations.h"
 #include "remotehead/server/admission.h"
+#include "remotehead/server/group/placement.h"
 #include "remotehead/server/head_registry.h"
 #include "remotehead/server/service_options.h"
 #include "replication/cluster_drain.h"
@@ -28,6 +29,7 @@ struct ServiceContext {
   ServiceContext(HeadRegistry* registry, const ServiceOptions& options)
       : registry(registry),
         options(options),
+        placement(options.group, options.mesh),
         admission(options.admission),
         retained(&admission, options.max_retain_seconds),
         stripes(std::chrono::milliseconds(
@@ -48,11 +50,10 @@ struct ServiceContext {
             [this](const std::string& id) { return local.Describe(id); },
             std::chrono::milliseconds(
                 static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
-            options.metrics, options.mesh != nullptr ? options.mesh->replica() : 0,
-            options.mesh != nullptr ? options.mesh->replicas() : 1),
+            options.metrics, placement.replica(), placement.replicas()),
         compute(options.compute_threads) {
     // A mesh's front names the trainers of every replica (MeshSteps) when a step waited too long.
-    if (options.mesh != nullptr && options.mesh->is_front()) {
+    if (placement.is_replica_front()) {
       sync_steps.set_mesh(&operations.mesh_steps());
     }
     // Every replica's count of micro-batches, for HeadInfo at any front (MeshCounts).
@@ -65,12 +66,11 @@ struct ServiceContext {
   // How long a replica's front waits for its own trainers once the leader's step came: the
   // synchronous step's timeout, within half the mesh log's (whose replies wait that long).
   static std::chrono::milliseconds MeshWait(const ServiceOptions& options) {
-    auto wait = std::chrono::milliseconds(
-        static_cast<int64_t>(options.sync_step_timeout_seconds * 1000));
-    if (options.mesh != nullptr && options.mesh->fronts() != nullptr) {
-      wait = std::min(wait, options.mesh->fronts()->collectives().config().timeout / 2);
-    }
-    return wait;
+    const auto wait =
+        std::chrono::milliseconds(static_cast<int64_t>(options.sync_step_timeout_seconds * 1000));
+    const std::chrono::milliseconds reply =
+        Placement(options.group, options.mesh).mesh_reply_timeout();
+    return reply.count() > 0 ? std::min(wait, reply / 2) : wait;
   }
 
   ~ServiceContext() { registry->set_count_observer(nullptr); }
@@ -82,17 +82,18 @@ struct ServiceContext {
 
   HeadRegistry* const registry;
   const ServiceOptions options;
+  const Placement placement;  // alone, a group's rank or a mesh's (options.group, options.mesh)
   AdmissionController admission;
   RetainedInputStore retained;
-  StripeJoins stripes;  // the streams of striped steps, joining by key
-  CallGate gate;        // new calls refused while the server drains; the calls in flight
-  HeadOperations local;                 // this process's part of every head operation
+  StripeJoins stripes;   // the streams of striped steps, joining by key
+  CallGate gate;         // new calls refused while the server drains; the calls in flight
+  HeadOperations local;  // this process's part of every head operation
   ReplicatedHeadOperations operations;  // every operation as the service runs it
   ClusterDrain drain;                   // a group's or mesh's drain at SIGTERM
-  GroupFollower follower;       // a head group's other ranks: every command of the log
-  MeshFollower mesh_follower;   // a mesh's fronts other than the leader: the mesh's log
-  MeshCounts mesh_counts;       // a mesh's accumulated micro-batches, every replica's
-  SynchronousSteps sync_steps;  // the optimizer steps of data-parallel trainers
+  GroupFollower follower;               // a head group's other ranks: every command of the log
+  MeshFollower mesh_follower;           // a mesh's fronts other than the leader: the mesh's log
+  MeshCounts mesh_counts;               // a mesh's accumulated micro-batches, every replica's
+  SynchronousSteps sync_steps;          // the optimizer steps of data-parallel trainers
   // Last, so destroyed first: the pool's threads finish their tasks while the rest is alive.
   ComputePool compute;
 };

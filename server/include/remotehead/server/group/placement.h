@@ -36,6 +36,17 @@ class Placement {
   bool sharded() const { return group_ != nullptr; }
   // Whether this process answers HeadService: alone, or the front of its group.
   bool is_front() const;
+  // This process's replica of its mesh, and the mesh's replicas (0 and 1 off a mesh).
+  int replica() const;
+  int replicas() const;
+  // Whether it is one process of several (a head group, a mesh, or both).
+  bool in_cluster() const { return group_ != nullptr || mesh_ != nullptr; }
+  // Whether it is a front of a mesh's replica (which names every replica's trainers and counts).
+  bool is_replica_front() const;
+  // Whether it follows a log instead of deciding: a group's rank other than the front follows
+  // the front's; a replica's front other than the leader, the leader's.
+  bool follows_group() const { return !is_front(); }
+  bool follows_mesh() const;
   // Whether this process decides for every process of its cluster (global rank 0: the mesh's
   // leader, else the group's front); alone there is no cluster to lead.
   bool leads_cluster() const;
