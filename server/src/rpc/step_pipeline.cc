@@ -75,7 +75,9 @@ void StepPipeline::OnWriteDone(int index, bool ok) {
 }
 
 void StepPipeline::OnCancel(int index) {
-  stop_.store(true);
+  // The failure is set before the engine is told to stop (FailLocked does both, under the lock):
+  // stopped first, the compute thread's own CANCELLED ("stopped between chunks") could win and
+  // the streams would not be told which one was cancelled.
   std::lock_guard<std::mutex> lock(mu_);
   FailLocked(absl::CancelledError(
       absl::StrCat(StreamName(index), " was cancelled by the client, or its deadline expired")));
