@@ -40,7 +40,7 @@ import transformers
 import remotehead
 import remotehead._safetensors
 import remotehead.hf
-from remotehead.hf_checkpoint import STAGING_PREFIX
+from remotehead.hf.checkpoint import STAGING_PREFIX
 from remotehead.local_server import LocalServer, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -300,7 +300,7 @@ def test_a_server_head_of_another_shape_fails_verification(client, tmp_path):
     client.create_head("safety-verify", VOCAB + 3, HIDDEN)
     other = tiny_llama()
     remotehead.hf.offload_lm_head(other, client, "safety-verify", upload=False)
-    with pytest.raises(remotehead.hf_checkpoint.CheckpointError, match="lm_head"):
+    with pytest.raises(remotehead.hf.checkpoint.CheckpointError, match="lm_head"):
         other.save_pretrained(tmp_path / "ckpt")
     assert snapshot(tmp_path / "ckpt") == before
     client.drop_head("safety-verify")
@@ -374,7 +374,7 @@ def test_a_file_system_without_locks_still_saves(client, tmp_path, monkeypatch):
     def no_lock(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(remotehead.hf_checkpoint.fcntl, "flock", no_lock)
+    monkeypatch.setattr(remotehead.hf.checkpoint.fcntl, "flock", no_lock)
     with pytest.warns(UserWarning, match="no file lock"):
         model.save_pretrained(tmp_path / "ckpt")
     assert_loads(tmp_path / "ckpt", body(model), client.export_weights("safety-nolock")[0])

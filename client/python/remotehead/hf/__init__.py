@@ -23,7 +23,7 @@ down per step).
 Wherever the server's head is the trained one (server mode, or a frozen head; with or without
 a local copy), save_pretrained() writes the head's current weights streamed from the server,
 pinned to the version the trainer holds, and publishes the checkpoint whole or not at all
-(remotehead.hf_checkpoint); loading a state dict into the model (Trainer's resume) uploads the
+(remotehead.hf.checkpoint); loading a state dict into the model (Trainer's resume) uploads the
 head. keep_local_copy=True keeps a frozen local copy for local generation, refreshed by
 `sync_lm_head()`.
 
@@ -37,14 +37,14 @@ surgery.py, the model's head moved to the server (offload_lm_head, OffloadedHead
 route_causal_lm_loss); tied.py, a tied model's input embedding served by its head
 (TiedOffloadedHead, ServedEmbedding); generation.py, decoding with the tokens drawn on the server (generate,
 head_params); trainer.py, transformers' Trainer glue (RemoteHeadCallback,
-accumulation_window_ends); the checkpoints, remotehead.hf_checkpoint.
+accumulation_window_ends); the checkpoints, remotehead.hf.checkpoint.
 """
 
 from remotehead.hf.generation import GenerateOutput, generate, head_params
 from remotehead.hf.surgery import OffloadedHead, offload_lm_head, route_causal_lm_loss
 from remotehead.hf.trainer import RemoteHeadCallback, accumulation_window_ends
 # HEAD_SHARD: where checkpoints hold the head (remotehead.hf.HEAD_SHARD, as before).
-from remotehead.hf_checkpoint import HEAD_SHARD, save_head_from_server
+from remotehead.hf.checkpoint import HEAD_SHARD, save_head_from_server
 
 __all__ = ["HEAD_SHARD", "GenerateOutput", "OffloadedHead", "RemoteHeadCallback",
            "accumulation_window_ends", "generate", "head_params", "offload_lm_head",

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from remotehead.hf.surgery import OffloadedHead
+from remotehead.hf.offloaded import OffloadedHead
 
 
 def head_params(model, temperature: float = 1.0) -> dict:

@@ -12,7 +12,7 @@ The model keeps its semantics: Gemma's scale (the embedding module's `embed_scal
 body's dtype as Gemma's embedding does), padding_idx (its rows get no gradient), the body's
 dtype (rows come in it and follow model.to()). Its checkpoints are one tensor under the input
 embedding's name, as transformers writes a tied model (TiedOffloadedHead.tied_names, read by
-remotehead.hf_checkpoint); loading a state dict into the model (Trainer's resume) uploads it,
+remotehead.hf.checkpoint); loading a state dict into the model (Trainer's resume) uploads it,
 once even where both names are given; tie_weights() is a no-op (there is no local matrix to tie)
 and resize_token_embeddings() is refused.
 """
@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from remotehead.embedding import RemoteEmbedding
-from remotehead.hf.surgery import OffloadedHead, list_weight_in_state_dict
+from remotehead.hf.offloaded import OffloadedHead, list_weight_in_state_dict
 
 
 class TiedOffloadedHead(OffloadedHead):
