@@ -11,6 +11,7 @@
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
 #include "remotehead/server/group/liveness.h"
+#include "remotehead/server/group/placement.h"
 #include "remotehead/server/group/process_group.h"
 
 namespace remotehead::server {
@@ -21,8 +22,10 @@ struct Cluster {
   std::unique_ptr<Liveness> liveness;
   std::unique_ptr<HeadGroup> group;  // this replica's group of K > 1 ranks; nullptr: K = 1
   std::unique_ptr<HeadMesh> mesh;    // R > 1 replicas; nullptr: none
+  // Where this process sits (placement.h), for what asks it of the cluster.
+  Placement placement() const { return {group.get(), mesh.get()}; }
   // Whether this process serves HeadService: rank 0 of its replica (group).
-  bool serves() const { return group == nullptr || group->is_front(); }
+  bool serves() const { return placement().is_front(); }
   // OK while the group and the mesh work; else the verdict (the first failure).
   absl::Status health() const;
   // Every process's `mine`, by global rank (replica r's rank k at r·K + k), on every process:

@@ -37,7 +37,7 @@ struct ServiceContext {
         local(registry, &admission, options.device, options.event_log, options.checkpoint_dir,
               options.state_store, options.group, options.mesh),
         operations(&local, options.group, options.mesh, options.checkpoint_every_steps,
-                   MeshWait(options)),
+                   MeshWait(options, placement)),
         drain(&operations, options.group, options.mesh, options.event_log),
         follower(&local, registry, options.group, options.device, &drain),
         mesh_follower(options.mesh, options.group, &follower, &operations.mesh_steps(),
@@ -65,11 +65,11 @@ struct ServiceContext {
 
   // How long a replica's front waits for its own trainers once the leader's step came: the
   // synchronous step's timeout, within half the mesh log's (whose replies wait that long).
-  static std::chrono::milliseconds MeshWait(const ServiceOptions& options) {
+  static std::chrono::milliseconds MeshWait(const ServiceOptions& options,
+                                            const Placement& placement) {
     const auto wait =
         std::chrono::milliseconds(static_cast<int64_t>(options.sync_step_timeout_seconds * 1000));
-    const std::chrono::milliseconds reply =
-        Placement(options.group, options.mesh).mesh_reply_timeout();
+    const std::chrono::milliseconds reply = placement.mesh_reply_timeout();
     return reply.count() > 0 ? std::min(wait, reply / 2) : wait;
   }
 

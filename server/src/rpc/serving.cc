@@ -8,7 +8,6 @@
 
 #include "absl/status/status.h"
 #include "group/join.h"
-#include "remotehead/server/group/placement.h"
 #include "replication/cluster_drain.h"
 
 namespace remotehead::server {
@@ -91,8 +90,7 @@ int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cl
   std::atomic<bool> followed{false};
   absl::Status follow_status;
   std::thread follower;
-  const Placement placement(cluster.group.get(), cluster.mesh.get());
-  if (placement.follows_group() || placement.follows_mesh()) {
+  if (cluster.placement().follows_group() || cluster.placement().follows_mesh()) {
     follower = std::thread([&] {
       follow_status = front ? service.FollowMesh(drain.stop_following())
                             : service.FollowGroup(drain.stop_following());
@@ -128,7 +126,7 @@ int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cl
 
 int ServeUntilStopped(grpc::Server& server, HeadService& service, const Cluster& cluster,
                       const std::atomic<int>& signal, const ServingOptions& options) {
-  if (!Placement(cluster.group.get(), cluster.mesh.get()).in_cluster()) {
+  if (!cluster.placement().in_cluster()) {
     return ServeAlone(server, service, signal, options);
   }
   return ServeInCluster(server, service, cluster, signal, options);

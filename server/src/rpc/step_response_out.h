@@ -1,10 +1,10 @@
 // One message of a step call back to the client, as the server sends it: the StepResponse, and
 // for a chunk of rows (dX, outputs, token ids, a token extra) their bytes where they lie in the
 // engine's result (on a CUDA head, its host copy) — the message's values carry its dtype and
-// shape, not its bytes. The stream's
-// writer frames the message around them (wire::Frames): no copy of the rows into a protobuf
-// message, none into gRPC's buffer, and none on the compute thread. The result must be the
-// engine's own (a tensor no later batch writes into): it stays alive, unchanged, until written.
+// shape, not its bytes. The stream's writer frames the message around them (wire::Frames): no
+// copy of the rows into a protobuf message, none into gRPC's buffer, and none on the compute
+// thread. The result must be the engine's own (a tensor no later batch writes into): it stays
+// alive, unchanged, until written.
 #pragma once
 
 #include <cstdint>

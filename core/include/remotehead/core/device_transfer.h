@@ -2,9 +2,9 @@
 // request — its rows in, its dX out — made off the compute stream, so that neither the compute
 // thread nor the GPU waits for them: the rows of one batch are copied in (on the device's inbound
 // copy stream, from page-locked host memory where they were staged) while the batch before
-// computes, and a batch's dX
-// is copied out (into page-locked host memory, on the outbound copy stream) while the next one
-// computes; the host waits for a copy only where it reads the bytes (HostCopy::WhenLanded).
+// computes, and a batch's dX is copied out (into page-locked host memory, on the outbound copy
+// stream) while the next one computes; the host waits for a copy only where it reads the bytes
+// (HostCopy::WhenLanded).
 //
 // On the CPU none of this costs anything: ToDevice and HostCopy::Start return their tensor as it
 // is (or in the wire's layout), and a HostCopy has landed at once.
