@@ -38,6 +38,7 @@
 #include "rpc/front_address.h"
 #include "rpc/metrics_interceptor.h"
 #include "rpc/serving.h"
+#include "omp_wait_policy.h"
 #include "state_restore.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
@@ -567,6 +568,7 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  remotehead::server::RestartWithPassiveOmpWaitUnlessSet(argv);
   // A peer that closed its socket (a head group's rank or store gone, a metrics scraper that
   // hung up) makes a write fail with EPIPE, which the transport reports as a status; the default
   // SIGPIPE would instead end the process without a word (seen: a continued rank of a group).
