@@ -200,25 +200,9 @@ absl::StatusOr<HeadDescription> HeadOperations::ZeroGradients(const std::string&
   return entry->Describe();
 }
 
-absl::StatusOr<core::GradientBuffers> HeadOperations::SumGradientsOverReplicas(core::Head& head,
-                                                                               bool keep_own) {
-  core::GradientBuffers& grads = head.grads();
-  core::GradientBuffers own;
-  if (keep_own) {
-    own.weight = grads.weight.clone();
-    if (grads.bias.defined()) own.bias = grads.bias.clone();
-  }
-  RETURN_IF_ERROR(placement_.SumOverReplicas(grads.weight));
-  if (grads.bias.defined()) RETURN_IF_ERROR(placement_.SumOverReplicas(grads.bias));
-  return own;
-}
-
-absl::StatusOr<HeadDescription> HeadOperations::Step(const std::string& id,
-                                                     const OptimizerStepSpec& spec,
-                                                     bool over_replicas) {
-  if (over_replicas && !placement_.replicated()) {
-    return absl::FailedPreconditionError("reduce_step: this server is not a replica of a mesh");
-  }
+absl::StatusOr<HeadDescription> HeadOperations::OptimizerStep(const std::string& id,
+                                                              const OptimizerStepSpec& spec,
+                                                              const StepAround& around) {
   ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
   const bool sgd = std::holds_alternative<core::SgdOptions>(spec.optimizer);
   RETURN_IF_ERROR(entry->OptimizerStep(
@@ -235,20 +219,17 @@ absl::StatusOr<HeadDescription> HeadOperations::Step(const std::string& id,
               // A bad step is refused for what is wrong with it before any memory is asked
               // for; the buffers the first step creates are reserved before they exist.
               RETURN_IF_ERROR(core::CheckOptimizerStep(state, options, spec.grad_scale));
-              core::GradientBuffers own;
-              if (over_replicas) {
-                ASSIGN_OR_RETURN(own, SumGradientsOverReplicas(head, !spec.zero_gradients));
+              core::GradientBuffers restore;
+              if (around.before) {
+                ASSIGN_OR_RETURN(restore, around.before(head));
               }
               RETURN_IF_ERROR(ChangeOptimizerState(
                   state, core::OptimizerStateBytesAfterStep(head, state, options),
                   ResizeOf(*entry, absl::StrCat(StateBuffers(options), " of head \"", id, "\"")),
                   [&] { return ApplyStep(head, options, spec.grad_scale, &state); }));
-              if (own.weight.defined()) head.grads().weight.copy_(own.weight);
-              if (own.bias.defined()) head.grads().bias.copy_(own.bias);
-              if (!over_replicas) return absl::OkStatus();
-              return placement_.CompareReplicasAt(
-                  head.version(), {head.weight(), head.bias()},
-                  absl::StrCat("the weights of head \"", id, "\" at version ", head.version()));
+              if (restore.weight.defined()) head.grads().weight.copy_(restore.weight);
+              if (restore.bias.defined()) head.grads().bias.copy_(restore.bias);
+              return around.after ? around.after(head) : absl::OkStatus();
             },
             spec.optimizer);
       },

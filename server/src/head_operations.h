@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -32,6 +33,18 @@
 #include "remotehead/server/state_store.h"
 
 namespace remotehead::server {
+
+// What an optimizer step runs around its apply, under the head's lock, once the step's own
+// checks passed (the version it expects, the optimizer's arguments). A mesh replica's step gets
+// its sum over the replicas, its commit decision and its weight checksums this way
+// (replication/replica_step.h), so this layer never asks whether there are replicas.
+struct StepAround {
+  // Before the apply: makes dW what the apply uses; returns what dW is set back to after the
+  // apply (undefined tensors: dW left as the apply left it). A failure applies nothing.
+  std::function<absl::StatusOr<core::GradientBuffers>(core::Head& head)> before;
+  // After the apply, the head at its new version; a failure is the step's answer.
+  std::function<absl::Status(const core::Head& head)> after;
+};
 
 class HeadOperations {
  public:
@@ -97,15 +110,13 @@ class HeadOperations {
   absl::Status Drop(const std::string& id);
   absl::Status UndoCreate(const std::string& id);  // drops it if this rank has it
   absl::StatusOr<HeadDescription> ZeroGradients(const std::string& id);
+  // The optimizer step on this rank's rows, with `around` run under the head's lock around the
+  // apply (replication/replica_step.h supplies a mesh replica's; empty: a plain step).
   absl::StatusOr<HeadDescription> OptimizerStep(const std::string& id,
-                                                const OptimizerStepSpec& spec) {
-    return Step(id, spec, /*over_replicas=*/false);
-  }
-  // On a mesh: this rank's part of the mesh's step: dW summed over the replicas
-  // (HeadMesh::SumOverReplicas), then the step.
-  absl::StatusOr<HeadDescription> ReduceStep(const std::string& id, const OptimizerStepSpec& spec) {
-    return Step(id, spec, /*over_replicas=*/true);
-  }
+                                                const OptimizerStepSpec& spec,
+                                                const StepAround& around = {});
+  // Where this process sits (alone, a group's rank, a mesh's), with its collectives.
+  Placement& placement() { return placement_; }
   // Durable training state (head_state_operations.cc): FAILED_PRECONDITION without a state
   // store. This rank's shard of head `id` saved as `state_id`; restored from it (with
   // `check_only`, only loaded and checked against the head).
@@ -141,13 +152,6 @@ class HeadOperations {
     std::vector<core::ShardRange> shards;
   };
   absl::StatusOr<Rows> RowsOf(int64_t vocab_size, const std::string& field) const;
-  // The optimizer step on this rank's rows; `over_replicas`: dW summed over a mesh's replicas
-  // first (this replica's own dW is what stays accumulated if the step does not zero it).
-  absl::StatusOr<HeadDescription> Step(const std::string& id, const OptimizerStepSpec& spec,
-                                       bool over_replicas);
-  // dW (and db) summed over the mesh's replicas, in place; returns this replica's own when
-  // `keep_own` (a step that does not zero dW puts them back after it).
-  absl::StatusOr<core::GradientBuffers> SumGradientsOverReplicas(core::Head& head, bool keep_own);
   // On a group: the front's uploaded W (and b) shared into every rank's `weight` / `bias`,
   // which are then narrowed to this rank's rows.
   absl::StatusOr<Rows> ShareUploadedRows(torch::Tensor* weight, torch::Tensor* bias);

@@ -1,6 +1,6 @@
 // The arguments and results of head operations that cross a boundary: the RPC handlers build
 // them from protobuf (translate/protocol.h), the head operations run them (head_operations.h),
-// and a head group's commands carry them to the other ranks (translate/group_commands.h).
+// and a head group's commands carry them to the other ranks (translate/head_commands.h).
 #pragma once
 
 #include <cstdint>

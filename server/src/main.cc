@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "group/join.h"
+#include "omp_wait_policy.h"
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/device.h"
 #include "remotehead/core/head.h"
@@ -38,7 +39,6 @@
 #include "rpc/front_address.h"
 #include "rpc/metrics_interceptor.h"
 #include "rpc/serving.h"
-#include "omp_wait_policy.h"
 #include "state_restore.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve on");
@@ -163,9 +163,10 @@ namespace {
 
 namespace rh = remotehead;
 
-// id:vocab:hidden[:dtype[:seed]]; on a head group (`group` set), this rank's rows of it.
+// id:vocab:hidden[:dtype[:seed]]; on a head group, this rank's rows of it.
 absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
-                         rh::server::HeadGroup* group, rh::server::HeadRegistry* registry) {
+                         const rh::server::Placement& placement,
+                         rh::server::HeadRegistry* registry) {
   const std::vector<std::string> parts = absl::StrSplit(spec, ':');
   rh::core::HeadInit init;
   if (parts.size() < 3 || parts.size() > 5 || !absl::SimpleAtoi(parts[1], &init.vocab_size) ||
@@ -177,12 +178,13 @@ absl::Status PreloadHead(const std::string& spec, const torch::Device& device,
   if (parts.size() >= 4) {
     ASSIGN_OR_RETURN(init.dtype, rh::core::ParseHeadDtype(parts[3]));
   }
-  if (group == nullptr) {
+  if (!placement.sharded()) {
     ASSIGN_OR_RETURN(auto head, rh::core::Head::Initialize(init, {.device = device}));
     return registry->Add(parts[0], std::move(head)).status();
   }
-  ASSIGN_OR_RETURN(const std::vector<rh::core::ShardRange> shards, group->Ranges(init.vocab_size));
-  const rh::core::ShardRange mine = shards.at(static_cast<size_t>(group->rank()));
+  ASSIGN_OR_RETURN(const std::vector<rh::core::ShardRange> shards,
+                   placement.Ranges(init.vocab_size, "--head " + spec));
+  const rh::core::ShardRange mine = shards.at(static_cast<size_t>(placement.rank()));
   ASSIGN_OR_RETURN(
       auto head, rh::core::Head::InitializeRows(init, {.device = device}, mine.offset, mine.rows));
   return registry->Add(parts[0], std::move(head), /*reservation=*/0, shards).status();
@@ -225,7 +227,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Security() {
   return credentials;
 }
 
-absl::Status LoadHeads(const torch::Device& device, rh::server::HeadGroup* group,
+absl::Status LoadHeads(const torch::Device& device, const rh::server::Placement& placement,
                        rh::server::HeadRegistry* registry) {
   for (const std::string& spec : absl::GetFlag(FLAGS_head)) {
     const std::string id = std::string(spec.substr(0, spec.find(':')));
@@ -234,7 +236,7 @@ absl::Status LoadHeads(const torch::Device& device, rh::server::HeadGroup* group
                 << std::endl;
       continue;
     }
-    RETURN_IF_ERROR(PreloadHead(spec, device, group, registry));
+    RETURN_IF_ERROR(PreloadHead(spec, device, placement, registry));
     std::cout << "remotehead-server: head loaded: " << spec << " on " << device.str() << std::endl;
   }
   return absl::OkStatus();
@@ -429,15 +431,14 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
                                       .store = absl::GetFlag(FLAGS_group_store),
                                       .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds),
                                       .store_bind = absl::GetFlag(FLAGS_group_store_bind),
-                                      .transport_host =
-                                          absl::GetFlag(FLAGS_group_transport_host),
+                                      .transport_host = absl::GetFlag(FLAGS_group_transport_host),
                                       .replicas = absl::GetFlag(FLAGS_group_replicas)},
                                      env));
   config.device = device;
   if (config.size > 1 && !absl::GetFlag(FLAGS_group_secret_file).empty()) {
-    ASSIGN_OR_RETURN(config.secret,
-                     rh::server::ReadSecretFile("group_secret_file",
-                                                 absl::GetFlag(FLAGS_group_secret_file)));
+    ASSIGN_OR_RETURN(
+        config.secret,
+        rh::server::ReadSecretFile("group_secret_file", absl::GetFlag(FLAGS_group_secret_file)));
   }
   config.trusted_network = absl::GetFlag(FLAGS_group_trusted_network);
   RETURN_IF_ERROR(rh::server::CheckGroupPlane(config));
@@ -455,8 +456,7 @@ int Run() {
     return Refuse(absl::InvalidArgumentError(absl::StrCat(
         "--sync_step_timeout_seconds: expected a number of seconds in (0, 86400]; got ", t)));
   }
-  if (const absl::Status s = rh::wire::CheckHttp2Settings(Http2FromFlags(), "--http2_");
-      !s.ok()) {
+  if (const absl::Status s = rh::wire::CheckHttp2Settings(Http2FromFlags(), "--http2_"); !s.ok()) {
     return Refuse(s);
   }
   if (const int32_t t = absl::GetFlag(FLAGS_drain_save_seconds); t < 0) {
@@ -492,7 +492,6 @@ int Run() {
     return 1;
   }
   rh::server::HeadGroup* group = cluster->group.get();
-  rh::server::HeadMesh* mesh = cluster->mesh.get();
   if (state_store != nullptr) {
     if (const absl::Status s =
             rh::server::RestoreHeadsAtStart(*state_store, *cluster, *device, &registry, std::cout);
@@ -500,7 +499,7 @@ int Run() {
       return Refuse(s);
     }
   }
-  if (const absl::Status s = LoadHeads(*device, group, &registry); !s.ok()) {
+  if (const absl::Status s = LoadHeads(*device, cluster->placement(), &registry); !s.ok()) {
     return Refuse(s);
   }
   if (absl::GetFlag(FLAGS_torch_threads) > 0) {
@@ -512,14 +511,12 @@ int Run() {
   if (!checkpoint_dir.ok()) return Refuse(checkpoint_dir.status());
   absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
-  if (metrics->metrics != nullptr && group != nullptr) {
-    rh::server::ServerMetrics* m = metrics->metrics.get();
-    m->AddSource(group);
-    group->set_observer([m](const std::string& command, double seconds) {
+  if (rh::server::ServerMetrics* m = metrics->metrics.get(); m != nullptr) {
+    for (rh::server::MetricSource* source : cluster->metric_sources()) m->AddSource(source);
+    cluster->ObserveGroupCommands([m](const std::string& command, double seconds) {
       m->ObserveGroupCommand(command, seconds);
     });
   }
-  if (metrics->metrics != nullptr && mesh != nullptr) metrics->metrics->AddSource(mesh);
 
   const std::unique_ptr<rh::server::HeadService> service = rh::server::HeadService::Create(
       &registry, MakeServiceOptions(*device, *budget, metrics->metrics.get(), state_store.get(),
@@ -542,8 +539,7 @@ int Run() {
   if (cluster->liveness != nullptr) {
     cluster->liveness->Announce(rh::server::ProcessAddress(absl::GetFlag(FLAGS_listen), port));
   }
-  if (group != nullptr && front) AnnounceFront(*group, *group_config, port);
-  if (mesh != nullptr && mesh->is_leader()) AnnounceFront(*mesh->fronts(), *group_config, port);
+  for (rh::server::HeadGroup* log : cluster->logs_led()) AnnounceFront(*log, *group_config, port);
   if (metrics->http != nullptr) {
     std::cout << "remotehead-server: metrics on port " << metrics->http->port() << " (/metrics, "
               << (metrics_options->bearer_token.empty() ? "no auth" : "bearer token required")

@@ -85,9 +85,9 @@ absl::Status RestoreOne(const core::HeadState& state, const std::string& file,
   const int64_t vocab_size = state.vocab_size > 0 ? state.vocab_size : state.weight.size(0);
   std::vector<core::ShardRange> shards;
   int64_t offset = 0;
-  if (cluster.group != nullptr) {
-    ASSIGN_OR_RETURN(shards, cluster.group->Ranges(vocab_size));
-    offset = shards.at(static_cast<size_t>(cluster.group->rank())).offset;
+  if (const Placement placement = cluster.placement(); placement.sharded()) {
+    ASSIGN_OR_RETURN(shards, placement.Ranges(vocab_size, "vocab_size"));
+    offset = shards.at(static_cast<size_t>(placement.rank())).offset;
   }
   if (const absl::Status rows = core::CheckHeadStateRows(state, vocab_size, offset); !rows.ok()) {
     return absl::FailedPreconditionError(

@@ -47,49 +47,67 @@ std::vector<std::pair<std::string, std::string>> AgreedFields(const SyncStepRequ
 // INVALID_ARGUMENT for ranks that disagree on `field`, with its reason.
 absl::Status Disagreement(const std::string& field, const SyncStepRequest& first,
                           const std::string& message) {
-  return core::WithReason(absl::InvalidArgumentError(message), core::reason::kRanksDisagree,
-                          {{"head", first.head_id},
-                           {"step", absl::StrCat(first.step)},
-                           {"field", field}});
+  return core::WithReason(
+      absl::InvalidArgumentError(message), core::reason::kRanksDisagree,
+      {{"head", first.head_id}, {"step", absl::StrCat(first.step)}, {"field", field}});
 }
 
-absl::Status CheckRequest(const SyncStepRequest& r, int replica, int replicas) {
+absl::Status CheckRequest(const SyncStepRequest& r) {
   if (r.world_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("synchronous.world_size: expected >= 1; got ", r.world_size));
   }
   if (r.rank < 0 || r.rank >= r.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("synchronous.rank: expected in [0, ",
-                                                   r.world_size, "); got ", r.rank));
+    return absl::InvalidArgumentError(
+        absl::StrCat("synchronous.rank: expected in [0, ", r.world_size, "); got ", r.rank));
   }
   if (r.step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("synchronous.step: expected >= 0; got ", r.step));
-  }
-  if (r.rank % replicas != replica) {
-    return core::WithReason(
-        absl::InvalidArgumentError(absl::StrCat(
-            "synchronous.rank: expected a trainer of replica ", replica, " of ", replicas,
-            " (rank mod ", replicas, " = ", replica, "); got rank ", r.rank, ", which replica ",
-            r.rank % replicas, "'s front serves: each trainer dials fronts[rank mod ", replicas,
-            "]")),
-        core::reason::kWrongReplica,
-        {{"rank", absl::StrCat(r.rank)}, {"replica", absl::StrCat(r.rank % replicas)}});
   }
   return absl::OkStatus();
 }
 
 }  // namespace
 
+std::vector<int> TrainerShare::Ranks(int world_size) const {
+  std::vector<int> ranks(world_size);
+  for (int t = 0; t < world_size; ++t) ranks[t] = t;
+  return ranks;
+}
+
+absl::Status TrainerShare::CheckRank(const SyncStepRequest&) const { return absl::OkStatus(); }
+
+void TrainerShare::Came(const SyncStepRequest&, const std::vector<int>&) {}
+
+void TrainerShare::Left(const SyncStepRequest&, const std::vector<int>&,
+                        std::chrono::system_clock::time_point) {}
+
+absl::Status TrainerShare::Missing(const SyncStepRequest& first, const std::vector<int>& came,
+                                   std::chrono::milliseconds waited) {
+  std::vector<int> missing;
+  for (int r : Ranks(first.world_size)) {
+    if (std::find(came.begin(), came.end(), r) == came.end()) missing.push_back(r);
+  }
+  return core::WithReason(
+      absl::AbortedError(absl::StrCat(
+          "synchronous optimizer step ", first.step, " of head \"", first.head_id,
+          "\": expected all ", first.world_size, " ranks within ",
+          absl::FormatDuration(absl::FromChrono(waited)), "; got ranks [",
+          absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "),
+          "]: nothing applied, the accumulated dW is kept (ask again once every rank runs)")),
+      core::reason::kRanksMissing,
+      {{"head", first.head_id},
+       {"step", absl::StrCat(first.step)},
+       {"missing_ranks", absl::StrJoin(missing, ",")}});
+}
+
 SynchronousSteps::SynchronousSteps(Apply apply, Describe describe,
-                                   std::chrono::milliseconds timeout, ServerMetrics* metrics,
-                                   int replica, int replicas)
+                                   std::chrono::milliseconds timeout, ServerMetrics* metrics)
     : apply_(std::move(apply)),
       describe_(std::move(describe)),
       timeout_(timeout),
-      metrics_(metrics),
-      replica_(replica),
-      replicas_(replicas) {
+      metrics_(metrics) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -106,14 +124,7 @@ SynchronousSteps::~SynchronousSteps() {
   timer_.join();
 }
 
-std::vector<int> SynchronousSteps::ReplicaRanks(int world_size, int replica, int replicas) {
-  std::vector<int> ranks;
-  for (int t = replica; t < world_size; t += replicas) ranks.push_back(t);
-  return ranks;
-}
-
-absl::Status SynchronousSteps::Agree(const SyncStepRequest& first,
-                                     const SyncStepRequest& request) {
+absl::Status SynchronousSteps::Agree(const SyncStepRequest& first, const SyncStepRequest& request) {
   if (request.step != first.step) {
     return Disagreement("synchronous.step", first,
                         absl::StrCat("synchronous.step: every rank of a synchronous step must ask "
@@ -141,7 +152,9 @@ absl::Status SynchronousSteps::Agree(const SyncStepRequest& first,
 
 void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
   const Waiter waiter{std::move(reply), Clock::now()};
-  if (absl::Status bad = CheckRequest(request, replica_, replicas_); !bad.ok()) {
+  absl::Status bad = CheckRequest(request);
+  if (bad.ok()) bad = trainers_->CheckRank(request);
+  if (!bad.ok()) {
     Send({{waiter, bad}});
     return;
   }
@@ -184,8 +197,7 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
       if (replies.empty()) {
         pending.ranks[request.rank].push_back(waiter);
         last = !pending.applying &&
-               pending.ranks.size() ==
-                   ReplicaRanks(pending.first.world_size, replica_, replicas_).size();
+               pending.ranks.size() == trainers_->Ranks(pending.first.world_size).size();
         if (last) pending.applying = true;
       }
     }
@@ -193,22 +205,21 @@ void SynchronousSteps::Arrive(SyncStepRequest request, Reply reply) {
   }
   const auto answered = std::chrono::system_clock::now();
   Send(std::move(replies));
-  if (mesh_ != nullptr) TellMesh(request.head_id);
-  for (const Pending& p : left) TellMeshLeft(p, answered);
+  TellCame(request.head_id);
+  for (const Pending& p : left) TellLeft(p, answered);
   if (last) ApplyAndAnswer(request.head_id);
 }
 
-void SynchronousSteps::TellMeshLeft(const Pending& pending,
-                                    std::chrono::system_clock::time_point answered) {
-  if (mesh_ == nullptr) return;
+void SynchronousSteps::TellLeft(const Pending& pending,
+                                std::chrono::system_clock::time_point answered) {
   // Under the same lock as Came: a Came read before the step ended is told before this.
   std::lock_guard<std::mutex> telling(telling_);
   std::vector<int> ranks;
   for (const auto& [rank, waiters] : pending.ranks) ranks.push_back(rank);
-  mesh_->Left(pending.first, ranks, answered);
+  trainers_->Left(pending.first, ranks, answered);
 }
 
-void SynchronousSteps::TellMesh(const std::string& head_id) {
+void SynchronousSteps::TellCame(const std::string& head_id) {
   std::lock_guard<std::mutex> telling(telling_);
   SyncStepRequest first;
   std::vector<int> came;
@@ -219,28 +230,7 @@ void SynchronousSteps::TellMesh(const std::string& head_id) {
     first = it->second.first;
     for (const auto& [rank, waiters] : it->second.ranks) came.push_back(rank);
   }
-  mesh_->Came(first, came);
-}
-
-absl::Status SynchronousSteps::MissingRanks(const SyncStepRequest& first,
-                                            const std::vector<int>& came,
-                                            std::chrono::milliseconds waited) {
-  if (mesh_ != nullptr) return mesh_->Missing(first, waited);
-  std::vector<int> missing;
-  for (int r : ReplicaRanks(first.world_size, replica_, replicas_)) {
-    if (std::find(came.begin(), came.end(), r) == came.end()) missing.push_back(r);
-  }
-  return core::WithReason(
-      absl::AbortedError(absl::StrCat(
-          "synchronous optimizer step ", first.step, " of head \"", first.head_id,
-          "\": expected all ", first.world_size, " ranks within ",
-          absl::FormatDuration(absl::FromChrono(waited)), "; got ranks [",
-          absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "),
-          "]: nothing applied, the accumulated dW is kept (ask again once every rank runs)")),
-      core::reason::kRanksMissing,
-      {{"head", first.head_id},
-       {"step", absl::StrCat(first.step)},
-       {"missing_ranks", absl::StrJoin(missing, ",")}});
+  trainers_->Came(first, came);
 }
 
 void SynchronousSteps::ApplyAndAnswer(const std::string& head_id) {
@@ -273,7 +263,7 @@ void SynchronousSteps::ApplyAndAnswer(const std::string& head_id) {
   }
   const auto answered = std::chrono::system_clock::now();
   Send(std::move(replies));
-  for (const Pending& p : left) TellMeshLeft(p, answered);
+  for (const Pending& p : left) TellLeft(p, answered);
 }
 
 void SynchronousSteps::TakeAll(Pending& pending, const absl::StatusOr<HeadDescription>& status,
@@ -303,7 +293,7 @@ void SynchronousSteps::AbortAll(const absl::Status& status) {
   }
   const auto answered = std::chrono::system_clock::now();
   Send(std::move(replies));
-  for (const Pending& p : left) TellMeshLeft(p, answered);
+  for (const Pending& p : left) TellLeft(p, answered);
 }
 
 void SynchronousSteps::TimerLoop() {
@@ -319,7 +309,7 @@ void SynchronousSteps::TimerLoop() {
     }
     if (wake_.wait_until(lock, next) != std::cv_status::timeout) continue;
     // The steps that waited too long, taken out; each answered, outside the lock (on a mesh
-    // the answer reads what the other fronts told: mesh_->Missing).
+    // the answer reads what the other fronts told: TrainerShare::Missing).
     std::vector<Pending> expired;
     const Clock::time_point now = Clock::now();
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -338,10 +328,10 @@ void SynchronousSteps::TimerLoop() {
       for (const auto& [rank, waiters] : p.ranks) came.push_back(rank);
       Replies replies;
       const Pending ended = p;
-      TakeAll(p, MissingRanks(p.first, came, timeout_), &replies);
+      TakeAll(p, trainers_->Missing(p.first, came, timeout_), &replies);
       const auto answered = std::chrono::system_clock::now();
       Send(std::move(replies));
-      TellMeshLeft(ended, answered);
+      TellLeft(ended, answered);
     }
     lock.lock();
   }

@@ -36,23 +36,30 @@ struct SyncStepRequest {
   std::string expected_incarnation;  // "" = any
 };
 
-// A mesh's front (mesh_steps.h): what it tells the other fronts of its trainers, and the whole
-// world's picture once a step waited too long — so that every replica names the same trainers.
-class TrainersOfTheMesh {
+// Which of a world's trainers come to this server's synchronous steps, and what the other
+// servers learn of them. This class itself is a server alone or a head group's front: every rank
+// of the world comes here, and no one else is told. A mesh's front overrides it (MeshSteps,
+// replication/mesh_steps.h): its replica's trainers only, told to the other fronts, and the
+// missing named across the mesh — so that every replica names the same trainers.
+class TrainerShare {
  public:
-  virtual ~TrainersOfTheMesh() = default;
-  // This replica's trainers that asked for `first`'s step so far (they wait).
-  virtual void Came(const SyncStepRequest& first, const std::vector<int>& ranks) = 0;
-  // This replica's trainers at `first`'s step were answered (applied, refused, aborted): they no
-  // longer count as come to a later try of the same step (the same step asked again after it
-  // was aborted).
-  // `answered`: when (before their answers were sent).
+  virtual ~TrainerShare() = default;
+  // The ranks of a world of `world_size` that this server waits for.
+  virtual std::vector<int> Ranks(int world_size) const;
+  // OK for a trainer that belongs here; else the refusal naming where it belongs.
+  virtual absl::Status CheckRank(const SyncStepRequest& request) const;
+  // This server's trainers that asked for `first`'s step so far (they wait).
+  virtual void Came(const SyncStepRequest& first, const std::vector<int>& ranks);
+  // This server's trainers at `first`'s step were answered (applied, refused, aborted) at
+  // `answered` (before their answers were sent): they no longer count as come to a later try of
+  // the same step (the same step asked again after it was aborted).
   virtual void Left(const SyncStepRequest& first, const std::vector<int>& ranks,
-                    std::chrono::system_clock::time_point answered) = 0;
-  // ABORTED, reason RANKS_MISSING: the step of `first` waited `waited`; every trainer of its world
-  // that came to this try of it, on any replica (waiting, or answered after this try began),
-  // and every one missing (metadata missing_ranks).
-  virtual absl::Status Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) = 0;
+                    std::chrono::system_clock::time_point answered);
+  // ABORTED, reason RANKS_MISSING: the step of `first` waited `waited`, and of the trainers
+  // this server waits for, only `came` came; names every trainer of the world that came to this
+  // try of it and every one missing (metadata missing_ranks).
+  virtual absl::Status Missing(const SyncStepRequest& first, const std::vector<int>& came,
+                               std::chrono::milliseconds waited);
 };
 
 class SynchronousSteps {
@@ -69,10 +76,8 @@ class SynchronousSteps {
 
   // `timeout`: how long the ranks that came wait for the others, from the first arrival.
   // `metrics` (nullptr: none) gets the wait times, the ranks waiting and the aborted steps.
-  // On a mesh of `replicas` replicas this is replica `replica`'s front, and waits only for its
-  // own trainers: the ranks t of the world with t mod replicas = replica (ReplicaRanks).
   SynchronousSteps(Apply apply, Describe describe, std::chrono::milliseconds timeout,
-                   ServerMetrics* metrics, int replica = 0, int replicas = 1);
+                   ServerMetrics* metrics);
   // Fails the steps still waiting (UNAVAILABLE) and stops the timer.
   ~SynchronousSteps();
   SynchronousSteps(const SynchronousSteps&) = delete;
@@ -85,16 +90,13 @@ class SynchronousSteps {
   void Arrive(SyncStepRequest request, Reply reply);
   // Fails every waiting caller with `status` (the server is draining); nothing applied.
   void AbortAll(const absl::Status& status);
-  // On a mesh's front: its trainers told to the others, and the missing named across the mesh.
+  // Which trainers come here (default: every rank of the world; a mesh's front: its replica's).
   // Set before the first step.
-  void set_mesh(TrainersOfTheMesh* mesh) { mesh_ = mesh; }
+  void set_trainers(TrainerShare* trainers) { trainers_ = trainers; }
 
   // The refusal of `request` against `first` (the rank that came first, or on a mesh the
   // leader's), naming the field and both values; OK if they agree.
   static absl::Status Agree(const SyncStepRequest& first, const SyncStepRequest& request);
-  // The trainer ranks of a world of `world_size` that replica `replica` of `replicas` serves:
-  // t mod replicas = replica (trainer t dials replica t mod R's front).
-  static std::vector<int> ReplicaRanks(int world_size, int replica, int replicas);
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -104,7 +106,7 @@ class SynchronousSteps {
   };
   // The ranks waiting at one head's step.
   struct Pending {
-    SyncStepRequest first;                    // what the others must agree with
+    SyncStepRequest first;                     // what the others must agree with
     std::map<int, std::vector<Waiter>> ranks;  // a rank that retried waits twice
     Clock::time_point deadline;
     bool applying = false;  // the last rank is applying it: later arrivals join the answer
@@ -123,28 +125,24 @@ class SynchronousSteps {
   void TakeAll(Pending& pending, const absl::StatusOr<HeadDescription>& status, Replies* out);
   void Send(Replies replies);
   void TimerLoop();
-  // The mesh told which of this replica's trainers came to `head_id`'s step now.
-  void TellMesh(const std::string& head_id);
-  // The mesh told that the trainers of `pending` (taken out of pending_) were answered at
-  // `answered`.
-  void TellMeshLeft(const Pending& pending, std::chrono::system_clock::time_point answered);
-  // ABORTED naming the trainers that came and those missing, after `waited`.
-  absl::Status MissingRanks(const SyncStepRequest& first, const std::vector<int>& came,
-                            std::chrono::milliseconds waited);
+  // The trainer share told which trainers came to `head_id`'s step now.
+  void TellCame(const std::string& head_id);
+  // The trainer share told that the trainers of `pending` (taken out of pending_) were answered
+  // at `answered`.
+  void TellLeft(const Pending& pending, std::chrono::system_clock::time_point answered);
   void UpdateWaitingLocked();
 
   const Apply apply_;
   const Describe describe_;
   const std::chrono::milliseconds timeout_;
   ServerMetrics* const metrics_;
-  const int replica_;
-  const int replicas_;
   std::mutex mu_;
   std::condition_variable wake_;
   bool stopping_ = false;
-  std::map<std::string, Pending> pending_;               // by head
+  std::map<std::string, Pending> pending_;              // by head
   std::map<std::string, std::deque<Applied>> applied_;  // by head, the latest last
-  TrainersOfTheMesh* mesh_ = nullptr;
+  TrainerShare every_rank_;  // the default share: every rank of the world
+  TrainerShare* trainers_ = &every_rank_;
   std::mutex telling_;  // one Came at a time, each with the trainers as they are then
   std::thread timer_;
 };

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "remotehead/core/error_reason.h"
+#include "replication/replica_step.h"
 #include "server/mesh_replicas.h"
 
 namespace remotehead::server {
@@ -327,7 +328,7 @@ TEST(MeshStepsTest, AReplicaWhoseTrainersNeverComeAbortsTheStepOnEveryReplica) {
     EXPECT_LT(took, 1.5);   // …for the wait given, not for the log's timeout
     // Every replica names the same trainers: those of the replica that never asked.
     const int world = trainers[0]->world_size;
-    const std::vector<int> missing = SynchronousSteps::ReplicaRanks(world, odd, replicas);
+    const std::vector<int> missing = TrainersOfReplica(world, odd, replicas);
     std::vector<int> came;
     for (int t = 0; t < world; ++t) {
       if (t % replicas != odd) came.push_back(t);
@@ -468,6 +469,58 @@ TEST(MeshStepsTest, ReplicasOfTwoRanksEachStepEveryShardAlike) {
     EXPECT_EQ(m.at(g_rank).mesh->reduced_bytes(), (kVocab / 2) * (kHidden + 1) * 4);
     EXPECT_EQ(m.at(g_rank).mesh->checksums(/*matched=*/true), 1);
   }
+  ExpectMeshStillUp(m);
+}
+
+// The seat of a commit decision (replica_step.h): between the sum over the replicas and the
+// apply, on every replica's rank at once, as the reduce_step command runs there. A decision that
+// refuses once the sum is done (the bytes were reduced) applies nothing on any replica and puts
+// each replica's own dW back; one that allows applies the summed dW, as a plain mesh step does.
+TEST(MeshStepsTest, ADecisionBetweenTheSumAndTheApplyRefusesWithNothingAppliedOrAllowsTheStep) {
+  Replicas m(MeshSetup{.replicas = 2});
+  const Gradients g = CreateWithGradients(m);
+  const std::vector<HeadState> before = StatesOf(m);
+  const OptimizerStepSpec spec = Sgd(kLr, kGradScale, /*zero=*/true);
+  const auto step_every_replica = [&](bool apply) {
+    std::vector<absl::StatusOr<HeadDescription>> results(2, absl::UnknownError("not run"));
+    std::vector<int64_t> summed_at_decision(2, -1);
+    std::vector<std::thread> replicas;
+    for (int r = 0; r < 2; ++r) {
+      replicas.emplace_back([&, r] {
+        HeadOperations& ops = *m.front(r).local;
+        const StepDecision decide = [&, r]() -> absl::Status {
+          summed_at_decision[static_cast<size_t>(r)] = m.mesh(r).reduced_bytes();
+          if (apply) return absl::OkStatus();
+          return absl::AbortedError("the step was decided against after its sum");
+        };
+        results[static_cast<size_t>(r)] = ops.OptimizerStep(
+            kHead, spec, ReplicaStepAround(ops.placement(), kHead, !spec.zero_gradients, decide));
+      });
+    }
+    for (std::thread& t : replicas) t.join();
+    for (int r = 0; r < 2; ++r) EXPECT_GT(summed_at_decision[static_cast<size_t>(r)], 0) << r;
+    return results;
+  };
+
+  for (const auto& refused : step_every_replica(/*apply=*/false)) {
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
+  }
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("replica ", r));
+    const HeadState now = StateOf(m, r);
+    EXPECT_EQ(now.version, 0);
+    EXPECT_TRUE(Same(now.weight, before[static_cast<size_t>(r)].weight));
+    EXPECT_TRUE(Same(now.bias, before[static_cast<size_t>(r)].bias));
+    // Its own dW, not the sum it was for a moment.
+    EXPECT_TRUE(Same(now.dweight, g.dw[static_cast<size_t>(r)]));
+    EXPECT_TRUE(Same(now.dbias, g.db[static_cast<size_t>(r)]));
+  }
+
+  for (const auto& applied : step_every_replica(/*apply=*/true)) {
+    ASSERT_TRUE(applied.ok()) << applied.status();
+    EXPECT_EQ(applied->weight_version, 1);
+  }
+  ExpectSteppedAlike(m, before, g, kGradScale, 1, /*zeroed=*/true);
   ExpectMeshStillUp(m);
 }
 

@@ -43,8 +43,8 @@ absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
         "--mesh_reduce_dtype: expected float32 or bfloat16; got \"", reduce_dtype, "\""));
   }
   if (checksum_every_steps < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--mesh_checksum_every_steps: expected >= 0; got ", checksum_every_steps));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mesh_checksum_every_steps: expected >= 0; got ", checksum_every_steps));
   }
   options.checksum_every_steps = checksum_every_steps;
   return options;
@@ -55,6 +55,24 @@ absl::Status Cluster::health() const {
   if (group != nullptr) RETURN_IF_ERROR(group->health());
   if (mesh != nullptr) RETURN_IF_ERROR(mesh->health());
   return absl::OkStatus();
+}
+
+std::vector<MetricSource*> Cluster::metric_sources() const {
+  std::vector<MetricSource*> sources;
+  if (group != nullptr) sources.push_back(group.get());
+  if (mesh != nullptr) sources.push_back(mesh.get());
+  return sources;
+}
+
+void Cluster::ObserveGroupCommands(std::function<void(const std::string&, double)> observer) const {
+  if (group != nullptr) group->set_observer(std::move(observer));
+}
+
+std::vector<HeadGroup*> Cluster::logs_led() const {
+  std::vector<HeadGroup*> logs;
+  if (group != nullptr && group->is_front()) logs.push_back(group.get());
+  if (mesh != nullptr && mesh->is_leader()) logs.push_back(mesh->fronts());
+  return logs;
 }
 
 absl::StatusOr<std::vector<std::string>> Cluster::AllGather(const std::string& mine) const {
@@ -79,9 +97,9 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
   const std::string transport = config.device.is_cuda() ? "NCCL" : "Gloo";
   const std::string store = absl::StrCat(config.store_host, ":", config.store_port);
   const std::string listening =
-      config.rank == 0 ? absl::StrCat("; store listening on ", config.listen_host(), ":",
-                                      config.store_port)
-                       : std::string();
+      config.rank == 0
+          ? absl::StrCat("; store listening on ", config.listen_host(), ":", config.store_port)
+          : std::string();
   if (config.replicas <= 1) {
     std::cout << "remotehead-server: joining head group as rank " << config.rank << " of "
               << config.size << " at " << store << " (" << transport << ")" << std::endl;

@@ -3,6 +3,7 @@
 // that builds the groups and the mesh, opens their logs and says so on stdout.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,6 +29,13 @@ struct Cluster {
   bool serves() const { return placement().is_front(); }
   // OK while the group and the mesh work; else the verdict (the first failure).
   absl::Status health() const;
+  // The transport's gauges for the metrics: the group's and the mesh's (none alone).
+  std::vector<MetricSource*> metric_sources() const;
+  // Every command of the group's log observed as it completes (nothing alone).
+  void ObserveGroupCommands(std::function<void(const std::string&, double)> observer) const;
+  // The logs whose front this process is, which announce its address to their followers: its
+  // group's on the group's front, the mesh's on the mesh's leader (none alone).
+  std::vector<HeadGroup*> logs_led() const;
   // Every process's `mine`, by global rank (replica r's rank k at r·K + k), on every process:
   // along the replica's group, then along the shard peers. {mine} for a server on its own.
   absl::StatusOr<std::vector<std::string>> AllGather(const std::string& mine) const;

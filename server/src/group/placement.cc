@@ -35,6 +35,12 @@ absl::Status Placement::health() const {
   return mesh_ != nullptr ? mesh_->health() : absl::OkStatus();
 }
 
+absl::Status Placement::Serving() const {
+  if (group_ != nullptr) return group_->Serving();
+  if (mesh_ != nullptr && mesh_->fronts() != nullptr) return mesh_->fronts()->Serving();
+  return absl::OkStatus();
+}
+
 std::optional<std::string> Placement::DrainRequested() {
   for (HeadGroup* log : {group_, mesh_ != nullptr ? mesh_->fronts() : nullptr}) {
     if (log == nullptr) continue;

@@ -1,9 +1,9 @@
 // A head group's ranks other than the front: the one follower that takes every command of the
 // group's log (HeadGroup::Follow) and runs it on this rank — a head command
-// (translate/group_commands.h) through this rank's HeadOperations, a request's engine call or end
-// (group_steps.h) through GroupStepFollower, the front's address (front_address.h) into the
-// group, the drain's commands (cluster_drain.h) to `drain` (nullptr: refused, as in tests that
-// run no drain).
+// (translate/head_commands.h) decoded once and applied through ApplyHeadCommand, as the front
+// applies its own part; a request's engine call or end (group_steps.h) through
+// GroupStepFollower; the front's address (front_address.h) into the group; the drain's commands
+// (cluster_drain.h) to `drain` (nullptr: refused, as in tests that run no drain).
 #pragma once
 
 #include <atomic>

@@ -6,7 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "remotehead/core/status_macros.h"
 #include "replication/replicated_head_operations.h"
-#include "translate/group_commands.h"
+#include "translate/head_commands.h"
 
 namespace remotehead::server {
 
@@ -15,7 +15,9 @@ void ReplicatedHeadOperations::SaveAfterStep(const std::string& id, int64_t vers
       version % checkpoint_every_steps_ != 0) {
     return;
   }
-  if (mesh_ != nullptr && !mesh_->is_leader()) return;  // the leader saves every replica's
+  const Placement& placement = local_->placement();
+  // On a mesh the leader saves every replica's.
+  if (placement.replicated() && !placement.leads_cluster()) return;
   if (const auto saved = SaveState(id); !saved.ok()) {
     local_->LogEvent(
         absl::StrCat("head state NOT saved: \"", id, "\": ", saved.status().ToString()));
@@ -26,8 +28,7 @@ absl::StatusOr<HeadDescription> ReplicatedHeadOperations::SaveState(const std::s
   RETURN_IF_ERROR(local_->Store().status());
   RETURN_IF_ERROR(local_->Describe(id).status());
   const std::string state_id = StateStore::NewStateId();
-  return OnEveryRank<HeadDescription>(SaveStateCommand(id, state_id),
-                                      [&] { return local_->SaveState(id, state_id); });
+  return Propose(head_command::SaveState{.id = id, .state_id = state_id});
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::RestoreState(
@@ -35,18 +36,17 @@ absl::StatusOr<HeadDescription> ReplicatedHeadOperations::RestoreState(
   RETURN_IF_ERROR(local_->Store().status());
   RETURN_IF_ERROR(StateStore::CheckStateId(state_id));
   RETURN_IF_ERROR(local_->Describe(id).status());
-  if (group_ != nullptr || mesh_ != nullptr) {
-    RETURN_IF_ERROR(RunOnEveryRank(RestoreStateCommand(id, state_id, /*check_only=*/true), [&] {
-      return local_->RestoreState(id, state_id, /*check_only=*/true).status();
-    }));
+  if (local_->placement().in_cluster()) {
+    RETURN_IF_ERROR(
+        Propose(head_command::RestoreState{.id = id, .state_id = state_id, .check_only = true})
+            .status());
   }
-  return OnEveryRank<HeadDescription>(RestoreStateCommand(id, state_id, /*check_only=*/false),
-                                      [&] { return local_->RestoreState(id, state_id, false); });
+  return Propose(head_command::RestoreState{.id = id, .state_id = state_id});
 }
 
 absl::Status ReplicatedHeadOperations::SaveAllStates() {
   if (!local_->Store().ok()) return absl::OkStatus();
-  if (group_ != nullptr || mesh_ != nullptr) return absl::OkStatus();  // the drain's to save
+  if (local_->placement().in_cluster()) return absl::OkStatus();  // the drain's to save
   // Each head on its own: one that cannot be saved never keeps the others from being saved.
   const std::vector<HeadDescription> heads = local_->List();
   std::vector<std::string> failed;

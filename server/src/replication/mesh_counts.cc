@@ -7,7 +7,7 @@
 
 namespace remotehead::server {
 bool MeshCounts::active() const {
-  return mesh_ != nullptr && mesh_->is_front() && mesh_->liveness() != nullptr;
+  return local_->placement().is_replica_front() && mesh_->liveness() != nullptr;
 }
 
 void MeshCounts::Publish(const std::string& id) {

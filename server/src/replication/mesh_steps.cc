@@ -12,6 +12,7 @@
 #include "remotehead/core/status_macros.h"
 #include "replication/replicated_head_operations.h"
 #include "translate/group_commands.h"
+#include "translate/head_commands.h"
 #include "translate/protocol.h"
 
 namespace remotehead::server {
@@ -33,8 +34,7 @@ absl::StatusOr<std::optional<SyncStepRequest>> LeadersRequest(const v1::MeshStep
 // which some trainer's rank mod R is this replica.
 bool WaitsForTrainers(const v1::MeshStep& step, const HeadMesh& mesh) {
   return step.step().has_synchronous() &&
-         !SynchronousSteps::ReplicaRanks(step.step().synchronous().world_size(), mesh.replica(),
-                                         mesh.replicas())
+         !TrainersOfReplica(step.step().synchronous().world_size(), mesh.replica(), mesh.replicas())
               .empty();
 }
 
@@ -86,8 +86,9 @@ v1::MeshStep MeshStepCommand(const std::string& head_id,
                              const OptimizerStepSpec& spec, const HeadDescription& head) {
   v1::MeshStep step;
   // The request as the trainers sent it: every replica divides by the world size alike.
-  *step.mutable_step() =
-      OptimizerStepCommand(head_id, first.has_value() ? first->spec : spec).optimizer_step();
+  *step.mutable_step() = Encode(head_command::OptimizerStep{
+                                    .id = head_id, .spec = first.has_value() ? first->spec : spec})
+                             .optimizer_step();
   if (first.has_value()) {
     v1::SynchronousStep* sync = step.mutable_step()->mutable_synchronous();
     sync->set_step(first->step);
@@ -106,8 +107,7 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
   if (first.has_value()) {
     // Every trainer of this replica came (SynchronousSteps told each arrival already; told
     // again here for whoever steps without it).
-    Came(*first,
-         SynchronousSteps::ReplicaRanks(first->world_size, mesh_->replica(), mesh_->replicas()));
+    Came(*first, TrainersOfReplica(first->world_size, mesh_->replica(), mesh_->replicas()));
   }
   if (!mesh_->is_leader()) {
     if (!first.has_value()) return mesh_->NotTheLeader("an unsynchronized OptimizerStep");
@@ -167,7 +167,7 @@ absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
 }
 
 void MeshSteps::Drain() {
-  if (mesh_ == nullptr || !mesh_->is_front()) return;
+  if (!operations_->local().placement().is_replica_front()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     draining_ = true;
@@ -211,6 +211,30 @@ void MeshSteps::AbortWaiting(const absl::Status& status, bool started) {
   changed_.notify_all();
 }
 
+std::vector<int> TrainersOfReplica(int world_size, int replica, int replicas) {
+  std::vector<int> ranks;
+  for (int t = replica; t < world_size; t += replicas) ranks.push_back(t);
+  return ranks;
+}
+
+std::vector<int> MeshSteps::Ranks(int world_size) const {
+  return TrainersOfReplica(world_size, mesh_->replica(), mesh_->replicas());
+}
+
+absl::Status MeshSteps::CheckRank(const SyncStepRequest& r) const {
+  const int replica = mesh_->replica();
+  const int replicas = mesh_->replicas();
+  if (r.rank % replicas == replica) return absl::OkStatus();
+  return core::WithReason(
+      absl::InvalidArgumentError(
+          absl::StrCat("synchronous.rank: expected a trainer of replica ", replica, " of ",
+                       replicas, " (rank mod ", replicas, " = ", replica, "); got rank ", r.rank,
+                       ", which replica ", r.rank % replicas,
+                       "'s front serves: each trainer dials fronts[rank mod ", replicas, "]")),
+      core::reason::kWrongReplica,
+      {{"rank", absl::StrCat(r.rank)}, {"replica", absl::StrCat(r.rank % replicas)}});
+}
+
 void MeshSteps::Came(const SyncStepRequest& first, const std::vector<int>& ranks) {
   Tell(first, ranks, 0);
 }
@@ -234,7 +258,9 @@ void MeshSteps::Tell(const SyncStepRequest& first, const std::vector<int>& ranks
   }
 }
 
-absl::Status MeshSteps::Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) {
+absl::Status MeshSteps::Missing(const SyncStepRequest& first, const std::vector<int>& /*came*/,
+                                std::chrono::milliseconds waited) {
+  // Not only this replica's trainers that came here: every replica's, as the fronts told them.
   // This try of the step began `waited` ago: a replica's trainers answered before that came to
   // an earlier try (aborted: the step is asked again), not to this one.
   const int64_t began_ms = SystemMillis() - waited.count();
@@ -242,7 +268,7 @@ absl::Status MeshSteps::Missing(const SyncStepRequest& first, std::chrono::milli
   std::vector<std::string> unknown;
   Liveness* liveness = mesh_->liveness();
   for (int r = 0; r < mesh_->replicas() && liveness != nullptr; ++r) {
-    if (SynchronousSteps::ReplicaRanks(first.world_size, r, mesh_->replicas()).empty()) continue;
+    if (TrainersOfReplica(first.world_size, r, mesh_->replicas()).empty()) continue;
     const absl::StatusOr<std::optional<std::string>> told =
         liveness->Read(store_keys::MeshArrivals(first.head_id, r));
     if (!told.ok()) {
@@ -300,7 +326,7 @@ absl::StatusOr<HeadDescription> MeshSteps::AwaitLeader(const SyncStepRequest& fi
   if (!ready.taken && !ready.result.has_value()) {
     ready_.erase(key);
     lock.unlock();
-    return Missing(first, wait_);
+    return Missing(first, {}, wait_);
   }
   changed_.wait(lock, [&] { return ready.result.has_value(); });
   absl::StatusOr<HeadDescription> result = *ready.result;
@@ -332,7 +358,7 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
         if (!down_.ok()) return down_;                // it did not wait: the mesh is down
         if (draining_) return DrainingVerdict(step);  // it stopped waiting: the mesh drains
       }
-      return Missing(*leaders, wait_);  // this replica's trainers did not all come
+      return Missing(*leaders, {}, wait_);  // this replica's trainers did not all come
     }
     SyncStepRequest theirs = *mine;
     theirs.expected_incarnation = "";  // each replica checked its own trainers' already

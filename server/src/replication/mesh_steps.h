@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "remotehead/server/group/head_mesh.h"
@@ -29,7 +30,11 @@ namespace remotehead::server {
 
 class ReplicatedHeadOperations;
 
-class MeshSteps : public TrainersOfTheMesh {
+// The trainer ranks of a world of `world_size` that replica `replica` of `replicas` serves:
+// t mod replicas = replica (trainer t dials replica t mod R's front).
+std::vector<int> TrainersOfReplica(int world_size, int replica, int replicas);
+
+class MeshSteps : public TrainerShare {
  public:
   // `wait`: how long a replica's front waits for its own trainers once the leader's step came.
   MeshSteps(ReplicatedHeadOperations* operations, HeadMesh* mesh, HeadGroup* replica_group,
@@ -58,16 +63,20 @@ class MeshSteps : public TrainersOfTheMesh {
   // is applied everywhere as usual.
   void Drain();
 
-  // TrainersOfTheMesh: this replica's trainers at a step, published for the other fronts
+  // TrainerShare: this replica's trainers (TrainersOfReplica; another is refused, WRONG_REPLICA,
+  // naming the replica whose front serves it); at a step, published for the other fronts
   // (Liveness::Publish, "arrivals/<head>/<replica>", the latest step only: "<step> <world size>
   // <ranks> <left>", left = 0 while they wait, else when they were answered, in ms of the system
   // clock); the trainers of every replica that came to this try of the step, and those missing,
   // as the fronts published them (trainers answered before this try began came to an earlier
   // try of the same step, which was aborted: they count as missing).
+  std::vector<int> Ranks(int world_size) const override;
+  absl::Status CheckRank(const SyncStepRequest& request) const override;
   void Came(const SyncStepRequest& first, const std::vector<int>& ranks) override;
   void Left(const SyncStepRequest& first, const std::vector<int>& ranks,
             std::chrono::system_clock::time_point answered) override;
-  absl::Status Missing(const SyncStepRequest& first, std::chrono::milliseconds waited) override;
+  absl::Status Missing(const SyncStepRequest& first, const std::vector<int>& came,
+                       std::chrono::milliseconds waited) override;
 
  private:
   // This replica's trainers' step, handed from the synchronous steps to the mesh's follower.

@@ -4,9 +4,12 @@
 #include "head_expectations.h"
 #include "remotehead/core/status_macros.h"
 #include "translate/group_commands.h"
+#include "translate/head_commands.h"
 
 namespace remotehead::server {
 namespace {
+
+namespace hc = head_command;
 
 // The head a create or upload command makes (its undo drops it wherever it was made).
 std::string CreatedHead(const v1::GroupCommand& command) {
@@ -18,7 +21,7 @@ std::string CreatedHead(const v1::GroupCommand& command) {
 absl::Status ReplicatedHeadOperations::RunOnEveryRank(const v1::GroupCommand& command,
                                                       const std::function<absl::Status()>& here,
                                                       bool creates, Reach reach) {
-  if (reach == Reach::kReplica || mesh_ == nullptr || !mesh_->is_front()) {
+  if (reach == Reach::kReplica || !local_->placement().is_replica_front()) {
     return RunInReplica(command, here, creates);
   }
   if (!mesh_->is_leader()) {
@@ -29,9 +32,9 @@ absl::Status ReplicatedHeadOperations::RunOnEveryRank(const v1::GroupCommand& co
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
   const absl::Status status =
       RunCommand(lane, command, [&] { return RunInReplica(command, here, /*creates=*/false); });
-  return UndoFailedCreate(lane, command, creates, status, [&](const v1::GroupCommand& undo) {
+  return UndoFailedCreate(lane, command, creates, status, [&](const hc::UndoCreate& undo) {
     return RunInReplica(
-        undo, [&] { return local_->UndoCreate(CreatedHead(command)); }, false);
+        Encode(undo), [&] { return ApplyHeadCommand(*local_, undo).status(); }, false);
   });
 }
 
@@ -42,34 +45,31 @@ absl::Status ReplicatedHeadOperations::RunInReplica(const v1::GroupCommand& comm
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, group_->Enter());
   const absl::Status status = RunCommand(lane, command, here);
   // Some ranks may have created the head (another's budget refused it): undone everywhere.
-  return UndoFailedCreate(lane, command, creates, status, [&](const v1::GroupCommand&) {
-    return local_->UndoCreate(CreatedHead(command));
+  return UndoFailedCreate(lane, command, creates, status, [&](const hc::UndoCreate& undo) {
+    return ApplyHeadCommand(*local_, undo).status();
   });
 }
 
 absl::Status ReplicatedHeadOperations::UndoFailedCreate(
     HeadGroup::Lane& lane, const v1::GroupCommand& command, bool creates,
     const absl::Status& status,
-    const std::function<absl::Status(const v1::GroupCommand& undo)>& undo_here) {
+    const std::function<absl::Status(const hc::UndoCreate& undo)>& undo_here) {
   if (!creates || status.ok() || IsGroupFailure(status)) return status;
-  const v1::GroupCommand undo = UndoCreateCommand(CreatedHead(command));
-  const absl::Status undone = RunCommand(lane, undo, [&] { return undo_here(undo); });
+  const hc::UndoCreate undo{.id = CreatedHead(command)};
+  const absl::Status undone = RunCommand(lane, Encode(undo), [&] { return undo_here(undo); });
   return undone.ok() ? status : undone;
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::CreateFromSeed(const std::string& id,
                                                                          const core::HeadInit& init,
                                                                          const HeadTraits& traits) {
-  return OnEveryRank<HeadDescription>(
-      CreateCommand(id, init, traits), [&] { return local_->CreateFromSeed(id, init, traits); },
-      /*creates=*/true);
+  return Propose(hc::CreateFromSeed{.id = id, .init = init, .traits = traits}, /*creates=*/true);
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::CreateFromSafetensors(
     const std::string& id, const SafetensorsSource& source, const HeadTraits& traits) {
-  return OnEveryRank<HeadDescription>(
-      CreateCommand(id, source, traits),
-      [&] { return local_->CreateFromSafetensors(id, source, traits); }, /*creates=*/true);
+  return Propose(hc::CreateFromSafetensors{.id = id, .source = source, .traits = traits},
+                 /*creates=*/true);
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::AddUploaded(const std::string& id,
@@ -80,9 +80,9 @@ absl::StatusOr<HeadDescription> ReplicatedHeadOperations::AddUploaded(const std:
   const bool creates = !(replace && local_->Describe(id).ok());
   // Refused here before any rank is asked (each rank checks it again: all refuse alike).
   if (replace) RETURN_IF_ERROR(local_->CheckReplaceKeepsTraits(id, traits));
-  return OnEveryRank<HeadDescription>(
-      UploadCommand(id, weight, bias, replace, traits),
-      [&] { return local_->Upload(id, weight, bias, replace, traits); }, creates);
+  return Propose(
+      hc::Upload{.id = id, .weight = weight, .bias = bias, .replace = replace, .traits = traits},
+      creates);
 }
 
 absl::StatusOr<int64_t> ReplicatedHeadOperations::Save(const std::string& id,
@@ -96,10 +96,8 @@ absl::StatusOr<int64_t> ReplicatedHeadOperations::Save(const std::string& id,
 }
 
 absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::SumGradientsOnLeader(const std::string& id) {
-  ASSIGN_OR_RETURN(HeadSnapshot mine, OnEveryRank<HeadSnapshot>(
-                                          GatherCommand(id, std::nullopt, /*gradients=*/true),
-                                          [&] { return local_->Snapshot(id, std::nullopt, true); },
-                                          false, Reach::kReplica));
+  ASSIGN_OR_RETURN(HeadSnapshot mine, Propose(hc::Gather{.id = id, .gradients = true},
+                                              /*creates=*/false, Reach::kReplica));
   RETURN_IF_ERROR(mesh_->SumOnLeader(mine.matrix));
   if (mine.vector.defined()) RETURN_IF_ERROR(mesh_->SumOnLeader(mine.vector));
   torch::Tensor count = torch::tensor({mine.description.accumulated_micro_batches}, torch::kInt64);
@@ -110,7 +108,7 @@ absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::SumGradientsOnLeader(cons
 
 absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::Snapshot(
     const std::string& id, std::optional<torch::ScalarType> dtype, bool gradients) {
-  if (gradients && mesh_ != nullptr && mesh_->is_front()) {
+  if (gradients && local_->placement().is_replica_front()) {
     // Every replica's dW, summed: never one replica's part presented as the head's.
     if (!mesh_->is_leader()) {
       return mesh_->NotTheLeader(
@@ -131,16 +129,11 @@ absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::Snapshot(
     }
     return summed;
   }
-  return OnEveryRank<HeadSnapshot>(
-      GatherCommand(id, dtype, gradients), [&] { return local_->Snapshot(id, dtype, gradients); },
-      false, Reach::kReplica);
+  return Propose(hc::Gather{.id = id, .dtype = dtype, .gradients = gradients}, /*creates=*/false,
+                 Reach::kReplica);
 }
 
-absl::Status ReplicatedHeadOperations::Serving() const {
-  if (group_ != nullptr) return group_->Serving();
-  if (mesh_ != nullptr && mesh_->fronts() != nullptr) return mesh_->fronts()->Serving();
-  return absl::OkStatus();
-}
+absl::Status ReplicatedHeadOperations::Serving() const { return local_->placement().Serving(); }
 
 absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::LookupEmbedding(
     const std::string& id, const torch::Tensor& ids, std::optional<torch::ScalarType> dtype,
@@ -148,9 +141,8 @@ absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::LookupEmbedding(
   RETURN_IF_ERROR(Serving());  // a training call
   ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
   RETURN_IF_ERROR(CheckEmbeddingIds(ids, head.vocab_size, ids_field));
-  return OnEveryRank<HeadSnapshot>(
-      EmbeddingLookupCommand(id, ids, dtype),
-      [&] { return local_->LookupEmbedding(id, ids, dtype); }, false, Reach::kReplica);
+  return Propose(hc::EmbeddingLookup{.id = id, .ids = ids, .dtype = dtype}, /*creates=*/false,
+                 Reach::kReplica);
 }
 
 absl::StatusOr<EmbeddingGradientOutcome> ReplicatedHeadOperations::AddEmbeddingGradient(
@@ -166,29 +158,24 @@ absl::StatusOr<EmbeddingGradientOutcome> ReplicatedHeadOperations::AddEmbeddingG
   // Refused here before any rank is asked (each rank's part refuses them too).
   if (head.frozen) return HeadFrozenError(id, "header.gradient_id", "accumulating dW");
   RETURN_IF_ERROR(CheckWeightVersion(expected_weight_version, version_field, head));
-  absl::StatusOr<EmbeddingGradientOutcome> outcome = absl::UnknownError("not run");
-  const absl::Status status = RunInReplica(
-      EmbeddingGradientCommand(id, ids, rows, key, expected_weight_version),
-      [&] {
-        outcome = local_->AddEmbeddingGradient(id, ids, rows, key, expected_weight_version,
-                                               version_field);
-        return outcome.status();
-      },
-      // The front's part is not last (as a step's commit is): every rank's part begins with the
-      // front's broadcast of the rows. The checks above are every rank's, on the same log, so
-      // the ranks commit alike.
-      /*creates=*/false);
-  if (!status.ok()) return status;
-  return outcome;
+  // The front's part is not last (as a step's commit is): every rank's part begins with the
+  // front's broadcast of the rows. The checks above are every rank's, on the same log, so the
+  // ranks commit alike. This replica's ranks only: dW is summed over replicas at the mesh's step.
+  return Propose(hc::EmbeddingGradient{.id = id,
+                                       .ids = ids,
+                                       .rows = rows,
+                                       .key = key,
+                                       .expected_weight_version = expected_weight_version,
+                                       .version_field = version_field},
+                 /*creates=*/false, Reach::kReplica);
 }
 
 absl::Status ReplicatedHeadOperations::Drop(const std::string& id) {
-  return RunOnEveryRank(HeadCommand(HeadCommandKind::kDrop, id), [&] { return local_->Drop(id); });
+  return Propose(hc::Drop{.id = id}).status();
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::ZeroGradients(const std::string& id) {
-  return OnEveryRank<HeadDescription>(HeadCommand(HeadCommandKind::kZeroGradients, id),
-                                      [&] { return local_->ZeroGradients(id); });
+  return Propose(hc::ZeroGradients{.id = id});
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::OptimizerStep(
@@ -196,22 +183,20 @@ absl::StatusOr<HeadDescription> ReplicatedHeadOperations::OptimizerStep(
   // A frozen head is refused before any rank is asked (each rank's entry refuses it too).
   ASSIGN_OR_RETURN(const HeadDescription head, local_->Describe(id));
   if (head.frozen) return HeadFrozenError(id, "head_id", "an optimizer step");
-  return OnEveryRank<HeadDescription>(OptimizerStepCommand(id, spec),
-                                      [&] { return local_->OptimizerStep(id, spec); });
+  return Propose(hc::OptimizerStep{.id = id, .spec = spec});
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::ReduceStep(
     const std::string& id, const OptimizerStepSpec& spec) {
-  return OnEveryRank<HeadDescription>(
-      ReduceStepCommand(id, spec), [&] { return local_->ReduceStep(id, spec); }, false,
-      Reach::kReplica);
+  return Propose(hc::ReduceStep{.id = id, .spec = spec}, /*creates=*/false, Reach::kReplica);
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::StepOptimizer(
     const std::string& id, const std::optional<SyncStepRequest>& first,
     const OptimizerStepSpec& spec) {
-  absl::StatusOr<HeadDescription> stepped =
-      mesh_ != nullptr ? mesh_steps_.Step(id, first, spec) : OptimizerStep(id, spec);
+  absl::StatusOr<HeadDescription> stepped = local_->placement().replicated()
+                                                ? mesh_steps_.Step(id, first, spec)
+                                                : OptimizerStep(id, spec);
   if (stepped.ok()) SaveAfterStep(id, stepped->weight_version);
   return stepped;
 }

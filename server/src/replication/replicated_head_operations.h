@@ -1,10 +1,11 @@
 // A head operation as the service runs it: on this process alone, on every rank of a head group,
 // or on every replica of a mesh. Each operation that changes or reads a head on several ranks is
-// a group command (translate/group_commands.h) appended to the group's log by the front; every
-// rank runs its own part of it through the local HeadOperations (the front here, the other ranks
-// through their GroupFollower). On a mesh, what changes the head is a command of the mesh's
-// log: the leader takes it, every replica's front runs it on its own replica (MeshFollower),
-// another front refuses it (NOT_THE_LEADER); the optimizer step is the mesh's (MeshSteps).
+// a head command (translate/head_commands.h) appended to the group's log by the front, which
+// proposes it; every rank applies its own part through ApplyHeadCommand (the front here, the
+// other ranks through their GroupFollower), so the two paths are one. On a mesh, what changes the
+// head is a command of the mesh's log: the leader takes it, every replica's front runs it on its
+// own replica (MeshFollower), another front refuses it (NOT_THE_LEADER); the optimizer step is the
+// mesh's (MeshSteps).
 #pragma once
 
 #include <chrono>
@@ -20,8 +21,10 @@
 #include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
+#include "replication/apply_head_command.h"
 #include "replication/mesh_steps.h"
 #include "sync_steps.h"
+#include "translate/head_commands.h"
 
 namespace remotehead::v1 {
 class GroupCommand;
@@ -121,29 +124,37 @@ class ReplicatedHeadOperations {
     return RunOnEveryRank(command, here);
   }
 
- private:
   // Which ranks an operation runs on: every rank of every replica (what changes the head), or
   // every rank of this replica only (what reads it, this replica's part of a mesh's step).
   enum class Reach { kMesh, kReplica };
-  // Runs `here` on this process alone, or, on a group's front, as `command` on every rank (a
-  // failed creation is undone on every rank, so that no rank keeps a head the others lack),
-  // and returns what `here` returned on this process. On a mesh with kMesh: on the leader, as
-  // a command of the mesh's log that every replica runs so; on another front, NOT_THE_LEADER.
-  template <typename T>
-  absl::StatusOr<T> OnEveryRank(const v1::GroupCommand& command,
-                                const std::function<absl::StatusOr<T>()>& here,
-                                bool creates = false, Reach reach = Reach::kMesh) {
-    absl::StatusOr<T> result = absl::UnknownError("not run");
+  // The proposer: `command` run on this process alone, or, on a group's front, logged for every
+  // rank (a failed creation is undone on every rank, so that no rank keeps a head the others
+  // lack); on a mesh with kMesh, on the leader, as a command of the mesh's log that every
+  // replica runs so, and on another front NOT_THE_LEADER. This process's part is applied through
+  // ApplyHeadCommand, exactly as every other rank applies the logged command; its result is
+  // returned. A new replicated operation needs no method here: its handler proposes its
+  // command (translate/head_commands.h), after the checks that refuse it before any rank is
+  // asked.
+  template <typename Command>
+  absl::StatusOr<typename Command::Result> Propose(const Command& command, bool creates = false,
+                                                   Reach reach = Reach::kMesh) {
+    absl::StatusOr<typename Command::Result> result = absl::UnknownError("not run");
     const absl::Status status = RunOnEveryRank(
-        command,
-        [&] {
-          result = here();
-          return result.status();
+        Encode(command),
+        [&]() -> absl::Status {
+          absl::StatusOr<HeadCommandResult> applied = ApplyHeadCommand(*local_, command);
+          if (!applied.ok()) return applied.status();
+          result = std::get<typename Command::Result>(*std::move(applied));
+          return absl::OkStatus();
         },
         creates, reach);
     if (!status.ok()) return status;
     return result;
   }
+
+ private:
+  // Runs `here` (this process's part of `command`) on this process alone or on every rank
+  // `reach` names, as Propose describes.
   absl::Status RunOnEveryRank(const v1::GroupCommand& command,
                               const std::function<absl::Status()>& here, bool creates = false,
                               Reach reach = Reach::kMesh);
@@ -151,11 +162,11 @@ class ReplicatedHeadOperations {
                             const std::function<absl::Status()>& here, bool creates);
   // After `command` ran on `lane`'s group with `status`: a creation that failed for a reason of
   // its own (not the transport's) undone on every rank (`undo_here`: this process's part of the
-  // undo command); returns `status`, or the undo's failure.
+  // undo command, given the undo); returns `status`, or the undo's failure.
   absl::Status UndoFailedCreate(
       HeadGroup::Lane& lane, const v1::GroupCommand& command, bool creates,
       const absl::Status& status,
-      const std::function<absl::Status(const v1::GroupCommand& undo)>& undo_here);
+      const std::function<absl::Status(const head_command::UndoCreate& undo)>& undo_here);
 
   HeadOperations* const local_;
   HeadGroup* const group_;

@@ -50,11 +50,12 @@ struct ServiceContext {
             [this](const std::string& id) { return local.Describe(id); },
             std::chrono::milliseconds(
                 static_cast<int64_t>(options.sync_step_timeout_seconds * 1000)),
-            options.metrics, placement.replica(), placement.replicas()),
+            options.metrics),
         compute(options.compute_threads) {
-    // A mesh's front names the trainers of every replica (MeshSteps) when a step waited too long.
+    // A mesh's front waits for its replica's trainers and names every replica's (MeshSteps)
+    // when a step waited too long.
     if (placement.is_replica_front()) {
-      sync_steps.set_mesh(&operations.mesh_steps());
+      sync_steps.set_trainers(&operations.mesh_steps());
     }
     // Every replica's count of micro-batches, for HeadInfo at any front (MeshCounts).
     if (mesh_counts.active()) {

@@ -54,6 +54,9 @@ class Placement {
   const char* cluster_name() const;
   // OK while the group and the mesh work; else the first failure (alone: OK).
   absl::Status health() const;
+  // OK while the group (else the mesh's fronts) takes work that trains or changes a head
+  // (HeadGroup::Serving); else UNAVAILABLE with its verdict (alone: OK).
+  absl::Status Serving() const;
 
   // Every rank's rows of a head of `vocab_size` rows (alone: one range, all of them);
   // INVALID_ARGUMENT naming `field` when the group has more ranks than rows.
