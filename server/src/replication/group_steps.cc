@@ -12,17 +12,6 @@ namespace {
 
 constexpr char kAuxPrefix[] = "aux:";
 
-v1::GroupPin PinToWire(const HeadPin& pin) {
-  v1::GroupPin wire;
-  wire.set_weight_version(pin.weight_version);
-  wire.set_gradient_window(pin.gradient_window);
-  return wire;
-}
-
-HeadPin PinFromWire(const v1::GroupPin& pin) {
-  return {.weight_version = pin.weight_version(), .gradient_window = pin.gradient_window()};
-}
-
 }  // namespace
 
 std::vector<torch::Tensor> BatchTensors(const core::TokenBatch& batch,
@@ -125,7 +114,8 @@ absl::StatusOr<CommitResult> GroupStepFront::Commit(
   absl::StatusOr<CommitResult> result = absl::UnknownError("not run");
   open_ = false;  // committed or not, the other ranks let go of the scratch
   RETURN_IF_ERROR(RunCommand(
-      lane, StepEndCommand(session_, header_.head_id(), /*commit=*/true, commit.pin, commit.key,
+      lane,
+      StepEndCommand(session_, header_.head_id(), /*commit=*/true, commit.pin, commit.key,
                      commit.loss),
       [&] {
         result = here();
@@ -197,8 +187,8 @@ absl::Status GroupStepFollower::Batch(const v1::GroupStepBatch& b) {
         batch.aux[name.substr(sizeof(kAuxPrefix) - 1)] = t;
       }
     }
-    ASSIGN_OR_RETURN(const EngineOutputs out, RunEngine(static_cast<core::CallMode>(b.mode()),
-                                                        head, batch, options, grad_output, grads));
+    ASSIGN_OR_RETURN(const EngineOutputs out, RunEngine(static_cast<core::CallMode>(b.mode()), head,
+                                                        batch, options, grad_output, grads));
     if (b.accumulate()) health_[b.session()].Add(HealthWindow::Of(out.stats));
     return absl::OkStatus();
   };

@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "head_expectations.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "replication/group_steps.h"
@@ -129,19 +128,6 @@ auto TokenExtraOf(const std::string& name) {
     chunk->set_row_offset(row_offset);
     return chunk->mutable_values();
   };
-}
-
-void ToWire(const StepOutcome& outcome, v1::StepSummary* summary) {
-  summary->set_replayed(outcome.replayed);
-  summary->set_weight_version(outcome.weight_version);
-  summary->set_incarnation(ServerIncarnation());
-  summary->set_loss(outcome.loss);
-  summary->set_valid_tokens(outcome.valid_tokens);
-  summary->set_denominator(outcome.denominator);
-  summary->set_chunk_rows(outcome.chunk_rows);
-  summary->set_num_chunks(outcome.num_chunks);
-  for (const auto& [name, value] : outcome.extras) (*summary->mutable_extras())[name] = value;
-  if (!outcome.inputs_handle.empty()) summary->set_inputs_handle(outcome.inputs_handle);
 }
 
 }  // namespace

@@ -10,6 +10,17 @@ v1::DType GroupWireDtype(torch::ScalarType dtype) {
   return wire::ToWireDtype(dtype, "dtype").value_or(v1::DTYPE_UNSPECIFIED);
 }
 
+v1::GroupPin PinToWire(const HeadPin& pin) {
+  v1::GroupPin wire;
+  wire.set_weight_version(pin.weight_version);
+  wire.set_gradient_window(pin.gradient_window);
+  return wire;
+}
+
+HeadPin PinFromWire(const v1::GroupPin& pin) {
+  return {.weight_version = pin.weight_version(), .gradient_window = pin.gradient_window()};
+}
+
 v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t) {
   v1::GroupTensor spec;
   spec.set_name(name);

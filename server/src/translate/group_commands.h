@@ -12,12 +12,17 @@
 #include "absl/status/statusor.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
+#include "remotehead/server/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"
 
 namespace remotehead::server {
 
 // A dtype as the group's commands carry it.
 v1::DType GroupWireDtype(torch::ScalarType dtype);
+
+// A step command's pin (the head's version and gradient window the front's session pinned).
+v1::GroupPin PinToWire(const HeadPin& pin);
+HeadPin PinFromWire(const v1::GroupPin& pin);
 
 // A tensor's name, dtype and shape, for a command whose broadcast (HeadGroup::Share) carries it.
 v1::GroupTensor DescribeTensor(const std::string& name, const torch::Tensor& t);
