@@ -1,7 +1,7 @@
 """A checkpoint of an offloaded model never loads with a wrong or random head (issue 26, part 1).
 
 save_pretrained stages the body and the server's head in a hidden directory, verifies them and
-publishes them with renames, the index last (remotehead/hf_checkpoint.py). Against real servers
+publishes them with renames, the index last (remotehead/hf/checkpoint.py). Against real servers
 and tiny Llamas built from configs (fixed seeds, no download):
 - saving twice into one directory (Trainer.save_model after an earlier save) loads the second
   save's body and head, bit-exact; so do a sharded save followed by a single-file one, and two
@@ -13,7 +13,7 @@ and tiny Llamas built from configs (fixed seeds, no download):
 - a server restart before the save, or during the export (the client's retry reaching the new
   process, which restored the same version): ServerRestartedError, the directory unchanged;
 - another client stepped the head: FAILED_PRECONDITION, the directory unchanged; a pinned
-  Client.export_weights_to_safetensors that the server refuses leaves no file, not even .tmp;
+  export_weights_to_safetensors (remotehead.hf.checkpoint) that the server refuses leaves no file, not even .tmp;
 - a server head that is not the model's lm_head's shape fails verification, nothing published;
 - a kept local copy (keep_local_copy=True) is not what is saved: the server's head is;
 - Trainer's checkpoint-N directories and save_model twice into output_dir load with the server's
@@ -40,7 +40,7 @@ import transformers
 import remotehead
 import remotehead._safetensors
 import remotehead.hf
-from remotehead.hf.checkpoint import STAGING_PREFIX
+from remotehead.hf.checkpoint import STAGING_PREFIX, export_weights_to_safetensors
 from remotehead.local_server import LocalServer, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -434,16 +434,16 @@ def test_a_pinned_export_refused_by_the_server_leaves_no_file(client, tmp_path):
     info = client.create_head("safety-pinned", 64, 8)
     path = str(tmp_path / "head.safetensors")
     with pytest.raises(remotehead.RemoteheadError, match="expected_weight_version") as refused:
-        client.export_weights_to_safetensors("safety-pinned", path,
-                                             expected_weight_version=info.weight_version + 1)
+        export_weights_to_safetensors(client, "safety-pinned", path,
+                                      expected_weight_version=info.weight_version + 1)
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(remotehead.ServerRestartedError):
-        client.export_weights_to_safetensors("safety-pinned", path,
-                                             expected_incarnation="another-process")
+        export_weights_to_safetensors(client, "safety-pinned", path,
+                                      expected_incarnation="another-process")
     assert os.listdir(tmp_path) == []  # neither the file nor its partial .tmp
-    client.export_weights_to_safetensors("safety-pinned", path,
-                                         expected_incarnation=info.incarnation,
-                                         expected_weight_version=info.weight_version)
+    export_weights_to_safetensors(client, "safety-pinned", path,
+                                  expected_incarnation=info.incarnation,
+                                  expected_weight_version=info.weight_version)
     assert remotehead._safetensors.read_complete_header(path)["lm_head.weight"]["shape"] == [64, 8]
     client.drop_head("safety-pinned")
 

@@ -29,19 +29,20 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
 
 
 def write_file(path: str, name: str, dtype: torch.dtype, shape: Tuple[int, int],
-               rows: Callable[[], Iterable], call: Callable[[Callable[[], int]], int]) -> int:
+               stream: Callable[[Callable[[Iterable], int]], int]) -> int:
     """Writes the tensor `name` [rows, columns] of `dtype` into a new file `path` from the row
-    chunks of a stream that `rows()` opens (write_rows): to `path`.tmp, then renamed, so that
-    `path` never holds part of it; a failed write removes `path`.tmp. `call` runs the attempt
-    (Client._call: again after UNAVAILABLE). Returns the bytes written."""
+    chunks of a stream (write_rows): to `path`.tmp, then renamed, so that `path` never holds
+    part of it; a failed write removes `path`.tmp. `stream(read)` hands each attempt's chunks to
+    `read` (Client.read_weight_rows: again from the first row after UNAVAILABLE). Returns the
+    bytes written."""
     partial = f"{path}.tmp"
 
-    def attempt() -> int:
+    def read(chunks: Iterable) -> int:
         # Every attempt writes the file from its start: a failed one may have written rows.
-        return write_rows(partial, name, dtype, shape, rows())
+        return write_rows(partial, name, dtype, shape, chunks)
 
     try:
-        written = call(attempt)
+        written = stream(read)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(partial)

@@ -17,7 +17,8 @@ import os
 import random
 import secrets
 import time
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar,
+                    Union)
 
 import grpc
 import torch
@@ -34,6 +35,8 @@ from remotehead._wire import framing_bytes, shape_text
 from remotehead.functions import FunctionInfo, function_info
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 
 def trainer_rank(rank: Optional[int] = None) -> int:
@@ -374,7 +377,7 @@ class Client:
                          expected_weight_version: Optional[int] = None
                          ) -> Tuple[torch.Tensor, int]:
         """(W[ids] [n, D] in `dtype` (default the head's), the weight version they are of).
-        ids: int [n], repeats allowed. Pins as export_weights_to_safetensors'."""
+        ids: int [n], repeats allowed. Pins as read_weight_rows'."""
         request = _embedding_calls.lookup_request(head_id, ids, dtype, expected_incarnation,
                                                   expected_weight_version)
         parts = self._read_row_stream(self._stub.EmbeddingLookup, request)
@@ -519,34 +522,30 @@ class Client:
         return (result.token_ids.to(hidden.device).reshape(shape),
                 result.outputs.to(hidden.device).reshape(shape))
 
-    def export_weights_to_safetensors(self, head_id: str, path: str, *,
-                                      name: str = "lm_head.weight",
-                                      dtype: Optional[torch.dtype] = None,
-                                      expected_incarnation: str = "",
-                                      expected_weight_version: Optional[int] = None) -> int:
-        """Writes the head's W [V, D] (in `dtype`, default its own) into a new .safetensors file
-        on this machine as `name`, streamed (W is never held here whole; _safetensors.write_file:
-        atomic). Returns the bytes written. expected_incarnation / expected_weight_version pin the export to the server process
-        and the head version the caller holds (a trainer saving what it trained): once the
-        server restarted, ServerRestartedError (a retry that reaches the new process too); a
-        head at another version, FAILED_PRECONDITION naming both; nothing is written then.
-        "" / None: unchecked."""
-        info = self.describe_head(head_id)
-        if info.has_bias:
-            raise InvalidArgumentError(f"head {head_id!r}: expected no bias for a causal LM's "
-                                       f"lm_head file; got one")
-        dtype = dtype or info.dtype
-        request = pb.ExportWeightsRequest(head_id=head_id, dtype=_wire.wire_dtype(dtype),
+    def read_weight_rows(self, head_id: str, read: Callable[[Iterator], T], *,
+                         dtype: Optional[torch.dtype] = None, expected_incarnation: str = "",
+                         expected_weight_version: Optional[int] = None) -> T:
+        """Streams the head's W [V, D] (in `dtype`, default its own) as its row chunks
+        (remotehead.v1.TensorChunk messages, in order) into `read(chunks)`, under the retry
+        policy: after UNAVAILABLE, `read` is called again with a new stream from the first row
+        (it starts over). W is never held here whole. expected_incarnation /
+        expected_weight_version pin the export to the server process and the head version the
+        caller holds: once the server restarted, ServerRestartedError (a retry that reaches the
+        new process too); a head at another version, FAILED_PRECONDITION naming both. "" / None:
+        unchecked. Returns what `read` returned."""
+        request = pb.ExportWeightsRequest(head_id=head_id,
                                           expected_incarnation=expected_incarnation)
+        if dtype is not None:
+            request.dtype = _wire.wire_dtype(dtype)
         if expected_weight_version is not None:
             request.expected_weight_version = expected_weight_version
 
-        def rows():
-            return (r.weight_rows for r in self._stub.ExportWeights(request, timeout=self._timeout)
-                    if r.WhichOneof("part") == "weight_rows")
+        def attempt():
+            return read(r.weight_rows for r in self._stub.ExportWeights(request,
+                                                                        timeout=self._timeout)
+                        if r.WhichOneof("part") == "weight_rows")
 
-        return _safetensors.write_file(path, name, dtype, (info.vocab_size, info.hidden_size),
-                                       rows, self._call)
+        return self._call(attempt)
 
     def _step(self, mode: str, head_id: str, hidden, targets, weights, aux, grad_output,
               o: StepOptions, teacher_hidden=None) -> StepResult:

@@ -42,6 +42,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from remotehead import _safetensors
+from remotehead._errors import InvalidArgumentError
 
 # The file a checkpoint's lm_head is written to (model.<variant>-remotehead-lm_head.safetensors
 # for a variant).
@@ -52,6 +53,28 @@ STAGING_PREFIX = ".remotehead-save-"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 # The partial head shard that versions before staging wrote next to the checkpoint.
 _OLD_PARTIAL_SUFFIX = "-remotehead-lm_head.safetensors.tmp"
+
+
+def export_weights_to_safetensors(client, head_id: str, path: str, *,
+                                  name: str = "lm_head.weight",
+                                  dtype: Optional[torch.dtype] = None,
+                                  expected_incarnation: str = "",
+                                  expected_weight_version: Optional[int] = None) -> int:
+    """Writes the head's W [V, D] (in `dtype`, default its own) into a new .safetensors file on
+    this machine as `name`, streamed from the server (Client.read_weight_rows: W is never held
+    here whole) and atomic (_safetensors.write_file). Returns the bytes written.
+    expected_incarnation / expected_weight_version pin the export as read_weight_rows does:
+    refused (ServerRestartedError, FAILED_PRECONDITION), nothing is written."""
+    info = client.describe_head(head_id)
+    if info.has_bias:
+        raise InvalidArgumentError(f"head {head_id!r}: expected no bias for a causal LM's "
+                                   f"lm_head file; got one")
+    dtype = dtype or info.dtype
+    return _safetensors.write_file(
+        path, name, dtype, (info.vocab_size, info.hidden_size),
+        lambda read: client.read_weight_rows(
+            head_id, read, dtype=dtype, expected_incarnation=expected_incarnation,
+            expected_weight_version=expected_weight_version))
 
 
 def _add_variant(name: str, variant: Optional[str]) -> str:
@@ -202,9 +225,9 @@ def _remove_leftovers(target: str) -> None:
 def _add_head(head, staging: str, names: _Names, name: str, dtype: torch.dtype) -> None:
     """Exports the server's head into the staging directory, pinned to what the trainer
     holds, and writes the index that lists it next to the body transformers saved there."""
-    head.client.export_weights_to_safetensors(
-        head.head_id, os.path.join(staging, names.head_shard), name=name, dtype=dtype,
-        expected_incarnation=head.incarnation,
+    export_weights_to_safetensors(
+        head.client, head.head_id, os.path.join(staging, names.head_shard), name=name,
+        dtype=dtype, expected_incarnation=head.incarnation,
         expected_weight_version=head.info.weight_version)
     index = _body_index(staging, names)
     if name in index["weight_map"]:
