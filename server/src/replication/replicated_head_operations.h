@@ -92,7 +92,7 @@ class ReplicatedHeadOperations {
   absl::StatusOr<HeadDescription> OptimizerStep(const std::string& id,
                                                 const OptimizerStepSpec& spec);
   // On a mesh: this replica's part of the mesh's step, on every rank of the replica
-  // (HeadOperations::ReduceStep).
+  // (replica_step.h: the sum over the replicas, the decision, the apply).
   absl::StatusOr<HeadDescription> ReduceStep(const std::string& id, const OptimizerStepSpec& spec);
   // An optimizer step agreed by this server's trainers (`first`: a synchronous step's first
   // rank; unset: one caller's): on a mesh, the mesh's step (every replica, dW summed over
