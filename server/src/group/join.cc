@@ -52,9 +52,7 @@ absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
 
 absl::Status Cluster::health() const {
   if (liveness != nullptr) RETURN_IF_ERROR(liveness->health());
-  if (group != nullptr) RETURN_IF_ERROR(group->health());
-  if (mesh != nullptr) RETURN_IF_ERROR(mesh->health());
-  return absl::OkStatus();
+  return placement().health();
 }
 
 std::vector<MetricSource*> Cluster::metric_sources() const {

@@ -10,13 +10,6 @@ namespace {
 
 namespace hc = head_command;
 
-template <typename... Ts>
-struct Overloaded : Ts... {
-  using Ts::operator()...;
-};
-template <typename... Ts>
-Overloaded(Ts...) -> Overloaded<Ts...>;
-
 // A creation's traits into its request's fields.
 void TraitsToWire(const HeadTraits& traits, v1::CreateHeadRequest* create) {
   create->set_frozen(traits.frozen);
@@ -47,9 +40,9 @@ v1::OptimizerStepRequest StepToWire(const std::string& id, const OptimizerStepSp
   return step;
 }
 
-v1::GroupCommand EncodeCreate(const hc::CreateFromSeed& c) {
-  v1::GroupCommand command;
-  v1::CreateHeadRequest* create = command.mutable_create();
+// Each command into its log entry: its one encoding (Encode visits them).
+void EncodeInto(const hc::CreateFromSeed& c, v1::GroupCommand* command) {
+  v1::CreateHeadRequest* create = command->mutable_create();
   create->set_head_id(c.id);
   TraitsToWire(c.traits, create);
   create->set_dtype(GroupWireDtype(c.init.dtype));
@@ -59,12 +52,10 @@ v1::GroupCommand EncodeCreate(const hc::CreateFromSeed& c) {
   from->set_bias(c.init.bias);
   from->set_seed(c.init.seed);
   from->set_init_std(c.init.init_std);
-  return command;
 }
 
-v1::GroupCommand EncodeCreate(const hc::CreateFromSafetensors& c) {
-  v1::GroupCommand command;
-  v1::CreateHeadRequest* create = command.mutable_create();
+void EncodeInto(const hc::CreateFromSafetensors& c, v1::GroupCommand* command) {
+  v1::CreateHeadRequest* create = command->mutable_create();
   create->set_head_id(c.id);
   TraitsToWire(c.traits, create);
   if (c.source.dtype.has_value()) create->set_dtype(GroupWireDtype(*c.source.dtype));
@@ -72,33 +63,27 @@ v1::GroupCommand EncodeCreate(const hc::CreateFromSafetensors& c) {
   from->set_path(c.source.path);
   from->set_weight_name(c.source.weight_name);
   from->set_bias_name(c.source.bias_name);
-  return command;
 }
 
-v1::GroupCommand EncodeUpload(const hc::Upload& c) {
-  v1::GroupCommand command;
-  v1::GroupUpload* upload = command.mutable_upload();
+void EncodeInto(const hc::Upload& c, v1::GroupCommand* command) {
+  v1::GroupUpload* upload = command->mutable_upload();
   upload->set_head_id(c.id);
   upload->set_replace(c.replace);
   upload->set_frozen(c.traits.frozen);
   if (c.traits.grad_dtype.has_value()) upload->set_grad_dtype(GroupWireDtype(*c.traits.grad_dtype));
   *upload->mutable_weight() = DescribeTensor("weight", c.weight);
   if (c.bias.defined()) *upload->mutable_bias() = DescribeTensor("bias", c.bias);
-  return command;
 }
 
-v1::GroupCommand EncodeEmbedding(const hc::EmbeddingLookup& c) {
-  v1::GroupCommand command;
-  v1::GroupEmbedding* lookup = command.mutable_embedding_lookup();
+void EncodeInto(const hc::EmbeddingLookup& c, v1::GroupCommand* command) {
+  v1::GroupEmbedding* lookup = command->mutable_embedding_lookup();
   lookup->set_head_id(c.id);
   *lookup->mutable_ids() = DescribeTensor("ids", c.ids);
   if (c.dtype.has_value()) lookup->set_dtype(GroupWireDtype(*c.dtype));
-  return command;
 }
 
-v1::GroupCommand EncodeEmbedding(const hc::EmbeddingGradient& c) {
-  v1::GroupCommand command;
-  v1::GroupEmbedding* gradient = command.mutable_embedding_gradient();
+void EncodeInto(const hc::EmbeddingGradient& c, v1::GroupCommand* command) {
+  v1::GroupEmbedding* gradient = command->mutable_embedding_gradient();
   gradient->set_head_id(c.id);
   *gradient->mutable_ids() = DescribeTensor("ids", c.ids);
   *gradient->mutable_rows() = DescribeTensor("rows", c.rows);
@@ -108,7 +93,45 @@ v1::GroupCommand EncodeEmbedding(const hc::EmbeddingGradient& c) {
   if (c.expected_weight_version.has_value()) {
     gradient->set_expected_weight_version(*c.expected_weight_version);
   }
-  return command;
+}
+
+void EncodeInto(const hc::Drop& c, v1::GroupCommand* command) {
+  command->mutable_drop()->set_head_id(c.id);
+}
+
+void EncodeInto(const hc::UndoCreate& c, v1::GroupCommand* command) {
+  command->mutable_undo_create()->set_head_id(c.id);
+}
+
+void EncodeInto(const hc::ZeroGradients& c, v1::GroupCommand* command) {
+  command->mutable_zero_gradients()->set_head_id(c.id);
+}
+
+void EncodeInto(const hc::OptimizerStep& c, v1::GroupCommand* command) {
+  *command->mutable_optimizer_step() = StepToWire(c.id, c.spec);
+}
+
+void EncodeInto(const hc::ReduceStep& c, v1::GroupCommand* command) {
+  *command->mutable_reduce_step() = StepToWire(c.id, c.spec);
+}
+
+void EncodeInto(const hc::SaveState& c, v1::GroupCommand* command) {
+  command->mutable_save_state()->set_head_id(c.id);
+  command->mutable_save_state()->set_state_id(c.state_id);
+}
+
+void EncodeInto(const hc::RestoreState& c, v1::GroupCommand* command) {
+  v1::GroupHeadState* restore = command->mutable_restore_state();
+  restore->set_head_id(c.id);
+  restore->set_state_id(c.state_id);
+  restore->set_check_only(c.check_only);
+}
+
+void EncodeInto(const hc::Gather& c, v1::GroupCommand* command) {
+  v1::GroupGather* gather = command->mutable_gather();
+  gather->set_head_id(c.id);
+  gather->set_gradients(c.gradients);
+  if (c.dtype.has_value()) gather->set_dtype(GroupWireDtype(*c.dtype));
 }
 
 absl::StatusOr<HeadCommand> DecodeCreate(const v1::CreateHeadRequest& create) {
@@ -152,61 +175,9 @@ absl::StatusOr<HeadCommand> DecodeEmbeddingGradient(const v1::GroupEmbedding& gr
 }  // namespace
 
 v1::GroupCommand Encode(const HeadCommand& command) {
-  return std::visit(Overloaded{
-                        [](const hc::CreateFromSeed& c) { return EncodeCreate(c); },
-                        [](const hc::CreateFromSafetensors& c) { return EncodeCreate(c); },
-                        [](const hc::Upload& c) { return EncodeUpload(c); },
-                        [](const hc::Drop& c) {
-                          v1::GroupCommand e;
-                          e.mutable_drop()->set_head_id(c.id);
-                          return e;
-                        },
-                        [](const hc::UndoCreate& c) {
-                          v1::GroupCommand e;
-                          e.mutable_undo_create()->set_head_id(c.id);
-                          return e;
-                        },
-                        [](const hc::ZeroGradients& c) {
-                          v1::GroupCommand e;
-                          e.mutable_zero_gradients()->set_head_id(c.id);
-                          return e;
-                        },
-                        [](const hc::OptimizerStep& c) {
-                          v1::GroupCommand e;
-                          *e.mutable_optimizer_step() = StepToWire(c.id, c.spec);
-                          return e;
-                        },
-                        [](const hc::ReduceStep& c) {
-                          v1::GroupCommand e;
-                          *e.mutable_reduce_step() = StepToWire(c.id, c.spec);
-                          return e;
-                        },
-                        [](const hc::SaveState& c) {
-                          v1::GroupCommand e;
-                          e.mutable_save_state()->set_head_id(c.id);
-                          e.mutable_save_state()->set_state_id(c.state_id);
-                          return e;
-                        },
-                        [](const hc::RestoreState& c) {
-                          v1::GroupCommand e;
-                          v1::GroupHeadState* restore = e.mutable_restore_state();
-                          restore->set_head_id(c.id);
-                          restore->set_state_id(c.state_id);
-                          restore->set_check_only(c.check_only);
-                          return e;
-                        },
-                        [](const hc::Gather& c) {
-                          v1::GroupCommand e;
-                          v1::GroupGather* gather = e.mutable_gather();
-                          gather->set_head_id(c.id);
-                          gather->set_gradients(c.gradients);
-                          if (c.dtype.has_value()) gather->set_dtype(GroupWireDtype(*c.dtype));
-                          return e;
-                        },
-                        [](const hc::EmbeddingLookup& c) { return EncodeEmbedding(c); },
-                        [](const hc::EmbeddingGradient& c) { return EncodeEmbedding(c); },
-                    },
-                    command);
+  v1::GroupCommand encoded;
+  std::visit([&](const auto& c) { EncodeInto(c, &encoded); }, command);
+  return encoded;
 }
 
 v1::GroupCommand MeshGradientsCommand(const std::string& id) {
