@@ -41,7 +41,7 @@ set(REMOTEHEAD_TORCH_API_HEADER "${PROJECT_SOURCE_DIR}/core/include/remotehead/c
 
 # The two every LibTorch target can use. Two more are added where their headers come from:
 # proto/ adds grpc_library (gRPC and the generated service headers too, for the libraries that
-# speak the wire) and tests/ adds test (GoogleTest as well, at the tests' optimisation level, for
+# speak gRPC) and tests/ adds test (GoogleTest as well, at the tests' optimisation level, for
 # the executables it marks REMOTEHEAD_TEST_PCH).
 remotehead_add_torch_pch(library PIC)
 remotehead_add_torch_pch(executable PIE)
@@ -80,7 +80,7 @@ function(_remotehead_links_torch target out)
 endfunction()
 
 # The holder `target` reuses: test executables (marked REMOTEHEAD_TEST_PCH by tests/) the test
-# one, libraries that link the generated protocol code (or the wire codec over it) the
+# one, libraries that link gRPC's generated stubs (or the wire's gRPC part over them) the
 # grpc_library one, others by their position independence. Where the richer holder is not
 # defined the plain one serves: its headers are a subset, so the choice only saves parsing.
 function(_remotehead_pch_holder target type out)
@@ -95,8 +95,8 @@ function(_remotehead_pch_holder target type out)
   endif()
   get_target_property(libraries ${target} LINK_LIBRARIES)
   if(TARGET remotehead_torch_pch_grpc_library AND
-     ("remotehead::proto" IN_LIST libraries OR "remotehead_proto" IN_LIST libraries OR
-      "remotehead::wire" IN_LIST libraries OR "remotehead_wire" IN_LIST libraries))
+     ("remotehead::proto_grpc" IN_LIST libraries OR "remotehead_proto_grpc" IN_LIST libraries OR
+      "remotehead::wire_grpc" IN_LIST libraries OR "remotehead_wire_grpc" IN_LIST libraries))
     set(${out} remotehead_torch_pch_grpc_library PARENT_SCOPE)
   else()
     set(${out} remotehead_torch_pch_library PARENT_SCOPE)

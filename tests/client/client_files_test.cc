@@ -5,7 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "client/client_fixture.h"
-#include "remotehead/server/state_store.h"
+#include "remotehead/server/service/state_store.h"
 
 namespace remotehead {
 namespace {

@@ -1,6 +1,6 @@
 // libFuzzer target: streams of StepRequest messages (header + rows) through StepStream and its
-// StepSession, the transport-free seam every ForwardBackward / Forward / Backward goes through, against two tiny
-// heads (fp32 with bias, bf16 without; V = 17, D = 4) in a HeadRegistry.
+// StepSession, the transport-free seam every ForwardBackward / Forward / Backward goes through,
+// against two tiny heads (fp32 with bias, bf16 without; V = 17, D = 4) in a HeadRegistry.
 //
 // Input: parts separated by fuzz_input.h's separator; each part is one control byte and a
 // serialized v1::StepRequest. Control bits:
@@ -25,11 +25,11 @@
 #include <vector>
 
 #include "fuzz_input.h"
-#include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/stubs/logging.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "remotehead/core/head.h"
-#include "remotehead/server/admission.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/admission.h"
+#include "remotehead/server/service/head_registry.h"
 #include "remotehead/wire/split_rows.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "rpc/step_stream.h"
@@ -42,9 +42,9 @@ constexpr size_t kMaxMessages = 64;
 
 // SplitHiddenData agrees with protobuf's parse (`parsed`, null where it failed).
 void CheckSplit(const std::string& bytes, const v1::StepRequest* parsed) {
-  const std::vector<wire::BytePiece> pieces = {{bytes.data(), bytes.size() / 2},
-                                               {bytes.data() + bytes.size() / 2,
-                                                bytes.size() - bytes.size() / 2}};
+  const std::vector<wire::BytePiece> pieces = {
+      {bytes.data(), bytes.size() / 2},
+      {bytes.data() + bytes.size() / 2, bytes.size() - bytes.size() / 2}};
   const std::optional<wire::SplitTensor> split = wire::SplitHiddenData(pieces);
   if (!split.has_value()) return;
   // The walk checks the fields on its way only: the rest of a message protobuf refuses

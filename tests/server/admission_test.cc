@@ -1,6 +1,6 @@
 // AdmissionController on its own: the memory budget, the active-request limit, the FIFO queue
 // and its bound, reservations, and withdrawal of a queued request.
-#include "remotehead/server/admission.h"
+#include "remotehead/server/service/admission.h"
 
 #include <gtest/gtest.h>
 

@@ -2,10 +2,10 @@
 // metadata) in its details, made by the one status seam from the reason core/ and server/
 // attach (core/error_reason.h); and ListFunctions describes every registered function from the
 // registry. Checked on the seam alone and over a real gRPC channel.
-#include "head_expectations.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/functions.h"
 #include "remotehead/server/rpc/status_mapping.h"
+#include "service/head_expectations.h"
 #include "service_fixture.h"
 
 namespace remotehead {

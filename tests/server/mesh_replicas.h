@@ -20,18 +20,18 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "head_operations.h"
 #include "remotehead/core/error_reason.h"
-#include "remotehead/server/admission.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/admission.h"
+#include "remotehead/server/service/head_registry.h"
 #include "replication/group_follower.h"
 #include "replication/mesh_steps.h"
 #include "replication/replicated_head_operations.h"
 #include "rpc/front_address.h"
 #include "server/in_process_mesh.h"
-#include "sync_steps.h"
+#include "service/head_operations.h"
+#include "service/sync_steps.h"
 
 namespace remotehead::server::mesh_testing {
 
@@ -109,10 +109,10 @@ class Replicas {
     for (int g = 0; g < size(); ++g) {
       Process& p = at(g);
       const GroupConfig config = groups_.config(g);
-      absl::StatusOr<std::unique_ptr<Liveness>> liveness = Liveness::Start(
-          config, &p.log, Liveness::Timing{.lost = config.timeout},
-          std::make_unique<testing::InProcessKeyValueStore>(groups_.shared_store(),
-                                                            config.prefix + "/liveness"));
+      absl::StatusOr<std::unique_ptr<Liveness>> liveness =
+          Liveness::Start(config, &p.log, Liveness::Timing{.lost = config.timeout},
+                          std::make_unique<testing::InProcessKeyValueStore>(
+                              groups_.shared_store(), config.prefix + "/liveness"));
       EXPECT_TRUE(liveness.ok()) << g << ": " << liveness.status();
       if (!liveness.ok()) continue;
       p.liveness = *std::move(liveness);
@@ -130,10 +130,9 @@ class Replicas {
           setup.wait);
       p.follower = std::make_unique<GroupFollower>(p.local.get(), &p.registry,
                                                    p.replica_group.get(), torch::kCPU);
-      p.mesh_follower = std::make_unique<MeshFollower>(p.mesh.get(), p.replica_group.get(),
-                                                       p.follower.get(),
-                                                       &p.operations->mesh_steps(),
-                                                       p.operations.get());
+      p.mesh_follower =
+          std::make_unique<MeshFollower>(p.mesh.get(), p.replica_group.get(), p.follower.get(),
+                                         &p.operations->mesh_steps(), p.operations.get());
     }
     // The followers, as the server runs them: a front other than the leader follows the mesh's
     // log (FollowMesh), a replica's other ranks their replica's (FollowGroup).

@@ -3,8 +3,7 @@
 // hundreds of slow clients that trickle their requests and reconnect when dropped (a scrape is
 // still answered within Prometheus' timeout), the connection limit, a prompt stop, 404 / 405,
 // the bearer token, and the exposure rule next to TLS.
-#include "remotehead/core/torch_api.h"
-#include "remotehead/server/metrics_http.h"
+#include "remotehead/server/service/metrics_http.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -23,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "remotehead/core/torch_api.h"
 #include "support/http_client.h"
 
 namespace remotehead::server {

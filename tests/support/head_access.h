@@ -3,7 +3,7 @@
 #pragma once
 
 #include "remotehead/core/head.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 
 namespace remotehead::testing {
 

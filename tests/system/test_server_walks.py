@@ -123,7 +123,7 @@ def order_errors(steps, read):
 
 
 def layer_rows(text):
-    """The Layers table's files cell, by layer (rpc, replication, …, root, group)."""
+    """The Layers table's files cell, by layer (rpc, replication, …, service, group)."""
     body = re.search(r"^## Layers\n(.*?)(?=^## )", text, re.S | re.M).group(1)
     found = {}
     for line in body.splitlines():
@@ -141,7 +141,7 @@ def unnamed_units(server, table):
         if path.suffix not in (".cc", ".h") or path.name == "main.cc":
             continue
         rel = path.relative_to(server / "src")
-        layer = rel.parts[0] if len(rel.parts) > 1 else "root"
+        layer = rel.parts[0] if len(rel.parts) > 1 else "(the top of src/)"
         named = re.search(rf"\b{re.escape(path.stem)}(\.cc|\.h|\.\{{h,cc\}})", table.get(layer, ""))
         if not named:
             missing.add(str(rel.with_suffix("")))
@@ -181,7 +181,7 @@ def test_no_row_calls_the_row_before_it(doc, title):
 
 def test_the_layers_table_names_every_unit():
     table = layer_rows(README.read_text())
-    assert set(table) == {"rpc", "replication", "translate", "step", "root", "group"}, table
+    assert set(table) == {"rpc", "replication", "translate", "step", "service", "group"}, table
     assert unnamed_units(ROOT / "server", table) == []
 
 
@@ -229,7 +229,7 @@ def test_a_swapped_pair_and_an_unnamed_file_are_caught(tmp_path):
     (tmp_path / "src" / "rpc").mkdir(parents=True)
     for name in ("src/rpc/a.cc", "src/rpc/a.h", "src/rpc/b.h", "src/c.cc", "src/main.cc"):
         (tmp_path / name).write_text("")
-    table = {"rpc": "`a.cc` (one), `b.h`", "root": ""}
+    table = {"rpc": "`a.cc` (one), `b.h`", "service": ""}
     assert unnamed_units(tmp_path, table) == ["c"]
     py = "class Head:\n    def loss(self):\n        return step()\n\ndef step():\n    pass\n"
     assert defines_py(py, "Head.loss") and defines_py(py, "step")

@@ -5,7 +5,7 @@
 #pragma once
 
 #include "absl/status/statusor.h"
-#include "head_operations.h"
+#include "service/head_operations.h"
 #include "translate/head_commands.h"
 
 namespace remotehead::server {

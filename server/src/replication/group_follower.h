@@ -9,13 +9,13 @@
 #include <atomic>
 
 #include "absl/status/status.h"
-#include "head_operations.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"
 #include "replication/cluster_drain.h"
 #include "replication/group_steps.h"
+#include "service/head_operations.h"
 
 namespace remotehead::server {
 

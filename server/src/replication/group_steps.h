@@ -16,7 +16,7 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "step/step_call.h"

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "head_operations.h"
 #include "remotehead/server/group/head_mesh.h"
+#include "service/head_operations.h"
 
 namespace remotehead::server {
 

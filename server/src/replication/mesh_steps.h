@@ -24,7 +24,7 @@
 #include "remotehead/server/group/head_mesh.h"
 #include "remotehead/v1/head_group.pb.h"
 #include "replication/group_follower.h"
-#include "sync_steps.h"
+#include "service/sync_steps.h"
 
 namespace remotehead::server {
 

@@ -17,8 +17,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "head_operations.h"
 #include "remotehead/server/group/placement.h"
+#include "service/head_operations.h"
 
 namespace remotehead::server {
 

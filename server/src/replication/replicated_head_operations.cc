@@ -1,8 +1,8 @@
 #include "replication/replicated_head_operations.h"
 
 #include "absl/strings/str_cat.h"
-#include "head_expectations.h"
 #include "remotehead/core/status_macros.h"
+#include "service/head_expectations.h"
 #include "translate/group_commands.h"
 #include "translate/head_commands.h"
 

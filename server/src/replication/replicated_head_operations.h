@@ -15,15 +15,15 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "head_operations.h"
-#include "head_requests.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
 #include "replication/apply_head_command.h"
 #include "replication/mesh_steps.h"
-#include "sync_steps.h"
+#include "service/head_operations.h"
+#include "service/head_requests.h"
+#include "service/sync_steps.h"
 #include "translate/head_commands.h"
 
 namespace remotehead::v1 {

@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "remotehead/server/metrics.h"
+#include "remotehead/server/service/metrics.h"
 
 namespace remotehead::server {
 

@@ -7,12 +7,10 @@
 #include <algorithm>
 #include <chrono>
 
-#include "compute_pool.h"
-#include "head_operations.h"
-#include "remotehead/server/admission.h"
 #include "remotehead/server/group/placement.h"
-#include "remotehead/server/head_registry.h"
-#include "remotehead/server/service_options.h"
+#include "remotehead/server/service/admission.h"
+#include "remotehead/server/service/head_registry.h"
+#include "remotehead/server/service/service_options.h"
 #include "replication/cluster_drain.h"
 #include "replication/group_follower.h"
 #include "replication/mesh_counts.h"
@@ -20,8 +18,10 @@
 #include "replication/replicated_head_operations.h"
 #include "rpc/call_gate.h"
 #include "rpc/stripe_joins.h"
+#include "service/compute_pool.h"
+#include "service/head_operations.h"
+#include "service/sync_steps.h"
 #include "step/retained_inputs.h"
-#include "sync_steps.h"
 
 namespace remotehead::server {
 

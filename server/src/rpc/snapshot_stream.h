@@ -7,10 +7,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "head_requests.h"
 #include "remotehead/server/rpc/status_mapping.h"
 #include "remotehead/v1/head_service.pb.h"
 #include "remotehead/wire/tensor_codec.h"
+#include "service/head_requests.h"
 #include "translate/protocol.h"
 
 namespace remotehead::server {

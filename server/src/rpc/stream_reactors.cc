@@ -7,9 +7,9 @@
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/rpc/status_mapping.h"
 #include "remotehead/wire/tensor_codec.h"
-#include "request_memory.h"
 #include "rpc/client_stream_reactor.h"
 #include "rpc/snapshot_stream.h"
+#include "service/request_memory.h"
 #include "translate/protocol.h"
 
 namespace remotehead::server {

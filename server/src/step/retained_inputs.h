@@ -15,14 +15,14 @@
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/admission.h"
+#include "remotehead/server/service/admission.h"
 
 namespace remotehead::server {
 
 struct RetainedInputs {
   std::string head_id;
-  int64_t weight_version = 0;  // the head's version when the Forward ran
-  core::TokenBatch batch;      // all rows, on the head's device (teacher_hidden included)
+  int64_t weight_version = 0;   // the head's version when the Forward ran
+  core::TokenBatch batch;       // all rows, on the head's device (teacher_hidden included)
   std::string teacher_head_id;  // a two-head Forward's teacher (empty: none)
   int64_t teacher_version = 0;  // the teacher's version when the Forward ran
 };

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
-#include "request_memory.h"
+#include "service/request_memory.h"
 
 namespace remotehead::server {
 

@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/torch_api.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 
 namespace remotehead::server {
 
@@ -31,8 +31,8 @@ struct StepCall {
   std::optional<int64_t> expected_weight_version;      // unset: unchecked
   bool accumulate_weight_grad = false;                 // dW accumulates, under `gradient`
   std::optional<GradientKey> gradient;  // with accumulate_weight_grad, when named (has a trainer)
-  std::string inputs_handle;                           // a Backward on a Forward's inputs
-  double retain_inputs_seconds = 0;                    // > 0: a Forward that retains its inputs
+  std::string inputs_handle;            // a Backward on a Forward's inputs
+  double retain_inputs_seconds = 0;     // > 0: a Forward that retains its inputs
   // A two-head function's frozen teacher head (empty: none); checked against the function by
   // the header's reading, against the registry and the student by the session (step_teacher.h).
   std::string teacher_head_id;

@@ -4,10 +4,10 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "head_expectations.h"
 #include "remotehead/core/device_transfer.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/core/status_macros.h"
+#include "service/head_expectations.h"
 #include "step/step_teacher.h"
 
 namespace remotehead::server {

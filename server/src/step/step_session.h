@@ -23,8 +23,8 @@
 
 #include "absl/status/statusor.h"
 #include "remotehead/core/engine.h"
-#include "remotehead/server/head_registry.h"
-#include "request_memory.h"
+#include "remotehead/server/service/head_registry.h"
+#include "service/request_memory.h"
 #include "step/engine_call.h"
 #include "step/retained_inputs.h"
 #include "step/row_batcher.h"

@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "remotehead/core/engine.h"
 #include "remotehead/core/torch_api.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 
 namespace remotehead::server {
 

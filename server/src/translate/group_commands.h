@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"
 
 namespace remotehead::server {

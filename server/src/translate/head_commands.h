@@ -16,12 +16,12 @@
 #include <variant>
 
 #include "absl/status/statusor.h"
-#include "head_requests.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/torch_api.h"
-#include "remotehead/server/head_description.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_description.h"
+#include "remotehead/server/service/head_registry.h"
 #include "remotehead/v1/head_group.pb.h"
+#include "service/head_requests.h"
 
 namespace remotehead::server {
 namespace head_command {

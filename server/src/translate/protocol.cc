@@ -1,10 +1,10 @@
 #include "translate/protocol.h"
 
 #include "absl/strings/str_cat.h"
-#include "head_expectations.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
+#include "service/head_expectations.h"
 
 namespace remotehead::server {
 

@@ -7,11 +7,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "head_expectations.h"
-#include "head_requests.h"
 #include "remotehead/core/functions.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 #include "remotehead/v1/head_service.pb.h"
+#include "service/head_expectations.h"
+#include "service/head_requests.h"
 
 namespace remotehead::server {
 

@@ -3,10 +3,10 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "head_expectations.h"
 #include "remotehead/core/functions.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
+#include "service/head_expectations.h"
 #include "translate/protocol.h"
 
 namespace remotehead::server {

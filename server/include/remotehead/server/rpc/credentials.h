@@ -13,7 +13,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "remotehead/server/operator_files.h"
+#include "remotehead/server/service/operator_files.h"
 
 namespace remotehead::server {
 

@@ -14,9 +14,9 @@
 
 #include "absl/status/status.h"
 #include "remotehead/core/call_mode.h"
-#include "remotehead/server/admission.h"
-#include "remotehead/server/head_registry.h"
-#include "remotehead/server/service_options.h"
+#include "remotehead/server/service/admission.h"
+#include "remotehead/server/service/head_registry.h"
+#include "remotehead/server/service/service_options.h"
 #include "remotehead/v1/head_service.grpc.pb.h"
 
 namespace remotehead::server {

@@ -1,4 +1,4 @@
-#include "compute_pool.h"
+#include "service/compute_pool.h"
 
 #include <pthread.h>
 

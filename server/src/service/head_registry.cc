@@ -1,4 +1,4 @@
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "state_restore.h"
+#include "service/state_restore.h"
 
 #include <map>
 #include <vector>
@@ -9,7 +9,7 @@
 #include "group/exchange.h"
 #include "remotehead/core/head_state.h"
 #include "remotehead/core/status_macros.h"
-#include "remotehead/server/operator_files.h"
+#include "remotehead/server/service/operator_files.h"
 
 namespace remotehead::server {
 namespace {

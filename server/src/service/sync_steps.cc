@@ -1,4 +1,4 @@
-#include "sync_steps.h"
+#include "service/sync_steps.h"
 
 #include <algorithm>
 #include <utility>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "remotehead/core/error_reason.h"
-#include "remotehead/server/metrics.h"
+#include "remotehead/server/service/metrics.h"
 
 namespace remotehead::server {
 namespace {

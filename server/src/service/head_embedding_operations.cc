@@ -1,9 +1,9 @@
 // HeadOperations' tied-embedding parts: the rows of W a model's input ids read, and their
 // gradient added into the same dW as the head's steps (one parameter, one accumulator).
 #include "absl/strings/str_cat.h"
-#include "head_expectations.h"
-#include "head_operations.h"
 #include "remotehead/core/status_macros.h"
+#include "service/head_expectations.h"
+#include "service/head_operations.h"
 
 namespace remotehead::server {
 namespace {

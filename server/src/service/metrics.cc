@@ -1,4 +1,4 @@
-#include "remotehead/server/metrics.h"
+#include "remotehead/server/service/metrics.h"
 
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/memory_stats.h"
 #include "remotehead/server/group/metric_source.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 
 namespace remotehead::server {
 namespace {
@@ -279,23 +279,23 @@ class ServerMetrics::Impl : public prometheus::Collectable {
         "Largest logit (after logit scale, softcap and temperature) over the training tokens "
         "of the head's last optimizer step");
     prometheus::MetricFamily logit_max_mean = Gauges(
-        "remotehead_head_logit_max_mean",
-        "Mean over those tokens of each token's largest logit");
-    prometheus::MetricFamily z_loss = Gauges(
-        "remotehead_head_z_loss_mean",
-        "Mean lse² (the z-loss without its coefficient) over those tokens");
-    prometheus::MetricFamily clipped = Gauges(
-        "remotehead_head_clipped_fraction",
-        "Fraction of the clipping (GRPO-family) calls' tokens whose ratio was clipped, last "
-        "optimizer step");
+        "remotehead_head_logit_max_mean", "Mean over those tokens of each token's largest logit");
+    prometheus::MetricFamily z_loss =
+        Gauges("remotehead_head_z_loss_mean",
+               "Mean lse² (the z-loss without its coefficient) over those tokens");
+    prometheus::MetricFamily clipped =
+        Gauges("remotehead_head_clipped_fraction",
+               "Fraction of the clipping (GRPO-family) calls' tokens whose ratio was clipped, last "
+               "optimizer step");
     prometheus::MetricFamily kl = Gauges(
         "remotehead_head_kl_mean",
         "Mean KL to the reference policy over the tokens of the calls that reported it, last "
         "optimizer step");
     prometheus::MetricFamily tokens{
         .name = "remotehead_head_step_tokens_total",
-        .help = "Training tokens (valid tokens of calls that accumulated dW) of the micro-batches "
-                "the head's optimizer steps applied",
+        .help =
+            "Training tokens (valid tokens of calls that accumulated dW) of the micro-batches "
+            "the head's optimizer steps applied",
         .type = prometheus::MetricType::Counter,
         .metric = {}};
 
@@ -315,7 +315,8 @@ class ServerMetrics::Impl : public prometheus::Collectable {
       if (w.kl_tokens > 0) AddGauge(kl, head, w.kl_sum / double(w.kl_tokens));
     }
     void MoveTo(std::vector<prometheus::MetricFamily>& out) {
-      for (auto* family : {&entropy, &logit_max, &logit_max_mean, &z_loss, &clipped, &kl, &tokens}) {
+      for (auto* family :
+           {&entropy, &logit_max, &logit_max_mean, &z_loss, &clipped, &kl, &tokens}) {
         out.push_back(std::move(*family));
       }
     }
@@ -345,8 +346,7 @@ class ServerMetrics::Impl : public prometheus::Collectable {
   std::map<std::string, RpcMetrics> rpcs_;
 };
 
-ServerMetrics::RpcObservation::RpcObservation(std::shared_ptr<Impl> metrics,
-                                              const std::string& rpc)
+ServerMetrics::RpcObservation::RpcObservation(std::shared_ptr<Impl> metrics, const std::string& rpc)
     : metrics_(std::move(metrics)),
       rpc_(rpc),
       counters_(&metrics_->ForRpc(rpc)),

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "remotehead/server/admission.h"
+#include "remotehead/server/service/admission.h"
 
 namespace prometheus {
 class Collectable;

@@ -1,4 +1,4 @@
-#include "head_expectations.h"
+#include "service/head_expectations.h"
 
 #include <random>
 
@@ -42,8 +42,7 @@ absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::stri
   if (!expected.has_value() || *expected == head.weight_version) return absl::OkStatus();
   return core::WithReason(
       absl::FailedPreconditionError(absl::StrCat(
-          field, ": expected the head's current version ", head.weight_version, "; got ",
-          *expected,
+          field, ": expected the head's current version ", head.weight_version, "; got ", *expected,
           head.restored_version.has_value()
               ? absl::StrCat(" (the server restarted and restored head \"", head.id,
                              "\" from its saved state at version ", *head.restored_version, ")")
@@ -58,18 +57,18 @@ absl::Status CheckWeightVersion(std::optional<int64_t> expected, const std::stri
 absl::Status CheckEmbeddingIds(const torch::Tensor& ids, int64_t vocab_size,
                                const std::string& field) {
   if (ids.dim() != 1 || ids.scalar_type() != torch::kLong) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected int64 token ids [n]; got ", ids.dim(), " dimensions of ",
-                     std::string(c10::toString(ids.scalar_type()))));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected int64 token ids [n]; got ",
+                                                   ids.dim(), " dimensions of ",
+                                                   std::string(c10::toString(ids.scalar_type()))));
   }
   if (ids.numel() == 0) return absl::OkStatus();
   const torch::Tensor outside = ((ids < 0) | (ids >= vocab_size)).nonzero();
   if (outside.numel() > 0) {
     const int64_t at = outside[0][0].item<int64_t>();
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected token ids in [0, ", vocab_size, ") (the head's vocab_size); got ",
-                     ids[at].item<int64_t>(), " at position ", at, " (", outside.size(0),
-                     " out of range in all)"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected token ids in [0, ",
+                                                   vocab_size, ") (the head's vocab_size); got ",
+                                                   ids[at].item<int64_t>(), " at position ", at,
+                                                   " (", outside.size(0), " out of range in all)"));
   }
   return absl::OkStatus();
 }
@@ -87,10 +86,10 @@ absl::Status CheckEmbeddingGradientIds(const torch::Tensor& ids, const std::stri
 absl::Status CheckEmbeddingRows(const torch::Tensor& rows, int64_t ids, int64_t hidden_size,
                                 const std::string& field) {
   if (rows.dim() != 2 || rows.size(0) != ids || rows.size(1) != hidden_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": expected [", ids, ", ", hidden_size,
-        "] (one row per id, the head's hidden_size); got [",
-        absl::StrJoin(rows.sizes().vec(), ", "), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected [", ids, ", ", hidden_size,
+                     "] (one row per id, the head's hidden_size); got [",
+                     absl::StrJoin(rows.sizes().vec(), ", "), "]"));
   }
   if (!torch::isFloatingType(rows.scalar_type())) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": expected a floating-point dtype; got ",

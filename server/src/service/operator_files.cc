@@ -1,4 +1,4 @@
-#include "remotehead/server/operator_files.h"
+#include "remotehead/server/service/operator_files.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

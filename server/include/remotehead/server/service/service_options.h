@@ -9,11 +9,11 @@
 
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/torch_api.h"
-#include "remotehead/server/admission.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
-#include "remotehead/server/metrics.h"
-#include "remotehead/server/state_store.h"
+#include "remotehead/server/service/admission.h"
+#include "remotehead/server/service/metrics.h"
+#include "remotehead/server/service/state_store.h"
 
 namespace remotehead::server {
 

@@ -1,4 +1,4 @@
-#include "head_operations.h"
+#include "service/head_operations.h"
 
 #include <map>
 #include <mutex>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
-#include "request_memory.h"
+#include "service/request_memory.h"
 
 namespace remotehead::server {
 namespace {

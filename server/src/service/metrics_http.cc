@@ -1,4 +1,4 @@
-#include "remotehead/server/metrics_http.h"
+#include "remotehead/server/service/metrics_http.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "remotehead/core/status_macros.h"
-#include "remotehead/server/operator_files.h"
+#include "remotehead/server/service/operator_files.h"
 
 namespace remotehead::server {
 namespace {

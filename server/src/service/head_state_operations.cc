@@ -2,8 +2,8 @@
 // restored (head_operations.h). Doing so on every rank of a group or mesh under one state id is
 // replication/head_states.cc's.
 #include "absl/strings/str_cat.h"
-#include "head_operations.h"
 #include "remotehead/core/status_macros.h"
+#include "service/head_operations.h"
 
 namespace remotehead::server {
 

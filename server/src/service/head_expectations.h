@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "remotehead/core/torch_api.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 
 namespace remotehead::server {
 

@@ -20,17 +20,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "head_requests.h"
 #include "remotehead/core/checkpoint_dir.h"
 #include "remotehead/core/head.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/core/torch_api.h"
-#include "remotehead/server/admission.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
 #include "remotehead/server/group/placement.h"
-#include "remotehead/server/head_registry.h"
-#include "remotehead/server/state_store.h"
+#include "remotehead/server/service/admission.h"
+#include "remotehead/server/service/head_registry.h"
+#include "remotehead/server/service/state_store.h"
+#include "service/head_requests.h"
 
 namespace remotehead::server {
 

@@ -1,4 +1,4 @@
-#include "remotehead/server/state_store.h"
+#include "remotehead/server/service/state_store.h"
 
 #include <algorithm>
 #include <chrono>

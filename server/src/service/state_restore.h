@@ -14,8 +14,8 @@
 
 #include "absl/status/status.h"
 #include "group/join.h"
-#include "remotehead/server/head_registry.h"
-#include "remotehead/server/state_store.h"
+#include "remotehead/server/service/head_registry.h"
+#include "remotehead/server/service/state_store.h"
 
 namespace remotehead::server {
 

@@ -1,4 +1,4 @@
-#include "request_memory.h"
+#include "service/request_memory.h"
 
 #include <algorithm>
 

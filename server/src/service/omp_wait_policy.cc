@@ -11,7 +11,7 @@
 // executable's .preinit_array does not reach it either: glibc's own initialiser, which runs
 // after the pre-initialisers, resets `environ` to the process's original block. So the process
 // sets it and executes itself again; children inherit it.
-#include "omp_wait_policy.h"
+#include "service/omp_wait_policy.h"
 
 #include <unistd.h>
 

@@ -10,7 +10,7 @@
 
 #include "remotehead/core/optimizer.h"
 #include "remotehead/core/torch_api.h"
-#include "remotehead/server/head_registry.h"
+#include "remotehead/server/service/head_registry.h"
 
 namespace remotehead::server {
 

@@ -3,9 +3,9 @@
 // frozen, the dW accumulators' dtype — and its bytes reserved before anything is allocated.
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "head_operations.h"
 #include "remotehead/core/checkpoint.h"
 #include "remotehead/core/status_macros.h"
+#include "service/head_operations.h"
 
 namespace remotehead::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "remotehead/server/admission.h"
+#include "remotehead/server/service/admission.h"
 
 #include <algorithm>
 
@@ -31,11 +31,10 @@ bool AdmissionController::FitsLocked(int64_t bytes, bool counts_as_active) const
 absl::Status AdmissionController::OverBudget(int64_t bytes, absl::string_view more,
                                              const std::string& breakdown,
                                              const std::string& in_use) const {
-  return Exhausted("memory",
-                   absl::StrCat("admission: expected ", core::FormatMiB(bytes), more, " (",
-                                breakdown, ") to fit the memory budget of ",
-                                core::FormatMiB(options_.memory_budget_bytes),
-                                " (--memory_budget_bytes); got ", in_use));
+  return Exhausted("memory", absl::StrCat("admission: expected ", core::FormatMiB(bytes), more,
+                                          " (", breakdown, ") to fit the memory budget of ",
+                                          core::FormatMiB(options_.memory_budget_bytes),
+                                          " (--memory_budget_bytes); got ", in_use));
 }
 
 std::string AdmissionController::InUseLocked() const {
@@ -47,15 +46,16 @@ absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
                                         std::function<void()> on_admitted) {
   std::lock_guard<std::mutex> lock(mu_);
   if (options_.memory_budget_bytes > 0 && bytes > options_.memory_budget_bytes - head_bytes_) {
-    return Exhausted("memory", absl::StrCat(
-        "admission: expected a request within the server's memory budget of ",
-        core::FormatMiB(options_.memory_budget_bytes), " (--memory_budget_bytes)",
-        head_bytes_ > 0
-            ? absl::StrCat(" less the ", core::FormatMiB(head_bytes_), " its heads hold")
-            : std::string(),
-        "; got one needing ", core::FormatMiB(bytes), " (", breakdown,
-        "). Send fewer rows per request, a smaller "
-        "chunking.memory_budget_bytes, or no weight gradient"));
+    return Exhausted(
+        "memory",
+        absl::StrCat("admission: expected a request within the server's memory budget of ",
+                     core::FormatMiB(options_.memory_budget_bytes), " (--memory_budget_bytes)",
+                     head_bytes_ > 0 ? absl::StrCat(" less the ", core::FormatMiB(head_bytes_),
+                                                    " its heads hold")
+                                     : std::string(),
+                     "; got one needing ", core::FormatMiB(bytes), " (", breakdown,
+                     "). Send fewer rows per request, a smaller "
+                     "chunking.memory_budget_bytes, or no weight gradient"));
   }
   // FIFO: a request never overtakes one already waiting.
   if (waiting_.empty() && FitsLocked(bytes, /*counts_as_active=*/true)) {
@@ -66,7 +66,8 @@ absl::Status AdmissionController::Admit(uint64_t ticket, int64_t bytes,
     return absl::OkStatus();
   }
   if (static_cast<int>(waiting_.size()) >= options_.max_queued) {
-    return Exhausted("queue", 
+    return Exhausted(
+        "queue",
         absl::StrCat("admission: expected at most ", options_.max_queued,
                      " queued requests (--max_queued_requests); got one more while ", active_,
                      " run and ", core::FormatMiB(bytes_in_use_), " are in use. Retry later"));

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "head_requests.h"
+#include "service/head_requests.h"
 
 namespace remotehead::server {
 

@@ -22,7 +22,7 @@
 #include "remotehead/core/head_state.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/core/vocab_group.h"
-#include "remotehead/server/head_description.h"
+#include "remotehead/server/service/head_description.h"
 
 namespace remotehead::server {
 
@@ -51,7 +51,6 @@ struct RowGradients {
 absl::Status HeadFrozenError(const std::string& id, const std::string& field,
                              const std::string& what);
 
-
 // What a request saw of its head when it began computing. It may compute and commit only while
 // this still holds: a request never mixes two versions of the weights, and its dW never lands in
 // a gradient window opened after it began (HeadEntry::ReadPinned, HeadEntry::Commit).
@@ -65,7 +64,7 @@ struct StepCommit {
   std::optional<HeadPin> pin;                      // unset: the request computed nothing
   std::optional<GradientKey> key;                  // accumulate dW under this identity
   const core::GradientBuffers* scratch = nullptr;  // the request's dW (with key), or
-  const RowGradients* rows = nullptr;               // its dW for some rows only (with key)
+  const RowGradients* rows = nullptr;              // its dW for some rows only (with key)
   std::optional<double> loss;                      // recorded as the head's last loss
   const HealthWindow* health = nullptr;  // added to the step's window with a key not yet applied
 };
@@ -218,7 +217,7 @@ class HeadEntry {
   std::atomic<uint64_t> reservation_;
   friend class HeadRegistry;
   std::shared_ptr<CountObserverSlot> observer_;  // the registry's; set before it is shared
-  void Counted() const;  // tells the observer (if any)
+  void Counted() const;                          // tells the observer (if any)
   absl::StatusOr<CommitResult> CommitUnderLock(const StepCommit& commit);
   mutable std::mutex mu_;  // guards everything below
   std::unique_ptr<core::Head> head_;

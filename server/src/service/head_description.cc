@@ -1,4 +1,4 @@
-#include "remotehead/server/head_description.h"
+#include "remotehead/server/service/head_description.h"
 
 namespace remotehead::server {
 
