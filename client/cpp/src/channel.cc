@@ -1,25 +1,26 @@
 // The channel a Client opens (its options checked, TLS and bearer token, the reconnection pace)
 // and the retry policy every call runs under: UNAVAILABLE retried with jittered exponential
 // backoff, within the attempts and the deadline.
+#include "channel.h"
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <thread>
-
-#include <cstdlib>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
-#include "client_impl.h"
 #include "remotehead/core/status_macros.h"
 
-namespace remotehead::client {
+namespace remotehead::client::internal {
 namespace {
 
 using Clock = std::chrono::system_clock;
 
-absl::Status CheckOptions(const ClientOptions& o) {
+// The options' fields, each checked (INVALID_ARGUMENT naming it).
+absl::Status CheckFields(const ClientOptions& o) {
   for (const std::string& front : o.fronts) {
     if (front.empty()) {
       return absl::InvalidArgumentError(
@@ -96,24 +97,71 @@ absl::StatusOr<int> TrainerRank(int rank) {
 
 }  // namespace
 
-std::chrono::milliseconds Client::Impl::Jittered(double ms) {
+absl::StatusOr<std::string> Channel::CheckOptions(ClientOptions* options) {
+  RETURN_IF_ERROR(CheckFields(*options));
+  if (options->fronts.empty()) return "";
+  ASSIGN_OR_RETURN(const int rank, TrainerRank(options->rank));
+  options->target = options->fronts[static_cast<size_t>(rank) % options->fronts.size()];
+  return options->target != options->fronts[0] ? options->fronts[0] : "";
+}
+
+Channel::Channel(const ClientOptions& options, const std::string& leader) : options_(options) {
+  if (options.tls.has_value()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls->root_certs_pem;
+    ssl.pem_private_key = options.tls->client_key_pem;
+    ssl.pem_cert_chain = options.tls->client_cert_pem;
+    credentials_ = grpc::SslCredentials(ssl);
+    if (!options.bearer_token.empty()) {
+      credentials_ = grpc::CompositeChannelCredentials(
+          credentials_, grpc::AccessTokenCredentials(options.bearer_token));
+    }
+    if (!options.tls->server_name_override.empty()) {
+      args_.SetSslTargetNameOverride(options.tls->server_name_override);
+    }
+  } else {
+    credentials_ = grpc::InsecureChannelCredentials();
+  }
+  args_.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  for (const auto& [name, value] : wire::Http2ChannelArgs(options.http2)) args_.SetInt(name, value);
+  // While the server is unreachable, calls fail at once with UNAVAILABLE until the channel's
+  // next reconnection attempt; gRPC's default first reconnection comes after 1 s. Pacing the
+  // channel like our retries lets a retry find a server that came back in between.
+  args_.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+               static_cast<int>(std::max<int64_t>(options.retry.initial_backoff.count(), 1)));
+  args_.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+               static_cast<int>(std::max<int64_t>(options.retry.max_backoff.count(), 1)));
+  channel_ = grpc::CreateCustomChannel(options.target, credentials_, args_);
+  stub_ = v1::HeadService::NewStub(channel_);
+  // A striped step's other streams, each on a connection of its own (a channel that shares no
+  // subchannel), so that they do not queue behind one another on one socket.
+  grpc::ChannelArguments own_connection = args_;
+  own_connection.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  for (int i = 1; i < options.streams; ++i) {
+    stripe_channels_.push_back(
+        grpc::CreateCustomChannel(options.target, credentials_, own_connection));
+  }
+  if (!leader.empty()) ConnectLeader(leader);
+}
+
+std::chrono::milliseconds Channel::Jittered(double ms) {
   double factor = 1.0;
-  if (options.retry.jitter > 0) {
-    std::lock_guard<std::mutex> lock(rng_mu);
-    factor = std::uniform_real_distribution<double>(1.0 - options.retry.jitter,
-                                                    1.0 + options.retry.jitter)(rng);
+  if (options_.retry.jitter > 0) {
+    std::lock_guard<std::mutex> lock(rng_mu_);
+    factor = std::uniform_real_distribution<double>(1.0 - options_.retry.jitter,
+                                                    1.0 + options_.retry.jitter)(rng_);
   }
   return std::chrono::milliseconds(static_cast<int64_t>(std::llround(ms * factor)));
 }
 
-absl::Status Client::Impl::WithRetries(const char* rpc, const Attempt& attempt,
-                                       const AlreadyDone& already_done) {
-  ++calls;
+absl::Status Channel::WithRetries(const char* rpc, const Attempt& attempt,
+                                  const AlreadyDone& already_done) {
+  ++calls_;
   std::optional<Clock::time_point> deadline;
-  if (options.deadline.has_value()) deadline = Clock::now() + *options.deadline;
-  double backoff_ms = static_cast<double>(options.retry.initial_backoff.count());
+  if (options_.deadline.has_value()) deadline = Clock::now() + *options_.deadline;
+  double backoff_ms = static_cast<double>(options_.retry.initial_backoff.count());
   for (int n = 1;; ++n) {
-    ++attempts;
+    ++attempts_;
     absl::Status status;
     bool run = true;
     if (n > 1 && already_done) {
@@ -132,37 +180,37 @@ absl::Status Client::Impl::WithRetries(const char* rpc, const Attempt& attempt,
       status = attempt(&context);
     }
     if (status.code() != absl::StatusCode::kUnavailable) return status;
-    if (n >= options.retry.max_attempts) {
+    if (n >= options_.retry.max_attempts) {
       return absl::UnavailableError(
           absl::StrCat(status.message(), " (", rpc, ": gave up after ", n, " attempts)"));
     }
     const std::chrono::milliseconds wait = Jittered(backoff_ms);
     if (deadline && Clock::now() + wait >= *deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
-          rpc, ": the deadline of ", options.deadline->count(), " ms leaves no time for attempt ",
+          rpc, ": the deadline of ", options_.deadline->count(), " ms leaves no time for attempt ",
           n + 1, "; attempt ", n, " failed with: ", status.message()));
     }
-    ++retries;
-    if (options.on_retry) options.on_retry({rpc, n, status, wait});
+    ++retries_;
+    if (options_.on_retry) options_.on_retry({rpc, n, status, wait});
     std::this_thread::sleep_for(wait);
-    backoff_ms = std::min(backoff_ms * options.retry.backoff_multiplier,
-                          static_cast<double>(options.retry.max_backoff.count()));
+    backoff_ms = std::min(backoff_ms * options_.retry.backoff_multiplier,
+                          static_cast<double>(options_.retry.max_backoff.count()));
   }
 }
 
-void Client::Impl::ConnectLeader(const std::string& address) {
-  std::lock_guard<std::mutex> lock(leader_mu);
-  leader_channel = open(address);
-  leader_stub = v1::HeadService::NewStub(leader_channel);
+void Channel::ConnectLeader(const std::string& address) {
+  std::lock_guard<std::mutex> lock(leader_mu_);
+  leader_channel_ = grpc::CreateCustomChannel(address, credentials_, args_);
+  leader_stub_ = v1::HeadService::NewStub(leader_channel_);
 }
 
-absl::Status Client::Impl::ToLeader(const std::function<absl::Status(Stub*)>& call) {
+absl::Status Channel::ToLeader(const std::function<absl::Status(Stub*)>& call) {
   std::shared_ptr<Stub> leader;
   {
-    std::lock_guard<std::mutex> lock(leader_mu);
-    leader = leader_stub;
+    std::lock_guard<std::mutex> lock(leader_mu_);
+    leader = leader_stub_;
   }
-  const absl::Status status = call(leader != nullptr ? leader.get() : stub.get());
+  const absl::Status status = call(leader != nullptr ? leader.get() : stub_.get());
   const std::optional<core::ErrorReason> reason = core::GetReason(status);
   if (leader != nullptr || !reason.has_value() || reason->reason != core::reason::kNotTheLeader) {
     return status;
@@ -170,74 +218,13 @@ absl::Status Client::Impl::ToLeader(const std::function<absl::Status(Stub*)>& ca
   const auto address = reason->metadata.find("leader");
   if (address == reason->metadata.end() || address->second.empty()) return status;
   ConnectLeader(address->second);
-  std::lock_guard<std::mutex> lock(leader_mu);
-  leader = leader_stub;
+  std::lock_guard<std::mutex> lock(leader_mu_);
+  leader = leader_stub_;
   return call(leader.get());
 }
 
-Client::Client(ClientOptions options, std::unique_ptr<Impl> impl)
-    : options_(std::move(options)), impl_(std::move(impl)) {}
-
-Client::~Client() = default;
-
-absl::StatusOr<std::shared_ptr<Client>> Client::Create(ClientOptions options) {
-  RETURN_IF_ERROR(CheckOptions(options));
-  std::shared_ptr<grpc::ChannelCredentials> credentials;
-  grpc::ChannelArguments args;
-  if (options.tls.has_value()) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = options.tls->root_certs_pem;
-    ssl.pem_private_key = options.tls->client_key_pem;
-    ssl.pem_cert_chain = options.tls->client_cert_pem;
-    credentials = grpc::SslCredentials(ssl);
-    if (!options.bearer_token.empty()) {
-      credentials = grpc::CompositeChannelCredentials(
-          credentials, grpc::AccessTokenCredentials(options.bearer_token));
-    }
-    if (!options.tls->server_name_override.empty()) {
-      args.SetSslTargetNameOverride(options.tls->server_name_override);
-    }
-  } else {
-    credentials = grpc::InsecureChannelCredentials();
-  }
-  args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
-  for (const auto& [name, value] : wire::Http2ChannelArgs(options.http2)) args.SetInt(name, value);
-  // While the server is unreachable, calls fail at once with UNAVAILABLE until the channel's
-  // next reconnection attempt; gRPC's default first reconnection comes after 1 s. Pacing the
-  // channel like our retries lets a retry find a server that came back in between.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
-              static_cast<int>(std::max<int64_t>(options.retry.initial_backoff.count(), 1)));
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
-              static_cast<int>(std::max<int64_t>(options.retry.max_backoff.count(), 1)));
-  std::string leader;
-  if (!options.fronts.empty()) {
-    ASSIGN_OR_RETURN(const int rank, TrainerRank(options.rank));
-    options.target = options.fronts[static_cast<size_t>(rank) % options.fronts.size()];
-    if (options.target != options.fronts[0]) leader = options.fronts[0];
-  }
-  std::shared_ptr<Client> client(new Client(std::move(options), nullptr));
-  client->impl_ = std::make_unique<Impl>(client->options_);
-  client->impl_->open = [credentials, args](const std::string& address) {
-    return grpc::CreateCustomChannel(address, credentials, args);
-  };
-  client->impl_->channel = client->impl_->open(client->options_.target);
-  client->impl_->stub = v1::HeadService::NewStub(client->impl_->channel);
-  // A striped step's other streams, each on a connection of its own (a channel that shares no
-  // subchannel), so that they do not queue behind one another on one socket.
-  grpc::ChannelArguments own_connection = args;
-  own_connection.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  for (int i = 1; i < client->options_.streams; ++i) {
-    client->impl_->stripe_channels.push_back(
-        grpc::CreateCustomChannel(client->options_.target, credentials, own_connection));
-  }
-  if (!leader.empty()) client->impl_->ConnectLeader(leader);
-  return client;
+ClientStats Channel::stats() const {
+  return {.calls = calls_.load(), .attempts = attempts_.load(), .retries = retries_.load()};
 }
 
-ClientStats Client::stats() const {
-  return {.calls = impl_->calls.load(),
-          .attempts = impl_->attempts.load(),
-          .retries = impl_->retries.load()};
-}
-
-}  // namespace remotehead::client
+}  // namespace remotehead::client::internal

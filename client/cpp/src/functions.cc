@@ -1,12 +1,12 @@
-// The server's function listing (ListFunctions), read once per Client: the public call, and what
-// a Forward with reduction NONE looks up in it to shape and type its outputs — so the client
-// matches no function by name.
+// The server's function listing (functions.h): ListFunctions read once per Client, each
+// function's description converted from the wire.
+#include "functions.h"
+
 #include "absl/strings/str_cat.h"
-#include "client_impl.h"
 #include "remotehead/core/status_macros.h"
 #include "remotehead/wire/tensor_codec.h"
 
-namespace remotehead::client {
+namespace remotehead::client::internal {
 namespace {
 
 absl::StatusOr<OutputKind> FromWire(v1::OutputKind kind, const std::string& function) {
@@ -61,29 +61,27 @@ absl::StatusOr<FunctionInfo> FromWire(const v1::FunctionDescription& d) {
 
 }  // namespace
 
-absl::StatusOr<std::vector<FunctionInfo>> Client::Impl::Functions() {
-  std::lock_guard<std::mutex> lock(functions_mu);
-  if (functions.has_value()) return *functions;
+absl::StatusOr<std::vector<FunctionInfo>> FunctionListing::All() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (functions_.has_value()) return *functions_;
   v1::ListFunctionsResponse response;
   RETURN_IF_ERROR(
-      Unary("ListFunctions", &Stub::ListFunctions, v1::ListFunctionsRequest(), &response));
+      channel_.Unary("ListFunctions", &Stub::ListFunctions, v1::ListFunctionsRequest(), &response));
   std::vector<FunctionInfo> listed;
   for (const v1::FunctionDescription& d : response.functions()) {
     ASSIGN_OR_RETURN(FunctionInfo info, FromWire(d));
     listed.push_back(std::move(info));
   }
-  functions = listed;
+  functions_ = listed;
   return listed;
 }
 
-absl::StatusOr<std::optional<FunctionInfo>> Client::Impl::Function(const std::string& name) {
-  ASSIGN_OR_RETURN(const std::vector<FunctionInfo> listed, Functions());
+absl::StatusOr<std::optional<FunctionInfo>> FunctionListing::Find(const std::string& name) {
+  ASSIGN_OR_RETURN(const std::vector<FunctionInfo> listed, All());
   for (const FunctionInfo& f : listed) {
     if (f.name == name) return f;
   }
   return std::nullopt;
 }
 
-absl::StatusOr<std::vector<FunctionInfo>> Client::ListFunctions() { return impl_->Functions(); }
-
-}  // namespace remotehead::client
+}  // namespace remotehead::client::internal

@@ -21,7 +21,7 @@ struct FramedRequest {
 };
 
 // One response message as it arrived (gRPC's slices), not yet parsed: its dX rows are copied
-// from there straight into the result (step_call.cc), the rest parsed as a StepResponse.
+// from there straight into the result (step_caller.cc), the rest parsed as a StepResponse.
 struct RawResponse {
   grpc::ByteBuffer bytes;
 };

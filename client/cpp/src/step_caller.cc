@@ -1,6 +1,8 @@
-// The step calls (ForwardBackward, Forward, Backward): each prepared once (prepare_step.h), then
-// every attempt streams it — a writer thread sends the header and the rows while the calling
-// thread assembles dX / per-token outputs as they arrive, then the summary.
+// The step calls (ForwardBackward, Forward, Backward; step_caller.h): each prepared once
+// (prepare_step.h), then every attempt streams it — a writer thread sends the header and the rows
+// while the calling thread assembles dX / per-token outputs as they arrive, then the summary.
+#include "step_caller.h"
+
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client_impl.h"
 #include "prepare_step.h"
 #include "remotehead/core/call_mode.h"
 #include "remotehead/core/status_macros.h"
@@ -21,19 +22,8 @@
 #include "step_frames.h"
 #include "stream.h"
 
-namespace remotehead::client {
+namespace remotehead::client::internal {
 namespace {
-
-using internal::Framed;
-using internal::FromGrpc;
-using internal::OpenStep;
-using internal::PreparedStep;
-using internal::PrepareStep;
-using internal::ReadStream;
-using internal::ResponseRows;
-using internal::StepBuffers;
-using internal::StepResults;
-using internal::StepStream;
 
 StepSummary FromWire(const v1::StepSummary& wire) {
   StepSummary summary;
@@ -193,15 +183,15 @@ absl::Status FirstFailure(const std::vector<absl::Status>& statuses) {
 
 }  // namespace
 
-std::string Client::Impl::StripeKey() {
-  if (options.streams == 1) return "";
-  std::lock_guard<std::mutex> lock(rng_mu);
-  return absl::StrCat(absl::Hex(rng(), absl::kZeroPad16), absl::Hex(rng(), absl::kZeroPad16));
+std::string StepCaller::StripeKey() {
+  if (channel_.options().streams == 1) return "";
+  std::lock_guard<std::mutex> lock(rng_mu_);
+  return absl::StrCat(absl::Hex(rng_(), absl::kZeroPad16), absl::Hex(rng_(), absl::kZeroPad16));
 }
 
-absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const PreparedStep& p,
-                                       const StepBuffers& buffers, v1::StepSummary* summary) {
-  const int count = options.streams;
+absl::Status StepCaller::Attempt(grpc::ClientContext* context, const PreparedStep& p,
+                                 const StepBuffers& buffers, v1::StepSummary* summary) {
+  const int count = channel_.options().streams;
   const auto order =
       count == 1 ? wire::RowAssembler::Order::kInOrder : wire::RowAssembler::Order::kAnyOrder;
   StepReceiver receiver{.mode = p.mode, .summary = summary};
@@ -225,8 +215,7 @@ absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const Prepa
   }
   std::vector<std::unique_ptr<StepStream>> streams;
   for (int i = 0; i < count; ++i) {
-    streams.push_back(
-        OpenStep(i == 0 ? channel.get() : stripe_channels[i - 1].get(), contexts[i], p.mode));
+    streams.push_back(OpenStep(channel_.stream(i), contexts[i], p.mode));
   }
   const std::vector<v1::StepRequest> headers =
       StripeHeaders(p.header, count, StripeKey(), std::ssize(p.chunks));
@@ -256,9 +245,9 @@ absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const Prepa
   std::mutex receiver_mu;
   std::vector<absl::Status> received(count);
   auto read = [&](int i) {
-    received[i] = ReadStream<internal::RawResponse>(
+    received[i] = ReadStream<RawResponse>(
         contexts[i], *streams[i],
-        [&](internal::RawResponse& r) { return receiver.AddRaw(r.bytes, receiver_mu); },
+        [&](RawResponse& r) { return receiver.AddRaw(r.bytes, receiver_mu); },
         /*finish=*/false);
     if (!received[i].ok()) cancel_all();
   };
@@ -274,15 +263,15 @@ absl::Status Client::Impl::StepAttempt(grpc::ClientContext* context, const Prepa
   return receiver.CheckComplete();
 }
 
-absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const StepSpec& spec,
-                                                  const StepInputs& inputs,
-                                                  const torch::Tensor& grad_output,
-                                                  const AllocateStepBuffers& allocate) {
+absl::StatusOr<StepResults> StepCaller::Run(core::CallMode mode, const StepSpec& spec,
+                                            const StepInputs& inputs,
+                                            const torch::Tensor& grad_output,
+                                            const AllocateStepBuffers& allocate) {
   // Whether the rows that contribute nothing stay here is the function's, as the server lists
   // it (read only when some row could be left out).
   bool compact = false;
   if (spec.compact_rows && inputs.targets.defined()) {
-    ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, Function(spec.function));
+    ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, functions_.Find(spec.function));
     compact = fn.has_value() && fn->ignored_rows_contribute_nothing;
   }
   // A Backward by a handle leaves out what its Forward left out (nothing when that Forward left
@@ -293,18 +282,18 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
     compact = false;
     keep = RowsOfHandle(by_handle);
   }
-  ASSIGN_OR_RETURN(const PreparedStep p,
-                   PrepareStep(spec, inputs, mode, grad_output, options.chunk_bytes, compact,
-                               keep ? keep->kept : torch::Tensor(), keep ? keep->rows : 0));
+  ASSIGN_OR_RETURN(
+      const PreparedStep p,
+      PrepareStep(spec, inputs, mode, grad_output, channel_.options().chunk_bytes, compact,
+                  keep ? keep->kept : torch::Tensor(), keep ? keep->rows : 0));
   StepBuffers buffers;
   RETURN_IF_ERROR(allocate(p, &buffers));
   buffers.token_extras = AllocateTokenExtras(spec, p);
   v1::StepSummary summary;
   // The server names a row among the rows sent; the caller knows its own rows.
-  RETURN_IF_ERROR(
-      p.CallerError(WithRetries(core::CallModeName(mode), [&](grpc::ClientContext* context) {
-        return StepAttempt(context, p, buffers, &summary);
-      })));
+  RETURN_IF_ERROR(p.CallerError(channel_.WithRetries(
+      core::CallModeName(mode),
+      [&](grpc::ClientContext* context) { return Attempt(context, p, buffers, &summary); })));
   // The rows left out: zeros in the caller's rows.
   for (torch::Tensor* t : {&buffers.grad_hidden, &buffers.outputs, &buffers.token_ids}) {
     *t = p.Expand(*t);
@@ -314,23 +303,23 @@ absl::StatusOr<StepResults> Client::Impl::RunStep(core::CallMode mode, const Ste
   return StepResults{.buffers = std::move(buffers), .summary = FromWire(summary)};
 }
 
-std::optional<Client::Impl::HandleRows> Client::Impl::RowsOfHandle(const std::string& handle) {
-  std::lock_guard<std::mutex> lock(handle_rows_mu);
-  const auto it = handle_rows.find(handle);
-  if (it == handle_rows.end()) return std::nullopt;
+std::optional<StepCaller::HandleRows> StepCaller::RowsOfHandle(const std::string& handle) {
+  std::lock_guard<std::mutex> lock(handle_rows_mu_);
+  const auto it = handle_rows_.find(handle);
+  if (it == handle_rows_.end()) return std::nullopt;
   return it->second;
 }
 
-void Client::Impl::AfterStep(const PreparedStep& p, const std::string& handle,
-                             const std::string& backward_by_handle) {
-  std::lock_guard<std::mutex> lock(handle_rows_mu);
-  if (!backward_by_handle.empty()) handle_rows.erase(backward_by_handle);
+void StepCaller::AfterStep(const PreparedStep& p, const std::string& handle,
+                           const std::string& backward_by_handle) {
+  std::lock_guard<std::mutex> lock(handle_rows_mu_);
+  if (!backward_by_handle.empty()) handle_rows_.erase(backward_by_handle);
   if (handle.empty() || !p.kept.defined()) return;
-  handle_rows[handle] = {.kept = p.kept, .rows = p.caller_rows};
-  handle_order.push_back(handle);
-  while (handle_order.size() > kMaxHandleRows) {
-    handle_rows.erase(handle_order.front());
-    handle_order.pop_front();
+  handle_rows_[handle] = {.kept = p.kept, .rows = p.caller_rows};
+  handle_order_.push_back(handle);
+  while (handle_order_.size() > kMaxHandleRows) {
+    handle_rows_.erase(handle_order_.front());
+    handle_order_.pop_front();
   }
 }
 
@@ -339,9 +328,9 @@ void Client::Impl::AfterStep(const PreparedStep& p, const std::string& handle,
 // listed dtype — float64 on a float64 head where the listing says so. A function the server does
 // not list gets per-token float32 buffers: the server's refusal of its name is what the caller
 // sees.
-absl::Status Client::Impl::AllocateForwardOutputs(const StepSpec& spec, const PreparedStep& p,
-                                                  StepBuffers* buffers) {
-  ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, Function(spec.function));
+absl::Status StepCaller::AllocateForwardOutputs(const StepSpec& spec, const PreparedStep& p,
+                                                StepBuffers* buffers) {
+  ASSIGN_OR_RETURN(const std::optional<FunctionInfo> fn, functions_.Find(spec.function));
   const bool float64_head = p.result_dtype == torch::kDouble;
   torch::ScalarType dtype = torch::kFloat;
   if (fn.has_value()) {
@@ -359,29 +348,28 @@ absl::Status Client::Impl::AllocateForwardOutputs(const StepSpec& spec, const Pr
   v1::HeadRef ref;
   ref.set_head_id(spec.head_id);
   v1::HeadInfo head;
-  RETURN_IF_ERROR(Unary("DescribeHead", &Stub::DescribeHead, ref, &head));
+  RETURN_IF_ERROR(channel_.Unary("DescribeHead", &Stub::DescribeHead, ref, &head));
   buffers->outputs = torch::empty({p.rows, head.vocab_size()}, spec.output_dtype.value_or(dtype));
   return absl::OkStatus();
 }
 
-absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& spec,
-                                                              const StepInputs& inputs) {
+absl::StatusOr<ForwardBackwardResult> StepCaller::ForwardBackward(const StepSpec& spec,
+                                                                  const StepInputs& inputs) {
   ASSIGN_OR_RETURN(StepResults r,
-                   impl_->RunStep(core::CallMode::kFused, spec, inputs, {}, AllocateGradHidden));
+                   Run(core::CallMode::kFused, spec, inputs, {}, AllocateGradHidden));
   return ForwardBackwardResult{.loss = r.summary.loss,
                                .grad_hidden = std::move(r.buffers.grad_hidden),
                                .summary = std::move(r.summary),
                                .token_extras = std::move(r.buffers.token_extras)};
 }
 
-absl::StatusOr<ForwardResult> Client::Forward(const StepSpec& spec, const StepInputs& inputs) {
+absl::StatusOr<ForwardResult> StepCaller::Forward(const StepSpec& spec, const StepInputs& inputs) {
   // Only a per-row Forward streams outputs back; a scalar one returns its summary's loss.
   const bool per_token = spec.reduction == Reduction::kNone;
   auto allocate = [&](const PreparedStep& p, StepBuffers* buffers) {
-    return per_token ? impl_->AllocateForwardOutputs(spec, p, buffers) : absl::OkStatus();
+    return per_token ? AllocateForwardOutputs(spec, p, buffers) : absl::OkStatus();
   };
-  ASSIGN_OR_RETURN(StepResults r,
-                   impl_->RunStep(core::CallMode::kForward, spec, inputs, {}, allocate));
+  ASSIGN_OR_RETURN(StepResults r, Run(core::CallMode::kForward, spec, inputs, {}, allocate));
   ForwardResult result{.outputs = std::move(r.buffers.outputs),
                        .token_ids = std::move(r.buffers.token_ids),
                        .summary = std::move(r.summary),
@@ -390,13 +378,13 @@ absl::StatusOr<ForwardResult> Client::Forward(const StepSpec& spec, const StepIn
   return result;
 }
 
-absl::StatusOr<BackwardResult> Client::Backward(const StepSpec& spec, const StepInputs& inputs,
-                                                const torch::Tensor& grad_output) {
-  ASSIGN_OR_RETURN(StepResults r, impl_->RunStep(core::CallMode::kBackward, spec, inputs,
-                                                 grad_output, AllocateGradHidden));
+absl::StatusOr<BackwardResult> StepCaller::Backward(const StepSpec& spec, const StepInputs& inputs,
+                                                    const torch::Tensor& grad_output) {
+  ASSIGN_OR_RETURN(StepResults r,
+                   Run(core::CallMode::kBackward, spec, inputs, grad_output, AllocateGradHidden));
   return BackwardResult{.grad_hidden = std::move(r.buffers.grad_hidden),
                         .summary = std::move(r.summary),
                         .token_extras = std::move(r.buffers.token_extras)};
 }
 
-}  // namespace remotehead::client
+}  // namespace remotehead::client::internal
