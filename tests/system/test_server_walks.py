@@ -73,11 +73,17 @@ def py_body(text, name, keyword="def"):
     return "\n".join(lines)
 
 
+def qualified(function):
+    """A regex of C++ `function` (A::B::f) as a definition names it: a class template's
+    arguments may follow each class (A<Call>::f)."""
+    return r"(?:<[^<>;]*>)?::".join(re.escape(part) for part in function.split("::"))
+
+
 def defines(text, function):
     """Whether C++ `text` defines `function` (A::B::f, or f declared or defined in a class)."""
     name = function.split("::")[-1]
-    qualified = re.escape(function) + r"\s*\("
-    return bool(re.search(qualified, text)) or bool(
+    qualified_call = qualified(function) + r"\s*\("
+    return bool(re.search(qualified_call, text)) or bool(
         "::" not in function and re.search(rf"\b{re.escape(name)}\s*\(", text)) or bool(
         "::" in function and re.search(rf"\b{re.escape(name)}\s*\(", text) and
         re.search(rf"\b(class|struct)\s+{re.escape(function.split('::')[-2])}\b", text))
@@ -86,7 +92,7 @@ def defines(text, function):
 def body_of(text, function):
     """The body of `function`'s definition in C++ `text`, or None where it is only declared."""
     name = function.split("::")[-1]
-    head = re.escape(function) if "::" in function else r"(?<![\w:])" + re.escape(name)
+    head = qualified(function) if "::" in function else r"(?<![\w:])" + re.escape(name)
     for match in re.finditer(head + r"\s*\(", text):
         i, depth = match.end(), 1
         while i < len(text) and depth:
@@ -201,6 +207,10 @@ def test_a_missing_function_is_caught(tmp_path):
     assert defines(text, "HeadGroup::Lane::Run")
     assert not defines(text, "Other::OnRows")
     assert not defines(text, "DecodeInputs")
+    template = "template <typename Call>\nvoid StreamPipeline<Call>::ComputeNext() { Run(); }\n"
+    assert defines(template, "StreamPipeline::ComputeNext")
+    assert body_of(template, "StreamPipeline::ComputeNext").strip() == "Run();"
+    assert not defines(template, "StreamPipeline::Attach")
     table = "| layer | file | function | what |\n|---|---|---|---|\n| rpc | `a.cc` | `F` | x |\n"
     assert rows(table) == [("rpc", "a.cc", "F")]
 

@@ -3,8 +3,9 @@
 A unit is a class with its files: the headers in which it is the main class and the sources
 that mostly define its members (server/, core/, client/cpp/; `Client::Impl`'s members count as
 `Client`'s). A file's main class is the one it gives the most lines: in a header, the class whose
-body (from `class X {` or `struct X::Inner {` to its closing `};`) is longest; in a source, the
-class most of its member definitions (`… X::Name(` at a line's start) belong to. A file with no
+body (from `class X {` or `struct X::Inner {` to its closing `};`) is longest; in a source, or a
+header with no class body (a template's definitions), the class most of its member definitions
+(`… X::Name(` or `… X<T>::Name(` at a line's start) belong to. A file with no
 class is a unit of its own. A unit over WARN_LINES is worth a look and is printed; one over
 MAX_LINES fails: split it by concept (a class per concern, value types in their own header), never
 to dodge the count. Python has no class over files: each file is a unit (the generated stubs
@@ -67,7 +68,9 @@ def cpp_units(roots):
             if path.suffix not in (".h", ".cc", ".cu", ".cuh") or "build" in path.parts:
                 continue
             text = path.read_text()
-            cls = (header_class if path.suffix in (".h", ".cuh") else source_class)(text)
+            # A header without a class body (a template's definitions) goes by its definitions.
+            header = path.suffix in (".h", ".cuh")
+            cls = (header_class(text) if header else None) or source_class(text)
             rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
             key = f"{root.name}: {cls}" if cls else f"{rel}"
             units[key].append((rel, len(text.splitlines())))
@@ -121,9 +124,10 @@ def test_a_class_over_several_files_is_one_unit(tmp_path):
           "void Other::h() {}\n")
     write(root, "src/thing_impl.h", "struct Thing::Impl {\n" + "  int x;\n" * 10 + "};\n")
     write(root, "src/alone.cc", "int main() {}\n" + "\n" * 90)
+    write(root, "src/thing_inl.h", "template <typename T>\nvoid Thing<T>::k() {}\n")
     units = cpp_units([root])
     assert {name: [str(p.name) for p, _ in files] for name, files in units.items()} == {
-        "lib: Thing": ["thing.h", "thing.cc", "thing_impl.h", "thing_more.cc"],
+        "lib: Thing": ["thing.h", "thing.cc", "thing_impl.h", "thing_inl.h", "thing_more.cc"],
         str(root / "src/alone.cc"): ["alone.cc"]}
     assert [line.split(":")[1] for line in over(units, MAX_LINES)] == [" Thing"]
     assert over(units, 1000) == []

@@ -9,7 +9,7 @@
 namespace remotehead::client::internal {
 namespace {
 
-absl::StatusOr<OutputKind> FromWire(v1::OutputKind kind, const std::string& function) {
+absl::StatusOr<OutputKind> OutputKindFromWire(v1::OutputKind kind, const std::string& function) {
   switch (kind) {
     case v1::OUTPUT_KIND_PER_TOKEN:
       return OutputKind::kPerToken;
@@ -25,7 +25,7 @@ absl::StatusOr<OutputKind> FromWire(v1::OutputKind kind, const std::string& func
   }
 }
 
-absl::StatusOr<FunctionInfo> FromWire(const v1::FunctionDescription& d) {
+absl::StatusOr<FunctionInfo> FunctionFromWire(const v1::FunctionDescription& d) {
   FunctionInfo info{.name = d.name(),
                     .help = d.help(),
                     .needs_targets = d.needs_targets(),
@@ -52,7 +52,7 @@ absl::StatusOr<FunctionInfo> FromWire(const v1::FunctionDescription& d) {
                            .when_param = e.when_param(),
                            .when_aux = e.when_aux()});
   }
-  ASSIGN_OR_RETURN(info.output_kind, FromWire(d.output_kind(), d.name()));
+  ASSIGN_OR_RETURN(info.output_kind, OutputKindFromWire(d.output_kind(), d.name()));
   ASSIGN_OR_RETURN(info.output_dtype,
                    wire::FromWireDtype(d.output_dtype(),
                                        absl::StrCat("functions[\"", d.name(), "\"].output_dtype")));
@@ -69,7 +69,7 @@ absl::StatusOr<std::vector<FunctionInfo>> FunctionListing::All() {
       channel_.Unary("ListFunctions", &Stub::ListFunctions, v1::ListFunctionsRequest(), &response));
   std::vector<FunctionInfo> listed;
   for (const v1::FunctionDescription& d : response.functions()) {
-    ASSIGN_OR_RETURN(FunctionInfo info, FromWire(d));
+    ASSIGN_OR_RETURN(FunctionInfo info, FunctionFromWire(d));
     listed.push_back(std::move(info));
   }
   functions_ = listed;

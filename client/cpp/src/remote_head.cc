@@ -216,10 +216,10 @@ struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunct
 // One embed() call, shared with its autograd node.
 struct EmbedState {
   std::shared_ptr<State> state;
-  torch::Tensor distinct;   // the distinct ids looked up, int64 [m] on the CPU
-  torch::Tensor inverse;    // each id's place among them, shaped like the ids
+  torch::Tensor distinct;  // the distinct ids looked up, int64 [m] on the CPU
+  torch::Tensor inverse;   // each id's place among them, shaped like the ids
   GradientId gradient_id;
-  int64_t version = 0;      // of the rows read
+  int64_t version = 0;  // of the rows read
   std::optional<int64_t> padding_idx;
   double scale = 1.0;
 };
@@ -352,8 +352,9 @@ torch::Tensor RemoteHead::token_outputs(const torch::Tensor& hidden, const torch
 
 torch::Tensor RemoteHead::embed(const torch::Tensor& ids, const EmbedCall& call) {
   if (!ids.defined() || ids.scalar_type() != torch::kLong) {
-    throw StatusError(absl::InvalidArgumentError(absl::StrCat(
-        "ids: expected int64 token ids; got ", ids.defined() ? c10::str(ids.scalar_type()) : "none")));
+    throw StatusError(absl::InvalidArgumentError(
+        absl::StrCat("ids: expected int64 token ids; got ",
+                     ids.defined() ? c10::str(ids.scalar_type()) : "none")));
   }
   auto e = std::make_shared<EmbedState>();
   e->state = state_;

@@ -25,7 +25,7 @@
 namespace remotehead::client::internal {
 namespace {
 
-StepSummary FromWire(const v1::StepSummary& wire) {
+StepSummary SummaryFromWire(const v1::StepSummary& wire) {
   StepSummary summary;
   summary.loss = wire.loss();
   summary.valid_tokens = wire.valid_tokens();
@@ -300,7 +300,7 @@ absl::StatusOr<StepResults> StepCaller::Run(core::CallMode mode, const StepSpec&
   }
   for (auto& [name, t] : buffers.token_extras) t = p.Expand(t);
   AfterStep(p, summary.inputs_handle(), by_handle);
-  return StepResults{.buffers = std::move(buffers), .summary = FromWire(summary)};
+  return StepResults{.buffers = std::move(buffers), .summary = SummaryFromWire(summary)};
 }
 
 std::optional<StepCaller::HandleRows> StepCaller::RowsOfHandle(const std::string& handle) {

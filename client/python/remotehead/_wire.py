@@ -1,7 +1,8 @@
 """remotehead.v1.Tensor <-> torch.Tensor, and the row-chunk plan of a streamed tensor.
 
-The twin of the C++ client's client/cpp/src/wire.cc: the same dtypes, little-endian bytes in
-row-major order, and the same row-chunk rule (tests/data/wire_vectors.json pins the bytes).
+The twin of the C++ wire codec, proto/remotehead/wire/tensor_codec.cc: the same dtypes,
+little-endian bytes in row-major order, and the same row-chunk rule (tests/data/wire_vectors.json
+pins the bytes).
 """
 
 import warnings

@@ -23,7 +23,7 @@ struct StepResponseOut {
   torch::Tensor rows;    // owns `bytes` (undefined: the message is whole, e.g. the summary)
   wire::RowBytes bytes;  // the values' data, in `rows`' memory
   // The copy that fills `rows` from a CUDA head's device (landed at once on the CPU): the
-  // message is written only once it has landed (StepPipeline), so no thread waits for it.
+  // message is written only once it has landed (StreamPipeline), so no thread waits for it.
   core::HostCopy landing;
 
   // The message framed around the rows' bytes, as gRPC sends it.

@@ -1,11 +1,14 @@
 #include "rpc/step_stream.h"
 
+#include <algorithm>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/wire/frames.h"
 #include "remotehead/wire/tensor_codec.h"
 #include "replication/group_steps.h"
 #include "translate/step_header.h"
@@ -130,7 +133,27 @@ auto TokenExtraOf(const std::string& name) {
   };
 }
 
+// The pipeline's timings as the summary reports them.
+v1::StepTimings TimingsToWire(const CallTimings& timings) {
+  v1::StepTimings t;
+  t.set_queue_seconds(timings.queue_seconds);
+  t.set_receive_wait_seconds(timings.receive_wait_seconds);
+  t.set_compute_seconds(timings.compute_seconds);
+  t.set_send_wait_seconds(timings.send_wait_seconds);
+  t.set_total_seconds(timings.total_seconds);
+  return t;
+}
+
 }  // namespace
+
+StepStream::StepStream(ServiceContext* service, core::CallMode mode, CallHooks hooks)
+    : StepStream(service->registry, &service->retained, mode, service->options.response_chunk_bytes,
+                 service->options.group) {
+  metrics_ = service->options.metrics;
+  session_.set_reserve_more(std::move(hooks.reserve_more));
+  session_.set_should_stop(std::move(hooks.should_stop));
+  session_.set_fused_blocks(service->options.fused_blocks);
+}
 
 absl::Status StepStream::OnRequest(InboundRequest request,
                                    std::vector<StepResponseOut>* responses) {
@@ -173,7 +196,7 @@ absl::Status StepStream::OnClientDone(std::vector<StepResponseOut>* responses) {
   ASSIGN_OR_RETURN(const StepOutcome outcome, session_.Finish(SinkInto(responses)));
   StepResponseOut response;
   ToWire(outcome, response.message.mutable_summary());
-  *response.message.mutable_summary()->mutable_timings() = timings_;
+  *response.message.mutable_summary()->mutable_timings() = TimingsToWire(timings_);
   responses->push_back(std::move(response));
   return absl::OkStatus();
 }
@@ -194,6 +217,98 @@ StepResultSink StepStream::SinkInto(std::vector<StepResponseOut>* responses) con
     }
     return absl::OkStatus();
   };
+}
+
+absl::Status StepStream::Decode(grpc::ByteBuffer* bytes, InboundRequest* into) {
+  std::vector<grpc::Slice> slices;
+  std::vector<wire::BytePiece> pieces;
+  if (wire::ReceivedPieces(*bytes, &slices, &pieces)) {
+    try {
+      if (staging_.Decode(pieces, &into->message, &into->staged)) return absl::OkStatus();
+    } catch (const std::exception&) {
+      // A staging buffer not had (memory): the request is parsed whole, as without staging.
+    }
+  }
+  into->staged.clear();
+  into->message.Clear();
+  return ParseFirst(bytes, &into->message);
+}
+
+void StepStream::Complete(const CallTimings& timings) const {
+  if (metrics_ == nullptr) return;
+  metrics_->ObserveStep(std::string(core::CallModeName(mode_)), session_.head_id(),
+                        session_.function(), session_.valid_tokens(),
+                        {.queue = timings.queue_seconds,
+                         .receive = timings.receive_wait_seconds,
+                         .compute = timings.compute_seconds,
+                         .send = timings.send_wait_seconds},
+                        session_.logits_chunk_bytes());
+}
+
+absl::Status StepStream::ParseFirst(grpc::ByteBuffer* bytes, v1::StepRequest* into) {
+  const grpc::Status parsed = grpc::SerializationTraits<v1::StepRequest>::Deserialize(bytes, into);
+  if (parsed.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "request: expected a serialized remotehead.v1.StepRequest; got bytes that do not parse (",
+      parsed.error_message(), ")"));
+}
+
+StripeOf StepStream::StripeAsSent(const v1::StepRequest& first) {
+  const v1::StripeSpec& stripe = first.header().stripe();
+  return StripeOf{.key = stripe.key(), .count = stripe.count(), .index = stripe.index()};
+}
+
+absl::StatusOr<StripeOf> StepStream::ReadStripe(const v1::StepRequest& first) {
+  if (!first.has_header() || !first.header().has_stripe()) return StripeOf{};
+  const v1::StripeSpec& stripe = first.header().stripe();
+  if (stripe.count() < 0 || stripe.count() > kMaxStripes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.stripe.count: expected 0 to ", kMaxStripes, "; got ", stripe.count()));
+  }
+  const int count = std::max(stripe.count(), 1);
+  if (stripe.index() < 0 || stripe.index() >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("header.stripe.index: expected 0 to ", count - 1,
+                                                   " (stripe.count ", stripe.count(), "); got ",
+                                                   stripe.index()));
+  }
+  if (count == 1) return StripeOf{};
+  if (stripe.key().empty() || stripe.key().size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.stripe.key: expected 1 to 128 bytes naming the step's streams; got ",
+                     stripe.key().size()));
+  }
+  if (stripe.index() > 0) {
+    v1::StepHeader rest = first.header();
+    rest.clear_stripe();
+    if (rest.ByteSizeLong() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header: stream ", stripe.index(), " of a striped step states only its stripe (stream ",
+          "0 carries the header); got ", rest.ShortDebugString()));
+    }
+  }
+  if (stripe.has_messages() && stripe.messages() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.stripe.messages: expected >= 0 (the rows messages of stream ",
+                     stripe.index(), "); got ", stripe.messages()));
+  }
+  StripeOf of{.key = stripe.key(), .count = count, .index = stripe.index()};
+  if (stripe.has_messages()) of.messages = stripe.messages();
+  return of;
+}
+
+absl::StatusOr<int64_t> StepStream::StripedRowOffset(const InboundRequest& request,
+                                                     const std::string& stream) {
+  const v1::StepRequest& message = request.message;
+  if (message.part_case() != v1::StepRequest::kRows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "part: ", stream, " of a striped step carries rows after its header; got ",
+        message.part_case() == v1::StepRequest::kHeader ? "a second header" : "an empty message"));
+  }
+  return message.rows().row_offset();
+}
+
+grpc::ByteBuffer StepStream::Serialize(const StepResponseOut& response) {
+  return wire::ToByteBuffer(response.Frames());
 }
 
 }  // namespace remotehead::server

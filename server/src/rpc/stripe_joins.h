@@ -1,4 +1,4 @@
-// Where the streams of a striped step (StepHeader.stripe) find each other: the step's pipeline
+// Where the streams of a striped call (StepHeader.stripe) find each other: the call's pipeline
 // by its key, while it runs, and how it ended for a while after — so a stream that comes late
 // to a step that already failed is refused at once instead of waiting for streams that will
 // never come.
@@ -15,30 +15,36 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
-#include "remotehead/v1/head_service.pb.h"
 
 namespace remotehead::server {
 
-class StepPipeline;
+// A call whose streams join by key (StreamPipeline, whatever its messages), as the joins see
+// it.
+class StripedCall {
+ public:
+  virtual ~StripedCall() = default;
+  // Fails the call from outside (a stream of it refused before joining).
+  virtual void Fail(const absl::Status& why) = 0;
+  // Fails the call (ABORTED, naming them) if some of its streams have not joined yet: they were
+  // given `within` since the first came.
+  virtual void FailUnlessJoined(std::chrono::milliseconds within) = 0;
+};
 
-// The most streams one step may be striped over.
+// The most streams one call may be striped over.
 inline constexpr int kMaxStripes = 64;
 
-// Which stream of which step a stream is, as its first message states it.
+// Which stream of which call a stream is, as its first message states it (the call reads it:
+// StepStream::ReadStripe).
 struct StripeOf {
   std::string key;  // empty for one stream
   int count = 1;
   int index = 0;
   std::optional<int64_t> messages;  // StripeSpec.messages: the rows messages after the header
 };
-// One stream unless the first message is a header whose stripe.count > 1; INVALID_ARGUMENT
-// naming the field when the stripe is malformed, or when a stream other than 0 sends more
-// than its stripe (the header is stream 0's).
-absl::StatusOr<StripeOf> ReadStripe(const v1::StepRequest& first);
 
 class StripeJoins {
  public:
-  using Create = std::function<std::shared_ptr<StepPipeline>()>;
+  using Create = std::function<std::shared_ptr<StripedCall>()>;
 
   // `join_within`: how long a step's streams may take to join after its first (a stream
   // cancelled or lost before the server read its header never comes; the others must not wait
@@ -50,7 +56,7 @@ class StripeJoins {
 
   // The running pipeline of `key`, made by `create` for the step's first stream to arrive.
   // FAILED_PRECONDITION when the step of `key` has ended (a key names one attempt).
-  absl::StatusOr<std::shared_ptr<StepPipeline>> Join(const std::string& key, const Create& create);
+  absl::StatusOr<std::shared_ptr<StripedCall>> Join(const std::string& key, const Create& create);
   // The step of `key` is over: later streams are refused, naming `how` when it failed.
   void End(const std::string& key, const absl::Status& how);
   // A stream of `key` was refused before it could join (a malformed stripe): the step fails
@@ -64,7 +70,7 @@ class StripeJoins {
     Clock::time_point at;
   };
   struct Running {
-    std::weak_ptr<StepPipeline> pipeline;
+    std::weak_ptr<StripedCall> pipeline;
     Clock::time_point since;  // when its first stream came
   };
   // How long an ended key is remembered: far longer than streams opened together arrive apart.

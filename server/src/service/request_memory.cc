@@ -39,8 +39,8 @@ int64_t RetainedInputsBytes(const core::CallPlan& plan, int64_t rows, int64_t te
   return rows * (plan.hidden_size * plan.head_elem_bytes + 8 + teacher_row_bytes);
 }
 
-int64_t StepPipelineBytes(int streams, int read_ahead_messages,
-                          int64_t max_pending_response_bytes) {
+int64_t StreamPipelineBytes(int streams, int read_ahead_messages,
+                            int64_t max_pending_response_bytes) {
   return int64_t{streams} * (read_ahead_messages + 1) * (int64_t{4} << 20) + 2 * kMaxBatchBytes +
          max_pending_response_bytes;
 }

@@ -25,7 +25,7 @@ struct StepMemoryInputs {
   int64_t rows = 0;
   int64_t batch_rows = 1;
   int64_t scratch_bytes = 0;      // the scratch dW it accumulates into (0: none)
-  int64_t pipeline_bytes = 0;     // what the transport may buffer for it (StepPipelineBytes)
+  int64_t pipeline_bytes = 0;     // what the transport may buffer for it (StreamPipelineBytes)
   bool retains_inputs = false;    // a Forward that keeps its inputs for the Backward
   int64_t teacher_row_bytes = 0;  // a two-head call: a row of the teacher's hidden states
 };
@@ -45,7 +45,8 @@ inline constexpr int64_t kMaxBatchBytes = int64_t{8} << 20;
 // request messages each reads ahead (4 MiB each at most, plus the one being handled; their
 // hidden rows staged in batch buffers, rpc/row_staging.h, of which at most two are partly
 // filled beyond those rows) and the responses not yet taken by the client.
-int64_t StepPipelineBytes(int streams, int read_ahead_messages, int64_t max_pending_response_bytes);
+int64_t StreamPipelineBytes(int streams, int read_ahead_messages,
+                            int64_t max_pending_response_bytes);
 
 // The CPU buffer an upload assembles the head's rows in.
 MemoryEstimate UploadBufferMemory(const std::string& head_id, int64_t vocab_size,

@@ -5,13 +5,14 @@
 // leaves the head's gradients bit-identical, and a replayed gradient id is recognised and not
 // added twice.
 //
-// The path of one call: StepReactor (rpc/step_reactor.cc, gRPC) hands each message to StepStream
-// (rpc/step_stream.cc, the protobuf side), which reads it into core types: the header → Begin (the
-// engine's CallPlan, the version and identity, admission's EstimateMemory); rows → AddRows,
-// batched to the engine's chunk size → ComputeRows → core::FusedForwardBackward / Forward /
-// Backward (core/src/engine.cc); the end of the stream → Finish (commit, summary).
+// The path of one call: its stream's reactor and pipeline (rpc/stream_reactor.h,
+// rpc/stream_pipeline.h, gRPC) hand each message to StepStream (rpc/step_stream.cc, the protobuf
+// side), which reads it into core types: the header → Begin (the engine's CallPlan, the version
+// and identity, admission's EstimateMemory); rows → AddRows, batched to the engine's chunk size →
+// ComputeRows → core::FusedForwardBackward / Forward / Backward (core/src/engine.cc); the end of
+// the stream → Finish (commit, summary).
 //
-// Not thread-safe: the reactor hands it one message at a time, in order.
+// Not thread-safe: the pipeline hands it one message at a time, in order.
 #pragma once
 
 #include <functional>

@@ -1,20 +1,26 @@
-// StepPipeline's reading side: the streams joining (Attach, and a step whose streams did not
-// all join in time), their reads with read-ahead, each message accepted into its stream's inbox
-// (a striped stream's rows in increasing order, complete at the rows messages it announced), and
-// the merge of the inboxes in row order that the compute takes its next message from.
+// StreamPipeline's reading side (stream_pipeline.h): the streams joining (Attach, and a call
+// whose streams did not all join in time), their reads with read-ahead, each message accepted
+// into its stream's inbox (a striped stream's rows in increasing order, complete at the rows
+// messages it announced), and the merge of the inboxes in row order that the compute takes its
+// next message from. Included by the .cc that serves a call.
+#pragma once
+
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "remotehead/core/status_macros.h"
 #include "remotehead/server/rpc/status_mapping.h"
-#include "rpc/step_pipeline.h"
-#include "rpc/step_pipeline_lane.h"
+#include "rpc/stream_pipeline.h"
 
 namespace remotehead::server {
 
-void StepPipeline::Attach(int index, int count, core::CallMode mode,
-                          std::chrono::system_clock::time_point deadline, StepPort* port,
-                          std::optional<v1::StepRequest> first, std::optional<int64_t> messages) {
+template <typename Call>
+void StreamPipeline<Call>::Attach(int index, int count, core::CallMode mode,
+                                  std::chrono::system_clock::time_point deadline, Port* port,
+                                  std::optional<First> first, std::optional<int64_t> messages) {
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status fits;
   if (count != streams_) {
@@ -56,7 +62,8 @@ void StepPipeline::Attach(int index, int count, core::CallMode mode,
   ScheduleComputeLocked();
 }
 
-void StepPipeline::OnReadDone(int index, bool ok) {
+template <typename Call>
+void StreamPipeline<Call>::OnReadDone(int index, bool ok) {
   std::lock_guard<std::mutex> lock(mu_);
   Lane& lane = lanes_[index];
   lane.reading = false;
@@ -77,8 +84,8 @@ void StepPipeline::OnReadDone(int index, bool ok) {
     }
     lane.client_done = true;
   } else {
-    InboundRequest message = std::move(lane.incoming);
-    lane.incoming = InboundRequest();
+    Request message = std::move(lane.incoming);
+    lane.incoming = Request();
     if (absl::Status accepted = AcceptLocked(index, std::move(message)); !accepted.ok()) {
       FailLocked(accepted);
       return;
@@ -95,17 +102,11 @@ void StepPipeline::OnReadDone(int index, bool ok) {
 // One stream's message into its inbox. A striped stream carries rows only, in increasing
 // row_offset, so that the merge knows each stream's next row; one stream's messages go to the
 // session as they are (it names what is wrong with them).
-absl::Status StepPipeline::AcceptLocked(int index, InboundRequest inbound) {
+template <typename Call>
+absl::Status StreamPipeline<Call>::AcceptLocked(int index, Request inbound) {
   Lane& lane = lanes_[index];
-  const v1::StepRequest& message = inbound.message;
   if (streams_ > 1) {
-    if (message.part_case() != v1::StepRequest::kRows) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "part: ", StreamName(index), " of a striped step carries rows after its header; got ",
-          message.part_case() == v1::StepRequest::kHeader ? "a second header"
-                                                          : "an empty message"));
-    }
-    const int64_t offset = message.rows().row_offset();
+    ASSIGN_OR_RETURN(const int64_t offset, Call::StripedRowOffset(inbound, StreamName(index)));
     if (offset <= lane.last_row_offset) {
       return absl::InvalidArgumentError(absl::StrCat(
           "rows.row_offset: ", StreamName(index), " sends its rows in increasing row_offset; got ",
@@ -121,7 +122,8 @@ absl::Status StepPipeline::AcceptLocked(int index, InboundRequest inbound) {
   return absl::OkStatus();
 }
 
-void StepPipeline::FailUnlessJoined(std::chrono::milliseconds within) {
+template <typename Call>
+void StreamPipeline<Call>::FailUnlessJoined(std::chrono::milliseconds within) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> missing;
   for (int i = 0; i < streams_; ++i) {
@@ -137,7 +139,8 @@ void StepPipeline::FailUnlessJoined(std::chrono::milliseconds within) {
 
 // Reads the next message if the pipeline has room: nothing before admission (the header came
 // with the stream), then up to read_ahead_messages not yet computed, per stream.
-void StepPipeline::StartReadLocked(int index) {
+template <typename Call>
+void StreamPipeline<Call>::StartReadLocked(int index) {
   Lane& lane = lanes_[index];
   if (phase_ != Phase::kRunning || lane.port == nullptr || lane.reading || lane.finished ||
       lane.client_done || failed_) {
@@ -150,7 +153,8 @@ void StepPipeline::StartReadLocked(int index) {
 
 // The merge of the streams in row order: the lowest row_offset at the front of an inbox, once
 // every stream has joined and shows its next message (or has ended). One stream: its next.
-StepPipeline::Next StepPipeline::NextLocked(int* lane) const {
+template <typename Call>
+typename StreamPipeline<Call>::Next StreamPipeline<Call>::NextLocked(int* lane) const {
   int best = -1;
   for (int i = 0; i < streams_; ++i) {
     const Lane& l = lanes_[i];
@@ -159,8 +163,8 @@ StepPipeline::Next StepPipeline::NextLocked(int* lane) const {
       if (!l.client_done) return Next::kNotReady;
       continue;
     }
-    if (best < 0 || l.inbox.front().message.rows().row_offset() <
-                        lanes_[best].inbox.front().message.rows().row_offset()) {
+    if (best < 0 ||
+        Call::RowOffset(l.inbox.front()) < Call::RowOffset(lanes_[best].inbox.front())) {
       best = i;
     }
   }
