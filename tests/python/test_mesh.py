@@ -177,8 +177,9 @@ def test_replicas_fed_different_trainers_stay_identical_and_equal_one_server(mes
             w64 = float64_run(w0)
             assert (w_a.double() - w64).abs().max().item() <= 1e-5 * scale
             assert (w_a.double() - w0.double()).abs().max().item() > 1e-3  # it did train
-            # Every rank summed its shard's dW (fp32) over the replicas once per step, and the
-            # replicas compared their weights' checksums once per step (every 1), all alike.
+            # Every rank summed its shard's dW (fp32) over the replicas once per step, read the
+            # step's commit decision ("apply") once per step, and the replicas compared their
+            # weights' checksums once per step (every 1), all alike.
             per_replica = len(mesh.ranks) // len(mesh.fronts)
             for rank, was in zip(mesh.ranks, before):
                 shard_rows = -(-VOCAB // per_replica) if rank is mesh.ranks[0] else None
@@ -191,6 +192,9 @@ def test_replicas_fed_different_trainers_stay_identical_and_equal_one_server(mes
                 matched = 'remotehead_mesh_checksums_total{result="match"}'
                 assert now[matched] - was[matched] == STEPS
                 assert now['remotehead_mesh_checksums_total{result="mismatch"}'] == 0
+                applied = 'remotehead_mesh_steps_resolved_total{decision="apply"}'
+                assert now[applied] - was[applied] == STEPS
+                assert now['remotehead_mesh_steps_resolved_total{decision="abort"}'] == 0
                 assert now["remotehead_mesh_up"] == 1
         finally:
             leader.drop_head(head)

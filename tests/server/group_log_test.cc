@@ -50,6 +50,10 @@ class StoreOnlyGroup final : public ProcessGroup {
   }
   absl::Status Delete(const std::string& key) override { return store_->Delete(key); }
   absl::StatusOr<bool> Exists(const std::string& key) override { return store_->Exists(key); }
+  absl::StatusOr<std::string> CompareSet(const std::string& key, const std::string& expected,
+                                         const std::string& desired) override {
+    return store_->CompareSet(key, expected, desired);
+  }
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor&) override { return Unused(); }
   absl::Status ReduceSum(torch::Tensor&, int) override { return Unused(); }
   absl::Status Broadcast(torch::Tensor&, int) override { return Unused(); }

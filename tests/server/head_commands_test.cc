@@ -60,7 +60,8 @@ std::vector<HeadCommand> Samples() {
           .id = "r",
           .spec = {.optimizer =
                        core::SgdOptions{.lr = 0.5, .momentum = 0.25, .weight_decay = 0.125},
-                   .grad_scale = 2.0}},
+                   .grad_scale = 2.0},
+          .attempt = "0123456789abcdef0123456789abcdef"},
       hc::SaveState{.id = "s", .state_id = "state-1"},
       hc::RestoreState{.id = "s", .state_id = "state-2", .check_only = true},
       hc::Gather{.id = "g", .dtype = torch::kFloat, .gradients = true},

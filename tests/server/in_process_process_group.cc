@@ -139,6 +139,14 @@ class InProcessProcessGroup::Member final : public server::ProcessGroup {
     return exists;
   }
 
+  absl::StatusOr<std::string> CompareSet(const std::string& key, const std::string& expected,
+                                         const std::string& desired) override {
+    absl::StatusOr<std::string> now =
+        group_->store_->CompareSet(group_->StoreKey(key), expected, desired);
+    RETURN_IF_ERROR(Store("compare-set", key, now.status()));
+    return now;
+  }
+
   std::map<std::string, server::CollectiveBytes> Bytes() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return bytes_;

@@ -44,6 +44,26 @@ absl::StatusOr<bool> InProcessStore::Exists(const std::string& key) {
   return values_.count(key) > 0;
 }
 
+absl::StatusOr<std::string> InProcessStore::CompareSet(const std::string& key,
+                                                       const std::string& expected,
+                                                       const std::string& desired) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return Closed("compare-set", key);
+  const auto it = values_.find(key);
+  // As TCPStore's: a missing key is set only when `expected` is empty.
+  if (it == values_.end()) {
+    if (!expected.empty()) return expected;
+    values_[key] = desired;
+    changed_.notify_all();
+    return desired;
+  }
+  if (it->second == expected) {
+    it->second = desired;
+    changed_.notify_all();
+  }
+  return it->second;
+}
+
 void InProcessStore::Close() {
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = true;

@@ -30,6 +30,8 @@ class InProcessStore {
   absl::StatusOr<std::string> Get(const std::string& key, std::chrono::milliseconds timeout);
   absl::Status Delete(const std::string& key);
   absl::StatusOr<bool> Exists(const std::string& key);
+  absl::StatusOr<std::string> CompareSet(const std::string& key, const std::string& expected,
+                                         const std::string& desired);
 
   // The store's server gone: every call fails UNAVAILABLE from now on, and every waiting Get
   // returns at once.
@@ -64,6 +66,10 @@ class InProcessKeyValueStore final : public server::KeyValueStore {
   absl::Status Delete(const std::string& key) override { return store_->Delete(prefix_ + key); }
   absl::StatusOr<bool> Exists(const std::string& key) override {
     return store_->Exists(prefix_ + key);
+  }
+  absl::StatusOr<std::string> CompareSet(const std::string& key, const std::string& expected,
+                                         const std::string& desired) override {
+    return store_->CompareSet(prefix_ + key, expected, desired);
   }
 
  private:

@@ -166,6 +166,10 @@ class Replicas {
   Process& front(int r) { return at(r * ranks_per_replica()); }
   ReplicatedHeadOperations& operations(int r) { return *front(r).operations; }
   HeadMesh& mesh(int r) { return *front(r).mesh; }
+  // The store every process of the mesh shares, and where the processes' liveness keeps its keys
+  // in it (settled decisions among them: "<prefix>settled/decision/<attempt>").
+  testing::InProcessStore& store() { return *groups_.shared_store(); }
+  std::string liveness_prefix() const { return groups_.config(0).prefix + "/liveness/"; }
 
  private:
   testing::InProcessMesh groups_;  // outlives the processes, whose groups are its members

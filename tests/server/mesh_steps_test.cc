@@ -488,13 +488,15 @@ TEST(MeshStepsTest, ADecisionBetweenTheSumAndTheApplyRefusesWithNothingAppliedOr
     for (int r = 0; r < 2; ++r) {
       replicas.emplace_back([&, r] {
         HeadOperations& ops = *m.front(r).local;
-        const StepDecision decide = [&, r]() -> absl::Status {
-          summed_at_decision[static_cast<size_t>(r)] = m.mesh(r).reduced_bytes();
-          if (apply) return absl::OkStatus();
-          return absl::AbortedError("the step was decided against after its sum");
-        };
+        const StepDecision decision{
+            .decide = [&, r]() -> absl::Status {
+              summed_at_decision[static_cast<size_t>(r)] = m.mesh(r).reduced_bytes();
+              if (apply) return absl::OkStatus();
+              return absl::AbortedError("the step was decided against after its sum");
+            },
+            .keeps_own = true};
         results[static_cast<size_t>(r)] = ops.OptimizerStep(
-            kHead, spec, ReplicaStepAround(ops.placement(), kHead, !spec.zero_gradients, decide));
+            kHead, spec, ReplicaStepAround(ops.placement(), kHead, !spec.zero_gradients, decision));
       });
     }
     for (std::thread& t : replicas) t.join();

@@ -63,7 +63,7 @@ GROUP_EXPORTED = {
 MESH_EXPORTED = {
     "remotehead_mesh_info", "remotehead_mesh_up", "remotehead_mesh_reduced_bytes_total",
     "remotehead_mesh_reduce_seconds_total", "remotehead_mesh_collective_bytes_total",
-    "remotehead_mesh_checksums_total",
+    "remotehead_mesh_checksums_total", "remotehead_mesh_steps_resolved_total",
 }
 # Listed in docs/metrics.md but exported only once something happens: the aborted counter
 # appears with its first abort (no workload here aborts a synchronous step).
@@ -215,6 +215,9 @@ def test_a_mesh_exports_the_server_metrics_and_its_own():
             assert MESH_EXPORTED <= exported, MESH_EXPORTED - exported
             assert f'remotehead_mesh_info{{replica="{replica}",replicas="2"}} 1' in body, body
             assert "remotehead_mesh_up 1" in body
+            # The step's commit decision: read as "apply" once by every rank.
+            assert 'remotehead_mesh_steps_resolved_total{decision="apply"} 1' in body, body
+            assert 'remotehead_mesh_steps_resolved_total{decision="abort"} 0' in body, body
 
 
 def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group):
@@ -231,7 +234,8 @@ def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group)
         _, body = exported_metrics(server.metrics_port)
         assert f'remotehead_group_info{{rank="{rank}",size="2"}} 1' in body, body
         assert "remotehead_group_up 1" in body
-    exported = group_exported
+    # A mesh's ranks export its own besides (test_a_mesh_exports_the_server_metrics_and_its_own).
+    exported = group_exported | MESH_EXPORTED
     used = set()
     for title, expr in dashboard_expressions():
         names = {re.sub(r"_(bucket|sum|count)$", "", n)
@@ -252,6 +256,9 @@ def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group)
     # And a head group's ranks: their memory, their collectives, whether the group is up.
     assert {"remotehead_group_info", "remotehead_group_collective_bytes_total",
             "remotehead_group_up", "remotehead_group_command_seconds"} <= used
+    # And a mesh's: whether each replica is up, its steps' commit decisions, its checksums.
+    assert {"remotehead_mesh_info", "remotehead_mesh_up", "remotehead_mesh_steps_resolved_total",
+            "remotehead_mesh_checksums_total"} <= used
 
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"

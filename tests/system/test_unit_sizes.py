@@ -8,8 +8,9 @@ header with no class body (a template's definitions), the class most of its memb
 (`… X::Name(` or `… X<T>::Name(` at a line's start) belong to. A file with no
 class is a unit of its own. A unit over WARN_LINES is worth a look and is printed; one over
 MAX_LINES fails: split it by concept (a class per concern, value types in their own header), never
-to dodge the count. Python has no class over files: each file is a unit (the generated stubs
-aside).
+to dodge the count. Each Python file is a unit (Python keeps a class in one file; the generated
+stubs aside), and so is each file of the tests and scripts, C++ ones too (their classes are
+fixtures, one file each).
 """
 
 import collections
@@ -20,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CPP_ROOTS = [ROOT / "server", ROOT / "core", ROOT / "client" / "cpp"]
-PY_ROOTS = [ROOT / "client" / "python" / "remotehead", ROOT / "client" / "python" / "examples",
+FILE_ROOTS = [ROOT / "client" / "python" / "remotehead", ROOT / "client" / "python" / "examples",
             ROOT / "tests", ROOT / "scripts"]
 WARN_LINES = 600
 MAX_LINES = 800
@@ -87,9 +88,11 @@ def over(units, limit):
             for total, name, files in sizes(units) if total > limit]
 
 
-def python_units(roots):
+def file_units(roots):
+    """{file: [(file, lines)]}: Python files, and every source file of the tests and scripts."""
     return {str(p.relative_to(ROOT)): [(p.relative_to(ROOT), len(p.read_text().splitlines()))]
-            for root in roots for p in sorted(root.rglob("*.py")) if "v1" not in p.parts}
+            for root in roots for p in sorted(root.rglob("*"))
+            if p.suffix in (".py", ".cc", ".h") and "v1" not in p.parts}
 
 
 def test_no_cpp_unit_is_over_800_lines():
@@ -99,8 +102,8 @@ def test_no_cpp_unit_is_over_800_lines():
     assert over(units, MAX_LINES) == []
 
 
-def test_no_python_file_is_over_800_lines():
-    units = python_units(PY_ROOTS)
+def test_no_python_test_or_script_file_is_over_800_lines():
+    units = file_units(FILE_ROOTS)
     for line in over(units, WARN_LINES):
         print(f"warning: over {WARN_LINES}: {line}")
     assert over(units, MAX_LINES) == []

@@ -136,6 +136,16 @@ class C10dStore final : public KeyValueStore {
     return exists;
   }
 
+  absl::StatusOr<std::string> CompareSet(const std::string& key, const std::string& expected,
+                                         const std::string& desired) override {
+    std::vector<uint8_t> now;
+    RETURN_IF_ERROR(StoreCall("compare-set", key, config_.timeout, [&] {
+      now = store_->compareSet(key, std::vector<uint8_t>(expected.begin(), expected.end()),
+                               std::vector<uint8_t>(desired.begin(), desired.end()));
+    }));
+    return std::string(now.begin(), now.end());
+  }
+
  private:
   // What ReadIfThere answers for a missing key: no writer of the store writes these bytes.
   static const std::vector<uint8_t>& AbsentMark() {
@@ -249,6 +259,10 @@ class C10dGroup final : public ProcessGroup {
   }
   absl::Status Delete(const std::string& key) override { return store_.Delete(key); }
   absl::StatusOr<bool> Exists(const std::string& key) override { return store_.Exists(key); }
+  absl::StatusOr<std::string> CompareSet(const std::string& key, const std::string& expected,
+                                         const std::string& desired) override {
+    return store_.CompareSet(key, expected, desired);
+  }
 
   std::map<std::string, CollectiveBytes> Bytes() const override {
     std::lock_guard<std::mutex> lock(mu_);

@@ -1,14 +1,19 @@
 #include "remotehead/server/group/head_mesh.h"
 
+#include <openssl/rand.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "group/exchange.h"
+#include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/server/group/liveness.h"
 
 namespace remotehead::server {
 
@@ -71,18 +76,17 @@ absl::Status HeadMesh::NotTheLeader(const std::string& method) const {
 
 absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t) {
   const auto start = std::chrono::steady_clock::now();
-  torch::Tensor wire = t.scalar_type() == options_.reduce_dtype
-                           ? t
-                           : t.to(options_.reduce_dtype).contiguous();
+  torch::Tensor wire =
+      t.scalar_type() == options_.reduce_dtype ? t : t.to(options_.reduce_dtype).contiguous();
   // Reduced on replica 0, then broadcast from it: every replica ends with replica 0's bits
   // (an all-reduce's result may differ in the last bit between ranks).
   RETURN_IF_ERROR(peers().ReduceSum(wire, 0));
   RETURN_IF_ERROR(peers().Broadcast(wire, 0));
   if (!wire.is_same(t)) t.copy_(wire);
   reduced_bytes_.fetch_add(static_cast<int64_t>(wire.nbytes()));
-  reduce_nanoseconds_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                    std::chrono::steady_clock::now() - start)
-                                    .count());
+  reduce_nanoseconds_.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
   return absl::OkStatus();
 }
 
@@ -92,6 +96,48 @@ absl::Status HeadMesh::SumOnLeader(torch::Tensor& t) {
   RETURN_IF_ERROR(peers().ReduceSum(wire, 0));
   t = wire.to(t.device());
   return absl::OkStatus();
+}
+
+namespace {
+// A mesh step's commit decisions, as settled.
+constexpr char kDecisionApply[] = "apply";
+constexpr char kDecisionAbort[] = "abort";
+}  // namespace
+
+absl::StatusOr<std::string> HeadMesh::NewStepAttempt() {
+  unsigned char bytes[16];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
+    return absl::InternalError("mesh step: no random bytes to name the step");
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+absl::Status HeadMesh::Decide(const std::string& attempt) {
+  if (liveness_ == nullptr) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::string decided,
+                   liveness_->Settle(store_keys::MeshDecision(attempt), kDecisionApply));
+  if (is_leader()) {
+    std::lock_guard<std::mutex> lock(decided_mu_);
+    if (!last_decided_.empty() && last_decided_ != attempt) {
+      // Forgetting is housekeeping: a store that fails here fails the next step's settle too.
+      liveness_->Unsettle(store_keys::MeshDecision(last_decided_)).IgnoreError();
+    }
+    last_decided_ = attempt;
+  }
+  if (decided == kDecisionApply) {
+    ++applied_;
+    return absl::OkStatus();
+  }
+  if (decided == kDecisionAbort) {
+    ++aborted_;
+    return absl::AbortedError(absl::StrCat(
+        "mesh step ", attempt,
+        ": settled to abort by another process (a replica was lost) "
+        "before this one's decision: nothing applied, dW as it was; send the step again"));
+  }
+  return absl::DataLossError(absl::StrCat("mesh step ", attempt, ": the settled decision is \"",
+                                          decided, "\", neither apply nor abort"));
 }
 
 absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
@@ -108,15 +154,17 @@ absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& t
   }
   (differ.empty() ? matched_ : mismatched_).fetch_add(1);
   if (differ.empty()) return absl::OkStatus();
-  return core::WithReason(absl::DataLossError(absl::StrCat(
-      "head mesh: ", what, " of replica(s) ", absl::StrJoin(differ, ", "),
-      " differ from replica 0's (checksums of shard ", peers().config().prefix,
-      "): the replicas diverged; restore every replica from one state")),
-                          core::reason::kReplicasDiverged, {{"replicas", absl::StrJoin(differ, ",")}});
+  return core::WithReason(
+      absl::DataLossError(
+          absl::StrCat("head mesh: ", what, " of replica(s) ", absl::StrJoin(differ, ", "),
+                       " differ from replica 0's (checksums of shard ", peers().config().prefix,
+                       "): the replicas diverged; restore every replica from one state")),
+      core::reason::kReplicasDiverged, {{"replicas", absl::StrJoin(differ, ",")}});
 }
 
 absl::StatusOr<std::vector<absl::Status>> HeadMesh::ExchangeVerdicts(const absl::Status& mine) {
-  ASSIGN_OR_RETURN(const std::vector<std::string> all, AllGatherStrings(peers(), EncodeStatus(mine)));
+  ASSIGN_OR_RETURN(const std::vector<std::string> all,
+                   AllGatherStrings(peers(), EncodeStatus(mine)));
   std::vector<absl::Status> verdicts;
   for (const std::string& verdict : all) verdicts.push_back(DecodeStatus(verdict));
   return verdicts;
@@ -130,25 +178,33 @@ std::vector<MetricFamilySamples> HeadMesh::Metrics() const {
     checks.samples.push_back({.labels = {{"result", matched ? "match" : "mismatch"}},
                               .value = static_cast<double>(checksums(matched))});
   }
-  return {
-      {.name = "remotehead_mesh_info",
-       .help = "1, labelled with this process's replica and the mesh's replicas",
-       .samples = {{.labels = {{"replica", std::to_string(replica_)},
-                               {"replicas", std::to_string(replicas_)}},
-                    .value = 1}}},
-      OneValue("remotehead_mesh_up", "1 while the mesh's log works, 0 once it is down", false,
-               health().ok() ? 1 : 0),
-      OneValue("remotehead_mesh_reduced_bytes_total",
-               "Bytes of dW (and db) this rank summed over the replicas at optimizer steps", true,
-               static_cast<double>(reduced_bytes())),
-      OneValue("remotehead_mesh_reduce_seconds_total",
-               "Time this rank spent summing dW over the replicas (both collectives)", true,
-               reduce_seconds()),
-      CollectiveBytesByOp("remotehead_mesh_collective_bytes_total",
-                          "Bytes this rank's collectives with its shard peers in the other "
-                          "replicas sent and received, by operation",
-                          PeerBytes()),
-      std::move(checks)};
+  MetricFamilySamples resolved{
+      .name = "remotehead_mesh_steps_resolved_total",
+      .help = "Mesh steps this rank read the commit decision of, by decision (apply or abort)",
+      .counter = true};
+  for (const bool apply : {true, false}) {
+    resolved.samples.push_back({.labels = {{"decision", apply ? "apply" : "abort"}},
+                                .value = static_cast<double>(steps_resolved(apply))});
+  }
+  return {{.name = "remotehead_mesh_info",
+           .help = "1, labelled with this process's replica and the mesh's replicas",
+           .samples = {{.labels = {{"replica", std::to_string(replica_)},
+                                   {"replicas", std::to_string(replicas_)}},
+                        .value = 1}}},
+          OneValue("remotehead_mesh_up", "1 while the mesh's log works, 0 once it is down", false,
+                   health().ok() ? 1 : 0),
+          OneValue("remotehead_mesh_reduced_bytes_total",
+                   "Bytes of dW (and db) this rank summed over the replicas at optimizer steps",
+                   true, static_cast<double>(reduced_bytes())),
+          OneValue("remotehead_mesh_reduce_seconds_total",
+                   "Time this rank spent summing dW over the replicas (both collectives)", true,
+                   reduce_seconds()),
+          CollectiveBytesByOp("remotehead_mesh_collective_bytes_total",
+                              "Bytes this rank's collectives with its shard peers in the other "
+                              "replicas sent and received, by operation",
+                              PeerBytes()),
+          std::move(checks),
+          std::move(resolved)};
 }
 
 }  // namespace remotehead::server

@@ -29,6 +29,7 @@ constexpr char kBeat = 'B';
 constexpr char kAddress = 'A';
 constexpr char kVerdict = 'V';
 constexpr char kShared = 'P';
+constexpr char kSettled = 'D';
 constexpr size_t kLivenessNonceBytes = 16;
 
 // Whether `address` ("host:port", "[v6]:port") refuses a TCP connection: nothing listens there,
@@ -160,6 +161,25 @@ absl::StatusOr<std::optional<std::string>> Liveness::Read(const std::string& key
   std::optional<std::string> body = Opened(kShared, *value);
   if (!body.has_value() || !body->starts_with(key + "\n")) return std::nullopt;
   return body->substr(key.size() + 1);
+}
+
+absl::StatusOr<std::string> Liveness::Settle(const std::string& key, const std::string& proposed) {
+  const std::string where = store_keys::Settled(key);
+  ASSIGN_OR_RETURN(
+      const std::string now,
+      store_->CompareSet(where, "", Sealed(kSettled, absl::StrCat(key, "\n", proposed))));
+  // Bound to its key: a value settled for another key, or forged, does not verify here.
+  std::optional<std::string> body = Opened(kSettled, now);
+  if (!body.has_value() || !body->starts_with(key + "\n")) {
+    return absl::DataLossError(absl::StrCat(
+        "store key \"", where, "\": the value there does not verify with the group's secret (",
+        now.size(), " bytes, written by a process outside the group?)"));
+  }
+  return body->substr(key.size() + 1);
+}
+
+absl::Status Liveness::Unsettle(const std::string& key) {
+  return store_->Delete(store_keys::Settled(key));
 }
 
 void Liveness::Announce(const std::string& address) {

@@ -99,6 +99,10 @@ absl::Status Placement::SumOverReplicas(torch::Tensor& t) {
   return mesh_ != nullptr ? mesh_->SumOverReplicas(t) : absl::OkStatus();
 }
 
+absl::Status Placement::DecideStep(const std::string& attempt) {
+  return mesh_ != nullptr ? mesh_->Decide(attempt) : absl::OkStatus();
+}
+
 absl::Status Placement::CompareReplicasAt(int64_t version,
                                           const std::vector<torch::Tensor>& tensors,
                                           const std::string& what) {

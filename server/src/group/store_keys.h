@@ -51,6 +51,8 @@ inline std::string Beat(int rank) { return absl::StrCat("beat/", rank); }
 inline std::string Address(int rank) { return absl::StrCat("addr/", rank); }
 // A value one rank publishes for the others (Liveness::Publish / Read).
 inline std::string Shared(absl::string_view key) { return absl::StrCat("shared/", key); }
+// A value set once for every process (Liveness::Settle).
+inline std::string Settled(absl::string_view key) { return absl::StrCat("settled/", key); }
 
 // ----- what a mesh's fronts publish (Shared keys) -----
 
@@ -63,6 +65,13 @@ inline std::string MeshArrivals(absl::string_view head_id, int replica) {
 }
 inline std::string MeshCounts(absl::string_view head_id, int replica) {
   return absl::StrCat("counts/", absl::BytesToHexString(head_id), "/", replica);
+}
+
+// ----- what a mesh's processes settle (Settled keys) -----
+
+// A mesh step's commit decision, by the step's attempt (MeshStep.attempt, unique).
+inline std::string MeshDecision(absl::string_view attempt) {
+  return absl::StrCat("decision/", attempt);
 }
 
 }  // namespace remotehead::server::store_keys

@@ -116,6 +116,8 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
   ASSIGN_OR_RETURN(const HeadDescription head, operations_->local().Describe(head_id));
   v1::GroupCommand command;
   *command.mutable_mesh_step() = MeshStepCommand(head_id, first, spec, head);
+  ASSIGN_OR_RETURN(const std::string attempt, HeadMesh::NewStepAttempt());
+  command.mutable_mesh_step()->set_attempt(attempt);
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
   absl::StatusOr<HeadDescription> result = absl::UnknownError("not run");
   const absl::Status status = RunCommand(lane, command, [&] {
@@ -399,7 +401,7 @@ absl::StatusOr<HeadDescription> MeshSteps::RunOnThisReplica(
     return v;
   }
   ASSIGN_OR_RETURN(const OptimizerStepSpec spec, AppliedSpec(step));
-  return operations_->ReduceStep(step.step().head_id(), spec);
+  return operations_->ReduceStep(step.step().head_id(), spec, step.attempt());
 }
 
 absl::Status MeshFollower::Run(const std::atomic<bool>& stop) {

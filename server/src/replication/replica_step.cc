@@ -6,24 +6,29 @@
 namespace remotehead::server {
 
 StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, bool keep_own,
-                             StepDecision decide) {
+                             StepDecision decision) {
   StepAround around;
-  around.before = [&placement, keep_own, decide = std::move(decide)](
+  around.before = [&placement, keep_own, decision = std::move(decision)](
                       core::Head& head) -> absl::StatusOr<core::GradientBuffers> {
     core::GradientBuffers& grads = head.grads();
-    // This replica's own dW, kept when the step leaves dW accumulated or a decision may put it
-    // back: a copy of dW for the step.
+    // This replica's own dW, kept when the step leaves dW accumulated or a refused decision puts
+    // it back: a copy of dW for the step.
     core::GradientBuffers own;
-    if (keep_own || decide) {
+    if (keep_own || decision.keeps_own) {
       own.weight = grads.weight.clone();
       if (grads.bias.defined()) own.bias = grads.bias.clone();
     }
     RETURN_IF_ERROR(placement.SumOverReplicas(grads.weight));
     if (grads.bias.defined()) RETURN_IF_ERROR(placement.SumOverReplicas(grads.bias));
-    if (decide) {
-      if (const absl::Status decided = decide(); !decided.ok()) {
-        grads.weight.copy_(own.weight);
-        if (own.bias.defined()) grads.bias.copy_(own.bias);
+    if (decision.decide) {
+      if (const absl::Status decided = decision.decide(); !decided.ok()) {
+        if (own.weight.defined()) {
+          grads.weight.copy_(own.weight);
+          if (own.bias.defined()) grads.bias.copy_(own.bias);
+        } else {
+          grads.weight.zero_();
+          if (grads.bias.defined()) grads.bias.zero_();
+        }
         return decided;
       }
     }
@@ -39,12 +44,22 @@ StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, b
 }
 
 absl::StatusOr<HeadDescription> ReplicaStep(HeadOperations& operations, const std::string& id,
-                                            const OptimizerStepSpec& spec) {
-  if (!operations.placement().replicated()) {
+                                            const OptimizerStepSpec& spec,
+                                            const std::string& attempt) {
+  Placement& placement = operations.placement();
+  if (!placement.replicated()) {
     return absl::FailedPreconditionError("reduce_step: this server is not a replica of a mesh");
   }
-  return operations.OptimizerStep(
-      id, spec, ReplicaStepAround(operations.placement(), id, !spec.zero_gradients));
+  if (attempt.empty()) {
+    return absl::InvalidArgumentError(
+        "reduce_step.attempt: expected the mesh step's name; got none");
+  }
+  // No copy of this replica's own dW is kept for a refused decision: a lost replica takes the
+  // mesh down (every trainer then starts again from a saved state), so nothing resends it.
+  const StepDecision decision{
+      .decide = [&placement, attempt] { return placement.DecideStep(attempt); }};
+  return operations.OptimizerStep(id, spec,
+                                  ReplicaStepAround(placement, id, !spec.zero_gradients, decision));
 }
 
 }  // namespace remotehead::server

@@ -4,10 +4,12 @@
 //   sum     dW (and db) summed over the replicas, in place, the same bits on each
 //           (Placement::SumOverReplicas); this replica's own kept when the step does not zero
 //           dW, and put back after the apply, so that nothing is counted twice;
-//   decide  the step's commit decision: whether the summed dW is applied. Every replica that
-//           reaches it agreed already (the verdicts the fronts exchanged before the command ran,
-//           MeshSteps::RunOnThisReplica), so today it always applies; it is the seat of a
-//           decision taken after the sum (a replica lost during the sum aborts the step there);
+//   decide  the step's commit decision: whether the summed dW is applied, settled once for every
+//           rank of every replica under the step's name (MeshStep.attempt; HeadMesh::Decide):
+//           each rank proposes "apply" once its sum is done, and applies only if that is what
+//           was settled — a process that resolves a lost replica settles "abort" first. Every
+//           replica that reaches it agreed already (the fronts' verdicts, exchanged before the
+//           command ran: MeshSteps::RunOnThisReplica);
 //   apply   the optimizer step itself (HeadOperations' own);
 //   compare every --mesh_checksum_every_steps versions, the weights compared across the
 //           replicas (DATA_LOSS naming those that differ).
@@ -22,17 +24,23 @@
 
 namespace remotehead::server {
 
-// The decision between the sum and the apply: OK applies, anything else is the step's answer
-// with nothing applied on this rank (dW is put back to this replica's own first).
-using StepDecision = std::function<absl::Status()>;
+// The decision between the sum and the apply: `decide` OK applies, anything else is the step's
+// answer with nothing applied on this rank. `keeps_own`: a refusal puts this replica's own dW
+// back (a copy of it kept through the sum, as for a step that leaves dW accumulated); otherwise
+// dW is zeroed — it held the replicas' sum — and every trainer of the step sends its part again.
+struct StepDecision {
+  std::function<absl::Status()> decide;
+  bool keeps_own = false;
+};
 
-// `keep_own`: the step does not zero dW. `decide` unset: apply.
+// `keep_own`: the step does not zero dW. `decision.decide` unset: apply.
 StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, bool keep_own,
-                             StepDecision decide = {});
+                             StepDecision decision = {});
 
-// This rank's part of a mesh replica's step of head `id` (the ReduceStep command):
-// FAILED_PRECONDITION off a mesh.
+// This rank's part of a mesh replica's step `attempt` of head `id` (the ReduceStep command),
+// its decision the mesh's (Placement::DecideStep): FAILED_PRECONDITION off a mesh.
 absl::StatusOr<HeadDescription> ReplicaStep(HeadOperations& operations, const std::string& id,
-                                            const OptimizerStepSpec& spec);
+                                            const OptimizerStepSpec& spec,
+                                            const std::string& attempt);
 
 }  // namespace remotehead::server

@@ -186,9 +186,11 @@ absl::StatusOr<HeadDescription> ReplicatedHeadOperations::OptimizerStep(
   return Propose(hc::OptimizerStep{.id = id, .spec = spec});
 }
 
-absl::StatusOr<HeadDescription> ReplicatedHeadOperations::ReduceStep(
-    const std::string& id, const OptimizerStepSpec& spec) {
-  return Propose(hc::ReduceStep{.id = id, .spec = spec}, /*creates=*/false, Reach::kReplica);
+absl::StatusOr<HeadDescription> ReplicatedHeadOperations::ReduceStep(const std::string& id,
+                                                                     const OptimizerStepSpec& spec,
+                                                                     const std::string& attempt) {
+  return Propose(hc::ReduceStep{.id = id, .spec = spec, .attempt = attempt}, /*creates=*/false,
+                 Reach::kReplica);
 }
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::StepOptimizer(

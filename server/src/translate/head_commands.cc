@@ -112,7 +112,8 @@ void EncodeInto(const hc::OptimizerStep& c, v1::GroupCommand* command) {
 }
 
 void EncodeInto(const hc::ReduceStep& c, v1::GroupCommand* command) {
-  *command->mutable_reduce_step() = StepToWire(c.id, c.spec);
+  *command->mutable_reduce_step()->mutable_step() = StepToWire(c.id, c.spec);
+  command->mutable_reduce_step()->set_attempt(c.attempt);
 }
 
 void EncodeInto(const hc::SaveState& c, v1::GroupCommand* command) {
@@ -228,8 +229,10 @@ absl::StatusOr<HeadCommand> DecodeHeadCommand(const v1::GroupCommand& entry, tor
       return hc::OptimizerStep{.id = entry.optimizer_step().head_id(), .spec = std::move(spec)};
     }
     case v1::GroupCommand::kReduceStep: {
-      ASSIGN_OR_RETURN(OptimizerStepSpec spec, FromWire(entry.reduce_step()));
-      return hc::ReduceStep{.id = entry.reduce_step().head_id(), .spec = std::move(spec)};
+      const v1::GroupReduceStep& reduce = entry.reduce_step();
+      ASSIGN_OR_RETURN(OptimizerStepSpec spec, FromWire(reduce.step()));
+      return hc::ReduceStep{
+          .id = reduce.step().head_id(), .spec = std::move(spec), .attempt = reduce.attempt()};
     }
     case v1::GroupCommand::kSaveState:
       return hc::SaveState{.id = entry.save_state().head_id(),

@@ -65,11 +65,13 @@ struct OptimizerStep {
   std::string id;
   OptimizerStepSpec spec;
 };
-// A mesh replica's part of the mesh's step (dW summed over the replicas, then the step).
+// A mesh replica's part of the mesh's step (dW summed over the replicas, the commit decision of
+// the step `attempt`, then the step).
 struct ReduceStep {
   using Result = HeadDescription;
   std::string id;
   OptimizerStepSpec spec;
+  std::string attempt;
 };
 struct SaveState {
   using Result = HeadDescription;

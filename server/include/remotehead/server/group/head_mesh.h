@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,16 @@ class HeadMesh : public MetricSource {
   // Every replica's `t` (the same shape everywhere) summed into the leader's `t` (exact sums in
   // t's dtype; the other replicas' `t` is left undefined-valued). Fronts only.
   absl::Status SumOnLeader(torch::Tensor& t);
+  // A name for a new mesh step, unique across runs (16 random bytes, in hex): the leader gives
+  // each step it proposes one (MeshStep.attempt), and its commit decision is settled under it.
+  static absl::StatusOr<std::string> NewStepAttempt();
+  // The commit decision of the mesh step `attempt`, settled once for every rank of every
+  // replica (Liveness::Settle) after the sum: this rank proposes to apply (its sum is done) and
+  // gets OK to apply, or ABORTED when the step was settled to abort first — no rank applies
+  // without reading "apply". The leader forgets the decision of the step before (every rank has
+  // read it: the mesh's commands run one after another). Without liveness (a mesh built in a
+  // test without one): OK.
+  absl::Status Decide(const std::string& attempt);
   // OK if every replica's `tensors` hash alike; DATA_LOSS naming the replicas that differ.
   absl::Status CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
                                      const std::string& what);
@@ -88,26 +99,31 @@ class HeadMesh : public MetricSource {
   double reduce_seconds() const { return reduce_nanoseconds_ * 1e-9; }
   std::map<std::string, CollectiveBytes> PeerBytes() const;
   int64_t checksums(bool matched) const { return matched ? matched_ : mismatched_; }
+  // The mesh steps whose commit decision this rank read, applied or aborted.
+  int64_t steps_resolved(bool applied) const { return applied ? applied_ : aborted_; }
   // Metrics: this replica and the mesh's replicas, whether the mesh is up, dW summed over the
-  // replicas (the payload and what it moved on the wire), the weight checksums compared
-  // (remotehead_mesh_*).
+  // replicas (the payload and what it moved on the wire), the weight checksums compared, the
+  // steps' commit decisions read (remotehead_mesh_*).
   std::vector<MetricFamilySamples> Metrics() const override;
   // This rank's shard peers: the R ranks that hold its rows in every replica, by replica.
   ProcessGroup& peers();
   const ProcessGroup& peers() const;
 
  private:
-
   const int replica_;
   const int replicas_;
   const MeshOptions options_;
   std::unique_ptr<HeadGroup> fronts_;
   std::unique_ptr<ProcessGroup> shard_peers_;
   Liveness* liveness_ = nullptr;
+  std::mutex decided_mu_;
+  std::string last_decided_;  // on the leader: the attempt whose decision is forgotten next
   std::atomic<int64_t> reduced_bytes_{0};
   std::atomic<int64_t> reduce_nanoseconds_{0};
   std::atomic<int64_t> matched_{0};
   std::atomic<int64_t> mismatched_{0};
+  std::atomic<int64_t> applied_{0};
+  std::atomic<int64_t> aborted_{0};
 };
 
 // An order-sensitive 64-bit hash of `tensors`' bytes (as stored, on the CPU).

@@ -85,6 +85,14 @@ class Liveness {
   // other outside the log: which trainers came to a step (mesh_steps.h).
   absl::Status Publish(const std::string& key, const std::string& value);
   absl::StatusOr<std::optional<std::string>> Read(const std::string& key);
+  // A fact set once for every process (under "settled/"): `proposed`, unless another process
+  // settled `key` first — compare-and-set on the store, the one arbiter, so every process that
+  // asks learns the same value, sealed and bound to its key. What a mesh's step commits on
+  // (HeadMesh::Decide). DATA_LOSS when the value there does not verify (someone without the
+  // secret wrote it); the store's failure as it is.
+  absl::StatusOr<std::string> Settle(const std::string& key, const std::string& proposed);
+  // The settled value of `key` forgotten (every process has read it).
+  absl::Status Unsettle(const std::string& key);
   // "global rank 3 (replica 1, shard 1, at 10.0.0.5:50054)".
   std::string Describe(int global_rank) const;
 

@@ -90,6 +90,9 @@ class Placement {
   absl::Status ShareFromLeader(std::vector<torch::Tensor>& tensors);
   // `t` summed over the replicas, in place, the same bits on each.
   absl::Status SumOverReplicas(torch::Tensor& t);
+  // The commit decision of the replicas' step `attempt` once this rank's sum is done: OK to
+  // apply, ABORTED when the step was settled to abort (HeadMesh::Decide). Alone: OK.
+  absl::Status DecideStep(const std::string& attempt);
   // At every --mesh_checksum_every_steps-th `version`: the replicas' `tensors` compared
   // (DATA_LOSS naming those that differ, `what` saying what they are).
   absl::Status CompareReplicasAt(int64_t version, const std::vector<torch::Tensor>& tensors,

@@ -55,9 +55,9 @@ struct GroupFlags {
   int rank = -1;      // -1: from RANK (any other negative rank is refused)
   std::string store;  // host:port; empty: MASTER_ADDR:MASTER_PORT
   double timeout_seconds = 60;
-  std::string store_bind;  // --group_store_bind (empty: the host of the store's address)
+  std::string store_bind;      // --group_store_bind (empty: the host of the store's address)
   std::string transport_host;  // --group_transport_host (GroupConfig::transport_host)
-  int replicas = 1;        // --group_replicas: must divide the size
+  int replicas = 1;            // --group_replicas: must divide the size
 };
 absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
                                                const std::map<std::string, std::string>& env);
@@ -96,6 +96,12 @@ class KeyValueStore {
   virtual absl::Status Delete(const std::string& key) = 0;
   // Whether `key` exists now (no waiting).
   virtual absl::StatusOr<bool> Exists(const std::string& key) = 0;
+  // `key` set to `desired` if it holds `expected`, or if it does not exist and `expected` is
+  // empty (c10d's compareSet): the value it holds afterwards, so that of several processes
+  // setting a missing key at once exactly one wins and every one learns which.
+  virtual absl::StatusOr<std::string> CompareSet(const std::string& key,
+                                                 const std::string& expected,
+                                                 const std::string& desired) = 0;
 };
 
 // A connection of its own to the store of the group or mesh `config` joined (after Join /
