@@ -133,8 +133,8 @@ absl::Status HeadMesh::Decide(const std::string& attempt) {
     ++aborted_;
     return absl::AbortedError(absl::StrCat(
         "mesh step ", attempt,
-        ": settled to abort by another process (a replica was lost) "
-        "before this one's decision: nothing applied, dW as it was; send the step again"));
+        ": settled to abort by another process (a replica was lost) before this one's "
+        "decision: nothing applied; every trainer of the step sends its part again"));
   }
   return absl::DataLossError(absl::StrCat("mesh step ", attempt, ": the settled decision is \"",
                                           decided, "\", neither apply nor abort"));
