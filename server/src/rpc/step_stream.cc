@@ -136,10 +136,10 @@ auto TokenExtraOf(const std::string& name) {
 // The pipeline's timings as the summary reports them.
 v1::StepTimings TimingsToWire(const CallTimings& timings) {
   v1::StepTimings t;
-  t.set_queue_seconds(timings.queue_seconds);
-  t.set_receive_wait_seconds(timings.receive_wait_seconds);
-  t.set_compute_seconds(timings.compute_seconds);
-  t.set_send_wait_seconds(timings.send_wait_seconds);
+  t.set_queue_seconds(timings.phases.queue);
+  t.set_receive_wait_seconds(timings.phases.receive);
+  t.set_compute_seconds(timings.phases.compute);
+  t.set_send_wait_seconds(timings.phases.send);
   t.set_total_seconds(timings.total_seconds);
   return t;
 }
@@ -237,11 +237,7 @@ absl::Status StepStream::Decode(grpc::ByteBuffer* bytes, InboundRequest* into) {
 void StepStream::Complete(const CallTimings& timings) const {
   if (metrics_ == nullptr) return;
   metrics_->ObserveStep(std::string(core::CallModeName(mode_)), session_.head_id(),
-                        session_.function(), session_.valid_tokens(),
-                        {.queue = timings.queue_seconds,
-                         .receive = timings.receive_wait_seconds,
-                         .compute = timings.compute_seconds,
-                         .send = timings.send_wait_seconds},
+                        session_.function(), session_.valid_tokens(), timings.phases,
                         session_.logits_chunk_bytes());
 }
 

@@ -54,18 +54,17 @@
 
 #include "absl/status/status.h"
 #include "remotehead/core/call_plan.h"
+#include "remotehead/server/service/metrics.h"
 #include "rpc/service_context.h"
 #include "rpc/stripe_joins.h"
 #include "service/request_memory.h"
 
 namespace remotehead::server {
 
-// How long a call waited where: its summary and the metrics report them.
+// How long a call waited where (the metrics' phases) and took in all: its summary and the
+// metrics report them.
 struct CallTimings {
-  double queue_seconds = 0;         // for admission
-  double receive_wait_seconds = 0;  // for the client's next rows
-  double compute_seconds = 0;
-  double send_wait_seconds = 0;  // for the client to take results (back-pressure)
+  StepPhaseSeconds phases;
   double total_seconds = 0;
 };
 

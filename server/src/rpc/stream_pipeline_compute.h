@@ -308,16 +308,16 @@ void StreamPipeline<Call>::ReturnFromComputeLocked() {
 template <typename Call>
 int64_t StreamPipeline<Call>::PipelineBytes() const {
   return StreamPipelineBytes(streams_, service_.options.read_ahead_messages,
-                           service_.options.max_pending_response_bytes);
+                             service_.options.max_pending_response_bytes);
 }
 
 template <typename Call>
 CallTimings StreamPipeline<Call>::TimingsLocked() const {
   auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
-  return CallTimings{.queue_seconds = seconds(queue_),
-                     .receive_wait_seconds = seconds(receive_wait_),
-                     .compute_seconds = seconds(compute_),
-                     .send_wait_seconds = seconds(send_wait_),
+  return CallTimings{.phases = {.queue = seconds(queue_),
+                                .receive = seconds(receive_wait_),
+                                .compute = seconds(compute_),
+                                .send = seconds(send_wait_)},
                      .total_seconds = seconds(Clock::now() - started_)};
 }
 
