@@ -155,6 +155,11 @@ ABSL_FLAG(
     int32_t, mesh_checksum_every_steps, 100,
     "on a mesh: every this many weight versions the replicas compare a checksum of their "
     "weights (a mismatch fails the step with DATA_LOSS, reason REPLICAS_DIVERGED); 0 = never");
+ABSL_FLAG(int32_t, mesh_min_replicas, 0,
+          "on a mesh: the fewest replicas it goes on with (1 to --group_replicas; 0 = every "
+          "replica). Below --group_replicas, losing a process of a replica other than replica 0 "
+          "evicts that replica and the mesh goes on without it in its next epoch (its trainers "
+          "move to the replicas that serve); the same on every process of the mesh");
 ABSL_FLAG(double, group_timeout_seconds, 60,
           "how long a head group's collectives and commands wait for a rank before the group "
           "is declared down");
@@ -483,7 +488,8 @@ int Run() {
     }
   }
   const absl::StatusOr<rh::server::MeshOptions> mesh_options = rh::server::ResolveMeshOptions(
-      absl::GetFlag(FLAGS_mesh_reduce_dtype), absl::GetFlag(FLAGS_mesh_checksum_every_steps));
+      absl::GetFlag(FLAGS_mesh_reduce_dtype), absl::GetFlag(FLAGS_mesh_checksum_every_steps),
+      absl::GetFlag(FLAGS_mesh_min_replicas), group_config->replicas);
   if (!mesh_options.ok()) return Refuse(mesh_options.status());
   absl::StatusOr<rh::server::Cluster> cluster =
       rh::server::JoinCluster(*group_config, *mesh_options);

@@ -328,7 +328,7 @@ TEST(MeshStepsTest, AReplicaWhoseTrainersNeverComeAbortsTheStepOnEveryReplica) {
     EXPECT_LT(took, 1.5);   // …for the wait given, not for the log's timeout
     // Every replica names the same trainers: those of the replica that never asked.
     const int world = trainers[0]->world_size;
-    const std::vector<int> missing = TrainersOfReplica(world, odd, replicas);
+    const std::vector<int> missing = MeshEpoch::First(replicas).TrainersOf(odd, world, replicas);
     std::vector<int> came;
     for (int t = 0; t < world; ++t) {
       if (t % replicas != odd) came.push_back(t);
@@ -489,7 +489,8 @@ TEST(MeshStepsTest, ADecisionBetweenTheSumAndTheApplyRefusesWithNothingAppliedOr
       replicas.emplace_back([&, r] {
         HeadOperations& ops = *m.front(r).local;
         const StepDecision decision{
-            .decide = [&, r]() -> absl::Status {
+            .decide = [&, r](const absl::Status& summed) -> absl::Status {
+              EXPECT_TRUE(summed.ok()) << summed;
               summed_at_decision[static_cast<size_t>(r)] = m.mesh(r).reduced_bytes();
               if (apply) return absl::OkStatus();
               return absl::AbortedError("the step was decided against after its sum");

@@ -22,9 +22,10 @@ as keyword arguments, and return a StepResult whose summary is a StepSummary.
 """
 
 from remotehead._errors import (GroupUnavailableError, HeadExistsError, HeadFrozenError,
-                                HeadNotFoundError, InvalidArgumentError, NotTheFrontError,
-                                NotTheLeaderError, RanksDisagreeError, RanksMissingError,
-                                RemoteheadError, ReplicasDivergedError, ServerRestartedError,
+                                HeadNotFoundError, InvalidArgumentError, MeshReconfiguringError,
+                                NotTheFrontError, NotTheLeaderError, RanksDisagreeError,
+                                RanksMissingError, RemoteheadError, ReplicaMovedError,
+                                ReplicasDivergedError, ServerRestartedError,
                                 TeacherIncompatibleError, WeightVersionMismatchError,
                                 WrongReplicaError)
 from remotehead.client import Client, HeadInfo, StepResult, StepSummary, StepTimings
@@ -35,8 +36,9 @@ from remotehead.embedding import RemoteEmbedding
 
 __all__ = ["Client", "FunctionInfo", "GradientId", "GroupUnavailableError", "HeadExistsError",
            "HeadFrozenError", "HeadInfo", "HeadNotFoundError", "InvalidArgumentError",
-           "NotTheFrontError", "NotTheLeaderError", "ParamInfo", "RanksDisagreeError",
-           "RanksMissingError", "RemoteEmbedding", "RemoteHead", "RemoteheadError", "ReplicasDivergedError",
+           "MeshReconfiguringError", "NotTheFrontError", "NotTheLeaderError", "ParamInfo",
+           "RanksDisagreeError", "RanksMissingError", "RemoteEmbedding", "RemoteHead",
+           "RemoteheadError", "ReplicaMovedError", "ReplicasDivergedError",
            "ServerRestartedError", "StepOptions", "StepResult", "StepSummary", "StepTimings",
            "TeacherIncompatibleError", "WeightVersionMismatchError", "WrongReplicaError",
            "upstream_matches_declared"]

@@ -118,6 +118,28 @@ class WrongReplicaError(RemoteheadError, ValueError):
     WRONG_REPLICA; metadata "replica": the one to dial, rank mod R)."""
 
 
+class MeshReconfiguringError(RemoteheadError):
+    """A mesh lost a replica and changes epochs (reason MESH_RECONFIGURING, code UNAVAILABLE;
+    metadata "epoch", "evicted"): nothing of the call was applied. The Client asks again by
+    itself for up to `reconfigure_timeout` seconds."""
+
+
+class ReplicaMovedError(RemoteheadError):
+    """This trainer's replica of a mesh was evicted (or its front is gone) and the Client now
+    dials the front of the replica that serves it in the mesh's new epoch (raised by the client,
+    reason REPLICA_MOVED, code UNAVAILABLE). The dW its calls added since its last optimizer step
+    went with the old replica: resend those calls (RemoteHead replays them by itself), with the
+    new front's incarnation (`info.incarnation`). `info`: the head as the new front describes it
+    (a weight_version past the trainer's means the step in flight was applied after all)."""
+
+    def __init__(self, details: str, from_replica: int, to_replica: int, info):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details, "REPLICA_MOVED",
+                         {"from_replica": str(from_replica), "to_replica": str(to_replica)})
+        self.from_replica = from_replica
+        self.to_replica = to_replica
+        self.info = info
+
+
 class ReplicasDivergedError(RemoteheadError):
     """A mesh's replicas hold different weights or versions (reason REPLICAS_DIVERGED, metadata
     "replicas"): restore every replica from one state."""
@@ -151,6 +173,7 @@ _BY_REASON = {
     "NOT_THE_FRONT": NotTheFrontError,
     "NOT_THE_LEADER": NotTheLeaderError,
     "WRONG_REPLICA": WrongReplicaError,
+    "MESH_RECONFIGURING": MeshReconfiguringError,
     "REPLICAS_DIVERGED": ReplicasDivergedError,
     "HEAD_FROZEN": HeadFrozenError,
     "TEACHER_INCOMPATIBLE": TeacherIncompatibleError,

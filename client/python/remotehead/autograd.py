@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, TypeVar
 
 import grpc
 import torch
 
 from remotehead import cluster as cluster_lib
+from remotehead._errors import ReplicaMovedError
 from remotehead._local_weight import LocalWeightMirror
+from remotehead._replay_journal import ReplayJournal, host_copy
 from remotehead._step_state import StepState
 from remotehead.client import Client, HeadInfo, InvalidArgumentError, RemoteheadError, StepResult
 from remotehead.step_options import StepOptions, check_option_names
+
+T = TypeVar("T")
 
 # Relative tolerance of the upstream-gradient check (the C++ client's kUpstreamTolerance).
 UPSTREAM_RELATIVE_TOLERANCE = 1e-6
@@ -94,9 +98,10 @@ class _Inputs:
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, head, options, inputs, pull):
-        result = head.client.forward_backward(head.head_id, hidden, targets, options,
-                                              weights=inputs.weights, aux=inputs.aux,
-                                              teacher_hidden=inputs.teacher_hidden)
+        result = head._resilient(lambda: head.client.forward_backward(
+            head.head_id, hidden, targets, head._current(options), weights=inputs.weights,
+            aux=inputs.aux, teacher_hidden=inputs.teacher_hidden))
+        head._journal_call(hidden, targets, options, inputs)
         head.last_result = result
         ctx.save_for_backward(result.grad_hidden.to(hidden.device, hidden.dtype)
                               .reshape(hidden.shape))
@@ -134,9 +139,9 @@ class _TwoPhaseOutputs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, head, options, inputs, pull):
-        result = head.client.forward(head.head_id, hidden, targets, options,
-                                     weights=inputs.weights, aux=inputs.aux,
-                                     teacher_hidden=inputs.teacher_hidden)
+        result = head._resilient(lambda: head.client.forward(
+            head.head_id, hidden, targets, head._current(options), weights=inputs.weights,
+            aux=inputs.aux, teacher_hidden=inputs.teacher_hidden))
         head.last_result = result
         ctx.head, ctx.options, ctx.inputs, ctx.targets, ctx.pull = (head, options, inputs,
                                                                     targets, pull)
@@ -156,21 +161,25 @@ class _TwoPhaseOutputs(torch.autograd.Function):
         grad = grad_outputs.detach().float().reshape(-1)
 
         def backward(o):
-            return head.client.backward(head.head_id, hidden, ctx.targets, grad, o,
-                                        weights=inputs.weights, aux=inputs.aux,
+            return head.client.backward(head.head_id, hidden, ctx.targets, grad,
+                                        head._current(o), weights=inputs.weights, aux=inputs.aux,
                                         teacher_hidden=inputs.teacher_hidden)
 
-        if ctx.handle:
+        def call():
+            if not ctx.handle:
+                return backward(options)
             try:
-                result = backward(options.replace(inputs_handle=ctx.handle))
+                return backward(options.replace(inputs_handle=ctx.handle))
             except RemoteheadError as e:
                 if e.code != grpc.StatusCode.NOT_FOUND:
                     raise
-                # The server no longer has the rows (they expired, or a Backward whose answer
-                # was lost released them): send them again, same identity, same version.
-                result = backward(options)
-        else:
-            result = backward(options)
+                # The server no longer has the rows (they expired, a Backward whose answer was
+                # lost released them, the trainer moved to another replica): send them again,
+                # same identity, same version.
+                return backward(options)
+
+        result = head._resilient(call)
+        head._journal_call(hidden, ctx.targets, options, inputs, grad_output=grad)
         head.last_result = result
         if ctx.pull:
             head.pull_gradients()
@@ -224,7 +233,8 @@ class RemoteHead:
     def __init__(self, client: Client, head_id: str, options: Optional[StepOptions] = None, *,
                  trainer: Optional[str] = None,
                  local_weight: Optional[torch.nn.Parameter] = None,
-                 cluster: Optional[cluster_lib.Cluster] = None, **overrides):
+                 cluster: Optional[cluster_lib.Cluster] = None, journal: bool = True,
+                 **overrides):
         explicit_retain = options is not None or "retain_inputs_seconds" in overrides
         options = (options if options is not None else StepOptions()).replace(**overrides)
         _check_declared_upstream(options.upstream_scale, "upstream_scale")
@@ -243,6 +253,10 @@ class RemoteHead:
         # retain_inputs_seconds when given (0: the Backward sends X again), else 600 s.
         self.retain_seconds = options.retain_inputs_seconds if explicit_retain else 600.0
         self._teacher_dtypes = {}  # teacher head id -> its dtype (teacher_hidden is sent in it)
+        # What this trainer resends after a move to another replica of a mesh (_replay_journal).
+        self.journal: Optional[ReplayJournal] = ReplayJournal() if journal else None
+        self._left_incarnations = set()  # the fronts this trainer moved away from
+        self._replica = client.replica  # the replica holding this trainer's dW since its step
 
     @property
     def accumulate(self) -> bool:
@@ -306,8 +320,9 @@ class RemoteHead:
                 'reduction: loss() needs a scalar reduction ("sum", "mean" or "weighted_sum"); '
                 'got "none" — use token_outputs() for per-token outputs')
         if not gradients:
-            result = self.client.forward(self.head_id, hidden, labels, options, weights=weights,
-                                         aux=aux, teacher_hidden=teacher_hidden)
+            result = self._resilient(lambda: self.client.forward(
+                self.head_id, hidden, labels, self._current(options), weights=weights, aux=aux,
+                teacher_hidden=teacher_hidden))
             self.last_result = result
             return _loss_tensor(result.loss, hidden)
         return _FusedHeadLoss.apply(hidden, labels, self, options,
@@ -372,8 +387,9 @@ class RemoteHead:
         options = self._call_options(overrides, gradients, two_phase=True)
         teacher_hidden = self._teacher_rows(options, teacher_hidden)
         if not gradients:
-            result = self.client.forward(self.head_id, hidden, targets, options,
-                                         weights=weights, aux=aux, teacher_hidden=teacher_hidden)
+            result = self._resilient(lambda: self.client.forward(
+                self.head_id, hidden, targets, self._current(options), weights=weights, aux=aux,
+                teacher_hidden=teacher_hidden))
             self.last_result = result
             return result.outputs.to(hidden.device).reshape(hidden.shape[:-1])
         return _TwoPhaseOutputs.apply(hidden, targets, self, options,
@@ -390,8 +406,10 @@ class RemoteHead:
         processes it is their synchronous step `self.step`, pinned to the version this trainer
         holds: it returns once every rank asked for it, and dW is averaged over the ranks as DDP
         averages gradients."""
-        self.info = self.client.optimizer_step(
-            self.head_id, **self._state.optimizer_step_arguments(optimizer))
+        self.info = self._resilient(lambda: self.client.optimizer_step(
+            self.head_id, **self._state.optimizer_step_arguments(dict(optimizer))))
+        if self.journal is not None:
+            self.journal.clear()  # applied: nothing of it is resent
         self.next_step()
 
     # ----- durable training state (a server started with --state_dir) -----
@@ -425,4 +443,75 @@ class RemoteHead:
         so the local optimizer (and gradient clipping) sees the head's gradient like any other.
         """
         if self._local.pull(self.client, self.head_id):
+            if self.journal is not None:
+                self.journal.clear()  # dW taken into local_weight.grad
             self.next_step()
+
+    # ----- a trainer that moves to another replica of a mesh (docs/meshes.md) -----
+
+    def _current(self, options: StepOptions) -> StepOptions:
+        """`options` pinned to the front this trainer dials now (its incarnation, after a
+        move)."""
+        if options.expected_incarnation in self._left_incarnations:
+            return options.replace(expected_incarnation=self.incarnation)
+        return options
+
+    def _resilient(self, call: Callable[[], T]) -> T:
+        """`call()`, again after the trainer moved to another replica's front
+        (ReplicaMovedError): first what the journal holds is sent there."""
+        if self.client.replica != self._replica:  # another call of the client noticed the move
+            info = self.client.describe_head(self.head_id)
+            self._moved(ReplicaMovedError("moved before this call", self._replica,
+                                          self.client.replica, info))
+        for _ in range(8):  # one move per replica lost while the call runs
+            try:
+                return call()
+            except ReplicaMovedError as moved:
+                self._moved(moved)
+        return call()
+
+    def _moved(self, moved: ReplicaMovedError) -> None:
+        self._replica = moved.to_replica
+        self._left_incarnations.add(self.incarnation)
+        self._state.incarnation = moved.info.incarnation
+        if moved.info.weight_version > self.info.weight_version:
+            # The step in flight was applied after all (with this trainer's dW): nothing to
+            # resend; the step asked again gets its answer.
+            if self.journal is not None:
+                self.journal.clear()
+            return
+        if self.journal is None:
+            raise moved
+        self.client.replays += self.journal.replay(self.incarnation)
+
+    def _journal_call(self, hidden: torch.Tensor, targets: Optional[torch.Tensor],
+                      options: StepOptions, inputs: _Inputs,
+                      grad_output: Optional[torch.Tensor] = None) -> None:
+        """A call that added dW kept for a move (a Backward when grad_output is given)."""
+        if self.journal is None or not options.accumulate:
+            return
+        h, t, g = host_copy(hidden), host_copy(targets), host_copy(grad_output)
+        w, th = host_copy(inputs.weights), host_copy(inputs.teacher_hidden)
+        aux = {k: host_copy(v) for k, v in inputs.aux.items()} if inputs.aux else None
+        kept = options.replace(inputs_handle="", retain_inputs_seconds=0.0)
+        client, head_id = self.client, self.head_id
+
+        def resend(incarnation: str) -> None:
+            o = kept.replace(expected_incarnation=incarnation)
+            if g is None:
+                client.forward_backward(head_id, h, t, o, weights=w, aux=aux, teacher_hidden=th)
+            else:
+                client.backward(head_id, h, t, g, o, weights=w, aux=aux, teacher_hidden=th)
+
+        self.journal.record(resend, h, t, g, w, th, *(aux or {}).values())
+
+    def _journal_embedding(self, ids: torch.Tensor, rows: torch.Tensor, gradient_id,
+                           version: int) -> None:
+        """A tied embedding's gradient (RemoteEmbedding) kept for a move."""
+        if self.journal is None:
+            return
+        i, r = host_copy(ids), host_copy(rows)
+        client, head_id = self.client, self.head_id
+        self.journal.record(lambda incarnation: client.embedding_gradient(
+            head_id, i, r, gradient_id=gradient_id, expected_incarnation=incarnation,
+            expected_weight_version=version), i, r)

@@ -23,7 +23,8 @@ from typing import (Callable, Dict, Iterator, List, Mapping, Optional, Sequence,
 import grpc
 import torch
 
-from remotehead import _compaction, _embedding_calls, _errors, _safetensors, _steps, _wire
+from remotehead import (_compaction, _embedding_calls, _errors, _mesh_fronts, _safetensors,
+                        _steps, _wire)
 from remotehead._head_info import HeadInfo, head_info as _info  # noqa: F401 (re-exported)
 from remotehead._striping import merged_responses
 # Re-exported: remotehead.client.X is where these have always been imported from.
@@ -63,6 +64,11 @@ class Client:
     the operations that change every replica (create, upload, drop, zero, an unsynchronized
     optimizer step, restore) go to the leader, fronts[0]. Given one front that is not the
     leader, the client follows the leader's address that the front names (NotTheLeaderError).
+    On a mesh that evicts a lost replica (--mesh_min_replicas), a call at a front that changes
+    epochs is asked again for up to `reconfigure_timeout` seconds; when this trainer's replica is
+    evicted, the client finds the front that serves it now and raises ReplicaMovedError (its dW
+    since the last step went with the replica: RemoteHead replays it by itself). `moves` counts
+    those moves, `replays` the calls replayed after them.
 
     TLS: pass `root_certificates` (PEM bytes; plus `private_key` and `certificate_chain` for
     mTLS). `token` is sent as `authorization: Bearer <token>`, only over TLS.
@@ -81,7 +87,7 @@ class Client:
                  token: Optional[str] = None, chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 64 << 20, timeout: Optional[float] = None,
                  max_attempts: int = 5, initial_backoff: float = 0.05,
-                 max_backoff: float = 2.0, streams: int = 1):
+                 max_backoff: float = 2.0, streams: int = 1, reconfigure_timeout: float = 120.0):
         if chunk_bytes < 1024:
             raise InvalidArgumentError(f"chunk_bytes: expected >= 1024; got {chunk_bytes}")
         if not 1 <= streams <= 64:
@@ -105,19 +111,18 @@ class Client:
         fronts = [target] if isinstance(target, str) else list(target)
         if not fronts:
             raise InvalidArgumentError("target: expected an address or a list of replica fronts")
-        # A mesh's replica fronts: this trainer dials fronts[rank mod R]; what changes every
-        # replica goes to the leader, fronts[0].
-        self.target = fronts[trainer_rank(rank) % len(fronts)]
-        self._channel = self._open(self.target)
-        self._stub = pb_grpc.HeadServiceStub(self._channel)
+        # A mesh's replica fronts: this trainer dials fronts[rank mod R] (until its replica is
+        # evicted); what changes every replica goes to the leader, fronts[0].
+        self._fronts = _mesh_fronts.Fronts(fronts, trainer_rank(rank))
+        self._streams = streams
+        self._dial_front()
         self._leader_channel = None
         self._leader_stub = None
         if self.target != fronts[0]:
             self._connect_leader(fronts[0])
-        # A striped step's streams after the first, each on a connection of its own (a channel
-        # that shares no subchannel), so that they do not queue behind one another on one socket.
-        self._stripe_channels = [self._open(self.target, [("grpc.use_local_subchannel_pool", 1)])
-                                 for _ in range(streams - 1)]
+        self._reconfigure_timeout = reconfigure_timeout
+        self.moves = 0    # times this trainer moved to another replica's front
+        self.replays = 0  # calls replayed after a move (RemoteHead's journal)
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
         self._max_attempts = max(1, max_attempts)
@@ -127,10 +132,28 @@ class Client:
         self._functions: Optional[Dict[str, FunctionInfo]] = None  # functions(), once
         self._handle_rows = _compaction.HandleRows()  # what forwards that kept inputs left out
 
-    def close(self) -> None:
+    def _dial_front(self) -> None:
+        """Channels to this trainer's front (Fronts.target)."""
+        self.target = self._fronts.target
+        self._channel = self._open(self.target)
+        self._stub = pb_grpc.HeadServiceStub(self._channel)
+        # A striped step's streams after the first, each on a connection of its own (a channel
+        # that shares no subchannel), so that they do not queue behind one another on one socket.
+        self._stripe_channels = [self._open(self.target, [("grpc.use_local_subchannel_pool", 1)])
+                                 for _ in range(self._streams - 1)]
+
+    def _close_front(self) -> None:
         self._channel.close()
         for channel in self._stripe_channels:
             channel.close()
+
+    @property
+    def replica(self) -> int:
+        """The mesh replica whose front this trainer dials (0 off a mesh)."""
+        return self._fronts.replica
+
+    def close(self) -> None:
+        self._close_front()
         if self._leader_channel is not None:
             self._leader_channel.close()
 
@@ -158,27 +181,75 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, attempt, retry: bool = True):
+    def _call(self, attempt, retry: bool = True, head_id: Optional[str] = None):
         """Runs `attempt()` (one whole RPC), again after UNAVAILABLE (no server yet, a restart,
         a dropped connection) with exponential backoff and jitter; never on another code. Step
         calls keep their gradient id across attempts, so the server's exactly-once ledger makes
-        a replay of work that did reach it add nothing (summary.replayed)."""
+        a replay of work that did reach it add nothing (summary.replayed). A mesh changing
+        epochs (MESH_RECONFIGURING) is asked again for up to reconfigure_timeout. `head_id`: a
+        call at this trainer's own front, which follows the mesh when its replica is evicted
+        (_mesh_fronts.py): ReplicaMovedError once it dials another replica's front."""
         backoff = self._initial_backoff
-        for attempt_number in range(1, self._max_attempts + 1):
+        attempt_number, reconfiguring_until, followed = 0, None, False
+        while True:
+            attempt_number += 1
             try:
                 return attempt()
             except grpc.RpcError as e:
+                reason, _ = _errors.error_info(e)
+                if reason == "MESH_RECONFIGURING" and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    reconfiguring_until = reconfiguring_until or (time.monotonic()
+                                                                  + self._reconfigure_timeout)
+                    if time.monotonic() < reconfiguring_until:
+                        attempt_number -= 1  # the mesh's change is waited out, not counted
+                        error = None
+                    else:
+                        error = e
+                else:
+                    error = e
                 # A reason says what no retry fixes (a group that is down, a draining server
                 # is retried: another attempt may reach a healthy process).
-                if (not retry or e.code() != grpc.StatusCode.UNAVAILABLE
-                        or attempt_number == self._max_attempts):
-                    raise _errors.from_rpc_error(e) from None
+                if error is not None and (not retry or e.code() != grpc.StatusCode.UNAVAILABLE
+                                          or attempt_number >= self._max_attempts):
+                    if head_id is None or followed or not self._fronts.may_follow(e):
+                        raise _errors.from_rpc_error(e) from None
+                    followed = True
+                    self._follow_mesh(head_id, e)  # this front serves it still: once more
+                    attempt_number = 0
+                    continue
             self.retries += 1
             time.sleep(backoff * random.uniform(0.9, 1.1))
             backoff = min(backoff * 2, self._max_backoff)
 
+    def _follow_mesh(self, head_id: str, error: grpc.RpcError) -> None:
+        """After `error` at this trainer's front: returns if that front still serves it;
+        ReplicaMovedError once the client dials the front that does; `error` if none says so."""
+        found = self._fronts.follow(head_id, self._open, self._reconfigure_timeout,
+                                    self._initial_backoff, self._max_backoff)
+        if found is None:
+            raise _errors.from_rpc_error(error) from None
+        replica, info = found
+        old = self._fronts.replica
+        if replica == old:
+            return
+        self._close_front()
+        self._fronts.replica = replica
+        self._dial_front()
+        self.moves += 1
+        raise _errors.ReplicaMovedError(
+            f"replica {old}'s front is gone or evicted ({error.details()}); this trainer "
+            f"(rank {self._fronts.trainer}) now dials replica {replica}'s front at "
+            f"{self.target}: the dW its calls added since its last optimizer step went with "
+            f"replica {old}; resend them (RemoteHead replays them by itself)",
+            old, replica, _info(info))
+
     def _unary(self, method, request, retry: bool = True):
         return self._call(lambda: method(request, timeout=self._timeout), retry)
+
+    def _at_own_front(self, method: str, request, retry: bool = True, head_id: str = ""):
+        """A unary call at this trainer's front, which follows the mesh (_call's head_id)."""
+        return self._call(lambda: getattr(self._stub, method)(request, timeout=self._timeout),
+                          retry, head_id)
 
     # ----- heads -----
 
@@ -250,7 +321,8 @@ class Client:
             lambda: stub.UploadHead(requests(), timeout=self._timeout))))
 
     def describe_head(self, head_id: str) -> HeadInfo:
-        return _info(self._unary(self._stub.DescribeHead, pb.HeadRef(head_id=head_id)))
+        return _info(self._at_own_front("DescribeHead", pb.HeadRef(head_id=head_id),
+                                        head_id=head_id))
 
     def functions(self) -> Dict[str, FunctionInfo]:
         """Every function the server computes, by name (ListFunctions), asked once per
@@ -297,7 +369,7 @@ class Client:
         parts = self._read_row_stream(self._stub.ExportWeights, request)
         return _assemble(parts.get("weight_rows")), _assemble(parts.get("bias_rows"))
 
-    def _read_row_stream(self, rpc, request) -> Dict[str, list]:
+    def _read_row_stream(self, rpc, request, head_id: Optional[str] = None) -> Dict[str, list]:
         """The row chunks of a server stream, by field name (plus "info" if sent)."""
         def attempt() -> Dict[str, list]:
             parts: Dict[str, list] = {}
@@ -311,7 +383,7 @@ class Client:
                                                        _wire.decode(chunk.values)))
             return parts
 
-        return self._call(attempt)
+        return self._call(attempt, head_id=head_id)
 
     # ----- gradients and optimizer -----
 
@@ -366,7 +438,7 @@ class Client:
         # A single caller's step is not idempotent: never retried (a lost answer may hide a step
         # that happened). A synchronous one is: the server answers a retry of an applied step.
         if synchronous is not None:  # at this trainer's own replica
-            return _info(self._unary(self._stub.OptimizerStep, request, retry=True).info)
+            return _info(self._at_own_front("OptimizerStep", request, head_id=head_id).info)
         return _info(self._to_leader(
             lambda stub: self._unary(stub.OptimizerStep, request, retry=False)).info)
 
@@ -380,7 +452,7 @@ class Client:
         ids: int [n], repeats allowed. Pins as read_weight_rows'."""
         request = _embedding_calls.lookup_request(head_id, ids, dtype, expected_incarnation,
                                                   expected_weight_version)
-        parts = self._read_row_stream(self._stub.EmbeddingLookup, request)
+        parts = self._read_row_stream(self._stub.EmbeddingLookup, request, head_id)
         info = parts["info"]
         return (_embedding_calls.lookup_rows(parts.get("rows"), len(request.ids), info, dtype),
                 info.weight_version)
@@ -396,7 +468,8 @@ class Client:
             head_id, ids, grad, gradient_id, expected_incarnation, expected_weight_version,
             self._chunk_bytes)
         response = self._call(lambda: self._stub.EmbeddingGradient(messages(),
-                                                                   timeout=self._timeout))
+                                                                   timeout=self._timeout),
+                              head_id=head_id)
         return _embedding_calls.EmbeddingGradientResult(response.replayed, _info(response.info))
 
     # ----- durable training state (a server started with --state_dir) -----
@@ -572,7 +645,7 @@ class Client:
                      for i, rpc in enumerate(rpcs)]
             return _steps.receive(p, mode, fn, o.output_dtype, merged_responses(calls), any_order=True)
 
-        received = _steps.in_callers_rows(p, lambda: self._call(attempt))
+        received = _steps.in_callers_rows(p, lambda: self._call(attempt, head_id=head_id))
         result = _steps.step_result(mode, per_token, received, p)
         self._handle_rows.after_step(p, result.summary.inputs_handle, by_handle)
         return result

@@ -117,8 +117,8 @@ class RemoteEmbedding(torch.nn.Module):
         gradients = torch.is_grad_enabled() and self.trainable
         # Taken before the head's step of this micro-batch, which then carries the same id.
         gradient_id = head._state.embedding_gradient_id() if gradients else None
-        rows, version = head.client.embedding_lookup(head.head_id, unique, dtype=self.dtype,
-                                                     expected_incarnation=head.incarnation)
+        rows, version = head._resilient(lambda: head.client.embedding_lookup(
+            head.head_id, unique, dtype=self.dtype, expected_incarnation=head.incarnation))
         self.last_weight_version = version
         device = self._like.device
         rows, inverse = rows.to(device), inverse.to(device)
@@ -130,9 +130,10 @@ class RemoteEmbedding(torch.nn.Module):
                 if keep is not None:
                     sums = sums[keep.to(sums.device)]
                 if ids.numel():
-                    head.client.embedding_gradient(
+                    head._resilient(lambda: head.client.embedding_gradient(
                         head.head_id, ids, sums, gradient_id=gradient_id,
-                        expected_incarnation=head.incarnation, expected_weight_version=version)
+                        expected_incarnation=head.incarnation, expected_weight_version=version))
+                    head._journal_embedding(ids, sums, gradient_id, version)
 
             out = _Rows.apply(rows.requires_grad_(), inverse, send)
         else:

@@ -535,6 +535,36 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
   }
 }
 
+absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::JoinShardInEpoch(
+    const GroupConfig& config, const MeshEpoch& epoch) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<uint16_t>(config.store_port);
+    options.isServer = false;  // global rank 0's store, started at the first rendezvous
+    options.waitWorkers = false;
+    options.timeout = config.timeout;
+    options.useLibUV = false;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(config.store_host, options);
+    GroupConfig shard = config;
+    shard.size = static_cast<int>(epoch.live.size());
+    shard.rank = epoch.IndexOf(config.replica());
+    shard.replicas = 1;
+    shard.prefix =
+        store_keys::ShardGroupInEpoch(config.prefix, config.rank_in_replica(), epoch.number);
+    if (shard.rank < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "mesh ", epoch.Describe(), ": replica ", config.replica(), " does not serve in it"));
+    }
+    return GroupOn(tcp, shard);
+  } catch (const std::exception& e) {
+    return FromException(e,
+                         absl::StrCat("joining the shard peers of mesh epoch ", epoch.number,
+                                      " at ", config.store_host, ":", config.store_port),
+                         config, config.timeout, start);
+  }
+}
+
 absl::StatusOr<ProcessGroup::Mesh> ProcessGroup::JoinMesh(const GroupConfig& config) {
   const auto start = std::chrono::steady_clock::now();
   try {

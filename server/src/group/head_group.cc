@@ -74,8 +74,20 @@ void HeadGroup::set_front_address(std::string address) {
   front_address_ = std::move(address);
 }
 
+void HeadGroup::Retire(const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (retired_.ok()) retired_ = why;
+}
+
+absl::Status HeadGroup::Retired() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return retired_;
+}
+
 absl::Status HeadGroup::Check(absl::Status failure) {
   if (!IsGroupFailure(failure)) return failure;
+  // A group the mesh left behind fails as its peers go: that is no verdict on anyone.
+  if (const absl::Status retired = Retired(); !retired.ok()) return retired;
   // A stranger's change of the store says it best: what to do is fence the store, whatever else
   // is seen (the rank stopped meanwhile, whose command stayed pending, looks lost too).
   const bool tampering = NamesTampering(failure);
@@ -150,6 +162,7 @@ absl::Status HeadGroup::OwnHealth() const {
 }
 
 absl::StatusOr<HeadGroup::Lane> HeadGroup::Enter() {
+  RETURN_IF_ERROR(Retired());
   // The group's own failure only: once the mesh it is part of is down, its ranks still answer
   // the calls that read (the service refuses every other: ServiceContext::Serving).
   RETURN_IF_ERROR(Unavailable(OwnHealth()));
@@ -182,6 +195,7 @@ absl::Status HeadGroup::Lane::Run(const Command& command,
 absl::Status HeadGroup::Follow(const std::function<absl::Status(const std::string&)>& execute,
                                const std::atomic<bool>& stop) {
   while (!stop.load()) {
+    RETURN_IF_ERROR(Retired());
     absl::StatusOr<std::string> bytes = log_.Next(kFollowPoll);
     if (bytes.status().code() == absl::StatusCode::kDeadlineExceeded) {
       RETURN_IF_ERROR(CheckFront());

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -43,22 +44,155 @@ HeadMesh::HeadMesh(int replica, int replicas, MeshOptions options,
     : replica_(replica),
       replicas_(replicas),
       options_(options),
+      front_(fronts != nullptr),
+      epoch_(MeshEpoch::First(replicas)),
+      wanted_(epoch_),
       fronts_(std::move(fronts)),
       shard_peers_(std::move(shard_peers)) {}
 
+HeadMesh::~HeadMesh() {
+  if (liveness_ != nullptr && epoch_listener_ >= 0) liveness_->RemoveListener(epoch_listener_);
+  {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    closing_ = true;
+  }
+  regrouped_.notify_all();
+  if (regrouping_.joinable()) regrouping_.join();
+}
+
+HeadGroup* HeadMesh::fronts() {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  return fronts_.get();
+}
+
+const HeadGroup* HeadMesh::fronts() const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  return fronts_.get();
+}
+
 ProcessGroup& HeadMesh::peers() {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
   return fronts_ != nullptr ? fronts_->collectives() : *shard_peers_;
 }
 
 const ProcessGroup& HeadMesh::peers() const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
   return fronts_ != nullptr ? fronts_->collectives() : *shard_peers_;
 }
 
 std::map<std::string, CollectiveBytes> HeadMesh::PeerBytes() const { return peers().Bytes(); }
 
 absl::Status HeadMesh::health() const {
-  if (fronts_ != nullptr) return fronts_->health();
+  if (const HeadGroup* log = fronts(); log != nullptr) return log->health();
   return liveness_ != nullptr ? liveness_->health() : absl::OkStatus();
+}
+
+void HeadMesh::set_liveness(Liveness* liveness, Regroup regroup) {
+  liveness_ = liveness;
+  if (liveness == nullptr || !liveness->evicts() || regroup == nullptr) return;
+  regroup_ = std::move(regroup);
+  regrouping_ = std::thread([this] { RegroupLoop(); });
+  epoch_listener_ = liveness->OnEpoch([this](const MeshEpoch& next) { Enter(next); });
+}
+
+bool HeadMesh::evicts() const { return liveness_ != nullptr && liveness_->evicts(); }
+
+MeshEpoch HeadMesh::epoch() const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  return epoch_;
+}
+
+int HeadMesh::ReplicaOf(int trainer) const { return epoch().ReplicaOf(trainer, replicas_); }
+
+std::vector<int> HeadMesh::TrainersOf(int replica, int world_size) const {
+  return epoch().TrainersOf(replica, world_size, replicas_);
+}
+
+absl::Status HeadMesh::ReconfiguringStatus(const MeshEpoch& next, const std::string& what) {
+  return core::WithReason(
+      absl::UnavailableError(absl::StrCat(
+          what, "the mesh lost replica ", next.evicted, " (", next.cause,
+          ") and goes on without it in ", next.Describe(),
+          ": nothing of this call was applied; ask again in a moment (the replica's trainers "
+          "move to the replicas that serve)")),
+      core::reason::kMeshReconfiguring,
+      {{"epoch", absl::StrCat(next.number)}, {"evicted", absl::StrCat(next.evicted)}});
+}
+
+absl::Status HeadMesh::Reconfiguring() const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  if (wanted_.number == epoch_.number) return absl::OkStatus();
+  return ReconfiguringStatus(wanted_, "");
+}
+
+absl::Status HeadMesh::Restated(const absl::Status& status) const {
+  if (status.ok() || liveness_ == nullptr || !liveness_->evicts()) return status;
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  const bool reconfiguring =
+      reason.has_value() && reason->reason == core::reason::kMeshReconfiguring;
+  if (!reconfiguring && !liveness_->NamesEvicted(status)) return status;
+  if (reconfiguring && status.code() == absl::StatusCode::kUnavailable) return status;
+  MeshEpoch next;
+  {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    next = wanted_;
+  }
+  if (next.evicted < 0) return status;
+  return ReconfiguringStatus(next, "");
+}
+
+void HeadMesh::Enter(const MeshEpoch& next) {
+  if (!next.serves(replica_)) return;  // evicted: liveness took this process down
+  ++evictions_;
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  if (next.number <= wanted_.number) return;
+  wanted_ = next;
+  // The epoch left: its log answers nothing more (its follower and its waiting front let go).
+  if (fronts_ != nullptr) fronts_->Retire(ReconfiguringStatus(next, "the mesh's log: "));
+  regrouped_.notify_all();
+}
+
+void HeadMesh::RegroupLoop() {
+  std::unique_lock<std::mutex> lock(epoch_mu_);
+  for (;;) {
+    regrouped_.wait(lock, [&] { return closing_ || wanted_.number > epoch_.number; });
+    if (closing_) return;
+    const MeshEpoch next = wanted_;
+    lock.unlock();
+    absl::StatusOr<EpochGroups> groups = regroup_(next);
+    lock.lock();
+    if (!groups.ok()) {
+      if (wanted_.number > next.number || closing_) continue;  // another loss: the newer epoch
+      lock.unlock();
+      liveness_->DeclareDown(absl::UnavailableError(absl::StrCat(
+          "mesh: the groups of ", next.Describe(), " could not be built: ",
+          groups.status().message(), " — restart every process of the mesh")));
+      lock.lock();
+      epoch_ = next;  // down: nothing serves; the loop waits for nothing more
+      regrouped_.notify_all();
+      continue;
+    }
+    if (fronts_ != nullptr) retired_fronts_.push_back(std::move(fronts_));
+    if (shard_peers_ != nullptr) retired_peers_.push_back(std::move(shard_peers_));
+    fronts_ = std::move(groups->fronts);
+    shard_peers_ = std::move(groups->shard_peers);
+    epoch_ = next;
+    if (fronts_ != nullptr && !retired_fronts_.empty()) {
+      fronts_->set_front_address(retired_fronts_.back()->front_address());
+    }
+    regrouped_.notify_all();
+  }
+}
+
+absl::Status HeadMesh::PeersFailed(const absl::Status& failure) {
+  if (failure.ok() || !evicts() || !IsGroupFailure(failure)) return failure;
+  const absl::Status blamed = NamesLostProcess(failure) ? failure : liveness_->Blame(failure);
+  liveness_->DeclareDown(blamed);  // evicts the lost process's replica, or the mesh is down
+  if (!liveness_->NamesEvicted(blamed)) return blamed;
+  return core::WithReason(absl::AbortedError(absl::StrCat(
+                              "a collective across the replicas failed: ", blamed.message())),
+                          core::reason::kMeshReconfiguring,
+                          {{"epoch", absl::StrCat(liveness_->epoch().number)}});
 }
 
 absl::Status HeadMesh::NotTheLeader(const std::string& method) const {
@@ -80,8 +214,8 @@ absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t) {
       t.scalar_type() == options_.reduce_dtype ? t : t.to(options_.reduce_dtype).contiguous();
   // Reduced on replica 0, then broadcast from it: every replica ends with replica 0's bits
   // (an all-reduce's result may differ in the last bit between ranks).
-  RETURN_IF_ERROR(peers().ReduceSum(wire, 0));
-  RETURN_IF_ERROR(peers().Broadcast(wire, 0));
+  RETURN_IF_ERROR(PeersFailed(peers().ReduceSum(wire, 0)));
+  RETURN_IF_ERROR(PeersFailed(peers().Broadcast(wire, 0)));
   if (!wire.is_same(t)) t.copy_(wire);
   reduced_bytes_.fetch_add(static_cast<int64_t>(wire.nbytes()));
   reduce_nanoseconds_.fetch_add(
@@ -93,7 +227,7 @@ absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t) {
 absl::Status HeadMesh::SumOnLeader(torch::Tensor& t) {
   const torch::Device device = peers().config().device;
   torch::Tensor wire = t.to(device).contiguous();
-  RETURN_IF_ERROR(peers().ReduceSum(wire, 0));
+  RETURN_IF_ERROR(PeersFailed(peers().ReduceSum(wire, 0)));
   t = wire.to(t.device());
   return absl::OkStatus();
 }
@@ -113,10 +247,53 @@ absl::StatusOr<std::string> HeadMesh::NewStepAttempt() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
-absl::Status HeadMesh::Decide(const std::string& attempt) {
-  if (liveness_ == nullptr) return absl::OkStatus();
-  ASSIGN_OR_RETURN(const std::string decided,
-                   liveness_->Settle(store_keys::MeshDecision(attempt), kDecisionApply));
+absl::StatusOr<bool> HeadMesh::AllSummed(const std::string& attempt, const MeshEpoch& at) const {
+  if (liveness_->epoch().number != at.number) {
+    return absl::AbortedError("a replica was evicted during the step");
+  }
+  const int k = liveness_->config().ranks_per_replica();
+  for (int r : at.live) {
+    for (int s = 0; s < k; ++s) {
+      ASSIGN_OR_RETURN(const std::optional<std::string> said,
+                       liveness_->Read(store_keys::MeshSummed(attempt, r * k + s)));
+      if (!said.has_value()) return false;
+    }
+  }
+  return true;
+}
+
+absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& summed) {
+  if (liveness_ == nullptr) return summed;
+  const bool evicting = liveness_->evicts();
+  if (!evicting) RETURN_IF_ERROR(summed);  // without eviction a failed sum takes the mesh down
+  const char* proposal = summed.ok() ? kDecisionApply : kDecisionAbort;
+  const std::string key = store_keys::MeshDecision(attempt);
+  if (evicting && summed.ok()) {
+    // "apply" only once every serving rank summed: then no rank is left without the sum.
+    const int me = liveness_->config().rank;
+    if (!last_summed_.empty()) {
+      liveness_->Unpublish(store_keys::MeshSummed(last_summed_, me)).IgnoreError();
+    }
+    last_summed_ = attempt;
+    RETURN_IF_ERROR(liveness_->Publish(store_keys::MeshSummed(attempt, me), "summed"));
+    const MeshEpoch at = epoch();
+    const auto deadline =
+        std::chrono::steady_clock::now() + liveness_->config().timeout;
+    for (auto pause = std::chrono::milliseconds(1);; pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
+      const absl::StatusOr<bool> all = AllSummed(attempt, at);
+      if (!all.ok()) {
+        proposal = kDecisionAbort;
+        break;
+      }
+      if (*all) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        proposal = kDecisionAbort;
+        break;
+      }
+      std::this_thread::sleep_for(pause);
+    }
+  }
+  ASSIGN_OR_RETURN(const std::string decided, liveness_->Settle(key, proposal));
   if (is_leader()) {
     std::lock_guard<std::mutex> lock(decided_mu_);
     if (!last_decided_.empty() && last_decided_ != attempt) {
@@ -125,16 +302,26 @@ absl::Status HeadMesh::Decide(const std::string& attempt) {
     }
     last_decided_ = attempt;
   }
-  if (decided == kDecisionApply) {
+  if (decided == kDecisionApply && summed.ok()) {
     ++applied_;
     return absl::OkStatus();
   }
+  if (decided == kDecisionApply) {
+    // Never happens: "apply" needs this rank's word that it summed. Were it to, this replica
+    // lacks the step every other applies: it must leave the mesh.
+    return absl::DataLossError(absl::StrCat("mesh step ", attempt,
+                                            ": settled to apply, but this rank's sum failed: ",
+                                            summed.message()));
+  }
   if (decided == kDecisionAbort) {
     ++aborted_;
-    return absl::AbortedError(absl::StrCat(
-        "mesh step ", attempt,
-        ": settled to abort by another process (a replica was lost) before this one's "
-        "decision: nothing applied; every trainer of the step sends its part again"));
+    if (!summed.ok()) return summed;
+    return core::WithReason(
+        absl::AbortedError(absl::StrCat(
+            "mesh step ", attempt,
+            ": settled to abort (a replica was lost before every rank had summed): nothing "
+            "applied")),
+        core::reason::kMeshReconfiguring, {{"epoch", absl::StrCat(liveness_->epoch().number)}});
   }
   return absl::DataLossError(absl::StrCat("mesh step ", attempt, ": the settled decision is \"",
                                           decided, "\", neither apply nor abort"));
@@ -146,11 +333,16 @@ absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& t
   torch::Tensor h = torch::empty({1}, torch::kInt64);
   std::memcpy(h.data_ptr<int64_t>(), &mine, sizeof(mine));
   if (peers().config().device.is_cuda()) h = h.to(peers().config().device);
-  ASSIGN_OR_RETURN(torch::Tensor all, peers().AllGather(h));
-  all = all.cpu();
+  absl::StatusOr<torch::Tensor> gathered = peers().AllGather(h);
+  RETURN_IF_ERROR(PeersFailed(gathered.status()));
+  const torch::Tensor all = gathered->cpu();
+  // By index among the serving replicas (the epoch's shard groups): named by replica.
+  const std::vector<int> live = epoch().live;
   std::vector<int> differ;
-  for (int r = 1; r < replicas_; ++r) {
-    if (all[r].item<int64_t>() != all[0].item<int64_t>()) differ.push_back(r);
+  for (int64_t i = 1; i < all.size(0); ++i) {
+    if (all[i].item<int64_t>() != all[0].item<int64_t>()) {
+      differ.push_back(static_cast<size_t>(i) < live.size() ? live[i] : static_cast<int>(i));
+    }
   }
   (differ.empty() ? matched_ : mismatched_).fetch_add(1);
   if (differ.empty()) return absl::OkStatus();
@@ -163,8 +355,9 @@ absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& t
 }
 
 absl::StatusOr<std::vector<absl::Status>> HeadMesh::ExchangeVerdicts(const absl::Status& mine) {
-  ASSIGN_OR_RETURN(const std::vector<std::string> all,
-                   AllGatherStrings(peers(), EncodeStatus(mine)));
+  absl::StatusOr<std::vector<std::string>> gathered = AllGatherStrings(peers(), EncodeStatus(mine));
+  RETURN_IF_ERROR(PeersFailed(gathered.status()));
+  const std::vector<std::string>& all = *gathered;
   std::vector<absl::Status> verdicts;
   for (const std::string& verdict : all) verdicts.push_back(DecodeStatus(verdict));
   return verdicts;
@@ -204,7 +397,15 @@ std::vector<MetricFamilySamples> HeadMesh::Metrics() const {
                               "replicas sent and received, by operation",
                               PeerBytes()),
           std::move(checks),
-          std::move(resolved)};
+          std::move(resolved),
+          OneValue("remotehead_mesh_epoch",
+                   "The mesh's epoch whose groups serve here (0 until a replica is evicted)", false,
+                   epoch().number),
+          OneValue("remotehead_mesh_replicas_live", "The replicas serving in the mesh's epoch",
+                   false, static_cast<double>(epoch().live.size())),
+          OneValue("remotehead_mesh_evictions_total",
+                   "Replicas this process saw evicted from the mesh (one per epoch entered)", true,
+                   static_cast<double>(evictions()))};
 }
 
 }  // namespace remotehead::server

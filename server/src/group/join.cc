@@ -1,5 +1,6 @@
 #include "group/join.h"
 
+#include <algorithm>
 #include <iostream>
 #include <string>
 
@@ -34,7 +35,8 @@ absl::StatusOr<std::unique_ptr<Liveness>> StartLiveness(const GroupConfig& confi
 }  // namespace
 
 absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
-                                               int checksum_every_steps) {
+                                               int checksum_every_steps, int min_replicas,
+                                               int replicas) {
   MeshOptions options;
   if (reduce_dtype == "bfloat16") {
     options.reduce_dtype = torch::kBFloat16;
@@ -47,6 +49,12 @@ absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
         absl::StrCat("--mesh_checksum_every_steps: expected >= 0; got ", checksum_every_steps));
   }
   options.checksum_every_steps = checksum_every_steps;
+  if (min_replicas < 0 || min_replicas > std::max(replicas, 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mesh_min_replicas: expected 1 to --group_replicas (", replicas,
+                     "), or 0 for every replica; got ", min_replicas));
+  }
+  options.min_replicas = min_replicas;
   return options;
 }
 
@@ -127,11 +135,29 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
     ASSIGN_OR_RETURN(fronts, OpenGroup(std::move(joined.shard), config));
   }
   ASSIGN_OR_RETURN(cluster.liveness, StartLiveness(config));
-  if (cluster.group != nullptr) cluster.group->set_liveness(cluster.liveness.get());
-  if (fronts != nullptr) fronts->set_liveness(cluster.liveness.get());
+  Liveness* liveness = cluster.liveness.get();
+  if (mesh_options.min_replicas > 0) liveness->EnableEviction(mesh_options.min_replicas);
+  if (cluster.group != nullptr) cluster.group->set_liveness(liveness);
+  if (fronts != nullptr) fronts->set_liveness(liveness);
   cluster.mesh = std::make_unique<HeadMesh>(config.replica(), config.replicas, mesh_options,
                                             std::move(fronts), std::move(joined.shard));
-  cluster.mesh->set_liveness(cluster.liveness.get());
+  // A later epoch's cross-replica groups (mesh_epoch.h): built as the first ones were, among the
+  // replicas that serve in it.
+  cluster.mesh->set_liveness(
+      liveness, [config, liveness](const MeshEpoch& epoch) -> absl::StatusOr<EpochGroups> {
+        ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> shard,
+                         ProcessGroup::JoinShardInEpoch(config, epoch));
+        EpochGroups groups;
+        if (config.rank_in_replica() != 0) {
+          groups.shard_peers = std::move(shard);
+          return groups;
+        }
+        ASSIGN_OR_RETURN(groups.fronts, OpenGroup(std::move(shard), config));
+        groups.fronts->set_liveness(liveness);
+        std::cout << "remotehead-server: mesh " << epoch.Describe() << ": replica "
+                  << config.replica() << "'s front joined its log" << std::endl;
+        return groups;
+      });
   std::cout << "remotehead-server: mesh joined: replica " << config.replica() << " of "
             << config.replicas << ", rank " << config.rank_in_replica() << " of " << k
             << (config.rank_in_replica() != 0 ? " (follows its replica's front)"

@@ -43,7 +43,8 @@ struct Cluster {
 
 // The --mesh_* flags as options; INVALID_ARGUMENT naming the flag.
 absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
-                                               int checksum_every_steps);
+                                               int checksum_every_steps, int min_replicas,
+                                               int replicas);
 
 // Joins (every rank waits for the others, up to config.timeout) and opens the logs.
 absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options);

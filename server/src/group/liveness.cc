@@ -94,7 +94,11 @@ absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& con
 
 Liveness::Liveness(const GroupConfig& config, std::unique_ptr<KeyValueStore> store,
                    std::ostream* log, Timing timing)
-    : config_(config), store_(std::move(store)), log_(log), timing_(timing) {
+    : config_(config),
+      store_(std::move(store)),
+      log_(log),
+      timing_(timing),
+      epoch_(MeshEpoch::First(config.replicas)) {
   const Clock::time_point now = Clock::now();
   for (int r = 0; r < config_.size; ++r) {
     if (r != config_.rank) last_change_[r] = now;
@@ -147,6 +151,10 @@ absl::Status Liveness::Publish(const std::string& key, const std::string& value)
   return store_->Set(store_keys::Shared(key), Sealed(kShared, absl::StrCat(key, "\n", value)));
 }
 
+absl::Status Liveness::Unpublish(const std::string& key) {
+  return store_->Delete(store_keys::Shared(key));
+}
+
 absl::StatusOr<std::optional<std::string>> Liveness::Fetch(const std::string& key) {
   ASSIGN_OR_RETURN(const bool there, store_->Exists(key));
   if (!there) return std::nullopt;
@@ -168,14 +176,26 @@ absl::StatusOr<std::string> Liveness::Settle(const std::string& key, const std::
   ASSIGN_OR_RETURN(
       const std::string now,
       store_->CompareSet(where, "", Sealed(kSettled, absl::StrCat(key, "\n", proposed))));
+  return OpenSettled(key, where, now);
+}
+
+absl::StatusOr<std::string> Liveness::OpenSettled(const std::string& key, const std::string& where,
+                                                  const std::string& value) const {
   // Bound to its key: a value settled for another key, or forged, does not verify here.
-  std::optional<std::string> body = Opened(kSettled, now);
+  std::optional<std::string> body = Opened(kSettled, value);
   if (!body.has_value() || !body->starts_with(key + "\n")) {
     return absl::DataLossError(absl::StrCat(
         "store key \"", where, "\": the value there does not verify with the group's secret (",
-        now.size(), " bytes, written by a process outside the group?)"));
+        value.size(), " bytes, written by a process outside the group?)"));
   }
   return body->substr(key.size() + 1);
+}
+
+absl::StatusOr<std::optional<std::string>> Liveness::ReadSettled(const std::string& key) {
+  const std::string where = store_keys::Settled(key);
+  ASSIGN_OR_RETURN(const std::optional<std::string> value, Fetch(where));
+  if (!value.has_value()) return std::nullopt;
+  return OpenSettled(key, where, *value);
 }
 
 absl::Status Liveness::Unsettle(const std::string& key) {
@@ -221,6 +241,7 @@ int Liveness::OnDown(std::function<void(const absl::Status&)> listener) {
 void Liveness::RemoveListener(int id) {
   std::lock_guard<std::mutex> lock(calling_);
   listeners_.erase(id);
+  epoch_listeners_.erase(id);
 }
 
 absl::Status Liveness::Lost(int global_rank, std::chrono::milliseconds since,
@@ -299,7 +320,93 @@ absl::Status Liveness::Blame(const absl::Status& failure) {
   }
 }
 
-void Liveness::DeclareDown(const absl::Status& verdict) { GoDown(verdict, /*write=*/true); }
+void Liveness::DeclareDown(const absl::Status& verdict) {
+  if (Evict(verdict)) return;  // the mesh goes on without the lost process's replica
+  GoDown(verdict, /*write=*/true);
+}
+
+void Liveness::EnableEviction(int min_replicas) {
+  if (config_.replicas > 1 && min_replicas < config_.replicas) min_replicas_ = min_replicas;
+}
+
+MeshEpoch Liveness::epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return epoch_;
+}
+
+int Liveness::OnEpoch(std::function<void(const MeshEpoch&)> listener) {
+  std::lock_guard<std::mutex> lock(calling_);
+  epoch_listeners_[next_listener_] = std::move(listener);
+  return next_listener_++;
+}
+
+namespace {
+// The global rank a verdict names as lost (-1: none).
+int LostRank(const absl::Status& status) {
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  int lost = -1;
+  if (!reason.has_value()) return -1;
+  const auto it = reason->metadata.find("lost_rank");
+  return it != reason->metadata.end() && absl::SimpleAtoi(it->second, &lost) ? lost : -1;
+}
+}  // namespace
+
+bool Liveness::NamesEvicted(const absl::Status& status) const {
+  const int lost = LostRank(status);
+  return lost >= 0 && !epoch().serves(lost / config_.ranks_per_replica());
+}
+
+bool Liveness::Evict(const absl::Status& verdict) {
+  const int lost = LostRank(verdict);
+  if (min_replicas_ <= 0 || lost < 0) return false;
+  const int replica = lost / config_.ranks_per_replica();
+  std::lock_guard<std::mutex> one(evicting_);
+  for (;;) {
+    const MeshEpoch now = epoch();
+    if (!now.serves(replica)) return true;  // evicted already: the mesh went on
+    // Replica 0's front serves the store and leads: its loss is the mesh's, as without eviction.
+    if (replica == 0 || static_cast<int>(now.live.size()) - 1 < min_replicas_) return false;
+    const MeshEpoch proposed = now.Without(replica, absl::StrCat(Describe(lost), " is lost"));
+    const absl::StatusOr<std::string> settled =
+        Settle(store_keys::MeshEpochRecord(proposed.number), proposed.Encode());
+    if (!settled.ok()) return false;  // the store fails: the mesh is down, as without eviction
+    const absl::StatusOr<MeshEpoch> next = MeshEpoch::Decode(*settled);
+    if (!next.ok() || next->number != proposed.number) return false;
+    Adopt(*next);  // another process may have evicted another replica first: then look again
+  }
+}
+
+void Liveness::Adopt(const MeshEpoch& next) {
+  const int k = config_.ranks_per_replica();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (next.number != epoch_.number + 1) return;
+    epoch_ = next;
+    // The evicted replica's processes are no longer watched: their beats say nothing of the mesh.
+    for (int s = 0; s < k; ++s) last_change_.erase(next.evicted * k + s);
+  }
+  wake_.notify_all();
+  if (log_ != nullptr) {
+    *log_ << "remotehead-server: mesh: " << next.cause << ": replica " << next.evicted
+          << " evicted; the mesh goes on in " << next.Describe() << "; "
+          << next.Moves(config_.replicas) << std::endl;
+  }
+  if (!next.serves(config_.replica())) {
+    GoDown(core::WithReason(
+               absl::UnavailableError(absl::StrCat(
+                   "this process's replica ", config_.replica(), " was evicted from the mesh (",
+                   next.cause, "): the mesh goes on in ", next.Describe(), "; ",
+                   next.Moves(config_.replicas),
+                   " — this process serves nothing more; restart its replica to serve again")),
+               core::reason::kGroupUnavailable,
+               {{"rank", absl::StrCat(config_.rank)},
+                {"evicted", absl::StrCat(next.evicted)},
+                {"epoch", absl::StrCat(next.number)}}),
+           /*write=*/false);
+  }
+  std::lock_guard<std::mutex> calling(calling_);
+  for (const auto& [id, listener] : epoch_listeners_) listener(next);
+}
 
 void Liveness::GoDown(const absl::Status& verdict, bool write) {
   {
@@ -323,9 +430,11 @@ void Liveness::GoDown(const absl::Status& verdict, bool write) {
 void Liveness::Beat() {
   const Clock::time_point now = Clock::now();
   std::set<int> known;  // the addresses read already (read once each)
+  MeshEpoch current;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [rank, address] : addresses_) known.insert(rank);
+    current = epoch_;
   }
   absl::Status reached =
       store_->Set(store_keys::Beat(config_.rank), Sealed(kBeat, absl::StrCat(++beats_)));
@@ -333,7 +442,7 @@ void Liveness::Beat() {
   std::map<int, std::string> addresses;
   std::optional<absl::Status> verdict;
   for (int r = 0; r < config_.size && reached.ok(); ++r) {
-    if (r == config_.rank) continue;
+    if (r == config_.rank || !current.serves(r / config_.ranks_per_replica())) continue;
     absl::StatusOr<std::optional<std::string>> beat = Fetch(store_keys::Beat(r));
     reached = beat.status();
     if (beat.ok() && beat->has_value()) beats[r] = **std::move(beat);
@@ -356,6 +465,17 @@ void Liveness::Beat() {
       }
     }
   }
+  // The next epoch, settled by another process (a record that does not verify changes nothing).
+  std::optional<MeshEpoch> next_epoch;
+  if (reached.ok() && evicts() && !verdict.has_value()) {
+    const absl::StatusOr<std::optional<std::string>> record =
+        ReadSettled(store_keys::MeshEpochRecord(current.number + 1));
+    if (record.ok() && record->has_value()) {
+      if (absl::StatusOr<MeshEpoch> next = MeshEpoch::Decode(**record); next.ok()) {
+        next_epoch = *std::move(next);
+      }
+    }
+  }
   int lost = -1;
   std::chrono::milliseconds lost_since{0};
   {
@@ -366,7 +486,9 @@ void Liveness::Beat() {
       store_failing_since_ = now;
     }
     for (auto& [r, value] : beats) {
-      // A value that does not verify (forged, replayed) is not a beat: it changes nothing.
+      // A value that does not verify (forged, replayed) is not a beat: it changes nothing; a
+      // replica evicted meanwhile is no longer watched.
+      if (!epoch_.serves(r / config_.ranks_per_replica())) continue;
       if (value != last_beat_[r] && Opened(kBeat, value).has_value()) {
         last_beat_[r] = value;
         last_change_[r] = now;
@@ -383,6 +505,7 @@ void Liveness::Beat() {
     std::tie(lost, lost_since) = Gone();
   }
   wake_.notify_all();  // a Blame waiting for evidence looks again
+  if (next_epoch.has_value()) Adopt(*next_epoch);
   if (verdict.has_value()) {
     GoDown(*verdict, /*write=*/false);
   } else if (lost >= 0) {

@@ -36,8 +36,13 @@ absl::Status Placement::health() const {
 }
 
 absl::Status Placement::Serving() const {
-  if (group_ != nullptr) return group_->Serving();
-  if (mesh_ != nullptr && mesh_->fronts() != nullptr) return mesh_->fronts()->Serving();
+  if (group_ != nullptr) RETURN_IF_ERROR(group_->Serving());
+  if (mesh_ != nullptr && mesh_->fronts() != nullptr) {
+    // A replica whose process was lost is evicted: then the others answer for a moment that the
+    // mesh changes epochs, not that it is down.
+    RETURN_IF_ERROR(mesh_->Reconfiguring());
+    return mesh_->Restated(mesh_->fronts()->Serving());
+  }
   return absl::OkStatus();
 }
 
@@ -99,8 +104,14 @@ absl::Status Placement::SumOverReplicas(torch::Tensor& t) {
   return mesh_ != nullptr ? mesh_->SumOverReplicas(t) : absl::OkStatus();
 }
 
-absl::Status Placement::DecideStep(const std::string& attempt) {
-  return mesh_ != nullptr ? mesh_->Decide(attempt) : absl::OkStatus();
+absl::Status Placement::DecideStep(const std::string& attempt, const absl::Status& summed) {
+  return mesh_ != nullptr ? mesh_->Decide(attempt, summed) : summed;
+}
+
+bool Placement::evicts_replicas() const { return mesh_ != nullptr && mesh_->evicts(); }
+
+absl::Status Placement::Restated(const absl::Status& status) const {
+  return mesh_ != nullptr ? mesh_->Restated(status) : status;
 }
 
 absl::Status Placement::CompareReplicasAt(int64_t version,

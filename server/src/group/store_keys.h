@@ -31,6 +31,11 @@ inline std::string ReplicaGroup(absl::string_view mesh, int replica) {
 inline std::string ShardGroup(absl::string_view mesh, int shard) {
   return absl::StrCat(mesh, "/shard/", shard);
 }
+// Shard k's group in a later epoch of the mesh (mesh_epoch.h): the serving replicas' ranks only,
+// a rendezvous and a log of its own (epoch 0 is ShardGroup's).
+inline std::string ShardGroupInEpoch(absl::string_view mesh, int shard, int epoch) {
+  return epoch == 0 ? ShardGroup(mesh, shard) : absl::StrCat(mesh, "/shard/", shard, "/epoch/", epoch);
+}
 
 // ----- the command log (under CommandLog) -----
 
@@ -66,6 +71,10 @@ inline std::string MeshArrivals(absl::string_view head_id, int replica) {
 inline std::string MeshCounts(absl::string_view head_id, int replica) {
   return absl::StrCat("counts/", absl::BytesToHexString(head_id), "/", replica);
 }
+// That global rank `rank` summed its dW for the mesh step `attempt` (HeadMesh::Decide).
+inline std::string MeshSummed(absl::string_view attempt, int rank) {
+  return absl::StrCat("summed/", attempt, "/", rank);
+}
 
 // ----- what a mesh's processes settle (Settled keys) -----
 
@@ -73,5 +82,7 @@ inline std::string MeshCounts(absl::string_view head_id, int replica) {
 inline std::string MeshDecision(absl::string_view attempt) {
   return absl::StrCat("decision/", attempt);
 }
+// The record of the mesh's epoch `epoch` (> 0): the replica it evicted and those that serve.
+inline std::string MeshEpochRecord(int epoch) { return absl::StrCat("epoch/", epoch); }
 
 }  // namespace remotehead::server::store_keys

@@ -26,7 +26,8 @@ void MeshCounts::Publish(const std::string& id) {
 absl::StatusOr<HeadDescription> MeshCounts::Describe(const std::string& id) const {
   ASSIGN_OR_RETURN(HeadDescription head, local_->Describe(id));
   if (!active()) return head;
-  for (int r = 0; r < mesh_->replicas(); ++r) {
+  // The serving replicas' counts: an evicted replica's dW is gone with it (its trainers resend).
+  for (int r : mesh_->epoch().live) {
     if (r == mesh_->replica()) continue;
     const absl::StatusOr<std::optional<std::string>> told =
         mesh_->liveness()->Read(store_keys::MeshCounts(id, r));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <set>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -34,8 +35,7 @@ absl::StatusOr<std::optional<SyncStepRequest>> LeadersRequest(const v1::MeshStep
 // which some trainer's rank mod R is this replica.
 bool WaitsForTrainers(const v1::MeshStep& step, const HeadMesh& mesh) {
   return step.step().has_synchronous() &&
-         !TrainersOfReplica(step.step().synchronous().world_size(), mesh.replica(), mesh.replicas())
-              .empty();
+         !mesh.TrainersOf(mesh.replica(), step.step().synchronous().world_size()).empty();
 }
 
 // The step every replica applies: as sent, with grad_scale divided by the world size for a
@@ -107,12 +107,13 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
   if (first.has_value()) {
     // Every trainer of this replica came (SynchronousSteps told each arrival already; told
     // again here for whoever steps without it).
-    Came(*first, TrainersOfReplica(first->world_size, mesh_->replica(), mesh_->replicas()));
+    Came(*first, mesh_->TrainersOf(mesh_->replica(), first->world_size));
   }
   if (!mesh_->is_leader()) {
     if (!first.has_value()) return mesh_->NotTheLeader("an unsynchronized OptimizerStep");
     return AwaitLeader(*first);
   }
+  RETURN_IF_ERROR(mesh_->Reconfiguring());
   ASSIGN_OR_RETURN(const HeadDescription head, operations_->local().Describe(head_id));
   v1::GroupCommand command;
   *command.mutable_mesh_step() = MeshStepCommand(head_id, first, spec, head);
@@ -124,8 +125,9 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
     result = RunOnThisReplica(command.mesh_step(), first);
     return result.status();
   });
-  if (!status.ok()) return ToTrainers(status);
-  return ToTrainers(result);
+  // A step a lost replica aborted is to be asked again, once the mesh goes on without it.
+  if (!status.ok()) return ToTrainers(mesh_->Restated(status));
+  return ToTrainers(mesh_->Restated(result.status()).ok() ? result : mesh_->Restated(result.status()));
 }
 
 absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
@@ -213,28 +215,32 @@ void MeshSteps::AbortWaiting(const absl::Status& status, bool started) {
   changed_.notify_all();
 }
 
-std::vector<int> TrainersOfReplica(int world_size, int replica, int replicas) {
-  std::vector<int> ranks;
-  for (int t = replica; t < world_size; t += replicas) ranks.push_back(t);
-  return ranks;
-}
-
 std::vector<int> MeshSteps::Ranks(int world_size) const {
-  return TrainersOfReplica(world_size, mesh_->replica(), mesh_->replicas());
+  return mesh_->TrainersOf(mesh_->replica(), world_size);
 }
 
 absl::Status MeshSteps::CheckRank(const SyncStepRequest& r) const {
+  return CheckTrainer(r.rank, "synchronous.rank");
+}
+
+absl::Status MeshSteps::CheckTrainer(int rank, const std::string& field) const {
   const int replica = mesh_->replica();
   const int replicas = mesh_->replicas();
-  if (r.rank % replicas == replica) return absl::OkStatus();
+  const MeshEpoch epoch = mesh_->epoch();
+  const int serves = epoch.ReplicaOf(rank, replicas);
+  if (serves == replica) return absl::OkStatus();
+  const std::string rule =
+      epoch.number == 0
+          ? absl::StrCat("each trainer dials fronts[rank mod ", replicas, "]")
+          : absl::StrCat("in ", epoch.Describe(), " ", epoch.Moves(replicas));
   return core::WithReason(
-      absl::InvalidArgumentError(
-          absl::StrCat("synchronous.rank: expected a trainer of replica ", replica, " of ",
-                       replicas, " (rank mod ", replicas, " = ", replica, "); got rank ", r.rank,
-                       ", which replica ", r.rank % replicas,
-                       "'s front serves: each trainer dials fronts[rank mod ", replicas, "]")),
+      absl::InvalidArgumentError(absl::StrCat(
+          field, ": expected a trainer of replica ", replica, " of ", replicas, "; got rank ",
+          rank, ", which replica ", serves, "'s front serves: ", rule)),
       core::reason::kWrongReplica,
-      {{"rank", absl::StrCat(r.rank)}, {"replica", absl::StrCat(r.rank % replicas)}});
+      {{"rank", absl::StrCat(rank)},
+       {"replica", absl::StrCat(serves)},
+       {"epoch", absl::StrCat(epoch.number)}});
 }
 
 void MeshSteps::Came(const SyncStepRequest& first, const std::vector<int>& ranks) {
@@ -269,8 +275,10 @@ absl::Status MeshSteps::Missing(const SyncStepRequest& first, const std::vector<
   std::set<int> came;
   std::vector<std::string> unknown;
   Liveness* liveness = mesh_->liveness();
-  for (int r = 0; r < mesh_->replicas() && liveness != nullptr; ++r) {
-    if (TrainersOfReplica(first.world_size, r, mesh_->replicas()).empty()) continue;
+  const MeshEpoch epoch = mesh_->epoch();
+  for (int r : epoch.live) {
+    if (liveness == nullptr) break;
+    if (epoch.TrainersOf(r, first.world_size, mesh_->replicas()).empty()) continue;
     const absl::StatusOr<std::optional<std::string>> told =
         liveness->Read(store_keys::MeshArrivals(first.head_id, r));
     if (!told.ok()) {
@@ -291,7 +299,7 @@ absl::Status MeshSteps::Missing(const SyncStepRequest& first, const std::vector<
     }
     for (absl::string_view rank : absl::StrSplit(fields[2], ',', absl::SkipEmpty())) {
       int t = -1;
-      if (absl::SimpleAtoi(rank, &t) && t % mesh_->replicas() == r) came.insert(t);
+      if (absl::SimpleAtoi(rank, &t) && epoch.ReplicaOf(t, mesh_->replicas()) == r) came.insert(t);
     }
   }
   std::vector<int> missing;
@@ -301,8 +309,11 @@ absl::Status MeshSteps::Missing(const SyncStepRequest& first, const std::vector<
   return core::WithReason(
       absl::AbortedError(absl::StrCat(
           "synchronous optimizer step ", first.step, " of head \"", first.head_id,
-          "\": expected all ", first.world_size, " ranks (on the mesh's ", mesh_->replicas(),
-          " replicas: rank t at replica t mod ", mesh_->replicas(), ") within ",
+          "\": expected all ", first.world_size, " ranks (on the mesh's ", epoch.live.size(),
+          " replicas: ",
+          epoch.number == 0 ? absl::StrCat("rank t at replica t mod ", mesh_->replicas())
+                            : absl::StrCat(epoch.Describe(), ": ", epoch.Moves(mesh_->replicas())),
+          ") within ",
           absl::FormatDuration(absl::FromChrono(waited)), "; got ranks [",
           absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "), "]",
           unknown.empty() ? std::string()
@@ -333,7 +344,8 @@ absl::StatusOr<HeadDescription> MeshSteps::AwaitLeader(const SyncStepRequest& fi
   changed_.wait(lock, [&] { return ready.result.has_value(); });
   absl::StatusOr<HeadDescription> result = *ready.result;
   ready_.erase(key);
-  return ToTrainers(result);
+  if (!result.ok()) return ToTrainers(mesh_->Restated(result.status()));
+  return result;
 }
 
 absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
@@ -405,8 +417,17 @@ absl::StatusOr<HeadDescription> MeshSteps::RunOnThisReplica(
 }
 
 absl::Status MeshFollower::Run(const std::atomic<bool>& stop) {
-  return FollowCommands(
-      *mesh_->fronts(), [this](const v1::GroupCommand& command) { return Follow(command); }, stop);
+  for (;;) {
+    HeadGroup* log = mesh_->fronts();
+    const absl::Status followed = FollowCommands(
+        *log, [this](const v1::GroupCommand& command) { return Follow(command); }, stop);
+    // A log the mesh left behind (a replica was evicted): the next epoch's, once it is built.
+    if (stop.load() || log->Retired().ok()) return followed;
+    while (!stop.load() && mesh_->fronts() == log && mesh_->health().ok()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (mesh_->fronts() == log) return followed;  // stopped, or down before the next epoch
+  }
 }
 
 absl::Status MeshFollower::Follow(const v1::GroupCommand& command) {

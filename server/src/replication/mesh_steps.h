@@ -30,10 +30,6 @@ namespace remotehead::server {
 
 class ReplicatedHeadOperations;
 
-// The trainer ranks of a world of `world_size` that replica `replica` of `replicas` serves:
-// t mod replicas = replica (trainer t dials replica t mod R's front).
-std::vector<int> TrainersOfReplica(int world_size, int replica, int replicas);
-
 class MeshSteps : public TrainerShare {
  public:
   // `wait`: how long a replica's front waits for its own trainers once the leader's step came.
@@ -63,8 +59,13 @@ class MeshSteps : public TrainerShare {
   // is applied everywhere as usual.
   void Drain();
 
-  // TrainerShare: this replica's trainers (TrainersOfReplica; another is refused, WRONG_REPLICA,
-  // naming the replica whose front serves it); at a step, published for the other fronts
+  // OK if this replica's front serves trainer `rank` in the mesh's epoch (HeadMesh::ReplicaOf);
+  // else INVALID_ARGUMENT naming `field`, reason WRONG_REPLICA, metadata "replica" (the one that
+  // does), "epoch".
+  absl::Status CheckTrainer(int rank, const std::string& field) const;
+
+  // TrainerShare: this replica's trainers (HeadMesh::TrainersOf; another is refused,
+  // WRONG_REPLICA, naming the replica whose front serves it); at a step, published for the other fronts
   // (Liveness::Publish, "arrivals/<head>/<replica>", the latest step only: "<step> <world size>
   // <ranks> <left>", left = 0 while they wait, else when they were answered, in ms of the system
   // clock); the trainers of every replica that came to this try of the step, and those missing,

@@ -18,10 +18,12 @@ StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, b
       own.weight = grads.weight.clone();
       if (grads.bias.defined()) own.bias = grads.bias.clone();
     }
-    RETURN_IF_ERROR(placement.SumOverReplicas(grads.weight));
-    if (grads.bias.defined()) RETURN_IF_ERROR(placement.SumOverReplicas(grads.bias));
+    absl::Status summed = placement.SumOverReplicas(grads.weight);
+    if (summed.ok() && grads.bias.defined()) summed = placement.SumOverReplicas(grads.bias);
+    if (!decision.decide) RETURN_IF_ERROR(summed);
     if (decision.decide) {
-      if (const absl::Status decided = decision.decide(); !decided.ok()) {
+      // A failed sum is decided too (an abort), and leaves dW as the decision's refusal does.
+      if (const absl::Status decided = decision.decide(summed); !decided.ok()) {
         if (own.weight.defined()) {
           grads.weight.copy_(own.weight);
           if (own.bias.defined()) grads.bias.copy_(own.bias);
@@ -54,10 +56,13 @@ absl::StatusOr<HeadDescription> ReplicaStep(HeadOperations& operations, const st
     return absl::InvalidArgumentError(
         "reduce_step.attempt: expected the mesh step's name; got none");
   }
-  // No copy of this replica's own dW is kept for a refused decision: a lost replica takes the
-  // mesh down (every trainer then starts again from a saved state), so nothing resends it.
+  // A copy of this replica's own dW is kept for a refused decision only where a lost replica is
+  // evicted (then this replica's trainers resend nothing); elsewhere the loss takes the mesh
+  // down, and every trainer starts again from a saved state.
   const StepDecision decision{
-      .decide = [&placement, attempt] { return placement.DecideStep(attempt); }};
+      .decide = [&placement,
+                 attempt](const absl::Status& summed) { return placement.DecideStep(attempt, summed); },
+      .keeps_own = placement.evicts_replicas()};
   return operations.OptimizerStep(id, spec,
                                   ReplicaStepAround(placement, id, !spec.zero_gradients, decision));
 }

@@ -24,12 +24,13 @@
 
 namespace remotehead::server {
 
-// The decision between the sum and the apply: `decide` OK applies, anything else is the step's
-// answer with nothing applied on this rank. `keeps_own`: a refusal puts this replica's own dW
-// back (a copy of it kept through the sum, as for a step that leaves dW accumulated); otherwise
-// dW is zeroed — it held the replicas' sum — and every trainer of the step sends its part again.
+// The decision between the sum and the apply, given how this rank's sum went: `decide` OK
+// applies, anything else is the step's answer with nothing applied on this rank. `keeps_own`: a
+// refusal (or a failed sum) puts this replica's own dW back (a copy of it kept through the sum,
+// as for a step that leaves dW accumulated); otherwise dW is zeroed — it held the replicas' sum
+// — and every trainer of the step sends its part again.
 struct StepDecision {
-  std::function<absl::Status()> decide;
+  std::function<absl::Status(const absl::Status& summed)> decide;
   bool keeps_own = false;
 };
 

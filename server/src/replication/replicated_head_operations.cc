@@ -32,10 +32,12 @@ absl::Status ReplicatedHeadOperations::RunOnEveryRank(const v1::GroupCommand& co
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
   const absl::Status status =
       RunCommand(lane, command, [&] { return RunInReplica(command, here, /*creates=*/false); });
-  return UndoFailedCreate(lane, command, creates, status, [&](const hc::UndoCreate& undo) {
-    return RunInReplica(
-        Encode(undo), [&] { return ApplyHeadCommand(*local_, undo).status(); }, false);
-  });
+  // A replica lost meanwhile: the caller asks again once the mesh goes on without it.
+  return mesh_->Restated(
+      UndoFailedCreate(lane, command, creates, status, [&](const hc::UndoCreate& undo) {
+        return RunInReplica(
+            Encode(undo), [&] { return ApplyHeadCommand(*local_, undo).status(); }, false);
+      }));
 }
 
 absl::Status ReplicatedHeadOperations::RunInReplica(const v1::GroupCommand& command,
@@ -119,10 +121,10 @@ absl::StatusOr<HeadSnapshot> ReplicatedHeadOperations::Snapshot(
     // as RunOnEveryRank does): each gathers its replica's dW through its replica's log.
     ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
     absl::StatusOr<HeadSnapshot> summed = absl::UnknownError("not run");
-    RETURN_IF_ERROR(RunCommand(lane, MeshGradientsCommand(id), [&] {
+    RETURN_IF_ERROR(mesh_->Restated(RunCommand(lane, MeshGradientsCommand(id), [&] {
       summed = SumGradientsOnLeader(id);
       return summed.status();
-    }));
+    })));
     if (summed.ok() && dtype.has_value()) {
       summed->matrix = summed->matrix.to(*dtype);
       if (summed->vector.defined()) summed->vector = summed->vector.to(*dtype);

@@ -164,8 +164,14 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   grpc::ServerUnaryReactor* DescribeHead(grpc::CallbackServerContext* context,
                                          const v1::HeadRef* request,
                                          v1::HeadInfo* response) override {
-    // On a mesh, accumulated_micro_batches counts every replica's (MeshCounts).
-    return Serve(context, [&] {
+    // On a mesh, accumulated_micro_batches counts every replica's (MeshCounts); a trainer that
+    // names itself learns whether this front serves it (a moved trainer's probe).
+    return Serve(context, [&]() -> absl::Status {
+      if (request->has_trainer_rank() && context_->placement.is_replica_front()) {
+        RETURN_IF_ERROR(context_->Serving());
+        RETURN_IF_ERROR(context_->operations.mesh_steps().CheckTrainer(request->trainer_rank(),
+                                                                       "trainer_rank"));
+      }
       return Answer(context_->mesh_counts.Describe(request->head_id()), response);
     });
   }

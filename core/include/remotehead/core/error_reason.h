@@ -59,6 +59,10 @@ inline constexpr char kNotTheLeader[] = "NOT_THE_LEADER";
 // A synchronous step's trainer dialled the front of another replica than its own (rank mod R);
 // metadata "rank", "replica" (the one to dial).
 inline constexpr char kWrongReplica[] = "WRONG_REPLICA";
+// A mesh lost a replica and goes on without it (--mesh_min_replicas): for a moment it changes
+// epochs, and the call (a step in flight at the loss: nothing applied) is to be asked again;
+// metadata "epoch" (the epoch it enters), "evicted" (the replica evicted).
+inline constexpr char kMeshReconfiguring[] = "MESH_RECONFIGURING";
 // The replicas of a mesh hold different weights (a checksum differs); metadata "replicas".
 inline constexpr char kReplicasDiverged[] = "REPLICAS_DIVERGED";
 // A frozen head (a teacher, a reference) was asked to accumulate dW or to take an optimizer

@@ -70,8 +70,18 @@ class HeadGroup : public MetricSource {
   // group serves; nullptr: none (the failure is this group's only).
   void set_liveness(Liveness* liveness) {
     liveness_ = liveness;
-    log_.set_abandon([liveness] { return liveness->health(); });
+    log_.set_abandon([this, liveness] {
+      const absl::Status retired = Retired();
+      return retired.ok() ? liveness->health() : retired;
+    });
   }
+  // A mesh's cross-replica group whose epoch the mesh left (mesh_epoch.h): retired with `why`
+  // (not a transport failure: nobody is blamed for it). Its log is abandoned — Follow returns
+  // `why`, the replies a front awaits are abandoned with it, Enter refuses with it — and the
+  // next epoch's group takes its place.
+  void Retire(const absl::Status& why);
+  // OK unless retired; then why.
+  absl::Status Retired() const;
 
   // Metrics: this rank and the group's size, whether the group is up, what its collectives
   // moved (remotehead_group_*).
@@ -166,6 +176,7 @@ class HeadGroup : public MetricSource {
   Liveness* liveness_ = nullptr;
   mutable std::mutex mu_;
   absl::Status down_;          // guarded by mu_
+  absl::Status retired_;       // guarded by mu_
   std::string front_address_;  // guarded by mu_
 };
 

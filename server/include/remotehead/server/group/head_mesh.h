@@ -19,21 +19,30 @@
 //     across replicas; every --mesh_checksum_every_steps versions the shard peers compare a
 //     checksum of their weights (a mismatch fails the step with DATA_LOSS);
 //   - failure domain = the mesh: a transport failure on the fronts' log takes it down as it
-//     takes a group down (every front's health turns NOT_SERVING).
+//     takes a group down (every front's health turns NOT_SERVING);
+//   - unless it evicts (--mesh_min_replicas below R, mesh_epoch.h): then the loss of a replica's
+//     process evicts that replica and the mesh goes on in the next epoch, its cross-replica groups
+//     rebuilt among the serving replicas (Regroup) while calls are answered UNAVAILABLE, reason
+//     MESH_RECONFIGURING; a step in flight is settled to abort unless every serving rank had
+//     summed (Decide), and the survivors keep their own dW.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/server/group/head_group.h"
+#include "remotehead/server/group/mesh_epoch.h"
 #include "remotehead/server/group/process_group.h"
 
 namespace remotehead::server {
@@ -43,6 +52,14 @@ struct MeshOptions {
   // rounded sums); the sum lands back in dW's own dtype.
   torch::ScalarType reduce_dtype = torch::kFloat;
   int checksum_every_steps = 1;  // 0: never
+  // The fewest replicas the mesh goes on with (--mesh_min_replicas; 0: every replica, R).
+  int min_replicas = 0;
+};
+
+// A later epoch's cross-replica groups, as JoinCluster builds them (mesh_epoch.h).
+struct EpochGroups {
+  std::unique_ptr<HeadGroup> fronts;         // on a replica's front
+  std::unique_ptr<ProcessGroup> shard_peers;  // elsewhere
 };
 
 class HeadMesh : public MetricSource {
@@ -51,19 +68,40 @@ class HeadMesh : public MetricSource {
   // are this rank's shard peers; nullptr elsewhere, with `shard_peers` given instead.
   HeadMesh(int replica, int replicas, MeshOptions options, std::unique_ptr<HeadGroup> fronts,
            std::unique_ptr<ProcessGroup> shard_peers);
+  ~HeadMesh() override;
 
   int replica() const { return replica_; }
   int replicas() const { return replicas_; }
-  bool is_front() const { return fronts_ != nullptr; }
-  bool is_leader() const { return replica_ == 0 && fronts_ != nullptr; }
+  bool is_front() const { return front_; }
+  bool is_leader() const { return replica_ == 0 && front_; }
   const MeshOptions& options() const { return options_; }
-  // The fronts' group (the mesh's log); nullptr off a replica's front.
-  HeadGroup* fronts() { return fronts_.get(); }
-  const HeadGroup* fronts() const { return fronts_.get(); }
+  // The fronts' group (the mesh's log) of the epoch that serves; nullptr off a replica's front.
+  // A group the mesh left stays valid (retired) for as long as the mesh lives.
+  HeadGroup* fronts();
+  const HeadGroup* fronts() const;
   // OK while the mesh works: its log (on a front) and every process (liveness.h).
   absl::Status health() const;
-  void set_liveness(Liveness* liveness) { liveness_ = liveness; }
+  // Liveness, and with it eviction when it evicts (mesh_epoch.h): `regroup` builds an epoch's
+  // groups (JoinCluster's), on a thread of this mesh's, whenever liveness enters an epoch.
+  using Regroup = std::function<absl::StatusOr<EpochGroups>(const MeshEpoch&)>;
+  void set_liveness(Liveness* liveness, Regroup regroup = nullptr);
   Liveness* liveness() const { return liveness_; }
+
+  // Epochs (mesh_epoch.h). Whether a lost replica is evicted instead of taking the mesh down.
+  bool evicts() const;
+  // The epoch whose groups serve here (epoch 0 until a replica is evicted).
+  MeshEpoch epoch() const;
+  // OK while the groups of the mesh's epoch serve; while they are rebuilt after an eviction,
+  // UNAVAILABLE, reason MESH_RECONFIGURING (metadata epoch, evicted): ask again shortly.
+  absl::Status Reconfiguring() const;
+  // `status` as a caller should read it: a failure caused by a replica that was evicted (a lost
+  // process of it named, or a cross-replica collective aborted by its loss) is UNAVAILABLE,
+  // reason MESH_RECONFIGURING — nothing was applied, ask again; anything else as it is.
+  absl::Status Restated(const absl::Status& status) const;
+  // The replica whose front serves trainer `trainer` in the current epoch, and the trainers of a
+  // world of `world_size` that `replica` serves.
+  int ReplicaOf(int trainer) const;
+  std::vector<int> TrainersOf(int replica, int world_size) const;
 
   // A front other than the leader: `method` (an operation that changes every replica) refused
   // with FAILED_PRECONDITION, reason NOT_THE_LEADER, naming the leader's address.
@@ -79,12 +117,16 @@ class HeadMesh : public MetricSource {
   // each step it proposes one (MeshStep.attempt), and its commit decision is settled under it.
   static absl::StatusOr<std::string> NewStepAttempt();
   // The commit decision of the mesh step `attempt`, settled once for every rank of every
-  // replica (Liveness::Settle) after the sum: this rank proposes to apply (its sum is done) and
-  // gets OK to apply, or ABORTED when the step was settled to abort first — no rank applies
-  // without reading "apply". The leader forgets the decision of the step before (every rank has
-  // read it: the mesh's commands run one after another). Without liveness (a mesh built in a
-  // test without one): OK.
-  absl::Status Decide(const std::string& attempt);
+  // replica (Liveness::Settle) after the sum (`summed`: how this rank's went): this rank
+  // proposes to apply (its sum is done) and gets OK to apply, or ABORTED when the step was
+  // settled to abort first — no rank applies without reading "apply". On a mesh that evicts, a
+  // rank proposes "apply" only once every serving rank said its sum is done (store_keys::
+  // MeshSummed), and "abort" when its own sum failed, a serving replica was evicted meanwhile,
+  // or the others did not say so within the group's timeout: so a step is applied on every
+  // serving replica or on none. The leader forgets the decision of the step before (every rank
+  // has read it: the mesh's commands run one after another). Without liveness (a mesh built in a
+  // test without one): `summed`.
+  absl::Status Decide(const std::string& attempt, const absl::Status& summed = absl::OkStatus());
   // OK if every replica's `tensors` hash alike; DATA_LOSS naming the replicas that differ.
   absl::Status CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
                                      const std::string& what);
@@ -101,6 +143,8 @@ class HeadMesh : public MetricSource {
   int64_t checksums(bool matched) const { return matched ? matched_ : mismatched_; }
   // The mesh steps whose commit decision this rank read, applied or aborted.
   int64_t steps_resolved(bool applied) const { return applied ? applied_ : aborted_; }
+  // The replicas this process saw evicted (one per epoch it entered).
+  int64_t evictions() const { return evictions_; }
   // Metrics: this replica and the mesh's replicas, whether the mesh is up, dW summed over the
   // replicas (the payload and what it moved on the wire), the weight checksums compared, the
   // steps' commit decisions read (remotehead_mesh_*).
@@ -110,20 +154,49 @@ class HeadMesh : public MetricSource {
   const ProcessGroup& peers() const;
 
  private:
+  // A cross-replica collective's failure: on a mesh that evicts, blamed on the process lost and
+  // taken as the mesh's verdict (which evicts its replica); then ABORTED, reason
+  // MESH_RECONFIGURING (no group takes it as its own transport failure: only the evicted replica
+  // is gone); otherwise `failure` as it is.
+  absl::Status PeersFailed(const absl::Status& failure);
+  // Liveness entered `next`: the groups of the epoch left are retired, the regroup thread builds
+  // the new ones.
+  void Enter(const MeshEpoch& next);
+  void RegroupLoop();
+  // The status of a call during the change to `next`.
+  static absl::Status ReconfiguringStatus(const MeshEpoch& next, const std::string& what);
+  // Whether every serving rank said it summed `attempt` (false: not yet); a status once the step
+  // must abort.
+  absl::StatusOr<bool> AllSummed(const std::string& attempt, const MeshEpoch& at) const;
+
   const int replica_;
   const int replicas_;
   const MeshOptions options_;
-  std::unique_ptr<HeadGroup> fronts_;
-  std::unique_ptr<ProcessGroup> shard_peers_;
+  const bool front_;
+  mutable std::mutex epoch_mu_;
+  std::condition_variable regrouped_;
+  MeshEpoch epoch_;    // the epoch whose groups serve (under epoch_mu_)
+  MeshEpoch wanted_;   // the newest epoch liveness entered (under epoch_mu_)
+  bool closing_ = false;
+  std::unique_ptr<HeadGroup> fronts_;          // under epoch_mu_
+  std::unique_ptr<ProcessGroup> shard_peers_;  // under epoch_mu_
+  // The groups of epochs left, kept so that a call still holding one finds it valid.
+  std::vector<std::unique_ptr<HeadGroup>> retired_fronts_;
+  std::vector<std::unique_ptr<ProcessGroup>> retired_peers_;
+  Regroup regroup_;
+  std::thread regrouping_;
+  int epoch_listener_ = -1;
   Liveness* liveness_ = nullptr;
   std::mutex decided_mu_;
   std::string last_decided_;  // on the leader: the attempt whose decision is forgotten next
+  std::string last_summed_;   // the attempt whose "summed" word this rank takes back next
   std::atomic<int64_t> reduced_bytes_{0};
   std::atomic<int64_t> reduce_nanoseconds_{0};
   std::atomic<int64_t> matched_{0};
   std::atomic<int64_t> mismatched_{0};
   std::atomic<int64_t> applied_{0};
   std::atomic<int64_t> aborted_{0};
+  std::atomic<int64_t> evictions_{0};
 };
 
 // An order-sensitive 64-bit hash of `tensors`' bytes (as stored, on the CPU).

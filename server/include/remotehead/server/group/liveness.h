@@ -10,6 +10,9 @@
 //     process reads it at its next beat and goes down too, so every front reports NOT_SERVING
 //     and refuses work (no replica takes dW the mesh can never apply), and the listeners (the
 //     synchronous steps waiting at a front) are answered at once;
+//   - on a mesh with --mesh_min_replicas below R, a lost process of a replica other than replica 0
+//     evicts its replica instead (mesh_epoch.h): the next epoch is settled in the store and every
+//     process enters it — the mesh goes on — unless fewer than the minimum would serve;
 //   - a hung process (stopped, a stuck driver) is declared lost once its beat stopped for the
 //     group's timeout (--group_timeout_seconds), as a collective waiting for it would be; a store
 //     that cannot be reached (global rank 0 serves it) names global rank 0.
@@ -33,6 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "remotehead/server/group/mesh_epoch.h"
 #include "remotehead/server/group/process_group.h"
 
 namespace remotehead::server {
@@ -74,8 +78,25 @@ class Liveness {
   // lost_shard, lost_address.
   absl::Status Blame(const absl::Status& failure);
   // The group or mesh is down with `verdict`: recorded in the store for every process and
-  // here; the listeners called. Only the first verdict counts.
+  // here; the listeners called. Only the first verdict counts. On a mesh that evicts, a verdict
+  // naming a lost process whose replica may be evicted evicts it instead (the mesh goes on).
   void DeclareDown(const absl::Status& verdict);
+
+  // Eviction (mesh_epoch.h), set before the mesh serves: from then on the loss of a process of
+  // a replica other than replica 0 evicts its replica as long as `min_replicas` replicas keep
+  // serving. Every process of the mesh must be given the same minimum.
+  void EnableEviction(int min_replicas);
+  bool evicts() const { return min_replicas_ > 0; }
+  // The mesh's epoch as this process knows it (epoch 0 until a replica is evicted).
+  MeshEpoch epoch() const;
+  // `listener` is called once for each epoch this process enters, by the thread that learns it
+  // (a beat, or the one that evicted); it must not block. Removed by RemoveListener(id).
+  int OnEpoch(std::function<void(const MeshEpoch&)> listener);
+  // The group or mesh this process joined.
+  const GroupConfig& config() const { return config_; }
+  // Whether `status` names a lost process of a replica this process knows to be evicted: the
+  // mesh went on without it, so the status is no verdict on the mesh.
+  bool NamesEvicted(const absl::Status& status) const;
   // `listener` is called once with the verdict, by whichever thread learns it first, until
   // removed (by the returned id; RemoveListener returns once no call of it runs).
   int OnDown(std::function<void(const absl::Status&)> listener);
@@ -85,6 +106,8 @@ class Liveness {
   // other outside the log: which trainers came to a step (mesh_steps.h).
   absl::Status Publish(const std::string& key, const std::string& value);
   absl::StatusOr<std::optional<std::string>> Read(const std::string& key);
+  // The fact under `key` taken back (its publisher's housekeeping).
+  absl::Status Unpublish(const std::string& key);
   // A fact set once for every process (under "settled/"): `proposed`, unless another process
   // settled `key` first — compare-and-set on the store, the one arbiter, so every process that
   // asks learns the same value, sealed and bound to its key. What a mesh's step commits on
@@ -104,6 +127,18 @@ class Liveness {
   void Beat();
   // Takes the verdict (`write`: this process's own, recorded in the store).
   void GoDown(const absl::Status& verdict, bool write);
+  // The lost process `verdict` names evicts its replica: true once this process is in an epoch
+  // without that replica (it settled the next epoch, or another process had); false when the
+  // loss takes the mesh down (no eviction here, replica 0, too few left, the store failing).
+  bool Evict(const absl::Status& verdict);
+  // Enters `next` if it is the epoch after this process's own: evicted ranks unwatched, the line
+  // logged, this process down if its replica was evicted, the epoch listeners called.
+  void Adopt(const MeshEpoch& next);
+  // The settled value of `key` (nullopt: none yet); DATA_LOSS if it does not verify.
+  absl::StatusOr<std::optional<std::string>> ReadSettled(const std::string& key);
+  // The body of `value`, sealed as `key`'s settled value; DATA_LOSS naming `where` otherwise.
+  absl::StatusOr<std::string> OpenSettled(const std::string& key, const std::string& where,
+                                          const std::string& value) const;
   // The process lost, as a status (`since`: how long its beat has been stopped).
   absl::Status Lost(int global_rank, std::chrono::milliseconds since,
                     const std::string& first_seen) const;
@@ -134,7 +169,11 @@ class Liveness {
   std::map<int, std::string> addresses_;
   Clock::time_point store_failing_since_ = Clock::time_point::max();
   absl::Status down_;
+  int min_replicas_ = 0;  // 0: no eviction
+  MeshEpoch epoch_;       // under mu_
+  std::mutex evicting_;   // one eviction at a time in this process
   std::map<int, std::function<void(const absl::Status&)>> listeners_;  // under calling_
+  std::map<int, std::function<void(const MeshEpoch&)>> epoch_listeners_;  // under calling_
   int next_listener_ = 0;
   std::mutex calling_;  // held while listeners are called, added or removed
   std::thread thread_;

@@ -90,9 +90,15 @@ class Placement {
   absl::Status ShareFromLeader(std::vector<torch::Tensor>& tensors);
   // `t` summed over the replicas, in place, the same bits on each.
   absl::Status SumOverReplicas(torch::Tensor& t);
-  // The commit decision of the replicas' step `attempt` once this rank's sum is done: OK to
-  // apply, ABORTED when the step was settled to abort (HeadMesh::Decide). Alone: OK.
-  absl::Status DecideStep(const std::string& attempt);
+  // The commit decision of the replicas' step `attempt` once this rank's sum is done (`summed`:
+  // how it went): OK to apply, ABORTED when the step was settled to abort (HeadMesh::Decide).
+  // Alone: `summed`.
+  absl::Status DecideStep(const std::string& attempt, const absl::Status& summed);
+  // Whether the mesh evicts a lost replica and goes on (mesh_epoch.h): its survivors then keep
+  // their own dW through a step that is aborted.
+  bool evicts_replicas() const;
+  // `status` restated for a caller when it was caused by an evicted replica (HeadMesh::Restated).
+  absl::Status Restated(const absl::Status& status) const;
   // At every --mesh_checksum_every_steps-th `version`: the replicas' `tensors` compared
   // (DATA_LOSS naming those that differ, `what` saying what they are).
   absl::Status CompareReplicasAt(int64_t version, const std::vector<torch::Tensor>& tensors,

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "remotehead/core/torch_api.h"
 #include "remotehead/core/vocab_group.h"
+#include "remotehead/server/group/mesh_epoch.h"
 
 namespace remotehead::server {
 
@@ -127,6 +128,11 @@ class ProcessGroup : public core::GroupCollectives, public KeyValueStore {
     std::unique_ptr<ProcessGroup> shard;
   };
   static absl::StatusOr<Mesh> JoinMesh(const GroupConfig& config);
+  // This rank's shard group in a later epoch of the mesh (mesh_epoch.h): the ranks of the same
+  // shard in the replicas serving in `epoch` (its rank: its replica's index among them), under
+  // the epoch's own prefix, on a store connection of its own. Same errors as Join.
+  static absl::StatusOr<std::unique_ptr<ProcessGroup>> JoinShardInEpoch(const GroupConfig& config,
+                                                                        const MeshEpoch& epoch);
   ~ProcessGroup() override = default;
 
   virtual const GroupConfig& config() const = 0;

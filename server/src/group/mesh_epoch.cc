@@ -1,0 +1,91 @@
+#include "remotehead/server/group/mesh_epoch.h"
+
+#include <algorithm>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+namespace remotehead::server {
+
+MeshEpoch MeshEpoch::First(int replicas) {
+  MeshEpoch epoch;
+  for (int r = 0; r < replicas; ++r) epoch.live.push_back(r);
+  return epoch;
+}
+
+bool MeshEpoch::serves(int replica) const { return IndexOf(replica) >= 0; }
+
+int MeshEpoch::IndexOf(int replica) const {
+  const auto it = std::find(live.begin(), live.end(), replica);
+  return it == live.end() ? -1 : static_cast<int>(it - live.begin());
+}
+
+int MeshEpoch::ReplicaOf(int trainer, int replicas) const {
+  const int own = trainer % replicas;
+  if (serves(own) || live.empty()) return own;
+  return live[trainer % static_cast<int>(live.size())];
+}
+
+std::vector<int> MeshEpoch::TrainersOf(int replica, int world_size, int replicas) const {
+  std::vector<int> trainers;
+  for (int t = 0; t < world_size; ++t) {
+    if (ReplicaOf(t, replicas) == replica) trainers.push_back(t);
+  }
+  return trainers;
+}
+
+MeshEpoch MeshEpoch::Without(int replica, const std::string& why) const {
+  MeshEpoch next{.number = number + 1, .live = {}, .evicted = replica, .cause = why};
+  for (int r : live) {
+    if (r != replica) next.live.push_back(r);
+  }
+  return next;
+}
+
+std::string MeshEpoch::Describe() const {
+  std::string text = absl::StrCat("epoch ", number, " (replicas [", absl::StrJoin(live, ", "),
+                                  "] serve");
+  if (evicted >= 0) absl::StrAppend(&text, "; replica ", evicted, " evicted");
+  return text + ")";
+}
+
+std::string MeshEpoch::Moves(int replicas) const {
+  if (evicted < 0 || live.empty()) return "no trainer moves";
+  std::vector<std::string> to;
+  for (size_t i = 0; i < live.size(); ++i) {
+    to.push_back(live.size() == 1 ? absl::StrCat("replica ", live[i])
+                                  : absl::StrCat("replica ", live[i], " (t mod ", live.size(),
+                                                 " = ", i, ")"));
+  }
+  return absl::StrCat("trainers t with t mod ", replicas, " = ", evicted, " now go to ",
+                      absl::StrJoin(to, " and "));
+}
+
+std::string MeshEpoch::Encode() const {
+  return absl::StrCat(number, " ", evicted, " ", absl::StrJoin(live, ","), "\n", cause);
+}
+
+absl::StatusOr<MeshEpoch> MeshEpoch::Decode(const std::string& bytes) {
+  const size_t newline = bytes.find('\n');
+  const std::vector<std::string> fields =
+      absl::StrSplit(bytes.substr(0, newline), ' ', absl::SkipEmpty());
+  MeshEpoch epoch;
+  bool ok = fields.size() == 3 && absl::SimpleAtoi(fields[0], &epoch.number) &&
+            absl::SimpleAtoi(fields[1], &epoch.evicted) && epoch.number > 0;
+  for (absl::string_view r : absl::StrSplit(ok ? fields[2] : "", ',', absl::SkipEmpty())) {
+    int replica = -1;
+    ok = ok && absl::SimpleAtoi(r, &replica) && replica >= 0;
+    epoch.live.push_back(replica);
+  }
+  if (!ok || epoch.live.empty() || !std::is_sorted(epoch.live.begin(), epoch.live.end())) {
+    return absl::DataLossError(absl::StrCat("mesh epoch record: expected \"<number> <evicted> "
+                                            "<serving replicas>\"; got \"",
+                                            bytes.substr(0, newline), "\""));
+  }
+  if (newline != std::string::npos) epoch.cause = bytes.substr(newline + 1);
+  return epoch;
+}
+
+}  // namespace remotehead::server

@@ -1,0 +1,189 @@
+"""A mesh that survives a lost replica without losing a step (--mesh_min_replicas=1), with real
+server processes on loopback (Gloo, the group plane sealed) and 4 trainers, each a RemoteHead
+of its own client (trainer t dials fronts[t mod 2]), against the same run with no loss:
+- 6 synchronous AdamW steps of 3 micro-batches each; after every trainer added the first
+  micro-batch of step 2, a process of replica 1 is killed (SIGKILL): on a 2 x 1 mesh its only
+  rank, on a 2 x 2 mesh its front or its second rank. The leader evicts replica 1 and goes on in
+  epoch 1; trainers 1 and 3 find the front that serves them now (the leader's), replay the
+  micro-batches they had added since their last step (their journal) and go on; trainers 0 and
+  2 see nothing but a pause.
+- No exception reaches any training loop; every step is applied (the leader ends at version
+  6); only trainers 1 and 3 moved and replayed (client.moves 1, client.replays the calls of
+  their open step: 1 before the kill — the in-flight call is retried, not replayed); the final
+  W equals the run with no loss within fp32 summation order (1e-6 relative to W's norm, and
+  per element); against a float64 run with no loss, a float64 run with the loss is within 1e-6
+  (dW crosses the replicas in float32) and the fp32 one within 1e-5.
+- The leader says what happened: its log names the lost process, the new epoch, the serving
+  replicas and where replica 1's trainers go; remotehead_mesh_epoch 1,
+  remotehead_mesh_replicas_live 1, remotehead_mesh_evictions_total 1; a trainer of replica 1
+  that asks the leader whether it serves it (HeadRef.trainer_rank) is served, and the replica's
+  survivors, if any, report NOT_SERVING.
+- Without --mesh_min_replicas the same loss takes the mesh down, as before (test_mesh.py,
+  test_mesh_failures.py).
+"""
+import os
+import pathlib
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+import remotehead
+from remotehead.cluster import Cluster
+from remotehead.local_server import LocalHeadGroup
+from remotehead.v1 import head_service_pb2 as pb
+from remotehead.v1 import head_service_pb2_grpc as pb_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BINARY = os.environ.get("REMOTEHEAD_SERVER_BINARY",
+                        str(ROOT / "build" / "server" / "remotehead-server"))
+VOCAB, HIDDEN, ROWS, WORLD = 40, 16, 10, 4
+STEPS, MICRO_BATCHES, KILL_STEP = 6, 3, 2
+ADAMW = dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
+HEAD = "h"
+
+
+def start_mesh(size: int) -> LocalHeadGroup:
+    return LocalHeadGroup(BINARY, size=size, replicas=2,
+                          args=("--device=cpu", "--torch_threads=1", "--mesh_min_replicas=1",
+                                "--sync_step_timeout_seconds=30",
+                                "--metrics_address=127.0.0.1:0"),
+                          timeout_seconds=30.0)
+
+
+def micro_batch(trainer: int, step: int, mb: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(1000 * trainer + 10 * step + mb)
+    hidden = torch.randn(ROWS, HIDDEN, generator=g).to(dtype)
+    return hidden, torch.randint(0, VOCAB, (ROWS,), generator=g)
+
+
+def train(fronts, kill=None, dtype=torch.float32):
+    """Every trainer's loop; `kill()` runs once all of them added step KILL_STEP's first
+    micro-batch. The clients (to read their moves and replays) and any loop's exception."""
+    with remotehead.Client(fronts, rank=0) as leader:
+        leader.create_head(HEAD, VOCAB, HIDDEN, dtype=dtype, seed=5)
+    clients = [remotehead.Client(fronts, rank=t, initial_backoff=0.05, max_backoff=0.5)
+               for t in range(WORLD)]
+    errors = [None] * WORLD
+    at_kill = threading.Barrier(WORLD + 1)
+    resume = threading.Barrier(WORLD + 1)
+
+    def loop(t: int):
+        try:
+            head = remotehead.RemoteHead(clients[t], HEAD, cluster=Cluster(t, WORLD),
+                                         trainer="run", reduction="sum")
+            for step in range(STEPS):
+                for mb in range(MICRO_BATCHES):
+                    hidden, labels = micro_batch(t, step, mb, dtype)
+                    hidden.requires_grad_(True)
+                    head.loss(hidden, labels).backward()
+                    if kill is not None and step == KILL_STEP and mb == 0:
+                        at_kill.wait(timeout=120)
+                        resume.wait(timeout=120)
+                head.optimizer_step(adamw=ADAMW)
+        except Exception as e:  # every loop's failure is the test's to report
+            errors[t] = e
+            if kill is not None:
+                at_kill.abort()
+                resume.abort()
+
+    threads = [threading.Thread(target=loop, args=(t,)) for t in range(WORLD)]
+    for thread in threads:
+        thread.start()
+    if kill is not None:
+        try:
+            at_kill.wait(timeout=120)
+            kill()
+            resume.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            pass
+    for thread in threads:
+        thread.join(timeout=300)
+    with remotehead.Client(fronts, rank=0) as leader:
+        weight, _ = leader.export_weights(HEAD)
+        info = leader.describe_head(HEAD)
+    for client in clients:
+        client.close()
+    return weight, info, clients, errors
+
+
+def assert_same_run(weight: torch.Tensor, reference: torch.Tensor, rtol: float) -> None:
+    """W of two runs whose dW were summed in other orders: within `rtol` of W's norm, and each
+    element within `rtol` (AdamW divides by sqrt(v): an element whose v is tiny turns an
+    order-sized difference of its dW into a larger one of its own; the norm bounds them all)."""
+    assert (weight - reference).norm() <= rtol * reference.norm(), (weight - reference).abs().max()
+    torch.testing.assert_close(weight, reference, rtol=rtol, atol=rtol * reference.abs().max())
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    found = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert found, f"{name} not exported at {url}"
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("size,killed", [(2, 1), (4, 2), (4, 3)],
+                         ids=["2x1-replica-1", "2x2-front-of-replica-1", "2x2-rank-3"])
+def test_a_lost_replica_loses_no_step(size, killed):
+    with start_mesh(size) as mesh:
+        fronts = list(mesh.fronts)
+        reference, ref_info, _, ref_errors = train(fronts)
+    assert ref_errors == [None] * WORLD, ref_errors
+    assert ref_info.weight_version == STEPS
+
+    with start_mesh(size) as mesh:
+        fronts = list(mesh.fronts)
+        victim = mesh.ranks[killed]
+        weight, info, clients, errors = train(
+            fronts, kill=lambda: victim.process.send_signal(signal.SIGKILL))
+        assert errors == [None] * WORLD, errors
+        assert info.weight_version == STEPS
+        # Only replica 1's trainers moved, and replayed what they had added since their step.
+        assert [c.moves for c in clients] == [0, 1, 0, 1]
+        assert [c.replays for c in clients] == [0, 1, 0, 1]
+        assert [c.replica for c in clients] == [0, 0, 0, 0]
+        # The leader's word for it: the loss, the epoch, the serving replicas, the moves.
+        leader = mesh.ranks[0]
+        log = "".join(leader.log)
+        assert f"global rank {killed} (replica 1, shard {killed % (size // 2)}" in log, log
+        assert "replica 1 evicted; the mesh goes on in epoch 1 (replicas [0] serve" in log, log
+        assert "trainers t with t mod 2 = 1 now go to replica 0" in log, log
+        metrics = f"http://127.0.0.1:{leader.metrics_port}/metrics"
+        assert metric(metrics, "remotehead_mesh_epoch") == 1
+        assert metric(metrics, "remotehead_mesh_replicas_live") == 1
+        assert metric(metrics, "remotehead_mesh_evictions_total") == 1
+        # A trainer of replica 1 is served by the leader now; the leader's own, as always.
+        with grpc.insecure_channel(fronts[0]) as channel:
+            stub = pb_grpc.HeadServiceStub(channel)
+            for t in range(WORLD):
+                stub.DescribeHead(pb.HeadRef(head_id=HEAD, trainer_rank=t), timeout=10)
+        # The evicted replica's survivors serve nothing more.
+        for rank in mesh.ranks[size // 2:]:
+            if rank is victim:
+                continue
+            with remotehead.Client(rank.target) as survivor:
+                assert survivor.health() == "NOT_SERVING"
+    assert_same_run(weight, reference, 1e-6)
+
+
+def test_a_lost_replica_loses_no_step_against_float64():
+    with start_mesh(2) as mesh:
+        reference, _, _, ref_errors = train(list(mesh.fronts), dtype=torch.float64)
+    assert ref_errors == [None] * WORLD, ref_errors
+    # dW crosses the replicas in float32 (--mesh_reduce_dtype), a float64 head's too.
+    for dtype, rtol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
+        with start_mesh(2) as mesh:
+            victim = mesh.ranks[1]
+            weight, info, clients, errors = train(
+                list(mesh.fronts), dtype=dtype,
+                kill=lambda: victim.process.send_signal(signal.SIGKILL))
+        assert errors == [None] * WORLD, errors
+        assert info.weight_version == STEPS
+        assert [c.moves for c in clients] == [0, 1, 0, 1]
+        assert weight.dtype == dtype
+        assert_same_run(weight.double(), reference, rtol)
