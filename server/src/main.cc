@@ -160,6 +160,11 @@ ABSL_FLAG(int32_t, mesh_min_replicas, 0,
           "replica). Below --group_replicas, losing a process of a replica other than replica 0 "
           "evicts that replica and the mesh goes on without it in its next epoch (its trainers "
           "move to the replicas that serve); the same on every process of the mesh");
+ABSL_FLAG(std::string, testonly_mesh_pause, "",
+          "tests only, refused unless the environment sets REMOTEHEAD_TESTONLY=1: "
+          "\"after_sum|after_apply,<weight version>,<seconds>\" pauses every rank of a mesh at "
+          "that point of the step that makes that version, so that a test can kill a process "
+          "there");
 ABSL_FLAG(double, group_timeout_seconds, 60,
           "how long a head group's collectives and commands wait for a rank before the group "
           "is declared down");
@@ -489,7 +494,10 @@ int Run() {
   }
   const absl::StatusOr<rh::server::MeshOptions> mesh_options = rh::server::ResolveMeshOptions(
       absl::GetFlag(FLAGS_mesh_reduce_dtype), absl::GetFlag(FLAGS_mesh_checksum_every_steps),
-      absl::GetFlag(FLAGS_mesh_min_replicas), group_config->replicas);
+      absl::GetFlag(FLAGS_mesh_min_replicas), group_config->replicas,
+      absl::GetFlag(FLAGS_testonly_mesh_pause),
+      std::getenv("REMOTEHEAD_TESTONLY") != nullptr &&
+          std::string(std::getenv("REMOTEHEAD_TESTONLY")) == "1");
   if (!mesh_options.ok()) return Refuse(mesh_options.status());
   absl::StatusOr<rh::server::Cluster> cluster =
       rh::server::JoinCluster(*group_config, *mesh_options);

@@ -35,7 +35,7 @@ import torch
 
 import remotehead
 from remotehead.cluster import Cluster
-from remotehead.local_server import LocalHeadGroup
+from remotehead.local_server import LocalHeadGroup, LocalServer
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
 
@@ -48,11 +48,11 @@ ADAMW = dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
 HEAD = "h"
 
 
-def start_mesh(size: int) -> LocalHeadGroup:
+def start_mesh(size: int, *extra: str) -> LocalHeadGroup:
     return LocalHeadGroup(BINARY, size=size, replicas=2,
                           args=("--device=cpu", "--torch_threads=1", "--mesh_min_replicas=1",
                                 "--sync_step_timeout_seconds=30",
-                                "--metrics_address=127.0.0.1:0"),
+                                "--metrics_address=127.0.0.1:0", *extra),
                           timeout_seconds=30.0)
 
 
@@ -62,9 +62,11 @@ def micro_batch(trainer: int, step: int, mb: int, dtype: torch.dtype):
     return hidden, torch.randint(0, VOCAB, (ROWS,), generator=g)
 
 
-def train(fronts, kill=None, dtype=torch.float32):
+def train(fronts, kill=None, dtype=torch.float32, kill_in_step=None):
     """Every trainer's loop; `kill()` runs once all of them added step KILL_STEP's first
-    micro-batch. The clients (to read their moves and replays) and any loop's exception."""
+    micro-batch (or, with `kill_in_step`, on a thread of its own that waits for its moment while
+    the trainers run). The clients (to read their moves and replays) and any loop's
+    exception."""
     with remotehead.Client(fronts, rank=0) as leader:
         leader.create_head(HEAD, VOCAB, HIDDEN, dtype=dtype, seed=5)
     clients = [remotehead.Client(fronts, rank=t, initial_backoff=0.05, max_backoff=0.5)
@@ -93,6 +95,8 @@ def train(fronts, kill=None, dtype=torch.float32):
                 resume.abort()
 
     threads = [threading.Thread(target=loop, args=(t,)) for t in range(WORLD)]
+    if kill_in_step is not None:
+        threads.append(threading.Thread(target=kill_in_step))
     for thread in threads:
         thread.start()
     if kill is not None:
@@ -122,7 +126,7 @@ def assert_same_run(weight: torch.Tensor, reference: torch.Tensor, rtol: float) 
 
 def metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    found = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     assert found, f"{name} not exported at {url}"
     return float(found.group(1))
 
@@ -169,6 +173,56 @@ def test_a_lost_replica_loses_no_step(size, killed):
             with remotehead.Client(rank.target) as survivor:
                 assert survivor.health() == "NOT_SERVING"
     assert_same_run(weight, reference, 1e-6)
+
+
+def killer_at_pause(victim, point: str, version: int):
+    """Kills `victim` (SIGKILL) once it says it pauses at `point` of the step to `version`
+    (--testonly_mesh_pause)."""
+    said = f"testonly: replica 1 pauses {point} of the mesh step to version {version}"
+
+    def kill():
+        deadline = time.monotonic() + 120
+        while not any(said in line for line in list(victim.log)):
+            assert time.monotonic() < deadline, "".join(victim.log)
+            time.sleep(0.01)
+        victim.process.send_signal(signal.SIGKILL)
+
+    return kill
+
+
+@pytest.mark.parametrize("point", ["after_sum", "after_apply"])
+@pytest.mark.parametrize("size,killed", [(2, 1), (4, 3)], ids=["2x1", "2x2-rank-3"])
+def test_a_replica_lost_inside_a_step(monkeypatch, size, killed, point):
+    """Killed after every rank summed step 3's dW, before the commit decision: the step is
+    aborted on replica 0 (its trainers ask again), replica 1's trainers replay the step's 3
+    micro-batches at the leader, and the step is applied there once. Killed after the apply,
+    before the answers: replica 0 applied it; replica 1's trainers find the leader at version 3,
+    replay nothing, and get the applied step's answer."""
+    with start_mesh(size) as mesh:
+        reference, _, _, ref_errors = train(list(mesh.fronts))
+    assert ref_errors == [None] * WORLD, ref_errors
+    monkeypatch.setenv("REMOTEHEAD_TESTONLY", "1")
+    with start_mesh(size, f"--testonly_mesh_pause={point},3,2.5") as mesh:
+        victim = mesh.ranks[killed]
+        weight, info, clients, errors = train(
+            list(mesh.fronts), kill_in_step=killer_at_pause(victim, point, 3))
+        assert errors == [None] * WORLD, errors
+        assert info.weight_version == STEPS
+        assert [c.moves for c in clients] == [0, 1, 0, 1]
+        replayed = MICRO_BATCHES if point == "after_sum" else 0
+        assert [c.replays for c in clients] == [0, replayed, 0, replayed]
+        resolved = metric(f"http://127.0.0.1:{mesh.ranks[0].metrics_port}/metrics",
+                          'remotehead_mesh_steps_resolved_total{decision="abort"}')
+        assert resolved == (1 if point == "after_sum" else 0)
+    assert_same_run(weight, reference, 1e-6)
+
+
+def test_the_test_only_pause_is_refused_outside_tests(monkeypatch):
+    monkeypatch.delenv("REMOTEHEAD_TESTONLY", raising=False)
+    server = LocalServer(BINARY, ["--device=cpu", "--testonly_mesh_pause=after_sum,1,1"])
+    server.launch()
+    assert server.wait_exit(60) == 2
+    assert "--testonly_mesh_pause: a fault point for tests only" in "".join(server.log)
 
 
 def test_a_lost_replica_loses_no_step_against_float64():

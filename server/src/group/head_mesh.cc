@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 #include <optional>
 
 #include "absl/strings/escaping.h"
@@ -184,6 +185,15 @@ void HeadMesh::RegroupLoop() {
   }
 }
 
+void HeadMesh::TestOnlyPause(const std::string& point, int64_t version) const {
+  const MeshOptions::TestOnlyPause& pause = options_.testonly_pause;
+  if (pause.point != point || pause.version != version) return;
+  std::cerr << "remotehead-server: testonly: replica " << replica_ << " pauses " << point
+            << " of the mesh step to version " << version << " for " << pause.pause.count()
+            << " ms" << std::endl;
+  std::this_thread::sleep_for(pause.pause);
+}
+
 absl::Status HeadMesh::PeersFailed(const absl::Status& failure) {
   if (failure.ok() || !evicts() || !IsGroupFailure(failure)) return failure;
   const absl::Status blamed = NamesLostProcess(failure) ? failure : liveness_->Blame(failure);
@@ -208,14 +218,30 @@ absl::Status HeadMesh::NotTheLeader(const std::string& method) const {
       {{"leader", leader}, {"replica", absl::StrCat(replica_)}, {"method", method}});
 }
 
-absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t) {
+absl::Status HeadMesh::EpochLeft(int epoch) const {
+  return core::WithReason(
+      absl::AbortedError(absl::StrCat("a mesh step of epoch ", epoch, ": the mesh is in ",
+                                      this->epoch().Describe(), " now: nothing applied")),
+      core::reason::kMeshReconfiguring, {{"epoch", absl::StrCat(this->epoch().number)}});
+}
+
+absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t, int epoch) {
   const auto start = std::chrono::steady_clock::now();
+  ProcessGroup* group = nullptr;
+  {
+    // The group of the step's epoch, or none: never another epoch's members.
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    if (epoch < 0 || epoch == epoch_.number) {
+      group = fronts_ != nullptr ? &fronts_->collectives() : shard_peers_.get();
+    }
+  }
+  if (group == nullptr) return EpochLeft(epoch);
   torch::Tensor wire =
       t.scalar_type() == options_.reduce_dtype ? t : t.to(options_.reduce_dtype).contiguous();
   // Reduced on replica 0, then broadcast from it: every replica ends with replica 0's bits
   // (an all-reduce's result may differ in the last bit between ranks).
-  RETURN_IF_ERROR(PeersFailed(peers().ReduceSum(wire, 0)));
-  RETURN_IF_ERROR(PeersFailed(peers().Broadcast(wire, 0)));
+  RETURN_IF_ERROR(PeersFailed(group->ReduceSum(wire, 0)));
+  RETURN_IF_ERROR(PeersFailed(group->Broadcast(wire, 0)));
   if (!wire.is_same(t)) t.copy_(wire);
   reduced_bytes_.fetch_add(static_cast<int64_t>(wire.nbytes()));
   reduce_nanoseconds_.fetch_add(
@@ -262,7 +288,8 @@ absl::StatusOr<bool> HeadMesh::AllSummed(const std::string& attempt, const MeshE
   return true;
 }
 
-absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& summed) {
+absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& summed,
+                              int epoch) {
   if (liveness_ == nullptr) return summed;
   const bool evicting = liveness_->evicts();
   if (!evicting) RETURN_IF_ERROR(summed);  // without eviction a failed sum takes the mesh down
@@ -276,10 +303,12 @@ absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& su
     }
     last_summed_ = attempt;
     RETURN_IF_ERROR(liveness_->Publish(store_keys::MeshSummed(attempt, me), "summed"));
-    const MeshEpoch at = epoch();
+    const MeshEpoch at = this->epoch();
+    if (epoch >= 0 && epoch != at.number) proposal = kDecisionAbort;
     const auto deadline =
         std::chrono::steady_clock::now() + liveness_->config().timeout;
-    for (auto pause = std::chrono::milliseconds(1);; pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
+    for (auto pause = std::chrono::milliseconds(1); proposal == kDecisionApply;
+         pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
       const absl::StatusOr<bool> all = AllSummed(attempt, at);
       if (!all.ok()) {
         proposal = kDecisionAbort;

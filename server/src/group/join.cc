@@ -4,7 +4,9 @@
 #include <iostream>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "group/exchange.h"
 #include "remotehead/core/status_macros.h"
 
@@ -36,7 +38,8 @@ absl::StatusOr<std::unique_ptr<Liveness>> StartLiveness(const GroupConfig& confi
 
 absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
                                                int checksum_every_steps, int min_replicas,
-                                               int replicas) {
+                                               int replicas, const std::string& testonly_pause,
+                                               bool test_environment) {
   MeshOptions options;
   if (reduce_dtype == "bfloat16") {
     options.reduce_dtype = torch::kBFloat16;
@@ -55,6 +58,24 @@ absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
                      "), or 0 for every replica; got ", min_replicas));
   }
   options.min_replicas = min_replicas;
+  if (testonly_pause.empty()) return options;
+  if (!test_environment) {
+    return absl::InvalidArgumentError(
+        "--testonly_mesh_pause: a fault point for tests only; refused unless the environment "
+        "sets REMOTEHEAD_TESTONLY=1");
+  }
+  const std::vector<std::string> fields = absl::StrSplit(testonly_pause, ',');
+  double seconds = 0;
+  MeshOptions::TestOnlyPause& pause = options.testonly_pause;
+  if (fields.size() != 3 || (fields[0] != "after_sum" && fields[0] != "after_apply") ||
+      !absl::SimpleAtoi(fields[1], &pause.version) || !absl::SimpleAtod(fields[2], &seconds) ||
+      seconds < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--testonly_mesh_pause: expected \"after_sum|after_apply,<weight version>,<seconds>\"; "
+        "got \"", testonly_pause, "\""));
+  }
+  pause.point = fields[0];
+  pause.pause = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   return options;
 }
 

@@ -41,10 +41,12 @@ struct Cluster {
   absl::StatusOr<std::vector<std::string>> AllGather(const std::string& mine) const;
 };
 
-// The --mesh_* flags as options; INVALID_ARGUMENT naming the flag.
+// The --mesh_* flags as options; INVALID_ARGUMENT naming the flag. `testonly_pause`
+// (--testonly_mesh_pause) only in a test environment (REMOTEHEAD_TESTONLY=1).
 absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
                                                int checksum_every_steps, int min_replicas,
-                                               int replicas);
+                                               int replicas, const std::string& testonly_pause,
+                                               bool test_environment);
 
 // Joins (every rank waits for the others, up to config.timeout) and opens the logs.
 absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options);

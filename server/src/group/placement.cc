@@ -100,12 +100,17 @@ absl::Status Placement::ShareFromLeader(std::vector<torch::Tensor>& tensors) {
   return mesh_->fronts()->Share(tensors);
 }
 
-absl::Status Placement::SumOverReplicas(torch::Tensor& t) {
-  return mesh_ != nullptr ? mesh_->SumOverReplicas(t) : absl::OkStatus();
+absl::Status Placement::SumOverReplicas(torch::Tensor& t, int epoch) {
+  return mesh_ != nullptr ? mesh_->SumOverReplicas(t, epoch) : absl::OkStatus();
 }
 
-absl::Status Placement::DecideStep(const std::string& attempt, const absl::Status& summed) {
-  return mesh_ != nullptr ? mesh_->Decide(attempt, summed) : summed;
+absl::Status Placement::DecideStep(const std::string& attempt, const absl::Status& summed,
+                                   int epoch) {
+  return mesh_ != nullptr ? mesh_->Decide(attempt, summed, epoch) : summed;
+}
+
+void Placement::TestOnlyPause(const std::string& point, int64_t version) const {
+  if (mesh_ != nullptr) mesh_->TestOnlyPause(point, version);
 }
 
 bool Placement::evicts_replicas() const { return mesh_ != nullptr && mesh_->evicts(); }

@@ -26,7 +26,7 @@ absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::OptimizerSt
   return ops.OptimizerStep(c.id, c.spec);
 }
 absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::ReduceStep& c) {
-  return ReplicaStep(ops, c.id, c.spec, c.attempt);
+  return ReplicaStep(ops, c.id, c.spec, c.attempt, c.epoch);
 }
 absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::SaveState& c) {
   return ops.SaveState(c.id, c.state_id);

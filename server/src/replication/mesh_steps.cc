@@ -72,6 +72,12 @@ absl::StatusOr<HeadDescription> ToTrainers(absl::StatusOr<HeadDescription> resul
                                     core::SerializeReason(result.status()));
 }
 
+// Whether `status` says the mesh changes epochs (a replica was evicted).
+bool IsReconfiguring(const absl::Status& status) {
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  return reason.has_value() && reason->reason == core::reason::kMeshReconfiguring;
+}
+
 // `status` with its message after `prefix`, its reason kept.
 absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
   return core::WithSerializedReason(
@@ -119,15 +125,19 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
   *command.mutable_mesh_step() = MeshStepCommand(head_id, first, spec, head);
   ASSIGN_OR_RETURN(const std::string attempt, HeadMesh::NewStepAttempt());
   command.mutable_mesh_step()->set_attempt(attempt);
+  command.mutable_mesh_step()->set_epoch(mesh_->epoch().number);
   ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
   absl::StatusOr<HeadDescription> result = absl::UnknownError("not run");
   const absl::Status status = RunCommand(lane, command, [&] {
     result = RunOnThisReplica(command.mesh_step(), first);
     return result.status();
   });
+  // Applied here: the step's decision was "apply", so every serving replica applied it too; a
+  // replica lost meanwhile (its front's reply missing) does not undo that.
+  if (result.ok() && (status.ok() || IsReconfiguring(mesh_->Restated(status)))) return result;
   // A step a lost replica aborted is to be asked again, once the mesh goes on without it.
   if (!status.ok()) return ToTrainers(mesh_->Restated(status));
-  return ToTrainers(mesh_->Restated(result.status()).ok() ? result : mesh_->Restated(result.status()));
+  return ToTrainers(mesh_->Restated(result.status()));
 }
 
 absl::Status MeshSteps::Follow(const v1::MeshStep& step) {
@@ -352,6 +362,13 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
                                 const std::optional<SyncStepRequest>& mine) {
   const std::string& head_id = step.step().head_id();
   const std::string who = absl::StrCat("replica ", mesh_->replica());
+  // A step proposed in another epoch than this replica's (the mesh changed meanwhile).
+  if (const MeshEpoch here = mesh_->epoch(); step.epoch() != here.number) {
+    return core::WithReason(
+        absl::AbortedError(absl::StrCat("mesh step of epoch ", step.epoch(), ": ", who,
+                                         " is in ", here.Describe(), ": nothing applied")),
+        core::reason::kMeshReconfiguring, {{"epoch", absl::StrCat(here.number)}});
+  }
   if (replica_group_ != nullptr) {
     // Every rank of this replica answers before anything is summed over the replicas: a rank
     // that is gone refuses the step here, on every replica, with nothing applied anywhere.
@@ -413,7 +430,7 @@ absl::StatusOr<HeadDescription> MeshSteps::RunOnThisReplica(
     return v;
   }
   ASSIGN_OR_RETURN(const OptimizerStepSpec spec, AppliedSpec(step));
-  return operations_->ReduceStep(step.step().head_id(), spec, step.attempt());
+  return operations_->ReduceStep(step.step().head_id(), spec, step.attempt(), step.epoch());
 }
 
 absl::Status MeshFollower::Run(const std::atomic<bool>& stop) {

@@ -6,9 +6,9 @@
 namespace remotehead::server {
 
 StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, bool keep_own,
-                             StepDecision decision) {
+                             StepDecision decision, int epoch) {
   StepAround around;
-  around.before = [&placement, keep_own, decision = std::move(decision)](
+  around.before = [&placement, keep_own, epoch, decision = std::move(decision)](
                       core::Head& head) -> absl::StatusOr<core::GradientBuffers> {
     core::GradientBuffers& grads = head.grads();
     // This replica's own dW, kept when the step leaves dW accumulated or a refused decision puts
@@ -18,9 +18,10 @@ StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, b
       own.weight = grads.weight.clone();
       if (grads.bias.defined()) own.bias = grads.bias.clone();
     }
-    absl::Status summed = placement.SumOverReplicas(grads.weight);
-    if (summed.ok() && grads.bias.defined()) summed = placement.SumOverReplicas(grads.bias);
+    absl::Status summed = placement.SumOverReplicas(grads.weight, epoch);
+    if (summed.ok() && grads.bias.defined()) summed = placement.SumOverReplicas(grads.bias, epoch);
     if (!decision.decide) RETURN_IF_ERROR(summed);
+    placement.TestOnlyPause("after_sum", head.version() + 1);
     if (decision.decide) {
       // A failed sum is decided too (an abort), and leaves dW as the decision's refusal does.
       if (const absl::Status decided = decision.decide(summed); !decided.ok()) {
@@ -38,6 +39,7 @@ StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, b
     return own;
   };
   around.after = [&placement, head_id](const core::Head& head) {
+    placement.TestOnlyPause("after_apply", head.version());
     return placement.CompareReplicasAt(
         head.version(), {head.weight(), head.bias()},
         absl::StrCat("the weights of head \"", head_id, "\" at version ", head.version()));
@@ -47,7 +49,7 @@ StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, b
 
 absl::StatusOr<HeadDescription> ReplicaStep(HeadOperations& operations, const std::string& id,
                                             const OptimizerStepSpec& spec,
-                                            const std::string& attempt) {
+                                            const std::string& attempt, int epoch) {
   Placement& placement = operations.placement();
   if (!placement.replicated()) {
     return absl::FailedPreconditionError("reduce_step: this server is not a replica of a mesh");
@@ -60,11 +62,13 @@ absl::StatusOr<HeadDescription> ReplicaStep(HeadOperations& operations, const st
   // evicted (then this replica's trainers resend nothing); elsewhere the loss takes the mesh
   // down, and every trainer starts again from a saved state.
   const StepDecision decision{
-      .decide = [&placement,
-                 attempt](const absl::Status& summed) { return placement.DecideStep(attempt, summed); },
+      .decide = [&placement, attempt,
+                 epoch](const absl::Status& summed) {
+        return placement.DecideStep(attempt, summed, epoch);
+      },
       .keeps_own = placement.evicts_replicas()};
-  return operations.OptimizerStep(id, spec,
-                                  ReplicaStepAround(placement, id, !spec.zero_gradients, decision));
+  return operations.OptimizerStep(
+      id, spec, ReplicaStepAround(placement, id, !spec.zero_gradients, decision, epoch));
 }
 
 }  // namespace remotehead::server

@@ -34,14 +34,15 @@ struct StepDecision {
   bool keeps_own = false;
 };
 
-// `keep_own`: the step does not zero dW. `decision.decide` unset: apply.
+// `keep_own`: the step does not zero dW. `decision.decide` unset: apply. `epoch`: the mesh's
+// epoch the step belongs to (MeshStep.epoch), whose groups alone may sum it (-1: the current).
 StepAround ReplicaStepAround(Placement& placement, const std::string& head_id, bool keep_own,
-                             StepDecision decision = {});
+                             StepDecision decision = {}, int epoch = -1);
 
 // This rank's part of a mesh replica's step `attempt` of head `id` (the ReduceStep command),
 // its decision the mesh's (Placement::DecideStep): FAILED_PRECONDITION off a mesh.
 absl::StatusOr<HeadDescription> ReplicaStep(HeadOperations& operations, const std::string& id,
                                             const OptimizerStepSpec& spec,
-                                            const std::string& attempt);
+                                            const std::string& attempt, int epoch = 0);
 
 }  // namespace remotehead::server

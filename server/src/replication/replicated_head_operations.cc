@@ -190,8 +190,10 @@ absl::StatusOr<HeadDescription> ReplicatedHeadOperations::OptimizerStep(
 
 absl::StatusOr<HeadDescription> ReplicatedHeadOperations::ReduceStep(const std::string& id,
                                                                      const OptimizerStepSpec& spec,
-                                                                     const std::string& attempt) {
-  return Propose(hc::ReduceStep{.id = id, .spec = spec, .attempt = attempt}, /*creates=*/false,
+                                                                     const std::string& attempt,
+                                                                     int epoch) {
+  return Propose(hc::ReduceStep{.id = id, .spec = spec, .attempt = attempt, .epoch = epoch},
+                 /*creates=*/false,
                  Reach::kReplica);
 }
 

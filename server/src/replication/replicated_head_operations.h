@@ -91,10 +91,10 @@ class ReplicatedHeadOperations {
   absl::StatusOr<HeadDescription> ZeroGradients(const std::string& id);
   absl::StatusOr<HeadDescription> OptimizerStep(const std::string& id,
                                                 const OptimizerStepSpec& spec);
-  // On a mesh: this replica's part of the mesh's step `attempt`, on every rank of the replica
-  // (replica_step.h: the sum over the replicas, the decision, the apply).
+  // On a mesh: this replica's part of the mesh's step `attempt` of epoch `epoch`, on every rank
+  // of the replica (replica_step.h: the sum over the replicas, the decision, the apply).
   absl::StatusOr<HeadDescription> ReduceStep(const std::string& id, const OptimizerStepSpec& spec,
-                                             const std::string& attempt);
+                                             const std::string& attempt, int epoch);
   // An optimizer step agreed by this server's trainers (`first`: a synchronous step's first
   // rank; unset: one caller's): on a mesh, the mesh's step (every replica, dW summed over
   // them); then the head's state saved if one is due (SaveAfterStep).

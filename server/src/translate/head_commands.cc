@@ -114,6 +114,7 @@ void EncodeInto(const hc::OptimizerStep& c, v1::GroupCommand* command) {
 void EncodeInto(const hc::ReduceStep& c, v1::GroupCommand* command) {
   *command->mutable_reduce_step()->mutable_step() = StepToWire(c.id, c.spec);
   command->mutable_reduce_step()->set_attempt(c.attempt);
+  command->mutable_reduce_step()->set_epoch(c.epoch);
 }
 
 void EncodeInto(const hc::SaveState& c, v1::GroupCommand* command) {
@@ -231,8 +232,10 @@ absl::StatusOr<HeadCommand> DecodeHeadCommand(const v1::GroupCommand& entry, tor
     case v1::GroupCommand::kReduceStep: {
       const v1::GroupReduceStep& reduce = entry.reduce_step();
       ASSIGN_OR_RETURN(OptimizerStepSpec spec, FromWire(reduce.step()));
-      return hc::ReduceStep{
-          .id = reduce.step().head_id(), .spec = std::move(spec), .attempt = reduce.attempt()};
+      return hc::ReduceStep{.id = reduce.step().head_id(),
+                            .spec = std::move(spec),
+                            .attempt = reduce.attempt(),
+                            .epoch = reduce.epoch()};
     }
     case v1::GroupCommand::kSaveState:
       return hc::SaveState{.id = entry.save_state().head_id(),

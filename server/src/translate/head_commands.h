@@ -66,12 +66,13 @@ struct OptimizerStep {
   OptimizerStepSpec spec;
 };
 // A mesh replica's part of the mesh's step (dW summed over the replicas, the commit decision of
-// the step `attempt`, then the step).
+// the step `attempt` of the mesh's epoch `epoch`, then the step).
 struct ReduceStep {
   using Result = HeadDescription;
   std::string id;
   OptimizerStepSpec spec;
   std::string attempt;
+  int epoch = 0;
 };
 struct SaveState {
   using Result = HeadDescription;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -54,6 +55,15 @@ struct MeshOptions {
   int checksum_every_steps = 1;  // 0: never
   // The fewest replicas the mesh goes on with (--mesh_min_replicas; 0: every replica, R).
   int min_replicas = 0;
+  // Tests only (--testonly_mesh_pause, refused outside a test environment): every rank pauses
+  // for `pause` at `point` ("after_sum": before the commit decision; "after_apply": before the
+  // step's answer) of the mesh step that makes weight version `version`, so that a test can kill
+  // a process there.
+  struct TestOnlyPause {
+    std::string point;
+    int64_t version = -1;
+    std::chrono::milliseconds pause{0};
+  } testonly_pause;
 };
 
 // A later epoch's cross-replica groups, as JoinCluster builds them (mesh_epoch.h).
@@ -108,8 +118,9 @@ class HeadMesh : public MetricSource {
   absl::Status NotTheLeader(const std::string& method) const;
 
   // `t` summed over every replica's `t` (the same shape everywhere), written back into `t` with
-  // the same bits on every replica.
-  absl::Status SumOverReplicas(torch::Tensor& t);
+  // the same bits on every replica. `epoch` (>= 0): by that epoch's groups only — ABORTED,
+  // reason MESH_RECONFIGURING, once the mesh left it (a step belongs to the epoch it began in).
+  absl::Status SumOverReplicas(torch::Tensor& t, int epoch = -1);
   // Every replica's `t` (the same shape everywhere) summed into the leader's `t` (exact sums in
   // t's dtype; the other replicas' `t` is left undefined-valued). Fronts only.
   absl::Status SumOnLeader(torch::Tensor& t);
@@ -126,7 +137,9 @@ class HeadMesh : public MetricSource {
   // serving replica or on none. The leader forgets the decision of the step before (every rank
   // has read it: the mesh's commands run one after another). Without liveness (a mesh built in a
   // test without one): `summed`.
-  absl::Status Decide(const std::string& attempt, const absl::Status& summed = absl::OkStatus());
+  // `epoch` (>= 0): the step's (MeshStep.epoch); a mesh that left it aborts the step.
+  absl::Status Decide(const std::string& attempt, const absl::Status& summed = absl::OkStatus(),
+                      int epoch = -1);
   // OK if every replica's `tensors` hash alike; DATA_LOSS naming the replicas that differ.
   absl::Status CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
                                      const std::string& what);
@@ -143,6 +156,9 @@ class HeadMesh : public MetricSource {
   int64_t checksums(bool matched) const { return matched ? matched_ : mismatched_; }
   // The mesh steps whose commit decision this rank read, applied or aborted.
   int64_t steps_resolved(bool applied) const { return applied ? applied_ : aborted_; }
+  // Pauses here if the options' test-only pause names `point` of the step to `version` (saying
+  // so on stderr first, for the test that waits for it).
+  void TestOnlyPause(const std::string& point, int64_t version) const;
   // The replicas this process saw evicted (one per epoch it entered).
   int64_t evictions() const { return evictions_; }
   // Metrics: this replica and the mesh's replicas, whether the mesh is up, dW summed over the
@@ -165,6 +181,8 @@ class HeadMesh : public MetricSource {
   void RegroupLoop();
   // The status of a call during the change to `next`.
   static absl::Status ReconfiguringStatus(const MeshEpoch& next, const std::string& what);
+  // A step of epoch `epoch` in a mesh that left it: ABORTED, reason MESH_RECONFIGURING.
+  absl::Status EpochLeft(int epoch) const;
   // Whether every serving rank said it summed `attempt` (false: not yet); a status once the step
   // must abort.
   absl::StatusOr<bool> AllSummed(const std::string& attempt, const MeshEpoch& at) const;

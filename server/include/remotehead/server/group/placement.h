@@ -88,15 +88,18 @@ class Placement {
   bool replicated() const { return mesh_ != nullptr; }
   // The leader's `tensors` written into every replica front's (on a front of a mesh).
   absl::Status ShareFromLeader(std::vector<torch::Tensor>& tensors);
-  // `t` summed over the replicas, in place, the same bits on each.
-  absl::Status SumOverReplicas(torch::Tensor& t);
+  // `t` summed over the replicas, in place, the same bits on each — by the groups of the mesh's
+  // epoch `epoch` only (-1: the current one; HeadMesh::SumOverReplicas).
+  absl::Status SumOverReplicas(torch::Tensor& t, int epoch = -1);
   // The commit decision of the replicas' step `attempt` once this rank's sum is done (`summed`:
   // how it went): OK to apply, ABORTED when the step was settled to abort (HeadMesh::Decide).
   // Alone: `summed`.
-  absl::Status DecideStep(const std::string& attempt, const absl::Status& summed);
+  absl::Status DecideStep(const std::string& attempt, const absl::Status& summed, int epoch = -1);
   // Whether the mesh evicts a lost replica and goes on (mesh_epoch.h): its survivors then keep
   // their own dW through a step that is aborted.
   bool evicts_replicas() const;
+  // A test's pause at `point` of the mesh step to `version` (HeadMesh::TestOnlyPause).
+  void TestOnlyPause(const std::string& point, int64_t version) const;
   // `status` restated for a caller when it was caused by an evicted replica (HeadMesh::Restated).
   absl::Status Restated(const absl::Status& status) const;
   // At every --mesh_checksum_every_steps-th `version`: the replicas' `tensors` compared
