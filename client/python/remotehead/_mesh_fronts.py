@@ -9,7 +9,9 @@ refuses connections, answers that its replica is down or evicted, or that this t
 elsewhere), `follow` probes the fronts in order from the next one, each with a DescribeHead
 naming the trainer (HeadRef.trainer_rank): a front that serves it answers; another names the
 replica that does (WRONG_REPLICA), which is probed next; a mesh still changing epochs
-(MESH_RECONFIGURING) is asked again. The probes go on for up to `patience` seconds.
+(MESH_RECONFIGURING) is asked again. The probes go on for up to `patience` seconds, and stop at
+once when a front says that the mesh is down (GROUP_UNAVAILABLE, not an evicted replica's: a mesh
+without --mesh_min_replicas, or one that lost its leader's replica, goes down as a whole).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class Fronts:
                     named = metadata.get("replica", "")
                     if reason == "WRONG_REPLICA" and named.isdigit() and int(named) < r_count:
                         queue.insert(0, int(named))
+                    elif reason == "GROUP_UNAVAILABLE" and "evicted" not in metadata:
+                        return None  # the mesh is down (it does not evict): nothing to follow
             if time.monotonic() + pause > deadline:
                 return None
             time.sleep(pause)

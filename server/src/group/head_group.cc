@@ -147,8 +147,12 @@ absl::Status HeadGroup::Timed(const std::string& command,
 
 // UNAVAILABLE saying why `failure` took the group down and what to do; OK for OK.
 absl::Status HeadGroup::Unavailable(const absl::Status& failure) const {
-  // A verdict naming the process lost or the key a stranger changed says what to do.
-  if (failure.ok() || NamesLostProcess(failure) || NamesTampering(failure)) return failure;
+  // A verdict naming the process lost, the key a stranger changed or the replica evicted says
+  // what to do.
+  if (failure.ok() || NamesLostProcess(failure) || NamesTampering(failure) ||
+      NamesEvictedReplica(failure)) {
+    return failure;
+  }
   return GroupUnavailable(absl::StrCat("head group of ", size(), " is down since: ",
                                        failure.message(), " — restart every rank of the group"),
                           rank());

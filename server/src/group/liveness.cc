@@ -293,6 +293,12 @@ bool NamesLostProcess(const absl::Status& status) {
   return reason.has_value() && reason->metadata.contains("lost_rank");
 }
 
+bool NamesEvictedReplica(const absl::Status& status) {
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  return reason.has_value() && reason->reason == core::reason::kGroupUnavailable &&
+         reason->metadata.contains("evicted");
+}
+
 bool NamesTampering(const absl::Status& status) {
   const std::optional<core::ErrorReason> reason = core::GetReason(status);
   return reason.has_value() && reason->reason == core::reason::kGroupUnavailable &&

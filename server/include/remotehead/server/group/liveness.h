@@ -181,6 +181,9 @@ class Liveness {
 
 // Whether `status` is a verdict that names the process lost (Blame's), which says what to do.
 bool NamesLostProcess(const absl::Status& status);
+// Whether `status` is the verdict of a process whose replica was evicted (metadata "evicted"),
+// which says what happened: the mesh goes on without it.
+bool NamesEvictedReplica(const absl::Status& status);
 // Whether `status` names a store key a stranger changed (GroupLog's tampering: metadata "key"),
 // which says what to do — fence the store. It is never restated as a lost process (a rank may be
 // stopped or slow at the same time: the tampering is what the answer says; the loss may follow).
