@@ -160,6 +160,12 @@ ABSL_FLAG(int32_t, mesh_min_replicas, 0,
           "replica). Below --group_replicas, losing a process of a replica other than replica 0 "
           "evicts that replica and the mesh goes on without it in its next epoch (its trainers "
           "move to the replicas that serve); the same on every process of the mesh");
+ABSL_FLAG(int32_t, mesh_max_evictions, 0,
+          "on a mesh with --mesh_min_replicas: the most replicas evicted within "
+          "--mesh_eviction_window_seconds; a loss past it takes the mesh down (a slow replica "
+          "must not evict the others one after another); 0 = no cap but the minimum");
+ABSL_FLAG(double, mesh_eviction_window_seconds, 3600,
+          "the window of --mesh_max_evictions, in seconds");
 ABSL_FLAG(std::string, testonly_mesh_pause, "",
           "tests only, refused unless the environment sets REMOTEHEAD_TESTONLY=1: "
           "\"after_sum|after_apply,<weight version>,<seconds>\" pauses every rank of a mesh at "
@@ -492,12 +498,17 @@ int Run() {
                 << " temporary file(s) of saves interrupted by a crash" << std::endl;
     }
   }
+  const char* test_environment = std::getenv("REMOTEHEAD_TESTONLY");
   const absl::StatusOr<rh::server::MeshOptions> mesh_options = rh::server::ResolveMeshOptions(
-      absl::GetFlag(FLAGS_mesh_reduce_dtype), absl::GetFlag(FLAGS_mesh_checksum_every_steps),
-      absl::GetFlag(FLAGS_mesh_min_replicas), group_config->replicas,
-      absl::GetFlag(FLAGS_testonly_mesh_pause),
-      std::getenv("REMOTEHEAD_TESTONLY") != nullptr &&
-          std::string(std::getenv("REMOTEHEAD_TESTONLY")) == "1");
+      {.reduce_dtype = absl::GetFlag(FLAGS_mesh_reduce_dtype),
+       .checksum_every_steps = absl::GetFlag(FLAGS_mesh_checksum_every_steps),
+       .min_replicas = absl::GetFlag(FLAGS_mesh_min_replicas),
+       .max_evictions = absl::GetFlag(FLAGS_mesh_max_evictions),
+       .eviction_window_seconds = absl::GetFlag(FLAGS_mesh_eviction_window_seconds),
+       .testonly_pause = absl::GetFlag(FLAGS_testonly_mesh_pause),
+       .test_environment =
+           test_environment != nullptr && std::string(test_environment) == "1"},
+      group_config->replicas);
   if (!mesh_options.ok()) return Refuse(mesh_options.status());
   absl::StatusOr<rh::server::Cluster> cluster =
       rh::server::JoinCluster(*group_config, *mesh_options);

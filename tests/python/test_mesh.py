@@ -525,6 +525,12 @@ def test_a_rank_lost_before_the_step_aborts_it_everywhere_with_nothing_applied(h
     (["--group_size=2", "--group_rank=0", "--group_replicas=0"], "--group_replicas"),
     (["--mesh_reduce_dtype=float8"], "--mesh_reduce_dtype"),
     (["--mesh_checksum_every_steps=-1"], "--mesh_checksum_every_steps"),
+    (["--group_size=4", "--group_rank=0", "--group_replicas=2", "--mesh_min_replicas=3"],
+     "--mesh_min_replicas"),
+    (["--mesh_min_replicas=-1"], "--mesh_min_replicas"),
+    (["--mesh_max_evictions=-2"], "--mesh_max_evictions"),
+    (["--mesh_eviction_window_seconds=0"], "--mesh_eviction_window_seconds"),
+    (["--testonly_mesh_pause=after_sum,1,1"], "--testonly_mesh_pause"),
 ])
 def test_bad_mesh_flags_are_refused_naming_the_flag(flags, named):
     done = subprocess.run([BINARY, "--listen=127.0.0.1:0", "--device=cpu", *flags],

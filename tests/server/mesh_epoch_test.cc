@@ -71,7 +71,7 @@ TEST(MeshEpochTest, TheRecordRoundTripsAndAnythingElseIsRefused) {
 // R·K processes' liveness (as JoinCluster starts it) over one in-process store, evicting.
 class Evicting {
  public:
-  Evicting(int replicas, int k, int min_replicas)
+  Evicting(int replicas, int k, int min_replicas, EvictionCap cap = {})
       : groups_(replicas, k, milliseconds(5000)), logs_(static_cast<size_t>(replicas * k)) {
     for (int g = 0; g < replicas * k; ++g) {
       const GroupConfig config = groups_.config(g);
@@ -83,7 +83,7 @@ class Evicting {
                                                             config.prefix + "/liveness"));
       EXPECT_TRUE(started.ok()) << started.status();
       processes_.push_back(*std::move(started));
-      processes_.back()->EnableEviction(min_replicas);
+      processes_.back()->EnableEviction(min_replicas, cap);
     }
   }
   Liveness& at(int g) { return *processes_[static_cast<size_t>(g)]; }
@@ -189,6 +189,21 @@ TEST(MeshEvictionTest, ReplicaZeroAndALossBelowTheMinimumTakeTheMeshDownAsBefore
     EXPECT_EQ(mesh.at(0).epoch().number, 0);
     EXPECT_EQ(mesh.at(0).health().code(), absl::StatusCode::kUnavailable);
   }
+}
+
+TEST(MeshEvictionTest, PastTheCapALossTakesTheMeshDownInsteadOfEvictingAgain) {
+  Evicting mesh(/*replicas=*/4, /*k=*/1, /*min_replicas=*/1,
+                {.evictions = 1, .window = std::chrono::seconds(3600)});
+  mesh.at(0).DeclareDown(LostVerdict(3));
+  EXPECT_EQ(mesh.at(0).epoch().number, 1);
+  EXPECT_TRUE(mesh.at(0).health().ok());
+  mesh.at(0).DeclareDown(LostVerdict(2));  // a second within the window: a cascade
+  EXPECT_EQ(mesh.at(0).epoch().number, 1);
+  EXPECT_EQ(mesh.at(0).health().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(mesh.log(0).find("1 replica(s) were evicted within the last 3600 s "
+                             "(--mesh_max_evictions 1): no more evictions; the mesh goes down"),
+            std::string::npos)
+      << mesh.log(0);
 }
 
 TEST(MeshEvictionTest, AStrangersEpochRecordIsNeverEntered) {

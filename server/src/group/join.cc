@@ -36,46 +36,64 @@ absl::StatusOr<std::unique_ptr<Liveness>> StartLiveness(const GroupConfig& confi
 
 }  // namespace
 
-absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
-                                               int checksum_every_steps, int min_replicas,
-                                               int replicas, const std::string& testonly_pause,
-                                               bool test_environment) {
-  MeshOptions options;
-  if (reduce_dtype == "bfloat16") {
-    options.reduce_dtype = torch::kBFloat16;
-  } else if (reduce_dtype != "float32") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--mesh_reduce_dtype: expected float32 or bfloat16; got \"", reduce_dtype, "\""));
-  }
-  if (checksum_every_steps < 0) {
+namespace {
+
+// --testonly_mesh_pause as options (MeshOptions::TestOnlyPause).
+absl::StatusOr<MeshOptions::TestOnlyPause> ResolveTestOnlyPause(const MeshFlags& flags) {
+  MeshOptions::TestOnlyPause pause;
+  if (flags.testonly_pause.empty()) return pause;
+  if (!flags.test_environment) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--mesh_checksum_every_steps: expected >= 0; got ", checksum_every_steps));
+        "--testonly_mesh_pause: a fault point for tests only: expected REMOTEHEAD_TESTONLY=1 in "
+        "the environment; got none");
   }
-  options.checksum_every_steps = checksum_every_steps;
-  if (min_replicas < 0 || min_replicas > std::max(replicas, 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--mesh_min_replicas: expected 1 to --group_replicas (", replicas,
-                     "), or 0 for every replica; got ", min_replicas));
-  }
-  options.min_replicas = min_replicas;
-  if (testonly_pause.empty()) return options;
-  if (!test_environment) {
-    return absl::InvalidArgumentError(
-        "--testonly_mesh_pause: a fault point for tests only; refused unless the environment "
-        "sets REMOTEHEAD_TESTONLY=1");
-  }
-  const std::vector<std::string> fields = absl::StrSplit(testonly_pause, ',');
+  const std::vector<std::string> fields = absl::StrSplit(flags.testonly_pause, ',');
   double seconds = 0;
-  MeshOptions::TestOnlyPause& pause = options.testonly_pause;
   if (fields.size() != 3 || (fields[0] != "after_sum" && fields[0] != "after_apply") ||
       !absl::SimpleAtoi(fields[1], &pause.version) || !absl::SimpleAtod(fields[2], &seconds) ||
       seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--testonly_mesh_pause: expected \"after_sum|after_apply,<weight version>,<seconds>\"; "
-        "got \"", testonly_pause, "\""));
+        "got \"", flags.testonly_pause, "\""));
   }
   pause.point = fields[0];
   pause.pause = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  return pause;
+}
+
+}  // namespace
+
+absl::StatusOr<MeshOptions> ResolveMeshOptions(const MeshFlags& flags, int replicas) {
+  MeshOptions options;
+  if (flags.reduce_dtype == "bfloat16") {
+    options.reduce_dtype = torch::kBFloat16;
+  } else if (flags.reduce_dtype != "float32") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--mesh_reduce_dtype: expected float32 or bfloat16; got \"", flags.reduce_dtype, "\""));
+  }
+  if (flags.checksum_every_steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--mesh_checksum_every_steps: expected >= 0; got ", flags.checksum_every_steps));
+  }
+  options.checksum_every_steps = flags.checksum_every_steps;
+  if (flags.min_replicas < 0 || flags.min_replicas > std::max(replicas, 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mesh_min_replicas: expected 1 to --group_replicas (", replicas,
+                     "), or 0 for every replica; got ", flags.min_replicas));
+  }
+  options.min_replicas = flags.min_replicas;
+  if (flags.max_evictions < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--mesh_max_evictions: expected >= 0 (0: no cap); got ", flags.max_evictions));
+  }
+  if (!(flags.eviction_window_seconds > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--mesh_eviction_window_seconds: expected > 0; got ", flags.eviction_window_seconds));
+  }
+  options.max_evictions = flags.max_evictions;
+  options.eviction_window =
+      std::chrono::seconds(static_cast<int64_t>(flags.eviction_window_seconds));
+  ASSIGN_OR_RETURN(options.testonly_pause, ResolveTestOnlyPause(flags));
   return options;
 }
 
@@ -157,7 +175,10 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
   }
   ASSIGN_OR_RETURN(cluster.liveness, StartLiveness(config));
   Liveness* liveness = cluster.liveness.get();
-  if (mesh_options.min_replicas > 0) liveness->EnableEviction(mesh_options.min_replicas);
+  if (mesh_options.min_replicas > 0) {
+    liveness->EnableEviction(mesh_options.min_replicas, {.evictions = mesh_options.max_evictions,
+                                                         .window = mesh_options.eviction_window});
+  }
   if (cluster.group != nullptr) cluster.group->set_liveness(liveness);
   if (fronts != nullptr) fronts->set_liveness(liveness);
   cluster.mesh = std::make_unique<HeadMesh>(config.replica(), config.replicas, mesh_options,

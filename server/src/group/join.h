@@ -41,12 +41,18 @@ struct Cluster {
   absl::StatusOr<std::vector<std::string>> AllGather(const std::string& mine) const;
 };
 
-// The --mesh_* flags as options; INVALID_ARGUMENT naming the flag. `testonly_pause`
-// (--testonly_mesh_pause) only in a test environment (REMOTEHEAD_TESTONLY=1).
-absl::StatusOr<MeshOptions> ResolveMeshOptions(const std::string& reduce_dtype,
-                                               int checksum_every_steps, int min_replicas,
-                                               int replicas, const std::string& testonly_pause,
-                                               bool test_environment);
+// The --mesh_* flags as given.
+struct MeshFlags {
+  std::string reduce_dtype = "float32";
+  int checksum_every_steps = 100;
+  int min_replicas = 0;
+  int max_evictions = 0;
+  double eviction_window_seconds = 3600;
+  std::string testonly_pause;     // --testonly_mesh_pause
+  bool test_environment = false;  // REMOTEHEAD_TESTONLY=1: test-only flags allowed
+};
+// The flags as options for a mesh of `replicas`; INVALID_ARGUMENT naming the flag.
+absl::StatusOr<MeshOptions> ResolveMeshOptions(const MeshFlags& flags, int replicas);
 
 // Joins (every rank waits for the others, up to config.timeout) and opens the logs.
 absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options);

@@ -331,8 +331,9 @@ void Liveness::DeclareDown(const absl::Status& verdict) {
   GoDown(verdict, /*write=*/true);
 }
 
-void Liveness::EnableEviction(int min_replicas) {
+void Liveness::EnableEviction(int min_replicas, EvictionCap cap) {
   if (config_.replicas > 1 && min_replicas < config_.replicas) min_replicas_ = min_replicas;
+  cap_ = cap;
 }
 
 MeshEpoch Liveness::epoch() const {
@@ -372,6 +373,24 @@ bool Liveness::Evict(const absl::Status& verdict) {
     if (!now.serves(replica)) return true;  // evicted already: the mesh went on
     // Replica 0's front serves the store and leads: its loss is the mesh's, as without eviction.
     if (replica == 0 || static_cast<int>(now.live.size()) - 1 < min_replicas_) return false;
+    if (cap_.evictions > 0) {
+      int64_t recent = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        const Clock::time_point since = Clock::now() - cap_.window;
+        recent = std::count_if(evicted_at_.begin(), evicted_at_.end(),
+                               [&](Clock::time_point at) { return at >= since; });
+      }
+      if (recent >= cap_.evictions) {
+        if (log_ != nullptr) {
+          *log_ << "remotehead-server: mesh: " << Describe(lost) << " is lost, but " << recent
+                << " replica(s) were evicted within the last " << cap_.window.count()
+                << " s (--mesh_max_evictions " << cap_.evictions
+                << "): no more evictions; the mesh goes down" << std::endl;
+        }
+        return false;
+      }
+    }
     const MeshEpoch proposed = now.Without(replica, absl::StrCat(Describe(lost), " is lost"));
     const absl::StatusOr<std::string> settled =
         Settle(store_keys::MeshEpochRecord(proposed.number), proposed.Encode());
@@ -388,6 +407,7 @@ void Liveness::Adopt(const MeshEpoch& next) {
     std::lock_guard<std::mutex> lock(mu_);
     if (next.number != epoch_.number + 1) return;
     epoch_ = next;
+    evicted_at_.push_back(Clock::now());
     // The evicted replica's processes are no longer watched: their beats say nothing of the mesh.
     for (int s = 0; s < k; ++s) last_change_.erase(next.evicted * k + s);
   }

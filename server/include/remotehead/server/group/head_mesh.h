@@ -53,8 +53,12 @@ struct MeshOptions {
   // rounded sums); the sum lands back in dW's own dtype.
   torch::ScalarType reduce_dtype = torch::kFloat;
   int checksum_every_steps = 1;  // 0: never
-  // The fewest replicas the mesh goes on with (--mesh_min_replicas; 0: every replica, R).
+  // The fewest replicas the mesh goes on with (--mesh_min_replicas; 0: every replica, R), and
+  // the most evictions within a window (--mesh_max_evictions, 0: no cap;
+  // --mesh_eviction_window_seconds): Liveness::EvictionCap.
   int min_replicas = 0;
+  int max_evictions = 0;
+  std::chrono::seconds eviction_window{3600};
   // Tests only (--testonly_mesh_pause, refused outside a test environment): every rank pauses
   // for `pause` at `point` ("after_sum": before the commit decision; "after_apply": before the
   // step's answer) of the mesh step that makes weight version `version`, so that a test can kill

@@ -41,6 +41,12 @@
 
 namespace remotehead::server {
 
+// At most `evictions` replicas evicted within `window` (Liveness::EnableEviction).
+struct EvictionCap {
+  int evictions = 0;  // 0: no cap but the minimum
+  std::chrono::seconds window{3600};
+};
+
 class Liveness {
  public:
   struct Timing {
@@ -84,8 +90,10 @@ class Liveness {
 
   // Eviction (mesh_epoch.h), set before the mesh serves: from then on the loss of a process of
   // a replica other than replica 0 evicts its replica as long as `min_replicas` replicas keep
-  // serving. Every process of the mesh must be given the same minimum.
-  void EnableEviction(int min_replicas);
+  // serving, and fewer than `cap.evictions` replicas were evicted within the last `cap.window`
+  // (a slow replica that makes others look lost must not evict them one after another: past the
+  // cap a loss takes the mesh down). Every process of the mesh must be given the same.
+  void EnableEviction(int min_replicas, EvictionCap cap = {});
   bool evicts() const { return min_replicas_ > 0; }
   // The mesh's epoch as this process knows it (epoch 0 until a replica is evicted).
   MeshEpoch epoch() const;
@@ -170,6 +178,8 @@ class Liveness {
   Clock::time_point store_failing_since_ = Clock::time_point::max();
   absl::Status down_;
   int min_replicas_ = 0;  // 0: no eviction
+  EvictionCap cap_;
+  std::vector<Clock::time_point> evicted_at_;  // when this process entered each epoch (under mu_)
   MeshEpoch epoch_;       // under mu_
   std::mutex evicting_;   // one eviction at a time in this process
   std::map<int, std::function<void(const absl::Status&)>> listeners_;  // under calling_
