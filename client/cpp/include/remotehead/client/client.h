@@ -11,8 +11,13 @@
 //   rows of targets, weights and aux inputs) while the calling thread receives dX / per-token
 //   outputs as the server produces them, so upload, compute and download overlap.
 //
+// - On a mesh that evicts a lost replica, a call at this trainer's front that changes epochs is
+//   asked again (ClientOptions::reconfigure_timeout); when the trainer's replica is evicted, the
+//   call follows the mesh to the front that serves it now and returns REPLICA_MOVED (below).
+//
 // A Client is thread-safe: many threads may issue calls at once (each call has its own gRPC
-// context and stream on a shared channel).
+// context and stream on a shared channel; a call keeps the front it began on if another call
+// moves the client to another front).
 //
 // The value types the calls take and return have headers of their own, included here:
 // options.h (connecting and retrying), head_types.h (heads, weights, gradients, the optimizer)
@@ -33,6 +38,18 @@
 #include "remotehead/core/torch_api.h"
 
 namespace remotehead::client {
+
+namespace reason {
+// The client's own reason (core/error_reason.h lists the server's): this trainer's replica of a
+// mesh was evicted (or its front is gone) and the Client now dials the front of the replica that
+// serves it in the mesh's new epoch; the call that noticed it returns UNAVAILABLE with this
+// reason, nothing of it done at the new front. The dW its calls added since its last optimizer
+// step went with the old replica: resend those calls (RemoteHead replays them by itself) pinned
+// to the new front's incarnation. Metadata: "from_replica", "to_replica", and the head as the new
+// front describes it: "incarnation", "weight_version" (past the trainer's: the step in flight
+// was applied after all, and nothing is to be resent).
+inline constexpr char kReplicaMoved[] = "REPLICA_MOVED";
+}  // namespace reason
 
 class Client {
  public:
@@ -131,8 +148,16 @@ class Client {
   absl::StatusOr<BackwardResult> Backward(const StepSpec& spec, const StepInputs& inputs,
                                           const torch::Tensor& grad_output);
 
+  // The options as given (`target`, `rank`: as resolved at Create; target() is the front dialled
+  // now).
   const ClientOptions& options() const { return options_; }
   ClientStats stats() const;
+  // The mesh replica whose front this trainer dials now (0 off a mesh), and its address.
+  int replica() const;
+  std::string target() const;
+  // Counts `calls` resent after a move (ClientStats::replays): RemoteHead's replay journal counts
+  // its own; a program that resends its calls itself after REPLICA_MOVED may count them here.
+  void CountReplays(int64_t calls);
 
  private:
   struct Impl;

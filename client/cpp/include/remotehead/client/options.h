@@ -53,13 +53,25 @@ struct ClientOptions {
   // that change every replica (CreateHead, UploadHead, DropHead, ZeroGradients, an
   // unsynchronized OptimizerStep) to the leader, fronts[0]. A front that is not the leader
   // names the leader (reason NOT_THE_LEADER), and the client follows it once by itself.
+  // On a mesh that evicts a lost replica (--mesh_min_replicas), a call of a head at this
+  // trainer's front — a step, DescribeHead, a synchronous OptimizerStep, an embedding's lookup
+  // or gradient — that fails for good there (the front gone, down, evicted, or naming another
+  // replica) follows the mesh: the client asks the fronts which serves this trainer now, dials
+  // it from then on (Client::replica) and returns UNAVAILABLE, reason REPLICA_MOVED (client.h).
   std::vector<std::string> fronts;
-  int rank = -1;  // this trainer's rank for `fronts`; -1: RANK from the environment, else 0
+  // This trainer's rank for `fronts`; -1: RANK from the environment, else 0 (Client::options()
+  // holds the rank resolved).
+  int rank = -1;
   std::optional<TlsOptions> tls;  // unset: an insecure (plaintext) channel
   // Sent as `authorization: Bearer <token>` on every call. Only over TLS: Client::Create
   // refuses a token on an insecure channel rather than send it in clear text.
   std::string bearer_token;
   RetryPolicy retry;
+  // How long a call waits out a mesh that changes epochs after losing a replica (UNAVAILABLE,
+  // reason MESH_RECONFIGURING: nothing of the call was applied), asking again with the retry
+  // policy's backoff without counting those attempts; and how long a call that follows the mesh
+  // probes its fronts for the one that serves this trainer now.
+  std::chrono::milliseconds reconfigure_timeout = std::chrono::seconds(120);
   // Wall-clock limit of one call, all of its attempts and backoff waits included. Unset: none.
   std::optional<std::chrono::milliseconds> deadline;
   // Largest request message: rows of X (with their targets, weights, aux, grad_output) and
@@ -86,6 +98,8 @@ struct ClientStats {
   int64_t calls = 0;     // typed calls started
   int64_t attempts = 0;  // RPC attempts, retries included
   int64_t retries = 0;   // attempts after an UNAVAILABLE
+  int64_t moves = 0;     // times this trainer moved to another replica's front (REPLICA_MOVED)
+  int64_t replays = 0;   // calls resent after a move (RemoteHead's replay journal)
 };
 
 }  // namespace remotehead::client
