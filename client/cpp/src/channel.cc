@@ -11,7 +11,6 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "remotehead/client/client.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
 

@@ -45,16 +45,11 @@ struct RemoteHead::State {
   // What the trainer resends after a move to another replica's front, and the front it dials.
   std::unique_ptr<internal::ReplayJournal> journal;
 
-  // `call(spec)` with `spec` pinned to the front this trainer dials now, asked again after a move
-  // once the journal is replayed there (ReplayJournal::Resilient); its failure thrown.
+  // `call(spec)`, `spec` pinned to the front dialled now, asked again after a move (its failure
+  // thrown).
   template <typename R, typename Call>
   R Resilient(const StepSpec& spec, Call&& call) {
-    return ValueOrThrow(journal->Pinned<R>(spec.expected_incarnation, info.weight_version,
-                                           [&](const std::string& incarnation) {
-                                             StepSpec pinned = spec;
-                                             pinned.expected_incarnation = incarnation;
-                                             return call(pinned);
-                                           }));
+    return ValueOrThrow(journal->PinnedStep<R>(spec, info.weight_version, call));
   }
 
   GradientId NextGradientId(const HeadCall& call) {

@@ -4,7 +4,7 @@
 // On a mesh that evicts a lost replica (--mesh_min_replicas), the dW a trainer's calls added to
 // its replica since the last applied optimizer step is lost with that replica; the trainer itself
 // is not. Its Client follows the mesh to the front that serves it now and returns REPLICA_MOVED
-// (client.h); the journal then sends those calls again to that front, under the same gradient
+// (options.h); the journal then sends those calls again to that front, under the same gradient
 // ids (exactly once there) and pinned to the same weight version, with the new front's
 // incarnation, and the call that failed is asked again: the training loop sees nothing. If the
 // new front is already past the weight version the trainer holds, the step in flight was applied
@@ -66,6 +66,15 @@ class ReplayJournal {
         },
         held_version));
     return *std::move(result);
+  }
+  // `call(spec)` under Resilient, `spec` pinned at each try to Current(spec.expected_incarnation).
+  template <typename R, typename Call>
+  absl::StatusOr<R> PinnedStep(const StepSpec& spec, int64_t held_version, Call&& call) {
+    return Pinned<R>(spec.expected_incarnation, held_version, [&](const std::string& incarnation) {
+      StepSpec pinned = spec;
+      pinned.expected_incarnation = incarnation;
+      return call(pinned);
+    });
   }
 
   // A step call that added dW (spec.accumulate_weight_grad), kept for a move: a ForwardBackward,

@@ -13,7 +13,7 @@
 //
 // - On a mesh that evicts a lost replica, a call at this trainer's front that changes epochs is
 //   asked again (ClientOptions::reconfigure_timeout); when the trainer's replica is evicted, the
-//   call follows the mesh to the front that serves it now and returns REPLICA_MOVED (below).
+//   call follows the mesh to the front that serves it now and returns REPLICA_MOVED (options.h).
 //
 // A Client is thread-safe: many threads may issue calls at once (each call has its own gRPC
 // context and stream on a shared channel; a call keeps the front it began on if another call
@@ -38,18 +38,6 @@
 #include "remotehead/core/torch_api.h"
 
 namespace remotehead::client {
-
-namespace reason {
-// The client's own reason (core/error_reason.h lists the server's): this trainer's replica of a
-// mesh was evicted (or its front is gone) and the Client now dials the front of the replica that
-// serves it in the mesh's new epoch; the call that noticed it returns UNAVAILABLE with this
-// reason, nothing of it done at the new front. The dW its calls added since its last optimizer
-// step went with the old replica: resend those calls (RemoteHead replays them by itself) pinned
-// to the new front's incarnation. Metadata: "from_replica", "to_replica", and the head as the new
-// front describes it: "incarnation", "weight_version" (past the trainer's: the step in flight
-// was applied after all, and nothing is to be resent).
-inline constexpr char kReplicaMoved[] = "REPLICA_MOVED";
-}  // namespace reason
 
 class Client {
  public:

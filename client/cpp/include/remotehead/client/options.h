@@ -1,7 +1,7 @@
 // How a Client connects and retries (ClientOptions, given to Client::Create): the server or a
 // mesh's replica fronts, TLS and the bearer token, the retry policy every call runs under, the
 // sizes of the messages and the streams a step is striped over; and what the client reports of
-// its calls (RetryEvent, ClientStats).
+// its calls (RetryEvent, the client's own error reason, ClientStats).
 #pragma once
 
 #include <chrono>
@@ -92,6 +92,18 @@ struct ClientOptions {
   // that issues calls.
   std::function<void(const RetryEvent&)> on_retry;
 };
+
+namespace reason {
+// The client's own reason (core/error_reason.h lists the server's): this trainer's replica of a
+// mesh was evicted (or its front is gone) and the Client now dials the front of the replica that
+// serves it in the mesh's new epoch; the call that noticed it returns UNAVAILABLE with this
+// reason, nothing of it done at the new front. The dW its calls added since its last optimizer
+// step went with the old replica: resend those calls (RemoteHead replays them by itself) pinned
+// to the new front's incarnation. Metadata: "from_replica", "to_replica", and the head as the new
+// front describes it: "incarnation", "weight_version" (past the trainer's: the step in flight
+// was applied after all, and nothing is to be resent).
+inline constexpr char kReplicaMoved[] = "REPLICA_MOVED";
+}  // namespace reason
 
 // What one Client has done so far (all calls, all threads).
 struct ClientStats {
