@@ -269,6 +269,32 @@ TEST_F(MeshMoveTest, AFrontThatStillServesTheTrainerIsAskedAgainWithoutAMove) {
   EXPECT_EQ(own.calls(), 3);  // the call, the probe, the call again
 }
 
+TEST_F(MeshMoveTest, AMeshThatIsDownIsNotFollowedButAnEvictedReplicaIs) {
+  // Replica 1's front says the mesh is down (not evicted): the call's own failure, at once.
+  ScriptedFront leader(&a_->service()), own(&a_->service());
+  const absl::Status down = core::WithReason(absl::UnavailableError("head group of 2 is down"),
+                                             core::reason::kGroupUnavailable, {{"rank", "1"}});
+  own.Answer(10, down);
+  leader.Answer(10, down);
+  auto client = *rc::Client::Create(
+      {.fronts = {leader.target(), own.target()}, .rank = 1, .retry = {.max_attempts = 1}});
+  const auto described = client->DescribeHead("lm");
+  EXPECT_EQ(core::ReasonOf(described.status()).reason, core::reason::kGroupUnavailable);
+  EXPECT_EQ(leader.calls(), 1);  // one probe, no second sweep
+  EXPECT_EQ(own.calls(), 1);     // the call only
+  EXPECT_EQ(client->replica(), 1);
+
+  // An evicted replica's front says so (metadata "evicted"): the leader that serves is found.
+  ScriptedFront evicted(&a_->service());
+  evicted.Answer(
+      10, core::WithReason(absl::UnavailableError("replica 1 was evicted"),
+                           core::reason::kGroupUnavailable, {{"evicted", "1"}, {"epoch", "1"}}));
+  auto moving = *rc::Client::Create(
+      {.fronts = {a_->target(), evicted.target()}, .rank = 1, .retry = {.max_attempts = 1}});
+  EXPECT_EQ(core::ReasonOf(moving->DescribeHead("lm").status()).reason, rc::reason::kReplicaMoved);
+  EXPECT_EQ(moving->replica(), 0);
+}
+
 TEST_F(MeshMoveTest, ADrainingFrontIsNotFollowed) {
   ScriptedFront own(&a_->service());
   own.Answer(1,

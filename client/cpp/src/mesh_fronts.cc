@@ -59,14 +59,19 @@ std::optional<MeshFronts::Found> MeshFronts::Follow(const std::string& head_id, 
       if (!probed.insert(replica).second) continue;
       absl::StatusOr<v1::HeadInfo> info = Probe(replica, head_id, open);
       if (info.ok()) return Found{.replica = replica, .info = *std::move(info)};
-      // A front that does not serve this trainer names the replica that does: asked next.
       const std::optional<core::ErrorReason> reason = core::GetReason(info.status());
-      if (!reason.has_value() || reason->reason != core::reason::kWrongReplica) continue;
-      const auto named = reason->metadata.find("replica");
-      int next = -1;
-      if (named != reason->metadata.end() && absl::SimpleAtoi(named->second, &next) && next >= 0 &&
-          next < count) {
-        queue.push_front(next);
+      if (!reason.has_value()) continue;
+      // A front that does not serve this trainer names the replica that does: asked next.
+      if (reason->reason == core::reason::kWrongReplica) {
+        const auto named = reason->metadata.find("replica");
+        int next = -1;
+        if (named != reason->metadata.end() && absl::SimpleAtoi(named->second, &next) &&
+            next >= 0 && next < count) {
+          queue.push_front(next);
+        }
+      } else if (reason->reason == core::reason::kGroupUnavailable &&
+                 !reason->metadata.contains("evicted")) {
+        return std::nullopt;  // the mesh is down (it does not evict): nothing to follow
       }
     }
     if (std::chrono::steady_clock::now() + pause > deadline) return std::nullopt;

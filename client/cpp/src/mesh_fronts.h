@@ -10,7 +10,10 @@
 // elsewhere), Follow probes the fronts in order from the next one, each with a DescribeHead naming
 // the trainer (HeadRef.trainer_rank): a front that serves it answers; another names the replica
 // that does (WRONG_REPLICA), which is probed next; a mesh still changing epochs
-// (MESH_RECONFIGURING) is asked again at the next sweep. The sweeps go on for up to the patience.
+// (MESH_RECONFIGURING) is asked again at the next sweep. The sweeps go on for up to the patience,
+// and stop at once when a front says that the mesh is down (GROUP_UNAVAILABLE, not an evicted
+// replica's: a mesh without --mesh_min_replicas, or one that lost its leader's replica, goes down
+// as a whole).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -63,7 +66,7 @@ class MeshFronts {
   };
   // The replica whose front serves this trainer now — probed in the order of the fronts after
   // `current` (cyclically), then `current` — and the head `head_id` as that front describes it;
-  // nullopt if no front said so within the patience.
+  // nullopt if no front said so within the patience, or one said the mesh is down.
   std::optional<Found> Follow(const std::string& head_id, int current, const Open& open,
                               const Pace& pace) const;
 
