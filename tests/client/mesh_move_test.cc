@@ -267,6 +267,8 @@ TEST_F(MeshMoveTest, AFrontThatStillServesTheTrainerIsAskedAgainWithoutAMove) {
   EXPECT_EQ(client->stats().moves, 0);
   EXPECT_EQ(leader.calls(), 1);
   EXPECT_EQ(own.calls(), 3);  // the call, the probe, the call again
+  EXPECT_EQ(client->stats().calls, 1);
+  EXPECT_EQ(client->stats().attempts, 2);
 }
 
 TEST_F(MeshMoveTest, AMeshThatIsDownIsNotFollowedButAnEvictedReplicaIs) {

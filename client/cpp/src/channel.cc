@@ -208,6 +208,11 @@ absl::Status GaveUp(const absl::Status& last, const std::string& message) {
 absl::Status Channel::WithRetries(const char* rpc, const Attempt& attempt,
                                   const AlreadyDone& already_done) {
   ++calls_;
+  return Attempts(rpc, attempt, already_done);
+}
+
+absl::Status Channel::Attempts(const char* rpc, const Attempt& attempt,
+                               const AlreadyDone& already_done) {
   std::optional<Clock::time_point> deadline;
   if (options_.deadline.has_value()) deadline = Clock::now() + *options_.deadline;
   std::optional<Clock::time_point> reconfiguring_until;
@@ -258,10 +263,11 @@ absl::Status Channel::WithRetries(const char* rpc, const Attempt& attempt,
 
 absl::Status Channel::AtOwnFront(const char* rpc, const std::string& head_id,
                                  const Attempt& attempt) {
-  const absl::Status status = WithRetries(rpc, attempt);
+  ++calls_;
+  const absl::Status status = Attempts(rpc, attempt, nullptr);
   if (status.ok() || !fronts_.MayFollow(status)) return status;
   RETURN_IF_ERROR(FollowMesh(head_id, status));
-  return WithRetries(rpc, attempt);  // the same front serves this trainer still: once more
+  return Attempts(rpc, attempt, nullptr);  // the same front serves this trainer still: once more
 }
 
 absl::Status Channel::FollowMesh(const std::string& head_id, const absl::Status& failed) {

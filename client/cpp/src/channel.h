@@ -122,6 +122,8 @@ class Channel {
       return FromGrpc(((on != nullptr ? on : own.get())->*method)(context, request, response));
     };
   }
+  // WithRetries's attempts, the call counted by its caller.
+  absl::Status Attempts(const char* rpc, const Attempt& attempt, const AlreadyDone& already_done);
   // The backoff `ms`, spread by the retry policy's jitter.
   std::chrono::milliseconds Jittered(double ms);
   // A channel to `address` with the options' credentials and arguments.
