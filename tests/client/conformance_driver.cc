@@ -7,7 +7,8 @@
 //                                 [--fronts=HOST:PORT,HOST:PORT… --rank=N]
 //
 // --fronts: a mesh's replica fronts (ClientOptions::fronts; with --rank, the trainer's rank):
-// test_mesh.py runs calls through them.
+// test_mesh.py runs calls through them, test_conformance.py a trainer that moves. A failed call's
+// result has its code, message, reason and metadata.
 //
 // Inputs are generated from the formula in the calls file's comment, so no tensor is shipped.
 // Exit code: 0 when every call ran (failed calls included: they are results), 2 on bad usage
@@ -26,6 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "remotehead/client/client.h"
+#include "remotehead/core/error_reason.h"
 
 namespace {
 
@@ -129,6 +131,7 @@ rh::StepSpec Spec(const json& call, const std::map<std::string, std::string>& ha
   if (o.contains("logits_dtype")) spec.logits_dtype = Dtype(o["logits_dtype"]);
   spec.retain_inputs_seconds = o.value("retain_inputs_seconds", spec.retain_inputs_seconds);
   spec.inputs_handle = o.value("inputs_handle", spec.inputs_handle);
+  spec.compact_rows = o.value("compact_rows", spec.compact_rows);
   if (o.contains("token_extras"))
     spec.token_extras = o["token_extras"].get<std::vector<std::string>>();
   if (call.contains("inputs_handle_from")) {
@@ -173,9 +176,12 @@ json Info(const rh::HeadInfo& info) {
 }
 
 json Error(const absl::Status& status) {
+  const remotehead::core::ErrorReason why = remotehead::core::ReasonOf(status);
   return {{"ok", false},
           {"code", absl::StatusCodeToString(status.code())},
-          {"message", std::string(status.message())}};
+          {"message", std::string(status.message())},
+          {"reason", why.reason},
+          {"metadata", why.metadata}};
 }
 
 // One call of the file; `handles` collects the Forwards' inputs handles by call name.

@@ -16,11 +16,16 @@ at the end, so both start from the same server state. Compared, call by call:
   engine's chunking, are compared only as "some");
   valid_tokens, versions, flags and head descriptions exactly; a refused call's code, and text
   its message must contain.
+A trainer that moves (test_both_clients_follow_a_moved_trainer_alike): rank 1 of fronts [the
+proxy, a port nothing listens on] — its step fails at its own front for good, both clients probe
+the proxy's server with the same DescribeHead (HeadRef.trainer_rank 1), move there and report
+REPLICA_MOVED with the same metadata; the step asked again reaches it the same.
 """
 
 import concurrent.futures
 import json
 import os
+import socket
 import subprocess
 import threading
 
@@ -206,16 +211,17 @@ def summary_dict(s):
             "inputs_handle": s.inputs_handle}
 
 
-def run_python(target, calls):
+def run_python(target, calls, **client_options):
     clients, handles, results = {}, {}, []
     for call in calls:
         chunk_bytes = call.get("chunk_bytes", 1 << 20)
-        client = clients.setdefault(chunk_bytes,
-                                    remotehead.Client(target, chunk_bytes=chunk_bytes))
+        client = clients.setdefault(chunk_bytes, remotehead.Client(
+            target, chunk_bytes=chunk_bytes, **client_options))
         try:
             result = {"ok": True, **run_python_call(client, call, handles)}
         except remotehead.RemoteheadError as e:
-            result = {"ok": False, "code": e.code.name, "message": e.details}
+            result = {"ok": False, "code": e.code.name, "message": e.details,
+                      "reason": e.reason, "metadata": e.metadata}
         results.append({"name": call["name"], **result})
     for client in clients.values():
         client.close()
@@ -402,3 +408,60 @@ def test_both_clients_send_the_same_requests_and_get_the_same_results(server_tar
     assert min(len(messages) - 1 for _, messages in served) == 0
     refused_here = [c for c in calls if c.get("expect_error") == "INVALID_ARGUMENT"]
     assert len(steps) == sum(1 for c in calls if c["rpc"] in STEP_RPCS) - len(refused_here)
+
+
+def unused_address() -> str:
+    """A loopback address nothing listens on (bound by the kernel's choice, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_both_clients_follow_a_moved_trainer_alike(server_target, proxy, tmp_path):
+    """Trainer 1 of fronts [the proxy, a front that is gone]: its step fails there for good; each
+    client probes the fronts from the next one (the proxy's server serves every trainer), dials
+    it from then on and reports the move (UNAVAILABLE, REPLICA_MOVED, from replica 1 to 0, the
+    head's incarnation and version there); the step asked again goes there. compact_rows off:
+    the function list, which a step with targets reads first at the trainer's own front, plays
+    no part."""
+    head = "conformance-move"
+    step = {"rpc": "ForwardBackward", "head_id": head,
+            "inputs": {"rows": 6, "hidden_size": 8, "seed": 3, "hidden_dtype": "float32",
+                       "targets": {"vocab_size": 20, "ignore_every": 0, "ignore_value": -100}},
+            "options": {"reduction": "sum", "gradient_id": ["mover/rank-1", 0, 0],
+                        "compact_rows": False}}
+    calls = [{"name": "create", "rpc": "CreateHead", "head_id": head, "vocab_size": 20,
+              "hidden_size": 8, "seed": 2, "dtype": "float32", "bias": False},
+             {"name": "moved", **step, "expect_error": "UNAVAILABLE"},
+             {"name": "again", **step},
+             {"name": "drop", "rpc": "DropHead", "head_id": head}]
+    (tmp_path / "calls.json").write_text(json.dumps({"calls": calls}))
+    fronts = [proxy.target, unused_address()]
+
+    drop_leftovers(server_target, calls)
+    proxy.take()
+    py_results = run_python(fronts, calls, rank=1)
+    py_records = proxy.take()
+    drop_leftovers(server_target, calls)
+    out = tmp_path / "cpp_results.json"
+    run = subprocess.run([DRIVER, f"--target={proxy.target}", f"--fronts={','.join(fronts)}",
+                          "--rank=1", f"--calls={tmp_path / 'calls.json'}", f"--out={out}"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    cpp_records = proxy.take()
+    cpp_results = json.loads(out.read_text())["calls"]
+
+    for call, py, cpp in zip(calls, py_results, cpp_results, strict=True):
+        compare_results(call, py, cpp)
+    moved = [r for r in (py_results[1], cpp_results[1])]
+    assert [r["reason"] for r in moved] == ["REPLICA_MOVED"] * 2, moved
+    assert [(r["metadata"]["from_replica"], r["metadata"]["to_replica"]) for r in moved] == [
+        ("1", "0")] * 2, moved
+    # The same RPCs with the same messages: the probe names the trainer; nothing of the moved
+    # step reached the new front, the step asked again did.
+    names = [[name for name, _, _ in records] for records in (py_records, cpp_records)]
+    assert names == [["CreateHead", "DescribeHead", "ForwardBackward", "DropHead"]] * 2, names
+    for (name, py_requests, _), (_, cpp_requests, _) in zip(py_records, cpp_records):
+        assert parse(name, py_requests) == parse(name, cpp_requests), name
+    probe = parse("DescribeHead", py_records[1][1])[0]
+    assert (probe.head_id, probe.HasField("trainer_rank"), probe.trainer_rank) == (head, True, 1)

@@ -18,13 +18,19 @@ of its own client (trainer t dials fronts[t mod 2]), against the same run with n
   remotehead_mesh_replicas_live 1, remotehead_mesh_evictions_total 1; a trainer of replica 1
   that asks the leader whether it serves it (HeadRef.trainer_rank) is served, and the replica's
   survivors, if any, report NOT_SERVING.
+- The C++ client does the same: 4 processes of tests/client/mesh_trainer.cc (the loop of
+  train() through the C++ RemoteHead, the same micro-batches from the same generator seeds) on a
+  2 x 1 mesh whose replica 1 is killed in step 2 all exit 0; trainers 1 and 3 moved once and
+  replayed one call each, 0 and 2 neither; W equals the Python trainers' run with no loss.
 - Without --mesh_min_replicas the same loss takes the mesh down, as before (test_mesh.py,
   test_mesh_failures.py).
 """
+import json
 import os
 import pathlib
 import re
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -42,6 +48,12 @@ from remotehead.v1 import head_service_pb2_grpc as pb_grpc
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BINARY = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                         str(ROOT / "build" / "server" / "remotehead-server"))
+# One trainer's loop through the C++ RemoteHead (tests/client/mesh_trainer.cc), built beside the
+# conformance driver.
+DRIVER = os.environ.get("REMOTEHEAD_CONFORMANCE_DRIVER",
+                        str(ROOT / "build" / "tests" / "remotehead-conformance-driver"))
+CPP_TRAINER = os.environ.get("REMOTEHEAD_MESH_TRAINER",
+                             str(pathlib.Path(DRIVER).with_name("remotehead-mesh-trainer")))
 VOCAB, HIDDEN, ROWS, WORLD = 40, 16, 10, 4
 STEPS, MICRO_BATCHES, KILL_STEP = 6, 3, 2
 ADAMW = dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
@@ -172,6 +184,66 @@ def test_a_lost_replica_loses_no_step(size, killed):
                 continue
             with remotehead.Client(rank.target) as survivor:
                 assert survivor.health() == "NOT_SERVING"
+    assert_same_run(weight, reference, 1e-6)
+
+
+def train_cpp(fronts, barrier: pathlib.Path, kill):
+    """train()'s loops as 4 C++ trainer processes (remotehead-mesh-trainer), `kill()` run once
+    all of them added step KILL_STEP's first micro-batch (each says so with a file in `barrier`,
+    then waits for `barrier`/resume). The leader's W and HeadInfo, and each trainer's exit code,
+    its last output line (JSON: its client's moves, replays, replica) and its stderr."""
+    with remotehead.Client(fronts, rank=0) as leader:
+        leader.create_head(HEAD, VOCAB, HIDDEN, seed=5)
+    flags = [f"--fronts={','.join(fronts)}", f"--world={WORLD}", f"--head={HEAD}",
+             f"--steps={STEPS}", f"--micro_batches={MICRO_BATCHES}", f"--kill_step={KILL_STEP}",
+             f"--rows={ROWS}", f"--hidden={HIDDEN}", f"--vocab={VOCAB}", f"--barrier_dir={barrier}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    trainers = [subprocess.Popen([CPP_TRAINER, *flags, f"--rank={t}"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env)
+                for t in range(WORLD)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all((barrier / f"at-kill-{t}").exists() for t in range(WORLD)):
+            if any(p.poll() is not None for p in trainers) or time.monotonic() > deadline:
+                break  # a trainer failed: its exit code and stderr say why
+            time.sleep(0.01)
+        else:
+            kill()
+        (barrier / "resume").touch()
+        outputs = [p.communicate(timeout=300) for p in trainers]
+    finally:
+        for p in trainers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    with remotehead.Client(fronts, rank=0) as leader:
+        weight, _ = leader.export_weights(HEAD)
+        info = leader.describe_head(HEAD)
+    stats = [json.loads(out.strip().splitlines()[-1]) if p.returncode == 0 else None
+             for p, (out, _) in zip(trainers, outputs)]
+    return weight, info, [p.returncode for p in trainers], stats, [err for _, err in outputs]
+
+
+def test_cpp_trainers_move_and_replay_after_a_lost_replica(tmp_path):
+    """The C++ client's move and replay with real processes: the run of
+    test_a_lost_replica_loses_no_step (2 x 1, replica 1 killed in step 2) by C++ trainers, against
+    the Python trainers' run with no loss (the same micro-batches: LibTorch's CPU generator gives
+    the numbers Python's torch.Generator gives)."""
+    with start_mesh(2) as mesh:
+        reference, ref_info, _, ref_errors = train(list(mesh.fronts))
+    assert ref_errors == [None] * WORLD, ref_errors
+    assert ref_info.weight_version == STEPS
+
+    with start_mesh(2) as mesh:
+        victim = mesh.ranks[1]
+        weight, info, codes, stats, errors = train_cpp(
+            list(mesh.fronts), tmp_path, lambda: victim.process.send_signal(signal.SIGKILL))
+    assert codes == [0] * WORLD, errors
+    assert info.weight_version == STEPS
+    assert [s["moves"] for s in stats] == [0, 1, 0, 1]
+    assert [s["replays"] for s in stats] == [0, 1, 0, 1]
+    assert [s["replica"] for s in stats] == [0, 0, 0, 0]
+    assert [s["weight_version"] for s in stats] == [STEPS] * WORLD
     assert_same_run(weight, reference, 1e-6)
 
 

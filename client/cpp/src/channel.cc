@@ -1,6 +1,6 @@
-// The channel a Client opens (its options checked, TLS and bearer token, the reconnection pace)
-// and the retry policy every call runs under: UNAVAILABLE retried with jittered exponential
-// backoff, within the attempts and the deadline.
+// The channel a Client opens (its options checked, TLS and bearer token, the reconnection pace),
+// the front it dials and follows on a mesh, and the retry policy every call runs under:
+// UNAVAILABLE retried with jittered exponential backoff, within the attempts and the deadline.
 #include "channel.h"
 
 #include <algorithm>
@@ -62,6 +62,10 @@ absl::Status CheckFields(const ClientOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("retry.jitter: expected a value in [0, 1); got ", r.jitter));
   }
+  if (o.reconfigure_timeout.count() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reconfigure_timeout: expected >= 0 ms; got ", o.reconfigure_timeout.count()));
+  }
   if (o.deadline.has_value() && o.deadline->count() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("deadline: expected > 0 ms when set; got ", o.deadline->count()));
@@ -101,11 +105,15 @@ absl::StatusOr<std::string> Channel::CheckOptions(ClientOptions* options) {
   RETURN_IF_ERROR(CheckFields(*options));
   if (options->fronts.empty()) return "";
   ASSIGN_OR_RETURN(const int rank, TrainerRank(options->rank));
+  options->rank = rank;
   options->target = options->fronts[static_cast<size_t>(rank) % options->fronts.size()];
   return options->target != options->fronts[0] ? options->fronts[0] : "";
 }
 
-Channel::Channel(const ClientOptions& options, const std::string& leader) : options_(options) {
+Channel::Channel(const ClientOptions& options, const std::string& leader)
+    : options_(options),
+      fronts_(options.fronts.empty() ? std::vector<std::string>{options.target} : options.fronts,
+              std::max(options.rank, 0)) {
   if (options.tls.has_value()) {
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = options.tls->root_certs_pem;
@@ -131,17 +139,40 @@ Channel::Channel(const ClientOptions& options, const std::string& leader) : opti
                static_cast<int>(std::max<int64_t>(options.retry.initial_backoff.count(), 1)));
   args_.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
                static_cast<int>(std::max<int64_t>(options.retry.max_backoff.count(), 1)));
-  channel_ = grpc::CreateCustomChannel(options.target, credentials_, args_);
-  stub_ = v1::HeadService::NewStub(channel_);
+  front_ = OpenFront(fronts_.meshed() ? fronts_.first_replica() : 0, options.target);
+  if (!leader.empty()) ConnectLeader(leader);
+}
+
+std::shared_ptr<grpc::Channel> Channel::Open(const std::string& address,
+                                             const grpc::ChannelArguments& args) const {
+  return grpc::CreateCustomChannel(address, credentials_, args);
+}
+
+std::shared_ptr<const Front> Channel::OpenFront(int replica, const std::string& target) const {
+  auto front = std::make_shared<Front>();
+  front->replica = replica;
+  front->target = target;
+  front->channel = Open(target, args_);
+  front->stub = v1::HeadService::NewStub(front->channel);
   // A striped step's other streams, each on a connection of its own (a channel that shares no
   // subchannel), so that they do not queue behind one another on one socket.
   grpc::ChannelArguments own_connection = args_;
   own_connection.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  for (int i = 1; i < options.streams; ++i) {
-    stripe_channels_.push_back(
-        grpc::CreateCustomChannel(options.target, credentials_, own_connection));
+  for (int i = 1; i < options_.streams; ++i) {
+    front->stripe_channels.push_back(Open(target, own_connection));
   }
-  if (!leader.empty()) ConnectLeader(leader);
+  return front;
+}
+
+std::shared_ptr<const Front> Channel::front() const {
+  std::lock_guard<std::mutex> lock(front_mu_);
+  return front_;
+}
+
+std::shared_ptr<Stub> Channel::stub() const {
+  std::shared_ptr<const Front> now = front();
+  Stub* raw = now->stub.get();
+  return std::shared_ptr<Stub>(std::move(now), raw);
 }
 
 std::chrono::milliseconds Channel::Jittered(double ms) {
@@ -154,12 +185,39 @@ std::chrono::milliseconds Channel::Jittered(double ms) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::llround(ms * factor)));
 }
 
+namespace {
+
+// A mesh changing epochs: nothing of the call was applied, and it is to be asked again.
+bool MeshReconfiguring(const absl::Status& status) {
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  return status.code() == absl::StatusCode::kUnavailable && reason.has_value() &&
+         reason->reason == core::reason::kMeshReconfiguring;
+}
+
+// UNAVAILABLE with `message`, and the reason (every payload) of `last`, the attempt that failed
+// last: what a program branches on survives the retries.
+absl::Status GaveUp(const absl::Status& last, const std::string& message) {
+  absl::Status status = absl::UnavailableError(message);
+  last.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { status.SetPayload(url, payload); });
+  return status;
+}
+
+}  // namespace
+
 absl::Status Channel::WithRetries(const char* rpc, const Attempt& attempt,
                                   const AlreadyDone& already_done) {
   ++calls_;
+  return Attempts(rpc, attempt, already_done);
+}
+
+absl::Status Channel::Attempts(const char* rpc, const Attempt& attempt,
+                               const AlreadyDone& already_done) {
   std::optional<Clock::time_point> deadline;
   if (options_.deadline.has_value()) deadline = Clock::now() + *options_.deadline;
+  std::optional<Clock::time_point> reconfiguring_until;
   double backoff_ms = static_cast<double>(options_.retry.initial_backoff.count());
+  int counted = 0;  // the attempts counted against max_attempts
   for (int n = 1;; ++n) {
     ++attempts_;
     absl::Status status;
@@ -180,9 +238,14 @@ absl::Status Channel::WithRetries(const char* rpc, const Attempt& attempt,
       status = attempt(&context);
     }
     if (status.code() != absl::StatusCode::kUnavailable) return status;
-    if (n >= options_.retry.max_attempts) {
-      return absl::UnavailableError(
-          absl::StrCat(status.message(), " (", rpc, ": gave up after ", n, " attempts)"));
+    ++counted;
+    if (MeshReconfiguring(status)) {
+      if (!reconfiguring_until) reconfiguring_until = Clock::now() + options_.reconfigure_timeout;
+      if (Clock::now() < *reconfiguring_until) --counted;  // the mesh's change is waited out
+    }
+    if (counted >= options_.retry.max_attempts) {
+      return GaveUp(status,
+                    absl::StrCat(status.message(), " (", rpc, ": gave up after ", n, " attempts)"));
     }
     const std::chrono::milliseconds wait = Jittered(backoff_ms);
     if (deadline && Clock::now() + wait >= *deadline) {
@@ -198,9 +261,49 @@ absl::Status Channel::WithRetries(const char* rpc, const Attempt& attempt,
   }
 }
 
+absl::Status Channel::AtOwnFront(const char* rpc, const std::string& head_id,
+                                 const Attempt& attempt) {
+  ++calls_;
+  const absl::Status status = Attempts(rpc, attempt, nullptr);
+  if (status.ok() || !fronts_.MayFollow(status)) return status;
+  RETURN_IF_ERROR(FollowMesh(head_id, status));
+  return Attempts(rpc, attempt, nullptr);  // the same front serves this trainer still: once more
+}
+
+absl::Status Channel::FollowMesh(const std::string& head_id, const absl::Status& failed) {
+  std::lock_guard<std::mutex> follow(follow_mu_);
+  const std::shared_ptr<const Front> was = front();
+  const std::optional<MeshFronts::Found> found = fronts_.Follow(
+      head_id, was->replica, [this](const std::string& address) { return Open(address, args_); },
+      {.patience = options_.reconfigure_timeout,
+       .initial_backoff = options_.retry.initial_backoff,
+       .max_backoff = options_.retry.max_backoff});
+  if (!found.has_value()) return failed;
+  if (found->replica == was->replica) return absl::OkStatus();
+  std::shared_ptr<const Front> now = OpenFront(found->replica, fronts_.address(found->replica));
+  const std::string target = now->target;
+  {
+    std::lock_guard<std::mutex> lock(front_mu_);
+    front_ = std::move(now);  // calls in flight keep the old front until they end
+  }
+  ++moves_;
+  return core::WithReason(absl::UnavailableError(absl::StrCat(
+                              "replica ", was->replica, "'s front is gone or evicted (",
+                              failed.message(), "); this trainer (rank ", fronts_.trainer(),
+                              ") now dials replica ", found->replica, "'s front at ", target,
+                              ": the dW its calls added since its last optimizer step went "
+                              "with replica ",
+                              was->replica, "; resend them (RemoteHead replays them by itself)")),
+                          reason::kReplicaMoved,
+                          {{"from_replica", absl::StrCat(was->replica)},
+                           {"to_replica", absl::StrCat(found->replica)},
+                           {"incarnation", found->info.incarnation()},
+                           {"weight_version", absl::StrCat(found->info.weight_version())}});
+}
+
 void Channel::ConnectLeader(const std::string& address) {
   std::lock_guard<std::mutex> lock(leader_mu_);
-  leader_channel_ = grpc::CreateCustomChannel(address, credentials_, args_);
+  leader_channel_ = Open(address, args_);
   leader_stub_ = v1::HeadService::NewStub(leader_channel_);
 }
 
@@ -210,7 +313,8 @@ absl::Status Channel::ToLeader(const std::function<absl::Status(Stub*)>& call) {
     std::lock_guard<std::mutex> lock(leader_mu_);
     leader = leader_stub_;
   }
-  const absl::Status status = call(leader != nullptr ? leader.get() : stub_.get());
+  const std::shared_ptr<Stub> own = leader != nullptr ? nullptr : stub();
+  const absl::Status status = call(leader != nullptr ? leader.get() : own.get());
   const std::optional<core::ErrorReason> reason = core::GetReason(status);
   if (leader != nullptr || !reason.has_value() || reason->reason != core::reason::kNotTheLeader) {
     return status;
@@ -224,7 +328,11 @@ absl::Status Channel::ToLeader(const std::function<absl::Status(Stub*)>& call) {
 }
 
 ClientStats Channel::stats() const {
-  return {.calls = calls_.load(), .attempts = attempts_.load(), .retries = retries_.load()};
+  return {.calls = calls_.load(),
+          .attempts = attempts_.load(),
+          .retries = retries_.load(),
+          .moves = moves_.load(),
+          .replays = replays_.load()};
 }
 
 }  // namespace remotehead::client::internal

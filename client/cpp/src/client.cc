@@ -23,6 +23,12 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Create(ClientOptions options) {
 
 ClientStats Client::stats() const { return impl_->channel.stats(); }
 
+int Client::replica() const { return impl_->channel.front()->replica; }
+
+std::string Client::target() const { return impl_->channel.front()->target; }
+
+void Client::CountReplays(int64_t calls) { impl_->channel.CountReplays(calls); }
+
 absl::StatusOr<std::vector<FunctionInfo>> Client::ListFunctions() { return impl_->functions.All(); }
 
 absl::StatusOr<ForwardBackwardResult> Client::ForwardBackward(const StepSpec& spec,

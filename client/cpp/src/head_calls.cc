@@ -105,7 +105,8 @@ absl::StatusOr<HeadInfo> Client::DescribeHead(const std::string& head_id) {
   v1::HeadRef ref;
   ref.set_head_id(head_id);
   v1::HeadInfo info;
-  RETURN_IF_ERROR(impl_->channel.Unary("DescribeHead", &Stub::DescribeHead, ref, &info));
+  RETURN_IF_ERROR(
+      impl_->channel.UnaryAtOwnFront("DescribeHead", head_id, &Stub::DescribeHead, ref, &info));
   return FromWire(info);
 }
 
@@ -143,7 +144,7 @@ absl::StatusOr<HeadWeights> Client::ExportWeights(const std::string& head_id,
   HeadWeights weights;
   RETURN_IF_ERROR(impl_->channel.WithRetries("ExportWeights", [&](grpc::ClientContext* context) {
     return ReadHeadRows(
-        impl_->channel.stub(), &Stub::ExportWeights, request, context, dtype,
+        *impl_->channel.stub(), &Stub::ExportWeights, request, context, dtype,
         {&weights.weight, "weight_rows", &weights.bias, "bias_rows"},
         [](const v1::ExportWeightsResponse& response, ResponseRows& w, ResponseRows* b) {
           if (response.has_weight_rows()) return w.Add(response.weight_rows());
@@ -243,16 +244,20 @@ absl::StatusOr<HeadInfo> Client::OptimizerStep(const std::string& head_id,
                                                const OptimizerStepOptions& options) {
   const v1::OptimizerStepRequest request = ToOptimizerStepRequest(head_id, options);
   v1::OptimizerStepResponse response;
-  // A synchronous step goes to this trainer's own replica; a single caller's, which changes
-  // every replica of a mesh, to the leader.
+  // A synchronous step goes to this trainer's own replica (following the mesh when that replica
+  // is evicted), retried as it is: the server answers a retry of a step it applied with that
+  // step's own HeadInfo, the same as every rank got — which a DescribeHead after the fact is not
+  // (the other ranks may have added the next step's dW meanwhile).
+  if (options.synchronous.has_value()) {
+    RETURN_IF_ERROR(impl_->channel.UnaryAtOwnFront("OptimizerStep", head_id, &Stub::OptimizerStep,
+                                                   request, &response));
+    return FromWire(response.info());
+  }
+  // A single caller's, which changes every replica of a mesh, to the leader.
   const auto run = [&](Stub* on) -> absl::Status {
     internal::Channel::AlreadyDone already_done;
     int64_t version_before = 0;
-    // A synchronous step needs no check before a retry: the server answers a retry of a step
-    // it applied with that step's own HeadInfo, the same as every rank got — which a
-    // DescribeHead after the fact is not (the other ranks may have added the next step's dW
-    // meanwhile).
-    if (options_.retry.max_attempts > 1 && !options.synchronous.has_value()) {
+    if (options_.retry.max_attempts > 1) {
       ASSIGN_OR_RETURN(const HeadInfo before, DescribeHead(head_id));
       version_before = before.weight_version;
       already_done = [&](grpc::ClientContext* context) -> absl::StatusOr<bool> {
@@ -273,8 +278,7 @@ absl::StatusOr<HeadInfo> Client::OptimizerStep(const std::string& head_id,
         },
         already_done);
   };
-  RETURN_IF_ERROR(options.synchronous.has_value() ? run(&impl_->channel.stub())
-                                                  : impl_->channel.ToLeader(run));
+  RETURN_IF_ERROR(impl_->channel.ToLeader(run));
   return FromWire(response.info());
 }
 
@@ -291,12 +295,12 @@ absl::StatusOr<EmbeddingRows> Client::EmbeddingLookup(const std::string& head_id
   }
   RETURN_IF_ERROR(RequestDtype(dtype, &request));
   EmbeddingRows result;
-  RETURN_IF_ERROR(impl_->channel.WithRetries("EmbeddingLookup", [&](grpc::ClientContext* context) {
-    ASSIGN_OR_RETURN(const HeadInfo head,
-                     DescribeForStream(impl_->channel.stub(), *context, head_id));
+  const auto attempt = [&](grpc::ClientContext* context) -> absl::Status {
+    const std::shared_ptr<Stub> stub = impl_->channel.stub();
+    ASSIGN_OR_RETURN(const HeadInfo head, DescribeForStream(*stub, *context, head_id));
     result.rows = torch::empty({ids.size(0), head.hidden_size}, dtype.value_or(head.dtype));
     ResponseRows rows(result.rows, "rows");
-    auto reader = impl_->channel.stub().EmbeddingLookup(context, request);
+    auto reader = stub->EmbeddingLookup(context, request);
     RETURN_IF_ERROR(ReadStream<v1::EmbeddingLookupResponse>(
         context, *reader, [&](const v1::EmbeddingLookupResponse& response) -> absl::Status {
           if (response.has_rows()) return rows.Add(response.rows());
@@ -307,7 +311,8 @@ absl::StatusOr<EmbeddingRows> Client::EmbeddingLookup(const std::string& head_id
           return absl::InternalError("response: expected rows or info");
         }));
     return rows.CheckComplete();
-  }));
+  };
+  RETURN_IF_ERROR(impl_->channel.AtOwnFront("EmbeddingLookup", head_id, attempt));
   return result;
 }
 
@@ -340,9 +345,10 @@ absl::StatusOr<EmbeddingGradientResult> Client::EmbeddingGradient(const std::str
                                            wire::FramingBytes(1, 0), options_.chunk_bytes));
   v1::EmbeddingGradientResponse response;
   RETURN_IF_ERROR(
-      impl_->channel.WithRetries("EmbeddingGradient", [&](grpc::ClientContext* context) {
+      impl_->channel.AtOwnFront("EmbeddingGradient", head_id, [&](grpc::ClientContext* context) {
         response.Clear();
-        auto writer = impl_->channel.stub().EmbeddingGradient(context, &response);
+        const std::shared_ptr<Stub> stub = impl_->channel.stub();
+        auto writer = stub->EmbeddingGradient(context, &response);
         const bool ok =
             writer->Write(header) &&
             WriteRowChunks(*writer, rows, chunks, &v1::EmbeddingGradientRequest::mutable_grad_rows);

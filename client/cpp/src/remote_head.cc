@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/status_macros.h"
+#include "replay_journal.h"
 
 namespace remotehead::client {
 
@@ -20,6 +21,16 @@ bool UpstreamMatchesDeclared(double declared, double got) {
   return std::abs(got - declared) <= 1e-6 * std::abs(declared);
 }
 
+namespace {
+
+template <typename T>
+T ValueOrThrow(absl::StatusOr<T> result) {
+  if (!result.ok()) throw StatusError(result.status());
+  return *std::move(result);
+}
+
+}  // namespace
+
 struct RemoteHead::State {
   std::shared_ptr<Client> client;
   StepSpec spec;
@@ -31,6 +42,15 @@ struct RemoteHead::State {
   int64_t micro_batch = 0;
   int64_t embedding_micro_batch = 0;  // embed() calls within the step
   StepSummary last_summary;
+  // What the trainer resends after a move to another replica's front, and the front it dials.
+  std::unique_ptr<internal::ReplayJournal> journal;
+
+  // `call(spec)`, `spec` pinned to the front dialled now, asked again after a move (its failure
+  // thrown).
+  template <typename R, typename Call>
+  R Resilient(const StepSpec& spec, Call&& call) {
+    return ValueOrThrow(journal->PinnedStep<R>(spec, info.weight_version, call));
+  }
 
   GradientId NextGradientId(const HeadCall& call) {
     if (call.gradient_id.has_value()) return *call.gradient_id;
@@ -55,12 +75,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using State = RemoteHead::State;
-
-template <typename T>
-T ValueOrThrow(absl::StatusOr<T> result) {
-  if (!result.ok()) throw StatusError(result.status());
-  return *std::move(result);
-}
 
 torch::ScalarType ResultDtype(const torch::Tensor& hidden) {
   return hidden.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
@@ -133,9 +147,12 @@ struct FusedLossFunction : public torch::autograd::Function<FusedLossFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
                                const std::shared_ptr<Call>& call) {
     call->inputs.hidden = Rows(hidden);
-    ForwardBackwardResult r =
-        ValueOrThrow(call->state->client->ForwardBackward(call->spec, call->inputs));
-    call->inputs = {};  // nothing of the batch is kept past the round trip but dX
+    State& state = *call->state;
+    ForwardBackwardResult r = state.Resilient<ForwardBackwardResult>(
+        call->spec,
+        [&](const StepSpec& s) { return state.client->ForwardBackward(s, call->inputs); });
+    state.journal->RecordStep(call->spec, call->inputs);  // host copies, for a move
+    call->inputs = {};  // nothing of the batch is kept past the round trip but dX (and the journal)
     call->state->Record(r.summary);
     ctx->saved_data["grad_hidden"] = r.grad_hidden.reshape(hidden.sizes()).to(hidden.device());
     ctx->saved_data["upstream_scale"] = call->spec.upstream_scale;
@@ -167,7 +184,9 @@ struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunct
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
                                const std::shared_ptr<Call>& call) {
     call->inputs.hidden = Rows(hidden);
-    ForwardResult r = ValueOrThrow(call->state->client->Forward(call->spec, call->inputs));
+    State& state = *call->state;
+    ForwardResult r = state.Resilient<ForwardResult>(
+        call->spec, [&](const StepSpec& s) { return state.client->Forward(s, call->inputs); });
     call->inputs.hidden = torch::Tensor();  // the saved input below is sent again by backward
     call->inputs_handle = r.summary.inputs_handle;
     call->forward_version = r.summary.weight_version;
@@ -192,23 +211,25 @@ struct TokenOutputsFunction : public torch::autograd::Function<TokenOutputsFunct
     if (!spec.expected_weight_version.has_value()) {
       spec.expected_weight_version = call->forward_version;
     }
-    Client& client = *call->state->client;
+    State& state = *call->state;
     const torch::Tensor grad_output = g.reshape({-1});
-    absl::StatusOr<BackwardResult> result;
-    if (!call->inputs_handle.empty()) {
-      StepSpec by_handle = spec;
+    const auto backward = [&](const StepSpec& pinned) -> absl::StatusOr<BackwardResult> {
+      if (call->inputs_handle.empty()) return state.client->Backward(pinned, inputs, grad_output);
+      StepSpec by_handle = pinned;
       by_handle.inputs_handle = call->inputs_handle;
-      result = client.Backward(by_handle, inputs, grad_output);
-      // The server no longer has the rows (they expired, or a Backward whose answer was lost
-      // released them): send them again, under the same gradient identity.
+      absl::StatusOr<BackwardResult> result =
+          state.client->Backward(by_handle, inputs, grad_output);
+      // The server no longer has the rows (they expired, a Backward whose answer was lost
+      // released them, the trainer moved to another replica): send them again, under the same
+      // gradient identity.
       if (result.status().code() == absl::StatusCode::kNotFound) {
-        result = client.Backward(spec, inputs, grad_output);
+        result = state.client->Backward(pinned, inputs, grad_output);
       }
-    } else {
-      result = client.Backward(spec, inputs, grad_output);
-    }
-    BackwardResult r = ValueOrThrow(std::move(result));
-    call->state->Record(r.summary);
+      return result;
+    };
+    BackwardResult r = state.Resilient<BackwardResult>(spec, backward);
+    state.journal->RecordStep(spec, inputs, grad_output);
+    state.Record(r.summary);
     return {r.grad_hidden.reshape(hidden.sizes()).to(hidden.device()), torch::Tensor()};
   }
 };
@@ -259,10 +280,13 @@ struct EmbedFunction : public torch::autograd::Function<EmbedFunction> {
     // Only padding ids: nothing to add (the server refuses a gradient for no ids, which would
     // otherwise count a micro-batch), as the Python client skips it.
     if (ids.size(0) == 0) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
-    ValueOrThrow(e->state->client->EmbeddingGradient(
-        e->state->spec.head_id, ids, grad, e->gradient_id,
-        {.expected_incarnation = e->state->spec.expected_incarnation,
-         .expected_weight_version = e->version}));
+    State& state = *e->state;
+    state.Resilient<EmbeddingGradientResult>(state.spec, [&](const StepSpec& s) {
+      return state.client->EmbeddingGradient(
+          s.head_id, ids, grad, e->gradient_id,
+          {.expected_incarnation = s.expected_incarnation, .expected_weight_version = e->version});
+    });
+    state.journal->RecordEmbedding(ids, grad, e->gradient_id, e->version);
     return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -270,7 +294,7 @@ struct EmbedFunction : public torch::autograd::Function<EmbedFunction> {
 }  // namespace
 
 absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, StepSpec spec,
-                                              DataParallel data_parallel) {
+                                              DataParallel data_parallel, MoveOptions moves) {
   if (client == nullptr) return absl::InvalidArgumentError("client: expected a Client; got null");
   if (spec.head_id.empty())
     return absl::InvalidArgumentError("spec.head_id: expected an id; got \"\"");
@@ -309,6 +333,8 @@ absl::StatusOr<RemoteHead> RemoteHead::Attach(std::shared_ptr<Client> client, St
   // server that restarted lost the dW of the micro-batches sent before, so a step or an
   // embedding gradient is refused (SERVER_RESTARTED) rather than added to a window it lacks.
   if (spec.expected_incarnation.empty()) spec.expected_incarnation = info.incarnation;
+  state->journal = std::make_unique<internal::ReplayJournal>(
+      *client, spec.head_id, spec.expected_incarnation, moves.journal);
   state->client = std::move(client);
   state->spec = std::move(spec);
   state->info = std::move(info);
@@ -328,7 +354,8 @@ torch::Tensor RemoteHead::loss(const torch::Tensor& hidden, const torch::Tensor&
   if (!gradients) {
     // Evaluation: outputs only, nothing accumulated on the server.
     c->inputs.hidden = Rows(hidden);
-    ForwardResult r = ValueOrThrow(state_->client->Forward(c->spec, c->inputs));
+    ForwardResult r = state_->Resilient<ForwardResult>(
+        c->spec, [&](const StepSpec& s) { return state_->client->Forward(s, c->inputs); });
     state_->Record(r.summary);
     return r.outputs.to(torch::TensorOptions(ResultDtype(hidden)).device(hidden.device()));
   }
@@ -343,7 +370,8 @@ torch::Tensor RemoteHead::token_outputs(const torch::Tensor& hidden, const torch
   c->spec.reduction = Reduction::kNone;
   if (!gradients) {
     c->inputs.hidden = Rows(hidden);
-    ForwardResult r = ValueOrThrow(state_->client->Forward(c->spec, c->inputs));
+    ForwardResult r = state_->Resilient<ForwardResult>(
+        c->spec, [&](const StepSpec& s) { return state_->client->Forward(s, c->inputs); });
     state_->Record(r.summary);
     return r.outputs.reshape(c->token_shape).to(hidden.device());
   }
@@ -363,9 +391,11 @@ torch::Tensor RemoteHead::embed(const torch::Tensor& ids, const EmbedCall& call)
   e->inverse = e->inverse.reshape(ids.sizes());
   e->padding_idx = call.padding_idx;
   e->scale = call.scale;
-  const EmbeddingRows looked_up = ValueOrThrow(
-      state_->client->EmbeddingLookup(state_->spec.head_id, e->distinct, call.dtype,
-                                      {.expected_incarnation = state_->spec.expected_incarnation}));
+  const EmbeddingRows looked_up =
+      state_->Resilient<EmbeddingRows>(state_->spec, [&](const StepSpec& s) {
+        return state_->client->EmbeddingLookup(s.head_id, e->distinct, call.dtype,
+                                               {.expected_incarnation = s.expected_incarnation});
+      });
   e->version = looked_up.weight_version;
   std::vector<int64_t> shape = ids.sizes().vec();
   shape.push_back(looked_up.rows.size(1));
@@ -403,7 +433,15 @@ absl::StatusOr<HeadInfo> RemoteHead::OptimizerStep(const OptimizerStepOptions& o
   if (resolved.expected_incarnation.empty()) {
     resolved.expected_incarnation = state_->spec.expected_incarnation;
   }
-  ASSIGN_OR_RETURN(HeadInfo info, state_->client->OptimizerStep(state_->spec.head_id, resolved));
+  ASSIGN_OR_RETURN(HeadInfo info, state_->journal->Pinned<HeadInfo>(
+                                      resolved.expected_incarnation, state_->info.weight_version,
+                                      [&](const std::string& incarnation) {
+                                        OptimizerStepOptions pinned = resolved;
+                                        pinned.expected_incarnation = incarnation;
+                                        return state_->client->OptimizerStep(state_->spec.head_id,
+                                                                             pinned);
+                                      }));
+  state_->journal->Clear();  // applied: nothing of it is resent
   state_->info = info;
   BeginStep(step() + 1);
   return info;
@@ -424,5 +462,7 @@ const StepSpec& RemoteHead::spec() const { return state_->spec; }
 const DataParallel& RemoteHead::data_parallel() const { return state_->data_parallel; }
 const std::string& RemoteHead::trainer() const { return state_->trainer; }
 Client& RemoteHead::client() const { return *state_->client; }
+int64_t RemoteHead::journal_calls() const { return state_->journal->calls(); }
+int64_t RemoteHead::journal_bytes() const { return state_->journal->bytes(); }
 
 }  // namespace remotehead::client

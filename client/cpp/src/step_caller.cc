@@ -213,9 +213,11 @@ absl::Status StepCaller::Attempt(grpc::ClientContext* context, const PreparedSte
     }
     contexts[i] = own[i].get();
   }
+  // The front this trainer dials now, kept for the attempt (another call may move the client).
+  const std::shared_ptr<const Front> front = channel_.front();
   std::vector<std::unique_ptr<StepStream>> streams;
   for (int i = 0; i < count; ++i) {
-    streams.push_back(OpenStep(channel_.stream(i), contexts[i], p.mode));
+    streams.push_back(OpenStep(front->stream(i), contexts[i], p.mode));
   }
   const std::vector<v1::StepRequest> headers =
       StripeHeaders(p.header, count, StripeKey(), std::ssize(p.chunks));
@@ -290,9 +292,10 @@ absl::StatusOr<StepResults> StepCaller::Run(core::CallMode mode, const StepSpec&
   RETURN_IF_ERROR(allocate(p, &buffers));
   buffers.token_extras = AllocateTokenExtras(spec, p);
   v1::StepSummary summary;
-  // The server names a row among the rows sent; the caller knows its own rows.
-  RETURN_IF_ERROR(p.CallerError(channel_.WithRetries(
-      core::CallModeName(mode),
+  // The server names a row among the rows sent; the caller knows its own rows. At this trainer's
+  // own front, which the call follows when the mesh moves the trainer (REPLICA_MOVED).
+  RETURN_IF_ERROR(p.CallerError(channel_.AtOwnFront(
+      core::CallModeName(mode), spec.head_id,
       [&](grpc::ClientContext* context) { return Attempt(context, p, buffers, &summary); })));
   // The rows left out: zeros in the caller's rows.
   for (torch::Tensor* t : {&buffers.grad_hidden, &buffers.outputs, &buffers.token_ids}) {

@@ -11,8 +11,13 @@
 //   rows of targets, weights and aux inputs) while the calling thread receives dX / per-token
 //   outputs as the server produces them, so upload, compute and download overlap.
 //
+// - On a mesh that evicts a lost replica, a call at this trainer's front that changes epochs is
+//   asked again (ClientOptions::reconfigure_timeout); when the trainer's replica is evicted, the
+//   call follows the mesh to the front that serves it now and returns REPLICA_MOVED (options.h).
+//
 // A Client is thread-safe: many threads may issue calls at once (each call has its own gRPC
-// context and stream on a shared channel).
+// context and stream on a shared channel; a call keeps the front it began on if another call
+// moves the client to another front).
 //
 // The value types the calls take and return have headers of their own, included here:
 // options.h (connecting and retrying), head_types.h (heads, weights, gradients, the optimizer)
@@ -131,8 +136,16 @@ class Client {
   absl::StatusOr<BackwardResult> Backward(const StepSpec& spec, const StepInputs& inputs,
                                           const torch::Tensor& grad_output);
 
+  // The options as given (`target`, `rank`: as resolved at Create; target() is the front dialled
+  // now).
   const ClientOptions& options() const { return options_; }
   ClientStats stats() const;
+  // The mesh replica whose front this trainer dials now (0 off a mesh), and its address.
+  int replica() const;
+  std::string target() const;
+  // Counts `calls` resent after a move (ClientStats::replays): RemoteHead's replay journal counts
+  // its own; a program that resends its calls itself after REPLICA_MOVED may count them here.
+  void CountReplays(int64_t calls);
 
  private:
   struct Impl;

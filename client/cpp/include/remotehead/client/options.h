@@ -1,7 +1,7 @@
 // How a Client connects and retries (ClientOptions, given to Client::Create): the server or a
 // mesh's replica fronts, TLS and the bearer token, the retry policy every call runs under, the
 // sizes of the messages and the streams a step is striped over; and what the client reports of
-// its calls (RetryEvent, ClientStats).
+// its calls (RetryEvent, the client's own error reason, ClientStats).
 #pragma once
 
 #include <chrono>
@@ -53,13 +53,25 @@ struct ClientOptions {
   // that change every replica (CreateHead, UploadHead, DropHead, ZeroGradients, an
   // unsynchronized OptimizerStep) to the leader, fronts[0]. A front that is not the leader
   // names the leader (reason NOT_THE_LEADER), and the client follows it once by itself.
+  // On a mesh that evicts a lost replica (--mesh_min_replicas), a call of a head at this
+  // trainer's front — a step, DescribeHead, a synchronous OptimizerStep, an embedding's lookup
+  // or gradient — that fails for good there (the front gone, down, evicted, or naming another
+  // replica) follows the mesh: the client asks the fronts which serves this trainer now, dials
+  // it from then on (Client::replica) and returns UNAVAILABLE, reason REPLICA_MOVED (client.h).
   std::vector<std::string> fronts;
-  int rank = -1;  // this trainer's rank for `fronts`; -1: RANK from the environment, else 0
+  // This trainer's rank for `fronts`; -1: RANK from the environment, else 0 (Client::options()
+  // holds the rank resolved).
+  int rank = -1;
   std::optional<TlsOptions> tls;  // unset: an insecure (plaintext) channel
   // Sent as `authorization: Bearer <token>` on every call. Only over TLS: Client::Create
   // refuses a token on an insecure channel rather than send it in clear text.
   std::string bearer_token;
   RetryPolicy retry;
+  // How long a call waits out a mesh that changes epochs after losing a replica (UNAVAILABLE,
+  // reason MESH_RECONFIGURING: nothing of the call was applied), asking again with the retry
+  // policy's backoff without counting those attempts; and how long a call that follows the mesh
+  // probes its fronts for the one that serves this trainer now.
+  std::chrono::milliseconds reconfigure_timeout = std::chrono::seconds(120);
   // Wall-clock limit of one call, all of its attempts and backoff waits included. Unset: none.
   std::optional<std::chrono::milliseconds> deadline;
   // Largest request message: rows of X (with their targets, weights, aux, grad_output) and
@@ -81,11 +93,25 @@ struct ClientOptions {
   std::function<void(const RetryEvent&)> on_retry;
 };
 
+namespace reason {
+// The client's own reason (core/error_reason.h lists the server's): this trainer's replica of a
+// mesh was evicted (or its front is gone) and the Client now dials the front of the replica that
+// serves it in the mesh's new epoch; the call that noticed it returns UNAVAILABLE with this
+// reason, nothing of it done at the new front. The dW its calls added since its last optimizer
+// step went with the old replica: resend those calls (RemoteHead replays them by itself) pinned
+// to the new front's incarnation. Metadata: "from_replica", "to_replica", and the head as the new
+// front describes it: "incarnation", "weight_version" (past the trainer's: the step in flight
+// was applied after all, and nothing is to be resent).
+inline constexpr char kReplicaMoved[] = "REPLICA_MOVED";
+}  // namespace reason
+
 // What one Client has done so far (all calls, all threads).
 struct ClientStats {
   int64_t calls = 0;     // typed calls started
   int64_t attempts = 0;  // RPC attempts, retries included
   int64_t retries = 0;   // attempts after an UNAVAILABLE
+  int64_t moves = 0;     // times this trainer moved to another replica's front (REPLICA_MOVED)
+  int64_t replays = 0;   // calls resent after a move (RemoteHead's replay journal)
 };
 
 }  // namespace remotehead::client

@@ -35,6 +35,12 @@
 // the second rank's dW for a replay of the first's), and OptimizerStep is the ranks' synchronous
 // step (SynchronousStep): applied once when every rank asked for it, dW averaged over the ranks.
 //
+// Meshes that evict a lost replica (a Client given ClientOptions::fronts; docs/meshes.md): when
+// the trainer's replica is evicted, its Client moves to the front that serves it now
+// (REPLICA_MOVED, client.h) and the RemoteHead resends there the calls that added dW since its
+// last optimizer step (its replay journal, MoveOptions), then the call that failed: the training
+// loop sees nothing.
+//
 // Errors: loss() / token_outputs() and their backward throw StatusError (a std::runtime_error
 // carrying the absl::Status: the server's code and message) — autograd has no other channel.
 // hidden may be [..., D] with targets [...]: both are flattened to rows and dX is reshaped back.
@@ -81,6 +87,16 @@ struct DataParallel {
   int world_size = 1;  // 1: a single trainer, whose optimizer steps are its own
 };
 
+// What a RemoteHead does when its trainer moves to another replica of a mesh.
+struct MoveOptions {
+  // The replay journal: a host copy of each call that added dW since the last optimizer step (a
+  // ForwardBackward's hidden rows, targets, weights, aux; a Backward's, and its dL/dy; an
+  // embedding gradient's ids and rows) — about one step's worth of the head's inputs
+  // (RemoteHead::journal_bytes) — resent to the new front after a move. false: nothing kept, and
+  // a move throws StatusError(UNAVAILABLE, reason REPLICA_MOVED): the step's dW is gone.
+  bool journal = true;
+};
+
 // Per-call additions to the RemoteHead's spec.
 struct HeadCall {
   torch::Tensor weights;                     // [...] per-token weights (weighted_sum)
@@ -112,9 +128,10 @@ class RemoteHead {
   // one) gets "/rank-<rank>" appended unless it already ends so. Every call (steps, embedding
   // lookups and gradients, OptimizerStep) is pinned to the server process described here
   // (spec.expected_incarnation, unless set): after a restart they fail with FAILED_PRECONDITION
-  // (SERVER_RESTARTED) and add nothing; attach anew to go on from the restored head.
+  // (SERVER_RESTARTED) and add nothing; attach anew to go on from the restored head. After a
+  // move to another replica's front they are pinned to that front's process.
   static absl::StatusOr<RemoteHead> Attach(std::shared_ptr<Client> client, StepSpec spec,
-                                           DataParallel data_parallel = {});
+                                           DataParallel data_parallel = {}, MoveOptions moves = {});
 
   // Fused scalar loss (the spec's function and reduction; NONE is refused). Differentiable
   // w.r.t. hidden. A 0-d float32 tensor (float64 for float64 hidden) on hidden's device.
@@ -152,6 +169,9 @@ class RemoteHead {
   const std::string& trainer() const;  // the GradientId::trainer of this RemoteHead's calls
   Client& client() const;
   int64_t step() const;
+  // The calls the replay journal keeps now, and the bytes of their host copies.
+  int64_t journal_calls() const;
+  int64_t journal_bytes() const;
 
   // Autograd nodes share this state, so a RemoteHead may be moved or copied (copies share
   // their counters) while graphs built with it are alive.
