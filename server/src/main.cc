@@ -506,8 +506,7 @@ int Run() {
        .max_evictions = absl::GetFlag(FLAGS_mesh_max_evictions),
        .eviction_window_seconds = absl::GetFlag(FLAGS_mesh_eviction_window_seconds),
        .testonly_pause = absl::GetFlag(FLAGS_testonly_mesh_pause),
-       .test_environment =
-           test_environment != nullptr && std::string(test_environment) == "1"},
+       .test_environment = test_environment != nullptr && std::string(test_environment) == "1"},
       group_config->replicas);
   if (!mesh_options.ok()) return Refuse(mesh_options.status());
   absl::StatusOr<rh::server::Cluster> cluster =

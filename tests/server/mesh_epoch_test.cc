@@ -3,6 +3,8 @@
 // processes' liveness in one process over one in-process store — one epoch settled for every
 // process by whichever names the loss, a process of the evicted replica going down, the limits
 // (replica 0, --mesh_min_replicas), and a stranger's record refused.
+#include "remotehead/server/group/mesh_epoch.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -15,7 +17,6 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/server/group/liveness.h"
-#include "remotehead/server/group/mesh_epoch.h"
 #include "server/in_process_mesh.h"
 #include "server/in_process_store.h"
 
@@ -62,7 +63,8 @@ TEST(MeshEpochTest, TheRecordRoundTripsAndAnythingElseIsRefused) {
   EXPECT_EQ(decoded->live, second.live);
   EXPECT_EQ(decoded->evicted, 1);
   EXPECT_EQ(decoded->cause, second.cause);
-  for (const std::string bad : {"", "1 1", "0 1 0\n", "1 1 \n", "1 1 2,0\n", "x 1 0\n", "1 1 -1\n"}) {
+  for (const std::string bad :
+       {"", "1 1", "0 1 0\n", "1 1 \n", "1 1 2,0\n", "x 1 0\n", "1 1 -1\n"}) {
     const absl::StatusOr<MeshEpoch> refused = MeshEpoch::Decode(bad);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << "\"" << bad << "\"";
   }
@@ -77,13 +79,13 @@ class Evicting {
       const GroupConfig config = groups_.config(g);
       absl::StatusOr<std::unique_ptr<Liveness>> started = Liveness::Start(
           config, &logs_[static_cast<size_t>(g)],
-          Liveness::Timing{.beat = milliseconds(50), .stalled = milliseconds(300),
-                           .lost = milliseconds(800)},
+          Liveness::Timing{
+              .beat = milliseconds(50), .stalled = milliseconds(300), .lost = milliseconds(800)},
           std::make_unique<testing::InProcessKeyValueStore>(groups_.shared_store(),
                                                             config.prefix + "/liveness"));
       EXPECT_TRUE(started.ok()) << started.status();
       processes_.push_back(*std::move(started));
-      processes_.back()->EnableEviction(min_replicas, cap);
+      processes_.back()->epochs().Enable(min_replicas, cap);
     }
   }
   Liveness& at(int g) { return *processes_[static_cast<size_t>(g)]; }
@@ -93,10 +95,10 @@ class Evicting {
   std::string prefix() const { return groups_.config(0).prefix + "/liveness/"; }
   // Waits (up to 5 s) until `g` is in epoch `number`.
   bool ReachEpoch(int g, int number) {
-    for (int i = 0; i < 500 && at(g).epoch().number < number; ++i) {
+    for (int i = 0; i < 500 && at(g).epochs().current().number < number; ++i) {
       std::this_thread::sleep_for(milliseconds(10));
     }
-    return at(g).epoch().number == number;
+    return at(g).epochs().current().number == number;
   }
 
  private:
@@ -114,20 +116,20 @@ TEST(MeshEvictionTest, ALossNamedByOneProcessEvictsItsReplicaForEveryProcess) {
   Evicting mesh(/*replicas=*/3, /*k=*/2, /*min_replicas=*/1);
   std::vector<MeshEpoch> entered;
   std::mutex mu;
-  mesh.at(2).OnEpoch([&](const MeshEpoch& e) {
+  mesh.at(2).epochs().OnEpoch([&](const MeshEpoch& e) {
     std::lock_guard<std::mutex> lock(mu);
     entered.push_back(e);
   });
   // Rank 3 (replica 1, shard 1) is named lost by rank 0: the mesh goes on, nobody is down.
   mesh.at(0).DeclareDown(LostVerdict(3));
   EXPECT_TRUE(mesh.at(0).health().ok()) << mesh.at(0).health();
-  EXPECT_EQ(mesh.at(0).epoch().live, (std::vector<int>{0, 2}));
-  EXPECT_TRUE(mesh.at(0).NamesEvicted(LostVerdict(3)));
-  EXPECT_FALSE(mesh.at(0).NamesEvicted(LostVerdict(4)));
+  EXPECT_EQ(mesh.at(0).epochs().current().live, (std::vector<int>{0, 2}));
+  EXPECT_TRUE(mesh.at(0).epochs().NamesEvicted(LostVerdict(3)));
+  EXPECT_FALSE(mesh.at(0).epochs().NamesEvicted(LostVerdict(4)));
   for (int g : {1, 4, 5}) {
     ASSERT_TRUE(mesh.ReachEpoch(g, 1)) << g;
     EXPECT_TRUE(mesh.at(g).health().ok()) << g;
-    EXPECT_EQ(mesh.at(g).epoch().evicted, 1) << g;
+    EXPECT_EQ(mesh.at(g).epochs().current().evicted, 1) << g;
   }
   // Replica 1's live process is evicted: down, naming the epoch.
   ASSERT_TRUE(mesh.ReachEpoch(2, 1));
@@ -143,15 +145,14 @@ TEST(MeshEvictionTest, ALossNamedByOneProcessEvictsItsReplicaForEveryProcess) {
   }
   // The same loss named again, by another process: the same epoch, not a second one.
   mesh.at(4).DeclareDown(LostVerdict(2));
-  EXPECT_EQ(mesh.at(4).epoch().number, 1);
+  EXPECT_EQ(mesh.at(4).epochs().current().number, 1);
   EXPECT_NE(mesh.log(0).find("replica 1 evicted; the mesh goes on in epoch 1 (replicas [0, 2] "
                              "serve; replica 1 evicted); trainers t with t mod 3 = 1 now go to "
                              "replica 0 (t mod 2 = 0) and replica 2 (t mod 2 = 1)"),
             std::string::npos)
       << mesh.log(0);
   // The record is sealed: not the bare words a process outside the group could write.
-  const std::optional<std::string> record =
-      mesh.store().Peek(mesh.prefix() + "settled/epoch/1");
+  const std::optional<std::string> record = mesh.store().Peek(mesh.prefix() + "settled/epoch/1");
   ASSERT_TRUE(record.has_value());
   EXPECT_NE(record->rfind("1 1 0,2", 0), 0u);
 }
@@ -161,32 +162,50 @@ TEST(MeshEvictionTest, AProcessWhoseBeatStopsIsEvictedWithoutAnyFailure) {
   mesh.Kill(1);
   ASSERT_TRUE(mesh.ReachEpoch(0, 1));
   EXPECT_TRUE(mesh.at(0).health().ok()) << mesh.at(0).health();
-  EXPECT_EQ(mesh.at(0).epoch().live, (std::vector<int>{0}));
+  EXPECT_EQ(mesh.at(0).epochs().current().live, (std::vector<int>{0}));
   EXPECT_NE(mesh.log(0).find("global rank 1 (replica 1, shard 0"), std::string::npos)
       << mesh.log(0);
+}
+
+TEST(MeshEvictionTest, AFailureBlamedWhileItsReplicaIsEvictedNamesThatReplicaNotTheMesh) {
+  Evicting mesh(/*replicas=*/2, /*k=*/1, /*min_replicas=*/1);
+  // A collective failed; its blame waits for evidence (every beat goes on)…
+  absl::Status blamed;
+  std::thread blaming([&] {
+    blamed = mesh.at(0).Blame(absl::UnavailableError("all_gather failed: connection closed"));
+  });
+  std::this_thread::sleep_for(milliseconds(100));
+  // …while the loss is named and replica 1 evicted (no longer watched: no beat to blame).
+  mesh.at(0).DeclareDown(LostVerdict(1));
+  blaming.join();
+  EXPECT_EQ(core::ReasonOf(blamed).metadata["lost_rank"], "1") << blamed;
+  EXPECT_TRUE(mesh.at(0).epochs().NamesEvicted(blamed));
+  mesh.at(0).DeclareDown(blamed);  // as the failed collective's caller does: no verdict
+  EXPECT_TRUE(mesh.at(0).health().ok()) << mesh.at(0).health();
+  EXPECT_EQ(mesh.at(0).epochs().current().number, 1);
 }
 
 TEST(MeshEvictionTest, ReplicaZeroAndALossBelowTheMinimumTakeTheMeshDownAsBefore) {
   {
     Evicting mesh(/*replicas=*/3, /*k=*/1, /*min_replicas=*/1);
     mesh.at(1).DeclareDown(LostVerdict(0));  // the store's process, the leader's replica
-    EXPECT_EQ(mesh.at(1).epoch().number, 0);
+    EXPECT_EQ(mesh.at(1).epochs().current().number, 0);
     EXPECT_EQ(mesh.at(1).health().code(), absl::StatusCode::kUnavailable);
   }
   {
     Evicting mesh(/*replicas=*/3, /*k=*/1, /*min_replicas=*/2);
     mesh.at(0).DeclareDown(LostVerdict(2));  // 2 serve: allowed
-    EXPECT_EQ(mesh.at(0).epoch().number, 1);
+    EXPECT_EQ(mesh.at(0).epochs().current().number, 1);
     EXPECT_TRUE(mesh.at(0).health().ok());
     mesh.at(0).DeclareDown(LostVerdict(1));  // 1 would serve: below the minimum
-    EXPECT_EQ(mesh.at(0).epoch().number, 1);
+    EXPECT_EQ(mesh.at(0).epochs().current().number, 1);
     EXPECT_EQ(mesh.at(0).health().code(), absl::StatusCode::kUnavailable);
   }
   {
     Evicting mesh(/*replicas=*/2, /*k=*/1, /*min_replicas=*/0);  // no eviction: as before
-    EXPECT_FALSE(mesh.at(0).evicts());
+    EXPECT_FALSE(mesh.at(0).epochs().evicts());
     mesh.at(0).DeclareDown(LostVerdict(1));
-    EXPECT_EQ(mesh.at(0).epoch().number, 0);
+    EXPECT_EQ(mesh.at(0).epochs().current().number, 0);
     EXPECT_EQ(mesh.at(0).health().code(), absl::StatusCode::kUnavailable);
   }
 }
@@ -195,10 +214,10 @@ TEST(MeshEvictionTest, PastTheCapALossTakesTheMeshDownInsteadOfEvictingAgain) {
   Evicting mesh(/*replicas=*/4, /*k=*/1, /*min_replicas=*/1,
                 {.evictions = 1, .window = std::chrono::seconds(3600)});
   mesh.at(0).DeclareDown(LostVerdict(3));
-  EXPECT_EQ(mesh.at(0).epoch().number, 1);
+  EXPECT_EQ(mesh.at(0).epochs().current().number, 1);
   EXPECT_TRUE(mesh.at(0).health().ok());
   mesh.at(0).DeclareDown(LostVerdict(2));  // a second within the window: a cascade
-  EXPECT_EQ(mesh.at(0).epoch().number, 1);
+  EXPECT_EQ(mesh.at(0).epochs().current().number, 1);
   EXPECT_EQ(mesh.at(0).health().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(mesh.log(0).find("1 replica(s) were evicted within the last 3600 s "
                              "(--mesh_max_evictions 1): no more evictions; the mesh goes down"),
@@ -211,12 +230,12 @@ TEST(MeshEvictionTest, AStrangersEpochRecordIsNeverEntered) {
   ASSERT_TRUE(
       mesh.store().Set(mesh.prefix() + "settled/epoch/1", "1 1 0\nforged by a stranger").ok());
   std::this_thread::sleep_for(milliseconds(300));  // several beats read it
-  EXPECT_EQ(mesh.at(0).epoch().number, 0);
-  EXPECT_EQ(mesh.at(1).epoch().number, 0);
+  EXPECT_EQ(mesh.at(0).epochs().current().number, 0);
+  EXPECT_EQ(mesh.at(1).epochs().current().number, 0);
   EXPECT_TRUE(mesh.at(1).health().ok());
   // A real loss now cannot settle over it: the mesh is down, as without eviction.
   mesh.at(0).DeclareDown(LostVerdict(1));
-  EXPECT_EQ(mesh.at(0).epoch().number, 0);
+  EXPECT_EQ(mesh.at(0).epochs().current().number, 0);
   EXPECT_EQ(mesh.at(0).health().code(), absl::StatusCode::kUnavailable);
 }
 

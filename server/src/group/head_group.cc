@@ -207,8 +207,10 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const std::strin
     }
     if (!bytes.ok()) {
       Check(bytes.status()).IgnoreError();  // health reports it
-      return GroupUnavailable(absl::StrCat(
-          "head group rank ", rank(), ": the front (rank 0) is gone: ", bytes.status().message()), rank());
+      return GroupUnavailable(
+          absl::StrCat("head group rank ", rank(),
+                       ": the front (rank 0) is gone: ", bytes.status().message()),
+          rank());
     }
     // A command taken late (this rank was stopped, or slow) may be one the front gave up on.
     RETURN_IF_ERROR(CheckFront());
@@ -227,7 +229,8 @@ absl::Status HeadGroup::Follow(const std::function<absl::Status(const std::strin
     if (const absl::Status sent = log_.Reply({.status = status}); !sent.ok()) {
       Check(sent).IgnoreError();
       return GroupUnavailable(absl::StrCat("head group rank ", rank(),
-                                                 ": the front (rank 0) is gone: ", sent.message()), rank());
+                                           ": the front (rank 0) is gone: ", sent.message()),
+                              rank());
     }
   }
   return absl::OkStatus();
@@ -276,8 +279,10 @@ absl::StatusOr<torch::Tensor> HeadGroup::SumToFront(const torch::Tensor& mine) {
   if (!is_front()) return torch::Tensor();
   std::vector<int64_t> shape = mine.sizes().vec();
   shape.insert(shape.begin(), all->size(0));
-  return all->contiguous().view(mine.scalar_type()).reshape(shape).sum(0, false,
-                                                                      mine.scalar_type());
+  return all->contiguous()
+      .view(mine.scalar_type())
+      .reshape(shape)
+      .sum(0, false, mine.scalar_type());
 }
 
 }  // namespace remotehead::server

@@ -52,7 +52,8 @@ HeadMesh::HeadMesh(int replica, int replicas, MeshOptions options,
       shard_peers_(std::move(shard_peers)) {}
 
 HeadMesh::~HeadMesh() {
-  if (liveness_ != nullptr && epoch_listener_ >= 0) liveness_->RemoveListener(epoch_listener_);
+  if (liveness_ != nullptr && epoch_listener_ >= 0)
+    liveness_->epochs().RemoveListener(epoch_listener_);
   {
     std::lock_guard<std::mutex> lock(epoch_mu_);
     closing_ = true;
@@ -90,13 +91,13 @@ absl::Status HeadMesh::health() const {
 
 void HeadMesh::set_liveness(Liveness* liveness, Regroup regroup) {
   liveness_ = liveness;
-  if (liveness == nullptr || !liveness->evicts() || regroup == nullptr) return;
+  if (liveness == nullptr || !liveness->epochs().evicts() || regroup == nullptr) return;
   regroup_ = std::move(regroup);
   regrouping_ = std::thread([this] { RegroupLoop(); });
-  epoch_listener_ = liveness->OnEpoch([this](const MeshEpoch& next) { Enter(next); });
+  epoch_listener_ = liveness->epochs().OnEpoch([this](const MeshEpoch& next) { Enter(next); });
 }
 
-bool HeadMesh::evicts() const { return liveness_ != nullptr && liveness_->evicts(); }
+bool HeadMesh::evicts() const { return liveness_ != nullptr && liveness_->epochs().evicts(); }
 
 MeshEpoch HeadMesh::epoch() const {
   std::lock_guard<std::mutex> lock(epoch_mu_);
@@ -127,11 +128,11 @@ absl::Status HeadMesh::Reconfiguring() const {
 }
 
 absl::Status HeadMesh::Restated(const absl::Status& status) const {
-  if (status.ok() || liveness_ == nullptr || !liveness_->evicts()) return status;
+  if (status.ok() || !evicts()) return status;
   const std::optional<core::ErrorReason> reason = core::GetReason(status);
   const bool reconfiguring =
       reason.has_value() && reason->reason == core::reason::kMeshReconfiguring;
-  if (!reconfiguring && !liveness_->NamesEvicted(status)) return status;
+  if (!reconfiguring && !liveness_->epochs().NamesEvicted(status)) return status;
   if (reconfiguring && status.code() == absl::StatusCode::kUnavailable) return status;
   MeshEpoch next;
   {
@@ -165,9 +166,9 @@ void HeadMesh::RegroupLoop() {
     if (!groups.ok()) {
       if (wanted_.number > next.number || closing_) continue;  // another loss: the newer epoch
       lock.unlock();
-      liveness_->DeclareDown(absl::UnavailableError(absl::StrCat(
-          "mesh: the groups of ", next.Describe(), " could not be built: ",
-          groups.status().message(), " — restart every process of the mesh")));
+      liveness_->DeclareDown(absl::UnavailableError(
+          absl::StrCat("mesh: the groups of ", next.Describe(), " could not be built: ",
+                       groups.status().message(), " — restart every process of the mesh")));
       lock.lock();
       epoch_ = next;  // down: nothing serves; the loop waits for nothing more
       regrouped_.notify_all();
@@ -189,20 +190,35 @@ void HeadMesh::TestOnlyPause(const std::string& point, int64_t version) const {
   const MeshOptions::TestOnlyPause& pause = options_.testonly_pause;
   if (pause.point != point || pause.version != version) return;
   std::cerr << "remotehead-server: testonly: replica " << replica_ << " pauses " << point
-            << " of the mesh step to version " << version << " for " << pause.pause.count()
-            << " ms" << std::endl;
+            << " of the mesh step to version " << version << " for " << pause.pause.count() << " ms"
+            << std::endl;
   std::this_thread::sleep_for(pause.pause);
 }
 
-absl::Status HeadMesh::PeersFailed(const absl::Status& failure) {
+HeadMesh::Peers HeadMesh::CurrentPeers() {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  return {.group = fronts_ != nullptr ? &fronts_->collectives() : shard_peers_.get(),
+          .epoch = epoch_.number};
+}
+
+absl::Status HeadMesh::PeersFailed(const absl::Status& failure, int epoch) {
   if (failure.ok() || !evicts() || !IsGroupFailure(failure)) return failure;
+  // A group of an epoch the mesh left fails as its evicted members go: nobody to blame (they
+  // are no longer watched), and no verdict on the mesh, which went on without them.
+  if (const int now = liveness_->epochs().current().number; now != epoch) {
+    return core::WithReason(absl::AbortedError(absl::StrCat("a collective of mesh epoch ", epoch,
+                                                            " failed after the mesh entered epoch ",
+                                                            now, ": ", failure.message())),
+                            core::reason::kMeshReconfiguring, {{"epoch", absl::StrCat(now)}});
+  }
   const absl::Status blamed = NamesLostProcess(failure) ? failure : liveness_->Blame(failure);
-  liveness_->DeclareDown(blamed);  // evicts the lost process's replica, or the mesh is down
-  if (!liveness_->NamesEvicted(blamed)) return blamed;
+  // Evicts the lost process's replica (or it was evicted meanwhile), or the mesh is down.
+  liveness_->DeclareDown(blamed);
+  if (!liveness_->epochs().NamesEvicted(blamed)) return blamed;
   return core::WithReason(absl::AbortedError(absl::StrCat(
                               "a collective across the replicas failed: ", blamed.message())),
                           core::reason::kMeshReconfiguring,
-                          {{"epoch", absl::StrCat(liveness_->epoch().number)}});
+                          {{"epoch", absl::StrCat(liveness_->epochs().current().number)}});
 }
 
 absl::Status HeadMesh::NotTheLeader(const std::string& method) const {
@@ -227,21 +243,16 @@ absl::Status HeadMesh::EpochLeft(int epoch) const {
 
 absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t, int epoch) {
   const auto start = std::chrono::steady_clock::now();
-  ProcessGroup* group = nullptr;
-  {
-    // The group of the step's epoch, or none: never another epoch's members.
-    std::lock_guard<std::mutex> lock(epoch_mu_);
-    if (epoch < 0 || epoch == epoch_.number) {
-      group = fronts_ != nullptr ? &fronts_->collectives() : shard_peers_.get();
-    }
-  }
-  if (group == nullptr) return EpochLeft(epoch);
+  // The group of the step's epoch, or none: never another epoch's members.
+  const Peers peers = CurrentPeers();
+  if (epoch >= 0 && epoch != peers.epoch) return EpochLeft(epoch);
+  ProcessGroup* group = peers.group;
   torch::Tensor wire =
       t.scalar_type() == options_.reduce_dtype ? t : t.to(options_.reduce_dtype).contiguous();
   // Reduced on replica 0, then broadcast from it: every replica ends with replica 0's bits
   // (an all-reduce's result may differ in the last bit between ranks).
-  RETURN_IF_ERROR(PeersFailed(group->ReduceSum(wire, 0)));
-  RETURN_IF_ERROR(PeersFailed(group->Broadcast(wire, 0)));
+  RETURN_IF_ERROR(PeersFailed(group->ReduceSum(wire, 0), peers.epoch));
+  RETURN_IF_ERROR(PeersFailed(group->Broadcast(wire, 0), peers.epoch));
   if (!wire.is_same(t)) t.copy_(wire);
   reduced_bytes_.fetch_add(static_cast<int64_t>(wire.nbytes()));
   reduce_nanoseconds_.fetch_add(
@@ -251,9 +262,9 @@ absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t, int epoch) {
 }
 
 absl::Status HeadMesh::SumOnLeader(torch::Tensor& t) {
-  const torch::Device device = peers().config().device;
-  torch::Tensor wire = t.to(device).contiguous();
-  RETURN_IF_ERROR(PeersFailed(peers().ReduceSum(wire, 0)));
+  const Peers peers = CurrentPeers();
+  torch::Tensor wire = t.to(peers.group->config().device).contiguous();
+  RETURN_IF_ERROR(PeersFailed(peers.group->ReduceSum(wire, 0), peers.epoch));
   t = wire.to(t.device());
   return absl::OkStatus();
 }
@@ -274,7 +285,7 @@ absl::StatusOr<std::string> HeadMesh::NewStepAttempt() {
 }
 
 absl::StatusOr<bool> HeadMesh::AllSummed(const std::string& attempt, const MeshEpoch& at) const {
-  if (liveness_->epoch().number != at.number) {
+  if (liveness_->epochs().current().number != at.number) {
     return absl::AbortedError("a replica was evicted during the step");
   }
   const int k = liveness_->config().ranks_per_replica();
@@ -288,10 +299,9 @@ absl::StatusOr<bool> HeadMesh::AllSummed(const std::string& attempt, const MeshE
   return true;
 }
 
-absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& summed,
-                              int epoch) {
+absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& summed, int epoch) {
   if (liveness_ == nullptr) return summed;
-  const bool evicting = liveness_->evicts();
+  const bool evicting = evicts();
   if (!evicting) RETURN_IF_ERROR(summed);  // without eviction a failed sum takes the mesh down
   const char* proposal = summed.ok() ? kDecisionApply : kDecisionAbort;
   const std::string key = store_keys::MeshDecision(attempt);
@@ -305,8 +315,7 @@ absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& su
     RETURN_IF_ERROR(liveness_->Publish(store_keys::MeshSummed(attempt, me), "summed"));
     const MeshEpoch at = this->epoch();
     if (epoch >= 0 && epoch != at.number) proposal = kDecisionAbort;
-    const auto deadline =
-        std::chrono::steady_clock::now() + liveness_->config().timeout;
+    const auto deadline = std::chrono::steady_clock::now() + liveness_->config().timeout;
     for (auto pause = std::chrono::milliseconds(1); proposal == kDecisionApply;
          pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
       const absl::StatusOr<bool> all = AllSummed(attempt, at);
@@ -338,9 +347,9 @@ absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& su
   if (decided == kDecisionApply) {
     // Never happens: "apply" needs this rank's word that it summed. Were it to, this replica
     // lacks the step every other applies: it must leave the mesh.
-    return absl::DataLossError(absl::StrCat("mesh step ", attempt,
-                                            ": settled to apply, but this rank's sum failed: ",
-                                            summed.message()));
+    return absl::DataLossError(
+        absl::StrCat("mesh step ", attempt,
+                     ": settled to apply, but this rank's sum failed: ", summed.message()));
   }
   if (decided == kDecisionAbort) {
     ++aborted_;
@@ -350,7 +359,8 @@ absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& su
             "mesh step ", attempt,
             ": settled to abort (a replica was lost before every rank had summed): nothing "
             "applied")),
-        core::reason::kMeshReconfiguring, {{"epoch", absl::StrCat(liveness_->epoch().number)}});
+        core::reason::kMeshReconfiguring,
+        {{"epoch", absl::StrCat(liveness_->epochs().current().number)}});
   }
   return absl::DataLossError(absl::StrCat("mesh step ", attempt, ": the settled decision is \"",
                                           decided, "\", neither apply nor abort"));
@@ -361,9 +371,10 @@ absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& t
   const uint64_t mine = HashTensors(tensors);
   torch::Tensor h = torch::empty({1}, torch::kInt64);
   std::memcpy(h.data_ptr<int64_t>(), &mine, sizeof(mine));
-  if (peers().config().device.is_cuda()) h = h.to(peers().config().device);
-  absl::StatusOr<torch::Tensor> gathered = peers().AllGather(h);
-  RETURN_IF_ERROR(PeersFailed(gathered.status()));
+  const Peers peers = CurrentPeers();
+  if (peers.group->config().device.is_cuda()) h = h.to(peers.group->config().device);
+  absl::StatusOr<torch::Tensor> gathered = peers.group->AllGather(h);
+  RETURN_IF_ERROR(PeersFailed(gathered.status(), peers.epoch));
   const torch::Tensor all = gathered->cpu();
   // By index among the serving replicas (the epoch's shard groups): named by replica.
   const std::vector<int> live = epoch().live;
@@ -376,16 +387,18 @@ absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& t
   (differ.empty() ? matched_ : mismatched_).fetch_add(1);
   if (differ.empty()) return absl::OkStatus();
   return core::WithReason(
-      absl::DataLossError(
-          absl::StrCat("head mesh: ", what, " of replica(s) ", absl::StrJoin(differ, ", "),
-                       " differ from replica 0's (checksums of shard ", peers().config().prefix,
-                       "): the replicas diverged; restore every replica from one state")),
+      absl::DataLossError(absl::StrCat(
+          "head mesh: ", what, " of replica(s) ", absl::StrJoin(differ, ", "),
+          " differ from replica 0's (checksums of shard ", peers.group->config().prefix,
+          "): the replicas diverged; restore every replica from one state")),
       core::reason::kReplicasDiverged, {{"replicas", absl::StrJoin(differ, ",")}});
 }
 
 absl::StatusOr<std::vector<absl::Status>> HeadMesh::ExchangeVerdicts(const absl::Status& mine) {
-  absl::StatusOr<std::vector<std::string>> gathered = AllGatherStrings(peers(), EncodeStatus(mine));
-  RETURN_IF_ERROR(PeersFailed(gathered.status()));
+  const Peers peers = CurrentPeers();
+  absl::StatusOr<std::vector<std::string>> gathered =
+      AllGatherStrings(*peers.group, EncodeStatus(mine));
+  RETURN_IF_ERROR(PeersFailed(gathered.status(), peers.epoch));
   const std::vector<std::string>& all = *gathered;
   std::vector<absl::Status> verdicts;
   for (const std::string& verdict : all) verdicts.push_back(DecodeStatus(verdict));

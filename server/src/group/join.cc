@@ -54,7 +54,8 @@ absl::StatusOr<MeshOptions::TestOnlyPause> ResolveTestOnlyPause(const MeshFlags&
       seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--testonly_mesh_pause: expected \"after_sum|after_apply,<weight version>,<seconds>\"; "
-        "got \"", flags.testonly_pause, "\""));
+        "got \"",
+        flags.testonly_pause, "\""));
   }
   pause.point = fields[0];
   pause.pause = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
@@ -83,8 +84,8 @@ absl::StatusOr<MeshOptions> ResolveMeshOptions(const MeshFlags& flags, int repli
   }
   options.min_replicas = flags.min_replicas;
   if (flags.max_evictions < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--mesh_max_evictions: expected >= 0 (0: no cap); got ", flags.max_evictions));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mesh_max_evictions: expected >= 0 (0: no cap); got ", flags.max_evictions));
   }
   if (!(flags.eviction_window_seconds > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -176,8 +177,8 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
   ASSIGN_OR_RETURN(cluster.liveness, StartLiveness(config));
   Liveness* liveness = cluster.liveness.get();
   if (mesh_options.min_replicas > 0) {
-    liveness->EnableEviction(mesh_options.min_replicas, {.evictions = mesh_options.max_evictions,
-                                                         .window = mesh_options.eviction_window});
+    liveness->epochs().Enable(mesh_options.min_replicas, {.evictions = mesh_options.max_evictions,
+                                                          .window = mesh_options.eviction_window});
   }
   if (cluster.group != nullptr) cluster.group->set_liveness(liveness);
   if (fronts != nullptr) fronts->set_liveness(liveness);

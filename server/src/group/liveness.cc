@@ -98,7 +98,12 @@ Liveness::Liveness(const GroupConfig& config, std::unique_ptr<KeyValueStore> sto
       store_(std::move(store)),
       log_(log),
       timing_(timing),
-      epoch_(MeshEpoch::First(config.replicas)) {
+      epochs_(config, log,
+              {.settle = [this](const std::string& key,
+                                const std::string& proposed) { return Settle(key, proposed); },
+               .describe = [this](int global_rank) { return Describe(global_rank); },
+               .unwatch = [this](const MeshEpoch& entered) { Unwatch(entered); },
+               .go_down = [this](const absl::Status& verdict) { GoDown(verdict, false); }}) {
   const Clock::time_point now = Clock::now();
   for (int r = 0; r < config_.size; ++r) {
     if (r != config_.rank) last_change_[r] = now;
@@ -241,7 +246,16 @@ int Liveness::OnDown(std::function<void(const absl::Status&)> listener) {
 void Liveness::RemoveListener(int id) {
   std::lock_guard<std::mutex> lock(calling_);
   listeners_.erase(id);
-  epoch_listeners_.erase(id);
+}
+
+void Liveness::Unwatch(const MeshEpoch& entered) {
+  const int k = config_.ranks_per_replica();
+  {
+    // The evicted replica's processes are no longer watched: their beats say nothing of the mesh.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int s = 0; s < k; ++s) last_change_.erase(entered.evicted * k + s);
+  }
+  wake_.notify_all();
 }
 
 absl::Status Liveness::Lost(int global_rank, std::chrono::milliseconds since,
@@ -313,9 +327,15 @@ absl::Status Liveness::Blame(const absl::Status& failure) {
   }
   // A process killed just now beat less than `stalled` ago: the evidence takes that long.
   const Clock::time_point deadline = Clock::now() + timing_.stalled + 2 * timing_.beat;
+  const int epoch = epochs_.current().number;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     if (NamesLostProcess(down_)) return down_;  // another process named it already
+    // Evicted meanwhile (its processes are no longer watched): the loss the epoch names.
+    if (const MeshEpoch now = epochs_.current(); now.number != epoch) {
+      lock.unlock();
+      return EvictedLoss(now, failure);
+    }
     const auto [rank, since] = StalledLocked(timing_.stalled);
     if (rank >= 0) {
       lock.unlock();
@@ -326,112 +346,22 @@ absl::Status Liveness::Blame(const absl::Status& failure) {
   }
 }
 
-void Liveness::DeclareDown(const absl::Status& verdict) {
-  if (Evict(verdict)) return;  // the mesh goes on without the lost process's replica
-  GoDown(verdict, /*write=*/true);
-}
-
-void Liveness::EnableEviction(int min_replicas, EvictionCap cap) {
-  if (config_.replicas > 1 && min_replicas < config_.replicas) min_replicas_ = min_replicas;
-  cap_ = cap;
-}
-
-MeshEpoch Liveness::epoch() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return epoch_;
-}
-
-int Liveness::OnEpoch(std::function<void(const MeshEpoch&)> listener) {
-  std::lock_guard<std::mutex> lock(calling_);
-  epoch_listeners_[next_listener_] = std::move(listener);
-  return next_listener_++;
-}
-
-namespace {
-// The global rank a verdict names as lost (-1: none).
-int LostRank(const absl::Status& status) {
-  const std::optional<core::ErrorReason> reason = core::GetReason(status);
-  int lost = -1;
-  if (!reason.has_value()) return -1;
-  const auto it = reason->metadata.find("lost_rank");
-  return it != reason->metadata.end() && absl::SimpleAtoi(it->second, &lost) ? lost : -1;
-}
-}  // namespace
-
-bool Liveness::NamesEvicted(const absl::Status& status) const {
-  const int lost = LostRank(status);
-  return lost >= 0 && !epoch().serves(lost / config_.ranks_per_replica());
-}
-
-bool Liveness::Evict(const absl::Status& verdict) {
-  const int lost = LostRank(verdict);
-  if (min_replicas_ <= 0 || lost < 0) return false;
-  const int replica = lost / config_.ranks_per_replica();
-  std::lock_guard<std::mutex> one(evicting_);
-  for (;;) {
-    const MeshEpoch now = epoch();
-    if (!now.serves(replica)) return true;  // evicted already: the mesh went on
-    // Replica 0's front serves the store and leads: its loss is the mesh's, as without eviction.
-    if (replica == 0 || static_cast<int>(now.live.size()) - 1 < min_replicas_) return false;
-    if (cap_.evictions > 0) {
-      int64_t recent = 0;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        const Clock::time_point since = Clock::now() - cap_.window;
-        recent = std::count_if(evicted_at_.begin(), evicted_at_.end(),
-                               [&](Clock::time_point at) { return at >= since; });
-      }
-      if (recent >= cap_.evictions) {
-        if (log_ != nullptr) {
-          *log_ << "remotehead-server: mesh: " << Describe(lost) << " is lost, but " << recent
-                << " replica(s) were evicted within the last " << cap_.window.count()
-                << " s (--mesh_max_evictions " << cap_.evictions
-                << "): no more evictions; the mesh goes down" << std::endl;
-        }
-        return false;
-      }
-    }
-    const MeshEpoch proposed = now.Without(replica, absl::StrCat(Describe(lost), " is lost"));
-    const absl::StatusOr<std::string> settled =
-        Settle(store_keys::MeshEpochRecord(proposed.number), proposed.Encode());
-    if (!settled.ok()) return false;  // the store fails: the mesh is down, as without eviction
-    const absl::StatusOr<MeshEpoch> next = MeshEpoch::Decode(*settled);
-    if (!next.ok() || next->number != proposed.number) return false;
-    Adopt(*next);  // another process may have evicted another replica first: then look again
-  }
-}
-
-void Liveness::Adopt(const MeshEpoch& next) {
+absl::Status Liveness::EvictedLoss(const MeshEpoch& entered, const absl::Status& failure) const {
   const int k = config_.ranks_per_replica();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (next.number != epoch_.number + 1) return;
-    epoch_ = next;
-    evicted_at_.push_back(Clock::now());
-    // The evicted replica's processes are no longer watched: their beats say nothing of the mesh.
-    for (int s = 0; s < k; ++s) last_change_.erase(next.evicted * k + s);
-  }
-  wake_.notify_all();
-  if (log_ != nullptr) {
-    *log_ << "remotehead-server: mesh: " << next.cause << ": replica " << next.evicted
-          << " evicted; the mesh goes on in " << next.Describe() << "; "
-          << next.Moves(config_.replicas) << std::endl;
-  }
-  if (!next.serves(config_.replica())) {
-    GoDown(core::WithReason(
-               absl::UnavailableError(absl::StrCat(
-                   "this process's replica ", config_.replica(), " was evicted from the mesh (",
-                   next.cause, "): the mesh goes on in ", next.Describe(), "; ",
-                   next.Moves(config_.replicas),
-                   " — this process serves nothing more; restart its replica to serve again")),
-               core::reason::kGroupUnavailable,
-               {{"rank", absl::StrCat(config_.rank)},
-                {"evicted", absl::StrCat(next.evicted)},
-                {"epoch", absl::StrCat(next.number)}}),
-           /*write=*/false);
-  }
-  std::lock_guard<std::mutex> calling(calling_);
-  for (const auto& [id, listener] : epoch_listeners_) listener(next);
+  return core::WithReason(
+      absl::UnavailableError(absl::StrCat(entered.cause, ": replica ", entered.evicted,
+                                          " was evicted (the mesh goes on in ", entered.Describe(),
+                                          "; first seen as: ", failure.message(), ")")),
+      core::reason::kGroupUnavailable,
+      {{"rank", absl::StrCat(config_.rank)},
+       {"lost_rank", absl::StrCat(entered.evicted * k)},
+       {"lost_replica", absl::StrCat(entered.evicted)},
+       {"epoch", absl::StrCat(entered.number)}});
+}
+
+void Liveness::DeclareDown(const absl::Status& verdict) {
+  if (epochs_.Evict(verdict)) return;  // the mesh goes on without the lost process's replica
+  GoDown(verdict, /*write=*/true);
 }
 
 void Liveness::GoDown(const absl::Status& verdict, bool write) {
@@ -456,11 +386,10 @@ void Liveness::GoDown(const absl::Status& verdict, bool write) {
 void Liveness::Beat() {
   const Clock::time_point now = Clock::now();
   std::set<int> known;  // the addresses read already (read once each)
-  MeshEpoch current;
+  const MeshEpoch current = epochs_.current();
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [rank, address] : addresses_) known.insert(rank);
-    current = epoch_;
   }
   absl::Status reached =
       store_->Set(store_keys::Beat(config_.rank), Sealed(kBeat, absl::StrCat(++beats_)));
@@ -493,7 +422,7 @@ void Liveness::Beat() {
   }
   // The next epoch, settled by another process (a record that does not verify changes nothing).
   std::optional<MeshEpoch> next_epoch;
-  if (reached.ok() && evicts() && !verdict.has_value()) {
+  if (reached.ok() && epochs_.evicts() && !verdict.has_value()) {
     const absl::StatusOr<std::optional<std::string>> record =
         ReadSettled(store_keys::MeshEpochRecord(current.number + 1));
     if (record.ok() && record->has_value()) {
@@ -514,7 +443,7 @@ void Liveness::Beat() {
     for (auto& [r, value] : beats) {
       // A value that does not verify (forged, replayed) is not a beat: it changes nothing; a
       // replica evicted meanwhile is no longer watched.
-      if (!epoch_.serves(r / config_.ranks_per_replica())) continue;
+      if (!current.serves(r / config_.ranks_per_replica())) continue;
       if (value != last_beat_[r] && Opened(kBeat, value).has_value()) {
         last_beat_[r] = value;
         last_change_[r] = now;
@@ -531,7 +460,7 @@ void Liveness::Beat() {
     std::tie(lost, lost_since) = Gone();
   }
   wake_.notify_all();  // a Blame waiting for evidence looks again
-  if (next_epoch.has_value()) Adopt(*next_epoch);
+  if (next_epoch.has_value()) epochs_.Adopt(*next_epoch);
   if (verdict.has_value()) {
     GoDown(*verdict, /*write=*/false);
   } else if (lost >= 0) {

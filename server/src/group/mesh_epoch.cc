@@ -45,8 +45,8 @@ MeshEpoch MeshEpoch::Without(int replica, const std::string& why) const {
 }
 
 std::string MeshEpoch::Describe() const {
-  std::string text = absl::StrCat("epoch ", number, " (replicas [", absl::StrJoin(live, ", "),
-                                  "] serve");
+  std::string text =
+      absl::StrCat("epoch ", number, " (replicas [", absl::StrJoin(live, ", "), "] serve");
   if (evicted >= 0) absl::StrAppend(&text, "; replica ", evicted, " evicted");
   return text + ")";
 }
@@ -55,9 +55,9 @@ std::string MeshEpoch::Moves(int replicas) const {
   if (evicted < 0 || live.empty()) return "no trainer moves";
   std::vector<std::string> to;
   for (size_t i = 0; i < live.size(); ++i) {
-    to.push_back(live.size() == 1 ? absl::StrCat("replica ", live[i])
-                                  : absl::StrCat("replica ", live[i], " (t mod ", live.size(),
-                                                 " = ", i, ")"));
+    to.push_back(live.size() == 1
+                     ? absl::StrCat("replica ", live[i])
+                     : absl::StrCat("replica ", live[i], " (t mod ", live.size(), " = ", i, ")"));
   }
   return absl::StrCat("trainers t with t mod ", replicas, " = ", evicted, " now go to ",
                       absl::StrJoin(to, " and "));
@@ -80,9 +80,10 @@ absl::StatusOr<MeshEpoch> MeshEpoch::Decode(const std::string& bytes) {
     epoch.live.push_back(replica);
   }
   if (!ok || epoch.live.empty() || !std::is_sorted(epoch.live.begin(), epoch.live.end())) {
-    return absl::DataLossError(absl::StrCat("mesh epoch record: expected \"<number> <evicted> "
-                                            "<serving replicas>\"; got \"",
-                                            bytes.substr(0, newline), "\""));
+    return absl::DataLossError(
+        absl::StrCat("mesh epoch record: expected \"<number> <evicted> "
+                     "<serving replicas>\"; got \"",
+                     bytes.substr(0, newline), "\""));
   }
   if (newline != std::string::npos) epoch.cause = bytes.substr(newline + 1);
   return epoch;

@@ -34,7 +34,8 @@ inline std::string ShardGroup(absl::string_view mesh, int shard) {
 // Shard k's group in a later epoch of the mesh (mesh_epoch.h): the serving replicas' ranks only,
 // a rendezvous and a log of its own (epoch 0 is ShardGroup's).
 inline std::string ShardGroupInEpoch(absl::string_view mesh, int shard, int epoch) {
-  return epoch == 0 ? ShardGroup(mesh, shard) : absl::StrCat(mesh, "/shard/", shard, "/epoch/", epoch);
+  return epoch == 0 ? ShardGroup(mesh, shard)
+                    : absl::StrCat(mesh, "/shard/", shard, "/epoch/", epoch);
 }
 
 // ----- the command log (under CommandLog) -----

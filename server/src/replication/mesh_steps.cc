@@ -239,14 +239,13 @@ absl::Status MeshSteps::CheckTrainer(int rank, const std::string& field) const {
   const MeshEpoch epoch = mesh_->epoch();
   const int serves = epoch.ReplicaOf(rank, replicas);
   if (serves == replica) return absl::OkStatus();
-  const std::string rule =
-      epoch.number == 0
-          ? absl::StrCat("each trainer dials fronts[rank mod ", replicas, "]")
-          : absl::StrCat("in ", epoch.Describe(), " ", epoch.Moves(replicas));
+  const std::string rule = epoch.number == 0
+                               ? absl::StrCat("each trainer dials fronts[rank mod ", replicas, "]")
+                               : absl::StrCat("in ", epoch.Describe(), " ", epoch.Moves(replicas));
   return core::WithReason(
-      absl::InvalidArgumentError(absl::StrCat(
-          field, ": expected a trainer of replica ", replica, " of ", replicas, "; got rank ",
-          rank, ", which replica ", serves, "'s front serves: ", rule)),
+      absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected a trainer of replica ", replica, " of ", replicas,
+                       "; got rank ", rank, ", which replica ", serves, "'s front serves: ", rule)),
       core::reason::kWrongReplica,
       {{"rank", absl::StrCat(rank)},
        {"replica", absl::StrCat(serves)},
@@ -323,8 +322,7 @@ absl::Status MeshSteps::Missing(const SyncStepRequest& first, const std::vector<
           " replicas: ",
           epoch.number == 0 ? absl::StrCat("rank t at replica t mod ", mesh_->replicas())
                             : absl::StrCat(epoch.Describe(), ": ", epoch.Moves(mesh_->replicas())),
-          ") within ",
-          absl::FormatDuration(absl::FromChrono(waited)), "; got ranks [",
+          ") within ", absl::FormatDuration(absl::FromChrono(waited)), "; got ranks [",
           absl::StrJoin(came, ", "), "], missing ranks [", absl::StrJoin(missing, ", "), "]",
           unknown.empty() ? std::string()
                           : absl::StrCat(" (not known: ", absl::StrJoin(unknown, ", "), ")"),
@@ -365,8 +363,8 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
   // A step proposed in another epoch than this replica's (the mesh changed meanwhile).
   if (const MeshEpoch here = mesh_->epoch(); step.epoch() != here.number) {
     return core::WithReason(
-        absl::AbortedError(absl::StrCat("mesh step of epoch ", step.epoch(), ": ", who,
-                                         " is in ", here.Describe(), ": nothing applied")),
+        absl::AbortedError(absl::StrCat("mesh step of epoch ", step.epoch(), ": ", who, " is in ",
+                                        here.Describe(), ": nothing applied")),
         core::reason::kMeshReconfiguring, {{"epoch", absl::StrCat(here.number)}});
   }
   if (replica_group_ != nullptr) {

@@ -61,12 +61,11 @@ absl::StatusOr<HeadDescription> ReplicaStep(HeadOperations& operations, const st
   // A copy of this replica's own dW is kept for a refused decision only where a lost replica is
   // evicted (then this replica's trainers resend nothing); elsewhere the loss takes the mesh
   // down, and every trainer starts again from a saved state.
-  const StepDecision decision{
-      .decide = [&placement, attempt,
-                 epoch](const absl::Status& summed) {
-        return placement.DecideStep(attempt, summed, epoch);
-      },
-      .keeps_own = placement.evicts_replicas()};
+  const StepDecision decision{.decide =
+                                  [&placement, attempt, epoch](const absl::Status& summed) {
+                                    return placement.DecideStep(attempt, summed, epoch);
+                                  },
+                              .keeps_own = placement.evicts_replicas()};
   return operations.OptimizerStep(
       id, spec, ReplicaStepAround(placement, id, !spec.zero_gradients, decision, epoch));
 }

@@ -72,7 +72,7 @@ struct MeshOptions {
 
 // A later epoch's cross-replica groups, as JoinCluster builds them (mesh_epoch.h).
 struct EpochGroups {
-  std::unique_ptr<HeadGroup> fronts;         // on a replica's front
+  std::unique_ptr<HeadGroup> fronts;          // on a replica's front
   std::unique_ptr<ProcessGroup> shard_peers;  // elsewhere
 };
 
@@ -178,7 +178,14 @@ class HeadMesh : public MetricSource {
   // taken as the mesh's verdict (which evicts its replica); then ABORTED, reason
   // MESH_RECONFIGURING (no group takes it as its own transport failure: only the evicted replica
   // is gone); otherwise `failure` as it is.
-  absl::Status PeersFailed(const absl::Status& failure);
+  // `epoch`: the epoch of the group whose collective failed.
+  absl::Status PeersFailed(const absl::Status& failure, int epoch);
+  // The cross-replica group of the epoch that serves, and that epoch's number.
+  struct Peers {
+    ProcessGroup* group;
+    int epoch;
+  };
+  Peers CurrentPeers();
   // Liveness entered `next`: the groups of the epoch left are retired, the regroup thread builds
   // the new ones.
   void Enter(const MeshEpoch& next);
@@ -197,8 +204,8 @@ class HeadMesh : public MetricSource {
   const bool front_;
   mutable std::mutex epoch_mu_;
   std::condition_variable regrouped_;
-  MeshEpoch epoch_;    // the epoch whose groups serve (under epoch_mu_)
-  MeshEpoch wanted_;   // the newest epoch liveness entered (under epoch_mu_)
+  MeshEpoch epoch_;   // the epoch whose groups serve (under epoch_mu_)
+  MeshEpoch wanted_;  // the newest epoch liveness entered (under epoch_mu_)
   bool closing_ = false;
   std::unique_ptr<HeadGroup> fronts_;          // under epoch_mu_
   std::unique_ptr<ProcessGroup> shard_peers_;  // under epoch_mu_

@@ -36,16 +36,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "remotehead/server/group/mesh_epoch.h"
+#include "remotehead/server/group/mesh_epochs.h"
 #include "remotehead/server/group/process_group.h"
 
 namespace remotehead::server {
-
-// At most `evictions` replicas evicted within `window` (Liveness::EnableEviction).
-struct EvictionCap {
-  int evictions = 0;  // 0: no cap but the minimum
-  std::chrono::seconds window{3600};
-};
 
 class Liveness {
  public:
@@ -88,23 +82,13 @@ class Liveness {
   // naming a lost process whose replica may be evicted evicts it instead (the mesh goes on).
   void DeclareDown(const absl::Status& verdict);
 
-  // Eviction (mesh_epoch.h), set before the mesh serves: from then on the loss of a process of
-  // a replica other than replica 0 evicts its replica as long as `min_replicas` replicas keep
-  // serving, and fewer than `cap.evictions` replicas were evicted within the last `cap.window`
-  // (a slow replica that makes others look lost must not evict them one after another: past the
-  // cap a loss takes the mesh down). Every process of the mesh must be given the same.
-  void EnableEviction(int min_replicas, EvictionCap cap = {});
-  bool evicts() const { return min_replicas_ > 0; }
-  // The mesh's epoch as this process knows it (epoch 0 until a replica is evicted).
-  MeshEpoch epoch() const;
-  // `listener` is called once for each epoch this process enters, by the thread that learns it
-  // (a beat, or the one that evicted); it must not block. Removed by RemoveListener(id).
-  int OnEpoch(std::function<void(const MeshEpoch&)> listener);
+  // The mesh's epochs as this process knows them, and the eviction of a lost replica when the
+  // mesh evicts (mesh_epochs.h): DeclareDown tries it first; every beat reads the next epoch's
+  // record.
+  MeshEpochs& epochs() { return epochs_; }
+  const MeshEpochs& epochs() const { return epochs_; }
   // The group or mesh this process joined.
   const GroupConfig& config() const { return config_; }
-  // Whether `status` names a lost process of a replica this process knows to be evicted: the
-  // mesh went on without it, so the status is no verdict on the mesh.
-  bool NamesEvicted(const absl::Status& status) const;
   // `listener` is called once with the verdict, by whichever thread learns it first, until
   // removed (by the returned id; RemoveListener returns once no call of it runs).
   int OnDown(std::function<void(const absl::Status&)> listener);
@@ -135,13 +119,10 @@ class Liveness {
   void Beat();
   // Takes the verdict (`write`: this process's own, recorded in the store).
   void GoDown(const absl::Status& verdict, bool write);
-  // The lost process `verdict` names evicts its replica: true once this process is in an epoch
-  // without that replica (it settled the next epoch, or another process had); false when the
-  // loss takes the mesh down (no eviction here, replica 0, too few left, the store failing).
-  bool Evict(const absl::Status& verdict);
-  // Enters `next` if it is the epoch after this process's own: evicted ranks unwatched, the line
-  // logged, this process down if its replica was evicted, the epoch listeners called.
-  void Adopt(const MeshEpoch& next);
+  // The epoch `entered` evicted a replica: its processes are no longer watched.
+  void Unwatch(const MeshEpoch& entered);
+  // `failure` blamed on the replica `entered` evicted (a process of it, unwatched since).
+  absl::Status EvictedLoss(const MeshEpoch& entered, const absl::Status& failure) const;
   // The settled value of `key` (nullopt: none yet); DATA_LOSS if it does not verify.
   absl::StatusOr<std::optional<std::string>> ReadSettled(const std::string& key);
   // The body of `value`, sealed as `key`'s settled value; DATA_LOSS naming `where` otherwise.
@@ -177,15 +158,10 @@ class Liveness {
   std::map<int, std::string> addresses_;
   Clock::time_point store_failing_since_ = Clock::time_point::max();
   absl::Status down_;
-  int min_replicas_ = 0;  // 0: no eviction
-  EvictionCap cap_;
-  std::vector<Clock::time_point> evicted_at_;  // when this process entered each epoch (under mu_)
-  MeshEpoch epoch_;       // under mu_
-  std::mutex evicting_;   // one eviction at a time in this process
   std::map<int, std::function<void(const absl::Status&)>> listeners_;  // under calling_
-  std::map<int, std::function<void(const MeshEpoch&)>> epoch_listeners_;  // under calling_
   int next_listener_ = 0;
   std::mutex calling_;  // held while listeners are called, added or removed
+  MeshEpochs epochs_;   // after what its hooks use
   std::thread thread_;
 };
 
