@@ -127,11 +127,14 @@ absl::Status HeadMesh::Reconfiguring() const {
   return ReconfiguringStatus(wanted_, "");
 }
 
+bool IsMeshReconfiguring(const absl::Status& status) {
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  return reason.has_value() && reason->reason == core::reason::kMeshReconfiguring;
+}
+
 absl::Status HeadMesh::Restated(const absl::Status& status) const {
   if (status.ok() || !evicts()) return status;
-  const std::optional<core::ErrorReason> reason = core::GetReason(status);
-  const bool reconfiguring =
-      reason.has_value() && reason->reason == core::reason::kMeshReconfiguring;
+  const bool reconfiguring = IsMeshReconfiguring(status);
   if (!reconfiguring && !liveness_->epochs().NamesEvicted(status)) return status;
   if (reconfiguring && status.code() == absl::StatusCode::kUnavailable) return status;
   MeshEpoch next;
@@ -145,9 +148,9 @@ absl::Status HeadMesh::Restated(const absl::Status& status) const {
 
 void HeadMesh::Enter(const MeshEpoch& next) {
   if (!next.serves(replica_)) return;  // evicted: liveness took this process down
-  ++evictions_;
   std::lock_guard<std::mutex> lock(epoch_mu_);
   if (next.number <= wanted_.number) return;
+  ++evictions_;
   wanted_ = next;
   // The epoch left: its log answers nothing more (its follower and its waiting front let go).
   if (fronts_ != nullptr) fronts_->Retire(ReconfiguringStatus(next, "the mesh's log: "));

@@ -72,12 +72,6 @@ absl::StatusOr<HeadDescription> ToTrainers(absl::StatusOr<HeadDescription> resul
                                     core::SerializeReason(result.status()));
 }
 
-// Whether `status` says the mesh changes epochs (a replica was evicted).
-bool IsReconfiguring(const absl::Status& status) {
-  const std::optional<core::ErrorReason> reason = core::GetReason(status);
-  return reason.has_value() && reason->reason == core::reason::kMeshReconfiguring;
-}
-
 // `status` with its message after `prefix`, its reason kept.
 absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
   return core::WithSerializedReason(
@@ -134,10 +128,10 @@ absl::StatusOr<HeadDescription> MeshSteps::Step(const std::string& head_id,
   });
   // Applied here: the step's decision was "apply", so every serving replica applied it too; a
   // replica lost meanwhile (its front's reply missing) does not undo that.
-  if (result.ok() && (status.ok() || IsReconfiguring(mesh_->Restated(status)))) return result;
+  const absl::Status failed = mesh_->Restated(status);
+  if (result.ok() && (failed.ok() || IsMeshReconfiguring(failed))) return result;
   // A step a lost replica aborted is to be asked again, once the mesh goes on without it.
-  if (!status.ok()) return ToTrainers(mesh_->Restated(status));
-  return ToTrainers(mesh_->Restated(result.status()));
+  return ToTrainers(!failed.ok() ? failed : mesh_->Restated(result.status()));
 }
 
 absl::Status MeshSteps::Follow(const v1::MeshStep& step) {

@@ -228,6 +228,10 @@ class HeadMesh : public MetricSource {
   std::atomic<int64_t> evictions_{0};
 };
 
+// Whether `status` says that the mesh changes epochs (reason MESH_RECONFIGURING: a replica was
+// evicted, nothing of the call applied).
+bool IsMeshReconfiguring(const absl::Status& status);
+
 // An order-sensitive 64-bit hash of `tensors`' bytes (as stored, on the CPU).
 uint64_t HashTensors(const std::vector<torch::Tensor>& tensors);
 
