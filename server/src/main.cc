@@ -159,7 +159,10 @@ ABSL_FLAG(int32_t, mesh_min_replicas, 0,
           "on a mesh: the fewest replicas it goes on with (1 to --group_replicas; 0 = every "
           "replica). Below --group_replicas, losing a process of a replica other than replica 0 "
           "evicts that replica and the mesh goes on without it in its next epoch (its trainers "
-          "move to the replicas that serve); the same on every process of the mesh");
+          "move to the replicas that serve); the same on every process of the mesh. An evicted "
+          "replica comes back when its processes start again with their flags (a live one "
+          "restarts itself): the leader admits it between two steps and heals it from replica "
+          "0");
 ABSL_FLAG(int32_t, mesh_max_evictions, 0,
           "on a mesh with --mesh_min_replicas: the most replicas evicted within "
           "--mesh_eviction_window_seconds; a loss past it takes the mesh down (a slow replica "
@@ -171,6 +174,10 @@ ABSL_FLAG(std::string, testonly_mesh_pause, "",
           "\"after_sum|after_apply,<weight version>,<seconds>\" pauses every rank of a mesh at "
           "that point of the step that makes that version, so that a test can kill a process "
           "there");
+ABSL_FLAG(bool, testonly_mesh_corrupt_heal, false,
+          "tests only, refused unless the environment sets REMOTEHEAD_TESTONLY=1: a process "
+          "joining a running mesh flips a byte of the heads' states it receives (its heal must "
+          "fail, and the mesh evict it again)");
 ABSL_FLAG(double, group_timeout_seconds, 60,
           "how long a head group's collectives and commands wait for a rank before the group "
           "is declared down");
@@ -226,6 +233,7 @@ std::vector<std::string> RepeatedFlagValues(int argc, char** argv, const std::st
   return values;
 }
 
+char** g_argv = nullptr;       // the command line, for a process that restarts itself (serving.h)
 std::atomic<int> g_signal{0};  // the signal received (SIGTERM / SIGINT); 0 until one came
 void OnSignal(int signal) { g_signal.store(signal); }
 
@@ -506,6 +514,7 @@ int Run() {
        .max_evictions = absl::GetFlag(FLAGS_mesh_max_evictions),
        .eviction_window_seconds = absl::GetFlag(FLAGS_mesh_eviction_window_seconds),
        .testonly_pause = absl::GetFlag(FLAGS_testonly_mesh_pause),
+       .testonly_corrupt_heal = absl::GetFlag(FLAGS_testonly_mesh_corrupt_heal),
        .test_environment = test_environment != nullptr && std::string(test_environment) == "1"},
       group_config->replicas);
   if (!mesh_options.ok()) return Refuse(mesh_options.status());
@@ -516,14 +525,17 @@ int Run() {
     return 1;
   }
   rh::server::HeadGroup* group = cluster->group.get();
-  if (state_store != nullptr) {
+  // A process that joined a running mesh gets its heads from the heal (head_mesh.h), not here.
+  if (state_store != nullptr && !cluster->joined_running) {
     if (const absl::Status s =
             rh::server::RestoreHeadsAtStart(*state_store, *cluster, *device, &registry, std::cout);
         !s.ok()) {
       return Refuse(s);
     }
   }
-  if (const absl::Status s = LoadHeads(*device, cluster->placement(), &registry); !s.ok()) {
+  if (cluster->joined_running) {
+    // nothing: the heal brings every head
+  } else if (const absl::Status s = LoadHeads(*device, cluster->placement(), &registry); !s.ok()) {
     return Refuse(s);
   }
   if (absl::GetFlag(FLAGS_torch_threads) > 0) {
@@ -580,7 +592,8 @@ int Run() {
        .global_rank = group_config->rank,
        .state_dir = state_store != nullptr ? state_store->dir() : "",
        .out = &std::cout,
-       .err = &std::cerr});
+       .err = &std::cerr,
+       .restart_argv = g_argv});
   metrics->http.reset();  // no scrape may read the service's state once it is gone
   return code;
 }
@@ -595,6 +608,7 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   absl::SetProgramUsageMessage("serves LM heads over gRPC; see docs/operators.md");
   const std::vector<std::string> heads = RepeatedFlagValues(argc, argv, "head");
+  g_argv = argv;
   absl::ParseCommandLine(argc, argv);
   if (!heads.empty()) absl::SetFlag(&FLAGS_head, heads);
   return Run();

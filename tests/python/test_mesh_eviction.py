@@ -17,7 +17,7 @@ of its own client (trainer t dials fronts[t mod 2]), against the same run with n
   replicas and where replica 1's trainers go; remotehead_mesh_epoch 1,
   remotehead_mesh_replicas_live 1, remotehead_mesh_evictions_total 1; a trainer of replica 1
   that asks the leader whether it serves it (HeadRef.trainer_rank) is served, and the replica's
-  survivors, if any, report NOT_SERVING.
+  survivors, if any, say they were evicted and restart themselves to join again.
 - The C++ client does the same: 4 processes of tests/client/mesh_trainer.cc (the loop of
   train() through the C++ RemoteHead, the same micro-batches from the same generator seeds) on a
   2 x 1 mesh whose replica 1 is killed in step 2 all exit 0; trainers 1 and 3 moved once and
@@ -55,7 +55,7 @@ DRIVER = os.environ.get("REMOTEHEAD_CONFORMANCE_DRIVER",
 CPP_TRAINER = os.environ.get("REMOTEHEAD_MESH_TRAINER",
                              str(pathlib.Path(DRIVER).with_name("remotehead-mesh-trainer")))
 VOCAB, HIDDEN, ROWS, WORLD = 40, 16, 10, 4
-STEPS, MICRO_BATCHES, KILL_STEP = 6, 3, 2
+STEPS, MICRO_BATCHES, KILL_STEP, HEAL_STEP = 6, 3, 2, 4
 ADAMW = dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01)
 HEAD = "h"
 
@@ -74,11 +74,13 @@ def micro_batch(trainer: int, step: int, mb: int, dtype: torch.dtype):
     return hidden, torch.randint(0, VOCAB, (ROWS,), generator=g)
 
 
-def train(fronts, kill=None, dtype=torch.float32, kill_in_step=None):
+def train(fronts, kill=None, dtype=torch.float32, kill_in_step=None, heal=None):
     """Every trainer's loop; `kill()` runs once all of them added step KILL_STEP's first
     micro-batch (or, with `kill_in_step`, on a thread of its own that waits for its moment while
-    the trainers run). The clients (to read their moves and replays) and any loop's
-    exception."""
+    the trainers run), `heal()` likewise at step HEAL_STEP's. The clients (to read their moves
+    and replays) and any loop's exception."""
+    hooks = {KILL_STEP: kill, HEAL_STEP: heal}
+    hooks = {step: hook for step, hook in hooks.items() if hook is not None}
     with remotehead.Client(fronts, rank=0) as leader:
         leader.create_head(HEAD, VOCAB, HIDDEN, dtype=dtype, seed=5)
     clients = [remotehead.Client(fronts, rank=t, initial_backoff=0.05, max_backoff=0.5)
@@ -96,28 +98,27 @@ def train(fronts, kill=None, dtype=torch.float32, kill_in_step=None):
                     hidden, labels = micro_batch(t, step, mb, dtype)
                     hidden.requires_grad_(True)
                     head.loss(hidden, labels).backward()
-                    if kill is not None and step == KILL_STEP and mb == 0:
+                    if step in hooks and mb == 0:
                         at_kill.wait(timeout=120)
                         resume.wait(timeout=120)
                 head.optimizer_step(adamw=ADAMW)
         except Exception as e:  # every loop's failure is the test's to report
             errors[t] = e
-            if kill is not None:
-                at_kill.abort()
-                resume.abort()
+            at_kill.abort()
+            resume.abort()
 
     threads = [threading.Thread(target=loop, args=(t,)) for t in range(WORLD)]
     if kill_in_step is not None:
         threads.append(threading.Thread(target=kill_in_step))
     for thread in threads:
         thread.start()
-    if kill is not None:
+    for step in sorted(hooks):
         try:
             at_kill.wait(timeout=120)
-            kill()
+            hooks[step]()
             resume.wait(timeout=120)
         except threading.BrokenBarrierError:
-            pass
+            break
     for thread in threads:
         thread.join(timeout=300)
     with remotehead.Client(fronts, rank=0) as leader:
@@ -178,12 +179,17 @@ def test_a_lost_replica_loses_no_step(size, killed):
             stub = pb_grpc.HeadServiceStub(channel)
             for t in range(WORLD):
                 stub.DescribeHead(pb.HeadRef(head_id=HEAD, trainer_rank=t), timeout=10)
-        # The evicted replica's survivors serve nothing more.
+        # The evicted replica's survivors serve nothing more: each restarted itself and waits
+        # to be admitted again with its replica (test_mesh_heal.py).
         for rank in mesh.ranks[size // 2:]:
             if rank is victim:
                 continue
-            with remotehead.Client(rank.target) as survivor:
-                assert survivor.health() == "NOT_SERVING"
+            deadline = time.monotonic() + 60
+            while not any("asks to join it again" in line for line in list(rank.log)):
+                assert time.monotonic() < deadline, "".join(rank.log)[-3000:]
+                time.sleep(0.02)
+            said = "".join(rank.log)
+            assert "was evicted from the mesh" in said and "restarting to join the mesh" in said
     assert_same_run(weight, reference, 1e-6)
 
 

@@ -53,6 +53,11 @@ TEST(MeshEpochTest, TrainersStayWithTheirReplicaUntilItIsEvictedThenGoToTheServi
             "2 = 1)");
   EXPECT_EQ(MeshEpoch::First(2).Without(1, "").Moves(2),
             "trainers t with t mod 2 = 1 now go to replica 0");
+  // Admitted again: every trainer back at replica t mod R.
+  const MeshEpoch third = second.With(1, "replica 1 rejoined");
+  EXPECT_EQ(third.Describe(), "epoch 2 (replicas [0, 1, 2] serve; replica 1 admitted)");
+  EXPECT_EQ(third.Moves(3), "trainers t with t mod 3 = 1 go back to replica 1 once it is healed");
+  for (int t = 0; t < 6; ++t) EXPECT_EQ(third.ReplicaOf(t, 3), t % 3);
 }
 
 TEST(MeshEpochTest, TheRecordRoundTripsAndAnythingElseIsRefused) {
@@ -63,8 +68,16 @@ TEST(MeshEpochTest, TheRecordRoundTripsAndAnythingElseIsRefused) {
   EXPECT_EQ(decoded->live, second.live);
   EXPECT_EQ(decoded->evicted, 1);
   EXPECT_EQ(decoded->cause, second.cause);
-  for (const std::string bad :
-       {"", "1 1", "0 1 0\n", "1 1 \n", "1 1 2,0\n", "x 1 0\n", "1 1 -1\n"}) {
+  EXPECT_EQ(decoded->admitted, -1);
+  const MeshEpoch third = second.With(1, "replica 1 asked to join");
+  const absl::StatusOr<MeshEpoch> healed = MeshEpoch::Decode(third.Encode());
+  ASSERT_TRUE(healed.ok()) << healed.status();
+  EXPECT_EQ(healed->number, 2);
+  EXPECT_EQ(healed->live, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(healed->admitted, 1);
+  EXPECT_EQ(healed->evicted, -1);
+  for (const std::string bad : {"", "1 1", "0 1 0 -1\n", "1 1 \n", "1 1 2,0 -1\n", "x 1 0 -1\n",
+                                "1 1 -1 -1\n", "1 1 0\n", "1 1 0 x\n"}) {
     const absl::StatusOr<MeshEpoch> refused = MeshEpoch::Decode(bad);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << "\"" << bad << "\"";
   }

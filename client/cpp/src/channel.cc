@@ -287,6 +287,23 @@ absl::Status Channel::FollowMesh(const std::string& head_id, const absl::Status&
     front_ = std::move(now);  // calls in flight keep the old front until they end
   }
   ++moves_;
+  // The old front answered that another replica serves this trainer: it serves, and keeps the
+  // dW this trainer's calls added there (the mesh admitted the trainer's replica again).
+  const std::optional<core::ErrorReason> why = core::GetReason(failed);
+  if (why.has_value() && why->reason == core::reason::kWrongReplica) {
+    return core::WithReason(
+        absl::UnavailableError(
+            absl::StrCat("replica ", was->replica, "'s front serves this trainer no more (",
+                         failed.message(), "); this trainer (rank ", fronts_.trainer(),
+                         ") now dials replica ", found->replica, "'s front at ", target,
+                         "; the dW its calls added at replica ", was->replica, " stays there")),
+        reason::kReplicaMoved,
+        {{"from_replica", absl::StrCat(was->replica)},
+         {"to_replica", absl::StrCat(found->replica)},
+         {"incarnation", found->info.incarnation()},
+         {"weight_version", absl::StrCat(found->info.weight_version())},
+         {"kept", "true"}});
+  }
   return core::WithReason(absl::UnavailableError(absl::StrCat(
                               "replica ", was->replica, "'s front is gone or evicted (",
                               failed.message(), "); this trainer (rank ", fronts_.trainer(),

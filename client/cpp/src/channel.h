@@ -108,6 +108,8 @@ class Channel {
 
   // Counts `calls` resent after a move (ClientStats::replays).
   void CountReplays(int64_t calls) { replays_ += calls; }
+  // Whether the client knows a mesh's fronts (a list of addresses).
+  bool meshed() const { return fronts_.meshed(); }
   // The calls, attempts, retries, moves and replays so far (Client::stats).
   ClientStats stats() const;
 

@@ -27,6 +27,8 @@ int Client::replica() const { return impl_->channel.front()->replica; }
 
 std::string Client::target() const { return impl_->channel.front()->target; }
 
+bool Client::meshed() const { return impl_->channel.meshed(); }
+
 void Client::CountReplays(int64_t calls) { impl_->channel.CountReplays(calls); }
 
 absl::StatusOr<std::vector<FunctionInfo>> Client::ListFunctions() { return impl_->functions.All(); }

@@ -21,11 +21,6 @@ torch::Tensor HostCopy(const torch::Tensor& t) {
 }
 
 // What a REPLICA_MOVED status says of the move (nullopt for any other status).
-struct ReplicaMove {
-  int to_replica = 0;
-  std::string incarnation;
-  int64_t weight_version = 0;
-};
 std::optional<ReplicaMove> MoveOf(const absl::Status& status) {
   const std::optional<core::ErrorReason> why = core::GetReason(status);
   if (status.ok() || !why.has_value() || why->reason != reason::kReplicaMoved) return std::nullopt;
@@ -37,6 +32,7 @@ std::optional<ReplicaMove> MoveOf(const absl::Status& status) {
     return std::nullopt;
   }
   move.incarnation = m.at("incarnation");
+  move.kept = m.contains("kept") && m.at("kept") == "true";
   return move;
 }
 
@@ -72,49 +68,88 @@ absl::Status ReplayJournal::Resilient(const std::function<absl::Status()>& call,
                                             now, "'s front at ", client_.target())),
         reason::kReplicaMoved,
         {{"from_replica", absl::StrCat(was)}, {"to_replica", absl::StrCat(now)}});
-    RETURN_IF_ERROR(Moved(moved, now, info.incarnation, info.weight_version, held_version));
+    RETURN_IF_ERROR(Moved(
+        moved,
+        {.to_replica = now, .incarnation = info.incarnation, .weight_version = info.weight_version},
+        held_version));
   }
   for (int i = 0; i < kMovesPerCall; ++i) {
     const absl::Status status = call();
-    const std::optional<ReplicaMove> move = MoveOf(status);
-    if (!move.has_value()) return status;
-    RETURN_IF_ERROR(
-        Moved(status, move->to_replica, move->incarnation, move->weight_version, held_version));
+    std::optional<ReplicaMove> move = MoveOf(status);
+    if (!move.has_value()) {
+      ASSIGN_OR_RETURN(move, Healed(status, held_version));
+      if (!move.has_value()) return status;
+    }
+    RETURN_IF_ERROR(Moved(status, *move, held_version));
   }
   return call();
 }
 
-absl::Status ReplayJournal::Moved(const absl::Status& moved, int to_replica,
-                                  const std::string& incarnation, int64_t weight_version,
-                                  int64_t held_version) {
-  std::lock_guard<std::mutex> one_move(move_mu_);
+absl::StatusOr<std::optional<ReplicaMove>> ReplayJournal::Healed(const absl::Status& status,
+                                                                 int64_t held_version) {
+  const std::optional<core::ErrorReason> why = core::GetReason(status);
+  if (!why.has_value() || why->reason != core::reason::kServerRestarted || !client_.meshed()) {
+    return std::nullopt;
+  }
+  // On a mesh whose replica was evicted, then admitted again and healed, the trainer's front is
+  // a new process holding the mesh's weights at the trainer's version (or past it): what the old
+  // process took goes again — a move to the same replica. Anything else stays a restart.
+  ASSIGN_OR_RETURN(const HeadInfo info, client_.DescribeHead(head_id_));
+  std::string pinned;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (to_replica == replica_) return absl::OkStatus();  // another call handled this move
-    replica_ = to_replica;
-    left_.insert(incarnation_);
-    incarnation_ = incarnation;
+    pinned = incarnation_;
   }
-  if (weight_version > held_version) {
+  if (info.incarnation == pinned || info.weight_version < held_version) return std::nullopt;
+  return ReplicaMove{.to_replica = client_.replica(),
+                     .incarnation = info.incarnation,
+                     .weight_version = info.weight_version};
+}
+
+absl::Status ReplayJournal::Moved(const absl::Status& moved, const ReplicaMove& move,
+                                  int64_t held_version) {
+  std::lock_guard<std::mutex> one_move(move_mu_);
+  std::string lost;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (move.incarnation == incarnation_) return absl::OkStatus();  // another call handled it
+    replica_ = move.to_replica;
+    lost = incarnation_;
+    left_.insert(incarnation_);
+    incarnation_ = move.incarnation;
+  }
+  if (move.weight_version > held_version) {
     // The step in flight was applied after all (with this trainer's dW): nothing to resend; the
     // step asked again gets its answer.
     Clear();
     return absl::OkStatus();
   }
+  if (move.kept) return absl::OkStatus();  // the front left keeps this trainer's dW
   if (!keep_) return moved;
-  ASSIGN_OR_RETURN(const int64_t replayed, Replay(incarnation));
+  ASSIGN_OR_RETURN(const int64_t replayed, Replay(lost, move.incarnation));
   client_.CountReplays(replayed);
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> ReplayJournal::Replay(const std::string& incarnation) {
-  std::vector<Resend> calls;
+absl::StatusOr<int64_t> ReplayJournal::Replay(const std::string& lost,
+                                              const std::string& incarnation) {
+  std::vector<Kept> calls;
   {
     std::lock_guard<std::mutex> lock(mu_);
     calls = calls_;
   }
-  for (const Resend& resend : calls) RETURN_IF_ERROR(resend(incarnation));
-  return static_cast<int64_t>(calls.size());
+  int64_t replayed = 0;
+  for (const Kept& kept : calls) {
+    if (kept.taken_by != lost) continue;
+    RETURN_IF_ERROR(kept.resend(incarnation));
+    ++replayed;
+  }
+  // What was resent is the new front's from now on.
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Kept& kept : calls_) {
+    if (kept.taken_by == lost) kept.taken_by = incarnation;
+  }
+  return replayed;
 }
 
 void ReplayJournal::Record(Resend resend, std::initializer_list<torch::Tensor> kept) {
@@ -123,7 +158,7 @@ void ReplayJournal::Record(Resend resend, std::initializer_list<torch::Tensor> k
     if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
   }
   std::lock_guard<std::mutex> lock(mu_);
-  calls_.push_back(std::move(resend));
+  calls_.push_back({.taken_by = incarnation_, .resend = std::move(resend)});
   bytes_ += bytes;
 }
 

@@ -17,6 +17,11 @@
 // embedding gradient's ids and rows) until that step — about one step's worth of the head's
 // inputs (bytes()). Without the journal (MoveOptions::journal false) nothing is kept, and a move
 // fails the call with REPLICA_MOVED.
+//
+// Each kept call remembers the front (incarnation) that took it: a move away from a front that
+// still serves (WRONG_REPLICA: the mesh admitted the trainer's replica again) resends nothing,
+// and a front that restarted and was healed (SERVER_RESTARTED, the new process at the trainer's
+// version) counts as a move to the same replica: what the old process took is resent.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +40,14 @@
 #include "remotehead/core/torch_api.h"
 
 namespace remotehead::client::internal {
+
+// What a REPLICA_MOVED status says of a move (replay_journal.cc reads it).
+struct ReplicaMove {
+  int to_replica = 0;
+  std::string incarnation;
+  int64_t weight_version = 0;
+  bool kept = false;  // the front left still serves, with this trainer's dW
+};
 
 class ReplayJournal {
  public:
@@ -93,15 +106,25 @@ class ReplayJournal {
  private:
   // Sends a kept call again, to a front of `incarnation`.
   using Resend = std::function<absl::Status(const std::string& incarnation)>;
+  // A kept call, and the incarnation of the front that took it (that holds its dW).
+  struct Kept {
+    std::string taken_by;
+    Resend resend;
+  };
   void Record(Resend resend, std::initializer_list<torch::Tensor> kept);
-  // The moves the client reported (`moved`: REPLICA_MOVED, to `to_replica`, whose front serves
-  // the head at `incarnation` and `weight_version`): this trainer's calls pinned to that front,
-  // then the journal replayed there, or cleared when the step in flight was applied. An error:
-  // what the call returns (the move itself without a journal; a replayed call's failure).
-  absl::Status Moved(const absl::Status& moved, int to_replica, const std::string& incarnation,
-                     int64_t weight_version, int64_t held_version);
-  // Every kept call sent again, in order, to a front of `incarnation`; how many.
-  absl::StatusOr<int64_t> Replay(const std::string& incarnation);
+  // A move the client reported (`moved`: REPLICA_MOVED, to `move.to_replica`, whose front serves
+  // the head at `move.incarnation` and `move.weight_version`): this trainer's calls pinned to
+  // that front, then what the front left took replayed there (nothing if it keeps it:
+  // move.kept), or the journal cleared when the step in flight was applied. An error: what the
+  // call returns (the move itself without a journal; a replayed call's failure).
+  absl::Status Moved(const absl::Status& moved, const ReplicaMove& move, int64_t held_version);
+  // `status` a SERVER_RESTARTED of this trainer's front, on a mesh whose replica was healed
+  // since: the move to the same replica's new process (nullopt: a restart, as it is).
+  absl::StatusOr<std::optional<ReplicaMove>> Healed(const absl::Status& status,
+                                                    int64_t held_version);
+  // Every kept call the front of incarnation `lost` took sent again, in order, to a front of
+  // `incarnation` (which takes them over); how many.
+  absl::StatusOr<int64_t> Replay(const std::string& lost, const std::string& incarnation);
 
   Client& client_;
   const std::string head_id_;
@@ -111,7 +134,7 @@ class ReplayJournal {
   int replica_;                 // the replica holding this trainer's dW since its last step
   std::string incarnation_;     // the front's this trainer dials now
   std::set<std::string> left_;  // the fronts' this trainer moved away from
-  std::vector<Resend> calls_;
+  std::vector<Kept> calls_;
   int64_t bytes_ = 0;
 };
 

@@ -130,14 +130,19 @@ class ReplicaMovedError(RemoteheadError):
     reason REPLICA_MOVED, code UNAVAILABLE). The dW its calls added since its last optimizer step
     went with the old replica: resend those calls (RemoteHead replays them by itself), with the
     new front's incarnation (`info.incarnation`). `info`: the head as the new front describes it
-    (a weight_version past the trainer's means the step in flight was applied after all)."""
+    (a weight_version past the trainer's means the step in flight was applied after all).
+    `kept`: the old front still serves and keeps that dW (it answered WRONG_REPLICA: the mesh
+    admitted this trainer's replica again, or reassigned it): nothing to resend."""
 
-    def __init__(self, details: str, from_replica: int, to_replica: int, info):
+    def __init__(self, details: str, from_replica: int, to_replica: int, info,
+                 kept: bool = False):
         super().__init__(grpc.StatusCode.UNAVAILABLE, details, "REPLICA_MOVED",
-                         {"from_replica": str(from_replica), "to_replica": str(to_replica)})
+                         {"from_replica": str(from_replica), "to_replica": str(to_replica),
+                          "kept": "true" if kept else "false"})
         self.from_replica = from_replica
         self.to_replica = to_replica
         self.info = info
+        self.kept = kept
 
 
 class ReplicasDivergedError(RemoteheadError):

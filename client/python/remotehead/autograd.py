@@ -29,7 +29,7 @@ import grpc
 import torch
 
 from remotehead import cluster as cluster_lib
-from remotehead._errors import ReplicaMovedError
+from remotehead._errors import ReplicaMovedError, ServerRestartedError
 from remotehead._local_weight import LocalWeightMirror
 from remotehead._replay_journal import ReplayJournal, host_copy
 from remotehead._step_state import StepState
@@ -468,9 +468,26 @@ class RemoteHead:
                 return call()
             except ReplicaMovedError as moved:
                 self._moved(moved)
+            except ServerRestartedError as restarted:
+                self._moved(self._healed(restarted))
         return call()
 
+    def _healed(self, restarted: ServerRestartedError) -> ReplicaMovedError:
+        """This trainer's front restarted (`restarted`): on a mesh whose replica was evicted
+        and then admitted again and healed (docs/meshes.md), its new process holds the mesh's
+        weights at this trainer's version (or past it, the step in flight applied) and what the
+        old process took is to be sent again — a move to the same replica. Anything else
+        (a server on its own, a mesh restarted from an older state) is `restarted` itself."""
+        if not self.client.meshed:
+            raise restarted
+        info = self.client.describe_head(self.head_id)
+        if info.incarnation == self.incarnation or info.weight_version < self.info.weight_version:
+            raise restarted
+        return ReplicaMovedError(f"replica {self._replica}'s front restarted and was healed "
+                                 f"({restarted.details()})", self._replica, self._replica, info)
+
     def _moved(self, moved: ReplicaMovedError) -> None:
+        lost = self.incarnation
         self._replica = moved.to_replica
         self._left_incarnations.add(self.incarnation)
         self._state.incarnation = moved.info.incarnation
@@ -480,9 +497,11 @@ class RemoteHead:
             if self.journal is not None:
                 self.journal.clear()
             return
+        if moved.kept:  # the front left still serves, with this trainer's dW
+            return
         if self.journal is None:
             raise moved
-        self.client.replays += self.journal.replay(self.incarnation)
+        self.client.replays += self.journal.replay(lost, self.incarnation)
 
     def _journal_call(self, hidden: torch.Tensor, targets: Optional[torch.Tensor],
                       options: StepOptions, inputs: _Inputs,
@@ -503,7 +522,7 @@ class RemoteHead:
             else:
                 client.backward(head_id, h, t, g, o, weights=w, aux=aux, teacher_hidden=th)
 
-        self.journal.record(resend, h, t, g, w, th, *(aux or {}).values())
+        self.journal.record(resend, self.incarnation, h, t, g, w, th, *(aux or {}).values())
 
     def _journal_embedding(self, ids: torch.Tensor, rows: torch.Tensor, gradient_id,
                            version: int) -> None:
@@ -514,4 +533,4 @@ class RemoteHead:
         client, head_id = self.client, self.head_id
         self.journal.record(lambda incarnation: client.embedding_gradient(
             head_id, i, r, gradient_id=gradient_id, expected_incarnation=incarnation,
-            expected_weight_version=version), i, r)
+            expected_weight_version=version), self.incarnation, i, r)

@@ -152,6 +152,11 @@ class Client:
         """The mesh replica whose front this trainer dials (0 off a mesh)."""
         return self._fronts.replica
 
+    @property
+    def meshed(self) -> bool:
+        """Whether this client knows a mesh's fronts (a list of addresses)."""
+        return self._fronts.meshed
+
     def close(self) -> None:
         self._close_front()
         if self._leader_channel is not None:
@@ -236,6 +241,13 @@ class Client:
         self._fronts.replica = replica
         self._dial_front()
         self.moves += 1
+        reason, _ = _errors.error_info(error)
+        if reason == "WRONG_REPLICA":  # the old front answered: it serves, and keeps its dW
+            raise _errors.ReplicaMovedError(
+                f"replica {old}'s front serves this trainer no more ({error.details()}); this "
+                f"trainer (rank {self._fronts.trainer}) now dials replica {replica}'s front at "
+                f"{self.target}; the dW its calls added at replica {old} stays there",
+                old, replica, _info(info), kept=True)
         raise _errors.ReplicaMovedError(
             f"replica {old}'s front is gone or evicted ({error.details()}); this trainer "
             f"(rank {self._fronts.trainer}) now dials replica {replica}'s front at "

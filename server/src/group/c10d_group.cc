@@ -535,34 +535,57 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
   }
 }
 
-absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::JoinShardInEpoch(
-    const GroupConfig& config, const MeshEpoch& epoch) {
+namespace {
+
+// `member` (a group of a mesh's epoch) joined on a store connection of its own to global rank
+// 0's store, started at the first rendezvous; `what` names it in errors.
+absl::StatusOr<std::unique_ptr<ProcessGroup>> JoinLater(const GroupConfig& config,
+                                                        const GroupConfig& member,
+                                                        const std::string& what) {
   const auto start = std::chrono::steady_clock::now();
   try {
     c10d::TCPStoreOptions options;
     options.port = static_cast<uint16_t>(config.store_port);
-    options.isServer = false;  // global rank 0's store, started at the first rendezvous
+    options.isServer = false;
     options.waitWorkers = false;
     options.timeout = config.timeout;
     options.useLibUV = false;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(config.store_host, options);
-    GroupConfig shard = config;
-    shard.size = static_cast<int>(epoch.live.size());
-    shard.rank = epoch.IndexOf(config.replica());
-    shard.replicas = 1;
-    shard.prefix =
-        store_keys::ShardGroupInEpoch(config.prefix, config.rank_in_replica(), epoch.number);
-    if (shard.rank < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "mesh ", epoch.Describe(), ": replica ", config.replica(), " does not serve in it"));
-    }
-    return GroupOn(tcp, shard);
+    return GroupOn(tcp, member);
   } catch (const std::exception& e) {
-    return FromException(e,
-                         absl::StrCat("joining the shard peers of mesh epoch ", epoch.number,
-                                      " at ", config.store_host, ":", config.store_port),
-                         config, config.timeout, start);
+    return FromException(
+        e, absl::StrCat("joining ", what, " at ", config.store_host, ":", config.store_port),
+        config, config.timeout, start);
   }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::JoinShardInEpoch(
+    const GroupConfig& config, const MeshEpoch& epoch) {
+  GroupConfig shard = config;
+  shard.size = static_cast<int>(epoch.live.size());
+  shard.rank = epoch.IndexOf(config.replica());
+  shard.replicas = 1;
+  shard.prefix =
+      store_keys::ShardGroupInEpoch(config.prefix, config.rank_in_replica(), epoch.number);
+  if (shard.rank < 0) {
+    return absl::FailedPreconditionError(absl::StrCat("mesh ", epoch.Describe(), ": replica ",
+                                                      config.replica(), " does not serve in it"));
+  }
+  return JoinLater(config, shard, absl::StrCat("the shard peers of mesh epoch ", epoch.number));
+}
+
+absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::JoinReplicaInEpoch(
+    const GroupConfig& config, const MeshEpoch& epoch) {
+  GroupConfig replica = config;
+  replica.size = config.ranks_per_replica();
+  replica.rank = config.rank_in_replica();
+  replica.replicas = 1;
+  replica.prefix = store_keys::ReplicaGroupInEpoch(config.prefix, config.replica(), epoch.number);
+  return JoinLater(
+      config, replica,
+      absl::StrCat("replica ", config.replica(), "'s group in mesh epoch ", epoch.number));
 }
 
 absl::StatusOr<ProcessGroup::Mesh> ProcessGroup::JoinMesh(const GroupConfig& config) {

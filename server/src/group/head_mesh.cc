@@ -10,6 +10,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "group/exchange.h"
 #include "group/store_keys.h"
@@ -60,6 +61,7 @@ HeadMesh::~HeadMesh() {
   }
   regrouped_.notify_all();
   if (regrouping_.joinable()) regrouping_.join();
+  if (admitting_.joinable()) admitting_.join();
 }
 
 HeadGroup* HeadMesh::fronts() {
@@ -95,6 +97,109 @@ void HeadMesh::set_liveness(Liveness* liveness, Regroup regroup) {
   regroup_ = std::move(regroup);
   regrouping_ = std::thread([this] { RegroupLoop(); });
   epoch_listener_ = liveness->epochs().OnEpoch([this](const MeshEpoch& next) { Enter(next); });
+  if (is_leader()) admitting_ = std::thread([this] { AdmitLoop(); });
+}
+
+void HeadMesh::Joined(const MeshEpoch& admitted) {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  epoch_ = admitted;
+  wanted_ = admitted;
+  healing_ = replica_;
+}
+
+void HeadMesh::MarkHealed() {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  if (healing_ == replica_) healing_ = -1;
+}
+
+void HeadMesh::HealFailed(const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  if (heal_failed_.ok()) heal_failed_ = why;
+}
+
+bool HeadMesh::heal_failed() const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  return !heal_failed_.ok();
+}
+
+void HeadMesh::set_healer(std::function<absl::Status(const MeshEpoch& admitted)> healer) {
+  std::lock_guard<std::mutex> lock(healer_mu_);
+  healer_ = std::move(healer);
+}
+
+void HeadMesh::AdmitLoop() {
+  std::unique_lock<std::mutex> lock(epoch_mu_);
+  for (;;) {
+    regrouped_.wait_for(lock, std::chrono::milliseconds(500), [&] { return closing_; });
+    if (closing_) return;
+    if (wanted_.number != epoch_.number || healing_ >= 0) continue;
+    const MeshEpoch now = epoch_;
+    lock.unlock();
+    for (int r = 1; r < replicas_ && liveness_->health().ok(); ++r) {
+      if (now.serves(r)) continue;
+      const absl::StatusOr<bool> asked = liveness_->AskedToJoin(r, now.number);
+      if (!asked.ok() || !*asked) continue;
+      if (const absl::Status admitted = Admit(r); !admitted.ok()) {
+        std::cerr << "remotehead-server: mesh: replica " << r
+                  << " asked to join but was not admitted: " << admitted.message() << std::endl;
+      }
+      break;  // one admission at a time: the epoch changed
+    }
+    lock.lock();
+  }
+}
+
+absl::Status HeadMesh::Admit(int replica) {
+  std::function<absl::Status(const MeshEpoch&)> healer;
+  {
+    std::lock_guard<std::mutex> lock(healer_mu_);
+    healer = healer_;
+  }
+  if (healer == nullptr) return absl::FailedPreconditionError("this leader cannot heal (yet)");
+  absl::StatusOr<MeshEpoch> next = absl::UnknownError("not admitted");
+  {
+    // Between two mesh steps: while the lane is held no mesh command runs, and every command
+    // before it was answered by every rank of every serving replica.
+    ASSIGN_OR_RETURN(HeadGroup::Lane lane, fronts()->Enter());
+    {
+      std::lock_guard<std::mutex> lock(epoch_mu_);
+      healing_ = replica;  // from now on calls wait for the heal
+    }
+    next = liveness_->epochs().Admit(replica);
+  }
+  liveness_->ForgetJoin(replica).IgnoreError();  // housekeeping: a later request is asked anew
+  if (!next.ok() || next->admitted != replica) {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    healing_ = -1;
+    return next.ok() ? absl::AbortedError(
+                           absl::StrCat("the mesh entered ", next->Describe(), " meanwhile"))
+                     : next.status();
+  }
+  {
+    std::unique_lock<std::mutex> lock(epoch_mu_);
+    regrouped_.wait(lock, [&] { return closing_ || epoch_.number >= next->number; });
+    if (closing_) return absl::CancelledError("the mesh closes");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status healed =
+      epoch().number == next->number ? healer(*next) : EpochLeft(next->number);
+  {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    healing_ = -1;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (healed.ok()) {
+    std::cerr << "remotehead-server: mesh: replica " << replica << " healed in "
+              << absl::StrFormat("%.1f", seconds) << " s: every head's state verified; it serves "
+              << "again in " << next->Describe() << std::endl;
+    return absl::OkStatus();
+  }
+  // The joiner leaves again and the mesh goes on without it (unless the mesh went down).
+  liveness_->epochs().EvictReplica(
+      replica, absl::StrCat("the heal of replica ", replica, " failed (", healed.message(), ")"));
+  return absl::DataLossError(
+      absl::StrCat("the heal failed: ", healed.message(), "; the replica is evicted again"));
 }
 
 bool HeadMesh::evicts() const { return liveness_ != nullptr && liveness_->epochs().evicts(); }
@@ -111,6 +216,16 @@ std::vector<int> HeadMesh::TrainersOf(int replica, int world_size) const {
 }
 
 absl::Status HeadMesh::ReconfiguringStatus(const MeshEpoch& next, const std::string& what) {
+  if (next.admitted >= 0) {
+    return core::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            what, "the mesh admits replica ", next.admitted, " again (", next.cause, ") in ",
+            next.Describe(),
+            " and heals it (every head's state from replica 0): nothing of "
+            "this call was applied; ask again in a moment (the replica's trainers go back to it)")),
+        core::reason::kMeshReconfiguring,
+        {{"epoch", absl::StrCat(next.number)}, {"admitted", absl::StrCat(next.admitted)}});
+  }
   return core::WithReason(
       absl::UnavailableError(absl::StrCat(
           what, "the mesh lost replica ", next.evicted, " (", next.cause,
@@ -123,8 +238,13 @@ absl::Status HeadMesh::ReconfiguringStatus(const MeshEpoch& next, const std::str
 
 absl::Status HeadMesh::Reconfiguring() const {
   std::lock_guard<std::mutex> lock(epoch_mu_);
-  if (wanted_.number == epoch_.number) return absl::OkStatus();
-  return ReconfiguringStatus(wanted_, "");
+  if (wanted_.number != epoch_.number) return ReconfiguringStatus(wanted_, "");
+  if (healing_ < 0) return absl::OkStatus();
+  MeshEpoch healing = wanted_;
+  if (healing.admitted != healing_) {  // admitted, epoch not entered yet (the leader's)
+    healing = healing.With(healing_, absl::StrCat("replica ", healing_, " asked to join"));
+  }
+  return ReconfiguringStatus(healing, "");
 }
 
 bool IsMeshReconfiguring(const absl::Status& status) {
@@ -142,7 +262,7 @@ absl::Status HeadMesh::Restated(const absl::Status& status) const {
     std::lock_guard<std::mutex> lock(epoch_mu_);
     next = wanted_;
   }
-  if (next.evicted < 0) return status;
+  if (next.evicted < 0 && next.admitted < 0) return status;
   return ReconfiguringStatus(next, "");
 }
 
@@ -150,7 +270,7 @@ void HeadMesh::Enter(const MeshEpoch& next) {
   if (!next.serves(replica_)) return;  // evicted: liveness took this process down
   std::lock_guard<std::mutex> lock(epoch_mu_);
   if (next.number <= wanted_.number) return;
-  ++evictions_;
+  if (next.evicted >= 0) ++evictions_;
   wanted_ = next;
   // The epoch left: its log answers nothing more (its follower and its waiting front let go).
   if (fronts_ != nullptr) fronts_->Retire(ReconfiguringStatus(next, "the mesh's log: "));
@@ -204,6 +324,20 @@ HeadMesh::Peers HeadMesh::CurrentPeers() {
           .epoch = epoch_.number};
 }
 
+absl::StatusOr<HeadMesh::Peers> HeadMesh::PeersOf(int epoch) {
+  if (epoch >= 0) {
+    // A command of an epoch this process has not entered yet (its beat reads the record a
+    // moment after the leader's): its groups first, as the other ranks wait for them.
+    const auto patience =
+        liveness_ != nullptr ? liveness_->config().timeout : std::chrono::milliseconds(0);
+    std::unique_lock<std::mutex> lock(epoch_mu_);
+    regrouped_.wait_for(lock, patience, [&] { return closing_ || epoch_.number >= epoch; });
+  }
+  const Peers peers = CurrentPeers();
+  if (epoch >= 0 && epoch != peers.epoch) return EpochLeft(epoch);
+  return peers;
+}
+
 absl::Status HeadMesh::PeersFailed(const absl::Status& failure, int epoch) {
   if (failure.ok() || !evicts() || !IsGroupFailure(failure)) return failure;
   // A group of an epoch the mesh left fails as its evicted members go: nobody to blame (they
@@ -247,8 +381,7 @@ absl::Status HeadMesh::EpochLeft(int epoch) const {
 absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t, int epoch) {
   const auto start = std::chrono::steady_clock::now();
   // The group of the step's epoch, or none: never another epoch's members.
-  const Peers peers = CurrentPeers();
-  if (epoch >= 0 && epoch != peers.epoch) return EpochLeft(epoch);
+  ASSIGN_OR_RETURN(const Peers peers, PeersOf(epoch));
   ProcessGroup* group = peers.group;
   torch::Tensor wire =
       t.scalar_type() == options_.reduce_dtype ? t : t.to(options_.reduce_dtype).contiguous();
@@ -261,6 +394,25 @@ absl::Status HeadMesh::SumOverReplicas(torch::Tensor& t, int epoch) {
   reduce_nanoseconds_.fetch_add(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count());
+  return absl::OkStatus();
+}
+
+absl::Status HeadMesh::BroadcastFromLeader(std::string& bytes, int epoch, bool joiner) {
+  ASSIGN_OR_RETURN(const Peers peers, PeersOf(epoch));
+  const torch::Device device = peers.group->config().device;
+  torch::Tensor size =
+      torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(device);
+  RETURN_IF_ERROR(PeersFailed(peers.group->Broadcast(size, 0), peers.epoch));
+  const int64_t n = size.cpu().item<int64_t>();
+  torch::Tensor data = torch::empty({n}, torch::kUInt8);
+  if (replica_ == 0) std::memcpy(data.data_ptr(), bytes.data(), static_cast<size_t>(n));
+  data = data.to(device);
+  RETURN_IF_ERROR(PeersFailed(peers.group->Broadcast(data, 0), peers.epoch));
+  if (replica_ != 0) {
+    const torch::Tensor host = data.cpu().contiguous();
+    bytes.assign(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
+  }
+  if (joiner || replica_ == 0) heal_bytes_.fetch_add(n);
   return absl::OkStatus();
 }
 
@@ -424,6 +576,15 @@ std::vector<MetricFamilySamples> HeadMesh::Metrics() const {
     resolved.samples.push_back({.labels = {{"decision", apply ? "apply" : "abort"}},
                                 .value = static_cast<double>(steps_resolved(apply))});
   }
+  MetricFamilySamples heals{
+      .name = "remotehead_mesh_heals_total",
+      .help = "Heals of an admitted replica this rank took part in, by result (ok or failed)",
+      .counter = true};
+  for (const bool ok : {true, false}) {
+    heals.samples.push_back(
+        {.labels = {{"result", ok ? "ok" : "failed"}},
+         .value = static_cast<double>((ok ? heals_ok_ : heals_failed_).load())});
+  }
   return {{.name = "remotehead_mesh_info",
            .help = "1, labelled with this process's replica and the mesh's replicas",
            .samples = {{.labels = {{"replica", std::to_string(replica_)},
@@ -450,7 +611,12 @@ std::vector<MetricFamilySamples> HeadMesh::Metrics() const {
                    false, static_cast<double>(epoch().live.size())),
           OneValue("remotehead_mesh_evictions_total",
                    "Replicas this process saw evicted from the mesh (one per epoch entered)", true,
-                   static_cast<double>(evictions()))};
+                   static_cast<double>(evictions())),
+          std::move(heals),
+          OneValue("remotehead_mesh_heal_bytes_total",
+                   "Bytes of heads' sealed states this rank sent (replica 0) or received (a "
+                   "joiner) to heal an admitted replica",
+                   true, static_cast<double>(heal_bytes_.load()))};
 }
 
 }  // namespace remotehead::server

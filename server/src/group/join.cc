@@ -25,13 +25,79 @@ absl::StatusOr<std::unique_ptr<HeadGroup>> OpenGroup(std::unique_ptr<ProcessGrou
   return head_group;
 }
 
-// Every process's heartbeat on a store connection of its own (liveness.h).
-absl::StatusOr<std::unique_ptr<Liveness>> StartLiveness(const GroupConfig& config) {
+// Every process's heartbeat on a store connection of its own (liveness.h); `joining`: a
+// process of an evicted replica, joining the running mesh (JoinRunningMesh).
+absl::StatusOr<std::unique_ptr<Liveness>> StartLiveness(const GroupConfig& config,
+                                                        bool joining = false) {
   const Liveness::Timing timing{.lost = config.timeout};
   GroupConfig connection = config;
   connection.timeout = Liveness::StoreTimeout(timing);
   ASSIGN_OR_RETURN(std::unique_ptr<KeyValueStore> store, OpenStore(connection, "liveness"));
-  return Liveness::Start(config, &std::cerr, timing, std::move(store));
+  return Liveness::Start(config, &std::cerr, timing, std::move(store), joining);
+}
+
+// Whether a mesh runs already at the store (a process of it restarted, or one whose replica was
+// evicted restarted itself): then this process joins it instead of the first rendezvous.
+absl::StatusOr<bool> MeshRunning(const GroupConfig& config) {
+  ASSIGN_OR_RETURN(std::unique_ptr<KeyValueStore> store, OpenStore(config, "liveness"));
+  return Liveness::MeshRunning(*store);
+}
+
+void EnableEviction(Liveness& liveness, const MeshOptions& options) {
+  liveness.epochs().Enable(options.min_replicas,
+                           {.evictions = options.max_evictions, .window = options.eviction_window});
+}
+
+// A later epoch's cross-replica groups (mesh_epoch.h) of this process: built as the first ones
+// were, among the replicas that serve in it.
+absl::StatusOr<EpochGroups> JoinEpoch(const GroupConfig& config, Liveness* liveness,
+                                      const MeshEpoch& epoch) {
+  ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> shard,
+                   ProcessGroup::JoinShardInEpoch(config, epoch));
+  EpochGroups groups;
+  if (config.rank_in_replica() != 0) {
+    groups.shard_peers = std::move(shard);
+    return groups;
+  }
+  ASSIGN_OR_RETURN(groups.fronts, OpenGroup(std::move(shard), config));
+  groups.fronts->set_liveness(liveness);
+  std::cout << "remotehead-server: mesh " << epoch.Describe() << ": replica " << config.replica()
+            << "'s front joined its log" << std::endl;
+  return groups;
+}
+
+// A process of an evicted replica joins the running mesh: it asks (sealed) and waits until the
+// leader admits its whole replica in a new epoch, then joins its replica's group and the epoch's
+// cross-replica groups under that epoch's prefixes. Its heads come from the heal (HeadMesh).
+absl::StatusOr<Cluster> JoinRunningMesh(const GroupConfig& config, const MeshOptions& options) {
+  std::cout << "remotehead-server: a mesh runs at " << config.store_host << ":" << config.store_port
+            << ": rank " << config.rank << " (replica " << config.replica() << ", shard "
+            << config.rank_in_replica()
+            << ") asks to join it again; the leader admits the whole replica between two steps"
+            << std::endl;
+  Cluster cluster;
+  cluster.joined_running = true;
+  ASSIGN_OR_RETURN(cluster.liveness, StartLiveness(config, /*joining=*/true));
+  Liveness* liveness = cluster.liveness.get();
+  EnableEviction(*liveness, options);
+  ASSIGN_OR_RETURN(const MeshEpoch admitted, liveness->AwaitAdmission());
+  if (config.ranks_per_replica() > 1) {
+    ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> replica,
+                     ProcessGroup::JoinReplicaInEpoch(config, admitted));
+    ASSIGN_OR_RETURN(cluster.group, OpenGroup(std::move(replica), config));
+    cluster.group->set_liveness(liveness);
+  }
+  ASSIGN_OR_RETURN(EpochGroups groups, JoinEpoch(config, liveness, admitted));
+  cluster.mesh =
+      std::make_unique<HeadMesh>(config.replica(), config.replicas, options,
+                                 std::move(groups.fronts), std::move(groups.shard_peers));
+  cluster.mesh->Joined(admitted);
+  cluster.mesh->set_liveness(liveness, [config, liveness](const MeshEpoch& epoch) {
+    return JoinEpoch(config, liveness, epoch);
+  });
+  std::cout << "remotehead-server: admitted to the mesh in " << admitted.Describe()
+            << ": waiting for the heal (every head's state from replica 0)" << std::endl;
+  return cluster;
 }
 
 }  // namespace
@@ -95,6 +161,12 @@ absl::StatusOr<MeshOptions> ResolveMeshOptions(const MeshFlags& flags, int repli
   options.eviction_window =
       std::chrono::seconds(static_cast<int64_t>(flags.eviction_window_seconds));
   ASSIGN_OR_RETURN(options.testonly_pause, ResolveTestOnlyPause(flags));
+  if (flags.testonly_corrupt_heal && !flags.test_environment) {
+    return absl::InvalidArgumentError(
+        "--testonly_mesh_corrupt_heal: a fault for tests only: expected REMOTEHEAD_TESTONLY=1 in "
+        "the environment; got none");
+  }
+  options.testonly_corrupt_heal = flags.testonly_corrupt_heal;
   return options;
 }
 
@@ -161,6 +233,10 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
               << "; command log " << Sealing(config) << listening << std::endl;
     return cluster;
   }
+  if (mesh_options.min_replicas > 0 && config.replica() != 0) {
+    ASSIGN_OR_RETURN(const bool running, MeshRunning(config));
+    if (running) return JoinRunningMesh(config, mesh_options);
+  }
   const int k = config.ranks_per_replica();
   std::cout << "remotehead-server: joining a mesh of " << config.replicas << " replicas x " << k
             << " ranks as rank " << config.rank << " (replica " << config.replica() << ", shard "
@@ -176,31 +252,14 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
   }
   ASSIGN_OR_RETURN(cluster.liveness, StartLiveness(config));
   Liveness* liveness = cluster.liveness.get();
-  if (mesh_options.min_replicas > 0) {
-    liveness->epochs().Enable(mesh_options.min_replicas, {.evictions = mesh_options.max_evictions,
-                                                          .window = mesh_options.eviction_window});
-  }
+  if (mesh_options.min_replicas > 0) EnableEviction(*liveness, mesh_options);
   if (cluster.group != nullptr) cluster.group->set_liveness(liveness);
   if (fronts != nullptr) fronts->set_liveness(liveness);
   cluster.mesh = std::make_unique<HeadMesh>(config.replica(), config.replicas, mesh_options,
                                             std::move(fronts), std::move(joined.shard));
-  // A later epoch's cross-replica groups (mesh_epoch.h): built as the first ones were, among the
-  // replicas that serve in it.
-  cluster.mesh->set_liveness(
-      liveness, [config, liveness](const MeshEpoch& epoch) -> absl::StatusOr<EpochGroups> {
-        ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> shard,
-                         ProcessGroup::JoinShardInEpoch(config, epoch));
-        EpochGroups groups;
-        if (config.rank_in_replica() != 0) {
-          groups.shard_peers = std::move(shard);
-          return groups;
-        }
-        ASSIGN_OR_RETURN(groups.fronts, OpenGroup(std::move(shard), config));
-        groups.fronts->set_liveness(liveness);
-        std::cout << "remotehead-server: mesh " << epoch.Describe() << ": replica "
-                  << config.replica() << "'s front joined its log" << std::endl;
-        return groups;
-      });
+  cluster.mesh->set_liveness(liveness, [config, liveness](const MeshEpoch& epoch) {
+    return JoinEpoch(config, liveness, epoch);
+  });
   std::cout << "remotehead-server: mesh joined: replica " << config.replica() << " of "
             << config.replicas << ", rank " << config.rank_in_replica() << " of " << k
             << (config.rank_in_replica() != 0 ? " (follows its replica's front)"

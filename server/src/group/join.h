@@ -23,6 +23,9 @@ struct Cluster {
   std::unique_ptr<Liveness> liveness;
   std::unique_ptr<HeadGroup> group;  // this replica's group of K > 1 ranks; nullptr: K = 1
   std::unique_ptr<HeadMesh> mesh;    // R > 1 replicas; nullptr: none
+  // This process joined a mesh that ran already (its replica was evicted; mesh_epoch.h): its
+  // heads come from the heal, not from --state_dir or --head.
+  bool joined_running = false;
   // Where this process sits (placement.h), for what asks it of the cluster.
   Placement placement() const { return {group.get(), mesh.get()}; }
   // Whether this process serves HeadService: rank 0 of its replica (group).
@@ -48,13 +51,17 @@ struct MeshFlags {
   int min_replicas = 0;
   int max_evictions = 0;
   double eviction_window_seconds = 3600;
-  std::string testonly_pause;     // --testonly_mesh_pause
-  bool test_environment = false;  // REMOTEHEAD_TESTONLY=1: test-only flags allowed
+  std::string testonly_pause;          // --testonly_mesh_pause
+  bool testonly_corrupt_heal = false;  // --testonly_mesh_corrupt_heal
+  bool test_environment = false;       // REMOTEHEAD_TESTONLY=1: test-only flags allowed
 };
 // The flags as options for a mesh of `replicas`; INVALID_ARGUMENT naming the flag.
 absl::StatusOr<MeshOptions> ResolveMeshOptions(const MeshFlags& flags, int replicas);
 
-// Joins (every rank waits for the others, up to config.timeout) and opens the logs.
+// Joins (every rank waits for the others, up to config.timeout) and opens the logs. On a mesh
+// that evicts (--mesh_min_replicas), a process of a replica other than 0 that finds the mesh
+// running already joins it again instead: it asks, waits to be admitted, and joins the groups of
+// the epoch that admits it (Cluster::joined_running).
 absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options);
 
 }  // namespace remotehead::server

@@ -85,11 +85,95 @@ std::string Tenths(std::chrono::milliseconds d) {
 
 absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& config,
                                                           std::ostream* log, Timing timing,
-                                                          std::unique_ptr<KeyValueStore> store) {
+                                                          std::unique_ptr<KeyValueStore> store,
+                                                          bool joining) {
   std::unique_ptr<Liveness> liveness(new Liveness(config, std::move(store), log, timing));
   RETURN_IF_ERROR(liveness->OpenSession());
+  if (joining) {
+    ASSIGN_OR_RETURN(const MeshEpoch now, liveness->NewestEpoch());
+    liveness->epochs_.Resume(now);
+    // Only the serving replicas' processes are watched (this one's are new, as it is).
+    const int k = config.ranks_per_replica();
+    for (int g = 0; g < config.size; ++g) {
+      if (!now.serves(g / k)) liveness->last_change_.erase(g);
+    }
+  }
   liveness->thread_ = std::thread([l = liveness.get()] { l->Run(); });
   return liveness;
+}
+
+absl::StatusOr<bool> Liveness::MeshRunning(KeyValueStore& store) {
+  return store.Exists(store_keys::kSession);
+}
+
+absl::StatusOr<MeshEpoch> Liveness::NewestEpoch() {
+  MeshEpoch newest = MeshEpoch::First(config_.replicas);
+  for (;;) {
+    ASSIGN_OR_RETURN(const std::optional<std::string> record,
+                     ReadSettled(store_keys::MeshEpochRecord(newest.number + 1)));
+    if (!record.has_value()) return newest;
+    ASSIGN_OR_RETURN(newest, MeshEpoch::Decode(*record));
+  }
+}
+
+absl::Status Liveness::AskToJoin(int epoch) {
+  return Publish(store_keys::MeshJoin(config_.rank), absl::StrCat(epoch));
+}
+
+absl::StatusOr<bool> Liveness::AskedToJoin(int replica, int epoch) {
+  const int k = config_.ranks_per_replica();
+  bool all = true;
+  for (int s = 0; s < k; ++s) {
+    const int g = replica * k + s;
+    const std::string key = store_keys::MeshJoin(g);
+    ASSIGN_OR_RETURN(const std::optional<std::string> asked, Read(key));
+    if (asked.has_value()) {
+      all = all && *asked == absl::StrCat(epoch);
+      continue;
+    }
+    all = false;
+    // A request there that does not verify (made without the group's secret) is refused: said
+    // once, and taken away so that it never stands for the process.
+    ASSIGN_OR_RETURN(const std::optional<std::string> raw, Fetch(store_keys::Shared(key)));
+    if (raw.has_value()) {
+      if (log_ != nullptr) {
+        *log_ << "remotehead-server: mesh: a request to join as " << Describe(g)
+              << " was refused: it does not verify under the group's secret (a stranger's, or "
+                 "another run's)"
+              << std::endl;
+      }
+      RETURN_IF_ERROR(Unpublish(key));
+    }
+  }
+  return all;
+}
+
+absl::Status Liveness::ForgetJoin(int replica) {
+  const int k = config_.ranks_per_replica();
+  for (int s = 0; s < k; ++s) RETURN_IF_ERROR(Unpublish(store_keys::MeshJoin(replica * k + s)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MeshEpoch> Liveness::AwaitAdmission() {
+  int asked = -1;
+  auto said = Clock::now();
+  for (;;) {
+    RETURN_IF_ERROR(health());
+    const MeshEpoch now = epochs_.current();
+    if (now.serves(config_.replica())) return now;
+    if (now.number != asked) {  // asked again in each epoch the mesh enters meanwhile
+      RETURN_IF_ERROR(AskToJoin(now.number));
+      asked = now.number;
+      said = Clock::now();
+    } else if (Clock::now() - said > std::chrono::seconds(30) && log_ != nullptr) {
+      *log_ << "remotehead-server: mesh: still waiting to be admitted (in " << now.Describe()
+            << "): every process of replica " << config_.replica()
+            << " must ask; the leader admits them between two steps" << std::endl;
+      said = Clock::now();
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    wake_.wait_for(lock, timing_.beat);
+  }
 }
 
 Liveness::Liveness(const GroupConfig& config, std::unique_ptr<KeyValueStore> store,
@@ -102,7 +186,7 @@ Liveness::Liveness(const GroupConfig& config, std::unique_ptr<KeyValueStore> sto
               {.settle = [this](const std::string& key,
                                 const std::string& proposed) { return Settle(key, proposed); },
                .describe = [this](int global_rank) { return Describe(global_rank); },
-               .unwatch = [this](const MeshEpoch& entered) { Unwatch(entered); },
+               .watch = [this](const MeshEpoch& entered) { Watch(entered); },
                .go_down = [this](const absl::Status& verdict) { GoDown(verdict, false); }}) {
   const Clock::time_point now = Clock::now();
   for (int r = 0; r < config_.size; ++r) {
@@ -248,12 +332,23 @@ void Liveness::RemoveListener(int id) {
   listeners_.erase(id);
 }
 
-void Liveness::Unwatch(const MeshEpoch& entered) {
+void Liveness::Watch(const MeshEpoch& entered) {
   const int k = config_.ranks_per_replica();
   {
     // The evicted replica's processes are no longer watched: their beats say nothing of the mesh.
+    // An admitted replica's are new processes: watched from now on, as at the start.
     std::lock_guard<std::mutex> lock(mu_);
-    for (int s = 0; s < k; ++s) last_change_.erase(entered.evicted * k + s);
+    for (int s = 0; s < k; ++s) {
+      const int g = (entered.evicted >= 0 ? entered.evicted : entered.admitted) * k + s;
+      if (g < 0 || g == config_.rank) continue;
+      last_beat_.erase(g);
+      if (entered.evicted >= 0) {
+        last_change_.erase(g);
+      } else {
+        addresses_.erase(g);  // announced again
+        last_change_[g] = Clock::now();
+      }
+    }
   }
   wake_.notify_all();
 }

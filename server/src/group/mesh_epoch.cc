@@ -44,14 +44,27 @@ MeshEpoch MeshEpoch::Without(int replica, const std::string& why) const {
   return next;
 }
 
+MeshEpoch MeshEpoch::With(int replica, const std::string& why) const {
+  MeshEpoch next{.number = number + 1, .live = live, .evicted = -1, .cause = why};
+  next.admitted = replica;
+  next.live.push_back(replica);
+  std::sort(next.live.begin(), next.live.end());
+  return next;
+}
+
 std::string MeshEpoch::Describe() const {
   std::string text =
       absl::StrCat("epoch ", number, " (replicas [", absl::StrJoin(live, ", "), "] serve");
   if (evicted >= 0) absl::StrAppend(&text, "; replica ", evicted, " evicted");
+  if (admitted >= 0) absl::StrAppend(&text, "; replica ", admitted, " admitted");
   return text + ")";
 }
 
 std::string MeshEpoch::Moves(int replicas) const {
+  if (admitted >= 0) {
+    return absl::StrCat("trainers t with t mod ", replicas, " = ", admitted, " go back to replica ",
+                        admitted, " once it is healed");
+  }
   if (evicted < 0 || live.empty()) return "no trainer moves";
   std::vector<std::string> to;
   for (size_t i = 0; i < live.size(); ++i) {
@@ -64,7 +77,8 @@ std::string MeshEpoch::Moves(int replicas) const {
 }
 
 std::string MeshEpoch::Encode() const {
-  return absl::StrCat(number, " ", evicted, " ", absl::StrJoin(live, ","), "\n", cause);
+  return absl::StrCat(number, " ", evicted, " ", absl::StrJoin(live, ","), " ", admitted, "\n",
+                      cause);
 }
 
 absl::StatusOr<MeshEpoch> MeshEpoch::Decode(const std::string& bytes) {
@@ -72,8 +86,9 @@ absl::StatusOr<MeshEpoch> MeshEpoch::Decode(const std::string& bytes) {
   const std::vector<std::string> fields =
       absl::StrSplit(bytes.substr(0, newline), ' ', absl::SkipEmpty());
   MeshEpoch epoch;
-  bool ok = fields.size() == 3 && absl::SimpleAtoi(fields[0], &epoch.number) &&
-            absl::SimpleAtoi(fields[1], &epoch.evicted) && epoch.number > 0;
+  bool ok = fields.size() == 4 && absl::SimpleAtoi(fields[0], &epoch.number) &&
+            absl::SimpleAtoi(fields[1], &epoch.evicted) &&
+            absl::SimpleAtoi(fields[3], &epoch.admitted) && epoch.number > 0;
   for (absl::string_view r : absl::StrSplit(ok ? fields[2] : "", ',', absl::SkipEmpty())) {
     int replica = -1;
     ok = ok && absl::SimpleAtoi(r, &replica) && replica >= 0;
@@ -82,7 +97,7 @@ absl::StatusOr<MeshEpoch> MeshEpoch::Decode(const std::string& bytes) {
   if (!ok || epoch.live.empty() || !std::is_sorted(epoch.live.begin(), epoch.live.end())) {
     return absl::DataLossError(
         absl::StrCat("mesh epoch record: expected \"<number> <evicted> "
-                     "<serving replicas>\"; got \"",
+                     "<serving replicas> <admitted>\"; got \"",
                      bytes.substr(0, newline), "\""));
   }
   if (newline != std::string::npos) epoch.cause = bytes.substr(newline + 1);

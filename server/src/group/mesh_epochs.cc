@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
+#include "remotehead/core/status_macros.h"
 
 namespace remotehead::server {
 namespace {
@@ -53,7 +54,7 @@ bool MeshEpochs::NamesEvicted(const absl::Status& status) const {
   return lost >= 0 && !current().serves(lost / config_.ranks_per_replica());
 }
 
-bool MeshEpochs::Capped(int lost) {
+bool MeshEpochs::Capped(const std::string& cause) {
   if (cap_.evictions <= 0) return false;
   int64_t recent = 0;
   {
@@ -64,7 +65,7 @@ bool MeshEpochs::Capped(int lost) {
   }
   if (recent < cap_.evictions) return false;
   if (log_ != nullptr) {
-    *log_ << "remotehead-server: mesh: " << hooks_.describe(lost) << " is lost, but " << recent
+    *log_ << "remotehead-server: mesh: " << cause << ", but " << recent
           << " replica(s) were evicted within the last " << cap_.window.count()
           << " s (--mesh_max_evictions " << cap_.evictions
           << "): no more evictions; the mesh goes down" << std::endl;
@@ -75,16 +76,20 @@ bool MeshEpochs::Capped(int lost) {
 bool MeshEpochs::Evict(const absl::Status& verdict) {
   const int lost = LostRank(verdict);
   if (min_replicas_ <= 0 || lost < 0) return false;
-  const int replica = lost / config_.ranks_per_replica();
+  return EvictReplica(lost / config_.ranks_per_replica(),
+                      absl::StrCat(hooks_.describe(lost), " is lost"));
+}
+
+bool MeshEpochs::EvictReplica(int replica, const std::string& cause) {
+  if (min_replicas_ <= 0) return false;
   std::lock_guard<std::mutex> one(evicting_);
   for (;;) {
     const MeshEpoch now = current();
     if (!now.serves(replica)) return true;  // evicted already: the mesh went on
     // Replica 0's front serves the store and leads: its loss is the mesh's, as without eviction.
     if (replica == 0 || static_cast<int>(now.live.size()) - 1 < min_replicas_) return false;
-    if (Capped(lost)) return false;
-    const MeshEpoch proposed =
-        now.Without(replica, absl::StrCat(hooks_.describe(lost), " is lost"));
+    if (Capped(cause)) return false;
+    const MeshEpoch proposed = now.Without(replica, cause);
     const absl::StatusOr<std::string> settled =
         hooks_.settle(store_keys::MeshEpochRecord(proposed.number), proposed.Encode());
     if (!settled.ok()) return false;  // the store fails: the mesh is down, as without eviction
@@ -94,15 +99,40 @@ bool MeshEpochs::Evict(const absl::Status& verdict) {
   }
 }
 
+void MeshEpochs::Resume(const MeshEpoch& current) {
+  std::lock_guard<std::mutex> lock(mu_);
+  epoch_ = current;
+}
+
+absl::StatusOr<MeshEpoch> MeshEpochs::Admit(int replica) {
+  std::lock_guard<std::mutex> one(evicting_);
+  const MeshEpoch now = current();
+  if (now.serves(replica)) return now;
+  const MeshEpoch proposed =
+      now.With(replica, absl::StrCat("every process of replica ", replica, " asked to join"));
+  ASSIGN_OR_RETURN(const std::string settled,
+                   hooks_.settle(store_keys::MeshEpochRecord(proposed.number), proposed.Encode()));
+  ASSIGN_OR_RETURN(const MeshEpoch next, MeshEpoch::Decode(settled));
+  Adopt(next);
+  return next;
+}
+
 void MeshEpochs::Adopt(const MeshEpoch& next) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (next.number != epoch_.number + 1) return;
     epoch_ = next;
-    entered_.push_back(Clock::now());
+    // The cap counts evictions only.
+    if (next.evicted >= 0) entered_.push_back(Clock::now());
   }
-  hooks_.unwatch(next);
-  if (log_ != nullptr) {
+  hooks_.watch(next);
+  if (next.admitted >= 0) {
+    if (log_ != nullptr) {
+      *log_ << "remotehead-server: mesh: " << next.cause << ": replica " << next.admitted
+            << " admitted; the mesh goes on in " << next.Describe() << " once it is healed; "
+            << next.Moves(config_.replicas) << std::endl;
+    }
+  } else if (log_ != nullptr) {
     *log_ << "remotehead-server: mesh: " << next.cause << ": replica " << next.evicted
           << " evicted; the mesh goes on in " << next.Describe() << "; "
           << next.Moves(config_.replicas) << std::endl;
@@ -113,7 +143,8 @@ void MeshEpochs::Adopt(const MeshEpoch& next) {
             "this process's replica ", config_.replica(), " was evicted from the mesh (",
             next.cause, "): the mesh goes on in ", next.Describe(), "; ",
             next.Moves(config_.replicas),
-            " — this process serves nothing more; restart its replica to serve again")),
+            " — this process serves nothing more; it restarts itself to join the mesh again (the "
+            "replica is admitted once every process of it asks)")),
         core::reason::kGroupUnavailable,
         {{"rank", absl::StrCat(config_.rank)},
          {"evicted", absl::StrCat(next.evicted)},

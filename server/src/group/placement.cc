@@ -4,6 +4,7 @@
 #include "remotehead/core/status_macros.h"
 #include "remotehead/server/group/head_group.h"
 #include "remotehead/server/group/head_mesh.h"
+#include "remotehead/server/group/liveness.h"
 
 namespace remotehead::server {
 
@@ -44,6 +45,36 @@ absl::Status Placement::Serving() const {
     return mesh_->Restated(mesh_->fronts()->Serving());
   }
   return absl::OkStatus();
+}
+
+absl::Status Placement::BroadcastHeal(std::string& bytes, int epoch, bool joiner) {
+  if (mesh_ == nullptr) return absl::FailedPreconditionError("heal: expected a mesh; got none");
+  return mesh_->BroadcastFromLeader(bytes, epoch, joiner);
+}
+
+std::string Placement::heal_secret() const {
+  if (mesh_ == nullptr || mesh_->liveness() == nullptr) return "";
+  return mesh_->liveness()->config().secret;
+}
+
+bool Placement::testonly_corrupt_heal() const {
+  return mesh_ != nullptr && mesh_->options().testonly_corrupt_heal;
+}
+
+void Placement::HealEnded(const absl::Status& outcome, bool joiner) {
+  if (mesh_ == nullptr) return;
+  mesh_->CountHeal(outcome.ok());
+  if (!joiner) return;
+  if (outcome.ok()) {
+    mesh_->MarkHealed();
+  } else {
+    mesh_->HealFailed(outcome);
+  }
+}
+
+absl::Status Placement::CompareReplicas(const std::vector<torch::Tensor>& tensors,
+                                        const std::string& what) {
+  return mesh_ != nullptr ? mesh_->CompareAcrossReplicas(tensors, what) : absl::OkStatus();
 }
 
 std::optional<std::string> Placement::DrainRequested() {

@@ -37,6 +37,10 @@ inline std::string ShardGroupInEpoch(absl::string_view mesh, int shard, int epoc
   return epoch == 0 ? ShardGroup(mesh, shard)
                     : absl::StrCat(mesh, "/shard/", shard, "/epoch/", epoch);
 }
+// Replica r's own group when it is admitted again in a later epoch (its processes are new).
+inline std::string ReplicaGroupInEpoch(absl::string_view mesh, int replica, int epoch) {
+  return absl::StrCat(mesh, "/replica/", replica, "/epoch/", epoch);
+}
 
 // ----- the command log (under CommandLog) -----
 
@@ -76,6 +80,9 @@ inline std::string MeshCounts(absl::string_view head_id, int replica) {
 inline std::string MeshSummed(absl::string_view attempt, int rank) {
   return absl::StrCat("summed/", attempt, "/", rank);
 }
+// That global rank `rank`, a process of an evicted replica, asks to join the mesh again
+// (Liveness::AskToJoin); its value names the epoch it asks in.
+inline std::string MeshJoin(int rank) { return absl::StrCat("join/", rank); }
 
 // ----- what a mesh's processes settle (Settled keys) -----
 

@@ -28,6 +28,7 @@ absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::OptimizerSt
 absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::ReduceStep& c) {
   return ReplicaStep(ops, c.id, c.spec, c.attempt, c.epoch);
 }
+absl::Status Apply(HeadOperations& ops, const hc::Heal& c) { return ops.Heal(c.epoch, c.replica); }
 absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::SaveState& c) {
   return ops.SaveState(c.id, c.state_id);
 }

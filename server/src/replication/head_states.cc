@@ -1,11 +1,14 @@
-// The durable training state of the heads (--state_dir) on every rank of a head group or mesh
-// (replicated_head_operations.h): one state id for every rank's shard, a restore checked
-// everywhere before it is applied anywhere, saves after steps and at shutdown. Each rank's own
-// part is HeadOperations' (head_state_operations.cc).
+// The training state of the heads on every rank of a head group or mesh
+// (replicated_head_operations.h): durable (--state_dir) — one state id for every rank's shard, a
+// restore checked everywhere before it is applied anywhere, saves after steps and at shutdown —
+// and sent to a mesh replica admitted again (the heal). Each rank's own part is HeadOperations'
+// (head_state_operations.cc, head_heal_operations.cc).
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "remotehead/core/status_macros.h"
+#include "replication/apply_head_command.h"
 #include "replication/replicated_head_operations.h"
+#include "translate/group_commands.h"
 #include "translate/head_commands.h"
 
 namespace remotehead::server {
@@ -42,6 +45,34 @@ absl::StatusOr<HeadDescription> ReplicatedHeadOperations::RestoreState(
             .status());
   }
   return Propose(head_command::RestoreState{.id = id, .state_id = state_id});
+}
+
+absl::Status ReplicatedHeadOperations::HealReplica(const MeshEpoch& admitted) {
+  const head_command::Heal heal{.epoch = admitted.number, .replica = admitted.admitted};
+  const v1::GroupCommand command = Encode(heal);
+  ASSIGN_OR_RETURN(HeadGroup::Lane lane, mesh_->fronts()->Enter());
+  RETURN_IF_ERROR(RunCommand(lane, command, [&] {
+    return RunInReplica(
+        command, [&] { return ApplyHeadCommand(*local_, heal).status(); }, /*creates=*/false);
+  }));
+  if (!local_->Store().ok()) return absl::OkStatus();
+  // With --state_dir, a new state of every head on every member, the admitted replica's
+  // included: a restart of the whole mesh finds one state that all of them hold.
+  for (const HeadDescription& head : local_->List()) {
+    const head_command::SaveState save{.id = head.id, .state_id = StateStore::NewStateId()};
+    const v1::GroupCommand saving = Encode(save);
+    if (const absl::Status saved = RunCommand(
+            lane, saving,
+            [&] {
+              return RunInReplica(
+                  saving, [&] { return ApplyHeadCommand(*local_, save).status(); }, false);
+            });
+        !saved.ok()) {
+      local_->LogEvent(absl::StrCat("head state NOT saved after the heal: \"", head.id,
+                                    "\": ", saved.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ReplicatedHeadOperations::SaveAllStates() {

@@ -44,7 +44,17 @@ class ReplicatedHeadOperations {
         group_(group),
         mesh_(mesh),
         checkpoint_every_steps_(checkpoint_every_steps),
-        mesh_steps_(this, mesh, group, mesh_wait) {}
+        mesh_steps_(this, mesh, group, mesh_wait) {
+    // The leader heals a replica admitted again (head_mesh.h) through this process's operations.
+    if (mesh_ != nullptr && mesh_->is_leader()) {
+      mesh_->set_healer([this](const MeshEpoch& admitted) { return HealReplica(admitted); });
+    }
+  }
+  ~ReplicatedHeadOperations() {
+    if (mesh_ != nullptr) mesh_->set_healer(nullptr);
+  }
+  ReplicatedHeadOperations(const ReplicatedHeadOperations&) = delete;
+  ReplicatedHeadOperations& operator=(const ReplicatedHeadOperations&) = delete;
 
   HeadOperations& local() { return *local_; }
   // OK while the group or mesh this process is part of works; else UNAVAILABLE with its verdict
@@ -161,6 +171,10 @@ class ReplicatedHeadOperations {
                               Reach reach = Reach::kMesh);
   absl::Status RunInReplica(const v1::GroupCommand& command,
                             const std::function<absl::Status()>& here, bool creates);
+  // The leader's: the heal of the replica `admitted` admitted, a command of the new epoch's log
+  // run on every rank of every serving replica (HeadOperations::Heal), while every call that
+  // trains is answered MESH_RECONFIGURING (so not through RunOnEveryRank, which refuses then).
+  absl::Status HealReplica(const MeshEpoch& admitted);
   // After `command` ran on `lane`'s group with `status`: a creation that failed for a reason of
   // its own (not the transport's) undone on every rank (`undo_here`: this process's part of the
   // undo command, given the undo); returns `status`, or the undo's failure.

@@ -1,12 +1,19 @@
 #include "rpc/serving.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "group/join.h"
 #include "replication/cluster_drain.h"
 
@@ -69,6 +76,42 @@ void StopBy(ClusterDrain::Clock::time_point deadline, std::ostream& err) {
   }).detach();
 }
 
+// This process's replica was evicted from its mesh (`verdict`): it starts again as a new process
+// with the same command line, which asks to join the running mesh (join.h). Every descriptor is
+// closed across the exec (its sockets: the gRPC and metrics ports, the groups' connections).
+// If its own heal failed it leaves instead (exit code 1); returns only if the exec failed.
+[[noreturn]] void RestartToRejoin(const Cluster& cluster, const absl::Status& verdict,
+                                  const ServingOptions& options) {
+  if (cluster.mesh->heal_failed()) {
+    *options.err << "remotehead-server: this process's replica was evicted again after its heal "
+                    "failed (the heads' states it received did not verify): it leaves the mesh"
+                 << std::endl;
+    std::cout.flush();
+    std::_Exit(1);  // its follower and groups are not waited for: nothing of it is kept
+  }
+  *options.err << "remotehead-server: " << verdict.message() << std::endl;
+  *options.out << "remotehead-server: restarting to join the mesh again (a new process with the "
+                  "same flags)"
+               << std::endl;
+  std::cout.flush();
+  std::cerr.flush();
+  if (DIR* fds = opendir("/proc/self/fd"); fds != nullptr) {
+    const int own = dirfd(fds);
+    while (const dirent* entry = readdir(fds)) {
+      int fd = -1;
+      if (!absl::SimpleAtoi(entry->d_name, &fd) || fd <= 2 || fd == own) continue;
+      const int flags = fcntl(fd, F_GETFD);
+      if (flags >= 0) fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
+    }
+    closedir(fds);
+  }
+  execv("/proc/self/exe", options.restart_argv);
+  *options.err << "remotehead-server: could not restart (" << std::strerror(errno)
+               << "): this process leaves; restart it to join the mesh again" << std::endl;
+  std::cout.flush();
+  std::_Exit(1);
+}
+
 // A rank of a group or mesh: serves (and follows its log) until the drain says stop.
 int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cluster,
                    const std::atomic<int>& signal, const ServingOptions& options) {
@@ -102,6 +145,10 @@ int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cl
   for (;;) {
     std::this_thread::sleep_for(kPoll);
     if (const absl::Status down = cluster.health(); !down.ok()) {
+      if (NamesEvictedReplica(down) && cluster.mesh != nullptr && options.restart_argv != nullptr) {
+        health.NotServing();
+        RestartToRejoin(cluster, down, options);
+      }
       health.NotServing("the head group is down: " + std::string(down.message()));
     }
     if (signal.load() != 0 && !watched) {

@@ -25,11 +25,15 @@ struct ServingOptions {
   std::string state_dir;        // where this process's head states are saved ("": no --state_dir)
   std::ostream* out = nullptr;  // lifecycle lines
   std::ostream* err = nullptr;  // failures
+  // The process's own command line: a process of a mesh replica that was evicted starts again
+  // with it, as a new process that joins the running mesh (join.h); nullptr: it stays down.
+  char** restart_argv = nullptr;
 };
 
 // Serves until `signal` (the signal received, 0 until then) or, on a group or mesh, until the
 // drain says stop or the group ends; returns the process's exit code (0: a clean stop with
-// every state saved, if any is to be).
+// every state saved, if any is to be). A live process of a replica evicted from a mesh restarts
+// itself (options.restart_argv) to join it again, unless its own heal failed: then it exits.
 int ServeUntilStopped(grpc::Server& server, HeadService& service, const Cluster& cluster,
                       const std::atomic<int>& signal, const ServingOptions& options);
 

@@ -22,12 +22,8 @@ int64_t HeadOperations::OwnOffset(const HeadDescription& d) const {
 absl::StatusOr<HeadDescription> HeadOperations::SaveState(const std::string& id,
                                                           const std::string& state_id) {
   ASSIGN_OR_RETURN(StateStore* const store, Store());
-  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
-  core::HeadState state = entry->CaptureState(state_id);
-  const HeadDescription d = entry->Describe();
-  // Which rows of which head this is: a restore at start checks them against its own.
-  state.vocab_size = d.vocab_size;
-  state.vocab_offset = OwnOffset(d);
+  ASSIGN_OR_RETURN(const core::HeadState state, CaptureOwnState(id, state_id));
+  ASSIGN_OR_RETURN(const HeadDescription d, Describe(id));
   RETURN_IF_ERROR(store->Save(state));
   LogEvent(absl::StrCat("head state saved: \"", id, "\" version ", state.weight_version, " as ",
                         state.state_id));

@@ -111,6 +111,11 @@ void EncodeInto(const hc::OptimizerStep& c, v1::GroupCommand* command) {
   *command->mutable_optimizer_step() = StepToWire(c.id, c.spec);
 }
 
+void EncodeInto(const hc::Heal& c, v1::GroupCommand* command) {
+  command->mutable_heal()->set_epoch(c.epoch);
+  command->mutable_heal()->set_replica(c.replica);
+}
+
 void EncodeInto(const hc::ReduceStep& c, v1::GroupCommand* command) {
   *command->mutable_reduce_step()->mutable_step() = StepToWire(c.id, c.spec);
   command->mutable_reduce_step()->set_attempt(c.attempt);
@@ -197,6 +202,7 @@ bool IsHeadCommand(const v1::GroupCommand& entry) {
     case v1::GroupCommand::kZeroGradients:
     case v1::GroupCommand::kOptimizerStep:
     case v1::GroupCommand::kReduceStep:
+    case v1::GroupCommand::kHeal:
     case v1::GroupCommand::kSaveState:
     case v1::GroupCommand::kRestoreState:
     case v1::GroupCommand::kEmbeddingLookup:
@@ -237,6 +243,8 @@ absl::StatusOr<HeadCommand> DecodeHeadCommand(const v1::GroupCommand& entry, tor
                             .attempt = reduce.attempt(),
                             .epoch = reduce.epoch()};
     }
+    case v1::GroupCommand::kHeal:
+      return hc::Heal{.epoch = entry.heal().epoch(), .replica = entry.heal().replica()};
     case v1::GroupCommand::kSaveState:
       return hc::SaveState{.id = entry.save_state().head_id(),
                            .state_id = entry.save_state().state_id()};

@@ -74,6 +74,12 @@ struct ReduceStep {
   std::string attempt;
   int epoch = 0;
 };
+// A replica admitted again to the mesh in `epoch` healed (HeadOperations::Heal).
+struct Heal {
+  using Result = std::monostate;
+  int epoch = 0;
+  int replica = -1;
+};
 struct SaveState {
   using Result = HeadDescription;
   std::string id;
@@ -117,8 +123,9 @@ using HeadCommand =
     std::variant<head_command::CreateFromSeed, head_command::CreateFromSafetensors,
                  head_command::Upload, head_command::Drop, head_command::UndoCreate,
                  head_command::ZeroGradients, head_command::OptimizerStep, head_command::ReduceStep,
-                 head_command::SaveState, head_command::RestoreState, head_command::Gather,
-                 head_command::EmbeddingLookup, head_command::EmbeddingGradient>;
+                 head_command::Heal, head_command::SaveState, head_command::RestoreState,
+                 head_command::Gather, head_command::EmbeddingLookup,
+                 head_command::EmbeddingGradient>;
 
 // What applying a head command returned (its struct's Result).
 using HeadCommandResult =

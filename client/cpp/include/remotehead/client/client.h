@@ -143,6 +143,8 @@ class Client {
   // The mesh replica whose front this trainer dials now (0 off a mesh), and its address.
   int replica() const;
   std::string target() const;
+  // Whether this client knows a mesh's fronts (ClientOptions' list of addresses).
+  bool meshed() const;
   // Counts `calls` resent after a move (ClientStats::replays): RemoteHead's replay journal counts
   // its own; a program that resends its calls itself after REPLICA_MOVED may count them here.
   void CountReplays(int64_t calls);

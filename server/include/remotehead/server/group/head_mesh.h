@@ -24,7 +24,14 @@
 //     process evicts that replica and the mesh goes on in the next epoch, its cross-replica groups
 //     rebuilt among the serving replicas (Regroup) while calls are answered UNAVAILABLE, reason
 //     MESH_RECONFIGURING; a step in flight is settled to abort unless every serving rank had
-//     summed (Decide), and the survivors keep their own dW.
+//     summed (Decide), and the survivors keep their own dW;
+//   - and the evicted replica comes back: once every process of it asks to join again (join.h),
+//     the leader admits it between two mesh steps (its lane held: no mesh command runs) in the
+//     next epoch, waits for that epoch's groups, and runs the heal (set_healer: a mesh command on
+//     the new log) — replica 0's rank of each shard sends every head's sealed state to the
+//     joiner's rank of that shard, which verifies it and installs it, and every replica compares
+//     the heads' bytes. Until then calls are answered MESH_RECONFIGURING, here and at the joiner
+//     (Joined: its front serves only once healed). A heal that fails evicts the joiner again.
 #pragma once
 
 #include <atomic>
@@ -68,6 +75,9 @@ struct MeshOptions {
     int64_t version = -1;
     std::chrono::milliseconds pause{0};
   } testonly_pause;
+  // Tests only (--testonly_mesh_corrupt_heal): a joiner flips a byte of the heal it receives, so
+  // that a test sees the heal refused and the joiner evicted again.
+  bool testonly_corrupt_heal = false;
 };
 
 // A later epoch's cross-replica groups, as JoinCluster builds them (mesh_epoch.h).
@@ -120,6 +130,24 @@ class HeadMesh : public MetricSource {
   // A front other than the leader: `method` (an operation that changes every replica) refused
   // with FAILED_PRECONDITION, reason NOT_THE_LEADER, naming the leader's address.
   absl::Status NotTheLeader(const std::string& method) const;
+
+  // A process that joined the running mesh (join.h): its groups are those of `admitted`, and its
+  // front serves once the heal installed every head here (MarkHealed, or HealFailed).
+  void Joined(const MeshEpoch& admitted);
+  void MarkHealed();
+  void HealFailed(const absl::Status& why);
+  // Whether this process joined and its heal failed (it leaves: serving.h does not rejoin).
+  bool heal_failed() const;
+  // The leader's heal of the replica `admitted` admitted (a mesh command run by the replication
+  // layer); unset: none (no admission either).
+  void set_healer(std::function<absl::Status(const MeshEpoch& admitted)> healer);
+  // `bytes` (every head's sealed state, on replica 0's rank) broadcast from replica 0 to this
+  // rank's shard peers of `epoch`'s groups (ABORTED, reason MESH_RECONFIGURING, once the mesh
+  // left it); counted as heal bytes on the replica that receives them for good (`joiner`) and on
+  // replica 0.
+  absl::Status BroadcastFromLeader(std::string& bytes, int epoch, bool joiner);
+  // A heal this rank took part in, by result (metrics).
+  void CountHeal(bool ok) { (ok ? heals_ok_ : heals_failed_).fetch_add(1); }
 
   // `t` summed over every replica's `t` (the same shape everywhere), written back into `t` with
   // the same bits on every replica. `epoch` (>= 0): by that epoch's groups only — ABORTED,
@@ -186,12 +214,19 @@ class HeadMesh : public MetricSource {
     int epoch;
   };
   Peers CurrentPeers();
+  // The cross-replica group of `epoch` (-1: the current one's), once this process entered it
+  // (waiting up to the group's timeout); ABORTED, reason MESH_RECONFIGURING, if it left it.
+  absl::StatusOr<Peers> PeersOf(int epoch);
   // Liveness entered `next`: the groups of the epoch left are retired, the regroup thread builds
   // the new ones.
   void Enter(const MeshEpoch& next);
   void RegroupLoop();
   // The status of a call during the change to `next`.
   static absl::Status ReconfiguringStatus(const MeshEpoch& next, const std::string& what);
+  // The leader's: admits a replica whose every process asked to join (one at a time), then
+  // heals it; every half second while the mesh lacks a replica.
+  void AdmitLoop();
+  absl::Status Admit(int replica);
   // A step of epoch `epoch` in a mesh that left it: ABORTED, reason MESH_RECONFIGURING.
   absl::Status EpochLeft(int epoch) const;
   // Whether every serving rank said it summed `attempt` (false: not yet); a status once the step
@@ -214,6 +249,15 @@ class HeadMesh : public MetricSource {
   std::vector<std::unique_ptr<ProcessGroup>> retired_peers_;
   Regroup regroup_;
   std::thread regrouping_;
+  std::thread admitting_;
+  std::mutex healer_mu_;
+  std::function<absl::Status(const MeshEpoch&)> healer_;  // under healer_mu_
+  // The replica admitted and not yet healed (-1: none): calls that train wait (under epoch_mu_).
+  int healing_ = -1;
+  absl::Status heal_failed_;  // a joiner's failed heal (under epoch_mu_)
+  std::atomic<int64_t> heals_ok_{0};
+  std::atomic<int64_t> heals_failed_{0};
+  std::atomic<int64_t> heal_bytes_{0};
   int epoch_listener_ = -1;
   Liveness* liveness_ = nullptr;
   std::mutex decided_mu_;

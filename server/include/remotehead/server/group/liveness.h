@@ -55,9 +55,16 @@ class Liveness {
   // connection whose calls wait at most StoreTimeout (OpenStore(config with that timeout,
   // "liveness"), as JoinCluster opens it). UNAVAILABLE if the session does not come within the
   // group's timeout. Events (a process lost, the verdict) are logged to `log` (nullptr: not).
+  // `joining`: a process of an evicted replica joining the running mesh (join.h) starts in the
+  // mesh's newest epoch (MeshEpochs::Resume) instead of epoch 0.
   static absl::StatusOr<std::unique_ptr<Liveness>> Start(const GroupConfig& config,
                                                          std::ostream* log, Timing timing,
-                                                         std::unique_ptr<KeyValueStore> store);
+                                                         std::unique_ptr<KeyValueStore> store,
+                                                         bool joining = false);
+  // Whether a mesh runs on `store` (a liveness store: OpenStore(config, "liveness")): global
+  // rank 0 set the session, which it does once every process passed the first rendezvous. A
+  // process that starts and finds one running joins it (join.h) instead of that rendezvous.
+  static absl::StatusOr<bool> MeshRunning(KeyValueStore& store);
   // How long a call on the liveness store may wait: a beat past `stalled` (a store that does not
   // answer is a lost global rank 0, not a reason to stop beating for the group's timeout).
   static std::chrono::milliseconds StoreTimeout(const Timing& timing) {
@@ -111,16 +118,30 @@ class Liveness {
   // "global rank 3 (replica 1, shard 1, at 10.0.0.5:50054)".
   std::string Describe(int global_rank) const;
 
+  // Joining again (mesh_epoch.h). A process of an evicted replica: asks to join in the epoch
+  // the mesh is in (sealed, so that only a process holding the group's secret can ask) and
+  // waits until an epoch admits its replica; that epoch, or the verdict if the mesh goes down.
+  absl::StatusOr<MeshEpoch> AwaitAdmission();
+  // The leader: whether every process of `replica` asked to join in epoch `epoch`. A request
+  // that does not verify is refused — logged and deleted.
+  absl::StatusOr<bool> AskedToJoin(int replica, int epoch);
+  // The requests of `replica`'s processes taken away once it was admitted.
+  absl::Status ForgetJoin(int replica);
+
  private:
   Liveness(const GroupConfig& config, std::unique_ptr<KeyValueStore> store, std::ostream* log,
            Timing timing);
   absl::Status OpenSession();
+  // The newest epoch settled in the store (epoch 0 if none).
+  absl::StatusOr<MeshEpoch> NewestEpoch();
+  absl::Status AskToJoin(int epoch);
   void Run();
   void Beat();
   // Takes the verdict (`write`: this process's own, recorded in the store).
   void GoDown(const absl::Status& verdict, bool write);
-  // The epoch `entered` evicted a replica: its processes are no longer watched.
-  void Unwatch(const MeshEpoch& entered);
+  // The epoch `entered` evicted a replica: its processes are no longer watched; or admitted
+  // one: its (new) processes are watched from now on.
+  void Watch(const MeshEpoch& entered);
   // `failure` blamed on the replica `entered` evicted (a process of it, unwatched since).
   absl::Status EvictedLoss(const MeshEpoch& entered, const absl::Status& failure) const;
   // The settled value of `key` (nullopt: none yet); DATA_LOSS if it does not verify.

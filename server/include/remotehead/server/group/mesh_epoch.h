@@ -10,7 +10,12 @@
 //     group (its shards) is untouched;
 //   - trainer t is served by replica t mod R while that replica serves, else by the serving
 //     replica live[t mod |live|] (ReplicaOf): a moved trainer's replica is a function of the
-//     epoch only, the same at every front and in every client.
+//     epoch only, the same at every front and in every client;
+//   - an evicted replica whose every process asks to join again (restarted with its flags, or
+//     restarted by itself: serving.h) is admitted by the leader between two mesh steps, in the
+//     next epoch (With), one record set as an eviction's is; its processes then receive every
+//     head's sealed state from replica 0's rank of their shard (the heal: HeadMesh) before their
+//     front serves, and its trainers come back to it.
 #pragma once
 
 #include <string>
@@ -23,7 +28,8 @@ namespace remotehead::server {
 struct MeshEpoch {
   int number = 0;
   std::vector<int> live;  // the serving replicas, ascending (replica 0 always among them)
-  int evicted = -1;       // the replica this epoch evicted (-1: epoch 0)
+  int evicted = -1;       // the replica this epoch evicted (-1: none)
+  int admitted = -1;      // the replica this epoch admitted again (-1: none)
   std::string cause;      // why: the lost process, as its verdict named it
 
   // Epoch 0 of a mesh of `replicas`.
@@ -38,14 +44,16 @@ struct MeshEpoch {
   std::vector<int> TrainersOf(int replica, int world_size, int replicas) const;
   // The epoch after this one, without `replica`.
   MeshEpoch Without(int replica, const std::string& cause) const;
+  // The epoch after this one, with `replica` admitted again.
+  MeshEpoch With(int replica, const std::string& cause) const;
   // "epoch 1 (replicas [0, 2] serve; replica 1 evicted)".
   std::string Describe() const;
   // Where the trainers of the evicted replica go now, for the log line: "trainers t with t mod 3
   // = 1 now go to replica 0 (t mod 2 = 0) and replica 2 (t mod 2 = 1)".
   std::string Moves(int replicas) const;
 
-  // As the store keeps it (sealed by Liveness): "<number> <evicted> <live, comma-separated>\n
-  // <cause>".
+  // As the store keeps it (sealed by Liveness): "<number> <evicted> <live, comma-separated>
+  // <admitted>\n<cause>".
   std::string Encode() const;
   static absl::StatusOr<MeshEpoch> Decode(const std::string& bytes);
 };

@@ -36,8 +36,9 @@ class MeshEpochs {
         settle;
     // Liveness::Describe: "global rank 3 (replica 1, shard 1, at …)".
     std::function<std::string(int global_rank)> describe;
-    // The epoch `entered` was entered: the evicted replica's processes are no longer watched.
-    std::function<void(const MeshEpoch& entered)> unwatch;
+    // The epoch `entered` was entered: the evicted replica's processes are no longer watched, an
+    // admitted one's are watched again.
+    std::function<void(const MeshEpoch& entered)> watch;
     // This process's replica was evicted: the process is down with `verdict`.
     std::function<void(const absl::Status& verdict)> go_down;
   };
@@ -62,14 +63,24 @@ class MeshEpochs {
   // without that replica (it settled the next epoch, or another process had); false when the
   // loss takes the mesh down (no eviction here, replica 0, too few left, the cap, the store).
   bool Evict(const absl::Status& verdict);
+  // The same for `replica`, for `cause` ("the heal of replica 1 failed (…)").
+  bool EvictReplica(int replica, const std::string& cause);
   // Enters `next` if it is the epoch after this process's own: the line logged, the evicted
-  // replica unwatched, this process down if its replica was evicted, the listeners called.
+  // replica unwatched (an admitted one watched again), this process down if its replica was
+  // evicted, the listeners called.
   void Adopt(const MeshEpoch& next);
+  // The leader, between two mesh steps, once every process of the evicted `replica` asked to
+  // join: settles (and enters) the next epoch with `replica` serving again. The epoch entered
+  // (another process's record if one was settled first); the store's failure as it is.
+  absl::StatusOr<MeshEpoch> Admit(int replica);
+  // A process that joins a running mesh (join.h) starts in the epoch the mesh is in: entered
+  // without a word, no listener called.
+  void Resume(const MeshEpoch& current);
 
  private:
   using Clock = std::chrono::steady_clock;
-  // Whether the cap forbids another eviction now (logged, naming `lost`).
-  bool Capped(int lost);
+  // Whether the cap forbids another eviction now (logged, with `cause`).
+  bool Capped(const std::string& cause);
 
   const GroupConfig config_;
   std::ostream* const log_;

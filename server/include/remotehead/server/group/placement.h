@@ -58,6 +58,19 @@ class Placement {
   // (HeadGroup::Serving); else UNAVAILABLE with its verdict (alone: OK).
   absl::Status Serving() const;
 
+  // The heal of a replica admitted again (head_mesh.h), this rank's part. `bytes` (replica 0's
+  // rank's: every head's sealed state) broadcast to this rank's shard peers of `epoch`;
+  // `joiner`: this rank is the admitted replica's. FAILED_PRECONDITION off a mesh.
+  absl::Status BroadcastHeal(std::string& bytes, int epoch, bool joiner);
+  // The key that seals the heal's states: the group's secret ("" without one).
+  std::string heal_secret() const;
+  // Tests only (--testonly_mesh_corrupt_heal): whether a joiner flips a byte of what it receives.
+  bool testonly_corrupt_heal() const;
+  // The heal's outcome on this rank: counted; on the joiner, its front serves (OK) or it leaves.
+  void HealEnded(const absl::Status& outcome, bool joiner);
+  // OK if every replica's `tensors` hash alike (HeadMesh::CompareAcrossReplicas; alone: OK).
+  absl::Status CompareReplicas(const std::vector<torch::Tensor>& tensors, const std::string& what);
+
   // Every rank's rows of a head of `vocab_size` rows (alone: one range, all of them);
   // INVALID_ARGUMENT naming `field` when the group has more ranks than rows.
   absl::StatusOr<std::vector<core::ShardRange>> Ranges(int64_t vocab_size,

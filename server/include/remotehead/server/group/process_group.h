@@ -133,6 +133,10 @@ class ProcessGroup : public core::GroupCollectives, public KeyValueStore {
   // the epoch's own prefix, on a store connection of its own. Same errors as Join.
   static absl::StatusOr<std::unique_ptr<ProcessGroup>> JoinShardInEpoch(const GroupConfig& config,
                                                                         const MeshEpoch& epoch);
+  // This rank's replica's own group (K ranks) rebuilt when the replica is admitted again in
+  // `epoch` (its processes are new: join.h), under the epoch's own prefix. Same errors as Join.
+  static absl::StatusOr<std::unique_ptr<ProcessGroup>> JoinReplicaInEpoch(const GroupConfig& config,
+                                                                          const MeshEpoch& epoch);
   ~ProcessGroup() override = default;
 
   virtual const GroupConfig& config() const = 0;
