@@ -2,7 +2,9 @@
 server processes on loopback (Gloo, the group plane sealed), each listening on a port of its own
 as an operator's flags would say, and 4 trainers (test_mesh_eviction.py's loop: 6 synchronous
 AdamW steps of 3 micro-batches), against the same run with no loss:
-- In step 2 a process of replica 1 is killed (SIGKILL): the mesh evicts replica 1 and trainers
+- In step 2 a process of replica 1 is killed (SIGKILL), or stopped (SIGTERM: on a mesh that
+  evicts, a process of a replica other than 0 leaves instead of draining the mesh, exit 0): the
+  mesh evicts replica 1 and trainers
   1 and 3 move to the leader, replaying their open step's micro-batch there. In step 4 (the
   trainers paused after its first micro-batch) the killed process is started again with its own
   flags: it finds the mesh running, asks to join, and — with its replica's other process, which
@@ -70,8 +72,12 @@ def state_file(root: pathlib.Path, global_rank: int, state_id: str) -> bytes:
     return (root / f"rank-{global_rank}" / HEAD / f"{state_id}.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("size,killed", [(2, 1), (4, 3)], ids=["2x1-replica-1", "2x2-rank-3"])
-def test_a_replaced_replica_is_healed_and_its_trainers_come_back(tmp_path, size, killed):
+@pytest.mark.parametrize("size,killed,stop", [(2, 1, signal.SIGKILL), (4, 3, signal.SIGKILL),
+                                              (4, 2, signal.SIGTERM)],
+                         ids=["2x1-replica-1", "2x2-rank-3", "2x2-sigterm-to-replica-1"])
+def test_a_replaced_replica_is_healed_and_its_trainers_come_back(tmp_path, size, killed, stop):
+    """SIGKILL, or SIGTERM — which on a mesh that evicts makes a process of a replica other than
+    0 leave (exit 0) instead of draining the mesh: a pod that its StatefulSet restarts rejoins."""
     with start_mesh(size) as mesh:
         reference, _, _, ref_errors = train(list(mesh.fronts))
     assert ref_errors == [None] * WORLD, ref_errors
@@ -96,8 +102,11 @@ def test_a_replaced_replica_is_healed_and_its_trainers_come_back(tmp_path, size,
             again.wait_listening()
 
         weight, info, clients, errors = train(
-            fronts, kill=lambda: victim.process.send_signal(signal.SIGKILL), heal=heal)
+            fronts, kill=lambda: victim.process.send_signal(stop), heal=heal)
         assert errors == [None] * WORLD, errors
+        if stop == signal.SIGTERM:
+            assert victim.wait_exit(30) == 0
+            assert "leaves the mesh, which evicts its replica" in "".join(victim.log)
         assert info.weight_version == STEPS
         assert admitted_in and admitted_in[0] < 30
         # Trainers 1 and 3 moved to the leader and replayed their open step's micro-batch, then

@@ -120,6 +120,15 @@ def selects(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def selects_pods(selector: dict, labels: dict) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions In / NotIn) against a pod's labels."""
+    operators = {"In": lambda v, values: v in values,
+                 "NotIn": lambda v, values: v not in values}
+    return selects(selector.get("matchLabels", {}), labels) and all(
+        operators[e["operator"]](labels.get(e["key"]), e["values"])
+        for e in selector.get("matchExpressions", []))
+
+
 def admits(policy: dict, source, port: int, named: dict) -> bool:
     """Whether NetworkPolicy `policy` (Ingress) lets `source` connect to TCP `port` of a pod it
     selects: `source` is the labels of a pod in the same namespace, or None for anything else

@@ -16,18 +16,19 @@ import pytest
 
 from k8s_manifests import (ROOT, KUBERNETES, OVERLAYS, SECRETS, FILE_FLAGS, VAR, render, find,
                            flags, expand, literal_env, host_port, server_flags, dockerfile,
-                           pod_labels, selects, admits)
+                           pod_labels, selects, selects_pods, admits)
 
 
 @pytest.mark.parametrize("folder", ["base", *(f"overlays/{o}" for o in OVERLAYS), "trainer"])
 def test_every_document_validates_against_the_pinned_kubernetes(folder):
     documents = render(folder)
     kinds = sorted(d["kind"] for d in documents)
-    # A mesh adds a Service per replica front.
+    # A mesh adds a Service per replica front and a disruption budget for its other replicas.
     replicas = OVERLAYS[folder.split("/")[1]][4] if folder.startswith("overlays/") else 1
     services = ["Service"] * (2 + (replicas if replicas > 1 else 0))
+    budgets = ["PodDisruptionBudget"] * (2 if replicas > 1 else 1)
     expected = (["ConfigMap", "Job", "Service"] if folder == "trainer" else
-                ["NetworkPolicy", "PodDisruptionBudget", *services, "StatefulSet"])
+                ["NetworkPolicy", *budgets, *services, "StatefulSet"])
     assert kinds == expected
     for document in documents:
         assert kubernetes_validate.validate(document, KUBERNETES, strict=True) == KUBERNETES
@@ -175,12 +176,24 @@ def test_the_statefulset_matches_the_server(overlay):
         pod["terminationGracePeriodSeconds"], drain)
     assert "preStop" not in container.get("lifecycle", {})
 
-    # The image's user; a PodDisruptionBudget over every rank that lets none go.
+    # The image's user; a PodDisruptionBudget that lets no rank of a group go, nor on a mesh
+    # (which survives a lost replica: --mesh_min_replicas 1) a rank of replica 0, which leads and
+    # serves the store; the other replicas' pods may go one at a time (each rejoins, healed).
     assert pod["securityContext"]["runAsUser"] == uid
-    pdb = find(documents, "PodDisruptionBudget")["spec"]
+    pdb = find(documents, "PodDisruptionBudget", "remotehead")["spec"]
     assert pdb["maxUnavailable"] == 0
-    assert all(selects(pdb["selector"]["matchLabels"], pod_labels(statefulset, r))
-               for r in range(size))
+    held = [g for g in range(size) if selects_pods(pdb["selector"], pod_labels(statefulset, g))]
+    if replicas == 1:
+        assert held == list(range(size))
+        assert resolved["--mesh_min_replicas"] == "0"
+    else:
+        assert held == list(range(per_replica))
+        assert resolved["--mesh_min_replicas"] == "1"
+        others = find(documents, "PodDisruptionBudget", "remotehead-replicas")["spec"]
+        assert others["maxUnavailable"] == 1
+        assert [g for g in range(size) if selects_pods(others["selector"],
+                                                       pod_labels(statefulset, g))] == \
+            list(range(per_replica, size))
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))

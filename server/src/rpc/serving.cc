@@ -112,6 +112,28 @@ void StopBy(ClusterDrain::Clock::time_point deadline, std::ostream& err) {
   std::_Exit(1);
 }
 
+// Whether a signal makes this process leave its mesh instead of draining it: on a mesh that
+// evicts (--mesh_min_replicas), a process of a replica other than 0. Its replica is evicted (the
+// others go on, its trainers move and resend their open step) and, started again with its
+// flags (a pod that its StatefulSet restarts), it rejoins and is healed: nothing needs saving.
+bool LeavesAtSignal(const Cluster& cluster) {
+  return cluster.mesh != nullptr && cluster.mesh->evicts() && cluster.mesh->replica() != 0;
+}
+
+[[noreturn]] void Leave(grpc::Server& server, int signal, const Cluster& cluster,
+                        const ServingOptions& options) {
+  *options.out << "remotehead-server: signal " << signal << ": this process of replica "
+               << cluster.mesh->replica()
+               << " leaves the mesh, which evicts its replica and goes on without it "
+                  "(--mesh_min_replicas); started again with its flags, it rejoins and is healed"
+               << std::endl;
+  // Its calls' dW would leave with it: they end now, and their trainers resend them elsewhere.
+  server.Shutdown(std::chrono::system_clock::now());
+  std::cout.flush();
+  std::cerr.flush();
+  std::_Exit(0);  // its groups and follower are not waited for: its peers see it gone
+}
+
 // A rank of a group or mesh: serves (and follows its log) until the drain says stop.
 int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cluster,
                    const std::atomic<int>& signal, const ServingOptions& options) {
@@ -150,6 +172,10 @@ int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cl
         RestartToRejoin(cluster, down, options);
       }
       health.NotServing("the head group is down: " + std::string(down.message()));
+    }
+    if (signal.load() != 0 && LeavesAtSignal(cluster)) {
+      health.NotServing();
+      Leave(server, signal.load(), cluster, options);
     }
     if (signal.load() != 0 && !watched) {
       watched = true;  // after Poll's own deadline, which stops cleanly when nothing blocks

@@ -33,7 +33,9 @@ struct ServingOptions {
 // Serves until `signal` (the signal received, 0 until then) or, on a group or mesh, until the
 // drain says stop or the group ends; returns the process's exit code (0: a clean stop with
 // every state saved, if any is to be). A live process of a replica evicted from a mesh restarts
-// itself (options.restart_argv) to join it again, unless its own heal failed: then it exits.
+// itself (options.restart_argv) to join it again, unless its own heal failed: then it exits. On a
+// mesh that evicts, a signal to a process of a replica other than 0 makes it leave (exit 0, no
+// drain): the others go on, and started again it rejoins.
 int ServeUntilStopped(grpc::Server& server, HeadService& service, const Cluster& cluster,
                       const std::atomic<int>& signal, const ServingOptions& options);
 
