@@ -173,7 +173,8 @@ ABSL_FLAG(std::string, testonly_mesh_pause, "",
           "tests only, refused unless the environment sets REMOTEHEAD_TESTONLY=1: "
           "\"after_sum|after_apply,<weight version>,<seconds>\" pauses every rank of a mesh at "
           "that point of the step that makes that version, so that a test can kill a process "
-          "there");
+          "there; \"before_heal,<epoch>,<seconds>\" pauses the leader after it admitted a "
+          "replica into that epoch, before the heal");
 ABSL_FLAG(bool, testonly_mesh_corrupt_heal, false,
           "tests only, refused unless the environment sets REMOTEHEAD_TESTONLY=1: a process "
           "joining a running mesh flips a byte of the heads' states it receives (its heal must "

@@ -3,7 +3,8 @@
 //
 //   remotehead-mesh-trainer --fronts=HOST:PORT,HOST:PORT --rank=T [--world=4] [--head=h]
 //                           [--barrier_dir=DIR] [--steps=6] [--micro_batches=3]
-//                           [--kill_step=2] [--rows=10] [--hidden=16] [--vocab=40]
+//                           [--kill_step=2] [--heal_step=-1] [--rows=10] [--hidden=16]
+//                           [--vocab=40]
 //
 // Trainer T's client dials fronts[T mod R]; its RemoteHead is trainer "run", rank T of --world
 // (synchronous steps), reduction sum. Each step adds --micro_batches micro-batches — micro-batch
@@ -12,7 +13,9 @@
 // CPU — then takes AdamW(lr 0.05, betas 0.9 / 0.999, eps 1e-6, weight decay 0.01).
 // --barrier_dir: after adding micro-batch 0 of step --kill_step, the trainer writes
 // DIR/at-kill-T and waits (up to 120 s) for DIR/resume to exist (the test kills a replica
-// in between). At the end it prints one line, JSON: {"rank", "moves", "replays", "replica",
+// in between); likewise after micro-batch 0 of step --heal_step (when >= 0), DIR/at-heal-T and
+// DIR/resume-heal (the test restarts the killed process and waits for its heal). At the end it
+// prints one line, JSON: {"rank", "moves", "replays", "replica",
 // "weight_version"} (its client's moves and replays). Exit code: 0 when every step ran, 1 on any
 // error (printed), 2 on bad usage.
 #include <chrono>
@@ -41,7 +44,7 @@ struct Flags {
   std::vector<std::string> fronts;
   std::string head = "h";
   std::string barrier_dir;
-  int64_t rank = -1, world = 4, steps = 6, micro_batches = 3, kill_step = 2;
+  int64_t rank = -1, world = 4, steps = 6, micro_batches = 3, kill_step = 2, heal_step = -1;
   int64_t rows = 10, hidden = 16, vocab = 40;
 };
 
@@ -60,8 +63,9 @@ Flags Parse(int argc, char** argv) {
   const std::map<std::string, int64_t*> numbers = {
       {"rank", &flags.rank},           {"world", &flags.world},
       {"steps", &flags.steps},         {"micro_batches", &flags.micro_batches},
-      {"kill_step", &flags.kill_step}, {"rows", &flags.rows},
-      {"hidden", &flags.hidden},       {"vocab", &flags.vocab}};
+      {"kill_step", &flags.kill_step}, {"heal_step", &flags.heal_step},
+      {"rows", &flags.rows},           {"hidden", &flags.hidden},
+      {"vocab", &flags.vocab}};
   for (const auto& [name, value] : given) {
     if (name == "fronts") {
       flags.fronts = absl::StrSplit(value, ',');
@@ -89,14 +93,15 @@ std::pair<torch::Tensor, torch::Tensor> MicroBatch(const Flags& f, int64_t step,
   return {hidden, labels};
 }
 
-// Says this trainer reached the kill point, then waits for the test's word to go on.
-void Barrier(const Flags& f) {
+// Says this trainer reached the point `point` ("kill", "heal"), then waits for the test's word
+// to go on (`resume`).
+void Barrier(const Flags& f, const std::string& point, const std::string& resume) {
   const std::filesystem::path dir(f.barrier_dir);
-  std::ofstream(dir / absl::StrCat("at-kill-", f.rank)).close();
+  std::ofstream(dir / absl::StrCat("at-", point, "-", f.rank)).close();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!std::filesystem::exists(dir / "resume")) {
+  while (!std::filesystem::exists(dir / resume)) {
     if (std::chrono::steady_clock::now() > deadline) {
-      throw std::runtime_error(absl::StrCat(f.barrier_dir, "/resume: not there after 120 s"));
+      throw std::runtime_error(absl::StrCat(f.barrier_dir, "/", resume, ": not there after 120 s"));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -118,7 +123,10 @@ int Train(const Flags& f) {
       auto [hidden, labels] = MicroBatch(f, step, mb);
       hidden.requires_grad_(true);
       head->loss(hidden, labels).backward();
-      if (!f.barrier_dir.empty() && step == f.kill_step && mb == 0) Barrier(f);
+      if (!f.barrier_dir.empty() && step == f.kill_step && mb == 0) Barrier(f, "kill", "resume");
+      if (!f.barrier_dir.empty() && step == f.heal_step && mb == 0) {
+        Barrier(f, "heal", "resume-heal");
+      }
     }
     const absl::StatusOr<rc::HeadInfo> info = head->OptimizerStep(
         {.optimizer =

@@ -193,29 +193,34 @@ def test_a_lost_replica_loses_no_step(size, killed):
     assert_same_run(weight, reference, 1e-6)
 
 
-def train_cpp(fronts, barrier: pathlib.Path, kill):
+def train_cpp(fronts, barrier: pathlib.Path, kill, heal=None):
     """train()'s loops as 4 C++ trainer processes (remotehead-mesh-trainer), `kill()` run once
     all of them added step KILL_STEP's first micro-batch (each says so with a file in `barrier`,
-    then waits for `barrier`/resume). The leader's W and HeadInfo, and each trainer's exit code,
-    its last output line (JSON: its client's moves, replays, replica) and its stderr."""
+    then waits for `barrier`/resume), `heal()` likewise at step HEAL_STEP's (at-heal-t,
+    resume-heal). The leader's W and HeadInfo, and each trainer's exit code, its last output line
+    (JSON: its client's moves, replays, replica) and its stderr."""
     with remotehead.Client(fronts, rank=0) as leader:
         leader.create_head(HEAD, VOCAB, HIDDEN, seed=5)
     flags = [f"--fronts={','.join(fronts)}", f"--world={WORLD}", f"--head={HEAD}",
              f"--steps={STEPS}", f"--micro_batches={MICRO_BATCHES}", f"--kill_step={KILL_STEP}",
+             f"--heal_step={HEAL_STEP if heal is not None else -1}",
              f"--rows={ROWS}", f"--hidden={HIDDEN}", f"--vocab={VOCAB}", f"--barrier_dir={barrier}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     trainers = [subprocess.Popen([CPP_TRAINER, *flags, f"--rank={t}"], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env)
                 for t in range(WORLD)]
     try:
-        deadline = time.monotonic() + 120
-        while not all((barrier / f"at-kill-{t}").exists() for t in range(WORLD)):
-            if any(p.poll() is not None for p in trainers) or time.monotonic() > deadline:
-                break  # a trainer failed: its exit code and stderr say why
-            time.sleep(0.01)
-        else:
-            kill()
-        (barrier / "resume").touch()
+        for point, hook, resume in (("kill", kill, "resume"), ("heal", heal, "resume-heal")):
+            if hook is None:
+                continue
+            deadline = time.monotonic() + 120
+            while not all((barrier / f"at-{point}-{t}").exists() for t in range(WORLD)):
+                if any(p.poll() is not None for p in trainers) or time.monotonic() > deadline:
+                    break  # a trainer failed: its exit code and stderr say why
+                time.sleep(0.01)
+            else:
+                hook()
+            (barrier / resume).touch()
         outputs = [p.communicate(timeout=300) for p in trainers]
     finally:
         for p in trainers:

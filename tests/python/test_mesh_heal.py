@@ -25,20 +25,39 @@ AdamW steps of 3 micro-batches), against the same run with no loss:
   joiner again: it leaves, the mesh goes on, and the run still equals the one with no loss.
 """
 import pathlib
+import random
+import re
 import signal
+import socket
 import time
 
 import grpc
 import pytest
 
 import remotehead
-from remotehead.local_server import LocalHeadGroup, LocalServer, free_port
-from test_mesh_eviction import (BINARY, HEAD, STEPS, WORLD, assert_same_run, metric, train)
+from remotehead.local_server import LocalHeadGroup, LocalServer
+from test_mesh_eviction import (BINARY, HEAD, STEPS, WORLD, assert_same_run, metric, train,
+                                train_cpp)
 
 HEALED = "mesh: replica 1 healed in"
 
 
-def start_mesh(size: int, *extra: str, secret_dir=None) -> LocalHeadGroup:
+def listen_port() -> int:
+    """A loopback port for a process to keep across restarts: free now, and below the kernel's
+    ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), so that no connection's own port
+    (a client's, the groups') takes it while its process restarts."""
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+
+
+def start_mesh(size: int, *extra: str) -> LocalHeadGroup:
     """A 2-replica mesh whose every process listens on a port of its own (a restarted process
     comes back where its trainers dial it)."""
     mesh = LocalHeadGroup(BINARY, size=size, replicas=2,
@@ -47,7 +66,7 @@ def start_mesh(size: int, *extra: str, secret_dir=None) -> LocalHeadGroup:
                                 "--metrics_address=127.0.0.1:0", *extra),
                           timeout_seconds=30.0)
     for rank in mesh.ranks:
-        rank.args.append(f"--listen=127.0.0.1:{free_port()}")
+        rank.args.append(f"--listen=127.0.0.1:{listen_port()}")
     return mesh
 
 
@@ -101,11 +120,17 @@ def test_a_replaced_replica_is_healed_and_its_trainers_come_back(tmp_path, size,
                 raise
             again.wait_listening()
 
-        weight, info, clients, errors = train(
-            fronts, kill=lambda: victim.process.send_signal(stop), heal=heal)
+        exit_codes = []
+
+        def kill():
+            victim.process.send_signal(stop)
+            # Gone before the trainers go on: their open step is lost with it.
+            exit_codes.append(victim.wait_exit(30))
+
+        weight, info, clients, errors = train(fronts, kill=kill, heal=heal)
         assert errors == [None] * WORLD, errors
         if stop == signal.SIGTERM:
-            assert victim.wait_exit(30) == 0
+            assert exit_codes == [0]
             assert "leaves the mesh, which evicts its replica" in "".join(victim.log)
         assert info.weight_version == STEPS
         assert admitted_in and admitted_in[0] < 30
@@ -139,6 +164,64 @@ def test_a_replaced_replica_is_healed_and_its_trainers_come_back(tmp_path, size,
                 assert state_file(states, shard, state_id) == \
                     state_file(states, half + shard, state_id)
     assert_same_run(weight, reference, 1e-6)
+
+
+def test_cpp_trainers_come_back_to_a_healed_replica(tmp_path):
+    """The C++ client's side of it with real processes: the 2 x 1 run above by 4 C++ trainer
+    processes (tests/client/mesh_trainer.cc) — trainers 1 and 3 move to the leader, replay one
+    call, and move back to the healed replica without resending; W equals the Python trainers'
+    run with no loss."""
+    with start_mesh(2) as mesh:
+        reference, _, _, ref_errors = train(list(mesh.fronts))
+    assert ref_errors == [None] * WORLD, ref_errors
+    mesh = start_mesh(2)
+    with mesh:
+        leader, victim = mesh.ranks
+
+        def heal():
+            again = restart(mesh, 1)
+            wait_for(leader, HEALED, 60)
+            again.wait_listening()
+
+        weight, info, codes, stats, errors = train_cpp(
+            list(mesh.fronts), tmp_path, lambda: victim.process.send_signal(signal.SIGKILL),
+            heal)
+    assert codes == [0] * WORLD, errors
+    assert info.weight_version == STEPS
+    assert [s["moves"] for s in stats] == [0, 2, 0, 2]
+    assert [s["replays"] for s in stats] == [0, 1, 0, 1]
+    assert [s["replica"] for s in stats] == [0, 1, 0, 1]
+    assert_same_run(weight, reference, 1e-6)
+
+
+@pytest.mark.parametrize("size,killed", [(2, 1), (4, 3)], ids=["2x1", "2x2-rank-3"])
+def test_a_drain_during_an_admission_saves_one_state_on_every_member(tmp_path, monkeypatch,
+                                                                      size, killed):
+    """SIGTERM to the leader after it admitted the restarted replica, before the heal
+    (--testonly_mesh_pause=before_heal): the drain waits for the heal, then saves one state on
+    every member — the joiner's included — and every process exits 0."""
+    monkeypatch.setenv("REMOTEHEAD_TESTONLY", "1")
+    states = tmp_path / "state"
+    mesh = start_mesh(size, f"--state_dir={states}", "--testonly_mesh_pause=before_heal,2,2")
+    with mesh:
+        leader = mesh.ranks[0]
+        with remotehead.Client(list(mesh.fronts), rank=0) as trainer:
+            trainer.create_head(HEAD, 40, 16, seed=5)
+        mesh.ranks[killed].process.send_signal(signal.SIGKILL)
+        wait_for(leader, "replica 1 evicted", 60)
+        restart(mesh, killed)
+        wait_for(leader, "testonly: replica 0 pauses before_heal of epoch 2", 60)
+        leader.process.send_signal(signal.SIGTERM)
+        codes = [rank.wait_exit(120) for rank in mesh.ranks]
+        log = "".join(leader.log)
+        assert codes == [0] * size, [("".join(r.log))[-2000:] for r in mesh.ranks]
+        assert HEALED in log, log
+        saved = re.search(r'head states saved on every rank: "h" as (\S+)', log)
+        assert saved, log
+        half = size // 2
+        for shard in range(half):
+            assert state_file(states, shard, saved.group(1)) == \
+                state_file(states, half + shard, saved.group(1))
 
 
 def test_a_stranger_cannot_join(tmp_path):

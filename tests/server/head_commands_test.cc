@@ -62,6 +62,7 @@ std::vector<HeadCommand> Samples() {
                        core::SgdOptions{.lr = 0.5, .momentum = 0.25, .weight_decay = 0.125},
                    .grad_scale = 2.0},
           .attempt = "0123456789abcdef0123456789abcdef"},
+      hc::Heal{.epoch = 3, .replica = 1},
       hc::SaveState{.id = "s", .state_id = "state-1"},
       hc::RestoreState{.id = "s", .state_id = "state-2", .check_only = true},
       hc::Gather{.id = "g", .dtype = torch::kFloat, .gradients = true},

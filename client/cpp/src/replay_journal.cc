@@ -112,7 +112,8 @@ absl::Status ReplayJournal::Moved(const absl::Status& moved, const ReplicaMove& 
   std::string lost;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (move.incarnation == incarnation_) return absl::OkStatus();  // another call handled it
+    // Another call handled it: this trainer dials that front already.
+    if (move.to_replica == replica_ && move.incarnation == incarnation_) return absl::OkStatus();
     replica_ = move.to_replica;
     lost = incarnation_;
     left_.insert(incarnation_);

@@ -108,8 +108,11 @@ void HeadMesh::Joined(const MeshEpoch& admitted) {
 }
 
 void HeadMesh::MarkHealed() {
-  std::lock_guard<std::mutex> lock(epoch_mu_);
-  if (healing_ == replica_) healing_ = -1;
+  {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    if (healing_ == replica_) healing_ = -1;
+  }
+  regrouped_.notify_all();
 }
 
 void HeadMesh::HealFailed(const absl::Status& why) {
@@ -171,6 +174,7 @@ absl::Status HeadMesh::Admit(int replica) {
   if (!next.ok() || next->admitted != replica) {
     std::lock_guard<std::mutex> lock(epoch_mu_);
     healing_ = -1;
+    regrouped_.notify_all();
     return next.ok() ? absl::AbortedError(
                            absl::StrCat("the mesh entered ", next->Describe(), " meanwhile"))
                      : next.status();
@@ -180,6 +184,7 @@ absl::Status HeadMesh::Admit(int replica) {
     regrouped_.wait(lock, [&] { return closing_ || epoch_.number >= next->number; });
     if (closing_) return absl::CancelledError("the mesh closes");
   }
+  TestOnlyPause("before_heal", next->number);
   const auto start = std::chrono::steady_clock::now();
   const absl::Status healed =
       epoch().number == next->number ? healer(*next) : EpochLeft(next->number);
@@ -187,6 +192,7 @@ absl::Status HeadMesh::Admit(int replica) {
     std::lock_guard<std::mutex> lock(epoch_mu_);
     healing_ = -1;
   }
+  regrouped_.notify_all();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (healed.ok()) {
@@ -245,6 +251,16 @@ absl::Status HeadMesh::Reconfiguring() const {
     healing = healing.With(healing_, absl::StrCat("replica ", healing_, " asked to join"));
   }
   return ReconfiguringStatus(healing, "");
+}
+
+absl::Status HeadMesh::AwaitSettled(std::chrono::steady_clock::time_point deadline) {
+  {
+    std::unique_lock<std::mutex> lock(epoch_mu_);
+    regrouped_.wait_until(lock, deadline, [&] {
+      return closing_ || (wanted_.number == epoch_.number && healing_ < 0);
+    });
+  }
+  return Reconfiguring();
 }
 
 bool IsMeshReconfiguring(const absl::Status& status) {
@@ -313,8 +329,8 @@ void HeadMesh::TestOnlyPause(const std::string& point, int64_t version) const {
   const MeshOptions::TestOnlyPause& pause = options_.testonly_pause;
   if (pause.point != point || pause.version != version) return;
   std::cerr << "remotehead-server: testonly: replica " << replica_ << " pauses " << point
-            << " of the mesh step to version " << version << " for " << pause.pause.count() << " ms"
-            << std::endl;
+            << (point == "before_heal" ? " of epoch " : " of the mesh step to version ") << version
+            << " for " << pause.pause.count() << " ms" << std::endl;
   std::this_thread::sleep_for(pause.pause);
 }
 

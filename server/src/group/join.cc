@@ -115,12 +115,13 @@ absl::StatusOr<MeshOptions::TestOnlyPause> ResolveTestOnlyPause(const MeshFlags&
   }
   const std::vector<std::string> fields = absl::StrSplit(flags.testonly_pause, ',');
   double seconds = 0;
-  if (fields.size() != 3 || (fields[0] != "after_sum" && fields[0] != "after_apply") ||
+  if (fields.size() != 3 ||
+      (fields[0] != "after_sum" && fields[0] != "after_apply" && fields[0] != "before_heal") ||
       !absl::SimpleAtoi(fields[1], &pause.version) || !absl::SimpleAtod(fields[2], &seconds) ||
       seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--testonly_mesh_pause: expected \"after_sum|after_apply,<weight version>,<seconds>\"; "
-        "got \"",
+        "--testonly_mesh_pause: expected \"after_sum|after_apply,<weight version>,<seconds>\" "
+        "or \"before_heal,<epoch>,<seconds>\"; got \"",
         flags.testonly_pause, "\""));
   }
   pause.point = fields[0];

@@ -160,7 +160,9 @@ absl::StatusOr<MeshEpoch> Liveness::AwaitAdmission() {
   for (;;) {
     RETURN_IF_ERROR(health());
     const MeshEpoch now = epochs_.current();
-    if (now.serves(config_.replica())) return now;
+    // Admitted: an epoch that says so (the replica may still serve in the epoch this process
+    // found, its old process's loss not noticed yet: then it waits for the eviction first).
+    if (!epochs_.joining()) return now;
     if (now.number != asked) {  // asked again in each epoch the mesh enters meanwhile
       RETURN_IF_ERROR(AskToJoin(now.number));
       asked = now.number;
@@ -486,8 +488,11 @@ void Liveness::Beat() {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [rank, address] : addresses_) known.insert(rank);
   }
-  absl::Status reached =
-      store_->Set(store_keys::Beat(config_.rank), Sealed(kBeat, absl::StrCat(++beats_)));
+  // A process joining the mesh beats only once admitted: until then its global rank's beat is
+  // its lost predecessor's, whose stop must still be seen (a restart must not hide a loss).
+  absl::Status reached = epochs_.joining() ? store_->Exists(store_keys::kSession).status()
+                                           : store_->Set(store_keys::Beat(config_.rank),
+                                                         Sealed(kBeat, absl::StrCat(++beats_)));
   std::map<int, std::string> beats;
   std::map<int, std::string> addresses;
   std::optional<absl::Status> verdict;

@@ -102,6 +102,12 @@ bool MeshEpochs::EvictReplica(int replica, const std::string& cause) {
 void MeshEpochs::Resume(const MeshEpoch& current) {
   std::lock_guard<std::mutex> lock(mu_);
   epoch_ = current;
+  joining_ = true;
+}
+
+bool MeshEpochs::joining() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return joining_;
 }
 
 absl::StatusOr<MeshEpoch> MeshEpochs::Admit(int replica) {
@@ -118,10 +124,13 @@ absl::StatusOr<MeshEpoch> MeshEpochs::Admit(int replica) {
 }
 
 void MeshEpochs::Adopt(const MeshEpoch& next) {
+  bool joining = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (next.number != epoch_.number + 1) return;
     epoch_ = next;
+    if (next.admitted == config_.replica()) joining_ = false;
+    joining = joining_;
     // The cap counts evictions only.
     if (next.evicted >= 0) entered_.push_back(Clock::now());
   }
@@ -137,7 +146,9 @@ void MeshEpochs::Adopt(const MeshEpoch& next) {
           << " evicted; the mesh goes on in " << next.Describe() << "; "
           << next.Moves(config_.replicas) << std::endl;
   }
-  if (!next.serves(config_.replica())) {
+  // A process joining the mesh waits for the epoch that admits its replica: an eviction of its
+  // replica meanwhile (its old processes' loss, noticed late) is no verdict on it.
+  if (!next.serves(config_.replica()) && !joining) {
     hooks_.go_down(core::WithReason(
         absl::UnavailableError(absl::StrCat(
             "this process's replica ", config_.replica(), " was evicted from the mesh (",

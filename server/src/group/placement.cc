@@ -72,6 +72,10 @@ void Placement::HealEnded(const absl::Status& outcome, bool joiner) {
   }
 }
 
+absl::Status Placement::AwaitMeshSettled(std::chrono::steady_clock::time_point deadline) {
+  return mesh_ != nullptr ? mesh_->AwaitSettled(deadline) : absl::OkStatus();
+}
+
 absl::Status Placement::CompareReplicas(const std::vector<torch::Tensor>& tensors,
                                         const std::string& what) {
   return mesh_ != nullptr ? mesh_->CompareAcrossReplicas(tensors, what) : absl::OkStatus();

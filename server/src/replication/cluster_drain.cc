@@ -134,6 +134,13 @@ ClusterDrain::Outcome ClusterDrain::Run(const std::string& reason) {
   }
   v1::GroupStop stop;
   stop.set_reason(reason);
+  // A mesh that changes epochs (an eviction's groups being built, an admitted replica being
+  // healed) settles first, within the saves' time: then every member, a healed joiner too, holds
+  // every head and the state is saved on all of them.
+  if (const absl::Status settled = placement_.AwaitMeshSettled(Clock::now() + timing_.save);
+      !settled.ok()) {
+    Log(absl::StrCat("drain: the mesh did not settle: ", settled.message()));
+  }
   // A group already down reaches no rank: nothing can be saved (the others end on their own).
   absl::Status drained = placement_.health();
   if (drained.ok() && placement_.replicated()) {

@@ -68,8 +68,9 @@ struct MeshOptions {
   std::chrono::seconds eviction_window{3600};
   // Tests only (--testonly_mesh_pause, refused outside a test environment): every rank pauses
   // for `pause` at `point` ("after_sum": before the commit decision; "after_apply": before the
-  // step's answer) of the mesh step that makes weight version `version`, so that a test can kill
-  // a process there.
+  // step's answer) of the mesh step that makes weight version `version` — or the leader at
+  // "before_heal" of the admission into epoch `version` — so that a test can kill a process (or
+  // signal one) there.
   struct TestOnlyPause {
     std::string point;
     int64_t version = -1;
@@ -118,6 +119,9 @@ class HeadMesh : public MetricSource {
   // OK while the groups of the mesh's epoch serve; while they are rebuilt after an eviction,
   // UNAVAILABLE, reason MESH_RECONFIGURING (metadata epoch, evicted): ask again shortly.
   absl::Status Reconfiguring() const;
+  // Waits until `deadline` for the mesh to settle: the groups of the epoch it entered built, and
+  // a replica admitted healed (Reconfiguring OK). Its status then (the drain's saves wait).
+  absl::Status AwaitSettled(std::chrono::steady_clock::time_point deadline);
   // `status` as a caller should read it: a failure caused by a replica that was evicted (a lost
   // process of it named, or a cross-replica collective aborted by its loss) is UNAVAILABLE,
   // reason MESH_RECONFIGURING — nothing was applied, ask again; anything else as it is.

@@ -74,8 +74,9 @@ class MeshEpochs {
   // (another process's record if one was settled first); the store's failure as it is.
   absl::StatusOr<MeshEpoch> Admit(int replica);
   // A process that joins a running mesh (join.h) starts in the epoch the mesh is in: entered
-  // without a word, no listener called.
+  // without a word, no listener called; it is joining until an epoch admits its replica.
   void Resume(const MeshEpoch& current);
+  bool joining() const;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -89,6 +90,7 @@ class MeshEpochs {
   EvictionCap cap_;
   mutable std::mutex mu_;
   MeshEpoch epoch_;                         // under mu_
+  bool joining_ = false;                    // under mu_: Resume'd, not admitted yet
   std::vector<Clock::time_point> entered_;  // when each epoch was entered (under mu_)
   std::mutex evicting_;                     // one eviction at a time in this process
   std::mutex calling_;                      // held while listeners are called, added, removed

@@ -68,6 +68,8 @@ class Placement {
   bool testonly_corrupt_heal() const;
   // The heal's outcome on this rank: counted; on the joiner, its front serves (OK) or it leaves.
   void HealEnded(const absl::Status& outcome, bool joiner);
+  // Waits until a mesh that changes epochs is settled (HeadMesh::AwaitSettled; OK alone).
+  absl::Status AwaitMeshSettled(std::chrono::steady_clock::time_point deadline);
   // OK if every replica's `tensors` hash alike (HeadMesh::CompareAcrossReplicas; alone: OK).
   absl::Status CompareReplicas(const std::vector<torch::Tensor>& tensors, const std::string& what);
 
