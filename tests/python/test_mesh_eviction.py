@@ -300,12 +300,16 @@ def test_a_replica_lost_inside_a_step(monkeypatch, size, killed, point):
     assert_same_run(weight, reference, 1e-6)
 
 
-def test_the_test_only_pause_is_refused_outside_tests(monkeypatch):
+@pytest.mark.parametrize("flag,said", [
+    ("--testonly_mesh_pause=after_sum,1,1", "--testonly_mesh_pause: a fault point for tests only"),
+    ("--testonly_mesh_corrupt_heal", "--testonly_mesh_corrupt_heal: a fault for tests only")])
+def test_the_test_only_faults_are_refused_outside_tests(monkeypatch, flag, said):
+    """Every fault for tests (this file's pause, test_mesh_heal.py's corrupt heal)."""
     monkeypatch.delenv("REMOTEHEAD_TESTONLY", raising=False)
-    server = LocalServer(BINARY, ["--device=cpu", "--testonly_mesh_pause=after_sum,1,1"])
+    server = LocalServer(BINARY, ["--device=cpu", flag])
     server.launch()
     assert server.wait_exit(60) == 2
-    assert "--testonly_mesh_pause: a fault point for tests only" in "".join(server.log)
+    assert said in "".join(server.log)
 
 
 def test_a_lost_replica_loses_no_step_against_float64():

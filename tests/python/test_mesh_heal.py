@@ -272,11 +272,3 @@ def test_a_heal_that_fails_verification_evicts_the_joiner(monkeypatch):
         assert metric(url, 'remotehead_mesh_heals_total{result="failed"}') == 1
         assert metric(url, "remotehead_mesh_replicas_live") == 1
     assert_same_run(weight, reference, 1e-6)
-
-
-def test_the_corrupt_heal_fault_is_refused_outside_tests(monkeypatch):
-    monkeypatch.delenv("REMOTEHEAD_TESTONLY", raising=False)
-    server = LocalServer(BINARY, ["--device=cpu", "--testonly_mesh_corrupt_heal"])
-    server.launch()
-    assert server.wait_exit(60) == 2
-    assert "--testonly_mesh_corrupt_heal: a fault for tests only" in "".join(server.log)

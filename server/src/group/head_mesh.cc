@@ -13,6 +13,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "group/exchange.h"
+#include "group/mesh_admission.h"
+#include "group/mesh_decisions.h"
 #include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
@@ -50,7 +52,8 @@ HeadMesh::HeadMesh(int replica, int replicas, MeshOptions options,
       epoch_(MeshEpoch::First(replicas)),
       wanted_(epoch_),
       fronts_(std::move(fronts)),
-      shard_peers_(std::move(shard_peers)) {}
+      shard_peers_(std::move(shard_peers)),
+      decisions_(std::make_unique<MeshDecisions>(this)) {}
 
 HeadMesh::~HeadMesh() {
   if (liveness_ != nullptr && epoch_listener_ >= 0)
@@ -60,8 +63,8 @@ HeadMesh::~HeadMesh() {
     closing_ = true;
   }
   regrouped_.notify_all();
+  admission_.reset();  // an admission under way ends (its wait for an epoch sees the mesh close)
   if (regrouping_.joinable()) regrouping_.join();
-  if (admitting_.joinable()) admitting_.join();
 }
 
 HeadGroup* HeadMesh::fronts() {
@@ -97,7 +100,7 @@ void HeadMesh::set_liveness(Liveness* liveness, Regroup regroup) {
   regroup_ = std::move(regroup);
   regrouping_ = std::thread([this] { RegroupLoop(); });
   epoch_listener_ = liveness->epochs().OnEpoch([this](const MeshEpoch& next) { Enter(next); });
-  if (is_leader()) admitting_ = std::thread([this] { AdmitLoop(); });
+  if (is_leader()) admission_ = std::make_unique<MeshAdmission>(this);
 }
 
 void HeadMesh::Joined(const MeshEpoch& admitted) {
@@ -125,87 +128,27 @@ bool HeadMesh::heal_failed() const {
   return !heal_failed_.ok();
 }
 
-void HeadMesh::set_healer(std::function<absl::Status(const MeshEpoch& admitted)> healer) {
-  std::lock_guard<std::mutex> lock(healer_mu_);
-  healer_ = std::move(healer);
+void HeadMesh::set_healer(MeshAdmission::Healer healer) {
+  if (admission_ != nullptr) admission_->set_healer(std::move(healer));
 }
 
-void HeadMesh::AdmitLoop() {
-  std::unique_lock<std::mutex> lock(epoch_mu_);
-  for (;;) {
-    regrouped_.wait_for(lock, std::chrono::milliseconds(500), [&] { return closing_; });
-    if (closing_) return;
-    if (wanted_.number != epoch_.number || healing_ >= 0) continue;
-    const MeshEpoch now = epoch_;
-    lock.unlock();
-    for (int r = 1; r < replicas_ && liveness_->health().ok(); ++r) {
-      if (now.serves(r)) continue;
-      const absl::StatusOr<bool> asked = liveness_->AskedToJoin(r, now.number);
-      if (!asked.ok() || !*asked) continue;
-      if (const absl::Status admitted = Admit(r); !admitted.ok()) {
-        std::cerr << "remotehead-server: mesh: replica " << r
-                  << " asked to join but was not admitted: " << admitted.message() << std::endl;
-      }
-      break;  // one admission at a time: the epoch changed
-    }
-    lock.lock();
-  }
+void HeadMesh::BeginHeal(int replica) {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  healing_ = replica;
 }
 
-absl::Status HeadMesh::Admit(int replica) {
-  std::function<absl::Status(const MeshEpoch&)> healer;
-  {
-    std::lock_guard<std::mutex> lock(healer_mu_);
-    healer = healer_;
-  }
-  if (healer == nullptr) return absl::FailedPreconditionError("this leader cannot heal (yet)");
-  absl::StatusOr<MeshEpoch> next = absl::UnknownError("not admitted");
-  {
-    // Between two mesh steps: while the lane is held no mesh command runs, and every command
-    // before it was answered by every rank of every serving replica.
-    ASSIGN_OR_RETURN(HeadGroup::Lane lane, fronts()->Enter());
-    {
-      std::lock_guard<std::mutex> lock(epoch_mu_);
-      healing_ = replica;  // from now on calls wait for the heal
-    }
-    next = liveness_->epochs().Admit(replica);
-  }
-  liveness_->ForgetJoin(replica).IgnoreError();  // housekeeping: a later request is asked anew
-  if (!next.ok() || next->admitted != replica) {
-    std::lock_guard<std::mutex> lock(epoch_mu_);
-    healing_ = -1;
-    regrouped_.notify_all();
-    return next.ok() ? absl::AbortedError(
-                           absl::StrCat("the mesh entered ", next->Describe(), " meanwhile"))
-                     : next.status();
-  }
-  {
-    std::unique_lock<std::mutex> lock(epoch_mu_);
-    regrouped_.wait(lock, [&] { return closing_ || epoch_.number >= next->number; });
-    if (closing_) return absl::CancelledError("the mesh closes");
-  }
-  TestOnlyPause("before_heal", next->number);
-  const auto start = std::chrono::steady_clock::now();
-  const absl::Status healed =
-      epoch().number == next->number ? healer(*next) : EpochLeft(next->number);
+void HeadMesh::EndHeal() {
   {
     std::lock_guard<std::mutex> lock(epoch_mu_);
     healing_ = -1;
   }
   regrouped_.notify_all();
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (healed.ok()) {
-    std::cerr << "remotehead-server: mesh: replica " << replica << " healed in "
-              << absl::StrFormat("%.1f", seconds) << " s: every head's state verified; it serves "
-              << "again in " << next->Describe() << std::endl;
-    return absl::OkStatus();
-  }
-  // The joiner leaves again and the mesh goes on without it (unless the mesh went down).
-  liveness_->epochs().EvictReplica(
-      replica, absl::StrCat("the heal of replica ", replica, " failed (", healed.message(), ")"));
-  return absl::DataLossError(
-      absl::StrCat("the heal failed: ", healed.message(), "; the replica is evicted again"));
+}
+
+bool HeadMesh::AwaitEpoch(int number) {
+  std::unique_lock<std::mutex> lock(epoch_mu_);
+  regrouped_.wait(lock, [&] { return closing_ || epoch_.number >= number; });
+  return !closing_;
 }
 
 bool HeadMesh::evicts() const { return liveness_ != nullptr && liveness_->epochs().evicts(); }
@@ -440,12 +383,6 @@ absl::Status HeadMesh::SumOnLeader(torch::Tensor& t) {
   return absl::OkStatus();
 }
 
-namespace {
-// A mesh step's commit decisions, as settled.
-constexpr char kDecisionApply[] = "apply";
-constexpr char kDecisionAbort[] = "abort";
-}  // namespace
-
 absl::StatusOr<std::string> HeadMesh::NewStepAttempt() {
   unsigned char bytes[16];
   if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
@@ -455,86 +392,8 @@ absl::StatusOr<std::string> HeadMesh::NewStepAttempt() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
-absl::StatusOr<bool> HeadMesh::AllSummed(const std::string& attempt, const MeshEpoch& at) const {
-  if (liveness_->epochs().current().number != at.number) {
-    return absl::AbortedError("a replica was evicted during the step");
-  }
-  const int k = liveness_->config().ranks_per_replica();
-  for (int r : at.live) {
-    for (int s = 0; s < k; ++s) {
-      ASSIGN_OR_RETURN(const std::optional<std::string> said,
-                       liveness_->Read(store_keys::MeshSummed(attempt, r * k + s)));
-      if (!said.has_value()) return false;
-    }
-  }
-  return true;
-}
-
 absl::Status HeadMesh::Decide(const std::string& attempt, const absl::Status& summed, int epoch) {
-  if (liveness_ == nullptr) return summed;
-  const bool evicting = evicts();
-  if (!evicting) RETURN_IF_ERROR(summed);  // without eviction a failed sum takes the mesh down
-  const char* proposal = summed.ok() ? kDecisionApply : kDecisionAbort;
-  const std::string key = store_keys::MeshDecision(attempt);
-  if (evicting && summed.ok()) {
-    // "apply" only once every serving rank summed: then no rank is left without the sum.
-    const int me = liveness_->config().rank;
-    if (!last_summed_.empty()) {
-      liveness_->Unpublish(store_keys::MeshSummed(last_summed_, me)).IgnoreError();
-    }
-    last_summed_ = attempt;
-    RETURN_IF_ERROR(liveness_->Publish(store_keys::MeshSummed(attempt, me), "summed"));
-    const MeshEpoch at = this->epoch();
-    if (epoch >= 0 && epoch != at.number) proposal = kDecisionAbort;
-    const auto deadline = std::chrono::steady_clock::now() + liveness_->config().timeout;
-    for (auto pause = std::chrono::milliseconds(1); proposal == kDecisionApply;
-         pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
-      const absl::StatusOr<bool> all = AllSummed(attempt, at);
-      if (!all.ok()) {
-        proposal = kDecisionAbort;
-        break;
-      }
-      if (*all) break;
-      if (std::chrono::steady_clock::now() >= deadline) {
-        proposal = kDecisionAbort;
-        break;
-      }
-      std::this_thread::sleep_for(pause);
-    }
-  }
-  ASSIGN_OR_RETURN(const std::string decided, liveness_->Settle(key, proposal));
-  if (is_leader()) {
-    std::lock_guard<std::mutex> lock(decided_mu_);
-    if (!last_decided_.empty() && last_decided_ != attempt) {
-      // Forgetting is housekeeping: a store that fails here fails the next step's settle too.
-      liveness_->Unsettle(store_keys::MeshDecision(last_decided_)).IgnoreError();
-    }
-    last_decided_ = attempt;
-  }
-  if (decided == kDecisionApply && summed.ok()) {
-    ++applied_;
-    return absl::OkStatus();
-  }
-  if (decided == kDecisionApply) {
-    // Never happens: "apply" needs this rank's word that it summed. Were it to, this replica
-    // lacks the step every other applies: it must leave the mesh.
-    return absl::DataLossError(
-        absl::StrCat("mesh step ", attempt,
-                     ": settled to apply, but this rank's sum failed: ", summed.message()));
-  }
-  if (decided == kDecisionAbort) {
-    ++aborted_;
-    if (!summed.ok()) return summed;
-    return core::WithReason(
-        absl::AbortedError(absl::StrCat(
-            "mesh step ", attempt,
-            ": settled to abort (a replica was lost before every rank had summed): nothing "
-            "applied")),
-        core::reason::kMeshReconfiguring,
-        {{"epoch", absl::StrCat(liveness_->epochs().current().number)}});
-  }
-  return absl::DataLossError(absl::StrCat("mesh step ", attempt, ": the settled decision is \"",
-                                          decided, "\", neither apply nor abort"));
+  return decisions_->Decide(attempt, summed, epoch);
 }
 
 absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& tensors,
@@ -590,7 +449,7 @@ std::vector<MetricFamilySamples> HeadMesh::Metrics() const {
       .counter = true};
   for (const bool apply : {true, false}) {
     resolved.samples.push_back({.labels = {{"decision", apply ? "apply" : "abort"}},
-                                .value = static_cast<double>(steps_resolved(apply))});
+                                .value = static_cast<double>(decisions_->resolved(apply))});
   }
   MetricFamilySamples heals{
       .name = "remotehead_mesh_heals_total",

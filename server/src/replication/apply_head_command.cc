@@ -1,6 +1,7 @@
 #include "replication/apply_head_command.h"
 
 #include "replication/replica_step.h"
+#include "service/replica_heal.h"
 
 namespace remotehead::server {
 namespace {
@@ -28,7 +29,9 @@ absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::OptimizerSt
 absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::ReduceStep& c) {
   return ReplicaStep(ops, c.id, c.spec, c.attempt, c.epoch);
 }
-absl::Status Apply(HeadOperations& ops, const hc::Heal& c) { return ops.Heal(c.epoch, c.replica); }
+absl::Status Apply(HeadOperations& ops, const hc::Heal& c) {
+  return HealReplica(ops, c.epoch, c.replica);
+}
 absl::StatusOr<HeadDescription> Apply(HeadOperations& ops, const hc::SaveState& c) {
   return ops.SaveState(c.id, c.state_id);
 }

@@ -2,7 +2,7 @@
 // (replicated_head_operations.h): durable (--state_dir) — one state id for every rank's shard, a
 // restore checked everywhere before it is applied anywhere, saves after steps and at shutdown —
 // and sent to a mesh replica admitted again (the heal). Each rank's own part is HeadOperations'
-// (head_state_operations.cc, head_heal_operations.cc).
+// (head_state_operations.cc; service/replica_heal.cc).
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "remotehead/core/status_macros.h"

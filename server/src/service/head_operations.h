@@ -124,13 +124,15 @@ class HeadOperations {
   absl::StatusOr<HeadDescription> SaveState(const std::string& id, const std::string& state_id);
   absl::StatusOr<HeadDescription> RestoreState(const std::string& id, const std::string& state_id,
                                                bool check_only);
-
-  // The heal of a mesh replica admitted again in `epoch` (head_heal_operations.cc), this rank's
-  // part: replica 0's sends every head's sealed state, replica `admitted`'s verifies and
-  // installs them, every replica compares. DATA_LOSS / PERMISSION_DENIED on the joiner for a
-  // state that does not verify; DATA_LOSS (REPLICAS_DIVERGED) everywhere if the replicas'
-  // heads differ afterwards.
-  absl::Status Heal(int epoch, int admitted);
+  // This rank's state of head `id` (recorded as the head's state `state_id`, which a save and a
+  // mesh replica's heal give); FAILED_PRECONDITION naming `field` unless `state` holds this
+  // rank's rows of its head; `state` installed as a new head (its bytes reserved, named with
+  // `field_prefix`), whole: W, b, optimizer state, version, traits.
+  absl::StatusOr<core::HeadState> CaptureOwnState(const std::string& id,
+                                                  const std::string& state_id);
+  absl::Status CheckOwnRows(const core::HeadState& state, const std::string& field) const;
+  absl::StatusOr<HeadDescription> InstallState(const core::HeadState& state,
+                                               const std::string& field_prefix);
 
   // Tied embeddings (head_embedding_operations.cc), this rank's part. `ids`: int64 [n], checked
   // by the caller (CheckEmbeddingIds) — on a group the front's, and on the other ranks an empty
@@ -188,17 +190,6 @@ class HeadOperations {
   core::HeadOptions HeadOptionsOf(const HeadTraits& traits) const {
     return {.device = device_, .grad_dtype = traits.grad_dtype};
   }
-
-  // The heal's parts (head_heal_operations.cc): this rank's state of head `id` (as `state_id`,
-  // which the head records as its own; CaptureAsIs: under the id it has); every head's,
-  // sealed under `secret` and packed; a packed bundle verified whole, then installed in place of
-  // every head held here; a hash of every head's canonical bytes.
-  absl::StatusOr<core::HeadState> CaptureOwnState(const std::string& id,
-                                                  const std::string& state_id);
-  absl::StatusOr<core::HeadState> CaptureAsIs(const std::string& id);
-  absl::StatusOr<std::string> EncodeOwnStates(const core::StateSecret& secret);
-  absl::Status InstallHealed(const std::string& bundle, const core::StateSecret& secret);
-  absl::StatusOr<uint64_t> HashOwnStates();
 
   // The first row of this rank's shard of a head described as `d` (0 when it is whole here).
   int64_t OwnOffset(const HeadDescription& d) const;

@@ -19,6 +19,41 @@ int64_t HeadOperations::OwnOffset(const HeadDescription& d) const {
   return d.shards.empty() ? 0 : d.shards.at(static_cast<size_t>(placement_.rank())).offset;
 }
 
+absl::StatusOr<core::HeadState> HeadOperations::CaptureOwnState(const std::string& id,
+                                                                const std::string& state_id) {
+  ASSIGN_OR_RETURN(auto entry, registry_->Get(id));
+  core::HeadState state = entry->CaptureState(state_id);
+  const HeadDescription d = entry->Describe();
+  // Which rows of which head this is: a restore (or a heal) checks them against its own.
+  state.vocab_size = d.vocab_size;
+  state.vocab_offset = OwnOffset(d);
+  return state;
+}
+
+absl::Status HeadOperations::CheckOwnRows(const core::HeadState& state,
+                                          const std::string& field) const {
+  ASSIGN_OR_RETURN(const Rows rows, RowsOf(state.vocab_size, field));
+  return core::CheckHeadStateRows(state, state.vocab_size, rows.offset);
+}
+
+absl::StatusOr<HeadDescription> HeadOperations::InstallState(const core::HeadState& state,
+                                                             const std::string& field_prefix) {
+  ASSIGN_OR_RETURN(const Rows rows, RowsOf(state.vocab_size, field_prefix + "vocab_size"));
+  const HeadTraits traits{.frozen = state.frozen, .grad_dtype = state.grad_dtype};
+  ASSIGN_OR_RETURN(const uint64_t ticket,
+                   ReserveHead(state.head_id, state.weight.size(0), state.weight.size(1),
+                               state.weight.scalar_type(), state.bias.defined(), state.grad_dtype,
+                               field_prefix));
+  ASSIGN_OR_RETURN(auto entry, AddReserved(state.head_id,
+                                           core::Head::FromTensors(state.weight, state.bias,
+                                                                   HeadOptionsOf(traits)),
+                                           ticket, rows.shards, state.frozen));
+  RETURN_IF_ERROR(entry->RestoreState(
+      state, /*at_start=*/false,
+      ResizeOf(*entry, absl::StrCat("the optimizer state of head \"", state.head_id, "\""))));
+  return entry->Describe();
+}
+
 absl::StatusOr<HeadDescription> HeadOperations::SaveState(const std::string& id,
                                                           const std::string& state_id) {
   ASSIGN_OR_RETURN(StateStore* const store, Store());

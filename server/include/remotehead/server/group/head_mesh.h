@@ -55,6 +55,9 @@
 
 namespace remotehead::server {
 
+class MeshAdmission;  // group/mesh_admission.h
+class MeshDecisions;  // group/mesh_decisions.h
+
 struct MeshOptions {
   // The dtype dW travels in along R: float (exact sums of fp32 dW) or bfloat16 (half the bytes,
   // rounded sums); the sum lands back in dW's own dtype.
@@ -143,8 +146,14 @@ class HeadMesh : public MetricSource {
   // Whether this process joined and its heal failed (it leaves: serving.h does not rejoin).
   bool heal_failed() const;
   // The leader's heal of the replica `admitted` admitted (a mesh command run by the replication
-  // layer); unset: none (no admission either).
+  // layer); unset: none (no admission either). The leader's admissions (mesh_admission.h):
+  // while `replica` is admitted and healed calls that train get MESH_RECONFIGURING (BeginHeal to
+  // EndHeal); AwaitEpoch waits until this process's groups are those of epoch `number` or later
+  // (false: the mesh closes).
   void set_healer(std::function<absl::Status(const MeshEpoch& admitted)> healer);
+  void BeginHeal(int replica);
+  void EndHeal();
+  bool AwaitEpoch(int number);
   // `bytes` (every head's sealed state, on replica 0's rank) broadcast from replica 0 to this
   // rank's shard peers of `epoch`'s groups (ABORTED, reason MESH_RECONFIGURING, once the mesh
   // left it); counted as heal bytes on the replica that receives them for good (`joiner`) and on
@@ -190,8 +199,6 @@ class HeadMesh : public MetricSource {
   double reduce_seconds() const { return reduce_nanoseconds_ * 1e-9; }
   std::map<std::string, CollectiveBytes> PeerBytes() const;
   int64_t checksums(bool matched) const { return matched ? matched_ : mismatched_; }
-  // The mesh steps whose commit decision this rank read, applied or aborted.
-  int64_t steps_resolved(bool applied) const { return applied ? applied_ : aborted_; }
   // Pauses here if the options' test-only pause names `point` of the step to `version` (saying
   // so on stderr first, for the test that waits for it).
   void TestOnlyPause(const std::string& point, int64_t version) const;
@@ -227,15 +234,8 @@ class HeadMesh : public MetricSource {
   void RegroupLoop();
   // The status of a call during the change to `next`.
   static absl::Status ReconfiguringStatus(const MeshEpoch& next, const std::string& what);
-  // The leader's: admits a replica whose every process asked to join (one at a time), then
-  // heals it; every half second while the mesh lacks a replica.
-  void AdmitLoop();
-  absl::Status Admit(int replica);
   // A step of epoch `epoch` in a mesh that left it: ABORTED, reason MESH_RECONFIGURING.
   absl::Status EpochLeft(int epoch) const;
-  // Whether every serving rank said it summed `attempt` (false: not yet); a status once the step
-  // must abort.
-  absl::StatusOr<bool> AllSummed(const std::string& attempt, const MeshEpoch& at) const;
 
   const int replica_;
   const int replicas_;
@@ -253,9 +253,8 @@ class HeadMesh : public MetricSource {
   std::vector<std::unique_ptr<ProcessGroup>> retired_peers_;
   Regroup regroup_;
   std::thread regrouping_;
-  std::thread admitting_;
-  std::mutex healer_mu_;
-  std::function<absl::Status(const MeshEpoch&)> healer_;  // under healer_mu_
+  std::unique_ptr<MeshDecisions> decisions_;  // every step's commit decision (mesh_decisions.h)
+  std::unique_ptr<MeshAdmission> admission_;  // the leader's, on a mesh that evicts
   // The replica admitted and not yet healed (-1: none): calls that train wait (under epoch_mu_).
   int healing_ = -1;
   absl::Status heal_failed_;  // a joiner's failed heal (under epoch_mu_)
@@ -264,15 +263,10 @@ class HeadMesh : public MetricSource {
   std::atomic<int64_t> heal_bytes_{0};
   int epoch_listener_ = -1;
   Liveness* liveness_ = nullptr;
-  std::mutex decided_mu_;
-  std::string last_decided_;  // on the leader: the attempt whose decision is forgotten next
-  std::string last_summed_;   // the attempt whose "summed" word this rank takes back next
   std::atomic<int64_t> reduced_bytes_{0};
   std::atomic<int64_t> reduce_nanoseconds_{0};
   std::atomic<int64_t> matched_{0};
   std::atomic<int64_t> mismatched_{0};
-  std::atomic<int64_t> applied_{0};
-  std::atomic<int64_t> aborted_{0};
   std::atomic<int64_t> evictions_{0};
 };
 
