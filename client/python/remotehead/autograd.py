@@ -484,7 +484,7 @@ class RemoteHead:
         if info.incarnation == self.incarnation or info.weight_version < self.info.weight_version:
             raise restarted
         return ReplicaMovedError(f"replica {self._replica}'s front restarted and was healed "
-                                 f"({restarted.details()})", self._replica, self._replica, info)
+                                 f"({restarted.details})", self._replica, self._replica, info)
 
     def _moved(self, moved: ReplicaMovedError) -> None:
         lost = self.incarnation

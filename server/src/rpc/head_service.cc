@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
+#include "remotehead/server/group/head_mesh.h"
 #include "remotehead/server/rpc/status_mapping.h"
 #include "rpc/embedding_reactors.h"
 #include "rpc/service_context.h"
@@ -87,11 +88,19 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
         c->sync_steps.AbortAll(verdict);
         c->operations.mesh_steps().AbortWaiting(verdict, /*started=*/true);
       });
+      // A mesh that enters another epoch (a replica evicted or admitted again) may serve this
+      // front's waiting trainers elsewhere now: their steps are answered MESH_RECONFIGURING and
+      // asked again, each at the front that serves it in the new epoch (WRONG_REPLICA here).
+      epoch_listener_ =
+          options.liveness->epochs().OnEpoch([c = context_.get()](const MeshEpoch& next) {
+            c->sync_steps.AbortAll(HeadMesh::EpochChanged(next));
+          });
     }
   }
   ~HeadServiceImpl() override {
     if (context_->options.liveness != nullptr) {
       context_->options.liveness->RemoveListener(down_listener_);
+      context_->options.liveness->epochs().RemoveListener(epoch_listener_);
     }
     ServerMetrics* metrics = context_->options.metrics;
     context_.reset();  // the compute threads finish their tasks first (ServiceContext)
@@ -335,7 +344,8 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
   }
 
   std::unique_ptr<ServiceContext> context_;
-  int down_listener_ = -1;  // on the liveness of the group or mesh, if any
+  int down_listener_ = -1;   // on the liveness of the group or mesh, if any
+  int epoch_listener_ = -1;  // on its epochs (a mesh that evicts)
 };
 
 }  // namespace

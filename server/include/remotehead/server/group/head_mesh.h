@@ -122,6 +122,8 @@ class HeadMesh : public MetricSource {
   // OK while the groups of the mesh's epoch serve; while they are rebuilt after an eviction,
   // UNAVAILABLE, reason MESH_RECONFIGURING (metadata epoch, evicted): ask again shortly.
   absl::Status Reconfiguring() const;
+  // The same for a call answered because the mesh entered `next` (what its trainers read).
+  static absl::Status EpochChanged(const MeshEpoch& next) { return ReconfiguringStatus(next, ""); }
   // Waits until `deadline` for the mesh to settle: the groups of the epoch it entered built, and
   // a replica admitted healed (Reconfiguring OK). Its status then (the drain's saves wait).
   absl::Status AwaitSettled(std::chrono::steady_clock::time_point deadline);
