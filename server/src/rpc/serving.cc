@@ -113,11 +113,17 @@ void StopBy(ClusterDrain::Clock::time_point deadline, std::ostream& err) {
 }
 
 // Whether a signal makes this process leave its mesh instead of draining it: on a mesh that
-// evicts (--mesh_min_replicas), a process of a replica other than 0. Its replica is evicted (the
-// others go on, its trainers move and resend their open step) and, started again with its
-// flags (a pod that its StatefulSet restarts), it rejoins and is healed: nothing needs saving.
+// evicts (--mesh_min_replicas), a process of a replica other than 0 that serves, when the mesh
+// keeps its minimum without it. Its replica is evicted (the others go on, its trainers move and
+// resend their open step) and, started again with its flags (a pod that its StatefulSet
+// restarts), it rejoins and is healed: nothing needs saving. Otherwise the signal drains the
+// mesh, saving every head's state on every rank.
 bool LeavesAtSignal(const Cluster& cluster) {
-  return cluster.mesh != nullptr && cluster.mesh->evicts() && cluster.mesh->replica() != 0;
+  const HeadMesh* mesh = cluster.mesh.get();
+  if (mesh == nullptr || !mesh->evicts() || mesh->replica() == 0) return false;
+  const MeshEpoch epoch = mesh->epoch();
+  const int minimum = mesh->options().min_replicas;
+  return epoch.serves(mesh->replica()) && static_cast<int>(epoch.live.size()) - 1 >= minimum;
 }
 
 [[noreturn]] void Leave(grpc::Server& server, int signal, const Cluster& cluster,
