@@ -65,6 +65,7 @@ MESH_EXPORTED = {
     "remotehead_mesh_reduce_seconds_total", "remotehead_mesh_collective_bytes_total",
     "remotehead_mesh_checksums_total", "remotehead_mesh_steps_resolved_total",
     "remotehead_mesh_epoch", "remotehead_mesh_replicas_live", "remotehead_mesh_evictions_total",
+    "remotehead_mesh_heals_total", "remotehead_mesh_heal_bytes_total",
 }
 # Listed in docs/metrics.md but exported only once something happens: the aborted counter
 # appears with its first abort (no workload here aborts a synchronous step).
@@ -258,10 +259,11 @@ def test_dashboard_uses_only_metrics_the_server_exports(live_server, live_group)
     assert {"remotehead_group_info", "remotehead_group_collective_bytes_total",
             "remotehead_group_up", "remotehead_group_command_seconds"} <= used
     # And a mesh's: whether each replica is up, its steps' commit decisions, its checksums, its
-    # epoch and serving replicas.
+    # epoch and serving replicas, its heals.
     assert {"remotehead_mesh_info", "remotehead_mesh_up", "remotehead_mesh_steps_resolved_total",
             "remotehead_mesh_checksums_total", "remotehead_mesh_epoch",
-            "remotehead_mesh_replicas_live", "remotehead_mesh_evictions_total"} <= used
+            "remotehead_mesh_replicas_live", "remotehead_mesh_evictions_total",
+            "remotehead_mesh_heals_total", "remotehead_mesh_heal_bytes_total"} <= used
 
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"

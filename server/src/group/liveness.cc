@@ -126,24 +126,27 @@ absl::StatusOr<bool> Liveness::AskedToJoin(int replica, int epoch) {
   for (int s = 0; s < k; ++s) {
     const int g = replica * k + s;
     const std::string key = store_keys::MeshJoin(g);
-    ASSIGN_OR_RETURN(const std::optional<std::string> asked, Read(key));
-    if (asked.has_value()) {
-      all = all && *asked == absl::StrCat(epoch);
+    // One read: the value there now, verified as Read verifies it (bound to its key).
+    ASSIGN_OR_RETURN(const std::optional<std::string> raw, Fetch(store_keys::Shared(key)));
+    if (!raw.has_value()) {
+      all = false;
       continue;
     }
-    all = false;
-    // A request there that does not verify (made without the group's secret) is refused: said
-    // once, and taken away so that it never stands for the process.
-    ASSIGN_OR_RETURN(const std::optional<std::string> raw, Fetch(store_keys::Shared(key)));
-    if (raw.has_value()) {
-      if (log_ != nullptr) {
-        *log_ << "remotehead-server: mesh: a request to join as " << Describe(g)
-              << " was refused: it does not verify under the group's secret (a stranger's, or "
-                 "another run's)"
-              << std::endl;
-      }
-      RETURN_IF_ERROR(Unpublish(key));
+    const std::optional<std::string> body = Opened(kShared, *raw);
+    if (body.has_value() && body->starts_with(key + "\n")) {
+      all = all && body->substr(key.size() + 1) == absl::StrCat(epoch);
+      continue;
     }
+    // A request that does not verify (made without the group's secret) is refused: said once,
+    // and taken away so that it never stands for the process.
+    all = false;
+    if (log_ != nullptr) {
+      *log_ << "remotehead-server: mesh: a request to join as " << Describe(g)
+            << " was refused: it does not verify under the group's secret (a stranger's, or "
+               "another run's)"
+            << std::endl;
+    }
+    RETURN_IF_ERROR(Unpublish(key));
   }
   return all;
 }

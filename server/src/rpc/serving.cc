@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "group/join.h"
+#include "group/store_keys.h"
 #include "replication/cluster_drain.h"
 
 namespace remotehead::server {
@@ -126,6 +127,18 @@ bool LeavesAtSignal(const Cluster& cluster) {
   return epoch.serves(mesh->replica()) && static_cast<int>(epoch.live.size()) - 1 >= minimum;
 }
 
+// How long a signalled process that may leave waits for the leader's drain first: a drain the
+// leader began (its own signal) is told to the fronts within a poll or two.
+constexpr std::chrono::milliseconds kLeaveGrace{1500};
+
+// Whether the mesh's leader began draining (MeshSteps::Drain told the fronts).
+bool LeaderDrains(const Cluster& cluster) {
+  if (cluster.liveness == nullptr) return false;
+  const absl::StatusOr<std::optional<std::string>> told =
+      cluster.liveness->Read(store_keys::kMeshDraining);
+  return told.ok() && told->has_value();
+}
+
 [[noreturn]] void Leave(grpc::Server& server, int signal, const Cluster& cluster,
                         const ServingOptions& options) {
   *options.out << "remotehead-server: signal " << signal << ": this process of replica "
@@ -170,6 +183,10 @@ int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cl
   }
   ClusterDrain::Outcome outcome;
   bool watched = false;
+  // A signal to a process that may leave (LeavesAtSignal): when it may leave, unless the
+  // leader's drain begins by then (every pod deleted together: one drain of the whole mesh).
+  std::optional<ClusterDrain::Clock::time_point> leaving;
+  bool follows_drain = false;
   for (;;) {
     std::this_thread::sleep_for(kPoll);
     if (const absl::Status down = cluster.health(); !down.ok()) {
@@ -179,18 +196,25 @@ int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cl
       }
       health.NotServing("the head group is down: " + std::string(down.message()));
     }
-    if (signal.load() != 0 && LeavesAtSignal(cluster)) {
-      health.NotServing();
-      Leave(server, signal.load(), cluster, options);
+    int stop = signal.load();
+    if (stop != 0 && !follows_drain && LeavesAtSignal(cluster)) {
+      if (LeaderDrains(cluster)) {
+        follows_drain = true;  // the whole mesh drains: this process's states are saved too
+      } else {
+        health.NotServing();
+        if (!leaving.has_value()) leaving = ClusterDrain::Clock::now() + kLeaveGrace;
+        if (ClusterDrain::Clock::now() >= *leaving) Leave(server, stop, cluster, options);
+        stop = 0;  // not (yet) a request to drain the mesh
+      }
     }
-    if (signal.load() != 0 && !watched) {
+    if (stop != 0 && !watched) {
       watched = true;  // after Poll's own deadline, which stops cleanly when nothing blocks
       StopBy(ClusterDrain::Clock::now() + drain.patience() + std::chrono::seconds(5), *options.err);
     }
-    if (signal.load() != 0 || drain.draining()) health.NotServing();
+    if (stop != 0 || drain.draining()) health.NotServing();
     std::optional<absl::Status> ended;
     if (followed.load()) ended = follow_status;
-    outcome = drain.Poll(signal.load(), ended);
+    outcome = drain.Poll(stop, ended);
     if (outcome.done) break;
   }
   health.NotServing();
