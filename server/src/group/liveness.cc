@@ -126,7 +126,7 @@ absl::StatusOr<bool> Liveness::AskedToJoin(int replica, int epoch) {
   for (int s = 0; s < k; ++s) {
     const int g = replica * k + s;
     const std::string key = store_keys::MeshJoin(g);
-    // One read: the value there now, verified as Read verifies it (bound to its key).
+    // One read (a request written between two would look forged), verified as Read does.
     ASSIGN_OR_RETURN(const std::optional<std::string> raw, Fetch(store_keys::Shared(key)));
     if (!raw.has_value()) {
       all = false;
@@ -137,14 +137,11 @@ absl::StatusOr<bool> Liveness::AskedToJoin(int replica, int epoch) {
       all = all && body->substr(key.size() + 1) == absl::StrCat(epoch);
       continue;
     }
-    // A request that does not verify (made without the group's secret) is refused: said once,
-    // and taken away so that it never stands for the process.
+    // Made without the group's secret: refused, said once, and taken away.
     all = false;
     if (log_ != nullptr) {
       *log_ << "remotehead-server: mesh: a request to join as " << Describe(g)
-            << " was refused: it does not verify under the group's secret (a stranger's, or "
-               "another run's)"
-            << std::endl;
+            << " was refused: it does not verify under the group's secret" << std::endl;
     }
     RETURN_IF_ERROR(Unpublish(key));
   }
@@ -172,8 +169,7 @@ absl::StatusOr<MeshEpoch> Liveness::AwaitAdmission() {
       said = Clock::now();
     } else if (Clock::now() - said > std::chrono::seconds(30) && log_ != nullptr) {
       *log_ << "remotehead-server: mesh: still waiting to be admitted (in " << now.Describe()
-            << "): every process of replica " << config_.replica()
-            << " must ask; the leader admits them between two steps" << std::endl;
+            << "): every process of replica " << config_.replica() << " must ask" << std::endl;
       said = Clock::now();
     }
     std::unique_lock<std::mutex> lock(mu_);
