@@ -31,7 +31,6 @@ import signal
 import socket
 import time
 
-import grpc
 import pytest
 
 import remotehead

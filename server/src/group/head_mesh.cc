@@ -145,10 +145,15 @@ void HeadMesh::EndHeal() {
   regrouped_.notify_all();
 }
 
-bool HeadMesh::AwaitEpoch(int number) {
+bool HeadMesh::AwaitEpoch(int number, std::chrono::milliseconds patience) {
   std::unique_lock<std::mutex> lock(epoch_mu_);
-  regrouped_.wait(lock, [&] { return closing_ || epoch_.number >= number; });
-  return !closing_;
+  const auto entered = [&] { return closing_ || epoch_.number >= number; };
+  if (patience == std::chrono::milliseconds::max()) {
+    regrouped_.wait(lock, entered);  // now + max would overflow the clock
+  } else {
+    regrouped_.wait_for(lock, patience, entered);
+  }
+  return !closing_ && epoch_.number >= number;
 }
 
 bool HeadMesh::evicts() const { return liveness_ != nullptr && liveness_->epochs().evicts(); }
@@ -287,10 +292,8 @@ absl::StatusOr<HeadMesh::Peers> HeadMesh::PeersOf(int epoch) {
   if (epoch >= 0) {
     // A command of an epoch this process has not entered yet (its beat reads the record a
     // moment after the leader's): its groups first, as the other ranks wait for them.
-    const auto patience =
-        liveness_ != nullptr ? liveness_->config().timeout : std::chrono::milliseconds(0);
-    std::unique_lock<std::mutex> lock(epoch_mu_);
-    regrouped_.wait_for(lock, patience, [&] { return closing_ || epoch_.number >= epoch; });
+    AwaitEpoch(epoch,
+               liveness_ != nullptr ? liveness_->config().timeout : std::chrono::milliseconds(0));
   }
   const Peers peers = CurrentPeers();
   if (epoch >= 0 && epoch != peers.epoch) return EpochLeft(epoch);

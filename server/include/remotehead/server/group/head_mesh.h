@@ -150,12 +150,13 @@ class HeadMesh : public MetricSource {
   // The leader's heal of the replica `admitted` admitted (a mesh command run by the replication
   // layer); unset: none (no admission either). The leader's admissions (mesh_admission.h):
   // while `replica` is admitted and healed calls that train get MESH_RECONFIGURING (BeginHeal to
-  // EndHeal); AwaitEpoch waits until this process's groups are those of epoch `number` or later
-  // (false: the mesh closes).
+  // EndHeal); AwaitEpoch waits (up to `patience`; max: no limit) until this process's groups are
+  // those of epoch `number` or later (false: not by then, or the mesh closes).
   void set_healer(std::function<absl::Status(const MeshEpoch& admitted)> healer);
   void BeginHeal(int replica);
   void EndHeal();
-  bool AwaitEpoch(int number);
+  bool AwaitEpoch(int number,
+                  std::chrono::milliseconds patience = std::chrono::milliseconds::max());
   // `bytes` (every head's sealed state, on replica 0's rank) broadcast from replica 0 to this
   // rank's shard peers of `epoch`'s groups (ABORTED, reason MESH_RECONFIGURING, once the mesh
   // left it); counted as heal bytes on the replica that receives them for good (`joiner`) and on
