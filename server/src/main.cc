@@ -36,6 +36,7 @@
 #include "remotehead/server/service/metrics_http.h"
 #include "remotehead/wire/http2_settings.h"
 #include "rpc/front_address.h"
+#include "rpc/group_store_process.h"
 #include "rpc/metrics_interceptor.h"
 #include "rpc/serving.h"
 #include "service/omp_wait_policy.h"
@@ -122,6 +123,14 @@ ABSL_FLAG(int32_t, group_rank, -1,
 ABSL_FLAG(std::string, group_store, "",
           "host:port of the group's TCPStore (rank 0 serves it, the others dial it); empty = "
           "MASTER_ADDR:MASTER_PORT from the environment, else 127.0.0.1:29500");
+ABSL_FLAG(bool, group_store_external, false,
+          "the group's TCPStore is served by a process of its own (remotehead-server "
+          "--serve_group_store at --group_store), which every rank dials, rank 0 too: on a mesh "
+          "with --mesh_min_replicas the loss of replica 0 is then survived like any other's");
+ABSL_FLAG(bool, serve_group_store, false,
+          "run as a head group's or mesh's store only: serve the TCPStore at --group_store (on "
+          "--group_store_bind, else its host) and gRPC health at --listen, until SIGTERM; the "
+          "ranks run with --group_store_external");
 ABSL_FLAG(std::string, group_store_bind, "",
           "the address rank 0's TCPStore listens on (empty: the host of --group_store; never "
           "every interface unless this names 0.0.0.0 or ::)");
@@ -158,11 +167,11 @@ ABSL_FLAG(
 ABSL_FLAG(int32_t, mesh_min_replicas, 0,
           "on a mesh: the fewest replicas it goes on with (1 to --group_replicas; 0 = every "
           "replica). Below --group_replicas, losing a process of a replica other than replica 0 "
-          "evicts that replica and the mesh goes on without it in its next epoch (its trainers "
-          "move to the replicas that serve); the same on every process of the mesh. An evicted "
-          "replica comes back when its processes start again with their flags (a live one "
-          "restarts itself): the leader admits it between two steps and heals it from replica "
-          "0");
+          "(of any replica with --group_store_external; the next replica then leads) evicts "
+          "that replica and the mesh goes on without it in its next epoch (its trainers move to "
+          "the replicas that serve); the same on every process of the mesh. An evicted replica "
+          "comes back when its processes start again with their flags (a live one restarts "
+          "itself): the leader admits it between two steps and heals it from its own replica");
 ABSL_FLAG(int32_t, mesh_max_evictions, 0,
           "on a mesh with --mesh_min_replicas: the most replicas evicted within "
           "--mesh_eviction_window_seconds; a loss past it takes the mesh down (a slow replica "
@@ -415,10 +424,13 @@ std::unique_ptr<grpc::Server> StartServer(
 
 // The front of a head group (of a mesh's replica) tells the other ranks (the other fronts)
 // where clients dial it (front_address.h).
+std::string OwnFrontAddress(const rh::server::GroupConfig& config, int port) {
+  return rh::server::FrontAddress(absl::GetFlag(FLAGS_group_front_address), config.replica(),
+                                  absl::GetFlag(FLAGS_listen), config.store_host, port);
+}
+
 void AnnounceFront(rh::server::HeadGroup& group, const rh::server::GroupConfig& config, int port) {
-  const std::string address =
-      rh::server::FrontAddress(absl::GetFlag(FLAGS_group_front_address), config.replica(),
-                               absl::GetFlag(FLAGS_listen), config.store_host, port);
+  const std::string address = OwnFrontAddress(config, port);
   if (const absl::Status s = rh::server::AnnounceFront(group, address); !s.ok()) {
     std::cerr << "remotehead-server: head group: the front's address " << address
               << " was not announced: " << s.message() << std::endl;
@@ -457,7 +469,8 @@ absl::StatusOr<rh::server::GroupConfig> GroupConfigFromFlags(const torch::Device
                                       .timeout_seconds = absl::GetFlag(FLAGS_group_timeout_seconds),
                                       .store_bind = absl::GetFlag(FLAGS_group_store_bind),
                                       .transport_host = absl::GetFlag(FLAGS_group_transport_host),
-                                      .replicas = absl::GetFlag(FLAGS_group_replicas)},
+                                      .replicas = absl::GetFlag(FLAGS_group_replicas),
+                                      .store_external = absl::GetFlag(FLAGS_group_store_external)},
                                      env));
   config.device = device;
   if (config.size > 1 && !absl::GetFlag(FLAGS_group_secret_file).empty()) {
@@ -490,6 +503,11 @@ int Run() {
   }
   const absl::StatusOr<rh::server::GroupConfig> group_config = GroupConfigFromFlags(*device);
   if (!group_config.ok()) return Refuse(group_config.status());
+  if (absl::GetFlag(FLAGS_serve_group_store)) {
+    DrainOnSignal();
+    return rh::server::ServeGroupStore(*group_config, absl::GetFlag(FLAGS_listen), *credentials,
+                                       g_signal, std::cout, std::cerr);
+  }
   // CPU memory is measured by a counting allocator, installed before any tensor exists.
   if (!absl::GetFlag(FLAGS_metrics_address).empty() && device->is_cpu()) {
     rh::core::InstallCpuMemoryTracker();
@@ -577,6 +595,9 @@ int Run() {
     cluster->liveness->Announce(rh::server::ProcessAddress(absl::GetFlag(FLAGS_listen), port));
   }
   for (rh::server::HeadGroup* log : cluster->logs_led()) AnnounceFront(*log, *group_config, port);
+  if (cluster->mesh != nullptr && cluster->mesh->is_front()) {  // any front may come to lead
+    cluster->mesh->PublishFrontAddress(OwnFrontAddress(*group_config, port));
+  }
   if (metrics->http != nullptr) {
     std::cout << "remotehead-server: metrics on port " << metrics->http->port() << " (/metrics, "
               << (metrics_options->bearer_token.empty() ? "no auth" : "bearer token required")

@@ -56,14 +56,15 @@ def listen_port() -> int:
                 continue
 
 
-def start_mesh(size: int, *extra: str) -> LocalHeadGroup:
+def start_mesh(size: int, *extra: str, external_store: bool = False) -> LocalHeadGroup:
     """A 2-replica mesh whose every process listens on a port of its own (a restarted process
-    comes back where its trainers dial it)."""
+    comes back where its trainers dial it); `external_store`: its store in a process of its
+    own."""
     mesh = LocalHeadGroup(BINARY, size=size, replicas=2,
                           args=("--device=cpu", "--torch_threads=1", "--mesh_min_replicas=1",
                                 "--sync_step_timeout_seconds=30", "--mesh_checksum_every_steps=1",
                                 "--metrics_address=127.0.0.1:0", *extra),
-                          timeout_seconds=30.0)
+                          timeout_seconds=30.0, external_store=external_store)
     for rank in mesh.ranks:
         rank.args.append(f"--listen=127.0.0.1:{listen_port()}")
     return mesh

@@ -1,9 +1,11 @@
 // What a group's ranks exchange over their collectives (server/src/group/exchange.h): packed
 // strings and statuses survive the trip whole (a mesh's verdicts keep their code, reason and
-// message; a start's listings keep every name), and bytes that are not packed strings are
-// refused, never half-read. AllGatherStrings itself runs in the multi-process tests
-// (tests/python/test_mesh.py, test_mesh_state.py).
+// message; a start's listings keep every name), bytes that are not packed strings are refused,
+// never half-read, and the hash replicas compare sees every byte and the order. AllGatherStrings
+// itself runs in the multi-process tests (tests/python/test_mesh.py, test_mesh_state.py).
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "group/exchange.h"
 #include "remotehead/core/error_reason.h"
@@ -47,6 +49,21 @@ TEST(GroupExchange, AStatusKeepsItsCodeReasonAndMessage) {
   }
   EXPECT_EQ(DecodeStatus("garbage").code(), absl::StatusCode::kInternal);
   EXPECT_EQ(DecodeStatus(PackStrings({"99", "", "x"})).code(), absl::StatusCode::kInternal);
+}
+
+TEST(GroupExchangeTest, HashTensorsSeesEveryByteAndTheOrder) {
+  const torch::Tensor w = torch::arange(40, torch::kFloat).reshape({8, 5}) / 7;
+  const torch::Tensor b = torch::linspace(-1, 1, 8);
+  torch::Tensor odd = w.clone();
+  float* x = odd.data_ptr<float>() + 17;
+  *x = std::nextafter(*x, 100.0f);  // one element one ulp away
+  EXPECT_EQ(HashTensors({w, b}), HashTensors({w.clone(), b.clone()}));
+  EXPECT_NE(HashTensors({w, b}), HashTensors({odd, b}));
+  EXPECT_NE(HashTensors({w, b}), HashTensors({b, w}));
+  EXPECT_EQ(HashTensors({w, b}), HashTensors({w, torch::Tensor(), b}));  // undefined: skipped
+  // Bytes as stored: a transposed view hashes as its contiguous copy does.
+  const torch::Tensor t = w.t();
+  EXPECT_EQ(HashTensors({t}), HashTensors({t.contiguous()}));
 }
 
 }  // namespace

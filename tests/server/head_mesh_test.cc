@@ -387,17 +387,6 @@ TEST(HeadMeshTest, APlacementComparesTheReplicasAtEveryNthVersionOnly) {
   for (const torch::Tensor& t : sums) EXPECT_TRUE(torch::equal(t, torch::full({3}, 3.0f)));
 }
 
-TEST(HeadMeshTest, HashTensorsSeesEveryByteAndTheOrder) {
-  const std::vector<torch::Tensor> w = Weights(false);
-  EXPECT_EQ(HashTensors(w), HashTensors({w[0].clone(), w[1].clone()}));
-  EXPECT_NE(HashTensors(w), HashTensors(Weights(true)));
-  EXPECT_NE(HashTensors(w), HashTensors({w[1], w[0]}));
-  EXPECT_EQ(HashTensors(w), HashTensors({w[0], torch::Tensor(), w[1]}));  // undefined: skipped
-  // Bytes as stored: a transposed view hashes as its contiguous copy does.
-  const torch::Tensor t = w[0].t();
-  EXPECT_EQ(HashTensors({t}), HashTensors({t.contiguous()}));
-}
-
 TEST(HeadMeshTest, NotTheLeaderNamesTheLeadersAddressOnceKnown) {
   Mesh mesh(3);
   const absl::Status unknown = mesh[2].NotTheLeader("CreateHead");

@@ -2,7 +2,7 @@
 // the assignment of trainers to serving replicas, the record's encoding, and — with R·K
 // processes' liveness in one process over one in-process store — one epoch settled for every
 // process by whichever names the loss, a process of the evicted replica going down, the limits
-// (replica 0, --mesh_min_replicas), and a stranger's record refused.
+// (replica 0 unless the store is external, --mesh_min_replicas), and a stranger's record refused.
 #include "remotehead/server/group/mesh_epoch.h"
 
 #include <gtest/gtest.h>
@@ -55,9 +55,31 @@ TEST(MeshEpochTest, TrainersStayWithTheirReplicaUntilItIsEvictedThenGoToTheServi
             "trainers t with t mod 2 = 1 now go to replica 0");
   // Admitted again: every trainer back at replica t mod R.
   const MeshEpoch third = second.With(1, "replica 1 rejoined");
-  EXPECT_EQ(third.Describe(), "epoch 2 (replicas [0, 1, 2] serve; replica 1 admitted)");
+  // The admitted replica is the newest member: last (the leader stays first).
+  EXPECT_EQ(third.Describe(), "epoch 2 (replicas [0, 2, 1] serve; replica 1 admitted)");
+  EXPECT_EQ(third.leader(), 0);
   EXPECT_EQ(third.Moves(3), "trainers t with t mod 3 = 1 go back to replica 1 once it is healed");
   for (int t = 0; t < 6; ++t) EXPECT_EQ(third.ReplicaOf(t, 3), t % 3);
+}
+
+TEST(MeshEpochTest, TheFirstServingReplicaLeadsAndLeadsOnWhenTheOldLeaderComesBack) {
+  // With an external store replica 0 may be evicted: replica 1 leads from then on.
+  const MeshEpoch first = MeshEpoch::First(3);
+  EXPECT_EQ(first.leader(), 0);
+  const MeshEpoch second = first.Without(0, "global rank 0 is lost");
+  EXPECT_EQ(second.leader(), 1);
+  EXPECT_EQ(second.IndexOf(1), 0);  // rank 0 of the epoch's groups: the root of sums and heals
+  EXPECT_EQ(second.ReplicaOf(0, 3), 1);
+  EXPECT_EQ(second.ReplicaOf(3, 3), 2);
+  const MeshEpoch third = second.With(0, "replica 0 asked to join");
+  EXPECT_EQ(third.live, (std::vector<int>{1, 2, 0}));
+  EXPECT_EQ(third.leader(), 1);
+  EXPECT_EQ(third.IndexOf(0), 2);
+  for (int t = 0; t < 6; ++t) EXPECT_EQ(third.ReplicaOf(t, 3), t % 3);
+  const absl::StatusOr<MeshEpoch> decoded = MeshEpoch::Decode(third.Encode());
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->live, third.live);
+  EXPECT_EQ(decoded->leader(), 1);
 }
 
 TEST(MeshEpochTest, TheRecordRoundTripsAndAnythingElseIsRefused) {
@@ -73,10 +95,10 @@ TEST(MeshEpochTest, TheRecordRoundTripsAndAnythingElseIsRefused) {
   const absl::StatusOr<MeshEpoch> healed = MeshEpoch::Decode(third.Encode());
   ASSERT_TRUE(healed.ok()) << healed.status();
   EXPECT_EQ(healed->number, 2);
-  EXPECT_EQ(healed->live, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(healed->live, (std::vector<int>{0, 2, 1}));
   EXPECT_EQ(healed->admitted, 1);
   EXPECT_EQ(healed->evicted, -1);
-  for (const std::string bad : {"", "1 1", "0 1 0 -1\n", "1 1 \n", "1 1 2,0 -1\n", "x 1 0 -1\n",
+  for (const std::string bad : {"", "1 1", "0 1 0 -1\n", "1 1 \n", "1 1 2,2 -1\n", "x 1 0 -1\n",
                                 "1 1 -1 -1\n", "1 1 0\n", "1 1 0 x\n"}) {
     const absl::StatusOr<MeshEpoch> refused = MeshEpoch::Decode(bad);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << "\"" << bad << "\"";
@@ -86,10 +108,11 @@ TEST(MeshEpochTest, TheRecordRoundTripsAndAnythingElseIsRefused) {
 // R·K processes' liveness (as JoinCluster starts it) over one in-process store, evicting.
 class Evicting {
  public:
-  Evicting(int replicas, int k, int min_replicas, EvictionCap cap = {})
+  Evicting(int replicas, int k, int min_replicas, EvictionCap cap = {}, bool external_store = false)
       : groups_(replicas, k, milliseconds(5000)), logs_(static_cast<size_t>(replicas * k)) {
     for (int g = 0; g < replicas * k; ++g) {
-      const GroupConfig config = groups_.config(g);
+      GroupConfig config = groups_.config(g);
+      config.store_external = external_store;
       absl::StatusOr<std::unique_ptr<Liveness>> started = Liveness::Start(
           config, &logs_[static_cast<size_t>(g)],
           Liveness::Timing{
@@ -221,6 +244,21 @@ TEST(MeshEvictionTest, ReplicaZeroAndALossBelowTheMinimumTakeTheMeshDownAsBefore
     EXPECT_EQ(mesh.at(0).epochs().current().number, 0);
     EXPECT_EQ(mesh.at(0).health().code(), absl::StatusCode::kUnavailable);
   }
+}
+
+TEST(MeshEvictionTest, WithAnExternalStoreReplicaZeroIsEvictedAndReplicaOneLeads) {
+  Evicting mesh(/*replicas=*/2, /*k=*/2, /*min_replicas=*/1, {}, /*external_store=*/true);
+  mesh.at(3).DeclareDown(LostVerdict(1));  // rank 1 of replica 0 (not its front)
+  for (int g : {2, 3}) {
+    ASSERT_TRUE(mesh.ReachEpoch(g, 1)) << g;
+    EXPECT_TRUE(mesh.at(g).health().ok()) << g;
+    EXPECT_EQ(mesh.at(g).epochs().current().live, (std::vector<int>{1})) << g;
+    EXPECT_EQ(mesh.at(g).epochs().current().leader(), 1) << g;
+  }
+  ASSERT_TRUE(mesh.ReachEpoch(0, 1));
+  EXPECT_NE(mesh.at(0).health().message().find("this process's replica 0 was evicted"),
+            std::string::npos)
+      << mesh.at(0).health();
 }
 
 TEST(MeshEvictionTest, PastTheCapALossTakesTheMeshDownInsteadOfEvictingAgain) {

@@ -322,26 +322,57 @@ void Channel::ConnectLeader(const std::string& address) {
   std::lock_guard<std::mutex> lock(leader_mu_);
   leader_channel_ = Open(address, args_);
   leader_stub_ = v1::HeadService::NewStub(leader_channel_);
+  leader_target_ = address;
 }
 
-absl::Status Channel::ToLeader(const std::function<absl::Status(Stub*)>& call) {
+absl::Status Channel::OnLeader(const std::function<absl::Status(Stub*)>& call) {
   std::shared_ptr<Stub> leader;
+  std::string known;
   {
     std::lock_guard<std::mutex> lock(leader_mu_);
     leader = leader_stub_;
+    known = leader_target_;
   }
-  const std::shared_ptr<Stub> own = leader != nullptr ? nullptr : stub();
-  const absl::Status status = call(leader != nullptr ? leader.get() : own.get());
+  const std::shared_ptr<const Front> own = leader != nullptr ? nullptr : front();
+  if (own != nullptr) known = own->target;
+  const absl::Status status = call(leader != nullptr ? leader.get() : own->stub.get());
   const std::optional<core::ErrorReason> reason = core::GetReason(status);
-  if (leader != nullptr || !reason.has_value() || reason->reason != core::reason::kNotTheLeader) {
+  if (!reason.has_value() || reason->reason != core::reason::kNotTheLeader) return status;
+  const auto address = reason->metadata.find("leader");
+  if (address == reason->metadata.end() || address->second.empty() || address->second == known) {
     return status;
   }
-  const auto address = reason->metadata.find("leader");
-  if (address == reason->metadata.end() || address->second.empty()) return status;
   ConnectLeader(address->second);
   std::lock_guard<std::mutex> lock(leader_mu_);
   leader = leader_stub_;
   return call(leader.get());
+}
+
+absl::Status Channel::ToLeader(const std::function<absl::Status(Stub*)>& call) {
+  const absl::Status status = OnLeader(call);
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  if (!fronts_.meshed() || status.code() != absl::StatusCode::kUnavailable ||
+      (reason.has_value() && reason->reason == core::reason::kServerDraining)) {
+    return status;
+  }
+  // The leader is gone: with its store in a process of its own a mesh survives that, led by
+  // its next serving replica; the other fronts each serve the call or name the leader.
+  std::string tried;
+  {
+    std::lock_guard<std::mutex> lock(leader_mu_);
+    tried = leader_stub_ != nullptr ? leader_target_ : front()->target;
+  }
+  for (int r = 0; r < fronts_.replicas(); ++r) {
+    if (fronts_.address(r) == tried) continue;
+    ConnectLeader(fronts_.address(r));
+    const absl::Status again = OnLeader(call);
+    const std::optional<core::ErrorReason> why = core::GetReason(again);
+    if (again.code() != absl::StatusCode::kUnavailable &&
+        !(why.has_value() && why->reason == core::reason::kNotTheLeader)) {
+      return again;
+    }
+  }
+  return status;
 }
 
 ClientStats Channel::stats() const {

@@ -103,7 +103,9 @@ class Channel {
   }
 
   // `call` on the leader's stub (the client's own when no other is known); after a
-  // NOT_THE_LEADER that names the leader, connected to it and run once more there.
+  // NOT_THE_LEADER that names the leader, connected to it and run once more there. A leader that
+  // is gone (UNAVAILABLE: with an external store the mesh goes on, led by another replica): the
+  // other fronts asked in order, each of which serves the call or names the leader.
   absl::Status ToLeader(const std::function<absl::Status(Stub*)>& call);
 
   // Counts `calls` resent after a move (ClientStats::replays).
@@ -138,6 +140,8 @@ class Channel {
   absl::Status FollowMesh(const std::string& head_id, const absl::Status& failed);
   // Connects the mesh's leader at `address` (the operations that change every replica).
   void ConnectLeader(const std::string& address);
+  // ToLeader's one try at the leader as known, following one NOT_THE_LEADER.
+  absl::Status OnLeader(const std::function<absl::Status(Stub*)>& call);
 
   const ClientOptions& options_;
   // What every channel to the server is opened with.
@@ -155,6 +159,7 @@ class Channel {
   std::mutex leader_mu_;
   std::shared_ptr<grpc::Channel> leader_channel_;
   std::shared_ptr<Stub> leader_stub_;
+  std::string leader_target_;  // leader_stub_'s address
   std::atomic<int64_t> calls_{0}, attempts_{0}, retries_{0}, moves_{0}, replays_{0};
   std::mutex rng_mu_;
   std::mt19937_64 rng_{std::random_device{}()};

@@ -44,6 +44,7 @@ class MeshFronts {
   // The replica this trainer dials first: its rank mod R.
   int first_replica() const { return trainer_ % static_cast<int>(addresses_.size()); }
   const std::string& address(int replica) const { return addresses_[replica]; }
+  int replicas() const { return static_cast<int>(addresses_.size()); }
 
   // Whether `failed` (a call at this trainer's front that failed for good) may mean that the mesh
   // moved this trainer: the front is gone or down (UNAVAILABLE, but for a draining server, which

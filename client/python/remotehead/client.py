@@ -118,6 +118,7 @@ class Client:
         self._dial_front()
         self._leader_channel = None
         self._leader_stub = None
+        self._leader_target = ""
         if self.target != fronts[0]:
             self._connect_leader(fronts[0])
         self._reconfigure_timeout = reconfigure_timeout
@@ -167,15 +168,42 @@ class Client:
             self._leader_channel.close()
         self._leader_channel = self._open(address)
         self._leader_stub = pb_grpc.HeadServiceStub(self._leader_channel)
+        self._leader_target = address
 
     def _to_leader(self, call):
         """`call(stub)` for an operation that changes every replica of a mesh: on the leader's
         stub once known; a replica's front that says it is not the leader names it
-        (NotTheLeaderError), and the call goes there once."""
+        (NotTheLeaderError), and the call goes there once. A leader that is gone (UNAVAILABLE
+        once the retries are spent) may have been evicted — with its store in a process of its
+        own (--group_store_external) a mesh survives that, led by its next serving replica — so
+        the other fronts are asked in order, each of which serves the call or names the leader."""
+        try:
+            return self._on_leader(call)
+        except _errors.RemoteheadError as e:
+            if not self.meshed or e.code != grpc.StatusCode.UNAVAILABLE \
+                    or e.reason == "SERVER_DRAINING":
+                raise
+            gone = e
+        tried = self._leader_target if self._leader_stub is not None else self.target
+        for address in self._fronts.addresses:
+            if address == tried:
+                continue
+            self._connect_leader(address)
+            try:
+                return self._on_leader(call)
+            except _errors.RemoteheadError as e:  # gone too, or it names no leader yet
+                if e.code != grpc.StatusCode.UNAVAILABLE and e.reason != "NOT_THE_LEADER":
+                    raise
+        raise gone
+
+    def _on_leader(self, call):
+        """`call` on the leader as known (its stub, else this trainer's front's), following a
+        NOT_THE_LEADER's address once."""
         try:
             return call(self._leader_stub or self._stub)
         except _errors.NotTheLeaderError as e:
-            if not e.leader or self._leader_stub is not None:
+            known = self._leader_target if self._leader_stub is not None else self.target
+            if not e.leader or e.leader == known:
                 raise
             self._connect_leader(e.leader)
             return call(self._leader_stub)
@@ -378,7 +406,10 @@ class Client:
         request = pb.ExportWeightsRequest(head_id=head_id)
         if dtype is not None:
             request.dtype = _wire.wire_dtype(dtype)
-        parts = self._read_row_stream(self._stub.ExportWeights, request)
+        try:
+            parts = self._read_row_stream(self._stub.ExportWeights, request, head_id=head_id)
+        except _errors.ReplicaMovedError:  # a read: nothing to resend at the front that serves
+            parts = self._read_row_stream(self._stub.ExportWeights, request, head_id=head_id)
         return _assemble(parts.get("weight_rows")), _assemble(parts.get("bias_rows"))
 
     def _read_row_stream(self, rpc, request, head_id: Optional[str] = None) -> Dict[str, list]:

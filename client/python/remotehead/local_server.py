@@ -155,11 +155,13 @@ class LocalHeadGroup:
     R replicas of size / R ranks each (--group_replicas); `fronts` lists the replicas' fronts
     (a Client takes that list) and `target` is the leader's. The group's command log is sealed with a
     fresh secret (a file readable by this user only, removed with the group) unless
-    `secret_file` names one, or is "" for none."""
+    `secret_file` names one, or is "" for none. With `external_store`, the store is served by a
+    process of its own (`store`: remotehead-server --serve_group_store), started first and
+    stopped last, and every rank runs with --group_store_external."""
 
     def __init__(self, binary: str, size: int, args: Sequence[str] = ("--device=cpu",),
                  timeout_seconds: float = 30.0, secret_file: Optional[str] = None,
-                 replicas: int = 1):
+                 replicas: int = 1, external_store: bool = False):
         self.replicas = replicas
         self.store_port = free_port()
         store = f"127.0.0.1:{self.store_port}"
@@ -170,15 +172,23 @@ class LocalHeadGroup:
             with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
                 f.write(secrets.token_hex(32))
         secret = [f"--group_secret_file={secret_file}"] if secret_file else []
+        self.store: Optional[LocalServer] = None
+        external = []
+        if external_store:
+            self.store = LocalServer(binary, ["--serve_group_store", f"--group_store={store}",
+                                              "--listen=127.0.0.1:0"])
+            external = ["--group_store_external"]
         self.ranks = [LocalServer(binary, [*args, f"--group_size={size}", f"--group_rank={r}",
                                            f"--group_store={store}",
                                            f"--group_timeout_seconds={timeout_seconds}",
-                                           f"--group_replicas={replicas}", *secret])
+                                           f"--group_replicas={replicas}", *secret, *external])
                       for r in range(size)]
         self.target = ""
         self.fronts: List[str] = []
 
     def start(self) -> "LocalHeadGroup":
+        if self.store is not None:
+            self.store.start()
         for rank in self.ranks:
             rank.launch()
         for rank in self.ranks:
@@ -195,6 +205,8 @@ class LocalHeadGroup:
             if rank.process is not None:
                 rank.process.terminate()
         codes = [rank.stop(timeout) for rank in self.ranks]
+        if self.store is not None:
+            self.store.stop(timeout)
         if self._secret_dir is not None:
             self._secret_dir.cleanup()
         return codes

@@ -37,20 +37,6 @@
 namespace remotehead::server {
 namespace {
 
-std::string Lookup(const std::map<std::string, std::string>& env, const std::string& name) {
-  const auto it = env.find(name);
-  return it == env.end() ? std::string() : it->second;
-}
-
-absl::StatusOr<int> ParseInt(const std::string& text, const std::string& field) {
-  int value = 0;
-  if (!absl::SimpleAtoi(text, &value)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected an integer; got \"", text, "\""));
-  }
-  return value;
-}
-
 // A call `op` of this rank that failed with `detail`, as a status naming both: `timed_out`
 // gives DEADLINE_EXCEEDED, else UNAVAILABLE.
 absl::Status GroupCallFailed(const std::string& op, const GroupConfig& config,
@@ -328,15 +314,6 @@ absl::StatusOr<int> ListenOn(const std::string& host, int port, const std::strin
   return fd;
 }
 
-absl::StatusOr<int> ParseRank(const std::string& text, const std::string& field, int size) {
-  ASSIGN_OR_RETURN(const int rank, ParseInt(text, field));
-  if (rank < 0 || rank >= size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected a rank in [0, ", size, "); got ", rank));
-  }
-  return rank;
-}
-
 // Gloo's transport device: --group_transport_host's address, else GLOO_SOCKET_IFNAME's interface
 // (as torch.distributed reads it), else the loopback interface for a group on one machine, else
 // this host's address. Gloo listens there on an ephemeral port (there is no setting for it).
@@ -370,108 +347,13 @@ c10::intrusive_ptr<c10d::Backend> MakeBackend(const GroupConfig& config,
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.size, options);
 }
 
-}  // namespace
-
-bool IsLoopbackHost(const std::string& host) {
-  return host == "localhost" || absl::StartsWith(host, "127.") || host == "::1";
-}
-
-absl::Status CheckGroupPlane(const GroupConfig& config) {
-  if (config.size <= 1 || !config.secret.empty() || config.trusted_network) {
-    return absl::OkStatus();
-  }
-  const std::string& bind = config.listen_host();
-  if (IsLoopbackHost(config.store_host) && IsLoopbackHost(bind)) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--group_secret_file: expected the group's secret for a store beyond loopback (", bind, ":",
-      config.store_port,
-      "): anyone who reaches the store could run commands on the group; "
-      "got none (--group_trusted_network accepts a network where only the group's ranks can reach "
-      "the store)"));
-}
-
-absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
-                                               const std::map<std::string, std::string>& env) {
-  GroupConfig config;
-  config.size = flags.size;
-  const std::string world = Lookup(env, "WORLD_SIZE");
-  if (config.size == 0 && !world.empty()) {
-    ASSIGN_OR_RETURN(config.size, ParseInt(world, "WORLD_SIZE"));
-    if (config.size < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("WORLD_SIZE: expected at least 1 process; got ", config.size));
-    }
-  } else if (config.size == 0) {
-    config.size = 1;
-  }
-  if (config.size < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--group_size: expected at least 1 process; got ", config.size));
-  }
-  // -1 alone means "from the environment": any other negative rank is a mistake, not a default.
-  const std::string rank = Lookup(env, "RANK");
-  if (flags.rank == -1) {
-    config.rank = 0;
-    if (!rank.empty()) {
-      ASSIGN_OR_RETURN(config.rank, ParseRank(rank, "RANK", config.size));
-    }
-  } else if (flags.rank < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--group_rank: expected a rank in [0, ", config.size,
-                     ") or -1 (RANK from the environment); got ", flags.rank));
-  } else {
-    config.rank = flags.rank;
-  }
-  if (config.rank >= config.size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--group_rank: expected a rank in [0, ", config.size, "); got ", config.rank));
-  }
-  std::string store = flags.store;
-  if (store.empty()) {
-    const std::string addr = Lookup(env, "MASTER_ADDR");
-    const std::string port = Lookup(env, "MASTER_PORT");
-    store = absl::StrCat(addr.empty() ? "127.0.0.1" : addr, ":", port.empty() ? "29500" : port);
-  }
-  const size_t colon = store.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(store.substr(colon + 1), &port) || port < 1 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--group_store: expected host:port of the group's TCPStore (rank 0 serves it); got \"",
-        store, "\""));
-  }
-  config.store_host = store.substr(0, colon);
-  // "[::1]:29500": the host without its brackets.
-  if (config.store_host.size() > 2 && config.store_host.front() == '[' &&
-      config.store_host.back() == ']') {
-    config.store_host = config.store_host.substr(1, config.store_host.size() - 2);
-  }
-  config.store_port = port;
-  config.store_bind = flags.store_bind;
-  config.transport_host = flags.transport_host;
-  if (flags.replicas < 1 || config.size % flags.replicas != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--group_replicas: expected a number of replicas that divides the mesh's ", config.size,
-        " processes (--group_size or WORLD_SIZE = replicas x ranks per replica); got ",
-        flags.replicas));
-  }
-  config.replicas = flags.replicas;
-  if (!(flags.timeout_seconds > 0) || flags.timeout_seconds > 86400) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--group_timeout_seconds: expected a value in (0, 86400]; got ", flags.timeout_seconds));
-  }
-  config.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000.0));
-  return config;
-}
-
-namespace {
-
 // The TCPStore every group of this process uses: served by global rank 0 (on the store's bind
-// address only), dialled by every other rank.
+// address only), dialled by every other rank; or served by a process of its own
+// (--group_store_external, ServeStore) and dialled by every rank.
 c10::intrusive_ptr<c10d::TCPStore> ConnectStore(const GroupConfig& config, absl::Status* failed) {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(config.store_port);
-  store_options.isServer = config.rank == 0;
+  store_options.isServer = config.rank == 0 && !config.store_external;
   if (store_options.isServer) {
     absl::StatusOr<int> fd =
         ListenOn(config.listen_host(), config.store_port,
@@ -500,6 +382,25 @@ std::unique_ptr<ProcessGroup> GroupOn(const c10::intrusive_ptr<c10d::TCPStore>& 
 }
 
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<KeyValueStore>> ServeStore(const GroupConfig& config) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    GroupConfig server = config;
+    server.rank = 0;
+    server.store_external = false;
+    absl::Status failed;
+    auto tcp = ConnectStore(server, &failed);
+    RETURN_IF_ERROR(failed);
+    return std::make_unique<C10dStore>(config,
+                                       c10::make_intrusive<c10d::PrefixStore>(
+                                           store_keys::Named(config.prefix, "store-process"), tcp));
+  } catch (const std::exception& e) {
+    return FromException(
+        e, absl::StrCat("serving the store on ", config.listen_host(), ":", config.store_port),
+        config, config.timeout, start);
+  }
+}
 
 absl::StatusOr<std::unique_ptr<KeyValueStore>> OpenStore(const GroupConfig& config,
                                                          const std::string& name) {

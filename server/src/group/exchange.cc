@@ -76,4 +76,25 @@ absl::Status DecodeStatus(const std::string& bytes) {
                                     (*parts)[1]);
 }
 
+uint64_t HashTensors(const std::vector<torch::Tensor>& tensors) {
+  // FNV-1a over 64-bit words (then the tail's bytes): any changed bit changes the hash; not
+  // meant against adversaries, only to prove that replicas hold the same bytes.
+  constexpr uint64_t kPrime = 1099511628211ULL;
+  uint64_t h = 1469598103934665603ULL;
+  for (const torch::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    const torch::Tensor cpu = t.contiguous().cpu();
+    const auto* bytes = static_cast<const uint8_t*>(cpu.data_ptr());
+    const size_t n = cpu.nbytes();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t word = 0;
+      std::memcpy(&word, bytes + i, 8);
+      h = (h ^ word) * kPrime;
+    }
+    for (; i < n; ++i) h = (h ^ bytes[i]) * kPrime;
+  }
+  return h;
+}
+
 }  // namespace remotehead::server

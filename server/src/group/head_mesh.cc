@@ -22,27 +22,6 @@
 
 namespace remotehead::server {
 
-uint64_t HashTensors(const std::vector<torch::Tensor>& tensors) {
-  // FNV-1a over 64-bit words (then the tail's bytes): any changed bit changes the hash; not
-  // meant against adversaries, only to prove that replicas hold the same bytes.
-  constexpr uint64_t kPrime = 1099511628211ULL;
-  uint64_t h = 1469598103934665603ULL;
-  for (const torch::Tensor& t : tensors) {
-    if (!t.defined()) continue;
-    const torch::Tensor cpu = t.contiguous().cpu();
-    const auto* bytes = static_cast<const uint8_t*>(cpu.data_ptr());
-    const size_t n = cpu.nbytes();
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      uint64_t word = 0;
-      std::memcpy(&word, bytes + i, 8);
-      h = (h ^ word) * kPrime;
-    }
-    for (; i < n; ++i) h = (h ^ bytes[i]) * kPrime;
-  }
-  return h;
-}
-
 HeadMesh::HeadMesh(int replica, int replicas, MeshOptions options,
                    std::unique_ptr<HeadGroup> fronts, std::unique_ptr<ProcessGroup> shard_peers)
     : replica_(replica),
@@ -100,7 +79,8 @@ void HeadMesh::set_liveness(Liveness* liveness, Regroup regroup) {
   regroup_ = std::move(regroup);
   regrouping_ = std::thread([this] { RegroupLoop(); });
   epoch_listener_ = liveness->epochs().OnEpoch([this](const MeshEpoch& next) { Enter(next); });
-  if (is_leader()) admission_ = std::make_unique<MeshAdmission>(this);
+  // On every front: whichever leads admits (mesh_admission.h).
+  if (front_) admission_ = std::make_unique<MeshAdmission>(this);
 }
 
 void HeadMesh::Joined(const MeshEpoch& admitted) {
@@ -169,36 +149,15 @@ std::vector<int> HeadMesh::TrainersOf(int replica, int world_size) const {
   return epoch().TrainersOf(replica, world_size, replicas_);
 }
 
-absl::Status HeadMesh::ReconfiguringStatus(const MeshEpoch& next, const std::string& what) {
-  if (next.admitted >= 0) {
-    return core::WithReason(
-        absl::UnavailableError(absl::StrCat(
-            what, "the mesh admits replica ", next.admitted, " again (", next.cause, ") in ",
-            next.Describe(),
-            " and heals it (every head's state from replica 0): nothing of "
-            "this call was applied; ask again in a moment (the replica's trainers go back to it)")),
-        core::reason::kMeshReconfiguring,
-        {{"epoch", absl::StrCat(next.number)}, {"admitted", absl::StrCat(next.admitted)}});
-  }
-  return core::WithReason(
-      absl::UnavailableError(absl::StrCat(
-          what, "the mesh lost replica ", next.evicted, " (", next.cause,
-          ") and goes on without it in ", next.Describe(),
-          ": nothing of this call was applied; ask again in a moment (the replica's trainers "
-          "move to the replicas that serve)")),
-      core::reason::kMeshReconfiguring,
-      {{"epoch", absl::StrCat(next.number)}, {"evicted", absl::StrCat(next.evicted)}});
-}
-
 absl::Status HeadMesh::Reconfiguring() const {
   std::lock_guard<std::mutex> lock(epoch_mu_);
-  if (wanted_.number != epoch_.number) return ReconfiguringStatus(wanted_, "");
+  if (wanted_.number != epoch_.number) return wanted_.ChangeStatus("");
   if (healing_ < 0) return absl::OkStatus();
   MeshEpoch healing = wanted_;
   if (healing.admitted != healing_) {  // admitted, epoch not entered yet (the leader's)
     healing = healing.With(healing_, absl::StrCat("replica ", healing_, " asked to join"));
   }
-  return ReconfiguringStatus(healing, "");
+  return healing.ChangeStatus("");
 }
 
 absl::Status HeadMesh::AwaitSettled(std::chrono::steady_clock::time_point deadline) {
@@ -209,11 +168,6 @@ absl::Status HeadMesh::AwaitSettled(std::chrono::steady_clock::time_point deadli
     });
   }
   return Reconfiguring();
-}
-
-bool IsMeshReconfiguring(const absl::Status& status) {
-  const std::optional<core::ErrorReason> reason = core::GetReason(status);
-  return reason.has_value() && reason->reason == core::reason::kMeshReconfiguring;
 }
 
 absl::Status HeadMesh::Restated(const absl::Status& status) const {
@@ -227,7 +181,7 @@ absl::Status HeadMesh::Restated(const absl::Status& status) const {
     next = wanted_;
   }
   if (next.evicted < 0 && next.admitted < 0) return status;
-  return ReconfiguringStatus(next, "");
+  return next.ChangeStatus("");
 }
 
 void HeadMesh::Enter(const MeshEpoch& next) {
@@ -237,7 +191,7 @@ void HeadMesh::Enter(const MeshEpoch& next) {
   if (next.evicted >= 0) ++evictions_;
   wanted_ = next;
   // The epoch left: its log answers nothing more (its follower and its waiting front let go).
-  if (fronts_ != nullptr) fronts_->Retire(ReconfiguringStatus(next, "the mesh's log: "));
+  if (fronts_ != nullptr) fronts_->Retire(next.ChangeStatus("the mesh's log: "));
   regrouped_.notify_all();
 }
 
@@ -320,17 +274,39 @@ absl::Status HeadMesh::PeersFailed(const absl::Status& failure, int epoch) {
                           {{"epoch", absl::StrCat(liveness_->epochs().current().number)}});
 }
 
+void HeadMesh::PublishFrontAddress(const std::string& address) {
+  if (!evicts()) return;
+  if (const absl::Status s = liveness_->Publish(store_keys::MeshFront(replica_), address);
+      !s.ok()) {
+    std::cerr << "remotehead-server: mesh: replica " << replica_ << "'s front address " << address
+              << " was not published: " << s.message() << std::endl;
+  }
+}
+
 absl::Status HeadMesh::NotTheLeader(const std::string& method) const {
-  const std::string leader = fronts_ != nullptr ? fronts_->front_address() : std::string();
+  const int leader_replica = this->leader_replica();
+  std::string leader;
+  if (evicts()) {
+    const absl::StatusOr<std::optional<std::string>> published =
+        liveness_->Read(store_keys::MeshFront(leader_replica));
+    if (published.ok() && published->has_value()) leader = **published;
+  }
+  if (const HeadGroup* log = fronts(); leader.empty() && leader_replica == 0 && log != nullptr) {
+    leader = log->front_address();
+  }
   return core::WithReason(
       absl::FailedPreconditionError(absl::StrCat(
           "this server is the front of replica ", replica_, " of a mesh of ", replicas_,
           ", which takes the training calls of its own trainers; ", method,
-          " changes every replica and is taken by the mesh's leader (replica 0's front) only: ",
+          " changes every replica and is taken by the mesh's leader (replica ", leader_replica,
+          "'s front) only: ",
           leader.empty() ? std::string("its address is not known here yet; retry shortly")
                          : absl::StrCat("dial ", leader))),
       core::reason::kNotTheLeader,
-      {{"leader", leader}, {"replica", absl::StrCat(replica_)}, {"method", method}});
+      {{"leader", leader},
+       {"leader_replica", absl::StrCat(leader_replica)},
+       {"replica", absl::StrCat(replica_)},
+       {"method", method}});
 }
 
 absl::Status HeadMesh::EpochLeft(int epoch) const {
@@ -366,15 +342,17 @@ absl::Status HeadMesh::BroadcastFromLeader(std::string& bytes, int epoch, bool j
       torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(device);
   RETURN_IF_ERROR(PeersFailed(peers.group->Broadcast(size, 0), peers.epoch));
   const int64_t n = size.cpu().item<int64_t>();
+  // Rank 0 of the epoch's groups: the leader's replica (MeshEpoch::leader).
+  const bool source = peers.group->rank() == 0;
   torch::Tensor data = torch::empty({n}, torch::kUInt8);
-  if (replica_ == 0) std::memcpy(data.data_ptr(), bytes.data(), static_cast<size_t>(n));
+  if (source) std::memcpy(data.data_ptr(), bytes.data(), static_cast<size_t>(n));
   data = data.to(device);
   RETURN_IF_ERROR(PeersFailed(peers.group->Broadcast(data, 0), peers.epoch));
-  if (replica_ != 0) {
+  if (!source) {
     const torch::Tensor host = data.cpu().contiguous();
     bytes.assign(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
   }
-  if (joiner || replica_ == 0) heal_bytes_.fetch_add(n);
+  if (joiner || source) heal_bytes_.fetch_add(n);
   return absl::OkStatus();
 }
 
@@ -419,12 +397,13 @@ absl::Status HeadMesh::CompareAcrossReplicas(const std::vector<torch::Tensor>& t
   }
   (differ.empty() ? matched_ : mismatched_).fetch_add(1);
   if (differ.empty()) return absl::OkStatus();
-  return core::WithReason(
-      absl::DataLossError(absl::StrCat(
-          "head mesh: ", what, " of replica(s) ", absl::StrJoin(differ, ", "),
-          " differ from replica 0's (checksums of shard ", peers.group->config().prefix,
-          "): the replicas diverged; restore every replica from one state")),
-      core::reason::kReplicasDiverged, {{"replicas", absl::StrJoin(differ, ",")}});
+  return core::WithReason(absl::DataLossError(absl::StrCat(
+                              "head mesh: ", what, " of replica(s) ", absl::StrJoin(differ, ", "),
+                              " differ from replica ", live.empty() ? 0 : live.front(),
+                              "'s (checksums of shard ", peers.group->config().prefix,
+                              "): the replicas diverged; restore every replica from one state")),
+                          core::reason::kReplicasDiverged,
+                          {{"replicas", absl::StrJoin(differ, ",")}});
 }
 
 absl::StatusOr<std::vector<absl::Status>> HeadMesh::ExchangeVerdicts(const absl::Status& mine) {

@@ -96,7 +96,8 @@ absl::StatusOr<Cluster> JoinRunningMesh(const GroupConfig& config, const MeshOpt
     return JoinEpoch(config, liveness, epoch);
   });
   std::cout << "remotehead-server: admitted to the mesh in " << admitted.Describe()
-            << ": waiting for the heal (every head's state from replica 0)" << std::endl;
+            << ": waiting for the heal (every head's state from the leader, replica "
+            << admitted.leader() << ")" << std::endl;
   return cluster;
 }
 
@@ -216,7 +217,7 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
   const std::string transport = config.device.is_cuda() ? "NCCL" : "Gloo";
   const std::string store = absl::StrCat(config.store_host, ":", config.store_port);
   const std::string listening =
-      config.rank == 0
+      config.rank == 0 && !config.store_external
           ? absl::StrCat("; store listening on ", config.listen_host(), ":", config.store_port)
           : std::string();
   if (config.replicas <= 1) {
@@ -234,7 +235,9 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
               << "; command log " << Sealing(config) << listening << std::endl;
     return cluster;
   }
-  if (mesh_options.min_replicas > 0 && config.replica() != 0) {
+  // Replica 0's processes too once the store is external: global rank 0 serves it otherwise,
+  // and a mesh that lost it is down, never running.
+  if (mesh_options.min_replicas > 0 && (config.replica() != 0 || config.store_external)) {
     ASSIGN_OR_RETURN(const bool running, MeshRunning(config));
     if (running) return JoinRunningMesh(config, mesh_options);
   }

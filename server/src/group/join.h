@@ -59,9 +59,9 @@ struct MeshFlags {
 absl::StatusOr<MeshOptions> ResolveMeshOptions(const MeshFlags& flags, int replicas);
 
 // Joins (every rank waits for the others, up to config.timeout) and opens the logs. On a mesh
-// that evicts (--mesh_min_replicas), a process of a replica other than 0 that finds the mesh
-// running already joins it again instead: it asks, waits to be admitted, and joins the groups of
-// the epoch that admits it (Cluster::joined_running).
+// that evicts (--mesh_min_replicas), a process of a replica other than 0 (any, with an external
+// store) that finds the mesh running already joins it again instead: it asks, waits to be admitted,
+// and joins the groups of the epoch that admits it (Cluster::joined_running).
 absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions& mesh_options);
 
 }  // namespace remotehead::server

@@ -1,13 +1,8 @@
 #include "remotehead/server/group/liveness.h"
 
-#include <netdb.h>
 #include <openssl/rand.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <set>
 #include <tuple>
 
@@ -15,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "group/exchange.h"
+#include "group/lost_verdicts.h"
 #include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
@@ -32,55 +28,6 @@ constexpr char kShared = 'P';
 constexpr char kSettled = 'D';
 constexpr size_t kLivenessNonceBytes = 16;
 
-// Whether `address` ("host:port", "[v6]:port") refuses a TCP connection: nothing listens there,
-// so the process that did is gone (killed, crashed). A process that is only stopped or slow
-// still has its port accepted by the kernel; an address that does not answer at all (another
-// machine gone) is not "refused" either: both wait for the group's timeout.
-bool Refuses(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return false;
-  std::string host = address.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  if (::getaddrinfo(host.c_str(), address.substr(colon + 1).c_str(), &hints, &found) != 0) {
-    return false;
-  }
-  bool refused = found != nullptr;
-  for (addrinfo* a = found; a != nullptr && refused; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      refused = false;
-      break;
-    }
-    int error = 0;
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
-      error = errno;
-      if (error == EINPROGRESS) {
-        pollfd p{.fd = fd, .events = POLLOUT, .revents = 0};
-        socklen_t length = sizeof(error);
-        error =
-            ::poll(&p, 1, 300) == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0
-                ? error
-                : ETIMEDOUT;
-      }
-    }
-    ::close(fd);
-    refused = error == ECONNREFUSED;
-  }
-  ::freeaddrinfo(found);
-  return refused;
-}
-
-// A duration as the verdicts print it, to a tenth of a second ("2.3s").
-std::string Tenths(std::chrono::milliseconds d) {
-  return absl::FormatDuration(absl::Milliseconds(d.count() / 100 * 100));
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& config,
@@ -88,7 +35,7 @@ absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& con
                                                           std::unique_ptr<KeyValueStore> store,
                                                           bool joining) {
   std::unique_ptr<Liveness> liveness(new Liveness(config, std::move(store), log, timing));
-  RETURN_IF_ERROR(liveness->OpenSession());
+  RETURN_IF_ERROR(liveness->OpenSession(joining));
   if (joining) {
     ASSIGN_OR_RETURN(const MeshEpoch now, liveness->NewestEpoch());
     liveness->epochs_.Resume(now);
@@ -204,10 +151,12 @@ Liveness::~Liveness() {
   if (thread_.joinable()) thread_.join();
 }
 
-absl::Status Liveness::OpenSession() {
-  // Global rank 0 (whose process serves the store, fresh for every run) picks the session: a
-  // beat or verdict recorded in another run never verifies in this one.
-  if (config_.rank == 0) {
+absl::Status Liveness::OpenSession(bool joining) {
+  // Global rank 0 (whose process serves the store, fresh for every run, unless the store is
+  // external: then it lives as long as the mesh) picks the session at the first rendezvous: a
+  // beat or verdict recorded in another run never verifies in this one. A process joining the
+  // running mesh reads it, global rank 0's too.
+  if (config_.rank == 0 && !joining) {
     std::string nonce(kLivenessNonceBytes, '\0');
     if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), kLivenessNonceBytes) != 1) {
       return absl::InternalError("liveness: no random bytes for the session");
@@ -356,36 +305,30 @@ void Liveness::Watch(const MeshEpoch& entered) {
 
 absl::Status Liveness::Lost(int global_rank, std::chrono::milliseconds since,
                             const std::string& first_seen) const {
-  const int k = config_.ranks_per_replica();
-  const std::string what = config_.replicas > 1 ? "mesh" : "head group";
+  if (global_rank == kStoreProcess) return LostStoreVerdict(config_, first_seen);
   std::string address;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto it = addresses_.find(global_rank); it != addresses_.end()) address = it->second;
   }
-  const std::string how =
-      global_rank == 0 && since.count() < 0
-          ? std::string("the store it serves cannot be reached")
-          : absl::StrCat("no heartbeat for ", Tenths(since), " (killed, crashed or hung)");
-  return core::WithReason(
-      absl::UnavailableError(absl::StrCat(
-          Describe(global_rank), " is lost: ", how, ": the ", what, " of ", config_.size,
-          " processes is down — restart every process of it",
-          first_seen.empty() ? std::string() : absl::StrCat(" (first seen as: ", first_seen, ")"))),
-      core::reason::kGroupUnavailable,
-      {{"rank", absl::StrCat(config_.rank)},
-       {"lost_rank", absl::StrCat(global_rank)},
-       {"lost_replica", absl::StrCat(global_rank / k)},
-       {"lost_shard", absl::StrCat(global_rank % k)},
-       {"lost_address", address}});
+  return LostProcessVerdict(config_,
+                            {.global_rank = global_rank,
+                             .described = Describe(global_rank),
+                             .address = address,
+                             .since = since},
+                            first_seen);
 }
 
 std::pair<int, std::chrono::milliseconds> Liveness::StalledLocked(
     std::chrono::milliseconds at_least) const {
   const Clock::time_point now = Clock::now();
-  if (store_failing_since_ != Clock::time_point::max() && now - store_failing_since_ >= at_least) {
-    return {0, std::chrono::milliseconds(-1)};  // the store's process: global rank 0
+  const bool store_failing = store_failing_since_ != Clock::time_point::max();
+  if (store_failing && now - store_failing_since_ >= at_least) {
+    // The store's process: global rank 0, or the store's own (--group_store_external).
+    return {config_.store_external ? kStoreProcess : 0, std::chrono::milliseconds(-1)};
   }
+  // A store of its own that fails stops every beat it serves: no process is to blame (yet).
+  if (store_failing && config_.store_external) return {kNoProcess, std::chrono::milliseconds(0)};
   int worst = -1;
   std::chrono::milliseconds longest{0};
   for (const auto& [rank, changed] : last_change_) {
@@ -433,7 +376,7 @@ absl::Status Liveness::Blame(const absl::Status& failure) {
       return EvictedLoss(now, failure);
     }
     const auto [rank, since] = StalledLocked(timing_.stalled);
-    if (rank >= 0) {
+    if (rank != kNoProcess) {
       lock.unlock();
       return Lost(rank, since, std::string(failure.message()));
     }
@@ -530,7 +473,7 @@ void Liveness::Beat() {
       }
     }
   }
-  int lost = -1;
+  int lost = kNoProcess;
   std::chrono::milliseconds lost_since{0};
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -555,20 +498,33 @@ void Liveness::Beat() {
   }
   // A beat stopped for `stalled` at an address that refuses connections: that process is gone,
   // no need to wait for the group's timeout.
-  if (lost < 0 && health().ok() && !verdict.has_value()) {
+  if (lost == kNoProcess && health().ok() && !verdict.has_value()) {
     std::tie(lost, lost_since) = Gone();
   }
   wake_.notify_all();  // a Blame waiting for evidence looks again
   if (next_epoch.has_value()) epochs_.Adopt(*next_epoch);
   if (verdict.has_value()) {
     GoDown(*verdict, /*write=*/false);
-  } else if (lost >= 0) {
+  } else if (lost != kNoProcess) {
     DeclareDown(Lost(lost, lost_since, ""));
   }
 }
 
 std::pair<int, std::chrono::milliseconds> Liveness::Gone() const {
   std::vector<std::tuple<int, std::chrono::milliseconds, std::string>> stalled;
+  std::optional<bool> store_stalled;  // set while a store of its own fails: no beat is read
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    if (store_failing_since_ != Clock::time_point::max() && config_.store_external) {
+      store_stalled = now - store_failing_since_ >= timing_.stalled;
+    }
+  }
+  if (store_stalled.has_value()) {  // only the store's own process may be found gone
+    const std::string store = absl::StrCat(config_.store_host, ":", config_.store_port);
+    if (*store_stalled && Refuses(store)) return {kStoreProcess, std::chrono::milliseconds(-1)};
+    return {kNoProcess, std::chrono::milliseconds(0)};
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     const Clock::time_point now = Clock::now();
@@ -583,7 +539,7 @@ std::pair<int, std::chrono::milliseconds> Liveness::Gone() const {
   for (const auto& [rank, since, address] : stalled) {
     if (Refuses(address)) return {rank, since};
   }
-  return {-1, std::chrono::milliseconds(0)};
+  return {kNoProcess, std::chrono::milliseconds(0)};
 }
 
 void Liveness::Run() {

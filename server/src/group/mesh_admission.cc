@@ -37,8 +37,9 @@ void MeshAdmission::Loop() {
     if (stop_) return;
     lock.unlock();
     const MeshEpoch now = mesh_->epoch();
-    if (mesh_->Reconfiguring().ok()) {
-      for (int r = 1; r < mesh_->replicas() && liveness->health().ok(); ++r) {
+    // Only the front that leads admits (it holds the log's lane); any front may come to lead.
+    if (mesh_->is_leader() && mesh_->Reconfiguring().ok()) {
+      for (int r = 0; r < mesh_->replicas() && liveness->health().ok(); ++r) {
         if (now.serves(r)) continue;
         const absl::StatusOr<bool> asked = liveness->AskedToJoin(r, now.number);
         if (!asked.ok() || !*asked) continue;

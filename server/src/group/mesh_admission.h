@@ -6,6 +6,8 @@
 // (MeshEpochs::Admit), waits for that epoch's groups, and runs the heal (the healer: a mesh
 // command of the replication layer). A heal that fails evicts the replica again. One admission
 // at a time; meanwhile the mesh answers calls that train MESH_RECONFIGURING (HeadMesh::BeginHeal).
+// Every front runs one; it acts only while its front leads (the leader changes when the leader's
+// replica is evicted: mesh_epoch.h).
 #pragma once
 
 #include <condition_variable>

@@ -1,11 +1,13 @@
 #include "remotehead/server/group/mesh_epoch.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "remotehead/core/error_reason.h"
 
 namespace remotehead::server {
 
@@ -47,8 +49,7 @@ MeshEpoch MeshEpoch::Without(int replica, const std::string& why) const {
 MeshEpoch MeshEpoch::With(int replica, const std::string& why) const {
   MeshEpoch next{.number = number + 1, .live = live, .evicted = -1, .cause = why};
   next.admitted = replica;
-  next.live.push_back(replica);
-  std::sort(next.live.begin(), next.live.end());
+  next.live.push_back(replica);  // the newest member last: the leader stays where it is
   return next;
 }
 
@@ -94,7 +95,10 @@ absl::StatusOr<MeshEpoch> MeshEpoch::Decode(const std::string& bytes) {
     ok = ok && absl::SimpleAtoi(r, &replica) && replica >= 0;
     epoch.live.push_back(replica);
   }
-  if (!ok || epoch.live.empty() || !std::is_sorted(epoch.live.begin(), epoch.live.end())) {
+  std::vector<int> distinct = epoch.live;
+  std::sort(distinct.begin(), distinct.end());
+  if (!ok || epoch.live.empty() ||
+      std::adjacent_find(distinct.begin(), distinct.end()) != distinct.end()) {
     return absl::DataLossError(
         absl::StrCat("mesh epoch record: expected \"<number> <evicted> "
                      "<serving replicas> <admitted>\"; got \"",
@@ -102,6 +106,34 @@ absl::StatusOr<MeshEpoch> MeshEpoch::Decode(const std::string& bytes) {
   }
   if (newline != std::string::npos) epoch.cause = bytes.substr(newline + 1);
   return epoch;
+}
+
+absl::Status MeshEpoch::ChangeStatus(const std::string& what) const {
+  const MeshEpoch& next = *this;
+  if (next.admitted >= 0) {
+    return core::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            what, "the mesh admits replica ", next.admitted, " again (", next.cause, ") in ",
+            next.Describe(), " and heals it (every head's state from the leader, replica ",
+            next.leader(),
+            "): nothing of "
+            "this call was applied; ask again in a moment (the replica's trainers go back to it)")),
+        core::reason::kMeshReconfiguring,
+        {{"epoch", absl::StrCat(next.number)}, {"admitted", absl::StrCat(next.admitted)}});
+  }
+  return core::WithReason(
+      absl::UnavailableError(absl::StrCat(
+          what, "the mesh lost replica ", next.evicted, " (", next.cause,
+          ") and goes on without it in ", next.Describe(),
+          ": nothing of this call was applied; ask again in a moment (the replica's trainers "
+          "move to the replicas that serve)")),
+      core::reason::kMeshReconfiguring,
+      {{"epoch", absl::StrCat(next.number)}, {"evicted", absl::StrCat(next.evicted)}});
+}
+
+bool IsMeshReconfiguring(const absl::Status& status) {
+  const std::optional<core::ErrorReason> reason = core::GetReason(status);
+  return reason.has_value() && reason->reason == core::reason::kMeshReconfiguring;
 }
 
 }  // namespace remotehead::server

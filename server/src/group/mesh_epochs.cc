@@ -86,8 +86,13 @@ bool MeshEpochs::EvictReplica(int replica, const std::string& cause) {
   for (;;) {
     const MeshEpoch now = current();
     if (!now.serves(replica)) return true;  // evicted already: the mesh went on
-    // Replica 0's front serves the store and leads: its loss is the mesh's, as without eviction.
-    if (replica == 0 || static_cast<int>(now.live.size()) - 1 < min_replicas_) return false;
+    // Replica 0's global rank 0 serves the store, unless it is external: then its loss is the
+    // mesh's, as without eviction. (Without it, the leader's replica is evicted like any other:
+    // the next serving replica leads.)
+    if ((replica == 0 && !config_.store_external) ||
+        static_cast<int>(now.live.size()) - 1 < min_replicas_) {
+      return false;
+    }
     if (Capped(cause)) return false;
     const MeshEpoch proposed = now.Without(replica, cause);
     const absl::StatusOr<std::string> settled =

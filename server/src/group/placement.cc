@@ -18,6 +18,8 @@ int Placement::replica() const { return mesh_ != nullptr ? mesh_->replica() : 0;
 
 int Placement::replicas() const { return mesh_ != nullptr ? mesh_->replicas() : 1; }
 
+int Placement::leader_replica() const { return mesh_ != nullptr ? mesh_->leader_replica() : 0; }
+
 bool Placement::is_replica_front() const { return mesh_ != nullptr && mesh_->is_front(); }
 
 bool Placement::follows_mesh() const { return is_replica_front() && !mesh_->is_leader(); }

@@ -83,6 +83,9 @@ inline std::string MeshSummed(absl::string_view attempt, int rank) {
 // That global rank `rank`, a process of an evicted replica, asks to join the mesh again
 // (Liveness::AskToJoin); its value names the epoch it asks in.
 inline std::string MeshJoin(int rank) { return absl::StrCat("join/", rank); }
+// Where clients dial replica r's front (HeadMesh::PublishFrontAddress): the leader's address
+// that another front names (NOT_THE_LEADER) once the leader changed.
+inline std::string MeshFront(int replica) { return absl::StrCat("front/", replica); }
 
 // ----- what a mesh's processes settle (Settled keys) -----
 

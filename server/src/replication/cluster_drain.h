@@ -77,6 +77,9 @@ class ClusterDrain {
   // A follower's stop flag (HeadGroup::Follow): set by the stop command, or when this rank
   // gives up on the drain.
   const std::atomic<bool>& stop_following() const { return stop_; }
+  // The process stops (the drain is done, or it ends otherwise): a follower still waiting lets go
+  // (a front that came to lead the mesh follows nothing, and never reads a stop).
+  void StopFollowing() { stop_.store(true); }
   // Whether a drain concerns this process (it was signalled, asked, or told).
   bool draining() const { return draining_.load(); }
 

@@ -386,24 +386,25 @@ absl::Status MeshSteps::Verdict(const v1::MeshStep& step,
     SyncStepRequest theirs = *mine;
     theirs.expected_incarnation = "";  // each replica checked its own trainers' already
     if (absl::Status disagree = SynchronousSteps::Agree(*leaders, theirs); !disagree.ok()) {
-      return Prefixed(disagree, absl::StrCat(who, " disagrees with replica 0: "));
+      return Prefixed(disagree,
+                      absl::StrCat(who, " disagrees with replica ", mesh_->leader_replica(), ": "));
     }
   }
   ASSIGN_OR_RETURN(const HeadDescription head, operations_->local().Describe(head_id));
   if (head.weight_version != step.weight_version()) {
-    return core::WithReason(absl::FailedPreconditionError(absl::StrCat(
-                                "weight_version: expected every replica of head \"", head_id,
-                                "\" at replica 0's version ", step.weight_version(), "; ", who,
-                                " is at ", head.weight_version, ": nothing applied")),
-                            core::reason::kReplicasDiverged,
-                            {{"replicas", absl::StrCat(mesh_->replica())}});
+    return core::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "weight_version: expected every replica of head \"", head_id, "\" at replica ",
+            mesh_->leader_replica(), "'s version ", step.weight_version(), "; ", who, " is at ",
+            head.weight_version, ": nothing applied")),
+        core::reason::kReplicasDiverged, {{"replicas", absl::StrCat(mesh_->replica())}});
   }
   if (head.vocab_size != step.vocab_size() || head.hidden_size != step.hidden_size()) {
     return core::WithReason(
         absl::FailedPreconditionError(absl::StrCat(
-            "head: expected every replica of head \"", head_id, "\" shaped as replica 0's [",
-            step.vocab_size(), ", ", step.hidden_size(), "]; ", who, "'s is [", head.vocab_size,
-            ", ", head.hidden_size, "]: nothing applied")),
+            "head: expected every replica of head \"", head_id, "\" shaped as replica ",
+            mesh_->leader_replica(), "'s [", step.vocab_size(), ", ", step.hidden_size(), "]; ",
+            who, "'s is [", head.vocab_size, ", ", head.hidden_size, "]: nothing applied")),
         core::reason::kReplicasDiverged, {{"replicas", absl::StrCat(mesh_->replica())}});
   }
   return absl::OkStatus();
@@ -428,6 +429,14 @@ absl::StatusOr<HeadDescription> MeshSteps::RunOnThisReplica(
 absl::Status MeshFollower::Run(const std::atomic<bool>& stop) {
   for (;;) {
     HeadGroup* log = mesh_->fronts();
+    // The leader's replica was evicted and this front leads now (mesh_epoch.h): it appends to
+    // the log instead, until the stop or the mesh's end.
+    if (mesh_->is_leader()) {
+      while (!stop.load() && mesh_->health().ok()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      return stop.load() ? absl::OkStatus() : mesh_->health();
+    }
     const absl::Status followed = FollowCommands(
         *log, [this](const v1::GroupCommand& command) { return Follow(command); }, stop);
     // A log the mesh left behind (a replica was evicted): the next epoch's, once it is built.

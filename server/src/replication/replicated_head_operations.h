@@ -45,8 +45,9 @@ class ReplicatedHeadOperations {
         mesh_(mesh),
         checkpoint_every_steps_(checkpoint_every_steps),
         mesh_steps_(this, mesh, group, mesh_wait) {
-    // The leader heals a replica admitted again (head_mesh.h) through this process's operations.
-    if (mesh_ != nullptr && mesh_->is_leader()) {
+    // The leader heals a replica admitted again (head_mesh.h) through this process's operations
+    // (any front may come to lead).
+    if (mesh_ != nullptr && mesh_->is_front()) {
       mesh_->set_healer([this](const MeshEpoch& admitted) { return HealReplica(admitted); });
     }
   }

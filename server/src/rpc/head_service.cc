@@ -91,9 +91,13 @@ class HeadServiceImpl final : public HeadService, public v1::HeadService::Callba
       // A mesh that enters another epoch (a replica evicted or admitted again) may serve this
       // front's waiting trainers elsewhere now: their steps are answered MESH_RECONFIGURING and
       // asked again, each at the front that serves it in the new epoch (WRONG_REPLICA here).
+      // So are those waiting for a leader's step that it has not started (the leader may be
+      // the replica evicted: then this front may lead in the new epoch).
       epoch_listener_ =
           options.liveness->epochs().OnEpoch([c = context_.get()](const MeshEpoch& next) {
             c->sync_steps.AbortAll(HeadMesh::EpochChanged(next));
+            c->operations.mesh_steps().AbortWaiting(HeadMesh::EpochChanged(next),
+                                                    /*started=*/false);
           });
     }
   }

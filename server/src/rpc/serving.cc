@@ -114,14 +114,16 @@ void StopBy(ClusterDrain::Clock::time_point deadline, std::ostream& err) {
 }
 
 // Whether a signal makes this process leave its mesh instead of draining it: on a mesh that
-// evicts (--mesh_min_replicas), a process of a replica other than 0 that serves, when the mesh
-// keeps its minimum without it. Its replica is evicted (the others go on, its trainers move and
-// resend their open step) and, started again with its flags (a pod that its StatefulSet
+// evicts (--mesh_min_replicas), a process of a replica other than the leader's that serves, when
+// the mesh keeps its minimum without it. Its replica is evicted (the others go on, its trainers
+// move and resend their open step) and, started again with its flags (a pod that its StatefulSet
 // restarts), it rejoins and is healed: nothing needs saving. Otherwise the signal drains the
 // mesh, saving every head's state on every rank.
 bool LeavesAtSignal(const Cluster& cluster) {
   const HeadMesh* mesh = cluster.mesh.get();
-  if (mesh == nullptr || !mesh->evicts() || mesh->replica() == 0) return false;
+  if (mesh == nullptr || !mesh->evicts() || mesh->replica() == mesh->leader_replica()) {
+    return false;
+  }
   const MeshEpoch epoch = mesh->epoch();
   const int minimum = mesh->options().min_replicas;
   return epoch.serves(mesh->replica()) && static_cast<int>(epoch.live.size()) - 1 >= minimum;
@@ -219,6 +221,7 @@ int ServeInCluster(grpc::Server& server, HeadService& service, const Cluster& cl
   }
   health.NotServing();
   server.Shutdown(std::chrono::system_clock::now());  // a no-op once the drain shut it down
+  drain.StopFollowing();
   if (follower.joinable()) follower.join();
   (outcome.exit_code == 0 ? *options.out : *options.err)
       << "remotehead-server: " << outcome.line << std::endl;

@@ -1,6 +1,7 @@
 // This rank's part of the heal of a mesh replica admitted again (replica_heal.h).
 //
-//   send     replica 0's rank encodes every head's whole training state (core/head_state.h: W,
+//   send     the leader's replica's rank encodes every head's whole training state
+//   (core/head_state.h: W,
 //            b, the optimizer state, the version), sealed under the group's secret, and
 //            broadcasts them to its shard peers of the admitted epoch;
 //   install  the admitted replica's rank decodes each one — the seal and the checksum verified,
@@ -48,25 +49,25 @@ absl::StatusOr<std::string> EncodeOwnStates(HeadOperations& ops, const core::Sta
 
 // A packed bundle verified whole, then installed in place of every head held here.
 absl::Status InstallHealed(HeadOperations& ops, const std::string& bundle,
-                           const core::StateSecret& secret) {
+                           const core::StateSecret& secret, int source) {
   ASSIGN_OR_RETURN(const std::vector<std::string> encoded, UnpackStrings(bundle));
   std::vector<core::HeadState> states;
   for (size_t i = 0; i < encoded.size(); ++i) {
     ASSIGN_OR_RETURN(core::HeadState state,
                      core::DecodeHeadState(encoded[i],
                                            absl::StrCat("the heal's state ", i + 1, " of ",
-                                                        encoded.size(), " from replica 0"),
+                                                        encoded.size(), " from replica ", source),
                                            secret));
     RETURN_IF_ERROR(ops.CheckOwnRows(state, "heal.vocab_size"));
     states.push_back(std::move(state));
   }
   // Verified whole before anything changes: what this process held (nothing, or heads of an
-  // epoch it was evicted from) goes, replica 0's comes.
+  // epoch it was evicted from) goes, the leader's comes.
   for (const HeadDescription& held : ops.List()) RETURN_IF_ERROR(ops.Drop(held.id));
   for (core::HeadState& state : states) {
     ASSIGN_OR_RETURN(const HeadDescription d, ops.InstallState(state, "heal."));
-    ops.LogEvent(
-        absl::StrCat("head healed from replica 0: \"", d.id, "\" version ", d.weight_version));
+    ops.LogEvent(absl::StrCat("head healed from replica ", source, ": \"", d.id, "\" version ",
+                              d.weight_version));
   }
   return absl::OkStatus();
 }
@@ -94,16 +95,18 @@ absl::Status HealReplica(HeadOperations& ops, int epoch, int admitted) {
                                  .origin = "the group's --group_secret_file"};
   std::string bundle;
   absl::Status outcome = absl::OkStatus();
-  if (placement.replica() == 0) {
+  // The leader's replica sends (never the joiner: it is the newest serving replica).
+  const int source = placement.leader_replica();
+  if (placement.replica() == source) {
     absl::StatusOr<std::string> encoded = EncodeOwnStates(ops, secret);
-    // Replica 0's ranks never fail here but for memory; an empty bundle then fails the joiner.
+    // The leader's ranks never fail here but for memory; an empty bundle then fails the joiner.
     if (encoded.ok()) bundle = *std::move(encoded);
     outcome = encoded.status();
   }
   RETURN_IF_ERROR(placement.BroadcastHeal(bundle, epoch, joiner));
   if (joiner) {
     if (placement.testonly_corrupt_heal() && !bundle.empty()) bundle[bundle.size() / 2] ^= 0x5a;
-    outcome = InstallHealed(ops, bundle, secret);
+    outcome = InstallHealed(ops, bundle, secret, source);
     if (!outcome.ok()) ops.LogEvent(absl::StrCat("heal refused: ", outcome.message()));
   }
   // Every replica compares the bytes of what it holds (the joiner's, whatever it installed).

@@ -8,10 +8,10 @@
 
 namespace remotehead::server {
 
-// Replica 0's rank sends every head's sealed state to its shard peers of `epoch`; replica
-// `admitted`'s verifies and installs them; every replica compares. DATA_LOSS / PERMISSION_DENIED
-// on the joiner for a state that does not verify; DATA_LOSS (REPLICAS_DIVERGED) everywhere if
-// the replicas' heads differ afterwards.
+// The leader's replica's rank sends every head's sealed state to its shard peers of `epoch`;
+// replica `admitted`'s verifies and installs them; every replica compares. DATA_LOSS /
+// PERMISSION_DENIED on the joiner for a state that does not verify; DATA_LOSS (REPLICAS_DIVERGED)
+// everywhere if the replicas' heads differ afterwards.
 absl::Status HealReplica(HeadOperations& operations, int epoch, int admitted);
 
 }  // namespace remotehead::server

@@ -2,7 +2,8 @@
 // K ranks (head_group.h), all R·K processes in one c10d world (one store, served by global rank
 // 0). Vocabulary collectives run along K inside a replica (its HeadGroup); dW is summed along R
 // among the ranks that hold the same vocabulary shard (the "shard peers", one process group per
-// shard). Replica r's front is global rank r·K; replica 0's front is the mesh's leader.
+// shard). Replica r's front is global rank r·K; replica 0's front is the mesh's leader (until
+// replica 0 is evicted, with an external store: then the next serving replica's, mesh_epoch.h).
 //
 // The rules the mesh follows, kept here in one place:
 //   - the replica fronts form a group of their own (the shard peers of shard 0) whose ordered,
@@ -21,14 +22,15 @@
 //   - failure domain = the mesh: a transport failure on the fronts' log takes it down as it
 //     takes a group down (every front's health turns NOT_SERVING);
 //   - unless it evicts (--mesh_min_replicas below R, mesh_epoch.h): then the loss of a replica's
-//     process evicts that replica and the mesh goes on in the next epoch, its cross-replica groups
+//     process evicts that replica (the leader's too, with --group_store_external: the epoch's
+//     first serving replica leads) and the mesh goes on in the next epoch, its cross-replica groups
 //     rebuilt among the serving replicas (Regroup) while calls are answered UNAVAILABLE, reason
 //     MESH_RECONFIGURING; a step in flight is settled to abort unless every serving rank had
 //     summed (Decide), and the survivors keep their own dW;
 //   - and the evicted replica comes back: once every process of it asks to join again (join.h),
 //     the leader admits it between two mesh steps (its lane held: no mesh command runs) in the
 //     next epoch, waits for that epoch's groups, and runs the heal (set_healer: a mesh command on
-//     the new log) — replica 0's rank of each shard sends every head's sealed state to the
+//     the new log) — the leader's rank of each shard sends every head's sealed state to the
 //     joiner's rank of that shard, which verifies it and installs it, and every replica compares
 //     the heads' bytes. Until then calls are answered MESH_RECONFIGURING, here and at the joiner
 //     (Joined: its front serves only once healed). A heal that fails evicts the joiner again.
@@ -101,7 +103,10 @@ class HeadMesh : public MetricSource {
   int replica() const { return replica_; }
   int replicas() const { return replicas_; }
   bool is_front() const { return front_; }
-  bool is_leader() const { return replica_ == 0 && front_; }
+  // Whether this process leads the mesh: the front of the epoch's leader replica
+  // (MeshEpoch::leader, by the groups that serve here).
+  bool is_leader() const { return front_ && leader_replica() == replica_; }
+  int leader_replica() const { return epoch().leader(); }
   const MeshOptions& options() const { return options_; }
   // The fronts' group (the mesh's log) of the epoch that serves; nullptr off a replica's front.
   // A group the mesh left stays valid (retired) for as long as the mesh lives.
@@ -123,7 +128,7 @@ class HeadMesh : public MetricSource {
   // UNAVAILABLE, reason MESH_RECONFIGURING (metadata epoch, evicted): ask again shortly.
   absl::Status Reconfiguring() const;
   // The same for a call answered because the mesh entered `next` (what its trainers read).
-  static absl::Status EpochChanged(const MeshEpoch& next) { return ReconfiguringStatus(next, ""); }
+  static absl::Status EpochChanged(const MeshEpoch& next) { return next.ChangeStatus(""); }
   // Waits until `deadline` for the mesh to settle: the groups of the epoch it entered built, and
   // a replica admitted healed (Reconfiguring OK). Its status then (the drain's saves wait).
   absl::Status AwaitSettled(std::chrono::steady_clock::time_point deadline);
@@ -137,8 +142,13 @@ class HeadMesh : public MetricSource {
   std::vector<int> TrainersOf(int replica, int world_size) const;
 
   // A front other than the leader: `method` (an operation that changes every replica) refused
-  // with FAILED_PRECONDITION, reason NOT_THE_LEADER, naming the leader's address.
+  // with FAILED_PRECONDITION, reason NOT_THE_LEADER, naming the leader's address: as its log
+  // announced it, or, on a mesh that evicts, as the leader's replica published it (a leader
+  // that changed announces nothing in the log).
   absl::Status NotTheLeader(const std::string& method) const;
+  // This front's address, where clients dial it (main's --group_front_address), published for
+  // the other fronts on a mesh that evicts (any of them may come to lead).
+  void PublishFrontAddress(const std::string& address);
 
   // A process that joined the running mesh (join.h): its groups are those of `admitted`, and its
   // front serves once the heal installed every head here (MarkHealed, or HealFailed).
@@ -157,10 +167,10 @@ class HeadMesh : public MetricSource {
   void EndHeal();
   bool AwaitEpoch(int number,
                   std::chrono::milliseconds patience = std::chrono::milliseconds::max());
-  // `bytes` (every head's sealed state, on replica 0's rank) broadcast from replica 0 to this
-  // rank's shard peers of `epoch`'s groups (ABORTED, reason MESH_RECONFIGURING, once the mesh
-  // left it); counted as heal bytes on the replica that receives them for good (`joiner`) and on
-  // replica 0.
+  // `bytes` (every head's sealed state, on the leader's rank) broadcast from the leader's
+  // replica to this rank's shard peers of `epoch`'s groups (ABORTED, reason MESH_RECONFIGURING,
+  // once the mesh left it); counted as heal bytes on the replica that receives them for good
+  // (`joiner`) and on the leader's.
   absl::Status BroadcastFromLeader(std::string& bytes, int epoch, bool joiner);
   // A heal this rank took part in, by result (metrics).
   void CountHeal(bool ok) { (ok ? heals_ok_ : heals_failed_).fetch_add(1); }
@@ -235,8 +245,6 @@ class HeadMesh : public MetricSource {
   // the new ones.
   void Enter(const MeshEpoch& next);
   void RegroupLoop();
-  // The status of a call during the change to `next`.
-  static absl::Status ReconfiguringStatus(const MeshEpoch& next, const std::string& what);
   // A step of epoch `epoch` in a mesh that left it: ABORTED, reason MESH_RECONFIGURING.
   absl::Status EpochLeft(int epoch) const;
 
@@ -272,12 +280,5 @@ class HeadMesh : public MetricSource {
   std::atomic<int64_t> mismatched_{0};
   std::atomic<int64_t> evictions_{0};
 };
-
-// Whether `status` says that the mesh changes epochs (reason MESH_RECONFIGURING: a replica was
-// evicted, nothing of the call applied).
-bool IsMeshReconfiguring(const absl::Status& status);
-
-// An order-sensitive 64-bit hash of `tensors`' bytes (as stored, on the CPU).
-uint64_t HashTensors(const std::vector<torch::Tensor>& tensors);
 
 }  // namespace remotehead::server

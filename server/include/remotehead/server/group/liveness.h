@@ -10,12 +10,14 @@
 //     process reads it at its next beat and goes down too, so every front reports NOT_SERVING
 //     and refuses work (no replica takes dW the mesh can never apply), and the listeners (the
 //     synchronous steps waiting at a front) are answered at once;
-//   - on a mesh with --mesh_min_replicas below R, a lost process of a replica other than replica 0
-//     evicts its replica instead (mesh_epoch.h): the next epoch is settled in the store and every
-//     process enters it — the mesh goes on — unless fewer than the minimum would serve;
+//   - on a mesh with --mesh_min_replicas below R, a lost process of a replica (other than replica
+//     0, unless the store is external) evicts its replica instead (mesh_epoch.h): the next epoch is
+//     settled in the store and every process enters it — the mesh goes on — unless fewer than the
+//     minimum would serve;
 //   - a hung process (stopped, a stuck driver) is declared lost once its beat stopped for the
 //     group's timeout (--group_timeout_seconds), as a collective waiting for it would be; a store
-//     that cannot be reached (global rank 0 serves it) names global rank 0.
+//     that cannot be reached names global rank 0, which serves it — or, with an external store
+//     (--group_store_external: its own process), the store, and the mesh is down.
 // The beats and the verdict are sealed like the log's entries (group_log.h: HMAC-SHA256 under the
 // group's secret, bound to this run's session), so nobody without the secret can fake a beat of a
 // lost process or a verdict; whoever reaches the store can still delete keys, which takes the
@@ -131,7 +133,7 @@ class Liveness {
  private:
   Liveness(const GroupConfig& config, std::unique_ptr<KeyValueStore> store, std::ostream* log,
            Timing timing);
-  absl::Status OpenSession();
+  absl::Status OpenSession(bool joining);
   // The newest epoch settled in the store (epoch 0 if none).
   absl::StatusOr<MeshEpoch> NewestEpoch();
   absl::Status AskToJoin(int epoch);
@@ -152,11 +154,13 @@ class Liveness {
   // The process lost, as a status (`since`: how long its beat has been stopped).
   absl::Status Lost(int global_rank, std::chrono::milliseconds since,
                     const std::string& first_seen) const;
-  // The process whose beat stopped longest, at least `at_least` ago (-1: none), and for how
-  // long; the store itself unreachable counts as global rank 0's. Under mu_.
+  // The process whose beat stopped longest, at least `at_least` ago (kNoProcess: none), and
+  // for how long; the store itself unreachable counts as global rank 0's, or kStoreProcess when
+  // the store has its own process. Under mu_.
   std::pair<int, std::chrono::milliseconds> StalledLocked(std::chrono::milliseconds at_least) const;
   // A process whose beat stopped for `stalled` and whose address refuses connections (it is
-  // gone: no need to wait for the group's timeout), and for how long; -1 if none.
+  // gone: no need to wait for the group's timeout), and for how long; kNoProcess if none;
+  // kStoreProcess for an external store that failed for `stalled` and refuses connections.
   std::pair<int, std::chrono::milliseconds> Gone() const;
   // The value at `key` now (nullopt: none), as stored (sealed); a store that fails, its status.
   absl::StatusOr<std::optional<std::string>> Fetch(const std::string& key);
@@ -165,6 +169,9 @@ class Liveness {
   std::optional<std::string> Opened(char kind, const std::string& value) const;
 
   using Clock = std::chrono::steady_clock;
+  // What StalledLocked and Gone name besides a global rank: nobody, or the external store.
+  static constexpr int kNoProcess = -1;
+  static constexpr int kStoreProcess = -2;
   const GroupConfig config_;
   const std::unique_ptr<KeyValueStore> store_;
   std::ostream* const log_;

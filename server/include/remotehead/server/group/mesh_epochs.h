@@ -44,10 +44,11 @@ class MeshEpochs {
   };
   MeshEpochs(const GroupConfig& config, std::ostream* log, Hooks hooks);
 
-  // From then on the loss of a process of a replica other than replica 0 evicts its replica as
-  // long as `min_replicas` replicas keep serving and fewer than `cap.evictions` were evicted
-  // within the last `cap.window` (a slow replica that makes others look lost must not evict them
-  // one after another: past the cap a loss takes the mesh down). The same on every process.
+  // From then on the loss of a process of a replica other than replica 0 (of any replica, with
+  // an external store) evicts its replica as long as `min_replicas` replicas keep serving and
+  // fewer than `cap.evictions` were evicted within the last `cap.window` (a slow replica that
+  // makes others look lost must not evict them one after another: past the cap a loss takes the
+  // mesh down). The same on every process.
   void Enable(int min_replicas, EvictionCap cap = {});
   bool evicts() const { return min_replicas_ > 0; }
   // The epoch this process is in (epoch 0 until a replica is evicted).

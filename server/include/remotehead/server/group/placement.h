@@ -39,6 +39,8 @@ class Placement {
   // This process's replica of its mesh, and the mesh's replicas (0 and 1 off a mesh).
   int replica() const;
   int replicas() const;
+  // The replica whose front leads the mesh now (MeshEpoch::leader; 0 off a mesh).
+  int leader_replica() const;
   // Whether it is one process of several (a head group, a mesh, or both).
   bool in_cluster() const { return group_ != nullptr || mesh_ != nullptr; }
   // Whether it is a front of a mesh's replica (which names every replica's trainers and counts).
@@ -47,8 +49,8 @@ class Placement {
   // the front's; a replica's front other than the leader, the leader's.
   bool follows_group() const { return !is_front(); }
   bool follows_mesh() const;
-  // Whether this process decides for every process of its cluster (global rank 0: the mesh's
-  // leader, else the group's front); alone there is no cluster to lead.
+  // Whether this process decides for every process of its cluster (the mesh's leader, else the
+  // group's front); alone there is no cluster to lead.
   bool leads_cluster() const;
   // What the cluster is called in a log line: "mesh", "head group" (alone: "server").
   const char* cluster_name() const;
@@ -58,8 +60,8 @@ class Placement {
   // (HeadGroup::Serving); else UNAVAILABLE with its verdict (alone: OK).
   absl::Status Serving() const;
 
-  // The heal of a replica admitted again (head_mesh.h), this rank's part. `bytes` (replica 0's
-  // rank's: every head's sealed state) broadcast to this rank's shard peers of `epoch`;
+  // The heal of a replica admitted again (head_mesh.h), this rank's part. `bytes` (the leader's
+  // replica's rank's: every head's sealed state) broadcast to this rank's shard peers of `epoch`;
   // `joiner`: this rank is the admitted replica's. FAILED_PRECONDITION off a mesh.
   absl::Status BroadcastHeal(std::string& bytes, int epoch, bool joiner);
   // The key that seals the heal's states: the group's secret ("" without one).

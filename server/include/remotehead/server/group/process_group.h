@@ -28,6 +28,10 @@ struct GroupConfig {
   int rank_in_replica() const { return rank % ranks_per_replica(); }
   std::string store_host = "127.0.0.1";  // rank 0 serves the TCPStore here; the others dial it
   int store_port = 29500;
+  // The store is served by a process of its own (remotehead-server --serve_group_store), which
+  // every rank dials, global rank 0 too (--group_store_external): then a mesh survives the loss
+  // of any replica, replica 0's included (mesh_epoch.h).
+  bool store_external = false;
   // The address rank 0's store listens on (empty: store_host's); never every interface unless
   // it says so ("0.0.0.0" / "::").
   std::string store_bind;
@@ -56,9 +60,10 @@ struct GroupFlags {
   int rank = -1;      // -1: from RANK (any other negative rank is refused)
   std::string store;  // host:port; empty: MASTER_ADDR:MASTER_PORT
   double timeout_seconds = 60;
-  std::string store_bind;      // --group_store_bind (empty: the host of the store's address)
-  std::string transport_host;  // --group_transport_host (GroupConfig::transport_host)
-  int replicas = 1;            // --group_replicas: must divide the size
+  std::string store_bind;       // --group_store_bind (empty: the host of the store's address)
+  std::string transport_host;   // --group_transport_host (GroupConfig::transport_host)
+  int replicas = 1;             // --group_replicas: must divide the size
+  bool store_external = false;  // --group_store_external (GroupConfig::store_external)
 };
 absl::StatusOr<GroupConfig> ResolveGroupConfig(const GroupFlags& flags,
                                                const std::map<std::string, std::string>& env);
@@ -110,6 +115,11 @@ class KeyValueStore {
 // (liveness.h). Its calls never wait behind a log's, whose reads block while they poll.
 absl::StatusOr<std::unique_ptr<KeyValueStore>> OpenStore(const GroupConfig& config,
                                                          const std::string& name);
+
+// The group's store served by this process alone (remotehead-server --serve_group_store), on
+// config.store_bind (else the store's host) at config.store_port, for as long as the returned
+// connection to it lives; UNAVAILABLE naming --group_store(_bind) when it cannot listen there.
+absl::StatusOr<std::unique_ptr<KeyValueStore>> ServeStore(const GroupConfig& config);
 
 class ProcessGroup : public core::GroupCollectives, public KeyValueStore {
  public:

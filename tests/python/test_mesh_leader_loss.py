@@ -1,0 +1,126 @@
+"""A mesh whose store is served by a process of its own (remotehead-server --serve_group_store,
+every rank with --group_store_external) survives the loss of its leader's replica, replica 0, as
+it survives any other's (--mesh_min_replicas=1), with real server processes on loopback (Gloo, the
+group plane sealed) and 4 trainers (test_mesh_eviction.py's loop: 6 synchronous AdamW steps of 3
+micro-batches), against the same run with no loss:
+- In step 2 a process of replica 0 is killed (SIGKILL): the mesh evicts replica 0, replica 1's
+  front leads (its rank of each shard is the root of the sums and of the heals from now on),
+  trainers 0 and 2 move to it and replay their open step's micro-batch there. No exception
+  reaches any training loop; every step is applied; W equals the run with no loss within fp32
+  summation order.
+- In step 4 the killed process is started again with its own flags: it finds the mesh running,
+  asks to join, and — with its replica's other process, which restarted itself — is admitted by
+  the new leader and healed from replica 1 within 30 s; both replicas then hold the same bytes,
+  and replica 1 stays the leader: replica 0's front names it to a caller of an operation that
+  changes every replica (NOT_THE_LEADER), and a client that only knows the fronts finds it.
+- The store's own process lost: nothing can settle an epoch, so the mesh is down (every front
+  NOT_SERVING, naming the store) — as a mesh whose global rank 0 serves the store is when that
+  process is lost.
+"""
+import signal
+
+import grpc
+import pytest
+
+import remotehead
+from remotehead import _errors
+from remotehead.v1 import head_service_pb2 as pb
+from remotehead.v1 import head_service_pb2_grpc as pb_grpc
+from test_mesh_eviction import HEAD, STEPS, WORLD, assert_same_run, metric, train
+from test_mesh_heal import restart, start_mesh, wait_for
+
+HEALED = "mesh: replica 0 healed in"
+
+
+@pytest.mark.parametrize("size,killed", [(2, 0), (4, 0), (4, 1)],
+                         ids=["2x1-leader", "2x2-leader", "2x2-rank-1-of-replica-0"])
+def test_the_leaders_replica_is_lost_and_healed(size, killed):
+    with start_mesh(size, external_store=True) as mesh:
+        reference, _, _, ref_errors = train(list(mesh.fronts))
+    assert ref_errors == [None] * WORLD, ref_errors
+
+    mesh = start_mesh(size, external_store=True)
+    with mesh:
+        fronts = list(mesh.fronts)
+        victim = mesh.ranks[killed]
+        new_leader = mesh.ranks[size // 2]
+        admitted_in = []
+
+        def kill():
+            victim.process.send_signal(signal.SIGKILL)
+            victim.wait_exit(30)
+
+        def heal():
+            again = restart(mesh, killed)
+            try:
+                admitted_in.append(wait_for(again, "admitted to the mesh", 60))
+                wait_for(new_leader, HEALED, 30)
+            except AssertionError:
+                for r in mesh.ranks:
+                    print("=====", r.args[-1], "".join(r.log)[-3000:])
+                raise
+            again.wait_listening()
+
+        weight, info, clients, errors = train(fronts, kill=kill, heal=heal)
+        assert errors == [None] * WORLD, errors
+        assert info.weight_version == STEPS
+        assert admitted_in and admitted_in[0] < 30
+        # Trainers 0 and 2 moved to replica 1 and replayed their open step's micro-batch, then
+        # moved back once replica 0 was healed; 1 and 3 saw nothing but pauses.
+        assert [c.moves for c in clients] == [2, 0, 2, 0]
+        assert [c.replays for c in clients] == [1, 0, 1, 0]
+        assert [c.replica for c in clients] == [0, 1, 0, 1]
+        log = "".join(new_leader.log)
+        assert "replica 0 evicted; the mesh goes on in epoch 1 (replicas [1] serve" in log, log
+        assert "replica 0 admitted; the mesh goes on in epoch 2 (replicas [1, 0] serve" in log, log
+        url = f"http://127.0.0.1:{new_leader.metrics_port}/metrics"
+        assert metric(url, "remotehead_mesh_epoch") == 2
+        assert metric(url, 'remotehead_mesh_heals_total{result="ok"}') == 1
+        assert metric(url, "remotehead_mesh_heal_bytes_total") > 0
+        assert "head healed from replica 1" in "".join(mesh.ranks[0].log)
+        # Both replicas hold the same W; replica 1 leads: replica 0's front names it.
+        with remotehead.Client(fronts[0]) as replica_0, remotehead.Client(fronts[1]) as replica_1:
+            assert (replica_0.export_weights(HEAD)[0] == weight).all()
+            assert (replica_1.export_weights(HEAD)[0] == weight).all()
+        with grpc.insecure_channel(fronts[0]) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.HeadServiceStub(channel).DropHead(pb.HeadRef(head_id=HEAD), timeout=10)
+        said = _errors.from_rpc_error(refused.value)
+        assert isinstance(said, remotehead.NotTheLeaderError), said
+        assert said.leader == fronts[1] and said.metadata["leader_replica"] == "1", said
+    assert_same_run(weight, reference, 1e-6)
+
+
+def test_a_client_finds_the_new_leader_while_the_old_one_is_gone():
+    """Replica 0 lost and not (yet) back: a client that knows only the fronts, dialling replica
+    0's first, reaches the leader for what changes every replica (a create, an export)."""
+    with start_mesh(2, external_store=True) as mesh:
+        fronts = list(mesh.fronts)
+        with remotehead.Client(fronts, rank=0) as client:
+            client.create_head(HEAD, 64, 8, seed=1)
+        mesh.ranks[0].process.send_signal(signal.SIGKILL)
+        mesh.ranks[0].wait_exit(30)
+        wait_for(mesh.ranks[1], "the mesh goes on in epoch 1", 30)
+        with remotehead.Client(fronts, rank=0, initial_backoff=0.05, max_backoff=0.2) as client:
+            client.create_head("second", 64, 8, seed=2)
+            weight, _ = client.export_weights("second")
+        assert weight.shape == (64, 8)
+
+
+def test_losing_the_store_process_takes_the_mesh_down():
+    with start_mesh(2, external_store=True) as mesh:
+        with remotehead.Client(list(mesh.fronts), rank=0) as client:
+            client.create_head(HEAD, 64, 8, seed=1)
+        mesh.store.process.send_signal(signal.SIGKILL)
+        mesh.store.wait_exit(30)
+        for rank in mesh.ranks:
+            # Down, naming the store (a follower then stops: its log's front is unreachable).
+            wait_for(rank, "the group's store at 127.0.0.1:", 30)
+            said = "".join(rank.log)
+            assert "its own process: --group_store_external" in said, said[-3000:]
+            assert "evicted" not in said, said[-3000:]
+            with remotehead.Client(rank.target, max_attempts=1) as process:
+                try:
+                    assert process.health() == "NOT_SERVING"
+                except remotehead.RemoteheadError as e:  # or it stopped already
+                    assert e.code == grpc.StatusCode.UNAVAILABLE and rank.process.poll() is not None
