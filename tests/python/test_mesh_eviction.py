@@ -122,9 +122,9 @@ def train(fronts, kill=None, dtype=torch.float32, kill_in_step=None, heal=None):
             break
     for thread in threads:
         thread.join(timeout=300)
-    with remotehead.Client(fronts, rank=0) as leader:
-        weight, _ = leader.export_weights(HEAD)
-        info = leader.describe_head(HEAD)
+    # Read where trainer 0 is served now (its replica's front, or the one it moved to).
+    weight, _ = clients[0].export_weights(HEAD)
+    info = clients[0].describe_head(HEAD)
     for client in clients:
         client.close()
     return weight, info, clients, errors
@@ -262,10 +262,10 @@ def test_cpp_trainers_move_and_replay_after_a_lost_replica(tmp_path):
     assert_same_run(weight, reference, 1e-6)
 
 
-def killer_at_pause(victim, point: str, version: int):
-    """Kills `victim` (SIGKILL) once it says it pauses at `point` of the step to `version`
-    (--testonly_mesh_pause)."""
-    said = f"testonly: replica 1 pauses {point} of the mesh step to version {version}"
+def killer_at_pause(victim, point: str, version: int, replica: int = 1):
+    """Kills `victim` (SIGKILL, a process of `replica`) once it says it pauses at `point` of the
+    step to `version` (--testonly_mesh_pause)."""
+    said = f"testonly: replica {replica} pauses {point} of the mesh step to version {version}"
 
     def kill():
         deadline = time.monotonic() + 120

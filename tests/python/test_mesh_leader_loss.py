@@ -18,6 +18,7 @@ micro-batches), against the same run with no loss:
   process is lost.
 """
 import signal
+import time
 
 import grpc
 import pytest
@@ -26,7 +27,8 @@ import remotehead
 from remotehead import _errors
 from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
-from test_mesh_eviction import HEAD, STEPS, WORLD, assert_same_run, metric, train
+from test_mesh_eviction import (HEAD, MICRO_BATCHES, STEPS, WORLD, assert_same_run,
+                                killer_at_pause, metric, train, train_cpp)
 from test_mesh_heal import restart, start_mesh, wait_for
 
 HEALED = "mesh: replica 0 healed in"
@@ -91,6 +93,62 @@ def test_the_leaders_replica_is_lost_and_healed(size, killed):
     assert_same_run(weight, reference, 1e-6)
 
 
+@pytest.mark.parametrize("point", ["after_sum", "after_apply"])
+@pytest.mark.parametrize("size,killed", [(2, 0), (4, 0)], ids=["2x1", "2x2-front-of-replica-0"])
+def test_the_leader_lost_inside_a_step(monkeypatch, size, killed, point):
+    """Killed after every rank summed step 3's dW, before the commit decision: the step is
+    aborted on replica 1 (its trainers ask again there, now the leader), replica 0's trainers
+    replay the step's 3 micro-batches there, and it is applied once. Killed after the apply,
+    before the answers: replica 1 applied it too; replica 0's trainers find it at version 3,
+    replay nothing, and get the applied step's answer."""
+    with start_mesh(size, external_store=True) as mesh:
+        reference, _, _, ref_errors = train(list(mesh.fronts))
+    assert ref_errors == [None] * WORLD, ref_errors
+    monkeypatch.setenv("REMOTEHEAD_TESTONLY", "1")
+    with start_mesh(size, f"--testonly_mesh_pause={point},3,2.5", external_store=True) as mesh:
+        victim = mesh.ranks[killed]
+        weight, info, clients, errors = train(
+            list(mesh.fronts), kill_in_step=killer_at_pause(victim, point, 3, replica=0))
+        assert errors == [None] * WORLD, errors
+        assert info.weight_version == STEPS
+        assert [c.moves for c in clients] == [1, 0, 1, 0]
+        replayed = MICRO_BATCHES if point == "after_sum" else 0
+        assert [c.replays for c in clients] == [replayed, 0, replayed, 0]
+        resolved = metric(f"http://127.0.0.1:{mesh.ranks[size // 2].metrics_port}/metrics",
+                          'remotehead_mesh_steps_resolved_total{decision="abort"}')
+        assert resolved == (1 if point == "after_sum" else 0)
+    assert_same_run(weight, reference, 1e-6)
+
+
+def test_cpp_trainers_follow_a_new_leader(tmp_path):
+    """The C++ client's move and replay when the leader's replica is lost (2 x 1, external
+    store, replica 0 killed in step 2 and restarted in step 4), against the Python trainers' run
+    with no loss."""
+    with start_mesh(2, external_store=True) as mesh:
+        reference, _, _, ref_errors = train(list(mesh.fronts))
+    assert ref_errors == [None] * WORLD, ref_errors
+    mesh = start_mesh(2, external_store=True)
+    with mesh:
+        victim = mesh.ranks[0]
+
+        def kill():
+            victim.process.send_signal(signal.SIGKILL)
+            victim.wait_exit(30)
+
+        def heal():
+            again = restart(mesh, 0)
+            wait_for(mesh.ranks[1], HEALED, 60)
+            again.wait_listening()
+
+        weight, info, codes, stats, errors = train_cpp(list(mesh.fronts), tmp_path, kill, heal)
+    assert codes == [0] * WORLD, errors
+    assert info.weight_version == STEPS
+    assert [s["moves"] for s in stats] == [2, 0, 2, 0]
+    assert [s["replays"] for s in stats] == [1, 0, 1, 0]
+    assert [s["replica"] for s in stats] == [0, 1, 0, 1]
+    assert_same_run(weight, reference, 1e-6)
+
+
 def test_a_client_finds_the_new_leader_while_the_old_one_is_gone():
     """Replica 0 lost and not (yet) back: a client that knows only the fronts, dialling replica
     0's first, reaches the leader for what changes every replica (a create, an export)."""
@@ -119,8 +177,13 @@ def test_losing_the_store_process_takes_the_mesh_down():
             said = "".join(rank.log)
             assert "its own process: --group_store_external" in said, said[-3000:]
             assert "evicted" not in said, said[-3000:]
+            deadline = time.monotonic() + 10
             with remotehead.Client(rank.target, max_attempts=1) as process:
-                try:
-                    assert process.health() == "NOT_SERVING"
-                except remotehead.RemoteheadError as e:  # or it stopped already
-                    assert e.code == grpc.StatusCode.UNAVAILABLE and rank.process.poll() is not None
+                while rank.process.poll() is None:  # NOT_SERVING at its next poll, or it stopped
+                    try:
+                        if process.health() == "NOT_SERVING":
+                            break
+                    except remotehead.RemoteheadError as e:
+                        assert e.code == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() < deadline, "".join(rank.log)[-3000:]
+                    time.sleep(0.05)
