@@ -56,7 +56,8 @@ def listen_port() -> int:
                 continue
 
 
-def start_mesh(size: int, *extra: str, external_store: bool = False) -> LocalHeadGroup:
+def start_mesh(size: int, *extra: str, external_store: bool = False,
+               timeout_seconds: float = 30.0) -> LocalHeadGroup:
     """A 2-replica mesh whose every process listens on a port of its own (a restarted process
     comes back where its trainers dial it); `external_store`: its store in a process of its
     own."""
@@ -64,7 +65,7 @@ def start_mesh(size: int, *extra: str, external_store: bool = False) -> LocalHea
                           args=("--device=cpu", "--torch_threads=1", "--mesh_min_replicas=1",
                                 "--sync_step_timeout_seconds=30", "--mesh_checksum_every_steps=1",
                                 "--metrics_address=127.0.0.1:0", *extra),
-                          timeout_seconds=30.0, external_store=external_store)
+                          timeout_seconds=timeout_seconds, external_store=external_store)
     for rank in mesh.ranks:
         rank.args.append(f"--listen=127.0.0.1:{listen_port()}")
     return mesh
@@ -164,6 +165,35 @@ def test_a_replaced_replica_is_healed_and_its_trainers_come_back(tmp_path, size,
                 assert state_file(states, shard, state_id) == \
                     state_file(states, half + shard, state_id)
     assert_same_run(weight, reference, 1e-6)
+
+
+def test_the_groups_of_an_epoch_left_are_closed():
+    """An epoch's cross-replica groups, left at an epoch change, are closed (Gloo's connections,
+    to a lost process too) at a later change once a group timeout has passed — epoch 0's aside:
+    they hold the first rendezvous's store connection — and the mesh trains on the groups that
+    serve. Replica 1 is lost and healed twice: epochs 1 to 4."""
+    mesh = start_mesh(2, timeout_seconds=3.0)
+    with mesh:
+        leader = mesh.ranks[0]
+        for evicted, admitted in ((1, 2), (3, 4)):
+            mesh.ranks[1].process.send_signal(signal.SIGKILL)
+            mesh.ranks[1].wait_exit(30)
+            wait_for(leader, f"the mesh goes on in epoch {evicted}", 30)
+            restart(mesh, 1)
+            wait_for(leader, f"it serves again in epoch {admitted}", 60)
+            mesh.ranks[1].wait_listening()
+            time.sleep(3.5)  # past the group's timeout
+        log = "".join(leader.log)
+        # Epoch 1's closed at epoch 3's change (retired at epoch 2's, a timeout before); epoch
+        # 2's and 3's, retired within the timeout before epoch 4's change, not yet; epoch 0's
+        # never.
+        assert "the cross-replica groups of epoch 1 closed" in log, log[-3000:]
+        for kept in (0, 2, 3):
+            assert f"groups of epoch {kept} closed" not in log, log[-3000:]
+        weight, info, clients, errors = train(list(mesh.fronts))
+        assert errors == [None] * WORLD, errors
+        assert info.weight_version == STEPS
+        assert [c.moves for c in clients] == [0] * WORLD
 
 
 @pytest.mark.parametrize("size,killed", [(2, 1), (4, 3)], ids=["2x1", "2x2-rank-3"])

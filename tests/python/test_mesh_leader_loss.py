@@ -187,3 +187,18 @@ def test_losing_the_store_process_takes_the_mesh_down():
                         assert e.code == grpc.StatusCode.UNAVAILABLE
                     assert time.monotonic() < deadline, "".join(rank.log)[-3000:]
                     time.sleep(0.05)
+
+
+def test_a_store_that_outlived_its_mesh_is_refused():
+    """Every process of the mesh stopped (a drain), the store kept: a process started again finds
+    the old mesh's session in the store but no beat — not a mesh to join — and says so (exit 1)
+    instead of waiting to be admitted by nobody."""
+    mesh = start_mesh(2, external_store=True)
+    with mesh:
+        for rank in mesh.ranks:
+            rank.process.terminate()
+        assert [rank.wait_exit(60) for rank in mesh.ranks] == [0, 0]
+        again = restart(mesh, 1)
+        assert again.wait_exit(60) == 1
+        said = "".join(again.log)
+        assert "holds a mesh's session but no process of it beats" in said, said[-3000:]

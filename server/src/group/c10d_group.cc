@@ -181,6 +181,7 @@ class C10dGroup final : public ProcessGroup {
   int rank() const override { return config_.rank; }
   int size() const override { return config_.size; }
   const GroupConfig& config() const override { return config_; }
+  void Abort() override { backend_->abort(); }
 
   absl::StatusOr<torch::Tensor> AllGather(const torch::Tensor& t) override {
     std::vector<int64_t> shape = {config_.size};

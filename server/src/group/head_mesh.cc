@@ -15,6 +15,7 @@
 #include "group/exchange.h"
 #include "group/mesh_admission.h"
 #include "group/mesh_decisions.h"
+#include "group/retired_groups.h"
 #include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
@@ -77,6 +78,7 @@ void HeadMesh::set_liveness(Liveness* liveness, Regroup regroup) {
   liveness_ = liveness;
   if (liveness == nullptr || !liveness->epochs().evicts() || regroup == nullptr) return;
   regroup_ = std::move(regroup);
+  retired_ = std::make_unique<RetiredGroups>(liveness->config().timeout);
   regrouping_ = std::thread([this] { RegroupLoop(); });
   epoch_listener_ = liveness->epochs().OnEpoch([this](const MeshEpoch& next) { Enter(next); });
   // On every front: whichever leads admits (mesh_admission.h).
@@ -215,15 +217,17 @@ void HeadMesh::RegroupLoop() {
       regrouped_.notify_all();
       continue;
     }
-    if (fronts_ != nullptr) retired_fronts_.push_back(std::move(fronts_));
-    if (shard_peers_ != nullptr) retired_peers_.push_back(std::move(shard_peers_));
+    const std::string front_address = fronts_ != nullptr ? fronts_->front_address() : "";
+    std::vector<RetiredGroups::Entry> expired = retired_->Retire(
+        {.fronts = std::move(fronts_), .shard_peers = std::move(shard_peers_)}, epoch_.number);
     fronts_ = std::move(groups->fronts);
     shard_peers_ = std::move(groups->shard_peers);
     epoch_ = next;
-    if (fronts_ != nullptr && !retired_fronts_.empty()) {
-      fronts_->set_front_address(retired_fronts_.back()->front_address());
-    }
+    if (fronts_ != nullptr && !front_address.empty()) fronts_->set_front_address(front_address);
     regrouped_.notify_all();
+    lock.unlock();
+    RetiredGroups::Close(std::move(expired), std::cerr);
+    lock.lock();
   }
 }
 

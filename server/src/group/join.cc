@@ -40,7 +40,7 @@ absl::StatusOr<std::unique_ptr<Liveness>> StartLiveness(const GroupConfig& confi
 // evicted restarted itself): then this process joins it instead of the first rendezvous.
 absl::StatusOr<bool> MeshRunning(const GroupConfig& config) {
   ASSIGN_OR_RETURN(std::unique_ptr<KeyValueStore> store, OpenStore(config, "liveness"));
-  return Liveness::MeshRunning(*store);
+  return Liveness::MeshRunning(*store, config);
 }
 
 void EnableEviction(Liveness& liveness, const MeshOptions& options) {

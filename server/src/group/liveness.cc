@@ -49,8 +49,33 @@ absl::StatusOr<std::unique_ptr<Liveness>> Liveness::Start(const GroupConfig& con
   return liveness;
 }
 
-absl::StatusOr<bool> Liveness::MeshRunning(KeyValueStore& store) {
-  return store.Exists(store_keys::kSession);
+absl::StatusOr<bool> Liveness::MeshRunning(KeyValueStore& store, const GroupConfig& config) {
+  ASSIGN_OR_RETURN(const bool session, store.Exists(store_keys::kSession));
+  if (!session) return false;
+  // A running mesh beats: some process's beat changes within a few beats. A store that outlived
+  // its mesh (an external one, kept while every process stopped) holds a session nobody beats in.
+  const auto beats = [&]() -> absl::StatusOr<std::vector<std::string>> {
+    std::vector<std::string> values;
+    for (int g = 0; g < config.size; ++g) {
+      ASSIGN_OR_RETURN(const bool there, store.Exists(store_keys::Beat(g)));
+      values.push_back(std::string());
+      if (there) {
+        ASSIGN_OR_RETURN(values.back(), store.Get(store_keys::Beat(g), config.timeout));
+      }
+    }
+    return values;
+  };
+  ASSIGN_OR_RETURN(const std::vector<std::string> before, beats());
+  const Timing timing;
+  for (int look = 0; look < 5; ++look) {
+    std::this_thread::sleep_for(timing.beat);
+    ASSIGN_OR_RETURN(const std::vector<std::string> now, beats());
+    if (now != before) return true;
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the store at ", config.store_host, ":", config.store_port,
+      " holds a mesh's session but no process of it beats: a store that outlived its mesh; "
+      "start the store again with the mesh (remotehead-server --serve_group_store)"));
 }
 
 absl::StatusOr<MeshEpoch> Liveness::NewestEpoch() {

@@ -59,6 +59,7 @@ namespace remotehead::server {
 
 class MeshAdmission;  // group/mesh_admission.h
 class MeshDecisions;  // group/mesh_decisions.h
+class RetiredGroups;  // group/retired_groups.h
 
 struct MeshOptions {
   // The dtype dW travels in along R: float (exact sums of fp32 dW) or bfloat16 (half the bytes,
@@ -259,9 +260,8 @@ class HeadMesh : public MetricSource {
   bool closing_ = false;
   std::unique_ptr<HeadGroup> fronts_;          // under epoch_mu_
   std::unique_ptr<ProcessGroup> shard_peers_;  // under epoch_mu_
-  // The groups of epochs left, kept so that a call still holding one finds it valid.
-  std::vector<std::unique_ptr<HeadGroup>> retired_fronts_;
-  std::vector<std::unique_ptr<ProcessGroup>> retired_peers_;
+  // The groups of the epochs left (retired_groups.h; under epoch_mu_).
+  std::unique_ptr<RetiredGroups> retired_;
   Regroup regroup_;
   std::thread regrouping_;
   std::unique_ptr<MeshDecisions> decisions_;  // every step's commit decision (mesh_decisions.h)

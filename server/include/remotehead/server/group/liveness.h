@@ -64,9 +64,11 @@ class Liveness {
                                                          std::unique_ptr<KeyValueStore> store,
                                                          bool joining = false);
   // Whether a mesh runs on `store` (a liveness store: OpenStore(config, "liveness")): global
-  // rank 0 set the session, which it does once every process passed the first rendezvous. A
-  // process that starts and finds one running joins it (join.h) instead of that rendezvous.
-  static absl::StatusOr<bool> MeshRunning(KeyValueStore& store);
+  // rank 0 set the session, which it does once every process passed the first rendezvous, and
+  // its processes beat (watched for up to a second). A process that starts and finds one running
+  // joins it (join.h) instead of that rendezvous. FAILED_PRECONDITION for a session that nobody
+  // beats in: a store that outlived its mesh.
+  static absl::StatusOr<bool> MeshRunning(KeyValueStore& store, const GroupConfig& config);
   // How long a call on the liveness store may wait: a beat past `stalled` (a store that does not
   // answer is a lost global rank 0, not a reason to stop beating for the group's timeout).
   static std::chrono::milliseconds StoreTimeout(const Timing& timing) {

@@ -150,6 +150,11 @@ class ProcessGroup : public core::GroupCollectives, public KeyValueStore {
   ~ProcessGroup() override = default;
 
   virtual const GroupConfig& config() const = 0;
+  // A group the mesh left (HeadMesh's epochs): NCCL's communicators aborted, so that a
+  // collective still in flight on it fails at once instead of at NCCL's timeout. Gloo's backend
+  // has nothing to abort: its collectives fail as their peers' connections close, and its
+  // connections close when the group is destroyed.
+  virtual void Abort() {}
 
   // The group's store (shared by every rank, KeyValueStore): values under keys, for commands
   // and their replies.
