@@ -30,6 +30,7 @@ import re
 import signal
 import socket
 import time
+from typing import Callable, List, Optional
 
 import pytest
 
@@ -88,6 +89,27 @@ def restart(mesh: LocalHeadGroup, killed: int) -> LocalServer:
     return again
 
 
+def healer(mesh: LocalHeadGroup, killed: int, leader: LocalServer, healed: str = HEALED,
+           admitted_in: Optional[List[float]] = None) -> Callable[[], None]:
+    """A train() hook: the killed process started again with its flags, waited for until the
+    leader says `healed` and it listens (the seconds it took to be admitted into
+    `admitted_in`); every process's output printed if that does not come."""
+    def heal():
+        again = restart(mesh, killed)
+        try:
+            admitted = wait_for(again, "admitted to the mesh", 60)
+            wait_for(leader, healed, 30)
+        except AssertionError:
+            for r in mesh.ranks:
+                print("=====", r.args[-1], "".join(r.log)[-3000:])
+            raise
+        if admitted_in is not None:
+            admitted_in.append(admitted)
+        again.wait_listening()
+
+    return heal
+
+
 def state_file(root: pathlib.Path, global_rank: int, state_id: str) -> bytes:
     return (root / f"rank-{global_rank}" / HEAD / f"{state_id}.safetensors").read_bytes()
 
@@ -109,18 +131,7 @@ def test_a_replaced_replica_is_healed_and_its_trainers_come_back(tmp_path, size,
         leader = mesh.ranks[0]
         victim = mesh.ranks[killed]
         admitted_in = []
-
-        def heal():
-            again = restart(mesh, killed)
-            try:
-                admitted_in.append(wait_for(again, "admitted to the mesh", 60))
-                wait_for(leader, HEALED, 30)
-            except AssertionError:
-                for r in mesh.ranks:
-                    print("=====", r.args[-1], "".join(r.log)[-3000:])
-                raise
-            again.wait_listening()
-
+        heal = healer(mesh, killed, leader, admitted_in=admitted_in)
         exit_codes = []
 
         def kill():
@@ -240,14 +251,9 @@ def test_cpp_trainers_come_back_to_a_healed_replica(tmp_path):
     with mesh:
         leader, victim = mesh.ranks
 
-        def heal():
-            again = restart(mesh, 1)
-            wait_for(leader, HEALED, 60)
-            again.wait_listening()
-
         weight, info, codes, stats, errors = train_cpp(
             list(mesh.fronts), tmp_path, lambda: victim.process.send_signal(signal.SIGKILL),
-            heal)
+            healer(mesh, 1, leader))
     assert codes == [0] * WORLD, errors
     assert info.weight_version == STEPS
     assert [s["moves"] for s in stats] == [0, 2, 0, 2]

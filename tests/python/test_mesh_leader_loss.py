@@ -22,6 +22,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 import remotehead
 from remotehead import _errors
@@ -29,7 +30,7 @@ from remotehead.v1 import head_service_pb2 as pb
 from remotehead.v1 import head_service_pb2_grpc as pb_grpc
 from test_mesh_eviction import (HEAD, MICRO_BATCHES, STEPS, WORLD, assert_same_run,
                                 killer_at_pause, metric, train, train_cpp)
-from test_mesh_heal import restart, start_mesh, wait_for
+from test_mesh_heal import healer, restart, start_mesh, wait_for
 
 HEALED = "mesh: replica 0 healed in"
 
@@ -52,18 +53,9 @@ def test_the_leaders_replica_is_lost_and_healed(size, killed):
             victim.process.send_signal(signal.SIGKILL)
             victim.wait_exit(30)
 
-        def heal():
-            again = restart(mesh, killed)
-            try:
-                admitted_in.append(wait_for(again, "admitted to the mesh", 60))
-                wait_for(new_leader, HEALED, 30)
-            except AssertionError:
-                for r in mesh.ranks:
-                    print("=====", r.args[-1], "".join(r.log)[-3000:])
-                raise
-            again.wait_listening()
-
-        weight, info, clients, errors = train(fronts, kill=kill, heal=heal)
+        weight, info, clients, errors = train(
+            fronts, kill=kill,
+            heal=healer(mesh, killed, new_leader, HEALED, admitted_in=admitted_in))
         assert errors == [None] * WORLD, errors
         assert info.weight_version == STEPS
         assert admitted_in and admitted_in[0] < 30
@@ -120,6 +112,26 @@ def test_the_leader_lost_inside_a_step(monkeypatch, size, killed, point):
     assert_same_run(weight, reference, 1e-6)
 
 
+def test_the_leaders_replica_lost_against_float64():
+    """The 2 x 1 run with replica 0 killed in step 2, as a float64 head and as a float32 one,
+    against a float64 run with no loss."""
+    with start_mesh(2, external_store=True) as mesh:
+        reference, _, _, ref_errors = train(list(mesh.fronts), dtype=torch.float64)
+    assert ref_errors == [None] * WORLD, ref_errors
+    # dW crosses the replicas in float32 (--mesh_reduce_dtype), a float64 head's too.
+    for dtype, rtol in ((torch.float64, 1e-6), (torch.float32, 1e-5)):
+        with start_mesh(2, external_store=True) as mesh:
+            victim = mesh.ranks[0]
+            weight, info, clients, errors = train(
+                list(mesh.fronts), dtype=dtype,
+                kill=lambda: victim.process.send_signal(signal.SIGKILL))
+        assert errors == [None] * WORLD, errors
+        assert info.weight_version == STEPS
+        assert [c.moves for c in clients] == [1, 0, 1, 0]
+        assert weight.dtype == dtype
+        assert_same_run(weight.double(), reference, rtol)
+
+
 def test_cpp_trainers_follow_a_new_leader(tmp_path):
     """The C++ client's move and replay when the leader's replica is lost (2 x 1, external
     store, replica 0 killed in step 2 and restarted in step 4), against the Python trainers' run
@@ -135,12 +147,8 @@ def test_cpp_trainers_follow_a_new_leader(tmp_path):
             victim.process.send_signal(signal.SIGKILL)
             victim.wait_exit(30)
 
-        def heal():
-            again = restart(mesh, 0)
-            wait_for(mesh.ranks[1], HEALED, 60)
-            again.wait_listening()
-
-        weight, info, codes, stats, errors = train_cpp(list(mesh.fronts), tmp_path, kill, heal)
+        weight, info, codes, stats, errors = train_cpp(
+            list(mesh.fronts), tmp_path, kill, healer(mesh, 0, mesh.ranks[1], HEALED))
     assert codes == [0] * WORLD, errors
     assert info.weight_version == STEPS
     assert [s["moves"] for s in stats] == [2, 0, 2, 0]

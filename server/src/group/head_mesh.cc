@@ -140,6 +140,11 @@ bool HeadMesh::AwaitEpoch(int number, std::chrono::milliseconds patience) {
 
 bool HeadMesh::evicts() const { return liveness_ != nullptr && liveness_->epochs().evicts(); }
 
+int HeadMesh::leader_replica() const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  return epoch_.leader();
+}
+
 MeshEpoch HeadMesh::epoch() const {
   std::lock_guard<std::mutex> lock(epoch_mu_);
   return epoch_;

@@ -107,7 +107,7 @@ class HeadMesh : public MetricSource {
   // Whether this process leads the mesh: the front of the epoch's leader replica
   // (MeshEpoch::leader, by the groups that serve here).
   bool is_leader() const { return front_ && leader_replica() == replica_; }
-  int leader_replica() const { return epoch().leader(); }
+  int leader_replica() const;
   const MeshOptions& options() const { return options_; }
   // The fronts' group (the mesh's log) of the epoch that serves; nullptr off a replica's front.
   // A group the mesh left stays valid (retired) for as long as the mesh lives.
