@@ -325,16 +325,22 @@ void Channel::ConnectLeader(const std::string& address) {
   leader_target_ = address;
 }
 
+std::string Channel::LeaderAddress() const {
+  {
+    std::lock_guard<std::mutex> lock(leader_mu_);
+    if (leader_stub_ != nullptr) return leader_target_;
+  }
+  return front()->target;
+}
+
 absl::Status Channel::OnLeader(const std::function<absl::Status(Stub*)>& call) {
   std::shared_ptr<Stub> leader;
-  std::string known;
   {
     std::lock_guard<std::mutex> lock(leader_mu_);
     leader = leader_stub_;
-    known = leader_target_;
   }
+  const std::string known = LeaderAddress();
   const std::shared_ptr<const Front> own = leader != nullptr ? nullptr : front();
-  if (own != nullptr) known = own->target;
   const absl::Status status = call(leader != nullptr ? leader.get() : own->stub.get());
   const std::optional<core::ErrorReason> reason = core::GetReason(status);
   if (!reason.has_value() || reason->reason != core::reason::kNotTheLeader) return status;
@@ -357,11 +363,7 @@ absl::Status Channel::ToLeader(const std::function<absl::Status(Stub*)>& call) {
   }
   // The leader is gone: with its store in a process of its own a mesh survives that, led by
   // its next serving replica; the other fronts each serve the call or name the leader.
-  std::string tried;
-  {
-    std::lock_guard<std::mutex> lock(leader_mu_);
-    tried = leader_stub_ != nullptr ? leader_target_ : front()->target;
-  }
+  const std::string tried = LeaderAddress();
   for (int r = 0; r < fronts_.replicas(); ++r) {
     if (fronts_.address(r) == tried) continue;
     ConnectLeader(fronts_.address(r));

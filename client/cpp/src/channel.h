@@ -140,6 +140,8 @@ class Channel {
   absl::Status FollowMesh(const std::string& head_id, const absl::Status& failed);
   // Connects the mesh's leader at `address` (the operations that change every replica).
   void ConnectLeader(const std::string& address);
+  // Where the client asks the leader now: the leader's stub's address, else its front's.
+  std::string LeaderAddress() const;
   // ToLeader's one try at the leader as known, following one NOT_THE_LEADER.
   absl::Status OnLeader(const std::function<absl::Status(Stub*)>& call);
 
@@ -156,7 +158,7 @@ class Channel {
   std::mutex follow_mu_;
   // A mesh's leader, when it is not the front's server (known from ClientOptions::fronts or from
   // a NOT_THE_LEADER): the operations that change every replica go there.
-  std::mutex leader_mu_;
+  mutable std::mutex leader_mu_;
   std::shared_ptr<grpc::Channel> leader_channel_;
   std::shared_ptr<Stub> leader_stub_;
   std::string leader_target_;  // leader_stub_'s address

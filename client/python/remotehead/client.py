@@ -184,7 +184,7 @@ class Client:
                     or e.reason == "SERVER_DRAINING":
                 raise
             gone = e
-        tried = self._leader_target if self._leader_stub is not None else self.target
+        tried = self._leader_address()
         for address in self._fronts.addresses:
             if address == tried:
                 continue
@@ -196,14 +196,17 @@ class Client:
                     raise
         raise gone
 
+    def _leader_address(self) -> str:
+        """Where this client asks the leader now: the leader's stub's address, else its front's."""
+        return self._leader_target if self._leader_stub is not None else self.target
+
     def _on_leader(self, call):
         """`call` on the leader as known (its stub, else this trainer's front's), following a
         NOT_THE_LEADER's address once."""
         try:
             return call(self._leader_stub or self._stub)
         except _errors.NotTheLeaderError as e:
-            known = self._leader_target if self._leader_stub is not None else self.target
-            if not e.leader or e.leader == known:
+            if not e.leader or e.leader == self._leader_address():
                 raise
             self._connect_leader(e.leader)
             return call(self._leader_stub)

@@ -417,9 +417,8 @@ absl::StatusOr<std::unique_ptr<KeyValueStore>> OpenStore(const GroupConfig& conf
     return std::make_unique<C10dStore>(config, c10::make_intrusive<c10d::PrefixStore>(
                                                    store_keys::Named(config.prefix, name), tcp));
   } catch (const std::exception& e) {
-    return FromException(
-        e, absl::StrCat("connecting to the store at ", config.store_host, ":", config.store_port),
-        config, config.timeout, start);
+    return FromException(e, absl::StrCat("connecting to the store at ", config.store_address()),
+                         config, config.timeout, start);
   }
 }
 
@@ -431,9 +430,8 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Join(const GroupConf
     RETURN_IF_ERROR(failed);
     return GroupOn(tcp, config);
   } catch (const std::exception& e) {
-    return FromException(
-        e, absl::StrCat("joining the group at ", config.store_host, ":", config.store_port), config,
-        config.timeout, start);
+    return FromException(e, absl::StrCat("joining the group at ", config.store_address()), config,
+                         config.timeout, start);
   }
 }
 
@@ -455,9 +453,8 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> JoinLater(const GroupConfig& confi
     auto tcp = c10::make_intrusive<c10d::TCPStore>(config.store_host, options);
     return GroupOn(tcp, member);
   } catch (const std::exception& e) {
-    return FromException(
-        e, absl::StrCat("joining ", what, " at ", config.store_host, ":", config.store_port),
-        config, config.timeout, start);
+    return FromException(e, absl::StrCat("joining ", what, " at ", config.store_address()), config,
+                         config.timeout, start);
   }
 }
 
@@ -516,9 +513,8 @@ absl::StatusOr<ProcessGroup::Mesh> ProcessGroup::JoinMesh(const GroupConfig& con
     mesh.shard = GroupOn(tcp, shard);
     return mesh;
   } catch (const std::exception& e) {
-    return FromException(
-        e, absl::StrCat("joining the mesh at ", config.store_host, ":", config.store_port), config,
-        config.timeout, start);
+    return FromException(e, absl::StrCat("joining the mesh at ", config.store_address()), config,
+                         config.timeout, start);
   }
 }
 

@@ -70,8 +70,8 @@ absl::StatusOr<EpochGroups> JoinEpoch(const GroupConfig& config, Liveness* liven
 // leader admits its whole replica in a new epoch, then joins its replica's group and the epoch's
 // cross-replica groups under that epoch's prefixes. Its heads come from the heal (HeadMesh).
 absl::StatusOr<Cluster> JoinRunningMesh(const GroupConfig& config, const MeshOptions& options) {
-  std::cout << "remotehead-server: a mesh runs at " << config.store_host << ":" << config.store_port
-            << ": rank " << config.rank << " (replica " << config.replica() << ", shard "
+  std::cout << "remotehead-server: a mesh runs at " << config.store_address() << ": rank "
+            << config.rank << " (replica " << config.replica() << ", shard "
             << config.rank_in_replica()
             << ") asks to join it again; the leader admits the whole replica between two steps"
             << std::endl;
@@ -215,7 +215,7 @@ absl::StatusOr<Cluster> JoinCluster(const GroupConfig& config, const MeshOptions
   Cluster cluster;
   if (config.size <= 1) return cluster;
   const std::string transport = config.device.is_cuda() ? "NCCL" : "Gloo";
-  const std::string store = absl::StrCat(config.store_host, ":", config.store_port);
+  const std::string store = config.store_address();
   const std::string listening =
       config.rank == 0 && !config.store_external
           ? absl::StrCat("; store listening on ", config.listen_host(), ":", config.store_port)

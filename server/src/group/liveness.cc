@@ -73,7 +73,7 @@ absl::StatusOr<bool> Liveness::MeshRunning(KeyValueStore& store, const GroupConf
     if (now != before) return true;
   }
   return absl::FailedPreconditionError(absl::StrCat(
-      "the store at ", config.store_host, ":", config.store_port,
+      "the store at ", config.store_address(),
       " holds a mesh's session but no process of it beats: a store that outlived its mesh; "
       "start the store again with the mesh (remotehead-server --serve_group_store)"));
 }
@@ -546,8 +546,8 @@ std::pair<int, std::chrono::milliseconds> Liveness::Gone() const {
     }
   }
   if (store_stalled.has_value()) {  // only the store's own process may be found gone
-    const std::string store = absl::StrCat(config_.store_host, ":", config_.store_port);
-    if (*store_stalled && Refuses(store)) return {kStoreProcess, std::chrono::milliseconds(-1)};
+    if (*store_stalled && Refuses(config_.store_address()))
+      return {kStoreProcess, std::chrono::milliseconds(-1)};
     return {kNoProcess, std::chrono::milliseconds(0)};
   }
   {

@@ -88,7 +88,7 @@ absl::Status LostProcessVerdict(const GroupConfig& config, const LostProcess& lo
 }
 
 absl::Status LostStoreVerdict(const GroupConfig& config, const std::string& first_seen) {
-  const std::string store = absl::StrCat(config.store_host, ":", config.store_port);
+  const std::string store = config.store_address();
   return core::WithReason(
       absl::UnavailableError(absl::StrCat(
           "the group's store at ", store,

@@ -32,6 +32,8 @@ struct GroupConfig {
   // every rank dials, global rank 0 too (--group_store_external): then a mesh survives the loss
   // of any replica, replica 0's included (mesh_epoch.h).
   bool store_external = false;
+  // "host:port" of the store, as messages name it.
+  std::string store_address() const { return store_host + ":" + std::to_string(store_port); }
   // The address rank 0's store listens on (empty: store_host's); never every interface unless
   // it says so ("0.0.0.0" / "::").
   std::string store_bind;
