@@ -38,6 +38,7 @@
 #include "rpc/front_address.h"
 #include "rpc/group_store_process.h"
 #include "rpc/metrics_interceptor.h"
+#include "rpc/port_hold.h"
 #include "rpc/serving.h"
 #include "service/omp_wait_policy.h"
 #include "service/state_restore.h"
@@ -448,6 +449,12 @@ void DrainOnSignal() {
   std::signal(SIGINT, OnSignal);
 }
 
+// Exit code 1 for a port the server cannot listen on (the message names the flag).
+int CannotListen(const absl::Status& status) {
+  std::cerr << "remotehead-server: " << status.message() << std::endl;
+  return 1;
+}
+
 // Exit code 2 for a configuration the server refuses (the message names the flag).
 int Refuse(const absl::Status& status) {
   std::cerr << "remotehead-server: " << status.message() << std::endl;
@@ -508,6 +515,13 @@ int Run() {
     return rh::server::ServeGroupStore(*group_config, absl::GetFlag(FLAGS_listen), *credentials,
                                        g_signal, std::cout, std::cerr);
   }
+  // Held until the servers bind them: a group's rendezvous opens sockets of the kernel's choice.
+  absl::StatusOr<rh::server::PortHold> listen_hold =
+      rh::server::PortHold::Hold(absl::GetFlag(FLAGS_listen), "--listen");
+  if (!listen_hold.ok()) return CannotListen(listen_hold.status());
+  absl::StatusOr<rh::server::PortHold> metrics_hold =
+      rh::server::PortHold::Hold(absl::GetFlag(FLAGS_metrics_address), "--metrics_address");
+  if (!metrics_hold.ok()) return CannotListen(metrics_hold.status());
   // CPU memory is measured by a counting allocator, installed before any tensor exists.
   if (!absl::GetFlag(FLAGS_metrics_address).empty() && device->is_cpu()) {
     rh::core::InstallCpuMemoryTracker();
@@ -564,6 +578,7 @@ int Run() {
   if (!budget.ok()) return Refuse(budget.status());
   auto checkpoint_dir = OpenCheckpointDir();
   if (!checkpoint_dir.ok()) return Refuse(checkpoint_dir.status());
+  metrics_hold->Release();
   absl::StatusOr<Metrics> metrics = StartMetrics(*metrics_options, &registry, *device, *budget);
   if (!metrics.ok()) return Refuse(metrics.status());
   if (rh::server::ServerMetrics* m = metrics->metrics.get(); m != nullptr) {
@@ -585,6 +600,7 @@ int Run() {
   const bool front = cluster->serves();
   const std::unique_ptr<grpc::CallbackGenericService> not_the_front =
       front ? nullptr : rh::server::NewNotTheFrontService(group);
+  listen_hold->Release();
   std::unique_ptr<grpc::Server> server =
       StartServer(*credentials, *service, not_the_front.get(), metrics->metrics.get(), &port);
   if (server == nullptr) {

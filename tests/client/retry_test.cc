@@ -2,13 +2,9 @@
 // middle of a stream, a lost answer) is retried as a whole with the same gradient identity, and
 // the server's exactly-once ledger makes the accumulated dW come out as if it had been sent once.
 // Any other code is returned at the first attempt.
-#include <arpa/inet.h>
 #include <google/protobuf/descriptor.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -19,6 +15,7 @@
 #include "remotehead/core/engine.h"
 #include "remotehead/core/optimizer.h"
 #include "remotehead/server/rpc/head_service.h"
+#include "support/child_process.h"
 #include "support/head_access.h"
 
 namespace remotehead {
@@ -30,19 +27,6 @@ using std::chrono::milliseconds;
 constexpr int64_t kVocab = 200;
 constexpr int64_t kHidden = 16;
 constexpr int64_t kRows = 40;
-
-// A port nothing listens on (yet): bound once by the kernel's choice, then released.
-int UnusedPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // A ForwardBackward that reads the header and the first rows, sends a garbage dX chunk and
 // then fails with UNAVAILABLE, as a connection lost mid-stream looks to the client. Raw, as the
@@ -142,7 +126,7 @@ class RetryTest : public ::testing::Test {
     service_ = server::HeadService::Create(&registry_,
                                            server::ServiceOptions{.response_chunk_bytes = 512});
     flaky_ = std::make_unique<FlakyService>(service_.get(), &registry_);
-    port_ = UnusedPort();
+    port_ = testing::FreePort();
   }
 
   void TearDown() override {

@@ -25,7 +25,6 @@ REPLICA_MOVED with the same metadata; the step asked again reaches it the same.
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import threading
 
@@ -36,6 +35,7 @@ import torch
 import numerics
 import remotehead
 from conftest import ROOT
+from remotehead.local_server import free_port
 from remotehead.v1 import head_service_pb2 as pb
 
 CALLS = ROOT / "tests" / "data" / "conformance_calls.json"
@@ -411,10 +411,8 @@ def test_both_clients_send_the_same_requests_and_get_the_same_results(server_tar
 
 
 def unused_address() -> str:
-    """A loopback address nothing listens on (bound by the kernel's choice, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    """A loopback address nothing listens on."""
+    return f"127.0.0.1:{free_port()}"
 
 
 def test_both_clients_follow_a_moved_trainer_alike(server_target, proxy, tmp_path):

@@ -8,10 +8,12 @@ its head) never answered: the whole suite hung in one test that passed alone.
 """
 
 import os
+import pathlib
+import socket
 
 import remotehead
 from conftest import ROOT
-from remotehead.local_server import LocalServer
+from remotehead.local_server import LocalServer, free_port
 
 BINARY = os.environ.get("REMOTEHEAD_SERVER_BINARY",
                         str(ROOT / "build" / "server" / "remotehead-server"))
@@ -42,3 +44,16 @@ def test_the_output_after_exit_is_in_the_log():
     # The lines the server prints while it drains, after the harness's SIGTERM.
     assert server.log[-1] == "remotehead-server: stopped\n", server.log
     assert any(line.startswith("remotehead-server: draining") for line in server.log), server.log
+
+
+def test_free_ports_are_free_and_below_the_kernels_ephemeral_range():
+    """A port of the kernel's ephemeral range may be taken, before a server binds it, by any
+    connection's or Gloo listener's own port (a mesh's --listen port was, once in CI): every
+    test's port comes from free_port, below that range, and bindable."""
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert all(1024 <= port < low for port in ports), (low, ports)
+    assert len(set(ports)) > 40  # drawn at random, not one port for every test
+    for port in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -25,36 +25,19 @@ AdamW steps of 3 micro-batches), against the same run with no loss:
   joiner again: it leaves, the mesh goes on, and the run still equals the one with no loss.
 """
 import pathlib
-import random
 import re
 import signal
-import socket
 import time
 from typing import Callable, List, Optional
 
 import pytest
 
 import remotehead
-from remotehead.local_server import LocalHeadGroup, LocalServer
+from remotehead.local_server import LocalHeadGroup, LocalServer, free_port
 from test_mesh_eviction import (BINARY, HEAD, STEPS, WORLD, assert_same_run, metric, train,
                                 train_cpp)
 
 HEALED = "mesh: replica 1 healed in"
-
-
-def listen_port() -> int:
-    """A loopback port for a process to keep across restarts: free now, and below the kernel's
-    ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), so that no connection's own port
-    (a client's, the groups') takes it while its process restarts."""
-    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    while True:
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
 
 
 def start_mesh(size: int, *extra: str, external_store: bool = False,
@@ -68,7 +51,7 @@ def start_mesh(size: int, *extra: str, external_store: bool = False,
                                 "--metrics_address=127.0.0.1:0", *extra),
                           timeout_seconds=timeout_seconds, external_store=external_store)
     for rank in mesh.ranks:
-        rank.args.append(f"--listen=127.0.0.1:{listen_port()}")
+        rank.args.append(f"--listen=127.0.0.1:{free_port()}")
     return mesh
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -23,17 +22,11 @@ import torch
 
 import pki
 import remotehead
-from remotehead.local_server import LocalServer
+from remotehead.local_server import LocalServer, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 V, D, ROWS = 128, 32, 24
 FUSED_CALLS = 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str) -> bytes:

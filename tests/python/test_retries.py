@@ -3,7 +3,6 @@ once, and a replay of the same gradient id adds nothing; codes other than UNAVAI
 retried."""
 
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -13,15 +12,10 @@ import pytest
 import torch
 
 import remotehead
+from remotehead.local_server import free_port
 from conftest import ROOT
 
 V, D = 64, 16
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_step_before_the_server_starts_is_retried_and_counted_once():

@@ -11,11 +11,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,18 +27,34 @@ extern char** environ;
 namespace remotehead::testing {
 
 // A loopback TCP port that was free a moment ago (for a server that must be told its port, such
-// as a head group's store).
+// as a head group's store), below the kernel's ephemeral range
+// (/proc/sys/net/ipv4/ip_local_port_range): a port of that range may be taken, before the server
+// binds it, by any connection's or listener's own port (a head group's Gloo pairs), the kernel's
+// choice. The same rule as the Python client's local_server.free_port.
 inline int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
+  int low = 0;
+  if (FILE* range = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r"); range != nullptr) {
+    if (fscanf(range, "%d", &low) != 1) low = 0;
+    fclose(range);
+  }
+  std::random_device seed;
+  std::mt19937 random(seed());
+  for (int attempt = 0; attempt < (low > 2048 ? 1000 : 1); ++attempt) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = low > 2048
+                        ? htons(std::uniform_int_distribution<int>(std::max(1024, low - 12000),
+                                                                   low - 1)(random))
+                        : 0;  // not Linux: the kernel's choice
+    const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    close(fd);
+    if (bound) return ntohs(addr.sin_port);
+  }
+  return 0;
 }
 
 class ChildProcess {

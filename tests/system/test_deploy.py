@@ -15,7 +15,6 @@ import pathlib
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -25,7 +24,7 @@ import torch
 import yaml
 
 import remotehead
-from remotehead.local_server import LocalHeadGroup, LocalServer
+from remotehead.local_server import LocalHeadGroup, LocalServer, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -441,9 +440,7 @@ def test_healthcheck_script_reports_serving_and_down(live_server):
     script = str(ROOT / "docker" / "healthcheck.py")
     assert subprocess.run([sys.executable, script, live_server.target],
                           timeout=30).returncode == 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = free_port()
     down = subprocess.run([sys.executable, script, f"127.0.0.1:{closed}"], capture_output=True,
                           text=True, timeout=30)
     assert down.returncode == 1 and "unhealthy: UNAVAILABLE" in down.stderr

@@ -13,7 +13,6 @@ import pathlib
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ import pytest
 import torch
 
 import remotehead
+from remotehead.local_server import free_port
 
 from k8s_manifests import (ROOT, render, find, flags, expand, image_programs, pod_labels, selects,
                            admits)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

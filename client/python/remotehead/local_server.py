@@ -15,6 +15,7 @@ the front, rank 0):
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import signal
@@ -143,7 +144,24 @@ def thread_states(pid: int) -> List[str]:
 
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago."""
+    """A loopback port for a process to be told to listen on: free now, and below the kernel's
+    ephemeral range (/proc/sys/net/ipv4/ip_local_port_range). A port of that range, the kernel's
+    own choice, may be taken by any connection's or listener's own port (a client's, a head
+    group's Gloo pairs) in the seconds before the process binds it; seen in CI: a mesh rank's
+    --listen port taken during the mesh's rendezvous."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the kernel's choice
+        low = 0
+    for _ in range(1000) if low > 2048 else ():
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

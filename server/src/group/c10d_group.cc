@@ -29,6 +29,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "group/passive_addresses.h"
 #include "group/store_keys.h"
 #include "remotehead/core/error_reason.h"
 #include "remotehead/core/status_macros.h"
@@ -284,19 +285,14 @@ class C10dGroup final : public ProcessGroup {
 // A listening socket on `host`:`port` only (c10d's own store server listens on every address):
 // handed to the TCPStore, which takes it over. UNAVAILABLE naming `flag` if it cannot be bound.
 absl::StatusOr<int> ListenOn(const std::string& host, int port, const std::string& flag) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string service = absl::StrCat(port);
-  if (const int err = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); err != 0) {
+  const absl::StatusOr<AddressList> found = PassiveAddresses(host, port);
+  if (!found.ok()) {
     return absl::UnavailableError(absl::StrCat(flag, ": cannot resolve \"", host,
-                                               "\" to listen on (", ::gai_strerror(err), ")"));
+                                               "\" to listen on (", found.status().message(), ")"));
   }
   std::string last_error = "no address";
   int fd = -1;
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+  for (const addrinfo* a = found->get(); a != nullptr && fd < 0; a = a->ai_next) {
     fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
     const int on = 1;
@@ -307,7 +303,6 @@ absl::StatusOr<int> ListenOn(const std::string& host, int port, const std::strin
       fd = -1;
     }
   }
-  ::freeaddrinfo(found);
   if (fd < 0) {
     return absl::UnavailableError(
         absl::StrCat(flag, ": cannot listen on ", host, ":", port, " (", last_error, ")"));
