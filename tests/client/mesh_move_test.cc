@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -168,6 +169,23 @@ TEST_F(MeshMoveTest, ATrainerWhoseReplicaIsGoneMovesAndReplaysWhatItAddedSinceIt
   EXPECT_EQ(info->weight_version, 1);
   EXPECT_EQ(head.journal_calls(), 0);
   EXPECT_EQ(head.journal_bytes(), 0);
+}
+
+// The listings every replica answers alike (ListHeads, ListFunctions) are asked of another
+// front while the trainer's own is gone; the trainer does not move for them.
+TEST_F(MeshMoveTest, ListingsAreAnsweredByAnotherFrontWhileTheTrainersIsGone) {
+  auto client = Trainer({a_->target(), b_->target()});
+  b_.reset();
+  const auto heads = client->ListHeads();
+  ASSERT_TRUE(heads.ok()) << heads.status();
+  ASSERT_EQ(heads->size(), 1u);
+  EXPECT_EQ(heads->front().head_id, "lm");
+  const auto functions = client->ListFunctions();
+  ASSERT_TRUE(functions.ok()) << functions.status();
+  EXPECT_TRUE(std::any_of(functions->begin(), functions->end(),
+                          [](const rc::FunctionInfo& f) { return f.name == "cross_entropy"; }));
+  EXPECT_EQ(client->replica(), 1);
+  EXPECT_EQ(client->stats().moves, 0);
 }
 
 TEST_F(MeshMoveTest, WithoutTheJournalTheMoveIsThrownNamingBothReplicasAndTheNewFront) {

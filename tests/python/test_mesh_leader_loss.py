@@ -159,7 +159,8 @@ def test_cpp_trainers_follow_a_new_leader(tmp_path):
 
 def test_a_client_finds_the_new_leader_while_the_old_one_is_gone():
     """Replica 0 lost and not (yet) back: a client that knows only the fronts, dialling replica
-    0's first, reaches the leader for what changes every replica (a create, an export)."""
+    0's first, reaches the leader for what changes every replica (a create, an export) and
+    another front for the listings (heads, functions)."""
     with start_mesh(2, external_store=True) as mesh:
         fronts = list(mesh.fronts)
         with remotehead.Client(fronts, rank=0) as client:
@@ -168,8 +169,12 @@ def test_a_client_finds_the_new_leader_while_the_old_one_is_gone():
         mesh.ranks[0].wait_exit(30)
         wait_for(mesh.ranks[1], "the mesh goes on in epoch 1", 30)
         with remotehead.Client(fronts, rank=0, initial_backoff=0.05, max_backoff=0.2) as client:
+            # The listings every replica answers alike, then what only the leader does.
+            assert [h.head_id for h in client.list_heads()] == [HEAD]
+            assert "cross_entropy" in client.functions()
             client.create_head("second", 64, 8, seed=2)
             weight, _ = client.export_weights("second")
+            assert sorted(h.head_id for h in client.list_heads()) == sorted([HEAD, "second"])
         assert weight.shape == (64, 8)
 
 

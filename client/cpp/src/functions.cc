@@ -65,8 +65,11 @@ absl::StatusOr<std::vector<FunctionInfo>> FunctionListing::All() {
   std::lock_guard<std::mutex> lock(mu_);
   if (functions_.has_value()) return *functions_;
   v1::ListFunctionsResponse response;
-  RETURN_IF_ERROR(
-      channel_.Unary("ListFunctions", &Stub::ListFunctions, v1::ListFunctionsRequest(), &response));
+  // Every front of a mesh lists the same functions: any that is there answers.
+  RETURN_IF_ERROR(channel_.ToLeader([&](Stub* on) {
+    return channel_.Unary("ListFunctions", &Stub::ListFunctions, v1::ListFunctionsRequest(),
+                          &response, on);
+  }));
   std::vector<FunctionInfo> listed;
   for (const v1::FunctionDescription& d : response.functions()) {
     ASSIGN_OR_RETURN(FunctionInfo info, FunctionFromWire(d));

@@ -112,8 +112,11 @@ absl::StatusOr<HeadInfo> Client::DescribeHead(const std::string& head_id) {
 
 absl::StatusOr<std::vector<HeadInfo>> Client::ListHeads() {
   v1::ListHeadsResponse response;
-  RETURN_IF_ERROR(
-      impl_->channel.Unary("ListHeads", &Stub::ListHeads, v1::ListHeadsRequest(), &response));
+  // Every replica of a mesh holds the same heads: any front that is there answers.
+  RETURN_IF_ERROR(impl_->channel.ToLeader([&](Stub* on) {
+    return impl_->channel.Unary("ListHeads", &Stub::ListHeads, v1::ListHeadsRequest(), &response,
+                                on);
+  }));
   std::vector<HeadInfo> heads;
   for (const v1::HeadInfo& wire_info : response.heads()) {
     ASSIGN_OR_RETURN(HeadInfo info, FromWire(wire_info));

@@ -369,14 +369,19 @@ class Client:
 
     def functions(self) -> Dict[str, FunctionInfo]:
         """Every function the server computes, by name (ListFunctions), asked once per
-        Client."""
+        Client (on a mesh, where the leader's calls go: any front that is there answers)."""
         if self._functions is None:
-            response = self._unary(self._stub.ListFunctions, pb.ListFunctionsRequest())
+            response = self._to_leader(
+                lambda stub: self._unary(stub.ListFunctions, pb.ListFunctionsRequest()))
             self._functions = {f.name: function_info(f) for f in response.functions}
         return self._functions
 
     def list_heads(self) -> List[HeadInfo]:
-        return [_info(h) for h in self._unary(self._stub.ListHeads, pb.ListHeadsRequest()).heads]
+        """Every head of the server (on a mesh, of every replica alike: asked where the leader's
+        calls go, and of the other fronts while that one is gone, as functions() is)."""
+        response = self._to_leader(lambda stub: self._unary(stub.ListHeads,
+                                                            pb.ListHeadsRequest()))
+        return [_info(h) for h in response.heads]
 
     def drop_head(self, head_id: str) -> None:
         self._to_leader(lambda stub: self._unary(stub.DropHead, pb.HeadRef(head_id=head_id)))
