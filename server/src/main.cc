@@ -449,16 +449,11 @@ void DrainOnSignal() {
   std::signal(SIGINT, OnSignal);
 }
 
-// Exit code 1 for a port the server cannot listen on (the message names the flag).
-int CannotListen(const absl::Status& status) {
+// Exit code 2 for a configuration the server refuses (the message names the flag); `code` 1 for
+// a port it cannot listen on.
+int Refuse(const absl::Status& status, int code = 2) {
   std::cerr << "remotehead-server: " << status.message() << std::endl;
-  return 1;
-}
-
-// Exit code 2 for a configuration the server refuses (the message names the flag).
-int Refuse(const absl::Status& status) {
-  std::cerr << "remotehead-server: " << status.message() << std::endl;
-  return 2;
+  return code;
 }
 
 // The head group this process joins (--group_* flags, else torchrun's environment); nullptr
@@ -518,10 +513,10 @@ int Run() {
   // Held until the servers bind them: a group's rendezvous opens sockets of the kernel's choice.
   absl::StatusOr<rh::server::PortHold> listen_hold =
       rh::server::PortHold::Hold(absl::GetFlag(FLAGS_listen), "--listen");
-  if (!listen_hold.ok()) return CannotListen(listen_hold.status());
+  if (!listen_hold.ok()) return Refuse(listen_hold.status(), 1);
   absl::StatusOr<rh::server::PortHold> metrics_hold =
       rh::server::PortHold::Hold(absl::GetFlag(FLAGS_metrics_address), "--metrics_address");
-  if (!metrics_hold.ok()) return CannotListen(metrics_hold.status());
+  if (!metrics_hold.ok()) return Refuse(metrics_hold.status(), 1);
   // CPU memory is measured by a counting allocator, installed before any tensor exists.
   if (!absl::GetFlag(FLAGS_metrics_address).empty() && device->is_cpu()) {
     rh::core::InstallCpuMemoryTracker();
