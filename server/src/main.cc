@@ -40,6 +40,7 @@
 #include "rpc/metrics_interceptor.h"
 #include "rpc/port_hold.h"
 #include "rpc/serving.h"
+#include "service/heap_policy.h"
 #include "service/omp_wait_policy.h"
 #include "service/state_restore.h"
 
@@ -635,6 +636,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   remotehead::server::RestartWithPassiveOmpWaitUnlessSet(argv);
+  remotehead::server::KeepFreedHeapForReuseUnlessTuned();
   // A peer that closed its socket (a head group's rank or store gone, a metrics scraper that
   // hung up) makes a write fail with EPIPE, which the transport reports as a status; the default
   // SIGPIPE would instead end the process without a word (seen: a continued rank of a group).

@@ -20,22 +20,30 @@ std::string Family(std::string name) {
   return name.empty() ? "?" : name;
 }
 
-// utime + stime of /proc/<pid>/task/<tid>/stat, in seconds; the fields after the command
-// (which may hold spaces) are counted from its closing parenthesis.
-double TaskSeconds(const std::string& stat) {
+// Field `index` (1-based, as proc(5) numbers them) of a /proc stat line; the fields after the
+// command (which may hold spaces) are counted from its closing parenthesis. 0 if absent.
+unsigned long long StatField(const std::string& stat, int index) {
   const size_t close = stat.rfind(')');
   if (close == std::string::npos) return 0;
   std::istringstream fields(stat.substr(close + 2));
   std::string field;
-  unsigned long long utime = 0, stime = 0;
   for (int i = 3; fields >> field; ++i) {  // field 3 is the state
-    if (i == 14) utime = std::stoull(field);
-    if (i == 15) {
-      stime = std::stoull(field);
-      break;
-    }
+    if (i == index) return std::stoull(field);
   }
-  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  return 0;
+}
+
+// utime + stime (fields 14 and 15) of /proc/<pid>/task/<tid>/stat, in seconds.
+double TaskSeconds(const std::string& stat) {
+  return static_cast<double>(StatField(stat, 14) + StatField(stat, 15)) /
+         static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+std::string ProcessStat(pid_t pid) {
+  std::ifstream process_file("/proc/" + std::to_string(pid) + "/stat");
+  std::string process;
+  std::getline(process_file, process);
+  return process;
 }
 
 }  // namespace
@@ -56,12 +64,11 @@ std::map<std::string, double> ThreadCpuSeconds(pid_t pid) {
     live += seconds;
   }
   // The process's own count holds its ended threads too.
-  std::ifstream process_file("/proc/" + std::to_string(pid) + "/stat");
-  std::string process;
-  std::getline(process_file, process);
-  out["(ended threads)"] = std::max(0.0, TaskSeconds(process) - live);
+  out["(ended threads)"] = std::max(0.0, TaskSeconds(ProcessStat(pid)) - live);
   return out;
 }
+
+long long MinorFaults(pid_t pid) { return static_cast<long long>(StatField(ProcessStat(pid), 10)); }
 
 std::map<std::string, double> CpuSecondsSpent(const std::map<std::string, double>& before,
                                               const std::map<std::string, double>& after) {

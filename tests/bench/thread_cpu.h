@@ -14,6 +14,11 @@ namespace remotehead::bench {
 // Under "(ended threads)": what the process's threads that have ended spent.
 std::map<std::string, double> ThreadCpuSeconds(pid_t pid);
 
+// The minor page faults of `pid` so far, its ended threads' included (/proc/<pid>/stat's
+// minflt): each one a fresh page the kernel zeroes and charges — freed buffers given back to the
+// kernel and taken again show here.
+long long MinorFaults(pid_t pid);
+
 // after − before per name (names only in `after` counted from 0).
 std::map<std::string, double> CpuSecondsSpent(const std::map<std::string, double>& before,
                                               const std::map<std::string, double>& after);

@@ -13,6 +13,7 @@
 //   dX_vs_C1    max |dX − dX with one stream| (0: striping changes no bit)
 //   CPU-s       each server thread family's CPU seconds per call (rh-compute: the compute pool;
 //               the rest are gRPC's), and this client's, over the timed calls
+//   faults      each process's minor page faults per call (fresh pages zeroed by the kernel)
 //
 // --check exits 1 unless every C's loss and dX equal one stream's bit for bit and dX equals the
 // in-process engine's (1e-5 of its magnitude); it checks no timing.
@@ -138,6 +139,7 @@ struct Row {
   int streams = 1;
   double seconds = 0, gb_per_s = 0, vs_loop1 = 0, vs_loop_c = 0, dx_vs_one = 0, loss = 0;
   std::map<std::string, double> server_cpu, client_cpu;  // per call
+  double server_faults = 0, client_faults = 0;           // minor page faults per call
 };
 
 // One (dtype, C): `calls` through a client of C streams; the median wall time and the threads'
@@ -163,6 +165,8 @@ Row Measure(const std::string& target, pid_t server_pid, int64_t chunk_bytes,
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
   const auto server_before = bench::ThreadCpuSeconds(server_pid);
   const auto client_before = bench::ThreadCpuSeconds(getpid());
+  const long long server_faults = bench::MinorFaults(server_pid);
+  const long long client_faults = bench::MinorFaults(getpid());
   std::vector<double> times;
   for (int i = 0; i < repeats; ++i) {
     const auto start = Clock::now();
@@ -175,6 +179,8 @@ Row Measure(const std::string& target, pid_t server_pid, int64_t chunk_bytes,
                : bench::CpuSecondsSpent(client_before, bench::ThreadCpuSeconds(getpid()));
     for (auto& [name, seconds] : *cpu) seconds /= repeats;
   }
+  row.server_faults = static_cast<double>(bench::MinorFaults(server_pid) - server_faults) / repeats;
+  row.client_faults = static_cast<double>(bench::MinorFaults(getpid()) - client_faults) / repeats;
   std::sort(times.begin(), times.end());
   row.seconds = times[times.size() / 2];
   row.gb_per_s = 2.0 * static_cast<double>(inputs.hidden.nbytes()) / row.seconds / 1e9;
@@ -331,7 +337,9 @@ int main(int argc, char** argv) {
                                 {"vs_loopback_c", r.vs_loop_c},
                                 {"dx_vs_one_stream", r.dx_vs_one},
                                 {"server_cpu_seconds", r.server_cpu},
-                                {"client_cpu_seconds", r.client_cpu}});
+                                {"client_cpu_seconds", r.client_cpu},
+                                {"server_minor_faults", r.server_faults},
+                                {"client_minor_faults", r.client_faults}});
     }
     report["in_process_seconds"] = in_process;
     report["exact"] = exact;
@@ -351,8 +359,10 @@ int main(int argc, char** argv) {
                                    r.chunk_bytes / 1024, rh::wire::Http2SettingsName(r.http2),
                                    r.dtype, r.streams, r.seconds, r.gb_per_s, r.vs_loop1,
                                    r.vs_loop_c, r.dx_vs_one, in_process[r.dtype])
-                << "                       server CPU-s per call " << CpuLine(r.server_cpu) << "\n"
-                << "                       client CPU-s per call " << CpuLine(r.client_cpu) << "\n";
+                << "                       server CPU-s per call " << CpuLine(r.server_cpu)
+                << absl::StrFormat("; %.0f page faults\n", r.server_faults)
+                << "                       client CPU-s per call " << CpuLine(r.client_cpu)
+                << absl::StrFormat("; %.0f page faults\n", r.client_faults);
     }
     std::cout << "# every C exact (loss and dX equal one stream's bits, dX the engine's): "
               << (exact ? "yes" : "NO") << std::endl;

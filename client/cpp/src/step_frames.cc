@@ -54,6 +54,10 @@ grpc::Status grpc::SerializationTraits<remotehead::client::internal::RawResponse
 
 grpc::Status grpc::SerializationTraits<remotehead::client::internal::RawResponse>::Deserialize(
     grpc::ByteBuffer* buffer, remotehead::client::internal::RawResponse* response) {
+  // gRPC forgets its buffer after this (it does not destroy it): this takes it over. The message
+  // a reused response still holds is freed first — swapped back into gRPC's buffer it would be
+  // forgotten with it, every message of a stream but the last leaked.
+  response->bytes.Clear();
   response->bytes.Swap(buffer);
   return grpc::Status::OK;
 }
