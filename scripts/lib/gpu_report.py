@@ -108,14 +108,17 @@ def markdown(r: dict) -> str:
                       f"{'yes' if s['exact'] else 'NO'}; in-process "
                       + ", ".join(f"{d} {t:.3f} s" for d, t in s["in_process_seconds"].items())
                       + ")", "", "| HTTP/2 | dtype | C | call s | GB/s | vs 1 conn | vs C conn | "
-                      "server CPU-s per call |", "|---|---|---:|---:|---:|---:|---:|---|"]
+                      "server CPU-s per call | page faults per call (server / client) |",
+                      "|---|---|---:|---:|---:|---:|---:|---|---|"]
             for row in s["rows"]:
                 cpu = ", ".join(f"{k} {v:.3f}" for k, v in sorted(
                     row["server_cpu_seconds"].items(), key=lambda kv: -kv[1]) if v >= 0.0005)
                 lines.append(f"| {row.get('http2', 'default')} | {row['dtype']} | "
                              f"{row['streams']} | {row['seconds']:.3f} | "
                              f"{row['gb_per_s']:.2f} | {row['vs_loopback_1']:.2f} | "
-                             f"{row['vs_loopback_c']:.2f} | {cpu} |")
+                             f"{row['vs_loopback_c']:.2f} | {cpu} | "
+                             f"{row.get('server_minor_faults', -1):.0f} / "
+                             f"{row.get('client_minor_faults', -1):.0f} |")
     for b in r["bench"]:
         lines += ["", f"**{b['shape']}**" + (f" (N={b['n']}, D={b['d']}, V={b['v']}, "
                                              f"{b['dtype']}, softcap {b['softcap']:g})"

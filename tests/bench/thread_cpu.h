@@ -1,5 +1,6 @@
-// The CPU time of a process's threads, read from /proc: which thread carried a call's bytes
-// (remotehead-wire-bench reports the server's threads, and its own, for each measured call).
+// The CPU time of a process's threads, and its page faults, read from /proc: which thread carried
+// a call's bytes, and how much fresh memory it took (remotehead-wire-bench reports the server's
+// threads, and its own, for each measured call).
 #pragma once
 
 #include <sys/types.h>
