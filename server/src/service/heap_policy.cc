@@ -7,7 +7,7 @@
 // (raised only as large blocks are freed) on its own. Taken again, every page is a fault that
 // the kernel zeroes and charges to the memory cgroup: `remotehead-wire-bench --v 2` (X 128 MiB
 // up, dX 128 MiB down) counted 16,000–28,000 faults a call in the server, a fifth of its CPU
-// under `perf`, and about 2,000 with the settings below (docs/benchmarks.md).
+// under `perf`, and 400–6,000 with the settings below (docs/benchmarks.md).
 //
 // The settings keep up to kTrimBytes free at the top of each heap, grow a heap kTopPadBytes at a
 // time, and serve blocks below kMmapBytes from the heaps (the most glibc's own dynamic threshold
