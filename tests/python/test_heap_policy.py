@@ -5,12 +5,16 @@ With glibc's defaults the memory a step passes its bytes through (gRPC's receive
 batch's dX and temporaries) is given back to the kernel and faulted in again on the next call:
 about one fault per 4 KiB page moved. The server's minor page faults (/proc/<pid>/stat) over
 the same steps are counted with its own settings and with glibc's defaults set explicitly
-(MALLOC_TRIM_THRESHOLD_, which makes the server leave malloc as the operator set it).
+(MALLOC_TRIM_THRESHOLD_, which makes the server leave malloc as the operator set it). The
+servers run with transparent huge pages off (PR_SET_THP_DISABLE, which a child inherits): on a
+host whose THP is "always" a fault may bring 2 MiB, and the count would no longer say how much
+memory was taken afresh.
 """
 
+import contextlib
+import ctypes
 import os
 
-import pytest
 import torch
 
 import remotehead
@@ -23,6 +27,20 @@ ROWS, D, V = 2048, 4096, 2  # X and dX: 32 MiB each per step, next to no compute
 STEPS = 4
 MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_",
                     "GLIBC_TUNABLES")
+
+
+PR_SET_THP_DISABLE = 41
+
+
+@contextlib.contextmanager
+def _small_pages_for_children():
+    """Processes started inside: 4 KiB pages only (this process's flag, inherited at fork)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())
+    try:
+        yield
+    finally:
+        libc.prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0)
 
 
 def _minor_faults(pid: int) -> int:
@@ -38,7 +56,8 @@ def _faults_per_step(monkeypatch, environment: dict) -> float:
     torch.manual_seed(0)
     hidden = torch.randn(ROWS, D)
     targets = torch.randint(0, V, (ROWS,))
-    with LocalServer(BINARY, ["--device=cpu", "--torch_threads=1"]) as server:
+    with _small_pages_for_children(), LocalServer(BINARY, ["--device=cpu",
+                                                            "--torch_threads=1"]) as server:
         with remotehead.Client(server.target) as client:
             client.create_head("h", V, D)
             options = remotehead.StepOptions(accumulate=False)
